@@ -1,0 +1,153 @@
+#include "common/fs.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+
+namespace flashckpt {
+
+Status ErrnoStatus(std::string_view what, std::string_view path, int err) {
+  std::string msg = std::string(what) + " " + std::string(path) + ": " + std::strerror(err) + " (errno " +
+                    std::to_string(err) + ")";
+  if (err == ENOSPC || err == EDQUOT) return ResourceExhausted(std::move(msg));
+  if (err == ENOENT) return NotFound(std::move(msg));
+  return IOError(std::move(msg));
+}
+
+void UniqueFd::Reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Result<UniqueFd> OpenForRead(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus("open", path);
+  return UniqueFd(fd);
+}
+
+Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(buf);
+  while (bytes > 0) {
+    ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("read", path);
+    }
+    if (n == 0) return Corruption("read " + path + ": file ends early (truncated) at offset " + std::to_string(offset));
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path) {
+  const auto* p = static_cast<const char*>(buf);
+  while (bytes > 0) {
+    ssize_t n = ::pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("write", path);
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+Status MakeDirs(const std::string& path, unsigned mode) {
+  std::error_code ec;
+  std::filesystem::path p(path);
+  std::filesystem::path cur;
+  for (const auto& part : p) {
+    cur /= part;
+    if (cur.string().empty()) continue;
+    if (::mkdir(cur.c_str(), mode) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", cur.string());
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return ErrnoStatus("stat", path);
+  if (!S_ISDIR(st.st_mode)) return FailedPrecondition(path + " exists and is not a directory");
+  return Status::OK();
+}
+
+Status FsyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus("open directory", dir);
+  UniqueFd owned(fd);
+  if (::fsync(fd) != 0) return ErrnoStatus("fsync directory", dir);
+  return Status::OK();
+}
+
+bool PathExists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans) {
+  static std::atomic<uint64_t> counter{0};
+  std::string final_path = dir + "/" + name;
+  std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus("create", tmp_path);
+  UniqueFd owned(fd);
+  auto fail = [&](Status s) {
+    owned.Reset();
+    ::unlink(tmp_path.c_str());
+    return s;
+  };
+  uint64_t offset = 0;
+  for (const auto& span : spans) {
+    Status s = PwriteFull(fd, span.data, span.bytes, offset, tmp_path);
+    if (!s.ok()) return fail(s);
+    offset += span.bytes;
+  }
+  if (::fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
+  owned.Reset();
+  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp_path));
+  return FsyncDir(dir);
+}
+
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents) {
+  return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}});
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat", path);
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    return Corruption(path + " is " + std::to_string(size) + " bytes, more than the " + std::to_string(max_bytes) +
+                      " allowed");
+  }
+  std::string out(size, '\0');
+  RETURN_IF_ERROR(PreadFull(fd.get(), out.data(), size, 0, path));
+  return out;
+}
+
+Result<std::vector<std::string>> ListDir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return ErrnoStatus("opendir", dir);
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(std::move(n));
+  }
+  ::closedir(d);
+  return names;
+}
+
+Status RemoveTree(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) return IOError("remove " + path + ": " + ec.message());
+  return Status::OK();
+}
+
+}  // namespace flashckpt

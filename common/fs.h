@@ -1,0 +1,70 @@
+// File-system primitives with Status errors that name the path: owned fds, full reads and writes,
+// and the durable-write sequence every flashckpt file goes through.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace flashckpt {
+
+// Owns a file descriptor; closes it on destruction. Move-only.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { Reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      fd_ = o.fd_;
+      o.fd_ = -1;
+    }
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void Reset();
+
+ private:
+  int fd_ = -1;
+};
+
+Result<UniqueFd> OpenForRead(const std::string& path);
+Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path);
+Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path);
+
+// mkdir -p with the given mode for directories it creates.
+Status MakeDirs(const std::string& path, unsigned mode = 0755);
+Status FsyncDir(const std::string& dir);
+bool PathExists(const std::string& path);
+
+// A piece of a file to write: `bytes` bytes from `data`.
+struct WriteSpan {
+  const void* data;
+  size_t bytes;
+};
+
+// The durable write: <dir>/<name>.tmp.<unique>, all spans in order, fdatasync, rename to
+// <dir>/<name>, fsync(dir). On failure the temporary is removed and the old <name> (if any) is
+// untouched.
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans);
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents);
+
+// Reads a whole file of at most `max_bytes` bytes.
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);
+
+// Names of the entries of a directory (no "." or "..").
+Result<std::vector<std::string>> ListDir(const std::string& dir);
+// rm -r; ok when the path does not exist.
+Status RemoveTree(const std::string& path);
+
+}  // namespace flashckpt

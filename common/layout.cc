@@ -1,0 +1,198 @@
+#include "common/layout.h"
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "common/names.h"
+
+namespace flashckpt {
+namespace {
+
+uint64_t AlignUp(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
+
+std::string ShapeJson(const std::vector<uint64_t>& v) { return nlohmann::json(v).dump(); }
+
+const char* FileKindOf(TensorKind kind) { return kind == TensorKind::kModel ? "model_state" : "optimizer"; }
+
+Result<uint64_t> Numel(const std::vector<uint64_t>& shape) {
+  uint64_t n = 1;
+  for (uint64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) return InvalidArgument("element count overflows 64 bits");
+  }
+  return n;
+}
+
+}  // namespace
+
+std::string TensorMetaKey(const std::string& name, const char* what) { return name + "@" + what; }
+
+int RankLayout::Find(const std::string& name) const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+Status ValidateTopology(const Topology& t, uint32_t rank) {
+  if (t.tp_degree == 0 || t.pp_degree == 0 || t.shard_degree == 0 || t.world_size == 0) {
+    return InvalidArgument("topology degrees and world_size must be at least 1");
+  }
+  uint64_t product = uint64_t{t.tp_degree} * t.pp_degree * t.shard_degree;
+  if (product != t.world_size) {
+    return InvalidArgument("world_size " + std::to_string(t.world_size) + " != tp_degree*pp_degree*shard_degree = " +
+                           std::to_string(product));
+  }
+  if (t.tp_rank >= t.tp_degree || t.pp_rank >= t.pp_degree || t.shard_rank >= t.shard_degree) {
+    return InvalidArgument("tp/pp/shard rank must be below its degree");
+  }
+  if (rank >= t.world_size) {
+    return InvalidArgument("rank " + std::to_string(rank) + " is not below world_size " + std::to_string(t.world_size));
+  }
+  return Status::OK();
+}
+
+Result<TensorSpec> NormalizeTensorSpec(const TensorSpec& in) {
+  TensorSpec s = in;
+  RETURN_IF_ERROR(ValidateTensorName(s.name));
+  auto fail = [&](const std::string& why) { return InvalidArgument("tensor '" + s.name + "': " + why); };
+  if (s.shape.size() > kMaxTensorRank) return fail("rank above 8");
+  if (s.box_shape.empty()) {
+    if (s.flat_range) return fail("a flat range needs box_shape");
+    s.box_shape = s.shape;
+  }
+  if (s.global_shape.empty()) s.global_shape = s.box_shape;
+  if (s.box_offset.empty()) s.box_offset.assign(s.global_shape.size(), 0);
+  if (s.box_shape.size() != s.global_shape.size() || s.box_offset.size() != s.global_shape.size()) {
+    return fail("global_shape, box_offset and box_shape must have the same rank");
+  }
+  if (s.global_shape.size() > kMaxTensorRank) return fail("rank above 8");
+  for (size_t d = 0; d < s.global_shape.size(); ++d) {
+    uint64_t end;
+    if (__builtin_add_overflow(s.box_offset[d], s.box_shape[d], &end) || end > s.global_shape[d]) {
+      return fail("box [" + std::to_string(s.box_offset[d]) + ", +" + std::to_string(s.box_shape[d]) +
+                  ") leaves the global dimension " + std::to_string(d) + " of size " +
+                  std::to_string(s.global_shape[d]));
+    }
+  }
+  auto local = Numel(s.shape);
+  auto box = Numel(s.box_shape);
+  if (!local.ok() || !box.ok()) return fail("element count overflows 64 bits");
+  if (s.flat_range) {
+    if (s.flat_range->begin > s.flat_range->end || s.flat_range->end > *box) {
+      return fail("flat range [" + std::to_string(s.flat_range->begin) + ", " + std::to_string(s.flat_range->end) +
+                  ") is not inside the box of " + std::to_string(*box) + " elements");
+    }
+    if (s.flat_range->end - s.flat_range->begin != *local) {
+      return fail("flat range has " + std::to_string(s.flat_range->end - s.flat_range->begin) +
+                  " elements but the local shape has " + std::to_string(*local));
+    }
+  } else if (s.shape != s.box_shape) {
+    return fail("local shape differs from box_shape and no flat range is given");
+  }
+  auto bytes = TensorBytes(s.dtype, s.shape);
+  if (!bytes.ok()) return fail(bytes.status().message());
+  return s;
+}
+
+Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const Topology& topology,
+                                   const std::vector<TensorSpec>& specs) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  RETURN_IF_ERROR(ValidateTopology(topology, rank));
+  if (specs.empty()) return InvalidArgument("a rank must register at least one tensor");
+  if (specs.size() > kMaxTensorsPerRank) return InvalidArgument("too many tensors for one rank");
+
+  RankLayout layout;
+  layout.job = job;
+  layout.rank = rank;
+  layout.topology = topology;
+  std::map<std::string, size_t> seen;
+  for (const auto& spec : specs) {
+    ASSIGN_OR_RETURN(TensorSpec s, NormalizeTensorSpec(spec));
+    if (!seen.emplace(s.name, layout.tensors.size()).second) {
+      return InvalidArgument("tensor '" + s.name + "' is registered twice");
+    }
+    layout.tensors.push_back(std::move(s));
+  }
+  layout.placements.resize(layout.tensors.size());
+
+  uint64_t offset = kPageSize;  // the slot header page
+  for (const char* kind : {"model_state", "optimizer"}) {
+    std::vector<size_t> members;
+    for (size_t i = 0; i < layout.tensors.size(); ++i) {
+      const auto& t = layout.tensors[i];
+      if (!t.replica && std::string(FileKindOf(t.kind)) == kind) members.push_back(i);
+    }
+    if (members.empty()) continue;
+    std::sort(members.begin(), members.end(), [&](size_t a, size_t b) {
+      size_t ea = DTypeSize(layout.tensors[a].dtype), eb = DTypeSize(layout.tensors[b].dtype);
+      if (ea != eb) return ea > eb;
+      return layout.tensors[a].name < layout.tensors[b].name;
+    });
+
+    FileImage image;
+    image.kind = kind;
+    image.stem = FileStem(kind, topology.tp_rank, topology.pp_rank, topology.shard_rank);
+    image.tensors = members;
+
+    SafetensorsHeaderBuilder builder;
+    builder.AddMetadata("format", "flashckpt");
+    builder.AddMetadata("format_version", std::to_string(kFormatVersion));
+    builder.AddMetadata("job", job);
+    builder.AddMetadata("rank", std::to_string(rank));
+    builder.AddMetadata("file", kind);
+    builder.AddMetadata("world_size", std::to_string(topology.world_size));
+    builder.AddMetadata("tp_rank", std::to_string(topology.tp_rank));
+    builder.AddMetadata("tp_degree", std::to_string(topology.tp_degree));
+    builder.AddMetadata("pp_rank", std::to_string(topology.pp_rank));
+    builder.AddMetadata("pp_degree", std::to_string(topology.pp_degree));
+    builder.AddMetadata("shard_rank", std::to_string(topology.shard_rank));
+    builder.AddMetadata("shard_degree", std::to_string(topology.shard_degree));
+    size_t step_field = builder.AddFixedWidthMetadata("step", kStepFieldWidth);
+    std::vector<size_t> checksum_fields;
+    uint64_t data = 0;
+    for (size_t i : members) {
+      const auto& t = layout.tensors[i];
+      uint64_t bytes = TensorBytes(t.dtype, t.shape).value();
+      builder.AddTensor(t.name, t.dtype, t.shape, data, data + bytes);
+      builder.AddMetadata(TensorMetaKey(t.name, "kind"), std::string(TensorKindName(t.kind)));
+      builder.AddMetadata(TensorMetaKey(t.name, "global_shape"), ShapeJson(t.global_shape));
+      builder.AddMetadata(TensorMetaKey(t.name, "box_offset"), ShapeJson(t.box_offset));
+      builder.AddMetadata(TensorMetaKey(t.name, "box_shape"), ShapeJson(t.box_shape));
+      if (t.flat_range) {
+        builder.AddMetadata(TensorMetaKey(t.name, "flat_range"),
+                            ShapeJson({t.flat_range->begin, t.flat_range->end}));
+      }
+      checksum_fields.push_back(builder.AddFixedWidthMetadata(TensorMetaKey(t.name, "xxh3"), kChecksumFieldWidth));
+      layout.placements[i].bytes = bytes;
+      layout.placements[i].slot_offset = data;  // relative to the data start for now
+      if (__builtin_add_overflow(data, bytes, &data)) return InvalidArgument("rank state overflows 64 bits");
+    }
+    ASSIGN_OR_RETURN(auto built, builder.Build());
+    image.header = std::move(built.bytes);
+    image.step_field = built.field_offsets[step_field];
+    image.data_bytes = data;
+    image.slot_offset = offset;
+    int file_index = static_cast<int>(layout.files.size());
+    for (size_t k = 0; k < members.size(); ++k) {
+      auto& p = layout.placements[members[k]];
+      p.file = file_index;
+      p.slot_offset += offset + image.header.size();
+      p.checksum_field = offset + built.field_offsets[checksum_fields[k]];
+    }
+    offset = AlignUp(offset + image.file_bytes());
+    layout.files.push_back(std::move(image));
+  }
+  layout.replica_offset = offset;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    if (!layout.tensors[i].replica) continue;
+    auto& p = layout.placements[i];
+    p.bytes = TensorBytes(layout.tensors[i].dtype, layout.tensors[i].shape).value();
+    p.slot_offset = offset;
+    offset = AlignUp(offset + p.bytes);
+  }
+  layout.slot_bytes = AlignUp(offset);
+  return layout;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,65 @@
+// What a checkpoint holds: pieces of tensors in files, described by each file's own header and
+// gathered into metadata.json, the file whose presence makes a checkpoint complete.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "flashckpt/tensor.h"
+
+namespace flashckpt {
+
+inline constexpr uint64_t kMaxMetadataJsonBytes = 1ull << 30;
+
+// One saved piece of a tensor: where it sits in the global tensor and in which file.
+struct Piece {
+  std::string key;  // tensor name
+  TensorKind kind = TensorKind::kModel;
+  DType dtype = DType::kF32;
+  std::vector<uint64_t> shape;  // local shape as stored
+  std::vector<uint64_t> global_shape;
+  std::vector<uint64_t> box_offset;
+  std::vector<uint64_t> box_shape;
+  std::optional<FlatRange> flat_range;
+  std::string file;    // file name inside the checkpoint directory
+  uint64_t begin = 0;  // absolute byte range in the file
+  uint64_t end = 0;
+  uint64_t xxh3 = 0;
+};
+
+struct SavedFile {
+  std::string name;  // "model_state.tp00_pp00_shard00.safetensors"
+  uint32_t rank = 0;
+  uint32_t tp_rank = 0, pp_rank = 0, shard_rank = 0;
+  uint64_t bytes = 0;
+};
+
+struct CheckpointMetadata {
+  std::string job;
+  int64_t step = 0;
+  Topology topology;  // degrees and world size; the per-rank coordinates are per file
+  std::vector<SavedFile> files;
+  std::vector<Piece> pieces;
+  std::string created;  // UTC, ISO 8601
+};
+
+// The pieces a flashckpt safetensors file declares, checked for consistency (kind, global shape,
+// box, flat range and checksum present and well-formed for every tensor).
+Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name);
+
+// Reads every *.safetensors file header of a checkpoint directory and gathers the metadata. All
+// files must agree on job, step and topology degrees.
+Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
+
+std::string MetadataToJson(const CheckpointMetadata& meta);
+// Parses metadata.json; the input is untrusted and every field is checked.
+Result<CheckpointMetadata> ParseMetadataJson(std::string_view json);
+Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir);
+
+}  // namespace flashckpt

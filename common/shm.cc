@@ -1,0 +1,84 @@
+#include "common/shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <cstdio>
+
+namespace flashckpt {
+
+namespace bip = boost::interprocess;
+
+const char* SlotStateName(SlotState s) {
+  switch (s) {
+    case SlotState::kFree: return "free";
+    case SlotState::kFilling: return "filling";
+    case SlotState::kCommitted: return "committed";
+    case SlotState::kPersisting: return "persisting";
+    case SlotState::kRestoring: return "restoring";
+  }
+  return "unknown";
+}
+
+Result<std::string> RandomToken() {
+  unsigned char raw[8];
+  if (::getrandom(raw, sizeof raw, 0) != sizeof raw) return ErrnoStatus("getrandom", "");
+  char hex[17];
+  for (int i = 0; i < 8; ++i) std::snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+  return std::string(hex, 16);
+}
+
+// Boost.Interprocess reports errors by exception; this file is the only place that sees them.
+Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& name, uint64_t bytes,
+                                                             unsigned mode) {
+  std::unique_ptr<SharedSegment> seg(new SharedSegment());
+  try {
+    bip::permissions perm(mode);
+    bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, perm);
+    seg->name_ = name;
+    seg->owner_ = true;
+    int fd = shm.get_mapping_handle().handle;
+    if (::fchmod(fd, mode) != 0) return ErrnoStatus("fchmod shared memory", name);
+    shm.truncate(static_cast<bip::offset_t>(bytes));
+    void* addr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) return ErrnoStatus("mmap shared memory", name);
+    seg->addr_ = addr;
+    seg->bytes_ = bytes;
+  } catch (const bip::interprocess_exception& e) {
+    if (seg->owner_) bip::shared_memory_object::remove(name.c_str());
+    seg->owner_ = false;
+    return IOError("create shared memory " + name + " of " + std::to_string(bytes) + " bytes: " + e.what());
+  }
+  return seg;
+}
+
+Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& name, uint64_t expected_bytes) {
+  std::unique_ptr<SharedSegment> seg(new SharedSegment());
+  try {
+    bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
+    bip::offset_t size = 0;
+    if (!shm.get_size(size) || static_cast<uint64_t>(size) != expected_bytes) {
+      return FailedPrecondition("shared memory " + name + " has " + std::to_string(size) + " bytes, expected " +
+                                std::to_string(expected_bytes));
+    }
+    void* addr = ::mmap(nullptr, expected_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm.get_mapping_handle().handle, 0);
+    if (addr == MAP_FAILED) return ErrnoStatus("mmap shared memory", name);
+    seg->name_ = name;
+    seg->addr_ = addr;
+    seg->bytes_ = expected_bytes;
+  } catch (const bip::interprocess_exception& e) {
+    return NotFound("open shared memory " + name + ": " + e.what());
+  }
+  return seg;
+}
+
+SharedSegment::~SharedSegment() {
+  if (addr_ != nullptr) ::munmap(addr_, bytes_);
+  if (owner_) bip::shared_memory_object::remove(name_.c_str());
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,69 @@
+// POSIX shared-memory segments (Boost.Interprocess) and the records at the head of each.
+//
+// The daemon creates a segment per (job, rank, layout) with O_EXCL and a private mode, under a
+// name that carries a random token only the registering peer learns. The client maps it by name.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace flashckpt {
+
+inline constexpr char kSegmentMagic[8] = {'F', 'C', 'K', 'P', 'T', 'S', 'G', '1'};
+
+// Page 0 of a segment; written by the daemon at creation and read-only afterwards.
+struct SegmentHeader {
+  char magic[8];
+  uint32_t format_version;
+  uint32_t slot_count;
+  uint64_t slot_bytes;
+  uint64_t segment_bytes;
+  uint32_t rank;
+  char job[132];
+};
+
+// Slot states, mirrored into the slot header page by the daemon (the daemon's own table is the
+// authority; the mirror is for inspection and for a restarted daemon).
+enum class SlotState : uint32_t { kFree = 0, kFilling, kCommitted, kPersisting, kRestoring };
+const char* SlotStateName(SlotState s);
+
+// Page 0 of each slot.
+struct SlotHeader {
+  std::atomic<uint32_t> state;
+  uint32_t reserved;
+  std::atomic<int64_t> step;
+  std::atomic<uint64_t> generation;
+};
+
+// A mapped segment. Move-only; unmaps on destruction, and the creator also unlinks the name.
+class SharedSegment {
+ public:
+  // Creates `name` exclusively with `mode` (e.g. 0600) and `bytes` of zeroed memory.
+  static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode);
+  // Maps an existing segment; fails unless its size is `expected_bytes`.
+  static Result<std::unique_ptr<SharedSegment>> Open(const std::string& name, uint64_t expected_bytes);
+  ~SharedSegment();
+
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+
+  char* data() const { return static_cast<char*>(addr_); }
+  uint64_t size() const { return bytes_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  SharedSegment() = default;
+  std::string name_;
+  void* addr_ = nullptr;
+  uint64_t bytes_ = 0;
+  bool owner_ = false;
+};
+
+// 16 random hex digits from the kernel's CSPRNG.
+Result<std::string> RandomToken();
+
+}  // namespace flashckpt
