@@ -1,0 +1,116 @@
+// libflashckpt: what a trainer rank calls to checkpoint through the local flashckptd.
+//
+// One Client per rank. Connect() opens the rank's session with the daemon (its end, including the
+// process dying, tells the daemon this rank is gone). Register() declares the rank's tensors once;
+// the daemon answers with a shared-memory segment that the client maps. Snapshot() copies the
+// tensors into a free slot of that segment and commits it; the daemon persists it in the background.
+//
+//   auto client = flashckpt::Client::Connect({.socket_path = "/run/flashckpt/flashckptd.sock",
+//                                             .job = "llama", .rank = 3});
+//   client.value()->Register(topology, specs);
+//   auto snap = client.value()->Snapshot(1200, buffers, {});
+//   snap->WaitCopied();            // before the optimizer mutates the tensors
+//   client.value()->WaitPersisted(1200, std::chrono::seconds(600));
+//
+// Thread safety: a Client may be used from one thread at a time; distinct Clients are independent.
+// Blocking: every call has a deadline (ClientOptions::rpc_timeout or the argument). Errors are
+// returned as Status, never thrown.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flashckpt/status.h"
+#include "flashckpt/tensor.h"
+
+namespace flashckpt {
+
+struct ClientOptions {
+  std::string socket_path;
+  std::string job;
+  uint32_t rank = 0;
+  // Deadline of each control RPC (not of WaitPersisted/Restore, which take their own).
+  std::chrono::milliseconds rpc_timeout{30000};
+  // How long Connect() waits for the daemon's socket to accept.
+  std::chrono::milliseconds connect_timeout{10000};
+  // How long Snapshot() waits for a free slot when the job's policy is to wait.
+  std::chrono::milliseconds slot_timeout{60000};
+  // Threads used to copy large host tensors; 0 picks min(hardware threads, 8).
+  unsigned copy_threads = 0;
+  // When no slot is free: wait up to slot_timeout (false) or fail at once with kResourceExhausted.
+  bool skip_when_busy = false;
+};
+
+// Memory of one registered tensor: `bytes` must equal its registered size.
+struct TensorBuffer {
+  std::string name;
+  void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+struct SnapshotOptions {
+  bool persist = true;           // false: hand to the daemon (e.g. for the EMA) but do not write files
+  std::optional<double> loss;    // passed to the daemon with the commit
+  std::string extra;             // opaque trainer state (JSON or bytes), saved as extra.rankNNNNN.json
+};
+
+// A snapshot in flight. WaitCopied() returns once the tensors may be modified again.
+class SnapshotHandle {
+ public:
+  int64_t step() const { return step_; }
+  Status WaitCopied() const { return copied_; }
+
+ private:
+  friend class Client;
+  int64_t step_ = 0;
+  Status copied_;
+};
+
+struct RestoreResult {
+  bool found = false;  // false: the job has no complete checkpoint yet; buffers are untouched
+  int64_t step = 0;
+  std::string extra;   // this rank's extra state of that checkpoint
+  uint64_t bytes = 0;  // bytes copied into the caller's buffers
+};
+
+class Client {
+ public:
+  // Connects to the daemon and opens this rank's session.
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Declares the rank's tensors and maps the segment the daemon creates for them. Calling it again
+  // with a different layout replaces the previous one.
+  Status Register(const Topology& topology, const std::vector<TensorSpec>& tensors);
+
+  // Copies every non-replica registered tensor from `buffers` into a free slot and commits it as
+  // `step`. Returns when the copies are done (host memory); the daemon persists in the background.
+  Result<SnapshotHandle> Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
+                                  const SnapshotOptions& options);
+
+  // Blocks until this rank's files of `step` (or a later step) are durable, the save of `step`
+  // failed, or `timeout` passes (kDeadlineExceeded).
+  Status WaitPersisted(int64_t step, std::chrono::milliseconds timeout);
+
+  // Restores `step` (nullopt: the latest complete checkpoint) into `buffers`, which must name every
+  // registered tensor. Checksums are verified by the daemon before any byte reaches the buffers.
+  Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
+                                std::chrono::milliseconds timeout);
+
+  // Closes the session; later calls fail with kCancelled. Also done by the destructor.
+  void Close();
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashckpt
