@@ -1,0 +1,18 @@
+// Turning a filled slot into finished file images: the step and per-tensor checksums are written
+// into the fixed-width fields of each image's header, in place, so the slot bytes are the files.
+#pragma once
+
+#include <cstdint>
+
+#include "common/layout.h"
+
+namespace flashckpt {
+
+// Copies the header templates of every file image into the slot. Done once per slot at
+// registration; the trainer never writes header bytes.
+void InitSlotImages(char* slot, const RankLayout& layout);
+
+// Writes `step` and the xxh3-64 of every tensor of file image `file` into its header in the slot.
+void StampImage(char* slot, const RankLayout& layout, size_t file, int64_t step);
+
+}  // namespace flashckpt
