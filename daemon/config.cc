@@ -1,0 +1,58 @@
+#include "daemon/config.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "common/names.h"
+
+namespace flashckpt {
+namespace {
+
+// Half of physical memory: a sane default budget for a node that also runs the trainer.
+uint64_t DefaultHostMemoryBudget() {
+  long pages = ::sysconf(_SC_PHYS_PAGES);
+  long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 8ull << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2;
+}
+
+}  // namespace
+
+Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
+  DaemonConfig config;
+  std::string budget;
+  CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
+  app.set_config("--config", "", "Read flags from an INI/TOML file (keys as the long flag names)");
+  app.set_version_flag("--version", "flashckptd 0.1.0");
+  app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
+  app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
+  app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--max-host-memory", budget, "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");
+  app.add_option("--writer-threads", config.writer_threads, "Threads persisting snapshots")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    app.exit(e);
+    return Cancelled("help or version printed");
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return InvalidArgument(e.what());
+  }
+  if (budget.empty()) {
+    config.max_host_memory = DefaultHostMemoryBudget();
+  } else {
+    auto bytes = ParseByteSize(budget);
+    if (!bytes || *bytes == 0) {
+      return InvalidArgument("--max-host-memory '" + budget + "' is not a size like 64GiB, 512MiB or 1000000");
+    }
+    config.max_host_memory = *bytes;
+  }
+  return config;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,264 @@
+#include "daemon/daemon.h"
+
+#include <cstring>
+
+#include "common/fs.h"
+#include "common/image.h"
+#include "common/log.h"
+#include "common/names.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+
+bool SameLayout(const RankLayout& a, const RankLayout& b) {
+  if (a.slot_bytes != b.slot_bytes || a.files.size() != b.files.size() || a.tensors.size() != b.tensors.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.files.size(); ++i) {
+    if (a.files[i].header != b.files[i].header || a.files[i].slot_offset != b.files[i].slot_offset) return false;
+  }
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    if (a.tensors[i].name != b.tensors[i].name || a.placements[i].slot_offset != b.placements[i].slot_offset ||
+        a.placements[i].bytes != b.placements[i].bytes || a.tensors[i].replica != b.tensors[i].replica) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool SameDegrees(const Topology& a, const Topology& b) {
+  return a.world_size == b.world_size && a.tp_degree == b.tp_degree && a.pp_degree == b.pp_degree &&
+         a.shard_degree == b.shard_degree;
+}
+
+}  // namespace
+
+RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count,
+                         std::atomic<uint64_t>* counter)
+    : layout(std::move(l)), shm(std::move(s)), slots(count), used(counter) {
+  used->fetch_add(shm->size());
+}
+
+RankSegment::~RankSegment() {
+  used->fetch_sub(shm->size());
+  Logger("shm")->info("released segment={} bytes={}", shm->name(), FormatBytes(shm->size()));
+}
+
+void RankSegment::Mirror(uint32_t i) const {
+  auto* h = reinterpret_cast<SlotHeader*>(Slot(i));
+  const SlotInfo& s = slots.at(i);
+  h->step.store(s.step, std::memory_order_relaxed);
+  h->generation.store(s.generation, std::memory_order_relaxed);
+  h->state.store(static_cast<uint32_t>(s.state), std::memory_order_release);
+}
+
+Daemon::Daemon(DaemonConfig config)
+    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root) {}
+
+Daemon::~Daemon() { Stop(); }
+
+Status Daemon::Start() {
+  if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
+  if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
+  RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
+  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096);
+  Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={}", config_.root, config_.slots,
+                      FormatBytes(config_.max_host_memory), config_.writer_threads);
+  return Status::OK();
+}
+
+void Daemon::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !writer_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (writer_) writer_->Stop();  // finishes the writes in flight: no half-written file is left behind
+  std::lock_guard<std::mutex> lock(mu_);
+  jobs_.clear();  // unmaps and unlinks every segment
+  writer_.reset();
+}
+
+Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  ASSIGN_OR_RETURN(std::string token, RandomToken());
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) return Unavailable("the daemon is shutting down");
+  // A restarted trainer may connect before the daemon has seen its predecessor's stream break.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (;;) {
+    if (stopping_) return Unavailable("the daemon is shutting down");
+    auto jit = jobs_.find(job);
+    if (jit == jobs_.end()) break;
+    auto rit = jit->second.ranks.find(rank);
+    if (rit == jit->second.ranks.end() || rit->second.session_id.empty()) break;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return FailedPrecondition("rank " + std::to_string(rank) + " of job '" + job +
+                                "' already has a live session; one process per rank");
+    }
+  }
+  RankState& state = jobs_[job].ranks[rank];
+  state.session_id = token;
+  state.last_begun = -1;
+  sessions_[token] = SessionInfo{job, rank};
+  Logger("rpc")->info("session open job={} rank={}", job, rank);
+  return token;
+}
+
+void Daemon::CloseSession(const std::string& session_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return;
+  auto& rank = jobs_[it->second.job].ranks[it->second.rank];
+  uint32_t abandoned = 0;
+  if (rank.session_id == session_id) {
+    rank.session_id.clear();
+    if (rank.segment) {
+      abandoned = rank.segment->slots.AbandonInFlight();
+      for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) rank.segment->Mirror(i);
+    }
+  }
+  Logger("rpc")->info("session closed job={} rank={} abandoned_slots={}", it->second.job, it->second.rank, abandoned);
+  sessions_.erase(it);
+  cv_.notify_all();
+}
+
+Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
+  if (stopping_) return Unavailable("the daemon is shutting down");
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return FailedPrecondition("unknown or closed session; open a session first");
+  RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
+  if (need_segment && !rank.segment) {
+    return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
+                              "' has not registered its tensors");
+  }
+  return &rank;
+}
+
+Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout) {
+  ASSIGN_OR_RETURN(std::string token, RandomToken());
+  std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
+  uint64_t bytes = SegmentBytes(layout.slot_bytes, config_.slots);
+  ASSIGN_OR_RETURN(auto shm, SharedSegment::Create(name, bytes, config_.segment_mode));
+  auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
+  std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
+  header->format_version = kFormatVersion;
+  header->slot_count = config_.slots;
+  header->slot_bytes = layout.slot_bytes;
+  header->segment_bytes = bytes;
+  header->rank = rank;
+  std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
+  auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), config_.slots, &host_memory_used_);
+  for (uint32_t i = 0; i < config_.slots; ++i) {
+    InitSlotImages(segment->Slot(i), segment->layout);
+    segment->Mirror(i);
+  }
+  Logger("shm")->info("created segment={} bytes={} slots={} slot_bytes={}", name, FormatBytes(bytes), config_.slots,
+                      FormatBytes(segment->layout.slot_bytes));
+  return segment;
+}
+
+Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const Topology& topology,
+                                              const std::vector<TensorSpec>& tensors, Backpressure policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo& who = sessions_[session_id];
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors));
+  JobState& job = jobs_[who.job];
+  for (const auto& [r, other] : job.ranks) {
+    if (r == who.rank || other.session_id.empty() || !other.segment) continue;
+    if (!SameDegrees(other.topology, topology)) {
+      return FailedPrecondition("job '" + who.job + "' is registered with world size " +
+                                std::to_string(other.topology.world_size) + " (tp " +
+                                std::to_string(other.topology.tp_degree) + ", pp " +
+                                std::to_string(other.topology.pp_degree) + ", shard " +
+                                std::to_string(other.topology.shard_degree) + ") by live rank " + std::to_string(r) +
+                                "; this rank asks for world size " + std::to_string(topology.world_size));
+    }
+  }
+  bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
+               rank->segment->slots.CountIn(SlotState::kFilling) == 0 &&
+               rank->segment->slots.CountIn(SlotState::kRestoring) == 0;
+  if (!reuse) {
+    uint64_t need = SegmentBytes(layout.slot_bytes, config_.slots);
+    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->shm->size() : 0;
+    uint64_t used = host_memory_used_.load() - releasable;
+    if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
+      return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
+                               FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
+                               FormatBytes(layout.slot_bytes) + "), budget is " +
+                               FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
+                               " in use (--max-host-memory)");
+    }
+    rank->segment.reset();  // the writer keeps it alive if a persist is still running
+    ASSIGN_OR_RETURN(rank->segment, CreateSegment(who.job, who.rank, std::move(layout)));
+  }
+  rank->topology = topology;
+  rank->policy = policy;
+  job.topology = topology;
+
+  const RankSegment& seg = *rank->segment;
+  v1::RegisterResponse resp;
+  resp.set_segment_name(seg.shm->name());
+  resp.set_segment_bytes(seg.shm->size());
+  resp.set_slot_count(seg.slots.size());
+  resp.set_slot_offset(SlotOffset(seg.layout.slot_bytes, 0));
+  resp.set_slot_stride(seg.layout.slot_bytes);
+  for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
+    auto* p = resp.add_placements();
+    p->set_name(seg.layout.tensors[i].name);
+    int f = seg.layout.placements[i].file;
+    p->set_file(f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem);
+    p->set_slot_offset(seg.layout.placements[i].slot_offset);
+    p->set_bytes(seg.layout.placements[i].bytes);
+  }
+  Logger("rpc")->info("registered job={} rank={} tensors={} slot_bytes={} reused={}", who.job, who.rank,
+                      seg.layout.tensors.size(), FormatBytes(seg.layout.slot_bytes), reuse);
+  return resp;
+}
+
+Result<std::vector<CheckpointEntry>> Daemon::List(const std::string& job) const { return catalog_.List(job); }
+
+v1::StatusResponse Daemon::GetStatus() const {
+  v1::StatusResponse out;
+  out.set_version(kVersion);
+  out.set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+  out.set_host_memory_used(host_memory_used_.load());
+  out.set_host_memory_budget(config_.max_host_memory);
+  out.set_root(config_.root);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, job] : jobs_) {
+    auto* j = out.add_jobs();
+    j->set_job(name);
+    j->set_world_size(job.topology.world_size);
+    auto latest = catalog_.LatestComplete(name);
+    j->set_last_complete_step(latest ? *latest : -1);
+    for (const auto& [r, rank] : job.ranks) {
+      auto* rs = j->add_ranks();
+      rs->set_rank(r);
+      rs->set_connected(!rank.session_id.empty());
+      rs->set_segment_bytes(rank.segment ? rank.segment->shm->size() : 0);
+      rs->set_last_committed_step(rank.last_committed);
+      rs->set_last_persisted_step(rank.last_persisted);
+      rs->set_last_error(rank.last_error);
+      rs->set_snapshots(rank.snapshots);
+      rs->set_persists(rank.persists);
+      rs->set_failures(rank.failures);
+      rs->set_skipped(rank.skipped);
+      if (rank.segment) {
+        for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) {
+          auto* s = rs->add_slots();
+          s->set_index(i);
+          s->set_state(SlotStateName(rank.segment->slots.at(i).state));
+          s->set_step(rank.segment->slots.at(i).step);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace flashckpt

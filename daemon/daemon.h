@@ -1,0 +1,140 @@
+// The daemon's core: sessions, registered ranks and their segments, the save and restore paths.
+// The gRPC service (daemon/service.*) is a thin translation layer on top of this class.
+//
+// Threads: gRPC handler threads call in concurrently; writer threads call back on completion.
+// One mutex (mu_) guards the session table, the job table, every rank's slot table and counters;
+// it is never held across file I/O. cv_ is signalled whenever a slot is freed, a persist finishes
+// or a session ends, and every wait on it has a deadline.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/layout.h"
+#include "common/shm.h"
+#include "common/status.h"
+#include "daemon/catalog.h"
+#include "daemon/slots.h"
+#include "daemon/writer.h"
+#include "flashckpt.pb.h"
+
+namespace flashckpt {
+
+struct DaemonConfig {
+  std::string socket_path;
+  std::string root;
+  uint32_t slots = 2;
+  uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
+  unsigned writer_threads = 2;
+  unsigned segment_mode = 0600;
+  std::string log_level = "info";
+};
+
+enum class Backpressure { kWait, kSkip };
+
+// One registered rank's segment: its layout, the mapped memory and the slot state machine.
+struct RankSegment {
+  RankLayout layout;
+  std::unique_ptr<SharedSegment> shm;
+  SlotTable slots;                 // guarded by Daemon::mu_
+  std::atomic<uint64_t>* used = nullptr;  // the daemon's host-memory counter
+
+  RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::atomic<uint64_t>* counter);
+  ~RankSegment();
+  char* Slot(uint32_t i) const { return shm->data() + SlotOffset(layout.slot_bytes, i); }
+  // Copies the slot's state into its header page for inspection.
+  void Mirror(uint32_t i) const;
+};
+
+struct WaitResult {
+  int64_t persisted_step = -1;
+  bool checkpoint_complete = false;
+};
+
+struct RestoreOutcome {
+  bool found = false;
+  int64_t step = 0;
+  SlotTicket ticket;
+  std::string extra;
+  uint64_t bytes_read = 0;
+};
+
+class Daemon {
+ public:
+  explicit Daemon(DaemonConfig config);
+  ~Daemon();
+
+  // Creates the root directory and starts the writer.
+  Status Start();
+  // Refuses new work, wakes every waiter, and finishes the writes in flight.
+  void Stop();
+
+  Result<std::string> OpenSession(const std::string& job, uint32_t rank);
+  void CloseSession(const std::string& session_id);
+
+  Result<v1::RegisterResponse> Register(const std::string& session_id, const Topology& topology,
+                                        const std::vector<TensorSpec>& tensors, Backpressure policy);
+  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+  Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
+                std::optional<double> loss, std::string extra);
+  Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket);
+  Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+  // step 0 means the latest complete checkpoint; found=false when there is none.
+  Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+  Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket);
+
+  Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
+  v1::StatusResponse GetStatus() const;
+
+  const DaemonConfig& config() const { return config_; }
+
+ private:
+  struct RankState {
+    std::shared_ptr<RankSegment> segment;
+    std::string session_id;  // empty when the trainer is gone
+    Topology topology;
+    Backpressure policy = Backpressure::kWait;
+    int64_t last_begun = -1;  // per session: steps must increase
+    int64_t last_committed = -1;
+    int64_t last_persisted = -1;
+    int64_t last_failed_step = -1;
+    std::string last_error;
+    uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
+  };
+  struct JobState {
+    Topology topology;  // degrees and world size of the current registration
+    std::map<uint32_t, RankState> ranks;
+  };
+  struct SessionInfo {
+    std::string job;
+    uint32_t rank = 0;
+  };
+
+  // Looks up the rank of a live session; the caller holds mu_.
+  Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
+  void OnPersisted(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
+                   SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds);
+  Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout);
+
+  const DaemonConfig config_;
+  const std::chrono::steady_clock::time_point started_;
+  Catalog catalog_;
+  std::unique_ptr<Writer> writer_;
+  std::atomic<uint64_t> host_memory_used_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;                           // guarded by mu_
+  std::map<std::string, SessionInfo> sessions_;     // guarded by mu_
+  std::map<std::string, JobState> jobs_;            // guarded by mu_
+};
+
+}  // namespace flashckpt

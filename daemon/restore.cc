@@ -1,0 +1,206 @@
+#include "daemon/restore.h"
+
+#include <algorithm>
+#include <map>
+
+#include "common/checksum.h"
+#include "common/dtype.h"
+#include "common/fs.h"
+#include "common/log.h"
+#include "common/names.h"
+#include "daemon/daemon.h"
+#include "daemon/writer.h"
+
+namespace flashckpt {
+namespace {
+
+struct PlannedRead {
+  const Piece* piece;
+  char* dest;
+};
+
+bool SameGeometry(const TensorSpec& t, const Piece& p) {
+  if (t.dtype != p.dtype || t.global_shape != p.global_shape || t.box_offset != p.box_offset ||
+      t.box_shape != p.box_shape || t.flat_range.has_value() != p.flat_range.has_value()) {
+    return false;
+  }
+  return !t.flat_range || (t.flat_range->begin == p.flat_range->begin && t.flat_range->end == p.flat_range->end);
+}
+
+std::string Describe(const Piece& p) {
+  std::string s = std::string(DTypeName(p.dtype)) + " box offset [";
+  for (size_t i = 0; i < p.box_offset.size(); ++i) s += (i ? "," : "") + std::to_string(p.box_offset[i]);
+  s += "] shape [";
+  for (size_t i = 0; i < p.box_shape.size(); ++i) s += (i ? "," : "") + std::to_string(p.box_shape[i]);
+  s += "]";
+  if (p.flat_range) s += " flat [" + std::to_string(p.flat_range->begin) + "," + std::to_string(p.flat_range->end) + ")";
+  return s;
+}
+
+}  // namespace
+
+Result<RestoreStats> FillSlotFromCheckpoint(const std::string& dir, const CheckpointMetadata& meta,
+                                            const RankLayout& layout, char* slot) {
+  std::multimap<std::string, const Piece*> by_key;
+  for (const auto& p : meta.pieces) by_key.emplace(p.key, &p);
+
+  std::vector<PlannedRead> plan;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorSpec& t = layout.tensors[i];
+    auto [lo, hi] = by_key.equal_range(t.name);
+    if (lo == hi) return NotFound("tensor '" + t.name + "' is not in the checkpoint " + dir);
+    const Piece* match = nullptr;
+    for (auto it = lo; it != hi && match == nullptr; ++it) {
+      if (SameGeometry(t, *it->second)) match = it->second;
+    }
+    if (match == nullptr) {
+      return FailedPrecondition("tensor '" + t.name + "': no saved piece has this rank's dtype, box and flat range (" +
+                                "saved e.g. " + Describe(*lo->second) +
+                                "); restoring into a different layout is not supported yet");
+    }
+    plan.push_back({match, slot + layout.placements[i].slot_offset});
+  }
+  std::sort(plan.begin(), plan.end(), [](const PlannedRead& a, const PlannedRead& b) {
+    return a.piece->file != b.piece->file ? a.piece->file < b.piece->file : a.piece->begin < b.piece->begin;
+  });
+
+  RestoreStats stats;
+  std::map<std::string, UniqueFd> files;
+  for (size_t i = 0; i < plan.size();) {
+    // Merge the run of reads that are adjacent in the file and in the slot.
+    size_t j = i + 1;
+    uint64_t end = plan[i].piece->end;
+    while (j < plan.size() && plan[j].piece->file == plan[i].piece->file && plan[j].piece->begin == end &&
+           plan[j].dest == plan[i].dest + (end - plan[i].piece->begin)) {
+      end = plan[j].piece->end;
+      ++j;
+    }
+    const std::string path = dir + "/" + plan[i].piece->file;
+    auto fd = files.find(plan[i].piece->file);
+    if (fd == files.end()) {
+      ASSIGN_OR_RETURN(UniqueFd opened, OpenForRead(path));
+      fd = files.emplace(plan[i].piece->file, std::move(opened)).first;
+    }
+    uint64_t bytes = end - plan[i].piece->begin;
+    RETURN_IF_ERROR(PreadFull(fd->second.get(), plan[i].dest, bytes, plan[i].piece->begin, path));
+    stats.bytes_read += bytes;
+    stats.reads += 1;
+    for (size_t k = i; k < j; ++k) {
+      const Piece& p = *plan[k].piece;
+      uint64_t got = Xxh3(plan[k].dest, p.end - p.begin);
+      if (got != p.xxh3) {
+        return Corruption(path + ": tensor '" + p.key + "' has checksum " + ChecksumHex(got) + ", metadata says " +
+                          ChecksumHex(p.xxh3));
+      }
+    }
+    i = j;
+  }
+  return stats;
+}
+
+// Daemon::Restore: pick the checkpoint, take a slot, fill it without holding the lock, hand it over.
+
+Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step,
+                                       std::chrono::milliseconds timeout) {
+  if (step < 0) return InvalidArgument("restore step must be non-negative (0 = latest)");
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string job;
+  uint32_t rank_id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    (void)rank;
+    job = sessions_[session_id].job;
+    rank_id = sessions_[session_id].rank;
+  }
+  RestoreOutcome out;
+  if (step == 0) {
+    auto latest = catalog_.LatestComplete(job);
+    if (!latest) return out;  // found = false
+    step = *latest;
+  } else if (!catalog_.IsComplete(job, step)) {
+    return NotFound("checkpoint-" + std::to_string(step) + " of job '" + job +
+                    "' does not exist or is incomplete (no metadata.json)");
+  }
+  std::string dir = catalog_.CheckpointDir(job, step);
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
+  if (meta.job != job || meta.step != step) {
+    return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
+  }
+
+  std::shared_ptr<RankSegment> segment;
+  SlotTicket ticket;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+      if (meta.topology.world_size != rank->topology.world_size) {
+        return FailedPrecondition("checkpoint-" + std::to_string(step) + " was saved with world size " +
+                                  std::to_string(meta.topology.world_size) + ", this job now runs with " +
+                                  std::to_string(rank->topology.world_size) +
+                                  "; restoring into a different layout is not supported yet");
+      }
+      if (auto t = rank->segment->slots.Acquire(SlotState::kRestoring, step)) {
+        ticket = *t;
+        segment = rank->segment;
+        segment->slots.SetLoading(ticket.slot, true);
+        segment->Mirror(ticket.slot);
+        break;
+      }
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        return DeadlineExceeded("no slot became free for the restore within " + std::to_string(timeout.count()) + " ms");
+      }
+    }
+  }
+
+  auto start = std::chrono::steady_clock::now();
+  auto filled = FillSlotFromCheckpoint(dir, meta, segment->layout, segment->Slot(ticket.slot));
+  std::string extra;
+  Status extra_status;
+  if (filled.ok()) {
+    std::string path = dir + "/" + ExtraFileName(rank_id);
+    if (PathExists(path)) {
+      auto text = ReadSmallFile(path, 16u << 20);
+      auto decoded = text.ok() ? DecodeExtra(*text) : Result<std::string>(text.status());
+      if (decoded.ok()) extra = std::move(decoded).value();
+      else extra_status = decoded.status().WithContext(path);
+    }
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  std::lock_guard<std::mutex> lock(mu_);
+  segment->slots.SetLoading(ticket.slot, false);
+  Status failure = !filled.ok() ? filled.status() : extra_status;
+  auto live = sessions_.find(session_id);
+  bool session_alive = live != sessions_.end() && jobs_[job].ranks[rank_id].session_id == session_id;
+  if (!failure.ok() || !session_alive) {
+    (void)segment->slots.Release(ticket, SlotState::kRestoring);
+    segment->Mirror(ticket.slot);
+    cv_.notify_all();
+    if (!failure.ok()) {
+      Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
+                               failure.ToString());
+      return failure;
+    }
+    return Cancelled("the session ended during the restore");
+  }
+  Logger("restore")->info("restored job={} rank={} step={} bytes={} reads={} secs={:.3f}", job, rank_id, step,
+                          FormatBytes(filled->bytes_read), filled->reads, secs);
+  out.found = true;
+  out.step = step;
+  out.ticket = ticket;
+  out.extra = std::move(extra);
+  out.bytes_read = filled->bytes_read;
+  return out;
+}
+
+Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+  RETURN_IF_ERROR(rank->segment->slots.Release(ticket, SlotState::kRestoring));
+  rank->segment->Mirror(ticket.slot);
+  cv_.notify_all();
+  return Status::OK();
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,176 @@
+// The save path of the daemon: BeginSnapshot hands out a slot, Commit queues it for the writer,
+// OnPersisted frees it and wakes WaitPersisted.
+#include "common/log.h"
+#include "common/names.h"
+#include "daemon/daemon.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr size_t kMaxExtraBytes = 4u << 20;
+
+}  // namespace
+
+Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
+                                         std::chrono::milliseconds timeout) {
+  if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
+  std::string job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    job = sessions_[session_id].job;
+    if (step <= rank->last_begun) {
+      return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
+                             std::to_string(rank->last_begun) + "; steps must increase");
+    }
+  }
+  if (catalog_.IsComplete(job, step)) {
+    return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
+                         "' is already complete; a complete checkpoint is never overwritten");
+  }
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    if (rank->session_id != session_id) return Cancelled("the session was replaced");
+    if (auto ticket = rank->segment->slots.Acquire(SlotState::kFilling, step)) {
+      rank->segment->Mirror(ticket->slot);
+      rank->last_begun = step;
+      return *ticket;
+    }
+    if (rank->policy == Backpressure::kSkip) {
+      rank->skipped += 1;
+      return ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
+                               std::to_string(rank->segment->slots.size()) +
+                               " slots are still persisting (backpressure policy skip)");
+    }
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
+      if (auto ticket = r->segment->slots.Acquire(SlotState::kFilling, step)) {
+        r->segment->Mirror(ticket->slot);
+        r->last_begun = step;
+        return *ticket;
+      }
+      return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) +
+                              " ms for step " + std::to_string(step) + "; the disk is slower than the save rate");
+    }
+  }
+}
+
+Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
+                      std::optional<double> loss, std::string extra) {
+  if (extra.size() > kMaxExtraBytes) {
+    return InvalidArgument("extra state of " + std::to_string(extra.size()) + " bytes exceeds the " +
+                           std::to_string(kMaxExtraBytes) + "-byte limit");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+  const SessionInfo who = sessions_[session_id];
+  RETURN_IF_ERROR(rank->segment->slots.Commit(ticket, step));
+  rank->segment->Mirror(ticket.slot);
+  rank->snapshots += 1;
+  rank->last_committed = step;
+  if (!persist) {
+    RETURN_IF_ERROR(rank->segment->slots.Release(ticket, SlotState::kCommitted));
+    rank->segment->Mirror(ticket.slot);
+    cv_.notify_all();
+    return Status::OK();
+  }
+  RETURN_IF_ERROR(rank->segment->slots.BeginPersist(ticket));
+  rank->segment->Mirror(ticket.slot);
+
+  std::shared_ptr<RankSegment> segment = rank->segment;
+  PersistRequest req;
+  req.job = who.job;
+  req.rank = who.rank;
+  req.world_size = rank->topology.world_size;
+  req.step = step;
+  req.layout = &segment->layout;
+  req.slot = segment->Slot(ticket.slot);
+  req.extra = std::move(extra);
+  req.keep_alive = segment;
+  req.done = [this, job = who.job, r = who.rank, segment, ticket, step](const Status& s, uint64_t bytes,
+                                                                        double secs) {
+    OnPersisted(job, r, segment, ticket, step, s, bytes, secs);
+  };
+  Status submitted = writer_->Submit(std::move(req));
+  if (!submitted.ok()) {
+    (void)segment->slots.Release(ticket, SlotState::kPersisting);
+    segment->Mirror(ticket.slot);
+    cv_.notify_all();
+    return submitted;
+  }
+  (void)loss;  // recorded by the EMA gate once the EMA exists
+  return Status::OK();
+}
+
+void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
+                         SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Status released = segment->slots.Release(ticket, SlotState::kPersisting);
+  if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
+  segment->Mirror(ticket.slot);
+  auto jit = jobs_.find(job);
+  if (jit != jobs_.end()) {
+    auto rit = jit->second.ranks.find(rank_id);
+    if (rit != jit->second.ranks.end()) {
+      RankState& rank = rit->second;
+      if (status.ok()) {
+        rank.persists += 1;
+        rank.last_persisted = std::max(rank.last_persisted, step);
+      } else {
+        rank.failures += 1;
+        rank.last_failed_step = step;
+        rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
+      }
+    }
+  }
+  if (status.ok()) {
+    double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
+    Logger("writer")->info("persisted job={} step={} rank={} bytes={} secs={:.3f} gbps={:.2f}", job, step, rank_id,
+                           FormatBytes(bytes), seconds, gbps);
+  } else {
+    Logger("writer")->error("persist failed job={} step={} rank={} error=\"{}\"", job, step, rank_id,
+                            status.ToString());
+  }
+  cv_.notify_all();
+}
+
+Status Daemon::AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+  RETURN_IF_ERROR(rank->segment->slots.Release(ticket, SlotState::kFilling));
+  rank->segment->Mirror(ticket.slot);
+  cv_.notify_all();
+  return Status::OK();
+}
+
+Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t step,
+                                         std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string job;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    job = sessions_[session_id].job;
+    if (rank->last_failed_step == step) return IOError("saving step " + std::to_string(step) + " failed: " + rank->last_error);
+    if (rank->last_persisted >= step) {
+      WaitResult r;
+      r.persisted_step = rank->last_persisted;
+      lock.unlock();
+      r.checkpoint_complete = catalog_.IsComplete(job, step);
+      return r;
+    }
+    if (rank->last_committed < step) {
+      return FailedPrecondition("step " + std::to_string(step) + " was never committed by this rank (last commit: " +
+                                std::to_string(rank->last_committed) + ")");
+    }
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return DeadlineExceeded("step " + std::to_string(step) + " was not persisted within " +
+                              std::to_string(timeout.count()) + " ms (last persisted: " +
+                              std::to_string(rank->last_persisted) + ")");
+    }
+  }
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,218 @@
+#include "daemon/service.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "common/fs.h"
+#include "common/log.h"
+#include "common/names.h"
+
+namespace flashckpt {
+namespace {
+
+std::chrono::milliseconds Millis(uint32_t ms, uint32_t fallback_ms) {
+  return std::chrono::milliseconds(ms == 0 ? fallback_ms : ms);
+}
+
+// Request timeouts may not outlive the client's own deadline.
+std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::milliseconds wanted) {
+  auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(ctx->deadline() -
+                                                                         std::chrono::system_clock::now());
+  if (remaining.count() < 0) remaining = std::chrono::milliseconds(0);
+  return std::min(wanted, remaining);
+}
+
+Result<TensorSpec> FromProto(const v1::TensorSpec& p) {
+  TensorSpec t;
+  t.name = p.name();
+  switch (p.kind()) {
+    case v1::TENSOR_KIND_MODEL: t.kind = TensorKind::kModel; break;
+    case v1::TENSOR_KIND_OPTIMIZER: t.kind = TensorKind::kOptimizer; break;
+    case v1::TENSOR_KIND_MASTER_WEIGHT: t.kind = TensorKind::kMasterWeight; break;
+    default: return InvalidArgument("tensor '" + p.name() + "' has no kind (model, optimizer or master_weight)");
+  }
+  auto dtype = ParseDType(p.dtype());
+  if (!dtype) return InvalidArgument("tensor '" + p.name() + "' has unknown dtype '" + p.dtype() + "'");
+  t.dtype = *dtype;
+  t.shape.assign(p.shape().begin(), p.shape().end());
+  t.global_shape.assign(p.global_shape().begin(), p.global_shape().end());
+  t.box_offset.assign(p.box_offset().begin(), p.box_offset().end());
+  t.box_shape.assign(p.box_shape().begin(), p.box_shape().end());
+  if (p.has_flat_range()) t.flat_range = FlatRange{p.flat_begin(), p.flat_end()};
+  t.replica = p.replica();
+  return t;
+}
+
+}  // namespace
+
+grpc::Status ToGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
+  switch (s.code()) {
+    case StatusCode::kOk: code = grpc::StatusCode::OK; break;
+    case StatusCode::kInvalidArgument: code = grpc::StatusCode::INVALID_ARGUMENT; break;
+    case StatusCode::kNotFound: code = grpc::StatusCode::NOT_FOUND; break;
+    case StatusCode::kAlreadyExists: code = grpc::StatusCode::ALREADY_EXISTS; break;
+    case StatusCode::kFailedPrecondition: code = grpc::StatusCode::FAILED_PRECONDITION; break;
+    case StatusCode::kResourceExhausted: code = grpc::StatusCode::RESOURCE_EXHAUSTED; break;
+    case StatusCode::kDeadlineExceeded: code = grpc::StatusCode::DEADLINE_EXCEEDED; break;
+    case StatusCode::kUnavailable: code = grpc::StatusCode::UNAVAILABLE; break;
+    case StatusCode::kCorruption: code = grpc::StatusCode::DATA_LOSS; break;
+    case StatusCode::kIOError: code = grpc::StatusCode::INTERNAL; break;
+    case StatusCode::kInternal: code = grpc::StatusCode::INTERNAL; break;
+    case StatusCode::kCancelled: code = grpc::StatusCode::CANCELLED; break;
+  }
+  return grpc::Status(code, s.message());
+}
+
+grpc::Status CheckpointService::Session(grpc::ServerContext* ctx,
+                                        grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
+  v1::SessionRequest hello;
+  if (!stream->Read(&hello)) return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before its request");
+  auto id = daemon_->OpenSession(hello.job(), hello.rank());
+  if (!id.ok()) return ToGrpc(id.status());
+  v1::SessionEvent event;
+  event.set_session_id(*id);
+  if (stream->Write(event)) {
+    v1::SessionRequest ignored;
+    while (stream->Read(&ignored)) {
+    }  // returns false when the trainer closes the stream or its process dies
+  }
+  daemon_->CloseSession(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
+                                         v1::RegisterResponse* resp) {
+  const auto& t = req->topology();
+  Topology topo{t.world_size(), t.tp_rank(), t.tp_degree(), t.pp_rank(), t.pp_degree(), t.shard_rank(),
+                t.shard_degree()};
+  std::vector<TensorSpec> tensors;
+  tensors.reserve(static_cast<size_t>(req->tensors_size()));
+  for (const auto& p : req->tensors()) {
+    auto spec = FromProto(p);
+    if (!spec.ok()) return ToGrpc(spec.status());
+    tensors.push_back(std::move(spec).value());
+  }
+  auto policy = req->backpressure() == v1::BACKPRESSURE_SKIP ? Backpressure::kSkip : Backpressure::kWait;
+  auto result = daemon_->Register(req->session_id(), topo, tensors, policy);
+  if (!result.ok()) return ToGrpc(result.status());
+  *resp = std::move(result).value();
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1::BeginSnapshotRequest* req,
+                                              v1::BeginSnapshotResponse* resp) {
+  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  if (!ticket.ok()) return ToGrpc(ticket.status());
+  resp->set_slot(ticket->slot);
+  resp->set_generation(ticket->generation);
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::Commit(grpc::ServerContext*, const v1::CommitRequest* req, v1::CommitResponse*) {
+  std::optional<double> loss;
+  if (req->has_loss()) loss = req->loss();
+  return ToGrpc(daemon_->Commit(req->session_id(), SlotTicket{req->slot(), req->generation()}, req->step(),
+                                req->persist(), loss, req->extra()));
+}
+
+grpc::Status CheckpointService::AbortSnapshot(grpc::ServerContext*, const v1::AbortSnapshotRequest* req,
+                                              v1::AbortSnapshotResponse*) {
+  return ToGrpc(daemon_->AbortSnapshot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
+}
+
+grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1::WaitPersistedRequest* req,
+                                              v1::WaitPersistedResponse* resp) {
+  auto r = daemon_->WaitPersisted(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  if (!r.ok()) return ToGrpc(r.status());
+  resp->set_persisted_step(r->persisted_step);
+  resp->set_checkpoint_complete(r->checkpoint_complete);
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
+                                        v1::RestoreResponse* resp) {
+  auto r = daemon_->Restore(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 600000)));
+  if (!r.ok()) return ToGrpc(r.status());
+  resp->set_found(r->found);
+  resp->set_step(r->step);
+  resp->set_slot(r->ticket.slot);
+  resp->set_generation(r->ticket.generation);
+  resp->set_extra(r->extra);
+  resp->set_bytes_read(r->bytes_read);
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::ReleaseSlot(grpc::ServerContext*, const v1::ReleaseSlotRequest* req,
+                                            v1::ReleaseSlotResponse*) {
+  return ToGrpc(daemon_->ReleaseSlot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
+}
+
+grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest* req,
+                                                v1::ListCheckpointsResponse* resp) {
+  auto list = daemon_->List(req->job());
+  if (!list.ok()) return ToGrpc(list.status());
+  for (const auto& e : *list) {
+    auto* c = resp->add_checkpoints();
+    c->set_job(e.job);
+    c->set_step(e.step);
+    c->set_complete(e.complete);
+    c->set_signals(e.signals);
+    c->set_world_size(e.world_size);
+    c->set_bytes(e.bytes);
+    c->set_path(e.path);
+    c->set_latest(e.latest);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::GetStatus(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
+  *resp = daemon_->GetStatus();
+  return grpc::Status::OK;
+}
+
+Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
+
+Status Server::Start() {
+  const std::string& path = daemon_->config().socket_path;
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof addr.sun_path) {
+    return InvalidArgument("--socket path must be 1 to " + std::to_string(sizeof addr.sun_path - 1) + " bytes");
+  }
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (!dir.empty() && !PathExists(dir)) RETURN_IF_ERROR(MakeDirs(dir, 0750));
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) return FailedPrecondition(path + " exists and is not a socket");
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size());
+    bool live = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    if (fd >= 0) ::close(fd);
+    if (live) return FailedPrecondition("another daemon is listening on " + path);
+    ::unlink(path.c_str());  // stale socket of a daemon that died
+  }
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service_);
+  server_ = builder.BuildAndStart();
+  if (!server_) return Unavailable("could not listen on unix:" + path);
+  if (::chmod(path.c_str(), 0660) != 0) return ErrnoStatus("chmod", path);
+  Logger("rpc")->info("listening socket={}", path);
+  return Status::OK();
+}
+
+void Server::Shutdown(std::chrono::milliseconds grace) {
+  if (!server_) return;
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  server_->Wait();
+  server_.reset();
+  ::unlink(daemon_->config().socket_path.c_str());
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,60 @@
+// The gRPC edge of the daemon: translates flashckpt.v1 messages to Daemon calls and Status codes
+// to gRPC codes. Nothing else in the daemon knows about gRPC.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "daemon/daemon.h"
+#include "flashckpt.grpc.pb.h"
+
+namespace flashckpt {
+
+grpc::Status ToGrpc(const Status& status);
+
+class CheckpointService final : public v1::Checkpoint::Service {
+ public:
+  explicit CheckpointService(Daemon* daemon) : daemon_(daemon) {}
+
+  grpc::Status Session(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) override;
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
+  grpc::Status BeginSnapshot(grpc::ServerContext* ctx, const v1::BeginSnapshotRequest* req,
+                             v1::BeginSnapshotResponse* resp) override;
+  grpc::Status Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req, v1::CommitResponse* resp) override;
+  grpc::Status AbortSnapshot(grpc::ServerContext* ctx, const v1::AbortSnapshotRequest* req,
+                             v1::AbortSnapshotResponse* resp) override;
+  grpc::Status WaitPersisted(grpc::ServerContext* ctx, const v1::WaitPersistedRequest* req,
+                             v1::WaitPersistedResponse* resp) override;
+  grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req, v1::RestoreResponse* resp) override;
+  grpc::Status ReleaseSlot(grpc::ServerContext* ctx, const v1::ReleaseSlotRequest* req,
+                           v1::ReleaseSlotResponse* resp) override;
+  grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
+                               v1::ListCheckpointsResponse* resp) override;
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* resp) override;
+
+ private:
+  Daemon* daemon_;
+};
+
+// Owns the gRPC server listening on the daemon's UNIX socket.
+class Server {
+ public:
+  explicit Server(Daemon* daemon) : daemon_(daemon), service_(daemon) {}
+  ~Server();
+
+  // Creates the socket's directory if needed (0750), refuses a socket another daemon listens on,
+  // starts listening and sets the socket's mode to 0660.
+  Status Start();
+  // Stops accepting, cancels open streams and waits up to `grace` for handlers to return.
+  void Shutdown(std::chrono::milliseconds grace);
+
+ private:
+  Daemon* daemon_;
+  CheckpointService service_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace flashckpt

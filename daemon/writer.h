@@ -1,0 +1,68 @@
+// The background writer: a fixed pool of threads that turns committed slots into durable files.
+//
+// For each job it stamps the step and checksums into the slot's file images, writes every image
+// with the durable sequence (<name>.tmp, fdatasync, rename, fsync dir), writes the trainer's extra
+// state and then saved_signal_<rank>, and asks the catalog whether the checkpoint is now complete.
+// The slot is owned by the writer while PERSISTING; no lock is held during I/O.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/layout.h"
+#include "common/status.h"
+#include "daemon/catalog.h"
+
+namespace flashckpt {
+
+struct PersistRequest {
+  std::string job;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  int64_t step = 0;
+  const RankLayout* layout = nullptr;  // kept alive by `keep_alive`
+  char* slot = nullptr;                // the slot's first byte
+  std::string extra;
+  std::shared_ptr<void> keep_alive;    // owns the segment while the write runs
+  // Called on a writer thread with the outcome and the bytes written.
+  std::function<void(const Status&, uint64_t bytes, double seconds)> done;
+};
+
+class Writer {
+ public:
+  Writer(Catalog* catalog, unsigned threads, size_t queue_capacity);
+  ~Writer();  // Stop()
+
+  // Queues a request; kResourceExhausted when the queue is full, kUnavailable once stopped.
+  Status Submit(PersistRequest request);
+  // Finishes every queued request, then joins the threads. Idempotent.
+  void Stop();
+
+  // The work itself, also usable synchronously (tests). Returns bytes written.
+  Result<uint64_t> Persist(const PersistRequest& request);
+
+ private:
+  void Run();
+
+  Catalog* catalog_;
+  size_t capacity_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<PersistRequest> queue_;  // guarded by mu_
+  bool stopping_ = false;             // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+// The content of extra.rankNNNNN.json for `extra` (embedded when it is JSON, base64 otherwise),
+// and back.
+std::string EncodeExtra(const std::string& job, uint32_t rank, int64_t step, const std::string& extra);
+Result<std::string> DecodeExtra(const std::string& file_contents);
+
+}  // namespace flashckpt
