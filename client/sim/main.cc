@@ -1,0 +1,227 @@
+// flashckpt-sim: a simulated trainer rank. It holds model and optimizer tensors laid out as a
+// (tp, pp, shard) rank of a job, sets them to values defined by the step and the global element
+// position, snapshots every K steps and, with --resume, restores and checks every element.
+//
+// Value at step s of element (i, j) of layer l: v = ((l*7919 + i*H + j) % 1000) / 1024 + s, exact
+// in fp32 for s < 8192; exp_avg = v / 2, exp_avg_sq = v / 4.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashckpt/client.h"
+
+namespace {
+
+using flashckpt::Status;
+
+struct Options {
+  std::string socket, job;
+  uint32_t rank = 0, world_size = 1, tp_degree = 1, pp_degree = 1, shard_degree = 1;
+  uint32_t layers = 4, hidden = 256;
+  int64_t steps = 100, save_every = 10;
+  bool resume = false;
+  uint32_t step_ms = 0;
+  uint32_t wait_timeout_s = 120;
+};
+
+// One tensor of the simulated rank and its global geometry.
+struct SimTensor {
+  flashckpt::TensorSpec spec;
+  uint32_t layer = 0;
+  float scale = 1.0f;  // 1 for weights, 1/2 for exp_avg, 1/4 for exp_avg_sq
+  std::vector<float> data;
+};
+
+class SimRank {
+ public:
+  explicit SimRank(const Options& o) : o_(o) {
+    tp_ = o.rank % o.tp_degree;
+    pp_ = (o.rank / o.tp_degree) % o.pp_degree;
+    shard_ = o.rank / (o.tp_degree * o.pp_degree);
+    const uint64_t h = o.hidden, rows = h / o.tp_degree;
+    for (uint32_t l = 0; l < o.layers; ++l) {
+      if (l % o.pp_degree != pp_) continue;
+      std::string base = "layers." + std::to_string(l) + ".weight";
+      SimTensor w;
+      w.layer = l;
+      w.spec.name = base;
+      w.spec.kind = flashckpt::TensorKind::kModel;
+      w.spec.shape = {rows, h};
+      w.spec.global_shape = {h, h};
+      w.spec.box_offset = {tp_ * rows, 0};
+      w.spec.box_shape = {rows, h};
+      w.spec.replica = shard_ != 0;  // written to model_state by shard 0 only
+      tensors_.push_back(std::move(w));
+      const uint64_t n = rows * h, chunk = (n + o.shard_degree - 1) / o.shard_degree;
+      const uint64_t begin = std::min<uint64_t>(n, shard_ * chunk), end = std::min<uint64_t>(n, begin + chunk);
+      for (auto [suffix, scale] : {std::pair{".exp_avg", 0.5f}, std::pair{".exp_avg_sq", 0.25f}}) {
+        SimTensor t;
+        t.layer = l;
+        t.scale = scale;
+        t.spec.name = base + suffix;
+        t.spec.kind = flashckpt::TensorKind::kOptimizer;
+        t.spec.shape = {end - begin};
+        t.spec.global_shape = {h, h};
+        t.spec.box_offset = {tp_ * rows, 0};
+        t.spec.box_shape = {rows, h};
+        t.spec.flat_range = flashckpt::FlatRange{begin, end};
+        tensors_.push_back(std::move(t));
+      }
+    }
+    for (auto& t : tensors_) t.data.resize(Elements(t.spec));
+  }
+
+  flashckpt::Topology topology() const {
+    return {o_.world_size, tp_, o_.tp_degree, pp_, o_.pp_degree, shard_, o_.shard_degree};
+  }
+  std::vector<flashckpt::TensorSpec> specs() const {
+    std::vector<flashckpt::TensorSpec> out;
+    for (const auto& t : tensors_) out.push_back(t.spec);
+    return out;
+  }
+  std::vector<flashckpt::TensorBuffer> buffers() {
+    std::vector<flashckpt::TensorBuffer> out;
+    for (auto& t : tensors_) out.push_back({t.spec.name, t.data.data(), t.data.size() * sizeof(float)});
+    return out;
+  }
+
+  void Fill(int64_t step) {
+    for (auto& t : tensors_) {
+      for (uint64_t k = 0; k < t.data.size(); ++k) t.data[k] = Expected(t, k, step);
+    }
+  }
+
+  // Number of elements equal bit for bit to the formula at `step`; prints the first mismatch.
+  uint64_t Verify(int64_t step, bool* ok) const {
+    uint64_t checked = 0;
+    *ok = true;
+    for (const auto& t : tensors_) {
+      for (uint64_t k = 0; k < t.data.size(); ++k) {
+        float want = Expected(t, k, step);
+        if (std::memcmp(&want, &t.data[k], sizeof want) != 0) {
+          std::fprintf(stderr, "mismatch rank=%u tensor=%s element=%" PRIu64 " got=%.9g want=%.9g\n", o_.rank,
+                       t.spec.name.c_str(), k, static_cast<double>(t.data[k]), static_cast<double>(want));
+          *ok = false;
+          return checked;
+        }
+        ++checked;
+      }
+    }
+    return checked;
+  }
+
+ private:
+  static uint64_t Elements(const flashckpt::TensorSpec& s) {
+    uint64_t n = 1;
+    for (auto d : s.shape) n *= d;
+    return n;
+  }
+
+  float Expected(const SimTensor& t, uint64_t k, int64_t step) const {
+    const uint64_t h = o_.hidden;
+    uint64_t flat = t.spec.flat_range ? t.spec.flat_range->begin + k : k;  // index within the box
+    uint64_t i = t.spec.box_offset[0] + flat / h, j = flat % h;
+    float v = static_cast<float>((uint64_t{t.layer} * 7919 + i * h + j) % 1000) / 1024.0f + static_cast<float>(step);
+    return v * t.scale;
+  }
+
+  Options o_;
+  uint32_t tp_ = 0, pp_ = 0, shard_ = 0;
+  std::vector<SimTensor> tensors_;
+};
+
+int Fail(const char* what, const Status& s) {
+  std::fprintf(stderr, "flashckpt-sim: %s: %s\n", what, s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"flashckpt-sim: a simulated trainer rank that saves, resumes and checks its state"};
+  app.add_option("--socket", o.socket, "flashckptd socket")->required();
+  app.add_option("--job", o.job, "job name")->required();
+  app.add_option("--rank", o.rank, "rank")->required();
+  app.add_option("--world-size", o.world_size, "world size")->required()->check(CLI::PositiveNumber);
+  app.add_option("--tp-degree", o.tp_degree, "tensor-parallel degree")->check(CLI::PositiveNumber);
+  app.add_option("--pp-degree", o.pp_degree, "pipeline-parallel degree")->check(CLI::PositiveNumber);
+  app.add_option("--shard-degree", o.shard_degree, "optimizer sharding degree")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers, "layers")->check(CLI::PositiveNumber);
+  app.add_option("--hidden", o.hidden, "hidden size")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "last step")->check(CLI::Range(int64_t{1}, int64_t{8191}));
+  app.add_option("--save-every", o.save_every, "save every K steps")->check(CLI::PositiveNumber);
+  app.add_flag("--resume", o.resume, "restore the latest complete checkpoint first and verify it");
+  app.add_option("--step-ms", o.step_ms, "sleep per step, to stand in for compute");
+  app.add_option("--wait-timeout", o.wait_timeout_s, "seconds to wait for the last save to be durable");
+  CLI11_PARSE(app, argc, argv);
+  if (uint64_t{o.tp_degree} * o.pp_degree * o.shard_degree != o.world_size || o.rank >= o.world_size) {
+    std::fprintf(stderr, "flashckpt-sim: need world-size = tp*pp*shard degrees and rank < world-size\n");
+    return 2;
+  }
+  if (o.hidden % o.tp_degree != 0) {
+    std::fprintf(stderr, "flashckpt-sim: --hidden must be a multiple of --tp-degree\n");
+    return 2;
+  }
+
+  SimRank sim(o);
+  flashckpt::ClientOptions copts;
+  copts.socket_path = o.socket;
+  copts.job = o.job;
+  copts.rank = o.rank;
+  auto client = flashckpt::Client::Connect(copts);
+  if (!client.ok()) return Fail("connect", client.status());
+  flashckpt::Client& c = **client;
+  if (Status s = c.Register(sim.topology(), sim.specs()); !s.ok()) return Fail("register", s);
+
+  int64_t first = 1;
+  if (o.resume) {
+    auto restored = c.Restore(std::nullopt, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
+    if (!restored.ok()) return Fail("restore", restored.status());
+    if (!restored->found) {
+      std::printf("resumed step=0 verified_elements=0 (no complete checkpoint)\n");
+    } else {
+      bool ok = false;
+      uint64_t n = sim.Verify(restored->step, &ok);
+      if (!ok) return Fail("verify", flashckpt::Corruption("restored state differs from the formula"));
+      std::printf("resumed step=%" PRId64 " verified_elements=%" PRIu64 " extra=%s\n", restored->step, n,
+                  restored->extra.c_str());
+      first = restored->step + 1;
+    }
+    std::fflush(stdout);
+  }
+
+  using Clock = std::chrono::steady_clock;
+  Clock::duration blocked{};
+  int64_t last_save = -1, saves = 0;
+  for (int64_t step = first; step <= o.steps; ++step) {
+    sim.Fill(step);
+    if (o.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.step_ms));
+    if (step % o.save_every != 0) continue;
+    flashckpt::SnapshotOptions so;
+    so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
+    auto t0 = Clock::now();
+    auto snap = c.Snapshot(step, sim.buffers(), so);
+    if (!snap.ok()) return Fail("snapshot", snap.status());
+    if (Status s = snap->WaitCopied(); !s.ok()) return Fail("copy", s);
+    blocked += Clock::now() - t0;
+    last_save = step;
+    ++saves;
+    std::printf("saved step=%" PRId64 "\n", step);
+    std::fflush(stdout);
+  }
+  if (last_save > 0) {
+    if (Status s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s)); !s.ok()) {
+      return Fail("wait persisted", s);
+    }
+  }
+  double blocked_ms = std::chrono::duration<double, std::milli>(blocked).count();
+  std::printf("done rank=%u last_step=%" PRId64 " saves=%" PRId64 " blocked_in_save_ms=%.3f\n", o.rank, o.steps, saves,
+              blocked_ms);
+  return 0;
+}

@@ -1,0 +1,326 @@
+#include "flashckpt/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <future>
+#include <map>
+#include <thread>
+
+#include "client/src/copy_pool.h"
+#include "common/dtype.h"
+#include "common/shm.h"
+#include "common/status.h"
+#include "flashckpt.grpc.pb.h"
+
+namespace flashckpt {
+namespace {
+
+Status FromGrpc(const grpc::Status& s, const char* rpc) {
+  if (s.ok()) return Status::OK();
+  StatusCode code = StatusCode::kInternal;
+  switch (s.error_code()) {
+    case grpc::StatusCode::INVALID_ARGUMENT: code = StatusCode::kInvalidArgument; break;
+    case grpc::StatusCode::NOT_FOUND: code = StatusCode::kNotFound; break;
+    case grpc::StatusCode::ALREADY_EXISTS: code = StatusCode::kAlreadyExists; break;
+    case grpc::StatusCode::FAILED_PRECONDITION: code = StatusCode::kFailedPrecondition; break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: code = StatusCode::kResourceExhausted; break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED: code = StatusCode::kDeadlineExceeded; break;
+    case grpc::StatusCode::UNAVAILABLE: code = StatusCode::kUnavailable; break;
+    case grpc::StatusCode::DATA_LOSS: code = StatusCode::kCorruption; break;
+    case grpc::StatusCode::CANCELLED: code = StatusCode::kCancelled; break;
+    default: code = StatusCode::kInternal; break;
+  }
+  return Status(code, std::string(rpc) + ": " + s.error_message());
+}
+
+v1::TensorKind KindToProto(TensorKind k) {
+  switch (k) {
+    case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
+    case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
+    case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
+  }
+  return v1::TENSOR_KIND_UNSPECIFIED;
+}
+
+struct MappedTensor {
+  uint64_t slot_offset = 0;
+  uint64_t bytes = 0;
+  bool replica = false;
+};
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Checkpoint::Stub> stub;
+  // The session stream: open for the client's lifetime.
+  std::unique_ptr<grpc::ClientContext> session_ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> session;
+  std::string session_id;
+  bool closed = false;
+
+  std::unique_ptr<SharedSegment> segment;
+  uint32_t slot_count = 0;
+  uint64_t slot_offset = 0, slot_stride = 0;
+  std::map<std::string, MappedTensor> tensors;
+  std::unique_ptr<CopyPool> copier;
+
+  void Deadline(grpc::ClientContext* ctx, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
+    ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout + extra);
+  }
+  char* Slot(uint32_t i) const { return segment->data() + slot_offset + slot_stride * i; }
+  Status Usable() const {
+    if (closed) return Cancelled("the client is closed");
+    return Status::OK();
+  }
+  // Checks that `buffers` names registered tensors with matching sizes, each at most once, and
+  // covers every tensor `required` selects.
+  Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Match(
+      const std::vector<TensorBuffer>& buffers, bool include_replicas) const;
+};
+
+Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Client::Impl::Match(
+    const std::vector<TensorBuffer>& buffers, bool include_replicas) const {
+  if (!segment) return FailedPrecondition("register the rank's tensors before saving or restoring");
+  std::vector<std::pair<const TensorBuffer*, const MappedTensor*>> out;
+  std::map<std::string, bool> seen;
+  for (const auto& b : buffers) {
+    auto it = tensors.find(b.name);
+    if (it == tensors.end()) return InvalidArgument("tensor '" + b.name + "' was not registered");
+    if (!seen.emplace(b.name, true).second) return InvalidArgument("tensor '" + b.name + "' is given twice");
+    if (b.bytes != it->second.bytes) {
+      return InvalidArgument("tensor '" + b.name + "' has " + std::to_string(b.bytes) + " bytes, registered with " +
+                             std::to_string(it->second.bytes));
+    }
+    if (b.data == nullptr && b.bytes > 0) return InvalidArgument("tensor '" + b.name + "' has no data pointer");
+    if (it->second.replica && !include_replicas) continue;  // replicas are not saved by this rank
+    out.emplace_back(&b, &it->second);
+  }
+  for (const auto& [name, t] : tensors) {
+    if ((include_replicas || !t.replica) && !seen.count(name)) {
+      return InvalidArgument("tensor '" + name + "' is registered but no buffer was given for it");
+    }
+  }
+  return out;
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Client::~Client() { Close(); }
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  // A trainer often starts before the daemon's socket exists: retry quickly instead of backing off to seconds.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  impl->channel = grpc::CreateCustomChannel("unix:" + options.socket_path, grpc::InsecureChannelCredentials(), args);
+  if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
+    return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
+                       std::to_string(options.connect_timeout.count()) + " ms)");
+  }
+  impl->stub = v1::Checkpoint::NewStub(impl->channel);
+
+  impl->session_ctx = std::make_unique<grpc::ClientContext>();
+  impl->session = impl->stub->Session(impl->session_ctx.get());
+  v1::SessionRequest hello;
+  hello.set_job(options.job);
+  hello.set_rank(options.rank);
+  if (!impl->session->Write(hello)) {
+    return FromGrpc(impl->session->Finish(), "Session");
+  }
+  // The first event carries the session id; bound the wait for it.
+  v1::SessionEvent event;
+  auto* stream = impl->session.get();
+  auto reply = std::async(std::launch::async, [stream, &event] { return stream->Read(&event); });
+  if (reply.wait_for(options.rpc_timeout) != std::future_status::ready) {
+    impl->session_ctx->TryCancel();
+    reply.wait();
+    return DeadlineExceeded("flashckptd did not open the session within " +
+                            std::to_string(options.rpc_timeout.count()) + " ms");
+  }
+  if (!reply.get()) return FromGrpc(impl->session->Finish(), "Session");
+  impl->session_id = event.session_id();
+  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  unsigned threads = options.copy_threads != 0 ? options.copy_threads : std::min(hw, 8u);
+  impl->copier = std::make_unique<CopyPool>(threads - 1);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+void Client::Close() {
+  if (!impl_ || impl_->closed) return;
+  impl_->closed = true;
+  if (impl_->session) {
+    impl_->session->WritesDone();
+    impl_->session_ctx->TryCancel();
+    (void)impl_->session->Finish();
+  }
+  impl_->segment.reset();
+}
+
+Status Client::Register(const Topology& topology, const std::vector<TensorSpec>& tensors) {
+  RETURN_IF_ERROR(impl_->Usable());
+  v1::RegisterRequest req;
+  req.set_session_id(impl_->session_id);
+  auto* t = req.mutable_topology();
+  t->set_world_size(topology.world_size);
+  t->set_tp_rank(topology.tp_rank);
+  t->set_tp_degree(topology.tp_degree);
+  t->set_pp_rank(topology.pp_rank);
+  t->set_pp_degree(topology.pp_degree);
+  t->set_shard_rank(topology.shard_rank);
+  t->set_shard_degree(topology.shard_degree);
+  req.set_backpressure(impl_->options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
+  for (const auto& spec : tensors) {
+    auto* p = req.add_tensors();
+    p->set_name(spec.name);
+    p->set_kind(KindToProto(spec.kind));
+    p->set_dtype(std::string(DTypeName(spec.dtype)));
+    for (auto d : spec.shape) p->add_shape(d);
+    for (auto d : spec.global_shape) p->add_global_shape(d);
+    for (auto d : spec.box_offset) p->add_box_offset(d);
+    for (auto d : spec.box_shape) p->add_box_shape(d);
+    if (spec.flat_range) {
+      p->set_has_flat_range(true);
+      p->set_flat_begin(spec.flat_range->begin);
+      p->set_flat_end(spec.flat_range->end);
+    }
+    p->set_replica(spec.replica);
+  }
+  v1::RegisterResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register"));
+
+  impl_->segment.reset();
+  ASSIGN_OR_RETURN(impl_->segment, SharedSegment::Open(resp.segment_name(), resp.segment_bytes()));
+  uint64_t end = resp.slot_offset() + resp.slot_stride() * resp.slot_count();
+  if (resp.slot_count() == 0 || end > resp.segment_bytes()) {
+    impl_->segment.reset();
+    return Internal("the daemon described slots that do not fit its segment");
+  }
+  impl_->slot_count = resp.slot_count();
+  impl_->slot_offset = resp.slot_offset();
+  impl_->slot_stride = resp.slot_stride();
+  impl_->tensors.clear();
+  for (const auto& p : resp.placements()) {
+    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
+      impl_->segment.reset();
+      return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
+    }
+    impl_->tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty()};
+  }
+  return Status::OK();
+}
+
+Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
+                                        const SnapshotOptions& options) {
+  RETURN_IF_ERROR(impl_->Usable());
+  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, /*include_replicas=*/false));
+
+  v1::BeginSnapshotRequest begin;
+  begin.set_session_id(impl_->session_id);
+  begin.set_step(step);
+  begin.set_timeout_ms(static_cast<uint32_t>(impl_->options.slot_timeout.count()));
+  v1::BeginSnapshotResponse slot;
+  {
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, impl_->options.slot_timeout);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->BeginSnapshot(&ctx, begin, &slot), "BeginSnapshot"));
+  }
+  if (slot.slot() >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
+
+  char* base = impl_->Slot(slot.slot());
+  std::vector<CopyTask> tasks;
+  tasks.reserve(matched.size());
+  for (const auto& [buffer, mapped] : matched) tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
+  impl_->copier->Run(tasks);
+
+  v1::CommitRequest commit;
+  commit.set_session_id(impl_->session_id);
+  commit.set_slot(slot.slot());
+  commit.set_generation(slot.generation());
+  commit.set_step(step);
+  commit.set_persist(options.persist);
+  if (options.loss) {
+    commit.set_has_loss(true);
+    commit.set_loss(*options.loss);
+  }
+  commit.set_extra(options.extra);
+  v1::CommitResponse committed;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx);
+  Status status = FromGrpc(impl_->stub->Commit(&ctx, commit, &committed), "Commit");
+  if (!status.ok()) {
+    // Give the slot back so a failed commit does not hold it until the session ends.
+    v1::AbortSnapshotRequest abort;
+    abort.set_session_id(impl_->session_id);
+    abort.set_slot(slot.slot());
+    abort.set_generation(slot.generation());
+    v1::AbortSnapshotResponse aborted;
+    grpc::ClientContext abort_ctx;
+    impl_->Deadline(&abort_ctx);
+    (void)impl_->stub->AbortSnapshot(&abort_ctx, abort, &aborted);
+    return status;
+  }
+  SnapshotHandle handle;
+  handle.step_ = step;
+  return handle;
+}
+
+Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(impl_->Usable());
+  v1::WaitPersistedRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_step(step);
+  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
+  v1::WaitPersistedResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, timeout);
+  return FromGrpc(impl_->stub->WaitPersisted(&ctx, req, &resp), "WaitPersisted");
+}
+
+Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
+                                      std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(impl_->Usable());
+  if (step && *step <= 0) return InvalidArgument("restore step must be positive (or nullopt for the latest)");
+  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, /*include_replicas=*/true));
+  v1::RestoreRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_step(step.value_or(0));
+  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
+  v1::RestoreResponse resp;
+  {
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, timeout);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore"));
+  }
+  RestoreResult result;
+  if (!resp.found()) return result;
+  if (resp.slot() >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
+  const char* base = impl_->Slot(resp.slot());
+  std::vector<CopyTask> tasks;
+  for (const auto& [buffer, mapped] : matched) {
+    tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
+    result.bytes += buffer->bytes;
+  }
+  impl_->copier->Run(tasks);
+  v1::ReleaseSlotRequest release;
+  release.set_session_id(impl_->session_id);
+  release.set_slot(resp.slot());
+  release.set_generation(resp.generation());
+  v1::ReleaseSlotResponse released;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->ReleaseSlot(&ctx, release, &released), "ReleaseSlot"));
+  result.found = true;
+  result.step = resp.step();
+  result.extra = resp.extra();
+  return result;
+}
+
+}  // namespace flashckpt
