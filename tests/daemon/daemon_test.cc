@@ -1,0 +1,371 @@
+// The daemon behind its real gRPC service on a temporary UNIX socket, driven by the real client
+// library and, for requests the library never sends, by a raw stub.
+#include <grpcpp/grpcpp.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/metadata.h"
+#include "daemon/service.h"
+#include "flashckpt.grpc.pb.h"
+#include "flashckpt/client.h"
+#include "testing.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/flashckpt-daemon-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    StartDaemon(64ull << 20);
+  }
+  void TearDown() override {
+    StopDaemon();
+    std::filesystem::remove_all(dir_);
+  }
+
+  void StartDaemon(uint64_t budget) {
+    DaemonConfig c;
+    c.socket_path = dir_ + "/run/flashckptd.sock";
+    c.root = dir_ + "/root";
+    c.max_host_memory = budget;
+    c.slots = 2;
+    daemon_ = std::make_unique<Daemon>(c);
+    ASSERT_OK(daemon_->Start());
+    server_ = std::make_unique<Server>(daemon_.get());
+    ASSERT_OK(server_->Start());
+  }
+  void StopDaemon() {
+    if (daemon_) daemon_->Stop();
+    if (server_) server_->Shutdown(1s);
+    server_.reset();
+    daemon_.reset();
+  }
+
+  std::string socket() const { return dir_ + "/run/flashckptd.sock"; }
+  std::string root() const { return dir_ + "/root"; }
+
+  std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank) {
+    ClientOptions o;
+    o.socket_path = socket();
+    o.job = job;
+    o.rank = rank;
+    o.rpc_timeout = 5s;
+    o.slot_timeout = 2s;
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  std::unique_ptr<v1::Checkpoint::Stub> Stub() {
+    return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + socket(), grpc::InsecureChannelCredentials()));
+  }
+
+  // Two F32 tensors: a model weight and an optimizer state.
+  static std::vector<TensorSpec> Specs(uint64_t n) {
+    TensorSpec w;
+    w.name = "w";
+    w.shape = {n};
+    TensorSpec m = w;
+    m.name = "w.exp_avg";
+    m.kind = TensorKind::kOptimizer;
+    return {w, m};
+  }
+
+  std::string dir_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Server> server_;
+};
+
+TEST_F(DaemonTest, SaveWaitAndRestoreRoundTrip) {
+  auto c = Connect("job1", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, Specs(1000)));
+  std::vector<float> w(1000), m(1000);
+  for (int i = 0; i < 1000; ++i) w[i] = static_cast<float>(i), m[i] = static_cast<float>(-i);
+  std::vector<TensorBuffer> bufs = {{"w", w.data(), 4000}, {"w.exp_avg", m.data(), 4000}};
+  SnapshotOptions so;
+  so.extra = "{\"data_pos\":42}";
+  auto snap = c->Snapshot(7, bufs, so);
+  ASSERT_OK(snap.status());
+  ASSERT_OK(snap->WaitCopied());
+  ASSERT_OK(c->WaitPersisted(7, 10s));
+  EXPECT_TRUE(PathExists(root() + "/job1/checkpoint-7/metadata.json"));
+  auto latest = ReadSmallFile(root() + "/job1/LATEST", 100);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "7\n");
+
+  std::fill(w.begin(), w.end(), 0.f);
+  std::fill(m.begin(), m.end(), 0.f);
+  auto r = c->Restore(std::nullopt, bufs, 10s);
+  ASSERT_OK(r.status());
+  ASSERT_TRUE(r->found);
+  EXPECT_EQ(r->step, 7);
+  EXPECT_EQ(r->extra, "{\"data_pos\":42}");
+  for (int i = 0; i < 1000; ++i) {
+    ASSERT_EQ(w[i], static_cast<float>(i));
+    ASSERT_EQ(m[i], static_cast<float>(-i));
+  }
+}
+
+TEST_F(DaemonTest, RegistrationOverBudgetIsRefusedWithSizes) {
+  auto c = Connect("big", 0);
+  ASSERT_TRUE(c);
+  Status s = c->Register(Topology{}, Specs(16ull << 20));  // 2 x 64 MiB per slot, budget 64 MiB
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find("--max-host-memory"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("budget is 64.0 MiB"), std::string::npos) << s.message();
+  // The daemon keeps serving: a small registration on the same session works.
+  ASSERT_OK(c->Register(Topology{}, Specs(1000)));
+}
+
+TEST_F(DaemonTest, UnknownJobOnRestore) {
+  auto c = Connect("never-saved", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, Specs(10)));
+  std::vector<float> w(10), m(10);
+  std::vector<TensorBuffer> bufs = {{"w", w.data(), 40}, {"w.exp_avg", m.data(), 40}};
+  auto latest = c->Restore(std::nullopt, bufs, 5s);
+  ASSERT_OK(latest.status());
+  EXPECT_FALSE(latest->found);
+  auto named = c->Restore(100, bufs, 5s);
+  EXPECT_EQ(named.status().code(), StatusCode::kNotFound) << named.status().ToString();
+  EXPECT_NE(named.status().message().find("never-saved"), std::string::npos);
+}
+
+TEST_F(DaemonTest, BadJobNamesAreRefusedAndTheDaemonKeepsServing) {
+  for (const std::string& bad : std::vector<std::string>{"a/b", "..", "../etc", "", std::string(200, 'x')}) {
+    ClientOptions o;
+    o.socket_path = socket();
+    o.job = bad;
+    o.rpc_timeout = 5s;
+    auto c = Client::Connect(o);
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << "job '" << bad << "': " << c.status().ToString();
+  }
+  EXPECT_FALSE(PathExists(dir_ + "/etc"));
+  auto ok = Connect("good", 0);
+  ASSERT_TRUE(ok);
+  ASSERT_OK(ok->Register(Topology{}, Specs(10)));
+}
+
+class RawSession {
+ public:
+  RawSession(v1::Checkpoint::Stub* stub, const std::string& job, uint32_t rank) {
+    stream_ = stub->Session(&ctx_);
+    v1::SessionRequest hello;
+    hello.set_job(job);
+    hello.set_rank(rank);
+    stream_->Write(hello);
+    v1::SessionEvent ev;
+    if (stream_->Read(&ev)) id_ = ev.session_id();
+  }
+  ~RawSession() {
+    ctx_.TryCancel();
+    (void)stream_->Finish();
+  }
+  const std::string& id() const { return id_; }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream_;
+  std::string id_;
+};
+
+v1::RegisterRequest SmallRegistration(const std::string& session) {
+  v1::RegisterRequest req;
+  req.set_session_id(session);
+  auto* t = req.mutable_topology();
+  t->set_world_size(1);
+  t->set_tp_degree(1);
+  t->set_pp_degree(1);
+  t->set_shard_degree(1);
+  auto* p = req.add_tensors();
+  p->set_name("w");
+  p->set_kind(v1::TENSOR_KIND_MODEL);
+  p->set_dtype("F32");
+  p->add_shape(16);
+  return req;
+}
+
+TEST_F(DaemonTest, CommitOfASlotNotHandedOutAndDoubleCommitAreRefused) {
+  auto stub = Stub();
+  RawSession session(stub.get(), "raw", 0);
+  ASSERT_FALSE(session.id().empty());
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterResponse resp;
+    ASSERT_TRUE(stub->Register(&ctx, SmallRegistration(session.id()), &resp).ok());
+  }
+  auto commit = [&](uint32_t slot, uint64_t gen, int64_t step) {
+    v1::CommitRequest req;
+    req.set_session_id(session.id());
+    req.set_slot(slot);
+    req.set_generation(gen);
+    req.set_step(step);
+    req.set_persist(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+    v1::CommitResponse resp;
+    return stub->Commit(&ctx, req, &resp);
+  };
+  grpc::Status never = commit(1, 1, 5);
+  EXPECT_EQ(never.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << never.error_message();
+  EXPECT_NE(never.error_message().find("not handed out"), std::string::npos) << never.error_message();
+  EXPECT_EQ(commit(9, 1, 5).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  v1::BeginSnapshotRequest begin;
+  begin.set_session_id(session.id());
+  begin.set_step(5);
+  begin.set_timeout_ms(1000);
+  v1::BeginSnapshotResponse slot;
+  grpc::ClientContext bctx;
+  ASSERT_TRUE(stub->BeginSnapshot(&bctx, begin, &slot).ok());
+  ASSERT_TRUE(commit(slot.slot(), slot.generation(), 5).ok());
+  grpc::Status twice = commit(slot.slot(), slot.generation(), 5);
+  EXPECT_EQ(twice.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << twice.error_message();
+
+  // A request naming a session that does not exist.
+  v1::BeginSnapshotRequest forged = begin;
+  forged.set_session_id("0123456789abcdef");
+  grpc::ClientContext fctx;
+  EXPECT_EQ(stub->BeginSnapshot(&fctx, forged, &slot).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+  // The daemon is still serving.
+  grpc::ClientContext sctx;
+  v1::StatusResponse status;
+  ASSERT_TRUE(stub->GetStatus(&sctx, v1::StatusRequest(), &status).ok());
+  ASSERT_EQ(status.jobs_size(), 1);
+  EXPECT_EQ(status.jobs(0).job(), "raw");
+}
+
+TEST_F(DaemonTest, MalformedTensorSpecsAreRefused) {
+  auto stub = Stub();
+  RawSession session(stub.get(), "specs", 0);
+  auto reg = [&](v1::RegisterRequest req) {
+    grpc::ClientContext ctx;
+    v1::RegisterResponse resp;
+    return stub->Register(&ctx, req, &resp);
+  };
+  auto unknown_dtype = SmallRegistration(session.id());
+  unknown_dtype.mutable_tensors(0)->set_dtype("F8");
+  EXPECT_EQ(reg(unknown_dtype).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto no_kind = SmallRegistration(session.id());
+  no_kind.mutable_tensors(0)->set_kind(v1::TENSOR_KIND_UNSPECIFIED);
+  EXPECT_EQ(reg(no_kind).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto huge = SmallRegistration(session.id());
+  huge.mutable_tensors(0)->clear_shape();
+  for (int i = 0; i < 4; ++i) huge.mutable_tensors(0)->add_shape(1ull << 20);  // 2^80 elements
+  EXPECT_EQ(reg(huge).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto bad_topology = SmallRegistration(session.id());
+  bad_topology.mutable_topology()->set_world_size(3);
+  EXPECT_EQ(reg(bad_topology).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto bad_name = SmallRegistration(session.id());
+  bad_name.mutable_tensors(0)->set_name("x\"y");
+  EXPECT_EQ(reg(bad_name).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(reg(SmallRegistration(session.id())).ok());
+}
+
+TEST_F(DaemonTest, NoFreeSlotWaitsUntilItsDeadlineThenFails) {
+  auto stub = Stub();
+  RawSession session(stub.get(), "busy", 0);
+  grpc::ClientContext rctx;
+  v1::RegisterResponse resp;
+  ASSERT_TRUE(stub->Register(&rctx, SmallRegistration(session.id()), &resp).ok());
+  auto begin = [&](int64_t step) {
+    v1::BeginSnapshotRequest req;
+    req.set_session_id(session.id());
+    req.set_step(step);
+    req.set_timeout_ms(300);
+    grpc::ClientContext ctx;
+    v1::BeginSnapshotResponse slot;
+    return stub->BeginSnapshot(&ctx, req, &slot);
+  };
+  ASSERT_TRUE(begin(1).ok());
+  ASSERT_TRUE(begin(2).ok());
+  auto start = std::chrono::steady_clock::now();
+  grpc::Status third = begin(3);
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << third.error_message();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 250ms);
+  EXPECT_EQ(begin(2).error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // steps must increase
+}
+
+TEST_F(DaemonTest, AClosedSessionGivesItsFillingSlotsBack) {
+  auto stub = Stub();
+  {
+    RawSession session(stub.get(), "gone", 0);
+    grpc::ClientContext rctx;
+    v1::RegisterResponse resp;
+    ASSERT_TRUE(stub->Register(&rctx, SmallRegistration(session.id()), &resp).ok());
+    for (int64_t step : {1, 2}) {
+      v1::BeginSnapshotRequest req;
+      req.set_session_id(session.id());
+      req.set_step(step);
+      grpc::ClientContext ctx;
+      v1::BeginSnapshotResponse slot;
+      ASSERT_TRUE(stub->BeginSnapshot(&ctx, req, &slot).ok());
+    }
+  }  // the stream ends as if the trainer died
+  bool freed = false;
+  for (int i = 0; i < 100 && !freed; ++i) {
+    auto st = daemon_->GetStatus();
+    freed = st.jobs_size() == 1 && st.jobs(0).ranks(0).slots_size() == 2 && !st.jobs(0).ranks(0).connected() &&
+            st.jobs(0).ranks(0).slots(0).state() == "free" && st.jobs(0).ranks(0).slots(1).state() == "free";
+    if (!freed) std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(freed);
+}
+
+TEST_F(DaemonTest, SegmentIsPrivateToTheDaemonUser) {
+  auto c = Connect("perm", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, Specs(10)));
+  int found = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    std::string name = e.path().filename().string();
+    if (name.rfind("flashckpt.perm.0.", 0) != 0) continue;
+    struct stat st {};
+    ASSERT_EQ(::stat(e.path().c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << name;
+    EXPECT_EQ(name.size(), std::string("flashckpt.perm.0.").size() + 16) << "random token expected: " << name;
+    ++found;
+  }
+  EXPECT_EQ(found, 1);
+  struct stat sock {};
+  ASSERT_EQ(::stat(socket().c_str(), &sock), 0);
+  EXPECT_EQ(sock.st_mode & 0777, 0660u);
+}
+
+TEST_F(DaemonTest, ACompleteCheckpointIsNeverOverwritten) {
+  auto c = Connect("once", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, Specs(10)));
+  std::vector<float> w(10, 1.f), m(10, 2.f);
+  std::vector<TensorBuffer> bufs = {{"w", w.data(), 40}, {"w.exp_avg", m.data(), 40}};
+  ASSERT_OK(c->Snapshot(3, bufs, {}).status());
+  ASSERT_OK(c->WaitPersisted(3, 10s));
+  c.reset();
+  auto again = Connect("once", 0);
+  ASSERT_TRUE(again);
+  ASSERT_OK(again->Register(Topology{}, Specs(10)));
+  auto s = again->Snapshot(3, bufs, {});
+  EXPECT_EQ(s.status().code(), StatusCode::kAlreadyExists) << s.status().ToString();
+}
+
+TEST_F(DaemonTest, WaitPersistedForAStepNeverCommittedFailsFast) {
+  auto c = Connect("wait", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, Specs(10)));
+  Status s = c->WaitPersisted(50, 10s);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+}
+
+}  // namespace
+}  // namespace flashckpt
