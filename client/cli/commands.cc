@@ -1,0 +1,126 @@
+#include "client/cli/commands.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "client/cli/render.h"
+#include "common/status.h"
+#include "common/verify.h"
+#include "flashckpt.grpc.pb.h"
+
+namespace flashckpt::cli {
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// Strings from the daemon or the disk may hold invalid UTF-8 (a path, an errno text); replace
+// those bytes rather than let the JSON library throw.
+void PrintJson(const ordered_json& j) {
+  std::cout << j.dump(2, ' ', false, ordered_json::error_handler_t::replace) << "\n";
+}
+
+std::unique_ptr<v1::Checkpoint::Stub> Connect(const std::string& socket) {
+  return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+}
+
+void SetDeadline(grpc::ClientContext* ctx) { ctx->set_deadline(std::chrono::system_clock::now() + kRpcDeadline); }
+
+const char* GrpcCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    default: return "UNRECOGNIZED";
+  }
+}
+
+// Prints a failed RPC the way an operator can act on: unreachable daemon first, then the code.
+int ReportRpcError(const grpc::Status& s, const std::string& socket, const char* rpc) {
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    std::cerr << "flashckpt: daemon not reachable at " << socket << " (UNAVAILABLE: " << s.error_message()
+              << "); is flashckptd running, and is --socket right?\n";
+  } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    std::cerr << "flashckpt: " << rpc << " got no answer from " << socket << " within " << kRpcDeadline.count()
+              << " s (DEADLINE_EXCEEDED)\n";
+  } else {
+    std::cerr << "flashckpt: " << rpc << " failed: " << GrpcCodeName(s.error_code()) << " (gRPC code "
+              << static_cast<int>(s.error_code()) << "): " << s.error_message() << "\n";
+  }
+  return kExitRpcFailed;
+}
+
+}  // namespace
+
+int RunStatus(const std::string& socket, bool json) {
+  auto stub = Connect(socket);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::StatusResponse resp;
+  grpc::Status s = stub->GetStatus(&ctx, v1::StatusRequest{}, &resp);
+  if (!s.ok()) return ReportRpcError(s, socket, "GetStatus");
+  if (json)
+    PrintJson(StatusJson(resp));
+  else
+    std::cout << StatusText(resp);
+  return kExitOk;
+}
+
+int RunList(const std::string& socket, const std::string& job, bool json) {
+  auto stub = Connect(socket);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ListCheckpointsRequest req;
+  req.set_job(job);
+  v1::ListCheckpointsResponse resp;
+  grpc::Status s = stub->ListCheckpoints(&ctx, req, &resp);
+  if (!s.ok()) return ReportRpcError(s, socket, "ListCheckpoints");
+  if (json)
+    PrintJson(ListJson(resp));
+  else
+    std::cout << ListText(resp);
+  return kExitOk;
+}
+
+int RunVerify(const std::string& dir, bool json) {
+  VerifyReport report;
+  Status s = VerifyCheckpointDir(dir, &report);
+  if (json) {
+    ordered_json j = {{"dir", dir},           {"ok", s.ok()},          {"job", report.job},
+                      {"step", report.step},  {"files", report.files}, {"tensors", report.tensors},
+                      {"bytes", report.bytes}};
+    if (!s.ok()) {
+      j["code"] = std::string(StatusCodeName(s.code()));
+      j["error"] = s.message();
+    }
+    PrintJson(j);
+  }
+  if (!s.ok()) {
+    std::cerr << "flashckpt: verify " << dir << " failed: " << s.ToString() << "\n";
+    return kExitVerifyFailed;
+  }
+  if (!json) {
+    std::cout << "ok: " << report.files << " files, " << report.tensors << " tensors, " << report.bytes
+              << " bytes verified (job " << report.job << ", step " << report.step << ")\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace flashckpt::cli

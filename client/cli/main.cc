@@ -1,0 +1,38 @@
+// flashckpt: the operator command. Asks the local flashckptd for its status and checkpoints, and
+// verifies checkpoint directories offline.
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "client/cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};
+  app.footer(
+      "Exit status: 0 ok, 1 checkpoint failed verification, 2 daemon unreachable or RPC error,\n"
+      "other values: command-line usage error.");
+  app.set_version_flag("--version", "flashckpt 0.1.0");
+  app.require_subcommand(1);
+  app.fallthrough();  // `flashckpt status --socket PATH` works as well as `flashckpt --socket PATH status`
+  std::string socket = "/run/flashckpt/flashckptd.sock";
+  app.add_option("--socket", socket, "UNIX socket of the daemon")->envname("FLASHCKPT_SOCKET")->capture_default_str();
+
+  bool json = false;
+  CLI::App* status = app.add_subcommand("status", "Show the daemon, its memory and every registered rank");
+  status->add_flag("--json", json, "Print JSON instead of a table");
+
+  std::string job;
+  CLI::App* list = app.add_subcommand("list", "List checkpoints under the daemon's root");
+  list->add_option("--job", job, "Only this job");
+  list->add_flag("--json", json, "Print JSON instead of a table");
+
+  std::string dir;
+  CLI::App* verify = app.add_subcommand("verify", "Check a checkpoint directory's files and checksums (offline)");
+  verify->add_option("dir", dir, "The checkpoint directory, e.g. <root>/<job>/checkpoint-1200")->required();
+  verify->add_flag("--json", json, "Print the result as JSON");
+
+  CLI11_PARSE(app, argc, argv);
+
+  if (*status) return flashckpt::cli::RunStatus(socket, json);
+  if (*list) return flashckpt::cli::RunList(socket, job, json);
+  return flashckpt::cli::RunVerify(dir, json);
+}

@@ -1,0 +1,24 @@
+// How `flashckpt` shows daemon answers: aligned text tables for people, JSON for scripts. Pure
+// functions of the response messages, so the output does not depend on how they were fetched.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "flashckpt.pb.h"
+
+namespace flashckpt::cli {
+
+// "2h 03m 14s", "45s", "3d 01h 00m".
+std::string FormatDuration(double seconds);
+
+// The GetStatus answer: daemon, memory, root, then a table of ranks per job. Steps that have not
+// happened yet (negative) show as "-" in text and null in JSON.
+std::string StatusText(const v1::StatusResponse& status);
+nlohmann::ordered_json StatusJson(const v1::StatusResponse& status);
+
+// The ListCheckpoints answer: one row per checkpoint directory.
+std::string ListText(const v1::ListCheckpointsResponse& list);
+nlohmann::ordered_json ListJson(const v1::ListCheckpointsResponse& list);
+
+}  // namespace flashckpt::cli

@@ -1,0 +1,46 @@
+// Writes a real checkpoint directory the way the daemon does: a rank layout, a filled and stamped
+// slot, each image's bytes written durably as "<stem>.safetensors", then metadata.json.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/fs.h"
+#include "common/image.h"
+#include "common/layout.h"
+#include "common/metadata.h"
+#include "test_util.h"
+
+namespace flashckpt::testing {
+
+// Writes rank `rank`'s files of step `step` into `dir` (which must exist). Tensor bytes are a
+// pattern derived from `seed` and the tensor index.
+inline Status WriteRankFiles(const std::string& dir, const std::string& job, uint32_t rank, const Topology& topology,
+                             const std::vector<TensorSpec>& specs, int64_t step, uint32_t seed = 1) {
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(job, rank, topology, specs));
+  SlotBuffer slot(layout.slot_bytes);
+  if (slot.data() == nullptr) return Internal("aligned_alloc failed");
+  InitSlotImages(slot.data(), layout);
+  for (size_t t = 0; t < layout.tensors.size(); ++t) {
+    const Placement& p = layout.placements[t];
+    for (uint64_t i = 0; i < p.bytes; ++i) {
+      slot.data()[p.slot_offset + i] = static_cast<char>(i * 131 + t * 17 + seed);
+    }
+  }
+  for (size_t f = 0; f < layout.files.size(); ++f) {
+    StampImage(slot.data(), layout, f, step);
+    const FileImage& image = layout.files[f];
+    RETURN_IF_ERROR(WriteFileDurably(dir, image.stem + ".safetensors",
+                                     std::string_view(slot.data() + image.slot_offset, image.file_bytes())));
+  }
+  return Status::OK();
+}
+
+// Gathers metadata.json from the files' own headers, as the last daemon to see a signal does.
+inline Status WriteMetadata(const std::string& dir) {
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromDir(dir));
+  return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
+}
+
+}  // namespace flashckpt::testing
