@@ -46,6 +46,7 @@ std::string_view TensorKindName(TensorKind kind) {
     case TensorKind::kModel: return "model";
     case TensorKind::kOptimizer: return "optimizer";
     case TensorKind::kMasterWeight: return "master_weight";
+    case TensorKind::kEma: return "ema";
   }
   return "unknown";
 }
@@ -54,6 +55,7 @@ std::optional<TensorKind> ParseTensorKind(std::string_view name) {
   if (name == "model") return TensorKind::kModel;
   if (name == "optimizer") return TensorKind::kOptimizer;
   if (name == "master_weight") return TensorKind::kMasterWeight;
+  if (name == "ema") return TensorKind::kEma;
   return std::nullopt;
 }
 

@@ -13,7 +13,13 @@ uint64_t AlignUp(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSiz
 
 std::string ShapeJson(const std::vector<uint64_t>& v) { return nlohmann::json(v).dump(); }
 
-const char* FileKindOf(TensorKind kind) { return kind == TensorKind::kModel ? "model_state" : "optimizer"; }
+const char* FileKindOf(TensorKind kind) {
+  switch (kind) {
+    case TensorKind::kModel: return "model_state";
+    case TensorKind::kEma: return "ema";
+    default: return "optimizer";
+  }
+}
 
 Result<uint64_t> Numel(const std::vector<uint64_t>& shape) {
   uint64_t n = 1;
@@ -96,7 +102,7 @@ Result<TensorSpec> NormalizeTensorSpec(const TensorSpec& in) {
 }
 
 Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const Topology& topology,
-                                   const std::vector<TensorSpec>& specs) {
+                                   const std::vector<TensorSpec>& specs, const LayoutExtras& extras) {
   RETURN_IF_ERROR(ValidateJobName(job));
   RETURN_IF_ERROR(ValidateTopology(topology, rank));
   if (specs.empty()) return InvalidArgument("a rank must register at least one tensor");
@@ -117,7 +123,7 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
   layout.placements.resize(layout.tensors.size());
 
   uint64_t offset = kPageSize;  // the slot header page
-  for (const char* kind : {"model_state", "optimizer"}) {
+  for (const char* kind : {"model_state", "optimizer", "ema"}) {
     std::vector<size_t> members;
     for (size_t i = 0; i < layout.tensors.size(); ++i) {
       const auto& t = layout.tensors[i];
@@ -149,6 +155,9 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
     builder.AddMetadata("shard_rank", std::to_string(topology.shard_rank));
     builder.AddMetadata("shard_degree", std::to_string(topology.shard_degree));
     size_t step_field = builder.AddFixedWidthMetadata("step", kStepFieldWidth);
+    for (const auto& [key, value] : extras.metadata) builder.AddMetadata(key, value);
+    std::vector<size_t> extra_fields;
+    for (const auto& [key, width] : extras.fixed_fields) extra_fields.push_back(builder.AddFixedWidthMetadata(key, width));
     std::vector<size_t> checksum_fields;
     uint64_t data = 0;
     for (size_t i : members) {
@@ -171,6 +180,7 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
     ASSIGN_OR_RETURN(auto built, builder.Build());
     image.header = std::move(built.bytes);
     image.step_field = built.field_offsets[step_field];
+    for (size_t id : extra_fields) image.extra_fields.push_back(built.field_offsets[id]);
     image.data_bytes = data;
     image.slot_offset = offset;
     int file_index = static_cast<int>(layout.files.size());

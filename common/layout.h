@@ -41,6 +41,7 @@ struct FileImage {
   uint64_t data_bytes = 0;     // tensor bytes after the header
   uint64_t step_field = 0;     // offset of the step digits within the image
   std::vector<size_t> tensors;  // indices into RankLayout::tensors, in data order
+  std::vector<uint64_t> extra_fields;  // offsets within the image of LayoutExtras::fixed_fields
 
   uint64_t file_bytes() const { return header.size() + data_bytes; }
 };
@@ -66,9 +67,16 @@ struct RankLayout {
   int Find(const std::string& name) const;
 };
 
+// Metadata added to every file image of a layout: fixed strings, and fixed-width decimal fields
+// (zero-filled) whose offsets land in FileImage::extra_fields, to be written at save time.
+struct LayoutExtras {
+  std::vector<std::pair<std::string, std::string>> metadata;
+  std::vector<std::pair<std::string, size_t>> fixed_fields;
+};
+
 // Builds the layout; fails with a message naming the offending tensor on bad specs or duplicates.
 Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const Topology& topology,
-                                   const std::vector<TensorSpec>& specs);
+                                   const std::vector<TensorSpec>& specs, const LayoutExtras& extras = {});
 
 // The metadata keys flashckpt writes per tensor into a file's __metadata__: "<name>@<what>".
 std::string TensorMetaKey(const std::string& name, const char* what);

@@ -1,6 +1,7 @@
 #include "common/metadata.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <ctime>
 #include <nlohmann/json.hpp>
@@ -83,6 +84,54 @@ Status CheckPieceGeometry(const Piece& p) {
   return Status::OK();
 }
 
+Result<double> DoubleMeta(const std::map<std::string, std::string>& meta, const std::string& key) {
+  auto it = meta.find(key);
+  if (it == meta.end()) return Corruption("missing metadata key '" + key + "'");
+  char* end = nullptr;
+  double v = std::strtod(it->second.c_str(), &end);
+  if (it->second.empty() || end != it->second.c_str() + it->second.size()) {
+    return Corruption("metadata key '" + key + "' is not a number");
+  }
+  return v;
+}
+
+Result<uint64_t> CounterMeta(const std::map<std::string, std::string>& meta, const std::string& key) {
+  auto it = meta.find(key);
+  if (it == meta.end()) return Corruption("missing metadata key '" + key + "'");
+  const std::string& s = it->second;
+  if (s.empty() || s.size() > 20 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return Corruption("metadata key '" + key + "' is not a decimal counter");
+  }
+  return std::stoull(s);
+}
+
+Result<EmaRecord> EmaRecordFromHeader(const std::map<std::string, std::string>& m, const std::string& path) {
+  EmaRecord r;
+  auto fail = [&](const Status& s) { return s.WithContext(path); };
+  auto decay = DoubleMeta(m, "ema_decay");
+  if (!decay.ok()) return fail(decay.status());
+  r.decay = *decay;
+  auto interval = U32Meta(m, "ema_interval");
+  if (!interval.ok()) return fail(interval.status());
+  r.interval = *interval;
+  if (!m.count("ema_init") || !m.count("ema_model_params")) return Corruption(path + ": ema_init or ema_model_params missing");
+  r.init = m.at("ema_init");
+  r.model_params = m.at("ema_model_params");
+  if (m.count("ema_loss_threshold")) {
+    auto t = DoubleMeta(m, "ema_loss_threshold");
+    if (!t.ok()) return fail(t.status());
+    r.loss_threshold = *t;
+  }
+  auto applied = CounterMeta(m, "ema_updates_applied");
+  auto skipped = CounterMeta(m, "ema_updates_skipped");
+  auto last = CounterMeta(m, "ema_last_step");
+  if (!applied.ok() || !skipped.ok() || !last.ok()) return Corruption(path + ": EMA counters missing or malformed");
+  r.updates_applied = *applied;
+  r.updates_skipped = *skipped;
+  r.last_step = static_cast<int64_t>(*last);
+  return r;
+}
+
 }  // namespace
 
 Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name) {
@@ -101,11 +150,17 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
     auto k = ParseTensorKind(kind->second);
     if (!k) return fail("unknown kind '" + kind->second + "'");
     p.kind = *k;
-    ASSIGN_OR_RETURN(p.global_shape, U64ArrayFromString(header.metadata, TensorMetaKey(e.name, "global_shape")));
-    ASSIGN_OR_RETURN(p.box_offset, U64ArrayFromString(header.metadata, TensorMetaKey(e.name, "box_offset")));
-    ASSIGN_OR_RETURN(p.box_shape, U64ArrayFromString(header.metadata, TensorMetaKey(e.name, "box_shape")));
+    // Errors name the file and the tensor, like every other error of this function.
+    auto array_meta = [&](const char* what) -> Result<std::vector<uint64_t>> {
+      auto r = U64ArrayFromString(header.metadata, TensorMetaKey(e.name, what));
+      if (!r.ok()) return r.status().WithContext(file_name + ": tensor '" + e.name + "'");
+      return r;
+    };
+    ASSIGN_OR_RETURN(p.global_shape, array_meta("global_shape"));
+    ASSIGN_OR_RETURN(p.box_offset, array_meta("box_offset"));
+    ASSIGN_OR_RETURN(p.box_shape, array_meta("box_shape"));
     if (header.metadata.count(TensorMetaKey(e.name, "flat_range"))) {
-      ASSIGN_OR_RETURN(auto r, U64ArrayFromString(header.metadata, TensorMetaKey(e.name, "flat_range")));
+      ASSIGN_OR_RETURN(auto r, array_meta("flat_range"));
       if (r.size() != 2 || r[0] > r[1]) return fail("flat_range is not [begin, end]");
       p.flat_range = FlatRange{r[0], r[1]};
     }
@@ -116,6 +171,16 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
     p.xxh3 = *parsed;
     Status geometry = CheckPieceGeometry(p);
     if (!geometry.ok()) return geometry.WithContext(file_name);
+    if (p.flat_range) {
+      uint64_t box = 1, local = 1;
+      for (uint64_t d : p.box_shape) box = __builtin_mul_overflow(box, d, &box) ? UINT64_MAX : box;
+      for (uint64_t d : p.shape) local = __builtin_mul_overflow(local, d, &local) ? UINT64_MAX : local;
+      if (p.flat_range->end > box || p.flat_range->end - p.flat_range->begin != local) {
+        return fail("flat_range does not fit the box or the stored shape");
+      }
+    } else if (p.shape != p.box_shape) {
+      return fail("stored shape differs from box_shape and there is no flat_range");
+    }
     pieces.push_back(std::move(p));
   }
   return pieces;
@@ -123,7 +188,12 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
 
 Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir) {
   ASSIGN_OR_RETURN(auto names, ListDir(dir));
+  return BuildMetadataFromFiles(dir, std::move(names));
+}
+
+Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names) {
   std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
   CheckpointMetadata meta;
   bool first = true;
   for (const auto& name : names) {
@@ -136,12 +206,11 @@ Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir) {
     auto job = m.find("job");
     auto step = m.find("step");
     if (job == m.end() || step == m.end()) return Corruption(path + ": no job or step in __metadata__");
-    int64_t file_step = 0;
-    try {
-      file_step = std::stoll(step->second);
-    } catch (...) {
-      return Corruption(path + ": step '" + step->second + "' is not a number");
+    auto parsed_step = CounterMeta(m, "step");
+    if (!parsed_step.ok() || *parsed_step > static_cast<uint64_t>(INT64_MAX)) {
+      return Corruption(path + ": step '" + step->second + "' is not a decimal step");
     }
+    int64_t file_step = static_cast<int64_t>(*parsed_step);
     Topology t;
     ASSIGN_OR_RETURN(t.world_size, U32Meta(m, "world_size"));
     ASSIGN_OR_RETURN(t.tp_degree, U32Meta(m, "tp_degree"));
@@ -163,6 +232,9 @@ Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir) {
                meta.topology.tp_degree != t.tp_degree || meta.topology.pp_degree != t.pp_degree ||
                meta.topology.shard_degree != t.shard_degree) {
       return Corruption(path + ": job, step or topology differs from the other files of " + dir);
+    }
+    if (m.count("file") && m.at("file") == "ema" && !meta.ema) {
+      ASSIGN_OR_RETURN(meta.ema, EmaRecordFromHeader(m, path));
     }
     ASSIGN_OR_RETURN(auto pieces, PiecesFromHeader(header, name));
     for (auto& p : pieces) meta.pieces.push_back(std::move(p));
@@ -205,7 +277,18 @@ std::string MetadataToJson(const CheckpointMetadata& meta) {
     tensors[p.key].push_back(std::move(piece));
   }
   j["tensors"] = std::move(tensors);
-  return j.dump(1);
+  if (meta.ema) {
+    const EmaRecord& e = *meta.ema;
+    j["ema"] = {{"decay", e.decay},
+                {"interval", e.interval},
+                {"init", e.init},
+                {"model_params", e.model_params},
+                {"updates_applied", e.updates_applied},
+                {"updates_skipped", e.updates_skipped},
+                {"last_step", e.last_step}};
+    if (e.loss_threshold) j["ema"]["loss_threshold"] = *e.loss_threshold;
+  }
+  return j.dump(1, ' ', false, json::error_handler_t::replace);
 }
 
 Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
@@ -239,7 +322,9 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
     if (!f.is_object()) return Corruption("metadata.json: a files entry is not an object");
     SavedFile sf;
     ASSIGN_OR_RETURN(sf.name, StringField(f, "name", where));
-    if (sf.name.find('/') != std::string::npos || sf.name == ".." || sf.name == ".") {
+    // The name is joined to the checkpoint directory: it must name an entry of that directory.
+    if (sf.name.empty() || sf.name.find('/') != std::string::npos || sf.name.find('\0') != std::string::npos ||
+        sf.name == ".." || sf.name == ".") {
       return Corruption("metadata.json: file name '" + sf.name + "' is not a plain name");
     }
     RETURN_IF_ERROR(u32(f, "rank", &sf.rank));
@@ -301,6 +386,23 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
       RETURN_IF_ERROR(CheckPieceGeometry(p));
       meta.pieces.push_back(std::move(p));
     }
+  }
+  if (auto ema = j.find("ema"); ema != j.end()) {
+    if (!ema->is_object()) return Corruption("metadata.json: ema is not an object");
+    EmaRecord r;
+    auto d = ema->find("decay");
+    if (d == ema->end() || !d->is_number()) return Corruption("metadata.json: ema.decay missing");
+    r.decay = d->get<double>();
+    RETURN_IF_ERROR(u32(*ema, "interval", &r.interval));
+    ASSIGN_OR_RETURN(r.init, StringField(*ema, "init", where));
+    ASSIGN_OR_RETURN(r.model_params, StringField(*ema, "model_params", where));
+    ASSIGN_OR_RETURN(r.updates_applied, U64Field(*ema, "updates_applied", where));
+    ASSIGN_OR_RETURN(r.updates_skipped, U64Field(*ema, "updates_skipped", where));
+    auto last = ema->find("last_step");
+    if (last == ema->end() || !last->is_number_integer()) return Corruption("metadata.json: ema.last_step missing");
+    r.last_step = last->get<int64_t>();
+    if (auto t = ema->find("loss_threshold"); t != ema->end() && t->is_number()) r.loss_threshold = t->get<double>();
+    meta.ema = r;
   }
   return meta;
 }

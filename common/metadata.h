@@ -40,6 +40,18 @@ struct SavedFile {
   uint64_t bytes = 0;
 };
 
+// The EMA configuration and progress recorded in the ema files of a checkpoint.
+struct EmaRecord {
+  double decay = 0;
+  uint32_t interval = 1;
+  std::string init;          // "first" or "zeros"
+  std::string model_params;  // "fp32" or "all"
+  std::optional<double> loss_threshold;
+  uint64_t updates_applied = 0;
+  uint64_t updates_skipped = 0;
+  int64_t last_step = 0;
+};
+
 struct CheckpointMetadata {
   std::string job;
   int64_t step = 0;
@@ -47,6 +59,7 @@ struct CheckpointMetadata {
   std::vector<SavedFile> files;
   std::vector<Piece> pieces;
   std::string created;  // UTC, ISO 8601
+  std::optional<EmaRecord> ema;  // present when the checkpoint carries ema files
 };
 
 // The pieces a flashckpt safetensors file declares, checked for consistency (kind, global shape,
@@ -56,6 +69,8 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
 // Reads every *.safetensors file header of a checkpoint directory and gathers the metadata. All
 // files must agree on job, step and topology degrees.
 Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
+// The same from the named files only (what the ranks' signals list), ignoring anything else there.
+Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names);
 
 std::string MetadataToJson(const CheckpointMetadata& meta);
 // Parses metadata.json; the input is untrusted and every field is checked.

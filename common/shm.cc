@@ -76,6 +76,8 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& na
   return seg;
 }
 
+void SharedSegment::Unlink(const std::string& name) { bip::shared_memory_object::remove(name.c_str()); }
+
 SharedSegment::~SharedSegment() {
   if (addr_ != nullptr) ::munmap(addr_, bytes_);
   if (owner_) bip::shared_memory_object::remove(name_.c_str());

@@ -51,6 +51,11 @@ class SharedSegment {
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
 
+  // Leaves the name in place when this object is destroyed (segments that outlive the daemon).
+  void KeepName() { owner_ = false; }
+  // Removes a segment name; ok when it does not exist.
+  static void Unlink(const std::string& name);
+
   char* data() const { return static_cast<char*>(addr_); }
   uint64_t size() const { return bytes_; }
   const std::string& name() const { return name_; }

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <memory>
 
 #include "common/fs.h"
@@ -11,6 +12,38 @@
 #include "common/names.h"
 
 namespace flashckpt {
+
+std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes) {
+  nlohmann::json j = {{"job", job},          {"rank", s.rank},   {"step", s.step},
+                      {"resumed_from", s.resumed_from}, {"files", s.files}, {"bytes", bytes}};
+  return j.dump() + "\n";
+}
+
+Result<Signal> ReadSignal(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, 1u << 20));
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  auto bad = [&] { return Corruption(path + " is not a flashckpt signal"); };
+  if (j.is_discarded() || !j.is_object()) return bad();
+  auto rank = j.find("rank");
+  auto step = j.find("step");
+  auto from = j.find("resumed_from");
+  auto files = j.find("files");
+  if (rank == j.end() || !rank->is_number_unsigned() || step == j.end() || !step->is_number_integer() ||
+      from == j.end() || !from->is_number_integer() || files == j.end() || !files->is_array()) {
+    return bad();
+  }
+  Signal s;
+  s.rank = rank->get<uint32_t>();
+  s.step = step->get<int64_t>();
+  s.resumed_from = from->get<int64_t>();
+  for (const auto& f : *files) {
+    if (!f.is_string()) return bad();
+    std::string name = f.get<std::string>();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") return bad();
+    s.files.push_back(std::move(name));
+  }
+  return s;
+}
 
 std::string Catalog::CheckpointDir(const std::string& job, int64_t step) const {
   return JobDir(job) + "/" + CheckpointDirName(step);
@@ -27,14 +60,19 @@ bool Catalog::IsComplete(const std::string& job, int64_t step) const {
   return PathExists(CheckpointDir(job, step) + "/metadata.json");
 }
 
-Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size) {
+Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size,
+                                    int64_t resumed_from) {
   std::lock_guard<std::mutex> lock(JobMutex(job));
   std::string dir = CheckpointDir(job, step);
   if (PathExists(dir + "/metadata.json")) return true;
+  std::vector<std::string> files;
   for (uint32_t r = 0; r < world_size; ++r) {
-    if (!PathExists(dir + "/" + SignalFileName(r))) return false;
+    auto signal = ReadSignal(dir + "/" + SignalFileName(r));
+    if (!signal.ok()) return false;  // missing (not yet written) or unreadable: not complete
+    if (signal->step != step || signal->resumed_from != resumed_from || signal->rank != r) return false;
+    for (auto& f : signal->files) files.push_back(std::move(f));
   }
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromDir(dir));
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files)));
   if (meta.step != step || meta.job != job || meta.topology.world_size != world_size) {
     return Corruption(dir + ": files describe job '" + meta.job + "' step " + std::to_string(meta.step) +
                       " world size " + std::to_string(meta.topology.world_size) + ", expected '" + job + "' step " +

@@ -27,6 +27,16 @@ struct CheckpointEntry {
   bool latest = false;
 };
 
+// The content of saved_signal_<rank>: which files the rank wrote for the step, and the attempt.
+struct Signal {
+  uint32_t rank = 0;
+  int64_t step = 0;
+  int64_t resumed_from = 0;
+  std::vector<std::string> files;
+};
+std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t bytes);
+Result<Signal> ReadSignal(const std::string& path);
+
 class Catalog {
  public:
   explicit Catalog(std::string root) : root_(std::move(root)) {}
@@ -36,9 +46,11 @@ class Catalog {
   std::string CheckpointDir(const std::string& job, int64_t step) const;
 
   // Called after a rank's signal is durable: when all `world_size` signals of the step are present
-  // and metadata.json is not, writes metadata.json and advances LATEST. Returns whether the
-  // checkpoint is complete.
-  Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size);
+  // and come from the same attempt (`resumed_from`, the step the ranks resumed from, 0 for a fresh
+  // start), and metadata.json is not there yet, writes metadata.json from the files those signals
+  // list and advances LATEST. Signals left by an earlier attempt that crashed are not counted:
+  // the ranks of the new attempt overwrite them. Returns whether the checkpoint is complete.
+  Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from);
 
   bool IsComplete(const std::string& job, int64_t step) const;
   // The newest complete checkpoint of the job, or nullopt. Trusts LATEST only when the directory

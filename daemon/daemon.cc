@@ -28,6 +28,14 @@ bool SameLayout(const RankLayout& a, const RankLayout& b) {
   return true;
 }
 
+uint64_t PageAlign(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
+
+// The EMA image header embeds the EMA configuration: equal headers mean the same EMA.
+bool SameEma(const RankEma* current, const std::optional<EmaPlan>& wanted) {
+  if (current == nullptr || !wanted) return current == nullptr && !wanted;
+  return current->plan().layout.files[0].header == wanted->layout.files[0].header;
+}
+
 bool SameDegrees(const Topology& a, const Topology& b) {
   return a.world_size == b.world_size && a.tp_degree == b.tp_degree && a.pp_degree == b.pp_degree &&
          a.shard_degree == b.shard_degree;
@@ -35,14 +43,21 @@ bool SameDegrees(const Topology& a, const Topology& b) {
 
 }  // namespace
 
-RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count,
-                         std::atomic<uint64_t>* counter)
-    : layout(std::move(l)), shm(std::move(s)), slots(count), used(counter) {
-  used->fetch_add(shm->size());
+RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
+                         uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter)
+    : layout(std::move(l)),
+      shm(std::move(s)),
+      slots(count),
+      ema(std::move(e)),
+      slot_stride(stride),
+      ema_area(ema_offset),
+      used(counter),
+      accounted(shm->size() + (ema ? ema->bytes() : 0)) {
+  used->fetch_add(accounted);
 }
 
 RankSegment::~RankSegment() {
-  used->fetch_sub(shm->size());
+  used->fetch_sub(accounted);
   Logger("shm")->info("released segment={} bytes={}", shm->name(), FormatBytes(shm->size()));
 }
 
@@ -64,6 +79,10 @@ Status Daemon::Start() {
   if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
   RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
   writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096);
+  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
+  ema_loop_ = std::make_unique<ParallelLoop>(ema_threads - 1);
+  ema_thread_ = std::thread([this] { RunEmaStage(); });
   Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={}", config_.root, config_.slots,
                       FormatBytes(config_.max_host_memory), config_.writer_threads);
   return Status::OK();
@@ -76,6 +95,7 @@ void Daemon::Stop() {
     stopping_ = true;
   }
   cv_.notify_all();
+  if (ema_thread_.joinable()) ema_thread_.join();  // drains the EMA stage into the writer
   if (writer_) writer_->Stop();  // finishes the writes in flight: no half-written file is left behind
   std::lock_guard<std::mutex> lock(mu_);
   jobs_.clear();  // unmaps and unlinks every segment
@@ -103,6 +123,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   RankState& state = jobs_[job].ranks[rank];
   state.session_id = token;
   state.last_begun = -1;
+  state.resumed_from = 0;
   sessions_[token] = SessionInfo{job, rank};
   Logger("rpc")->info("session open job={} rank={}", job, rank);
   return token;
@@ -138,35 +159,49 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
   return &rank;
 }
 
-Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout) {
+Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
+                                                           std::optional<EmaPlan> plan, const EmaConfig& config) {
   ASSIGN_OR_RETURN(std::string token, RandomToken());
   std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
-  uint64_t bytes = SegmentBytes(layout.slot_bytes, config_.slots);
+  std::unique_ptr<RankEma> ema;
+  if (plan) {
+    ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, std::move(*plan), config, config_.segment_mode));
+  }
+  const uint64_t ema_area = layout.slot_bytes;
+  const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
+  uint64_t bytes = SegmentBytes(stride, config_.slots);
   ASSIGN_OR_RETURN(auto shm, SharedSegment::Create(name, bytes, config_.segment_mode));
   auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
   std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
   header->format_version = kFormatVersion;
   header->slot_count = config_.slots;
-  header->slot_bytes = layout.slot_bytes;
+  header->slot_bytes = stride;
   header->segment_bytes = bytes;
   header->rank = rank;
   std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
-  auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), config_.slots, &host_memory_used_);
+  auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), config_.slots, std::move(ema), stride,
+                                               ema_area, &host_memory_used_);
   for (uint32_t i = 0; i < config_.slots; ++i) {
     InitSlotImages(segment->Slot(i), segment->layout);
     segment->Mirror(i);
   }
-  Logger("shm")->info("created segment={} bytes={} slots={} slot_bytes={}", name, FormatBytes(bytes), config_.slots,
-                      FormatBytes(segment->layout.slot_bytes));
+  Logger("shm")->info("created segment={} bytes={} slots={} slot_bytes={} ema={}", name, FormatBytes(bytes),
+                      config_.slots, FormatBytes(stride), segment->ema != nullptr);
   return segment;
 }
 
 Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const Topology& topology,
-                                              const std::vector<TensorSpec>& tensors, Backpressure policy) {
+                                              const std::vector<TensorSpec>& tensors, Backpressure policy,
+                                              const EmaConfig& ema_config) {
   std::lock_guard<std::mutex> lock(mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo& who = sessions_[session_id];
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors));
+  std::optional<EmaPlan> ema_plan;
+  if (ema_config.enabled) {
+    ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
+    if (!plan.layout.files.empty()) ema_plan = std::move(plan);
+  }
   JobState& job = jobs_[who.job];
   for (const auto& [r, other] : job.ranks) {
     if (r == who.rank || other.session_id.empty() || !other.segment) continue;
@@ -180,21 +215,24 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     }
   }
   bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
+               SameEma(rank->segment->ema.get(), ema_plan) &&
                rank->segment->slots.CountIn(SlotState::kFilling) == 0 &&
                rank->segment->slots.CountIn(SlotState::kRestoring) == 0;
   if (!reuse) {
-    uint64_t need = SegmentBytes(layout.slot_bytes, config_.slots);
-    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->shm->size() : 0;
+    uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
+    uint64_t need = SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
+    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted : 0;
     uint64_t used = host_memory_used_.load() - releasable;
     if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
       return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
                                FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
-                               FormatBytes(layout.slot_bytes) + "), budget is " +
+                               FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
+                               "), budget is " +
                                FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
                                " in use (--max-host-memory)");
     }
     rank->segment.reset();  // the writer keeps it alive if a persist is still running
-    ASSIGN_OR_RETURN(rank->segment, CreateSegment(who.job, who.rank, std::move(layout)));
+    ASSIGN_OR_RETURN(rank->segment, CreateSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config));
   }
   rank->topology = topology;
   rank->policy = policy;
@@ -205,8 +243,8 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   resp.set_segment_name(seg.shm->name());
   resp.set_segment_bytes(seg.shm->size());
   resp.set_slot_count(seg.slots.size());
-  resp.set_slot_offset(SlotOffset(seg.layout.slot_bytes, 0));
-  resp.set_slot_stride(seg.layout.slot_bytes);
+  resp.set_slot_offset(kSegmentHeaderBytes);
+  resp.set_slot_stride(seg.slot_stride);
   for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
     auto* p = resp.add_placements();
     p->set_name(seg.layout.tensors[i].name);
@@ -215,8 +253,19 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     p->set_slot_offset(seg.layout.placements[i].slot_offset);
     p->set_bytes(seg.layout.placements[i].bytes);
   }
-  Logger("rpc")->info("registered job={} rank={} tensors={} slot_bytes={} reused={}", who.job, who.rank,
-                      seg.layout.tensors.size(), FormatBytes(seg.layout.slot_bytes), reuse);
+  if (seg.ema) {
+    const RankLayout& el = seg.ema->plan().layout;
+    for (size_t i = 0; i < el.tensors.size(); ++i) {
+      auto* p = resp.add_ema_placements();
+      p->set_name(el.tensors[i].name);
+      p->set_file(el.files[0].stem);
+      p->set_slot_offset(seg.ema_area - el.files[0].slot_offset + el.placements[i].slot_offset);
+      p->set_bytes(el.placements[i].bytes);
+    }
+  }
+  Logger("rpc")->info("registered job={} rank={} tensors={} slot_bytes={} ema_tensors={} reused={}", who.job, who.rank,
+                      seg.layout.tensors.size(), FormatBytes(seg.slot_stride),
+                      seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
   return resp;
 }
 
@@ -254,6 +303,15 @@ v1::StatusResponse Daemon::GetStatus() const {
           s->set_index(i);
           s->set_state(SlotStateName(rank.segment->slots.at(i).state));
           s->set_step(rank.segment->slots.at(i).step);
+        }
+        if (const RankEma* ema = rank.segment->ema.get()) {
+          const EmaSegmentHeader* h = ema->header();
+          rs->set_ema_enabled(true);
+          rs->set_ema_bytes(ema->plan().image_bytes());
+          rs->set_ema_last_step(h->last_step);
+          rs->set_ema_updates_applied(h->updates_applied);
+          rs->set_ema_updates_skipped(h->updates_skipped);
+          rs->set_ema_decay(ema->config().decay);
         }
       }
     }

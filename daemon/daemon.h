@@ -10,6 +10,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
+#include <thread>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -21,7 +23,9 @@
 #include "common/layout.h"
 #include "common/shm.h"
 #include "common/status.h"
+#include "common/thread_pool.h"
 #include "daemon/catalog.h"
+#include "daemon/ema.h"
 #include "daemon/slots.h"
 #include "daemon/writer.h"
 #include "flashckpt.pb.h"
@@ -34,22 +38,34 @@ struct DaemonConfig {
   uint32_t slots = 2;
   uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
   unsigned writer_threads = 2;
+  unsigned ema_threads = 0;  // 0: min(hardware threads, 8)
   unsigned segment_mode = 0600;
   std::string log_level = "info";
 };
 
 enum class Backpressure { kWait, kSkip };
 
-// One registered rank's segment: its layout, the mapped memory and the slot state machine.
+// One registered rank's segment: its layout, the mapped memory, the slot state machine and the
+// rank's EMA. A slot is the rank layout's bytes followed, with EMA on, by room for one EMA image.
 struct RankSegment {
   RankLayout layout;
   std::unique_ptr<SharedSegment> shm;
-  SlotTable slots;                 // guarded by Daemon::mu_
+  SlotTable slots;                        // guarded by Daemon::mu_
+  std::unique_ptr<RankEma> ema;           // null when the job has no EMA (or this rank no EMA tensors)
+  uint64_t slot_stride = 0;               // bytes per slot
+  uint64_t ema_area = 0;                  // offset of the EMA image room within a slot
   std::atomic<uint64_t>* used = nullptr;  // the daemon's host-memory counter
+  uint64_t accounted = 0;                 // bytes counted in *used (segment + EMA segment)
+  uint32_t ema_pending = 0;               // guarded by Daemon::mu_: snapshots queued for the EMA stage
 
-  RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::atomic<uint64_t>* counter);
+  RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
+              uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter);
   ~RankSegment();
-  char* Slot(uint32_t i) const { return shm->data() + SlotOffset(layout.slot_bytes, i); }
+  char* Slot(uint32_t i) const { return shm->data() + kSegmentHeaderBytes + slot_stride * i; }
+  // Base pointer for the EMA plan's offsets so that its image lands in the slot's EMA room.
+  char* SlotEmaBase(uint32_t i) const {
+    return Slot(i) + ema_area - ema->plan().layout.files[0].slot_offset;
+  }
   // Copies the slot's state into its header page for inspection.
   void Mirror(uint32_t i) const;
 };
@@ -81,7 +97,8 @@ class Daemon {
   void CloseSession(const std::string& session_id);
 
   Result<v1::RegisterResponse> Register(const std::string& session_id, const Topology& topology,
-                                        const std::vector<TensorSpec>& tensors, Backpressure policy);
+                                        const std::vector<TensorSpec>& tensors, Backpressure policy,
+                                        const EmaConfig& ema);
   Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                 std::optional<double> loss, std::string extra);
@@ -89,6 +106,13 @@ class Daemon {
   Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
   // step 0 means the latest complete checkpoint; found=false when there is none.
   Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+  // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
+  struct EmaCopy {
+    bool initialized = false;
+    int64_t step = -1;
+    SlotTicket ticket;
+  };
+  Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout);
   Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket);
 
   Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
@@ -103,6 +127,7 @@ class Daemon {
     Topology topology;
     Backpressure policy = Backpressure::kWait;
     int64_t last_begun = -1;  // per session: steps must increase
+    int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
     int64_t last_committed = -1;
     int64_t last_persisted = -1;
     int64_t last_failed_step = -1;
@@ -122,12 +147,31 @@ class Daemon {
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
   void OnPersisted(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
                    SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds);
-  Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout);
+  Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
+                                                     std::optional<EmaPlan> ema, const EmaConfig& config);
+  // The EMA stage: applies committed snapshots to their rank's EMA in commit order, then hands
+  // persisted ones to the writer and frees the others.
+  struct EmaJob {
+    std::shared_ptr<RankSegment> segment;
+    SlotTicket ticket;
+    int64_t step = 0;
+    std::optional<double> loss;
+    bool persist = false;
+    PersistRequest request;  // when persist
+    std::string job;
+    uint32_t rank = 0;
+  };
+  void RunEmaStage();
+  // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
+  Status FinishCommittedLocked(EmaJob job);
 
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;
   Catalog catalog_;
   std::unique_ptr<Writer> writer_;
+  std::unique_ptr<ParallelLoop> ema_loop_;  // used by the EMA stage thread only
+  std::thread ema_thread_;
+  std::deque<EmaJob> ema_queue_;            // guarded by mu_; bounded by the slots in COMMITTED
   std::atomic<uint64_t> host_memory_used_{0};
 
   mutable std::mutex mu_;

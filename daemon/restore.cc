@@ -1,6 +1,7 @@
 #include "daemon/restore.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 
 #include "common/checksum.h"
@@ -20,7 +21,7 @@ struct PlannedRead {
 };
 
 bool SameGeometry(const TensorSpec& t, const Piece& p) {
-  if (t.dtype != p.dtype || t.global_shape != p.global_shape || t.box_offset != p.box_offset ||
+  if (t.kind != p.kind || t.dtype != p.dtype || t.global_shape != p.global_shape || t.box_offset != p.box_offset ||
       t.box_shape != p.box_shape || t.flat_range.has_value() != p.flat_range.has_value()) {
     return false;
   }
@@ -98,6 +99,29 @@ Result<RestoreStats> FillSlotFromCheckpoint(const std::string& dir, const Checkp
   return stats;
 }
 
+// Loads the checkpoint's EMA into the rank's EMA segment, so the average continues from the
+// restored step. A checkpoint saved without EMA leaves the EMA uninitialised (the next update
+// starts it afresh).
+Status LoadEma(const std::string& dir, const CheckpointMetadata& meta, RankEma* ema) {
+  std::lock_guard<std::mutex> lock(ema->mu());
+  EmaSegmentHeader* h = ema->header();
+  if (!meta.ema) {
+    h->initialized = 0;
+    h->updates_applied = 0;
+    h->updates_skipped = 0;
+    h->last_step = -1;
+    Logger("restore")->warn("checkpoint {} has no EMA; the EMA starts afresh", dir);
+    return Status::OK();
+  }
+  auto filled = FillSlotFromCheckpoint(dir, meta, ema->plan().layout, ema->base());
+  if (!filled.ok()) return filled.status().WithContext("loading the EMA");
+  h->initialized = meta.ema->updates_applied > 0 ? 1 : 0;
+  h->updates_applied = meta.ema->updates_applied;
+  h->updates_skipped = meta.ema->updates_skipped;
+  h->last_step = meta.ema->updates_applied > 0 ? meta.ema->last_step : -1;
+  return Status::OK();
+}
+
 // Daemon::Restore: pick the checkpoint, take a slot, fill it without holding the lock, hand it over.
 
 Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step,
@@ -155,6 +179,10 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
 
   auto start = std::chrono::steady_clock::now();
   auto filled = FillSlotFromCheckpoint(dir, meta, segment->layout, segment->Slot(ticket.slot));
+  if (filled.ok() && segment->ema) {
+    Status loaded = LoadEma(dir, meta, segment->ema.get());
+    if (!loaded.ok()) filled = loaded;
+  }
   std::string extra;
   Status extra_status;
   if (filled.ok()) {
@@ -186,11 +214,57 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   }
   Logger("restore")->info("restored job={} rank={} step={} bytes={} reads={} secs={:.3f}", job, rank_id, step,
                           FormatBytes(filled->bytes_read), filled->reads, secs);
+  jobs_[job].ranks[rank_id].resumed_from = step;
   out.found = true;
   out.step = step;
   out.ticket = ticket;
   out.extra = std::move(extra);
   out.bytes_read = filled->bytes_read;
+  return out;
+}
+
+Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::shared_ptr<RankSegment> segment;
+  SlotTicket ticket;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+      if (!rank->segment->ema) {
+        return FailedPrecondition("this rank has no EMA: the job registered without ema_decay, or all its "
+                                  "weights are replicas persisted by another rank");
+      }
+      // Wait for the snapshots already committed to reach the EMA: the copy is as of the last commit.
+      bool settled = rank->segment->ema_pending == 0;
+      if (settled) {
+        if (auto t = rank->segment->slots.Acquire(SlotState::kRestoring, rank->last_committed)) {
+        ticket = *t;
+        segment = rank->segment;
+          segment->slots.SetLoading(ticket.slot, true);
+          segment->Mirror(ticket.slot);
+          break;
+        }
+      }
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        return DeadlineExceeded("no slot became free to copy the EMA within " + std::to_string(timeout.count()) +
+                                " ms");
+      }
+    }
+  }
+  EmaCopy out;
+  out.ticket = ticket;
+  {
+    RankEma& ema = *segment->ema;
+    std::lock_guard<std::mutex> lock(ema.mu());
+    const FileImage& image = ema.plan().layout.files[0];
+    const uint64_t data = image.slot_offset + image.header.size();
+    std::memcpy(segment->SlotEmaBase(ticket.slot) + data, ema.base() + data, image.data_bytes);
+    out.initialized = ema.header()->initialized.load() != 0;
+    out.step = ema.header()->last_step.load();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  segment->slots.SetLoading(ticket.slot, false);
   return out;
 }
 

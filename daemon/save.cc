@@ -70,38 +70,94 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->segment->Mirror(ticket.slot);
   rank->snapshots += 1;
   rank->last_committed = step;
-  if (!persist) {
-    RETURN_IF_ERROR(rank->segment->slots.Release(ticket, SlotState::kCommitted));
-    rank->segment->Mirror(ticket.slot);
+
+  std::shared_ptr<RankSegment> segment = rank->segment;
+  EmaJob job;
+  job.segment = segment;
+  job.ticket = ticket;
+  job.step = step;
+  job.loss = loss;
+  job.persist = persist;
+  job.job = who.job;
+  job.rank = who.rank;
+  if (persist) {
+    PersistRequest& req = job.request;
+    req.job = who.job;
+    req.rank = who.rank;
+    req.world_size = rank->topology.world_size;
+    req.step = step;
+    req.resumed_from = rank->resumed_from;
+    req.layout = &segment->layout;
+    req.slot = segment->Slot(ticket.slot);
+    if (segment->ema) {
+      req.ema_layout = &segment->ema->plan().layout;
+      req.ema_base = segment->SlotEmaBase(ticket.slot);
+    }
+    req.extra = std::move(extra);
+    req.keep_alive = segment;
+    req.done = [this, job = who.job, r = who.rank, segment, ticket, step](const Status& s, uint64_t bytes,
+                                                                          double secs) {
+      OnPersisted(job, r, segment, ticket, step, s, bytes, secs);
+    };
+  }
+  if (segment->ema) {
+    // The EMA stage applies it in commit order and then finishes it.
+    segment->ema_pending += 1;
+    ema_queue_.push_back(std::move(job));
     cv_.notify_all();
     return Status::OK();
   }
-  RETURN_IF_ERROR(rank->segment->slots.BeginPersist(ticket));
-  rank->segment->Mirror(ticket.slot);
+  return FinishCommittedLocked(std::move(job));
+}
 
-  std::shared_ptr<RankSegment> segment = rank->segment;
-  PersistRequest req;
-  req.job = who.job;
-  req.rank = who.rank;
-  req.world_size = rank->topology.world_size;
-  req.step = step;
-  req.layout = &segment->layout;
-  req.slot = segment->Slot(ticket.slot);
-  req.extra = std::move(extra);
-  req.keep_alive = segment;
-  req.done = [this, job = who.job, r = who.rank, segment, ticket, step](const Status& s, uint64_t bytes,
-                                                                        double secs) {
-    OnPersisted(job, r, segment, ticket, step, s, bytes, secs);
-  };
-  Status submitted = writer_->Submit(std::move(req));
-  if (!submitted.ok()) {
-    (void)segment->slots.Release(ticket, SlotState::kPersisting);
-    segment->Mirror(ticket.slot);
+Status Daemon::FinishCommittedLocked(EmaJob job) {
+  RankSegment& segment = *job.segment;
+  if (!job.persist) {
+    RETURN_IF_ERROR(segment.slots.Release(job.ticket, SlotState::kCommitted));
+    segment.Mirror(job.ticket.slot);
     cv_.notify_all();
+    return Status::OK();
+  }
+  RETURN_IF_ERROR(segment.slots.BeginPersist(job.ticket));
+  segment.Mirror(job.ticket.slot);
+  Status submitted = writer_->Submit(std::move(job.request));
+  if (!submitted.ok()) {
+    (void)segment.slots.Release(job.ticket, SlotState::kPersisting);
+    segment.Mirror(job.ticket.slot);
+    cv_.notify_all();
+    Logger("writer")->error("persist not queued job={} step={} rank={} error=\"{}\"", job.job, job.step, job.rank,
+                            submitted.ToString());
     return submitted;
   }
-  (void)loss;  // recorded by the EMA gate once the EMA exists
   return Status::OK();
+}
+
+void Daemon::RunEmaStage() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !ema_queue_.empty(); });
+    if (ema_queue_.empty()) return;  // stopping, and everything committed has been applied
+    EmaJob job = std::move(ema_queue_.front());
+    ema_queue_.pop_front();
+    lock.unlock();
+    RankEma& ema = *job.segment->ema;
+    auto start = std::chrono::steady_clock::now();
+    bool applied;
+    {
+      std::lock_guard<std::mutex> ema_lock(ema.mu());
+      char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
+      applied = ema.Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step, job.loss, image,
+                          ema_loop_.get());
+    }
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
+                         secs);
+    lock.lock();
+    job.segment->ema_pending -= 1;
+    cv_.notify_all();
+    Status s = FinishCommittedLocked(std::move(job));
+    (void)s;  // logged by FinishCommittedLocked; the slot is free either way
+  }
 }
 
 void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,

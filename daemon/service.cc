@@ -44,7 +44,27 @@ Result<TensorSpec> FromProto(const v1::TensorSpec& p) {
   t.box_shape.assign(p.box_shape().begin(), p.box_shape().end());
   if (p.has_flat_range()) t.flat_range = FlatRange{p.flat_begin(), p.flat_end()};
   t.replica = p.replica();
+  t.param = p.param();
   return t;
+}
+
+Result<EmaConfig> EmaFromProto(const v1::EmaOptions& p) {
+  EmaConfig c;
+  c.enabled = p.enabled();
+  if (!c.enabled) return c;
+  c.decay = p.decay();
+  c.interval = p.interval();
+  if (p.init() == "zeros") c.init_zeros = true;
+  else if (!p.init().empty() && p.init() != "first") {
+    return InvalidArgument("ema_init must be 'first' or 'zeros', got '" + p.init() + "'");
+  }
+  if (p.model_params() == "all") c.all_float_params = true;
+  else if (!p.model_params().empty() && p.model_params() != "fp32") {
+    return InvalidArgument("ema_model_params must be 'fp32' or 'all', got '" + p.model_params() + "'");
+  }
+  if (p.has_loss_threshold()) c.loss_threshold = p.loss_threshold();
+  RETURN_IF_ERROR(ValidateEmaConfig(c));
+  return c;
 }
 
 }  // namespace
@@ -99,7 +119,9 @@ grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::Registe
     tensors.push_back(std::move(spec).value());
   }
   auto policy = req->backpressure() == v1::BACKPRESSURE_SKIP ? Backpressure::kSkip : Backpressure::kWait;
-  auto result = daemon_->Register(req->session_id(), topo, tensors, policy);
+  auto ema = EmaFromProto(req->ema());
+  if (!ema.ok()) return ToGrpc(ema.status());
+  auto result = daemon_->Register(req->session_id(), topo, tensors, policy, *ema);
   if (!result.ok()) return ToGrpc(result.status());
   *resp = std::move(result).value();
   return grpc::Status::OK;
@@ -145,6 +167,17 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   resp->set_generation(r->ticket.generation);
   resp->set_extra(r->extra);
   resp->set_bytes_read(r->bytes_read);
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req,
+                                       v1::GetEmaResponse* resp) {
+  auto r = daemon_->GetEma(req->session_id(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  if (!r.ok()) return ToGrpc(r.status());
+  resp->set_initialized(r->initialized);
+  resp->set_step(r->step);
+  resp->set_slot(r->ticket.slot);
+  resp->set_generation(r->ticket.generation);
   return grpc::Status::OK;
 }
 

@@ -29,6 +29,7 @@ class CheckpointService final : public v1::Checkpoint::Service {
   grpc::Status WaitPersisted(grpc::ServerContext* ctx, const v1::WaitPersistedRequest* req,
                              v1::WaitPersistedResponse* resp) override;
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req, v1::RestoreResponse* resp) override;
+  grpc::Status GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req, v1::GetEmaResponse* resp) override;
   grpc::Status ReleaseSlot(grpc::ServerContext* ctx, const v1::ReleaseSlotRequest* req,
                            v1::ReleaseSlotResponse* resp) override;
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,

@@ -143,17 +143,28 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req) {
   std::string dir = catalog_->CheckpointDir(req.job, req.step);
   RETURN_IF_ERROR(MakeDirs(dir));
   uint64_t bytes = 0;
+  Signal signal;
+  signal.rank = req.rank;
+  signal.step = req.step;
+  signal.resumed_from = req.resumed_from;
   for (size_t f = 0; f < layout.files.size(); ++f) {
     const FileImage& image = layout.files[f];
     StampImage(req.slot, layout, f, req.step);
     RETURN_IF_ERROR(
         WriteFileDurably(dir, image.stem + ".safetensors", {{req.slot + image.slot_offset, image.file_bytes()}}));
     bytes += image.file_bytes();
+    signal.files.push_back(image.stem + ".safetensors");
+  }
+  if (req.ema_layout != nullptr) {
+    const FileImage& image = req.ema_layout->files[0];
+    RETURN_IF_ERROR(
+        WriteFileDurably(dir, image.stem + ".safetensors", {{req.ema_base + image.slot_offset, image.file_bytes()}}));
+    bytes += image.file_bytes();
+    signal.files.push_back(image.stem + ".safetensors");
   }
   RETURN_IF_ERROR(WriteFileDurably(dir, ExtraFileName(req.rank), EncodeExtra(req.job, req.rank, req.step, req.extra)));
-  nlohmann::json signal = {{"job", req.job}, {"rank", req.rank}, {"step", req.step}, {"bytes", bytes}};
-  RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(req.rank), signal.dump() + "\n"));
-  auto complete = catalog_->MaybeComplete(req.job, req.step, req.world_size);
+  RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(req.rank), EncodeSignal(req.job, signal, bytes)));
+  auto complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
   if (!complete.ok()) return complete.status().WithContext("completing checkpoint " + dir);
   return bytes;
 }

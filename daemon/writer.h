@@ -27,8 +27,11 @@ struct PersistRequest {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   int64_t step = 0;
+  int64_t resumed_from = 0;  // the attempt: step this rank's session resumed from, 0 if fresh
   const RankLayout* layout = nullptr;  // kept alive by `keep_alive`
   char* slot = nullptr;                // the slot's first byte
+  const RankLayout* ema_layout = nullptr;  // with EMA: its image, already stamped, lies at
+  char* ema_base = nullptr;                // ema_base + ema_layout->files[0].slot_offset
   std::string extra;
   std::shared_ptr<void> keep_alive;    // owns the segment while the write runs
   // Called on a writer thread with the outcome and the bytes written.

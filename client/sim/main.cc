@@ -9,6 +9,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,7 +29,16 @@ struct Options {
   bool resume = false;
   uint32_t step_ms = 0;
   uint32_t wait_timeout_s = 120;
+  int64_t first_step = 1;
+  std::optional<double> ema_decay;
+  uint32_t ema_interval = 1;
+  std::string ema_init = "first";
+  std::optional<double> ema_loss_threshold;
+  std::string dump_ema;
 };
+
+// The simulated loss: 1.0, with a spike of 10.0 on every 7th step (exercises the EMA loss gate).
+double SimLoss(int64_t step) { return step % 7 == 0 ? 10.0 : 1.0; }
 
 // One tensor of the simulated rank and its global geometry.
 struct SimTensor {
@@ -96,6 +107,14 @@ class SimRank {
     }
   }
 
+  // Element count of the tensor an EMA tensor tracks (EMA tensors are named after it).
+  uint64_t EmaElements(const std::string& name) const {
+    for (const auto& t : tensors_) {
+      if (t.spec.name == name) return t.data.size();
+    }
+    return 0;
+  }
+
   // Number of elements equal bit for bit to the formula at `step`; prints the first mismatch.
   uint64_t Verify(int64_t step, bool* ok) const {
     uint64_t checked = 0;
@@ -159,6 +178,13 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", o.resume, "restore the latest complete checkpoint first and verify it");
   app.add_option("--step-ms", o.step_ms, "sleep per step, to stand in for compute");
   app.add_option("--wait-timeout", o.wait_timeout_s, "seconds to wait for the last save to be durable");
+  app.add_option("--first-step", o.first_step, "first step when not resuming (to carry on after a daemon restart)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--ema-decay", o.ema_decay, "keep an EMA of the weights with this decay");
+  app.add_option("--ema-interval", o.ema_interval, "EMA update every I steps (persist=false snapshots between saves)");
+  app.add_option("--ema-init", o.ema_init, "first or zeros")->check(CLI::IsMember({"first", "zeros"}));
+  app.add_option("--ema-loss-threshold", o.ema_loss_threshold, "skip EMA updates whose loss is above it");
+  app.add_option("--dump-ema", o.dump_ema, "at the end, write the daemon's current EMA as DIR/<tensor>.f32");
   CLI11_PARSE(app, argc, argv);
   if (uint64_t{o.tp_degree} * o.pp_degree * o.shard_degree != o.world_size || o.rank >= o.world_size) {
     std::fprintf(stderr, "flashckpt-sim: need world-size = tp*pp*shard degrees and rank < world-size\n");
@@ -177,9 +203,14 @@ int main(int argc, char** argv) {
   auto client = flashckpt::Client::Connect(copts);
   if (!client.ok()) return Fail("connect", client.status());
   flashckpt::Client& c = **client;
-  if (Status s = c.Register(sim.topology(), sim.specs()); !s.ok()) return Fail("register", s);
+  flashckpt::EmaOptions ema;
+  ema.decay = o.ema_decay;
+  ema.interval = o.ema_interval;
+  ema.init_zeros = o.ema_init == "zeros";
+  ema.loss_threshold = o.ema_loss_threshold;
+  if (Status s = c.Register(sim.topology(), sim.specs(), ema); !s.ok()) return Fail("register", s);
 
-  int64_t first = 1;
+  int64_t first = o.first_step;
   if (o.resume) {
     auto restored = c.Restore(std::nullopt, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
     if (!restored.ok()) return Fail("restore", restored.status());
@@ -202,14 +233,19 @@ int main(int argc, char** argv) {
   for (int64_t step = first; step <= o.steps; ++step) {
     sim.Fill(step);
     if (o.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.step_ms));
-    if (step % o.save_every != 0) continue;
+    bool save = step % o.save_every == 0;
+    bool ema_step = o.ema_decay && step % o.ema_interval == 0;
+    if (!save && !ema_step) continue;
     flashckpt::SnapshotOptions so;
-    so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
+    so.persist = save;
+    so.loss = SimLoss(step);
+    if (save) so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
     auto t0 = Clock::now();
     auto snap = c.Snapshot(step, sim.buffers(), so);
     if (!snap.ok()) return Fail("snapshot", snap.status());
     if (Status s = snap->WaitCopied(); !s.ok()) return Fail("copy", s);
     blocked += Clock::now() - t0;
+    if (!save) continue;
     last_save = step;
     ++saves;
     std::printf("saved step=%" PRId64 "\n", step);
@@ -219,6 +255,26 @@ int main(int argc, char** argv) {
     if (Status s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s)); !s.ok()) {
       return Fail("wait persisted", s);
     }
+  }
+  if (!o.dump_ema.empty()) {
+    // The EMA of the last snapshot is applied asynchronously; a final persisted save orders it
+    // before this read (WaitPersisted above), so callers dump after a save step.
+    std::vector<std::string> names = c.EmaTensorNames();
+    std::vector<std::vector<float>> storage(names.size());
+    std::vector<flashckpt::TensorBuffer> bufs;
+    for (size_t i = 0; i < names.size(); ++i) {
+      storage[i].resize(sim.EmaElements(names[i]));
+      bufs.push_back({names[i], storage[i].data(), storage[i].size() * sizeof(float)});
+    }
+    auto got = c.Ema(bufs, std::chrono::seconds(o.wait_timeout_s));
+    if (!got.ok()) return Fail("ema", got.status());
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::ofstream out(o.dump_ema + "/" + names[i] + ".f32", std::ios::binary);
+      out.write(reinterpret_cast<const char*>(storage[i].data()),
+                static_cast<std::streamsize>(storage[i].size() * sizeof(float)));
+      if (!out) return Fail("dump ema", flashckpt::IOError("cannot write " + o.dump_ema + "/" + names[i] + ".f32"));
+    }
+    std::printf("ema step=%" PRId64 " tensors=%zu\n", got->step, names.size());
   }
   double blocked_ms = std::chrono::duration<double, std::milli>(blocked).count();
   std::printf("done rank=%u last_step=%" PRId64 " saves=%" PRId64 " blocked_in_save_ms=%.3f\n", o.rank, o.steps, saves,

@@ -39,6 +39,7 @@ v1::TensorKind KindToProto(TensorKind k) {
     case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
     case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
     case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
+    case TensorKind::kEma: break;  // the daemon's own kind: refused at registration
   }
   return v1::TENSOR_KIND_UNSPECIFIED;
 }
@@ -65,6 +66,7 @@ struct Client::Impl {
   uint32_t slot_count = 0;
   uint64_t slot_offset = 0, slot_stride = 0;
   std::map<std::string, MappedTensor> tensors;
+  std::map<std::string, MappedTensor> ema_tensors;
   std::unique_ptr<CopyPool> copier;
 
   void Deadline(grpc::ClientContext* ctx, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
@@ -162,7 +164,7 @@ void Client::Close() {
   impl_->segment.reset();
 }
 
-Status Client::Register(const Topology& topology, const std::vector<TensorSpec>& tensors) {
+Status Client::Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema) {
   RETURN_IF_ERROR(impl_->Usable());
   v1::RegisterRequest req;
   req.set_session_id(impl_->session_id);
@@ -175,6 +177,18 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
   t->set_shard_rank(topology.shard_rank);
   t->set_shard_degree(topology.shard_degree);
   req.set_backpressure(impl_->options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
+  if (ema.decay) {
+    auto* e = req.mutable_ema();
+    e->set_enabled(true);
+    e->set_decay(*ema.decay);
+    e->set_interval(ema.interval);
+    e->set_init(ema.init_zeros ? "zeros" : "first");
+    e->set_model_params(ema.all_float_params ? "all" : "fp32");
+    if (ema.loss_threshold) {
+      e->set_has_loss_threshold(true);
+      e->set_loss_threshold(*ema.loss_threshold);
+    }
+  }
   for (const auto& spec : tensors) {
     auto* p = req.add_tensors();
     p->set_name(spec.name);
@@ -190,6 +204,7 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
       p->set_flat_end(spec.flat_range->end);
     }
     p->set_replica(spec.replica);
+    p->set_param(spec.param);
   }
   v1::RegisterResponse resp;
   grpc::ClientContext ctx;
@@ -214,7 +229,66 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
     }
     impl_->tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty()};
   }
+  impl_->ema_tensors.clear();
+  for (const auto& p : resp.ema_placements()) {
+    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
+      impl_->segment.reset();
+      return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
+    }
+    impl_->ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false};
+  }
   return Status::OK();
+}
+
+std::vector<std::string> Client::EmaTensorNames() const {
+  std::vector<std::string> names;
+  for (const auto& [name, t] : impl_->ema_tensors) names.push_back(name);
+  return names;
+}
+
+Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(impl_->Usable());
+  if (!impl_->segment) return FailedPrecondition("register the rank's tensors first");
+  if (impl_->ema_tensors.empty()) return FailedPrecondition("this rank has no EMA tensors");
+  std::vector<CopyTask> tasks;
+  std::map<std::string, bool> seen;
+  for (const auto& b : buffers) {
+    auto it = impl_->ema_tensors.find(b.name);
+    if (it == impl_->ema_tensors.end()) return InvalidArgument("'" + b.name + "' is not an EMA tensor of this rank");
+    if (!seen.emplace(b.name, true).second) return InvalidArgument("EMA tensor '" + b.name + "' is given twice");
+    if (b.bytes != it->second.bytes || b.data == nullptr) {
+      return InvalidArgument("EMA tensor '" + b.name + "' needs a buffer of " + std::to_string(it->second.bytes) +
+                             " bytes");
+    }
+  }
+  if (seen.size() != impl_->ema_tensors.size()) return InvalidArgument("give a buffer for every EMA tensor");
+  v1::GetEmaRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
+  v1::GetEmaResponse resp;
+  {
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, timeout);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->GetEma(&ctx, req, &resp), "GetEma"));
+  }
+  if (resp.slot() >= impl_->slot_count) return Internal("the daemon copied the EMA into a slot that does not exist");
+  EmaResult result;
+  result.initialized = resp.initialized();
+  result.step = resp.step();
+  const char* base = impl_->Slot(resp.slot());
+  if (result.initialized) {
+    for (const auto& b : buffers) tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
+    impl_->copier->Run(tasks);
+  }
+  v1::ReleaseSlotRequest release;
+  release.set_session_id(impl_->session_id);
+  release.set_slot(resp.slot());
+  release.set_generation(resp.generation());
+  v1::ReleaseSlotResponse released;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->ReleaseSlot(&ctx, release, &released), "ReleaseSlot"));
+  return result;
 }
 
 Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,

@@ -52,6 +52,24 @@ struct TensorBuffer {
   uint64_t bytes = 0;
 };
 
+// The job's exponential moving average of the weights, kept by the daemon on the CPU:
+// ema = decay * ema + (1 - decay) * weights, in fp32, on every snapshot whose step is a multiple of
+// `interval` (snapshots with persist=false count too). It covers every master_weight tensor and the
+// fp32 model tensors without one (bf16/fp16 too with all_float_params), and each checkpoint carries
+// it as ema.tpXX_ppYY_shardZZ.safetensors.
+struct EmaOptions {
+  std::optional<double> decay;  // 0 < decay < 1; nullopt: no EMA
+  uint32_t interval = 1;
+  bool init_zeros = false;      // false: the first update copies the weights
+  bool all_float_params = false;
+  std::optional<double> loss_threshold;  // skip (and count) updates whose snapshot loss is above it
+};
+
+struct EmaResult {
+  bool initialized = false;  // false: no update applied yet; buffers untouched
+  int64_t step = -1;         // step of the last update
+};
+
 struct SnapshotOptions {
   bool persist = true;           // false: hand to the daemon (e.g. for the EMA) but do not write files
   std::optional<double> loss;    // passed to the daemon with the commit
@@ -88,7 +106,13 @@ class Client {
 
   // Declares the rank's tensors and maps the segment the daemon creates for them. Calling it again
   // with a different layout replaces the previous one.
-  Status Register(const Topology& topology, const std::vector<TensorSpec>& tensors);
+  Status Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema = {});
+
+  // Names of the EMA tensors this rank holds (empty without EMA); each is fp32 with the shape of
+  // the tensor it tracks.
+  std::vector<std::string> EmaTensorNames() const;
+  // Copies the daemon's current EMA into `buffers` (by EMA tensor name, all of them).
+  Result<EmaResult> Ema(const std::vector<TensorBuffer>& buffers, std::chrono::milliseconds timeout);
 
   // Copies every non-replica registered tensor from `buffers` into a free slot and commits it as
   // `step`. Returns when the copies are done (host memory); the daemon persists in the background.

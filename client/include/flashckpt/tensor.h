@@ -11,8 +11,9 @@ namespace flashckpt {
 // Element types, named as safetensors names them (F32, BF16, ...).
 enum class DType : uint8_t { kF64, kF32, kF16, kBF16, kI64, kI32, kI16, kI8, kU8, kBool };
 
-// model -> model_state file; optimizer and master_weight -> optimizer file.
-enum class TensorKind : uint8_t { kModel, kOptimizer, kMasterWeight };
+// model -> model_state file; optimizer and master_weight -> optimizer file. kEma names the
+// daemon's own EMA tensors (ema file); trainers never register it.
+enum class TensorKind : uint8_t { kModel, kOptimizer, kMasterWeight, kEma };
 
 // [begin, end) in the row-major flattening of a box: how a distributed optimizer shards a state.
 struct FlatRange {
@@ -36,6 +37,9 @@ struct TensorSpec {
   // Held by this rank but written by another (model weights of shard ranks > 0): never persisted
   // from this rank, restored into it.
   bool replica = false;
+  // For a master_weight: the model parameter it is the fp32 master copy of (the EMA tensor is
+  // named after it). Empty: the master weight's own name.
+  std::string param;
 };
 
 // The rank's coordinates in the job's parallel layout. rank = tp + tp_degree*(pp + pp_degree*shard)
