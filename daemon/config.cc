@@ -34,6 +34,8 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
+  app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
+  app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

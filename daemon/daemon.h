@@ -40,6 +40,10 @@ struct DaemonConfig {
   unsigned writer_threads = 2;
   unsigned ema_threads = 0;  // 0: min(hardware threads, 8)
   unsigned segment_mode = 0600;
+  // Peers allowed on the socket (SO_PEERCRED): these uids, members of these gids, the daemon's own
+  // uid and root.
+  std::vector<uint32_t> allow_uids;
+  std::vector<uint32_t> allow_gids;
   std::string log_level = "info";
 };
 

@@ -4,7 +4,7 @@
 
 #include "common/log.h"
 #include "daemon/config.h"
-#include "daemon/service.h"
+#include "daemon/server.h"
 
 int main(int argc, char** argv) {
   using namespace flashckpt;

@@ -1,11 +1,6 @@
 #include "daemon/service.h"
 
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
-#include <unistd.h>
 
-#include <filesystem>
 
 #include "common/fs.h"
 #include "common/log.h"
@@ -207,45 +202,6 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::
 grpc::Status CheckpointService::GetStatus(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
   *resp = daemon_->GetStatus();
   return grpc::Status::OK;
-}
-
-Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
-
-Status Server::Start() {
-  const std::string& path = daemon_->config().socket_path;
-  sockaddr_un addr{};
-  if (path.empty() || path.size() >= sizeof addr.sun_path) {
-    return InvalidArgument("--socket path must be 1 to " + std::to_string(sizeof addr.sun_path - 1) + " bytes");
-  }
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (!dir.empty() && !PathExists(dir)) RETURN_IF_ERROR(MakeDirs(dir, 0750));
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) return FailedPrecondition(path + " exists and is not a socket");
-    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, path.c_str(), path.size());
-    bool live = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    if (fd >= 0) ::close(fd);
-    if (live) return FailedPrecondition("another daemon is listening on " + path);
-    ::unlink(path.c_str());  // stale socket of a daemon that died
-  }
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service_);
-  server_ = builder.BuildAndStart();
-  if (!server_) return Unavailable("could not listen on unix:" + path);
-  if (::chmod(path.c_str(), 0660) != 0) return ErrnoStatus("chmod", path);
-  Logger("rpc")->info("listening socket={}", path);
-  return Status::OK();
-}
-
-void Server::Shutdown(std::chrono::milliseconds grace) {
-  if (!server_) return;
-  server_->Shutdown(std::chrono::system_clock::now() + grace);
-  server_->Wait();
-  server_.reset();
-  ::unlink(daemon_->config().socket_path.c_str());
 }
 
 }  // namespace flashckpt

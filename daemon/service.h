@@ -40,22 +40,4 @@ class CheckpointService final : public v1::Checkpoint::Service {
   Daemon* daemon_;
 };
 
-// Owns the gRPC server listening on the daemon's UNIX socket.
-class Server {
- public:
-  explicit Server(Daemon* daemon) : daemon_(daemon), service_(daemon) {}
-  ~Server();
-
-  // Creates the socket's directory if needed (0750), refuses a socket another daemon listens on,
-  // starts listening and sets the socket's mode to 0660.
-  Status Start();
-  // Stops accepting, cancels open streams and waits up to `grace` for handlers to return.
-  void Shutdown(std::chrono::milliseconds grace);
-
- private:
-  Daemon* daemon_;
-  CheckpointService service_;
-  std::unique_ptr<grpc::Server> server_;
-};
-
 }  // namespace flashckpt

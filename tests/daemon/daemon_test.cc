@@ -1,15 +1,20 @@
 // The daemon behind its real gRPC service on a temporary UNIX socket, driven by the real client
 // library and, for requests the library never sends, by a raw stub.
 #include <grpcpp/grpcpp.h>
+#include <poll.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <thread>
 
 #include "common/fs.h"
 #include "common/metadata.h"
-#include "daemon/service.h"
+#include "daemon/server.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
 #include "testing.h"
@@ -32,8 +37,9 @@ class DaemonTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
-  void StartDaemon(uint64_t budget) {
+  void StartDaemon(uint64_t budget, std::vector<uint32_t> allow_uids = {}) {
     DaemonConfig c;
+    c.allow_uids = std::move(allow_uids);
     c.socket_path = dir_ + "/run/flashckptd.sock";
     c.root = dir_ + "/root";
     c.max_host_memory = budget;
@@ -365,6 +371,61 @@ TEST_F(DaemonTest, WaitPersistedForAStepNeverCommittedFailsFast) {
   ASSERT_OK(c->Register(Topology{}, Specs(10)));
   Status s = c->WaitPersisted(50, 10s);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+}
+
+// Connects to `path` as `uid` in a child process (no gRPC there: only system calls after fork),
+// sends the HTTP/2 client preface and an empty SETTINGS frame, and reports what came back:
+// 0 the server answered (accepted), 1 the connection was closed (refused), 2 no connection.
+int ProbeAs(uid_t uid, const std::string& path) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    if (uid != 0 && (::setgid(65534) != 0 || ::setuid(uid) != 0)) ::_exit(3);
+    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size());
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ::_exit(2);
+    static const char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+    if (::write(fd, kPreface, sizeof kPreface - 1) < 0) ::_exit(1);
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 5000) <= 0) ::_exit(4);
+    char buf[64];
+    ::_exit(::read(fd, buf, sizeof buf) > 0 ? 0 : 1);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST_F(DaemonTest, PeersOfOtherUsersAreRefusedUnlessAllowed) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  auto open_up = [&] {  // let uid 65534 reach the socket, so only the credential check stands
+    ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);
+    ASSERT_EQ(::chmod((dir_ + "/run").c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(socket().c_str(), 0666), 0);
+  };
+  open_up();
+  EXPECT_EQ(ProbeAs(0, socket()), 0) << "root must be accepted";
+  EXPECT_EQ(ProbeAs(65534, socket()), 1) << "uid 65534 must be refused";
+  EXPECT_EQ(server_->refused_peers(), 1u);
+  // The daemon keeps serving the allowed peers.
+  auto c = Connect("after-refusal", 0);
+  ASSERT_TRUE(c);
+
+  c.reset();
+  StopDaemon();
+  StartDaemon(64ull << 20, {65534});
+  open_up();
+  EXPECT_EQ(ProbeAs(65534, socket()), 0) << "--allow-uid 65534 must be accepted";
+  EXPECT_EQ(server_->refused_peers(), 0u);
+}
+
+TEST_F(DaemonTest, SocketIsNotReachableByOthersThroughItsMode) {
+  struct stat st {};
+  ASSERT_EQ(::stat(socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  ASSERT_EQ(::stat((dir_ + "/run").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0750u);
 }
 
 }  // namespace

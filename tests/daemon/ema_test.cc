@@ -8,7 +8,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "daemon/service.h"
+#include "daemon/server.h"
 #include "flashckpt/client.h"
 #include "testing.h"
 
