@@ -164,7 +164,12 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
                                   std::to_string(rank->topology.world_size) +
                                   "; restoring into a different layout is not supported yet");
       }
-      if (auto t = rank->segment->slots.Acquire(SlotState::kRestoring, step)) {
+      // Snapshots already committed must reach the EMA before the restore replaces it, or a stale
+      // one would be applied on top of the restored average.
+      bool settled = rank->segment->ema_pending == 0;
+      std::optional<SlotTicket> t;
+      if (settled) t = rank->segment->slots.Acquire(SlotState::kRestoring, step);
+      if (t) {
         ticket = *t;
         segment = rank->segment;
         segment->slots.SetLoading(ticket.slot, true);

@@ -256,7 +256,10 @@ int main(int argc, char** argv) {
       return Fail("wait persisted", s);
     }
   }
-  if (!o.dump_ema.empty()) {
+  if (!o.dump_ema.empty() && c.EmaTensorNames().empty()) {
+    // A rank whose weights are all replicas (shard rank > 0) holds no EMA: nothing to dump.
+    std::printf("ema step=-1 tensors=0\n");
+  } else if (!o.dump_ema.empty()) {
     // The EMA of the last snapshot is applied asynchronously; a final persisted save orders it
     // before this read (WaitPersisted above), so callers dump after a save step.
     std::vector<std::string> names = c.EmaTensorNames();

@@ -13,7 +13,8 @@ on-disk contract:
         v = ((l*7919 + i*H + j) % 1000) / 1024 + step   for layers.<l>.weight at global (i, j)
         exp_avg = v / 2,  exp_avg_sq = v / 4              (exact in fp32)
     and the pieces sit where the simulator's layout puts them. EMA files (ema.*) get every check but
-    the values, which depend on the average's history.
+    the values, which depend on the average's history; read_ema() assembles them into global arrays
+    so that a test can compare them with an average it computes itself.
 
 Only the Python standard library and numpy are used. As a command:
 
@@ -33,7 +34,7 @@ import numpy as np
 
 __all__ = [
     "CheckpointError", "xxh3_64", "read_safetensors", "verify_checkpoint", "sim_expected",
-    "read_latest", "complete_steps", "checkpoint_steps",
+    "read_latest", "complete_steps", "checkpoint_steps", "read_ema", "ema_tensor",
 ]
 
 
@@ -656,6 +657,68 @@ def verify_checkpoint(ckpt_dir, layers=None, hidden=None, formula=True, checksum
     summary["tensors"] = len(state)
     summary["ema_tensors"] = len(coverage) - len(state)
     return summary
+
+
+def read_ema(ckpt_dir):
+    """The EMA tensors of a complete checkpoint, assembled from its ema.* files.
+
+    Returns {tensor name: float32 numpy array of the tensor's global shape}; an empty dict when the
+    checkpoint has no EMA. Each piece is placed by its own header (@global_shape, @box_offset,
+    @box_shape, optional @flat_range); every piece must be F32 with @kind "ema", and every global
+    element of every EMA tensor must be in exactly one piece. Checksums are not checked here
+    (verify_checkpoint does that).
+    """
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    _, _, _, listed, _ = _load_metadata(ckpt_dir)
+    assembled = {}  # name -> (global shape, values, count per global element)
+    for fname in sorted(listed):
+        fm = _FILE_NAME.match(fname)
+        if not fm or fm.group(1) != "ema":
+            continue
+        st = read_safetensors(os.path.join(ckpt_dir, fname))
+        for tname, t in st.tensors.items():
+            where = "%s: tensor '%s'" % (fname, tname)
+            m = st.metadata
+            if m.get(tname + "@kind") != "ema":
+                raise CheckpointError("%s: @kind %r in an ema file" % (where, m.get(tname + "@kind")))
+            if t.dtype != "F32":
+                raise CheckpointError("%s: EMA dtype %s, expected F32" % (where, t.dtype))
+            gshape = _json_uint_list(m.get(tname + "@global_shape", "null"), where + " @global_shape")
+            boff = _json_uint_list(m.get(tname + "@box_offset", "null"), where + " @box_offset")
+            bshape = _json_uint_list(m.get(tname + "@box_shape", "null"), where + " @box_shape")
+            if not (len(gshape) == len(boff) == len(bshape)) or any(
+                    o + n > g for o, n, g in zip(boff, bshape, gshape)):
+                raise CheckpointError("%s: box %s+%s does not fit the global shape %s" % (where, boff, bshape, gshape))
+            frange = None
+            if tname + "@flat_range" in m:
+                frange = _json_uint_list(m[tname + "@flat_range"], where + " @flat_range")
+                if len(frange) != 2 or frange[0] > frange[1] or frange[1] > _numel(bshape):
+                    raise CheckpointError("%s: flat_range %s not inside the box" % (where, frange))
+            gidx = _global_flat_indices(gshape, boff, bshape, frange)
+            if gidx.size != _numel(t.shape):
+                raise CheckpointError("%s: %d elements, its box/flat_range places %d" % (where, _numel(t.shape),
+                                                                                         gidx.size))
+            entry = assembled.setdefault(tname, (gshape, np.zeros(_numel(gshape), dtype=np.float32),
+                                                 np.zeros(_numel(gshape), dtype=np.uint8)))
+            if entry[0] != gshape:
+                raise CheckpointError("%s: global shape %s, another piece says %s" % (where, gshape, entry[0]))
+            entry[1][gidx] = st.array(tname).reshape(-1)
+            np.add.at(entry[2], gidx, 1)
+    out = {}
+    for tname, (gshape, values, count) in sorted(assembled.items()):
+        if count.size and (count.min() != 1 or count.max() != 1):
+            raise CheckpointError("EMA tensor '%s': %d global elements in no piece, %d in more than one" %
+                                  (tname, int((count == 0).sum()), int((count > 1).sum())))
+        out[tname] = values.reshape(gshape)
+    return out
+
+
+def ema_tensor(ckpt_dir, name):
+    """The EMA of parameter `name` in a complete checkpoint (float32, global shape); see read_ema."""
+    tensors = read_ema(ckpt_dir)
+    if name not in tensors:
+        raise CheckpointError("%s: no EMA tensor '%s' (EMA tensors: %s)" % (ckpt_dir, name, sorted(tensors)))
+    return tensors[name]
 
 
 def main(argv=None):

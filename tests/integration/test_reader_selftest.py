@@ -178,6 +178,26 @@ class ReaderSelfTest(unittest.TestCase):
         self.assertEqual(s["ema_elements"], self.L * self.H * self.H)
         self.assertEqual(s["elements"], 3 * self.L * self.H * self.H)
 
+    def test_read_ema_assembles_global_tensors(self):
+        self.assertEqual(reader.read_ema(self.ckpt), {})  # a checkpoint without EMA
+        shutil.rmtree(self.job_dir)
+        os.makedirs(self.job_dir)
+        self.ckpt = write_fake_checkpoint(self.job_dir, "selftest", self.STEP, self.T, self.P, self.D, self.L,
+                                          self.H, ema=True)
+        ema = reader.read_ema(self.ckpt)
+        self.assertEqual(sorted(ema), ["layers.%d.weight" % l for l in range(self.L)])
+        for layer in range(self.L):
+            got = ema["layers.%d.weight" % layer]
+            self.assertEqual(got.shape, (self.H, self.H))
+            self.assertEqual(str(got.dtype), "float32")
+            for i in range(self.H):
+                for j in range(self.H):
+                    want = struct.unpack("<f", struct.pack("<f", sim_value(layer, self.H, self.STEP, i, j) * 0.75))[0]
+                    self.assertEqual(float(got[i, j]), want, "layer %d (%d, %d)" % (layer, i, j))
+        self.assertEqual(reader.ema_tensor(self.ckpt, "layers.1.weight").tolist(), ema["layers.1.weight"].tolist())
+        with self.assertRaises(reader.CheckpointError):
+            reader.ema_tensor(self.ckpt, "layers.9.weight")
+
     def test_cli_on_job_dir(self):
         self.assertEqual(reader.main([self.job_dir, "--layers", str(self.L), "--hidden", str(self.H)]), 0)
 
