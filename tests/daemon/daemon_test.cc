@@ -386,7 +386,8 @@ int ProbeAs(uid_t uid, const std::string& path) {
     std::memcpy(addr.sun_path, path.c_str(), path.size());
     if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) ::_exit(2);
     static const char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
-    if (::write(fd, kPreface, sizeof kPreface - 1) < 0) ::_exit(1);
+    // The daemon may already have closed a refused connection: a failed send means refused too.
+    if (::send(fd, kPreface, sizeof kPreface - 1, MSG_NOSIGNAL) < 0) ::_exit(1);
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, 5000) <= 0) ::_exit(4);
     char buf[64];
