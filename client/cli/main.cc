@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket, "UNIX socket of the daemon")->envname("FLASHCKPT_SOCKET")->capture_default_str();
 
   bool json = false;
-  CLI::App* status = app.add_subcommand("status", "Show the daemon, its memory and every registered rank");
+  CLI::App* status = app.add_subcommand("status", "Show the daemon, its memory, every registered rank and its EMA");
   status->add_flag("--json", json, "Print JSON instead of a table");
 
   std::string job;

@@ -51,6 +51,31 @@ std::string StepText(int64_t step) { return step < 0 ? "-" : std::to_string(step
 
 ordered_json StepJson(int64_t step) { return step < 0 ? ordered_json(nullptr) : ordered_json(step); }
 
+// Decay as typed: 0.999, 0.9999, 0.99995 (enough digits to tell configurations apart).
+std::string DecayText(double decay) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.10g", decay);
+  return buf;
+}
+
+// The job's EMA in one line: "off", or "on for 2 of 4 rank(s) here, decay 0.999" (ranks whose
+// weights are all replicas persisted by another rank hold no EMA and count as off).
+std::string EmaSummaryText(const v1::JobStatus& job) {
+  int on = 0;
+  std::vector<std::string> decays;  // distinct, in rank order; one unless ranks disagree
+  for (const auto& rank : job.ranks()) {
+    if (!rank.ema_enabled()) continue;
+    ++on;
+    std::string d = DecayText(rank.ema_decay());
+    if (std::find(decays.begin(), decays.end(), d) == decays.end()) decays.push_back(d);
+  }
+  if (on == 0) return "off";
+  std::string out =
+      "on for " + std::to_string(on) + " of " + std::to_string(job.ranks_size()) + " rank(s) here, decay ";
+  for (size_t i = 0; i < decays.size(); ++i) out += (i ? "/" : "") + decays[i];
+  return out;
+}
+
 std::string SlotsText(const v1::RankStatus& rank) {
   std::string out;
   for (const auto& s : rank.slots()) {
@@ -101,6 +126,7 @@ std::string StatusText(const v1::StatusResponse& status) {
     out += "\njob " + job.job() + "  world size " + std::to_string(job.world_size()) + ", " +
            std::to_string(job.ranks_size()) + " rank(s) here, last complete step " +
            StepText(job.last_complete_step()) + "\n";
+    out += "  ema " + EmaSummaryText(job) + "\n";
     TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "SNAPSHOTS", "PERSISTS",
                      "FAILURES", "SKIPPED", "LAST ERROR"},
                     {true, false, true, true, true, false, true, true, true, true, false});
@@ -111,6 +137,22 @@ std::string StatusText(const v1::StatusResponse& status) {
                     std::to_string(rank.skipped()), rank.last_error().empty() ? "-" : rank.last_error()});
     }
     out += table.Render("  ");
+    bool any_ema = std::any_of(job.ranks().begin(), job.ranks().end(), [](const auto& r) { return r.ema_enabled(); });
+    if (!any_ema) continue;
+    // EMA STEP is the step of the last update applied; APPLIED and SKIPPED count updates (SKIPPED:
+    // refused by the loss threshold); EMA SIZE is the size of the rank's ema.*.safetensors image.
+    TextTable ema({"RANK", "EMA", "DECAY", "EMA STEP", "APPLIED", "SKIPPED", "EMA SIZE"},
+                  {true, false, true, true, true, true, true});
+    for (const auto& rank : job.ranks()) {
+      if (!rank.ema_enabled()) {
+        ema.AddRow({std::to_string(rank.rank()), "off", "-", "-", "-", "-", "-"});
+        continue;
+      }
+      ema.AddRow({std::to_string(rank.rank()), "on", DecayText(rank.ema_decay()), StepText(rank.ema_last_step()),
+                  std::to_string(rank.ema_updates_applied()), std::to_string(rank.ema_updates_skipped()),
+                  FormatBytes(rank.ema_bytes())});
+    }
+    out += "\n" + ema.Render("  ");
   }
   return out;
 }
@@ -146,6 +188,14 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
       r["failures"] = rank.failures();
       r["skipped"] = rank.skipped();
       r["last_error"] = rank.last_error();
+      // Same keys whether EMA is on or off, so scripts need not test for their presence.
+      const bool on = rank.ema_enabled();
+      r["ema"] = {{"enabled", on},
+                  {"decay", on ? ordered_json(rank.ema_decay()) : ordered_json(nullptr)},
+                  {"last_step", on ? StepJson(rank.ema_last_step()) : ordered_json(nullptr)},
+                  {"updates_applied", rank.ema_updates_applied()},
+                  {"updates_skipped", rank.ema_updates_skipped()},
+                  {"bytes", rank.ema_bytes()}};
       ranks.push_back(std::move(r));
     }
     j["ranks"] = std::move(ranks);

@@ -12,8 +12,10 @@ namespace flashckpt::cli {
 // "2h 03m 14s", "45s", "3d 01h 00m".
 std::string FormatDuration(double seconds);
 
-// The GetStatus answer: daemon, memory, root, then a table of ranks per job. Steps that have not
-// happened yet (negative) show as "-" in text and null in JSON.
+// The GetStatus answer: daemon, memory, root, then per job an EMA summary line, a table of ranks
+// and, when any rank keeps an EMA, a table of its EMA (decay, last update step, updates applied and
+// skipped, image size). Steps that have not happened yet (negative) show as "-" in text and null
+// in JSON; in JSON every rank has an "ema" object with the same keys whether EMA is on or off.
 std::string StatusText(const v1::StatusResponse& status);
 nlohmann::ordered_json StatusJson(const v1::StatusResponse& status);
 
