@@ -8,3 +8,27 @@ find_package(nlohmann_json CONFIG REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
+
+# The Python package (client/python) is built for the system interpreter, where Debian's
+# python3-torch and python3-numpy live. Python3 must be found before pybind11 so that pybind11 uses
+# the same interpreter (its FindPython mode).
+if(NOT DEFINED Python3_EXECUTABLE AND EXISTS /usr/bin/python3)
+  set(Python3_EXECUTABLE /usr/bin/python3 CACHE FILEPATH "Python interpreter the flashckpt package is built for")
+endif()
+find_package(Python3 COMPONENTS Interpreter Development)
+if(Python3_FOUND)
+  find_package(pybind11 CONFIG QUIET)
+endif()
+# A sanitized extension module cannot be loaded into an uninstrumented interpreter, so sanitizer
+# builds leave the package out unless asked for.
+set(_fc_python_default OFF)
+if(Python3_FOUND AND pybind11_FOUND AND NOT FLASHCKPT_SANITIZE)
+  set(_fc_python_default ON)
+endif()
+option(FLASHCKPT_WITH_PYTHON "Build the flashckpt Python package (needs Python3 development files and pybind11)"
+       ${_fc_python_default})
+if(FLASHCKPT_WITH_PYTHON AND NOT (Python3_FOUND AND pybind11_FOUND))
+  message(FATAL_ERROR "FLASHCKPT_WITH_PYTHON is ON but Python3 (Interpreter, Development) or pybind11 was "
+                      "not found; install python3-dev and pybind11-dev (scripts/deps.sh), or pass "
+                      "-DFLASHCKPT_WITH_PYTHON=OFF")
+endif()

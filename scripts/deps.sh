@@ -8,6 +8,7 @@ PACKAGES=(
   libboost-dev libspdlog-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev
   python3 python3-numpy
+  python3-dev python3-torch python3-pybind11 pybind11-dev
 )
 
 missing=()

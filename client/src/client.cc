@@ -1,5 +1,6 @@
 #include "flashckpt/client.h"
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -395,6 +396,23 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   result.step = resp.step();
   result.extra = resp.extra();
   return result;
+}
+
+Result<std::string> Client::StatusJson() {
+  RETURN_IF_ERROR(impl_->Usable());
+  v1::StatusResponse resp;
+  {
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->GetStatus(&ctx, v1::StatusRequest{}, &resp), "GetStatus"));
+  }
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  auto converted = google::protobuf::util::MessageToJsonString(resp, &json, options);
+  if (!converted.ok()) return Internal("cannot render the daemon status as JSON: " + converted.ToString());
+  return json;
 }
 
 }  // namespace flashckpt

@@ -128,6 +128,11 @@ class Client {
   Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
                                 std::chrono::milliseconds timeout);
 
+  // The daemon's status as JSON: its version, memory budget and use, and every job and rank it knows
+  // (slots, last steps, errors, EMA), i.e. the GetStatus RPC's StatusResponse in protobuf's JSON
+  // mapping with the proto field names (snake_case; 64-bit integers are JSON strings).
+  Result<std::string> StatusJson();
+
   // Closes the session; later calls fail with kCancelled. Also done by the destructor.
   void Close();
 

@@ -1,0 +1,303 @@
+"""flashckpt.Client: one trainer rank's connection to the local flashckptd.
+
+    import numpy as np, flashckpt
+    w = np.zeros((1024, 1024), np.float32)
+    with flashckpt.Client("/run/flashckpt/flashckptd.sock", job="llama", ema_decay=0.999) as c:
+        c.register({"w": w})
+        step, extra = c.restore({"w": w})         # (None, None) when the job has no checkpoint
+        for step in range(step or 0, 1000):
+            ...                                   # train
+            c.snapshot(step, {"w": w}, persist=step % 100 == 0, extra={"data_pos": step})
+        c.wait_persisted(900, timeout=600)
+
+Tensors are given as a mapping of name -> tensor, where a tensor is anything with ``__dlpack__`` or
+the buffer protocol (numpy arrays, torch tensors). snapshot() copies each tensor once, straight into
+the daemon's shared memory, and returns when the copy is done, so the caller may modify the tensors
+as soon as it returns. There is no other copy.
+
+Tensors must be contiguous (C order) host tensors of a supported dtype (float64, float32, float16,
+bfloat16, int64, int32, int16, int8, uint8, bool). A non-contiguous tensor is refused with a
+ValueError that names it, not copied silently; an unsupported dtype is a TypeError.
+
+Errors from the daemon are flashckpt.FlashckptError subclasses (flashckpt.errors). Every call has a
+deadline. A Client may be used from one thread at a time; the GIL is released while it copies or
+waits.
+"""
+
+import json
+import os
+import time
+
+from . import _flashckpt
+from . import _tensors
+from .errors import DaemonUnavailableError
+
+_KINDS = ("model", "optimizer", "master_weight")
+_SPEC_KEYS = ("kind", "param", "replica", "global_shape", "box_offset", "box_shape", "flat_range")
+
+
+class Snapshot:
+    """A snapshot handed to the daemon by Client.snapshot().
+
+    For host tensors the copy is complete when snapshot() returns, so wait_copied() returns at once;
+    it is the call to make before mutating the tensors (the optimizer step) so that code stays right
+    when the copies become asynchronous (CUDA).
+    """
+
+    __slots__ = ("step", "persist", "seconds")
+
+    def __init__(self, step, persist, seconds):
+        self.step = step
+        self.persist = persist
+        self.seconds = seconds  # how long snapshot() blocked the caller
+
+    def wait_copied(self):
+        """Returns once the snapshot's tensors may be modified (at once for host tensors)."""
+        return None
+
+    def __repr__(self):
+        return "Snapshot(step=%d, persist=%s, blocked=%.3f ms)" % (self.step, self.persist, self.seconds * 1e3)
+
+
+def encode_extra(extra):
+    """bytes for the daemon: None -> b"", bytes as is, str as UTF-8, anything else as JSON."""
+    if extra is None:
+        return b""
+    if isinstance(extra, (bytes, bytearray, memoryview)):
+        return bytes(extra)
+    if isinstance(extra, str):
+        return extra.encode("utf-8")
+    return json.dumps(extra, separators=(",", ":")).encode("utf-8")
+
+
+class Client:
+    """One rank's session with flashckptd. See the module docstring for an example.
+
+    Arguments:
+      socket, job, rank: the daemon's UNIX socket, the job name ([A-Za-z0-9._-]{1,128}), this rank.
+      world_size, tp_*, pp_*, shard_*: the rank's place in the job's parallel layout
+        (world_size = tp_degree * pp_degree * shard_degree).
+      ema_decay: keep an fp32 EMA of the weights in the daemon (0 < decay < 1); None: no EMA.
+      ema_interval: update the EMA on snapshots whose step is a multiple of it.
+      ema_init: "first" (the first update copies the weights) or "zeros".
+      ema_model_params: "fp32" (EMA of fp32 model tensors and master weights) or "all" (bf16/fp16 too).
+      ema_loss_threshold: skip EMA updates of snapshots whose loss is above it.
+      backpressure: "wait" for a free slot (up to slot_timeout) or "skip" (ResourceExhaustedError).
+      connect_timeout, rpc_timeout, slot_timeout: deadlines in seconds.
+      copy_threads: threads copying large tensors (0: min(cores, 8)).
+
+    Raises DaemonUnavailableError (naming the socket) when no daemon answers within connect_timeout.
+    """
+
+    def __init__(self, socket, job, rank=0, world_size=1, tp_rank=0, tp_degree=1, pp_rank=0, pp_degree=1,
+                 shard_rank=0, shard_degree=1, ema_decay=None, ema_interval=1, ema_init="first",
+                 ema_model_params="fp32", ema_loss_threshold=None, backpressure="wait", *,
+                 connect_timeout=10.0, rpc_timeout=30.0, slot_timeout=60.0, copy_threads=0):
+        if ema_init not in ("first", "zeros"):
+            raise ValueError("ema_init must be 'first' or 'zeros', got %r" % (ema_init,))
+        if ema_model_params not in ("fp32", "all"):
+            raise ValueError("ema_model_params must be 'fp32' or 'all', got %r" % (ema_model_params,))
+        if backpressure not in ("wait", "skip"):
+            raise ValueError("backpressure must be 'wait' or 'skip', got %r" % (backpressure,))
+        if ema_decay is not None and not 0.0 < float(ema_decay) < 1.0:
+            raise ValueError("ema_decay must lie strictly between 0 and 1, got %r" % (ema_decay,))
+        if int(ema_interval) < 1:
+            raise ValueError("ema_interval must be at least 1, got %r" % (ema_interval,))
+        self.socket = os.fspath(socket)
+        self.job = job
+        self.rank = int(rank)
+        self.topology = tuple(int(x) for x in (world_size, tp_rank, tp_degree, pp_rank, pp_degree,
+                                               shard_rank, shard_degree))
+        self._ema = None
+        if ema_decay is not None:
+            self._ema = {"decay": float(ema_decay), "interval": int(ema_interval), "init_zeros": ema_init == "zeros",
+                         "all_float_params": ema_model_params == "all",
+                         "loss_threshold": None if ema_loss_threshold is None else float(ema_loss_threshold)}
+        self._layout = None      # name -> (dtype, shape), as registered
+        self._replicas = set()
+        self._ema_shapes = {}    # EMA tensor name -> shape
+        self._impl = None
+        started = time.monotonic()
+        try:
+            self._impl = _flashckpt.Client(self.socket, job, self.rank, float(rpc_timeout), float(connect_timeout),
+                                           float(slot_timeout), backpressure == "skip", int(copy_threads))
+        except DaemonUnavailableError as e:
+            hint = ("no socket file exists at %s" % self.socket if not os.path.exists(self.socket)
+                    else "the socket %s exists but nothing answers on it" % self.socket)
+            raise DaemonUnavailableError(
+                e.code, "%s; %s after %.1f s: is flashckptd running (flashckptd --socket %s --root DIR)?"
+                % (e.message, hint, time.monotonic() - started, self.socket)) from None
+
+    # --- layout --------------------------------------------------------------------------------
+
+    def register(self, tensors, specs=None):
+        """Declares this rank's tensors (a mapping name -> tensor); the daemon creates their shared memory.
+
+        `specs` optionally maps a name to its options: kind ("model" (default), "optimizer",
+        "master_weight"), param (for a master weight: the model parameter it is the fp32 copy of),
+        replica (held here but saved by another rank), and for sharded tensors global_shape,
+        box_offset, box_shape, flat_range=(begin, end). Registering again with a different set,
+        dtype or shape of tensors replaces the layout.
+        """
+        self._register(tensors, specs, with_ema=True)
+
+    def _register(self, tensors, specs, with_ema):
+        specs = specs or {}
+        pairs = _tensors.items(tensors)
+        names = {name for name, _ in pairs}
+        for name in specs:
+            if name not in names:
+                raise ValueError("specs names tensor '%s', which is not among the tensors registered" % name)
+        out, layout, replicas, ema_shapes = [], {}, set(), {}
+        for name, obj in pairs:
+            v = _tensors.view(name, obj)
+            opts = dict(specs.get(name, {}))
+            unknown = set(opts) - set(_SPEC_KEYS)
+            if unknown:
+                raise ValueError("tensor '%s': unknown spec option(s) %s; known: %s"
+                                 % (name, ", ".join(sorted(unknown)), ", ".join(_SPEC_KEYS)))
+            s = _flashckpt.Spec()
+            s.name = name
+            s.kind = opts.get("kind", "model")
+            if s.kind not in _KINDS:
+                raise ValueError("tensor '%s': kind must be one of %s, got %r" % (name, ", ".join(_KINDS), s.kind))
+            s.dtype = v.dtype
+            s.shape = list(v.shape)
+            s.global_shape = list(opts.get("global_shape", ()))
+            s.box_offset = list(opts.get("box_offset", ()))
+            s.box_shape = list(opts.get("box_shape", ()))
+            fr = opts.get("flat_range")
+            s.flat_range = None if fr is None else (int(fr[0]), int(fr[1]))
+            s.replica = bool(opts.get("replica", False))
+            s.param = str(opts.get("param", ""))
+            out.append(s)
+            layout[name] = (v.dtype, v.shape)
+            if s.replica:
+                replicas.add(name)
+            ema_shapes[s.param or name] = v.shape
+        self._live().register(self.topology, out, self._ema if with_ema else None)
+        self._layout, self._replicas, self._ema_shapes = layout, replicas, ema_shapes
+
+    @property
+    def registered(self):
+        """name -> (dtype, shape) of the registered tensors (dtype as safetensors names it: F32, BF16, ...)."""
+        return dict(self._layout or {})
+
+    def _buffers(self, tensors, writable, what, include_replicas):
+        if self._layout is None:
+            raise ValueError("register() the rank's tensors before calling %s()" % what)
+        views, seen = [], set()
+        for name, obj in _tensors.items(tensors):
+            want = self._layout.get(name)
+            if want is None:
+                raise ValueError("tensor '%s' given to %s() was not registered; register() again when the set of "
+                                 "tensors changes" % (name, what))
+            v = _tensors.view(name, obj, writable=writable)
+            if (v.dtype, v.shape) != want:
+                raise ValueError("tensor '%s' given to %s() is %s but was registered as %s; register() again when "
+                                 "shapes or dtypes change" % (name, what, _tensors.describe(v.dtype, v.shape),
+                                                               _tensors.describe(*want)))
+            if name in self._replicas and not include_replicas:
+                continue
+            seen.add(name)
+            views.append(v)
+        for name in self._layout:
+            if name not in seen and (include_replicas or name not in self._replicas):
+                raise ValueError("tensor '%s' is registered but was not given to %s()" % (name, what))
+        return views
+
+    # --- save ----------------------------------------------------------------------------------
+
+    def snapshot(self, step, tensors, persist=True, loss=None, extra=None):
+        """Copies `tensors` (every registered, non-replica tensor) into a free slot and commits it as `step`.
+
+        Returns a Snapshot once the copy is done: the tensors may be modified right away. The daemon
+        persists it in the background (persist=False: EMA only, no files). `loss` feeds the EMA's loss
+        gate; `extra` (bytes, str, or a JSON-serialisable object) is saved as extra.rankNNNNN.json
+        (at most 4 MiB). Steps must increase within a session.
+        """
+        started = time.perf_counter()
+        views = self._buffers(tensors, writable=False, what="snapshot", include_replicas=False)
+        data = encode_extra(extra)
+        self._live().snapshot(int(step), [v.buffer() for v in views], bool(persist),
+                              None if loss is None else float(loss), data)
+        return Snapshot(int(step), bool(persist), time.perf_counter() - started)
+
+    def wait_persisted(self, step, timeout=600.0):
+        """Blocks until this rank's files of `step` (or a later step) are durable.
+
+        Raises DeadlineExceededError after `timeout` seconds, or the error of a failed save.
+        """
+        self._live().wait_persisted(int(step), float(timeout))
+
+    # --- restore -------------------------------------------------------------------------------
+
+    def restore(self, tensors, step=None, timeout=600.0):
+        """Restores checkpoint `step` (None: the latest complete one) into `tensors`, in place.
+
+        `tensors` must hold every registered tensor (replicas included). Returns (step, extra): the
+        step restored and this rank's extra as bytes (a JSON value comes back as JSON text), or
+        (None, None) when the job has no complete checkpoint yet, leaving the tensors untouched.
+        The daemon verifies checksums before any byte reaches the tensors, and loads the
+        checkpoint's EMA, so the average continues from the restored step.
+        """
+        views = self._buffers(tensors, writable=True, what="restore", include_replicas=True)
+        found, got, extra, _ = self._live().restore(None if step is None else int(step),
+                                                    [v.buffer() for v in views], float(timeout))
+        if not found:
+            return None, None
+        return got, (extra or None)
+
+    # --- EMA -----------------------------------------------------------------------------------
+
+    @property
+    def ema_names(self):
+        """Names of this rank's EMA tensors (each is float32 with the shape of the tensor it tracks)."""
+        return list(self._live().ema_names())
+
+    def ema(self, tensors=None, timeout=60.0):
+        """Copies the daemon's current EMA into `tensors` (name -> float32 tensor, every EMA name).
+
+        With tensors=None, numpy float32 arrays are allocated. The copy is as of the last snapshot
+        committed. Returns (step, tensors): step is that of the last EMA update, None (tensors
+        untouched) when no update has been applied yet.
+        """
+        if tensors is None:
+            import numpy as np
+            tensors = {n: np.empty(self._ema_shapes[n], dtype=np.float32) for n in self.ema_names}
+        views = []
+        for name, obj in _tensors.items(tensors):
+            v = _tensors.view(name, obj, writable=True)
+            if v.dtype != "F32" or (name in self._ema_shapes and v.shape != tuple(self._ema_shapes[name])):
+                raise ValueError("EMA tensor '%s' needs a float32 tensor of shape %s, got %s"
+                                 % (name, tuple(self._ema_shapes.get(name, ())), _tensors.describe(v.dtype, v.shape)))
+            views.append(v)
+        initialized, step = self._live().ema([v.buffer() for v in views], float(timeout))
+        return (step if initialized else None), tensors
+
+    # --- operators -----------------------------------------------------------------------------
+
+    def status(self):
+        """The daemon's status as a dict (GetStatus in protobuf's JSON mapping: 64-bit integers are strings)."""
+        return json.loads(self._live().status_json())
+
+    def close(self):
+        """Closes the session; later calls raise CancelledError. Idempotent."""
+        if self._impl is not None:
+            self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _live(self):
+        if self._impl is None:
+            raise RuntimeError("the client is not connected")
+        return self._impl
+
+    def __repr__(self):
+        return "flashckpt.Client(socket=%r, job=%r, rank=%d, tensors=%d)" % (
+            self.socket, self.job, self.rank, len(self._layout or {}))

@@ -1,0 +1,196 @@
+#!/usr/bin/python3
+"""flashckpt.Client against a real flashckptd: numpy and torch tensors, every dtype, bad input.
+
+- snapshot + restore round-trip every supported dtype (numpy and torch, 0-d and empty tensors) and
+  the extra state;
+- a tensor modified right after snapshot() returns does not change the snapshot;
+- the daemon's EMA equals one computed here in numpy, bit for bit;
+- a non-contiguous tensor and an unsupported dtype are refused with errors naming the tensor; a
+  daemon that is not running is a DaemonUnavailableError naming the socket, within the deadline;
+  unregistered tensors, changed shapes, a closed client are clear errors; status() is a dict.
+"""
+
+import array
+import os
+import sys
+import time
+import unittest
+
+sys.dont_write_bytecode = True  # keep the source tree clean
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import flashckpt  # noqa: E402
+
+
+class ClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = harness.Daemon().__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.cleanup()
+
+    def client(self, name, **kwargs):
+        return flashckpt.Client(self.daemon.socket, self.daemon.job(name), **kwargs)
+
+    def test_every_dtype_round_trips(self):
+        rng = np.random.default_rng(1)
+        tensors = {
+            "np.f64": rng.standard_normal((3, 5)),
+            "np.f32": rng.standard_normal((7,)).astype(np.float32),
+            "np.f16": rng.standard_normal((2, 2)).astype(np.float16),
+            "np.i64": rng.integers(-2**40, 2**40, (4,)),
+            "np.i32": rng.integers(-1000, 1000, (2, 3), dtype=np.int32),
+            "np.i16": rng.integers(-1000, 1000, (5,), dtype=np.int16),
+            "np.i8": rng.integers(-100, 100, (6,), dtype=np.int8),
+            "np.u8": rng.integers(0, 255, (9,), dtype=np.uint8),
+            "np.bool": rng.integers(0, 2, (4,)).astype(bool),
+            "np.scalar": np.array(3.25, dtype=np.float32),
+            "np.empty": np.zeros((0, 4), np.float32),
+            "torch.bf16": torch.randn(3, 4).to(torch.bfloat16),
+            "torch.f32": torch.randn(2, 3, 4),
+            "torch.bool": torch.tensor([True, False, True]),
+            "torch.i64": torch.arange(10),
+            "torch.scalar": torch.tensor(7, dtype=torch.int32),
+            "buffer.f32": array.array("f", [1.5, -2.0, 3.25]),   # the buffer protocol, no DLPack
+        }
+        with self.client("dtypes") as c:
+            c.register(tensors, specs={"torch.f32": {"kind": "optimizer"}})
+            self.assertEqual(c.registered["torch.bf16"], ("BF16", (3, 4)))
+            self.assertEqual(c.restore(tensors), (None, None))  # no checkpoint yet: untouched
+            c.snapshot(1, tensors, extra={"epoch": 3, "name": "x"})
+            c.wait_persisted(1, timeout=30)
+            out = {n: (np.zeros_like(t) if isinstance(t, np.ndarray) else
+                       array.array(t.typecode, bytes(len(t) * t.itemsize)) if isinstance(t, array.array) else
+                       torch.zeros_like(t))
+                   for n, t in tensors.items()}
+            step, extra = c.restore(out)
+        self.assertEqual(step, 1)
+        self.assertEqual(extra, b'{"epoch":3,"name":"x"}')
+        for n, t in tensors.items():
+            if isinstance(t, (np.ndarray, array.array)):
+                np.testing.assert_array_equal(out[n], t, err_msg=n)
+            else:
+                self.assertTrue(torch.equal(out[n], t), n)
+
+    def test_tensor_modified_after_snapshot_returns(self):
+        a = np.full((1 << 20,), 1.5, np.float32)   # 4 MiB
+        b = torch.full((1 << 19,), 2.5, dtype=torch.float64)
+        with self.client("mutate") as c:
+            c.register({"a": a, "b": b})
+            for step in (1, 2):
+                snap = c.snapshot(step, {"a": a, "b": b})
+                snap.wait_copied()
+                expect_a, expect_b = a.copy(), b.clone()
+                a += 1.0       # the very next thing after snapshot() returns
+                b.mul_(-1)
+                c.wait_persisted(step, timeout=30)
+                ra, rb = np.zeros_like(a), torch.zeros_like(b)
+                self.assertEqual(c.restore({"a": ra, "b": rb}, step=step)[0], step)
+                np.testing.assert_array_equal(ra, expect_a)
+                self.assertTrue(torch.equal(rb, expect_b))
+
+    def test_ema_matches_numpy(self):
+        decay, interval = 0.9, 2
+        w = np.zeros((64, 33), np.float32)
+        m = torch.zeros(17)                      # fp32 model tensor: averaged too
+        ids = np.zeros(5, np.int64)              # not a float: no EMA
+        rng = np.random.default_rng(3)
+        with self.client("ema", ema_decay=decay, ema_interval=interval) as c:
+            c.register({"w": w, "m": m, "ids": ids})
+            self.assertEqual(sorted(c.ema_names), ["m", "w"])
+            step, _ = c.ema()
+            self.assertIsNone(step)
+            ref = None
+            d = np.float32(decay)
+            for step in range(1, 12):
+                w[:] = rng.standard_normal(w.shape).astype(np.float32)
+                m.copy_(torch.randn(17))
+                c.snapshot(step, {"w": w, "m": m, "ids": ids}, persist=step == 6)
+                if step % interval == 0:
+                    x = {"w": w.copy(), "m": m.numpy().copy()}
+                    if ref is None:
+                        ref = x  # ema_init="first"
+                    else:
+                        ref = {k: d * ref[k] + (np.float32(1) - d) * x[k] for k in ref}
+            step, ema = c.ema()
+        self.assertEqual(step, 10)
+        np.testing.assert_array_equal(ema["w"], ref["w"])
+        np.testing.assert_array_equal(ema["m"], ref["m"])
+
+    def test_non_contiguous_is_refused(self):
+        with self.client("noncontig") as c:
+            with self.assertRaisesRegex(ValueError, r"tensor 'wt' is not contiguous .*\.contiguous\(\)"):
+                c.register({"wt": torch.zeros(4, 6).t()})
+            with self.assertRaisesRegex(ValueError, r"tensor 'strided' is not contiguous"):
+                c.register({"strided": np.zeros((4, 6), np.float32)[:, ::2]})
+            good = torch.zeros(6, 4)
+            c.register({"w": good})
+            with self.assertRaisesRegex(ValueError, r"tensor 'w' is not contiguous"):
+                c.snapshot(1, {"w": torch.zeros(4, 6).t()})
+
+    def test_unsupported_dtype_is_refused(self):
+        with self.client("dtype") as c:
+            for name, t, dtype in [("c64", torch.zeros(3, dtype=torch.complex64), "complex64"),
+                                   ("u16", np.zeros(3, np.uint16), "uint16"),
+                                   ("c128", np.zeros(3, np.complex128), "complex128")]:
+                with self.assertRaisesRegex(TypeError, r"tensor '%s' has dtype %s, which flashckpt does not store"
+                                            % (name, dtype)):
+                    c.register({name: t})
+            with self.assertRaisesRegex(TypeError, r"tensor 'x': object of type list is not a tensor"):
+                c.register({"x": [1, 2]})
+
+    def test_daemon_not_running(self):
+        missing = os.path.join(self.daemon.tmp, "nobody-here.sock")
+        started = time.monotonic()
+        with self.assertRaises(flashckpt.DaemonUnavailableError) as cm:
+            flashckpt.Client(missing, "nobody", connect_timeout=1.0)
+        elapsed = time.monotonic() - started
+        self.assertIn(missing, str(cm.exception))
+        self.assertIn("no socket file exists", str(cm.exception))
+        self.assertIsInstance(cm.exception, ConnectionError)
+        self.assertLess(elapsed, 5.0)
+
+    def test_layout_errors(self):
+        w = np.zeros((2, 3), np.float32)
+        with self.client("layout") as c:
+            with self.assertRaisesRegex(ValueError, "register"):
+                c.snapshot(1, {"w": w})
+            c.register({"w": w, "b": np.zeros(3, np.float32)})
+            with self.assertRaisesRegex(ValueError, r"tensor 'zz' given to snapshot\(\) was not registered"):
+                c.snapshot(1, {"w": w, "zz": w})
+            with self.assertRaisesRegex(ValueError, r"tensor 'w' given to snapshot\(\) is float32 \(3, 2\) but was "
+                                                    r"registered as float32 \(2, 3\)"):
+                c.snapshot(1, {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32)})
+            with self.assertRaisesRegex(ValueError, r"tensor 'b' is registered but was not given to snapshot\(\)"):
+                c.snapshot(1, {"w": w})
+            with self.assertRaisesRegex(ValueError, "read-only"):
+                ro = np.zeros(3, np.float32)
+                ro.flags.writeable = False
+                c.restore({"w": w, "b": ro})
+            with self.assertRaisesRegex(ValueError, "kind must be one of"):
+                c.register({"w": w}, specs={"w": {"kind": "weights"}})
+            with self.assertRaises(flashckpt.InvalidArgumentError):
+                c.register({"bad\"name": w})
+
+    def test_status_and_close(self):
+        c = self.client("status")
+        c.register({"w": np.zeros(4, np.float32)})
+        status = c.status()
+        self.assertEqual(status["root"], self.daemon.root)
+        jobs = {j["job"]: j for j in status["jobs"]}
+        self.assertIn(c.job, jobs)
+        self.assertTrue(jobs[c.job]["ranks"][0]["connected"])
+        c.close()
+        c.close()  # idempotent
+        with self.assertRaises(flashckpt.CancelledError):
+            c.snapshot(1, {"w": np.zeros(4, np.float32)})
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,123 @@
+#!/usr/bin/python3
+"""A real training run SIGKILLed at a random step and resumed is bit-identical to one never stopped.
+
+examples/train_mlp.py (an MLP with dropout, AdamW, the daemon's EMA) runs three times against one
+real flashckptd:
+  1. job A, uninterrupted, to the last step;
+  2. job B, SIGKILLed at a random step after its first complete checkpoint;
+  3. job B again: it resumes from the latest complete checkpoint and trains to the last step.
+Every loss job B logged (before the kill and after the resume) must equal job A's loss at the same
+step bit for bit, and the final weights, the EMA and the eval losses must be identical too.
+The random kill step comes from FLASHCKPT_TEST_SEED when set (the seed is printed).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+sys.dont_write_bytecode = True  # keep the source tree clean
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+STEPS, SAVE_EVERY = 160, 40
+EXAMPLE = os.path.join(harness.REPO, "examples", "train_mlp.py")
+
+
+def read_log(path):
+    losses = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.endswith("\n"):  # a line cut by the kill is not a step
+                    r = json.loads(line)
+                    losses[r["step"]] = r["loss"]
+    return losses
+
+
+class ResumeAfterSigkillTest(unittest.TestCase):
+    def setUp(self):
+        self.daemon = harness.Daemon().__enter__()
+        self.procs = []
+
+    def tearDown(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        self.daemon.cleanup()
+
+    def trainer(self, job, name, step_delay=0.0):
+        log = os.path.join(self.daemon.tmp, name + ".jsonl")
+        summary = os.path.join(self.daemon.tmp, name + ".json")
+        out = open(os.path.join(self.daemon.tmp, name + ".out"), "wb")
+        env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
+        cmd = [sys.executable, EXAMPLE, "--socket", self.daemon.socket, "--job", job, "--steps", str(STEPS),
+               "--save-every", str(SAVE_EVERY), "--ema-every", "1", "--ema-decay", "0.9", "--quiet",
+               "--log", log, "--summary", summary, "--step-delay", str(step_delay)]
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        out.close()
+        self.procs.append(p)
+        return p, log, summary
+
+    def finish(self, proc, name):
+        rc = proc.wait(timeout=120)
+        with open(os.path.join(self.daemon.tmp, name + ".out"), errors="replace") as f:
+            output = f.read()
+        self.assertEqual(rc, 0, "%s exited with %s:\n%s\ndaemon log:\n%s" % (name, rc, output, self.daemon.log_tail()))
+        with open(os.path.join(self.daemon.tmp, name + ".json")) as f:
+            return json.load(f)
+
+    def test_sigkill_at_random_step_then_resume(self):
+        seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
+        kill_after = random.Random(seed).randint(SAVE_EVERY + 1, STEPS - 25)
+        print("\nFLASHCKPT_TEST_SEED=%d: SIGKILL once step %d is logged" % (seed, kill_after), flush=True)
+
+        job_a, job_b = self.daemon.job("ref"), self.daemon.job("killed")
+        ref_proc, ref_log, _ = self.trainer(job_a, "reference")
+        ref = self.finish(ref_proc, "reference")
+        ref_losses = read_log(ref_log)
+        self.assertEqual(sorted(ref_losses), list(range(1, STEPS + 1)))
+        self.assertIsNone(ref["resumed_step"])
+
+        victim, victim_log, _ = self.trainer(job_b, "victim", step_delay=0.01)
+        latest = os.path.join(self.daemon.job_dir(job_b), "LATEST")
+
+        def due():
+            if victim.poll() is not None:
+                raise AssertionError("the trainer exited (%s) before the kill" % victim.returncode)
+            logged = read_log(victim_log)
+            return os.path.exists(latest) and logged and max(logged) >= kill_after
+        harness.wait_for(due, 60, "step %d and a complete checkpoint" % kill_after, poll=0.002)
+        victim.send_signal(signal.SIGKILL)
+        self.assertEqual(victim.wait(timeout=10), -signal.SIGKILL)
+        killed_losses = read_log(victim_log)
+        killed_at = max(killed_losses)
+        with open(latest) as f:
+            print("killed at step %d; LATEST=%s" % (killed_at, f.read().strip()), flush=True)
+        self.assertLess(killed_at, STEPS)
+
+        resumed_proc, resumed_log, _ = self.trainer(job_b, "resumed")
+        resumed = self.finish(resumed_proc, "resumed")
+        start = resumed["resumed_step"]
+        print("resumed from checkpoint-%s" % start, flush=True)
+        self.assertIsNotNone(start)
+        self.assertEqual(start % SAVE_EVERY, 0)
+        self.assertTrue(SAVE_EVERY <= start <= killed_at, start)
+        resumed_losses = read_log(resumed_log)
+        self.assertEqual(sorted(resumed_losses), list(range(start + 1, STEPS + 1)))
+
+        for step, loss in sorted(killed_losses.items()):
+            self.assertEqual(loss, ref_losses[step], "killed run, step %d" % step)
+        for step, loss in sorted(resumed_losses.items()):
+            self.assertEqual(loss, ref_losses[step], "resumed run, step %d (resumed from %d)" % (step, start))
+        for key in ("params_sha256", "ema_sha256", "eval_loss", "ema_eval_loss", "ema_step"):
+            self.assertEqual(resumed[key], ref[key], key)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,187 @@
+#!/usr/bin/python3
+"""flashckpt.torch.Checkpointer against a real flashckptd, in one process.
+
+- the EMA returned by ema_state_dict() equals an EMA computed here over the same steps (numpy,
+  fp32, the daemon's formula), bit for bit, with persisted and EMA-only saves and an interval;
+- parameters and optimizer moments modified right after save() returns do not change the saved
+  checkpoint (the copy is done when save returns for CPU tensors);
+- the layout is re-registered when Adam's state appears, and resume() into a fresh optimizer
+  restores everything;
+- a state dict whose structure changed between save and resume is a StructureMismatchError naming
+  the first differing key, and leaves the model untouched;
+- a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key.
+"""
+
+import os
+import sys
+import unittest
+
+sys.dont_write_bytecode = True  # keep the source tree clean
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import flashckpt  # noqa: E402
+from flashckpt.torch import Checkpointer  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def mlp(hidden=16, extra_layer=False, seed=0):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4)]
+    if extra_layer:
+        layers += [torch.nn.ReLU(), torch.nn.Linear(4, 4)]
+    return torch.nn.Sequential(*layers)
+
+
+def step_once(model, optimizer, g):
+    optimizer.zero_grad()
+    loss = model(torch.randn(16, 8, generator=g)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+class CheckpointerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = harness.Daemon().__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.cleanup()
+
+    def checkpointer(self, model, optimizer, job, **kwargs):
+        return Checkpointer(model, optimizer, socket=self.daemon.socket, job=job, **kwargs)
+
+    def test_ema_matches_reference(self):
+        decay, interval = 0.95, 2
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(0)
+        ref = None
+        d = np.float32(decay)
+        with self.checkpointer(model, optimizer, self.daemon.job("ema"), ema_decay=decay, ema_interval=interval) as ck:
+            with self.assertRaises(flashckpt.FailedPreconditionError):
+                ck.ema_state_dict()  # no update yet
+            for step in range(1, 16):
+                step_once(model, optimizer, g)
+                if step % 5 == 0:
+                    ck.save(step, extra={"step": step})
+                else:
+                    ck.save(step, persist=False)
+                if step % interval == 0:
+                    x = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+                    ref = x if ref is None else {k: d * ref[k] + (np.float32(1) - d) * x[k] for k in ref}
+            ema = ck.ema_state_dict()
+            self.assertEqual(ck.ema_step, 14)
+        self.assertEqual(sorted(ema), sorted(model.state_dict()))
+        for k, v in ema.items():
+            self.assertEqual(v.dtype, torch.float32)
+            np.testing.assert_array_equal(v.numpy(), ref[k], err_msg=k)
+
+    def test_modified_right_after_save(self):
+        job = self.daemon.job("mutate")
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        with self.checkpointer(model, optimizer, job) as ck:
+            self.assertIsNone(ck.resume())
+            step_once(model, optimizer, g)
+            ck.save(1)
+            step_once(model, optimizer, g)
+            expect_model = {k: v.clone() for k, v in model.state_dict().items()}
+            expect_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()}
+            ck.save(2)
+            with torch.no_grad():  # the very next thing after save() returns
+                for p in model.parameters():
+                    p.add_(100.0)
+                for s in optimizer.state.values():
+                    s["exp_avg"].fill_(-1.0)
+            ck.wait_persisted(2, timeout=30)
+        model2 = mlp(seed=5)
+        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+        with self.checkpointer(model2, optimizer2, job) as ck2:
+            self.assertEqual(ck2.resume(), 2)
+        for k, v in model2.state_dict().items():
+            self.assertTrue(torch.equal(v, expect_model[k]), k)
+        for i, s in optimizer2.state_dict()["state"].items():
+            for k, v in s.items():
+                self.assertTrue(torch.equal(v, expect_opt[i][k]), "%s.%s" % (i, k))
+
+    def test_structure_changed_names_first_key(self):
+        job = self.daemon.job("structure")
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with self.checkpointer(model, optimizer, job) as ck:
+            step_once(model, optimizer, torch.Generator().manual_seed(2))
+            ck.save(1)
+            ck.wait_persisted(1, timeout=30)
+
+        def resume(model):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            with self.checkpointer(model, opt, job) as ck:
+                with self.assertRaises(flashckpt.StructureMismatchError) as cm:
+                    ck.resume()
+            for k, v in model.state_dict().items():
+                self.assertTrue(torch.equal(v, before[k]), "model changed by a failed resume: %s" % k)
+            return cm.exception
+
+        e = resume(mlp(extra_layer=True))              # one more layer at the end
+        self.assertEqual(e.key, "model.4.weight")
+        self.assertIn("'model.4.weight'", str(e))
+        self.assertIn("not in the checkpoint", str(e))
+        self.assertIsInstance(e, ValueError)
+        e = resume(mlp(hidden=32))                     # the first tensor changed shape
+        self.assertEqual(e.key, "model.0.weight")
+        self.assertIn("'model.0.weight'", str(e))
+        # Same model, other optimizer: the optimizer's param_groups differ.
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        step_once(model, opt, torch.Generator().manual_seed(3))
+        with self.checkpointer(model, opt, job) as ck:
+            with self.assertRaises(flashckpt.StructureMismatchError) as cm:
+                ck.resume()
+        self.assertTrue(cm.exception.key.startswith("optimizer.state.0."), cm.exception.key)
+
+    def test_reregisters_and_resumes_fresh_optimizer(self):
+        job = self.daemon.job("fresh")
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with self.checkpointer(model, optimizer, job) as ck:
+            ck.save(1)                       # before the first step: no Adam state yet
+            n_before = len(ck.client.registered)
+            step_once(model, optimizer, torch.Generator().manual_seed(4))
+            ck.save(2)                       # exp_avg, exp_avg_sq and step appeared: new layout
+            self.assertEqual(len(ck.client.registered), n_before + 3 * len(list(model.parameters())))
+            ck.wait_persisted(2, timeout=30)
+        model2 = mlp(seed=1)
+        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        with self.checkpointer(model2, optimizer2, job) as ck2:
+            self.assertEqual(ck2.resume(), 2)
+            self.assertEqual(optimizer2.param_groups[0]["lr"], 1e-2)
+            self.assertEqual(len(optimizer2.state), len(list(model2.parameters())))
+            ck2.save(3)                      # same layout as restored: no re-registration needed
+        for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+            self.assertTrue(torch.equal(a, b), k)
+
+    def test_bad_tensors_name_the_key(self):
+        model = mlp()
+        with torch.no_grad():
+            model[0].weight.data = model[0].weight.data.t().contiguous().t()   # same shape, transposed strides
+        with self.checkpointer(model, None, self.daemon.job("badparam")) as ck:
+            with self.assertRaisesRegex(ValueError, r"tensor 'model\.0\.weight' is not contiguous"):
+                ck.save(1)
+        model = mlp()
+        model.register_buffer("phase", torch.zeros(3, dtype=torch.complex64))
+        with self.checkpointer(model, None, self.daemon.job("baddtype")) as ck:
+            with self.assertRaisesRegex(TypeError, r"tensor 'model\.phase' has dtype complex64"):
+                ck.save(1)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
