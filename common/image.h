@@ -14,5 +14,8 @@ void InitSlotImages(char* slot, const RankLayout& layout);
 
 // Writes `step` and the xxh3-64 of every tensor of file image `file` into its header in the slot.
 void StampImage(char* slot, const RankLayout& layout, size_t file, int64_t step);
+// The two halves of StampImage, for callers that checksum tensors in parallel.
+void StampStep(char* slot, const RankLayout& layout, size_t file, int64_t step);
+void StampChecksum(char* slot, const RankLayout& layout, size_t tensor);
 
 }  // namespace flashckpt

@@ -252,6 +252,10 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     p->set_file(f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem);
     p->set_slot_offset(seg.layout.placements[i].slot_offset);
     p->set_bytes(seg.layout.placements[i].bytes);
+    if (seg.ema) {
+      const auto& sources = seg.ema->plan().source;
+      p->set_ema_source(std::find(sources.begin(), sources.end(), i) != sources.end());
+    }
   }
   if (seg.ema) {
     const RankLayout& el = seg.ema->plan().layout;

@@ -189,6 +189,10 @@ Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t 
   ema->shm_->KeepName();  // outlives this process: a restarted daemon adopts it
   ema->plan_ = std::move(plan);
   ema->config_ = config;
+  for (size_t k = 0; k < ema->plan_.layout.tensors.size(); ++k) {
+    size_t n = ema->plan_.layout.placements[k].bytes / sizeof(float);
+    for (size_t b = 0; b < n; b += kChunkElements) ema->chunks_.push_back({k, b, std::min(kChunkElements, n - b)});
+  }
   auto* h = ema->header();
   Logger("ema")->info("{} segment={} bytes={} tensors={} step={} applied={}", ema->adopted_ ? "adopted" : "created",
                       name, ema->shm_->size(), ema->plan_.layout.tensors.size(), h->last_step.load(),
@@ -200,8 +204,10 @@ RankEma::~RankEma() = default;
 
 void RankEma::Unlink() { SharedSegment::Unlink(shm_->name()); }
 
-void RankEma::Stamp(char* image_base, int64_t step) const {
-  StampImage(image_base, plan_.layout, 0, step);
+void RankEma::Stamp(char* image_base, int64_t step, ParallelLoop* loop) const {
+  StampStep(image_base, plan_.layout, 0, step);
+  // One task per tensor: the checksums of a persisted step run on every EMA thread.
+  loop->Run(plan_.layout.tensors.size(), [&](size_t t) { StampChecksum(image_base, plan_.layout, t); });
   const FileImage& image = plan_.layout.files[0];
   const EmaSegmentHeader* h = header();
   const uint64_t values[3] = {h->updates_applied.load(), h->updates_skipped.load(),
@@ -217,6 +223,16 @@ bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std:
                     char* slot_image_base, ParallelLoop* loop) {
   EmaSegmentHeader* h = header();
   bool due = step % config_.interval == 0;
+  if (due && h->initialized != 0 && step <= h->last_step) {
+    // Steps only increase within a run: an older or equal step means this average was left by
+    // another run of the job (its segment adopted after a restart). Start afresh.
+    Logger("ema")->warn("ema reset segment={} step={} last_step={}: the adopted EMA belongs to another run",
+                        shm_->name(), step, h->last_step.load());
+    h->initialized = 0;
+    h->updates_applied = 0;
+    h->updates_skipped = 0;
+    h->last_step = -1;
+  }
   bool gated = due && config_.loss_threshold && loss && *loss > *config_.loss_threshold;
   if (gated) h->updates_skipped += 1;
   bool update = due && !gated;
@@ -226,16 +242,7 @@ bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std:
   if (h->initialized == 0) how = config_.init_zeros ? EmaStep::kScaledCopy : EmaStep::kCopy;
   const float decay = static_cast<float>(config_.decay);
 
-  // Work items: chunks of every EMA tensor.
-  struct Chunk {
-    size_t tensor;
-    size_t begin, count;
-  };
-  std::vector<Chunk> chunks;  // small: one entry per MiB of parameters
-  for (size_t k = 0; k < plan_.layout.tensors.size(); ++k) {
-    size_t n = plan_.layout.placements[k].bytes / sizeof(float);
-    for (size_t b = 0; b < n; b += kChunkElements) chunks.push_back({k, b, std::min(kChunkElements, n - b)});
-  }
+  const auto& chunks = chunks_;
   loop->Run(chunks.size(), [&](size_t c) {
     const Chunk& ch = chunks[c];
     const Placement& ep = plan_.layout.placements[ch.tensor];
@@ -258,7 +265,7 @@ bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std:
   if (slot_image_base != nullptr) {
     std::memcpy(slot_image_base + plan_.layout.files[0].slot_offset, base() + plan_.layout.files[0].slot_offset,
                 plan_.layout.files[0].header.size());
-    Stamp(slot_image_base, step);
+    Stamp(slot_image_base, step, loop);
   }
   return update;
 }

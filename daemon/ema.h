@@ -96,7 +96,13 @@ class RankEma {
 
  private:
   RankEma() = default;
-  void Stamp(char* image_base, int64_t step) const;
+  void Stamp(char* image_base, int64_t step, ParallelLoop* loop) const;
+
+  struct Chunk {
+    size_t tensor;
+    size_t begin, count;
+  };
+  std::vector<Chunk> chunks_;  // the parallel work of one update, built once
 
   EmaPlan plan_;
   EmaConfig config_;

@@ -270,6 +270,14 @@ Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chron
   }
   std::lock_guard<std::mutex> lock(mu_);
   segment->slots.SetLoading(ticket.slot, false);
+  auto live = sessions_.find(session_id);
+  if (live == sessions_.end() || jobs_[live->second.job].ranks[live->second.rank].session_id != session_id) {
+    (void)segment->slots.Release(ticket, SlotState::kRestoring);  // nobody is left to release it
+    segment->Mirror(ticket.slot);
+    cv_.notify_all();
+    return Cancelled("the session ended while the EMA was being copied");
+  }
+  segment->Mirror(ticket.slot);
   return out;
 }
 

@@ -49,7 +49,11 @@ struct MappedTensor {
   uint64_t slot_offset = 0;
   uint64_t bytes = 0;
   bool replica = false;
+  bool ema_source = false;  // read by the daemon's EMA: the only tensors an EMA-only snapshot copies
 };
+
+// Which registered tensors a call moves.
+enum class Selection { kSaved, kEmaSources, kAll };
 
 }  // namespace
 
@@ -81,11 +85,19 @@ struct Client::Impl {
   // Checks that `buffers` names registered tensors with matching sizes, each at most once, and
   // covers every tensor `required` selects.
   Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Match(
-      const std::vector<TensorBuffer>& buffers, bool include_replicas) const;
+      const std::vector<TensorBuffer>& buffers, Selection selection) const;
 };
 
 Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Client::Impl::Match(
-    const std::vector<TensorBuffer>& buffers, bool include_replicas) const {
+    const std::vector<TensorBuffer>& buffers, Selection selection) const {
+  auto wanted = [selection](const MappedTensor& t) {
+    switch (selection) {
+      case Selection::kSaved: return !t.replica;
+      case Selection::kEmaSources: return t.ema_source;
+      case Selection::kAll: return true;
+    }
+    return true;
+  };
   if (!segment) return FailedPrecondition("register the rank's tensors before saving or restoring");
   std::vector<std::pair<const TensorBuffer*, const MappedTensor*>> out;
   std::map<std::string, bool> seen;
@@ -98,11 +110,11 @@ Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Client:
                              std::to_string(it->second.bytes));
     }
     if (b.data == nullptr && b.bytes > 0) return InvalidArgument("tensor '" + b.name + "' has no data pointer");
-    if (it->second.replica && !include_replicas) continue;  // replicas are not saved by this rank
+    if (!wanted(it->second)) continue;  // e.g. replicas, which this rank does not save
     out.emplace_back(&b, &it->second);
   }
   for (const auto& [name, t] : tensors) {
-    if ((include_replicas || !t.replica) && !seen.count(name)) {
+    if (wanted(t) && !seen.count(name)) {
       return InvalidArgument("tensor '" + name + "' is registered but no buffer was given for it");
     }
   }
@@ -228,7 +240,7 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
       impl_->segment.reset();
       return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
     }
-    impl_->tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty()};
+    impl_->tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source()};
   }
   impl_->ema_tensors.clear();
   for (const auto& p : resp.ema_placements()) {
@@ -236,7 +248,7 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
       impl_->segment.reset();
       return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
     }
-    impl_->ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false};
+    impl_->ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false};
   }
   return Status::OK();
 }
@@ -295,7 +307,8 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
 Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
                                         const SnapshotOptions& options) {
   RETURN_IF_ERROR(impl_->Usable());
-  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, /*include_replicas=*/false));
+  // An EMA-only snapshot needs only the tensors the EMA reads; the rest of the slot is not used.
+  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, options.persist ? Selection::kSaved : Selection::kEmaSources));
 
   v1::BeginSnapshotRequest begin;
   begin.set_session_id(impl_->session_id);
@@ -363,7 +376,7 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
                                       std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(impl_->Usable());
   if (step && *step <= 0) return InvalidArgument("restore step must be positive (or nullopt for the latest)");
-  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, /*include_replicas=*/true));
+  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, Selection::kAll));
   v1::RestoreRequest req;
   req.set_session_id(impl_->session_id);
   req.set_step(step.value_or(0));

@@ -255,5 +255,59 @@ TEST_F(EmaDaemonTest, EmaOnlySnapshotsUpdateAndARestartedDaemonAdoptsTheEma) {
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/root/" + job_ + "/checkpoint-5/ema.tp00_pp00_shard00.safetensors"));
 }
 
+TEST_F(EmaDaemonTest, AnEmaOnlySnapshotCopiesOnlyWhatTheEmaReads) {
+  const size_t n = 256;
+  std::vector<TensorSpec> specs = {Spec("w", TensorKind::kModel, DType::kF32, n),
+                                   Spec("w.exp_avg", TensorKind::kOptimizer, DType::kF32, n)};
+  EmaOptions ema;
+  ema.decay = 0.5;
+  auto c = Connect();
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, specs, ema));
+  std::vector<float> w(n, 3.f), m(n, 1.f), got(n);
+  SnapshotOptions ema_only;
+  ema_only.persist = false;
+  ASSERT_OK(c->Snapshot(1, {{"w", w.data(), n * 4}}, ema_only).status());  // no optimizer buffer needed
+  auto r = c->Ema({{"w", got.data(), n * 4}}, 5s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(got[0], 3.f);
+  // A persisted snapshot still needs every saved tensor.
+  auto missing = c->Snapshot(2, {{"w", w.data(), n * 4}}, {});
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("w.exp_avg"), std::string::npos) << missing.status().message();
+  ASSERT_OK(c->Snapshot(3, {{"w", w.data(), n * 4}, {"w.exp_avg", m.data(), n * 4}}, {}).status());
+}
+
+TEST_F(EmaDaemonTest, ANewRunOfTheJobStartsAFreshEmaInsteadOfAdoptingAStaleOne) {
+  const size_t n = 1024;
+  std::vector<TensorSpec> specs = {Spec("w", TensorKind::kModel, DType::kF32, n)};
+  EmaOptions ema;
+  ema.decay = 0.5;
+  std::vector<float> w(n), got(n);
+  auto snapshot = [&](Client& c, int64_t step, float value) {
+    std::fill(w.begin(), w.end(), value);
+    SnapshotOptions so;
+    so.persist = false;
+    ASSERT_OK(c.Snapshot(step, {{"w", w.data(), n * 4}}, so).status());
+  };
+  {
+    auto c = Connect();
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->Register(Topology{}, specs, ema));
+    for (int64_t step = 1; step <= 3; ++step) snapshot(*c, step, 100.f * static_cast<float>(step));
+    ASSERT_OK(c->Ema({{"w", got.data(), n * 4}}, 5s).status());
+    EXPECT_EQ(got[0], 0.5f * (0.5f * 100.f + 0.5f * 200.f) + 0.5f * 300.f);
+  }
+  auto c = Connect();  // the job starts again from step 1 without restoring
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, specs, ema));
+  snapshot(*c, 1, 7.f);
+  auto r = c->Ema({{"w", got.data(), n * 4}}, 5s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 1);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], 7.f) << "the first update of the new run copies the weights";
+  EXPECT_EQ(daemon_->GetStatus().jobs(0).ranks(0).ema_updates_applied(), 1u);
+}
+
 }  // namespace
 }  // namespace flashckpt

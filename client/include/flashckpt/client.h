@@ -116,6 +116,8 @@ class Client {
 
   // Copies every non-replica registered tensor from `buffers` into a free slot and commits it as
   // `step`. Returns when the copies are done (host memory); the daemon persists in the background.
+  // With persist=false (EMA-only) only the tensors the EMA reads are copied (and required);
+  // buffers of other tensors are accepted and ignored.
   Result<SnapshotHandle> Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
                                   const SnapshotOptions& options);
 
