@@ -4,14 +4,15 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <future>
 #include <map>
 #include <thread>
 
-#include "client/src/copy_pool.h"
 #include "common/dtype.h"
 #include "common/shm.h"
 #include "common/status.h"
+#include "common/thread_pool.h"
 #include "flashckpt.grpc.pb.h"
 
 namespace flashckpt {
@@ -45,6 +46,31 @@ v1::TensorKind KindToProto(TensorKind k) {
   return v1::TENSOR_KIND_UNSPECIFIED;
 }
 
+struct CopyTask {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+// Copies the tasks, splitting large ones into 16 MiB chunks spread over the loop's threads.
+void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
+  constexpr size_t kChunk = 16u << 20;
+  size_t total = 0;
+  for (const auto& t : tasks) total += t.bytes;
+  if (loop->threads() == 1 || total < 2 * kChunk) {
+    for (const auto& t : tasks) std::memcpy(t.dst, t.src, t.bytes);
+    return;
+  }
+  std::vector<size_t> first_chunk(tasks.size() + 1, 0);  // prefix sums of chunks per task
+  for (size_t i = 0; i < tasks.size(); ++i) first_chunk[i + 1] = first_chunk[i] + (tasks[i].bytes + kChunk - 1) / kChunk;
+  loop->Run(first_chunk.back(), [&](size_t c) {
+    size_t i = static_cast<size_t>(std::upper_bound(first_chunk.begin(), first_chunk.end(), c) - first_chunk.begin()) - 1;
+    size_t offset = (c - first_chunk[i]) * kChunk;
+    size_t n = std::min(kChunk, tasks[i].bytes - offset);
+    std::memcpy(static_cast<char*>(tasks[i].dst) + offset, static_cast<const char*>(tasks[i].src) + offset, n);
+  });
+}
+
 struct MappedTensor {
   uint64_t slot_offset = 0;
   uint64_t bytes = 0;
@@ -72,12 +98,23 @@ struct Client::Impl {
   uint64_t slot_offset = 0, slot_stride = 0;
   std::map<std::string, MappedTensor> tensors;
   std::map<std::string, MappedTensor> ema_tensors;
-  std::unique_ptr<CopyPool> copier;
+  std::unique_ptr<ParallelLoop> copier;  // copies large host tensors on several threads
 
   void Deadline(grpc::ClientContext* ctx, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
     ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout + extra);
   }
   char* Slot(uint32_t i) const { return segment->data() + slot_offset + slot_stride * i; }
+  // Gives a slot the daemon lent for reading (restore, EMA) back.
+  Status ReleaseSlot(uint32_t slot, uint64_t generation) const {
+    v1::ReleaseSlotRequest req;
+    req.set_session_id(session_id);
+    req.set_slot(slot);
+    req.set_generation(generation);
+    v1::ReleaseSlotResponse resp;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    return FromGrpc(stub->ReleaseSlot(&ctx, req, &resp), "ReleaseSlot");
+  }
   Status Usable() const {
     if (closed) return Cancelled("the client is closed");
     return Status::OK();
@@ -162,7 +199,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   impl->session_id = event.session_id();
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned threads = options.copy_threads != 0 ? options.copy_threads : std::min(hw, 8u);
-  impl->copier = std::make_unique<CopyPool>(threads - 1);
+  impl->copier = std::make_unique<ParallelLoop>(threads - 1);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -291,16 +328,9 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
   const char* base = impl_->Slot(resp.slot());
   if (result.initialized) {
     for (const auto& b : buffers) tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
-    impl_->copier->Run(tasks);
+    ParallelCopy(impl_->copier.get(), tasks);
   }
-  v1::ReleaseSlotRequest release;
-  release.set_session_id(impl_->session_id);
-  release.set_slot(resp.slot());
-  release.set_generation(resp.generation());
-  v1::ReleaseSlotResponse released;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx);
-  RETURN_IF_ERROR(FromGrpc(impl_->stub->ReleaseSlot(&ctx, release, &released), "ReleaseSlot"));
+  RETURN_IF_ERROR(impl_->ReleaseSlot(resp.slot(), resp.generation()));
   return result;
 }
 
@@ -326,7 +356,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   std::vector<CopyTask> tasks;
   tasks.reserve(matched.size());
   for (const auto& [buffer, mapped] : matched) tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
-  impl_->copier->Run(tasks);
+  ParallelCopy(impl_->copier.get(), tasks);
 
   v1::CommitRequest commit;
   commit.set_session_id(impl_->session_id);
@@ -396,15 +426,8 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
     result.bytes += buffer->bytes;
   }
-  impl_->copier->Run(tasks);
-  v1::ReleaseSlotRequest release;
-  release.set_session_id(impl_->session_id);
-  release.set_slot(resp.slot());
-  release.set_generation(resp.generation());
-  v1::ReleaseSlotResponse released;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx);
-  RETURN_IF_ERROR(FromGrpc(impl_->stub->ReleaseSlot(&ctx, release, &released), "ReleaseSlot"));
+  ParallelCopy(impl_->copier.get(), tasks);
+  RETURN_IF_ERROR(impl_->ReleaseSlot(resp.slot(), resp.generation()));
   result.found = true;
   result.step = resp.step();
   result.extra = resp.extra();

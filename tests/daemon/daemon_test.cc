@@ -122,6 +122,31 @@ TEST_F(DaemonTest, SaveWaitAndRestoreRoundTrip) {
   }
 }
 
+TEST_F(DaemonTest, LargeTensorsAreCopiedInChunksOnSeveralThreadsBitExact) {
+  StopDaemon();
+  StartDaemon(512ull << 20);
+  ClientOptions o;
+  o.socket_path = socket();
+  o.job = "large";
+  o.copy_threads = 3;
+  auto client = Client::Connect(o);
+  ASSERT_OK(client.status());
+  auto& c = **client;
+  const uint64_t n = (40ull << 20) / 4 + 7;  // 40 MiB and a ragged tail: several 16 MiB chunks
+  ASSERT_OK(c.Register(Topology{}, Specs(n)));
+  std::vector<float> w(n), m(n);
+  for (uint64_t i = 0; i < n; ++i) w[i] = static_cast<float>(i), m[i] = static_cast<float>(n - i);
+  std::vector<TensorBuffer> bufs = {{"w", w.data(), n * 4}, {"w.exp_avg", m.data(), n * 4}};
+  ASSERT_OK(c.Snapshot(1, bufs, {}).status());
+  ASSERT_OK(c.WaitPersisted(1, 30s));
+  std::vector<float> w2(n), m2(n);
+  std::vector<TensorBuffer> out = {{"w", w2.data(), n * 4}, {"w.exp_avg", m2.data(), n * 4}};
+  auto r = c.Restore(std::nullopt, out, 30s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(std::memcmp(w.data(), w2.data(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(m.data(), m2.data(), n * 4), 0);
+}
+
 TEST_F(DaemonTest, RegistrationOverBudgetIsRefusedWithSizes) {
   auto c = Connect("big", 0);
   ASSERT_TRUE(c);
