@@ -5,6 +5,7 @@
 // Value at step s of element (i, j) of layer l: v = ((l*7919 + i*H + j) % 1000) / 1024 + s, exact
 // in fp32 for s < 8192; exp_avg = v / 2, exp_avg_sq = v / 4.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -54,7 +55,9 @@ class SimRank {
     tp_ = o.rank % o.tp_degree;
     pp_ = (o.rank / o.tp_degree) % o.pp_degree;
     shard_ = o.rank / (o.tp_degree * o.pp_degree);
-    const uint64_t h = o.hidden, rows = h / o.tp_degree;
+    // Row blocks of ceil(H/T) rows; the last tp rank's block may be shorter (uneven split).
+    const uint64_t h = o.hidden, block = (h + o.tp_degree - 1) / o.tp_degree;
+    const uint64_t first_row = tp_ * block, rows = std::min(block, h - first_row);
     for (uint32_t l = 0; l < o.layers; ++l) {
       if (l % o.pp_degree != pp_) continue;
       std::string base = "layers." + std::to_string(l) + ".weight";
@@ -64,7 +67,7 @@ class SimRank {
       w.spec.kind = flashckpt::TensorKind::kModel;
       w.spec.shape = {rows, h};
       w.spec.global_shape = {h, h};
-      w.spec.box_offset = {tp_ * rows, 0};
+      w.spec.box_offset = {first_row, 0};
       w.spec.box_shape = {rows, h};
       w.spec.replica = shard_ != 0;  // written to model_state by shard 0 only
       tensors_.push_back(std::move(w));
@@ -78,7 +81,7 @@ class SimRank {
         t.spec.kind = flashckpt::TensorKind::kOptimizer;
         t.spec.shape = {end - begin};
         t.spec.global_shape = {h, h};
-        t.spec.box_offset = {tp_ * rows, 0};
+        t.spec.box_offset = {first_row, 0};
         t.spec.box_shape = {rows, h};
         t.spec.flat_range = flashckpt::FlatRange{begin, end};
         tensors_.push_back(std::move(t));
@@ -190,8 +193,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "flashckpt-sim: need world-size = tp*pp*shard degrees and rank < world-size\n");
     return 2;
   }
-  if (o.hidden % o.tp_degree != 0) {
-    std::fprintf(stderr, "flashckpt-sim: --hidden must be a multiple of --tp-degree\n");
+  if (uint64_t{o.tp_degree - 1} * ((o.hidden + o.tp_degree - 1) / o.tp_degree) >= o.hidden) {
+    std::fprintf(stderr, "flashckpt-sim: --hidden is too small to give every tp rank at least one row\n");
     return 2;
   }
 

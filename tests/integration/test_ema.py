@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import numpy as np
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
+from harness import START, DaemonHarness, TestFailure, check, log, tail, wait_for  # noqa: E402
 
 LAYERS, HIDDEN = 2, 64
 SAVE_EVERY = 10
@@ -62,41 +62,6 @@ WAIT_TIMEOUT_S = 60
 DONE = re.compile(r"^done rank=(\d+) last_step=(\d+) saves=(\d+) ", re.M)
 RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)\b", re.M)
 EMA_LINE = re.compile(r"^ema step=(-?\d+) tensors=(\d+)$", re.M)
-
-
-class TestFailure(Exception):
-    pass
-
-
-def check(cond, message):
-    if not cond:
-        raise TestFailure(message)
-
-
-START = time.monotonic()
-
-
-def log(message):
-    print("[%7.2fs] %s" % (time.monotonic() - START, message), flush=True)
-
-
-def wait_for(pred, timeout, what, poll=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TestFailure("timed out after %ss waiting for %s" % (timeout, what))
-        time.sleep(poll)
-
-
-def tail(path, lines=40):
-    try:
-        with open(path, "r", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError as e:
-        return "(cannot read %s: %s)\n" % (path, e)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,54 +146,19 @@ def compare(what, got, want):
 # Processes
 # ------------------------------------------------------------------------------------------------
 
-class Harness:
+class Harness(DaemonHarness):
     def __init__(self, bin_dir, tmp):
-        self.bin_dir = bin_dir
-        self.tmp = tmp
-        self.sock = os.path.join(tmp, "flashckptd.sock")
-        self.root = os.path.join(tmp, "root")
-        self.daemon = None
-        self.daemon_log = None
+        super().__init__(bin_dir, tmp)
         self.daemon_starts = 0
         self.sims = []     # every Popen
-        self.logs = []     # every log file, dumped on failure
         self.jobs = []     # every job name, for the /dev/shm cleanup
-
-    def binary(self, name):
-        path = os.path.join(self.bin_dir, name)
-        check(os.access(path, os.X_OK), "%s is missing or not executable (build first)" % path)
-        return path
 
     # --- daemon ---------------------------------------------------------------------------------
 
     def start_daemon(self):
         self.daemon_starts += 1
         self.daemon_log = os.path.join(self.tmp, "flashckptd.%d.log" % self.daemon_starts)
-        cmd = [self.binary("flashckptd"), "--socket", self.sock, "--root", self.root,
-               "--max-host-memory", "1GiB", "--log-level", "info"]
-        log("starting %s" % " ".join(cmd))
-        self.logs.append(self.daemon_log)
-        with open(self.daemon_log, "wb") as out:
-            self.daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-        def ready():
-            if self.daemon.poll() is not None:
-                raise TestFailure("flashckptd exited with %s before creating its socket" % self.daemon.returncode)
-            return os.path.exists(self.sock) and stat.S_ISSOCK(os.stat(self.sock).st_mode)
-        wait_for(ready, 30, "the daemon socket %s" % self.sock)
-        log("daemon is up (pid %d)" % self.daemon.pid)
-
-    def stop_daemon(self):
-        """SIGTERM, then the exit status (None if it had to be SIGKILLed)."""
-        if self.daemon is None or self.daemon.poll() is not None:
-            return self.daemon.returncode if self.daemon else None
-        self.daemon.send_signal(signal.SIGTERM)
-        try:
-            return self.daemon.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.daemon.kill()
-            self.daemon.wait(timeout=10)
-            return None
+        super().start_daemon()
 
     def stop_daemon_cleanly(self, what):
         rc = self.stop_daemon()

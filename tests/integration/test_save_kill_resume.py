@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
+from harness import DaemonHarness, TestFailure, check, log, tail, wait_for  # noqa: E402
 
 WORLD, TP, SHARD = 4, 2, 2
 LAYERS, HIDDEN = 4, 128
@@ -55,87 +55,14 @@ RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)\b", re.M)
 DONE = re.compile(r"^done rank=(\d+) last_step=(\d+) saves=(\d+) blocked_in_save_ms=([0-9.]+)", re.M)
 
 
-class TestFailure(Exception):
-    pass
-
-
-def check(cond, message):
-    if not cond:
-        raise TestFailure(message)
-
-
-def log(message):
-    print("[%7.2fs] %s" % (time.monotonic() - START, message), flush=True)
-
-
-START = time.monotonic()
-
-
-def wait_for(pred, timeout, what, poll=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TestFailure("timed out after %ss waiting for %s" % (timeout, what))
-        time.sleep(poll)
-
-
-def tail(path, lines=40):
-    try:
-        with open(path, "r", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError as e:
-        return "(cannot read %s: %s)\n" % (path, e)
-
-
-class Harness:
+class Harness(DaemonHarness):
     def __init__(self, bin_dir, tmp):
-        self.bin_dir = bin_dir
-        self.tmp = tmp
-        self.sock = os.path.join(tmp, "flashckptd.sock")
-        self.root = os.path.join(tmp, "root")
+        super().__init__(bin_dir, tmp)
         self.job = "itest-%d" % os.getpid()
         self.job_dir = os.path.join(self.root, self.job)
-        self.daemon = None
         self.daemon_log = os.path.join(tmp, "flashckptd.log")
         self.sims = {}     # (phase, rank) -> Popen
-        self.logs = []     # every log file, dumped on failure
 
-    def binary(self, name):
-        path = os.path.join(self.bin_dir, name)
-        check(os.access(path, os.X_OK), "%s is missing or not executable (build first)" % path)
-        return path
-
-    # --- daemon ---------------------------------------------------------------------------------
-
-    def start_daemon(self):
-        cmd = [self.binary("flashckptd"), "--socket", self.sock, "--root", self.root,
-               "--max-host-memory", "1GiB", "--log-level", "info"]
-        log("starting %s" % " ".join(cmd))
-        self.logs.append(self.daemon_log)
-        with open(self.daemon_log, "wb") as out:
-            self.daemon = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-        def ready():
-            if self.daemon.poll() is not None:
-                raise TestFailure("flashckptd exited with %s before creating its socket" % self.daemon.returncode)
-            return os.path.exists(self.sock) and stat.S_ISSOCK(os.stat(self.sock).st_mode)
-        wait_for(ready, 30, "the daemon socket %s" % self.sock)
-        log("daemon is up (pid %d)" % self.daemon.pid)
-
-    def stop_daemon(self):
-        """SIGTERM, then the exit status (None if it had to be SIGKILLed)."""
-        if self.daemon is None or self.daemon.poll() is not None:
-            return self.daemon.returncode if self.daemon else None
-        self.daemon.send_signal(signal.SIGTERM)
-        try:
-            return self.daemon.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.daemon.kill()
-            self.daemon.wait(timeout=10)
-            return None
 
     # --- simulators -----------------------------------------------------------------------------
 

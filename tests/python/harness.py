@@ -10,14 +10,11 @@ checkout), and FLASHCKPT_TEST_KEEP=1 keeps the temp dir for a look after a failu
 """
 
 import glob
+import importlib.util
 import os
 import shutil
-import signal
-import stat
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 
@@ -27,16 +24,16 @@ PYTHON_DIR = os.environ.get("FLASHCKPT_PYTHON_DIR", os.path.join(REPO, "build", 
 if PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 
+# The daemon start/stop of the integration tests (tests/integration/harness.py). Loaded by path under
+# another name: `import harness` here would find this module.
+_spec = importlib.util.spec_from_file_location(
+    "flashckpt_integration_harness", os.path.join(REPO, "tests", "integration", "harness.py"))
+integration = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(integration)
+
 
 def wait_for(pred, timeout, what, poll=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
-        time.sleep(poll)
+    return integration.wait_for(pred, timeout, what, poll, error=AssertionError)
 
 
 class Daemon:
@@ -60,33 +57,16 @@ class Daemon:
         return os.path.join(self.root, job)
 
     def start(self):
-        binary = os.path.join(BIN_DIR, "flashckptd")
-        if not os.access(binary, os.X_OK):
-            raise AssertionError("%s is missing or not executable (build first)" % binary)
-        cmd = [binary, "--socket", self.socket, "--root", self.root, "--max-host-memory", self.max_host_memory,
-               "--log-level", "info"] + self.extra_args
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-        def ready():
-            if self.proc.poll() is not None:
-                raise AssertionError("flashckptd exited with %s before creating its socket:\n%s"
-                                     % (self.proc.returncode, self.log_tail()))
-            return os.path.exists(self.socket) and stat.S_ISSOCK(os.stat(self.socket).st_mode)
-        wait_for(ready, 30, "the daemon socket %s" % self.socket)
+        binary = integration.binary(BIN_DIR, "flashckptd", error=AssertionError)
+        cmd = integration.daemon_command(binary, self.socket, self.root, self.max_host_memory, self.extra_args)
+        self.proc = integration.spawn_daemon(cmd, self.log, append=True)
+        integration.wait_daemon_ready(self.proc, self.socket, error=AssertionError,
+                                      exit_detail=lambda: ":\n%s" % self.log_tail())
         return self
 
     def stop(self):
         """SIGTERM, then its exit status (None when it had to be SIGKILLed)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            return None
+        return integration.stop_daemon(self.proc)
 
     def cleanup(self):
         self.stop()

@@ -1,0 +1,142 @@
+"""What the real-process tests share: failures, logging, deadlines, and a flashckptd to start and stop.
+
+Python standard library only. The integration tests (test_save_kill_resume.py, test_ema.py) import it
+as a sibling module; tests/python/harness.py loads it by path (it is a module named harness too) and
+passes error=AssertionError, so that its failures stay unittest failures.
+
+    h = DaemonHarness(bin_dir, tmp)     # sock and root in tmp; set h.daemon_log before starting
+    h.start_daemon()                    # waits (30 s) for the socket file
+    rc = h.stop_daemon()                # SIGTERM, 20 s, then SIGKILL: the exit status, or None
+"""
+
+import os
+import signal
+import stat
+import subprocess
+import time
+
+START = time.monotonic()
+
+
+class TestFailure(Exception):
+    pass
+
+
+def check(cond, message):
+    if not cond:
+        raise TestFailure(message)
+
+
+def log(message):
+    print("[%7.2fs] %s" % (time.monotonic() - START, message), flush=True)
+
+
+def wait_for(pred, timeout, what, poll=0.02, error=TestFailure):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise error("timed out after %ss waiting for %s" % (timeout, what))
+        time.sleep(poll)
+
+
+def tail(path, lines=40):
+    try:
+        with open(path, "r", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError as e:
+        return "(cannot read %s: %s)\n" % (path, e)
+
+
+# ------------------------------------------------------------------------------------------------
+# flashckptd
+# ------------------------------------------------------------------------------------------------
+
+DAEMON_READY_TIMEOUT_S = 30   # for the socket file to appear
+DAEMON_TERM_TIMEOUT_S = 20    # after SIGTERM, before SIGKILL
+DAEMON_KILL_TIMEOUT_S = 10    # after SIGKILL
+
+
+def binary(bin_dir, name, error=TestFailure):
+    path = os.path.join(bin_dir, name)
+    if not os.access(path, os.X_OK):
+        raise error("%s is missing or not executable (build first)" % path)
+    return path
+
+
+def daemon_command(flashckptd, sock, root, max_host_memory="1GiB", extra_args=()):
+    return [flashckptd, "--socket", sock, "--root", root, "--max-host-memory", max_host_memory,
+            "--log-level", "info"] + list(extra_args)
+
+
+def spawn_daemon(cmd, log_path, append=False, say=None):
+    """Starts cmd with stdout and stderr to log_path (say, if given, logs the command line).
+
+    Keep the Popen before waiting for it (wait_daemon_ready), so that a failed wait can stop it.
+    """
+    if say:
+        say("starting %s" % " ".join(cmd))
+    with open(log_path, "ab" if append else "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def wait_daemon_ready(proc, sock, error=TestFailure, exit_detail=None, say=None):
+    """Waits for the daemon proc to create the UNIX socket sock.
+
+    Raises error if it exits first (the message followed by exit_detail(), if given) or the socket is
+    not there within DAEMON_READY_TIMEOUT_S. say, if given, logs the pid once it is up.
+    """
+    def ready():
+        if proc.poll() is not None:
+            raise error("flashckptd exited with %s before creating its socket%s"
+                        % (proc.returncode, exit_detail() if exit_detail else ""))
+        return os.path.exists(sock) and stat.S_ISSOCK(os.stat(sock).st_mode)
+    wait_for(ready, DAEMON_READY_TIMEOUT_S, "the daemon socket %s" % sock, error=error)
+    if say:
+        say("daemon is up (pid %d)" % proc.pid)
+    return proc
+
+
+def stop_daemon(proc):
+    """SIGTERM, then the exit status (None if it had to be SIGKILLed, or was never started)."""
+    if proc is None or proc.poll() is not None:
+        return proc.returncode if proc else None
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=DAEMON_TERM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=DAEMON_KILL_TIMEOUT_S)
+        return None
+
+
+class DaemonHarness:
+    """A temporary socket and root in tmp, the binaries in bin_dir, and one flashckptd at a time.
+
+    Subclasses set self.daemon_log (the daemon's output file) before start_daemon(); every log file
+    goes into self.logs, which the tests dump on failure.
+    """
+
+    def __init__(self, bin_dir, tmp):
+        self.bin_dir = bin_dir
+        self.tmp = tmp
+        self.sock = os.path.join(tmp, "flashckptd.sock")
+        self.root = os.path.join(tmp, "root")
+        self.daemon = None
+        self.daemon_log = None
+        self.logs = []     # every log file, dumped on failure
+
+    def binary(self, name):
+        return binary(self.bin_dir, name)
+
+    def start_daemon(self):
+        cmd = daemon_command(self.binary("flashckptd"), self.sock, self.root)
+        self.logs.append(self.daemon_log)
+        self.daemon = spawn_daemon(cmd, self.daemon_log, say=log)
+        wait_daemon_ready(self.daemon, self.sock, say=log)
+
+    def stop_daemon(self):
+        """SIGTERM, then the exit status (None if it had to be SIGKILLed)."""
+        return stop_daemon(self.daemon)
