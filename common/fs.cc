@@ -89,8 +89,10 @@ bool PathExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans) {
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
+                        bool* renamed) {
   static std::atomic<uint64_t> counter{0};
+  if (renamed != nullptr) *renamed = false;
   std::string final_path = dir + "/" + name;
   std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -110,11 +112,12 @@ Status WriteFileDurably(const std::string& dir, const std::string& name, const s
   if (::fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
   owned.Reset();
   if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp_path));
+  if (renamed != nullptr) *renamed = true;
   return FsyncDir(dir);
 }
 
-Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents) {
-  return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}});
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed) {
+  return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}}, renamed);
 }
 
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {

@@ -61,9 +61,12 @@ struct WriteSpan {
 
 // The durable write: <dir>/<name>.tmp.<unique>, all spans in order, fdatasync, rename to
 // <dir>/<name>, fsync(dir). On failure the temporary is removed and the old <name> (if any) is
-// untouched.
-Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans);
-Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents);
+// untouched. `renamed`, when given, is set to whether <dir>/<name> now holds the new contents (true
+// also when only the final fsync of the directory failed, so a caller can undo the file).
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
+                        bool* renamed = nullptr);
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents,
+                        bool* renamed = nullptr);
 
 // Reads a whole file of at most `max_bytes` bytes.
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);

@@ -1,8 +1,10 @@
 #include "daemon/catalog.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <memory>
 
@@ -45,6 +47,41 @@ Result<Signal> ReadSignal(const std::string& path) {
   return s;
 }
 
+StepInUse::StepInUse(StepInUse&& o) noexcept : catalog_(o.catalog_), job_(std::move(o.job_)), step_(o.step_) {
+  o.catalog_ = nullptr;
+}
+
+StepInUse& StepInUse::operator=(StepInUse&& o) noexcept {
+  if (this != &o) {
+    Reset();
+    catalog_ = o.catalog_;
+    job_ = std::move(o.job_);
+    step_ = o.step_;
+    o.catalog_ = nullptr;
+  }
+  return *this;
+}
+
+void StepInUse::Reset() {
+  if (catalog_ != nullptr) catalog_->Release(job_, step_);
+  catalog_ = nullptr;
+}
+
+StepInUse Catalog::Use(const std::string& job, int64_t step) {
+  std::lock_guard<std::mutex> lock(use_mu_);
+  in_use_[job].insert(step);
+  return StepInUse(this, job, step);
+}
+
+void Catalog::Release(const std::string& job, int64_t step) {
+  std::lock_guard<std::mutex> lock(use_mu_);
+  auto it = in_use_.find(job);
+  if (it == in_use_.end()) return;
+  auto s = it->second.find(step);
+  if (s != it->second.end()) it->second.erase(s);
+  if (it->second.empty()) in_use_.erase(it);
+}
+
 std::string Catalog::CheckpointDir(const std::string& job, int64_t step) const {
   return JobDir(job) + "/" + CheckpointDirName(step);
 }
@@ -85,7 +122,82 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   }
   Logger("catalog")->info("complete job={} step={} files={} tensors={}", job, step, meta.files.size(),
                           meta.pieces.size());
+  if (keep_ > 0) {
+    auto deleted = ApplyRetentionLocked(job, keep_);
+    if (!deleted.ok()) {
+      Logger("catalog")->error("retention failed job={} keep={} error=\"{}\"", job, keep_,
+                               deleted.status().ToString());
+    }
+  }
   return true;
+}
+
+Result<std::vector<int64_t>> Catalog::ApplyRetention(const std::string& job, uint32_t keep) {
+  std::lock_guard<std::mutex> lock(JobMutex(job));
+  return ApplyRetentionLocked(job, keep);
+}
+
+Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, const std::string& hidden) {
+  std::string dir = CheckpointDir(job, step);
+  std::lock_guard<std::mutex> lock(use_mu_);
+  auto it = in_use_.find(job);
+  if (it != in_use_.end() && it->second.count(step) != 0) return false;
+  if (::rename(dir.c_str(), hidden.c_str()) != 0) {
+    if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
+    return ErrnoStatus("rename " + dir + " to", hidden);
+  }
+  return true;
+}
+
+Result<std::vector<int64_t>> Catalog::ApplyRetentionLocked(const std::string& job, uint32_t keep) {
+  std::vector<int64_t> deleted;
+  if (keep == 0) return deleted;
+  auto names = ListDir(JobDir(job));
+  if (!names.ok()) {
+    if (names.status().code() == StatusCode::kNotFound) return deleted;
+    return names.status();
+  }
+  std::vector<int64_t> complete, incomplete;
+  for (const auto& n : *names) {
+    auto step = ParseCheckpointDirName(n);
+    if (!step) continue;
+    (IsComplete(job, *step) ? complete : incomplete).push_back(*step);
+  }
+  if (complete.empty()) return deleted;  // nothing is safe to delete before a checkpoint is complete
+  std::sort(complete.begin(), complete.end(), std::greater<>());
+  const size_t kept = std::min<size_t>(keep, complete.size());
+  const int64_t oldest_kept = complete[kept - 1];
+  std::vector<int64_t> victims(complete.begin() + static_cast<std::ptrdiff_t>(kept), complete.end());
+  for (int64_t step : incomplete) {
+    if (step < oldest_kept) victims.push_back(step);
+  }
+  std::sort(victims.begin(), victims.end());
+
+  Status first_error;
+  for (int64_t step : victims) {
+    std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
+    Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
+    auto hid = cleared.ok() ? HideUnlessInUse(job, step, hidden) : Result<bool>(cleared);
+    if (hid.ok() && !*hid) {
+      Logger("catalog")->info("retention skipped job={} step={} reason=in_use", job, step);
+      continue;
+    }
+    Status removed = hid.ok() ? RemoveTree(hidden) : hid.status();
+    if (!removed.ok()) {
+      Logger("catalog")->error("delete failed job={} step={} error=\"{}\"", job, step, removed.ToString());
+      if (first_error.ok()) first_error = removed;
+      continue;
+    }
+    Logger("catalog")->info("deleted job={} step={} reason=retention complete={} keep={}", job, step,
+                            std::find(complete.begin(), complete.end(), step) != complete.end(), keep);
+    deleted.push_back(step);
+  }
+  if (!deleted.empty()) {
+    Status synced = FsyncDir(JobDir(job));
+    if (!synced.ok() && first_error.ok()) first_error = synced;
+  }
+  if (!first_error.ok()) return first_error;
+  return deleted;
 }
 
 std::optional<int64_t> Catalog::LatestComplete(const std::string& job) const {

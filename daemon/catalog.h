@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,34 @@ struct Signal {
 std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t bytes);
 Result<Signal> ReadSignal(const std::string& path);
 
+class Catalog;
+
+// Marks one step of a job as in use (a restore reading it, a writer writing it): retention does not
+// delete it while the guard lives. Move-only; the step is released in the destructor.
+class StepInUse {
+ public:
+  StepInUse() = default;
+  StepInUse(StepInUse&& o) noexcept;
+  StepInUse& operator=(StepInUse&& o) noexcept;
+  StepInUse(const StepInUse&) = delete;
+  StepInUse& operator=(const StepInUse&) = delete;
+  ~StepInUse() { Reset(); }
+  void Reset();
+
+ private:
+  friend class Catalog;
+  StepInUse(Catalog* catalog, std::string job, int64_t step)
+      : catalog_(catalog), job_(std::move(job)), step_(step) {}
+  Catalog* catalog_ = nullptr;
+  std::string job_;
+  int64_t step_ = 0;
+};
+
 class Catalog {
  public:
-  explicit Catalog(std::string root) : root_(std::move(root)) {}
+  // keep: after a checkpoint completes, retention keeps the newest `keep` complete checkpoints of the
+  // job and deletes older ones (0 keeps everything; --keep).
+  explicit Catalog(std::string root, uint32_t keep = 0) : root_(std::move(root)), keep_(keep) {}
 
   const std::string& root() const { return root_; }
   std::string JobDir(const std::string& job) const { return root_ + "/" + job; }
@@ -50,7 +76,23 @@ class Catalog {
   // start), and metadata.json is not there yet, writes metadata.json from the files those signals
   // list and advances LATEST. Signals left by an earlier attempt that crashed are not counted:
   // the ranks of the new attempt overwrite them. Returns whether the checkpoint is complete.
+  // When this call wrote metadata.json and `keep` > 0, it then applies retention (ApplyRetention);
+  // a retention failure is logged, never returned: the new checkpoint is complete either way.
   Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from);
+
+  // Protects `step` of `job` from retention until the returned guard is destroyed. Thread-safe.
+  // A reader registers first and checks that the checkpoint is (still) complete afterwards: a
+  // deletion either happened before the registration (the reader sees no checkpoint) or waits for
+  // none and skips the step.
+  StepInUse Use(const std::string& job, int64_t step);
+
+  // Retention for `job` with `keep` (> 0) complete checkpoints kept: deletes every complete
+  // checkpoint older than the newest `keep` complete ones, and every incomplete directory older
+  // than the oldest kept complete one, except steps in use (Use). Never deletes the newest complete
+  // checkpoint. A directory is first renamed to a hidden `.deleting-checkpoint-<step>.<pid>` (so
+  // no reader ever sees half of it), then removed. Returns the deleted steps, oldest first.
+  // Serialized with completion per job; blocks for the removals.
+  Result<std::vector<int64_t>> ApplyRetention(const std::string& job, uint32_t keep);
 
   bool IsComplete(const std::string& job, int64_t step) const;
   // The newest complete checkpoint of the job, or nullopt. Trusts LATEST only when the directory
@@ -61,11 +103,21 @@ class Catalog {
   Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
 
  private:
+  friend class StepInUse;
   std::mutex& JobMutex(const std::string& job);
+  Result<std::vector<int64_t>> ApplyRetentionLocked(const std::string& job, uint32_t keep);
+  // Renames the directory of `step` away unless it is in use; false when it is in use.
+  Result<bool> HideUnlessInUse(const std::string& job, int64_t step, const std::string& hidden);
+  void Release(const std::string& job, int64_t step);
 
   std::string root_;
+  const uint32_t keep_;
   std::mutex mu_;  // guards job_mu_
   std::map<std::string, std::unique_ptr<std::mutex>> job_mu_;  // serializes completion per job
+  // Steps in use per job (a multiset: two readers may share a step). Held across the rename that
+  // hides a directory, so a step is either registered before the rename or sees no checkpoint.
+  std::mutex use_mu_;
+  std::map<std::string, std::multiset<int64_t>> in_use_;  // guarded by use_mu_
 };
 
 }  // namespace flashckpt

@@ -33,6 +33,9 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--writer-threads", config.writer_threads, "Threads persisting snapshots")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  app.add_option("--keep", config.keep,
+                 "Keep the newest N complete checkpoints of each job and delete older ones (0: keep all)")
+      ->capture_default_str();
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
   app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
   app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");

@@ -70,7 +70,7 @@ void RankSegment::Mirror(uint32_t i) const {
 }
 
 Daemon::Daemon(DaemonConfig config)
-    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root) {}
+    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep) {}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -83,8 +83,8 @@ Status Daemon::Start() {
   unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
   ema_loop_ = std::make_unique<ParallelLoop>(ema_threads - 1);
   ema_thread_ = std::thread([this] { RunEmaStage(); });
-  Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={}", config_.root, config_.slots,
-                      FormatBytes(config_.max_host_memory), config_.writer_threads);
+  Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={}", config_.root,
+                      config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads, config_.keep);
   return Status::OK();
 }
 

@@ -40,6 +40,9 @@ struct DaemonConfig {
   unsigned writer_threads = 2;
   unsigned ema_threads = 0;  // 0: min(hardware threads, 8)
   unsigned segment_mode = 0600;
+  // Retention: after a checkpoint completes, keep the newest `keep` complete checkpoints of its job
+  // and delete older ones (and incomplete directories older than those). 0 keeps everything.
+  uint32_t keep = 0;
   // Peers allowed on the socket (SO_PEERCRED): these uids, members of these gids, the daemon's own
   // uid and root.
   std::vector<uint32_t> allow_uids;
@@ -134,8 +137,9 @@ class Daemon {
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
     int64_t last_committed = -1;
     int64_t last_persisted = -1;
-    int64_t last_failed_step = -1;
     std::string last_error;
+    // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
+    std::map<int64_t, Status> failed;
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
   };
   struct JobState {

@@ -138,13 +138,24 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     rank_id = sessions_[session_id].rank;
   }
   RestoreOutcome out;
-  if (step == 0) {
-    auto latest = catalog_.LatestComplete(job);
-    if (!latest) return out;  // found = false
-    step = *latest;
-  } else if (!catalog_.IsComplete(job, step)) {
-    return NotFound("checkpoint-" + std::to_string(step) + " of job '" + job +
-                    "' does not exist or is incomplete (no metadata.json)");
+  // Retention must not delete the checkpoint while it is read: mark the step in use first, then
+  // check that it is (still) complete. Until the slot is filled, `in_use` keeps it.
+  const int64_t requested = step;
+  StepInUse in_use;
+  for (int attempt = 0;; ++attempt) {
+    if (requested == 0) {
+      auto latest = catalog_.LatestComplete(job);
+      if (!latest) return out;  // found = false
+      step = *latest;
+    }
+    in_use = catalog_.Use(job, step);
+    if (catalog_.IsComplete(job, step)) break;
+    // The latest was deleted between the look-up and the registration (a newer one completed
+    // meanwhile): look again.
+    if (requested != 0 || attempt >= 8) {
+      return NotFound("checkpoint-" + std::to_string(step) + " of job '" + job +
+                      "' does not exist or is incomplete (no metadata.json)");
+    }
   }
   std::string dir = catalog_.CheckpointDir(job, step);
   ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));

@@ -8,6 +8,7 @@ namespace flashckpt {
 namespace {
 
 constexpr size_t kMaxExtraBytes = 4u << 20;
+constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
 
 }  // namespace
 
@@ -70,6 +71,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->segment->Mirror(ticket.slot);
   rank->snapshots += 1;
   rank->last_committed = step;
+  rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
 
   std::shared_ptr<RankSegment> segment = rank->segment;
   EmaJob job;
@@ -174,10 +176,12 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::sh
       if (status.ok()) {
         rank.persists += 1;
         rank.last_persisted = std::max(rank.last_persisted, step);
+        rank.failed.erase(step);
       } else {
         rank.failures += 1;
-        rank.last_failed_step = step;
         rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
+        rank.failed[step] = status;
+        while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
       }
     }
   }
@@ -209,7 +213,16 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     job = sessions_[session_id].job;
-    if (rank->last_failed_step == step) return IOError("saving step " + std::to_string(step) + " failed: " + rank->last_error);
+    if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
+      // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
+      const Status& cause = failed->second;
+      std::string advice = cause.code() == StatusCode::kResourceExhausted
+                               ? "; free space under " + config_.root + " (or run with --keep N) and save again"
+                               : "";
+      return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
+                                      cause.message() + "; this rank's partial files of the step were removed, " +
+                                      "earlier checkpoints are untouched" + advice);
+    }
     if (rank->last_persisted >= step) {
       WaitResult r;
       r.persisted_step = rank->last_persisted;

@@ -1,5 +1,8 @@
 #include "daemon/writer.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -138,35 +141,87 @@ void Writer::Run() {
   }
 }
 
+namespace {
+
+// Removes the files one failed attempt of a rank put under their final names, the signal first (it
+// was written last), so the directory never claims more than it holds. A directory that became
+// complete (metadata.json present) is left alone: its files belong to a checkpoint now.
+void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const std::vector<std::string>& written) {
+  if (written.empty()) return;
+  if (PathExists(dir + "/metadata.json")) {
+    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} reason=complete", req.job, req.step,
+                           req.rank);
+    return;
+  }
+  size_t removed = 0;
+  for (auto it = written.rbegin(); it != written.rend(); ++it) {
+    std::string path = dir + "/" + *it;
+    if (::unlink(path.c_str()) == 0) {
+      ++removed;
+    } else if (errno != ENOENT) {
+      Logger("writer")->error("cleanup failed job={} step={} rank={} error=\"{}\"", req.job, req.step, req.rank,
+                              ErrnoStatus("unlink", path).ToString());
+    }
+  }
+  (void)FsyncDir(dir);  // best effort: the removals need not be durable to be correct
+  Logger("writer")->warn("removed partial files job={} step={} rank={} files={}", req.job, req.step, req.rank, removed);
+}
+
+}  // namespace
+
 Result<uint64_t> Writer::Persist(const PersistRequest& req) {
-  const RankLayout& layout = *req.layout;
-  std::string dir = catalog_->CheckpointDir(req.job, req.step);
-  RETURN_IF_ERROR(MakeDirs(dir));
+  const std::string dir = catalog_->CheckpointDir(req.job, req.step);
+  std::vector<std::string> written;  // files of this attempt now under their final names, in order
   uint64_t bytes = 0;
+  Status wrote;
+  {
+    // Retention leaves the directory alone while this rank writes into it.
+    StepInUse in_use = catalog_->Use(req.job, req.step);
+    wrote = WriteRankFiles(req, dir, &written, &bytes);
+  }
+  if (!wrote.ok()) {
+    RemoveAttemptFiles(req, dir, written);
+    return wrote;
+  }
+  auto complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
+  if (!complete.ok()) {
+    RemoveAttemptFiles(req, dir, written);
+    return complete.status().WithContext("completing checkpoint " + dir);
+  }
+  return bytes;
+}
+
+Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, std::vector<std::string>* written,
+                              uint64_t* bytes) {
+  const RankLayout& layout = *req.layout;
+  RETURN_IF_ERROR(MakeDirs(dir));
   Signal signal;
   signal.rank = req.rank;
   signal.step = req.step;
   signal.resumed_from = req.resumed_from;
+  auto write = [&](const std::string& name, const std::vector<WriteSpan>& spans) {
+    bool renamed = false;
+    Status s = WriteFileDurably(dir, name, spans, &renamed);
+    if (renamed) written->push_back(name);
+    return s;
+  };
   for (size_t f = 0; f < layout.files.size(); ++f) {
     const FileImage& image = layout.files[f];
     StampImage(req.slot, layout, f, req.step);
-    RETURN_IF_ERROR(
-        WriteFileDurably(dir, image.stem + ".safetensors", {{req.slot + image.slot_offset, image.file_bytes()}}));
-    bytes += image.file_bytes();
+    RETURN_IF_ERROR(write(image.stem + ".safetensors", {{req.slot + image.slot_offset, image.file_bytes()}}));
+    *bytes += image.file_bytes();
     signal.files.push_back(image.stem + ".safetensors");
   }
   if (req.ema_layout != nullptr) {
     const FileImage& image = req.ema_layout->files[0];
-    RETURN_IF_ERROR(
-        WriteFileDurably(dir, image.stem + ".safetensors", {{req.ema_base + image.slot_offset, image.file_bytes()}}));
-    bytes += image.file_bytes();
+    RETURN_IF_ERROR(write(image.stem + ".safetensors", {{req.ema_base + image.slot_offset, image.file_bytes()}}));
+    *bytes += image.file_bytes();
     signal.files.push_back(image.stem + ".safetensors");
   }
-  RETURN_IF_ERROR(WriteFileDurably(dir, ExtraFileName(req.rank), EncodeExtra(req.job, req.rank, req.step, req.extra)));
-  RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(req.rank), EncodeSignal(req.job, signal, bytes)));
-  auto complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
-  if (!complete.ok()) return complete.status().WithContext("completing checkpoint " + dir);
-  return bytes;
+  std::string extra = EncodeExtra(req.job, req.rank, req.step, req.extra);
+  RETURN_IF_ERROR(write(ExtraFileName(req.rank), {{extra.data(), extra.size()}}));
+  std::string text = EncodeSignal(req.job, signal, *bytes);
+  return write(SignalFileName(req.rank), {{text.data(), text.size()}});
 }
 
 }  // namespace flashckpt

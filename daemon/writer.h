@@ -48,11 +48,16 @@ class Writer {
   // Finishes every queued request, then joins the threads. Idempotent.
   void Stop();
 
-  // The work itself, also usable synchronously (tests). Returns bytes written.
+  // The work itself, also usable synchronously (tests). Returns bytes written. On failure (a full
+  // disk, an I/O error) the files this attempt wrote for the step are removed again (saved_signal
+  // first), unless the checkpoint became complete; other steps are never touched.
   Result<uint64_t> Persist(const PersistRequest& request);
 
  private:
   void Run();
+  // Writes the rank's files and then its signal; `written` collects the names now in place.
+  Status WriteRankFiles(const PersistRequest& request, const std::string& dir, std::vector<std::string>* written,
+                        uint64_t* bytes);
 
   Catalog* catalog_;
   size_t capacity_;

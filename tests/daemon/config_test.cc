@@ -25,6 +25,15 @@ TEST(DaemonConfig, FlagsWithSizeSuffixes) {
   EXPECT_EQ(c->root, "/tmp/r");
   EXPECT_EQ(c->slots, 3u);
   EXPECT_EQ(c->max_host_memory, 3ull << 29);
+  EXPECT_EQ(c->keep, 0u) << "retention is off unless asked for";
+}
+
+TEST(DaemonConfig, KeepFlag) {
+  auto c = Parse({"--socket", "s", "--root", "r", "--keep", "3"});
+  ASSERT_OK(c.status());
+  EXPECT_EQ(c->keep, 3u);
+  EXPECT_EQ(Parse({"--socket", "s", "--root", "r", "--keep", "-1"}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Parse({"--socket", "s", "--root", "r", "--keep", "two"}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(DaemonConfig, ReadsAConfigFileWithTheFlagNames) {

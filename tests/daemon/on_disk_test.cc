@@ -1,0 +1,250 @@
+// What the daemon leaves under --root: retention of old checkpoints (--keep), and a save that fails
+// on a full disk (a real 16 MiB tmpfs) without harming earlier checkpoints. A real daemon behind its
+// gRPC service on a temporary socket, driven by the real client library.
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/verify.h"
+#include "daemon/catalog.h"
+#include "daemon/server.h"
+#include "flashckpt/client.h"
+#include "testing.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+
+class OnDiskTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/flashckpt-on-disk-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    ASSERT_OK(MakeDirs(root()));
+  }
+  void TearDown() override {
+    StopDaemon();
+    if (mounted_ && ::umount(root().c_str()) != 0) ADD_FAILURE() << "umount " << root() << ": " << strerror(errno);
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Mounts a tmpfs of `bytes` on the root; false (and the test should skip) where that is not allowed.
+  bool MountTinyRoot(const std::string& size) {
+    if (::mount("tmpfs", root().c_str(), "tmpfs", 0, ("size=" + size).c_str()) != 0) return false;
+    mounted_ = true;
+    return true;
+  }
+
+  void StartDaemon(uint32_t keep) {
+    DaemonConfig c;
+    c.socket_path = dir_ + "/run/flashckptd.sock";
+    c.root = root();
+    c.max_host_memory = 64ull << 20;
+    c.slots = 2;
+    c.keep = keep;
+    daemon_ = std::make_unique<Daemon>(c);
+    ASSERT_OK(daemon_->Start());
+    server_ = std::make_unique<Server>(daemon_.get());
+    ASSERT_OK(server_->Start());
+  }
+  void StopDaemon() {
+    if (daemon_) daemon_->Stop();
+    if (server_) server_->Shutdown(1s);
+    server_.reset();
+    daemon_.reset();
+  }
+
+  std::string root() const { return dir_ + "/root"; }
+  std::string JobDir(const std::string& job) const { return root() + "/" + job; }
+  std::string StepDir(const std::string& job, int64_t step) const {
+    return JobDir(job) + "/checkpoint-" + std::to_string(step);
+  }
+
+  std::unique_ptr<Client> Connect(const std::string& job) {
+    ClientOptions o;
+    o.socket_path = dir_ + "/run/flashckptd.sock";
+    o.job = job;
+    o.rpc_timeout = 5s;
+    o.slot_timeout = 2s;
+    auto c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  // A model weight and an optimizer state of `n` F32 elements each.
+  static std::vector<TensorSpec> Specs(uint64_t n) {
+    TensorSpec w;
+    w.name = "w";
+    w.shape = {n};
+    TensorSpec m = w;
+    m.name = "w.exp_avg";
+    m.kind = TensorKind::kOptimizer;
+    return {w, m};
+  }
+
+  // A session of job `job` with n-element tensors, registered, whose snapshots carry the step.
+  struct Trainer {
+    std::unique_ptr<Client> client;
+    std::vector<float> w, m;
+    std::vector<TensorBuffer> bufs;
+    Status Save(int64_t step) {
+      std::fill(w.begin(), w.end(), static_cast<float>(step));
+      std::fill(m.begin(), m.end(), static_cast<float>(-step));
+      auto snap = client->Snapshot(step, bufs, {});
+      if (!snap.ok()) return snap.status();
+      return client->WaitPersisted(step, 20s);
+    }
+  };
+  Trainer StartTrainer(const std::string& job, uint64_t n) {
+    Trainer t;
+    t.client = Connect(job);
+    if (!t.client) return t;
+    EXPECT_OK(t.client->Register(Topology{}, Specs(n)));
+    t.w.resize(n);
+    t.m.resize(n);
+    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
+    return t;
+  }
+
+  // The entries of the job's directory, sorted.
+  std::vector<std::string> Entries(const std::string& job) const {
+    auto names = ListDir(JobDir(job));
+    if (!names.ok()) return {};
+    std::sort(names->begin(), names->end());
+    return *names;
+  }
+
+  std::string dir_;
+  bool mounted_ = false;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Server> server_;
+};
+
+using Names = std::vector<std::string>;
+
+TEST_F(OnDiskTest, KeepDeletesAllButTheNewestCompleteCheckpoints) {
+  StartDaemon(/*keep=*/2);
+  Trainer t = StartTrainer("kept", 1000);
+  ASSERT_TRUE(t.client);
+  for (int64_t step = 1; step <= 5; ++step) {
+    ASSERT_OK(t.Save(step));
+    // After each completion at most two complete checkpoints are left, the newest ones.
+    Names want;
+    for (int64_t s = std::max<int64_t>(1, step - 1); s <= step; ++s) want.push_back("checkpoint-" + std::to_string(s));
+    want.push_back("LATEST");
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(Entries("kept"), want) << "after step " << step;  // also: no hidden .deleting-* left over
+  }
+  auto latest = ReadSmallFile(JobDir("kept") + "/LATEST", 100);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "5\n");
+  for (int64_t step : {4, 5}) EXPECT_OK(VerifyCheckpointDir(StepDir("kept", step), nullptr));
+  auto listed = daemon_->List("kept");
+  ASSERT_OK(listed.status());
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[0].step, 4);
+  EXPECT_EQ((*listed)[1].step, 5);
+  EXPECT_TRUE((*listed)[1].latest);
+
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(restored.status());
+  ASSERT_TRUE(restored->found);
+  EXPECT_EQ(restored->step, 5);
+  EXPECT_EQ(t.w[0], 5.f);
+}
+
+TEST_F(OnDiskTest, RetentionSparesStepsInUseAndNewerIncompleteDirectories) {
+  StartDaemon(/*keep=*/0);  // keep everything: retention is driven by hand below
+  Trainer t = StartTrainer("spare", 100);
+  ASSERT_TRUE(t.client);
+  for (int64_t step : {2, 3, 4, 5}) ASSERT_OK(t.Save(step));
+  EXPECT_EQ(Entries("spare"), (Names{"LATEST", "checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-5"}));
+  ASSERT_OK(MakeDirs(StepDir("spare", 1)));  // an incomplete one older than every complete one
+  ASSERT_OK(MakeDirs(StepDir("spare", 7)));  // an incomplete one newer (a save in flight elsewhere)
+  ASSERT_OK(WriteFileDurably(StepDir("spare", 7), "saved_signal_1", "{}"));
+
+  Catalog catalog(root());
+  StepInUse reading = catalog.Use("spare", 3);  // as a restore of step 3 in flight does
+  auto deleted = catalog.ApplyRetention("spare", 1);
+  ASSERT_OK(deleted.status());
+  EXPECT_EQ(*deleted, (std::vector<int64_t>{1, 2, 4}));
+  EXPECT_EQ(Entries("spare"), (Names{"LATEST", "checkpoint-3", "checkpoint-5", "checkpoint-7"}));
+  EXPECT_OK(VerifyCheckpointDir(StepDir("spare", 3), nullptr));  // the one being read is whole
+
+  reading.Reset();  // the restore filled its slot
+  deleted = catalog.ApplyRetention("spare", 1);
+  ASSERT_OK(deleted.status());
+  EXPECT_EQ(*deleted, (std::vector<int64_t>{3}));
+  EXPECT_EQ(Entries("spare"), (Names{"LATEST", "checkpoint-5", "checkpoint-7"}));
+  EXPECT_EQ(catalog.LatestComplete("spare"), 5);
+  EXPECT_OK(VerifyCheckpointDir(StepDir("spare", 5), nullptr));
+
+  // The newest complete checkpoint is never deleted, whatever else is going on.
+  deleted = catalog.ApplyRetention("spare", 1);
+  ASSERT_OK(deleted.status());
+  EXPECT_TRUE(deleted->empty());
+}
+
+TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to mount a 16 MiB tmpfs as the checkpoint root";
+  if (!MountTinyRoot("16m")) GTEST_SKIP() << "mount -t tmpfs failed: " << strerror(errno);
+  StartDaemon(/*keep=*/0);
+  // 3 MiB per tensor, 6 MiB per checkpoint: two fit in 16 MiB; the third fills the disk while its
+  // optimizer file is written, after its model_state file is already in place.
+  const uint64_t n = (3u << 20) / 4;
+  Trainer t = StartTrainer("full", n);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  ASSERT_OK(t.Save(2));
+  Status failed = t.Save(3);
+  ASSERT_EQ(failed.code(), StatusCode::kResourceExhausted) << failed.ToString();
+  EXPECT_NE(failed.message().find("step 3"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find("No space left on device"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find(StepDir("full", 3) + "/optimizer."), std::string::npos) << failed.message();
+
+  // Nothing of step 3 claims to be there: no signal, no stray temporary, no renamed file.
+  EXPECT_EQ(Entries("full"), (Names{"LATEST", "checkpoint-1", "checkpoint-2", "checkpoint-3"}));
+  auto left = ListDir(StepDir("full", 3));
+  ASSERT_OK(left.status());
+  EXPECT_TRUE(left->empty()) << "left in checkpoint-3: " << ::testing::PrintToString(*left);
+  EXPECT_FALSE(daemon_->List("full").value().back().complete);
+  // The earlier checkpoints are whole, and LATEST still names the newest of them.
+  for (int64_t step : {1, 2}) EXPECT_OK(VerifyCheckpointDir(StepDir("full", step), nullptr));
+  EXPECT_EQ(ReadSmallFile(JobDir("full") + "/LATEST", 100).value(), "2\n");
+
+  // Operators see it; the slot is free again.
+  auto status = daemon_->GetStatus();
+  ASSERT_EQ(status.jobs_size(), 1);
+  const auto& rank = status.jobs(0).ranks(0);
+  EXPECT_EQ(rank.failures(), 1u);
+  EXPECT_EQ(rank.persists(), 2u);
+  EXPECT_NE(rank.last_error().find("No space left on device"), std::string::npos) << rank.last_error();
+  for (const auto& slot : rank.slots()) EXPECT_EQ(slot.state(), "free") << "slot " << slot.index();
+
+  // Space comes back: the next save succeeds and is complete.
+  ASSERT_OK(RemoveTree(StepDir("full", 1)));
+  ASSERT_OK(t.Save(4));
+  EXPECT_OK(VerifyCheckpointDir(StepDir("full", 4), nullptr));
+  EXPECT_EQ(ReadSmallFile(JobDir("full") + "/LATEST", 100).value(), "4\n");
+  EXPECT_EQ(daemon_->GetStatus().jobs(0).ranks(0).failures(), 1u);
+}
+
+TEST_F(OnDiskTest, WithKeepOneSavesGoOnForeverOnASmallDisk) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to mount a 16 MiB tmpfs as the checkpoint root";
+  if (!MountTinyRoot("16m")) GTEST_SKIP() << "mount -t tmpfs failed: " << strerror(errno);
+  StartDaemon(/*keep=*/1);
+  Trainer t = StartTrainer("forever", (3u << 20) / 4);  // 6 MiB per checkpoint: two at a time fit
+  ASSERT_TRUE(t.client);
+  for (int64_t step = 1; step <= 6; ++step) ASSERT_OK(t.Save(step));
+  EXPECT_EQ(Entries("forever"), (Names{"LATEST", "checkpoint-6"}));
+  EXPECT_OK(VerifyCheckpointDir(StepDir("forever", 6), nullptr));
+}
+
+}  // namespace
+}  // namespace flashckpt
