@@ -8,6 +8,14 @@ namespace flashckpt {
 
 uint64_t Xxh3(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
 
+Xxh3Stream::Xxh3Stream() : state_(XXH3_createState()) { Reset(); }
+Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+void Xxh3Stream::Reset() { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_)); }
+void Xxh3Stream::Update(const void* data, size_t bytes) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+}
+uint64_t Xxh3Stream::Digest() const { return XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_)); }
+
 std::string ChecksumHex(uint64_t checksum) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(checksum));

@@ -124,6 +124,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   state.session_id = token;
   state.last_begun = -1;
   state.resumed_from = 0;
+  state.registered = false;
   sessions_[token] = SessionInfo{job, rank};
   Logger("rpc")->info("session open job={} rank={}", job, rank);
   return token;
@@ -193,9 +194,9 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
 Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const Topology& topology,
                                               const std::vector<TensorSpec>& tensors, Backpressure policy,
                                               const EmaConfig& ema_config) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
-  const SessionInfo& who = sessions_[session_id];
+  const SessionInfo who = sessions_[session_id];
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors));
   std::optional<EmaPlan> ema_plan;
   if (ema_config.enabled) {
@@ -203,15 +204,38 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
   JobState& job = jobs_[who.job];
-  for (const auto& [r, other] : job.ranks) {
-    if (r == who.rank || other.session_id.empty() || !other.segment) continue;
-    if (!SameDegrees(other.topology, topology)) {
+  // Every live rank of a job shares one layout. Ranks of a previous run that are exiting may still
+  // hold their sessions for a moment: wait a little for them before refusing.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    const RankState* conflict = nullptr;
+    uint32_t conflict_rank = 0;
+    for (const auto& [r, other] : job.ranks) {
+      if (r == who.rank || other.session_id.empty() || !other.registered) continue;
+      if (!SameDegrees(other.topology, topology)) {
+        conflict = &other;
+        conflict_rank = r;
+        break;
+      }
+    }
+    if (conflict == nullptr) break;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
       return FailedPrecondition("job '" + who.job + "' is registered with world size " +
-                                std::to_string(other.topology.world_size) + " (tp " +
-                                std::to_string(other.topology.tp_degree) + ", pp " +
-                                std::to_string(other.topology.pp_degree) + ", shard " +
-                                std::to_string(other.topology.shard_degree) + ") by live rank " + std::to_string(r) +
-                                "; this rank asks for world size " + std::to_string(topology.world_size));
+                                std::to_string(conflict->topology.world_size) + " (tp " +
+                                std::to_string(conflict->topology.tp_degree) + ", pp " +
+                                std::to_string(conflict->topology.pp_degree) + ", shard " +
+                                std::to_string(conflict->topology.shard_degree) + ") by live rank " +
+                                std::to_string(conflict_rank) + "; this rank asks for world size " +
+                                std::to_string(topology.world_size) + " (tp " + std::to_string(topology.tp_degree) +
+                                ", pp " + std::to_string(topology.pp_degree) + ", shard " +
+                                std::to_string(topology.shard_degree) + ")");
+    }
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+  }
+  if (!SameDegrees(job.topology, topology)) {
+    // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
+    for (auto& [r, other] : job.ranks) {
+      if (r != who.rank && other.session_id.empty()) other.segment.reset();  // a running persist keeps its own
     }
   }
   bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
@@ -236,6 +260,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   }
   rank->topology = topology;
   rank->policy = policy;
+  rank->registered = true;
   job.topology = topology;
 
   const RankSegment& seg = *rank->segment;

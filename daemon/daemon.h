@@ -135,6 +135,7 @@ class Daemon {
     Backpressure policy = Backpressure::kWait;
     int64_t last_begun = -1;  // per session: steps must increase
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
+    bool registered = false;   // per session: Register succeeded (its topology is current)
     int64_t last_committed = -1;
     int64_t last_persisted = -1;
     std::string last_error;

@@ -7,6 +7,7 @@
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/fs.h"
+#include "common/reshard.h"
 #include "common/log.h"
 #include "common/names.h"
 #include "daemon/daemon.h"
@@ -20,22 +21,48 @@ struct PlannedRead {
   char* dest;
 };
 
+// A part of a saved piece that goes to a different place in the new layout.
+struct Scatter {
+  uint64_t file_offset;
+  char* dest;
+  uint64_t bytes;
+};
+
+constexpr uint64_t kStreamChunk = 8u << 20;
+
+// Reads a whole saved piece through a bounded buffer, checking its checksum, and copies the parts
+// the new layout needs. The slot's bytes are only trusted once every piece has verified.
+Status StreamPiece(int fd, const std::string& path, const Piece& p, std::vector<Scatter>& parts,
+                   std::vector<char>& buffer, Xxh3Stream& hash) {
+  std::sort(parts.begin(), parts.end(), [](const Scatter& a, const Scatter& b) { return a.file_offset < b.file_offset; });
+  hash.Reset();
+  size_t next = 0;
+  for (uint64_t pos = p.begin; pos < p.end; pos += kStreamChunk) {
+    uint64_t n = std::min(kStreamChunk, p.end - pos);
+    RETURN_IF_ERROR(PreadFull(fd, buffer.data(), n, pos, path));
+    hash.Update(buffer.data(), n);
+    // Parts do not overlap (each needed element is read once), so sorted by offset they also end in
+    // order: skip those that ended before this chunk, copy those that intersect it.
+    while (next < parts.size() && parts[next].file_offset + parts[next].bytes <= pos) ++next;
+    for (size_t k = next; k < parts.size() && parts[k].file_offset < pos + n; ++k) {
+      uint64_t lo = std::max(parts[k].file_offset, pos);
+      uint64_t hi = std::min(parts[k].file_offset + parts[k].bytes, pos + n);
+      if (lo < hi) std::memcpy(parts[k].dest + (lo - parts[k].file_offset), buffer.data() + (lo - pos), hi - lo);
+    }
+  }
+  if (hash.Digest() != p.xxh3) {
+    return Corruption(path + ": tensor '" + p.key + "' has checksum " + ChecksumHex(hash.Digest()) +
+                      ", metadata says " + ChecksumHex(p.xxh3));
+  }
+  return Status::OK();
+}
+
 bool SameGeometry(const TensorSpec& t, const Piece& p) {
   if (t.kind != p.kind || t.dtype != p.dtype || t.global_shape != p.global_shape || t.box_offset != p.box_offset ||
       t.box_shape != p.box_shape || t.flat_range.has_value() != p.flat_range.has_value()) {
     return false;
   }
   return !t.flat_range || (t.flat_range->begin == p.flat_range->begin && t.flat_range->end == p.flat_range->end);
-}
-
-std::string Describe(const Piece& p) {
-  std::string s = std::string(DTypeName(p.dtype)) + " box offset [";
-  for (size_t i = 0; i < p.box_offset.size(); ++i) s += (i ? "," : "") + std::to_string(p.box_offset[i]);
-  s += "] shape [";
-  for (size_t i = 0; i < p.box_shape.size(); ++i) s += (i ? "," : "") + std::to_string(p.box_shape[i]);
-  s += "]";
-  if (p.flat_range) s += " flat [" + std::to_string(p.flat_range->begin) + "," + std::to_string(p.flat_range->end) + ")";
-  return s;
 }
 
 }  // namespace
@@ -45,27 +72,46 @@ Result<RestoreStats> FillSlotFromCheckpoint(const std::string& dir, const Checkp
   std::multimap<std::string, const Piece*> by_key;
   for (const auto& p : meta.pieces) by_key.emplace(p.key, &p);
 
-  std::vector<PlannedRead> plan;
+  std::vector<PlannedRead> plan;                 // same layout: whole pieces straight into place
+  std::map<const Piece*, std::vector<Scatter>> reshard;  // other layouts: parts of saved pieces
+  RestoreStats stats;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const TensorSpec& t = layout.tensors[i];
+    char* dest = slot + layout.placements[i].slot_offset;
+    stats.bytes_needed += layout.placements[i].bytes;
     auto [lo, hi] = by_key.equal_range(t.name);
-    if (lo == hi) return NotFound("tensor '" + t.name + "' is not in the checkpoint " + dir);
+    std::vector<const Piece*> candidates;
     const Piece* match = nullptr;
-    for (auto it = lo; it != hi && match == nullptr; ++it) {
-      if (SameGeometry(t, *it->second)) match = it->second;
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second->kind != t.kind) continue;  // e.g. the EMA twin of a model weight
+      candidates.push_back(it->second);
+      if (match == nullptr && SameGeometry(t, *it->second)) match = it->second;
     }
-    if (match == nullptr) {
-      return FailedPrecondition("tensor '" + t.name + "': no saved piece has this rank's dtype, box and flat range (" +
-                                "saved e.g. " + Describe(*lo->second) +
-                                "); restoring into a different layout is not supported yet");
+    if (candidates.empty()) {
+      return NotFound("tensor '" + t.name + "' (" + std::string(TensorKindName(t.kind)) +
+                      ") is not in the checkpoint " + dir);
     }
-    plan.push_back({match, slot + layout.placements[i].slot_offset});
+    if (match != nullptr) {
+      plan.push_back({match, dest});
+      continue;
+    }
+    // A different layout: plan the reads by intersecting this rank's piece with the saved ones.
+    auto planned = PlanPieceReads(t, candidates);
+    if (!planned.ok()) {
+      // The rank's specs were validated at registration: a refused plan means the checkpoint does
+      // not hold what this rank asks for (another dtype or global shape), not a malformed request.
+      Status s = planned.status();
+      if (s.code() == StatusCode::kInvalidArgument) s = FailedPrecondition(s.message());
+      return s.WithContext("restoring into a different layout");
+    }
+    for (const ReadRun& run : planned->runs) {
+      reshard[candidates[run.piece]].push_back({run.file_offset, dest + run.dest_offset, run.bytes});
+    }
   }
   std::sort(plan.begin(), plan.end(), [](const PlannedRead& a, const PlannedRead& b) {
     return a.piece->file != b.piece->file ? a.piece->file < b.piece->file : a.piece->begin < b.piece->begin;
   });
 
-  RestoreStats stats;
   std::map<std::string, UniqueFd> files;
   for (size_t i = 0; i < plan.size();) {
     // Merge the run of reads that are adjacent in the file and in the slot.
@@ -95,6 +141,21 @@ Result<RestoreStats> FillSlotFromCheckpoint(const std::string& dir, const Checkp
       }
     }
     i = j;
+  }
+  if (!reshard.empty()) {
+    std::vector<char> buffer(kStreamChunk);
+    Xxh3Stream hash;
+    for (auto& [piece, parts] : reshard) {
+      const std::string path = dir + "/" + piece->file;
+      auto fd = files.find(piece->file);
+      if (fd == files.end()) {
+        ASSIGN_OR_RETURN(UniqueFd opened, OpenForRead(path));
+        fd = files.emplace(piece->file, std::move(opened)).first;
+      }
+      RETURN_IF_ERROR(StreamPiece(fd->second.get(), path, *piece, parts, buffer, hash));
+      stats.bytes_read += piece->end - piece->begin;
+      stats.reads += 1;
+    }
   }
   return stats;
 }
@@ -169,12 +230,6 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-      if (meta.topology.world_size != rank->topology.world_size) {
-        return FailedPrecondition("checkpoint-" + std::to_string(step) + " was saved with world size " +
-                                  std::to_string(meta.topology.world_size) + ", this job now runs with " +
-                                  std::to_string(rank->topology.world_size) +
-                                  "; restoring into a different layout is not supported yet");
-      }
       // Snapshots already committed must reach the EMA before the restore replaces it, or a stale
       // one would be applied on top of the restored average.
       bool settled = rank->segment->ema_pending == 0;
@@ -228,8 +283,10 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     }
     return Cancelled("the session ended during the restore");
   }
-  Logger("restore")->info("restored job={} rank={} step={} bytes={} reads={} secs={:.3f}", job, rank_id, step,
-                          FormatBytes(filled->bytes_read), filled->reads, secs);
+  Logger("restore")->info("restored job={} rank={} step={} bytes={} read={} read_ratio={:.2f} reads={} secs={:.3f}",
+                          job, rank_id, step, FormatBytes(filled->bytes_needed), FormatBytes(filled->bytes_read),
+                          filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
+                          filled->reads, secs);
   jobs_[job].ranks[rank_id].resumed_from = step;
   out.found = true;
   out.step = step;
