@@ -116,6 +116,41 @@ Status WriteFileDurably(const std::string& dir, const std::string& name, const s
   return FsyncDir(dir);
 }
 
+Status WriteImageDurably(const std::string& dir, const std::string& name, const char* data, uint64_t bytes,
+                         uint64_t padded, bool* renamed) {
+  constexpr uint64_t kAlign = 4096, kChunk = 16u << 20;
+  if (reinterpret_cast<uintptr_t>(data) % kAlign != 0 || padded % kAlign != 0 || padded < bytes) {
+    return Internal("WriteImageDurably needs 4 KiB-aligned memory and a padded size");
+  }
+  static std::atomic<uint64_t> counter{0};
+  if (renamed != nullptr) *renamed = false;
+  std::string final_path = dir + "/" + name;
+  std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+  if (fd < 0 && errno == EINVAL) {  // no O_DIRECT on this file system (tmpfs): buffered it is
+    return WriteFileDurably(dir, name, std::vector<WriteSpan>{{data, bytes}}, renamed);
+  }
+  if (fd < 0) return ErrnoStatus("create", tmp_path);
+  UniqueFd owned(fd);
+  auto fail = [&](Status s) {
+    owned.Reset();
+    ::unlink(tmp_path.c_str());
+    return s;
+  };
+  for (uint64_t offset = 0; offset < padded; offset += kChunk) {
+    Status s = PwriteFull(fd, data + offset, std::min(kChunk, padded - offset), offset, tmp_path);
+    if (!s.ok()) return fail(s);
+  }
+  if (padded != bytes && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    return fail(ErrnoStatus("ftruncate", tmp_path));
+  }
+  if (::fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
+  owned.Reset();
+  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp_path));
+  if (renamed != nullptr) *renamed = true;
+  return FsyncDir(dir);
+}
+
 Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed) {
   return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}}, renamed);
 }

@@ -205,16 +205,24 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     if (renamed) written->push_back(name);
     return s;
   };
+  // A file image starts on a 4 KiB boundary of the slot and owns the slot up to the next one, so
+  // it can be written with O_DIRECT straight from the slot, the padded tail cut afterwards.
+  auto write_image = [&](const std::string& name, const char* data, uint64_t size) {
+    bool renamed = false;
+    Status s = WriteImageDurably(dir, name, data, size, (size + kPageSize - 1) / kPageSize * kPageSize, &renamed);
+    if (renamed) written->push_back(name);
+    return s;
+  };
   for (size_t f = 0; f < layout.files.size(); ++f) {
     const FileImage& image = layout.files[f];
     StampImage(req.slot, layout, f, req.step);
-    RETURN_IF_ERROR(write(image.stem + ".safetensors", {{req.slot + image.slot_offset, image.file_bytes()}}));
+    RETURN_IF_ERROR(write_image(image.stem + ".safetensors", req.slot + image.slot_offset, image.file_bytes()));
     *bytes += image.file_bytes();
     signal.files.push_back(image.stem + ".safetensors");
   }
   if (req.ema_layout != nullptr) {
     const FileImage& image = req.ema_layout->files[0];
-    RETURN_IF_ERROR(write(image.stem + ".safetensors", {{req.ema_base + image.slot_offset, image.file_bytes()}}));
+    RETURN_IF_ERROR(write_image(image.stem + ".safetensors", req.ema_base + image.slot_offset, image.file_bytes()));
     *bytes += image.file_bytes();
     signal.files.push_back(image.stem + ".safetensors");
   }
