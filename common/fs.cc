@@ -89,13 +89,23 @@ bool PathExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
-                        bool* renamed) {
+namespace {
+
+// The durable sequence around `write`: create <name>.tmp.<pid>.<n> with `flags`, let `write` fill
+// it, fdatasync, rename over <name>, fsync(dir); the temporary is removed on failure. `*direct_refused`
+// is set (and nothing else done) when `flags` holds O_DIRECT and the file system refuses it.
+template <typename Write>
+Status DurableWrite(const std::string& dir, const std::string& name, int flags, bool* renamed, bool* direct_refused,
+                    Write write) {
   static std::atomic<uint64_t> counter{0};
   if (renamed != nullptr) *renamed = false;
   std::string final_path = dir + "/" + name;
   std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+  if (fd < 0 && errno == EINVAL && (flags & O_DIRECT) != 0 && direct_refused != nullptr) {
+    *direct_refused = true;
+    return Status::OK();
+  }
   if (fd < 0) return ErrnoStatus("create", tmp_path);
   UniqueFd owned(fd);
   auto fail = [&](Status s) {
@@ -103,17 +113,27 @@ Status WriteFileDurably(const std::string& dir, const std::string& name, const s
     ::unlink(tmp_path.c_str());
     return s;
   };
-  uint64_t offset = 0;
-  for (const auto& span : spans) {
-    Status s = PwriteFull(fd, span.data, span.bytes, offset, tmp_path);
-    if (!s.ok()) return fail(s);
-    offset += span.bytes;
-  }
+  Status written = write(fd, tmp_path);
+  if (!written.ok()) return fail(written);
   if (::fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
   owned.Reset();
   if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp_path));
   if (renamed != nullptr) *renamed = true;
   return FsyncDir(dir);
+}
+
+}  // namespace
+
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
+                        bool* renamed) {
+  return DurableWrite(dir, name, 0, renamed, nullptr, [&](int fd, const std::string& path) {
+    uint64_t offset = 0;
+    for (const auto& span : spans) {
+      RETURN_IF_ERROR(PwriteFull(fd, span.data, span.bytes, offset, path));
+      offset += span.bytes;
+    }
+    return Status::OK();
+  });
 }
 
 Status WriteImageDurably(const std::string& dir, const std::string& name, const char* data, uint64_t bytes,
@@ -122,33 +142,18 @@ Status WriteImageDurably(const std::string& dir, const std::string& name, const 
   if (reinterpret_cast<uintptr_t>(data) % kAlign != 0 || padded % kAlign != 0 || padded < bytes) {
     return Internal("WriteImageDurably needs 4 KiB-aligned memory and a padded size");
   }
-  static std::atomic<uint64_t> counter{0};
-  if (renamed != nullptr) *renamed = false;
-  std::string final_path = dir + "/" + name;
-  std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
-  if (fd < 0 && errno == EINVAL) {  // no O_DIRECT on this file system (tmpfs): buffered it is
+  bool direct_refused = false;
+  Status s = DurableWrite(dir, name, O_DIRECT, renamed, &direct_refused, [&](int fd, const std::string& path) {
+    for (uint64_t offset = 0; offset < padded; offset += kChunk) {
+      RETURN_IF_ERROR(PwriteFull(fd, data + offset, std::min(kChunk, padded - offset), offset, path));
+    }
+    if (padded != bytes && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return ErrnoStatus("ftruncate", path);
+    return Status::OK();
+  });
+  if (direct_refused) {  // no O_DIRECT on this file system (tmpfs): a buffered write
     return WriteFileDurably(dir, name, std::vector<WriteSpan>{{data, bytes}}, renamed);
   }
-  if (fd < 0) return ErrnoStatus("create", tmp_path);
-  UniqueFd owned(fd);
-  auto fail = [&](Status s) {
-    owned.Reset();
-    ::unlink(tmp_path.c_str());
-    return s;
-  };
-  for (uint64_t offset = 0; offset < padded; offset += kChunk) {
-    Status s = PwriteFull(fd, data + offset, std::min(kChunk, padded - offset), offset, tmp_path);
-    if (!s.ok()) return fail(s);
-  }
-  if (padded != bytes && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    return fail(ErrnoStatus("ftruncate", tmp_path));
-  }
-  if (::fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
-  owned.Reset();
-  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp_path));
-  if (renamed != nullptr) *renamed = true;
-  return FsyncDir(dir);
+  return s;
 }
 
 Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed) {

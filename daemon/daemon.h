@@ -152,6 +152,22 @@ class Daemon {
     uint32_t rank = 0;
   };
 
+  // A slot the daemon fills for the trainer to read (restore, EMA copy).
+  struct LoadingSlot {
+    std::shared_ptr<RankSegment> segment;
+    SlotTicket ticket;
+  };
+  // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
+  // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
+  // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the
+  // wait in the timeout error.
+  Result<LoadingSlot> AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step, bool need_ema,
+                                         std::chrono::steady_clock::time_point deadline,
+                                         std::chrono::milliseconds timeout, const char* purpose);
+  // Ends the loading: the slot stays RESTORING for the trainer to release, or is freed when
+  // `failure` is not ok (returned) or the session has ended (kCancelled). Requires mu_.
+  Status FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure);
+
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
   void OnPersisted(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,

@@ -224,29 +224,10 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }
 
-  std::shared_ptr<RankSegment> segment;
-  SlotTicket ticket;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-      // Snapshots already committed must reach the EMA before the restore replaces it, or a stale
-      // one would be applied on top of the restored average.
-      bool settled = rank->segment->ema_pending == 0;
-      std::optional<SlotTicket> t;
-      if (settled) t = rank->segment->slots.Acquire(SlotState::kRestoring, step);
-      if (t) {
-        ticket = *t;
-        segment = rank->segment;
-        segment->slots.SetLoading(ticket.slot, true);
-        segment->Mirror(ticket.slot);
-        break;
-      }
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        return DeadlineExceeded("no slot became free for the restore within " + std::to_string(timeout.count()) + " ms");
-      }
-    }
-  }
+  ASSIGN_OR_RETURN(LoadingSlot loading,
+                   AcquireLoadingSlot(session_id, step, /*need_ema=*/false, deadline, timeout, "the restore"));
+  const std::shared_ptr<RankSegment>& segment = loading.segment;
+  const SlotTicket ticket = loading.ticket;
 
   auto start = std::chrono::steady_clock::now();
   auto filled = FillSlotFromCheckpoint(dir, meta, segment->layout, segment->Slot(ticket.slot));
@@ -268,21 +249,12 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   std::lock_guard<std::mutex> lock(mu_);
-  segment->slots.SetLoading(ticket.slot, false);
   Status failure = !filled.ok() ? filled.status() : extra_status;
-  auto live = sessions_.find(session_id);
-  bool session_alive = live != sessions_.end() && jobs_[job].ranks[rank_id].session_id == session_id;
-  if (!failure.ok() || !session_alive) {
-    (void)segment->slots.Release(ticket, SlotState::kRestoring);
-    segment->Mirror(ticket.slot);
-    cv_.notify_all();
-    if (!failure.ok()) {
-      Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
-                               failure.ToString());
-      return failure;
-    }
-    return Cancelled("the session ended during the restore");
+  if (!failure.ok()) {
+    Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
+                             failure.ToString());
   }
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, failure));
   Logger("restore")->info("restored job={} rank={} step={} bytes={} read={} read_ratio={:.2f} reads={} secs={:.3f}",
                           job, rank_id, step, FormatBytes(filled->bytes_needed), FormatBytes(filled->bytes_read),
                           filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
@@ -296,56 +268,64 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   return out;
 }
 
-Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::shared_ptr<RankSegment> segment;
-  SlotTicket ticket;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-      if (!rank->segment->ema) {
-        return FailedPrecondition("this rank has no EMA: the job registered without ema_decay, or all its "
-                                  "weights are replicas persisted by another rank");
-      }
-      // Wait for the snapshots already committed to reach the EMA: the copy is as of the last commit.
-      bool settled = rank->segment->ema_pending == 0;
-      if (settled) {
-        if (auto t = rank->segment->slots.Acquire(SlotState::kRestoring, rank->last_committed)) {
-        ticket = *t;
-        segment = rank->segment;
-          segment->slots.SetLoading(ticket.slot, true);
-          segment->Mirror(ticket.slot);
-          break;
-        }
-      }
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        return DeadlineExceeded("no slot became free to copy the EMA within " + std::to_string(timeout.count()) +
-                                " ms");
+Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
+                                                       bool need_ema, std::chrono::steady_clock::time_point deadline,
+                                                       std::chrono::milliseconds timeout, const char* purpose) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    if (need_ema && !rank->segment->ema) {
+      return FailedPrecondition("this rank has no EMA: the job registered without ema_decay, or all its "
+                                "weights are replicas persisted by another rank");
+    }
+    if (rank->segment->ema_pending == 0) {
+      if (auto t = rank->segment->slots.Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
+        LoadingSlot slot{rank->segment, *t};
+        slot.segment->slots.SetLoading(t->slot, true);
+        slot.segment->Mirror(t->slot);
+        return slot;
       }
     }
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return DeadlineExceeded(std::string("no slot became free for ") + purpose + " within " +
+                              std::to_string(timeout.count()) + " ms");
+    }
   }
+}
+
+Status Daemon::FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure) {
+  RankSegment& segment = *slot.segment;
+  segment.slots.SetLoading(slot.ticket.slot, false);
+  auto live = sessions_.find(session_id);
+  bool alive = live != sessions_.end() && jobs_[live->second.job].ranks[live->second.rank].session_id == session_id;
+  if (failure.ok() && alive) {
+    segment.Mirror(slot.ticket.slot);
+    return Status::OK();
+  }
+  (void)segment.slots.Release(slot.ticket, SlotState::kRestoring);  // nobody will read it
+  segment.Mirror(slot.ticket.slot);
+  cv_.notify_all();
+  return failure.ok() ? Cancelled("the session ended while its slot was being filled") : failure;
+}
+
+Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  // The copy is as of the last commit: AcquireLoadingSlot waits for committed snapshots to reach the EMA.
+  ASSIGN_OR_RETURN(LoadingSlot loading,
+                   AcquireLoadingSlot(session_id, std::nullopt, /*need_ema=*/true, deadline, timeout, "the EMA copy"));
   EmaCopy out;
-  out.ticket = ticket;
+  out.ticket = loading.ticket;
   {
-    RankEma& ema = *segment->ema;
+    RankEma& ema = *loading.segment->ema;
     std::lock_guard<std::mutex> lock(ema.mu());
     const FileImage& image = ema.plan().layout.files[0];
     const uint64_t data = image.slot_offset + image.header.size();
-    std::memcpy(segment->SlotEmaBase(ticket.slot) + data, ema.base() + data, image.data_bytes);
+    std::memcpy(loading.segment->SlotEmaBase(loading.ticket.slot) + data, ema.base() + data, image.data_bytes);
     out.initialized = ema.header()->initialized.load() != 0;
     out.step = ema.header()->last_step.load();
   }
   std::lock_guard<std::mutex> lock(mu_);
-  segment->slots.SetLoading(ticket.slot, false);
-  auto live = sessions_.find(session_id);
-  if (live == sessions_.end() || jobs_[live->second.job].ranks[live->second.rank].session_id != session_id) {
-    (void)segment->slots.Release(ticket, SlotState::kRestoring);  // nobody is left to release it
-    segment->Mirror(ticket.slot);
-    cv_.notify_all();
-    return Cancelled("the session ended while the EMA was being copied");
-  }
-  segment->Mirror(ticket.slot);
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
   return out;
 }
 
