@@ -15,6 +15,7 @@
 #include "common/fs.h"
 #include "common/metadata.h"
 #include "daemon/server.h"
+#include "in_process_daemon.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
 #include "testing.h"
@@ -26,69 +27,27 @@ using namespace std::chrono_literals;
 
 class DaemonTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/flashckpt-daemon-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    StartDaemon(64ull << 20);
-  }
-  void TearDown() override {
-    StopDaemon();
-    std::filesystem::remove_all(dir_);
-  }
+  void SetUp() override { StartDaemon(64ull << 20); }
 
   void StartDaemon(uint64_t budget, std::vector<uint32_t> allow_uids = {}) {
-    DaemonConfig c;
-    c.allow_uids = std::move(allow_uids);
-    c.socket_path = dir_ + "/run/flashckptd.sock";
-    c.root = dir_ + "/root";
-    c.max_host_memory = budget;
-    c.slots = 2;
-    daemon_ = std::make_unique<Daemon>(c);
-    ASSERT_OK(daemon_->Start());
-    server_ = std::make_unique<Server>(daemon_.get());
-    ASSERT_OK(server_->Start());
+    ASSERT_OK(d_.Start([&](DaemonConfig& c) {
+      c.max_host_memory = budget;
+      c.allow_uids = allow_uids;
+    }));
   }
-  void StopDaemon() {
-    if (daemon_) daemon_->Stop();
-    if (server_) server_->Shutdown(1s);
-    server_.reset();
-    daemon_.reset();
-  }
+  void StopDaemon() { d_.Stop(); }
 
-  std::string socket() const { return dir_ + "/run/flashckptd.sock"; }
-  std::string root() const { return dir_ + "/root"; }
-
-  std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank) {
-    ClientOptions o;
-    o.socket_path = socket();
-    o.job = job;
-    o.rank = rank;
-    o.rpc_timeout = 5s;
-    o.slot_timeout = 2s;
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    return c.ok() ? std::move(c).value() : nullptr;
-  }
+  std::string socket() const { return d_.socket(); }
+  std::string root() const { return d_.root(); }
+  std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank) { return d_.Connect(job, rank); }
 
   std::unique_ptr<v1::Checkpoint::Stub> Stub() {
     return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + socket(), grpc::InsecureChannelCredentials()));
   }
 
-  // Two F32 tensors: a model weight and an optimizer state.
-  static std::vector<TensorSpec> Specs(uint64_t n) {
-    TensorSpec w;
-    w.name = "w";
-    w.shape = {n};
-    TensorSpec m = w;
-    m.name = "w.exp_avg";
-    m.kind = TensorKind::kOptimizer;
-    return {w, m};
-  }
+  static std::vector<TensorSpec> Specs(uint64_t n) { return ModelAndMomentSpecs(n); }
 
-  std::string dir_;
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Server> server_;
+  InProcessDaemon d_{"flashckpt-daemon-test"};
 };
 
 TEST_F(DaemonTest, SaveWaitAndRestoreRoundTrip) {
@@ -181,7 +140,7 @@ TEST_F(DaemonTest, BadJobNamesAreRefusedAndTheDaemonKeepsServing) {
     auto c = Client::Connect(o);
     EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << "job '" << bad << "': " << c.status().ToString();
   }
-  EXPECT_FALSE(PathExists(dir_ + "/etc"));
+  EXPECT_FALSE(PathExists(d_.dir() + "/etc"));
   auto ok = Connect("good", 0);
   ASSERT_TRUE(ok);
   ASSERT_OK(ok->Register(Topology{}, Specs(10)));
@@ -346,7 +305,7 @@ TEST_F(DaemonTest, AClosedSessionGivesItsFillingSlotsBack) {
   }  // the stream ends as if the trainer died
   bool freed = false;
   for (int i = 0; i < 100 && !freed; ++i) {
-    auto st = daemon_->GetStatus();
+    auto st = d_.daemon()->GetStatus();
     freed = st.jobs_size() == 1 && st.jobs(0).ranks(0).slots_size() == 2 && !st.jobs(0).ranks(0).connected() &&
             st.jobs(0).ranks(0).slots(0).state() == "free" && st.jobs(0).ranks(0).slots(1).state() == "free";
     if (!freed) std::this_thread::sleep_for(20ms);
@@ -426,14 +385,14 @@ int ProbeAs(uid_t uid, const std::string& path) {
 TEST_F(DaemonTest, PeersOfOtherUsersAreRefusedUnlessAllowed) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
   auto open_up = [&] {  // let uid 65534 reach the socket, so only the credential check stands
-    ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);
-    ASSERT_EQ(::chmod((dir_ + "/run").c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(d_.dir().c_str(), 0755), 0);
+    ASSERT_EQ(::chmod((d_.dir() + "/run").c_str(), 0755), 0);
     ASSERT_EQ(::chmod(socket().c_str(), 0666), 0);
   };
   open_up();
   EXPECT_EQ(ProbeAs(0, socket()), 0) << "root must be accepted";
   EXPECT_EQ(ProbeAs(65534, socket()), 1) << "uid 65534 must be refused";
-  EXPECT_EQ(server_->refused_peers(), 1u);
+  EXPECT_EQ(d_.server()->refused_peers(), 1u);
   // The daemon keeps serving the allowed peers.
   auto c = Connect("after-refusal", 0);
   ASSERT_TRUE(c);
@@ -443,14 +402,14 @@ TEST_F(DaemonTest, PeersOfOtherUsersAreRefusedUnlessAllowed) {
   StartDaemon(64ull << 20, {65534});
   open_up();
   EXPECT_EQ(ProbeAs(65534, socket()), 0) << "--allow-uid 65534 must be accepted";
-  EXPECT_EQ(server_->refused_peers(), 0u);
+  EXPECT_EQ(d_.server()->refused_peers(), 0u);
 }
 
 TEST_F(DaemonTest, SocketIsNotReachableByOthersThroughItsMode) {
   struct stat st {};
   ASSERT_EQ(::stat(socket().c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0660u);
-  ASSERT_EQ(::stat((dir_ + "/run").c_str(), &st), 0);
+  ASSERT_EQ(::stat((d_.dir() + "/run").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0750u);
 }
 

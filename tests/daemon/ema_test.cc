@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "daemon/server.h"
+#include "in_process_daemon.h"
 #include "flashckpt/client.h"
 #include "testing.h"
 
@@ -137,46 +138,21 @@ TEST(PlanEma, BadOptionsAndNoFloatTensorsAreClearErrors) {
 class EmaDaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/flashckpt-ema-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    job_ = "ematest-" + std::filesystem::path(dir_).filename().string().substr(std::string("flashckpt-ema-test-").size());
+    job_ = "ematest-" + std::filesystem::path(d_.dir()).filename().string();
     Start();
   }
   void TearDown() override {
     Stop();
-    SharedSegment::Unlink("flashckpt." + job_ + ".0.ema");
-    std::filesystem::remove_all(dir_);
+    SharedSegment::Unlink("flashckpt." + job_ + ".0.ema");  // the daemon leaves EMA segments for its successor
   }
   void Start() {
-    DaemonConfig c;
-    c.socket_path = dir_ + "/flashckptd.sock";
-    c.root = dir_ + "/root";
-    c.max_host_memory = 256ull << 20;
-    daemon_ = std::make_unique<Daemon>(c);
-    ASSERT_OK(daemon_->Start());
-    server_ = std::make_unique<Server>(daemon_.get());
-    ASSERT_OK(server_->Start());
+    ASSERT_OK(d_.Start([](DaemonConfig& c) { c.max_host_memory = 256ull << 20; }));
   }
-  void Stop() {
-    if (daemon_) daemon_->Stop();
-    if (server_) server_->Shutdown(1s);
-    server_.reset();
-    daemon_.reset();
-  }
-  std::unique_ptr<Client> Connect() {
-    ClientOptions o;
-    o.socket_path = dir_ + "/flashckptd.sock";
-    o.job = job_;
-    o.rpc_timeout = 5s;
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    return c.ok() ? std::move(c).value() : nullptr;
-  }
+  void Stop() { d_.Stop(); }
+  std::unique_ptr<Client> Connect() { return d_.Connect(job_); }
 
-  std::string dir_, job_;
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Server> server_;
+  InProcessDaemon d_{"flashckpt-ema-test"};
+  std::string job_;
 };
 
 TEST_F(EmaDaemonTest, BadEmaOptionsAreRefusedAtRegistration) {
@@ -233,7 +209,7 @@ TEST_F(EmaDaemonTest, EmaOnlySnapshotsUpdateAndARestartedDaemonAdoptsTheEma) {
     EXPECT_TRUE(r->initialized);
     EXPECT_EQ(r->step, 4);
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], want[i]) << i;
-    auto st = daemon_->GetStatus();
+    auto st = d_.daemon()->GetStatus();
     EXPECT_EQ(st.jobs(0).ranks(0).ema_updates_applied(), 3u);
     EXPECT_EQ(st.jobs(0).ranks(0).ema_updates_skipped(), 1u);
   }
@@ -252,7 +228,7 @@ TEST_F(EmaDaemonTest, EmaOnlySnapshotsUpdateAndARestartedDaemonAdoptsTheEma) {
   EXPECT_EQ(r->step, 5);
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], want[i]) << i;
   // The persisted checkpoint carries the same EMA.
-  EXPECT_TRUE(std::filesystem::exists(dir_ + "/root/" + job_ + "/checkpoint-5/ema.tp00_pp00_shard00.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(d_.dir() + "/root/" + job_ + "/checkpoint-5/ema.tp00_pp00_shard00.safetensors"));
 }
 
 TEST_F(EmaDaemonTest, AnEmaOnlySnapshotCopiesOnlyWhatTheEmaReads) {
@@ -306,7 +282,7 @@ TEST_F(EmaDaemonTest, ANewRunOfTheJobStartsAFreshEmaInsteadOfAdoptingAStaleOne) 
   ASSERT_OK(r.status());
   EXPECT_EQ(r->step, 1);
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], 7.f) << "the first update of the new run copies the weights";
-  EXPECT_EQ(daemon_->GetStatus().jobs(0).ranks(0).ema_updates_applied(), 1u);
+  EXPECT_EQ(d_.daemon()->GetStatus().jobs(0).ranks(0).ema_updates_applied(), 1u);
 }
 
 }  // namespace

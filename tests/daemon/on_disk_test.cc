@@ -12,6 +12,7 @@
 #include "common/verify.h"
 #include "daemon/catalog.h"
 #include "daemon/server.h"
+#include "in_process_daemon.h"
 #include "flashckpt/client.h"
 #include "testing.h"
 
@@ -22,16 +23,10 @@ using namespace std::chrono_literals;
 
 class OnDiskTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/flashckpt-on-disk-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    ASSERT_OK(MakeDirs(root()));
-  }
+  void SetUp() override { ASSERT_OK(MakeDirs(root())); }
   void TearDown() override {
     StopDaemon();
     if (mounted_ && ::umount(root().c_str()) != 0) ADD_FAILURE() << "umount " << root() << ": " << strerror(errno);
-    std::filesystem::remove_all(dir_);
   }
 
   // Mounts a tmpfs of `bytes` on the root; false (and the test should skip) where that is not allowed.
@@ -42,51 +37,16 @@ class OnDiskTest : public ::testing::Test {
   }
 
   void StartDaemon(uint32_t keep) {
-    DaemonConfig c;
-    c.socket_path = dir_ + "/run/flashckptd.sock";
-    c.root = root();
-    c.max_host_memory = 64ull << 20;
-    c.slots = 2;
-    c.keep = keep;
-    daemon_ = std::make_unique<Daemon>(c);
-    ASSERT_OK(daemon_->Start());
-    server_ = std::make_unique<Server>(daemon_.get());
-    ASSERT_OK(server_->Start());
+    ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.keep = keep; }));
   }
-  void StopDaemon() {
-    if (daemon_) daemon_->Stop();
-    if (server_) server_->Shutdown(1s);
-    server_.reset();
-    daemon_.reset();
-  }
+  void StopDaemon() { d_.Stop(); }
 
-  std::string root() const { return dir_ + "/root"; }
+  std::string root() const { return d_.root(); }
   std::string JobDir(const std::string& job) const { return root() + "/" + job; }
   std::string StepDir(const std::string& job, int64_t step) const {
     return JobDir(job) + "/checkpoint-" + std::to_string(step);
   }
-
-  std::unique_ptr<Client> Connect(const std::string& job) {
-    ClientOptions o;
-    o.socket_path = dir_ + "/run/flashckptd.sock";
-    o.job = job;
-    o.rpc_timeout = 5s;
-    o.slot_timeout = 2s;
-    auto c = Client::Connect(o);
-    EXPECT_TRUE(c.ok()) << c.status().ToString();
-    return c.ok() ? std::move(c).value() : nullptr;
-  }
-
-  // A model weight and an optimizer state of `n` F32 elements each.
-  static std::vector<TensorSpec> Specs(uint64_t n) {
-    TensorSpec w;
-    w.name = "w";
-    w.shape = {n};
-    TensorSpec m = w;
-    m.name = "w.exp_avg";
-    m.kind = TensorKind::kOptimizer;
-    return {w, m};
-  }
+  std::unique_ptr<Client> Connect(const std::string& job) { return d_.Connect(job); }
 
   // A session of job `job` with n-element tensors, registered, whose snapshots carry the step.
   struct Trainer {
@@ -105,7 +65,7 @@ class OnDiskTest : public ::testing::Test {
     Trainer t;
     t.client = Connect(job);
     if (!t.client) return t;
-    EXPECT_OK(t.client->Register(Topology{}, Specs(n)));
+    EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(n)));
     t.w.resize(n);
     t.m.resize(n);
     t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
@@ -120,10 +80,8 @@ class OnDiskTest : public ::testing::Test {
     return *names;
   }
 
-  std::string dir_;
+  InProcessDaemon d_{"flashckpt-on-disk-test"};  // declared first of the members that need it
   bool mounted_ = false;
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Server> server_;
 };
 
 using Names = std::vector<std::string>;
@@ -145,7 +103,7 @@ TEST_F(OnDiskTest, KeepDeletesAllButTheNewestCompleteCheckpoints) {
   ASSERT_OK(latest.status());
   EXPECT_EQ(*latest, "5\n");
   for (int64_t step : {4, 5}) EXPECT_OK(VerifyCheckpointDir(StepDir("kept", step), nullptr));
-  auto listed = daemon_->List("kept");
+  auto listed = d_.daemon()->List("kept");
   ASSERT_OK(listed.status());
   ASSERT_EQ(listed->size(), 2u);
   EXPECT_EQ((*listed)[0].step, 4);
@@ -213,13 +171,13 @@ TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
   auto left = ListDir(StepDir("full", 3));
   ASSERT_OK(left.status());
   EXPECT_TRUE(left->empty()) << "left in checkpoint-3: " << ::testing::PrintToString(*left);
-  EXPECT_FALSE(daemon_->List("full").value().back().complete);
+  EXPECT_FALSE(d_.daemon()->List("full").value().back().complete);
   // The earlier checkpoints are whole, and LATEST still names the newest of them.
   for (int64_t step : {1, 2}) EXPECT_OK(VerifyCheckpointDir(StepDir("full", step), nullptr));
   EXPECT_EQ(ReadSmallFile(JobDir("full") + "/LATEST", 100).value(), "2\n");
 
   // Operators see it; the slot is free again.
-  auto status = daemon_->GetStatus();
+  auto status = d_.daemon()->GetStatus();
   ASSERT_EQ(status.jobs_size(), 1);
   const auto& rank = status.jobs(0).ranks(0);
   EXPECT_EQ(rank.failures(), 1u);
@@ -232,7 +190,7 @@ TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
   ASSERT_OK(t.Save(4));
   EXPECT_OK(VerifyCheckpointDir(StepDir("full", 4), nullptr));
   EXPECT_EQ(ReadSmallFile(JobDir("full") + "/LATEST", 100).value(), "4\n");
-  EXPECT_EQ(daemon_->GetStatus().jobs(0).ranks(0).failures(), 1u);
+  EXPECT_EQ(d_.daemon()->GetStatus().jobs(0).ranks(0).failures(), 1u);
 }
 
 TEST_F(OnDiskTest, WithKeepOneSavesGoOnForeverOnASmallDisk) {

@@ -112,6 +112,17 @@ def stop_daemon(proc):
         return None
 
 
+def kill_processes(procs):
+    """SIGKILL every process still running and reap it (10 s each at most)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
 class DaemonHarness:
     """A temporary socket and root in tmp, the binaries in bin_dir, and one flashckptd at a time.
 
@@ -140,3 +151,10 @@ class DaemonHarness:
     def stop_daemon(self):
         """SIGTERM, then the exit status (None if it had to be SIGKILLed)."""
         return stop_daemon(self.daemon)
+
+    def cli(self, *args, timeout=60):
+        """Runs the flashckpt CLI: (exit code, stdout, stderr)."""
+        cmd = [self.binary("flashckpt")] + list(args)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")

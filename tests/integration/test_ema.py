@@ -44,7 +44,7 @@ import numpy as np
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
-from harness import START, DaemonHarness, TestFailure, check, log, tail, wait_for  # noqa: E402
+from harness import START, DaemonHarness, TestFailure, check, kill_processes, log, tail, wait_for  # noqa: E402
 
 LAYERS, HIDDEN = 2, 64
 SAVE_EVERY = 10
@@ -213,19 +213,7 @@ class Harness(DaemonHarness):
         return results
 
     def kill_all(self):
-        for p in self.sims:
-            if p.poll() is None:
-                p.kill()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-
-    def cli(self, *args, timeout=60):
-        cmd = [self.binary("flashckpt")] + list(args)
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-        return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+        kill_processes(self.sims)
 
     # --- the checkpoint tree --------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import time
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
-from harness import DaemonHarness, TestFailure, check, log, tail, wait_for  # noqa: E402
+from harness import DaemonHarness, TestFailure, check, kill_processes, log, tail, wait_for  # noqa: E402
 
 WORLD, TP, SHARD = 4, 2, 2
 LAYERS, HIDDEN = 4, 128
@@ -98,21 +98,10 @@ class Harness(DaemonHarness):
         return results
 
     def kill_all(self):
-        for p in self.sims.values():
-            if p.poll() is None:
-                p.kill()
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
+        kill_processes(self.sims.values())
 
     # --- the operator CLI -----------------------------------------------------------------------
 
-    def cli(self, *args, timeout=60):
-        cmd = [self.binary("flashckpt")] + list(args)
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-        return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
 
     def cli_json(self, *args):
         rc, out, err = self.cli("--socket", self.sock, *args, "--json")
