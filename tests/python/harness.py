@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import unittest
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 
@@ -98,3 +99,15 @@ class Daemon:
     def __exit__(self, *exc):
         self.cleanup()
         return False
+
+
+class DaemonTestCase(unittest.TestCase):
+    """A test class sharing one real flashckptd (self.daemon) across its tests."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon().__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.cleanup()

@@ -26,15 +26,7 @@ import torch  # noqa: E402
 import flashckpt  # noqa: E402
 
 
-class ClientTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = harness.Daemon().__enter__()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.cleanup()
-
+class ClientTest(harness.DaemonTestCase):
     def client(self, name, **kwargs):
         return flashckpt.Client(self.daemon.socket, self.daemon.job(name), **kwargs)
 

@@ -160,16 +160,8 @@ class FlattenTest(unittest.TestCase):
         self.assertIn("not in the checkpoint", why)
 
 
-class DaemonRoundTripTest(unittest.TestCase):
+class DaemonRoundTripTest(harness.DaemonTestCase):
     """Save through flashckptd, resume into a fresh model and optimizer: the same state dicts."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = harness.Daemon().__enter__()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.cleanup()
 
     def check(self, opt):
         job = self.daemon.job(opt)

@@ -45,15 +45,7 @@ def step_once(model, optimizer, g):
     return loss.item()
 
 
-class CheckpointerTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = harness.Daemon().__enter__()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.cleanup()
-
+class CheckpointerTest(harness.DaemonTestCase):
     def checkpointer(self, model, optimizer, job, **kwargs):
         return Checkpointer(model, optimizer, socket=self.daemon.socket, job=job, **kwargs)
 
