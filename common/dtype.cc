@@ -1,6 +1,7 @@
 #include "common/dtype.h"
 
 #include <array>
+#include <cstring>
 
 namespace flashckpt {
 namespace {
@@ -29,6 +30,31 @@ constexpr std::array<DTypeInfo, 10> kDTypes = {{
 std::string_view DTypeName(DType dtype) { return kDTypes[static_cast<size_t>(dtype)].name; }
 
 size_t DTypeSize(DType dtype) { return kDTypes[static_cast<size_t>(dtype)].size; }
+
+bool CanNarrowF32(DType to) { return to == DType::kBF16 || to == DType::kF16; }
+
+void NarrowF32(const float* in, uint64_t n, DType to, void* out) {
+  auto* o = static_cast<uint16_t*>(out);
+  if (to == DType::kF16) {
+    for (uint64_t i = 0; i < n; ++i) {
+      const _Float16 h = static_cast<_Float16>(in[i]);  // IEEE conversion: round to nearest even
+      std::memcpy(&o[i], &h, sizeof h);
+    }
+    return;
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &in[i], sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+      o[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN: keep it a (quiet) NaN
+    } else {
+      // bf16 is the top half of an fp32: add half an ulp of the top half (less one when its last
+      // bit is even) and truncate. Overflow rounds to the infinity bit pattern.
+      bits += 0x7fffu + ((bits >> 16) & 1u);
+      o[i] = static_cast<uint16_t>(bits >> 16);
+    }
+  }
+}
 
 std::optional<DType> ParseDType(std::string_view name) {
   for (const auto& info : kDTypes) {

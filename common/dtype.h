@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string_view>
 
@@ -14,6 +15,12 @@ std::string_view DTypeName(DType dtype);
 // nullopt for a name safetensors does not define or flashckpt does not support.
 std::optional<DType> ParseDType(std::string_view name);
 size_t DTypeSize(DType dtype);
+
+// Whether fp32 values can be narrowed to `to` by NarrowF32: bf16 and fp16.
+bool CanNarrowF32(DType to);
+// Rounds n fp32 values to `to` (bf16 or fp16): round to nearest, ties to even; NaN stays NaN,
+// values beyond the target's range become infinities. `out` holds n 2-byte elements.
+void NarrowF32(const float* in, uint64_t n, DType to, void* out);
 
 std::string_view TensorKindName(TensorKind kind);  // "model", "optimizer", "master_weight"
 std::optional<TensorKind> ParseTensorKind(std::string_view name);

@@ -1,5 +1,6 @@
 #include "common/image.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
@@ -20,11 +21,31 @@ void StampStep(char* slot, const RankLayout& layout, size_t file, int64_t step) 
   std::memcpy(slot + image.slot_offset + image.step_field, digits, kStepFieldWidth);
 }
 
+namespace {
+
+void WriteHex(char* field, uint64_t checksum) {
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(checksum));
+  std::memcpy(field, hex, kChecksumFieldWidth);
+}
+
+}  // namespace
+
 void StampChecksum(char* slot, const RankLayout& layout, size_t tensor) {
   const Placement& p = layout.placements[tensor];
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(Xxh3(slot + p.slot_offset, p.bytes)));
-  std::memcpy(slot + p.checksum_field, hex, kChecksumFieldWidth);
+  const char* data = slot + p.slot_offset;
+  if (p.chunks_field == 0) {
+    WriteHex(slot + p.checksum_field, Xxh3(data, p.bytes));
+    return;
+  }
+  // Each chunk is hashed on its own and then fed to the whole-tensor hash while still in cache.
+  Xxh3Stream whole;
+  for (uint64_t k = 0, pos = 0; pos < p.bytes; ++k, pos += p.checksum_chunk) {
+    const uint64_t n = std::min(p.checksum_chunk, p.bytes - pos);
+    WriteHex(slot + p.chunks_field + k * kChecksumFieldWidth, Xxh3(data + pos, n));
+    whole.Update(data + pos, n);
+  }
+  WriteHex(slot + p.checksum_field, whole.Digest());
 }
 
 void StampImage(char* slot, const RankLayout& layout, size_t file, int64_t step) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "common/names.h"
 
@@ -40,14 +41,22 @@ int RankLayout::Find(const std::string& name) const {
   return -1;
 }
 
+Status ValidateChecksumChunk(uint64_t bytes) {
+  if (bytes < kMinChecksumChunk || bytes > kMaxChecksumChunk || (bytes & (bytes - 1)) != 0) {
+    return InvalidArgument("checksum chunk of " + std::to_string(bytes) + " bytes: it must be a power of two from " +
+                           std::to_string(kMinChecksumChunk) + " to " + std::to_string(kMaxChecksumChunk));
+  }
+  return Status::OK();
+}
+
 Status ValidateTopology(const Topology& t, uint32_t rank) {
   if (t.tp_degree == 0 || t.pp_degree == 0 || t.shard_degree == 0 || t.world_size == 0) {
     return InvalidArgument("topology degrees and world_size must be at least 1");
   }
   uint64_t product = uint64_t{t.tp_degree} * t.pp_degree * t.shard_degree;
   if (product != t.world_size) {
-    return InvalidArgument("world_size " + std::to_string(t.world_size) + " != tp_degree*pp_degree*shard_degree = " +
-                           std::to_string(product));
+    return InvalidArgument("world_size " + std::to_string(t.world_size) +
+                           " != tp_degree*pp_degree*shard_degree = " + std::to_string(product));
   }
   if (t.tp_rank >= t.tp_degree || t.pp_rank >= t.pp_degree || t.shard_rank >= t.shard_degree) {
     return InvalidArgument("tp/pp/shard rank must be below its degree");
@@ -107,11 +116,13 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
   RETURN_IF_ERROR(ValidateTopology(topology, rank));
   if (specs.empty()) return InvalidArgument("a rank must register at least one tensor");
   if (specs.size() > kMaxTensorsPerRank) return InvalidArgument("too many tensors for one rank");
+  RETURN_IF_ERROR(ValidateChecksumChunk(extras.checksum_chunk));
 
   RankLayout layout;
   layout.job = job;
   layout.rank = rank;
   layout.topology = topology;
+  layout.checksum_chunk = extras.checksum_chunk;
   std::map<std::string, size_t> seen;
   for (const auto& spec : specs) {
     ASSIGN_OR_RETURN(TensorSpec s, NormalizeTensorSpec(spec));
@@ -155,10 +166,13 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
     builder.AddMetadata("shard_rank", std::to_string(topology.shard_rank));
     builder.AddMetadata("shard_degree", std::to_string(topology.shard_degree));
     size_t step_field = builder.AddFixedWidthMetadata("step", kStepFieldWidth);
+    builder.AddMetadata("checksum_chunk", std::to_string(extras.checksum_chunk));
     for (const auto& [key, value] : extras.metadata) builder.AddMetadata(key, value);
     std::vector<size_t> extra_fields;
-    for (const auto& [key, width] : extras.fixed_fields) extra_fields.push_back(builder.AddFixedWidthMetadata(key, width));
+    for (const auto& [key, width] : extras.fixed_fields)
+      extra_fields.push_back(builder.AddFixedWidthMetadata(key, width));
     std::vector<size_t> checksum_fields;
+    std::vector<std::optional<size_t>> chunk_fields;
     uint64_t data = 0;
     for (size_t i : members) {
       const auto& t = layout.tensors[i];
@@ -169,10 +183,13 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
       builder.AddMetadata(TensorMetaKey(t.name, "box_offset"), ShapeJson(t.box_offset));
       builder.AddMetadata(TensorMetaKey(t.name, "box_shape"), ShapeJson(t.box_shape));
       if (t.flat_range) {
-        builder.AddMetadata(TensorMetaKey(t.name, "flat_range"),
-                            ShapeJson({t.flat_range->begin, t.flat_range->end}));
+        builder.AddMetadata(TensorMetaKey(t.name, "flat_range"), ShapeJson({t.flat_range->begin, t.flat_range->end}));
       }
       checksum_fields.push_back(builder.AddFixedWidthMetadata(TensorMetaKey(t.name, "xxh3"), kChecksumFieldWidth));
+      const uint64_t chunks = ChunkCount(bytes, extras.checksum_chunk);
+      chunk_fields.push_back(chunks > 1 ? std::optional(builder.AddFixedWidthMetadata(
+                                              TensorMetaKey(t.name, "xxh3_chunks"), chunks * kChecksumFieldWidth))
+                                        : std::nullopt);
       layout.placements[i].bytes = bytes;
       layout.placements[i].slot_offset = data;  // relative to the data start for now
       if (__builtin_add_overflow(data, bytes, &data)) return InvalidArgument("rank state overflows 64 bits");
@@ -189,6 +206,10 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
       p.file = file_index;
       p.slot_offset += offset + image.header.size();
       p.checksum_field = offset + built.field_offsets[checksum_fields[k]];
+      if (chunk_fields[k]) {
+        p.chunks_field = offset + built.field_offsets[*chunk_fields[k]];
+        p.checksum_chunk = extras.checksum_chunk;
+      }
     }
     offset = AlignUp(offset + image.file_bytes());
     layout.files.push_back(std::move(image));

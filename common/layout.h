@@ -26,6 +26,15 @@ inline constexpr size_t kMaxTensorsPerRank = 1 << 20;
 inline constexpr size_t kStepFieldWidth = 20;
 inline constexpr size_t kChecksumFieldWidth = 16;
 
+// A tensor larger than one checksum chunk also records the xxh3 of each chunk (counted from its
+// first byte; the last one may be shorter), so a reader that needs part of it verifies what it
+// read without reading the rest. The chunk size is a power of two; files record theirs.
+inline constexpr uint64_t kDefaultChecksumChunk = 1u << 20;
+inline constexpr uint64_t kMinChecksumChunk = 4096;
+inline constexpr uint64_t kMaxChecksumChunk = 1u << 30;
+Status ValidateChecksumChunk(uint64_t bytes);
+inline uint64_t ChunkCount(uint64_t bytes, uint64_t chunk) { return bytes == 0 ? 0 : (bytes - 1) / chunk + 1; }
+
 // Fills defaults (box_shape = shape, global_shape = box_shape, box_offset = 0) and checks a spec:
 // ranks agree, the box lies inside the global tensor, the local element count matches the box or
 // the flat range, and byte sizes do not overflow. Messages name the tensor.
@@ -51,6 +60,8 @@ struct Placement {
   uint64_t slot_offset = 0;    // where the tensor's bytes start in the slot
   uint64_t bytes = 0;
   uint64_t checksum_field = 0;  // offset of its checksum digits within the slot (file tensors)
+  uint64_t chunks_field = 0;    // offset of its per-chunk checksum digits; 0 if it is one chunk
+  uint64_t checksum_chunk = 0;  // chunk size of those checksums
 };
 
 struct RankLayout {
@@ -62,6 +73,7 @@ struct RankLayout {
   std::vector<FileImage> files;
   uint64_t replica_offset = 0;
   uint64_t slot_bytes = 0;             // including the slot header page; multiple of 4 KiB
+  uint64_t checksum_chunk = kDefaultChecksumChunk;  // of the per-chunk checksums in its headers
 
   // Index of the tensor called `name`, or -1.
   int Find(const std::string& name) const;
@@ -72,6 +84,7 @@ struct RankLayout {
 struct LayoutExtras {
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::pair<std::string, size_t>> fixed_fields;
+  uint64_t checksum_chunk = kDefaultChecksumChunk;  // see kDefaultChecksumChunk
 };
 
 // Builds the layout; fails with a message naming the offending tensor on bad specs or duplicates.

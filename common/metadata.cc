@@ -1,8 +1,9 @@
 #include "common/metadata.h"
 
 #include <algorithm>
-#include <cstdlib>
+#include <charconv>
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <nlohmann/json.hpp>
 
@@ -71,6 +72,27 @@ Result<uint32_t> U32Meta(const std::map<std::string, std::string>& meta, const s
   return static_cast<uint32_t>(std::stoul(s));
 }
 
+// Fills p->chunk_bytes and p->chunk_xxh3 from `hex`, 16 hex digits per chunk of a piece whose
+// byte range is already set.
+Status ParseChunkChecksums(std::string_view hex, uint64_t chunk, Piece* p) {
+  if (Status valid = ValidateChecksumChunk(chunk); !valid.ok()) {
+    return Corruption("tensor '" + p->key + "': " + valid.message());
+  }
+  const uint64_t count = ChunkCount(p->end - p->begin, chunk);
+  if (count < 2 || hex.size() / kChecksumFieldWidth != count || hex.size() % kChecksumFieldWidth != 0) {
+    return Corruption("tensor '" + p->key + "': " + std::to_string(hex.size()) + " chunk checksum digits for " +
+                      std::to_string(count) + " chunks of " + std::to_string(chunk) + " bytes");
+  }
+  p->chunk_bytes = chunk;
+  p->chunk_xxh3.resize(count);
+  for (uint64_t k = 0; k < count; ++k) {
+    auto parsed = ParseChecksumHex(hex.substr(k * kChecksumFieldWidth, kChecksumFieldWidth));
+    if (!parsed) return Corruption("tensor '" + p->key + "': chunk checksum " + std::to_string(k) + " is not hex");
+    p->chunk_xxh3[k] = *parsed;
+  }
+  return Status::OK();
+}
+
 Status CheckPieceGeometry(const Piece& p) {
   if (p.global_shape.size() != p.box_offset.size() || p.global_shape.size() != p.box_shape.size()) {
     return Corruption("tensor '" + p.key + "': global shape, box offset and box shape differ in rank");
@@ -102,7 +124,12 @@ Result<uint64_t> CounterMeta(const std::map<std::string, std::string>& meta, con
   if (s.empty() || s.size() > 20 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) {
     return Corruption("metadata key '" + key + "' is not a decimal counter");
   }
-  return std::stoull(s);
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size()) {
+    return Corruption("metadata key '" + key + "' does not fit 64 bits");
+  }
+  return v;
 }
 
 Result<EmaRecord> EmaRecordFromHeader(const std::map<std::string, std::string>& m, const std::string& path) {
@@ -114,7 +141,8 @@ Result<EmaRecord> EmaRecordFromHeader(const std::map<std::string, std::string>& 
   auto interval = U32Meta(m, "ema_interval");
   if (!interval.ok()) return fail(interval.status());
   r.interval = *interval;
-  if (!m.count("ema_init") || !m.count("ema_model_params")) return Corruption(path + ": ema_init or ema_model_params missing");
+  if (!m.count("ema_init") || !m.count("ema_model_params"))
+    return Corruption(path + ": ema_init or ema_model_params missing");
   r.init = m.at("ema_init");
   r.model_params = m.at("ema_model_params");
   if (m.count("ema_loss_threshold")) {
@@ -169,6 +197,11 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
     auto parsed = ParseChecksumHex(ck->second);
     if (!parsed) return fail("xxh3 checksum '" + ck->second + "' is not 16 hex digits");
     p.xxh3 = *parsed;
+    if (auto chunks = header.metadata.find(TensorMetaKey(e.name, "xxh3_chunks")); chunks != header.metadata.end()) {
+      auto chunk = CounterMeta(header.metadata, "checksum_chunk");
+      if (!chunk.ok()) return fail(chunk.status().message());
+      RETURN_IF_ERROR(ParseChunkChecksums(chunks->second, *chunk, &p).WithContext(file_name));
+    }
     Status geometry = CheckPieceGeometry(p);
     if (!geometry.ok()) return geometry.WithContext(file_name);
     if (p.flat_range) {
@@ -258,8 +291,12 @@ std::string MetadataToJson(const CheckpointMetadata& meta) {
                    {"shard_degree", meta.topology.shard_degree}};
   json files = json::array();
   for (const auto& f : meta.files) {
-    files.push_back({{"name", f.name}, {"rank", f.rank}, {"tp_rank", f.tp_rank}, {"pp_rank", f.pp_rank},
-                     {"shard_rank", f.shard_rank}, {"bytes", f.bytes}});
+    files.push_back({{"name", f.name},
+                     {"rank", f.rank},
+                     {"tp_rank", f.tp_rank},
+                     {"pp_rank", f.pp_rank},
+                     {"shard_rank", f.shard_rank},
+                     {"bytes", f.bytes}});
   }
   j["files"] = std::move(files);
   json tensors = json::object();
@@ -274,6 +311,13 @@ std::string MetadataToJson(const CheckpointMetadata& meta) {
                   {"offsets", {p.begin, p.end}},
                   {"xxh3", ChecksumHex(p.xxh3)}};
     if (p.flat_range) piece["flat_range"] = {p.flat_range->begin, p.flat_range->end};
+    if (!p.chunk_xxh3.empty()) {
+      std::string hex;
+      hex.reserve(p.chunk_xxh3.size() * kChecksumFieldWidth);
+      for (uint64_t c : p.chunk_xxh3) hex += ChecksumHex(c);
+      piece["chunk_bytes"] = p.chunk_bytes;
+      piece["xxh3_chunks"] = std::move(hex);
+    }
     tensors[p.key].push_back(std::move(piece));
   }
   j["tensors"] = std::move(tensors);
@@ -344,7 +388,8 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
       Piece p;
       p.key = it.key();
       ASSIGN_OR_RETURN(p.file, StringField(pj, "file", pw));
-      bool known = std::any_of(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == p.file; });
+      bool known =
+          std::any_of(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == p.file; });
       if (!known) return Corruption(pw + ": piece names file '" + p.file + "' that is not in the files list");
       ASSIGN_OR_RETURN(std::string kind, StringField(pj, "kind", pw));
       auto k = ParseTensorKind(kind);
@@ -383,6 +428,11 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
       auto parsed = ParseChecksumHex(ck);
       if (!parsed) return Corruption(pw + ": xxh3 is not 16 hex digits");
       p.xxh3 = *parsed;
+      if (pj.contains("chunk_bytes") || pj.contains("xxh3_chunks")) {
+        ASSIGN_OR_RETURN(uint64_t chunk, U64Field(pj, "chunk_bytes", pw));
+        ASSIGN_OR_RETURN(std::string hex, StringField(pj, "xxh3_chunks", pw));
+        RETURN_IF_ERROR(ParseChunkChecksums(hex, chunk, &p).WithContext("metadata.json"));
+      }
       RETURN_IF_ERROR(CheckPieceGeometry(p));
       meta.pieces.push_back(std::move(p));
     }

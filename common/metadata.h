@@ -31,6 +31,10 @@ struct Piece {
   uint64_t begin = 0;  // absolute byte range in the file
   uint64_t end = 0;
   uint64_t xxh3 = 0;
+  // xxh3 of each chunk of `chunk_bytes` bytes from `begin` (the last may be shorter); empty when
+  // the piece fits in one chunk, whose checksum is then `xxh3`.
+  uint64_t chunk_bytes = 0;
+  std::vector<uint64_t> chunk_xxh3;
 };
 
 struct SavedFile {

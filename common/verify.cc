@@ -68,6 +68,9 @@ std::string PieceDifference(const Piece& disk, const Piece& meta) {
     return differ("byte range", ShapeText({disk.begin, disk.end}), ShapeText({meta.begin, meta.end}));
   }
   if (disk.xxh3 != meta.xxh3) return differ("recorded xxh3", ChecksumHex(disk.xxh3), ChecksumHex(meta.xxh3));
+  if (disk.chunk_bytes != meta.chunk_bytes || disk.chunk_xxh3 != meta.chunk_xxh3) {
+    return "the per-chunk checksums in the file header differ from those in metadata.json";
+  }
   return {};
 }
 
@@ -130,30 +133,50 @@ Result<CheckedFile> CheckFileShape(const std::string& dir, const SavedFile& file
   return out;
 }
 
-// Hashes every piece of a checked file. The pieces tile the data region (the header parser refuses
-// gaps), so the file is read front to back in large chunks, each chunk feeding whichever pieces it
-// covers: a file of many small tensors costs a few reads, not one per tensor.
-Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* state, VerifyReport* report) {
+// Hashes every piece of a checked file, and each chunk of the pieces that record per-chunk
+// checksums. The pieces tile the data region (the header parser refuses gaps), so the file is read
+// front to back in large chunks, each chunk feeding whichever pieces it covers: a file of many
+// small tensors costs a few reads, not one per tensor.
+Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_state_t* chunk, VerifyReport* report) {
   ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file.path));
   (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   uint64_t window_begin = 0, window_end = 0;  // file bytes [window_begin, window_end) are in buf
   for (const Piece& p : file.pieces) {
-    if (XXH3_64bits_reset(state) != XXH_OK) return Internal("XXH3_64bits_reset failed");
-    uint64_t pos = p.begin;
-    while (pos < p.end) {
+    const bool chunked = !p.chunk_xxh3.empty();
+    if (XXH3_64bits_reset(whole) != XXH_OK || XXH3_64bits_reset(chunk) != XXH_OK) {
+      return Internal("XXH3_64bits_reset failed");
+    }
+    size_t chunk_index = 0;
+    uint64_t chunk_end = chunked ? std::min(p.end, p.begin + p.chunk_bytes) : p.end;
+    for (uint64_t pos = p.begin; pos < p.end;) {
       if (pos < window_begin || pos >= window_end) {
         size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, file.bytes - pos));
         RETURN_IF_ERROR(PreadFull(fd.get(), buf, n, pos, file.path));
         window_begin = pos;
         window_end = pos + n;
       }
-      uint64_t take = std::min(p.end, window_end) - pos;
-      if (XXH3_64bits_update(state, buf + (pos - window_begin), static_cast<size_t>(take)) != XXH_OK) {
+      const uint64_t take = std::min(chunk_end, window_end) - pos;
+      const char* data = buf + (pos - window_begin);
+      if (XXH3_64bits_update(whole, data, static_cast<size_t>(take)) != XXH_OK ||
+          (chunked && XXH3_64bits_update(chunk, data, static_cast<size_t>(take)) != XXH_OK)) {
         return Internal("XXH3_64bits_update failed");
       }
       pos += take;
+      if (chunked && pos == chunk_end) {
+        uint64_t actual = XXH3_64bits_digest(chunk);
+        if (actual != p.chunk_xxh3[chunk_index]) {
+          uint64_t from = p.begin + chunk_index * p.chunk_bytes;
+          return Corruption(file.path + ": tensor '" + p.key + "': xxh3 of chunk " + std::to_string(chunk_index) +
+                            " (bytes [" + std::to_string(from) + ", " + std::to_string(chunk_end) + ")) is " +
+                            ChecksumHex(actual) + " but " + ChecksumHex(p.chunk_xxh3[chunk_index]) +
+                            " is recorded: the data is corrupt");
+        }
+        if (XXH3_64bits_reset(chunk) != XXH_OK) return Internal("XXH3_64bits_reset failed");
+        ++chunk_index;
+        chunk_end = std::min(p.end, chunk_end + p.chunk_bytes);
+      }
     }
-    uint64_t actual = XXH3_64bits_digest(state);
+    uint64_t actual = XXH3_64bits_digest(whole);
     if (actual != p.xxh3) {
       return Corruption(file.path + ": tensor '" + p.key + "': xxh3 of its bytes [" + std::to_string(p.begin) + ", " +
                         std::to_string(p.end) + ") is " + ChecksumHex(actual) + " but " + ChecksumHex(p.xxh3) +
@@ -202,11 +225,11 @@ Status VerifyCheckpointDir(const std::string& dir, VerifyReport* report) {
     checked.push_back(std::move(c));
   }
 
-  Xxh3State state(XXH3_createState());
+  Xxh3State whole(XXH3_createState()), chunk(XXH3_createState());
   std::unique_ptr<char[]> buf(new (std::nothrow) char[kChunkBytes]);
-  if (!state || !buf) return ResourceExhausted("cannot allocate the verification buffer");
+  if (!whole || !chunk || !buf) return ResourceExhausted("cannot allocate the verification buffer");
   for (const CheckedFile& c : checked) {
-    RETURN_IF_ERROR(HashPieces(c, buf.get(), state.get(), report));
+    RETURN_IF_ERROR(HashPieces(c, buf.get(), whole.get(), chunk.get(), report));
     ++report->files;
     report->bytes += c.bytes;
   }

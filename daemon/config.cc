@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "common/layout.h"
 #include "common/names.h"
 
 namespace flashckpt {
@@ -29,13 +30,21 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
   app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
   app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();
-  app.add_option("--max-host-memory", budget, "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");
+  app.add_option("--max-host-memory", budget,
+                 "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");
   app.add_option("--writer-threads", config.writer_threads, "Threads persisting snapshots")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--keep", config.keep,
                  "Keep the newest N complete checkpoints of each job and delete older ones (0: keep all)")
       ->capture_default_str();
+  app.add_option("--restore-threads", config.restore_threads, "Reader threads of one restore")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  std::string chunk;
+  app.add_option("--checksum-chunk", chunk,
+                 "Tensors record an xxh3 per chunk of this size (power of two, 4KiB..1GiB), so a restore "
+                 "into another layout reads and verifies only the chunks it needs (default: 1MiB)");
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
   app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
   app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
@@ -56,6 +65,12 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
       return InvalidArgument("--max-host-memory '" + budget + "' is not a size like 64GiB, 512MiB or 1000000");
     }
     config.max_host_memory = *bytes;
+  }
+  if (!chunk.empty()) {
+    auto bytes = ParseByteSize(chunk);
+    if (!bytes) return InvalidArgument("--checksum-chunk '" + chunk + "' is not a size like 1MiB or 65536");
+    RETURN_IF_ERROR(ValidateChecksumChunk(*bytes).WithContext("--checksum-chunk"));
+    config.checksum_chunk = *bytes;
   }
   return config;
 }

@@ -197,7 +197,9 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   std::unique_lock<std::mutex> lock(mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
-  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors));
+  LayoutExtras extras;
+  extras.checksum_chunk = config_.checksum_chunk;
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors, extras));
   std::optional<EmaPlan> ema_plan;
   if (ema_config.enabled) {
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));

@@ -39,6 +39,8 @@ struct DaemonConfig {
   uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
   unsigned writer_threads = 2;
   unsigned ema_threads = 0;  // 0: min(hardware threads, 8)
+  unsigned restore_threads = 4;  // reader threads of one restore
+  uint64_t checksum_chunk = kDefaultChecksumChunk;  // per-chunk checksums of saved tensors (layout.h)
   unsigned segment_mode = 0600;
   // Retention: after a checkpoint completes, keep the newest `keep` complete checkpoints of its job
   // and delete older ones (and incomplete directories older than those). 0 keeps everything.
@@ -112,7 +114,10 @@ class Daemon {
   Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket);
   Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
   // step 0 means the latest complete checkpoint; found=false when there is none.
-  Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+  // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout; with
+  // convert_dtype, bf16/fp16 tensors may be filled from fp32 saved ones.
+  Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, bool convert_dtype,
+                                 std::chrono::milliseconds timeout);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   struct EmaCopy {
     bool initialized = false;

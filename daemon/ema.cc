@@ -151,6 +151,7 @@ Result<EmaPlan> PlanEma(const RankLayout& rank, const EmaConfig& config) {
     std::snprintf(t, sizeof t, "%.17g", *config.loss_threshold);
     extras.metadata.emplace_back("ema_loss_threshold", t);
   }
+  extras.checksum_chunk = rank.checksum_chunk;
   extras.fixed_fields = {{"ema_updates_applied", kStepFieldWidth},
                          {"ema_updates_skipped", kStepFieldWidth},
                          {"ema_last_step", kStepFieldWidth}};

@@ -154,7 +154,7 @@ grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1
 
 grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                                         v1::RestoreResponse* resp) {
-  auto r = daemon_->Restore(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 600000)));
+  auto r = daemon_->Restore(req->session_id(), req->step(), req->convert_dtype(), Bounded(ctx, Millis(req->timeout_ms(), 600000)));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
   resp->set_step(r->step);

@@ -313,13 +313,16 @@ class PyClient {
   }
 
   // -> (found, step, extra, bytes)
-  py::tuple Restore(std::optional<int64_t> step, const std::vector<PyBuffer>& buffers, double timeout) {
+  py::tuple Restore(std::optional<int64_t> step, const std::vector<PyBuffer>& buffers, double timeout,
+                    bool convert_dtype) {
     std::vector<TensorBuffer> b = Buffers(buffers);
     Result<RestoreResult> restored = Status(StatusCode::kInternal, "not run");
     Client* client = Live();  // raises, so it must run with the GIL held
     {
       py::gil_scoped_release release;
-      restored = client->Restore(step, b, Millis(timeout));
+      RestoreOptions options;
+      options.convert_dtype = convert_dtype;
+      restored = client->Restore(step, b, Millis(timeout), options);
     }
     RestoreResult r = Take(std::move(restored));
     return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes);
@@ -400,7 +403,8 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def("snapshot", &PyClient::Snapshot, py::arg("step"), py::arg("buffers"), py::arg("persist"),
            py::arg("loss"), py::arg("extra"))
       .def("wait_persisted", &PyClient::WaitPersisted, py::arg("step"), py::arg("timeout"))
-      .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"))
+      .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"),
+           py::arg("convert_dtype") = false)
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))
       .def("status_json", &PyClient::StatusJson)

@@ -403,13 +403,14 @@ Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
 }
 
 Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
-                                      std::chrono::milliseconds timeout) {
+                                      std::chrono::milliseconds timeout, const RestoreOptions& options) {
   RETURN_IF_ERROR(impl_->Usable());
   if (step && *step <= 0) return InvalidArgument("restore step must be positive (or nullopt for the latest)");
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, Selection::kAll));
   v1::RestoreRequest req;
   req.set_session_id(impl_->session_id);
   req.set_step(step.value_or(0));
+  req.set_convert_dtype(options.convert_dtype);
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::RestoreResponse resp;
   {

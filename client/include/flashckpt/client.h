@@ -88,6 +88,12 @@ class SnapshotHandle {
   Status copied_;
 };
 
+struct RestoreOptions {
+  // Fill bf16/fp16 tensors from the fp32 ones of the checkpoint (rounded to nearest, ties to even).
+  // Without it a dtype that differs from the checkpoint's is kFailedPrecondition.
+  bool convert_dtype = false;
+};
+
 struct RestoreResult {
   bool found = false;  // false: the job has no complete checkpoint yet; buffers are untouched
   int64_t step = 0;
@@ -127,8 +133,10 @@ class Client {
 
   // Restores `step` (nullopt: the latest complete checkpoint) into `buffers`, which must name every
   // registered tensor. Checksums are verified by the daemon before any byte reaches the buffers.
+  // The checkpoint may have been saved in another parallel layout: the daemon reads the parts of it
+  // this rank's tensors cover.
   Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
-                                std::chrono::milliseconds timeout);
+                                std::chrono::milliseconds timeout, const RestoreOptions& options = {});
 
   // The daemon's status as JSON: its version, memory budget and use, and every job and rank it knows
   // (slots, last steps, errors, EMA), i.e. the GetStatus RPC's StatusResponse in protobuf's JSON

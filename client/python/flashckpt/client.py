@@ -232,18 +232,21 @@ class Client:
 
     # --- restore -------------------------------------------------------------------------------
 
-    def restore(self, tensors, step=None, timeout=600.0):
+    def restore(self, tensors, step=None, timeout=600.0, convert_dtype=False):
         """Restores checkpoint `step` (None: the latest complete one) into `tensors`, in place.
 
         `tensors` must hold every registered tensor (replicas included). Returns (step, extra): the
         step restored and this rank's extra as bytes (a JSON value comes back as JSON text), or
         (None, None) when the job has no complete checkpoint yet, leaving the tensors untouched.
         The daemon verifies checksums before any byte reaches the tensors, and loads the
-        checkpoint's EMA, so the average continues from the restored step.
+        checkpoint's EMA, so the average continues from the restored step. The checkpoint may have
+        been saved in another parallel layout. With convert_dtype=True, bfloat16/float16 tensors
+        are filled from float32 saved ones (rounded to nearest even).
         """
         views = self._buffers(tensors, writable=True, what="restore", include_replicas=True)
         found, got, extra, _ = self._live().restore(None if step is None else int(step),
-                                                    [v.buffer() for v in views], float(timeout))
+                                                    [v.buffer() for v in views], float(timeout),
+                                                    bool(convert_dtype))
         if not found:
             return None, None
         return got, (extra or None)
