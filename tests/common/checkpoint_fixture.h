@@ -14,18 +14,24 @@
 
 namespace flashckpt::testing {
 
-// Writes rank `rank`'s files of step `step` into `dir` (which must exist). Tensor bytes are a
-// pattern derived from `seed` and the tensor index.
+// The byte the fixture stores at local byte `i` of the tensor registered `index`-th by a rank.
+inline char PatternByte(uint64_t i, size_t index, uint32_t seed) { return static_cast<char>(i * 131 + index * 17 + seed); }
+
+// Writes rank `rank`'s files of step `step` into `dir` (which must exist). Tensor bytes are
+// PatternByte(local byte, index, seed).
 inline Status WriteRankFiles(const std::string& dir, const std::string& job, uint32_t rank, const Topology& topology,
-                             const std::vector<TensorSpec>& specs, int64_t step, uint32_t seed = 1) {
-  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(job, rank, topology, specs));
+                             const std::vector<TensorSpec>& specs, int64_t step, uint32_t seed = 1,
+                             uint64_t checksum_chunk = kDefaultChecksumChunk) {
+  LayoutExtras extras;
+  extras.checksum_chunk = checksum_chunk;
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(job, rank, topology, specs, extras));
   SlotBuffer slot(layout.slot_bytes);
   if (slot.data() == nullptr) return Internal("aligned_alloc failed");
   InitSlotImages(slot.data(), layout);
   for (size_t t = 0; t < layout.tensors.size(); ++t) {
     const Placement& p = layout.placements[t];
     for (uint64_t i = 0; i < p.bytes; ++i) {
-      slot.data()[p.slot_offset + i] = static_cast<char>(i * 131 + t * 17 + seed);
+      slot.data()[p.slot_offset + i] = PatternByte(i, t, seed);
     }
   }
   for (size_t f = 0; f < layout.files.size(); ++f) {

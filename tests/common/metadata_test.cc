@@ -26,7 +26,7 @@ CheckpointMetadata SampleMetadata() {
   m.topology.world_size = 2;
   m.topology.tp_degree = 2;
   m.files = {SavedFile{"model_state.tp00_pp00_shard00.safetensors", 0, 0, 0, 0, 8192},
-             SavedFile{"model_state.tp01_pp00_shard00.safetensors", 1, 1, 0, 0, 8192}};
+             SavedFile{"model_state.tp01_pp00_shard00.safetensors", 1, 1, 0, 0, 24576}};
   for (uint32_t r = 0; r < 2; ++r) {
     Piece p;
     p.key = "layers.0.w";
@@ -56,6 +56,21 @@ CheckpointMetadata SampleMetadata() {
   opt.end = 4096 + 88;
   opt.xxh3 = ~0ull;
   m.pieces.push_back(opt);
+  Piece big;  // larger than its checksum chunk: one xxh3 per 4 KiB chunk as well
+  big.key = "layers.1.w";
+  big.kind = TensorKind::kModel;
+  big.dtype = DType::kF32;
+  big.shape = {4000};
+  big.global_shape = {4000};
+  big.box_offset = {0};
+  big.box_shape = {4000};
+  big.file = m.files[1].name;
+  big.begin = 4096 + 64;
+  big.end = big.begin + 16000;
+  big.xxh3 = 0xfeedull;
+  big.chunk_bytes = 4096;
+  big.chunk_xxh3 = {1, 2, 0xabcdefull, ~0ull};
+  m.pieces.push_back(big);
   return m;
 }
 
@@ -78,6 +93,8 @@ void ExpectSamePieces(const std::vector<Piece>& a, const std::vector<Piece>& b) 
     EXPECT_EQ(a[i].begin, b[i].begin);
     EXPECT_EQ(a[i].end, b[i].end);
     EXPECT_EQ(a[i].xxh3, b[i].xxh3);
+    EXPECT_EQ(a[i].chunk_bytes, b[i].chunk_bytes);
+    EXPECT_EQ(a[i].chunk_xxh3, b[i].chunk_xxh3);
   }
 }
 
@@ -172,6 +189,23 @@ TEST(MetadataJson, RejectsBadInputs) {
       {"checksum too short", [&](json& j) { first_piece(j)["xxh3"] = "0123"; }},
       {"checksum not hex", [&](json& j) { first_piece(j)["xxh3"] = "0123456789abcdeg"; }},
       {"checksum a number", [&](json& j) { first_piece(j)["xxh3"] = 12; }},
+      {"chunk checksums for a piece of one chunk",
+       [&](json& j) {
+         first_piece(j)["chunk_bytes"] = 4096;
+         first_piece(j)["xxh3_chunks"] = "0123456789abcdef0123456789abcdef";
+       }},
+      {"one chunk checksum missing",
+       [](json& j) {
+         std::string& hex = j["tensors"]["layers.1.w"][0]["xxh3_chunks"].get_ref<std::string&>();
+         hex.resize(hex.size() - 16);
+       }},
+      {"chunk checksum not hex",
+       [](json& j) { j["tensors"]["layers.1.w"][0]["xxh3_chunks"].get_ref<std::string&>()[20] = 'x'; }},
+      {"chunk size not a power of two", [](json& j) { j["tensors"]["layers.1.w"][0]["chunk_bytes"] = 4100; }},
+      {"chunk size below 4 KiB", [](json& j) { j["tensors"]["layers.1.w"][0]["chunk_bytes"] = 2048; }},
+      {"chunk size a string", [](json& j) { j["tensors"]["layers.1.w"][0]["chunk_bytes"] = "4096"; }},
+      {"chunk checksums without a size", [](json& j) { j["tensors"]["layers.1.w"][0].erase("chunk_bytes"); }},
+      {"chunk size without checksums", [](json& j) { j["tensors"]["layers.1.w"][0].erase("xxh3_chunks"); }},
   };
   for (const auto& c : cases) {
     json j = good;
@@ -208,6 +242,7 @@ TEST(PiecesFromHeader, RejectsIncompleteTensorMetadata) {
       {"w@global_shape", "x"}, {"w@box_offset", "[5]"},        {"w@box_shape", "[4, 1]"},
       {"w@xxh3", ""},          {"w@xxh3", "00000000000000FF"}, {"w@flat_range", "[3, 2]"},
       {"w@flat_range", "[1]"},
+      {"w@xxh3_chunks", "00000000000000ff00000000000000ff"},  // one chunk, and no checksum_chunk
   };
   for (const auto& [key, value] : edits) {
     SafetensorsHeader bad = h;

@@ -235,5 +235,48 @@ TEST(Verify, HashesTensorsLargerThanOneChunk) {
   EXPECT_NE(s.message().find("'big'"), std::string::npos) << s.ToString();
 }
 
+// Per-chunk checksums are verified on their own: a wrong one is found even when the whole-tensor
+// checksum is right, and the error names the chunk.
+TEST(Verify, ChecksEveryChunkChecksum) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::vector<TensorSpec> specs = {Spec("w", TensorKind::kModel, DType::kF32, {16384}),  // 64 KiB: 16 chunks
+                                   Spec("b", TensorKind::kModel, DType::kF32, {100})};
+  ASSERT_OK(testing::WriteRankFiles(dir.path(), "chunky", 0, Topology{}, specs, 7, 1, /*checksum_chunk=*/4096));
+  ASSERT_OK(testing::WriteMetadata(dir.path()));
+  VerifyReport report;
+  ASSERT_OK(VerifyCheckpointDir(dir.path(), &report));
+  auto meta = ReadMetadataFile(dir.path());
+  ASSERT_OK(meta.status());
+  Piece w;
+  for (const Piece& p : meta->pieces) {
+    if (p.key == "w") w = p;
+    if (p.key == "b") {
+      EXPECT_TRUE(p.chunk_xxh3.empty()) << "a one-chunk tensor has only its whole checksum";
+    }
+  }
+  ASSERT_EQ(w.chunk_xxh3.size(), 16u);
+  EXPECT_EQ(w.chunk_bytes, 4096u);
+
+  // Replace chunk 5's checksum with another value in both the header and metadata.json, so that
+  // they agree with each other and the whole-tensor checksum is still right. (The fixture's data
+  // repeats every 256 bytes, so all chunks have the same checksum: edit by position in the list.)
+  std::string all;
+  for (uint64_t c : w.chunk_xxh3) all += ChecksumHex(c);
+  for (const char* name : {"model_state.tp00_pp00_shard00.safetensors", "metadata.json"}) {
+    auto text = ReadSmallFile(dir.File(name), 1 << 20);
+    ASSERT_OK(text.status());
+    size_t pos = text->find(all);
+    ASSERT_NE(pos, std::string::npos) << name;
+    std::string edited = *text;
+    edited.replace(pos + 5 * 16, 16, ChecksumHex(w.chunk_xxh3[5] ^ 0x10));
+    ASSERT_OK(WriteFileDurably(dir.path(), name, edited));
+  }
+  Status s = VerifyCheckpointDir(dir.path(), &report);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find("chunk 5"), std::string::npos) << s.ToString();
+}
+
 }  // namespace
 }  // namespace flashckpt
