@@ -142,8 +142,8 @@ class DaemonHarness:
     def binary(self, name):
         return binary(self.bin_dir, name)
 
-    def start_daemon(self):
-        cmd = daemon_command(self.binary("flashckptd"), self.sock, self.root)
+    def start_daemon(self, extra_args=()):
+        cmd = daemon_command(self.binary("flashckptd"), self.sock, self.root, extra_args=extra_args)
         self.logs.append(self.daemon_log)
         self.daemon = spawn_daemon(cmd, self.daemon_log, say=log)
         wait_daemon_ready(self.daemon, self.sock, say=log)

@@ -2,14 +2,16 @@
 """Resharding on restore: a checkpoint saved with (tp, pp, shard) = (2, 2, 2) is resumed by real
 flashckpt-sim ranks in other layouts, EMA included.
 
-  1. Eight ranks save steps 10 and 20 of a job (layers 4, hidden 66 so some splits are uneven,
-     EMA decay 0.9). The independent reader checks the checkpoint against the formula.
+  1. Eight ranks save steps 10 and 20 of a job (layers 4, hidden 514 so that splits by 3 and 4 are
+     uneven, EMA decay 0.9) to a daemon that records a checksum per 4 KiB chunk. The independent
+     reader checks the checkpoint against the formula.
   2. For each layout (1,1,1), (4,1,1), (1,2,4), (2,1,3), (3,1,1) and back to (2,2,2), every rank
      resumes with --resume: the simulator checks every restored model and optimizer element bit for
      bit against the formula and exits non-zero on a mismatch. Each rank then dumps the EMA the
      daemon restored (--dump-ema), which must equal the saved EMA (read with flashckpt_reader.py)
      over that rank's own row block, bit for bit.
-  3. The daemon's restore log lines give bytes needed and read per rank; the test prints them.
+  3. The daemon's restore log lines give bytes needed and read per rank: a reshard restore reads
+     only the checksum chunks it needs, so every rank reads at most 1.1x the bytes it needs.
 
     test_reshard.py --bin-dir build/bin [--keep]
 """
@@ -33,7 +35,9 @@ import flashckpt_reader  # noqa: E402
 from harness import DaemonHarness, TestFailure, check, log, tail  # noqa: E402
 
 JOB = "reshard-%d" % os.getpid()
-LAYERS, HIDDEN, STEPS = 4, 66, 20
+LAYERS, HIDDEN, STEPS = 4, 514, 20
+CHECKSUM_CHUNK = 4096
+MAX_READ_RATIO = 1.1
 SAVED = (2, 2, 2)
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (1, 2, 4), (2, 1, 3), (3, 1, 1), (2, 2, 2)]
 RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)", re.M)
@@ -107,7 +111,7 @@ def check_resumed_ema(layout, dump_root, saved_ema):
 
 
 def run(h):
-    h.start_daemon()
+    h.start_daemon(extra_args=["--checksum-chunk", str(CHECKSUM_CHUNK)])
     log("saving with (tp, pp, shard) = %s" % (SAVED,))
     run_ranks(h, SAVED, resume=False)
     ckpt = os.path.join(h.root, JOB, "checkpoint-%d" % STEPS)
@@ -130,15 +134,21 @@ def run(h):
         log("layout %s: %d ranks resumed step %d, %d elements verified bit-exact, EMA %d elements equal"
             % (layout, len(results), STEPS, elements, ema_elements))
 
-    needed = read = 0
+    restores, worst, total_needed, total_read = 0, 0.0, 0.0, 0.0
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     for line in open(h.daemon_log, errors="replace"):
-        m = re.search(r"restored job=%s .* bytes=([\d.]+) (\w+) read=([\d.]+) (\w+) read_ratio=([\d.]+)" % JOB, line)
+        m = re.search(r"restored job=%s rank=(\d+) .* bytes=([\d.]+) (\w+) read=([\d.]+) (\w+) read_ratio=([\d.]+)"
+                      % JOB, line)
         if m:
-            needed += 1
-            read = max(read, float(m.group(5)))
-    check(needed > 0, "the daemon logged no restore lines")
-    log("%d restores; largest ratio of bytes read from disk to bytes needed by a rank: %.2f "
-        "(whole saved pieces are read so their checksums can be verified)" % (needed, read))
+            restores += 1
+            worst = max(worst, float(m.group(6)))
+            total_needed += float(m.group(2)) * units[m.group(3)]
+            total_read += float(m.group(4)) * units[m.group(5)]
+    check(restores == sum(t * p * d for t, p, d in LAYOUTS), "the daemon logged %d restore lines" % restores)
+    log("%d restores: %.2f MiB needed, %.2f MiB read from disk (%.3fx); largest ratio of one rank %.3f "
+        "(checksum chunks of %d bytes)" % (restores, total_needed / 2**20, total_read / 2**20,
+                                           total_read / total_needed, worst, CHECKSUM_CHUNK))
+    check(worst <= MAX_READ_RATIO, "a rank read %.3fx the bytes it needed (limit %.1fx)" % (worst, MAX_READ_RATIO))
     code = h.stop_daemon()
     check(code == 0, "flashckptd exited %s on SIGTERM" % code)
 
