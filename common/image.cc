@@ -48,6 +48,17 @@ void StampChecksum(char* slot, const RankLayout& layout, size_t tensor) {
   WriteHex(slot + p.checksum_field, whole.Digest());
 }
 
+void StampEmaCounters(char* slot, const RankLayout& layout, size_t file, uint64_t updates_applied,
+                      uint64_t updates_skipped, int64_t last_step) {
+  const FileImage& image = layout.files[file];
+  const uint64_t values[3] = {updates_applied, updates_skipped, static_cast<uint64_t>(std::max<int64_t>(0, last_step))};
+  for (size_t k = 0; k < 3 && k < image.extra_fields.size(); ++k) {
+    char digits[kStepFieldWidth + 1];
+    std::snprintf(digits, sizeof digits, "%020llu", static_cast<unsigned long long>(values[k]));
+    std::memcpy(slot + image.slot_offset + image.extra_fields[k], digits, kStepFieldWidth);
+  }
+}
+
 void StampImage(char* slot, const RankLayout& layout, size_t file, int64_t step) {
   StampStep(slot, layout, file, step);
   for (size_t t : layout.files[file].tensors) StampChecksum(slot, layout, t);

@@ -17,5 +17,9 @@ void StampImage(char* slot, const RankLayout& layout, size_t file, int64_t step)
 // The two halves of StampImage, for callers that checksum tensors in parallel.
 void StampStep(char* slot, const RankLayout& layout, size_t file, int64_t step);
 void StampChecksum(char* slot, const RankLayout& layout, size_t tensor);
+// Writes the EMA counters into the fixed-width fields of an ema file image built with
+// EmaFileExtras (common/metadata.h). A negative last_step (no update yet) is written as 0.
+void StampEmaCounters(char* slot, const RankLayout& layout, size_t file, uint64_t updates_applied,
+                      uint64_t updates_skipped, int64_t last_step);
 
 }  // namespace flashckpt

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <nlohmann/json.hpp>
@@ -161,6 +162,26 @@ Result<EmaRecord> EmaRecordFromHeader(const std::map<std::string, std::string>& 
 }
 
 }  // namespace
+
+LayoutExtras EmaFileExtras(const EmaRecord& record, uint64_t checksum_chunk) {
+  LayoutExtras extras;
+  char decay[32];
+  std::snprintf(decay, sizeof decay, "%.17g", record.decay);
+  extras.metadata = {{"ema_decay", decay},
+                     {"ema_interval", std::to_string(record.interval)},
+                     {"ema_init", record.init},
+                     {"ema_model_params", record.model_params}};
+  if (record.loss_threshold) {
+    char t[32];
+    std::snprintf(t, sizeof t, "%.17g", *record.loss_threshold);
+    extras.metadata.emplace_back("ema_loss_threshold", t);
+  }
+  extras.fixed_fields = {{"ema_updates_applied", kStepFieldWidth},
+                         {"ema_updates_skipped", kStepFieldWidth},
+                         {"ema_last_step", kStepFieldWidth}};
+  extras.checksum_chunk = checksum_chunk;
+  return extras;
+}
 
 Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name) {
   std::vector<Piece> pieces;

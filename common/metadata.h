@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/layout.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "flashckpt/tensor.h"
@@ -55,6 +56,11 @@ struct EmaRecord {
   uint64_t updates_skipped = 0;
   int64_t last_step = 0;
 };
+
+// The metadata of an ema file image, read back by BuildMetadataFromFiles into an EmaRecord: the
+// configuration of `record` as fixed strings, and the three counters as fixed-width fields that
+// StampEmaCounters (common/image.h) fills at save time.
+LayoutExtras EmaFileExtras(const EmaRecord& record, uint64_t checksum_chunk);
 
 struct CheckpointMetadata {
   std::string job;

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/signal.h"
 #include "common/status.h"
 
 namespace flashckpt {
@@ -28,15 +29,6 @@ struct CheckpointEntry {
   bool latest = false;
 };
 
-// The content of saved_signal_<rank>: which files the rank wrote for the step, and the attempt.
-struct Signal {
-  uint32_t rank = 0;
-  int64_t step = 0;
-  int64_t resumed_from = 0;
-  std::vector<std::string> files;
-};
-std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t bytes);
-Result<Signal> ReadSignal(const std::string& path);
 
 class Catalog;
 

@@ -9,6 +9,7 @@
 #include "common/checksum.h"
 #include "common/image.h"
 #include "common/log.h"
+#include "common/metadata.h"
 
 namespace flashckpt {
 namespace {
@@ -139,22 +140,13 @@ Result<EmaPlan> PlanEma(const RankLayout& rank, const EmaConfig& config) {
                            (config.all_float_params ? "" : " (bf16/fp16 weights need ema_model_params=all)"));
   }
   // The plan keeps the order of `specs`; sort the sources the way the layout sorts the tensors.
-  LayoutExtras extras;
-  char decay[32];
-  std::snprintf(decay, sizeof decay, "%.17g", config.decay);
-  extras.metadata = {{"ema_decay", decay},
-                     {"ema_interval", std::to_string(config.interval)},
-                     {"ema_init", EmaInitName(config)},
-                     {"ema_model_params", config.all_float_params ? "all" : "fp32"}};
-  if (config.loss_threshold) {
-    char t[32];
-    std::snprintf(t, sizeof t, "%.17g", *config.loss_threshold);
-    extras.metadata.emplace_back("ema_loss_threshold", t);
-  }
-  extras.checksum_chunk = rank.checksum_chunk;
-  extras.fixed_fields = {{"ema_updates_applied", kStepFieldWidth},
-                         {"ema_updates_skipped", kStepFieldWidth},
-                         {"ema_last_step", kStepFieldWidth}};
+  EmaRecord record;
+  record.decay = config.decay;
+  record.interval = config.interval;
+  record.init = EmaInitName(config);
+  record.model_params = config.all_float_params ? "all" : "fp32";
+  record.loss_threshold = config.loss_threshold;
+  const LayoutExtras extras = EmaFileExtras(record, rank.checksum_chunk);
   if (specs.empty()) return plan;  // every float tensor of this rank is a replica
   ASSIGN_OR_RETURN(plan.layout, BuildRankLayout(rank.job, rank.rank, rank.topology, specs, extras));
   return plan;
@@ -209,15 +201,9 @@ void RankEma::Stamp(char* image_base, int64_t step, ParallelLoop* loop) const {
   StampStep(image_base, plan_.layout, 0, step);
   // One task per tensor: the checksums of a persisted step run on every EMA thread.
   loop->Run(plan_.layout.tensors.size(), [&](size_t t) { StampChecksum(image_base, plan_.layout, t); });
-  const FileImage& image = plan_.layout.files[0];
   const EmaSegmentHeader* h = header();
-  const uint64_t values[3] = {h->updates_applied.load(), h->updates_skipped.load(),
-                              static_cast<uint64_t>(std::max<int64_t>(0, h->last_step.load()))};
-  for (size_t k = 0; k < 3; ++k) {
-    char digits[kStepFieldWidth + 1];
-    std::snprintf(digits, sizeof digits, "%020llu", static_cast<unsigned long long>(values[k]));
-    std::memcpy(image_base + image.slot_offset + image.extra_fields[k], digits, kStepFieldWidth);
-  }
+  StampEmaCounters(image_base, plan_.layout, 0, h->updates_applied.load(), h->updates_skipped.load(),
+                   h->last_step.load());
 }
 
 bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,

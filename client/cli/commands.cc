@@ -8,7 +8,10 @@
 #include <nlohmann/json.hpp>
 
 #include "client/cli/render.h"
+#include "common/names.h"
+#include "common/relayout.h"
 #include "common/status.h"
+#include "common/thread_pool.h"
 #include "common/verify.h"
 #include "flashckpt.grpc.pb.h"
 
@@ -120,6 +123,36 @@ int RunVerify(const std::string& dir, bool json) {
     std::cout << "ok: " << report.files << " files, " << report.tensors << " tensors, " << report.bytes
               << " bytes verified (job " << report.job << ", step " << report.step << ")\n";
   }
+  return kExitOk;
+}
+
+int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint32_t pp, uint32_t shard,
+               const std::string& checksum_chunk, unsigned threads) {
+  auto chunk = ParseByteSize(checksum_chunk);
+  if (!chunk) {
+    std::cerr << "flashckpt: --checksum-chunk '" << checksum_chunk << "' is not a size like 1MiB or 65536\n";
+    return kExitFailed;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  ParallelLoop loop(threads > 0 ? threads - 1 : 0);
+  RelayoutReport report;
+  auto progress = [&](const NewRank& rank, const RelayoutReport& sofar) {
+    std::cout << "rank " << rank.rank << " (tp " << rank.topology.tp_rank << ", pp " << rank.topology.pp_rank
+              << ", shard " << rank.topology.shard_rank << "): " << rank.tensors.size() + rank.ema.size()
+              << " tensors; so far " << sofar.files << " files, " << FormatBytes(sofar.bytes_read) << " read, "
+              << FormatBytes(sofar.bytes_written) << " written\n"
+              << std::flush;
+  };
+  Status s = RelayoutCheckpoint(src, dst, Degrees{tp, pp, shard}, *chunk, &loop, &report, progress);
+  if (!s.ok()) {
+    std::cerr << "flashckpt: reshard " << src << " -> " << dst << " failed: " << s.ToString() << "\n";
+    return s.code() == StatusCode::kCorruption || s.code() == StatusCode::kNotFound ? kExitVerifyFailed : kExitFailed;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf(
+      "ok: %s -> %s as (tp, pp, shard) = (%u, %u, %u): %u ranks wrote %u files, %s read, %s written in %.2f s\n",
+      src.c_str(), dst.c_str(), tp, pp, shard, report.ranks, report.files, FormatBytes(report.bytes_read).c_str(),
+      FormatBytes(report.bytes_written).c_str(), secs);
   return kExitOk;
 }
 

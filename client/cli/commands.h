@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 namespace flashckpt::cli {
@@ -11,6 +12,7 @@ namespace flashckpt::cli {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitVerifyFailed = 1;  // the checkpoint is incomplete or corrupt
 inline constexpr int kExitRpcFailed = 2;     // the daemon is unreachable or answered with an error
+inline constexpr int kExitFailed = 3;        // an offline command failed (bad argument, I/O error)
 
 // Every RPC of the CLI is read-only and cheap for the daemon; one that takes longer is stuck.
 inline constexpr std::chrono::seconds kRpcDeadline{10};
@@ -21,5 +23,9 @@ int RunStatus(const std::string& socket, bool json);
 int RunList(const std::string& socket, const std::string& job, bool json);
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
+// Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new
+// rank and a summary. Needs no daemon.
+int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint32_t pp, uint32_t shard,
+               const std::string& checksum_chunk, unsigned threads);
 
 }  // namespace flashckpt::cli

@@ -1,5 +1,5 @@
 // flashckpt: the operator command. Asks the local flashckptd for its status and checkpoints, and
-// verifies checkpoint directories offline.
+// verifies and reshards checkpoint directories offline.
 #include <CLI/CLI.hpp>
 #include <string>
 
@@ -8,8 +8,8 @@
 int main(int argc, char** argv) {
   CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};
   app.footer(
-      "Exit status: 0 ok, 1 checkpoint failed verification, 2 daemon unreachable or RPC error,\n"
-      "other values: command-line usage error.");
+      "Exit status: 0 ok, 1 checkpoint incomplete or failed verification, 2 daemon unreachable or RPC\n"
+      "error, 3 an offline command failed otherwise, other values: command-line usage error.");
   app.set_version_flag("--version", "flashckpt 0.1.0");
   app.require_subcommand(1);
   app.fallthrough();  // `flashckpt status --socket PATH` works as well as `flashckpt --socket PATH status`
@@ -30,7 +30,28 @@ int main(int argc, char** argv) {
   verify->add_option("dir", dir, "The checkpoint directory, e.g. <root>/<job>/checkpoint-1200")->required();
   verify->add_flag("--json", json, "Print the result as JSON");
 
+  std::string dst, chunk = "1MiB";
+  uint32_t tp = 1, pp = 1, shard = 1;
+  unsigned threads = 4;
+  CLI::App* reshard =
+      app.add_subcommand("reshard", "Rewrite a complete checkpoint into another (tp, pp, shard) layout (offline)");
+  reshard->add_option("src", dir, "The complete checkpoint directory to read")->required();
+  reshard->add_option("dst", dst, "A new (or empty) directory for the resharded checkpoint")->required();
+  reshard->add_option("--tp-degree", tp, "Tensor-parallel degree of the new layout")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  reshard->add_option("--pp-degree", pp, "Pipeline-parallel degree of the new layout")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  reshard->add_option("--shard-degree", shard, "Sharding (data-parallel) degree of the new layout")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  reshard->add_option("--checksum-chunk", chunk, "Per-chunk checksum size of the new files")->capture_default_str();
+  reshard->add_option("--threads", threads, "Reader threads")->check(CLI::Range(1, 64))->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
+
+  if (*reshard) return flashckpt::cli::RunReshard(dir, dst, tp, pp, shard, chunk, threads);
 
   if (*status) return flashckpt::cli::RunStatus(socket, json);
   if (*list) return flashckpt::cli::RunList(socket, job, json);

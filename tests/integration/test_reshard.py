@@ -12,12 +12,17 @@ flashckpt-sim ranks in other layouts, EMA included.
      over that rank's own row block, bit for bit.
   3. The daemon's restore log lines give bytes needed and read per rank: a reshard restore reads
      only the checksum chunks it needs, so every rank reads at most 1.1x the bytes it needs.
+  4. Offline: `flashckpt reshard` rewrites the checkpoint as (4, 1, 1). The rewritten directory
+     passes `flashckpt verify` and the independent reader (formula and EMA), and, swapped in for the
+     original, four ranks of that layout resume from it through the same-layout path (bytes read =
+     bytes needed). A non-empty destination and an incomplete source are refused.
 
     test_reshard.py --bin-dir build/bin [--keep]
 """
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
@@ -134,23 +139,75 @@ def run(h):
         log("layout %s: %d ranks resumed step %d, %d elements verified bit-exact, EMA %d elements equal"
             % (layout, len(results), STEPS, elements, ema_elements))
 
-    restores, worst, total_needed, total_read = 0, 0.0, 0.0, 0.0
-    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for line in open(h.daemon_log, errors="replace"):
-        m = re.search(r"restored job=%s rank=(\d+) .* bytes=([\d.]+) (\w+) read=([\d.]+) (\w+) read_ratio=([\d.]+)"
-                      % JOB, line)
-        if m:
-            restores += 1
-            worst = max(worst, float(m.group(6)))
-            total_needed += float(m.group(2)) * units[m.group(3)]
-            total_read += float(m.group(4)) * units[m.group(5)]
-    check(restores == sum(t * p * d for t, p, d in LAYOUTS), "the daemon logged %d restore lines" % restores)
+    restores = restore_lines(h)
+    check(len(restores) == sum(t * p * d for t, p, d in LAYOUTS), "the daemon logged %d restore lines" % len(restores))
+    total_needed = sum(r[1] for r in restores)
+    total_read = sum(r[2] for r in restores)
+    worst = max(r[3] for r in restores)
     log("%d restores: %.2f MiB needed, %.2f MiB read from disk (%.3fx); largest ratio of one rank %.3f "
-        "(checksum chunks of %d bytes)" % (restores, total_needed / 2**20, total_read / 2**20,
+        "(checksum chunks of %d bytes)" % (len(restores), total_needed / 2**20, total_read / 2**20,
                                            total_read / total_needed, worst, CHECKSUM_CHUNK))
     check(worst <= MAX_READ_RATIO, "a rank read %.3fx the bytes it needed (limit %.1fx)" % (worst, MAX_READ_RATIO))
     code = h.stop_daemon()
     check(code == 0, "flashckptd exited %s on SIGTERM" % code)
+    offline_reshard(h, ckpt, saved_ema)
+
+
+def restore_lines(h):
+    """(rank, bytes needed, bytes read, read ratio) of every restore line of the daemon log."""
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    out = []
+    for line in open(h.daemon_log, errors="replace"):
+        m = re.search(r"restored job=%s rank=(\d+) .* bytes=([\d.]+) (\w+) read=([\d.]+) (\w+) read_ratio=([\d.]+)"
+                      % JOB, line)
+        if m:
+            out.append((int(m.group(1)), float(m.group(2)) * units[m.group(3)],
+                        float(m.group(4)) * units[m.group(5)], float(m.group(6))))
+    return out
+
+
+def offline_reshard(h, ckpt, saved_ema):
+    layout = (4, 1, 1)
+    out = os.path.join(h.tmp, "resharded", "checkpoint-%d" % STEPS)
+    os.makedirs(os.path.dirname(out))
+    degrees = ["--tp-degree", "4", "--pp-degree", "1", "--shard-degree", "1"]
+    rc, stdout, stderr = h.cli("reshard", ckpt, out, *degrees, "--checksum-chunk", "4KiB")
+    check(rc == 0, "flashckpt reshard exited %d:\n%s%s" % (rc, stdout, stderr))
+    log("flashckpt reshard: %s" % stdout.strip().splitlines()[-1])
+    rc, stdout, stderr = h.cli("verify", out)
+    check(rc == 0, "flashckpt verify of the resharded checkpoint exited %d: %s" % (rc, stderr))
+    summary = flashckpt_reader.verify_checkpoint(out, layers=LAYERS, hidden=HIDDEN)
+    topo = json.load(open(os.path.join(out, "metadata.json")))["topology"]
+    check((topo["tp_degree"], topo["pp_degree"], topo["shard_degree"]) == layout,
+          "resharded metadata.json has topology %s" % topo)
+    ema = flashckpt_reader.read_ema(out)
+    check(sorted(ema) == sorted(saved_ema) and all(
+        np.array_equal(ema[k].view(np.uint32), saved_ema[k].view(np.uint32)) for k in ema),
+        "the resharded EMA differs from the saved one")
+    log("resharded checkpoint verified by the independent reader: %s" % (summary,))
+
+    rc, _, stderr = h.cli("reshard", ckpt, out, *degrees)
+    check(rc != 0 and "not empty" in stderr, "reshard into a non-empty directory: exit %d, %s" % (rc, stderr))
+    incomplete = os.path.join(h.tmp, "incomplete")
+    shutil.copytree(ckpt, incomplete)
+    os.unlink(os.path.join(incomplete, "metadata.json"))
+    rc, _, stderr = h.cli("reshard", incomplete, os.path.join(h.tmp, "never"), *degrees)
+    check(rc == 1 and "complete" in stderr, "reshard of an incomplete checkpoint: exit %d, %s" % (rc, stderr))
+    check(not os.path.exists(os.path.join(h.tmp, "never")), "a refused reshard created its destination")
+
+    os.rename(ckpt, ckpt + ".original")
+    os.rename(out, ckpt)
+    h.start_daemon(extra_args=["--checksum-chunk", str(CHECKSUM_CHUNK)])
+    dump_root = os.path.join(h.tmp, "ema-offline")
+    results = run_ranks(h, layout, resume=True, dump_root=dump_root)
+    elements = sum(int(RESUMED.search(text).group(2)) for text in results.values())
+    ema_elements = check_resumed_ema(layout, dump_root, saved_ema)
+    restores = restore_lines(h)
+    check(len(restores) == 4, "the daemon logged %d restore lines" % len(restores))
+    for rank, needed, read, _ in restores:
+        check(read == needed, "rank %d read %d bytes for %d needed: not the same-layout path" % (rank, read, needed))
+    log("layout %s resumed from the offline-resharded files: %d elements bit-exact, EMA %d elements equal, "
+        "bytes read = bytes needed on every rank" % (layout, elements, ema_elements))
 
 
 def main():

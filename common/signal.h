@@ -1,0 +1,26 @@
+// saved_signal_<rank>: the marker a rank leaves in a checkpoint directory once its files of the
+// step are durable. It lists those files and the attempt (the step the run resumed from), so that a
+// checkpoint is only ever assembled from the files of one attempt.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace flashckpt {
+
+struct Signal {
+  uint32_t rank = 0;
+  int64_t step = 0;
+  int64_t resumed_from = 0;
+  std::vector<std::string> files;
+};
+
+// The signal as one line of JSON; `bytes` is the size of the rank's files, for operators.
+std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t bytes);
+// Parses a signal file; the input is untrusted (file names are checked to be plain names).
+Result<Signal> ReadSignal(const std::string& path);
+
+}  // namespace flashckpt
