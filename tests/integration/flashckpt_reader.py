@@ -8,6 +8,11 @@ on-disk contract:
   * metadata.json exists (the checkpoint is complete) and agrees with every file's own header;
   * every rank left its saved_signal_<rank>;
   * every tensor's bytes match the "<name>@xxh3" checksum in its file's __metadata__;
+  * per-chunk checksums, where a file has them: its __metadata__ "checksum_chunk" C (decimal, a power
+    of two) and, for every tensor of more than C bytes and only for those, "<name>@xxh3_chunks": 16
+    lowercase hex digits per chunk k = tensor bytes [k*C, min((k+1)*C, size)) (the last may be
+    shorter). Each chunk must hash to its digits, and metadata.json's piece must repeat them as
+    "chunk_bytes": C and "xxh3_chunks" (pieces without chunk checksums have neither);
   * the pieces of each global tensor cover every global element exactly once;
   * with `formula=True`, every element equals what flashckpt-sim writes at the checkpoint's step:
         v = ((l*7919 + i*H + j) % 1000) / 1024 + step   for layers.<l>.weight at global (i, j)
@@ -33,7 +38,7 @@ import sys
 import numpy as np
 
 __all__ = [
-    "CheckpointError", "xxh3_64", "read_safetensors", "verify_checkpoint", "sim_expected",
+    "CheckpointError", "xxh3_64", "xxh3_chunks", "read_safetensors", "verify_checkpoint", "sim_expected",
     "read_latest", "complete_steps", "checkpoint_steps", "read_ema", "ema_tensor",
 ]
 
@@ -110,49 +115,77 @@ def _mix16(b, off, soff):
 _STRIPE_KEYS = np.array([[_r64(_SECRET, 8 * n + 8 * i) for i in range(8)]
                          for n in range(_STRIPES_PER_BLOCK)], dtype=np.uint64)
 _SCRAMBLE_KEY = np.array([_r64(_SECRET, len(_SECRET) - _STRIPE + 8 * i) for i in range(8)], dtype=np.uint64)
+_SCRAMBLE_INTS = _SCRAMBLE_KEY.tolist()
 _LAST_KEY = np.array([_r64(_SECRET, len(_SECRET) - _STRIPE - 7 + 8 * i) for i in range(8)], dtype=np.uint64)
 _SWAP = np.array([1, 0, 3, 2, 5, 4, 7, 6])
 _LOW32 = np.uint64(0xFFFFFFFF)
 _U32 = np.uint64(32)
 
 
-def _accumulate(acc, stripes, keys):
-    """acc += the contribution of `stripes` (k x 8 u64) under `keys` (k x 8 u64); order-free sums."""
+_INIT_ACC = np.array([_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1], dtype=np.uint64)
+_SLAB_BYTES = 16 << 20  # input bytes turned into u64 words at a time, to bound temporary memory
+
+
+def _words(rows, begin, end):
+    """Bytes [begin, end) of each row of a (k, n) uint8 array as (k, (end-begin)/8) native uint64."""
+    return np.ascontiguousarray(rows[:, begin:end]).view("<u8").astype(np.uint64, copy=False)
+
+
+def _stripe_sums(stripes, keys):
+    """Per-lane contribution of stripes (..., s, 8) under keys (s, 8), summed over the s stripes."""
     data_key = stripes ^ keys
-    acc += stripes.sum(axis=0, dtype=np.uint64)[_SWAP]
-    acc += ((data_key & _LOW32) * (data_key >> _U32)).sum(axis=0, dtype=np.uint64)
+    return (stripes.sum(axis=-2, dtype=np.uint64)[..., _SWAP] +
+            ((data_key & _LOW32) * (data_key >> _U32)).sum(axis=-2, dtype=np.uint64))
 
 
-def _hash_long(b):
-    n = len(b)
-    acc = np.array([_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1], dtype=np.uint64)
+def _hash_long_rows(rows):
+    """XXH3-64 of every row of `rows`, a (k, n) uint8 array with n > 240: a list of k ints.
+
+    The rows are hashed side by side: the stripe arithmetic is vectorised over rows and stripes, and
+    only the scramble between 1 KiB blocks (sequential by definition) is a Python loop, once per block
+    of a row whatever the number of rows. Hashing a tensor's checksum chunks together this way costs
+    about what hashing the tensor whole does.
+    """
+    k, n = rows.shape
+    acc = np.tile(_INIT_ACC, (k, 1))
     nb_blocks = (n - 1) // _BLOCK
+    slab = max(1, _SLAB_BYTES // (k * _BLOCK))
     with np.errstate(over="ignore"):
-        if nb_blocks:
-            words = np.frombuffer(b, dtype="<u8", count=nb_blocks * _BLOCK // 8).astype(np.uint64)
-            words = words.reshape(nb_blocks, _STRIPES_PER_BLOCK, 8)
-            data_key = words ^ _STRIPE_KEYS
-            plain = words.sum(axis=1, dtype=np.uint64)[:, _SWAP]
-            mixed = ((data_key & _LOW32) * (data_key >> _U32)).sum(axis=1, dtype=np.uint64)
-            contrib = plain + mixed
-            for blk in range(nb_blocks):  # the scramble between blocks is sequential
-                acc += contrib[blk]
-                acc ^= acc >> np.uint64(47)
-                acc ^= _SCRAMBLE_KEY
-                acc *= np.uint64(_P32_1)
+        for b0 in range(0, nb_blocks, slab):
+            b1 = min(nb_blocks, b0 + slab)
+            words = _words(rows, b0 * _BLOCK, b1 * _BLOCK).reshape(k, b1 - b0, _STRIPES_PER_BLOCK, 8)
+            contrib = _stripe_sums(words, _STRIPE_KEYS)  # (k, blocks, 8)
+            del words
+            if k == 1:  # one row: Python integers beat numpy calls on 8-element arrays
+                lanes = acc[0].tolist()
+                for c in contrib[0].tolist():
+                    lanes = [(((a + x) & _M64) ^ (((a + x) & _M64) >> 47) ^ key) * _P32_1 & _M64
+                             for a, x, key in zip(lanes, c, _SCRAMBLE_INTS)]
+                acc[0] = np.array(lanes, dtype=np.uint64)
+            else:
+                for blk in range(b1 - b0):
+                    acc += contrib[:, blk]
+                    acc ^= acc >> np.uint64(47)
+                    acc ^= _SCRAMBLE_KEY
+                    acc *= np.uint64(_P32_1)
         start = nb_blocks * _BLOCK
         nb_stripes = ((n - 1) - start) // _STRIPE
         if nb_stripes:
-            stripes = np.frombuffer(b, dtype="<u8", count=nb_stripes * 8, offset=start).astype(np.uint64)
-            _accumulate(acc, stripes.reshape(nb_stripes, 8), _STRIPE_KEYS[:nb_stripes])
-        last = np.frombuffer(b, dtype="<u8", count=8, offset=n - _STRIPE).astype(np.uint64)
-        _accumulate(acc, last.reshape(1, 8), _LAST_KEY.reshape(1, 8))
-    a = [int(x) for x in acc]
-    result = (n * _P64_1) & _M64
-    for i in range(4):
-        result = (result + _mul128_fold64(a[2 * i] ^ _r64(_SECRET, 11 + 16 * i),
-                                          a[2 * i + 1] ^ _r64(_SECRET, 11 + 16 * i + 8))) & _M64
-    return _xxh3_avalanche(result)
+            stripes = _words(rows, start, start + nb_stripes * _STRIPE).reshape(k, nb_stripes, 8)
+            acc += _stripe_sums(stripes, _STRIPE_KEYS[:nb_stripes])
+        acc += _stripe_sums(_words(rows, n - _STRIPE, n).reshape(k, 1, 8), _LAST_KEY.reshape(1, 8))
+    out = []
+    for lanes in acc.tolist():
+        result = (n * _P64_1) & _M64
+        for i in range(4):
+            result = (result + _mul128_fold64(lanes[2 * i] ^ _r64(_SECRET, 11 + 16 * i),
+                                              lanes[2 * i + 1] ^ _r64(_SECRET, 11 + 16 * i + 8))) & _M64
+        out.append(_xxh3_avalanche(result))
+    return out
+
+
+def _hash_long(b):
+    return _hash_long_rows(np.frombuffer(b, dtype=np.uint8).reshape(1, -1))[0]
 
 
 def xxh3_64(data):
@@ -193,6 +226,30 @@ def xxh3_64(data):
         acc += _mix16(b, n - 16, 136 - 17)
         return _xxh3_avalanche(acc & _M64)
     return _hash_long(b)
+
+
+def xxh3_chunks(data, chunk):
+    """XXH3-64 of each `chunk`-byte piece of `data` (the last one may be shorter), as a list of ints.
+
+    Equal to [xxh3_64(data[k:k + chunk]) for k in range(0, len(data), chunk)], but the full chunks
+    are hashed side by side (see _hash_long_rows), so that many small chunks cost little more than
+    one hash of the whole.
+    """
+    if chunk < 1:
+        raise ValueError("chunk must be positive")
+    view = memoryview(data).cast("B")
+    n = len(view)
+    full = n // chunk
+    if chunk <= 240 or full < 2:
+        return [xxh3_64(view[k:k + chunk]) for k in range(0, n, chunk)]
+    rows = np.frombuffer(view, dtype=np.uint8, count=full * chunk)
+    out = []
+    group = max(1, _SLAB_BYTES // chunk)  # chunks per batch, to bound temporary memory
+    for g in range(0, full, group):
+        out += _hash_long_rows(rows[g * chunk:min(full, g + group) * chunk].reshape(-1, chunk))
+    if n > full * chunk:
+        out.append(xxh3_64(view[full * chunk:]))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,9 +442,12 @@ class _Topology:
 class _Piece:
     """One tensor of one file, as its own header describes it."""
 
-    def __init__(self, file, name, tensor, kind, gshape, boff, bshape, frange, xxh3):
+    def __init__(self, file, name, tensor, kind, gshape, boff, bshape, frange, xxh3, chunk_bytes, xxh3_chunks):
         self.file, self.name, self.tensor, self.kind = file, name, tensor, kind
         self.gshape, self.boff, self.bshape, self.frange, self.xxh3 = gshape, boff, bshape, frange, xxh3
+        # Per-chunk checksums (the concatenated hex string) and their chunk size; None for a tensor
+        # that is not larger than its file's checksum_chunk.
+        self.chunk_bytes, self.xxh3_chunks = chunk_bytes, xxh3_chunks
         # EMA tensors are named after the parameter they average: they are covered separately.
         self.family = "ema" if kind == "ema" else "state"
 
@@ -499,7 +559,52 @@ def _check_file_header(st, fe, job, step, topo, formula):
     return kind_of_file, tp, pp, shard
 
 
-def _read_piece(st, tname, kind_of_file, checksums):
+def _checksum_chunk(st):
+    """The file's "checksum_chunk" (a power of two), or None when its header has none."""
+    text = st.metadata.get("checksum_chunk")
+    if text is None:
+        return None
+    if not re.fullmatch(r"[1-9][0-9]*", text) or int(text) & (int(text) - 1):
+        raise CheckpointError("%s: __metadata__ checksum_chunk %r is not a power of two in decimal" %
+                              (st.name, text))
+    return int(text)
+
+
+def _chunk_span(k, chunk, size):
+    return "chunk %d of %d (bytes [%d, %d) of the tensor)" % (k, -(-size // chunk), k * chunk,
+                                                              min((k + 1) * chunk, size))
+
+
+def _read_chunk_checksums(st, tname, chunk, where):
+    """A tensor's "@xxh3_chunks" from its file's header, checked against the file's checksum_chunk:
+    present exactly when the tensor is larger than one chunk, 16 lowercase hex digits per chunk."""
+    t = st.tensors[tname]
+    size = t.end - t.begin
+    hexes = st.metadata.get(tname + "@xxh3_chunks")
+    if chunk is None:
+        if hexes is not None:
+            raise CheckpointError("%s: has @xxh3_chunks but the file's __metadata__ has no checksum_chunk" % where)
+        return None
+    if size <= chunk:
+        if hexes is not None:
+            raise CheckpointError("%s: has @xxh3_chunks but its %d bytes fit in one checksum chunk of %d" %
+                                  (where, size, chunk))
+        return None
+    count = -(-size // chunk)
+    if hexes is None:
+        raise CheckpointError("%s: %d bytes, more than the file's checksum_chunk %d, but no @xxh3_chunks" %
+                              (where, size, chunk))
+    if len(hexes) != 16 * count:
+        raise CheckpointError("%s: @xxh3_chunks has %d characters; %d chunks of %d bytes need %d" %
+                              (where, len(hexes), count, chunk, 16 * count))
+    for k in range(count):
+        if not _HEX16.match(hexes[16 * k:16 * k + 16]):
+            raise CheckpointError("%s: @xxh3_chunks %s is %r, not 16 lowercase hex digits" %
+                                  (where, _chunk_span(k, chunk, size), hexes[16 * k:16 * k + 16]))
+    return hexes
+
+
+def _read_piece(st, tname, kind_of_file, checksums, chunk=None):
     """A tensor's geometry and checksum from its file's __metadata__, checked for consistency."""
     t, m = st.tensors[tname], st.metadata
     where = "%s: tensor '%s'" % (st.name, tname)
@@ -529,11 +634,20 @@ def _read_piece(st, tname, kind_of_file, checksums):
     ck = m.get(tname + "@xxh3", "")
     if not _HEX16.match(ck):
         raise CheckpointError("%s: @xxh3 %r is not 16 lowercase hex digits" % (where, ck))
+    chunks = _read_chunk_checksums(st, tname, chunk, where)
     if checksums:
+        if chunks is not None:  # first, so that damage is located to a chunk
+            size = t.end - t.begin
+            for k, h in enumerate(xxh3_chunks(st.tensor_bytes(tname), chunk)):
+                got, want = "%016x" % h, chunks[16 * k:16 * k + 16]
+                if got != want:
+                    raise CheckpointError("%s: %s: chunk checksum mismatch: header says %s, bytes hash to %s" %
+                                          (where, _chunk_span(k, chunk, size), want, got))
         got = "%016x" % xxh3_64(st.tensor_bytes(tname))
         if got != ck:
             raise CheckpointError("%s: checksum mismatch: header says %s, bytes hash to %s" % (where, ck, got))
-    return _Piece(st.name, tname, t, kind, gshape, boff, bshape, frange, ck)
+    return _Piece(st.name, tname, t, kind, gshape, boff, bshape, frange, ck,
+                  chunk if chunks is not None else None, chunks)
 
 
 def _check_index_entry(piece, entry):
@@ -542,6 +656,27 @@ def _check_index_entry(piece, entry):
     if entry is None:
         raise CheckpointError("%s: missing from metadata.json's tensor index" % where)
     t = piece.tensor
+    size = t.end - t.begin
+    if piece.xxh3_chunks is None:
+        for key in ("chunk_bytes", "xxh3_chunks"):
+            if key in entry:
+                raise CheckpointError("%s: metadata.json has %s, the file's header has no chunk checksums" %
+                                      (where, key))
+    else:
+        if not _is_uint(entry.get("chunk_bytes")) or entry["chunk_bytes"] != piece.chunk_bytes:
+            raise CheckpointError("%s: metadata.json has chunk_bytes = %r, the file's checksum_chunk is %d" %
+                                  (where, entry.get("chunk_bytes"), piece.chunk_bytes))
+        hexes = entry.get("xxh3_chunks")
+        if not isinstance(hexes, str) or len(hexes) != len(piece.xxh3_chunks):
+            got = "is not a string" if not isinstance(hexes, str) else "has %d characters" % len(hexes)
+            raise CheckpointError("%s: metadata.json xxh3_chunks %s; the file's header has %d chunk checksums "
+                                  "(%d characters)" % (where, got, len(piece.xxh3_chunks) // 16,
+                                                       len(piece.xxh3_chunks)))
+        for k in range(len(piece.xxh3_chunks) // 16):
+            if hexes[16 * k:16 * k + 16] != piece.xxh3_chunks[16 * k:16 * k + 16]:
+                raise CheckpointError("%s: %s: metadata.json has chunk checksum %r, the file's header has %s" %
+                                      (where, _chunk_span(k, piece.chunk_bytes, size), hexes[16 * k:16 * k + 16],
+                                       piece.xxh3_chunks[16 * k:16 * k + 16]))
     want = {"kind": piece.kind, "dtype": t.dtype, "shape": t.shape, "global_shape": piece.gshape,
             "box_offset": piece.boff, "box_shape": piece.bshape, "offsets": [t.begin, t.end], "xxh3": piece.xxh3,
             "flat_range": piece.frange}
@@ -564,8 +699,12 @@ def _check_sim_values(st, piece, coords, topo, step, gidx):
     H = gshape[0]
     if layer % topo.P != pp:
         raise CheckpointError("%s: layer %d belongs to pp rank %d, file is pp %d" % (where, layer, layer % topo.P, pp))
-    if H % topo.T or boff != [tp * H // topo.T, 0] or bshape != [H // topo.T, H]:
-        raise CheckpointError("%s: box %s+%s is not row block %d of %d" % (where, boff, bshape, tp, topo.T))
+    # Row blocks of ceil(H/T) rows, the last one shorter when T does not divide H (as flashckpt-sim).
+    block = -(-H // topo.T)
+    rows = min(block, H - tp * block)
+    if rows <= 0 or boff != [tp * block, 0] or bshape != [rows, H]:
+        raise CheckpointError("%s: box %s+%s is not row block %d of %d (rows of %d)" %
+                              (where, boff, bshape, tp, topo.T, block))
     if suffix == "":
         if piece.kind != "model" or shard != 0 or frange is not None:
             raise CheckpointError("%s: the model weight is written by shard 0 only, as a box" % where)
@@ -606,6 +745,8 @@ def verify_checkpoint(ckpt_dir, layers=None, hidden=None, formula=True, checksum
     formula: check every model/optimizer element against flashckpt-sim's values and layout (else only
     structure, coverage and checksums). EMA files (ema.*) are checked for structure, checksums and
     coverage only: their values depend on the average's history.
+    checksums: hash the data and compare it with the whole-tensor and per-chunk checksums (without it
+    the checksums are still checked for form and for agreement between headers and metadata.json).
     """
     ckpt_dir = os.path.abspath(ckpt_dir)
     job, step, topo, listed, indexed = _load_metadata(ckpt_dir)
@@ -616,8 +757,9 @@ def verify_checkpoint(ckpt_dir, layers=None, hidden=None, formula=True, checksum
         st = read_safetensors(os.path.join(ckpt_dir, fname))
         summary["bytes"] += len(st.raw)
         kind_of_file, tp, pp, shard = _check_file_header(st, listed[fname], job, step, topo, formula)
+        chunk = _checksum_chunk(st)
         for tname in st.tensors:
-            piece = _read_piece(st, tname, kind_of_file, checksums)
+            piece = _read_piece(st, tname, kind_of_file, checksums, chunk)
             _check_index_entry(piece, indexed.pop((fname, tname), None))
             summary["pieces"] += 1
 
@@ -727,7 +869,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, help="expect exactly the simulator tensors of this many layers")
     ap.add_argument("--hidden", type=int, help="expect global shape [H, H]")
     ap.add_argument("--no-formula", action="store_true", help="skip flashckpt-sim's values and layout")
-    ap.add_argument("--no-checksums", action="store_true", help="skip the xxh3 checks")
+    ap.add_argument("--no-checksums", action="store_true",
+                    help="skip hashing the data (the whole-tensor and per-chunk xxh3)")
     args = ap.parse_args(argv)
     path = args.path
     try:

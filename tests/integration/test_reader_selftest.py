@@ -5,19 +5,29 @@ and reject each kind of damage the integration test relies on it to catch.
 The fake checkpoints are written here, by hand, in the on-disk format flashckptd writes (safetensors
 images with the header padded to 4 KiB, signals, metadata.json, LATEST) with the values flashckpt-sim
 produces, computed element by element in plain Python (not with the reader's numpy code).
+
+Per-chunk checksums are tested on such a fake and on a real checkpoint: flashckptd started with
+--checksum-chunk 4KiB and four flashckpt-sim ranks, from FLASHCKPT_BIN_DIR (ctest sets it; default
+build/bin of this checkout, and the real-checkpoint cases are skipped when that has no flashckptd).
 """
 
+import glob
 import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
+import harness  # noqa: E402
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 # XXH3-64 of bytes((i*131 + 7) % 251 for i in range(n)), computed with libxxhash 0.8.1.
 XXH3_VECTORS = {
@@ -48,15 +58,22 @@ def write_safetensors(path, metadata, tensors):
             f.write(data)
 
 
-def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False):
+def chunk_hex(data, chunk):
+    """The "@xxh3_chunks" string of a tensor's bytes: one xxh3_64 per chunk, each hashed on its own."""
+    return "".join("%016x" % reader.xxh3_64(data[k:k + chunk]) for k in range(0, len(data), chunk))
+
+
+def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False, checksum_chunk=None):
+    """checksum_chunk: write per-chunk checksums of this many bytes, as flashckptd --checksum-chunk does."""
     W = T * P * D
     ckpt = os.path.join(job_dir, "checkpoint-%d" % step)
     os.makedirs(ckpt)
     files, index = [], {}
     for rank in range(W):
         tp, pp, shard = rank % T, (rank // T) % P, rank // (T * P)
-        rows = H // T
-        box_offset, box_shape = [tp * rows, 0], [rows, H]
+        block = -(-H // T)  # flashckpt-sim's row blocks: ceil(H/T) rows, the last one may be shorter
+        rows = min(block, H - tp * block)
+        box_offset, box_shape = [tp * block, 0], [rows, H]
         n = rows * H
         chunk = -(-n // D)
         begin, end = min(shard * chunk, n), min((shard + 1) * chunk, n)
@@ -65,7 +82,7 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False):
             if layer % P != pp:
                 continue
             name = "layers.%d.weight" % layer
-            box = [sim_value(layer, H, step, tp * rows + r, c) for r in range(rows) for c in range(H)]
+            box = [sim_value(layer, H, step, tp * block + r, c) for r in range(rows) for c in range(H)]
             if shard == 0:
                 per_file["model_state"].append((name, "model", [rows, H], None, box))
                 if ema:  # the daemon's average, named after the parameter; any values will do
@@ -83,6 +100,8 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False):
             meta = {"format": "flashckpt", "format_version": "1", "job": job, "rank": str(rank), "file": kind,
                     "world_size": str(W), "tp_rank": str(tp), "tp_degree": str(T), "pp_rank": str(pp),
                     "pp_degree": str(P), "shard_rank": str(shard), "shard_degree": str(D), "step": "%020d" % step}
+            if checksum_chunk:
+                meta["checksum_chunk"] = str(checksum_chunk)
             tensors = []
             for name, tkind, shape, frange, values in sorted(entries, key=lambda e: e[0]):
                 data = struct.pack("<%df" % len(values), *values)
@@ -93,6 +112,8 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False):
                 if frange:
                     meta[name + "@flat_range"] = json.dumps(frange, separators=(",", ":"))
                 meta[name + "@xxh3"] = "%016x" % reader.xxh3_64(data)
+                if checksum_chunk and len(data) > checksum_chunk:
+                    meta[name + "@xxh3_chunks"] = chunk_hex(data, checksum_chunk)
                 tensors.append((name, "F32", shape, data))
             path = os.path.join(ckpt, fname)
             write_safetensors(path, meta, tensors)
@@ -106,6 +127,9 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False):
                          "xxh3": meta[name + "@xxh3"]}
                 if frange:
                     piece["flat_range"] = frange
+                if name + "@xxh3_chunks" in meta:
+                    piece["chunk_bytes"] = checksum_chunk
+                    piece["xxh3_chunks"] = meta[name + "@xxh3_chunks"]
                 index.setdefault(name, []).append(piece)
         with open(os.path.join(ckpt, "saved_signal_%d" % rank), "w") as f:
             f.write("%d\n" % step)
@@ -197,6 +221,14 @@ class ReaderSelfTest(unittest.TestCase):
         self.assertEqual(reader.ema_tensor(self.ckpt, "layers.1.weight").tolist(), ema["layers.1.weight"].tolist())
         with self.assertRaises(reader.CheckpointError):
             reader.ema_tensor(self.ckpt, "layers.9.weight")
+
+    def test_uneven_row_blocks_pass(self):
+        # tp 3 of H 10: row blocks of 4, 4 and 2 rows, as flashckpt-sim splits them.
+        shutil.rmtree(self.job_dir)
+        os.makedirs(self.job_dir)
+        self.ckpt = write_fake_checkpoint(self.job_dir, "selftest", self.STEP, 3, 1, 2, 2, self.H)
+        s = reader.verify_checkpoint(self.ckpt, layers=2, hidden=self.H)
+        self.assertEqual(s["elements"], 3 * 2 * self.H * self.H)
 
     def test_cli_on_job_dir(self):
         self.assertEqual(reader.main([self.job_dir, "--layers", str(self.L), "--hidden", str(self.H)]), 0)
@@ -306,6 +338,294 @@ class ReaderSelfTest(unittest.TestCase):
             f.write("seven")
         with self.assertRaises(reader.CheckpointError):
             reader.read_latest(self.job_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# per-chunk checksums
+# ------------------------------------------------------------------------------------------------
+
+def edit_header(path, change):
+    """Applies change(__metadata__ dict) to a safetensors file's header in place; the header keeps its
+    length (the padding after the JSON absorbs the difference), so the data does not move."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n].decode())
+    change(header["__metadata__"])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n, "the edited header no longer fits in %d bytes" % n
+    with open(path, "wb") as f:
+        f.write(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+
+
+def wrong_chunk(hexes, k):
+    """`hexes` with chunk k's checksum changed in its last bit."""
+    return hexes[:16 * k] + "%016x" % (int(hexes[16 * k:16 * k + 16], 16) ^ 1) + hexes[16 * k + 16:]
+
+
+class ChunkChecksumCases:
+    """Cases run on a checkpoint with 4 KiB checksum chunks (self.ckpt, step 10, L layers of [H, H]):
+    FILE holds TENSOR, a 36 x 72 F32 box of 10368 bytes, so 3 chunks, the last of 2176 bytes."""
+
+    L, H, STEP, CHUNK = 2, 72, 10, 4096
+    FILE = "model_state.tp01_pp00_shard00.safetensors"
+    TENSOR = "layers.1.weight"
+
+    def verify(self, **kw):
+        return reader.verify_checkpoint(self.ckpt, layers=self.L, hidden=self.H, **kw)
+
+    def assertRejected(self, *needles, **kw):
+        with self.assertRaises(reader.CheckpointError) as cm:
+            self.verify(**kw)
+        for needle in needles:
+            self.assertIn(needle, str(cm.exception))
+        return str(cm.exception)
+
+    def path(self, name=None):
+        return os.path.join(self.ckpt, name or self.FILE)
+
+    def header(self, name=None):
+        return reader.read_safetensors(self.path(name)).metadata
+
+    def edit_index(self, change, name=None, tensor=None):
+        """Applies change(piece dict) to metadata.json's piece of `tensor` in file `name`."""
+        meta_path = os.path.join(self.ckpt, "metadata.json")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        pieces = [p for p in meta["tensors"][tensor or self.TENSOR] if p["file"] == (name or self.FILE)]
+        self.assertEqual(len(pieces), 1)
+        change(pieces[0])
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+
+    def set_chunks(self, hexes, header=True, index=True):
+        key = self.TENSOR + "@xxh3_chunks"
+        if header:
+            edit_header(self.path(), lambda m: m.__setitem__(key, hexes))
+        if index:
+            self.edit_index(lambda p: p.__setitem__("xxh3_chunks", hexes))
+
+    # --- accepted -------------------------------------------------------------------------------
+
+    def test_chunked_checkpoint_passes(self):
+        s = self.verify()
+        self.assertEqual(s["elements"], 3 * self.L * self.H * self.H)
+        # The checkpoint does carry chunk checksums, in every header and in metadata.json, and the
+        # tensor the other cases tamper with has 3 chunks.
+        with open(os.path.join(self.ckpt, "metadata.json")) as f:
+            index = json.load(f)["tensors"]
+        chunked = 0
+        for name in sorted(os.listdir(self.ckpt)):
+            if not name.endswith(".safetensors"):
+                continue
+            st = reader.read_safetensors(self.path(name))
+            self.assertEqual(st.metadata.get("checksum_chunk"), str(self.CHUNK), name)
+            for tname, t in st.tensors.items():
+                piece = [p for p in index[tname] if p["file"] == name][0]
+                if t.end - t.begin > self.CHUNK:
+                    chunked += 1
+                    self.assertEqual(piece["chunk_bytes"], self.CHUNK)
+                    self.assertEqual(piece["xxh3_chunks"], st.metadata[tname + "@xxh3_chunks"])
+                    self.assertEqual(piece["xxh3_chunks"], chunk_hex(st.tensor_bytes(tname), self.CHUNK))
+                else:
+                    self.assertNotIn(tname + "@xxh3_chunks", st.metadata)
+                    self.assertNotIn("xxh3_chunks", piece)
+        self.assertGreaterEqual(chunked, 2 * self.L)
+        self.assertEqual(len(self.header()[self.TENSOR + "@xxh3_chunks"]), 3 * 16)
+
+    def test_xxh3_chunks_matches_chunk_by_chunk(self):
+        data = reader.read_safetensors(self.path()).tensor_bytes(self.TENSOR)
+        for chunk in (256, 1024, self.CHUNK, 5000, 1 << 20):
+            want = [reader.xxh3_64(data[k:k + chunk]) for k in range(0, len(data), chunk)]
+            self.assertEqual(reader.xxh3_chunks(data, chunk), want, "chunk %d" % chunk)
+
+    # --- rejected -------------------------------------------------------------------------------
+
+    def test_wrong_chunk_checksum_in_header_and_metadata_json(self):
+        # Header and metadata.json agree on a wrong checksum for chunk 1, and the whole-tensor checksum
+        # is right: only hashing the chunk finds it.
+        m = self.header()
+        st = reader.read_safetensors(self.path())
+        self.assertEqual(m[self.TENSOR + "@xxh3"], "%016x" % reader.xxh3_64(st.tensor_bytes(self.TENSOR)))
+        self.set_chunks(wrong_chunk(m[self.TENSOR + "@xxh3_chunks"], 1))
+        msg = self.assertRejected(self.FILE, self.TENSOR, "chunk 1 of 3", "bytes [4096, 8192)", "checksum")
+        self.assertNotIn("chunk 0", msg)
+        self.assertEqual(reader.main([self.ckpt]), 1)
+        # Not hashing the data, the reader finds nothing wrong: the two records agree.
+        self.verify(checksums=False)
+
+    def test_wrong_last_chunk_checksum_in_header_only(self):
+        self.set_chunks(wrong_chunk(self.header()[self.TENSOR + "@xxh3_chunks"], 2), index=False)
+        self.assertRejected(self.FILE, self.TENSOR, "chunk 2 of 3", "bytes [8192, 10368)", "header says")
+
+    def test_flipped_byte_names_its_chunk(self):
+        st = reader.read_safetensors(self.path())
+        with open(st.path, "r+b") as f:
+            f.seek(st.tensors[self.TENSOR].begin + 9000)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x01]))
+        self.assertRejected(self.FILE, self.TENSOR, "chunk 2 of 3", "checksum mismatch")
+
+    def test_metadata_json_chunk_checksum_differs_from_header(self):
+        self.set_chunks(wrong_chunk(self.header()[self.TENSOR + "@xxh3_chunks"], 0), header=False)
+        self.assertRejected(self.FILE, self.TENSOR, "metadata.json", "chunk 0 of 3")
+        self.assertRejected(self.FILE, self.TENSOR, "metadata.json", "chunk 0 of 3", checksums=False)
+
+    def test_metadata_json_lacks_chunk_checksums(self):
+        def drop(p):
+            del p["chunk_bytes"], p["xxh3_chunks"]
+        self.edit_index(drop)
+        self.assertRejected(self.FILE, self.TENSOR, "metadata.json", "chunk_bytes")
+
+    def test_metadata_json_chunk_count_differs(self):
+        self.set_chunks(self.header()[self.TENSOR + "@xxh3_chunks"][:32], header=False)
+        self.assertRejected(self.FILE, self.TENSOR, "metadata.json", "xxh3_chunks has 32 characters")
+
+    def test_metadata_json_chunk_bytes_differs(self):
+        self.edit_index(lambda p: p.__setitem__("chunk_bytes", 2 * self.CHUNK))
+        self.assertRejected(self.FILE, self.TENSOR, "metadata.json", "chunk_bytes")
+
+    def test_header_lacks_chunk_checksums(self):
+        edit_header(self.path(), lambda m: m.pop(self.TENSOR + "@xxh3_chunks"))
+        self.assertRejected(self.FILE, self.TENSOR, "no @xxh3_chunks")
+
+    def test_header_chunk_checksum_not_hex(self):
+        hexes = self.header()[self.TENSOR + "@xxh3_chunks"]
+        self.set_chunks(hexes[:16] + hexes[16:32].upper() + hexes[32:])
+        self.assertRejected(self.FILE, self.TENSOR, "chunk 1 of 3", "lowercase hex")
+
+    def test_checksum_chunk_not_a_power_of_two(self):
+        edit_header(self.path(), lambda m: m.__setitem__("checksum_chunk", "3000"))
+        self.assertRejected(self.FILE, "checksum_chunk", "power of two")
+
+
+class FakeChunkChecksumTest(ChunkChecksumCases, unittest.TestCase):
+    """A fake checkpoint with chunk checksums: tp 2 x shard 3, so every optimizer piece (864 floats,
+    3456 bytes) fits in one chunk and has none, and every model piece has 3."""
+
+    T, P, D = 2, 1, 3
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="fc-reader-chunks-")
+        job_dir = os.path.join(self.tmp, "job")
+        os.makedirs(job_dir)
+        self.ckpt = write_fake_checkpoint(job_dir, "selftest", self.STEP, self.T, self.P, self.D, self.L, self.H,
+                                          checksum_chunk=self.CHUNK)
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_chunk_checksums_on_a_tensor_within_one_chunk(self):
+        name, tensor = "optimizer.tp00_pp00_shard01.safetensors", "layers.0.weight.exp_avg"
+        st = reader.read_safetensors(self.path(name))
+        self.assertLessEqual(st.tensors[tensor].end - st.tensors[tensor].begin, self.CHUNK)
+        hexes = chunk_hex(st.tensor_bytes(tensor), 2048)
+        self.edit_index(lambda p: p.update(chunk_bytes=2048, xxh3_chunks=hexes), name=name, tensor=tensor)
+        self.assertRejected(name, tensor, "metadata.json", "no chunk checksums")
+        edit_header(self.path(name), lambda m: m.__setitem__(tensor + "@xxh3_chunks", hexes))
+        self.assertRejected(name, tensor, "fit in one checksum chunk")
+
+    def test_chunk_checksums_without_checksum_chunk(self):
+        edit_header(self.path(), lambda m: m.pop("checksum_chunk"))
+        self.assertRejected(self.FILE, "no checksum_chunk")
+
+
+def _bin_dir():
+    """FLASHCKPT_BIN_DIR, or build/bin of this checkout; None when that is unset and has no flashckptd."""
+    bin_dir = os.environ.get("FLASHCKPT_BIN_DIR")
+    if bin_dir:
+        return bin_dir
+    bin_dir = os.path.join(REPO, "build", "bin")
+    return bin_dir if os.access(os.path.join(bin_dir, "flashckptd"), os.X_OK) else None
+
+
+class DaemonChunkChecksumTest(ChunkChecksumCases, unittest.TestCase):
+    """A real checkpoint: flashckptd --checksum-chunk 4KiB, four flashckpt-sim ranks (tp 2 x shard 2,
+    EMA on) save step 10 once for the class; each case tampers with a copy. Every piece has chunks:
+    model and EMA 3 (10368 bytes), optimizer 2 (5184 bytes)."""
+
+    T, D = 2, 2
+    SIM_TIMEOUT_S = 30
+
+    @classmethod
+    def setUpClass(cls):
+        bin_dir = _bin_dir()
+        if bin_dir is None:
+            raise unittest.SkipTest("no flashckptd in %s/build/bin and FLASHCKPT_BIN_DIR unset" % REPO)
+        cls.saved_tmp = tempfile.mkdtemp(prefix="fc-reader-daemon-")
+        try:
+            cls.saved_job = cls._save(bin_dir, cls.saved_tmp)
+        except BaseException:
+            shutil.rmtree(cls.saved_tmp, ignore_errors=True)
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.saved_tmp, ignore_errors=True)
+
+    @classmethod
+    def _save(cls, bin_dir, tmp):
+        sock, root = os.path.join(tmp, "flashckptd.sock"), os.path.join(tmp, "root")
+        job = "selftest-chunks-%d" % os.getpid()
+        daemon_log = os.path.join(tmp, "flashckptd.log")
+        cmd = harness.daemon_command(harness.binary(bin_dir, "flashckptd", error=AssertionError), sock, root,
+                                     extra_args=["--checksum-chunk", "4KiB"])
+        sim = harness.binary(bin_dir, "flashckpt-sim", error=AssertionError)
+        world = cls.T * cls.D
+        daemon, sims = harness.spawn_daemon(cmd, daemon_log), []
+        try:
+            harness.wait_daemon_ready(daemon, sock, error=AssertionError,
+                                      exit_detail=lambda: ":\n" + harness.tail(daemon_log))
+            for rank in range(world):
+                out = open(os.path.join(tmp, "sim.rank%d.log" % rank), "wb")
+                with out:
+                    sims.append(subprocess.Popen(
+                        [sim, "--socket", sock, "--job", job, "--rank", str(rank), "--world-size", str(world),
+                         "--tp-degree", str(cls.T), "--shard-degree", str(cls.D), "--layers", str(cls.L),
+                         "--hidden", str(cls.H), "--steps", str(cls.STEP), "--save-every", str(cls.STEP),
+                         "--ema-decay", "0.9", "--wait-timeout", str(cls.SIM_TIMEOUT_S)],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + cls.SIM_TIMEOUT_S
+            for rank, p in enumerate(sims):
+                try:
+                    rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    rc = "still running after %ds" % cls.SIM_TIMEOUT_S
+                if rc != 0:
+                    raise AssertionError("flashckpt-sim rank %d: %s\n%s\nflashckptd:\n%s" % (
+                        rank, rc, harness.tail(os.path.join(tmp, "sim.rank%d.log" % rank)),
+                        harness.tail(daemon_log)))
+        finally:
+            harness.kill_processes(sims)
+            code = harness.stop_daemon(daemon)
+            for seg in glob.glob("/dev/shm/flashckpt.%s.*" % job):  # the job's EMA segments
+                os.unlink(seg)
+        if code != 0:
+            raise AssertionError("flashckptd exited %s on SIGTERM:\n%s" % (code, harness.tail(daemon_log)))
+        return os.path.join(root, job)
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="fc-reader-daemon-case-")
+        job_dir = os.path.join(self.tmp, "job")
+        shutil.copytree(self.saved_job, job_dir)
+        self.ckpt = os.path.join(job_dir, "checkpoint-%d" % self.STEP)
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_ema_pieces_are_chunked_and_checked(self):
+        s = self.verify()
+        self.assertEqual(s["ema_tensors"], self.L)
+        name = "ema.tp00_pp00_shard00.safetensors"
+        self.assertEqual(len(self.header(name)["layers.0.weight@xxh3_chunks"]), 3 * 16)
+        st = reader.read_safetensors(self.path(name))
+        with open(st.path, "r+b") as f:
+            f.seek(st.tensors["layers.0.weight"].begin + 100)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x80]))
+        self.assertRejected(name, "layers.0.weight", "chunk 0 of 3")
 
 
 if __name__ == "__main__":
