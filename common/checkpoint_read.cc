@@ -17,8 +17,8 @@
 namespace flashckpt {
 namespace {
 
-// Reads of a saved piece in part go through a buffer of at most this size.
-constexpr uint64_t kReadBuffer = 8u << 20;
+// Reads go in blocks of at most this size (for a piece read in part, through a buffer of it).
+constexpr uint64_t kReadBuffer = 4u << 20;
 // Merged whole-piece reads are cut at piece boundaries into tasks of about this size, so that a
 // large file is read by several threads.
 constexpr uint64_t kTaskBytes = 64u << 20;
@@ -67,15 +67,30 @@ Status ChecksumMismatch(const std::string& path, const Piece& p, std::optional<s
                     ChecksumHex(want));
 }
 
+// Reads the run in blocks straight into the slot and hashes each block while it is still in
+// cache, so verifying costs no second pass over memory.
 Status RunDirect(const DirectRead& r, Counters& counters) {
-  const Piece& first = *r.pieces.front();
-  const uint64_t bytes = r.pieces.back()->end - first.begin;
-  RETURN_IF_ERROR(PreadFull(r.fd, r.dest, bytes, first.begin, *r.path));
-  counters.bytes_read += bytes;
-  counters.reads += 1;
-  for (const Piece* p : r.pieces) {
-    uint64_t got = Xxh3(r.dest + (p->begin - first.begin), p->end - p->begin);
-    if (got != p->xxh3) return ChecksumMismatch(*r.path, *p, std::nullopt, got, p->xxh3);
+  const uint64_t begin = r.pieces.front()->begin, end = r.pieces.back()->end;
+  Xxh3Stream hash;
+  size_t piece = 0;  // the piece whose bytes come next
+  for (uint64_t pos = begin; pos < end;) {
+    const uint64_t n = std::min(kReadBuffer, end - pos);
+    char* block = r.dest + (pos - begin);
+    RETURN_IF_ERROR(PreadFull(r.fd, block, n, pos, *r.path));
+    counters.bytes_read += n;
+    counters.reads += 1;
+    for (uint64_t off = pos; off < pos + n;) {
+      const Piece& p = *r.pieces[piece];
+      const uint64_t take = std::min(p.end, pos + n) - off;
+      hash.Update(block + (off - pos), take);
+      off += take;
+      if (off == p.end) {
+        if (hash.Digest() != p.xxh3) return ChecksumMismatch(*r.path, p, std::nullopt, hash.Digest(), p.xxh3);
+        hash.Reset();
+        ++piece;
+      }
+    }
+    pos += n;
   }
   return Status::OK();
 }
