@@ -70,6 +70,27 @@ class ClientTest(harness.DaemonTestCase):
             else:
                 self.assertTrue(torch.equal(out[n], t), n)
 
+    def test_restore_narrows_fp32_to_bf16_and_fp16_only_when_asked(self):
+        w = torch.randn(64, 33) * 1000   # fp32 values that bf16 and fp16 must round
+        w[0, :4] = torch.tensor([float("inf"), float("nan"), 1e6, -0.0])  # fp16 overflow: inf
+        job = self.daemon.job("narrow")
+        with flashckpt.Client(self.daemon.socket, job) as c:
+            c.register({"w": w})
+            c.snapshot(1, {"w": w})
+            c.wait_persisted(1, timeout=30)
+        for dtype in (torch.bfloat16, torch.float16):
+            with flashckpt.Client(self.daemon.socket, job) as c:
+                out = torch.zeros(64, 33, dtype=dtype)
+                c.register({"w": out})
+                with self.assertRaises(flashckpt.FlashckptError) as err:
+                    c.restore({"w": out})
+                self.assertIn("dtype conversion", str(err.exception))
+                self.assertEqual(c.restore({"w": out}, convert_dtype=True)[0], 1)
+            # torch's own conversion rounds to nearest even too: the bits must agree.
+            want = w.to(dtype)
+            same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
+            self.assertTrue(bool(same.all()), dtype)
+
     def test_tensor_modified_after_snapshot_returns(self):
         a = np.full((1 << 20,), 1.5, np.float32)   # 4 MiB
         b = torch.full((1 << 19,), 2.5, dtype=torch.float64)
