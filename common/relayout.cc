@@ -98,7 +98,9 @@ std::vector<Held> Gather(const CheckpointMetadata& meta) {
   }
   std::sort(out.begin(), out.end(), [](const Held& a, const Held& b) {
     if (a.stage != b.stage) return a.stage < b.stage;
-    if (a.key != b.key) return NaturalLess(a.key, b.key);
+    if (NaturalLess(a.key, b.key)) return true;
+    if (NaturalLess(b.key, a.key)) return false;
+    if (a.key != b.key) return a.key < b.key;  // "x.01" and "x.1": naturally equal, still distinct
     return a.kind < b.kind;
   });
   return out;
