@@ -5,15 +5,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 
 namespace flashckpt {
 
 Status ErrnoStatus(std::string_view what, std::string_view path, int err) {
-  std::string msg = std::string(what) + " " + std::string(path) + ": " + std::strerror(err) + " (errno " +
-                    std::to_string(err) + ")";
+  std::string msg =
+      std::string(what) + " " + std::string(path) + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
   if (err == ENOSPC || err == EDQUOT) return ResourceExhausted(std::move(msg));
   if (err == ENOENT) return NotFound(std::move(msg));
   return IOError(std::move(msg));
@@ -154,6 +157,115 @@ Status WriteImageDurably(const std::string& dir, const std::string& name, const 
     return WriteFileDurably(dir, name, std::vector<WriteSpan>{{data, bytes}}, renamed);
   }
   return s;
+}
+
+Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
+                          const std::function<void(size_t, size_t, uint64_t, uint64_t)>& prepare,
+                          const std::function<void(size_t)>& finish, std::vector<std::string>* renamed) {
+  constexpr uint64_t kAlign = 4096;
+  auto down = [](uint64_t v) { return v / kAlign * kAlign; };
+  for (const ImageWrite& im : images) {
+    if (reinterpret_cast<uintptr_t>(im.data) % kAlign != 0 || im.head % kAlign != 0 || im.head > im.bytes ||
+        im.cuts.empty() || im.cuts.front() != im.head || !std::is_sorted(im.cuts.begin(), im.cuts.end()) ||
+        im.cuts.back() > im.bytes || im.piece == 0) {
+      return Internal("WriteImagesDurably: image " + im.name + " is not laid out for it");
+    }
+  }
+  static std::atomic<uint64_t> counter{0};
+  struct Open {
+    std::string tmp;
+    UniqueFd fd;
+  };
+  std::vector<Open> files(images.size());
+  auto cleanup = [&](Status s) {
+    for (Open& f : files) {
+      if (!f.tmp.empty()) {
+        f.fd.Reset();
+        ::unlink(f.tmp.c_str());
+      }
+    }
+    return s;
+  };
+  int flags = O_DIRECT;
+  for (size_t i = 0; i < images.size(); ++i) {
+    files[i].tmp = dir + "/" + images[i].name + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    int fd = ::open(files[i].tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+    if (fd < 0 && errno == EINVAL && flags != 0) {  // no O_DIRECT here (tmpfs): buffered writes
+      flags = 0;
+      fd = ::open(files[i].tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }
+    if (fd < 0) {
+      Status s = ErrnoStatus("create", files[i].tmp);
+      files[i].tmp.clear();
+      return cleanup(s);
+    }
+    files[i].fd = UniqueFd(fd);
+  }
+
+  struct Task {
+    size_t image, region;
+  };
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < images.size(); ++i) {
+    for (size_t r = 0; r < images[i].cuts.size(); ++r) tasks.push_back({i, r});
+  }
+  std::mutex error_mu;
+  Status first_error;
+  auto fail = [&](const Status& s) {
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (first_error.ok()) first_error = s;
+  };
+  auto run = [&](size_t count, const std::function<void(size_t)>& body) {
+    if (loop != nullptr) {
+      loop->Run(count, body);
+    } else {
+      for (size_t k = 0; k < count; ++k) body(k);
+    }
+  };
+  run(tasks.size(), [&](size_t k) {
+    const ImageWrite& im = images[tasks[k].image];
+    const size_t r = tasks[k].region;
+    const int fd = files[tasks[k].image].fd.get();
+    const std::string& path = files[tasks[k].image].tmp;
+    const uint64_t lo = im.cuts[r], hi = r + 1 < im.cuts.size() ? im.cuts[r + 1] : im.bytes;
+    const uint64_t write_end = r + 1 < im.cuts.size() ? down(hi) : (im.bytes + kAlign - 1) / kAlign * kAlign;
+    uint64_t written = down(lo);  // pages before this one belong to the previous region (or the head)
+    uint64_t from = lo;
+    do {
+      const uint64_t to = std::min(hi, from + im.piece);
+      prepare(tasks[k].image, r, from, to);
+      const uint64_t target = to == hi ? write_end : down(to);
+      if (target > written) {
+        Status s = PwriteFull(fd, im.data + written, target - written, written, path);
+        if (!s.ok()) return fail(s);
+        written = target;
+      }
+      from = to;
+    } while (from < hi);
+  });
+  if (!first_error.ok()) return cleanup(first_error);
+
+  run(images.size(), [&](size_t i) {
+    const ImageWrite& im = images[i];
+    const int fd = files[i].fd.get();
+    const std::string& path = files[i].tmp;
+    finish(i);
+    Status s = PwriteFull(fd, im.data, im.head, 0, path);
+    if (s.ok() && im.bytes % kAlign != 0 && ::ftruncate(fd, static_cast<off_t>(im.bytes)) != 0) {
+      s = ErrnoStatus("ftruncate", path);
+    }
+    if (s.ok() && ::fdatasync(fd) != 0) s = ErrnoStatus("fdatasync", path);
+    if (!s.ok()) fail(s);
+  });
+  if (!first_error.ok()) return cleanup(first_error);
+  for (size_t i = 0; i < images.size(); ++i) {
+    files[i].fd.Reset();
+    const std::string final_path = dir + "/" + images[i].name;
+    if (::rename(files[i].tmp.c_str(), final_path.c_str()) != 0) return cleanup(ErrnoStatus("rename", files[i].tmp));
+    files[i].tmp.clear();
+    if (renamed != nullptr) renamed->push_back(images[i].name);
+  }
+  return FsyncDir(dir);
 }
 
 Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed) {

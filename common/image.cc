@@ -31,21 +31,34 @@ void WriteHex(char* field, uint64_t checksum) {
 
 }  // namespace
 
-void StampChecksum(char* slot, const RankLayout& layout, size_t tensor) {
-  const Placement& p = layout.placements[tensor];
-  const char* data = slot + p.slot_offset;
-  if (p.chunks_field == 0) {
-    WriteHex(slot + p.checksum_field, Xxh3(data, p.bytes));
+ChecksumStamper::ChecksumStamper(char* slot, const RankLayout& layout, size_t tensor)
+    : slot_(slot), p_(&layout.placements[tensor]) {}
+
+void ChecksumStamper::Feed(uint64_t from, uint64_t to) {
+  const char* data = slot_ + p_->slot_offset;
+  if (p_->chunks_field == 0) {
+    whole_.Update(data + from, to - from);
     return;
   }
   // Each chunk is hashed on its own and then fed to the whole-tensor hash while still in cache.
-  Xxh3Stream whole;
-  for (uint64_t k = 0, pos = 0; pos < p.bytes; ++k, pos += p.checksum_chunk) {
-    const uint64_t n = std::min(p.checksum_chunk, p.bytes - pos);
-    WriteHex(slot + p.chunks_field + k * kChecksumFieldWidth, Xxh3(data + pos, n));
-    whole.Update(data + pos, n);
+  for (uint64_t pos = from; pos < to; pos += p_->checksum_chunk) {
+    const uint64_t n = std::min(p_->checksum_chunk, to - pos);
+    WriteHex(slot_ + p_->chunks_field + pos / p_->checksum_chunk * kChecksumFieldWidth, Xxh3(data + pos, n));
+    whole_.Update(data + pos, n);
   }
-  WriteHex(slot + p.checksum_field, whole.Digest());
+}
+
+void ChecksumStamper::Finish() { WriteHex(slot_ + p_->checksum_field, whole_.Digest()); }
+
+void StampChecksum(char* slot, const RankLayout& layout, size_t tensor) {
+  const Placement& p = layout.placements[tensor];
+  if (p.chunks_field == 0) {
+    WriteHex(slot + p.checksum_field, Xxh3(slot + p.slot_offset, p.bytes));
+    return;
+  }
+  ChecksumStamper stamper(slot, layout, tensor);
+  stamper.Feed(0, p.bytes);
+  stamper.Finish();
 }
 
 void StampEmaCounters(char* slot, const RankLayout& layout, size_t file, uint64_t updates_applied,

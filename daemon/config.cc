@@ -38,6 +38,9 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--keep", config.keep,
                  "Keep the newest N complete checkpoints of each job and delete older ones (0: keep all)")
       ->capture_default_str();
+  app.add_option("--io-threads", config.io_threads, "Writes in flight per writer thread (one persist)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   app.add_option("--restore-threads", config.restore_threads, "Reader threads of one restore")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();

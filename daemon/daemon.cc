@@ -78,7 +78,7 @@ Status Daemon::Start() {
   if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
   if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
   RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
-  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096);
+  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads);
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
   ema_loop_ = std::make_unique<ParallelLoop>(ema_threads - 1);

@@ -10,14 +10,14 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
-#include <thread>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/layout.h"
@@ -38,8 +38,9 @@ struct DaemonConfig {
   uint32_t slots = 2;
   uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
   unsigned writer_threads = 2;
-  unsigned ema_threads = 0;  // 0: min(hardware threads, 8)
-  unsigned restore_threads = 4;  // reader threads of one restore
+  unsigned ema_threads = 0;                         // 0: min(hardware threads, 8)
+  unsigned restore_threads = 4;                     // reader threads of one restore
+  unsigned io_threads = 4;                          // writes in flight per writer thread
   uint64_t checksum_chunk = kDefaultChecksumChunk;  // per-chunk checksums of saved tensors (layout.h)
   unsigned segment_mode = 0600;
   // Retention: after a checkpoint completes, keep the newest `keep` complete checkpoints of its job
@@ -72,9 +73,7 @@ struct RankSegment {
   ~RankSegment();
   char* Slot(uint32_t i) const { return shm->data() + kSegmentHeaderBytes + slot_stride * i; }
   // Base pointer for the EMA plan's offsets so that its image lands in the slot's EMA room.
-  char* SlotEmaBase(uint32_t i) const {
-    return Slot(i) + ema_area - ema->plan().layout.files[0].slot_offset;
-  }
+  char* SlotEmaBase(uint32_t i) const { return Slot(i) + ema_area - ema->plan().layout.files[0].slot_offset; }
   // Copies the slot's state into its header page for inspection.
   void Mirror(uint32_t i) const;
 };
@@ -138,7 +137,7 @@ class Daemon {
     std::string session_id;  // empty when the trainer is gone
     Topology topology;
     Backpressure policy = Backpressure::kWait;
-    int64_t last_begun = -1;  // per session: steps must increase
+    int64_t last_begun = -1;   // per session: steps must increase
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
     bool registered = false;   // per session: Register succeeded (its topology is current)
     int64_t last_committed = -1;
@@ -201,14 +200,14 @@ class Daemon {
   std::unique_ptr<Writer> writer_;
   std::unique_ptr<ParallelLoop> ema_loop_;  // used by the EMA stage thread only
   std::thread ema_thread_;
-  std::deque<EmaJob> ema_queue_;            // guarded by mu_; bounded by the slots in COMMITTED
+  std::deque<EmaJob> ema_queue_;  // guarded by mu_; bounded by the slots in COMMITTED
   std::atomic<uint64_t> host_memory_used_{0};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool stopping_ = false;                           // guarded by mu_
-  std::map<std::string, SessionInfo> sessions_;     // guarded by mu_
-  std::map<std::string, JobState> jobs_;            // guarded by mu_
+  bool stopping_ = false;                        // guarded by mu_
+  std::map<std::string, SessionInfo> sessions_;  // guarded by mu_
+  std::map<std::string, JobState> jobs_;         // guarded by mu_
 };
 
 }  // namespace flashckpt

@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "common/fs.h"
@@ -48,12 +50,18 @@ Result<std::string> Base64Decode(const std::string& in) {
       if (c == '=' && i + 4 == in.size() && k >= 2) {
         d = 0;
         ++pad;
-      } else if (c >= 'A' && c <= 'Z') d = c - 'A';
-      else if (c >= 'a' && c <= 'z') d = c - 'a' + 26;
-      else if (c >= '0' && c <= '9') d = c - '0' + 52;
-      else if (c == '+') d = 62;
-      else if (c == '/') d = 63;
-      else return Corruption("extra: invalid base64 character");
+      } else if (c >= 'A' && c <= 'Z')
+        d = c - 'A';
+      else if (c >= 'a' && c <= 'z')
+        d = c - 'a' + 26;
+      else if (c >= '0' && c <= '9')
+        d = c - '0' + 52;
+      else if (c == '+')
+        d = 62;
+      else if (c == '/')
+        d = 63;
+      else
+        return Corruption("extra: invalid base64 character");
       v = (v << 6) | d;
     }
     out += static_cast<char>((v >> 16) & 0xff);
@@ -94,8 +102,8 @@ Result<std::string> DecodeExtra(const std::string& file_contents) {
   return Corruption("extra file has unknown encoding '" + e + "'");
 }
 
-Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity)
-    : catalog_(catalog), capacity_(queue_capacity) {
+Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads)
+    : catalog_(catalog), capacity_(queue_capacity), io_threads_(std::max(1u, io_threads)) {
   for (unsigned i = 0; i < std::max(1u, threads); ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -125,6 +133,7 @@ void Writer::Stop() {
 }
 
 void Writer::Run() {
+  ParallelLoop io(io_threads_ - 1);  // this thread's writes in flight
   for (;;) {
     PersistRequest req;
     {
@@ -135,13 +144,16 @@ void Writer::Run() {
       queue_.pop_front();
     }
     auto start = std::chrono::steady_clock::now();
-    auto written = Persist(req);
+    auto written = Persist(req, &io);
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (req.done) req.done(written.status(), written.ok() ? *written : 0, secs);
   }
 }
 
 namespace {
+
+// Tensors are hashed and written in pieces of about this size (whole checksum chunks).
+constexpr uint64_t kWritePiece = 16u << 20;
 
 // Removes the files one failed attempt of a rank put under their final names, the signal first (it
 // was written last), so the directory never claims more than it holds. A directory that became
@@ -169,7 +181,7 @@ void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const
 
 }  // namespace
 
-Result<uint64_t> Writer::Persist(const PersistRequest& req) {
+Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
   const std::string dir = catalog_->CheckpointDir(req.job, req.step);
   std::vector<std::string> written;  // files of this attempt now under their final names, in order
   uint64_t bytes = 0;
@@ -177,7 +189,7 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req) {
   {
     // Retention leaves the directory alone while this rank writes into it.
     StepInUse in_use = catalog_->Use(req.job, req.step);
-    wrote = WriteRankFiles(req, dir, &written, &bytes);
+    wrote = WriteRankFiles(req, dir, io, &written, &bytes);
   }
   if (!wrote.ok()) {
     RemoveAttemptFiles(req, dir, written);
@@ -191,45 +203,72 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req) {
   return bytes;
 }
 
-Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, std::vector<std::string>* written,
-                              uint64_t* bytes) {
+Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
+                              std::vector<std::string>* written, uint64_t* bytes) {
   const RankLayout& layout = *req.layout;
   RETURN_IF_ERROR(MakeDirs(dir));
   Signal signal;
   signal.rank = req.rank;
   signal.step = req.step;
   signal.resumed_from = req.resumed_from;
-  auto write = [&](const std::string& name, const std::vector<WriteSpan>& spans) {
+
+  // The file images go out with several writes in flight, one task per tensor: the task hashes its
+  // tensor a piece at a time (pieces are whole checksum chunks) and writes each piece right after,
+  // while it is in cache. The headers, which hold the step and the checksums, are written last.
+  // The EMA image was stamped by the EMA stage; its tensors are only written.
+  struct Source {
+    const RankLayout* layout;
+    char* base;  // what the layout's offsets are relative to
+    size_t file;
+    bool stamp;
+  };
+  std::vector<Source> sources;
+  for (size_t f = 0; f < layout.files.size(); ++f) sources.push_back({&layout, req.slot, f, true});
+  if (req.ema_layout != nullptr) sources.push_back({req.ema_layout, req.ema_base, 0, false});
+  const uint64_t chunk = layout.checksum_chunk;
+  const uint64_t piece = std::max(chunk, (kWritePiece / chunk) * chunk);
+  std::vector<ImageWrite> images;
+  std::vector<std::vector<std::unique_ptr<ChecksumStamper>>> stampers;
+  for (const Source& s : sources) {
+    const FileImage& image = s.layout->files[s.file];
+    ImageWrite w;
+    w.name = image.stem + ".safetensors";
+    w.data = s.base + image.slot_offset;
+    w.bytes = image.file_bytes();
+    w.head = image.header.size();
+    w.piece = piece;
+    std::vector<std::unique_ptr<ChecksumStamper>> per_tensor;
+    for (size_t t : image.tensors) {
+      w.cuts.push_back(s.layout->placements[t].slot_offset - image.slot_offset);
+      per_tensor.push_back(s.stamp ? std::make_unique<ChecksumStamper>(s.base, *s.layout, t) : nullptr);
+    }
+    if (w.cuts.empty()) w.cuts.push_back(w.head);
+    images.push_back(std::move(w));
+    stampers.push_back(std::move(per_tensor));
+    signal.files.push_back(images.back().name);
+    *bytes += image.file_bytes();
+  }
+  auto prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
+    if (r >= stampers[i].size() || !stampers[i][r]) return;
+    const Source& s = sources[i];
+    const Placement& p = s.layout->placements[s.layout->files[s.file].tensors[r]];
+    const uint64_t start = images[i].cuts[r];
+    stampers[i][r]->Feed(from - start, to - start);
+    if (to - start == p.bytes) stampers[i][r]->Finish();
+  };
+  auto finish = [&](size_t i) {
+    if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
+  };
+  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, prepare, finish, written));
+
+  auto write = [&](const std::string& name, const std::string& text) {
     bool renamed = false;
-    Status s = WriteFileDurably(dir, name, spans, &renamed);
+    Status s = WriteFileDurably(dir, name, text, &renamed);
     if (renamed) written->push_back(name);
     return s;
   };
-  // A file image starts on a 4 KiB boundary of the slot and owns the slot up to the next one, so
-  // it can be written with O_DIRECT straight from the slot, the padded tail cut afterwards.
-  auto write_image = [&](const std::string& name, const char* data, uint64_t size) {
-    bool renamed = false;
-    Status s = WriteImageDurably(dir, name, data, size, (size + kPageSize - 1) / kPageSize * kPageSize, &renamed);
-    if (renamed) written->push_back(name);
-    return s;
-  };
-  for (size_t f = 0; f < layout.files.size(); ++f) {
-    const FileImage& image = layout.files[f];
-    StampImage(req.slot, layout, f, req.step);
-    RETURN_IF_ERROR(write_image(image.stem + ".safetensors", req.slot + image.slot_offset, image.file_bytes()));
-    *bytes += image.file_bytes();
-    signal.files.push_back(image.stem + ".safetensors");
-  }
-  if (req.ema_layout != nullptr) {
-    const FileImage& image = req.ema_layout->files[0];
-    RETURN_IF_ERROR(write_image(image.stem + ".safetensors", req.ema_base + image.slot_offset, image.file_bytes()));
-    *bytes += image.file_bytes();
-    signal.files.push_back(image.stem + ".safetensors");
-  }
-  std::string extra = EncodeExtra(req.job, req.rank, req.step, req.extra);
-  RETURN_IF_ERROR(write(ExtraFileName(req.rank), {{extra.data(), extra.size()}}));
-  std::string text = EncodeSignal(req.job, signal, *bytes);
-  return write(SignalFileName(req.rank), {{text.data(), text.size()}});
+  RETURN_IF_ERROR(write(ExtraFileName(req.rank), EncodeExtra(req.job, req.rank, req.step, req.extra)));
+  return write(SignalFileName(req.rank), EncodeSignal(req.job, signal, *bytes));
 }
 
 }  // namespace flashckpt

@@ -12,8 +12,8 @@
 #include "common/verify.h"
 #include "daemon/catalog.h"
 #include "daemon/server.h"
-#include "in_process_daemon.h"
 #include "flashckpt/client.h"
+#include "in_process_daemon.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -154,7 +154,7 @@ TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
   if (!MountTinyRoot("16m")) GTEST_SKIP() << "mount -t tmpfs failed: " << strerror(errno);
   StartDaemon(/*keep=*/0);
   // 3 MiB per tensor, 6 MiB per checkpoint: two fit in 16 MiB; the third fills the disk while its
-  // optimizer file is written, after its model_state file is already in place.
+  // files are written (both at once: which one fails first varies).
   const uint64_t n = (3u << 20) / 4;
   Trainer t = StartTrainer("full", n);
   ASSERT_TRUE(t.client);
@@ -164,7 +164,9 @@ TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
   ASSERT_EQ(failed.code(), StatusCode::kResourceExhausted) << failed.ToString();
   EXPECT_NE(failed.message().find("step 3"), std::string::npos) << failed.message();
   EXPECT_NE(failed.message().find("No space left on device"), std::string::npos) << failed.message();
-  EXPECT_NE(failed.message().find(StepDir("full", 3) + "/optimizer."), std::string::npos) << failed.message();
+  const bool names_a_file = failed.message().find(StepDir("full", 3) + "/optimizer.") != std::string::npos ||
+                            failed.message().find(StepDir("full", 3) + "/model_state.") != std::string::npos;
+  EXPECT_TRUE(names_a_file) << failed.message();
 
   // Nothing of step 3 claims to be there: no signal, no stray temporary, no renamed file.
   EXPECT_EQ(Entries("full"), (Names{"LATEST", "checkpoint-1", "checkpoint-2", "checkpoint-3"}));
