@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""torch.save against flashckpt: how long each blocks the training loop, and how long until durable.
+"""torch.save and a plain writer against flashckpt: how long each blocks the training loop, and how
+long until durable.
 
     bench/torch_save_bench.py [--gib 1.0] [--repeats 5] [--dir DIR] [--bin-dir build/bin]
 
@@ -9,6 +10,8 @@ and the daemon's --root side by side).
 
   torch.save   blocks the loop for the whole serialisation and write; durable once the file and its
                directory are fsynced as well.
+  tofile       a plain writer: each tensor's bytes with numpy.ndarray.tofile into one file; durable
+               after fsync of the file and its directory.
   flashckpt    blocks for Checkpointer.save(): flattening the state dicts and copying the tensors
                into the daemon's shared memory; durable when wait_persisted() returns (the daemon
                has written, fdatasynced and renamed the files), counted from the start of save().
@@ -18,7 +21,7 @@ first touch of fresh shared memory) is shown on its own. The limit measured in t
 plain copy of the same tensors into preallocated memory, on as many threads as flashckpt copies with
 (min(cores, 8)): since a snapshot of CPU tensors is complete when save() returns, torch.save / memcpy
 bounds the ratio on a machine. The
-target is flashckpt blocking at least 10x less than torch.save.
+target is flashckpt blocking at least 10x less than both torch.save and tofile.
 """
 
 import argparse
@@ -133,6 +136,24 @@ def main():
             ts_durable.append(durable)
         os.unlink(path)
 
+    # A plain writer: each tensor's bytes with numpy.ndarray.tofile into one file, then fsync.
+    np_block, np_durable = [], []
+    os.makedirs(os.path.join(work, "numpy"), exist_ok=True)
+    for i in range(args.repeats + 1):
+        path = os.path.join(work, "numpy", "checkpoint-%d.bin" % i)
+        started = time.perf_counter()
+        with open(path, "wb") as f:
+            for t in tensors:
+                t.detach().numpy().tofile(f)
+        blocked = time.perf_counter() - started
+        fsync_path(path)
+        fsync_path(os.path.dirname(path), directory=True)
+        durable = time.perf_counter() - started
+        if i > 0:
+            np_block.append(blocked)
+            np_durable.append(durable)
+        os.unlink(path)
+
     daemon = start_daemon(args.bin_dir, socket, root, budget, log)
     try:
         fc_block, fc_durable = [], []
@@ -167,6 +188,8 @@ def main():
     print()
     print("%-12s %20s %20s" % ("", "blocks the loop", "durable after"))
     print("%-12s %12s %5.2f GB/s %12s %5.2f GB/s" % ("torch.save", ms(tb), gbps / tb, ms(td), gbps / td))
+    nb, nd = statistics.median(np_block), statistics.median(np_durable)
+    print("%-12s %12s %5.2f GB/s %12s %5.2f GB/s" % ("tofile", ms(nb), gbps / nb, ms(nd), gbps / nd))
     print("%-12s %12s %5.2f GB/s %12s %5.2f GB/s" % ("flashckpt", ms(fb), gbps / fb, ms(fd), gbps / fd))
     print("%-12s %12s %5.2f GB/s" % ("memcpy", ms(memcpy), gbps / memcpy))
     print()
@@ -174,6 +197,8 @@ def main():
     print("torch.save blocks %.1fx longer than flashckpt (target: at least 10x: %s)"
           % (ratio, "met" if ratio >= 10 else "NOT met"))
     # A CPU snapshot is complete when save() returns, so it cannot block for less than a copy of the bytes.
+    print("tofile blocks %.1fx longer than flashckpt (target: at least 10x: %s)"
+          % (nb / fb, "met" if nb / fb >= 10 else "NOT met"))
     print("the most this machine allows: torch.save / memcpy = %.1fx" % (tb / memcpy))
     print("flashckpt blocks for %.2fx a memcpy of the same bytes on the same number of threads" % (fb / memcpy))
     print("until durable: torch.save + fsync / flashckpt = %.2fx (the daemon writes while the loop trains on)"
