@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
 #include <cstdio>
 
 namespace flashckpt {
@@ -33,8 +34,7 @@ Result<std::string> RandomToken() {
 }
 
 // Boost.Interprocess reports errors by exception; this file is the only place that sees them.
-Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& name, uint64_t bytes,
-                                                             unsigned mode) {
+Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& name, uint64_t bytes, unsigned mode) {
   std::unique_ptr<SharedSegment> seg(new SharedSegment());
   try {
     bip::permissions perm(mode);
@@ -44,7 +44,18 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& 
     int fd = shm.get_mapping_handle().handle;
     if (::fchmod(fd, mode) != 0) return ErrnoStatus("fchmod shared memory", name);
     shm.truncate(static_cast<bip::offset_t>(bytes));
-    void* addr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    // Back every page now: a full /dev/shm is an error here rather than a SIGBUS in a trainer's
+    // copy later, and no save pays for first-touch page allocation.
+    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0 && err != EOPNOTSUPP) {
+      bip::shared_memory_object::remove(name.c_str());
+      seg->owner_ = false;
+      if (err == ENOSPC) {
+        return ResourceExhausted("shared memory " + name + ": /dev/shm has no room for " + std::to_string(bytes) +
+                                 " bytes");
+      }
+      return ErrnoStatus("posix_fallocate shared memory", name, err);
+    }
+    void* addr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (addr == MAP_FAILED) return ErrnoStatus("mmap shared memory", name);
     seg->addr_ = addr;
     seg->bytes_ = bytes;
@@ -65,7 +76,9 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& na
       return FailedPrecondition("shared memory " + name + " has " + std::to_string(size) + " bytes, expected " +
                                 std::to_string(expected_bytes));
     }
-    void* addr = ::mmap(nullptr, expected_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, shm.get_mapping_handle().handle, 0);
+    // MAP_POPULATE: the page tables are filled now, so the first copy into a slot takes no faults.
+    void* addr = ::mmap(nullptr, expected_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+                        shm.get_mapping_handle().handle, 0);
     if (addr == MAP_FAILED) return ErrnoStatus("mmap shared memory", name);
     seg->name_ = name;
     seg->addr_ = addr;

@@ -42,9 +42,11 @@ struct SlotHeader {
 // A mapped segment. Move-only; unmaps on destruction, and the creator also unlinks the name.
 class SharedSegment {
  public:
-  // Creates `name` exclusively with `mode` (e.g. 0600) and `bytes` of zeroed memory.
+  // Creates `name` exclusively with `mode` (e.g. 0600) and `bytes` of zeroed memory, every page
+  // allocated up front (kResourceExhausted when /dev/shm has no room) and mapped populated.
   static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode);
   // Maps an existing segment; fails unless its size is `expected_bytes`.
+  // Maps an existing segment, populated (no page faults on first use).
   static Result<std::unique_ptr<SharedSegment>> Open(const std::string& name, uint64_t expected_bytes);
   ~SharedSegment();
 
