@@ -9,8 +9,9 @@
 //   pwrite, N threads        N writes in flight from N threads (ParallelLoop)
 //   io_uring, depth N        N writes in flight from one thread (liburing)
 //   writer path              WriteImagesDurably as the daemon's writer calls it: N threads, each
-//                            tensor hashed (xxh3 per 1 MiB chunk and whole) right before its pages
-//                            are written, header last, then fdatasync + rename + fsync(dir)
+//                            16 MiB piece's 1 MiB chunks hashed right before its pages are written,
+//                            a whole-tensor hash per tensor as a task of the same loop, header last,
+//                            then fdatasync + rename + fsync(dir)
 //   writer path, no hash     the same without hashing: what the fused checksums cost
 //   hashing only             the writer path's hashing without any I/O, on the same threads: the
 //                            CPU time the checksums need (xxh3 per chunk, then the whole-tensor pass)
@@ -139,20 +140,25 @@ Result<double> WriterPath(const std::string& dir, const char* data, uint64_t byt
   image.bytes = bytes;
   image.head = 4096;
   for (uint64_t off = image.head; off < bytes; off += tensor) image.cuts.push_back(off);
-  std::vector<uint64_t> sink(image.cuts.size());
-  std::vector<std::unique_ptr<Xxh3Stream>> whole(image.cuts.size());
-  for (auto& w : whole) w = std::make_unique<Xxh3Stream>();
-  auto prepare = [&](size_t, size_t region, uint64_t from, uint64_t to) {
-    if (!hash) return;
-    for (uint64_t pos = from; pos < to; pos += 1u << 20) {  // as ChecksumStamper::Feed
-      const uint64_t n = std::min<uint64_t>(1u << 20, to - pos);
-      sink[region] ^= Xxh3(data + pos, n);
-      whole[region]->Update(data + pos, n);
-    }
-  };
+  // As the daemon's writer: each piece's 1 MiB chunks hashed right before the piece is written, and
+  // a whole-region hash per region as a side task of the same loop.
+  std::vector<uint64_t> sink(image.cuts.size()), whole(image.cuts.size());
+  ImageWriteHooks hooks;
+  if (hash) {
+    hooks.prepare = [&](size_t, size_t region, uint64_t from, uint64_t to) {
+      uint64_t h = 0;
+      for (uint64_t pos = from; pos < to; pos += 1u << 20)
+        h ^= Xxh3(data + pos, std::min<uint64_t>(1u << 20, to - pos));
+      sink[region] ^= h;
+    };
+    hooks.side_count = image.cuts.size();
+    hooks.side = [&](size_t r) {
+      const uint64_t hi = r + 1 < image.cuts.size() ? image.cuts[r + 1] : bytes;
+      whole[r] = Xxh3(data + image.cuts[r], hi - image.cuts[r]);
+    };
+  }
   auto start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(WriteImagesDurably(
-      dir, {image}, loop, prepare, [](size_t) {}, nullptr));
+  RETURN_IF_ERROR(WriteImagesDurably(dir, {image}, loop, hooks, nullptr));
   return Seconds(start);
 }
 
@@ -163,13 +169,9 @@ Result<double> HashOnly(const char* data, uint64_t bytes, uint64_t tensor, Paral
   auto start = std::chrono::steady_clock::now();
   loop->Run(tensors, [&](size_t t) {
     const uint64_t from = 4096 + t * tensor, to = std::min(bytes, from + tensor);
-    Xxh3Stream whole;
-    for (uint64_t pos = from; pos < to; pos += 1u << 20) {
-      const uint64_t n = std::min<uint64_t>(1u << 20, to - pos);
-      sink[t] ^= Xxh3(data + pos, n);
-      whole.Update(data + pos, n);
-    }
-    sink[t] ^= whole.Digest();
+    for (uint64_t pos = from; pos < to; pos += 1u << 20)
+      sink[t] ^= Xxh3(data + pos, std::min<uint64_t>(1u << 20, to - pos));
+    sink[t] ^= Xxh3(data + from, to - from);
   });
   return Seconds(start);
 }

@@ -160,8 +160,7 @@ Status WriteImageDurably(const std::string& dir, const std::string& name, const 
 }
 
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
-                          const std::function<void(size_t, size_t, uint64_t, uint64_t)>& prepare,
-                          const std::function<void(size_t)>& finish, std::vector<std::string>* renamed) {
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed) {
   constexpr uint64_t kAlign = 4096;
   auto down = [](uint64_t v) { return v / kAlign * kAlign; };
   for (const ImageWrite& im : images) {
@@ -202,12 +201,22 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     files[i].fd = UniqueFd(fd);
   }
 
-  struct Task {
+  struct Piece {
     size_t image, region;
+    uint64_t from, to;
   };
-  std::vector<Task> tasks;
+  std::vector<Piece> pieces;
   for (size_t i = 0; i < images.size(); ++i) {
-    for (size_t r = 0; r < images[i].cuts.size(); ++r) tasks.push_back({i, r});
+    const ImageWrite& im = images[i];
+    for (size_t r = 0; r < im.cuts.size(); ++r) {
+      const uint64_t lo = im.cuts[r], hi = r + 1 < im.cuts.size() ? im.cuts[r + 1] : im.bytes;
+      uint64_t from = lo;
+      do {  // an empty region is one empty piece: it may still own pages, and prepare sees it
+        const uint64_t to = std::min(hi, from + im.piece);
+        pieces.push_back({i, r, from, to});
+        from = to;
+      } while (from < hi);
+    }
   }
   std::mutex error_mu;
   Status first_error;
@@ -222,26 +231,21 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
       for (size_t k = 0; k < count; ++k) body(k);
     }
   };
-  run(tasks.size(), [&](size_t k) {
-    const ImageWrite& im = images[tasks[k].image];
-    const size_t r = tasks[k].region;
-    const int fd = files[tasks[k].image].fd.get();
-    const std::string& path = files[tasks[k].image].tmp;
-    const uint64_t lo = im.cuts[r], hi = r + 1 < im.cuts.size() ? im.cuts[r + 1] : im.bytes;
-    const uint64_t write_end = r + 1 < im.cuts.size() ? down(hi) : (im.bytes + kAlign - 1) / kAlign * kAlign;
-    uint64_t written = down(lo);  // pages before this one belong to the previous region (or the head)
-    uint64_t from = lo;
-    do {
-      const uint64_t to = std::min(hi, from + im.piece);
-      prepare(tasks[k].image, r, from, to);
-      const uint64_t target = to == hi ? write_end : down(to);
-      if (target > written) {
-        Status s = PwriteFull(fd, im.data + written, target - written, written, path);
-        if (!s.ok()) return fail(s);
-        written = target;
-      }
-      from = to;
-    } while (from < hi);
+  run(hooks.side_count + pieces.size(), [&](size_t k) {
+    if (k < hooks.side_count) return hooks.side(k);
+    const Piece& p = pieces[k - hooks.side_count];
+    const ImageWrite& im = images[p.image];
+    const bool last_region = p.region + 1 == im.cuts.size();
+    const uint64_t hi = last_region ? im.bytes : im.cuts[p.region + 1];
+    // Pages from the one holding `from` (unless an earlier piece of the image holds its start) up
+    // to the one holding `to`, which the next piece writes; the image's last piece writes its tail.
+    const uint64_t begin = down(p.from),
+                   end = p.to == hi && last_region ? (im.bytes + kAlign - 1) / kAlign * kAlign : down(p.to);
+    if (hooks.prepare) hooks.prepare(p.image, p.region, p.from, p.to);
+    if (end > begin) {
+      Status s = PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp);
+      if (!s.ok()) fail(s);
+    }
   });
   if (!first_error.ok()) return cleanup(first_error);
 
@@ -249,7 +253,7 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     const ImageWrite& im = images[i];
     const int fd = files[i].fd.get();
     const std::string& path = files[i].tmp;
-    finish(i);
+    if (hooks.finish) hooks.finish(i);
     Status s = PwriteFull(fd, im.data, im.head, 0, path);
     if (s.ok() && im.bytes % kAlign != 0 && ::ftruncate(fd, static_cast<off_t>(im.bytes)) != 0) {
       s = ErrnoStatus("ftruncate", path);

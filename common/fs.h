@@ -79,28 +79,35 @@ Status WriteFileDurably(const std::string& dir, const std::string& name, std::st
 
 // A file image for WriteImagesDurably: `bytes` bytes at 4 KiB-aligned `data` (readable up to the
 // next 4 KiB boundary). Its first `head` bytes (a multiple of 4 KiB) are written last; the rest is
-// cut at `cuts` (increasing offsets in [head, bytes), the first equal to `head`) into regions.
+// cut at `cuts` (increasing offsets in [head, bytes), the first equal to `head`) into regions, and
+// each region into pieces of `piece` bytes counted from its start.
 struct ImageWrite {
   std::string name;
   const char* data = nullptr;
   uint64_t bytes = 0;
   uint64_t head = 0;
   std::vector<uint64_t> cuts;
-  uint64_t piece = 16u << 20;  // a region is prepared and written in pieces of this many bytes
+  uint64_t piece = 16u << 20;
 };
 
-// Writes images durably with several writes in flight. Every region is one task of `loop` (nullptr:
-// the caller's thread): it calls `prepare(image, region, from, to)` for each piece [from, to) of
-// the region's bytes, in order, then writes the 4 KiB pages that end at the piece (O_DIRECT; the
-// page holding the next region's first byte is left to that region), so a piece is written while
-// `prepare` (e.g. a checksum) left it in cache. When every region is written, `finish(image)` runs
-// and the image's head is written, its tail cut to `bytes`, the file fdatasync'ed and renamed into
-// place (one task per image), then the directory fsync'ed once. On a file system without O_DIRECT
-// (tmpfs) the same writes are buffered. On failure every temporary is removed; `renamed` (if
-// given) lists the names already in place, for the caller to undo.
+// Writes images durably with several writes in flight. Every piece of every region is one task of
+// `loop` (nullptr: the caller's thread): it calls `prepare(image, region, from, to)` for the piece's
+// bytes [from, to), then writes the 4 KiB pages that end within it (O_DIRECT; the page holding the
+// next piece's first byte is left to that piece), so a piece is written while `prepare` (e.g. a
+// checksum) left it in cache. `side` tasks (`side_count` of them; e.g. checksums over whole
+// regions) run in the same loop, before the pieces. When all are done, `finish(image)` runs and
+// the image's head is written, its tail cut to `bytes`, the file fdatasync'ed (one task per image)
+// and renamed into place, then the directory fsync'ed once. On a file system without O_DIRECT
+// (tmpfs) the same writes are buffered. On failure every temporary is removed; `renamed` (if given)
+// lists the names already in place, for the caller to undo.
+struct ImageWriteHooks {
+  std::function<void(size_t image, size_t region, uint64_t from, uint64_t to)> prepare;
+  size_t side_count = 0;
+  std::function<void(size_t task)> side;
+  std::function<void(size_t image)> finish;
+};
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
-                          const std::function<void(size_t image, size_t region, uint64_t from, uint64_t to)>& prepare,
-                          const std::function<void(size_t image)>& finish, std::vector<std::string>* renamed);
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed);
 
 // Reads a whole file of at most `max_bytes` bytes.
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);

@@ -31,34 +31,24 @@ void WriteHex(char* field, uint64_t checksum) {
 
 }  // namespace
 
-ChecksumStamper::ChecksumStamper(char* slot, const RankLayout& layout, size_t tensor)
-    : slot_(slot), p_(&layout.placements[tensor]) {}
-
-void ChecksumStamper::Feed(uint64_t from, uint64_t to) {
-  const char* data = slot_ + p_->slot_offset;
-  if (p_->chunks_field == 0) {
-    whole_.Update(data + from, to - from);
-    return;
-  }
-  // Each chunk is hashed on its own and then fed to the whole-tensor hash while still in cache.
-  for (uint64_t pos = from; pos < to; pos += p_->checksum_chunk) {
-    const uint64_t n = std::min(p_->checksum_chunk, to - pos);
-    WriteHex(slot_ + p_->chunks_field + pos / p_->checksum_chunk * kChecksumFieldWidth, Xxh3(data + pos, n));
-    whole_.Update(data + pos, n);
+void StampChunkChecksums(char* slot, const RankLayout& layout, size_t tensor, uint64_t from, uint64_t to) {
+  const Placement& p = layout.placements[tensor];
+  if (p.chunks_field == 0) return;
+  const char* data = slot + p.slot_offset;
+  for (uint64_t pos = from; pos < to; pos += p.checksum_chunk) {
+    const uint64_t n = std::min(p.checksum_chunk, to - pos);
+    WriteHex(slot + p.chunks_field + pos / p.checksum_chunk * kChecksumFieldWidth, Xxh3(data + pos, n));
   }
 }
 
-void ChecksumStamper::Finish() { WriteHex(slot_ + p_->checksum_field, whole_.Digest()); }
+void StampWholeChecksum(char* slot, const RankLayout& layout, size_t tensor) {
+  const Placement& p = layout.placements[tensor];
+  WriteHex(slot + p.checksum_field, Xxh3(slot + p.slot_offset, p.bytes));
+}
 
 void StampChecksum(char* slot, const RankLayout& layout, size_t tensor) {
-  const Placement& p = layout.placements[tensor];
-  if (p.chunks_field == 0) {
-    WriteHex(slot + p.checksum_field, Xxh3(slot + p.slot_offset, p.bytes));
-    return;
-  }
-  ChecksumStamper stamper(slot, layout, tensor);
-  stamper.Feed(0, p.bytes);
-  stamper.Finish();
+  StampChunkChecksums(slot, layout, tensor, 0, layout.placements[tensor].bytes);
+  StampWholeChecksum(slot, layout, tensor);
 }
 
 void StampEmaCounters(char* slot, const RankLayout& layout, size_t file, uint64_t updates_applied,

@@ -4,7 +4,6 @@
 
 #include <cstdint>
 
-#include "common/checksum.h"
 #include "common/layout.h"
 
 namespace flashckpt {
@@ -18,21 +17,11 @@ void StampImage(char* slot, const RankLayout& layout, size_t file, int64_t step)
 // The two halves of StampImage, for callers that checksum tensors in parallel.
 void StampStep(char* slot, const RankLayout& layout, size_t file, int64_t step);
 void StampChecksum(char* slot, const RankLayout& layout, size_t tensor);
-// StampChecksum of one tensor fed in pieces, so that each piece can be written out right after it
-// is hashed. Feed the tensor's bytes in order, in pieces whose sizes are multiples of the tensor's
-// checksum chunk (the last piece may be shorter), then Finish.
-class ChecksumStamper {
- public:
-  ChecksumStamper(char* slot, const RankLayout& layout, size_t tensor);
-  // Bytes [from, to) of the tensor (tensor-relative offsets); `from` is where the last call ended.
-  void Feed(uint64_t from, uint64_t to);
-  void Finish();
-
- private:
-  char* slot_;
-  const Placement* p_;
-  Xxh3Stream whole_;
-};
+// The two parts of StampChecksum, for a writer that hashes a tensor piece by piece while writing it:
+// the per-chunk checksums of the tensor bytes [from, to) (`from` a multiple of the checksum chunk,
+// `to` one too or the tensor's end; nothing for a tensor of one chunk), and the whole-tensor one.
+void StampChunkChecksums(char* slot, const RankLayout& layout, size_t tensor, uint64_t from, uint64_t to);
+void StampWholeChecksum(char* slot, const RankLayout& layout, size_t tensor);
 
 // Writes the EMA counters into the fixed-width fields of an ema file image built with
 // EmaFileExtras (common/metadata.h). A negative last_step (no update yet) is written as 0.

@@ -212,10 +212,11 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   signal.step = req.step;
   signal.resumed_from = req.resumed_from;
 
-  // The file images go out with several writes in flight, one task per tensor: the task hashes its
-  // tensor a piece at a time (pieces are whole checksum chunks) and writes each piece right after,
-  // while it is in cache. The headers, which hold the step and the checksums, are written last.
-  // The EMA image was stamped by the EMA stage; its tensors are only written.
+  // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
+  // chunks) of each tensor is a task that hashes its chunks and writes its pages right after, while
+  // they are in cache; the whole-tensor checksums of multi-chunk tensors are tasks of their own in
+  // the same loop. The headers, which hold the step and the checksums, are written last. The EMA
+  // image was stamped by the EMA stage; its tensors are only written.
   struct Source {
     const RankLayout* layout;
     char* base;  // what the layout's offsets are relative to
@@ -228,7 +229,7 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   const uint64_t chunk = layout.checksum_chunk;
   const uint64_t piece = std::max(chunk, (kWritePiece / chunk) * chunk);
   std::vector<ImageWrite> images;
-  std::vector<std::vector<std::unique_ptr<ChecksumStamper>>> stampers;
+  std::vector<size_t> whole_hashes;  // tensors of `layout` hashed whole in side tasks
   for (const Source& s : sources) {
     const FileImage& image = s.layout->files[s.file];
     ImageWrite w;
@@ -237,29 +238,31 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     w.bytes = image.file_bytes();
     w.head = image.header.size();
     w.piece = piece;
-    std::vector<std::unique_ptr<ChecksumStamper>> per_tensor;
     for (size_t t : image.tensors) {
       w.cuts.push_back(s.layout->placements[t].slot_offset - image.slot_offset);
-      per_tensor.push_back(s.stamp ? std::make_unique<ChecksumStamper>(s.base, *s.layout, t) : nullptr);
+      if (s.stamp && s.layout->placements[t].chunks_field != 0) whole_hashes.push_back(t);
     }
     if (w.cuts.empty()) w.cuts.push_back(w.head);
     images.push_back(std::move(w));
-    stampers.push_back(std::move(per_tensor));
     signal.files.push_back(images.back().name);
     *bytes += image.file_bytes();
   }
-  auto prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
-    if (r >= stampers[i].size() || !stampers[i][r]) return;
+  ImageWriteHooks hooks;
+  hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
     const Source& s = sources[i];
-    const Placement& p = s.layout->placements[s.layout->files[s.file].tensors[r]];
+    const FileImage& image = s.layout->files[s.file];
+    if (!s.stamp || r >= image.tensors.size()) return;
+    const size_t t = image.tensors[r];
     const uint64_t start = images[i].cuts[r];
-    stampers[i][r]->Feed(from - start, to - start);
-    if (to - start == p.bytes) stampers[i][r]->Finish();
+    StampChunkChecksums(s.base, *s.layout, t, from - start, to - start);
+    if (s.layout->placements[t].chunks_field == 0) StampWholeChecksum(s.base, *s.layout, t);  // its one piece
   };
-  auto finish = [&](size_t i) {
+  hooks.side_count = whole_hashes.size();
+  hooks.side = [&](size_t k) { StampWholeChecksum(req.slot, layout, whole_hashes[k]); };
+  hooks.finish = [&](size_t i) {
     if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
   };
-  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, prepare, finish, written));
+  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written));
 
   auto write = [&](const std::string& name, const std::string& text) {
     bool renamed = false;

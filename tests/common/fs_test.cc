@@ -47,8 +47,9 @@ TEST(WriteImageDurably, DirectIoOnADiskFileSystem) { WriteAndReadBack("/var/tmp"
 
 TEST(WriteImageDurably, BufferedFallbackOnTmpfs) { WriteAndReadBack("/dev/shm"); }
 
-// Two images cut at unaligned offsets, written with 3 threads: each region's pieces are prepared in
-// order before they are written, the head is written after `finish`, and the files equal memory.
+// Two images cut at unaligned offsets, written with 3 threads: every piece of every region is
+// prepared exactly once, side tasks run, the head is written after `finish`, and the files equal
+// memory.
 void WriteImagesAndReadBack(const std::string& base) {
   char tmpl[256];
   std::snprintf(tmpl, sizeof tmpl, "%s/flashckpt-fs-test-XXXXXX", base.c_str());
@@ -72,31 +73,37 @@ void WriteImagesAndReadBack(const std::string& base) {
   images[0].cuts = {4096, 4096 + 10, 5000, (3u << 20) + 7, (7u << 20) + 1};  // one empty-ish, ragged cuts
   images[1].cuts = {4096};
   std::mutex mu;
-  std::map<std::pair<size_t, size_t>, uint64_t> next;  // where each region's next piece must start
-  bool out_of_order = false;
-  int finished = 0;
-  auto prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
+  std::map<std::pair<size_t, size_t>, uint64_t> prepared;  // bytes prepared per region
+  bool bad_piece = false;
+  int finished = 0, sides = 0;
+  ImageWriteHooks hooks;
+  hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
     std::lock_guard<std::mutex> lock(mu);
-    auto [it, fresh] = next.try_emplace({i, r}, images[i].cuts[r]);
-    if (it->second != from || to < from || to - from > images[i].piece) out_of_order = true;
-    it->second = to;
+    if (to < from || to - from > images[i].piece || (from - images[i].cuts[r]) % images[i].piece != 0) bad_piece = true;
+    prepared[{i, r}] += to - from;
   };
-  auto finish = [&](size_t i) {
+  hooks.side_count = 3;
+  hooks.side = [&](size_t) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++sides;
+  };
+  hooks.finish = [&](size_t i) {
     std::lock_guard<std::mutex> lock(mu);
     std::memcpy(mems[i], "HEAD", 4);  // must reach the file: the head is written after finish
     ++finished;
   };
   ParallelLoop loop(2);
   std::vector<std::string> renamed;
-  ASSERT_OK(WriteImagesDurably(dir, images, &loop, prepare, finish, &renamed));
-  EXPECT_FALSE(out_of_order);
+  ASSERT_OK(WriteImagesDurably(dir, images, &loop, hooks, &renamed));
+  EXPECT_FALSE(bad_piece);
   EXPECT_EQ(finished, 2);
+  EXPECT_EQ(sides, 3);
   EXPECT_EQ(renamed, (std::vector<std::string>{"image0", "image1"}));
   for (int i = 0; i < 2; ++i) {
     for (size_t r = 0; r < images[i].cuts.size(); ++r) {
       uint64_t end = r + 1 < images[i].cuts.size() ? images[i].cuts[r + 1] : sizes[i];
-      EXPECT_EQ(next[std::make_pair(size_t(i), r)], end)
-          << "image " << i << " region " << r << " prepared up to its end";
+      EXPECT_EQ(prepared[std::make_pair(size_t(i), r)], end - images[i].cuts[r])
+          << "image " << i << " region " << r << " prepared once in full";
     }
     auto back = ReadSmallFile(dir + "/image" + std::to_string(i), 1ull << 30);
     ASSERT_OK(back.status());
@@ -108,7 +115,7 @@ void WriteImagesAndReadBack(const std::string& base) {
   for (const auto& e : std::filesystem::directory_iterator(dir)) entries += e.is_regular_file();
   EXPECT_EQ(entries, 2u) << "no temporary left behind";
   images[1].cuts = {0};  // a head that is not the first cut: refused before anything is created
-  EXPECT_EQ(WriteImagesDurably(dir, images, &loop, prepare, finish, nullptr).code(), StatusCode::kInternal);
+  EXPECT_EQ(WriteImagesDurably(dir, images, &loop, hooks, nullptr).code(), StatusCode::kInternal);
   for (int i = 0; i < 2; ++i) ::munmap(mems[i], (sizes[i] + 4095) / 4096 * 4096);
   std::filesystem::remove_all(dir);
 }
@@ -133,8 +140,7 @@ TEST(WriteImagesDurably, RemovesItsTemporariesOnFailure) {
   }
   images[1].name = "missing/image1";  // its directory does not exist: the create fails
   std::vector<std::string> renamed;
-  Status s = WriteImagesDurably(
-      dir, images, nullptr, [](size_t, size_t, uint64_t, uint64_t) {}, [](size_t) {}, &renamed);
+  Status s = WriteImagesDurably(dir, images, nullptr, ImageWriteHooks{}, &renamed);
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();
   EXPECT_TRUE(renamed.empty());
   EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the first image's temporary was removed";
