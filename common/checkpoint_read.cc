@@ -1,17 +1,12 @@
 #include "common/checkpoint_read.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <new>
-#include <set>
 #include <vector>
 
 #include "common/checksum.h"
@@ -41,17 +36,6 @@ struct DirectRead {
   const std::string* path;
   char* dest;
   std::vector<const Piece*> pieces;  // adjacent in the file and in the slot
-};
-
-// A saved file that is exactly one of the layout's file images (same tensors at the same offsets):
-// read whole with O_DIRECT into the image's place in the slot, every piece verified block by block.
-// The file's header lands on the slot's header template and is put back afterwards.
-struct ImageRead {
-  std::string path;
-  char* dest;                        // the image's first byte in the slot (4 KiB-aligned)
-  uint64_t bytes;                    // the file's size
-  const std::string* header;         // the layout's header template for this image
-  std::vector<const Piece*> pieces;  // in file order
 };
 
 // The parts of one saved piece that tensors in another layout need.
@@ -108,58 +92,6 @@ Status RunDirect(const DirectRead& r, Counters& counters) {
     }
     pos += n;
   }
-  return Status::OK();
-}
-
-Status RunImage(const ImageRead& r, Counters& counters) {
-  int fd = ::open(r.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (fd < 0 && errno == EINVAL) fd = ::open(r.path.c_str(), O_RDONLY | O_CLOEXEC);  // no O_DIRECT (tmpfs)
-  if (fd < 0) return ErrnoStatus("open", r.path);
-  UniqueFd owned(fd);
-  Xxh3Stream hash;
-  size_t piece = 0;
-  const uint64_t padded = (r.bytes + kPageSize - 1) / kPageSize * kPageSize;
-  for (uint64_t pos = 0; pos < padded;) {
-    // Whole 4 KiB blocks (the image owns the slot up to the next boundary); the last read stops
-    // at the end of the file.
-    const uint64_t want = std::min(kReadBuffer, padded - pos);
-    uint64_t got = 0;
-    while (got < want) {
-      ssize_t n = ::pread(fd, r.dest + pos + got, want - got, static_cast<off_t>(pos + got));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return ErrnoStatus("read", r.path);
-      if (n == 0) break;
-      got += static_cast<uint64_t>(n);
-    }
-    if (got < want && pos + got < r.bytes) {
-      return Corruption(r.path + ": the file ended at byte " + std::to_string(pos + got) + " of " +
-                        std::to_string(r.bytes));
-    }
-    counters.bytes_read += std::min(got, r.bytes - std::min(r.bytes, pos));
-    counters.reads += 1;
-    const uint64_t end = std::min(pos + want, r.bytes);
-    for (uint64_t off = pos; piece < r.pieces.size() && off < end;) {
-      const Piece& p = *r.pieces[piece];
-      if (off < p.begin) off = std::min(p.begin, end);  // the header, before the first piece
-      if (off < p.begin) break;
-      const uint64_t take = std::min(p.end, end) - off;
-      hash.Update(r.dest + off, take);
-      off += take;
-      if (off == p.end) {
-        if (hash.Digest() != p.xxh3) return ChecksumMismatch(r.path, p, std::nullopt, hash.Digest(), p.xxh3);
-        hash.Reset();
-        ++piece;
-      }
-    }
-    pos += want;
-  }
-  for (; piece < r.pieces.size(); ++piece) {  // empty pieces at the very end
-    if (r.pieces[piece]->begin != r.pieces[piece]->end) return Corruption(r.path + ": not every piece was read");
-    if (Xxh3(nullptr, 0) != r.pieces[piece]->xxh3) {
-      return ChecksumMismatch(r.path, *r.pieces[piece], std::nullopt, Xxh3(nullptr, 0), r.pieces[piece]->xxh3);
-    }
-  }
-  std::memcpy(r.dest, r.header->data(), r.header->size());
   return Status::OK();
 }
 
@@ -255,8 +187,7 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
     const Piece* piece;
     char* dest;
   };
-  std::vector<Whole> whole;  // same layout: whole pieces straight into place
-  std::vector<const Piece*> matched(layout.tensors.size(), nullptr);
+  std::vector<Whole> whole;                              // same layout: whole pieces straight into place
   std::map<const Piece*, std::vector<Scatter>> partial;  // other layouts: parts of saved pieces
   std::vector<Conversion> conversions;
   FillStats stats;
@@ -278,7 +209,6 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
     }
     if (match != nullptr) {
       whole.push_back({match, dest});
-      matched[i] = match;
       continue;
     }
     // Another layout, or another dtype: plan the reads by intersecting this rank's piece with the
@@ -311,36 +241,6 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
     }
   }
 
-  // A saved file that is exactly one of the layout's images is read whole, with O_DIRECT.
-  std::map<std::string, size_t> pieces_in_file;
-  for (const Piece& p : meta.pieces) ++pieces_in_file[p.file];
-  std::vector<ImageRead> images;
-  std::set<const Piece*> in_images;
-  for (const FileImage& image : layout.files) {
-    const Piece* first = image.tensors.empty() ? nullptr : matched[image.tensors.front()];
-    if (first == nullptr) continue;
-    bool exact = pieces_in_file[first->file] == image.tensors.size();
-    for (size_t t : image.tensors) {
-      const Piece* p = matched[t];
-      exact = exact && p != nullptr && p->file == first->file &&
-              p->begin == layout.placements[t].slot_offset - image.slot_offset;
-    }
-    auto file =
-        std::find_if(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == first->file; });
-    exact =
-        exact && file != meta.files.end() && file->bytes == image.file_bytes() && first->begin == image.header.size();
-    if (!exact) continue;
-    ImageRead r{dir + "/" + first->file, slot + image.slot_offset, image.file_bytes(), &image.header, {}};
-    for (size_t t : image.tensors) {
-      r.pieces.push_back(matched[t]);
-      in_images.insert(matched[t]);
-    }
-    std::sort(r.pieces.begin(), r.pieces.end(), [](const Piece* a, const Piece* b) { return a->begin < b->begin; });
-    images.push_back(std::move(r));
-  }
-  whole.erase(std::remove_if(whole.begin(), whole.end(), [&](const Whole& w) { return in_images.count(w.piece) != 0; }),
-              whole.end());
-
   // Whole pieces: sorted by file and offset, merged while adjacent in both the file and the slot,
   // cut into tasks of about kTaskBytes at piece boundaries.
   std::sort(whole.begin(), whole.end(), [](const Whole& a, const Whole& b) {
@@ -372,15 +272,13 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
   std::mutex error_mu;
   Status first_error;
   auto task = [&](size_t k) {
-    Status s = k < images.size()                   ? RunImage(images[k], counters)
-               : k < images.size() + direct.size() ? RunDirect(direct[k - images.size()], counters)
-                                                   : RunPartial(parts[k - images.size() - direct.size()], counters);
+    Status s = k < direct.size() ? RunDirect(direct[k], counters) : RunPartial(parts[k - direct.size()], counters);
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(error_mu);
       if (first_error.ok()) first_error = s;
     }
   };
-  const size_t tasks = images.size() + direct.size() + parts.size();
+  const size_t tasks = direct.size() + parts.size();
   if (options.loop != nullptr) {
     options.loop->Run(tasks, task);
   } else {

@@ -11,7 +11,6 @@
 #include "checkpoint_fixture.h"
 #include "common/dtype.h"
 #include "common/fs.h"
-#include "common/image.h"
 #include "common/metadata.h"
 #include "common/thread_pool.h"
 #include "test_util.h"
@@ -111,8 +110,7 @@ TEST(FillSlotFromCheckpoint, ReadsOnlyTheChunksAnotherLayoutNeeds) {
   EXPECT_GE(f.stats.bytes_read, f.stats.bytes_needed);
   EXPECT_LE(f.stats.bytes_read, f.stats.bytes_needed + 2 * kChunk) << "at most one partial chunk at each end";
   std::printf("rows [61, 195) of 2 x 128: needed %llu bytes, read %llu (%.3fx)\n",
-              static_cast<unsigned long long>(f.stats.bytes_needed),
-              static_cast<unsigned long long>(f.stats.bytes_read),
+              static_cast<unsigned long long>(f.stats.bytes_needed), static_cast<unsigned long long>(f.stats.bytes_read),
               double(f.stats.bytes_read) / double(f.stats.bytes_needed));
 }
 
@@ -184,56 +182,6 @@ TEST(FillSlotFromCheckpoint, NarrowsFp32OnlyWhenAsked) {
   EXPECT_EQ(Fill(dir.path(), RowBlock(0, 128, DType::kI32), options).status.code(), StatusCode::kFailedPrecondition);
 }
 
-// Rank 0's own layout: the saved file is exactly its image, so it is read whole (O_DIRECT on a
-// disk), verified, and the slot's header template is put back over the file's header.
-TEST(FillSlotFromCheckpoint, ReadsAFileThatIsTheImageWhole) {
-  TempDir dir;
-  ASSERT_TRUE(dir.ok());
-  ASSERT_OK(SaveTwoRanks(dir.path(), kChunk));
-  auto meta = ReadMetadataFile(dir.path());
-  ASSERT_OK(meta.status());
-  Topology t;
-  t.world_size = 2;
-  t.tp_degree = 2;
-  // Twice: with the saved checksum chunk, and with another (the header text differs, its size and
-  // the data offsets do not: still the whole file, and the slot keeps its own template).
-  for (uint64_t chunk : {kChunk, 2 * kChunk}) {
-    LayoutExtras extras;
-    extras.checksum_chunk = chunk;
-    auto layout = BuildRankLayout("job", 0, t, {RowBlock(0, 128)}, extras);
-    ASSERT_OK(layout.status());
-    testing::SlotBuffer slot(layout->slot_bytes);
-    InitSlotImages(slot.data(), *layout);
-    auto stats = FillSlotFromCheckpoint(dir.path(), *meta, *layout, slot.data());
-    ASSERT_OK(stats.status());
-    const FileImage& image = layout->files[0];
-    const char* data = slot.data() + layout->placements[0].slot_offset;
-    for (uint64_t b = 0; b < 128 * kRowBytes; ++b) ASSERT_EQ(data[b], SavedByte(b / kRowBytes, b % kRowBytes)) << b;
-    EXPECT_EQ(std::memcmp(slot.data() + image.slot_offset, image.header.data(), image.header.size()), 0)
-        << "the slot's header template is intact";
-    uint64_t file_bytes = 0;
-    for (const SavedFile& f : meta->files) {
-      if (f.name == FileOf(0)) file_bytes = f.bytes;
-    }
-    EXPECT_EQ(stats->bytes_read, file_bytes) << "the whole file, header included";
-  }
-  // A flipped byte is found on the whole-file path too.
-  const Piece* rank0 = nullptr;
-  for (const Piece& p : meta->pieces) {
-    if (p.file == FileOf(0)) rank0 = &p;
-  }
-  ASSERT_NE(rank0, nullptr);
-  ASSERT_OK(FlipByte(dir.File(FileOf(0)), rank0->end - 1));
-  LayoutExtras extras;
-  extras.checksum_chunk = kChunk;
-  auto layout = BuildRankLayout("job", 0, t, {RowBlock(0, 128)}, extras);
-  ASSERT_OK(layout.status());
-  testing::SlotBuffer slot(layout->slot_bytes);
-  Status s = FillSlotFromCheckpoint(dir.path(), *meta, *layout, slot.data()).status();
-  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
-  EXPECT_NE(s.message().find("tensor 'w'"), std::string::npos) << s.ToString();
-}
-
 uint16_t Narrow(float v, DType to) {
   uint16_t out;
   NarrowF32(&v, 1, to, &out);
@@ -249,9 +197,9 @@ float FromBits(uint32_t bits) {
 TEST(NarrowF32, RoundsToNearestEven) {
   EXPECT_EQ(Narrow(1.0f, DType::kBF16), 0x3f80);
   EXPECT_EQ(Narrow(-2.5f, DType::kBF16), 0xc020);
-  EXPECT_EQ(Narrow(FromBits(0x3f808000), DType::kBF16), 0x3f80);               // tie, even below
-  EXPECT_EQ(Narrow(FromBits(0x3f818000), DType::kBF16), 0x3f82);               // tie, even above
-  EXPECT_EQ(Narrow(FromBits(0x3f808001), DType::kBF16), 0x3f81);               // just above the tie
+  EXPECT_EQ(Narrow(FromBits(0x3f808000), DType::kBF16), 0x3f80);  // tie, even below
+  EXPECT_EQ(Narrow(FromBits(0x3f818000), DType::kBF16), 0x3f82);  // tie, even above
+  EXPECT_EQ(Narrow(FromBits(0x3f808001), DType::kBF16), 0x3f81);  // just above the tie
   EXPECT_EQ(Narrow(std::numeric_limits<float>::max(), DType::kBF16), 0x7f80);  // rounds to infinity
   EXPECT_EQ(Narrow(std::numeric_limits<float>::infinity(), DType::kBF16), 0x7f80);
   const uint16_t nan = Narrow(std::numeric_limits<float>::quiet_NaN(), DType::kBF16);
@@ -261,8 +209,8 @@ TEST(NarrowF32, RoundsToNearestEven) {
 
   EXPECT_EQ(Narrow(1.0f, DType::kF16), 0x3c00);
   EXPECT_EQ(Narrow(65504.0f, DType::kF16), 0x7bff);
-  EXPECT_EQ(Narrow(65520.0f, DType::kF16), 0x7c00);                      // tie between the largest finite and infinity
-  EXPECT_EQ(Narrow(1.0f + std::ldexp(1.0f, -11), DType::kF16), 0x3c00);  // tie, even below
+  EXPECT_EQ(Narrow(65520.0f, DType::kF16), 0x7c00);  // tie between the largest finite and infinity
+  EXPECT_EQ(Narrow(1.0f + std::ldexp(1.0f, -11), DType::kF16), 0x3c00);      // tie, even below
   EXPECT_EQ(Narrow(1.0f + 3 * std::ldexp(1.0f, -11), DType::kF16), 0x3c02);  // tie, even above
   EXPECT_EQ(Narrow(std::ldexp(1.0f, -24), DType::kF16), 0x0001);             // smallest subnormal
   EXPECT_EQ(Narrow(std::ldexp(1.0f, -25), DType::kF16), 0x0000);             // tie to even zero
