@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/summary.h"
 #include "common/fs.h"
 #include "common/image.h"
 #include "common/layout.h"
@@ -528,6 +529,7 @@ Result<double> StagingAndPersist(const Options& o, const Work& w, char* host, Wr
   std::printf("   %-40s %9.1f %10.1f %8.2f %9.2fx", "Client::Snapshot (Begin + copy + Commit)", blocked_s.best() * 1e3,
               blocked_s.median() * 1e3, Gbps(bytes, blocked_s.best()), staging);
   PrintTarget(staging, true, 1.1);
+  bench::SummaryRow("1. staging: Snapshot blocking vs memcpy into shm", staging, "<=", 1.1);
   std::printf("   %-40s %9.1f %10s %8.2f %9.2fx  (warm-up, not in the ratio)\n", "first Snapshot after Register",
               first_snapshot * 1e3, "", Gbps(bytes, first_snapshot), first_snapshot / memcpy_s.best());
   std::printf(
@@ -547,6 +549,7 @@ Result<double> StagingAndPersist(const Options& o, const Work& w, char* host, Wr
   std::printf("   %-40s %9.3f %10.3f %8.2f %9.2fx", "snapshot -> durable", durable_s.best(), durable_s.median(), rate,
               rate / limit_rate);
   PrintTarget(rate / limit_rate, false, 0.9);
+  bench::SummaryRow("2. persist: snapshot -> durable vs dd oflag=direct", rate / limit_rate, ">=", 0.9);
   const double limit_same = limit_s.best() * static_cast<double>(bytes) / static_cast<double>(limit->bytes());
   std::printf("\n   where the time goes (best of each; the parts are measured apart, in the same rounds):\n");
   std::printf("   %-40s %9.3f s\n", "staging (Client::Snapshot)", blocked_s.best());
@@ -703,6 +706,7 @@ int Main(int argc, char** argv) {
       const double rate = Gbps(total, r.secs.best());
       std::printf("   %5u %10s %9.3f %10.3f %8.2f %8.2fx %18.1f\n", r.ranks, FormatBytes(total).c_str(), r.secs.best(),
                   r.secs.median(), rate, rate / limit_rate, r.blocked.best() * 1e3);
+      bench::SummaryRow("6. scaling: " + std::to_string(r.ranks) + " rank(s) to durable vs dd", rate / limit_rate);
     }
     std::printf(
         "   (max blocked = the longest any rank spent in Client::Snapshot in a round, best of the rounds; "

@@ -204,6 +204,9 @@ def main():
     print("until durable: torch.save + fsync / flashckpt = %.2fx (the daemon writes while the loop trains on)"
           % (td / fd))
     print("flashckpt's first save (registration, fresh shared memory): %s" % ms(first).strip())
+    # Rows for the table scripts/bench.sh prints at the end.
+    for row, value in (("5. blocking: torch.save / flashckpt", ratio), ("5. blocking: tofile / flashckpt", nb / fb)):
+        print("SUMMARY\t%s\t%.2fx\t>= 10.00x\t%s" % (row, value, "met" if value >= 10 else "NOT met"))
     if args.keep:
         print("kept %s" % work)
 

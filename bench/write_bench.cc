@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/summary.h"
 #include "common/checksum.h"
 #include "common/fs.h"
 #include "common/names.h"
@@ -233,7 +234,7 @@ int Main(int argc, char** argv) {
       {"hashing only (no I/O)", [&] { return HashOnly(data, n, *tensor, &loop); }},
   };
   std::printf("%-26s %10s %10s %10s\n", "row", "seconds", "GB/s", "vs dd");
-  double limit = 0;
+  double limit = 0, writer_rate = 0, plain_rate = 0;
   int rc = 0;
   for (const Row& row : rows) {
     double best = 0;
@@ -252,6 +253,12 @@ int Main(int argc, char** argv) {
     const double rate = n / best / 1e9;
     if (limit == 0) limit = rate;
     std::printf("%-26s %10.3f %10.2f %9.2fx\n", row.name.c_str(), best, rate, rate / limit);
+    if (row.name == "writer path") writer_rate = rate;
+    if (row.name == "writer path, no hash") plain_rate = rate;
+  }
+  if (rc == 0 && writer_rate > 0) {
+    bench::SummaryRow("2. writer path (checksums fused) vs dd oflag=direct", writer_rate / limit, ">=", 0.9);
+    bench::SummaryRow("2. checksum cost: writer path without / with hashing", plain_rate / writer_rate, "<=", 1.05);
   }
   ::munmap(mem, n);
   (void)RemoveTree(root);
