@@ -201,7 +201,12 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
     for (auto it = lo; it != hi; ++it) {
       if (it->second->kind != t.kind) continue;  // e.g. the EMA twin of a model weight
       candidates.push_back(it->second);
-      if (match == nullptr && SameGeometry(t, *it->second)) match = it->second;
+      // The byte size is checked too: metadata.json is untrusted, and a whole piece is read straight
+      // into the tensor's place in the slot.
+      if (match == nullptr && SameGeometry(t, *it->second) &&
+          it->second->end - it->second->begin == layout.placements[i].bytes) {
+        match = it->second;
+      }
     }
     if (candidates.empty()) {
       return NotFound("tensor '" + t.name + "' (" + std::string(TensorKindName(t.kind)) +

@@ -195,6 +195,12 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
       if (__builtin_add_overflow(data, bytes, &data)) return InvalidArgument("rank state overflows 64 bits");
     }
     ASSIGN_OR_RETURN(auto built, builder.Build());
+    if (built.bytes.size() - 8 > kMaxHeaderJsonBytes) {
+      return InvalidArgument("the " + std::string(kind) + " file header of rank " + std::to_string(rank) +
+                             " would be " + std::to_string(built.bytes.size()) +
+                             " bytes, above the safetensors limit of " + std::to_string(kMaxHeaderJsonBytes) +
+                             ": use a larger checksum chunk");
+    }
     image.header = std::move(built.bytes);
     image.step_field = built.field_offsets[step_field];
     for (size_t id : extra_fields) image.extra_fields.push_back(built.field_offsets[id]);

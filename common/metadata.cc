@@ -94,6 +94,21 @@ Status ParseChunkChecksums(std::string_view hex, uint64_t chunk, Piece* p) {
   return Status::OK();
 }
 
+// The stored shape matches the flat range, or the box when there is none.
+Status CheckPieceShape(const Piece& p) {
+  if (p.flat_range) {
+    uint64_t box = 1, local = 1;
+    for (uint64_t d : p.box_shape) box = __builtin_mul_overflow(box, d, &box) ? UINT64_MAX : box;
+    for (uint64_t d : p.shape) local = __builtin_mul_overflow(local, d, &local) ? UINT64_MAX : local;
+    if (p.flat_range->end > box || p.flat_range->end - p.flat_range->begin != local) {
+      return Corruption("tensor '" + p.key + "': flat_range does not fit the box or the stored shape");
+    }
+  } else if (p.shape != p.box_shape) {
+    return Corruption("tensor '" + p.key + "': stored shape differs from box_shape and there is no flat_range");
+  }
+  return Status::OK();
+}
+
 Status CheckPieceGeometry(const Piece& p) {
   if (p.global_shape.size() != p.box_offset.size() || p.global_shape.size() != p.box_shape.size()) {
     return Corruption("tensor '" + p.key + "': global shape, box offset and box shape differ in rank");
@@ -225,16 +240,8 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
     }
     Status geometry = CheckPieceGeometry(p);
     if (!geometry.ok()) return geometry.WithContext(file_name);
-    if (p.flat_range) {
-      uint64_t box = 1, local = 1;
-      for (uint64_t d : p.box_shape) box = __builtin_mul_overflow(box, d, &box) ? UINT64_MAX : box;
-      for (uint64_t d : p.shape) local = __builtin_mul_overflow(local, d, &local) ? UINT64_MAX : local;
-      if (p.flat_range->end > box || p.flat_range->end - p.flat_range->begin != local) {
-        return fail("flat_range does not fit the box or the stored shape");
-      }
-    } else if (p.shape != p.box_shape) {
-      return fail("stored shape differs from box_shape and there is no flat_range");
-    }
+    Status shape = CheckPieceShape(p);
+    if (!shape.ok()) return shape.WithContext(file_name);
     pieces.push_back(std::move(p));
   }
   return pieces;
@@ -397,6 +404,7 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
     RETURN_IF_ERROR(u32(f, "pp_rank", &sf.pp_rank));
     RETURN_IF_ERROR(u32(f, "shard_rank", &sf.shard_rank));
     ASSIGN_OR_RETURN(sf.bytes, U64Field(f, "bytes", where));
+    if (sf.bytes > kMaxCheckpointFileBytes) return Corruption("metadata.json: file '" + sf.name + "' is too large");
     meta.files.push_back(std::move(sf));
   }
   auto tensors = j.find("tensors");
@@ -409,9 +417,11 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
       Piece p;
       p.key = it.key();
       ASSIGN_OR_RETURN(p.file, StringField(pj, "file", pw));
-      bool known =
-          std::any_of(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == p.file; });
-      if (!known) return Corruption(pw + ": piece names file '" + p.file + "' that is not in the files list");
+      auto file =
+          std::find_if(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == p.file; });
+      if (file == meta.files.end()) {
+        return Corruption(pw + ": piece names file '" + p.file + "' that is not in the files list");
+      }
       ASSIGN_OR_RETURN(std::string kind, StringField(pj, "kind", pw));
       auto k = ParseTensorKind(kind);
       if (!k) return Corruption(pw + ": unknown kind '" + kind + "'");
@@ -437,6 +447,7 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
       if (offsets.size() != 2 || offsets[0] > offsets[1]) return Corruption(pw + ": offsets are not [begin, end]");
       p.begin = offsets[0];
       p.end = offsets[1];
+      if (p.end > file->bytes) return Corruption(pw + ": offsets lie beyond the end of file '" + p.file + "'");
       auto bytes = TensorBytes(p.dtype, p.shape);
       if (!bytes.ok() || *bytes != p.end - p.begin) return Corruption(pw + ": offsets do not match dtype and shape");
       if (pj.contains("flat_range")) {
@@ -455,6 +466,7 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
         RETURN_IF_ERROR(ParseChunkChecksums(hex, chunk, &p).WithContext("metadata.json"));
       }
       RETURN_IF_ERROR(CheckPieceGeometry(p));
+      RETURN_IF_ERROR(CheckPieceShape(p).WithContext("metadata.json"));
       meta.pieces.push_back(std::move(p));
     }
   }

@@ -17,6 +17,8 @@
 namespace flashckpt {
 
 inline constexpr uint64_t kMaxMetadataJsonBytes = 1ull << 30;
+// Files larger than this (4 EiB) are refused as corrupt, so offsets within them never overflow.
+inline constexpr uint64_t kMaxCheckpointFileBytes = 1ull << 62;
 
 // One saved piece of a tensor: where it sits in the global tensor and in which file.
 struct Piece {
@@ -68,7 +70,7 @@ struct CheckpointMetadata {
   Topology topology;  // degrees and world size; the per-rank coordinates are per file
   std::vector<SavedFile> files;
   std::vector<Piece> pieces;
-  std::string created;  // UTC, ISO 8601
+  std::string created;           // UTC, ISO 8601
   std::optional<EmaRecord> ema;  // present when the checkpoint carries ema files
 };
 

@@ -46,7 +46,11 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& 
     shm.truncate(static_cast<bip::offset_t>(bytes));
     // Back every page now: a full /dev/shm is an error here rather than a SIGBUS in a trainer's
     // copy later, and no save pays for first-touch page allocation.
-    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0 && err != EOPNOTSUPP) {
+    int err = 0;
+    do {
+      err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    } while (err == EINTR);  // a signal during a large allocation
+    if (err != 0 && err != EOPNOTSUPP) {
       bip::shared_memory_object::remove(name.c_str());
       seg->owner_ = false;
       if (err == ENOSPC) {

@@ -228,6 +228,18 @@ TEST(BuildRankLayout, RejectsDuplicateNames) {
   EXPECT_NE(st.message().find("'w'"), std::string::npos) << st.ToString();
 }
 
+TEST(BuildRankLayout, RefusesAHeaderAboveTheSafetensorsLimit) {
+  // 32 GiB in 4 KiB checksum chunks: 8 Mi chunk checksums of 16 digits, a 128 MiB header.
+  LayoutExtras extras;
+  extras.checksum_chunk = 4096;
+  auto layout = BuildRankLayout("job", 0, Single(), {Spec("w", TensorKind::kModel, DType::kU8, {32ull << 30})}, extras);
+  EXPECT_EQ(layout.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(layout.status().message().find("larger checksum chunk"), std::string::npos) << layout.status().ToString();
+  extras.checksum_chunk = 1u << 20;  // 32 Ki chunks: fine
+  EXPECT_OK(
+      BuildRankLayout("job", 0, Single(), {Spec("w", TensorKind::kModel, DType::kU8, {32ull << 30})}, extras).status());
+}
+
 TEST(BuildRankLayout, RejectsBadJobsAndEmptyRanks) {
   EXPECT_FALSE(BuildRankLayout("../etc", 0, Single(), {Spec("w", TensorKind::kModel, DType::kF32, {4})}).ok());
   EXPECT_FALSE(BuildRankLayout("job", 0, Single(), {}).ok());

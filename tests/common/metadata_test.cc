@@ -206,6 +206,23 @@ TEST(MetadataJson, RejectsBadInputs) {
       {"chunk size a string", [](json& j) { j["tensors"]["layers.1.w"][0]["chunk_bytes"] = "4096"; }},
       {"chunk checksums without a size", [](json& j) { j["tensors"]["layers.1.w"][0].erase("chunk_bytes"); }},
       {"chunk size without checksums", [](json& j) { j["tensors"]["layers.1.w"][0].erase("xxh3_chunks"); }},
+      {"offsets beyond the end of the file",
+       [&](json& j) {
+         first_piece(j)["offsets"] = {8192, 8192 + 64};
+       }},
+      {"offsets near 2^64",
+       [&](json& j) {
+         first_piece(j)["offsets"] = {~0ull - 64, ~0ull};
+       }},
+      {"file of more than 2^62 bytes", [](json& j) { j["files"][0]["bytes"] = (1ull << 62) + 1; }},
+      {"stored shape differs from the box",
+       [&](json& j) {
+         first_piece(j)["shape"] = {8, 4};
+       }},
+      {"flat range of another length",
+       [](json& j) {
+         j["tensors"]["layers.0.w.exp_avg"][0]["flat_range"] = {9, 16};
+       }},
   };
   for (const auto& c : cases) {
     json j = good;
@@ -238,9 +255,15 @@ TEST(PiecesFromHeader, RejectsIncompleteTensorMetadata) {
   EXPECT_EQ((*good)[0].file, "f.safetensors");
 
   const std::vector<std::pair<std::string, std::string>> edits = {
-      {"w@kind", ""},          {"w@kind", "weights"},          {"w@global_shape", ""},
-      {"w@global_shape", "x"}, {"w@box_offset", "[5]"},        {"w@box_shape", "[4, 1]"},
-      {"w@xxh3", ""},          {"w@xxh3", "00000000000000FF"}, {"w@flat_range", "[3, 2]"},
+      {"w@kind", ""},
+      {"w@kind", "weights"},
+      {"w@global_shape", ""},
+      {"w@global_shape", "x"},
+      {"w@box_offset", "[5]"},
+      {"w@box_shape", "[4, 1]"},
+      {"w@xxh3", ""},
+      {"w@xxh3", "00000000000000FF"},
+      {"w@flat_range", "[3, 2]"},
       {"w@flat_range", "[1]"},
       {"w@xxh3_chunks", "00000000000000ff00000000000000ff"},  // one chunk, and no checksum_chunk
   };
