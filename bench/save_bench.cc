@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/mapping.h"
 #include "bench/summary.h"
 #include "common/fs.h"
 #include "common/image.h"
@@ -82,26 +83,7 @@ void OnSignal(int) {
 }
 Status CheckInterrupted() { return g_interrupted ? Cancelled("interrupted") : Status::OK(); }
 
-// Anonymous private memory, page aligned, unmapped on destruction: the trainer's host state.
-class Mapping {
- public:
-  static Result<Mapping> Make(uint64_t bytes) {
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return ErrnoStatus("mmap", std::to_string(bytes) + " bytes");
-    return Mapping(static_cast<char*>(p), bytes);
-  }
-  Mapping(Mapping&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(o.n_) {}
-  Mapping& operator=(Mapping&&) = delete;
-  ~Mapping() {
-    if (p_ != nullptr) ::munmap(p_, n_);
-  }
-  char* data() const { return p_; }
-
- private:
-  Mapping(char* p, uint64_t n) : p_(p), n_(n) {}
-  char* p_;
-  uint64_t n_;
-};
+using bench::Mapping;  // the trainer's host state and the limits' buffers
 
 // A flashckptd in this process, started as daemon/main.cc starts it; stopped (writes in flight
 // finished, segments and socket removed) on destruction.

@@ -19,6 +19,7 @@
 namespace flashckpt {
 namespace {
 
+using testing::FlipByte;
 using testing::Spec;
 using testing::TempDir;
 
@@ -52,15 +53,6 @@ char SavedByte(uint64_t g, uint64_t c) {
 
 std::string FileOf(uint32_t tp_rank) {
   return "model_state.tp0" + std::to_string(tp_rank) + "_pp00_shard00.safetensors";
-}
-
-Status FlipByte(const std::string& path, uint64_t offset) {
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus("open", path);
-  char c = 0;
-  RETURN_IF_ERROR(PreadFull(fd.get(), &c, 1, offset, path));
-  c = static_cast<char>(c ^ 0x40);
-  return PwriteFull(fd.get(), &c, 1, offset, path);
 }
 
 struct Filled {
@@ -110,7 +102,8 @@ TEST(FillSlotFromCheckpoint, ReadsOnlyTheChunksAnotherLayoutNeeds) {
   EXPECT_GE(f.stats.bytes_read, f.stats.bytes_needed);
   EXPECT_LE(f.stats.bytes_read, f.stats.bytes_needed + 2 * kChunk) << "at most one partial chunk at each end";
   std::printf("rows [61, 195) of 2 x 128: needed %llu bytes, read %llu (%.3fx)\n",
-              static_cast<unsigned long long>(f.stats.bytes_needed), static_cast<unsigned long long>(f.stats.bytes_read),
+              static_cast<unsigned long long>(f.stats.bytes_needed),
+              static_cast<unsigned long long>(f.stats.bytes_read),
               double(f.stats.bytes_read) / double(f.stats.bytes_needed));
 }
 
@@ -197,9 +190,9 @@ float FromBits(uint32_t bits) {
 TEST(NarrowF32, RoundsToNearestEven) {
   EXPECT_EQ(Narrow(1.0f, DType::kBF16), 0x3f80);
   EXPECT_EQ(Narrow(-2.5f, DType::kBF16), 0xc020);
-  EXPECT_EQ(Narrow(FromBits(0x3f808000), DType::kBF16), 0x3f80);  // tie, even below
-  EXPECT_EQ(Narrow(FromBits(0x3f818000), DType::kBF16), 0x3f82);  // tie, even above
-  EXPECT_EQ(Narrow(FromBits(0x3f808001), DType::kBF16), 0x3f81);  // just above the tie
+  EXPECT_EQ(Narrow(FromBits(0x3f808000), DType::kBF16), 0x3f80);               // tie, even below
+  EXPECT_EQ(Narrow(FromBits(0x3f818000), DType::kBF16), 0x3f82);               // tie, even above
+  EXPECT_EQ(Narrow(FromBits(0x3f808001), DType::kBF16), 0x3f81);               // just above the tie
   EXPECT_EQ(Narrow(std::numeric_limits<float>::max(), DType::kBF16), 0x7f80);  // rounds to infinity
   EXPECT_EQ(Narrow(std::numeric_limits<float>::infinity(), DType::kBF16), 0x7f80);
   const uint16_t nan = Narrow(std::numeric_limits<float>::quiet_NaN(), DType::kBF16);
@@ -209,8 +202,8 @@ TEST(NarrowF32, RoundsToNearestEven) {
 
   EXPECT_EQ(Narrow(1.0f, DType::kF16), 0x3c00);
   EXPECT_EQ(Narrow(65504.0f, DType::kF16), 0x7bff);
-  EXPECT_EQ(Narrow(65520.0f, DType::kF16), 0x7c00);  // tie between the largest finite and infinity
-  EXPECT_EQ(Narrow(1.0f + std::ldexp(1.0f, -11), DType::kF16), 0x3c00);      // tie, even below
+  EXPECT_EQ(Narrow(65520.0f, DType::kF16), 0x7c00);                      // tie between the largest finite and infinity
+  EXPECT_EQ(Narrow(1.0f + std::ldexp(1.0f, -11), DType::kF16), 0x3c00);  // tie, even below
   EXPECT_EQ(Narrow(1.0f + 3 * std::ldexp(1.0f, -11), DType::kF16), 0x3c02);  // tie, even above
   EXPECT_EQ(Narrow(std::ldexp(1.0f, -24), DType::kF16), 0x0001);             // smallest subnormal
   EXPECT_EQ(Narrow(std::ldexp(1.0f, -25), DType::kF16), 0x0000);             // tie to even zero

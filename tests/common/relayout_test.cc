@@ -27,6 +27,7 @@
 namespace flashckpt {
 namespace {
 
+using testing::FlipByte;
 using testing::Spec;
 using testing::TempDir;
 
@@ -518,15 +519,6 @@ void ExpectSameTensors(const std::map<std::string, std::string>& got, const std:
     EXPECT_TRUE(diff.first == bytes.end())
         << what << ": " << key << " differs first at byte " << (diff.first - bytes.begin()) << " of " << bytes.size();
   }
-}
-
-Status FlipByte(const std::string& path, uint64_t offset) {
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus("open", path);
-  char c = 0;
-  RETURN_IF_ERROR(PreadFull(fd.get(), &c, 1, offset, path));
-  c = static_cast<char>(c ^ 0x20);
-  return PwriteFull(fd.get(), &c, 1, offset, path);
 }
 
 std::set<std::string> SafetensorsIn(const std::string& dir) {

@@ -1,6 +1,7 @@
 // Helpers for the common/ tests: a temporary directory that removes itself, and tensor specs.
 #pragma once
 
+#include <fcntl.h>
 #include <stdlib.h>
 
 #include <cstdint>
@@ -52,6 +53,17 @@ class SlotBuffer {
   uint64_t bytes_;
   std::unique_ptr<char, decltype(&std::free)> data_;
 };
+
+// Flips the lowest bit of the byte at `offset` of the file at `path` (a hex digit stays a character
+// of the same kind: '0'..'9' <-> another digit, 'a'..'f' <-> '`'..'g').
+inline Status FlipByte(const std::string& path, uint64_t offset) {
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus("open", path);
+  char c = 0;
+  RETURN_IF_ERROR(PreadFull(fd.get(), &c, 1, offset, path));
+  c = static_cast<char>(c ^ 0x01);
+  return PwriteFull(fd.get(), &c, 1, offset, path);
+}
 
 inline TensorSpec Spec(std::string name, TensorKind kind, DType dtype, std::vector<uint64_t> shape) {
   TensorSpec s;

@@ -17,21 +17,12 @@
 namespace flashckpt {
 namespace {
 
+using testing::FlipByte;
 using testing::Spec;
 using testing::TempDir;
 
 constexpr char kModel0[] = "model_state.tp00_pp00_shard00.safetensors";
 constexpr char kOptim1[] = "optimizer.tp00_pp00_shard01.safetensors";
-
-Status FlipByte(const std::string& path, uint64_t offset) {
-  ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
-  char c = 0;
-  RETURN_IF_ERROR(PreadFull(fd.get(), &c, 1, offset, path));
-  UniqueFd w(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
-  if (!w.valid()) return ErrnoStatus("open", path);
-  c = static_cast<char>(c ^ 0x01);
-  return PwriteFull(w.get(), &c, 1, offset, path);
-}
 
 // A two-rank checkpoint (sharded optimizer) written exactly as the daemon writes one.
 class VerifyTest : public ::testing::Test {

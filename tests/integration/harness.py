@@ -9,10 +9,13 @@ passes error=AssertionError, so that its failures stay unittest failures.
     rc = h.stop_daemon()                # SIGTERM, 20 s, then SIGKILL: the exit status, or None
 """
 
+import glob
 import os
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 
 START = time.monotonic()
@@ -158,3 +161,29 @@ class DaemonHarness:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
                            stdin=subprocess.DEVNULL)
         return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+def run_with_daemon_harness(run, prefix, job, bin_dir, keep=False, errors=(TestFailure,)):
+    """Runs run(h) with a DaemonHarness in a new temporary folder and returns the exit status: 0, or
+    1 after printing the failure and the tail of every log. Stops the daemon, removes the job's
+    shared-memory segments and (unless keep) the folder, whatever happened."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    h = DaemonHarness(os.path.abspath(bin_dir), tmp)
+    h.daemon_log = os.path.join(tmp, "flashckptd.log")
+    start = time.monotonic()
+    try:
+        run(h)
+        log("PASSED in %.1fs" % (time.monotonic() - start))
+        return 0
+    except errors as e:
+        print("FAILED: %s" % e, flush=True)
+        for path in h.logs:
+            if path and os.path.exists(path):
+                print("---- %s\n%s" % (path, tail(path)), flush=True)
+        return 1
+    finally:
+        h.stop_daemon()
+        for seg in glob.glob("/dev/shm/flashckpt.%s.*" % job):
+            os.unlink(seg)
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.dont_write_bytecode = True
@@ -37,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 import flashckpt_reader  # noqa: E402
-from harness import DaemonHarness, TestFailure, check, log, tail  # noqa: E402
+from harness import TestFailure, check, log, run_with_daemon_harness  # noqa: E402
 
 JOB = "reshard-%d" % os.getpid()
 LAYERS, HIDDEN, STEPS = 4, 514, 20
@@ -215,27 +214,7 @@ def main():
     ap.add_argument("--bin-dir", required=True)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="flashckpt-reshard-")
-    h = DaemonHarness(os.path.abspath(args.bin_dir), tmp)
-    h.daemon_log = os.path.join(tmp, "flashckptd.log")
-    start = time.monotonic()
-    try:
-        run(h)
-        log("PASSED in %.1fs" % (time.monotonic() - start))
-        return 0
-    except (TestFailure, flashckpt_reader.CheckpointError) as e:
-        print("FAILED: %s" % e, flush=True)
-        for path in h.logs:
-            if path and os.path.exists(path):
-                print("---- %s\n%s" % (path, tail(path)), flush=True)
-        return 1
-    finally:
-        h.stop_daemon()
-        for seg in glob.glob("/dev/shm/flashckpt.%s.*" % JOB):
-            os.unlink(seg)
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-
+    return run_with_daemon_harness(run, "flashckpt-reshard-", JOB, args.bin_dir, args.keep, errors=(TestFailure, flashckpt_reader.CheckpointError))
 
 if __name__ == "__main__":
     sys.exit(main())

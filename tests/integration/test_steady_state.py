@@ -18,16 +18,14 @@ but not bounded there.
 import argparse
 import glob
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import DaemonHarness, TestFailure, check, log, tail  # noqa: E402
+from harness import TestFailure, check, log, run_with_daemon_harness, tail  # noqa: E402
 
 JOB = "steady-%d" % os.getpid()
 STEPS, FIRST_SAMPLE = 1000, 200
@@ -98,27 +96,7 @@ def main():
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--sanitized", action="store_true", help="print RSS, do not bound it")
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="flashckpt-steady-")
-    h = DaemonHarness(os.path.abspath(args.bin_dir), tmp)
-    h.daemon_log = os.path.join(tmp, "flashckptd.log")
-    start = time.monotonic()
-    try:
-        run(h, args.sanitized)
-        log("PASSED in %.1fs" % (time.monotonic() - start))
-        return 0
-    except TestFailure as e:
-        print("FAILED: %s" % e, flush=True)
-        for path in h.logs:
-            if path and os.path.exists(path):
-                print("---- %s\n%s" % (path, tail(path)), flush=True)
-        return 1
-    finally:
-        h.stop_daemon()
-        for seg in glob.glob("/dev/shm/flashckpt.%s.*" % JOB):
-            os.unlink(seg)
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-
+    return run_with_daemon_harness(lambda h: run(h, args.sanitized), "flashckpt-steady-", JOB, args.bin_dir, args.keep)
 
 if __name__ == "__main__":
     sys.exit(main())
