@@ -163,27 +163,44 @@ class DaemonHarness:
         return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
 
 
-def run_with_daemon_harness(run, prefix, job, bin_dir, keep=False, errors=(TestFailure,)):
-    """Runs run(h) with a DaemonHarness in a new temporary folder and returns the exit status: 0, or
-    1 after printing the failure and the tail of every log. Stops the daemon, removes the job's
-    shared-memory segments and (unless keep) the folder, whatever happened."""
-    tmp = tempfile.mkdtemp(prefix=prefix)
-    h = DaemonHarness(os.path.abspath(bin_dir), tmp)
-    h.daemon_log = os.path.join(tmp, "flashckptd.log")
+def run_with_daemon_harness(run, prefix, jobs, bin_dir, keep=False, errors=(TestFailure,), harness=None):
+    """Runs run(h) in a new temporary folder and returns the exit status: 0, or 1 after printing the
+    failure and the tail of every log. `harness(bin_dir, tmp)` builds h (default DaemonHarness);
+    `jobs` lists the job names, or is a callable that gives them from h. Whatever happened, it kills
+    the harness's processes (h.kill_all, where there is one), stops the daemon, removes the jobs'
+    shared-memory segments and the folder (kept with keep, or on failure with FLASHCKPT_KEEP_TMP=1)."""
+    # UNIX socket paths are limited to 108 bytes: keep the folder short.
+    base = tempfile.gettempdir()
+    if len(base) > 40:
+        base = "/tmp"
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=base)
+    h = (harness or DaemonHarness)(os.path.abspath(bin_dir), tmp)
+    if h.daemon_log is None:
+        h.daemon_log = os.path.join(tmp, "flashckptd.log")
     start = time.monotonic()
+    ok = False
     try:
         run(h)
+        ok = True
         log("PASSED in %.1fs" % (time.monotonic() - start))
         return 0
     except errors as e:
         print("FAILED: %s" % e, flush=True)
         for path in h.logs:
             if path and os.path.exists(path):
-                print("---- %s\n%s" % (path, tail(path)), flush=True)
+                print("---- %s (last lines)\n%s" % (path, tail(path)), flush=True)
         return 1
     finally:
+        if hasattr(h, "kill_all"):
+            h.kill_all()
         h.stop_daemon()
-        for seg in glob.glob("/dev/shm/flashckpt.%s.*" % job):
-            os.unlink(seg)
-        if not keep:
+        for job in (jobs(h) if callable(jobs) else jobs):  # job names carry the test's pid: unique to this run
+            for seg in glob.glob("/dev/shm/flashckpt.%s.*" % job):
+                try:
+                    os.unlink(seg)
+                except OSError:
+                    pass
+        if keep or (not ok and os.environ.get("FLASHCKPT_KEEP_TMP") == "1"):
+            print("kept %s" % tmp, flush=True)
+        else:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -214,7 +214,7 @@ def main():
     ap.add_argument("--bin-dir", required=True)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    return run_with_daemon_harness(run, "flashckpt-reshard-", JOB, args.bin_dir, args.keep, errors=(TestFailure, flashckpt_reader.CheckpointError))
+    return run_with_daemon_harness(run, "flashckpt-reshard-", [JOB], args.bin_dir, args.keep, errors=(TestFailure, flashckpt_reader.CheckpointError))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,6 @@ Every wait has a deadline; the daemon and the simulators are killed in a finally
 """
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -27,13 +26,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
-from harness import DaemonHarness, TestFailure, check, kill_processes, log, tail, wait_for  # noqa: E402
+from harness import (DaemonHarness, TestFailure, check, kill_processes, log, run_with_daemon_harness,  # noqa: E402
+                     wait_for)
 
 WORLD, TP, SHARD = 4, 2, 2
 LAYERS, HIDDEN = 4, 128
@@ -324,36 +323,9 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
 
-    # UNIX socket paths are limited to 108 bytes: keep the folder short.
-    base = tempfile.gettempdir()
-    if len(base) > 40:
-        base = "/tmp"
-    tmp = tempfile.mkdtemp(prefix="fc-it.", dir=base)
-    h = Harness(os.path.abspath(args.bin_dir), tmp)
-    ok = False
-    try:
-        run(h)
-        ok = True
-    except (TestFailure, reader.CheckpointError, subprocess.TimeoutExpired, OSError) as e:
-        print("\nFAILED: %s" % e, file=sys.stderr)
-    finally:
-        h.kill_all()
-        h.stop_daemon()
-        for seg in glob.glob("/dev/shm/flashckpt.%s.*" % h.job):  # the job name is unique to this run
-            try:
-                os.unlink(seg)
-            except OSError:
-                pass
-        if not ok:
-            for path in h.logs:
-                sys.stderr.write("\n----- %s (last lines) -----\n%s" % (path, tail(path)))
-        if args.keep or (not ok and os.environ.get("FLASHCKPT_KEEP_TMP") == "1"):
-            print("kept %s" % tmp, file=sys.stderr)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    print("PASSED" if ok else "FAILED", flush=True)
-    return 0 if ok else 1
-
+    return run_with_daemon_harness(run, "fc-it.", lambda h: [h.job], args.bin_dir, args.keep,
+                                   errors=(TestFailure, reader.CheckpointError, subprocess.TimeoutExpired, OSError),
+                                   harness=Harness)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--sanitized", action="store_true", help="print RSS, do not bound it")
     args = ap.parse_args()
-    return run_with_daemon_harness(lambda h: run(h, args.sanitized), "flashckpt-steady-", JOB, args.bin_dir, args.keep)
+    return run_with_daemon_harness(lambda h: run(h, args.sanitized), "flashckpt-steady-", [JOB], args.bin_dir, args.keep)
 
 if __name__ == "__main__":
     sys.exit(main())
