@@ -204,3 +204,29 @@ def run_with_daemon_harness(run, prefix, jobs, bin_dir, keep=False, errors=(Test
             print("kept %s" % tmp, flush=True)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_flipped_byte_is_caught(h, ckpt_dir, bad_file, tensor):
+    """Copies the checkpoint ckpt_dir and flips one bit in the middle of `tensor` in `bad_file`:
+    `flashckpt verify` and the independent reader must both refuse the copy and name the file.
+    Returns verify's exit status."""
+    import flashckpt_reader as reader  # the reader uses nothing of this module
+    bad_dir = os.path.join(h.tmp, "corrupt", os.path.basename(os.path.dirname(ckpt_dir)), os.path.basename(ckpt_dir))
+    shutil.copytree(ckpt_dir, bad_dir)
+    st = reader.read_safetensors(os.path.join(bad_dir, bad_file))
+    t = st.tensors[tensor]
+    where = t.begin + (t.end - t.begin) // 2
+    with open(st.path, "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0x01]))
+    rc, out, err = h.cli("verify", bad_dir)
+    check(rc != 0, "flashckpt verify accepted a checkpoint with a flipped byte in %s:\n%s%s" % (bad_file, out, err))
+    check(bad_file in out + err, "flashckpt verify did not name %s:\n%s%s" % (bad_file, out, err))
+    try:
+        reader.verify_checkpoint(bad_dir)
+        raise TestFailure("the independent reader accepted a flipped byte in %s" % bad_file)
+    except reader.CheckpointError as e:
+        check(bad_file in str(e), "reader error does not name %s: %s" % (bad_file, e))
+    return rc
