@@ -139,6 +139,9 @@ int Run(uint64_t param_bytes, uint64_t tensor_bytes, unsigned threads, int reps,
   auto e_ptr = [&](const Chunk& c) {
     return reinterpret_cast<float*>(ema->base() + el.placements[c.tensor].slot_offset) + c.begin;
   };
+  auto spare_ptr = [&](const Chunk& c) {  // where an update writes (the EMA keeps two images)
+    return reinterpret_cast<float*>(ema->spare_base() + el.placements[c.tensor].slot_offset) + c.begin;
+  };
   auto x_ptr = [&](const Chunk& c) {
     return reinterpret_cast<float*>(slot + layout->placements[ema->plan().source[c.tensor]].slot_offset) + c.begin;
   };
@@ -170,18 +173,18 @@ int Run(uint64_t param_bytes, uint64_t tensor_bytes, unsigned threads, int reps,
       Triad(out_ptr(c), x_ptr(c), e_ptr(c), 0.5f, c.count);
     });
   });
-  add("ema              RankEma::Apply", "12", [&] {
+  add("ema              RankEma::Apply", "12 (+4 write-allocate)", [&] {
     ema->Apply(*layout, slot, ++step, std::nullopt, nullptr, &loop);
     ++applies;
   });
-  add("ema + slot copy  RankEma::Apply", "16 (+4) + 4 (stamp)", [&] {
+  add("ema + slot copy  RankEma::Apply", "16 (+8) + 4 (stamp)", [&] {
     ema->Apply(*layout, slot, ++step, std::nullopt, image_base, &loop);
     ++applies;
   });
-  add("  kernel only    EmaKernel(copy_out)", "16 (+4 write-allocate)", [&] {
+  add("  kernel only    EmaKernel(copy_out)", "16 (+8 write-allocate)", [&] {
     loop.Run(chunks.size(), [&](size_t i) {
       const Chunk& c = chunks[i];
-      EmaKernel(e_ptr(c), x_ptr(c), DType::kF32, c.count, decay, EmaStep::kAverage, out_ptr(c));
+      EmaKernel(e_ptr(c), spare_ptr(c), x_ptr(c), DType::kF32, c.count, decay, EmaStep::kAverage, out_ptr(c));
     });
   });
   add("  stamp only     StampImage (1 thread)", "4 (xxh3 read)", [&] { StampImage(image_base, el, 0, step); });
@@ -196,9 +199,9 @@ int Run(uint64_t param_bytes, uint64_t tensor_bytes, unsigned threads, int reps,
       if (r >= warmup) row.seconds.push_back(s);
     }
   }
-  if (ema->header()->updates_applied.load() != applies) {
+  if (ema->state().updates_applied != applies) {
     std::fprintf(stderr, "ema_bench: %llu updates applied, expected %llu\n",
-                 static_cast<unsigned long long>(ema->header()->updates_applied.load()),
+                 static_cast<unsigned long long>(ema->state().updates_applied),
                  static_cast<unsigned long long>(applies));
     return 1;
   }

@@ -55,6 +55,10 @@ class SharedSegment {
 
   // Leaves the name in place when this object is destroyed (segments that outlive the daemon).
   void KeepName() { owner_ = false; }
+  // Takes over the name of an opened segment: it is unlinked when this object is destroyed (a
+  // restarted daemon adopting a segment its predecessor created).
+  void OwnName() { owner_ = true; }
+  bool owns_name() const { return owner_; }
   // Removes a segment name; ok when it does not exist.
   static void Unlink(const std::string& name);
 

@@ -29,6 +29,9 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.set_version_flag("--version", "flashckptd 0.1.0");
   app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
   app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
+  app.add_option("--state-dir", config.state_dir,
+                 "Private directory (0700) of the records a restarted daemon uses to adopt the shared-memory "
+                 "segments and committed snapshots a crashed one left (default: <socket>.state)");
   app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();
   app.add_option("--max-host-memory", budget,
                  "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");

@@ -44,7 +44,8 @@ bool SameDegrees(const Topology& a, const Topology& b) {
 }  // namespace
 
 RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
-                         uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter)
+                         uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter,
+                         const StateDir* state_dir)
     : layout(std::move(l)),
       shm(std::move(s)),
       slots(count),
@@ -52,12 +53,14 @@ RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_
       slot_stride(stride),
       ema_area(ema_offset),
       used(counter),
-      accounted(shm->size() + (ema ? ema->bytes() : 0)) {
+      accounted(shm->size() + (ema ? ema->bytes() : 0)),
+      state(state_dir) {
   used->fetch_add(accounted);
 }
 
 RankSegment::~RankSegment() {
   used->fetch_sub(accounted);
+  if (state != nullptr && shm->owns_name()) state->RemoveSegment(shm->name());
   Logger("shm")->info("released segment={} bytes={}", shm->name(), FormatBytes(shm->size()));
 }
 
@@ -78,14 +81,20 @@ Status Daemon::Start() {
   if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
   if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
   RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
+  std::string state_dir = config_.state_dir;
+  if (state_dir.empty() && !config_.socket_path.empty()) state_dir = config_.socket_path + ".state";
+  if (!state_dir.empty()) {
+    ASSIGN_OR_RETURN(state_, StateDir::Open(state_dir));
+  }
   writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads);
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
   ema_loop_ = std::make_unique<ParallelLoop>(ema_threads - 1);
   ema_thread_ = std::thread([this] { RunEmaStage(); });
-  Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={}", config_.root,
-                      config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads, config_.keep);
-  return Status::OK();
+  Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={} state_dir={}",
+                      config_.root, config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads,
+                      config_.keep, state_dir);
+  return AdoptSegments();
 }
 
 void Daemon::Stop() {
@@ -151,7 +160,11 @@ void Daemon::CloseSession(const std::string& session_id) {
 Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
   if (stopping_) return Unavailable("the daemon is shutting down");
   auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return FailedPrecondition("unknown or closed session; open a session first");
+  if (it == sessions_.end()) {
+    // UNAVAILABLE, not an argument error: after a daemon restart every session id is unknown, and
+    // the client library re-attaches (a new session, the same registration) on this code.
+    return Unavailable("unknown or closed session (the daemon may have restarted); open a new session");
+  }
   RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
   if (need_segment && !rank.segment) {
     return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
@@ -161,45 +174,63 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
 }
 
 Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
-                                                           std::optional<EmaPlan> plan, const EmaConfig& config) {
-  ASSIGN_OR_RETURN(std::string token, RandomToken());
-  std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
+                                                           std::optional<EmaPlan> plan, const EmaConfig& config,
+                                                           uint32_t slot_count, const std::string* adopt) {
   std::unique_ptr<RankEma> ema;
   if (plan) {
     ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, std::move(*plan), config, config_.segment_mode));
   }
   const uint64_t ema_area = layout.slot_bytes;
   const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
-  uint64_t bytes = SegmentBytes(stride, config_.slots);
-  ASSIGN_OR_RETURN(auto shm, SharedSegment::Create(name, bytes, config_.segment_mode));
-  auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
-  std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
-  header->format_version = kFormatVersion;
-  header->slot_count = config_.slots;
-  header->slot_bytes = stride;
-  header->segment_bytes = bytes;
-  header->rank = rank;
-  std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
-  auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), config_.slots, std::move(ema), stride,
-                                               ema_area, &host_memory_used_);
-  for (uint32_t i = 0; i < config_.slots; ++i) {
-    InitSlotImages(segment->Slot(i), segment->layout);
-    segment->Mirror(i);
+  uint64_t bytes = SegmentBytes(stride, slot_count);
+  std::unique_ptr<SharedSegment> shm;
+  if (adopt != nullptr) {
+    ASSIGN_OR_RETURN(shm, SharedSegment::Open(*adopt, bytes));
+    const auto* header = reinterpret_cast<const SegmentHeader*>(shm->data());
+    if (std::memcmp(header->magic, kSegmentMagic, sizeof kSegmentMagic) != 0 ||
+        header->format_version != kFormatVersion || header->slot_count != slot_count ||
+        header->slot_bytes != stride || header->segment_bytes != bytes || header->rank != rank ||
+        std::string(header->job, strnlen(header->job, sizeof header->job)) != job) {
+      return FailedPrecondition("segment " + *adopt + " does not match its registration record");
+    }
+    shm->OwnName();
+  } else {
+    ASSIGN_OR_RETURN(std::string token, RandomToken());
+    std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
+    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, config_.segment_mode));
+    auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
+    std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
+    header->format_version = kFormatVersion;
+    header->slot_count = slot_count;
+    header->slot_bytes = stride;
+    header->segment_bytes = bytes;
+    header->rank = rank;
+    std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
   }
-  Logger("shm")->info("created segment={} bytes={} slots={} slot_bytes={} ema={}", name, FormatBytes(bytes),
-                      config_.slots, FormatBytes(stride), segment->ema != nullptr);
+  const std::string name = shm->name();
+  auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), slot_count, std::move(ema), stride,
+                                               ema_area, &host_memory_used_, &state_);
+  if (adopt == nullptr) {
+    for (uint32_t i = 0; i < slot_count; ++i) {
+      InitSlotImages(segment->Slot(i), segment->layout);
+      segment->Mirror(i);
+    }
+  }
+  Logger("shm")->info("{} segment={} bytes={} slots={} slot_bytes={} ema={}", adopt ? "adopted" : "created", name,
+                      FormatBytes(bytes), slot_count, FormatBytes(stride), segment->ema != nullptr);
   return segment;
 }
 
-Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const Topology& topology,
-                                              const std::vector<TensorSpec>& tensors, Backpressure policy,
-                                              const EmaConfig& ema_config) {
+Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const v1::RegisterRequest& request) {
+  ASSIGN_OR_RETURN(Registration reg, ParseRegistration(request));
+  const Topology& topology = reg.topology;
+  const EmaConfig& ema_config = reg.ema;
   std::unique_lock<std::mutex> lock(mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
   LayoutExtras extras;
   extras.checksum_chunk = config_.checksum_chunk;
-  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors, extras));
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, reg.tensors, extras));
   std::optional<EmaPlan> ema_plan;
   if (ema_config.enabled) {
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
@@ -258,10 +289,27 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
                                " in use (--max-host-memory)");
     }
     rank->segment.reset();  // the writer keeps it alive if a persist is still running
-    ASSIGN_OR_RETURN(rank->segment, CreateSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config));
+    ASSIGN_OR_RETURN(rank->segment, CreateSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config,
+                                                  config_.slots));
+    // What a restarted daemon needs to adopt the segment (daemon/recovery.cc).
+    v1::SegmentRecord record;
+    record.set_job(who.job);
+    record.set_rank(who.rank);
+    record.set_segment_name(rank->segment->shm->name());
+    record.set_segment_bytes(rank->segment->shm->size());
+    record.set_slot_count(rank->segment->slots.size());
+    record.set_checksum_chunk(config_.checksum_chunk);
+    *record.mutable_registration() = request;
+    record.mutable_registration()->clear_session_id();
+    record.mutable_registration()->clear_resumed_from();
+    if (Status saved = state_.SaveSegment(record); !saved.ok()) {
+      rank->segment.reset();
+      return saved.WithContext("saving the segment's record in the state directory");
+    }
   }
   rank->topology = topology;
-  rank->policy = policy;
+  rank->policy = reg.policy;
+  if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
   rank->registered = true;
   job.topology = topology;
 
@@ -336,12 +384,12 @@ v1::StatusResponse Daemon::GetStatus() const {
           s->set_step(rank.segment->slots.at(i).step);
         }
         if (const RankEma* ema = rank.segment->ema.get()) {
-          const EmaSegmentHeader* h = ema->header();
+          const EmaState state = ema->state();
           rs->set_ema_enabled(true);
           rs->set_ema_bytes(ema->plan().image_bytes());
-          rs->set_ema_last_step(h->last_step);
-          rs->set_ema_updates_applied(h->updates_applied);
-          rs->set_ema_updates_skipped(h->updates_skipped);
+          rs->set_ema_last_step(state.last_step);
+          rs->set_ema_updates_applied(state.updates_applied);
+          rs->set_ema_updates_skipped(state.updates_skipped);
           rs->set_ema_decay(ema->config().decay);
         }
       }

@@ -26,7 +26,9 @@
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
 #include "daemon/ema.h"
+#include "daemon/registration.h"
 #include "daemon/slots.h"
+#include "daemon/state_dir.h"
 #include "daemon/writer.h"
 #include "flashckpt.pb.h"
 
@@ -34,6 +36,9 @@ namespace flashckpt {
 
 struct DaemonConfig {
   std::string socket_path;
+  // Records for adopting slot segments after a crash (daemon/state_dir.h). Empty:
+  // "<socket_path>.state"; no records at all when socket_path is empty too.
+  std::string state_dir;
   std::string root;
   uint32_t slots = 2;
   uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
@@ -53,8 +58,6 @@ struct DaemonConfig {
   std::string log_level = "info";
 };
 
-enum class Backpressure { kWait, kSkip };
-
 // One registered rank's segment: its layout, the mapped memory, the slot state machine and the
 // rank's EMA. A slot is the rank layout's bytes followed, with EMA on, by room for one EMA image.
 struct RankSegment {
@@ -67,9 +70,10 @@ struct RankSegment {
   std::atomic<uint64_t>* used = nullptr;  // the daemon's host-memory counter
   uint64_t accounted = 0;                 // bytes counted in *used (segment + EMA segment)
   uint32_t ema_pending = 0;               // guarded by Daemon::mu_: snapshots queued for the EMA stage
+  const StateDir* state = nullptr;        // its records are removed with the segment's name
 
   RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
-              uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter);
+              uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter, const StateDir* state_dir);
   ~RankSegment();
   char* Slot(uint32_t i) const { return shm->data() + kSegmentHeaderBytes + slot_stride * i; }
   // Base pointer for the EMA plan's offsets so that its image lands in the slot's EMA room.
@@ -96,7 +100,8 @@ class Daemon {
   explicit Daemon(DaemonConfig config);
   ~Daemon();
 
-  // Creates the root directory and starts the writer.
+  // Creates the root directory, starts the writer, and adopts the slot segments a predecessor
+  // left behind (daemon/recovery.cc): their committed snapshots are persisted again.
   Status Start();
   // Refuses new work, wakes every waiter, and finishes the writes in flight.
   void Stop();
@@ -104,9 +109,7 @@ class Daemon {
   Result<std::string> OpenSession(const std::string& job, uint32_t rank);
   void CloseSession(const std::string& session_id);
 
-  Result<v1::RegisterResponse> Register(const std::string& session_id, const Topology& topology,
-                                        const std::vector<TensorSpec>& tensors, Backpressure policy,
-                                        const EmaConfig& ema);
+  Result<v1::RegisterResponse> Register(const std::string& session_id, const v1::RegisterRequest& request);
   Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                 std::optional<double> loss, std::string extra);
@@ -176,8 +179,11 @@ class Daemon {
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
   void OnPersisted(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
                    SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds);
+  // Creates the rank's segment, or with `adopt` maps that existing segment and checks its header
+  // against the layout (its contents are kept).
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
-                                                     std::optional<EmaPlan> ema, const EmaConfig& config);
+                                                     std::optional<EmaPlan> ema, const EmaConfig& config,
+                                                     uint32_t slot_count, const std::string* adopt = nullptr);
   // The EMA stage: applies committed snapshots to their rank's EMA in commit order, then hands
   // persisted ones to the writer and frees the others.
   struct EmaJob {
@@ -189,13 +195,26 @@ class Daemon {
     PersistRequest request;  // when persist
     std::string job;
     uint32_t rank = 0;
+    bool replay = false;  // adopted after a restart: the EMA may already have seen the step
   };
   void RunEmaStage();
+  // The persist request of a committed slot; `done` reports to OnPersisted.
+  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, uint32_t world_size,
+                                    int64_t resumed_from, const std::shared_ptr<RankSegment>& segment,
+                                    const SlotTicket& ticket, int64_t step, std::string extra);
+
+  // Crash recovery (daemon/recovery.cc).
+  Status AdoptSegments();
+  Status AdoptSegment(const StateDir::Adoptable& record);
+  // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by processes
+  // that no longer exist.
+  void RemoveStaleTemporaries(const std::string& job);
   // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
   Status FinishCommittedLocked(EmaJob job);
 
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;
+  StateDir state_;  // set once by Start
   Catalog catalog_;
   std::unique_ptr<Writer> writer_;
   std::unique_ptr<ParallelLoop> ema_loop_;  // used by the EMA stage thread only

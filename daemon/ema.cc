@@ -14,7 +14,7 @@
 namespace flashckpt {
 namespace {
 
-constexpr char kEmaMagic[8] = {'F', 'C', 'K', 'P', 'T', 'E', 'M', '1'};
+constexpr char kEmaMagic[8] = {'F', 'C', 'K', 'P', 'T', 'E', 'M', '2'};
 constexpr size_t kChunkElements = 1u << 18;  // 1 MiB of fp32 per parallel chunk
 
 inline float Bf16ToFloat(uint16_t v) {
@@ -48,7 +48,8 @@ inline float F16ToFloat(uint16_t h) {
 }
 
 template <typename Load>
-void Combine(float* __restrict e, size_t n, float d, EmaStep step, float* __restrict out, Load load) {
+void Combine(const float* __restrict in, float* __restrict e, size_t n, float d, EmaStep step, float* __restrict out,
+             Load load) {
   const float w = 1.0f - d;
   switch (step) {
     case EmaStep::kCopy:
@@ -58,31 +59,40 @@ void Combine(float* __restrict e, size_t n, float d, EmaStep step, float* __rest
       for (size_t i = 0; i < n; ++i) e[i] = w * load(i);
       break;
     case EmaStep::kAverage:
-      for (size_t i = 0; i < n; ++i) e[i] = d * e[i] + w * load(i);
+      for (size_t i = 0; i < n; ++i) e[i] = d * in[i] + w * load(i);
       break;
   }
   if (out != nullptr) std::memcpy(out, e, n * sizeof(float));
+}
+
+void Store(EmaCounters* c, const EmaState& s) {
+  c->initialized.store(s.initialized ? 1 : 0, std::memory_order_relaxed);
+  c->updates_applied.store(s.updates_applied, std::memory_order_relaxed);
+  c->updates_skipped.store(s.updates_skipped, std::memory_order_relaxed);
+  c->last_step.store(s.last_step, std::memory_order_relaxed);
+  c->last_seen.store(s.last_seen, std::memory_order_release);
 }
 
 bool IsFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
 }  // namespace
 
-void EmaKernel(float* e, const void* x, DType dtype, size_t n, float decay, EmaStep step, float* copy_out) {
+void EmaKernel(const float* in, float* e, const void* x, DType dtype, size_t n, float decay, EmaStep step,
+               float* copy_out) {
   switch (dtype) {
     case DType::kBF16: {
       const auto* s = static_cast<const uint16_t*>(x);
-      Combine(e, n, decay, step, copy_out, [s](size_t i) { return Bf16ToFloat(s[i]); });
+      Combine(in, e, n, decay, step, copy_out, [s](size_t i) { return Bf16ToFloat(s[i]); });
       break;
     }
     case DType::kF16: {
       const auto* s = static_cast<const uint16_t*>(x);
-      Combine(e, n, decay, step, copy_out, [s](size_t i) { return F16ToFloat(s[i]); });
+      Combine(in, e, n, decay, step, copy_out, [s](size_t i) { return F16ToFloat(s[i]); });
       break;
     }
     default: {
       const float* __restrict s = static_cast<const float*>(x);
-      Combine(e, n, decay, step, copy_out, [s](size_t i) { return s[i]; });
+      Combine(in, e, n, decay, step, copy_out, [s](size_t i) { return s[i]; });
       break;
     }
   }
@@ -157,12 +167,13 @@ Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t 
   std::unique_ptr<RankEma> ema(new RankEma());
   const std::string name = "flashckpt." + job + "." + std::to_string(rank) + ".ema";
   const FileImage& image = plan.layout.files.at(0);
-  const uint64_t bytes = plan.layout.slot_bytes;
+  const uint64_t bytes = 2 * plan.layout.slot_bytes;  // two images (ema.h)
   const uint64_t signature = Xxh3(image.header.data(), image.header.size());
   auto existing = SharedSegment::Open(name, bytes);
   if (existing.ok()) {
     auto* h = reinterpret_cast<EmaSegmentHeader*>((*existing)->data());
-    if (std::memcmp(h->magic, kEmaMagic, sizeof kEmaMagic) == 0 && h->signature == signature) {
+    if (std::memcmp(h->magic, kEmaMagic, sizeof kEmaMagic) == 0 && h->signature == signature &&
+        h->current.load() <= 1) {
       ema->shm_ = std::move(existing).value();
       ema->adopted_ = true;
     }
@@ -173,11 +184,11 @@ Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t 
     auto* h = reinterpret_cast<EmaSegmentHeader*>(ema->shm_->data());
     std::memcpy(h->magic, kEmaMagic, sizeof kEmaMagic);
     h->signature = signature;
-    h->initialized = 0;
-    h->updates_applied = 0;
-    h->updates_skipped = 0;
-    h->last_step = -1;
+    Store(&h->counters[0], EmaState{});
+    Store(&h->counters[1], EmaState{});
+    h->current.store(0, std::memory_order_release);
     InitSlotImages(ema->shm_->data(), plan.layout);
+    InitSlotImages(ema->shm_->data() + plan.layout.slot_bytes, plan.layout);
   }
   ema->shm_->KeepName();  // outlives this process: a restarted daemon adopts it
   ema->plan_ = std::move(plan);
@@ -186,10 +197,10 @@ Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t 
     size_t n = ema->plan_.layout.placements[k].bytes / sizeof(float);
     for (size_t b = 0; b < n; b += kChunkElements) ema->chunks_.push_back({k, b, std::min(kChunkElements, n - b)});
   }
-  auto* h = ema->header();
+  const EmaState state = ema->state();
   Logger("ema")->info("{} segment={} bytes={} tensors={} step={} applied={}", ema->adopted_ ? "adopted" : "created",
-                      name, ema->shm_->size(), ema->plan_.layout.tensors.size(), h->last_step.load(),
-                      h->updates_applied.load());
+                      name, ema->shm_->size(), ema->plan_.layout.tensors.size(), state.last_step,
+                      state.updates_applied);
   return ema;
 }
 
@@ -197,62 +208,97 @@ RankEma::~RankEma() = default;
 
 void RankEma::Unlink() { SharedSegment::Unlink(shm_->name()); }
 
-void RankEma::Stamp(char* image_base, int64_t step, ParallelLoop* loop) const {
+EmaState RankEma::state() const {
+  const EmaSegmentHeader* h = header();
+  const EmaCounters& c = h->counters[h->current.load(std::memory_order_acquire)];
+  EmaState s;
+  s.last_seen = c.last_seen.load(std::memory_order_acquire);
+  s.initialized = c.initialized.load(std::memory_order_relaxed) != 0;
+  s.updates_applied = c.updates_applied.load(std::memory_order_relaxed);
+  s.updates_skipped = c.updates_skipped.load(std::memory_order_relaxed);
+  s.last_step = c.last_step.load(std::memory_order_relaxed);
+  return s;
+}
+
+void RankEma::Publish(const EmaState& state) {
+  EmaSegmentHeader* h = header();
+  const uint32_t spare = 1 - h->current.load(std::memory_order_relaxed);
+  Store(&h->counters[spare], state);
+  h->current.store(spare, std::memory_order_release);  // the commit point of an update or a load
+}
+
+void RankEma::SetState(const EmaState& state) {
+  EmaSegmentHeader* h = header();
+  Store(&h->counters[h->current.load(std::memory_order_relaxed)], state);
+}
+
+void RankEma::Stamp(char* image_base, int64_t step, const EmaState& state, ParallelLoop* loop) const {
   StampStep(image_base, plan_.layout, 0, step);
   // One task per tensor: the checksums of a persisted step run on every EMA thread.
   loop->Run(plan_.layout.tensors.size(), [&](size_t t) { StampChecksum(image_base, plan_.layout, t); });
-  const EmaSegmentHeader* h = header();
-  StampEmaCounters(image_base, plan_.layout, 0, h->updates_applied.load(), h->updates_skipped.load(),
-                   h->last_step.load());
+  StampEmaCounters(image_base, plan_.layout, 0, state.updates_applied, state.updates_skipped, state.last_step);
 }
 
 bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,
-                    char* slot_image_base, ParallelLoop* loop) {
-  EmaSegmentHeader* h = header();
+                    char* slot_image_base, ParallelLoop* loop, bool replay) {
+  EmaState s = state();
+  bool changed = false;
   bool due = step % config_.interval == 0;
-  if (due && h->initialized != 0 && step <= h->last_step) {
+  if (due && replay && step <= s.last_seen) {
+    due = false;  // applied (or skipped by the gate) before the daemon restarted
+  } else if (due && s.last_seen >= 0 && step <= s.last_seen) {
     // Steps only increase within a run: an older or equal step means this average was left by
     // another run of the job (its segment adopted after a restart). Start afresh.
     Logger("ema")->warn("ema reset segment={} step={} last_step={}: the adopted EMA belongs to another run",
-                        shm_->name(), step, h->last_step.load());
-    h->initialized = 0;
-    h->updates_applied = 0;
-    h->updates_skipped = 0;
-    h->last_step = -1;
+                        shm_->name(), step, s.last_step);
+    s = EmaState{};
+    changed = true;
   }
-  bool gated = due && config_.loss_threshold && loss && *loss > *config_.loss_threshold;
-  if (gated) h->updates_skipped += 1;
-  bool update = due && !gated;
-  if (!update && slot_image_base == nullptr) return false;
+  const bool gated = due && config_.loss_threshold && loss && *loss > *config_.loss_threshold;
+  if (gated) {
+    s.updates_skipped += 1;
+    s.last_seen = step;
+    changed = true;
+  }
+  const bool update = due && !gated;
+  if (!update) {
+    if (changed) SetState(s);
+    if (slot_image_base == nullptr) return false;
+  }
 
   EmaStep how = EmaStep::kAverage;
-  if (h->initialized == 0) how = config_.init_zeros ? EmaStep::kScaledCopy : EmaStep::kCopy;
+  if (!s.initialized) how = config_.init_zeros ? EmaStep::kScaledCopy : EmaStep::kCopy;
   const float decay = static_cast<float>(config_.decay);
+  const char* from = base();
+  char* to = update ? spare_base() : nullptr;
 
   const auto& chunks = chunks_;
   loop->Run(chunks.size(), [&](size_t c) {
     const Chunk& ch = chunks[c];
     const Placement& ep = plan_.layout.placements[ch.tensor];
-    float* e = reinterpret_cast<float*>(base() + ep.slot_offset) + ch.begin;
-    float* out = slot_image_base ? reinterpret_cast<float*>(slot_image_base + ep.slot_offset) + ch.begin : nullptr;
+    const float* in = reinterpret_cast<const float*>(from + ep.slot_offset) + ch.begin;
+    float* copy = slot_image_base ? reinterpret_cast<float*>(slot_image_base + ep.slot_offset) + ch.begin : nullptr;
     if (!update) {
-      std::memcpy(out, e, ch.count * sizeof(float));
+      std::memcpy(copy, in, ch.count * sizeof(float));
       return;
     }
+    float* out = reinterpret_cast<float*>(to + ep.slot_offset) + ch.begin;
     const size_t src = plan_.source[ch.tensor];
     const DType dtype = rank.tensors[src].dtype;
     const char* x = slot + rank.placements[src].slot_offset + ch.begin * DTypeSize(dtype);
-    EmaKernel(e, x, dtype, ch.count, decay, how, out);
+    EmaKernel(in, out, x, dtype, ch.count, decay, how, copy);
   });
   if (update) {
-    h->initialized = 1;
-    h->updates_applied += 1;
-    h->last_step = step;
+    s.initialized = true;
+    s.updates_applied += 1;
+    s.last_step = step;
+    s.last_seen = step;
+    Publish(s);
   }
   if (slot_image_base != nullptr) {
     std::memcpy(slot_image_base + plan_.layout.files[0].slot_offset, base() + plan_.layout.files[0].slot_offset,
                 plan_.layout.files[0].header.size());
-    Stamp(slot_image_base, step, loop);
+    Stamp(slot_image_base, step, s, loop);
   }
   return update;
 }

@@ -5,8 +5,9 @@
 // model_params = all). Replicas are covered by the rank that persists them.
 //
 // Where: a daemon-owned shared-memory segment per rank, "flashckpt.<job>.<rank>.ema", laid out as
-// [header page][ema.tpXX_ppYY_shardZZ safetensors image]. It outlives the daemon process, so a
-// restarted daemon adopts it and the average carries on. Each slot of the rank's segment also has
+// [header page][image 0][spare page][image 1], each image the ema.tpXX_ppYY_shardZZ safetensors file:
+// two copies, so that an update interrupted by a crash never leaves a half-updated average. It
+// outlives the daemon process, so a restarted daemon adopts it and the average carries on. Each slot of the rank's segment also has
 // room for one EMA image: a persisted snapshot gets the EMA as of its step written there in the same
 // pass as the update, and the writer persists it straight from the slot.
 #pragma once
@@ -49,23 +50,44 @@ struct EmaPlan {
 // at all. A rank whose float tensors are all replicas gets an empty plan.
 Result<EmaPlan> PlanEma(const RankLayout& rank, const EmaConfig& config);
 
-// Header page of the EMA segment. The daemon is its only writer.
-// Counters are atomics so that status readers need not take the EMA lock.
-struct EmaSegmentHeader {
-  char magic[8];
-  uint64_t signature;  // xxh3 of the image header template: an adopted segment must match it
+// The EMA's counters. `last_seen` is the last due step that was applied or skipped by the loss
+// gate: a restarted daemon replaying committed snapshots skips those (they are already counted).
+struct EmaState {
+  bool initialized = false;
+  uint64_t updates_applied = 0;
+  uint64_t updates_skipped = 0;
+  int64_t last_step = -1;  // step of the last applied update
+  int64_t last_seen = -1;
+};
+
+// Header page of the EMA segment. The daemon is its only writer. The segment holds two images:
+// an update reads image `current` and writes the other, then publishes the other's counters and
+// flips `current` with one atomic store, so a daemon killed in the middle of an update leaves the
+// previous average intact (and the committed snapshot is replayed). Atomics so that status
+// readers need not take the EMA lock.
+struct EmaCounters {
   std::atomic<uint64_t> initialized;
   std::atomic<uint64_t> updates_applied;
   std::atomic<uint64_t> updates_skipped;
   std::atomic<int64_t> last_step;
+  std::atomic<int64_t> last_seen;
+};
+struct EmaSegmentHeader {
+  char magic[8];
+  uint64_t signature;  // xxh3 of the image header template: an adopted segment must match it
+  std::atomic<uint32_t> current;  // 0 or 1: the image that holds the average
+  uint32_t reserved;
+  EmaCounters counters[2];  // counters[i] describe image i
 };
 
 // How one update combines the average `e` with the weights `x`.
 enum class EmaStep { kCopy, kScaledCopy, kAverage };
 
-// e = x | (1-d)*x | d*e + (1-d)*x over n elements, x of dtype F32, BF16 or F16 upcast to fp32.
-// With `copy_out`, the result is also stored there (the slot's EMA image) in the same pass.
-void EmaKernel(float* e, const void* x, DType dtype, size_t n, float decay, EmaStep step, float* copy_out);
+// out = x | (1-d)*x | d*in + (1-d)*x over n elements, x of dtype F32, BF16 or F16 upcast to fp32.
+// `in` (read only by kAverage), `out` and `copy_out` must not overlap. With `copy_out`, the result
+// is also stored there (the slot's EMA image) in the same pass.
+void EmaKernel(const float* in, float* out, const void* x, DType dtype, size_t n, float decay, EmaStep step,
+               float* copy_out);
 
 // One rank's EMA: the plan, its segment and counters. All methods are serialized by mu().
 class RankEma {
@@ -81,22 +103,34 @@ class RankEma {
   const std::string& segment_name() const { return shm_->name(); }
   bool adopted() const { return adopted_; }
   uint64_t bytes() const { return shm_->size(); }
-  EmaSegmentHeader* header() const { return reinterpret_cast<EmaSegmentHeader*>(shm_->data()); }
-  // Base for the plan's offsets: the image lies at plan.layout.files[0].slot_offset from it.
-  char* base() const { return shm_->data(); }
+  // The counters of the current average; lock-free (status).
+  EmaState state() const;
+  // Base for the plan's offsets of the current average: its image lies at
+  // plan.layout.files[0].slot_offset from it. Stable while mu() is held.
+  char* base() const { return ImageBase(header()->current.load(std::memory_order_acquire)); }
+  // The other image: a restore fills it and then publishes it (mu() held throughout).
+  char* spare_base() const { return ImageBase(1 - header()->current.load(std::memory_order_acquire)); }
+  // Makes the spare image current with `state`, in one atomic flip.
+  void Publish(const EmaState& state);
+  // Replaces the current image's counters (a reset, a skipped update) without touching the image.
+  void SetState(const EmaState& state);
 
   // Applies the snapshot in `slot` (laid out by `rank`) taken at `step` with `loss`. When
   // `slot_image_base` is given (a persisted snapshot), the EMA image as of this step is also
-  // written there, stamped. Returns whether an update was applied.
+  // written there, stamped. `replay`: a restarted daemon re-applies a snapshot committed before the
+  // restart; a step the EMA has already seen is not applied again. Returns whether an update was
+  // applied.
   bool Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,
-             char* slot_image_base, ParallelLoop* loop);
+             char* slot_image_base, ParallelLoop* loop, bool replay = false);
 
   // Drops the segment's name so the next daemon does not adopt it (the job's layout changed).
   void Unlink();
 
  private:
   RankEma() = default;
-  void Stamp(char* image_base, int64_t step, ParallelLoop* loop) const;
+  EmaSegmentHeader* header() const { return reinterpret_cast<EmaSegmentHeader*>(shm_->data()); }
+  char* ImageBase(uint32_t i) const { return shm_->data() + i * plan_.layout.slot_bytes; }
+  void Stamp(char* image_base, int64_t step, const EmaState& state, ParallelLoop* loop) const;
 
   struct Chunk {
     size_t tensor;

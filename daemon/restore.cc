@@ -16,21 +16,22 @@ namespace flashckpt {
 // starts it afresh).
 Status LoadEma(const std::string& dir, const CheckpointMetadata& meta, RankEma* ema, const FillOptions& options) {
   std::lock_guard<std::mutex> lock(ema->mu());
-  EmaSegmentHeader* h = ema->header();
   if (!meta.ema) {
-    h->initialized = 0;
-    h->updates_applied = 0;
-    h->updates_skipped = 0;
-    h->last_step = -1;
+    ema->SetState(EmaState{});
     Logger("restore")->warn("checkpoint {} has no EMA; the EMA starts afresh", dir);
     return Status::OK();
   }
-  auto filled = FillSlotFromCheckpoint(dir, meta, ema->plan().layout, ema->base(), options);
+  // Filled into the spare image and published at once: a failed or interrupted load leaves the
+  // previous average in place.
+  auto filled = FillSlotFromCheckpoint(dir, meta, ema->plan().layout, ema->spare_base(), options);
   if (!filled.ok()) return filled.status().WithContext("loading the EMA");
-  h->initialized = meta.ema->updates_applied > 0 ? 1 : 0;
-  h->updates_applied = meta.ema->updates_applied;
-  h->updates_skipped = meta.ema->updates_skipped;
-  h->last_step = meta.ema->updates_applied > 0 ? meta.ema->last_step : -1;
+  EmaState state;
+  state.initialized = meta.ema->updates_applied > 0;
+  state.updates_applied = meta.ema->updates_applied;
+  state.updates_skipped = meta.ema->updates_skipped;
+  state.last_step = state.initialized ? meta.ema->last_step : -1;
+  state.last_seen = state.last_step;
+  ema->Publish(state);
   return Status::OK();
 }
 
@@ -182,8 +183,9 @@ Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chron
     const FileImage& image = ema.plan().layout.files[0];
     const uint64_t data = image.slot_offset + image.header.size();
     std::memcpy(loading.segment->SlotEmaBase(loading.ticket.slot) + data, ema.base() + data, image.data_bytes);
-    out.initialized = ema.header()->initialized.load() != 0;
-    out.step = ema.header()->last_step.load();
+    const EmaState state = ema.state();
+    out.initialized = state.initialized;
+    out.step = state.last_step;
   }
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));

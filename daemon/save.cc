@@ -2,6 +2,7 @@
 // OnPersisted frees it and wakes WaitPersisted.
 #include "common/log.h"
 #include "common/names.h"
+#include "common/signal.h"
 #include "daemon/daemon.h"
 
 namespace flashckpt {
@@ -58,16 +59,71 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   }
 }
 
+PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, uint32_t world_size,
+                                          int64_t resumed_from, const std::shared_ptr<RankSegment>& segment,
+                                          const SlotTicket& ticket, int64_t step, std::string extra) {
+  PersistRequest req;
+  req.job = job;
+  req.rank = rank;
+  req.world_size = world_size;
+  req.step = step;
+  req.resumed_from = resumed_from;
+  req.layout = &segment->layout;
+  req.slot = segment->Slot(ticket.slot);
+  if (segment->ema) {
+    req.ema_layout = &segment->ema->plan().layout;
+    req.ema_base = segment->SlotEmaBase(ticket.slot);
+  }
+  req.extra = std::move(extra);
+  req.keep_alive = segment;
+  req.done = [this, job, rank, segment, ticket, step](const Status& s, uint64_t bytes, double secs) {
+    OnPersisted(job, rank, segment, ticket, step, s, bytes, secs);
+  };
+  return req;
+}
+
 Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                       std::optional<double> loss, std::string extra) {
   if (extra.size() > kMaxExtraBytes) {
     return InvalidArgument("extra state of " + std::to_string(extra.size()) + " bytes exceeds the " +
                            std::to_string(kMaxExtraBytes) + "-byte limit");
   }
+  // A snapshot that will be persisted or averaged is recorded in the state directory before the
+  // commit is acknowledged, so that a restarted daemon still finishes it. Written without the lock.
+  v1::CommitRecord record;
+  std::string segment_name;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    const SlotInfo* slot = ticket.slot < rank->segment->slots.size() ? &rank->segment->slots.at(ticket.slot) : nullptr;
+    if (slot != nullptr && slot->state == SlotState::kFilling && slot->generation == ticket.generation &&
+        (persist || rank->segment->ema)) {
+      segment_name = rank->segment->shm->name();
+      record.set_slot(ticket.slot);
+      record.set_generation(ticket.generation);
+      record.set_step(step);
+      record.set_persist(persist);
+      record.set_resumed_from(rank->resumed_from);
+      record.set_world_size(rank->topology.world_size);
+      record.set_has_loss(loss.has_value());
+      record.set_loss(loss.value_or(0.0));
+      if (persist) record.set_extra(extra);
+    }  // else: slots.Commit below refuses the ticket with its reason
+  }
+  if (!segment_name.empty()) {
+    if (Status saved = state_.SaveCommit(segment_name, record); !saved.ok()) {
+      return saved.WithContext("recording the commit of step " + std::to_string(step) + " in the state directory");
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+  auto rank_or = RankOf(session_id, true);
+  Status committed = rank_or.ok() ? (*rank_or)->segment->slots.Commit(ticket, step) : rank_or.status();
+  if (!committed.ok() || (*rank_or)->segment->shm->name() != segment_name) {
+    if (!segment_name.empty()) state_.RemoveCommit(segment_name, ticket.slot);
+    if (!committed.ok()) return committed;
+  }
+  RankState* rank = *rank_or;
   const SessionInfo who = sessions_[session_id];
-  RETURN_IF_ERROR(rank->segment->slots.Commit(ticket, step));
   rank->segment->Mirror(ticket.slot);
   rank->snapshots += 1;
   rank->last_committed = step;
@@ -83,24 +139,8 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.job = who.job;
   job.rank = who.rank;
   if (persist) {
-    PersistRequest& req = job.request;
-    req.job = who.job;
-    req.rank = who.rank;
-    req.world_size = rank->topology.world_size;
-    req.step = step;
-    req.resumed_from = rank->resumed_from;
-    req.layout = &segment->layout;
-    req.slot = segment->Slot(ticket.slot);
-    if (segment->ema) {
-      req.ema_layout = &segment->ema->plan().layout;
-      req.ema_base = segment->SlotEmaBase(ticket.slot);
-    }
-    req.extra = std::move(extra);
-    req.keep_alive = segment;
-    req.done = [this, job = who.job, r = who.rank, segment, ticket, step](const Status& s, uint64_t bytes,
-                                                                          double secs) {
-      OnPersisted(job, r, segment, ticket, step, s, bytes, secs);
-    };
+    job.request = MakePersistRequest(who.job, who.rank, rank->topology.world_size, rank->resumed_from, segment, ticket,
+                                     step, std::move(extra));
   }
   if (segment->ema) {
     // The EMA stage applies it in commit order and then finishes it.
@@ -124,6 +164,7 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
   segment.Mirror(job.ticket.slot);
   Status submitted = writer_->Submit(std::move(job.request));
   if (!submitted.ok()) {
+    state_.RemoveCommit(segment.shm->name(), job.ticket.slot);
     (void)segment.slots.Release(job.ticket, SlotState::kPersisting);
     segment.Mirror(job.ticket.slot);
     cv_.notify_all();
@@ -149,8 +190,10 @@ void Daemon::RunEmaStage() {
       std::lock_guard<std::mutex> ema_lock(ema.mu());
       char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
       applied = ema.Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step, job.loss, image,
-                          ema_loop_.get());
+                          ema_loop_.get(), job.replay);
     }
+    // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
+    if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
                          secs);
@@ -164,6 +207,8 @@ void Daemon::RunEmaStage() {
 
 void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
                          SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds) {
+  // Written (or failed and reported): a restarted daemon must not write it again.
+  state_.RemoveCommit(segment->shm->name(), ticket.slot);
   std::lock_guard<std::mutex> lock(mu_);
   Status released = segment->slots.Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
@@ -231,6 +276,20 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       return r;
     }
     if (rank->last_committed < step) {
+      // Persisted before a daemon restart, which forgot it: the rank's signal is on disk.
+      const uint32_t rank_id = sessions_[session_id].rank;
+      const int64_t attempt = rank->resumed_from;
+      lock.unlock();
+      auto signal = ReadSignal(catalog_.CheckpointDir(job, step) + "/" + SignalFileName(rank_id));
+      if (signal.ok() && signal->rank == rank_id && signal->step == step && signal->resumed_from == attempt) {
+        WaitResult r;
+        r.persisted_step = step;
+        r.checkpoint_complete = catalog_.IsComplete(job, step);
+        return r;
+      }
+      lock.lock();
+      ASSIGN_OR_RETURN(rank, RankOf(session_id, true));
+      if (rank->last_committed >= step) continue;
       return FailedPrecondition("step " + std::to_string(step) + " was never committed by this rank (last commit: " +
                                 std::to_string(rank->last_committed) + ")");
     }

@@ -21,47 +21,6 @@ std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::millise
   return std::min(wanted, remaining);
 }
 
-Result<TensorSpec> FromProto(const v1::TensorSpec& p) {
-  TensorSpec t;
-  t.name = p.name();
-  switch (p.kind()) {
-    case v1::TENSOR_KIND_MODEL: t.kind = TensorKind::kModel; break;
-    case v1::TENSOR_KIND_OPTIMIZER: t.kind = TensorKind::kOptimizer; break;
-    case v1::TENSOR_KIND_MASTER_WEIGHT: t.kind = TensorKind::kMasterWeight; break;
-    default: return InvalidArgument("tensor '" + p.name() + "' has no kind (model, optimizer or master_weight)");
-  }
-  auto dtype = ParseDType(p.dtype());
-  if (!dtype) return InvalidArgument("tensor '" + p.name() + "' has unknown dtype '" + p.dtype() + "'");
-  t.dtype = *dtype;
-  t.shape.assign(p.shape().begin(), p.shape().end());
-  t.global_shape.assign(p.global_shape().begin(), p.global_shape().end());
-  t.box_offset.assign(p.box_offset().begin(), p.box_offset().end());
-  t.box_shape.assign(p.box_shape().begin(), p.box_shape().end());
-  if (p.has_flat_range()) t.flat_range = FlatRange{p.flat_begin(), p.flat_end()};
-  t.replica = p.replica();
-  t.param = p.param();
-  return t;
-}
-
-Result<EmaConfig> EmaFromProto(const v1::EmaOptions& p) {
-  EmaConfig c;
-  c.enabled = p.enabled();
-  if (!c.enabled) return c;
-  c.decay = p.decay();
-  c.interval = p.interval();
-  if (p.init() == "zeros") c.init_zeros = true;
-  else if (!p.init().empty() && p.init() != "first") {
-    return InvalidArgument("ema_init must be 'first' or 'zeros', got '" + p.init() + "'");
-  }
-  if (p.model_params() == "all") c.all_float_params = true;
-  else if (!p.model_params().empty() && p.model_params() != "fp32") {
-    return InvalidArgument("ema_model_params must be 'fp32' or 'all', got '" + p.model_params() + "'");
-  }
-  if (p.has_loss_threshold()) c.loss_threshold = p.loss_threshold();
-  RETURN_IF_ERROR(ValidateEmaConfig(c));
-  return c;
-}
-
 }  // namespace
 
 grpc::Status ToGrpc(const Status& s) {
@@ -103,20 +62,7 @@ grpc::Status CheckpointService::Session(grpc::ServerContext* ctx,
 
 grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
                                          v1::RegisterResponse* resp) {
-  const auto& t = req->topology();
-  Topology topo{t.world_size(), t.tp_rank(), t.tp_degree(), t.pp_rank(), t.pp_degree(), t.shard_rank(),
-                t.shard_degree()};
-  std::vector<TensorSpec> tensors;
-  tensors.reserve(static_cast<size_t>(req->tensors_size()));
-  for (const auto& p : req->tensors()) {
-    auto spec = FromProto(p);
-    if (!spec.ok()) return ToGrpc(spec.status());
-    tensors.push_back(std::move(spec).value());
-  }
-  auto policy = req->backpressure() == v1::BACKPRESSURE_SKIP ? Backpressure::kSkip : Backpressure::kWait;
-  auto ema = EmaFromProto(req->ema());
-  if (!ema.ok()) return ToGrpc(ema.status());
-  auto result = daemon_->Register(req->session_id(), topo, tensors, policy, *ema);
+  auto result = daemon_->Register(req->session_id(), *req);
   if (!result.ok()) return ToGrpc(result.status());
   *resp = std::move(result).value();
   return grpc::Status::OK;

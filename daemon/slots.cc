@@ -72,4 +72,20 @@ uint32_t SlotTable::AbandonInFlight() {
   return n;
 }
 
+Status SlotTable::Adopt(const SlotTicket& ticket, int64_t step) {
+  if (ticket.slot >= slots_.size()) {
+    return InvalidArgument("slot " + std::to_string(ticket.slot) + " does not exist (" +
+                           std::to_string(slots_.size()) + " slots)");
+  }
+  SlotInfo& s = slots_[ticket.slot];
+  if (s.state != SlotState::kFree) {
+    return FailedPrecondition("slot " + std::to_string(ticket.slot) + " is " + SlotStateName(s.state) +
+                              ", cannot adopt a snapshot into it");
+  }
+  s.state = SlotState::kCommitted;
+  s.step = step;
+  s.generation = ticket.generation;
+  return Status::OK();
+}
+
 }  // namespace flashckpt

@@ -50,6 +50,9 @@ class SlotTable {
   void SetLoading(uint32_t slot, bool loading) { slots_[slot].loading = loading; }
   // Every FILLING and RESTORING slot that is not loading -> FREE (the trainer is gone).
   uint32_t AbandonInFlight();
+  // FREE -> COMMITTED with the given step and generation: a restarted daemon adopting a snapshot
+  // its predecessor had acknowledged. Later hand-outs continue after `generation`.
+  Status Adopt(const SlotTicket& ticket, int64_t step);
 
  private:
   Status Check(const SlotTicket& ticket, SlotState expected, const char* action) const;

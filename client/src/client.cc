@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <thread>
@@ -92,6 +93,11 @@ struct Client::Impl {
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> session;
   std::string session_id;
   bool closed = false;
+  // Re-attaching after the daemon restarted: the last registration (without a session id), the
+  // step this process restored (its signals name that attempt), and whether the session is lost.
+  std::optional<v1::RegisterRequest> registration;
+  int64_t resumed_from = 0;
+  bool broken = false;
 
   std::unique_ptr<SharedSegment> segment;
   uint32_t slot_count = 0;
@@ -118,6 +124,21 @@ struct Client::Impl {
   Status Usable() const {
     if (closed) return Cancelled("the client is closed");
     return Status::OK();
+  }
+  // Opens the session stream and reads the session id, within the rpc timeout.
+  Status OpenSession();
+  // Maps the segment the registration reply names (keeping the mapping when it is the same one)
+  // and records the tensors' places.
+  Status ApplyRegistration(const v1::RegisterResponse& resp);
+  // A new session and the same registration, after the daemon restarted (UNAVAILABLE).
+  Status Reattach();
+  // Runs `rpc`, a unary call that reads `session_id` when it runs; on UNAVAILABLE it re-attaches
+  // once and runs it again. A lost session is re-attached before the call.
+  Status WithSession(const std::function<Status()>& rpc);
+  // Remembers that the session is lost when `s` is UNAVAILABLE; returns `s`.
+  Status Note(Status s) {
+    if (s.code() == StatusCode::kUnavailable) broken = true;
+    return s;
   }
   // Checks that `buffers` names registered tensors with matching sizes, each at most once, and
   // covers every tensor `required` selects.
@@ -158,6 +179,100 @@ Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Client:
   return out;
 }
 
+Status Client::Impl::OpenSession() {
+  if (session) {  // the old stream, broken or not: finished exactly once
+    session_ctx->TryCancel();
+    (void)session->Finish();
+    session.reset();
+    session_ctx.reset();
+  }
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  auto stream = stub->Session(ctx.get());
+  v1::SessionRequest hello;
+  hello.set_job(options.job);
+  hello.set_rank(options.rank);
+  if (!stream->Write(hello)) return FromGrpc(stream->Finish(), "Session");
+  // The first event carries the session id; bound the wait for it.
+  v1::SessionEvent event;
+  auto* raw = stream.get();
+  auto reply = std::async(std::launch::async, [raw, &event] { return raw->Read(&event); });
+  if (reply.wait_for(options.rpc_timeout) != std::future_status::ready) {
+    ctx->TryCancel();
+    reply.wait();
+    (void)stream->Finish();
+    return DeadlineExceeded("flashckptd did not open the session within " +
+                            std::to_string(options.rpc_timeout.count()) + " ms");
+  }
+  if (!reply.get()) return FromGrpc(stream->Finish(), "Session");
+  session_ctx = std::move(ctx);
+  session = std::move(stream);
+  session_id = event.session_id();
+  return Status::OK();
+}
+
+Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
+  if (!segment || segment->name() != resp.segment_name() || segment->size() != resp.segment_bytes()) {
+    segment.reset();
+    ASSIGN_OR_RETURN(segment, SharedSegment::Open(resp.segment_name(), resp.segment_bytes()));
+  }
+  uint64_t end = resp.slot_offset() + resp.slot_stride() * resp.slot_count();
+  if (resp.slot_count() == 0 || end > resp.segment_bytes()) {
+    segment.reset();
+    return Internal("the daemon described slots that do not fit its segment");
+  }
+  slot_count = resp.slot_count();
+  slot_offset = resp.slot_offset();
+  slot_stride = resp.slot_stride();
+  tensors.clear();
+  for (const auto& p : resp.placements()) {
+    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
+      segment.reset();
+      return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
+    }
+    tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source()};
+  }
+  ema_tensors.clear();
+  for (const auto& p : resp.ema_placements()) {
+    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
+      segment.reset();
+      return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
+    }
+    ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false};
+  }
+  return Status::OK();
+}
+
+Status Client::Impl::Reattach() {
+  // A short wait: while the daemon is down every save fails fast and training goes on.
+  const auto wait = std::min<std::chrono::milliseconds>(options.rpc_timeout, std::chrono::milliseconds(250));
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + wait)) {
+    return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
+                       std::to_string(wait.count()) + " ms to re-attach); the next call tries again");
+  }
+  RETURN_IF_ERROR(OpenSession());
+  if (registration) {
+    v1::RegisterRequest req = *registration;
+    req.set_session_id(session_id);
+    req.set_resumed_from(resumed_from);
+    v1::RegisterResponse resp;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    RETURN_IF_ERROR(FromGrpc(stub->Register(&ctx, req, &resp), "Register"));
+    RETURN_IF_ERROR(ApplyRegistration(resp));
+  }
+  broken = false;
+  return Status::OK();
+}
+
+Status Client::Impl::WithSession(const std::function<Status()>& rpc) {
+  if (broken) RETURN_IF_ERROR(Note(Reattach()));
+  Status s = rpc();
+  if (s.code() != StatusCode::kUnavailable) return s;
+  broken = true;
+  if (!Reattach().ok()) return s;
+  return Note(rpc());
+}
+
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Client::~Client() { Close(); }
@@ -176,27 +291,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
                        std::to_string(options.connect_timeout.count()) + " ms)");
   }
   impl->stub = v1::Checkpoint::NewStub(impl->channel);
-
-  impl->session_ctx = std::make_unique<grpc::ClientContext>();
-  impl->session = impl->stub->Session(impl->session_ctx.get());
-  v1::SessionRequest hello;
-  hello.set_job(options.job);
-  hello.set_rank(options.rank);
-  if (!impl->session->Write(hello)) {
-    return FromGrpc(impl->session->Finish(), "Session");
-  }
-  // The first event carries the session id; bound the wait for it.
-  v1::SessionEvent event;
-  auto* stream = impl->session.get();
-  auto reply = std::async(std::launch::async, [stream, &event] { return stream->Read(&event); });
-  if (reply.wait_for(options.rpc_timeout) != std::future_status::ready) {
-    impl->session_ctx->TryCancel();
-    reply.wait();
-    return DeadlineExceeded("flashckptd did not open the session within " +
-                            std::to_string(options.rpc_timeout.count()) + " ms");
-  }
-  if (!reply.get()) return FromGrpc(impl->session->Finish(), "Session");
-  impl->session_id = event.session_id();
+  RETURN_IF_ERROR(impl->OpenSession());
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned threads = options.copy_threads != 0 ? options.copy_threads : std::min(hw, 8u);
   impl->copier = std::make_unique<ParallelLoop>(threads - 1);
@@ -217,7 +312,6 @@ void Client::Close() {
 Status Client::Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema) {
   RETURN_IF_ERROR(impl_->Usable());
   v1::RegisterRequest req;
-  req.set_session_id(impl_->session_id);
   auto* t = req.mutable_topology();
   t->set_world_size(topology.world_size);
   t->set_tp_rank(topology.tp_rank);
@@ -257,36 +351,16 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
     p->set_param(spec.param);
   }
   v1::RegisterResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx);
-  RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register"));
-
-  impl_->segment.reset();
-  ASSIGN_OR_RETURN(impl_->segment, SharedSegment::Open(resp.segment_name(), resp.segment_bytes()));
-  uint64_t end = resp.slot_offset() + resp.slot_stride() * resp.slot_count();
-  if (resp.slot_count() == 0 || end > resp.segment_bytes()) {
-    impl_->segment.reset();
-    return Internal("the daemon described slots that do not fit its segment");
-  }
-  impl_->slot_count = resp.slot_count();
-  impl_->slot_offset = resp.slot_offset();
-  impl_->slot_stride = resp.slot_stride();
-  impl_->tensors.clear();
-  for (const auto& p : resp.placements()) {
-    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
-      impl_->segment.reset();
-      return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
-    }
-    impl_->tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source()};
-  }
-  impl_->ema_tensors.clear();
-  for (const auto& p : resp.ema_placements()) {
-    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
-      impl_->segment.reset();
-      return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
-    }
-    impl_->ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false};
-  }
+  RETURN_IF_ERROR(impl_->WithSession([&] {
+    req.set_session_id(impl_->session_id);
+    req.set_resumed_from(impl_->resumed_from);
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx);
+    return FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
+  }));
+  RETURN_IF_ERROR(impl_->ApplyRegistration(resp));
+  req.clear_session_id();
+  impl_->registration = std::move(req);
   return Status::OK();
 }
 
@@ -313,14 +387,14 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
   }
   if (seen.size() != impl_->ema_tensors.size()) return InvalidArgument("give a buffer for every EMA tensor");
   v1::GetEmaRequest req;
-  req.set_session_id(impl_->session_id);
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::GetEmaResponse resp;
-  {
+  RETURN_IF_ERROR(impl_->WithSession([&] {
+    req.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
-    RETURN_IF_ERROR(FromGrpc(impl_->stub->GetEma(&ctx, req, &resp), "GetEma"));
-  }
+    return FromGrpc(impl_->stub->GetEma(&ctx, req, &resp), "GetEma");
+  }));
   if (resp.slot() >= impl_->slot_count) return Internal("the daemon copied the EMA into a slot that does not exist");
   EmaResult result;
   result.initialized = resp.initialized();
@@ -330,7 +404,7 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
     for (const auto& b : buffers) tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
     ParallelCopy(impl_->copier.get(), tasks);
   }
-  RETURN_IF_ERROR(impl_->ReleaseSlot(resp.slot(), resp.generation()));
+  RETURN_IF_ERROR(impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation())));
   return result;
 }
 
@@ -341,16 +415,18 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, options.persist ? Selection::kSaved : Selection::kEmaSources));
 
   v1::BeginSnapshotRequest begin;
-  begin.set_session_id(impl_->session_id);
   begin.set_step(step);
   begin.set_timeout_ms(static_cast<uint32_t>(impl_->options.slot_timeout.count()));
   v1::BeginSnapshotResponse slot;
-  {
+  RETURN_IF_ERROR(impl_->WithSession([&] {
+    begin.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, impl_->options.slot_timeout);
-    RETURN_IF_ERROR(FromGrpc(impl_->stub->BeginSnapshot(&ctx, begin, &slot), "BeginSnapshot"));
-  }
+    return FromGrpc(impl_->stub->BeginSnapshot(&ctx, begin, &slot), "BeginSnapshot");
+  }));
   if (slot.slot() >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
+  // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
+  ASSIGN_OR_RETURN(matched, impl_->Match(buffers, options.persist ? Selection::kSaved : Selection::kEmaSources));
 
   char* base = impl_->Slot(slot.slot());
   std::vector<CopyTask> tasks;
@@ -372,7 +448,8 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   v1::CommitResponse committed;
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx);
-  Status status = FromGrpc(impl_->stub->Commit(&ctx, commit, &committed), "Commit");
+  // Not retried: the slot belongs to the session that began the snapshot.
+  Status status = impl_->Note(FromGrpc(impl_->stub->Commit(&ctx, commit, &committed), "Commit"));
   if (!status.ok()) {
     // Give the slot back so a failed commit does not hold it until the session ends.
     v1::AbortSnapshotRequest abort;
@@ -393,13 +470,15 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
 Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(impl_->Usable());
   v1::WaitPersistedRequest req;
-  req.set_session_id(impl_->session_id);
   req.set_step(step);
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::WaitPersistedResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, timeout);
-  return FromGrpc(impl_->stub->WaitPersisted(&ctx, req, &resp), "WaitPersisted");
+  return impl_->WithSession([&] {
+    req.set_session_id(impl_->session_id);
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, timeout);
+    return FromGrpc(impl_->stub->WaitPersisted(&ctx, req, &resp), "WaitPersisted");
+  });
 }
 
 Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
@@ -408,19 +487,20 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   if (step && *step <= 0) return InvalidArgument("restore step must be positive (or nullopt for the latest)");
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, Selection::kAll));
   v1::RestoreRequest req;
-  req.set_session_id(impl_->session_id);
   req.set_step(step.value_or(0));
   req.set_convert_dtype(options.convert_dtype);
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::RestoreResponse resp;
-  {
+  RETURN_IF_ERROR(impl_->WithSession([&] {
+    req.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
-    RETURN_IF_ERROR(FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore"));
-  }
+    return FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore");
+  }));
   RestoreResult result;
   if (!resp.found()) return result;
   if (resp.slot() >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
+  ASSIGN_OR_RETURN(matched, impl_->Match(buffers, Selection::kAll));  // a re-attach rebuilt the tensor table
   const char* base = impl_->Slot(resp.slot());
   std::vector<CopyTask> tasks;
   for (const auto& [buffer, mapped] : matched) {
@@ -428,9 +508,10 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     result.bytes += buffer->bytes;
   }
   ParallelCopy(impl_->copier.get(), tasks);
-  RETURN_IF_ERROR(impl_->ReleaseSlot(resp.slot(), resp.generation()));
+  RETURN_IF_ERROR(impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation())));
   result.found = true;
   result.step = resp.step();
+  impl_->resumed_from = resp.step();  // the attempt this process's later saves belong to
   result.extra = resp.extra();
   return result;
 }

@@ -30,16 +30,16 @@ TEST(EmaKernel, AverageCopyAndScaledCopyMatchTheScalarFormula) {
   for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 97) * 0.25f - 3.0f;
   const float d = 0.99f, w = 1.0f - d;
 
-  EmaKernel(e.data(), x.data(), DType::kF32, n, d, EmaStep::kCopy, nullptr);
+  EmaKernel(nullptr, e.data(), x.data(), DType::kF32, n, d, EmaStep::kCopy, nullptr);
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(e[i], x[i]);
 
-  EmaKernel(e.data(), x.data(), DType::kF32, n, d, EmaStep::kScaledCopy, nullptr);
+  EmaKernel(nullptr, e.data(), x.data(), DType::kF32, n, d, EmaStep::kScaledCopy, nullptr);
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(e[i], w * x[i]);
 
   for (size_t i = 0; i < n; ++i) ref[i] = e[i];
   std::vector<float> x2(n);
   for (size_t i = 0; i < n; ++i) x2[i] = static_cast<float>(i % 13);
-  EmaKernel(e.data(), x2.data(), DType::kF32, n, d, EmaStep::kAverage, out.data());
+  EmaKernel(ref.data(), e.data(), x2.data(), DType::kF32, n, d, EmaStep::kAverage, out.data());
   for (size_t i = 0; i < n; ++i) {
     float want = d * ref[i] + w * x2[i];
     ASSERT_EQ(e[i], want) << i;
@@ -53,12 +53,12 @@ TEST(EmaKernel, UpcastsBf16AndF16) {
   std::vector<uint16_t> bf16;
   for (float v : values) bf16.push_back(ToBf16(v));
   std::vector<float> e(6);
-  EmaKernel(e.data(), bf16.data(), DType::kBF16, 6, 0.5f, EmaStep::kCopy, nullptr);
+  EmaKernel(nullptr, e.data(), bf16.data(), DType::kBF16, 6, 0.5f, EmaStep::kCopy, nullptr);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(e[i], values[i]) << "bf16 " << i;
-  EmaKernel(e.data(), f16, DType::kF16, 6, 0.5f, EmaStep::kCopy, nullptr);
+  EmaKernel(nullptr, e.data(), f16, DType::kF16, 6, 0.5f, EmaStep::kCopy, nullptr);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(e[i], values[i]) << "f16 " << i;
   const uint16_t subnormal = 0x0001;  // 2^-24
-  EmaKernel(e.data(), &subnormal, DType::kF16, 1, 0.5f, EmaStep::kCopy, nullptr);
+  EmaKernel(nullptr, e.data(), &subnormal, DType::kF16, 1, 0.5f, EmaStep::kCopy, nullptr);
   EXPECT_EQ(e[0], std::ldexp(1.0f, -24));
 }
 

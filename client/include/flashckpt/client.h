@@ -15,6 +15,11 @@
 // Thread safety: a Client may be used from one thread at a time; distinct Clients are independent.
 // Blocking: every call has a deadline (ClientOptions::rpc_timeout or the argument). Errors are
 // returned as Status, never thrown.
+// Daemon restarts: while the daemon is down, calls fail with kUnavailable (within 250 ms when the
+// socket is gone) and training can go on. The next call re-attaches on its own: a new session and
+// the same registration (and the step this process restored, so its saves stay in the same
+// attempt). A restarted daemon has adopted the old segment and persists the snapshots it had
+// acknowledged; a snapshot whose Commit failed may or may not be persisted.
 #pragma once
 
 #include <chrono>

@@ -1,0 +1,206 @@
+// Crash recovery: a daemon killed with SIGKILL leaves its slot segments in /dev/shm and their
+// records in the state directory (daemon/state_dir.h). The next daemon on the same socket adopts
+// them before it serves anyone:
+//   - each segment's layout is rebuilt from its registration record and checked against the
+//     segment's own header; the rank's EMA segment is adopted as usual (daemon/ema.h);
+//   - every slot with a commit record holds a snapshot the old daemon acknowledged: it is
+//     COMMITTED again and goes through the EMA stage (as a replay: a step the EMA has already seen
+//     is not applied twice) and the writer, unless its files were already durable (its signal is
+//     in place, or the checkpoint is complete), in which case only completion is checked;
+//   - temporaries the dead writer left in the job's checkpoint directories are removed.
+// The trainers re-attach on their own (a new session, the same registration: the adopted segment
+// is reused, so the client's mapping stays valid).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <set>
+
+#include "common/fs.h"
+#include "common/log.h"
+#include "common/names.h"
+#include "common/signal.h"
+#include "daemon/daemon.h"
+
+namespace flashckpt {
+namespace {
+
+// The pid in "<name>.tmp.<pid>.<n>", or 0.
+pid_t TemporaryOwner(const std::string& name) {
+  auto pos = name.rfind(".tmp.");
+  if (pos == std::string::npos) return 0;
+  const char* p = name.c_str() + pos + 5;
+  char* end = nullptr;
+  long pid = std::strtol(p, &end, 10);
+  if (end == p || *end != '.' || pid <= 0) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+bool ProcessExists(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+
+}  // namespace
+
+Status Daemon::AdoptSegments() {
+  std::vector<StateDir::Adoptable> records = state_.Load();
+  std::set<std::string> jobs;
+  for (const auto& r : records) {
+    if (ValidateJobName(r.segment.job()).ok()) jobs.insert(r.segment.job());
+  }
+  // Before any persist is queued: the temporaries of this process are not among them.
+  for (const auto& job : jobs) RemoveStaleTemporaries(job);
+  size_t adopted = 0, snapshots = 0;
+  for (const auto& r : records) {
+    Status s = AdoptSegment(r);
+    if (!s.ok()) {
+      // Without a usable record the segment's snapshots cannot be written: free its memory.
+      Logger("shm")->error("not adopted segment={} job={} rank={} committed_snapshots={}: {}", r.segment.segment_name(),
+                           r.segment.job(), r.segment.rank(), r.commits.size(), s.ToString());
+      if (r.segment.segment_name().rfind("flashckpt.", 0) == 0) SharedSegment::Unlink(r.segment.segment_name());
+      state_.RemoveSegment(r.segment.segment_name());
+      continue;
+    }
+    adopted += 1;
+    snapshots += r.commits.size();
+  }
+  if (!records.empty()) {
+    Logger("shm")->info("recovery segments={} adopted={} committed_snapshots={}", records.size(), adopted, snapshots);
+  }
+  return Status::OK();
+}
+
+Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
+  const v1::SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job();
+  const uint32_t rank_id = rec.rank();
+  RETURN_IF_ERROR(ValidateJobName(job));
+  const std::string prefix = "flashckpt." + job + "." + std::to_string(rank_id) + ".";
+  if (rec.segment_name().rfind(prefix, 0) != 0) {
+    return InvalidArgument("segment name '" + rec.segment_name() + "' does not belong to job '" + job + "' rank " +
+                           std::to_string(rank_id));
+  }
+  if (rec.slot_count() == 0 || rec.slot_count() > 64) {
+    return InvalidArgument("slot count " + std::to_string(rec.slot_count()) + " is out of range");
+  }
+  RETURN_IF_ERROR(ValidateChecksumChunk(rec.checksum_chunk()));
+  ASSIGN_OR_RETURN(Registration reg, ParseRegistration(rec.registration()));
+  LayoutExtras extras;
+  extras.checksum_chunk = rec.checksum_chunk();
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(job, rank_id, reg.topology, reg.tensors, extras));
+  std::optional<EmaPlan> ema_plan;
+  if (reg.ema.enabled) {
+    ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, reg.ema));
+    if (!plan.layout.files.empty()) ema_plan = std::move(plan);
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<RankSegment> segment,
+                   CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
+                                 &rec.segment_name()));
+
+  struct Pending {
+    EmaJob job;
+    bool ema_done = false;  // the old daemon's EMA stage had finished with it (mirrored PERSISTING)
+  };
+  std::vector<Pending> pending;
+  for (const v1::CommitRecord& c : record.commits) {
+    const SlotTicket ticket{c.slot(), c.generation()};
+    if (c.step() < 0 || c.world_size() != reg.topology.world_size || c.resumed_from() < 0) {
+      Logger("shm")->warn("dropping commit record segment={} slot={}: step {} world size {}", rec.segment_name(),
+                          c.slot(), c.step(), c.world_size());
+      state_.RemoveCommit(rec.segment_name(), c.slot());
+      continue;
+    }
+    RETURN_IF_ERROR(segment->slots.Adopt(ticket, c.step()));
+    const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot()));
+    Pending p;
+    p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
+                 mirror->step.load() == c.step() && mirror->generation.load() == c.generation();
+    segment->Mirror(c.slot());
+    EmaJob& j = p.job;
+    j.segment = segment;
+    j.ticket = ticket;
+    j.step = c.step();
+    if (c.has_loss()) j.loss = c.loss();
+    j.persist = c.persist();
+    j.job = job;
+    j.rank = rank_id;
+    j.replay = true;
+    if (j.persist) {
+      // Signals are written last: one in place with this attempt means the files are durable.
+      const std::string dir = catalog_.CheckpointDir(job, c.step());
+      auto signal = ReadSignal(dir + "/" + SignalFileName(rank_id));
+      bool written = signal.ok() && signal->rank == rank_id && signal->step == c.step() &&
+                     signal->resumed_from == c.resumed_from();
+      if (written || catalog_.IsComplete(job, c.step())) {
+        if (written) {
+          auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), c.resumed_from());
+          if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());
+        }
+        (void)segment->slots.Release(ticket, SlotState::kCommitted);
+        segment->Mirror(c.slot());
+        state_.RemoveCommit(rec.segment_name(), c.slot());
+        Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
+        continue;
+      }
+      j.request =
+          MakePersistRequest(job, rank_id, c.world_size(), c.resumed_from(), segment, ticket, c.step(), c.extra());
+    }
+    pending.push_back(std::move(p));
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  JobState& job_state = jobs_[job];
+  RankState& rank = job_state.ranks[rank_id];
+  if (!rank.segment) {
+    rank.segment = segment;
+    rank.topology = reg.topology;
+    rank.policy = reg.policy;
+    job_state.topology = reg.topology;
+  }  // else another record of the rank was adopted first: this one lives until its snapshots are written
+  for (Pending& p : pending) {
+    rank.last_committed = std::max(rank.last_committed, p.job.step);
+    Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,
+                        p.job.step, p.job.persist);
+    if (segment->ema && !p.ema_done) {
+      segment->ema_pending += 1;
+      ema_queue_.push_back(std::move(p.job));  // in step order: the records are sorted
+    } else {
+      if (!p.job.persist) {
+        (void)segment->slots.Release(p.job.ticket, SlotState::kCommitted);
+        segment->Mirror(p.job.ticket.slot);
+        state_.RemoveCommit(rec.segment_name(), p.job.ticket.slot);
+        continue;
+      }
+      Status s = FinishCommittedLocked(std::move(p.job));
+      if (!s.ok()) Logger("shm")->error("recovered snapshot not queued: {}", s.ToString());
+    }
+  }
+  cv_.notify_all();
+  return Status::OK();
+}
+
+void Daemon::RemoveStaleTemporaries(const std::string& job) {
+  const std::string job_dir = catalog_.JobDir(job);
+  auto dirs = ListDir(job_dir);
+  if (!dirs.ok()) return;
+  size_t removed = 0;
+  auto sweep = [&](const std::string& dir, const std::vector<std::string>& names) {
+    for (const auto& n : names) {
+      pid_t owner = TemporaryOwner(n);
+      if (owner == 0 || owner == ::getpid() || ProcessExists(owner)) continue;
+      const std::string path = dir + "/" + n;
+      if (::unlink(path.c_str()) == 0) {
+        removed += 1;
+        Logger("writer")->info("removed stale temporary {}", path);
+      }
+    }
+  };
+  sweep(job_dir, *dirs);  // LATEST.tmp.*
+  for (const auto& d : *dirs) {
+    if (!ParseCheckpointDirName(d)) continue;
+    auto names = ListDir(job_dir + "/" + d);
+    if (names.ok()) sweep(job_dir + "/" + d, *names);
+  }
+  if (removed > 0) Logger("writer")->info("recovery job={} stale_temporaries_removed={}", job, removed);
+}
+
+}  // namespace flashckpt
