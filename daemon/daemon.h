@@ -3,7 +3,8 @@
 //
 // Threads: gRPC handler threads call in concurrently; writer threads call back on completion.
 // One mutex (mu_) guards the session table, the job table, every rank's slot table and counters;
-// it is never held across file I/O. cv_ is signalled whenever a slot is freed, a persist finishes
+// it is never held across file I/O. It may be held while taking the writer's own lock (Submit,
+// InFlight), never the other way round. cv_ is signalled whenever a slot is freed, a persist finishes
 // or a session ends, and every wait on it has a deadline.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/io_env.h"
 #include "common/layout.h"
 #include "common/shm.h"
 #include "common/status.h"
@@ -51,6 +53,8 @@ struct DaemonConfig {
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string log_level = "info";
+  // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
+  IoEnv* io_env = IoEnv::Default();
 };
 
 enum class Backpressure { kWait, kSkip };
@@ -104,9 +108,12 @@ class Daemon {
   Result<std::string> OpenSession(const std::string& job, uint32_t rank);
   void CloseSession(const std::string& session_id);
 
+  // fatal_persist_errors: once a persist of this session fails, its BeginSnapshot and Commit fail
+  // with that error (code and message) until the trainer starts a new session; off, a failed
+  // persist is reported by WaitPersisted and status only and snapshots go on.
   Result<v1::RegisterResponse> Register(const std::string& session_id, const Topology& topology,
                                         const std::vector<TensorSpec>& tensors, Backpressure policy,
-                                        const EmaConfig& ema);
+                                        const EmaConfig& ema, bool fatal_persist_errors = false);
   Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                 std::optional<double> loss, std::string extra);
@@ -145,6 +152,8 @@ class Daemon {
     std::string last_error;
     // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
     std::map<int64_t, Status> failed;
+    bool fatal_persist_errors = false;  // per registration (Register)
+    Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
   };
   struct JobState {
@@ -174,8 +183,10 @@ class Daemon {
 
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
-  void OnPersisted(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
-                   SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds);
+  // `session_id`: the session that committed the step (a failure counts as fatal for it only).
+  void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
+                   const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
+                   uint64_t bytes, double seconds);
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                      std::optional<EmaPlan> ema, const EmaConfig& config);
   // The EMA stage: applies committed snapshots to their rank's EMA in commit order, then hands

@@ -10,6 +10,17 @@ namespace {
 constexpr size_t kMaxExtraBytes = 4u << 20;
 constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
 
+// What a trainer is told about a failed save of `step`: the writer's code (kResourceExhausted for a
+// full disk) and message (the call, the file, the errno text), and what happened and what to do.
+Status SaveFailed(const std::string& job, int64_t step, const Status& cause, const std::string& root) {
+  std::string advice = cause.code() == StatusCode::kResourceExhausted
+                           ? "; free space under " + root + " (or run with --keep N) and save again"
+                           : "";
+  return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
+                                  cause.message() + "; this rank's partial files of the step were removed, " +
+                                  "earlier checkpoints are untouched" + advice);
+}
+
 }  // namespace
 
 Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
@@ -20,6 +31,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     std::lock_guard<std::mutex> lock(mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     job = sessions_[session_id].job;
+    if (!rank->fatal_error.ok()) return rank->fatal_error;
     if (step <= rank->last_begun) {
       return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
                              std::to_string(rank->last_begun) + "; steps must increase");
@@ -67,6 +79,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   std::lock_guard<std::mutex> lock(mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
   const SessionInfo who = sessions_[session_id];
+  if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
   RETURN_IF_ERROR(rank->segment->slots.Commit(ticket, step));
   rank->segment->Mirror(ticket.slot);
   rank->snapshots += 1;
@@ -97,9 +110,9 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     }
     req.extra = std::move(extra);
     req.keep_alive = segment;
-    req.done = [this, job = who.job, r = who.rank, segment, ticket, step](const Status& s, uint64_t bytes,
-                                                                          double secs) {
-      OnPersisted(job, r, segment, ticket, step, s, bytes, secs);
+    req.done = [this, job = who.job, r = who.rank, session_id, segment, ticket, step](const Status& s, uint64_t bytes,
+                                                                                      double secs) {
+      OnPersisted(job, r, session_id, segment, ticket, step, s, bytes, secs);
     };
   }
   if (segment->ema) {
@@ -162,8 +175,9 @@ void Daemon::RunEmaStage() {
   }
 }
 
-void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
-                         SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds) {
+void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id,
+                         const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
+                         const Status& status, uint64_t bytes, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   Status released = segment->slots.Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
@@ -182,6 +196,14 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::sh
         rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
         rank.failed[step] = status;
         while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
+        if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
+          Status failed = SaveFailed(job, step, status, config_.root);
+          rank.fatal_error = Status(failed.code(), failed.message() +
+                                                       "; no snapshot is taken after a failed save as this rank "
+                                                       "registered with fatal_persist_errors: fix the cause and "
+                                                       "restart the trainer, which resumes from the last complete "
+                                                       "checkpoint");
+        }
       }
     }
   }
@@ -215,13 +237,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     job = sessions_[session_id].job;
     if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
       // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
-      const Status& cause = failed->second;
-      std::string advice = cause.code() == StatusCode::kResourceExhausted
-                               ? "; free space under " + config_.root + " (or run with --keep N) and save again"
-                               : "";
-      return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
-                                      cause.message() + "; this rank's partial files of the step were removed, " +
-                                      "earlier checkpoints are untouched" + advice);
+      return SaveFailed(job, step, failed->second, config_.root);
     }
     if (rank->last_persisted >= step) {
       WaitResult r;

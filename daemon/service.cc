@@ -66,6 +66,9 @@ Result<EmaConfig> EmaFromProto(const v1::EmaOptions& p) {
 
 grpc::Status ToGrpc(const Status& s) {
   if (s.ok()) return grpc::Status::OK;
+  // gRPC has no code for a failed system call: IO_ERROR travels as INTERNAL with its own name in the
+  // status details, so the client can tell a failing disk from a bug in the daemon.
+  if (s.code() == StatusCode::kIOError) return grpc::Status(grpc::StatusCode::INTERNAL, s.message(), "IO_ERROR");
   grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
   switch (s.code()) {
     case StatusCode::kOk: code = grpc::StatusCode::OK; break;
@@ -116,7 +119,7 @@ grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::Registe
   auto policy = req->backpressure() == v1::BACKPRESSURE_SKIP ? Backpressure::kSkip : Backpressure::kWait;
   auto ema = EmaFromProto(req->ema());
   if (!ema.ok()) return ToGrpc(ema.status());
-  auto result = daemon_->Register(req->session_id(), topo, tensors, policy, *ema);
+  auto result = daemon_->Register(req->session_id(), topo, tensors, policy, *ema, req->fatal_persist_errors());
   if (!result.ok()) return ToGrpc(result.status());
   *resp = std::move(result).value();
   return grpc::Status::OK;
