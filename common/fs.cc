@@ -49,13 +49,17 @@ Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::st
   return Status::OK();
 }
 
-Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path) {
+Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path, IoEnv* io) {
   const auto* p = static_cast<const char*>(buf);
   while (bytes > 0) {
-    ssize_t n = ::pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    ssize_t n = io->Pwrite(fd, p, bytes, offset);
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus("write", path);
+    }
+    if (n == 0) {  // no error and no progress: retrying would spin forever
+      return IOError("write " + path + ": the system wrote 0 of " + std::to_string(bytes) + " bytes at offset " +
+                     std::to_string(offset) + " without an error; the file system may be failing (see dmesg)");
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -79,11 +83,11 @@ Status MakeDirs(const std::string& path, unsigned mode) {
   return Status::OK();
 }
 
-Status FsyncDir(const std::string& dir) {
+Status FsyncDir(const std::string& dir, IoEnv* io) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus("open directory", dir);
   UniqueFd owned(fd);
-  if (::fsync(fd) != 0) return ErrnoStatus("fsync directory", dir);
+  if (io->Fsync(fd) != 0) return ErrnoStatus("fsync directory", dir);
   return Status::OK();
 }
 
@@ -99,7 +103,7 @@ namespace {
 // is set (and nothing else done) when `flags` holds O_DIRECT and the file system refuses it.
 template <typename Write>
 Status DurableWrite(const std::string& dir, const std::string& name, int flags, bool* renamed, bool* direct_refused,
-                    Write write) {
+                    IoEnv* io, Write write) {
   static std::atomic<uint64_t> counter{0};
   if (renamed != nullptr) *renamed = false;
   std::string final_path = dir + "/" + name;
@@ -118,21 +122,21 @@ Status DurableWrite(const std::string& dir, const std::string& name, int flags, 
   };
   Status written = write(fd, tmp_path);
   if (!written.ok()) return fail(written);
-  if (::fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
+  if (io->Fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
   owned.Reset();
-  if (::rename(tmp_path.c_str(), final_path.c_str()) != 0) return fail(ErrnoStatus("rename", tmp_path));
+  if (io->Rename(tmp_path, final_path) != 0) return fail(ErrnoStatus("rename", tmp_path));
   if (renamed != nullptr) *renamed = true;
-  return FsyncDir(dir);
+  return FsyncDir(dir, io);
 }
 
 }  // namespace
 
 Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
-                        bool* renamed) {
-  return DurableWrite(dir, name, 0, renamed, nullptr, [&](int fd, const std::string& path) {
+                        bool* renamed, IoEnv* io) {
+  return DurableWrite(dir, name, 0, renamed, nullptr, io, [&](int fd, const std::string& path) {
     uint64_t offset = 0;
     for (const auto& span : spans) {
-      RETURN_IF_ERROR(PwriteFull(fd, span.data, span.bytes, offset, path));
+      RETURN_IF_ERROR(PwriteFull(fd, span.data, span.bytes, offset, path, io));
       offset += span.bytes;
     }
     return Status::OK();
@@ -140,27 +144,27 @@ Status WriteFileDurably(const std::string& dir, const std::string& name, const s
 }
 
 Status WriteImageDurably(const std::string& dir, const std::string& name, const char* data, uint64_t bytes,
-                         uint64_t padded, bool* renamed) {
+                         uint64_t padded, bool* renamed, IoEnv* io) {
   constexpr uint64_t kAlign = 4096, kChunk = 16u << 20;
   if (reinterpret_cast<uintptr_t>(data) % kAlign != 0 || padded % kAlign != 0 || padded < bytes) {
     return Internal("WriteImageDurably needs 4 KiB-aligned memory and a padded size");
   }
   bool direct_refused = false;
-  Status s = DurableWrite(dir, name, O_DIRECT, renamed, &direct_refused, [&](int fd, const std::string& path) {
+  Status s = DurableWrite(dir, name, O_DIRECT, renamed, &direct_refused, io, [&](int fd, const std::string& path) {
     for (uint64_t offset = 0; offset < padded; offset += kChunk) {
-      RETURN_IF_ERROR(PwriteFull(fd, data + offset, std::min(kChunk, padded - offset), offset, path));
+      RETURN_IF_ERROR(PwriteFull(fd, data + offset, std::min(kChunk, padded - offset), offset, path, io));
     }
-    if (padded != bytes && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return ErrnoStatus("ftruncate", path);
+    if (padded != bytes && io->Ftruncate(fd, bytes) != 0) return ErrnoStatus("ftruncate", path);
     return Status::OK();
   });
   if (direct_refused) {  // no O_DIRECT on this file system (tmpfs): a buffered write
-    return WriteFileDurably(dir, name, std::vector<WriteSpan>{{data, bytes}}, renamed);
+    return WriteFileDurably(dir, name, std::vector<WriteSpan>{{data, bytes}}, renamed, io);
   }
   return s;
 }
 
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
-                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed) {
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed, IoEnv* io) {
   constexpr uint64_t kAlign = 4096;
   auto down = [](uint64_t v) { return v / kAlign * kAlign; };
   for (const ImageWrite& im : images) {
@@ -219,10 +223,12 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     }
   }
   std::mutex error_mu;
-  Status first_error;
+  Status first_error;               // guarded by error_mu
+  std::atomic<bool> failed{false};  // set with first_error: the remaining pieces skip their writes
   auto fail = [&](const Status& s) {
     std::lock_guard<std::mutex> lock(error_mu);
     if (first_error.ok()) first_error = s;
+    failed.store(true, std::memory_order_relaxed);
   };
   auto run = [&](size_t count, const std::function<void(size_t)>& body) {
     if (loop != nullptr) {
@@ -233,6 +239,7 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
   };
   run(hooks.side_count + pieces.size(), [&](size_t k) {
     if (k < hooks.side_count) return hooks.side(k);
+    if (failed.load(std::memory_order_relaxed)) return;  // a full disk: do not write gigabytes more into it
     const Piece& p = pieces[k - hooks.side_count];
     const ImageWrite& im = images[p.image];
     const bool last_region = p.region + 1 == im.cuts.size();
@@ -243,7 +250,7 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
                    end = p.to == hi && last_region ? (im.bytes + kAlign - 1) / kAlign * kAlign : down(p.to);
     if (hooks.prepare) hooks.prepare(p.image, p.region, p.from, p.to);
     if (end > begin) {
-      Status s = PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp);
+      Status s = PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp, io);
       if (!s.ok()) fail(s);
     }
   });
@@ -254,26 +261,25 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     const int fd = files[i].fd.get();
     const std::string& path = files[i].tmp;
     if (hooks.finish) hooks.finish(i);
-    Status s = PwriteFull(fd, im.data, im.head, 0, path);
-    if (s.ok() && im.bytes % kAlign != 0 && ::ftruncate(fd, static_cast<off_t>(im.bytes)) != 0) {
-      s = ErrnoStatus("ftruncate", path);
-    }
-    if (s.ok() && ::fdatasync(fd) != 0) s = ErrnoStatus("fdatasync", path);
+    Status s = PwriteFull(fd, im.data, im.head, 0, path, io);
+    if (s.ok() && im.bytes % kAlign != 0 && io->Ftruncate(fd, im.bytes) != 0) s = ErrnoStatus("ftruncate", path);
+    if (s.ok() && io->Fdatasync(fd) != 0) s = ErrnoStatus("fdatasync", path);
     if (!s.ok()) fail(s);
   });
   if (!first_error.ok()) return cleanup(first_error);
   for (size_t i = 0; i < images.size(); ++i) {
     files[i].fd.Reset();
     const std::string final_path = dir + "/" + images[i].name;
-    if (::rename(files[i].tmp.c_str(), final_path.c_str()) != 0) return cleanup(ErrnoStatus("rename", files[i].tmp));
+    if (io->Rename(files[i].tmp, final_path) != 0) return cleanup(ErrnoStatus("rename", files[i].tmp));
     files[i].tmp.clear();
     if (renamed != nullptr) renamed->push_back(images[i].name);
   }
-  return FsyncDir(dir);
+  return FsyncDir(dir, io);
 }
 
-Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed) {
-  return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}}, renamed);
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed,
+                        IoEnv* io) {
+  return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}}, renamed, io);
 }
 
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {

@@ -1,5 +1,7 @@
 // File-system primitives with Status errors that name the path: owned fds, full reads and writes,
-// and the durable-write sequence every flashckpt file goes through.
+// and the durable-write sequence every flashckpt file goes through. The writing calls take an IoEnv
+// (common/io_env.h; the real OS by default) through which their pwrite, ftruncate, fdatasync,
+// rename and directory fsync go, so that tests can inject faults (common/fault_injecting_io.h).
 #pragma once
 
 #include <cstddef>
@@ -9,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/io_env.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 
@@ -48,11 +51,15 @@ class UniqueFd {
 
 Result<UniqueFd> OpenForRead(const std::string& path);
 Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path);
-Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path);
+// Writes all `bytes`: a short write is continued where it stopped (on an O_DIRECT fd the kernel
+// stops on a block boundary, so the rest stays aligned), EINTR is retried, and a write that makes no
+// progress (returns 0) is kIOError instead of a loop forever.
+Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path,
+                  IoEnv* io = IoEnv::Default());
 
 // mkdir -p with the given mode for directories it creates.
 Status MakeDirs(const std::string& path, unsigned mode = 0755);
-Status FsyncDir(const std::string& dir);
+Status FsyncDir(const std::string& dir, IoEnv* io = IoEnv::Default());
 bool PathExists(const std::string& path);
 
 // A piece of a file to write: `bytes` bytes from `data`.
@@ -64,18 +71,19 @@ struct WriteSpan {
 // The durable write: <dir>/<name>.tmp.<unique>, all spans in order, fdatasync, rename to
 // <dir>/<name>, fsync(dir). On failure the temporary is removed and the old <name> (if any) is
 // untouched. `renamed`, when given, is set to whether <dir>/<name> now holds the new contents (true
-// also when only the final fsync of the directory failed, so a caller can undo the file).
+// also when only the final fsync of the directory failed, so a caller can undo the file). Errors
+// name the call, the path and the errno text; ENOSPC/EDQUOT are kResourceExhausted, others kIOError.
 Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
-                        bool* renamed = nullptr);
+                        bool* renamed = nullptr, IoEnv* io = IoEnv::Default());
 // The durable write of a large file image straight from page-aligned memory: `bytes` from `data`,
 // with `data` 4 KiB-aligned and the memory readable up to `padded` (a multiple of 4 KiB). Written
 // with O_DIRECT in 16 MiB chunks (the page cache is bypassed: no double copy, no writeback stalls),
 // the padded tail cut with ftruncate; where the file system refuses O_DIRECT (tmpfs) it falls back
 // to a buffered write. Then fdatasync, rename and fsync(dir) as above.
 Status WriteImageDurably(const std::string& dir, const std::string& name, const char* data, uint64_t bytes,
-                         uint64_t padded, bool* renamed = nullptr);
+                         uint64_t padded, bool* renamed = nullptr, IoEnv* io = IoEnv::Default());
 Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents,
-                        bool* renamed = nullptr);
+                        bool* renamed = nullptr, IoEnv* io = IoEnv::Default());
 
 // A file image for WriteImagesDurably: `bytes` bytes at 4 KiB-aligned `data` (readable up to the
 // next 4 KiB boundary). Its first `head` bytes (a multiple of 4 KiB) are written last; the rest is
@@ -107,7 +115,8 @@ struct ImageWriteHooks {
   std::function<void(size_t image)> finish;
 };
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
-                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed);
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed,
+                          IoEnv* io = IoEnv::Default());
 
 // Reads a whole file of at most `max_bytes` bytes.
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);

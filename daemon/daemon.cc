@@ -86,7 +86,8 @@ Status Daemon::Start() {
   if (!state_dir.empty()) {
     ASSIGN_OR_RETURN(state_, StateDir::Open(state_dir));
   }
-  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads);
+  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads,
+                                     config_.io_env != nullptr ? config_.io_env : IoEnv::Default());
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
   ema_loop_ = std::make_unique<ParallelLoop>(ema_threads - 1);
@@ -134,6 +135,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   state.last_begun = -1;
   state.resumed_from = 0;
   state.registered = false;
+  state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
   sessions_[token] = SessionInfo{job, rank};
   Logger("rpc")->info("session open job={} rank={}", job, rank);
   return token;
@@ -310,6 +312,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   rank->topology = topology;
   rank->policy = reg.policy;
   if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
+  rank->fatal_persist_errors = reg.fatal_persist_errors;
   rank->registered = true;
   job.topology = topology;
 
@@ -358,6 +361,8 @@ v1::StatusResponse Daemon::GetStatus() const {
   out.set_host_memory_budget(config_.max_host_memory);
   out.set_root(config_.root);
   std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
   for (const auto& [name, job] : jobs_) {
     auto* j = out.add_jobs();
     j->set_job(name);
@@ -376,6 +381,12 @@ v1::StatusResponse Daemon::GetStatus() const {
       rs->set_persists(rank.persists);
       rs->set_failures(rank.failures);
       rs->set_skipped(rank.skipped);
+      double oldest = 0;  // seconds the rank's oldest persist being written has been running
+      for (const WriteInFlight& w : writing) {
+        if (w.job != name || w.rank != r) continue;
+        oldest = std::max(oldest, std::chrono::duration<double>(now - w.started).count());
+      }
+      rs->set_oldest_write_seconds(oldest);
       if (rank.segment) {
         for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) {
           auto* s = rs->add_slots();

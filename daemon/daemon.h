@@ -3,7 +3,8 @@
 //
 // Threads: gRPC handler threads call in concurrently; writer threads call back on completion.
 // One mutex (mu_) guards the session table, the job table, every rank's slot table and counters;
-// it is never held across file I/O. cv_ is signalled whenever a slot is freed, a persist finishes
+// it is never held across file I/O. It may be held while taking the writer's own lock (Submit,
+// InFlight), never the other way round. cv_ is signalled whenever a slot is freed, a persist finishes
 // or a session ends, and every wait on it has a deadline.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/io_env.h"
 #include "common/layout.h"
 #include "common/shm.h"
 #include "common/status.h"
@@ -56,6 +58,8 @@ struct DaemonConfig {
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string log_level = "info";
+  // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
+  IoEnv* io_env = IoEnv::Default();
 };
 
 // One registered rank's segment: its layout, the mapped memory, the slot state machine and the
@@ -109,6 +113,9 @@ class Daemon {
   Result<std::string> OpenSession(const std::string& job, uint32_t rank);
   void CloseSession(const std::string& session_id);
 
+  // fatal_persist_errors (in the request): once a persist of this session fails, its BeginSnapshot
+  // and Commit fail with that error (code and message) until the trainer starts a new session; off,
+  // a failed persist is reported by WaitPersisted and status only and snapshots go on.
   Result<v1::RegisterResponse> Register(const std::string& session_id, const v1::RegisterRequest& request);
   Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
@@ -148,6 +155,8 @@ class Daemon {
     std::string last_error;
     // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
     std::map<int64_t, Status> failed;
+    bool fatal_persist_errors = false;  // per registration (Register)
+    Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
   };
   struct JobState {
@@ -177,8 +186,10 @@ class Daemon {
 
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
-  void OnPersisted(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
-                   SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds);
+  // `session_id`: the session that committed the step (a failure counts as fatal for it only).
+  void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
+                   const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
+                   uint64_t bytes, double seconds);
   // Creates the rank's segment, or with `adopt` maps that existing segment and checks its header
   // against the layout (its contents are kept).
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
@@ -199,7 +210,9 @@ class Daemon {
   };
   void RunEmaStage();
   // The persist request of a committed slot; `done` reports to OnPersisted.
-  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, uint32_t world_size,
+  // `session_id`: the committing session ("" for a snapshot adopted after a restart).
+  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+                                    uint32_t world_size,
                                     int64_t resumed_from, const std::shared_ptr<RankSegment>& segment,
                                     const SlotTicket& ticket, int64_t step, std::string extra);
 

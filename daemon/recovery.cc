@@ -141,8 +141,8 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
         Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
         continue;
       }
-      j.request =
-          MakePersistRequest(job, rank_id, c.world_size(), c.resumed_from(), segment, ticket, c.step(), c.extra());
+      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", c.world_size(), c.resumed_from(), segment, ticket,
+                                     c.step(), c.extra());
     }
     pending.push_back(std::move(p));
   }

@@ -70,6 +70,7 @@ Result<Registration> ParseRegistration(const v1::RegisterRequest& req) {
     return InvalidArgument("resumed_from must be non-negative, got " + std::to_string(req.resumed_from()));
   }
   r.resumed_from = req.resumed_from();
+  r.fatal_persist_errors = req.fatal_persist_errors();
   return r;
 }
 

@@ -21,6 +21,7 @@ struct Registration {
   Backpressure policy = Backpressure::kWait;
   EmaConfig ema;
   int64_t resumed_from = 0;  // the attempt a re-attaching client carries on (0: none)
+  bool fatal_persist_errors = false;
 };
 
 // Converts and checks the request's fields; the layout itself is checked by BuildRankLayout.

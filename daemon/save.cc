@@ -11,6 +11,17 @@ namespace {
 constexpr size_t kMaxExtraBytes = 4u << 20;
 constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
 
+// What a trainer is told about a failed save of `step`: the writer's code (kResourceExhausted for a
+// full disk) and message (the call, the file, the errno text), and what happened and what to do.
+Status SaveFailed(const std::string& job, int64_t step, const Status& cause, const std::string& root) {
+  std::string advice = cause.code() == StatusCode::kResourceExhausted
+                           ? "; free space under " + root + " (or run with --keep N) and save again"
+                           : "";
+  return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
+                                  cause.message() + "; this rank's partial files of the step were removed, " +
+                                  "earlier checkpoints are untouched" + advice);
+}
+
 }  // namespace
 
 Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
@@ -21,6 +32,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     std::lock_guard<std::mutex> lock(mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     job = sessions_[session_id].job;
+    if (!rank->fatal_error.ok()) return rank->fatal_error;
     if (step <= rank->last_begun) {
       return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
                              std::to_string(rank->last_begun) + "; steps must increase");
@@ -59,7 +71,8 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   }
 }
 
-PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, uint32_t world_size,
+PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+                                          uint32_t world_size,
                                           int64_t resumed_from, const std::shared_ptr<RankSegment>& segment,
                                           const SlotTicket& ticket, int64_t step, std::string extra) {
   PersistRequest req;
@@ -76,8 +89,8 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   }
   req.extra = std::move(extra);
   req.keep_alive = segment;
-  req.done = [this, job, rank, segment, ticket, step](const Status& s, uint64_t bytes, double secs) {
-    OnPersisted(job, rank, segment, ticket, step, s, bytes, secs);
+  req.done = [this, job, rank, session_id, segment, ticket, step](const Status& s, uint64_t bytes, double secs) {
+    OnPersisted(job, rank, session_id, segment, ticket, step, s, bytes, secs);
   };
   return req;
 }
@@ -95,6 +108,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   {
     std::lock_guard<std::mutex> lock(mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
     const SlotInfo* slot = ticket.slot < rank->segment->slots.size() ? &rank->segment->slots.at(ticket.slot) : nullptr;
     if (slot != nullptr && slot->state == SlotState::kFilling && slot->generation == ticket.generation &&
         (persist || rank->segment->ema)) {
@@ -139,7 +153,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.job = who.job;
   job.rank = who.rank;
   if (persist) {
-    job.request = MakePersistRequest(who.job, who.rank, rank->topology.world_size, rank->resumed_from, segment, ticket,
+    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->resumed_from, segment, ticket,
                                      step, std::move(extra));
   }
   if (segment->ema) {
@@ -205,8 +219,9 @@ void Daemon::RunEmaStage() {
   }
 }
 
-void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
-                         SlotTicket ticket, int64_t step, const Status& status, uint64_t bytes, double seconds) {
+void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id,
+                         const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
+                         const Status& status, uint64_t bytes, double seconds) {
   // Written (or failed and reported): a restarted daemon must not write it again.
   state_.RemoveCommit(segment->shm->name(), ticket.slot);
   std::lock_guard<std::mutex> lock(mu_);
@@ -227,6 +242,14 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::sh
         rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
         rank.failed[step] = status;
         while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
+        if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
+          Status failed = SaveFailed(job, step, status, config_.root);
+          rank.fatal_error = Status(failed.code(), failed.message() +
+                                                       "; no snapshot is taken after a failed save as this rank "
+                                                       "registered with fatal_persist_errors: fix the cause and "
+                                                       "restart the trainer, which resumes from the last complete "
+                                                       "checkpoint");
+        }
       }
     }
   }
@@ -260,13 +283,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     job = sessions_[session_id].job;
     if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
       // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
-      const Status& cause = failed->second;
-      std::string advice = cause.code() == StatusCode::kResourceExhausted
-                               ? "; free space under " + config_.root + " (or run with --keep N) and save again"
-                               : "";
-      return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
-                                      cause.message() + "; this rank's partial files of the step were removed, " +
-                                      "earlier checkpoints are untouched" + advice);
+      return SaveFailed(job, step, failed->second, config_.root);
     }
     if (rank->last_persisted >= step) {
       WaitResult r;

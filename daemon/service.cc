@@ -25,6 +25,9 @@ std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::millise
 
 grpc::Status ToGrpc(const Status& s) {
   if (s.ok()) return grpc::Status::OK;
+  // gRPC has no code for a failed system call: IO_ERROR travels as INTERNAL with its own name in the
+  // status details, so the client can tell a failing disk from a bug in the daemon.
+  if (s.code() == StatusCode::kIOError) return grpc::Status(grpc::StatusCode::INTERNAL, s.message(), "IO_ERROR");
   grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
   switch (s.code()) {
     case StatusCode::kOk: code = grpc::StatusCode::OK; break;

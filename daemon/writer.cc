@@ -102,8 +102,8 @@ Result<std::string> DecodeExtra(const std::string& file_contents) {
   return Corruption("extra file has unknown encoding '" + e + "'");
 }
 
-Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads)
-    : catalog_(catalog), capacity_(queue_capacity), io_threads_(std::max(1u, io_threads)) {
+Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads, IoEnv* env)
+    : catalog_(catalog), capacity_(queue_capacity), io_threads_(std::max(1u, io_threads)), env_(env) {
   for (unsigned i = 0; i < std::max(1u, threads); ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -132,20 +132,36 @@ void Writer::Stop() {
   threads_.clear();
 }
 
+std::vector<WriteInFlight> Writer::InFlight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<WriteInFlight> out;
+  out.reserve(in_flight_.size());
+  for (const auto& [id, w] : in_flight_) out.push_back(w);
+  return out;
+}
+
 void Writer::Run() {
   ParallelLoop io(io_threads_ - 1);  // this thread's writes in flight
   for (;;) {
     PersistRequest req;
+    uint64_t id;
+    std::chrono::steady_clock::time_point start;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping and drained
       req = std::move(queue_.front());
       queue_.pop_front();
+      start = std::chrono::steady_clock::now();
+      id = taken_++;
+      in_flight_[id] = WriteInFlight{req.job, req.rank, req.step, start};
     }
-    auto start = std::chrono::steady_clock::now();
     auto written = Persist(req, &io);
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.erase(id);
+    }
     if (req.done) req.done(written.status(), written.ok() ? *written : 0, secs);
   }
 }
@@ -262,11 +278,11 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   hooks.finish = [&](size_t i) {
     if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
   };
-  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written));
+  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written, env_));
 
   auto write = [&](const std::string& name, const std::string& text) {
     bool renamed = false;
-    Status s = WriteFileDurably(dir, name, text, &renamed);
+    Status s = WriteFileDurably(dir, name, text, &renamed, env_);
     if (renamed) written->push_back(name);
     return s;
   };

@@ -4,19 +4,24 @@
 // each tensor hashed and written a piece at a time, the headers with the step and checksums last,
 // then fdatasync, rename, fsync dir), writes the trainer's extra state and then saved_signal_<rank>,
 // and asks the catalog whether the checkpoint is now complete.
-// The slot is owned by the writer while PERSISTING; no lock is held during I/O.
+// The slot is owned by the writer while PERSISTING; no lock is held during I/O. Every write,
+// fdatasync, rename and directory fsync of those files goes through the writer's IoEnv
+// (common/io_env.h): the real OS, or in tests one that injects faults.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/io_env.h"
 #include "common/layout.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
@@ -40,16 +45,29 @@ struct PersistRequest {
   std::function<void(const Status&, uint64_t bytes, double seconds)> done;
 };
 
+// A persist a writer thread is working on (not one still queued).
+struct WriteInFlight {
+  std::string job;
+  uint32_t rank = 0;
+  int64_t step = 0;
+  std::chrono::steady_clock::time_point started;
+};
+
 class Writer {
  public:
-  // Each of `threads` persists one request at a time with `io_threads` writes in flight.
-  Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads = 4);
+  // Each of `threads` persists one request at a time with `io_threads` writes in flight, through
+  // `env` (not owned; must outlive the writer).
+  Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads = 4,
+         IoEnv* env = IoEnv::Default());
   ~Writer();  // Stop()
 
   // Queues a request; kResourceExhausted when the queue is full, kUnavailable once stopped.
   Status Submit(PersistRequest request);
   // Finishes every queued request, then joins the threads. Idempotent.
   void Stop();
+  // The persists being written now, each with when its thread took it; it leaves the list before
+  // its `done` runs. Thread-safe; takes the writer's lock only, so a caller may hold its own.
+  std::vector<WriteInFlight> InFlight() const;
 
   // The work itself, also usable synchronously (tests). Returns bytes written. On failure (a full
   // disk, an I/O error) the files this attempt wrote for the step are removed again (saved_signal
@@ -66,10 +84,13 @@ class Writer {
   Catalog* catalog_;
   size_t capacity_;
   unsigned io_threads_;
-  std::mutex mu_;
+  IoEnv* env_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<PersistRequest> queue_;  // guarded by mu_
-  bool stopping_ = false;             // guarded by mu_
+  std::deque<PersistRequest> queue_;             // guarded by mu_
+  bool stopping_ = false;                        // guarded by mu_
+  std::map<uint64_t, WriteInFlight> in_flight_;  // guarded by mu_; by a counter of taken requests
+  uint64_t taken_ = 0;                           // guarded by mu_
   std::vector<std::thread> threads_;
 };
 

@@ -86,6 +86,16 @@ std::string SlotsText(const v1::RankStatus& rank) {
   return out.empty() ? "-" : out;
 }
 
+// How long the rank's oldest persist being written has run: "-" when none, "0.4s" under a minute,
+// then as FormatDuration.
+std::string OldestWriteText(double seconds) {
+  if (!(seconds > 0)) return "-";
+  if (seconds >= 60) return FormatDuration(seconds);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1fs", seconds);
+  return buf;
+}
+
 }  // namespace
 
 std::string FormatDuration(double seconds) {
@@ -127,14 +137,16 @@ std::string StatusText(const v1::StatusResponse& status) {
            std::to_string(job.ranks_size()) + " rank(s) here, last complete step " +
            StepText(job.last_complete_step()) + "\n";
     out += "  ema " + EmaSummaryText(job) + "\n";
-    TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "SNAPSHOTS", "PERSISTS",
-                     "FAILURES", "SKIPPED", "LAST ERROR"},
-                    {true, false, true, true, true, false, true, true, true, true, false});
+    // OLDEST WRITE: how long the rank's oldest persist being written has been running.
+    TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
+                     "PERSISTS", "FAILURES", "SKIPPED", "LAST ERROR"},
+                    {true, false, true, true, true, false, true, true, true, true, true, false});
     for (const auto& rank : job.ranks()) {
       table.AddRow({std::to_string(rank.rank()), rank.connected() ? "yes" : "no", FormatBytes(rank.segment_bytes()),
                     StepText(rank.last_committed_step()), StepText(rank.last_persisted_step()), SlotsText(rank),
-                    std::to_string(rank.snapshots()), std::to_string(rank.persists()), std::to_string(rank.failures()),
-                    std::to_string(rank.skipped()), rank.last_error().empty() ? "-" : rank.last_error()});
+                    OldestWriteText(rank.oldest_write_seconds()), std::to_string(rank.snapshots()),
+                    std::to_string(rank.persists()), std::to_string(rank.failures()), std::to_string(rank.skipped()),
+                    rank.last_error().empty() ? "-" : rank.last_error()});
     }
     out += table.Render("  ");
     bool any_ema = std::any_of(job.ranks().begin(), job.ranks().end(), [](const auto& r) { return r.ema_enabled(); });
@@ -183,6 +195,7 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
         slots.push_back({{"index", s.index()}, {"state", s.state()}, {"step", StepJson(s.step())}});
       }
       r["slots"] = std::move(slots);
+      r["oldest_write_seconds"] = rank.oldest_write_seconds();  // 0: nothing being written
       r["snapshots"] = rank.snapshots();
       r["persists"] = rank.persists();
       r["failures"] = rank.failures();

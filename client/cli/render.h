@@ -13,9 +13,11 @@ namespace flashckpt::cli {
 std::string FormatDuration(double seconds);
 
 // The GetStatus answer: daemon, memory, root, then per job an EMA summary line, a table of ranks
-// and, when any rank keeps an EMA, a table of its EMA (decay, last update step, updates applied and
-// skipped, image size). Steps that have not happened yet (negative) show as "-" in text and null
-// in JSON; in JSON every rank has an "ema" object with the same keys whether EMA is on or off.
+// (OLDEST WRITE: how long the rank's oldest persist being written has run, "-" when none; in JSON
+// oldest_write_seconds, 0 when none) and, when any rank keeps an EMA, a table of its EMA (decay,
+// last update step, updates applied and skipped, image size). Steps that have not happened yet
+// (negative) show as "-" in text and null in JSON; in JSON every rank has an "ema" object with the
+// same keys whether EMA is on or off.
 std::string StatusText(const v1::StatusResponse& status);
 nlohmann::ordered_json StatusJson(const v1::StatusResponse& status);
 

@@ -226,8 +226,8 @@ struct PySpec {
 
 class PyClient {
  public:
-  PyClient(const std::string& socket, const std::string& job, uint32_t rank, double rpc_timeout,
-           double connect_timeout, double slot_timeout, bool skip_when_busy, unsigned copy_threads) {
+  PyClient(const std::string& socket, const std::string& job, uint32_t rank, double rpc_timeout, double connect_timeout,
+           double slot_timeout, bool skip_when_busy, unsigned copy_threads, bool fatal_persist_errors) {
     ClientOptions options;
     options.socket_path = socket;
     options.job = job;
@@ -237,6 +237,7 @@ class PyClient {
     options.slot_timeout = Millis(slot_timeout);
     options.skip_when_busy = skip_when_busy;
     options.copy_threads = copy_threads;
+    options.fatal_persist_errors = fatal_persist_errors;
     Result<std::unique_ptr<Client>> connected = Status(StatusCode::kInternal, "not connected");
     {
       py::gil_scoped_release release;
@@ -396,9 +397,10 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def_readwrite("param", &PySpec::param);
 
   py::class_<PyClient>(m, "Client")
-      .def(py::init<const std::string&, const std::string&, uint32_t, double, double, double, bool, unsigned>(),
+      .def(py::init<const std::string&, const std::string&, uint32_t, double, double, double, bool, unsigned, bool>(),
            py::arg("socket"), py::arg("job"), py::arg("rank"), py::arg("rpc_timeout"), py::arg("connect_timeout"),
-           py::arg("slot_timeout"), py::arg("skip_when_busy"), py::arg("copy_threads"))
+           py::arg("slot_timeout"), py::arg("skip_when_busy"), py::arg("copy_threads"),
+           py::arg("fatal_persist_errors") = false)
       .def("register", &PyClient::Register, py::arg("topology"), py::arg("specs"), py::arg("ema"))
       .def("snapshot", &PyClient::Snapshot, py::arg("step"), py::arg("buffers"), py::arg("persist"),
            py::arg("loss"), py::arg("extra"))

@@ -32,6 +32,10 @@ Status FromGrpc(const grpc::Status& s, const char* rpc) {
     case grpc::StatusCode::UNAVAILABLE: code = StatusCode::kUnavailable; break;
     case grpc::StatusCode::DATA_LOSS: code = StatusCode::kCorruption; break;
     case grpc::StatusCode::CANCELLED: code = StatusCode::kCancelled; break;
+    // The daemon sends IO_ERROR (a failed system call: a failing disk) as INTERNAL named in the details.
+    case grpc::StatusCode::INTERNAL:
+      code = s.error_details() == "IO_ERROR" ? StatusCode::kIOError : StatusCode::kInternal;
+      break;
     default: code = StatusCode::kInternal; break;
   }
   return Status(code, std::string(rpc) + ": " + s.error_message());
@@ -321,6 +325,7 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
   t->set_shard_rank(topology.shard_rank);
   t->set_shard_degree(topology.shard_degree);
   req.set_backpressure(impl_->options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
+  req.set_fatal_persist_errors(impl_->options.fatal_persist_errors);
   if (ema.decay) {
     auto* e = req.mutable_ema();
     e->set_enabled(true);

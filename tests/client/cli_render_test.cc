@@ -66,6 +66,34 @@ TEST(StatusText, EmaWithoutUpdateYetShowsDash) {
   EXPECT_NE(text.find("   0  on   0.9999         -        0        0  48.0 MiB\n"), std::string::npos) << text;
 }
 
+// OLDEST WRITE: how long the rank's oldest persist in flight has run; "-" when none (0).
+TEST(StatusText, ShowsHowLongTheOldestWriteHasRun) {
+  v1::StatusResponse s = TwoRankStatus();
+  s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(2.34);
+  std::string text = StatusText(s);
+  EXPECT_NE(text.find("  RANK  CONNECTED  MEMORY  COMMITTED  PERSISTED  SLOTS  OLDEST WRITE  SNAPSHOTS  PERSISTS  "
+                      "FAILURES  SKIPPED  LAST ERROR\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("     0  yes           0 B       1250       1200  -              2.3s          0"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("     1  yes           0 B          -          -  -                 -          0"),
+            std::string::npos)
+      << text;
+  s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(125);  // a stuck disk: minutes
+  text = StatusText(s);
+  EXPECT_NE(text.find("  -            2m 05s          0"), std::string::npos) << text;
+}
+
+TEST(StatusJson, OldestWriteSecondsIsZeroWhenNothingIsBeingWritten) {
+  v1::StatusResponse s = TwoRankStatus();
+  s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(2.5);
+  auto j = StatusJson(s);
+  EXPECT_DOUBLE_EQ(j["jobs"][0]["ranks"][0]["oldest_write_seconds"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(j["jobs"][0]["ranks"][1]["oldest_write_seconds"].get<double>(), 0.0);
+}
+
 TEST(StatusJson, EveryRankHasAnEmaObjectWithTheSameKeys) {
   auto j = StatusJson(TwoRankStatus());
   const auto& ranks = j["jobs"][0]["ranks"];

@@ -70,13 +70,16 @@ class InProcessDaemon {
   Server* server() const { return server_.get(); }
 
   // A client of `job`/`rank` with short deadlines; null (and a test failure) when it cannot connect.
-  std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank = 0) const {
+  // `tweak` may change any option (backpressure, fatal_persist_errors, timeouts).
+  std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank = 0,
+                                  const std::function<void(ClientOptions&)>& tweak = {}) const {
     ClientOptions o;
     o.socket_path = socket();
     o.job = job;
     o.rank = rank;
     o.rpc_timeout = std::chrono::seconds(5);
     o.slot_timeout = std::chrono::seconds(2);
+    if (tweak) tweak(o);
     auto c = Client::Connect(o);
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return c.ok() ? std::move(c).value() : nullptr;

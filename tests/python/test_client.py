@@ -7,7 +7,10 @@
 - the daemon's EMA equals one computed here in numpy, bit for bit;
 - a non-contiguous tensor and an unsupported dtype are refused with errors naming the tensor; a
   daemon that is not running is a DaemonUnavailableError naming the socket, within the deadline;
-  unregistered tensors, changed shapes, a closed client are clear errors; status() is a dict.
+  unregistered tensors, changed shapes, a closed client are clear errors; status() is a dict;
+- a save that fails on disk (a directory where a file must go: rename fails with EISDIR) raises from
+  wait_persisted() naming step, file and errno; by default snapshots go on, with
+  fatal_persist_errors=True the next snapshot() raises that error.
 """
 
 import array
@@ -190,6 +193,54 @@ class ClientTest(harness.DaemonTestCase):
                 c.register({"w": w}, specs={"w": {"kind": "weights"}})
             with self.assertRaises(flashckpt.InvalidArgumentError):
                 c.register({"bad\"name": w})
+
+    def failing_save(self, c, step):
+        """Saves `step` with a directory where the rank's signal file must go: the save fails."""
+        blocker = os.path.join(self.daemon.job_dir(c.job), "checkpoint-%d" % step, "saved_signal_0", "x")
+        os.makedirs(blocker)
+        t = {"w": np.full(4, step, np.float32)}
+        c.snapshot(step, t)
+        with self.assertRaises(flashckpt.FlashckptError) as cm:
+            c.wait_persisted(step, timeout=30)
+        e = cm.exception
+        self.assertEqual(e.code, "IO_ERROR")
+        self.assertIn("saving step %d of job '%s' failed" % (step, c.job), e.message)
+        self.assertIn("/checkpoint-%d/saved_signal_0" % step, e.message)
+        self.assertIn("Is a directory (errno 21)", e.message)
+        self.assertEqual(sorted(os.listdir(os.path.dirname(os.path.dirname(blocker)))), ["saved_signal_0"],
+                         "the rank's other files of the step were removed")
+        return e
+
+    def test_failed_save_is_reported_and_snapshots_go_on(self):
+        w = np.zeros(4, np.float32)
+        with self.client("failed-save") as c:
+            c.register({"w": w})
+            c.snapshot(1, {"w": w})
+            c.wait_persisted(1, timeout=30)
+            self.failing_save(c, 2)
+            rank = c.status()["jobs"]
+            rank = [j for j in rank if j["job"] == c.job][0]["ranks"][0]
+            self.assertEqual(rank["failures"], "1")  # 64-bit integers are JSON strings
+            self.assertIn("step 2: IO_ERROR: rename ", rank["last_error"])
+            self.assertEqual(rank["oldest_write_seconds"], 0)  # nothing being written
+            c.snapshot(3, {"w": w})
+            c.wait_persisted(3, timeout=30)
+
+    def test_fatal_persist_errors_stop_snapshots_after_a_failed_save(self):
+        w = np.zeros(4, np.float32)
+        with self.client("fatal", fatal_persist_errors=True) as c:
+            c.register({"w": w})
+            c.snapshot(1, {"w": w})
+            c.wait_persisted(1, timeout=30)
+            self.failing_save(c, 2)
+            for step in (3, 4):
+                with self.assertRaises(flashckpt.FlashckptError) as cm:
+                    c.snapshot(step, {"w": w})
+                self.assertEqual(cm.exception.code, "IO_ERROR")
+                self.assertIn("saving step 2 of job '%s' failed" % c.job, cm.exception.message)
+                self.assertIn("Is a directory (errno 21)", cm.exception.message)
+                self.assertIn("fatal_persist_errors", cm.exception.message)
+            self.assertFalse(os.path.exists(os.path.join(self.daemon.job_dir(c.job), "checkpoint-3")))
 
     def test_status_and_close(self):
         c = self.client("status")

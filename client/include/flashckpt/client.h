@@ -48,6 +48,12 @@ struct ClientOptions {
   unsigned copy_threads = 0;
   // When no slot is free: wait up to slot_timeout (false) or fail at once with kResourceExhausted.
   bool skip_when_busy = false;
+  // When a save fails in the background (a full disk, an I/O error): false (the default) reports it
+  // on WaitPersisted and in the daemon's status only, and training goes on; true also makes every
+  // later Snapshot() of this client fail with that error (its code, and a message naming the step,
+  // the file and the errno text), so a job stops instead of training on without checkpoints.
+  // Sent with Register().
+  bool fatal_persist_errors = false;
 };
 
 // Memory of one registered tensor: `bytes` must equal its registered size.

@@ -83,6 +83,10 @@ class Client:
       ema_model_params: "fp32" (EMA of fp32 model tensors and master weights) or "all" (bf16/fp16 too).
       ema_loss_threshold: skip EMA updates of snapshots whose loss is above it.
       backpressure: "wait" for a free slot (up to slot_timeout) or "skip" (ResourceExhaustedError).
+      fatal_persist_errors: False (default): a save that fails in the background (full disk, I/O
+        error) raises from wait_persisted() and shows in status(), and snapshots go on. True: every
+        later snapshot() raises that save's error too (its code; the message names the step, the
+        file and the errno text), so training stops instead of going on without checkpoints.
       connect_timeout, rpc_timeout, slot_timeout: deadlines in seconds.
       copy_threads: threads copying large tensors (0: min(cores, 8)).
 
@@ -92,7 +96,8 @@ class Client:
     def __init__(self, socket, job, rank=0, world_size=1, tp_rank=0, tp_degree=1, pp_rank=0, pp_degree=1,
                  shard_rank=0, shard_degree=1, ema_decay=None, ema_interval=1, ema_init="first",
                  ema_model_params="fp32", ema_loss_threshold=None, backpressure="wait", *,
-                 connect_timeout=10.0, rpc_timeout=30.0, slot_timeout=60.0, copy_threads=0):
+                 connect_timeout=10.0, rpc_timeout=30.0, slot_timeout=60.0, copy_threads=0,
+                 fatal_persist_errors=False):
         if ema_init not in ("first", "zeros"):
             raise ValueError("ema_init must be 'first' or 'zeros', got %r" % (ema_init,))
         if ema_model_params not in ("fp32", "all"):
@@ -120,7 +125,8 @@ class Client:
         started = time.monotonic()
         try:
             self._impl = _flashckpt.Client(self.socket, job, self.rank, float(rpc_timeout), float(connect_timeout),
-                                           float(slot_timeout), backpressure == "skip", int(copy_threads))
+                                           float(slot_timeout), backpressure == "skip", int(copy_threads),
+                                           bool(fatal_persist_errors))
         except DaemonUnavailableError as e:
             hint = ("no socket file exists at %s" % self.socket if not os.path.exists(self.socket)
                     else "the socket %s exists but nothing answers on it" % self.socket)

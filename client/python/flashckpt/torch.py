@@ -79,7 +79,8 @@ def _set_rng_state(state):
 class Checkpointer:
     """Checkpoints `model` (an nn.Module, or anything with state_dict/load_state_dict) and `optimizer`.
 
-    Keyword arguments are those of flashckpt.Client (socket, job, ema_*, backpressure, timeouts).
+    Keyword arguments are those of flashckpt.Client (socket, job, ema_*, backpressure,
+    fatal_persist_errors, timeouts).
     rank and world_size default to torch.distributed's when it is initialised, else 0 and 1; unless
     given, shard_degree = world_size / (tp_degree * pp_degree) and shard_rank = rank // (tp_degree *
     pp_degree), i.e. data-parallel ranks are shards. rng=False leaves the RNG state out.

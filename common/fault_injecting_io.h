@@ -1,0 +1,78 @@
+// An IoEnv for tests (LevelDB `FaultInjectionTestEnv`): passes every call to a base env, the real OS
+// by default, and injects the faults a test asks for: the Nth write failing with ENOSPC or EIO,
+// writes that come back short, slow writes, a failing fdatasync, fsync of the directory, or rename.
+//
+//   FaultInjectingIo io;
+//   io.FailNth(FaultInjectingIo::Op::kWrite, 3, ENOSPC);   // the 3rd write from now
+//   WriteFileDurably(dir, "x", spans, nullptr, &io);          // -> RESOURCE_EXHAUSTED naming x.tmp.*
+//
+// Thread-safe: faults may be set while writes run on other threads; a sleep holds no lock. It lives
+// in common/ so that common and daemon tests share it; production code never creates one.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "common/io_env.h"
+
+namespace flashckpt {
+
+class FaultInjectingIo final : public IoEnv {
+ public:
+  enum class Op { kWrite, kTruncate, kDataSync, kDirSync, kRename };
+
+  // `base` must outlive this object.
+  explicit FaultInjectingIo(IoEnv* base = IoEnv::Default()) : base_(base) {}
+
+  // The `n`th call of `op` from now on (1: the next one) fails with errno `err` and does nothing;
+  // later calls pass again. Replaces an earlier FailNth of the same op that has not fired.
+  void FailNth(Op op, uint64_t n, int err);
+  // Every call of `op` fails with `err` until Clear().
+  void FailEvery(Op op, int err);
+  // Every write hands at most `max_bytes` to the base and returns what it wrote: a short write,
+  // which the caller must continue. On an O_DIRECT fd the amount is rounded down to whole 4 KiB
+  // pages (at least one), as a real direct write comes back short. 0: every write returns 0.
+  void ShortWrites(size_t max_bytes);
+  // Every write first sleeps `delay`.
+  void SlowWrites(std::chrono::milliseconds delay);
+  // Every fault off (a write already asleep finishes its sleep). The counters are kept.
+  void Clear();
+
+  uint64_t calls(Op op) const;         // calls of `op` seen, faulted or not
+  uint64_t failures_injected() const;  // calls failed on purpose
+  uint64_t short_writes() const;       // writes cut short on purpose
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override;
+  int Ftruncate(int fd, uint64_t bytes) override;
+  int Fdatasync(int fd) override;
+  int Fsync(int fd) override;
+  int Rename(const std::string& from, const std::string& to) override;
+
+ private:
+  static constexpr size_t kOps = 5;
+  struct Rule {
+    uint64_t calls = 0;    // calls seen
+    uint64_t fail_at = 0;  // the call number that fails (0: none)
+    int fail_at_errno = 0;
+    int fail_every_errno = 0;  // 0: off
+  };
+  // Counts a call of `op`; returns the errno it must fail with, or 0. Requires mu_.
+  int CountAndDecideLocked(Op op);
+  // Counts a call and fails it (-1, errno set) when a rule says so; 0 when it may go ahead.
+  int Gate(Op op);
+
+  IoEnv* const base_;
+  mutable std::mutex mu_;
+  std::array<Rule, kOps> rules_{};            // guarded by mu_
+  bool short_writes_on_ = false;              // guarded by mu_
+  size_t short_max_bytes_ = 0;                // guarded by mu_
+  std::chrono::milliseconds write_delay_{0};  // guarded by mu_
+  uint64_t failures_ = 0;                     // guarded by mu_
+  uint64_t shorts_ = 0;                       // guarded by mu_
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,34 @@
+// The system calls of the durable write path behind a small interface (LevelDB `Env`), so that tests
+// can make a write fail with ENOSPC on the 3rd chunk, come back short, or take 200 ms
+// (common/fault_injecting_io.h) while the code under test stays the code that runs in production.
+//
+// Only the calls that put bytes on disk and make them durable go through it: pwrite, ftruncate,
+// fdatasync, fsync of a directory and rename. Opening, reading, listing and unlinking stay direct.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace flashckpt {
+
+class IoEnv {
+ public:
+  virtual ~IoEnv() = default;
+
+  // Each call behaves as the system call it is named after: it returns what that returns (-1 on
+  // failure) and sets errno. Thread-safe: the writers call in from several threads at once.
+  virtual ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) = 0;
+  virtual int Ftruncate(int fd, uint64_t bytes) = 0;
+  virtual int Fdatasync(int fd) = 0;
+  // fsync(2) of a directory fd, after a rename into it.
+  virtual int Fsync(int fd) = 0;
+  virtual int Rename(const std::string& from, const std::string& to) = 0;
+
+  // The real OS. Never null; lives as long as the process; stateless.
+  static IoEnv* Default();
+};
+
+}  // namespace flashckpt
