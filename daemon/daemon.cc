@@ -151,7 +151,9 @@ void Daemon::CloseSession(const std::string& session_id) {
 Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
   if (stopping_) return Unavailable("the daemon is shutting down");
   auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return FailedPrecondition("unknown or closed session; open a session first");
+  if (it == sessions_.end()) {
+    return FailedPrecondition("session_id names no open session (it ended, or the daemon restarted); open a Session");
+  }
   RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
   if (need_segment && !rank.segment) {
     return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
@@ -171,7 +173,10 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   const uint64_t ema_area = layout.slot_bytes;
   const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
   uint64_t bytes = SegmentBytes(stride, config_.slots);
-  ASSIGN_OR_RETURN(auto shm, SharedSegment::Create(name, bytes, config_.segment_mode));
+  // With --shm-group the trainers of other users in the group map the slots; the EMA segment above
+  // stays private (only the daemon maps it).
+  const unsigned mode = config_.shm_group ? 0660u : config_.segment_mode;
+  ASSIGN_OR_RETURN(auto shm, SharedSegment::Create(name, bytes, mode, config_.shm_group));
   auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
   std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
   header->format_version = kFormatVersion;
@@ -200,6 +205,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   LayoutExtras extras;
   extras.checksum_chunk = config_.checksum_chunk;
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, tensors, extras));
+  RETURN_IF_ERROR(CheckRankBytes(layout, config_.max_rank_bytes));
   std::optional<EmaPlan> ema_plan;
   if (ema_config.enabled) {
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));

@@ -26,6 +26,7 @@
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
 #include "daemon/ema.h"
+#include "daemon/limits.h"
 #include "daemon/slots.h"
 #include "daemon/writer.h"
 #include "flashckpt.pb.h"
@@ -51,6 +52,18 @@ struct DaemonConfig {
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string log_level = "info";
+  // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
+  // user in it can map them; unset: 0600, the daemon's user only. EMA segments stay segment_mode.
+  std::optional<uint32_t> shm_group;
+  // Optional TCP listener (daemon/tcp_listener.h): empty `listen` means none. Read-only RPCs unless
+  // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
+  std::string listen;
+  bool tcp_allow_writes = false;
+  std::string tls_cert, tls_key;
+  // Request limits (daemon/limits.h): tensors of one registration, and bytes of one rank's tensors
+  // (0: only max_host_memory bounds them).
+  uint32_t max_tensors_per_rank = kDefaultMaxTensorsPerRank;
+  uint64_t max_rank_bytes = 0;
 };
 
 enum class Backpressure { kWait, kSkip };

@@ -220,7 +220,8 @@ bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std:
     h->updates_skipped = 0;
     h->last_step = -1;
   }
-  bool gated = due && config_.loss_threshold && loss && *loss > *config_.loss_threshold;
+  // A NaN or infinite loss (a diverged step) is gated too; `NaN > threshold` alone is false.
+  bool gated = due && config_.loss_threshold && loss && (!std::isfinite(*loss) || *loss > *config_.loss_threshold);
   if (gated) h->updates_skipped += 1;
   bool update = due && !gated;
   if (!update && slot_image_base == nullptr) return false;

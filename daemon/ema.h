@@ -87,7 +87,8 @@ class RankEma {
 
   // Applies the snapshot in `slot` (laid out by `rank`) taken at `step` with `loss`. When
   // `slot_image_base` is given (a persisted snapshot), the EMA image as of this step is also
-  // written there, stamped. Returns whether an update was applied.
+  // written there, stamped. Returns whether an update was applied. With a loss threshold, a loss
+  // above it, NaN or infinite skips the update (counted in updates_skipped).
   bool Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,
              char* slot_image_base, ParallelLoop* loop);
 

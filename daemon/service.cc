@@ -1,17 +1,20 @@
 #include "daemon/service.h"
 
-
-
+#include "common/dtype.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "daemon/limits.h"
+
+// Returns the gRPC form of `expr`'s Status from a handler when it is not ok.
+#define RETURN_GRPC_IF_ERROR(expr)                             \
+  do {                                                         \
+    ::flashckpt::Status _fc_grpc_status = (expr);              \
+    if (!_fc_grpc_status.ok()) return ToGrpc(_fc_grpc_status); \
+  } while (0)
 
 namespace flashckpt {
 namespace {
-
-std::chrono::milliseconds Millis(uint32_t ms, uint32_t fallback_ms) {
-  return std::chrono::milliseconds(ms == 0 ? fallback_ms : ms);
-}
 
 // Request timeouts may not outlive the client's own deadline.
 std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::milliseconds wanted) {
@@ -21,17 +24,24 @@ std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::millise
   return std::min(wanted, remaining);
 }
 
+// Shapes, boxes and flat ranges are checked by NormalizeTensorSpec (common/layout.h) at registration.
 Result<TensorSpec> FromProto(const v1::TensorSpec& p) {
   TensorSpec t;
+  RETURN_IF_ERROR(ValidateTensorName(p.name()));  // before the name is quoted in any message
   t.name = p.name();
   switch (p.kind()) {
     case v1::TENSOR_KIND_MODEL: t.kind = TensorKind::kModel; break;
     case v1::TENSOR_KIND_OPTIMIZER: t.kind = TensorKind::kOptimizer; break;
     case v1::TENSOR_KIND_MASTER_WEIGHT: t.kind = TensorKind::kMasterWeight; break;
-    default: return InvalidArgument("tensor '" + p.name() + "' has no kind (model, optimizer or master_weight)");
+    default:
+      return InvalidArgument("tensor '" + p.name() + "': kind " + std::to_string(p.kind()) +
+                             " is not TENSOR_KIND_MODEL, _OPTIMIZER or _MASTER_WEIGHT");
   }
   auto dtype = ParseDType(p.dtype());
-  if (!dtype) return InvalidArgument("tensor '" + p.name() + "' has unknown dtype '" + p.dtype() + "'");
+  if (!dtype) {
+    return InvalidArgument("tensor '" + p.name() + "': dtype '" + Clip(p.dtype()) +
+                           "' is not one of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL");
+  }
   t.dtype = *dtype;
   t.shape.assign(p.shape().begin(), p.shape().end());
   t.global_shape.assign(p.global_shape().begin(), p.global_shape().end());
@@ -51,11 +61,11 @@ Result<EmaConfig> EmaFromProto(const v1::EmaOptions& p) {
   c.interval = p.interval();
   if (p.init() == "zeros") c.init_zeros = true;
   else if (!p.init().empty() && p.init() != "first") {
-    return InvalidArgument("ema_init must be 'first' or 'zeros', got '" + p.init() + "'");
+    return InvalidArgument("ema_init must be 'first' or 'zeros', got '" + Clip(p.init()) + "'");
   }
   if (p.model_params() == "all") c.all_float_params = true;
   else if (!p.model_params().empty() && p.model_params() != "fp32") {
-    return InvalidArgument("ema_model_params must be 'fp32' or 'all', got '" + p.model_params() + "'");
+    return InvalidArgument("ema_model_params must be 'fp32' or 'all', got '" + Clip(p.model_params()) + "'");
   }
   if (p.has_loss_threshold()) c.loss_threshold = p.loss_threshold();
   RETURN_IF_ERROR(ValidateEmaConfig(c));
@@ -103,6 +113,14 @@ grpc::Status CheckpointService::Session(grpc::ServerContext* ctx,
 
 grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
                                          v1::RegisterResponse* resp) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  // Before the specs are converted: a huge list is refused without being walked.
+  RETURN_GRPC_IF_ERROR(
+      CheckTensorCount(static_cast<uint64_t>(req->tensors_size()), daemon_->config().max_tensors_per_rank));
+  if (!v1::BackpressurePolicy_IsValid(req->backpressure())) {
+    return ToGrpc(InvalidArgument("backpressure " + std::to_string(req->backpressure()) +
+                                  " is not BACKPRESSURE_WAIT (0) or BACKPRESSURE_SKIP (1)"));
+  }
   const auto& t = req->topology();
   Topology topo{t.world_size(), t.tp_rank(), t.tp_degree(), t.pp_rank(), t.pp_degree(), t.shard_rank(),
                 t.shard_degree()};
@@ -124,7 +142,11 @@ grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::Registe
 
 grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1::BeginSnapshotRequest* req,
                                               v1::BeginSnapshotResponse* resp) {
-  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, *timeout));
   if (!ticket.ok()) return ToGrpc(ticket.status());
   resp->set_slot(ticket->slot);
   resp->set_generation(ticket->generation);
@@ -132,6 +154,10 @@ grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1
 }
 
 grpc::Status CheckpointService::Commit(grpc::ServerContext*, const v1::CommitRequest* req, v1::CommitResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  // A NaN or infinite loss is accepted: the snapshot is still the trainer's state. With an EMA loss
+  // threshold it skips the EMA update (RankEma::Apply).
   std::optional<double> loss;
   if (req->has_loss()) loss = req->loss();
   return ToGrpc(daemon_->Commit(req->session_id(), SlotTicket{req->slot(), req->generation()}, req->step(),
@@ -140,12 +166,17 @@ grpc::Status CheckpointService::Commit(grpc::ServerContext*, const v1::CommitReq
 
 grpc::Status CheckpointService::AbortSnapshot(grpc::ServerContext*, const v1::AbortSnapshotRequest* req,
                                               v1::AbortSnapshotResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
   return ToGrpc(daemon_->AbortSnapshot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
 }
 
 grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1::WaitPersistedRequest* req,
                                               v1::WaitPersistedResponse* resp) {
-  auto r = daemon_->WaitPersisted(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->WaitPersisted(req->session_id(), req->step(), Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_persisted_step(r->persisted_step);
   resp->set_checkpoint_complete(r->checkpoint_complete);
@@ -154,7 +185,11 @@ grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1
 
 grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                                         v1::RestoreResponse* resp) {
-  auto r = daemon_->Restore(req->session_id(), req->step(), req->convert_dtype(), Bounded(ctx, Millis(req->timeout_ms(), 600000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));  // 0: the latest
+  auto timeout = RequestTimeout(req->timeout_ms(), 600000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->Restore(req->session_id(), req->step(), req->convert_dtype(), Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
   resp->set_step(r->step);
@@ -167,7 +202,10 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
 
 grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req,
                                        v1::GetEmaResponse* resp) {
-  auto r = daemon_->GetEma(req->session_id(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->GetEma(req->session_id(), Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_initialized(r->initialized);
   resp->set_step(r->step);
@@ -178,6 +216,7 @@ grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEm
 
 grpc::Status CheckpointService::ReleaseSlot(grpc::ServerContext*, const v1::ReleaseSlotRequest* req,
                                             v1::ReleaseSlotResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
   return ToGrpc(daemon_->ReleaseSlot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
 }
 
