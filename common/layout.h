@@ -23,6 +23,10 @@ namespace flashckpt {
 
 inline constexpr int kFormatVersion = 1;
 inline constexpr size_t kMaxTensorsPerRank = 1 << 20;
+// The most bytes one slot (a rank's layout) may span: 256 TiB, beyond any host's memory. Bounding
+// every offset by it keeps the layout's sums, SegmentBytes() of up to 64 slots and every
+// slot-relative address far from 64-bit overflow, whatever sizes a registration asks for.
+inline constexpr uint64_t kMaxSlotBytes = 1ull << 48;
 inline constexpr size_t kStepFieldWidth = 20;
 inline constexpr size_t kChecksumFieldWidth = 16;
 
@@ -37,7 +41,8 @@ inline uint64_t ChunkCount(uint64_t bytes, uint64_t chunk) { return bytes == 0 ?
 
 // Fills defaults (box_shape = shape, global_shape = box_shape, box_offset = 0) and checks a spec:
 // ranks agree, the box lies inside the global tensor, the local element count matches the box or
-// the flat range, and byte sizes do not overflow. Messages name the tensor.
+// the flat range, local element counts and byte sizes do not overflow, the tensor fits in a slot
+// (kMaxSlotBytes) and `param` is a valid name. Messages name the tensor and the field.
 Result<TensorSpec> NormalizeTensorSpec(const TensorSpec& spec);
 Status ValidateTopology(const Topology& t, uint32_t rank);
 
@@ -87,7 +92,9 @@ struct LayoutExtras {
   uint64_t checksum_chunk = kDefaultChecksumChunk;  // see kDefaultChecksumChunk
 };
 
-// Builds the layout; fails with a message naming the offending tensor on bad specs or duplicates.
+// Builds the layout; fails with a message naming the offending tensor on bad specs, duplicates or
+// a global tensor of more than 2^64 bytes, and when the slot would pass kMaxSlotBytes or a file
+// header the safetensors bound.
 Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const Topology& topology,
                                    const std::vector<TensorSpec>& specs, const LayoutExtras& extras = {});
 

@@ -20,6 +20,10 @@ Status ValidateTensorName(std::string_view name);
 
 // "model_state.tp00_pp01_shard00" (two digits at least, more when a degree needs them).
 std::string FileStem(std::string_view kind, uint32_t tp, uint32_t pp, uint32_t shard);
+// The largest step: ParseCheckpointDirName reads at most 18 digits, so a larger step would be
+// saved into a directory that no listing, restore or retention ever finds.
+inline constexpr int64_t kMaxStep = 999'999'999'999'999'999;
+
 // "checkpoint-1200"
 std::string CheckpointDirName(int64_t step);
 // Parses "checkpoint-<step>"; nullopt for anything else.

@@ -34,7 +34,8 @@ Result<std::string> RandomToken() {
 }
 
 // Boost.Interprocess reports errors by exception; this file is the only place that sees them.
-Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& name, uint64_t bytes, unsigned mode) {
+Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& name, uint64_t bytes, unsigned mode,
+                                                             std::optional<uint32_t> group) {
   std::unique_ptr<SharedSegment> seg(new SharedSegment());
   try {
     bip::permissions perm(mode);
@@ -42,6 +43,10 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& 
     seg->name_ = name;
     seg->owner_ = true;
     int fd = shm.get_mapping_handle().handle;
+    if (group && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(*group)) != 0) {
+      int err = errno;
+      return ErrnoStatus("fchown shared memory to gid " + std::to_string(*group), name, err);
+    }
     if (::fchmod(fd, mode) != 0) return ErrnoStatus("fchmod shared memory", name);
     shm.truncate(static_cast<bip::offset_t>(bytes));
     // Back every page now: a full /dev/shm is an error here rather than a SIGBUS in a trainer's

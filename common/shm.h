@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
@@ -43,8 +44,11 @@ struct SlotHeader {
 class SharedSegment {
  public:
   // Creates `name` exclusively with `mode` (e.g. 0600) and `bytes` of zeroed memory, every page
-  // allocated up front (kResourceExhausted when /dev/shm has no room) and mapped populated.
-  static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode);
+  // allocated up front (kResourceExhausted when /dev/shm has no room) and mapped populated. With
+  // `group`, the segment is given to that group (fchown on its fd) before its mode is set, so it
+  // is never readable by the group under a wider mode than asked for.
+  static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode,
+                                                       std::optional<uint32_t> group = std::nullopt);
   // Maps an existing segment; fails unless its size is `expected_bytes`.
   // Maps an existing segment, populated (no page faults on first use).
   static Result<std::unique_ptr<SharedSegment>> Open(const std::string& name, uint64_t expected_bytes);

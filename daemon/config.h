@@ -9,7 +9,9 @@
 namespace flashckpt {
 
 // Parses argv. Returns kCancelled after printing --help or --version (exit 0), InvalidArgument
-// with CLI11's message for bad flags.
+// for bad flags (CLI11's message, or one naming the flag for values and combinations CLI11 cannot
+// check: sizes, --shm-group, --listen, TLS files without each other or without --listen); the
+// message is also printed on stderr.
 Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv);
 
 }  // namespace flashckpt

@@ -165,7 +165,7 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
   if (it == sessions_.end()) {
     // UNAVAILABLE, not an argument error: after a daemon restart every session id is unknown, and
     // the client library re-attaches (a new session, the same registration) on this code.
-    return Unavailable("unknown or closed session (the daemon may have restarted); open a new session");
+    return Unavailable("session_id names no open session (it ended, or the daemon restarted); open a new Session");
   }
   RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
   if (need_segment && !rank.segment) {
@@ -199,7 +199,10 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   } else {
     ASSIGN_OR_RETURN(std::string token, RandomToken());
     std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
-    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, config_.segment_mode));
+    // With --shm-group the trainers of other users in the group map the slots; the EMA segment
+    // above stays private (only the daemon maps it).
+    const unsigned mode = config_.shm_group ? 0660u : config_.segment_mode;
+    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, mode, config_.shm_group));
     auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
     std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
     header->format_version = kFormatVersion;
@@ -233,6 +236,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   LayoutExtras extras;
   extras.checksum_chunk = config_.checksum_chunk;
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, reg.tensors, extras));
+  RETURN_IF_ERROR(CheckRankBytes(layout, config_.max_rank_bytes));
   std::optional<EmaPlan> ema_plan;
   if (ema_config.enabled) {
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));

@@ -28,6 +28,7 @@
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
 #include "daemon/ema.h"
+#include "daemon/limits.h"
 #include "daemon/registration.h"
 #include "daemon/slots.h"
 #include "daemon/state_dir.h"
@@ -60,6 +61,18 @@ struct DaemonConfig {
   std::string log_level = "info";
   // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
   IoEnv* io_env = IoEnv::Default();
+  // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
+  // user in it can map them; unset: 0600, the daemon's user only. EMA segments stay segment_mode.
+  std::optional<uint32_t> shm_group;
+  // Optional TCP listener (daemon/tcp_listener.h): empty `listen` means none. Read-only RPCs unless
+  // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
+  std::string listen;
+  bool tcp_allow_writes = false;
+  std::string tls_cert, tls_key;
+  // Request limits (daemon/limits.h): tensors of one registration, and bytes of one rank's tensors
+  // (0: only max_host_memory bounds them).
+  uint32_t max_tensors_per_rank = kDefaultMaxTensorsPerRank;
+  uint64_t max_rank_bytes = 0;
 };
 
 // One registered rank's segment: its layout, the mapped memory, the slot state machine and the

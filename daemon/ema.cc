@@ -254,7 +254,9 @@ bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std:
     s = EmaState{};
     changed = true;
   }
-  const bool gated = due && config_.loss_threshold && loss && *loss > *config_.loss_threshold;
+  // A NaN or infinite loss (a diverged step) is gated too; `NaN > threshold` alone is false.
+  const bool gated =
+      due && config_.loss_threshold && loss && (!std::isfinite(*loss) || *loss > *config_.loss_threshold);
   if (gated) {
     s.updates_skipped += 1;
     s.last_seen = step;

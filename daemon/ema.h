@@ -117,9 +117,10 @@ class RankEma {
 
   // Applies the snapshot in `slot` (laid out by `rank`) taken at `step` with `loss`. When
   // `slot_image_base` is given (a persisted snapshot), the EMA image as of this step is also
-  // written there, stamped. `replay`: a restarted daemon re-applies a snapshot committed before the
-  // restart; a step the EMA has already seen is not applied again. Returns whether an update was
-  // applied.
+  // written there, stamped. With a loss threshold, a loss above it, NaN or infinite skips the update
+  // (counted in updates_skipped). `replay`: a restarted daemon re-applies a snapshot committed
+  // before the restart; a step the EMA has already seen is not applied again. Returns whether an
+  // update was applied.
   bool Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,
              char* slot_image_base, ParallelLoop* loop, bool replay = false);
 

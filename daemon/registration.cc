@@ -1,21 +1,29 @@
 #include "daemon/registration.h"
 
 #include "common/dtype.h"
+#include "common/names.h"
+#include "daemon/limits.h"
 
 namespace flashckpt {
 namespace {
 
 Result<TensorSpec> TensorFromProto(const v1::TensorSpec& p) {
   TensorSpec t;
+  RETURN_IF_ERROR(ValidateTensorName(p.name()));  // before the name is quoted in any message
   t.name = p.name();
   switch (p.kind()) {
     case v1::TENSOR_KIND_MODEL: t.kind = TensorKind::kModel; break;
     case v1::TENSOR_KIND_OPTIMIZER: t.kind = TensorKind::kOptimizer; break;
     case v1::TENSOR_KIND_MASTER_WEIGHT: t.kind = TensorKind::kMasterWeight; break;
-    default: return InvalidArgument("tensor '" + p.name() + "' has no kind (model, optimizer or master_weight)");
+    default:
+      return InvalidArgument("tensor '" + p.name() + "': kind " + std::to_string(p.kind()) +
+                             " is not TENSOR_KIND_MODEL, _OPTIMIZER or _MASTER_WEIGHT");
   }
   auto dtype = ParseDType(p.dtype());
-  if (!dtype) return InvalidArgument("tensor '" + p.name() + "' has unknown dtype '" + p.dtype() + "'");
+  if (!dtype) {
+    return InvalidArgument("tensor '" + p.name() + "': dtype '" + Clip(p.dtype()) +
+                           "' is not one of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL");
+  }
   t.dtype = *dtype;
   t.shape.assign(p.shape().begin(), p.shape().end());
   t.global_shape.assign(p.global_shape().begin(), p.global_shape().end());
@@ -36,12 +44,12 @@ Result<EmaConfig> EmaFromProto(const v1::EmaOptions& p) {
   if (p.init() == "zeros") {
     c.init_zeros = true;
   } else if (!p.init().empty() && p.init() != "first") {
-    return InvalidArgument("ema_init must be 'first' or 'zeros', got '" + p.init() + "'");
+    return InvalidArgument("ema_init must be 'first' or 'zeros', got '" + Clip(p.init()) + "'");
   }
   if (p.model_params() == "all") {
     c.all_float_params = true;
   } else if (!p.model_params().empty() && p.model_params() != "fp32") {
-    return InvalidArgument("ema_model_params must be 'fp32' or 'all', got '" + p.model_params() + "'");
+    return InvalidArgument("ema_model_params must be 'fp32' or 'all', got '" + Clip(p.model_params()) + "'");
   }
   if (p.has_loss_threshold()) c.loss_threshold = p.loss_threshold();
   RETURN_IF_ERROR(ValidateEmaConfig(c));

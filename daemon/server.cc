@@ -14,6 +14,7 @@
 
 #include "common/fs.h"
 #include "common/log.h"
+#include "daemon/limits.h"
 
 namespace flashckpt {
 
@@ -50,12 +51,17 @@ Status Server::Start() {
   if (::listen(fd.get(), 128) != 0) return ErrnoStatus("listen", path);
 
   grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(kMaxRequestMessageBytes);
   builder.RegisterService(&service_);
   server_ = builder.BuildAndStart();
   if (!server_) return Unavailable("could not start the gRPC server");
   listen_fd_ = fd.Release();  // closed in Shutdown
   acceptor_ = std::thread([this] { AcceptLoop(); });
   Logger("rpc")->info("listening socket={}", path);
+  if (!daemon_->config().listen.empty()) {
+    tcp_ = std::make_unique<TcpListener>(&service_, daemon_->config());
+    RETURN_IF_ERROR(tcp_->Start());
+  }
   return Status::OK();
 }
 
@@ -94,13 +100,17 @@ void Server::AcceptLoop() {
 }
 
 void Server::Shutdown(std::chrono::milliseconds grace) {
+  const auto deadline = std::chrono::system_clock::now() + grace;  // one grace for both listeners
+  // The TCP listener first: it forwards to service_.
+  if (tcp_) tcp_->Shutdown(deadline);
+  tcp_.reset();
   if (!server_) return;
   stopping_ = true;
   if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);  // wakes the acceptor's poll at once
   if (acceptor_.joinable()) acceptor_.join();
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
-  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  server_->Shutdown(deadline);
   server_->Wait();
   server_.reset();
   ::unlink(daemon_->config().socket_path.c_str());

@@ -1,17 +1,20 @@
 #include "daemon/service.h"
 
-
-
+#include "common/dtype.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "daemon/limits.h"
+
+// Returns the gRPC form of `expr`'s Status from a handler when it is not ok.
+#define RETURN_GRPC_IF_ERROR(expr)                             \
+  do {                                                         \
+    ::flashckpt::Status _fc_grpc_status = (expr);              \
+    if (!_fc_grpc_status.ok()) return ToGrpc(_fc_grpc_status); \
+  } while (0)
 
 namespace flashckpt {
 namespace {
-
-std::chrono::milliseconds Millis(uint32_t ms, uint32_t fallback_ms) {
-  return std::chrono::milliseconds(ms == 0 ? fallback_ms : ms);
-}
 
 // Request timeouts may not outlive the client's own deadline.
 std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::milliseconds wanted) {
@@ -65,6 +68,14 @@ grpc::Status CheckpointService::Session(grpc::ServerContext* ctx,
 
 grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
                                          v1::RegisterResponse* resp) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  // Before the specs are converted: a huge list is refused without being walked.
+  RETURN_GRPC_IF_ERROR(
+      CheckTensorCount(static_cast<uint64_t>(req->tensors_size()), daemon_->config().max_tensors_per_rank));
+  if (!v1::BackpressurePolicy_IsValid(req->backpressure())) {
+    return ToGrpc(InvalidArgument("backpressure " + std::to_string(req->backpressure()) +
+                                  " is not BACKPRESSURE_WAIT (0) or BACKPRESSURE_SKIP (1)"));
+  }
   auto result = daemon_->Register(req->session_id(), *req);
   if (!result.ok()) return ToGrpc(result.status());
   *resp = std::move(result).value();
@@ -73,7 +84,11 @@ grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::Registe
 
 grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1::BeginSnapshotRequest* req,
                                               v1::BeginSnapshotResponse* resp) {
-  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, *timeout));
   if (!ticket.ok()) return ToGrpc(ticket.status());
   resp->set_slot(ticket->slot);
   resp->set_generation(ticket->generation);
@@ -81,6 +96,10 @@ grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1
 }
 
 grpc::Status CheckpointService::Commit(grpc::ServerContext*, const v1::CommitRequest* req, v1::CommitResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  // A NaN or infinite loss is accepted: the snapshot is still the trainer's state. With an EMA loss
+  // threshold it skips the EMA update (RankEma::Apply).
   std::optional<double> loss;
   if (req->has_loss()) loss = req->loss();
   return ToGrpc(daemon_->Commit(req->session_id(), SlotTicket{req->slot(), req->generation()}, req->step(),
@@ -89,12 +108,17 @@ grpc::Status CheckpointService::Commit(grpc::ServerContext*, const v1::CommitReq
 
 grpc::Status CheckpointService::AbortSnapshot(grpc::ServerContext*, const v1::AbortSnapshotRequest* req,
                                               v1::AbortSnapshotResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
   return ToGrpc(daemon_->AbortSnapshot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
 }
 
 grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1::WaitPersistedRequest* req,
                                               v1::WaitPersistedResponse* resp) {
-  auto r = daemon_->WaitPersisted(req->session_id(), req->step(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->WaitPersisted(req->session_id(), req->step(), Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_persisted_step(r->persisted_step);
   resp->set_checkpoint_complete(r->checkpoint_complete);
@@ -103,7 +127,11 @@ grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1
 
 grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                                         v1::RestoreResponse* resp) {
-  auto r = daemon_->Restore(req->session_id(), req->step(), req->convert_dtype(), Bounded(ctx, Millis(req->timeout_ms(), 600000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));  // 0: the latest
+  auto timeout = RequestTimeout(req->timeout_ms(), 600000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->Restore(req->session_id(), req->step(), req->convert_dtype(), Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
   resp->set_step(r->step);
@@ -116,7 +144,10 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
 
 grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req,
                                        v1::GetEmaResponse* resp) {
-  auto r = daemon_->GetEma(req->session_id(), Bounded(ctx, Millis(req->timeout_ms(), 60000)));
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->GetEma(req->session_id(), Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_initialized(r->initialized);
   resp->set_step(r->step);
@@ -127,6 +158,7 @@ grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEm
 
 grpc::Status CheckpointService::ReleaseSlot(grpc::ServerContext*, const v1::ReleaseSlotRequest* req,
                                             v1::ReleaseSlotResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
   return ToGrpc(daemon_->ReleaseSlot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
 }
 

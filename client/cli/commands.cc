@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "client/cli/render.h"
+#include "common/fs.h"
 #include "common/names.h"
 #include "common/relayout.h"
 #include "common/status.h"
@@ -26,8 +27,21 @@ void PrintJson(const ordered_json& j) {
   std::cout << j.dump(2, ' ', false, ordered_json::error_handler_t::replace) << "\n";
 }
 
-std::unique_ptr<v1::Checkpoint::Stub> Connect(const std::string& socket) {
-  return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+// The CA file is read here, not by gRPC, so that a missing file is reported as such rather than as an
+// unreachable daemon.
+Result<std::unique_ptr<v1::Checkpoint::Stub>> Connect(const Endpoint& endpoint) {
+  if (endpoint.address.empty()) {
+    return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + endpoint.socket, grpc::InsecureChannelCredentials()));
+  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!endpoint.tls_ca.empty()) {
+    auto ca = ReadSmallFile(endpoint.tls_ca, 1u << 20);
+    if (!ca.ok()) return ca.status().WithContext("--tls-ca");
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = std::move(ca).value();
+    credentials = grpc::SslCredentials(ssl);
+  }
+  return v1::Checkpoint::NewStub(grpc::CreateChannel(endpoint.address, credentials));
 }
 
 void SetDeadline(grpc::ClientContext* ctx) { ctx->set_deadline(std::chrono::system_clock::now() + kRpcDeadline); }
@@ -56,13 +70,18 @@ const char* GrpcCodeName(grpc::StatusCode code) {
 }
 
 // Prints a failed RPC the way an operator can act on: unreachable daemon first, then the code.
-int ReportRpcError(const grpc::Status& s, const std::string& socket, const char* rpc) {
+int ReportRpcError(const grpc::Status& s, const Endpoint& endpoint, const char* rpc) {
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    std::cerr << "flashckpt: daemon not reachable at " << socket << " (UNAVAILABLE: " << s.error_message()
-              << "); is flashckptd running, and is --socket right?\n";
+    std::cerr << "flashckpt: daemon not reachable at " << endpoint.Describe() << " (UNAVAILABLE: " << s.error_message()
+              << "); "
+              << (endpoint.address.empty()
+                      ? "is flashckptd running, and is --socket right?"
+                      : "is flashckptd listening there (--listen), and does the connection match its TLS setting "
+                        "(a daemon with --tls-cert needs --tls-ca, one without must not get it)?")
+              << "\n";
   } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    std::cerr << "flashckpt: " << rpc << " got no answer from " << socket << " within " << kRpcDeadline.count()
-              << " s (DEADLINE_EXCEEDED)\n";
+    std::cerr << "flashckpt: " << rpc << " got no answer from " << endpoint.Describe() << " within "
+              << kRpcDeadline.count() << " s (DEADLINE_EXCEEDED)\n";
   } else {
     std::cerr << "flashckpt: " << rpc << " failed: " << GrpcCodeName(s.error_code()) << " (gRPC code "
               << static_cast<int>(s.error_code()) << "): " << s.error_message() << "\n";
@@ -72,13 +91,22 @@ int ReportRpcError(const grpc::Status& s, const std::string& socket, const char*
 
 }  // namespace
 
-int RunStatus(const std::string& socket, bool json) {
-  auto stub = Connect(socket);
+std::string Endpoint::Describe() const {
+  if (address.empty()) return socket;
+  return address + (tls_ca.empty() ? " (plain TCP)" : " (TLS)");
+}
+
+int RunStatus(const Endpoint& endpoint, bool json) {
+  auto stub = Connect(endpoint);
+  if (!stub.ok()) {
+    std::cerr << "flashckpt: " << stub.status().message() << "\n";
+    return kExitRpcFailed;
+  }
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::StatusResponse resp;
-  grpc::Status s = stub->GetStatus(&ctx, v1::StatusRequest{}, &resp);
-  if (!s.ok()) return ReportRpcError(s, socket, "GetStatus");
+  grpc::Status s = (*stub)->GetStatus(&ctx, v1::StatusRequest{}, &resp);
+  if (!s.ok()) return ReportRpcError(s, endpoint, "GetStatus");
   if (json)
     PrintJson(StatusJson(resp));
   else
@@ -86,15 +114,19 @@ int RunStatus(const std::string& socket, bool json) {
   return kExitOk;
 }
 
-int RunList(const std::string& socket, const std::string& job, bool json) {
-  auto stub = Connect(socket);
+int RunList(const Endpoint& endpoint, const std::string& job, bool json) {
+  auto stub = Connect(endpoint);
+  if (!stub.ok()) {
+    std::cerr << "flashckpt: " << stub.status().message() << "\n";
+    return kExitRpcFailed;
+  }
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::ListCheckpointsRequest req;
   req.set_job(job);
   v1::ListCheckpointsResponse resp;
-  grpc::Status s = stub->ListCheckpoints(&ctx, req, &resp);
-  if (!s.ok()) return ReportRpcError(s, socket, "ListCheckpoints");
+  grpc::Status s = (*stub)->ListCheckpoints(&ctx, req, &resp);
+  if (!s.ok()) return ReportRpcError(s, endpoint, "ListCheckpoints");
   if (json)
     PrintJson(ListJson(resp));
   else

@@ -17,10 +17,20 @@ inline constexpr int kExitFailed = 3;        // an offline command failed (bad a
 // Every RPC of the CLI is read-only and cheap for the daemon; one that takes longer is stuck.
 inline constexpr std::chrono::seconds kRpcDeadline{10};
 
-// GetStatus from the daemon listening on the UNIX socket `socket`.
-int RunStatus(const std::string& socket, bool json);
+// Where the daemon answers: its UNIX socket, or its TCP listener (flashckptd --listen), over TLS when
+// a CA is given. Over TCP the daemon serves status and list only, unless it allows writes.
+struct Endpoint {
+  std::string socket;   // UNIX socket path; used when `address` is empty
+  std::string address;  // HOST:PORT or [IPV6]:PORT of the daemon's --listen
+  std::string tls_ca;   // PEM file of the CA that signed the daemon's --tls-cert; empty: plain TCP
+  // "/run/flashckpt/flashckptd.sock", "10.0.0.5:7070 (TLS)"
+  std::string Describe() const;
+};
+
+// GetStatus from the daemon at `endpoint`.
+int RunStatus(const Endpoint& endpoint, bool json);
 // ListCheckpoints, for one job or (empty `job`) every job under the daemon's root.
-int RunList(const std::string& socket, const std::string& job, bool json);
+int RunList(const Endpoint& endpoint, const std::string& job, bool json);
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
 // Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new

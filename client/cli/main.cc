@@ -13,8 +13,17 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "flashckpt 0.1.0");
   app.require_subcommand(1);
   app.fallthrough();  // `flashckpt status --socket PATH` works as well as `flashckpt --socket PATH status`
-  std::string socket = "/run/flashckpt/flashckptd.sock";
-  app.add_option("--socket", socket, "UNIX socket of the daemon")->envname("FLASHCKPT_SOCKET")->capture_default_str();
+  flashckpt::cli::Endpoint endpoint{"/run/flashckpt/flashckptd.sock", "", ""};
+  app.add_option("--socket", endpoint.socket, "UNIX socket of the daemon")
+      ->envname("FLASHCKPT_SOCKET")
+      ->capture_default_str();
+  CLI::Option* address = app.add_option(
+      "--address", endpoint.address,
+      "HOST:PORT of the daemon's TCP listener (flashckptd --listen) instead of the socket; status and list only");
+  app.add_option("--tls-ca", endpoint.tls_ca,
+                 "With --address: connect with TLS, trusting the CA (PEM) that signed the daemon's --tls-cert")
+      ->check(CLI::ExistingFile)
+      ->needs(address);
 
   bool json = false;
   CLI::App* status = app.add_subcommand("status", "Show the daemon, its memory, every registered rank and its EMA");
@@ -53,7 +62,7 @@ int main(int argc, char** argv) {
 
   if (*reshard) return flashckpt::cli::RunReshard(dir, dst, tp, pp, shard, chunk, threads);
 
-  if (*status) return flashckpt::cli::RunStatus(socket, json);
-  if (*list) return flashckpt::cli::RunList(socket, job, json);
+  if (*status) return flashckpt::cli::RunStatus(endpoint, json);
+  if (*list) return flashckpt::cli::RunList(endpoint, job, json);
   return flashckpt::cli::RunVerify(dir, json);
 }

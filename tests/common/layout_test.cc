@@ -240,6 +240,50 @@ TEST(BuildRankLayout, RefusesAHeaderAboveTheSafetensorsLimit) {
       BuildRankLayout("job", 0, Single(), {Spec("w", TensorKind::kModel, DType::kU8, {32ull << 30})}, extras).status());
 }
 
+// Before the bound, a 2^63-byte replica made the slot size, and SegmentBytes() of two slots, wrap to
+// a few KiB: the daemon created a tiny segment and wrote slot headers past its mapping (SIGSEGV).
+TEST(BuildRankLayout, BoundsTheSlotWhateverTheTensorSizes) {
+  TensorSpec huge = Spec("r", TensorKind::kModel, DType::kF32, {1ull << 61});  // 2^63 bytes
+  huge.replica = true;
+  Status st = BuildStatus({Spec("w", TensorKind::kModel, DType::kF32, {4}), huge});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  std::vector<TensorSpec> replicas = {Spec("w", TensorKind::kModel, DType::kF32, {4})};
+  for (int i = 0; i < 4; ++i) {  // 2^47 bytes each: every one fits, their sum does not
+    replicas.push_back(Spec("r" + std::to_string(i), TensorKind::kModel, DType::kF32, {1ull << 45}));
+    replicas.back().replica = true;
+  }
+  st = BuildStatus(replicas);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("256 TiB"), std::string::npos) << st.ToString();
+  replicas.resize(2);  // 2^47 bytes of replica: fits, and 64 slots of it stay far from 2^64
+  auto layout = BuildRankLayout("job", 0, Single(), replicas);
+  ASSERT_OK(layout.status());
+  EXPECT_LE(layout->slot_bytes, kMaxSlotBytes);
+  EXPECT_GT(SegmentBytes(layout->slot_bytes, 64), 63 * layout->slot_bytes);
+}
+
+TEST(BuildRankLayout, RefusesChecksumDigitsBeyondTheHeaderBoundBeforeBuildingThem) {
+  // 64 TiB in 1 MiB chunks: 1 GiB of checksum digits, refused before any of it is allocated.
+  auto layout = BuildRankLayout("job", 0, Single(), {Spec("w", TensorKind::kModel, DType::kF32, {1ull << 44})});
+  EXPECT_EQ(layout.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(layout.status().message().find("larger checksum chunk"), std::string::npos) << layout.status().ToString();
+}
+
+TEST(BuildRankLayout, ChecksTheGlobalSizeAndTheParamName) {
+  TensorSpec s = Spec("w", TensorKind::kModel, DType::kF32, {1, 1});
+  s.global_shape = {1ull << 32, 1ull << 32};  // 2^64 elements, 2^66 bytes: a restore could never read it
+  Status st = BuildStatus({s});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("global_shape"), std::string::npos) << st.ToString();
+  TensorSpec master = Spec("w.master", TensorKind::kMasterWeight, DType::kF32, {4});
+  master.param = "w";
+  EXPECT_OK(NormalizeTensorSpec(master).status());
+  master.param = "w\"x";
+  st = NormalizeTensorSpec(master).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("param"), std::string::npos) << st.ToString();
+}
+
 TEST(BuildRankLayout, RejectsBadJobsAndEmptyRanks) {
   EXPECT_FALSE(BuildRankLayout("../etc", 0, Single(), {Spec("w", TensorKind::kModel, DType::kF32, {4})}).ok());
   EXPECT_FALSE(BuildRankLayout("job", 0, Single(), {}).ok());
@@ -270,6 +314,14 @@ TEST(ValidateTopology, RejectsInconsistentTopologies) {
   EXPECT_FALSE(ValidateTopology(overflow, 0).ok());
   Status st = BuildStatus({Spec("w", TensorKind::kModel, DType::kF32, {4})}, wrong_world);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  Topology wraps64;  // 2^31 * 3 * 2863311531 = 2^64 + 2^31: wrapped to 64 bits it equals world_size
+  wraps64.tp_degree = 1u << 31;
+  wraps64.pp_degree = 3;
+  wraps64.shard_degree = 2863311531u;
+  wraps64.world_size = 1u << 31;
+  st = ValidateTopology(wraps64, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("overflows"), std::string::npos) << st.ToString();
 }
 
 // Fills each tensor with bytes derived from its index, so two tensors never hold the same bytes.

@@ -1,11 +1,15 @@
 // flashckptd's flags and config file.
 #include "daemon/config.h"
 
+#include <grp.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
+#include "daemon/limits.h"
+#include "daemon/tcp_listener.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -57,6 +61,95 @@ TEST(DaemonConfig, BadValuesAreRefused) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(Parse({"--socket", "s", "--root", "r", "--slots", "0"}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Parse({"--root", "r"}).status().code(), StatusCode::kInvalidArgument);  // --socket is required
+}
+
+TEST(DaemonConfig, TcpTlsAndLimitFlags) {
+  auto defaults = Parse({"--socket", "s", "--root", "r"});
+  ASSERT_OK(defaults.status());
+  EXPECT_TRUE(defaults->listen.empty()) << "no TCP listener unless asked for";
+  EXPECT_FALSE(defaults->tcp_allow_writes);
+  EXPECT_EQ(defaults->max_tensors_per_rank, kDefaultMaxTensorsPerRank);
+  EXPECT_EQ(defaults->max_rank_bytes, 0u);
+  EXPECT_FALSE(defaults->shm_group.has_value());
+
+  auto c = Parse({"--socket", "s", "--root", "r", "--listen", "127.0.0.1:7070", "--tcp-allow-writes", "--tls-cert",
+                  "c.pem", "--tls-key", "k.pem", "--max-tensors-per-rank", "100", "--max-rank-bytes", "2GiB"});
+  ASSERT_OK(c.status());
+  EXPECT_EQ(c->listen, "127.0.0.1:7070");
+  EXPECT_TRUE(c->tcp_allow_writes);
+  EXPECT_EQ(c->tls_cert, "c.pem");
+  EXPECT_EQ(c->tls_key, "k.pem");
+  EXPECT_EQ(c->max_tensors_per_rank, 100u);
+  EXPECT_EQ(c->max_rank_bytes, 2ull << 30);
+}
+
+TEST(DaemonConfig, BadTcpAndLimitFlagsAreRefusedNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--listen", "127.0.0.1:1", "--tls-cert", "c.pem"}, "--tls-key"},
+      {{"--listen", "127.0.0.1:1", "--tls-key", "k.pem"}, "--tls-cert"},
+      {{"--tls-cert", "c.pem", "--tls-key", "k.pem"}, "--listen"},
+      {{"--tcp-allow-writes"}, "--listen"},
+      {{"--listen", "::1:7070"}, "brackets"},
+      {{"--listen", "[::1]7070"}, "--listen"},
+      {{"--listen", "1.2.3.4:99999"}, "port"},
+      {{"--listen", "1.2.3.4:"}, "port"},
+      {{"--listen", "1.2.3.4:-1"}, "port"},
+      {{"--listen", "host_name:80"}, "--listen"},
+      {{"--max-tensors-per-rank", "0"}, "--max-tensors-per-rank"},
+      {{"--max-tensors-per-rank", "1048577"}, "--max-tensors-per-rank"},
+      {{"--max-rank-bytes", "lots"}, "--max-rank-bytes"},
+      {{"--shm-group", "no-such-group-flashckpt"}, "no such group"},
+  };
+  for (const auto& [flags, needle] : cases) {
+    std::vector<std::string> args = {"--socket", "s", "--root", "r"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto c = Parse(args);
+    std::string shown = flags[0] + (flags.size() > 1 ? " " + flags[1] : "");
+    ASSERT_FALSE(c.ok()) << shown << " was accepted";
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << shown;
+    EXPECT_NE(c.status().message().find(needle), std::string::npos) << shown << ": " << c.status().message();
+  }
+}
+
+TEST(DaemonConfig, ShmGroupByNameOrGid) {
+  // A group the test's user may hand segments to: any as root, else its own.
+  const gid_t gid = ::geteuid() == 0 ? 100 : ::getegid();
+  const group* entry = ::getgrgid(gid);
+  if (entry != nullptr) {
+    auto by_name = Parse({"--socket", "s", "--root", "r", "--shm-group", entry->gr_name});
+    ASSERT_OK(by_name.status());
+    EXPECT_EQ(by_name->shm_group, std::optional<uint32_t>(gid));
+  }
+  auto by_gid = Parse({"--socket", "s", "--root", "r", "--shm-group", std::to_string(gid)});
+  ASSERT_OK(by_gid.status());
+  EXPECT_EQ(by_gid->shm_group, std::optional<uint32_t>(gid));
+  if (::geteuid() != 0 && ::getegid() != 0) {  // not root, not in group 0: it cannot give segments to it
+    auto foreign = Parse({"--socket", "s", "--root", "r", "--shm-group", "0"});
+    EXPECT_EQ(foreign.status().code(), StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(ListenAddress, LoopbackUnlessAHostIsGiven) {
+  struct Case {
+    const char* text;
+    const char* target;
+    bool loopback;
+  };
+  for (const Case& c :
+       {Case{"7070", "127.0.0.1:7070", true}, Case{":0", "127.0.0.1:0", true}, Case{"127.3.2.1:1", "127.3.2.1:1", true},
+        Case{"0.0.0.0:7070", "0.0.0.0:7070", false}, Case{"10.1.2.3:7070", "10.1.2.3:7070", false},
+        Case{"[::1]:7070", "[::1]:7070", true}, Case{"[::]:7070", "[::]:7070", false},
+        Case{"[::ffff:127.0.0.1]:1", "[::ffff:127.0.0.1]:1", true}, Case{"localhost:7070", "localhost:7070", true},
+        Case{"node-7.example:7070", "node-7.example:7070", false}}) {
+    auto a = ParseListenAddress(c.text);
+    ASSERT_OK(a.status());
+    EXPECT_EQ(a->Target(), c.target) << c.text;
+    EXPECT_EQ(a->loopback, c.loopback) << c.text;
+  }
+  for (const char* bad : {"", ":", "[::1]", "[::1]:", "[nope]:1", "1.2.3.4:65536", "1.2.3.4:12345678", "a b:1", "1:2:3",
+                          "1.2.3.4:0x10"}) {
+    EXPECT_EQ(ParseListenAddress(bad).status().code(), StatusCode::kInvalidArgument) << "'" << bad << "'";
+  }
 }
 
 }  // namespace

@@ -15,9 +15,10 @@
 #include "common/fs.h"
 #include "common/metadata.h"
 #include "daemon/server.h"
-#include "in_process_daemon.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
+#include "in_process_daemon.h"
+#include "raw_rpc.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -144,45 +145,6 @@ TEST_F(DaemonTest, BadJobNamesAreRefusedAndTheDaemonKeepsServing) {
   auto ok = Connect("good", 0);
   ASSERT_TRUE(ok);
   ASSERT_OK(ok->Register(Topology{}, Specs(10)));
-}
-
-class RawSession {
- public:
-  RawSession(v1::Checkpoint::Stub* stub, const std::string& job, uint32_t rank) {
-    stream_ = stub->Session(&ctx_);
-    v1::SessionRequest hello;
-    hello.set_job(job);
-    hello.set_rank(rank);
-    stream_->Write(hello);
-    v1::SessionEvent ev;
-    if (stream_->Read(&ev)) id_ = ev.session_id();
-  }
-  ~RawSession() {
-    ctx_.TryCancel();
-    (void)stream_->Finish();
-  }
-  const std::string& id() const { return id_; }
-
- private:
-  grpc::ClientContext ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream_;
-  std::string id_;
-};
-
-v1::RegisterRequest SmallRegistration(const std::string& session) {
-  v1::RegisterRequest req;
-  req.set_session_id(session);
-  auto* t = req.mutable_topology();
-  t->set_world_size(1);
-  t->set_tp_degree(1);
-  t->set_pp_degree(1);
-  t->set_shard_degree(1);
-  auto* p = req.add_tensors();
-  p->set_name("w");
-  p->set_kind(v1::TENSOR_KIND_MODEL);
-  p->set_dtype("F32");
-  p->add_shape(16);
-  return req;
 }
 
 TEST_F(DaemonTest, CommitOfASlotNotHandedOutAndDoubleCommitAreRefused) {
@@ -332,6 +294,45 @@ TEST_F(DaemonTest, SegmentIsPrivateToTheDaemonUser) {
   struct stat sock {};
   ASSERT_EQ(::stat(socket().c_str(), &sock), 0);
   EXPECT_EQ(sock.st_mode & 0777, 0660u);
+}
+
+// --shm-group: slot segments 0660 and owned by the group, so trainers of other users in it can
+// map them; the EMA segment stays private. Root can give a segment to any group; another user
+// only to its own, so the test picks gid 100 (`users`) as root and its own gid otherwise.
+TEST_F(DaemonTest, SegmentsGoToTheShmGroupWithMode0660) {
+  const uint32_t gid = ::geteuid() == 0 ? 100u : static_cast<uint32_t>(::getegid());
+  StopDaemon();
+  SharedSegment::Unlink("flashckpt.group.0.ema");  // a leftover of an earlier run would be adopted as it is
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.shm_group = gid; }));
+  auto c = Connect("group", 0);
+  ASSERT_TRUE(c);
+  EmaOptions ema_options;
+  ema_options.decay = 0.9;
+  ASSERT_OK(c->Register(Topology{}, Specs(10), ema_options));
+  int slots = 0, ema = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    std::string name = e.path().filename().string();
+    if (name.rfind("flashckpt.group.0.", 0) != 0) continue;
+    struct stat st {};
+    ASSERT_EQ(::stat(e.path().c_str(), &st), 0);
+    if (name == "flashckpt.group.0.ema") {
+      EXPECT_EQ(st.st_mode & 0777, 0600u) << "the EMA segment is the daemon's alone: " << name;
+      ++ema;
+      continue;
+    }
+    EXPECT_EQ(st.st_mode & 0777, 0660u) << name;
+    EXPECT_EQ(st.st_gid, gid) << name;
+    ++slots;
+  }
+  EXPECT_EQ(slots, 1);
+  EXPECT_EQ(ema, 1);
+  // The trainer maps it and saves through it as before.
+  std::vector<float> w(10, 1.f), m(10, 2.f);
+  std::vector<TensorBuffer> bufs = {{"w", w.data(), 40}, {"w.exp_avg", m.data(), 40}};
+  ASSERT_OK(c->Snapshot(1, bufs, {}).status());
+  ASSERT_OK(c->WaitPersisted(1, 10s));
+  c.reset();
+  SharedSegment::Unlink("flashckpt.group.0.ema");  // EMA segments outlive the daemon on purpose
 }
 
 TEST_F(DaemonTest, ACompleteCheckpointIsNeverOverwritten) {
