@@ -22,11 +22,12 @@ int main(int argc, char** argv) {
 
   Daemon daemon(*config);
   Server server(&daemon);
-  for (Status s : {daemon.Start(), server.Start()}) {
-    if (!s.ok()) {
-      Logger("rpc")->critical("startup failed: {}", s.ToString());
-      return 1;
-    }
+  // In order: the daemon adopts what a predecessor left before the server lets anyone in.
+  Status started = daemon.Start();
+  if (started.ok()) started = server.Start();
+  if (!started.ok()) {
+    Logger("rpc")->critical("startup failed: {}", started.ToString());
+    return 1;
   }
   int received = 0;
   sigwait(&signals, &received);
