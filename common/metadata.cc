@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -127,8 +128,10 @@ Result<double> DoubleMeta(const std::map<std::string, std::string>& meta, const 
   if (it == meta.end()) return Corruption("missing metadata key '" + key + "'");
   char* end = nullptr;
   double v = std::strtod(it->second.c_str(), &end);
-  if (it->second.empty() || end != it->second.c_str() + it->second.size()) {
-    return Corruption("metadata key '" + key + "' is not a number");
+  // Not finite ("inf", "nan", "1e999") would be written to metadata.json as null, which its reader
+  // refuses: the checkpoint would complete and then never restore.
+  if (it->second.empty() || end != it->second.c_str() + it->second.size() || !std::isfinite(v)) {
+    return Corruption("metadata key '" + key + "' is not a finite number: '" + it->second + "'");
   }
   return v;
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -20,7 +21,11 @@ struct Signal {
 
 // The signal as one line of JSON; `bytes` is the size of the rank's files, for operators.
 std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t bytes);
-// Parses a signal file; the input is untrusted (file names are checked to be plain names).
+// Parses the contents of a signal file. The input is untrusted: every field is type- and
+// range-checked, and each file name must be a plain name inside the checkpoint directory (not empty,
+// ".", "..", and without '/' or NUL). Errors are kCorruption.
+Result<Signal> ParseSignal(std::string_view text);
+// Reads and parses the signal file at `path` (at most 1 MiB); errors name the path.
 Result<Signal> ReadSignal(const std::string& path);
 
 }  // namespace flashckpt

@@ -9,6 +9,9 @@ PACKAGES=(
   libgtest-dev liburing-dev fio
   python3 python3-numpy
   python3-dev python3-torch python3-pybind11 pybind11-dev
+  # The fuzz pass (tests/fuzz): clang (/usr/bin/clang), its sanitizer and libFuzzer runtimes, and
+  # llvm-symbolizer for the stacks in its reports.
+  clang libclang-rt-dev llvm
 )
 
 missing=()

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Builds flashckpt and runs every test, twice:
-#   1. build/       RelWithDebInfo, warnings are errors
-#   2. build-asan/  Debug with AddressSanitizer + UndefinedBehaviorSanitizer
-#                   (skipped when FLASHCKPT_SKIP_SANITIZERS=1)
-# Exits with ctest's status: the first failing pass stops the script. Works from any directory.
-# FLASHCKPT_JOBS overrides the build parallelism (default: nproc).
+# Builds flashckpt and runs its tests in four passes:
+#   1. build/       RelWithDebInfo, warnings are errors: every test
+#   2. build-asan/  Debug with AddressSanitizer + UndefinedBehaviorSanitizer: every test
+#   3. build-fuzz/  clang, libFuzzer + ASan + UBSan, warnings are errors: each fuzz target of
+#                   tests/fuzz for FLASHCKPT_FUZZ_SECONDS (default 30) from generated seeds
+#                   (skipped when FLASHCKPT_SKIP_FUZZ=1)
+#   4. build-tsan/  Debug with ThreadSanitizer: the tests labelled `threads` (those that
+#                   run work on several threads without gRPC; skipped when FLASHCKPT_SKIP_TSAN=1)
+# FLASHCKPT_SKIP_SANITIZERS=1 skips passes 2 to 4. Exits with ctest's status: the first failing pass
+# stops the script. Works from any directory. FLASHCKPT_JOBS overrides the build parallelism
+# (default: nproc).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,7 +32,7 @@ if [ "$rc" -ne 0 ]; then
 fi
 
 if [ "${FLASHCKPT_SKIP_SANITIZERS:-0}" = "1" ]; then
-  section "sanitizer pass skipped (FLASHCKPT_SKIP_SANITIZERS=1)"
+  section "sanitizer passes skipped (FLASHCKPT_SKIP_SANITIZERS=1)"
   exit 0
 fi
 
@@ -44,6 +49,41 @@ ctest --test-dir build-asan --output-on-failure || rc=$?
 if [ "$rc" -ne 0 ]; then
   echo "test.sh: tests failed in build-asan/ (ctest exit $rc)" >&2
   exit "$rc"
+fi
+
+if [ "${FLASHCKPT_SKIP_FUZZ:-0}" = "1" ]; then
+  section "fuzz pass skipped (FLASHCKPT_SKIP_FUZZ=1)"
+else
+  section "build-fuzz/ : clang, libFuzzer + address;undefined, -Werror"
+  # Only the fuzz targets and the seed generator are built (tests/fuzz/CMakeLists.txt).
+  CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCKPT_FUZZ=ON \
+    -DFLASHCKPT_WERROR=ON -DFLASHCKPT_FUZZ_SECONDS="${FLASHCKPT_FUZZ_SECONDS:-30}"
+  cmake --build build-fuzz -j"$JOBS" --target fuzzers
+
+  section "fuzz targets in build-fuzz/ (${FLASHCKPT_FUZZ_SECONDS:-30}s each)"
+  # A crash fails the target's test; its input is saved under build-fuzz/fuzz/crashes/.
+  ctest --test-dir build-fuzz -L fuzz --output-on-failure || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "test.sh: fuzzing failed in build-fuzz/ (ctest exit $rc); inputs in build-fuzz/fuzz/crashes/" >&2
+    exit "$rc"
+  fi
+fi
+
+if [ "${FLASHCKPT_SKIP_TSAN:-0}" = "1" ]; then
+  section "thread sanitizer pass skipped (FLASHCKPT_SKIP_TSAN=1)"
+else
+  section "build-tsan/ : Debug, thread"
+  cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DFLASHCKPT_SANITIZE=thread
+  cmake --build build-tsan -j"$JOBS" --target threaded_tests
+
+  section "tests labelled threads in build-tsan/"
+  # A race makes the test exit 66 with both stacks printed; no suppressions.
+  TSAN_OPTIONS="${TSAN_OPTIONS:-second_deadlock_stack=1}" \
+    ctest --test-dir build-tsan -L threads --output-on-failure || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "test.sh: tests failed under ThreadSanitizer in build-tsan/ (ctest exit $rc)" >&2
+    exit "$rc"
+  fi
 fi
 
 section "all tests passed"

@@ -208,6 +208,15 @@ TEST(NarrowF32, RoundsToNearestEven) {
   EXPECT_EQ(Narrow(std::ldexp(1.0f, -24), DType::kF16), 0x0001);             // smallest subnormal
   EXPECT_EQ(Narrow(std::ldexp(1.0f, -25), DType::kF16), 0x0000);             // tie to even zero
   EXPECT_EQ(Narrow(-0.0f, DType::kF16), 0x8000);
+  EXPECT_EQ(Narrow(std::ldexp(1.0f, -14), DType::kF16), 0x0400);                   // smallest normal
+  EXPECT_EQ(Narrow(std::ldexp(1023.5f, -24), DType::kF16), 0x0400);  // largest subnormal + half: tie, rounds up
+  EXPECT_EQ(Narrow(std::ldexp(3.0f, -25), DType::kF16), 0x0002);     // 1.5 x smallest subnormal: tie to even
+  EXPECT_EQ(Narrow(-std::numeric_limits<float>::infinity(), DType::kF16), 0xfc00);
+  EXPECT_EQ(Narrow(std::numeric_limits<float>::max(), DType::kF16), 0x7c00);
+  const uint16_t f16_nan = Narrow(std::numeric_limits<float>::quiet_NaN(), DType::kF16);
+  EXPECT_EQ(f16_nan & 0x7c00, 0x7c00);
+  EXPECT_NE(f16_nan & 0x03ff, 0);
+  EXPECT_NE(Narrow(FromBits(0x7f800001), DType::kF16) & 0x03ff, 0) << "a NaN with low payload bits stays NaN";
 }
 
 }  // namespace

@@ -2,12 +2,14 @@
 
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "checkpoint_fixture.h"
 #include "common/checksum.h"
+#include "common/image.h"
 #include "test_util.h"
 #include "testing.h"
 
@@ -329,6 +331,57 @@ TEST(BuildMetadataFromDir, RefusesFilesOfDifferentSteps) {
   ASSERT_TRUE(empty.ok());
   EXPECT_EQ(BuildMetadataFromDir(empty.path()).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(ReadMetadataFile(empty.path()).status().code(), StatusCode::kNotFound);
+}
+
+// Writes the ema file of rank 0 at step 300 whose header records `record`, as the daemon does.
+Status WriteEmaFile(const std::string& dir, const EmaRecord& record) {
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout("llama", 0, Topology{},
+                                                      {Spec("w", TensorKind::kEma, DType::kF32, {4})},
+                                                      EmaFileExtras(record, kDefaultChecksumChunk)));
+  testing::SlotBuffer slot(layout.slot_bytes);
+  InitSlotImages(slot.data(), layout);
+  StampImage(slot.data(), layout, 0, 300);
+  StampEmaCounters(slot.data(), layout, 0, 7, 1, 300);
+  const FileImage& image = layout.files[0];
+  return WriteFileDurably(dir, image.stem + ".safetensors",
+                          std::string_view(slot.data() + image.slot_offset, image.file_bytes()));
+}
+
+// Found by tests/fuzz/safetensors_header_fuzzer: an ema file header with ema_decay "1e999" or "nan"
+// was accepted, and the metadata.json built from it held "decay": null, which ReadMetadataFile
+// refuses, so the checkpoint completed and could never be restored or verified.
+TEST(BuildMetadataFromDir, RefusesAnEmaRecordThatMetadataJsonCannotHold) {
+  EmaRecord good;
+  good.decay = 0.999;
+  good.interval = 2;
+  good.init = "first";
+  good.model_params = "fp32";
+  good.loss_threshold = 5.0;
+  {
+    TempDir dir;
+    ASSERT_TRUE(dir.ok());
+    ASSERT_OK(WriteEmaFile(dir.path(), good));
+    ASSERT_OK(testing::WriteMetadata(dir.path()));
+    auto read = ReadMetadataFile(dir.path());
+    ASSERT_OK(read.status());
+    ASSERT_TRUE(read->ema.has_value());
+    EXPECT_EQ(read->ema->decay, 0.999);
+    EXPECT_EQ(read->ema->loss_threshold, 5.0);
+    EXPECT_EQ(read->ema->updates_applied, 7u);
+  }
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<std::pair<double, double>> bad_values = {{inf, 5.0}, {nan, 5.0}, {-inf, 5.0}, {0.999, inf}, {0.999, nan}};
+  for (const auto& [decay, threshold] : bad_values) {
+    EmaRecord bad = good;
+    bad.decay = decay;
+    bad.loss_threshold = threshold;
+    TempDir dir;
+    ASSERT_TRUE(dir.ok());
+    ASSERT_OK(WriteEmaFile(dir.path(), bad));
+    auto meta = BuildMetadataFromDir(dir.path());
+    EXPECT_EQ(meta.status().code(), StatusCode::kCorruption) << "decay " << decay << " threshold " << threshold;
+    EXPECT_NE(meta.status().message().find("finite"), std::string::npos) << meta.status().ToString();
+  }
 }
 
 }  // namespace

@@ -1,0 +1,133 @@
+// fuzz_seeds DIR: writes the seed corpora of the fuzz targets, one folder per target under DIR,
+// from a small real checkpoint made by the daemon's own code: rank layouts (a tensor split over
+// shard ranks as flat ranges, one larger than its 4 KiB checksum chunk, a replica, an EMA file),
+// stamped images (and copies without the header padding), metadata.json gathered from their
+// headers, and the ranks' signals. Generated rather than checked in, so the seeds follow the format
+// as it changes. Each file is a few KiB at most.
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common/fs.h"
+#include "common/image.h"
+#include "common/layout.h"
+#include "common/metadata.h"
+#include "common/names.h"
+#include "common/safetensors.h"
+#include "common/signal.h"
+#include "common/test_util.h"
+
+namespace flashckpt {
+namespace {
+
+using testing::SlotBuffer;
+using testing::Spec;
+
+constexpr char kJob[] = "seed-job";
+constexpr int64_t kStep = 1200;
+constexpr uint64_t kChunk = kMinChecksumChunk;
+
+// Writes the images of one rank layout into `dir` and returns their names.
+Result<std::vector<std::string>> WriteLayout(const std::string& dir, uint32_t rank, const Topology& topology,
+                                             const std::vector<TensorSpec>& specs, const LayoutExtras& extras) {
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(kJob, rank, topology, specs, extras));
+  SlotBuffer slot(layout.slot_bytes);
+  if (slot.data() == nullptr) return Internal("aligned_alloc failed");
+  InitSlotImages(slot.data(), layout);
+  for (size_t t = 0; t < layout.tensors.size(); ++t) {
+    const Placement& p = layout.placements[t];
+    for (uint64_t i = 0; i < p.bytes; ++i) slot.data()[p.slot_offset + i] = static_cast<char>(i * 7 + t);
+  }
+  std::vector<std::string> names;
+  for (size_t f = 0; f < layout.files.size(); ++f) {
+    StampImage(slot.data(), layout, f, kStep);
+    if (layout.files[f].kind == "ema") StampEmaCounters(slot.data(), layout, f, 12, 3, kStep);
+    const FileImage& image = layout.files[f];
+    names.push_back(image.stem + ".safetensors");
+    RETURN_IF_ERROR(WriteFileDurably(dir, names.back(),
+                                     std::string_view(slot.data() + image.slot_offset, image.file_bytes())));
+  }
+  return names;
+}
+
+// Beside each image, "<name>.compact": the same file without the header's padding (the length
+// prefix says so), most of whose bytes are then JSON for the fuzzer to mutate.
+Status WriteCompactCopies(const std::string& dir, const CheckpointMetadata& meta) {
+  for (const SavedFile& f : meta.files) {
+    ASSIGN_OR_RETURN(std::string bytes, ReadSmallFile(dir + "/" + f.name, 1u << 20));
+    ASSIGN_OR_RETURN(uint64_t n, ParseHeaderLength(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()));
+    const std::string json = bytes.substr(8, n);
+    const std::string trimmed = json.substr(0, json.find_last_not_of(' ') + 1);
+    std::string compact(8, '\0');
+    for (int i = 0; i < 8; ++i) compact[i] = static_cast<char>((trimmed.size() >> (8 * i)) & 0xff);
+    compact += trimmed;
+    compact += bytes.substr(8 + n);
+    RETURN_IF_ERROR(WriteFileDurably(dir, f.name + ".compact", compact));
+  }
+  return Status::OK();
+}
+
+Status WriteSeeds(const std::string& root) {
+  const std::string headers = root + "/safetensors_header";
+  const std::string metadata = root + "/metadata_json";
+  const std::string signals = root + "/signal";
+  for (const auto& dir : {headers, metadata, signals}) RETURN_IF_ERROR(MakeDirs(dir));
+
+  // Two shard ranks: the weight "w" (4 x 260 f32: two 4 KiB checksum chunks) is saved by shard 0
+  // and a replica on shard 1; its optimizer state is split between them as flat ranges.
+  Topology topology;
+  topology.world_size = 2;
+  topology.shard_degree = 2;
+  EmaRecord ema;
+  ema.decay = 0.999;
+  ema.interval = 2;
+  ema.init = "first";
+  ema.model_params = "fp32";
+  ema.loss_threshold = 5.0;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    Topology t = topology;
+    t.shard_rank = rank;
+    TensorSpec w = Spec("w", TensorKind::kModel, DType::kF32, {4, 260});
+    w.replica = rank != 0;
+    TensorSpec b = Spec("b", TensorKind::kModel, DType::kBF16, {4});
+    b.replica = rank != 0;
+    TensorSpec m = Spec("w.exp_avg", TensorKind::kOptimizer, DType::kF32, {520});
+    m.box_shape = {4, 260};
+    m.flat_range = FlatRange{520 * rank, 520 * (rank + 1)};
+    TensorSpec step = Spec("step", TensorKind::kOptimizer, DType::kI64, {});
+    LayoutExtras plain;
+    plain.checksum_chunk = kChunk;
+    ASSIGN_OR_RETURN(auto files, WriteLayout(headers, rank, t, {w, b, m, step}, plain));
+    if (rank == 0) {
+      ASSIGN_OR_RETURN(auto ema_files, WriteLayout(headers, rank, t, {Spec("b", TensorKind::kEma, DType::kF32, {4})},
+                                                   EmaFileExtras(ema, kChunk)));
+      files.insert(files.end(), ema_files.begin(), ema_files.end());
+    }
+    Signal signal;
+    signal.rank = rank;
+    signal.step = kStep;
+    signal.resumed_from = 1000;
+    signal.files = files;
+    RETURN_IF_ERROR(WriteFileDurably(signals, SignalFileName(rank), EncodeSignal(kJob, signal, 16384)));
+  }
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromDir(headers));
+  RETURN_IF_ERROR(WriteFileDurably(metadata, "metadata.json", MetadataToJson(meta)));
+  return WriteCompactCopies(headers, meta);
+}
+
+}  // namespace
+}  // namespace flashckpt
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s DIR\n", argv[0]);
+    return 2;
+  }
+  flashckpt::Status s = flashckpt::WriteSeeds(argv[1]);
+  if (!s.ok()) {
+    std::fprintf(stderr, "fuzz_seeds: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
