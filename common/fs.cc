@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -96,6 +98,21 @@ bool PathExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+std::string TemporaryPath(const std::string& final_path) {
+  static std::atomic<uint64_t> counter{0};
+  return final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+}
+
+long TemporaryOwner(const std::string& name) {
+  auto pos = name.rfind(".tmp.");
+  if (pos == std::string::npos) return 0;
+  const char* p = name.c_str() + pos + 5;
+  char* end = nullptr;
+  long pid = std::strtol(p, &end, 10);
+  if (end == p || *end != '.' || pid <= 0) return 0;
+  return pid;
+}
+
 namespace {
 
 // The durable sequence around `write`: create <name>.tmp.<pid>.<n> with `flags`, let `write` fill
@@ -104,10 +121,9 @@ namespace {
 template <typename Write>
 Status DurableWrite(const std::string& dir, const std::string& name, int flags, bool* renamed, bool* direct_refused,
                     IoEnv* io, Write write) {
-  static std::atomic<uint64_t> counter{0};
   if (renamed != nullptr) *renamed = false;
   std::string final_path = dir + "/" + name;
-  std::string tmp_path = final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  std::string tmp_path = TemporaryPath(final_path);
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
   if (fd < 0 && errno == EINVAL && (flags & O_DIRECT) != 0 && direct_refused != nullptr) {
     *direct_refused = true;
@@ -174,7 +190,6 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
       return Internal("WriteImagesDurably: image " + im.name + " is not laid out for it");
     }
   }
-  static std::atomic<uint64_t> counter{0};
   struct Open {
     std::string tmp;
     UniqueFd fd;
@@ -191,7 +206,7 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
   };
   int flags = O_DIRECT;
   for (size_t i = 0; i < images.size(); ++i) {
-    files[i].tmp = dir + "/" + images[i].name + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    files[i].tmp = TemporaryPath(dir + "/" + images[i].name);
     int fd = ::open(files[i].tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
     if (fd < 0 && errno == EINVAL && flags != 0) {  // no O_DIRECT here (tmpfs): buffered writes
       flags = 0;

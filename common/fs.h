@@ -118,6 +118,12 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
                           const ImageWriteHooks& hooks, std::vector<std::string>* renamed,
                           IoEnv* io = IoEnv::Default());
 
+// "<path>.tmp.<pid>.<n>": the temporary a durable write fills and renames over <path>.
+std::string TemporaryPath(const std::string& final_path);
+// The pid in the name of such a temporary ("model_state....safetensors.tmp.4242.7"); 0 when
+// `name` is not one. A restarted daemon removes those whose process is gone.
+long TemporaryOwner(const std::string& name);
+
 // Reads a whole file of at most `max_bytes` bytes.
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);
 

@@ -65,6 +65,11 @@ bool Catalog::IsComplete(const std::string& job, int64_t step) const {
   return PathExists(CheckpointDir(job, step) + "/metadata.json");
 }
 
+bool Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const {
+  auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank));
+  return signal.ok() && signal->rank == rank && signal->step == step && signal->resumed_from == resumed_from;
+}
+
 Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size,
                                     int64_t resumed_from) {
   std::lock_guard<std::mutex> lock(JobMutex(job));

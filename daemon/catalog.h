@@ -87,6 +87,9 @@ class Catalog {
   Result<std::vector<int64_t>> ApplyRetention(const std::string& job, uint32_t keep);
 
   bool IsComplete(const std::string& job, int64_t step) const;
+  // Whether `rank` has written its part of `step` in the attempt `resumed_from`: its
+  // saved_signal is in place (signals are written last, after the rank's files are durable).
+  bool HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const;
   // The newest complete checkpoint of the job, or nullopt. Trusts LATEST only when the directory
   // it names is complete and no newer complete one exists.
   std::optional<int64_t> LatestComplete(const std::string& job) const;

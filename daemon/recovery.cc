@@ -14,30 +14,17 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <set>
 
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/names.h"
-#include "common/signal.h"
 #include "daemon/daemon.h"
 
 namespace flashckpt {
 namespace {
 
-// The pid in "<name>.tmp.<pid>.<n>", or 0.
-pid_t TemporaryOwner(const std::string& name) {
-  auto pos = name.rfind(".tmp.");
-  if (pos == std::string::npos) return 0;
-  const char* p = name.c_str() + pos + 5;
-  char* end = nullptr;
-  long pid = std::strtol(p, &end, 10);
-  if (end == p || *end != '.' || pid <= 0) return 0;
-  return static_cast<pid_t>(pid);
-}
-
-bool ProcessExists(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+bool ProcessExists(long pid) { return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
 
 }  // namespace
 
@@ -126,10 +113,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     j.replay = true;
     if (j.persist) {
       // Signals are written last: one in place with this attempt means the files are durable.
-      const std::string dir = catalog_.CheckpointDir(job, c.step());
-      auto signal = ReadSignal(dir + "/" + SignalFileName(rank_id));
-      bool written = signal.ok() && signal->rank == rank_id && signal->step == c.step() &&
-                     signal->resumed_from == c.resumed_from();
+      const bool written = catalog_.HasSignal(job, rank_id, c.step(), c.resumed_from());
       if (written || catalog_.IsComplete(job, c.step())) {
         if (written) {
           auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), c.resumed_from());
@@ -185,7 +169,7 @@ void Daemon::RemoveStaleTemporaries(const std::string& job) {
   size_t removed = 0;
   auto sweep = [&](const std::string& dir, const std::vector<std::string>& names) {
     for (const auto& n : names) {
-      pid_t owner = TemporaryOwner(n);
+      const long owner = TemporaryOwner(n);
       if (owner == 0 || owner == ::getpid() || ProcessExists(owner)) continue;
       const std::string path = dir + "/" + n;
       if (::unlink(path.c_str()) == 0) {

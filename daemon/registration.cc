@@ -63,10 +63,8 @@ Result<Registration> ParseRegistration(const v1::RegisterRequest& req) {
   const auto& t = req.topology();
   r.topology = Topology{t.world_size(), t.tp_rank(),    t.tp_degree(),   t.pp_rank(),
                         t.pp_degree(),  t.shard_rank(), t.shard_degree()};
-  if (static_cast<size_t>(req.tensors_size()) > kMaxTensorsPerRank) {
-    return InvalidArgument("tensors: " + std::to_string(req.tensors_size()) + " tensors, at most " +
-                           std::to_string(kMaxTensorsPerRank) + " per rank");
-  }
+  // The count is bounded by the caller (the service's --max-tensors-per-rank, a record's size) and
+  // again by BuildRankLayout.
   r.tensors.reserve(static_cast<size_t>(req.tensors_size()));
   for (const auto& p : req.tensors()) {
     ASSIGN_OR_RETURN(TensorSpec spec, TensorFromProto(p));

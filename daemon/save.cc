@@ -2,7 +2,6 @@
 // OnPersisted frees it and wakes WaitPersisted.
 #include "common/log.h"
 #include "common/names.h"
-#include "common/signal.h"
 #include "daemon/daemon.h"
 
 namespace flashckpt {
@@ -297,8 +296,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       const uint32_t rank_id = sessions_[session_id].rank;
       const int64_t attempt = rank->resumed_from;
       lock.unlock();
-      auto signal = ReadSignal(catalog_.CheckpointDir(job, step) + "/" + SignalFileName(rank_id));
-      if (signal.ok() && signal->rank == rank_id && signal->step == step && signal->resumed_from == attempt) {
+      if (catalog_.HasSignal(job, rank_id, step, attempt)) {
         WaitResult r;
         r.persisted_step = step;
         r.checkpoint_complete = catalog_.IsComplete(job, step);
