@@ -202,16 +202,19 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
   std::vector<std::string> written;  // files of this attempt now under their final names, in order
   uint64_t bytes = 0;
   Status wrote;
+  Result<bool> complete = false;
   {
-    // Retention leaves the directory alone while this rank writes into it.
+    // Retention leaves the directory alone while this rank writes into it and until it has tried
+    // to complete it: another step's completion would otherwise count it as an incomplete
+    // directory older than the newest complete one, and delete it in between.
     StepInUse in_use = catalog_->Use(req.job, req.step);
     wrote = WriteRankFiles(req, dir, io, &written, &bytes);
+    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
   }
   if (!wrote.ok()) {
     RemoveAttemptFiles(req, dir, written);
     return wrote;
   }
-  auto complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
   if (!complete.ok()) {
     RemoveAttemptFiles(req, dir, written);
     return complete.status().WithContext("completing checkpoint " + dir);
