@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "common/fs.h"
 #include "common/log.h"
@@ -70,8 +70,7 @@ bool Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int
   return signal.ok() && signal->rank == rank && signal->step == step && signal->resumed_from == resumed_from;
 }
 
-Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size,
-                                    int64_t resumed_from) {
+Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from) {
   std::lock_guard<std::mutex> lock(JobMutex(job));
   std::string dir = CheckpointDir(job, step);
   if (PathExists(dir + "/metadata.json")) return true;
@@ -95,11 +94,11 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   }
   Logger("catalog")->info("complete job={} step={} files={} tensors={}", job, step, meta.files.size(),
                           meta.pieces.size());
+  if (listener_) listener_(CatalogChange::kCompleted, job, step, "");
   if (keep_ > 0) {
     auto deleted = ApplyRetentionLocked(job, keep_);
     if (!deleted.ok()) {
-      Logger("catalog")->error("retention failed job={} keep={} error=\"{}\"", job, keep_,
-                               deleted.status().ToString());
+      Logger("catalog")->error("retention failed job={} keep={} error=\"{}\"", job, keep_, deleted.status().ToString());
     }
   }
   return true;
@@ -164,6 +163,7 @@ Result<std::vector<int64_t>> Catalog::ApplyRetentionLocked(const std::string& jo
     Logger("catalog")->info("deleted job={} step={} reason=retention complete={} keep={}", job, step,
                             std::find(complete.begin(), complete.end(), step) != complete.end(), keep);
     deleted.push_back(step);
+    if (listener_) listener_(CatalogChange::kDeleted, job, step, "retention");
   }
   if (!deleted.empty()) {
     Status synced = FsyncDir(JobDir(job));
@@ -229,9 +229,8 @@ Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const
       out.push_back(std::move(e));
     }
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a.job != b.job ? a.job < b.job : a.step < b.step;
-  });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.job != b.job ? a.job < b.job : a.step < b.step; });
   return out;
 }
 

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/signal.h"
@@ -29,8 +31,13 @@ struct CheckpointEntry {
   bool latest = false;
 };
 
-
 class Catalog;
+
+// What the catalog tells its listener: a checkpoint became complete (metadata.json written by this
+// daemon), or a checkpoint directory was deleted (`reason`: "retention").
+enum class CatalogChange { kCompleted, kDeleted };
+using CatalogListener =
+    std::function<void(CatalogChange change, const std::string& job, int64_t step, std::string_view reason)>;
 
 // Marks one step of a job as in use (a restore reading it, a writer writing it): retention does not
 // delete it while the guard lives. Move-only; the step is released in the destructor.
@@ -46,8 +53,7 @@ class StepInUse {
 
  private:
   friend class Catalog;
-  StepInUse(Catalog* catalog, std::string job, int64_t step)
-      : catalog_(catalog), job_(std::move(job)), step_(step) {}
+  StepInUse(Catalog* catalog, std::string job, int64_t step) : catalog_(catalog), job_(std::move(job)), step_(step) {}
   Catalog* catalog_ = nullptr;
   std::string job_;
   int64_t step_ = 0;
@@ -58,6 +64,10 @@ class Catalog {
   // keep: after a checkpoint completes, retention keeps the newest `keep` complete checkpoints of the
   // job and deletes older ones (0 keeps everything; --keep).
   explicit Catalog(std::string root, uint32_t keep = 0) : root_(std::move(root)), keep_(keep) {}
+
+  // Called after each change, on the thread that made it, with no catalog lock held but the job's
+  // completion lock. Set once, before the catalog is used.
+  void SetListener(CatalogListener listener) { listener_ = std::move(listener); }
 
   const std::string& root() const { return root_; }
   std::string JobDir(const std::string& job) const { return root_ + "/" + job; }
@@ -107,7 +117,8 @@ class Catalog {
 
   std::string root_;
   const uint32_t keep_;
-  std::mutex mu_;  // guards job_mu_
+  CatalogListener listener_;
+  std::mutex mu_;                                              // guards job_mu_
   std::map<std::string, std::unique_ptr<std::mutex>> job_mu_;  // serializes completion per job
   // Steps in use per job (a multiset: two readers may share a step). Held across the rename that
   // hides a directory, so a step is either registered before the rename or sees no checkpoint.

@@ -92,6 +92,9 @@ Status Finish(DaemonConfig& config, const std::string& budget, const std::string
   } else {
     RETURN_IF_ERROR(ParseListenAddress(config.listen).status());
   }
+  if (!config.metrics_listen.empty()) {
+    RETURN_IF_ERROR(ParseListenAddress(config.metrics_listen).status().WithContext("--metrics-listen"));
+  }
   return Status::OK();
 }
 
@@ -137,9 +140,10 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--listen", config.listen,
                  "Also serve gRPC on TCP HOST:PORT (PORT alone: 127.0.0.1); read-only (status, list) unless "
                  "--tcp-allow-writes");
-  app.add_flag("--tcp-allow-writes", config.tcp_allow_writes,
-               "Serve every RPC on the --listen port, not only GetStatus and ListCheckpoints (TCP callers are "
-               "not authenticated)");
+  app.add_flag(
+      "--tcp-allow-writes", config.tcp_allow_writes,
+      "Serve every RPC on the --listen port, not only GetStatus, ListCheckpoints and WatchEvents (TCP callers are "
+      "not authenticated)");
   app.add_option("--tls-cert", config.tls_cert,
                  "PEM certificate (chain) for TLS on the --listen port; needs --tls-key");
   app.add_option("--tls-key", config.tls_key, "PEM private key of --tls-cert");
@@ -151,6 +155,8 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--max-rank-bytes", rank_bytes,
                  "Most bytes of tensors one rank may register, e.g. 16GiB; more is refused with "
                  "RESOURCE_EXHAUSTED (default 0: only --max-host-memory)");
+  app.add_option("--metrics-listen", config.metrics_listen,
+                 "Serve Prometheus metrics over HTTP at HOST:PORT/metrics (PORT alone: 127.0.0.1); off when unset");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

@@ -73,7 +73,28 @@ void RankSegment::Mirror(uint32_t i) const {
 }
 
 Daemon::Daemon(DaemonConfig config)
-    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep) {}
+    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep) {
+  catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
+    v1::Event event;
+    event.set_kind(change == CatalogChange::kCompleted ? v1::Event::CHECKPOINT_COMPLETE
+                                                       : v1::Event::CHECKPOINT_DELETED);
+    event.set_job(job);
+    event.set_step(step);
+    event.set_reason(std::string(reason));
+    Emit(std::move(event));
+  });
+}
+
+void Daemon::Emit(v1::Event event) {
+  event.set_unix_seconds(UnixSeconds());
+  metrics_.Observe(event);
+  events_.Publish(std::move(event));
+}
+
+std::string Daemon::RenderMetrics() const {
+  v1::StatusResponse status = GetStatus();
+  return metrics_.Render(status, events_.dropped());
+}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -106,10 +127,11 @@ void Daemon::Stop() {
   }
   cv_.notify_all();
   if (ema_thread_.joinable()) ema_thread_.join();  // drains the EMA stage into the writer
-  if (writer_) writer_->Stop();  // finishes the writes in flight: no half-written file is left behind
+  if (writer_) writer_->Stop();                    // finishes the writes in flight: no half-written file is left behind
   std::lock_guard<std::mutex> lock(mu_);
   jobs_.clear();  // unmaps and unlinks every segment
   writer_.reset();
+  events_.Close();  // after the last writes' events: watchers see how the stop ended
 }
 
 Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
@@ -190,8 +212,8 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
     ASSIGN_OR_RETURN(shm, SharedSegment::Open(*adopt, bytes));
     const auto* header = reinterpret_cast<const SegmentHeader*>(shm->data());
     if (std::memcmp(header->magic, kSegmentMagic, sizeof kSegmentMagic) != 0 ||
-        header->format_version != kFormatVersion || header->slot_count != slot_count ||
-        header->slot_bytes != stride || header->segment_bytes != bytes || header->rank != rank ||
+        header->format_version != kFormatVersion || header->slot_count != slot_count || header->slot_bytes != stride ||
+        header->segment_bytes != bytes || header->rank != rank ||
         std::string(header->job, strnlen(header->job, sizeof header->job)) != job) {
       return FailedPrecondition("segment " + *adopt + " does not match its registration record");
     }
@@ -259,15 +281,13 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     }
     if (conflict == nullptr) break;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-      return FailedPrecondition("job '" + who.job + "' is registered with world size " +
-                                std::to_string(conflict->topology.world_size) + " (tp " +
-                                std::to_string(conflict->topology.tp_degree) + ", pp " +
-                                std::to_string(conflict->topology.pp_degree) + ", shard " +
-                                std::to_string(conflict->topology.shard_degree) + ") by live rank " +
-                                std::to_string(conflict_rank) + "; this rank asks for world size " +
-                                std::to_string(topology.world_size) + " (tp " + std::to_string(topology.tp_degree) +
-                                ", pp " + std::to_string(topology.pp_degree) + ", shard " +
-                                std::to_string(topology.shard_degree) + ")");
+      return FailedPrecondition(
+          "job '" + who.job + "' is registered with world size " + std::to_string(conflict->topology.world_size) +
+          " (tp " + std::to_string(conflict->topology.tp_degree) + ", pp " +
+          std::to_string(conflict->topology.pp_degree) + ", shard " + std::to_string(conflict->topology.shard_degree) +
+          ") by live rank " + std::to_string(conflict_rank) + "; this rank asks for world size " +
+          std::to_string(topology.world_size) + " (tp " + std::to_string(topology.tp_degree) + ", pp " +
+          std::to_string(topology.pp_degree) + ", shard " + std::to_string(topology.shard_degree) + ")");
     }
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
   }
@@ -278,20 +298,19 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     }
   }
   bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
-               SameEma(rank->segment->ema.get(), ema_plan) &&
-               rank->segment->slots.CountIn(SlotState::kFilling) == 0 &&
+               SameEma(rank->segment->ema.get(), ema_plan) && rank->segment->slots.CountIn(SlotState::kFilling) == 0 &&
                rank->segment->slots.CountIn(SlotState::kRestoring) == 0;
   if (!reuse) {
     uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
-    uint64_t need = SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
+    uint64_t need =
+        SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
     uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted : 0;
     uint64_t used = host_memory_used_.load() - releasable;
     if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
       return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
                                FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
                                FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
-                               "), budget is " +
-                               FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
+                               "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
                                " in use (--max-host-memory)");
     }
     rank->segment.reset();  // the writer keeps it alive if a persist is still running
@@ -385,6 +404,7 @@ v1::StatusResponse Daemon::GetStatus() const {
       rs->set_persists(rank.persists);
       rs->set_failures(rank.failures);
       rs->set_skipped(rank.skipped);
+      rs->set_last_persist_gbps(rank.last_persist_gbps);
       double oldest = 0;  // seconds the rank's oldest persist being written has been running
       for (const WriteInFlight& w : writing) {
         if (w.job != name || w.rank != r) continue;

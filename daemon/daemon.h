@@ -28,7 +28,9 @@
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
 #include "daemon/ema.h"
+#include "daemon/events.h"
 #include "daemon/limits.h"
+#include "daemon/metrics.h"
 #include "daemon/registration.h"
 #include "daemon/slots.h"
 #include "daemon/state_dir.h"
@@ -73,6 +75,8 @@ struct DaemonConfig {
   // (0: only max_host_memory bounds them).
   uint32_t max_tensors_per_rank = kDefaultMaxTensorsPerRank;
   uint64_t max_rank_bytes = 0;
+  // Prometheus scrape endpoint (daemon/metrics_http.h): empty means none.
+  std::string metrics_listen;
 };
 
 // One registered rank's segment: its layout, the mapped memory, the slot state machine and the
@@ -154,6 +158,11 @@ class Daemon {
 
   const DaemonConfig& config() const { return config_; }
 
+  // What happened to snapshots and checkpoints, for WatchEvents; closed at the end of Stop.
+  EventHub& events() { return events_; }
+  // The Prometheus exposition of the daemon's metrics and current status.
+  std::string RenderMetrics() const;
+
  private:
   struct RankState {
     std::shared_ptr<RankSegment> segment;
@@ -171,6 +180,7 @@ class Daemon {
     bool fatal_persist_errors = false;  // per registration (Register)
     Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
+    double last_persist_gbps = 0;
   };
   struct JobState {
     Topology topology;  // degrees and world size of the current registration
@@ -225,9 +235,13 @@ class Daemon {
   // The persist request of a committed slot; `done` reports to OnPersisted.
   // `session_id`: the committing session ("" for a snapshot adopted after a restart).
   PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
-                                    uint32_t world_size,
-                                    int64_t resumed_from, const std::shared_ptr<RankSegment>& segment,
-                                    const SlotTicket& ticket, int64_t step, std::string extra);
+                                    uint32_t world_size, int64_t resumed_from,
+                                    const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket, int64_t step,
+                                    std::string extra);
+
+  // Counts the event in the metrics and hands it to the watchers. Takes only leaf locks: callable
+  // with mu_ held.
+  void Emit(v1::Event event);
 
   // Crash recovery (daemon/recovery.cc).
   Status AdoptSegments();
@@ -241,6 +255,8 @@ class Daemon {
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;
   StateDir state_;  // set once by Start
+  EventHub events_;
+  Metrics metrics_;
   Catalog catalog_;
   std::unique_ptr<Writer> writer_;
   std::unique_ptr<ParallelLoop> ema_loop_;  // used by the EMA stage thread only

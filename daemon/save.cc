@@ -41,7 +41,16 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
                          "' is already complete; a complete checkpoint is never overwritten");
   }
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  bool waited = false;
+  // A wait for a slot shows in the metrics whichever way it ends.
+  auto count_wait = [&](bool got_slot) {
+    if (waited) {
+      metrics_.ObserveSlotWait(job, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                               got_slot);
+    }
+  };
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -49,31 +58,43 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     if (auto ticket = rank->segment->slots.Acquire(SlotState::kFilling, step)) {
       rank->segment->Mirror(ticket->slot);
       rank->last_begun = step;
+      count_wait(true);
       return *ticket;
     }
     if (rank->policy == Backpressure::kSkip) {
       rank->skipped += 1;
-      return ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
-                               std::to_string(rank->segment->slots.size()) +
-                               " slots are still persisting (backpressure policy skip)");
+      Status skipped = ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
+                                         std::to_string(rank->segment->slots.size()) +
+                                         " slots are still persisting (backpressure policy skip)");
+      v1::Event event;
+      event.set_kind(v1::Event::SNAPSHOT_SKIPPED);
+      event.set_job(job);
+      event.set_rank(sessions_[session_id].rank);
+      event.set_step(step);
+      event.set_reason(skipped.message());
+      Emit(std::move(event));
+      return skipped;
     }
+    waited = true;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
       ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
       if (auto ticket = r->segment->slots.Acquire(SlotState::kFilling, step)) {
         r->segment->Mirror(ticket->slot);
         r->last_begun = step;
+        count_wait(true);
         return *ticket;
       }
-      return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) +
-                              " ms for step " + std::to_string(step) + "; the disk is slower than the save rate");
+      count_wait(false);
+      return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) + " ms for step " +
+                              std::to_string(step) + "; the disk is slower than the save rate");
     }
   }
 }
 
 PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
-                                          uint32_t world_size,
-                                          int64_t resumed_from, const std::shared_ptr<RankSegment>& segment,
-                                          const SlotTicket& ticket, int64_t step, std::string extra) {
+                                          uint32_t world_size, int64_t resumed_from,
+                                          const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket,
+                                          int64_t step, std::string extra) {
   PersistRequest req;
   req.job = job;
   req.rank = rank;
@@ -141,6 +162,18 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->snapshots += 1;
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
+  {
+    v1::Event event;
+    event.set_kind(v1::Event::SNAPSHOT_COMMITTED);
+    event.set_job(who.job);
+    event.set_rank(who.rank);
+    event.set_step(step);
+    uint64_t bytes = 0;
+    for (const Placement& p : rank->segment->layout.placements) bytes += p.bytes;
+    event.set_bytes(bytes);
+    event.set_reason(persist ? "persist" : "ema only");
+    Emit(std::move(event));
+  }
 
   std::shared_ptr<RankSegment> segment = rank->segment;
   EmaJob job;
@@ -152,8 +185,8 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.job = who.job;
   job.rank = who.rank;
   if (persist) {
-    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->resumed_from, segment, ticket,
-                                     step, std::move(extra));
+    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->resumed_from,
+                                     segment, ticket, step, std::move(extra));
   }
   if (segment->ema) {
     // The EMA stage applies it in commit order and then finishes it.
@@ -210,6 +243,15 @@ void Daemon::RunEmaStage() {
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
                          secs);
+    if (applied) {
+      v1::Event event;
+      event.set_kind(v1::Event::EMA_UPDATED);
+      event.set_job(job.job);
+      event.set_rank(job.rank);
+      event.set_step(job.step);
+      event.set_seconds(secs);
+      Emit(std::move(event));
+    }
     lock.lock();
     job.segment->ema_pending -= 1;
     cv_.notify_all();
@@ -235,6 +277,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
       if (status.ok()) {
         rank.persists += 1;
         rank.last_persisted = std::max(rank.last_persisted, step);
+        if (seconds > 0) rank.last_persist_gbps = static_cast<double>(bytes) / seconds / 1e9;
         rank.failed.erase(step);
       } else {
         rank.failures += 1;
@@ -252,6 +295,20 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
       }
     }
   }
+  v1::Event event;
+  event.set_job(job);
+  event.set_rank(rank_id);
+  event.set_step(step);
+  event.set_bytes(bytes);
+  event.set_seconds(seconds);
+  if (!status.ok()) {
+    event.set_kind(v1::Event::PERSIST_FAILED);
+    event.set_code(std::string(StatusCodeName(status.code())));
+    event.set_reason(status.message());
+  } else {
+    event.set_kind(v1::Event::PERSISTED);
+  }
+  Emit(std::move(event));
   if (status.ok()) {
     double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
     Logger("writer")->info("persisted job={} step={} rank={} bytes={} secs={:.3f} gbps={:.2f}", job, step, rank_id,
@@ -310,8 +367,8 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     }
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
       return DeadlineExceeded("step " + std::to_string(step) + " was not persisted within " +
-                              std::to_string(timeout.count()) + " ms (last persisted: " +
-                              std::to_string(rank->last_persisted) + ")");
+                              std::to_string(timeout.count()) +
+                              " ms (last persisted: " + std::to_string(rank->last_persisted) + ")");
     }
   }
 }

@@ -62,6 +62,11 @@ Status Server::Start() {
     tcp_ = std::make_unique<TcpListener>(&service_, daemon_->config());
     RETURN_IF_ERROR(tcp_->Start());
   }
+  if (!daemon_->config().metrics_listen.empty()) {
+    metrics_ = std::make_unique<MetricsHttpServer>(daemon_->config().metrics_listen,
+                                                   [daemon = daemon_] { return daemon->RenderMetrics(); });
+    RETURN_IF_ERROR(metrics_->Start());
+  }
   return Status::OK();
 }
 
@@ -78,8 +83,8 @@ bool Server::PeerAllowed(int fd) {
             std::find(c.allow_gids.begin(), c.allow_gids.end(), cred.gid) != c.allow_gids.end();
   if (!ok) {
     refused_ += 1;
-    Logger("rpc")->warn("refused peer uid={} gid={} pid={} (allowed: root, uid {}, --allow-uid, --allow-gid)",
-                        cred.uid, cred.gid, cred.pid, ::getuid());
+    Logger("rpc")->warn("refused peer uid={} gid={} pid={} (allowed: root, uid {}, --allow-uid, --allow-gid)", cred.uid,
+                        cred.gid, cred.pid, ::getuid());
   }
   return ok;
 }
@@ -101,6 +106,8 @@ void Server::AcceptLoop() {
 
 void Server::Shutdown(std::chrono::milliseconds grace) {
   const auto deadline = std::chrono::system_clock::now() + grace;  // one grace for both listeners
+  if (metrics_) metrics_->Stop();
+  metrics_.reset();
   // The TCP listener first: it forwards to service_.
   if (tcp_) tcp_->Shutdown(deadline);
   tcp_.reset();

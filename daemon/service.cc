@@ -18,8 +18,8 @@ namespace {
 
 // Request timeouts may not outlive the client's own deadline.
 std::chrono::milliseconds Bounded(grpc::ServerContext* ctx, std::chrono::milliseconds wanted) {
-  auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(ctx->deadline() -
-                                                                         std::chrono::system_clock::now());
+  auto remaining =
+      std::chrono::duration_cast<std::chrono::milliseconds>(ctx->deadline() - std::chrono::system_clock::now());
   if (remaining.count() < 0) remaining = std::chrono::milliseconds(0);
   return std::min(wanted, remaining);
 }
@@ -182,6 +182,27 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::
 
 grpc::Status CheckpointService::GetStatus(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
   *resp = daemon_->GetStatus();
+  return grpc::Status::OK;
+}
+
+grpc::Status CheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
+                                            grpc::ServerWriter<v1::Event>* writer) {
+  if (!req->job().empty()) RETURN_GRPC_IF_ERROR(ValidateJobName(req->job()));
+  auto subscription = daemon_->events().Subscribe(req->job());
+  if (!subscription.ok()) return ToGrpc(subscription.status());
+  writer->SendInitialMetadata();
+  v1::Event event;
+  while (!ctx->IsCancelled()) {
+    // A bounded wait, so that a caller that went away is noticed without an event to send.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    switch (subscription->Next(&event, deadline)) {
+      case EventHub::Wait::kClosed: return ToGrpc(Unavailable("the daemon is stopping"));
+      case EventHub::Wait::kTimeout: break;
+      case EventHub::Wait::kEvent:
+        if (!writer->Write(event)) return grpc::Status::OK;  // the caller is gone
+        break;
+    }
+  }
   return grpc::Status::OK;
 }
 

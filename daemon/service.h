@@ -35,6 +35,10 @@ class CheckpointService final : public v1::Checkpoint::Service {
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                v1::ListCheckpointsResponse* resp) override;
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* resp) override;
+  // Sends the initial metadata once subscribed (a caller that waits for it misses nothing after),
+  // then every event until the caller cancels (OK) or the daemon stops (UNAVAILABLE).
+  grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
+                           grpc::ServerWriter<v1::Event>* writer) override;
 
  private:
   Daemon* daemon_;

@@ -116,7 +116,7 @@ Status TcpListener::Start() {
   // gRPC sets SO_REUSEPORT by default: a second daemon would then share the port and take half
   // of the connections instead of failing to start.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Read-only, the listener takes only GetStatus and ListCheckpoints requests, a few bytes each: an
+  // Read-only, the listener takes only GetStatus, ListCheckpoints and WatchEvents requests, a few bytes each: an
   // unauthenticated caller gets no 16 MiB buffers out of it.
   builder.SetMaxReceiveMessageSize(config_.tcp_allow_writes ? kMaxRequestMessageBytes : kMaxReadOnlyRequestBytes);
   builder.RegisterService(&service_);

@@ -9,15 +9,21 @@ namespace flashckpt {
 grpc::Status TcpCheckpointService::Denied(grpc::ServerContext* ctx, const char* rpc) {
   denied_ += 1;
   Logger("rpc")->warn("refused tcp call rpc={} peer={} (read-only listener; --tcp-allow-writes)", rpc, ctx->peer());
-  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      std::string(rpc) +
-                          " is not served over TCP: the --listen listener serves only GetStatus and ListCheckpoints "
-                          "unless flashckptd runs with --tcp-allow-writes; trainers use the UNIX socket (--socket)");
+  return grpc::Status(
+      grpc::StatusCode::PERMISSION_DENIED,
+      std::string(rpc) +
+          " is not served over TCP: the --listen listener serves only GetStatus, ListCheckpoints and WatchEvents "
+          "unless flashckptd runs with --tcp-allow-writes; trainers use the UNIX socket (--socket)");
 }
 
 grpc::Status TcpCheckpointService::ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                                    v1::ListCheckpointsResponse* resp) {
   return local_->ListCheckpoints(ctx, req, resp);
+}
+
+grpc::Status TcpCheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
+                                               grpc::ServerWriter<v1::Event>* writer) {
+  return local_->WatchEvents(ctx, req, writer);
 }
 
 grpc::Status TcpCheckpointService::GetStatus(grpc::ServerContext* ctx, const v1::StatusRequest* req,

@@ -1,4 +1,4 @@
-// What a call that came in over the TCP listener (--listen) may do: GetStatus and ListCheckpoints
+// What a call that came in over the TCP listener (--listen) may do: GetStatus, ListCheckpoints and WatchEvents
 // are forwarded to the daemon's CheckpointService; every other RPC is refused with
 // PERMISSION_DENIED, naming --tcp-allow-writes, unless the daemon runs with that flag.
 //
@@ -34,6 +34,8 @@ class TcpCheckpointService final : public v1::Checkpoint::Service {
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                v1::ListCheckpointsResponse* resp) override;
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* resp) override;
+  grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
+                           grpc::ServerWriter<v1::Event>* writer) override;
 
   // Everything else changes the daemon's state: only with --tcp-allow-writes.
   grpc::Status Session(grpc::ServerContext* ctx,

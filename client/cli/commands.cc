@@ -134,6 +134,45 @@ int RunList(const Endpoint& endpoint, const std::string& job, bool json) {
   return kExitOk;
 }
 
+int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64_t count, double seconds) {
+  auto stub = Connect(endpoint);
+  if (!stub.ok()) {
+    std::cerr << "flashckpt: " << stub.status().message() << "\n";
+    return kExitRpcFailed;
+  }
+  grpc::ClientContext ctx;
+  if (seconds > 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                                            std::chrono::duration<double>(seconds)));
+  }
+  v1::WatchEventsRequest req;
+  req.set_job(job);
+  auto reader = (*stub)->WatchEvents(&ctx, req);
+  // The daemon sends its initial metadata once the watcher is subscribed: every event from here on
+  // is seen. A call that failed returns here too, and Finish below reports it.
+  reader->WaitForInitialMetadata();
+  std::cerr << "flashckpt: watching events of " << (job.empty() ? "every job" : "job " + job) << " at "
+            << endpoint.Describe() << "\n"
+            << std::flush;
+  v1::Event event;
+  uint64_t seen = 0;
+  while (reader->Read(&event)) {
+    if (json)
+      std::cout << EventJson(event).dump(-1, ' ', false, ordered_json::error_handler_t::replace) << "\n";
+    else
+      std::cout << EventText(event) << "\n";
+    std::cout << std::flush;  // a line as soon as it happens, also into a pipe
+    if (count > 0 && ++seen >= count) {
+      ctx.TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (s.ok() || (count > 0 && seen >= count)) return kExitOk;
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && seconds > 0) return kExitOk;
+  return ReportRpcError(s, endpoint, "WatchEvents");
+}
+
 int RunVerify(const std::string& dir, bool json) {
   VerifyReport report;
   Status s = VerifyCheckpointDir(dir, &report);

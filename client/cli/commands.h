@@ -31,6 +31,11 @@ struct Endpoint {
 int RunStatus(const Endpoint& endpoint, bool json);
 // ListCheckpoints, for one job or (empty `job`) every job under the daemon's root.
 int RunList(const Endpoint& endpoint, const std::string& job, bool json);
+// WatchEvents: one line (or JSON object) per event on stdout as it happens, for one job or (empty)
+// every job. Prints "watching ..." on stderr once the daemon has subscribed it. Runs until
+// interrupted, or until `count` events (0: no limit) or `seconds` (0: no limit) have passed, which
+// end it with kExitOk; a daemon that stops or cannot be reached ends it with kExitRpcFailed.
+int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64_t count, double seconds);
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
 // Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new

@@ -34,6 +34,16 @@ int main(int argc, char** argv) {
   list->add_option("--job", job, "Only this job");
   list->add_flag("--json", json, "Print JSON instead of a table");
 
+  uint64_t watch_count = 0;
+  double watch_seconds = 0;
+  CLI::App* watch = app.add_subcommand("watch", "Print the daemon's events as they happen, one line each");
+  watch->add_option("--job", job, "Only this job");
+  watch->add_flag("--json", json, "One JSON object per line instead of text");
+  watch->add_option("--count", watch_count, "Stop after this many events (0: no limit)")->capture_default_str();
+  watch->add_option("--seconds", watch_seconds, "Stop after this many seconds (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+
   std::string dir;
   CLI::App* verify = app.add_subcommand("verify", "Check a checkpoint directory's files and checksums (offline)");
   verify->add_option("dir", dir, "The checkpoint directory, e.g. <root>/<job>/checkpoint-1200")->required();
@@ -64,5 +74,6 @@ int main(int argc, char** argv) {
 
   if (*status) return flashckpt::cli::RunStatus(endpoint, json);
   if (*list) return flashckpt::cli::RunList(endpoint, job, json);
+  if (*watch) return flashckpt::cli::RunWatch(endpoint, job, json, watch_count, watch_seconds);
   return flashckpt::cli::RunVerify(dir, json);
 }

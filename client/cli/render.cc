@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <vector>
 
 #include "common/names.h"
@@ -96,7 +97,118 @@ std::string OldestWriteText(double seconds) {
   return buf;
 }
 
+// "2026-11-23T01:02:03.456Z"
+std::string UtcText(double unix_seconds) {
+  if (!std::isfinite(unix_seconds) || unix_seconds < 0) unix_seconds = 0;
+  auto whole = static_cast<std::time_t>(unix_seconds);
+  int millis = static_cast<int>((unix_seconds - static_cast<double>(whole)) * 1000);
+  std::tm tm{};
+  gmtime_r(&whole, &tm);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, std::min(millis, 999));
+  return buf;
+}
+
+const char* EventKindText(v1::Event::Kind kind) {
+  switch (kind) {
+    case v1::Event::SNAPSHOT_COMMITTED: return "committed";
+    case v1::Event::SNAPSHOT_SKIPPED: return "skipped";
+    case v1::Event::EMA_UPDATED: return "ema-updated";
+    case v1::Event::PERSISTED: return "persisted";
+    case v1::Event::PERSIST_FAILED: return "failed";
+    case v1::Event::CHECKPOINT_COMPLETE: return "complete";
+    case v1::Event::CHECKPOINT_DELETED: return "deleted";
+    case v1::Event::EVENTS_LOST: return "lost";
+    default: return "unknown";
+  }
+}
+
+std::string Fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// "12.4GiB": FormatBytes without its space, so that key=value fields split on blanks.
+std::string CompactBytes(uint64_t bytes) {
+  std::string out = FormatBytes(bytes);
+  out.erase(std::remove(out.begin(), out.end(), ' '), out.end());
+  return out;
+}
+
+double Gbps(uint64_t bytes, double seconds) { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+
+// The rate of the job's most recent persists: the mean of its ranks' last rates ("-" before any).
+std::string JobGbpsText(const v1::JobStatus& job) {
+  double sum = 0;
+  int n = 0;
+  for (const auto& r : job.ranks()) {
+    if (r.last_persist_gbps() > 0) {
+      sum += r.last_persist_gbps();
+      ++n;
+    }
+  }
+  return n == 0 ? "-" : Fixed(sum / n, 2);
+}
+
+int64_t JobLastCommitted(const v1::JobStatus& job) {
+  int64_t last = -1;
+  for (const auto& r : job.ranks()) last = std::max(last, r.last_committed_step());
+  return last;
+}
+
 }  // namespace
+
+std::string EventText(const v1::Event& e) {
+  char kind[16];
+  std::snprintf(kind, sizeof kind, "%-11s", EventKindText(e.kind()));
+  std::string out = UtcText(e.unix_seconds()) + " " + kind;
+  if (e.kind() == v1::Event::EVENTS_LOST) {
+    return out + " " + std::to_string(e.lost()) + " event(s) dropped: this watcher fell behind";
+  }
+  out += " job=" + e.job() + " step=" + std::to_string(e.step());
+  switch (e.kind()) {
+    case v1::Event::CHECKPOINT_COMPLETE: break;
+    case v1::Event::CHECKPOINT_DELETED: out += " reason=" + e.reason(); break;
+    case v1::Event::SNAPSHOT_COMMITTED:
+      out += " rank=" + std::to_string(e.rank()) + " bytes=" + CompactBytes(e.bytes()) + " for=" + e.reason();
+      break;
+    case v1::Event::EMA_UPDATED: out += " rank=" + std::to_string(e.rank()) + " secs=" + Fixed(e.seconds(), 3); break;
+    case v1::Event::PERSISTED:
+      out += " rank=" + std::to_string(e.rank()) + " bytes=" + CompactBytes(e.bytes()) +
+             " secs=" + Fixed(e.seconds(), 2) + " gbps=" + Fixed(Gbps(e.bytes(), e.seconds()), 2);
+      break;
+    case v1::Event::PERSIST_FAILED:
+      out += " rank=" + std::to_string(e.rank()) + " code=" + e.code() + " error=\"" + e.reason() + "\"";
+      break;
+    case v1::Event::SNAPSHOT_SKIPPED:
+      out += " rank=" + std::to_string(e.rank()) + " reason=\"" + e.reason() + "\"";
+      break;
+    default: break;
+  }
+  return out;
+}
+
+ordered_json EventJson(const v1::Event& e) {
+  ordered_json j;
+  j["time"] = UtcText(e.unix_seconds());
+  j["unix_seconds"] = e.unix_seconds();
+  j["event"] = EventKindText(e.kind());
+  if (e.kind() == v1::Event::EVENTS_LOST) {
+    j["lost"] = e.lost();
+    return j;
+  }
+  j["job"] = e.job();
+  j["step"] = e.step();
+  j["rank"] = e.rank();
+  j["bytes"] = e.bytes();
+  j["seconds"] = e.seconds();
+  if (e.kind() == v1::Event::PERSISTED) j["gbps"] = Gbps(e.bytes(), e.seconds());
+  if (!e.code().empty()) j["code"] = e.code();
+  if (!e.reason().empty()) j["reason"] = e.reason();
+  return j;
+}
 
 std::string FormatDuration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) seconds = 0;
@@ -132,6 +244,24 @@ std::string StatusText(const v1::StatusResponse& status) {
     out += "jobs    none registered\n";
     return out;
   }
+  // At a glance: is each job being checkpointed, and how far behind is the disk?
+  TextTable jobs({"JOB", "RANKS", "COMMITTED", "DURABLE", "LAG", "PERSIST GB/s", "EMA", "FAILURES"},
+                 {false, true, true, true, true, true, false, true});
+  for (const auto& job : status.jobs()) {
+    int64_t committed = JobLastCommitted(job);
+    int64_t durable = job.last_complete_step();
+    std::string lag = committed < 0 ? "-" : std::to_string(committed - std::max<int64_t>(durable, 0));
+    uint64_t failures = 0;
+    bool ema = false;
+    for (const auto& r : job.ranks()) {
+      failures += r.failures();
+      ema = ema || r.ema_enabled();
+    }
+    jobs.AddRow({job.job(), std::to_string(job.ranks_size()) + "/" + std::to_string(job.world_size()),
+                 StepText(committed), StepText(durable), lag, JobGbpsText(job), ema ? "on" : "off",
+                 std::to_string(failures)});
+  }
+  out += "\n" + jobs.Render("");
   for (const auto& job : status.jobs()) {
     out += "\njob " + job.job() + "  world size " + std::to_string(job.world_size()) + ", " +
            std::to_string(job.ranks_size()) + " rank(s) here, last complete step " +
@@ -182,6 +312,7 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
     j["job"] = job.job();
     j["world_size"] = job.world_size();
     j["last_complete_step"] = StepJson(job.last_complete_step());
+    j["last_committed_step"] = StepJson(JobLastCommitted(job));
     ordered_json ranks = ordered_json::array();
     for (const auto& rank : job.ranks()) {
       ordered_json r;
@@ -196,6 +327,7 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
       }
       r["slots"] = std::move(slots);
       r["oldest_write_seconds"] = rank.oldest_write_seconds();  // 0: nothing being written
+      r["last_persist_gbps"] = rank.last_persist_gbps();        // 0: none yet
       r["snapshots"] = rank.snapshots();
       r["persists"] = rank.persists();
       r["failures"] = rank.failures();

@@ -12,7 +12,9 @@ namespace flashckpt::cli {
 // "2h 03m 14s", "45s", "3d 01h 00m".
 std::string FormatDuration(double seconds);
 
-// The GetStatus answer: daemon, memory, root, then per job an EMA summary line, a table of ranks
+// The GetStatus answer: daemon, memory, root, a table with one line per job (ranks here, newest
+// step committed by any rank, newest complete checkpoint, the lag between them in steps, the last
+// persist's rate, EMA on/off, failed persists), then per job an EMA summary line, a table of ranks
 // (OLDEST WRITE: how long the rank's oldest persist being written has run, "-" when none; in JSON
 // oldest_write_seconds, 0 when none) and, when any rank keeps an EMA, a table of its EMA (decay,
 // last update step, updates applied and skipped, image size). Steps that have not happened yet
@@ -20,6 +22,11 @@ std::string FormatDuration(double seconds);
 // same keys whether EMA is on or off.
 std::string StatusText(const v1::StatusResponse& status);
 nlohmann::ordered_json StatusJson(const v1::StatusResponse& status);
+
+// One WatchEvents event as one line: UTC time, what happened, then key=value fields, e.g.
+//   2026-11-23T01:02:03.456Z persisted    job=llama step=1200 rank=3 bytes=12.4GiB secs=3.10 gbps=4.00
+std::string EventText(const v1::Event& event);
+nlohmann::ordered_json EventJson(const v1::Event& event);
 
 // The ListCheckpoints answer: one row per checkpoint directory.
 std::string ListText(const v1::ListCheckpointsResponse& list);

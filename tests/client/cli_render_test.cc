@@ -40,6 +40,56 @@ v1::StatusResponse TwoRankStatus() {
   return s;
 }
 
+TEST(StatusText, OneLinePerJobWithLagRateAndFailures) {
+  v1::StatusResponse s = TwoRankStatus();
+  s.mutable_jobs(0)->mutable_ranks(0)->set_last_persist_gbps(4.0);
+  s.mutable_jobs(0)->mutable_ranks(1)->set_last_persist_gbps(2.5);
+  s.mutable_jobs(0)->mutable_ranks(1)->set_failures(3);
+  std::string text = StatusText(s);
+  EXPECT_NE(text.find("JOB    RANKS  COMMITTED  DURABLE  LAG  PERSIST GB/s  EMA  FAILURES\n"
+                      "llama    2/2       1250     1200   50          3.25  on          3\n"),
+            std::string::npos)
+      << text;
+  auto j = StatusJson(s);
+  EXPECT_EQ(j["jobs"][0]["last_committed_step"], 1250);
+  EXPECT_DOUBLE_EQ(j["jobs"][0]["ranks"][1]["last_persist_gbps"].get<double>(), 2.5);
+}
+
+TEST(StatusText, JobLineBeforeAnyCommit) {
+  v1::StatusResponse s = TwoRankStatus();
+  s.mutable_jobs(0)->set_last_complete_step(-1);
+  s.mutable_jobs(0)->mutable_ranks(0)->set_last_committed_step(-1);
+  std::string text = StatusText(s);
+  EXPECT_NE(text.find("llama    2/2          -        -    -             -  on          0\n"), std::string::npos)
+      << text;
+}
+
+TEST(EventText, OneLinePerEventWithItsFields) {
+  v1::Event e;
+  e.set_kind(v1::Event::PERSISTED);
+  e.set_unix_seconds(1795396354.805);  // 2026-11-23T01:12:34.805Z
+  e.set_job("llama");
+  e.set_step(1200);
+  e.set_rank(3);
+  e.set_bytes(4000000000);
+  e.set_seconds(2.0);
+  EXPECT_EQ(EventText(e),
+            "2026-11-23T01:12:34.805Z persisted   job=llama step=1200 rank=3 bytes=3.7GiB secs=2.00 gbps=2.00");
+  EXPECT_DOUBLE_EQ(EventJson(e)["gbps"].get<double>(), 2.0);
+  e.set_kind(v1::Event::PERSIST_FAILED);
+  e.set_code("IO_ERROR");
+  e.set_reason("write x: Input/output error (errno 5)");
+  EXPECT_EQ(EventText(e),
+            "2026-11-23T01:12:34.805Z failed      job=llama step=1200 rank=3 code=IO_ERROR "
+            "error=\"write x: Input/output error (errno 5)\"");
+  EXPECT_EQ(EventJson(e)["code"], "IO_ERROR");
+  v1::Event lost;
+  lost.set_kind(v1::Event::EVENTS_LOST);
+  lost.set_unix_seconds(1795396354.805);
+  lost.set_lost(6);
+  EXPECT_EQ(EventText(lost), "2026-11-23T01:12:34.805Z lost        6 event(s) dropped: this watcher fell behind");
+}
+
 TEST(StatusText, ShowsTheEmaOfEachRank) {
   std::string text = StatusText(TwoRankStatus());
   EXPECT_NE(text.find("  ema on for 1 of 2 rank(s) here, decay 0.9999\n"), std::string::npos) << text;
