@@ -1,7 +1,8 @@
 // The daemon's listeners. The UNIX socket: it accepts connections itself, checks each peer's
 // credentials (SO_PEERCRED) against the allowed uids/gids, and only then hands the connection to
 // gRPC (grpc::AddInsecureChannelFromFd). A refused peer is closed and logged with its uid and pid.
-// With --listen, also a TCP listener on a gRPC server of its own (daemon/tcp_listener.h).
+// With --listen, also a TCP listener on a gRPC server of its own (daemon/tcp_listener.h). Both
+// serve the standard health service (grpc.health.v1.Health) beside flashckpt's own.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -27,6 +28,10 @@ class Server {
   Status Start();
   // Stops accepting, cancels open streams and waits up to `grace` for handlers to return.
   void Shutdown(std::chrono::milliseconds grace);
+  // The overall status (service "") of the standard health service, grpc.health.v1.Health, that
+  // both listeners serve (on TCP also without --tcp-allow-writes): SERVING from Start, NOT_SERVING
+  // once the daemon begins to stop.
+  void SetServing(bool serving);
 
   uint64_t refused_peers() const { return refused_.load(); }
   // The TCP listener's bound port, 0 without --listen.

@@ -31,6 +31,9 @@ struct Endpoint {
 int RunStatus(const Endpoint& endpoint, bool json);
 // ListCheckpoints, for one job or (empty `job`) every job under the daemon's root.
 int RunList(const Endpoint& endpoint, const std::string& job, bool json);
+// grpc.health.v1.Health/Check of the daemon as a whole: prints SERVING (exit 0), or NOT_SERVING
+// while it stops (exit 2); unreachable: exit 2 with the reason. An exec probe for supervisors.
+int RunHealth(const Endpoint& endpoint);
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
 // Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new
