@@ -17,8 +17,8 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& name);
 bool SetLogLevel(const std::string& level);
 // True when `level` is one SetLogLevel accepts.
 bool IsLogLevel(const std::string& level);
-// Sends every flashckpt logger, present and future, to `path` (appended to, created 0640 by the
-// umask); empty: back to stderr. Returns an error message, or "" on success. Call it before the
+// Sends every flashckpt logger, present and future, to `path` (appended to; created 0666 less the
+// umask, 0640 under the unit's UMask=0027); empty: back to stderr. Returns an error message, or "" on success. Call it before the
 // threads that log start: the loggers' sinks are swapped without a lock on their side.
 std::string SetLogFile(const std::string& path);
 

@@ -29,7 +29,9 @@ class SystemdNotifier {
   std::chrono::microseconds watchdog_interval() const { return watchdog_; }
 
   // READY=1 with a STATUS= line. Then, with a watchdog, WATCHDOG=1 every half interval; with
-  // `status`, a STATUS= line whenever its text changes (checked at each ping, or every 5 s).
+  // `status`, a STATUS= line whenever its text changes (checked at each ping, or every 5 s). Each
+  // ping waits for `status` first, so a daemon stuck on its lock stops pinging and systemd's
+  // watchdog aborts it.
   void Ready(const std::string& status_line, std::function<std::string()> status = nullptr);
   // STOPPING=1 with a STATUS= line. The pings go on until destruction: a stop that takes longer
   // than the watchdog interval is not a hang.
