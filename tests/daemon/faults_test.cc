@@ -322,9 +322,15 @@ TEST_F(FaultsTest, StatusShowsHowLongTheOldestWriteHasRun) {
 TEST_F(FaultsTest, StopFinishesAWriteInFlightWithinItsDeadline) {
   Trainer t = StartTrainer("finish", 1000);
   ASSERT_TRUE(t.client);
-  io_.SlowWrites(100ms);
+  io_.SlowWrites(200ms);
   ASSERT_OK(t.Snapshot(1).status());
-  d_.daemon()->Stop(Clock::now() + 30s);
+  std::thread stop([&] { d_.daemon()->Stop(Clock::now() + 30s); });
+  std::this_thread::sleep_for(100ms);  // the write takes a second or more
+  // Meanwhile new snapshots are refused, saying why.
+  auto refused = t.Snapshot(2);
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().ToString();
+  EXPECT_TRUE(Contains(refused.status().message(), "the daemon is stopping")) << refused.status().ToString();
+  stop.join();
   EXPECT_TRUE(PathExists(StepDir("finish", 1) + "/metadata.json"));
   EXPECT_OK(VerifyCheckpointDir(StepDir("finish", 1), nullptr));
 }

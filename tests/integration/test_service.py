@@ -8,7 +8,7 @@ through real flashckptd, flashckpt-sim and flashckpt processes and real signals.
   2. systemd notify (NOTIFY_SOCKET: a datagram socket bound here): READY=1 with a STATUS= line once
      the daemon's socket is connectable; WATCHDOG=1 every half WATCHDOG_USEC when WATCHDOG_PID is
      the daemon's pid (started through `sh -c 'WATCHDOG_PID=$$ exec ...'`), none when it names
-     another process.
+     another process (that run logs with --log-file: the file gets the log, stderr does not).
   3. Health: `flashckpt health` prints SERVING (exit 0) over the socket and over a read-only TCP
      listener. A large save (flashckpt-sim, 1.5 GiB) is in flight when SIGTERM arrives with
      --stop-timeout 60: STOPPING=1 arrives, health says NOT_SERVING (exit 2) while the write
@@ -230,8 +230,10 @@ def health(h, *args):
 
 def test_watchdog_other_pid(h):
     h.notify.messages.clear()
-    d = h.start("watchdog-other", env={"NOTIFY_SOCKET": h.notify.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)},
-                watchdog_pid=1)
+    log_file = os.path.join(h.tmp, "log-file.log")
+    h.logs.append(log_file)
+    d = h.start("watchdog-other", ["--log-file", log_file],
+                env={"NOTIFY_SOCKET": h.notify.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)}, watchdog_pid=1)
     wait_for(lambda: h.notify.with_key("READY"), 30, "READY=1")
     time.sleep(1.2)
     pings = h.notify.with_key("WATCHDOG")
@@ -240,7 +242,13 @@ def test_watchdog_other_pid(h):
     rc = d.wait(timeout=30)
     check(rc == 0, "flashckptd exited %d after SIGTERM" % rc)
     check(not connectable(h.sock), "the socket still answers after the daemon exited")
-    log("WATCHDOG_PID=1: READY=1, no pings in 1.2 s")
+    with open(log_file, errors="replace") as f:
+        logged = f.read()
+    for want in ("[rpc] listening socket=%s" % h.sock, "[rpc] systemd notify socket=", "[rpc] stopped"):
+        check(want in logged, "--log-file %s lacks %r:\n%s" % (log_file, want, logged[-2000:]))
+    check("listening socket=" not in h.log_text(), "with --log-file the log still went to stderr:\n%s"
+          % tail(h.daemon_log))
+    log("WATCHDOG_PID=1: READY=1, no pings in 1.2 s; --log-file got the log, stderr did not")
 
 
 def test_notify_health_and_graceful_stop(h):
