@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 namespace flashckpt {
 namespace {
 
@@ -22,6 +24,26 @@ class PosixIoEnv final : public IoEnv {
 IoEnv* IoEnv::Default() {
   static PosixIoEnv env;  // stateless: a shared instance is no mutable global
   return &env;
+}
+
+namespace {
+
+// errno = ECANCELED and the failure value of the call.
+int Refused() {
+  errno = ECANCELED;
+  return -1;
+}
+
+}  // namespace
+
+ssize_t CancellableIo::Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) {
+  return cancelled() ? Refused() : base_->Pwrite(fd, buf, bytes, offset);
+}
+int CancellableIo::Ftruncate(int fd, uint64_t bytes) { return cancelled() ? Refused() : base_->Ftruncate(fd, bytes); }
+int CancellableIo::Fdatasync(int fd) { return cancelled() ? Refused() : base_->Fdatasync(fd); }
+int CancellableIo::Fsync(int fd) { return cancelled() ? Refused() : base_->Fsync(fd); }
+int CancellableIo::Rename(const std::string& from, const std::string& to) {
+  return cancelled() ? Refused() : base_->Rename(from, to);
 }
 
 }  // namespace flashckpt

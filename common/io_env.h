@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,6 +30,27 @@ class IoEnv {
 
   // The real OS. Never null; lives as long as the process; stateless.
   static IoEnv* Default();
+};
+
+// Forwards every call to `base` until Cancel(); from then on each call fails with ECANCELED
+// before it starts. A durable write in progress (common/fs.h) thus stops at its next piece and
+// takes its failure path: its temporaries are removed and nothing more is renamed into place.
+// The writer abandons what it has not finished this way when the daemon's stop timeout runs out.
+class CancellableIo final : public IoEnv {
+ public:
+  explicit CancellableIo(IoEnv* base) : base_(base) {}
+  void Cancel() { cancelled_.store(true, std::memory_order_release); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override;
+  int Ftruncate(int fd, uint64_t bytes) override;
+  int Fdatasync(int fd) override;
+  int Fsync(int fd) override;
+  int Rename(const std::string& from, const std::string& to) override;
+
+ private:
+  IoEnv* base_;  // not owned
+  std::atomic<bool> cancelled_{false};
 };
 
 }  // namespace flashckpt

@@ -1,15 +1,19 @@
 #include "daemon/config.h"
 
 #include <grp.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
+#include <filesystem>
 #include <iostream>
+#include <sstream>
 #include <vector>
 
 #include "common/layout.h"
+#include "common/log.h"
 #include "common/names.h"
 #include "daemon/limits.h"
 #include "daemon/tcp_listener.h"
@@ -81,6 +85,23 @@ Status Finish(DaemonConfig& config, const std::string& budget, const std::string
   if (!shm_group.empty()) {
     ASSIGN_OR_RETURN(config.shm_group, ResolveShmGroup(shm_group));
   }
+  if (!IsLogLevel(config.log_level)) {
+    return InvalidArgument("--log-level '" + config.log_level + "' is not one of trace, debug, info, warn, error, off");
+  }
+  if (!config.log_file.empty()) {
+    // The file is opened (appended to) only when the daemon starts; here its place is checked.
+    struct stat st {};
+    std::string dir = std::filesystem::path(config.log_file).parent_path().string();
+    if (dir.empty()) dir = ".";
+    if (::stat(config.log_file.c_str(), &st) == 0) {
+      if (!S_ISREG(st.st_mode) || ::access(config.log_file.c_str(), W_OK) != 0) {
+        return InvalidArgument("--log-file " + config.log_file + " is not a regular file this user can write to");
+      }
+    } else if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
+      return InvalidArgument("--log-file " + config.log_file + ": its directory " + dir +
+                             " does not exist or this user cannot create files in it");
+    }
+  }
   if (config.tls_cert.empty() != config.tls_key.empty()) {
     return InvalidArgument("--tls-cert and --tls-key go together: give both (TLS on the --listen port) or neither");
   }
@@ -98,13 +119,86 @@ Status Finish(DaemonConfig& config, const std::string& budget, const std::string
   return Status::OK();
 }
 
+// A size as the flags take it: the largest binary unit that divides it exactly.
+std::string SizeText(uint64_t bytes) {
+  const char* units[] = {"TiB", "GiB", "MiB", "KiB"};
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t scale = 1ull << (10 * (4 - i));
+    if (bytes != 0 && bytes % scale == 0) return std::to_string(bytes / scale) + units[i];
+  }
+  return std::to_string(bytes);
+}
+
+// A string value in the config file's syntax: double-quoted when it is empty or holds what would
+// end or split it (CLI11 strips the quotes; it has no escapes).
+std::string ValueText(const std::string& v) {
+  if (!v.empty() && v.find_first_of(" \t\"'#;=[],") == std::string::npos) return v;
+  return "\"" + v + "\"";
+}
+
+template <typename T>
+std::string ListText(const std::vector<T>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
 }  // namespace
+
+std::string FormatDaemonConfig(const DaemonConfig& c) {
+  std::ostringstream out;
+  auto line = [&](const char* key, const std::string& value) { out << key << " = " << value << "\n"; };
+  auto optional = [&](const char* key, const std::string& value) {
+    if (value.empty()) {
+      out << "# " << key << " = (not set)\n";
+    } else {
+      line(key, ValueText(value));
+    }
+  };
+  line("socket", ValueText(c.socket_path));
+  line("root", ValueText(c.root));
+  line("state-dir", ValueText(!c.state_dir.empty() ? c.state_dir : c.socket_path + ".state"));
+  line("slots", std::to_string(c.slots));
+  line("max-host-memory", SizeText(c.max_host_memory));
+  line("writer-threads", std::to_string(c.writer_threads));
+  line("io-threads", std::to_string(c.io_threads));
+  line("restore-threads", std::to_string(c.restore_threads));
+  line("checksum-chunk", SizeText(c.checksum_chunk));
+  line("keep", std::to_string(c.keep));
+  line("stop-timeout", std::to_string(c.stop_timeout_s));
+  line("log-level", ValueText(c.log_level));
+  optional("log-file", c.log_file);
+  if (c.allow_uids.empty()) {
+    out << "# allow-uid = (none)\n";
+  } else {
+    line("allow-uid", ListText(c.allow_uids));
+  }
+  if (c.allow_gids.empty()) {
+    out << "# allow-gid = (none)\n";
+  } else {
+    line("allow-gid", ListText(c.allow_gids));
+  }
+  optional("shm-group", c.shm_group ? std::to_string(*c.shm_group) : "");
+  optional("listen", c.listen);
+  line("tcp-allow-writes", c.tcp_allow_writes ? "true" : "false");
+  optional("tls-cert", c.tls_cert);
+  optional("tls-key", c.tls_key);
+  optional("metrics-listen", c.metrics_listen);
+  line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));
+  line("max-rank-bytes", c.max_rank_bytes == 0 ? "0" : SizeText(c.max_rank_bytes));
+  return out.str();
+}
 
 Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   DaemonConfig config;
   std::string budget;
   CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
   app.set_config("--config", "", "Read flags from an INI/TOML file (keys as the long flag names)");
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error, not ignored
+  bool check_config = false;
+  app.add_flag("--check-config", check_config,
+               "Check the flags and the --config file (every key known, every value valid), print 'config ok' and "
+               "the effective settings in the config file's syntax, and exit 0 (2 on an error) without starting");
   app.set_version_flag("--version", "flashckptd 0.1.0");
   app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
   app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
@@ -131,6 +225,13 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "Tensors record an xxh3 per chunk of this size (power of two, 4KiB..1GiB), so a restore "
                  "into another layout reads and verifies only the chunks it needs (default: 1MiB)");
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
+  app.add_option("--log-file", config.log_file,
+                 "Append the log to this file instead of stderr (reopened only at start: rotate with copytruncate)");
+  app.add_option("--stop-timeout", config.stop_timeout_s,
+                 "Seconds from SIGTERM to exit: writes in flight finish until then, the rest is left for the next "
+                 "daemon to adopt")
+      ->check(CLI::Range(1u, 86400u))
+      ->capture_default_str();
   app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
   app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
   std::string shm_group;
@@ -162,6 +263,16 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   } catch (const CLI::Success& e) {
     app.exit(e);
     return Cancelled("help or version printed");
+  } catch (const CLI::ConfigError& e) {
+    // CLI11 says "INI was not able to parse KEY" for a key no flag has.
+    std::string what = e.what();
+    const std::string prefix = "INI was not able to parse ";
+    if (what.rfind(prefix, 0) == 0) {
+      what = "unknown key '" + what.substr(prefix.size()) + "' in the --config file (keys are the long flag " +
+             "names without dashes; flashckptd --help lists them)";
+    }
+    std::cerr << "flashckptd: " << what << "\n";
+    return InvalidArgument(what);
   } catch (const CLI::ParseError& e) {
     app.exit(e);
     return InvalidArgument(e.what());
@@ -169,6 +280,10 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
     std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
     return s;
+  }
+  if (check_config) {
+    std::cout << "config ok\n" << FormatDaemonConfig(config);
+    return Cancelled("config checked");
   }
   return config;
 }

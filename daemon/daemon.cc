@@ -11,6 +11,9 @@ namespace flashckpt {
 namespace {
 
 constexpr char kVersion[] = "0.1.0";
+constexpr char kStoppingMessage[] =
+    "the daemon is stopping: it takes no new sessions, registrations or snapshots while it finishes the writes in "
+    "flight; connect again once it has restarted";
 
 bool SameLayout(const RankLayout& a, const RankLayout& b) {
   if (a.slot_bytes != b.slot_bytes || a.files.size() != b.files.size() || a.tensors.size() != b.tensors.size()) {
@@ -60,7 +63,11 @@ RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_
 
 RankSegment::~RankSegment() {
   used->fetch_sub(accounted);
-  if (state != nullptr && shm->owns_name()) state->RemoveSegment(shm->name());
+  if (!shm->owns_name()) {  // a stop left snapshots in it: the next daemon adopts it with its records
+    Logger("shm")->info("kept segment={} bytes={} for the next daemon", shm->name(), FormatBytes(shm->size()));
+    return;
+  }
+  if (state != nullptr) state->RemoveSegment(shm->name());
   Logger("shm")->info("released segment={} bytes={}", shm->name(), FormatBytes(shm->size()));
 }
 
@@ -119,17 +126,37 @@ Status Daemon::Start() {
   return AdoptSegments();
 }
 
-void Daemon::Stop() {
+void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
+  const auto begun = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ && !writer_) return;
     stopping_ = true;
+    stop_deadline_ = deadline;
   }
   cv_.notify_all();
-  if (ema_thread_.joinable()) ema_thread_.join();  // drains the EMA stage into the writer
-  if (writer_) writer_->Stop();                    // finishes the writes in flight: no half-written file is left behind
+  if (ema_thread_.joinable()) ema_thread_.join();  // drains the EMA stage into the writer, until the deadline
+  {
+    // Snapshots the EMA stage did not reach by the deadline: like a crash for the data, but tidy.
+    // Their commit records and segments stay for the next daemon, which replays them.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (EmaJob& job : ema_queue_) {
+      job.segment->shm->KeepName();
+      stop_abandoned_ += 1;
+      Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
+                             job.step, job.rank);
+    }
+    ema_queue_.clear();
+  }
+  // Finishes the writes in flight until the deadline; abandons the rest (OnPersisted, kCancelled).
+  // Either way no half-written file is left behind under a final name.
+  if (writer_) writer_->Stop(deadline);
   std::lock_guard<std::mutex> lock(mu_);
-  jobs_.clear();  // unmaps and unlinks every segment
+  if (writer_) {
+    Logger("rpc")->info("stopped finished={} abandoned={} secs={:.3f}", stop_finished_, stop_abandoned_,
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
+  }
+  jobs_.clear();  // unmaps every segment, and unlinks those no abandoned snapshot is left in
   writer_.reset();
   events_.Close();  // after the last writes' events: watchers see how the stop ended
 }
@@ -138,11 +165,11 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   RETURN_IF_ERROR(ValidateJobName(job));
   ASSIGN_OR_RETURN(std::string token, RandomToken());
   std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_) return Unavailable("the daemon is shutting down");
+  if (stopping_) return Unavailable(kStoppingMessage);
   // A restarted trainer may connect before the daemon has seen its predecessor's stream break.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
   for (;;) {
-    if (stopping_) return Unavailable("the daemon is shutting down");
+    if (stopping_) return Unavailable(kStoppingMessage);
     auto jit = jobs_.find(job);
     if (jit == jobs_.end()) break;
     auto rit = jit->second.ranks.find(rank);
@@ -182,7 +209,7 @@ void Daemon::CloseSession(const std::string& session_id) {
 }
 
 Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
-  if (stopping_) return Unavailable("the daemon is shutting down");
+  if (stopping_) return Unavailable(kStoppingMessage);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     // UNAVAILABLE, not an argument error: after a daemon restart every session id is unknown, and

@@ -61,6 +61,10 @@ struct DaemonConfig {
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
   std::string log_level = "info";
+  std::string log_file;  // empty: stderr (common/log.h)
+  // After SIGTERM, seconds until the daemon exits: writes in flight finish until then (less a
+  // moment to close the listeners), the rest is abandoned for the next daemon (Stop).
+  uint32_t stop_timeout_s = 60;
   // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
   IoEnv* io_env = IoEnv::Default();
   // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
@@ -124,8 +128,13 @@ class Daemon {
   // Creates the root directory, starts the writer, and adopts the slot segments a predecessor
   // left behind (daemon/recovery.cc): their committed snapshots are persisted again.
   Status Start();
-  // Refuses new work, wakes every waiter, and finishes the writes in flight.
-  void Stop();
+  // Refuses new work (UNAVAILABLE, saying the daemon is stopping), wakes every waiter, and lets
+  // the EMA stage and the writer finish what was committed until `deadline`. What is not written
+  // by then is abandoned: the writes stop at their next piece and remove their temporaries and
+  // partial files, never writing a signal or metadata.json for it; its commit record and slot
+  // segment stay, so the next daemon adopts and writes it, as after a crash. Logs what was
+  // finished and what was abandoned. Idempotent.
+  void Stop(std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max());
 
   Result<std::string> OpenSession(const std::string& job, uint32_t rank);
   void CloseSession(const std::string& session_id);
@@ -267,6 +276,8 @@ class Daemon {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;                        // guarded by mu_
+  std::chrono::steady_clock::time_point stop_deadline_ = std::chrono::steady_clock::time_point::max();  // mu_
+  uint64_t stop_finished_ = 0, stop_abandoned_ = 0;  // guarded by mu_: persists finished, abandoned in Stop
   std::map<std::string, SessionInfo> sessions_;  // guarded by mu_
   std::map<std::string, JobState> jobs_;         // guarded by mu_
 };

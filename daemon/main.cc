@@ -1,25 +1,44 @@
-// flashckptd: parse flags, serve until SIGTERM or SIGINT, then stop cleanly.
+// flashckptd: parse flags, serve until SIGTERM or SIGINT, then stop within --stop-timeout.
 #include <csignal>
 #include <cstdio>
 
 #include "common/log.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
+#include "daemon/systemd_notify.h"
+
+namespace {
+
+// "serving; 2 jobs, 8 ranks (8 connected)" for systemd's STATUS=.
+std::string ServingLine(const flashckpt::Daemon& daemon) {
+  auto status = daemon.GetStatus();
+  size_t ranks = 0, connected = 0;
+  for (const auto& job : status.jobs()) {
+    ranks += static_cast<size_t>(job.ranks_size());
+    for (const auto& rank : job.ranks()) connected += rank.connected() ? 1 : 0;
+  }
+  return "serving; " + std::to_string(status.jobs_size()) + " jobs, " + std::to_string(ranks) + " ranks (" +
+         std::to_string(connected) + " connected)";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace flashckpt;
-  auto config = ParseDaemonFlags(argc, argv);
+  auto config = ParseDaemonFlags(argc, argv);  // also --check-config: prints and returns kCancelled
   if (!config.ok()) return config.status().code() == StatusCode::kCancelled ? 0 : 2;
-  if (!SetLogLevel(config->log_level)) {
-    std::fprintf(stderr, "unknown --log-level '%s'\n", config->log_level.c_str());
+  if (std::string error = SetLogFile(config->log_file); !error.empty()) {
+    std::fprintf(stderr, "flashckptd: --log-file %s: %s\n", config->log_file.c_str(), error.c_str());
     return 2;
   }
+  SetLogLevel(config->log_level);  // checked by ParseDaemonFlags
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started below
 
+  SystemdNotifier systemd;
   Daemon daemon(*config);
   Server server(&daemon);
   // In order: the daemon adopts what a predecessor left before the server lets anyone in.
@@ -27,12 +46,27 @@ int main(int argc, char** argv) {
   if (started.ok()) started = server.Start();
   if (!started.ok()) {
     Logger("rpc")->critical("startup failed: {}", started.ToString());
+    systemd.Status("startup failed: " + started.ToString());
     return 1;
   }
+  systemd.Ready(ServingLine(daemon), [&daemon] { return ServingLine(daemon); });
   int received = 0;
   sigwait(&signals, &received);
-  Logger("rpc")->info("stopping signal={}", received);
-  daemon.Stop();  // wakes waiting handlers and finishes writes in flight
-  server.Shutdown(std::chrono::seconds(2));
+
+  // The whole stop fits in --stop-timeout: writes in flight get all of it but the last moment
+  // (up to 2 s), which is left to the listeners to end open streams.
+  const auto timeout = std::chrono::seconds(config->stop_timeout_s);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto listeners = std::min<std::chrono::steady_clock::duration>(std::chrono::seconds(2), timeout / 2);
+  Logger("rpc")->info("stopping signal={} stop_timeout={}s", received, config->stop_timeout_s);
+  systemd.Stopping("stopping: finishing the writes in flight (at most " + std::to_string(config->stop_timeout_s) +
+                   " s)");
+  server.SetServing(false);
+  daemon.Stop(deadline - listeners);  // refuses new work, finishes or abandons the writes in flight
+  systemd.Status("stopping: closing the listeners");
+  auto left = std::min(deadline - std::chrono::steady_clock::now(), listeners);
+  server.Shutdown(std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::max<std::chrono::steady_clock::duration>(left, std::chrono::steady_clock::duration::zero())));
+  Logger("rpc")->info("stopped");
   return 0;
 }

@@ -226,6 +226,7 @@ void Daemon::RunEmaStage() {
   for (;;) {
     cv_.wait(lock, [&] { return stopping_ || !ema_queue_.empty(); });
     if (ema_queue_.empty()) return;  // stopping, and everything committed has been applied
+    if (stopping_ && std::chrono::steady_clock::now() >= stop_deadline_) return;  // Stop abandons the rest
     EmaJob job = std::move(ema_queue_.front());
     ema_queue_.pop_front();
     lock.unlock();
@@ -263,9 +264,22 @@ void Daemon::RunEmaStage() {
 void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id,
                          const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
                          const Status& status, uint64_t bytes, double seconds) {
+  if (status.code() == StatusCode::kCancelled) {
+    // Abandoned at the stop timeout (its temporaries and partial files removed): as after a crash,
+    // the commit record and the segment stay, and the slot stays PERSISTING in its mirror, so the
+    // next daemon adopts it and writes it without passing it through the EMA stage again.
+    std::lock_guard<std::mutex> lock(mu_);
+    segment->shm->KeepName();
+    stop_abandoned_ += 1;
+    Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
+                           step, rank_id, status.message());
+    cv_.notify_all();
+    return;
+  }
   // Written (or failed and reported): a restarted daemon must not write it again.
   state_.RemoveCommit(segment->shm->name(), ticket.slot);
   std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ && status.ok()) stop_finished_ += 1;
   Status released = segment->slots.Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
   segment->Mirror(ticket.slot);

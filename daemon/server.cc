@@ -1,6 +1,7 @@
 #include "daemon/server.h"
 
 #include <fcntl.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_posix.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -50,6 +51,8 @@ Status Server::Start() {
   if (::chmod(path.c_str(), 0660) != 0) return ErrnoStatus("chmod", path);
   if (::listen(fd.get(), 128) != 0) return ErrnoStatus("listen", path);
 
+  // For every server built from here on (the TCP listener's too): grpc.health.v1.Health, SERVING.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(kMaxRequestMessageBytes);
   builder.RegisterService(&service_);
@@ -102,6 +105,13 @@ void Server::AcceptLoop() {
     }
     grpc::AddInsecureChannelFromFd(server_.get(), fd);  // gRPC owns the fd from here on
   }
+}
+
+void Server::SetServing(bool serving) {
+  if (server_ && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(serving);
+  }
+  if (tcp_) tcp_->SetServing(serving);
 }
 
 void Server::Shutdown(std::chrono::milliseconds grace) {

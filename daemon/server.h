@@ -2,7 +2,8 @@
 // credentials (SO_PEERCRED) against the allowed uids/gids, and only then hands the connection to
 // gRPC (grpc::AddInsecureChannelFromFd). A refused peer is closed and logged with its uid and pid.
 // With --listen, also a TCP listener on a gRPC server of its own (daemon/tcp_listener.h); with
-// --metrics-listen, the Prometheus scrape endpoint (daemon/metrics_http.h).
+// --metrics-listen, the Prometheus scrape endpoint (daemon/metrics_http.h). Both gRPC servers
+// serve the standard health service (grpc.health.v1.Health) beside flashckpt's own.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -30,6 +31,10 @@ class Server {
   Status Start();
   // Stops accepting, cancels open streams and waits up to `grace` for handlers to return.
   void Shutdown(std::chrono::milliseconds grace);
+  // The overall status (service "") of the standard health service, grpc.health.v1.Health, that
+  // both listeners serve (on TCP also without --tcp-allow-writes): SERVING from Start, NOT_SERVING
+  // once the daemon begins to stop.
+  void SetServing(bool serving);
 
   uint64_t refused_peers() const { return refused_.load(); }
   // The TCP listener's bound port, 0 without --listen.

@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <grpcpp/health_check_service_interface.h>
+
 #include <charconv>
 
 #include "common/fs.h"
@@ -146,6 +148,12 @@ Status TcpListener::Start() {
         address.Target());
   }
   return Status::OK();
+}
+
+void TcpListener::SetServing(bool serving) {
+  if (server_ && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(serving);
+  }
 }
 
 void TcpListener::Shutdown(std::chrono::system_clock::time_point deadline) {

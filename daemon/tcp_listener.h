@@ -46,6 +46,8 @@ class TcpListener {
   // Stops accepting and cancels calls still running at `deadline`.
   void Shutdown(std::chrono::system_clock::time_point deadline);
 
+  // The overall status of the listener's grpc.health.v1.Health service (read-only, always served).
+  void SetServing(bool serving);
   int port() const { return port_; }  // the bound port, after Start
   uint64_t denied_calls() const { return service_.denied_calls(); }
 

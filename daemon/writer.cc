@@ -120,12 +120,30 @@ Status Writer::Submit(PersistRequest request) {
   return Status::OK();
 }
 
-void Writer::Stop() {
+void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
+  std::deque<PersistRequest> dropped;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     stopping_ = true;
+    cv_.notify_all();
+    auto idle = [&] { return queue_.empty() && in_flight_.empty(); };
+    if (deadline == std::chrono::steady_clock::time_point::max()) {
+      idle_cv_.wait(lock, idle);
+    } else if (!idle_cv_.wait_until(lock, deadline, idle)) {
+      // Out of time: the writes running now fail at their next call into env_ and clean up.
+      env_.Cancel();
+      dropped.swap(queue_);
+      for (const auto& [id, w] : in_flight_) {
+        Logger("writer")->warn("abandoning job={} step={} rank={} secs={:.1f}: the stop timeout ran out", w.job, w.step,
+                               w.rank,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - w.started).count());
+      }
+    }
   }
-  cv_.notify_all();
+  for (PersistRequest& req : dropped) {
+    Logger("writer")->warn("abandoning job={} step={} rank={}: queued, not started", req.job, req.step, req.rank);
+    if (req.done) req.done(Cancelled("abandoned before it started: the daemon stopped"), 0, 0);
+  }
   for (auto& t : threads_) {
     if (t.joinable()) t.join();
   }
@@ -162,6 +180,7 @@ void Writer::Run() {
       std::lock_guard<std::mutex> lock(mu_);
       in_flight_.erase(id);
     }
+    idle_cv_.notify_all();
     if (req.done) req.done(written.status(), written.ok() ? *written : 0, secs);
   }
 }
@@ -213,6 +232,10 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
   }
   if (!wrote.ok()) {
     RemoveAttemptFiles(req, dir, written);
+    if (env_.cancelled()) {
+      return Cancelled("abandoned at the daemon's stop timeout: " + wrote.message() +
+                       "; its temporaries and partial files were removed");
+    }
     return wrote;
   }
   if (!complete.ok()) {
@@ -281,11 +304,11 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   hooks.finish = [&](size_t i) {
     if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
   };
-  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written, env_));
+  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written, &env_));
 
   auto write = [&](const std::string& name, const std::string& text) {
     bool renamed = false;
-    Status s = WriteFileDurably(dir, name, text, &renamed, env_);
+    Status s = WriteFileDurably(dir, name, text, &renamed, &env_);
     if (renamed) written->push_back(name);
     return s;
   };

@@ -64,14 +64,21 @@ class Writer {
   // Queues a request; kResourceExhausted when the queue is full, kUnavailable once stopped.
   Status Submit(PersistRequest request);
   // Finishes every queued request, then joins the threads. Idempotent.
-  void Stop();
+  void Stop() { Stop(std::chrono::steady_clock::time_point::max()); }
+  // The same until `deadline`; then it abandons what is left: the persists being written stop at
+  // their next write or rename (CancellableIo), remove their temporaries and the files they had
+  // renamed (never their signal once it is in place: a persist whose signal is written is
+  // finished), and the queued ones are not started. The `done` of each abandoned request runs with
+  // kCancelled (after Stop returns, every `done` has run).
+  void Stop(std::chrono::steady_clock::time_point deadline);
   // The persists being written now, each with when its thread took it; it leaves the list before
   // its `done` runs. Thread-safe; takes the writer's lock only, so a caller may hold its own.
   std::vector<WriteInFlight> InFlight() const;
 
   // The work itself, also usable synchronously (tests). Returns bytes written. On failure (a full
   // disk, an I/O error) the files this attempt wrote for the step are removed again (saved_signal
-  // first), unless the checkpoint became complete; other steps are never touched.
+  // first), unless the checkpoint became complete; other steps are never touched. kCancelled: the
+  // write was abandoned by Stop(deadline), and cleaned up the same way.
   // `io` (nullptr: the caller's thread only) runs the writes.
   Result<uint64_t> Persist(const PersistRequest& request, ParallelLoop* io = nullptr);
 
@@ -84,9 +91,10 @@ class Writer {
   Catalog* catalog_;
   size_t capacity_;
   unsigned io_threads_;
-  IoEnv* env_;
+  CancellableIo env_;  // the IoEnv given, until the stop timeout cancels it
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;                   // work queued, or stopping
+  std::condition_variable idle_cv_;              // a persist finished
   std::deque<PersistRequest> queue_;             // guarded by mu_
   bool stopping_ = false;                        // guarded by mu_
   std::map<uint64_t, WriteInFlight> in_flight_;  // guarded by mu_; by a counter of taken requests

@@ -15,6 +15,7 @@
 #include "common/thread_pool.h"
 #include "common/verify.h"
 #include "flashckpt.grpc.pb.h"
+#include "health.grpc.pb.h"
 
 namespace flashckpt::cli {
 namespace {
@@ -29,9 +30,9 @@ void PrintJson(const ordered_json& j) {
 
 // The CA file is read here, not by gRPC, so that a missing file is reported as such rather than as an
 // unreachable daemon.
-Result<std::unique_ptr<v1::Checkpoint::Stub>> Connect(const Endpoint& endpoint) {
+Result<std::shared_ptr<grpc::Channel>> OpenChannel(const Endpoint& endpoint) {
   if (endpoint.address.empty()) {
-    return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + endpoint.socket, grpc::InsecureChannelCredentials()));
+    return grpc::CreateChannel("unix:" + endpoint.socket, grpc::InsecureChannelCredentials());
   }
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (!endpoint.tls_ca.empty()) {
@@ -41,7 +42,12 @@ Result<std::unique_ptr<v1::Checkpoint::Stub>> Connect(const Endpoint& endpoint) 
     ssl.pem_root_certs = std::move(ca).value();
     credentials = grpc::SslCredentials(ssl);
   }
-  return v1::Checkpoint::NewStub(grpc::CreateChannel(endpoint.address, credentials));
+  return grpc::CreateChannel(endpoint.address, credentials);
+}
+
+Result<std::unique_ptr<v1::Checkpoint::Stub>> Connect(const Endpoint& endpoint) {
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, OpenChannel(endpoint));
+  return v1::Checkpoint::NewStub(channel);
 }
 
 void SetDeadline(grpc::ClientContext* ctx) { ctx->set_deadline(std::chrono::system_clock::now() + kRpcDeadline); }
@@ -171,6 +177,21 @@ int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64
   if (s.ok() || (count > 0 && seen >= count)) return kExitOk;
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && seconds > 0) return kExitOk;
   return ReportRpcError(s, endpoint, "WatchEvents");
+int RunHealth(const Endpoint& endpoint) {
+  auto channel = OpenChannel(endpoint);
+  if (!channel.ok()) {
+    std::cerr << "flashckpt: " << channel.status().message() << "\n";
+    return kExitRpcFailed;
+  }
+  auto stub = grpc::health::v1::Health::NewStub(*channel);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  grpc::health::v1::HealthCheckRequest req;  // service "": the daemon as a whole
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (!s.ok()) return ReportRpcError(s, endpoint, "Health.Check");
+  std::cout << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitRpcFailed;
 }
 
 int RunVerify(const std::string& dir, bool json) {

@@ -36,6 +36,9 @@ int RunList(const Endpoint& endpoint, const std::string& job, bool json);
 // interrupted, or until `count` events (0: no limit) or `seconds` (0: no limit) have passed, which
 // end it with kExitOk; a daemon that stops or cannot be reached ends it with kExitRpcFailed.
 int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64_t count, double seconds);
+// grpc.health.v1.Health/Check of the daemon as a whole: prints SERVING (exit 0), or NOT_SERVING
+// while it stops (exit 2); unreachable: exit 2 with the reason. An exec probe for supervisors.
+int RunHealth(const Endpoint& endpoint);
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
 // Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new

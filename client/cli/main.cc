@@ -19,7 +19,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI::Option* address = app.add_option(
       "--address", endpoint.address,
-      "HOST:PORT of the daemon's TCP listener (flashckptd --listen) instead of the socket; status and list only");
+      "HOST:PORT of the daemon's TCP listener (flashckptd --listen) instead of the socket; status, list and health "
+      "only");
   app.add_option("--tls-ca", endpoint.tls_ca,
                  "With --address: connect with TLS, trusting the CA (PEM) that signed the daemon's --tls-cert")
       ->check(CLI::ExistingFile)
@@ -28,6 +29,9 @@ int main(int argc, char** argv) {
   bool json = false;
   CLI::App* status = app.add_subcommand("status", "Show the daemon, its memory, every registered rank and its EMA");
   status->add_flag("--json", json, "Print JSON instead of a table");
+
+  CLI::App* health = app.add_subcommand(
+      "health", "Ask the daemon's gRPC health service: prints SERVING (exit 0), else NOT_SERVING or why (exit 2)");
 
   std::string job;
   CLI::App* list = app.add_subcommand("list", "List checkpoints under the daemon's root");
@@ -73,6 +77,7 @@ int main(int argc, char** argv) {
   if (*reshard) return flashckpt::cli::RunReshard(dir, dst, tp, pp, shard, chunk, threads);
 
   if (*status) return flashckpt::cli::RunStatus(endpoint, json);
+  if (*health) return flashckpt::cli::RunHealth(endpoint);
   if (*list) return flashckpt::cli::RunList(endpoint, job, json);
   if (*watch) return flashckpt::cli::RunWatch(endpoint, job, json, watch_count, watch_seconds);
   return flashckpt::cli::RunVerify(dir, json);

@@ -56,6 +56,70 @@ TEST(DaemonConfig, ReadsAConfigFileWithTheFlagNames) {
   EXPECT_EQ(c->log_level, "debug");
 }
 
+// A temporary config file with `text`; removed with its directory by the destructor.
+class ConfigFile {
+ public:
+  explicit ConfigFile(const std::string& text) {
+    char tmpl[] = "/tmp/flashckpt-config-test-XXXXXX";
+    if (::mkdtemp(tmpl) != nullptr) dir_ = tmpl;
+    std::ofstream(path()) << text;
+  }
+  ~ConfigFile() { std::filesystem::remove_all(dir_); }
+  std::string path() const { return dir_ + "/flashckptd.conf"; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+};
+
+TEST(DaemonConfig, StopTimeoutAndLogFile) {
+  auto d = Parse({"--socket", "s", "--root", "r"});
+  ASSERT_OK(d.status());
+  EXPECT_EQ(d->stop_timeout_s, 60u);
+  EXPECT_EQ(d->log_file, "");
+  auto c = Parse({"--socket", "s", "--root", "r", "--stop-timeout", "7", "--log-file", "/tmp/flashckptd-test.log"});
+  ASSERT_OK(c.status());
+  EXPECT_EQ(c->stop_timeout_s, 7u);
+  EXPECT_EQ(c->log_file, "/tmp/flashckptd-test.log");
+  EXPECT_EQ(Parse({"--socket", "s", "--root", "r", "--stop-timeout", "0"}).status().code(),
+            StatusCode::kInvalidArgument);
+  auto level = Parse({"--socket", "s", "--root", "r", "--log-level", "chatty"});
+  EXPECT_EQ(level.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(level.status().message().find("--log-level"), std::string::npos) << level.status().message();
+  auto file = Parse({"--socket", "s", "--root", "r", "--log-file", "/nonexistent-flashckpt-dir/x.log"});
+  EXPECT_EQ(file.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(file.status().message().find("--log-file"), std::string::npos) << file.status().message();
+}
+
+TEST(DaemonConfig, AnUnknownConfigKeyIsRefusedByName) {
+  ConfigFile f("socket = s\nroot = r\nslotz = 3\n");
+  auto c = Parse({"--config", f.path()});
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("unknown key 'slotz'"), std::string::npos) << c.status().message();
+}
+
+TEST(DaemonConfig, TheFormattedSettingsReadBackAsTheSameSettings) {
+  ConfigFile f(
+      "socket = /run/flashckpt/flashckptd.sock\nroot = /var/lib/flashckpt\nslots = 3\nmax-host-memory = 1536MiB\n"
+      "checksum-chunk = 64KiB\nkeep = 4\nstop-timeout = 9\nallow-uid = [1000, 1001]\nallow-gid = 50\n"
+      "listen = 127.0.0.1:7070\ntcp-allow-writes = true\nmax-rank-bytes = 3GiB\nlog-level = warn\n");
+  auto first = Parse({"--config", f.path()});
+  ASSERT_OK(first.status());
+  const std::string text = FormatDaemonConfig(*first);
+  for (const char* line :
+       {"slots = 3\n", "max-host-memory = 1536MiB\n", "checksum-chunk = 64KiB\n", "keep = 4\n", "stop-timeout = 9\n",
+        "allow-uid = [1000, 1001]\n", "allow-gid = [50]\n", "listen = 127.0.0.1:7070\n", "tcp-allow-writes = true\n",
+        "max-rank-bytes = 3GiB\n", "state-dir = /run/flashckpt/flashckptd.sock.state\n", "# log-file = (not set)\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " not in\n" << text;
+  }
+  ConfigFile again(text);
+  auto second = Parse({"--config", again.path()});
+  ASSERT_OK(second.status());
+  EXPECT_EQ(FormatDaemonConfig(*second), text);
+  EXPECT_EQ(second->allow_uids, first->allow_uids);
+  EXPECT_EQ(second->max_host_memory, first->max_host_memory);
+}
+
 TEST(DaemonConfig, BadValuesAreRefused) {
   EXPECT_EQ(Parse({"--socket", "s", "--root", "r", "--max-host-memory", "lots"}).status().code(),
             StatusCode::kInvalidArgument);

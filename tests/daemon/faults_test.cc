@@ -316,6 +316,75 @@ TEST_F(FaultsTest, StatusShowsHowLongTheOldestWriteHasRun) {
   EXPECT_EQ(cli::StatusJson(idle)["jobs"][0]["ranks"][0]["oldest_write_seconds"].get<double>(), 0.0);
 }
 
+// A stop (SIGTERM) with a slow write in flight: given time, the write finishes and the checkpoint
+// completes; at its deadline the write is abandoned tidily (no temporary, no file, no signal, no
+// metadata.json) and left, as after a crash, to the next daemon, which adopts and writes it.
+TEST_F(FaultsTest, StopFinishesAWriteInFlightWithinItsDeadline) {
+  Trainer t = StartTrainer("finish", 1000);
+  ASSERT_TRUE(t.client);
+  io_.SlowWrites(200ms);
+  ASSERT_OK(t.Snapshot(1).status());
+  std::thread stop([&] { d_.daemon()->Stop(Clock::now() + 30s); });
+  std::this_thread::sleep_for(100ms);  // the write takes a second or more
+  // Meanwhile new snapshots are refused, saying why.
+  auto refused = t.Snapshot(2);
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().ToString();
+  EXPECT_TRUE(Contains(refused.status().message(), "the daemon is stopping")) << refused.status().ToString();
+  stop.join();
+  EXPECT_TRUE(PathExists(StepDir("finish", 1) + "/metadata.json"));
+  EXPECT_OK(VerifyCheckpointDir(StepDir("finish", 1), nullptr));
+}
+
+TEST_F(FaultsTest, StopAbandonsAWriteAtItsDeadlineAndTheNextDaemonWritesIt) {
+  const std::string state_dir = d_.socket() + ".state";
+  {
+    Trainer t = StartTrainer("abandon", 1000);
+    ASSERT_TRUE(t.client);
+    io_.SlowWrites(400ms);
+    ASSERT_OK(t.Snapshot(1).status());
+    for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+      std::this_thread::sleep_for(5ms);
+    }
+    ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+    const auto begun = Clock::now();
+    d_.daemon()->Stop(Clock::now() + 100ms);
+    // The write in progress sleeps out its 400 ms, then its next call fails: no more than that.
+    EXPECT_LT(Clock::now() - begun, 2s);
+    auto left = ListDir(StepDir("abandon", 1));
+    if (left.ok()) {
+      EXPECT_TRUE(left->empty()) << ::testing::PrintToString(*left);
+    }
+    EXPECT_FALSE(PathExists(StepDir("abandon", 1) + "/metadata.json"));
+    d_.Stop();
+  }
+  // Its segment and records stay for the next daemon.
+  auto records = ListDir(state_dir);
+  ASSERT_OK(records.status());
+  std::string segment;
+  bool commit = false;
+  for (const auto& r : *records) {
+    if (r.size() > 4 && r.substr(r.size() - 4) == ".reg") segment = r.substr(0, r.size() - 4);
+    if (r.find(".slot") != std::string::npos) commit = true;
+  }
+  ASSERT_FALSE(segment.empty()) << ::testing::PrintToString(*records);
+  EXPECT_TRUE(commit) << ::testing::PrintToString(*records);
+  EXPECT_TRUE(PathExists("/dev/shm/" + segment));
+
+  io_.Clear();
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  for (auto deadline = Clock::now() + 30s;
+       !PathExists(StepDir("abandon", 1) + "/metadata.json") && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(PathExists(StepDir("abandon", 1) + "/metadata.json")) << "the next daemon did not write step 1";
+  EXPECT_OK(VerifyCheckpointDir(StepDir("abandon", 1), nullptr));
+  d_.Stop();
+  EXPECT_FALSE(PathExists("/dev/shm/" + segment)) << "a clean stop with nothing left keeps no segment";
+  records = ListDir(state_dir);
+  ASSERT_OK(records.status());
+  EXPECT_TRUE(records->empty()) << ::testing::PrintToString(*records);
+}
+
 // fatal_persist_errors: after a failed save, Snapshot() fails with that save's error (code, step,
 // file, errno) every time, even with the disk healthy again, until the trainer starts a new session.
 TEST_F(FaultsTest, FatalPersistErrorsStopTheSnapshotsAfterAFailedSave) {

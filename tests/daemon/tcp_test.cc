@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/fs.h"
+#include "health.grpc.pb.h"
 #include "raw_rpc.h"
 #include "testing.h"
 
@@ -72,6 +73,10 @@ class DaemonProcess {
       std::this_thread::sleep_for(20ms);
     }
     return DeadlineExceeded("flashckptd logged no 'listening tcp=' line within 30 s");
+  }
+  // SIGTERM without waiting.
+  void Terminate() const {
+    if (pid_ > 0) ::kill(pid_, SIGTERM);
   }
   // SIGTERM and wait: the exit status, or -1 when not running.
   int Stop() {
@@ -281,6 +286,62 @@ TEST(TcpListener, WithTcpAllowWritesAWholeSaveGoesThroughTcp) {
   auto log = ReadSmallFile(d.log(), 1 << 20);
   ASSERT_OK(log.status());
   EXPECT_EQ(log->find("refused tcp call"), std::string::npos) << *log;
+}
+
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+
+std::shared_ptr<grpc::Channel> Channel(const std::string& target) {
+  return grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+}
+
+// grpc.health.v1.Health/Check of the daemon as a whole ("").
+grpc::Status Check(Health::Stub* stub, HealthCheckResponse* resp) {
+  grpc::ClientContext ctx;
+  RawDeadline(&ctx);
+  return stub->Check(&ctx, HealthCheckRequest{}, resp);
+}
+
+// The standard health service on both listeners, the TCP one read-only: SERVING while up, a Watch
+// sees NOT_SERVING once SIGTERM arrives, and nothing answers after the exit.
+TEST(Health, ServingOnTheSocketAndTheReadOnlyTcpListenerThenNotServingOnSigterm) {
+  DaemonProcess d;
+  ASSERT_OK(d.Start({"--listen", "127.0.0.1:0"}));
+  auto unix_health = Health::NewStub(Channel("unix:" + d.socket()));
+  auto tcp_health = Health::NewStub(Channel(d.address()));
+  for (Health::Stub* stub : {unix_health.get(), tcp_health.get()}) {
+    HealthCheckResponse resp;
+    grpc::Status s = Check(stub, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.status(), HealthCheckResponse::SERVING);
+  }
+  // A service name the daemon does not register is NOT_FOUND, as the protocol says.
+  {
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    HealthCheckRequest req;
+    req.set_service("no.such.Service");
+    HealthCheckResponse resp;
+    EXPECT_EQ(tcp_health->Check(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+
+  grpc::ClientContext watch_ctx;
+  RawDeadline(&watch_ctx, std::chrono::seconds(30));
+  auto watch = unix_health->Watch(&watch_ctx, HealthCheckRequest{});
+  HealthCheckResponse update;
+  ASSERT_TRUE(watch->Read(&update));
+  EXPECT_EQ(update.status(), HealthCheckResponse::SERVING);
+  d.Terminate();
+  ASSERT_TRUE(watch->Read(&update)) << "the Watch stream ended without a NOT_SERVING update";
+  EXPECT_EQ(update.status(), HealthCheckResponse::NOT_SERVING);
+  watch_ctx.TryCancel();
+  (void)watch->Finish();
+  EXPECT_EQ(d.Stop(), 0);
+
+  HealthCheckResponse resp;
+  EXPECT_EQ(Check(unix_health.get(), &resp).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Check(tcp_health.get(), &resp).error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
 }  // namespace
