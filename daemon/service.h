@@ -35,6 +35,8 @@ class CheckpointService final : public v1::Checkpoint::Service {
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx, const v1::ListCheckpointsRequest* req,
                                v1::ListCheckpointsResponse* resp) override;
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* resp) override;
+  grpc::Status DeleteCheckpoints(grpc::ServerContext* ctx, const v1::DeleteCheckpointsRequest* req,
+                                 v1::DeleteCheckpointsResponse* resp) override;
 
  private:
   Daemon* daemon_;
