@@ -7,7 +7,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libboost-dev libspdlog-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev liburing-dev fio
-  python3 python3-numpy
+  python3 python3-numpy python3-yaml
   python3-dev python3-torch python3-pybind11 pybind11-dev
   # The fuzz pass (tests/fuzz): clang (/usr/bin/clang), its sanitizer and libFuzzer runtimes, and
   # llvm-symbolizer for the stacks in its reports.
