@@ -247,8 +247,18 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
     Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
     out.deleted.push_back(step);
   }
+  if (dry_run) {  // the newest complete checkpoint that the deletion would leave
+    ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+    for (int64_t step : steps.complete) {
+      if (std::find(out.deleted.begin(), out.deleted.end(), step) == out.deleted.end()) {
+        out.latest = step;
+        break;
+      }
+    }
+    return out;
+  }
   out.latest = LatestComplete(job);
-  if (!dry_run && !out.deleted.empty()) {
+  if (!out.deleted.empty()) {
     // LATEST names the newest complete checkpoint left, or goes when none is left.
     Status latest;
     if (out.latest) {

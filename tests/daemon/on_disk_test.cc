@@ -236,7 +236,12 @@ TEST_F(CatalogTest, DeleteRefusesTheNewestWithoutForceAndNeverDeletesAStepInUse)
   auto planned = catalog.DeleteCheckpoint("del", 2, false, {}, /*dry_run=*/true);
   ASSERT_OK(planned.status());
   EXPECT_EQ(planned->deleted, (std::vector<int64_t>{2}));
+  EXPECT_EQ(planned->latest, 4);
+  planned = catalog.DeleteCheckpoint("del", 4, /*force=*/true, {}, /*dry_run=*/true);
+  ASSERT_OK(planned.status());
+  EXPECT_EQ(planned->latest, 3);  // what LATEST would become
   EXPECT_EQ(Entries("del"), (Names{"LATEST", "checkpoint-2", "checkpoint-3", "checkpoint-4"}));
+  EXPECT_EQ(*ReadSmallFile(JobDir("del") + "/LATEST", 100), "4\n");
 
   auto deleted = catalog.DeleteCheckpoint("del", 2, false, {}, false);
   ASSERT_OK(deleted.status());
