@@ -13,6 +13,7 @@ Two ranks (tp 2, EMA on) save checkpoints 2, 4, 6, 8 and 10; then:
   4. `gc --keep 2 --dry-run` names what `gc --keep 2` then deletes: the older complete checkpoints
      and an older incomplete directory; a newer incomplete directory (a save in flight) stays.
   5. `reshard --progress` prints its progress on stderr only and ends at 100%.
+  6. A daemon restarted with --tcp-allow-writes deletes over TCP.
 
     test_manage.py --bin-dir build/bin [--keep]
 """
@@ -187,19 +188,35 @@ def check_reshard_progress(h):
     log("reshard progress on stderr: %s" % lines[-1])
 
 
-def run(h):
-    h.start_daemon(extra_args=["--listen", "127.0.0.1:0"])
+def start_listening(h, extra_args=()):
+    """Starts flashckptd with a TCP listener on a free loopback port; returns HOST:PORT."""
+    h.start_daemon(extra_args=["--listen", "127.0.0.1:0"] + list(extra_args))
 
     def port():
         m = LISTEN_RE.search(tail(h.daemon_log, 200))
         return int(m.group(2)) if m else None
-    address = "127.0.0.1:%d" % wait_for(port, 30, "the 'listening tcp=' line in %s" % h.daemon_log)
+    return "127.0.0.1:%d" % wait_for(port, 30, "the 'listening tcp=' line in %s" % h.daemon_log)
+
+
+def check_delete_over_tcp_with_writes(h):
+    h.daemon_log = os.path.join(h.tmp, "flashckptd-writes.log")
+    address = start_listening(h, ["--tcp-allow-writes"])
+    out, _ = cli_ok(h, "--address", address, "delete", "--job", JOB, "--step", "6")
+    check("deleted %s/checkpoint-6" % JOB in out and not os.path.exists(ckpt(h, 6)), "delete over TCP: %s" % out)
+    check(latest(h) == "8\n", "LATEST is %r after deleting 6 over TCP" % latest(h))
+    log("delete over TCP with --tcp-allow-writes ok")
+
+
+def run(h):
+    address = start_listening(h)
     save_checkpoints(h)
     check_inspect(h)
     check_delete(h, address)
     check_gc(h)
     check_reshard_progress(h)
     check(h.stop_daemon() == 0, "flashckptd did not exit 0 on SIGTERM")
+    check_delete_over_tcp_with_writes(h)
+    check(h.stop_daemon() == 0, "flashckptd (--tcp-allow-writes) did not exit 0 on SIGTERM")
 
 
 def main():
