@@ -109,11 +109,98 @@ Result<std::vector<int64_t>> Catalog::ApplyRetention(const std::string& job, uin
   return ApplyRetentionLocked(job, keep);
 }
 
-Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, const std::string& hidden) {
+Result<std::vector<int64_t>> Catalog::ApplyRetentionLocked(const std::string& job, uint32_t keep) {
+  if (keep == 0) return std::vector<int64_t>{};
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  ASSIGN_OR_RETURN(DeletionOutcome outcome,
+                   DeleteStepsLocked(job, RetentionVictims(steps, keep), {}, /*dry_run=*/false, "retention"));
+  return std::move(outcome.deleted);
+}
+
+Result<DeletionOutcome> Catalog::CollectGarbage(const std::string& job, uint32_t keep, const std::set<int64_t>& busy,
+                                                bool dry_run) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (keep == 0) return InvalidArgument("gc needs keep >= 1: the newest complete checkpoint is always kept");
+  std::lock_guard<std::mutex> lock(JobMutex(job));
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  return DeleteStepsLocked(job, RetentionVictims(steps, keep), busy, dry_run, "gc");
+}
+
+Result<DeletionOutcome> Catalog::DeleteCheckpoint(const std::string& job, int64_t step, bool force,
+                                                  const std::set<int64_t>& busy, bool dry_run) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (step <= 0) return InvalidArgument("delete needs a step >= 1, got " + std::to_string(step));
+  std::lock_guard<std::mutex> lock(JobMutex(job));
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  const std::string dir = CheckpointDir(job, step);
+  const bool complete = std::find(steps.complete.begin(), steps.complete.end(), step) != steps.complete.end();
+  if (!complete && std::find(steps.incomplete.begin(), steps.incomplete.end(), step) == steps.incomplete.end()) {
+    return NotFound("no checkpoint directory " + dir);
+  }
+  if (complete && steps.complete.front() == step && !force) {
+    std::string then = steps.complete.size() > 1 ? "LATEST would move back to step " + std::to_string(steps.complete[1])
+                                                 : "the job would have no complete checkpoint left";
+    return FailedPrecondition("checkpoint-" + std::to_string(step) + " is the newest complete checkpoint of job '" +
+                              job + "'; deleting it needs --force (" + then + ")");
+  }
+  {
+    std::lock_guard<std::mutex> use(use_mu_);
+    if (InUseLocked(job, step, busy)) {
+      return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
+                                "' is in use (a restore reading it or a save writing it); it is never deleted "
+                                "while in use: try again when that has finished");
+    }
+  }
+  ASSIGN_OR_RETURN(DeletionOutcome outcome, DeleteStepsLocked(job, {step}, busy, dry_run, "delete"));
+  if (!outcome.skipped.empty()) {  // came into use, or vanished, since the check above
+    return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
+                              "' was not deleted: " + outcome.skipped.front().reason);
+  }
+  return outcome;
+}
+
+Result<Catalog::JobSteps> Catalog::ScanSteps(const std::string& job) const {
+  JobSteps out;
+  auto names = ListDir(JobDir(job));
+  if (!names.ok()) {
+    if (names.status().code() == StatusCode::kNotFound) return out;
+    return names.status();
+  }
+  for (const auto& n : *names) {
+    auto step = ParseCheckpointDirName(n);
+    if (!step) continue;
+    (IsComplete(job, *step) ? out.complete : out.incomplete).push_back(*step);
+  }
+  std::sort(out.complete.begin(), out.complete.end(), std::greater<>());
+  std::sort(out.incomplete.begin(), out.incomplete.end());
+  return out;
+}
+
+std::vector<int64_t> Catalog::RetentionVictims(const JobSteps& steps, uint32_t keep) {
+  std::vector<int64_t> victims;
+  // Nothing is safe to delete before a checkpoint is complete, and the newest one always stays.
+  if (keep == 0 || steps.complete.empty()) return victims;
+  const size_t kept = std::min<size_t>(keep, steps.complete.size());
+  const int64_t oldest_kept = steps.complete[kept - 1];
+  victims.assign(steps.complete.begin() + static_cast<std::ptrdiff_t>(kept), steps.complete.end());
+  for (int64_t step : steps.incomplete) {
+    if (step < oldest_kept) victims.push_back(step);
+  }
+  std::sort(victims.begin(), victims.end());
+  return victims;
+}
+
+bool Catalog::InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const {
+  if (busy.count(step) != 0) return true;
+  auto it = in_use_.find(job);
+  return it != in_use_.end() && it->second.count(step) != 0;
+}
+
+Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                                      const std::string& hidden) {
   std::string dir = CheckpointDir(job, step);
   std::lock_guard<std::mutex> lock(use_mu_);
-  auto it = in_use_.find(job);
-  if (it != in_use_.end() && it->second.count(step) != 0) return false;
+  if (InUseLocked(job, step, busy)) return false;
   if (::rename(dir.c_str(), hidden.c_str()) != 0) {
     if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
     return ErrnoStatus("rename " + dir + " to", hidden);
@@ -121,56 +208,75 @@ Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, cons
   return true;
 }
 
-Result<std::vector<int64_t>> Catalog::ApplyRetentionLocked(const std::string& job, uint32_t keep) {
-  std::vector<int64_t> deleted;
-  if (keep == 0) return deleted;
-  auto names = ListDir(JobDir(job));
-  if (!names.ok()) {
-    if (names.status().code() == StatusCode::kNotFound) return deleted;
-    return names.status();
-  }
-  std::vector<int64_t> complete, incomplete;
-  for (const auto& n : *names) {
-    auto step = ParseCheckpointDirName(n);
-    if (!step) continue;
-    (IsComplete(job, *step) ? complete : incomplete).push_back(*step);
-  }
-  if (complete.empty()) return deleted;  // nothing is safe to delete before a checkpoint is complete
-  std::sort(complete.begin(), complete.end(), std::greater<>());
-  const size_t kept = std::min<size_t>(keep, complete.size());
-  const int64_t oldest_kept = complete[kept - 1];
-  std::vector<int64_t> victims(complete.begin() + static_cast<std::ptrdiff_t>(kept), complete.end());
-  for (int64_t step : incomplete) {
-    if (step < oldest_kept) victims.push_back(step);
-  }
-  std::sort(victims.begin(), victims.end());
-
+Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
+                                                   const std::set<int64_t>& busy, bool dry_run, const char* reason) {
+  DeletionOutcome out;
   Status first_error;
   for (int64_t step : victims) {
-    std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
-    Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
-    auto hid = cleared.ok() ? HideUnlessInUse(job, step, hidden) : Result<bool>(cleared);
-    if (hid.ok() && !*hid) {
-      Logger("catalog")->info("retention skipped job={} step={} reason=in_use", job, step);
+    if (dry_run) {
+      std::lock_guard<std::mutex> use(use_mu_);
+      if (InUseLocked(job, step, busy)) {
+        out.skipped.push_back({step, "in use (a restore reading it or a save writing it)"});
+      } else {
+        out.deleted.push_back(step);
+      }
       continue;
     }
-    Status removed = hid.ok() ? RemoveTree(hidden) : hid.status();
+    // Crash-safe order: the directory is renamed to a hidden name in one step (no reader sees half
+    // a checkpoint under its own name), then metadata.json goes first (a leftover of a crash here is
+    // never complete, even if renamed back), then the rest.
+    std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
+    Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
+    auto hid = cleared.ok() ? HideUnlessInUse(job, step, busy, hidden) : Result<bool>(cleared);
+    if (hid.ok() && !*hid) {
+      const bool gone = !PathExists(CheckpointDir(job, step));
+      Logger("catalog")->info("{} skipped job={} step={} reason={}", reason, job, step, gone ? "gone" : "in_use");
+      out.skipped.push_back(
+          {step, gone ? "already gone (deleted meanwhile)" : "in use (a restore reading it or a save writing it)"});
+      continue;
+    }
+    Status removed = hid.ok() ? Status::OK() : hid.status();
+    if (removed.ok() && ::unlink((hidden + "/metadata.json").c_str()) != 0 && errno != ENOENT) {
+      removed = ErrnoStatus("unlink", hidden + "/metadata.json");
+    }
+    if (removed.ok()) removed = RemoveTree(hidden);
     if (!removed.ok()) {
       Logger("catalog")->error("delete failed job={} step={} error=\"{}\"", job, step, removed.ToString());
       if (first_error.ok()) first_error = removed;
       continue;
     }
-    Logger("catalog")->info("deleted job={} step={} reason=retention complete={} keep={}", job, step,
-                            std::find(complete.begin(), complete.end(), step) != complete.end(), keep);
-    deleted.push_back(step);
-    if (listener_) listener_(CatalogChange::kDeleted, job, step, "retention");
+    Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
+    out.deleted.push_back(step);
+    if (listener_) listener_(CatalogChange::kDeleted, job, step, reason);
   }
-  if (!deleted.empty()) {
+  if (dry_run) {  // the newest complete checkpoint that the deletion would leave
+    ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+    for (int64_t step : steps.complete) {
+      if (std::find(out.deleted.begin(), out.deleted.end(), step) == out.deleted.end()) {
+        out.latest = step;
+        break;
+      }
+    }
+    return out;
+  }
+  out.latest = LatestComplete(job);
+  if (!out.deleted.empty()) {
+    // LATEST names the newest complete checkpoint left, or goes when none is left.
+    Status latest;
+    if (out.latest) {
+      auto current = ReadSmallFile(JobDir(job) + "/LATEST", 64);
+      if (!current.ok() || *current != std::to_string(*out.latest) + "\n") {
+        latest = WriteFileDurably(JobDir(job), "LATEST", std::to_string(*out.latest) + "\n");
+      }
+    } else if (::unlink((JobDir(job) + "/LATEST").c_str()) != 0 && errno != ENOENT) {
+      latest = ErrnoStatus("unlink", JobDir(job) + "/LATEST");
+    }
+    if (!latest.ok() && first_error.ok()) first_error = latest;
     Status synced = FsyncDir(JobDir(job));
     if (!synced.ok() && first_error.ok()) first_error = synced;
   }
   if (!first_error.ok()) return first_error;
-  return deleted;
+  return out;
 }
 
 std::optional<int64_t> Catalog::LatestComplete(const std::string& job) const {

@@ -31,10 +31,22 @@ struct CheckpointEntry {
   bool latest = false;
 };
 
+// What a deletion (retention, `flashckpt delete`, `flashckpt gc`) did, or with dry_run would do.
+struct DeletionOutcome {
+  struct Skipped {
+    int64_t step = 0;
+    std::string reason;  // "in use: ..." (a restore reading it, a writer writing it)
+  };
+  std::vector<int64_t> deleted;   // oldest first
+  std::vector<Skipped> skipped;   // oldest first
+  std::optional<int64_t> latest;  // the newest complete checkpoint afterwards (what LATEST says)
+};
+
 class Catalog;
 
 // What the catalog tells its listener: a checkpoint became complete (metadata.json written by this
-// daemon), or a checkpoint directory was deleted (`reason`: "retention").
+// daemon), or a checkpoint directory was deleted (`reason`: "retention", or "delete" and "gc" for
+// the operator's `flashckpt delete` and `flashckpt gc`).
 enum class CatalogChange { kCompleted, kDeleted };
 using CatalogListener =
     std::function<void(CatalogChange change, const std::string& job, int64_t step, std::string_view reason)>;
@@ -96,6 +108,19 @@ class Catalog {
   // Serialized with completion per job; blocks for the removals.
   Result<std::vector<int64_t>> ApplyRetention(const std::string& job, uint32_t keep);
 
+  // `flashckpt gc`: the same rule as retention for any `keep` >= 1, with what was skipped and why.
+  // `busy`: further steps to treat as in use (the daemon's slots that are filling or persisting
+  // them). dry_run: plans only. Serialized with completion per job; blocks for the removals.
+  Result<DeletionOutcome> CollectGarbage(const std::string& job, uint32_t keep, const std::set<int64_t>& busy,
+                                         bool dry_run);
+  // `flashckpt delete`: deletes checkpoint directory `step` of `job`, complete or not. kNotFound
+  // when there is none; kFailedPrecondition when it is the newest complete checkpoint and !force
+  // (the message says so), or when it is in use (Use, or in `busy`: never deleted, even with
+  // force). When LATEST named it, LATEST moves to the newest remaining complete checkpoint, or is
+  // removed when none remains. dry_run: checks and plans only.
+  Result<DeletionOutcome> DeleteCheckpoint(const std::string& job, int64_t step, bool force,
+                                           const std::set<int64_t>& busy, bool dry_run);
+
   bool IsComplete(const std::string& job, int64_t step) const;
   // Whether `rank` has written its part of `step` in the attempt `resumed_from`: its
   // saved_signal is in place (signals are written last, after the rank's files are durable).
@@ -111,8 +136,24 @@ class Catalog {
   friend class StepInUse;
   std::mutex& JobMutex(const std::string& job);
   Result<std::vector<int64_t>> ApplyRetentionLocked(const std::string& job, uint32_t keep);
-  // Renames the directory of `step` away unless it is in use; false when it is in use.
-  Result<bool> HideUnlessInUse(const std::string& job, int64_t step, const std::string& hidden);
+  // Steps of the job's directories, complete ones newest first, incomplete ones oldest first.
+  struct JobSteps {
+    std::vector<int64_t> complete, incomplete;
+  };
+  Result<JobSteps> ScanSteps(const std::string& job) const;
+  // Retention's victims for `keep` >= 1: complete checkpoints older than the newest `keep`
+  // complete ones, incomplete directories older than the oldest kept complete one. Oldest first.
+  static std::vector<int64_t> RetentionVictims(const JobSteps& steps, uint32_t keep);
+  // The one deletion path: deletes `victims` (oldest first) except the steps in use (Use or
+  // `busy`), which are listed as skipped, then makes LATEST name the newest complete checkpoint
+  // left (or removes it). `reason` goes to the log. Requires JobMutex(job).
+  Result<DeletionOutcome> DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
+                                            const std::set<int64_t>& busy, bool dry_run, const char* reason);
+  // Whether `step` is in use (Use) or in `busy`. Requires use_mu_.
+  bool InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const;
+  // Renames the directory of `step` away unless it is in use; false when it is in use or gone.
+  Result<bool> HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                               const std::string& hidden);
   void Release(const std::string& job, int64_t step);
 
   std::string root_;

@@ -1,6 +1,7 @@
 #include "daemon/daemon.h"
 
 #include <cstring>
+#include <set>
 
 #include "common/fs.h"
 #include "common/image.h"
@@ -402,6 +403,35 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
 }
 
 Result<std::vector<CheckpointEntry>> Daemon::List(const std::string& job) const { return catalog_.List(job); }
+
+Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
+                                                  bool dry_run) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
+  if ((step > 0) == (keep > 0)) {
+    return InvalidArgument("give either a step to delete or keep >= 1 (gc), not " +
+                           std::string(step > 0 ? "both" : "neither"));
+  }
+  std::set<int64_t> busy;  // steps a save of this daemon has in a slot
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(job);
+    if (it != jobs_.end()) {
+      for (const auto& [r, rank] : it->second.ranks) {
+        if (!rank.segment) continue;
+        for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) {
+          const SlotInfo& slot = rank.segment->slots.at(i);
+          if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
+              slot.state == SlotState::kPersisting) {
+            busy.insert(slot.step);
+          }
+        }
+      }
+    }
+  }
+  if (step > 0) return catalog_.DeleteCheckpoint(job, step, force, busy, dry_run);
+  return catalog_.CollectGarbage(job, keep, busy, dry_run);
+}
 
 v1::StatusResponse Daemon::GetStatus() const {
   v1::StatusResponse out;

@@ -163,6 +163,12 @@ class Daemon {
   Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket);
 
   Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
+  // `flashckpt delete` (step > 0: that checkpoint; force allows the newest complete one) or
+  // `flashckpt gc` (step 0, keep >= 1: retention's rule) through the catalog (Catalog::
+  // DeleteCheckpoint, CollectGarbage). Besides the catalog's steps in use (restores, writers), a
+  // step that a slot of this daemon is filling, has committed or is persisting is never deleted.
+  Result<DeletionOutcome> DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
+                                            bool dry_run);
   v1::StatusResponse GetStatus() const;
 
   const DaemonConfig& config() const { return config_; }

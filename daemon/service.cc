@@ -206,4 +206,23 @@ grpc::Status CheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::
   return grpc::Status::OK;
 }
 
+grpc::Status CheckpointService::DeleteCheckpoints(grpc::ServerContext*, const v1::DeleteCheckpointsRequest* req,
+                                                  v1::DeleteCheckpointsResponse* resp) {
+  RETURN_GRPC_IF_ERROR(ValidateJobName(req->job()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));  // 0: gc (keep)
+  auto outcome = daemon_->DeleteCheckpoints(req->job(), req->step(), req->keep(), req->force(), req->dry_run());
+  if (!outcome.ok()) return ToGrpc(outcome.status());
+  for (int64_t step : outcome->deleted) resp->add_deleted(step);
+  for (const auto& s : outcome->skipped) {
+    auto* k = resp->add_skipped();
+    k->set_step(s.step);
+    k->set_reason(s.reason);
+  }
+  resp->set_latest(outcome->latest ? *outcome->latest : -1);
+  Logger("rpc")->info("delete checkpoints job={} step={} keep={} force={} dry_run={} deleted={} skipped={}", req->job(),
+                      req->step(), req->keep(), req->force(), req->dry_run(), outcome->deleted.size(),
+                      outcome->skipped.size());
+  return grpc::Status::OK;
+}
+
 }  // namespace flashckpt

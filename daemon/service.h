@@ -39,6 +39,8 @@ class CheckpointService final : public v1::Checkpoint::Service {
   // then every event until the caller cancels (OK) or the daemon stops (UNAVAILABLE).
   grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchEventsRequest* req,
                            grpc::ServerWriter<v1::Event>* writer) override;
+  grpc::Status DeleteCheckpoints(grpc::ServerContext* ctx, const v1::DeleteCheckpointsRequest* req,
+                                 v1::DeleteCheckpointsResponse* resp) override;
 
  private:
   Daemon* daemon_;

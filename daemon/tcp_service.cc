@@ -85,4 +85,10 @@ grpc::Status TcpCheckpointService::ReleaseSlot(grpc::ServerContext* ctx, const v
   return local_->ReleaseSlot(ctx, req, resp);
 }
 
+grpc::Status TcpCheckpointService::DeleteCheckpoints(grpc::ServerContext* ctx, const v1::DeleteCheckpointsRequest* req,
+                                                     v1::DeleteCheckpointsResponse* resp) {
+  if (!allow_writes_) return Denied(ctx, "DeleteCheckpoints");
+  return local_->DeleteCheckpoints(ctx, req, resp);
+}
+
 }  // namespace flashckpt

@@ -52,6 +52,8 @@ class TcpCheckpointService final : public v1::Checkpoint::Service {
   grpc::Status GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req, v1::GetEmaResponse* resp) override;
   grpc::Status ReleaseSlot(grpc::ServerContext* ctx, const v1::ReleaseSlotRequest* req,
                            v1::ReleaseSlotResponse* resp) override;
+  grpc::Status DeleteCheckpoints(grpc::ServerContext* ctx, const v1::DeleteCheckpointsRequest* req,
+                                 v1::DeleteCheckpointsResponse* resp) override;
 
   // Calls refused for want of --tcp-allow-writes since the start.
   uint64_t denied_calls() const { return denied_.load(); }

@@ -2,13 +2,24 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
 
 #include "client/cli/render.h"
 #include "common/fs.h"
+#include "common/metadata.h"
 #include "common/names.h"
 #include "common/relayout.h"
 #include "common/status.h"
@@ -76,7 +87,8 @@ const char* GrpcCodeName(grpc::StatusCode code) {
 }
 
 // Prints a failed RPC the way an operator can act on: unreachable daemon first, then the code.
-int ReportRpcError(const grpc::Status& s, const Endpoint& endpoint, const char* rpc) {
+int ReportRpcError(const grpc::Status& s, const Endpoint& endpoint, const char* rpc,
+                   std::chrono::seconds deadline = kRpcDeadline) {
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
     std::cerr << "flashckpt: daemon not reachable at " << endpoint.Describe() << " (UNAVAILABLE: " << s.error_message()
               << "); "
@@ -86,14 +98,92 @@ int ReportRpcError(const grpc::Status& s, const Endpoint& endpoint, const char* 
                         "(a daemon with --tls-cert needs --tls-ca, one without must not get it)?")
               << "\n";
   } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    std::cerr << "flashckpt: " << rpc << " got no answer from " << endpoint.Describe() << " within "
-              << kRpcDeadline.count() << " s (DEADLINE_EXCEEDED)\n";
+    std::cerr << "flashckpt: " << rpc << " got no answer from " << endpoint.Describe() << " within " << deadline.count()
+              << " s (DEADLINE_EXCEEDED)\n";
   } else {
     std::cerr << "flashckpt: " << rpc << " failed: " << GrpcCodeName(s.error_code()) << " (gRPC code "
               << static_cast<int>(s.error_code()) << "): " << s.error_message() << "\n";
   }
   return kExitRpcFailed;
 }
+
+// Bytes this process has moved through read and write system calls so far (/proc/self/io: rchar +
+// wchar, page-cache hits and O_DIRECT alike); nullopt where the kernel does not say.
+std::optional<uint64_t> BytesMoved() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  uint64_t value = 0, total = 0;
+  int found = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:" || key == "wchar:") {
+      total += value;
+      ++found;
+    }
+  }
+  if (found != 2) return std::nullopt;
+  return total;
+}
+
+// Prints ProgressText(done(), total, elapsed) on stderr every second until destroyed, then once
+// more. On a terminal the line is redrawn in place; elsewhere (--progress into a file) each is a
+// line of its own.
+class ProgressLine {
+ public:
+  ProgressLine(std::string what, uint64_t total, std::function<uint64_t()> done)
+      : what_(std::move(what)), total_(total), done_(std::move(done)), tty_(::isatty(STDERR_FILENO) == 1) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~ProgressLine() { Stop(); }
+  ProgressLine(const ProgressLine&) = delete;
+  ProgressLine& operator=(const ProgressLine&) = delete;
+
+  // Before other output on a terminal: clears the line being redrawn.
+  void Clear() {
+    std::lock_guard<std::mutex> lock(print_mu_);
+    if (tty_) std::cerr << "\r\033[K" << std::flush;
+  }
+  // Stops the updates and prints the final line (`ok`: all of the total was done).
+  void Finish(bool ok) {
+    Stop();
+    Print(ok ? total_ : done_(), true);
+  }
+
+ private:
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) Print(done_(), false);
+  }
+  void Print(uint64_t done, bool last) {
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    std::string line = what_ + " " + ProgressText(done, total_, secs);
+    std::lock_guard<std::mutex> lock(print_mu_);
+    if (tty_) {
+      std::cerr << "\r\033[K" << line << (last ? "\n" : "") << std::flush;
+    } else {
+      std::cerr << line << "\n" << std::flush;
+    }
+  }
+
+  const std::string what_;
+  const uint64_t total_;
+  const std::function<uint64_t()> done_;
+  const bool tty_;
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;    // guarded by mu_
+  std::mutex print_mu_;  // one line at a time on stderr
+  std::thread thread_;
+};
 
 }  // namespace
 
@@ -219,7 +309,7 @@ int RunVerify(const std::string& dir, bool json) {
 }
 
 int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint32_t pp, uint32_t shard,
-               const std::string& checksum_chunk, unsigned threads) {
+               const std::string& checksum_chunk, unsigned threads, bool progress) {
   auto chunk = ParseByteSize(checksum_chunk);
   if (!chunk) {
     std::cerr << "flashckpt: --checksum-chunk '" << checksum_chunk << "' is not a size like 1MiB or 65536\n";
@@ -228,14 +318,34 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
   const auto start = std::chrono::steady_clock::now();
   ParallelLoop loop(threads > 0 ? threads - 1 : 0);
   RelayoutReport report;
-  auto progress = [&](const NewRank& rank, const RelayoutReport& sofar) {
+  // The progress line counts the bytes this process reads and writes (/proc/self/io) against twice
+  // the source's tensor bytes (each is read once and written once; the bytes that checksum chunks
+  // make a reshard read beyond those are a fraction of a percent). Without /proc/self/io it
+  // advances once per new rank, from the relayout's own counts.
+  std::unique_ptr<ProgressLine> line;
+  std::atomic<uint64_t> per_rank{0};
+  if (progress) {
+    auto meta = ReadMetadataFile(src);
+    if (meta.ok()) {
+      uint64_t tensor_bytes = 0;
+      for (const auto& p : meta->pieces) tensor_bytes += p.end - p.begin;
+      const std::optional<uint64_t> base = BytesMoved();
+      std::function<uint64_t()> done = [&per_rank] { return per_rank.load(); };
+      if (base) done = [b = *base] { return BytesMoved().value_or(b) - b; };
+      line = std::make_unique<ProgressLine>("reshard", 2 * tensor_bytes, std::move(done));
+    }  // else RelayoutCheckpoint reports the problem below
+  }
+  auto on_rank = [&](const NewRank& rank, const RelayoutReport& sofar) {
+    per_rank = sofar.bytes_read + sofar.bytes_written;
+    if (line) line->Clear();
     std::cout << "rank " << rank.rank << " (tp " << rank.topology.tp_rank << ", pp " << rank.topology.pp_rank
               << ", shard " << rank.topology.shard_rank << "): " << rank.tensors.size() + rank.ema.size()
               << " tensors; so far " << sofar.files << " files, " << FormatBytes(sofar.bytes_read) << " read, "
               << FormatBytes(sofar.bytes_written) << " written\n"
               << std::flush;
   };
-  Status s = RelayoutCheckpoint(src, dst, Degrees{tp, pp, shard}, *chunk, &loop, &report, progress);
+  Status s = RelayoutCheckpoint(src, dst, Degrees{tp, pp, shard}, *chunk, &loop, &report, on_rank);
+  if (line) line->Finish(s.ok());
   if (!s.ok()) {
     std::cerr << "flashckpt: reshard " << src << " -> " << dst << " failed: " << s.ToString() << "\n";
     return s.code() == StatusCode::kCorruption || s.code() == StatusCode::kNotFound ? kExitVerifyFailed : kExitFailed;
@@ -245,6 +355,62 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
       "ok: %s -> %s as (tp, pp, shard) = (%u, %u, %u): %u ranks wrote %u files, %s read, %s written in %.2f s\n",
       src.c_str(), dst.c_str(), tp, pp, shard, report.ranks, report.files, FormatBytes(report.bytes_read).c_str(),
       FormatBytes(report.bytes_written).c_str(), secs);
+  return kExitOk;
+}
+
+int RunInspect(const std::string& dir, bool json) {
+  if (!PathExists(dir)) {
+    std::cerr << "flashckpt: inspect " << dir << ": no such directory\n";
+    return kExitFailed;
+  }
+  auto meta = ReadMetadataFile(dir);
+  if (!meta.ok()) {
+    if (meta.status().code() == StatusCode::kNotFound) {
+      uint32_t signals = 0;
+      auto names = ListDir(dir);
+      if (!names.ok()) {
+        std::cerr << "flashckpt: inspect " << dir << ": " << names.status().ToString() << "\n";
+        return kExitFailed;
+      }
+      for (const auto& n : *names) signals += n.rfind("saved_signal_", 0) == 0 ? 1 : 0;
+      std::cerr << "flashckpt: inspect " << dir << ": the checkpoint is incomplete: no metadata.json (" << signals
+                << " saved_signal file(s) present); a save in flight, or one that failed or was abandoned\n";
+    } else {
+      std::cerr << "flashckpt: inspect " << dir
+                << ": metadata.json is unreadable or corrupt: " << meta.status().ToString() << "\n";
+    }
+    return kExitVerifyFailed;
+  }
+  if (json) {
+    PrintJson(InspectJson(dir, *meta));
+  } else {
+    std::cout << InspectText(dir, *meta);
+  }
+  return kExitOk;
+}
+
+int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, uint32_t keep, bool force, bool dry_run,
+              bool json) {
+  auto stub = Connect(endpoint);
+  if (!stub.ok()) {
+    std::cerr << "flashckpt: " << stub.status().message() << "\n";
+    return kExitRpcFailed;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kDeleteDeadline);
+  v1::DeleteCheckpointsRequest req;
+  req.set_job(job);
+  req.set_step(step);
+  req.set_keep(keep);
+  req.set_force(force);
+  req.set_dry_run(dry_run);
+  v1::DeleteCheckpointsResponse resp;
+  grpc::Status s = (*stub)->DeleteCheckpoints(&ctx, req, &resp);
+  if (!s.ok()) return ReportRpcError(s, endpoint, "DeleteCheckpoints", kDeleteDeadline);
+  if (json)
+    PrintJson(DeleteJson(job, resp, dry_run));
+  else
+    std::cout << DeleteText(job, resp, dry_run);
   return kExitOk;
 }
 

@@ -14,8 +14,10 @@ inline constexpr int kExitVerifyFailed = 1;  // the checkpoint is incomplete or 
 inline constexpr int kExitRpcFailed = 2;     // the daemon is unreachable or answered with an error
 inline constexpr int kExitFailed = 3;        // an offline command failed (bad argument, I/O error)
 
-// Every RPC of the CLI is read-only and cheap for the daemon; one that takes longer is stuck.
+// Every RPC of the CLI is cheap for the daemon; one that takes longer is stuck.
 inline constexpr std::chrono::seconds kRpcDeadline{10};
+// DeleteCheckpoints removes directory trees, which on a shared file system takes a while.
+inline constexpr std::chrono::seconds kDeleteDeadline{300};
 
 // Where the daemon answers: its UNIX socket, or its TCP listener (flashckptd --listen), over TLS when
 // a CA is given. Over TCP the daemon serves status and list only, unless it allows writes.
@@ -42,8 +44,16 @@ int RunHealth(const Endpoint& endpoint);
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
 // Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new
-// rank and a summary. Needs no daemon.
+// rank and a summary. Needs no daemon. `progress`: a progress line on stderr at most every second
+// (bytes read and written of about twice the source's tensor bytes, GB/s, ETA).
 int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint32_t pp, uint32_t shard,
-               const std::string& checksum_chunk, unsigned threads);
+               const std::string& checksum_chunk, unsigned threads, bool progress);
+// Offline: a complete checkpoint's topology, files, tensors, sizes and EMA. An incomplete or
+// corrupt one is kExitVerifyFailed, a missing directory kExitFailed.
+int RunInspect(const std::string& dir, bool json);
+// DeleteCheckpoints through the daemon: `step` > 0 deletes that checkpoint (`flashckpt delete`;
+// force: also the newest complete one), else gc keeping the newest `keep` (`flashckpt gc`).
+int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, uint32_t keep, bool force, bool dry_run,
+              bool json);
 
 }  // namespace flashckpt::cli

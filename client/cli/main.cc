@@ -1,6 +1,9 @@
-// flashckpt: the operator command. Asks the local flashckptd for its status and checkpoints, and
-// verifies and reshards checkpoint directories offline.
+// flashckpt: the operator command. Asks the local flashckptd for its status and checkpoints and to
+// delete checkpoints, and inspects, verifies and reshards checkpoint directories offline.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <string>
 
 #include "client/cli/commands.h"
@@ -19,8 +22,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI::Option* address = app.add_option(
       "--address", endpoint.address,
-      "HOST:PORT of the daemon's TCP listener (flashckptd --listen) instead of the socket; status, list and health "
-      "only");
+      "HOST:PORT of the daemon's TCP listener (flashckptd --listen) instead of the socket; status, list, "
+      "watch and health only, unless the daemon runs with --tcp-allow-writes");
   app.add_option("--tls-ca", endpoint.tls_ca,
                  "With --address: connect with TLS, trusting the CA (PEM) that signed the daemon's --tls-cert")
       ->check(CLI::ExistingFile)
@@ -71,10 +74,44 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   reshard->add_option("--checksum-chunk", chunk, "Per-chunk checksum size of the new files")->capture_default_str();
   reshard->add_option("--threads", threads, "Reader threads")->check(CLI::Range(1, 64))->capture_default_str();
+  bool progress = false;
+  reshard->add_flag("--progress", progress,
+                    "Print progress (bytes, GB/s, ETA) on stderr every second; on by default when stderr is a "
+                    "terminal");
+
+  CLI::App* inspect =
+      app.add_subcommand("inspect", "Show a complete checkpoint's topology, files, tensors, sizes and EMA (offline)");
+  inspect->add_option("dir", dir, "The checkpoint directory, e.g. <root>/<job>/checkpoint-1200")->required();
+  inspect->add_flag("--json", json, "Print JSON instead of tables");
+
+  // delete and gc go through the daemon: its catalog knows the steps in use and owns LATEST.
+  std::string owner;
+  int64_t step = 0;
+  uint32_t keep = 0;
+  bool force = false, dry_run = false;
+  CLI::App* del = app.add_subcommand(
+      "delete", "Delete one checkpoint (through the daemon; never one in use, the newest only with --force)");
+  del->add_option("--job", owner, "The job")->required();
+  del->add_option("--step", step, "The step to delete")->required()->check(CLI::Range(int64_t{1}, INT64_MAX));
+  del->add_flag("--force", force,
+                "Also delete the newest complete checkpoint (LATEST moves back to the newest one left)");
+  del->add_flag("--dry-run", dry_run, "Only say what would be deleted");
+  del->add_flag("--json", json, "Print JSON");
+  CLI::App* gc = app.add_subcommand(
+      "gc", "Keep the newest N complete checkpoints of a job and delete older ones, as flashckptd --keep does");
+  gc->add_option("--job", owner, "The job")->required();
+  gc->add_option("--keep", keep, "How many complete checkpoints to keep")->required()->check(CLI::Range(1u, 1000000u));
+  gc->add_flag("--dry-run", dry_run, "Only say what would be deleted");
+  gc->add_flag("--json", json, "Print JSON");
 
   CLI11_PARSE(app, argc, argv);
 
-  if (*reshard) return flashckpt::cli::RunReshard(dir, dst, tp, pp, shard, chunk, threads);
+  if (*reshard) {
+    return flashckpt::cli::RunReshard(dir, dst, tp, pp, shard, chunk, threads, progress || ::isatty(STDERR_FILENO));
+  }
+  if (*inspect) return flashckpt::cli::RunInspect(dir, json);
+  if (*del) return flashckpt::cli::RunDelete(endpoint, owner, step, 0, force, dry_run, json);
+  if (*gc) return flashckpt::cli::RunDelete(endpoint, owner, 0, keep, false, dry_run, json);
 
   if (*status) return flashckpt::cli::RunStatus(endpoint, json);
   if (*health) return flashckpt::cli::RunHealth(endpoint);

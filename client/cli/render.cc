@@ -4,8 +4,11 @@
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <map>
+#include <utility>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/names.h"
 
 namespace flashckpt::cli {
@@ -49,6 +52,52 @@ class TextTable {
 };
 
 std::string StepText(int64_t step) { return step < 0 ? "-" : std::to_string(step); }
+
+// "[4096, 1024]"
+std::string ShapeText(const std::vector<uint64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// A tensor of a checkpoint: every saved piece of one (name, kind).
+struct InspectTensor {
+  std::string name;
+  TensorKind kind = TensorKind::kModel;
+  DType dtype = DType::kF32;
+  std::vector<uint64_t> global_shape;
+  std::vector<const Piece*> pieces;
+  uint64_t bytes = 0;  // of all its pieces
+  bool mixed = false;  // pieces disagree on dtype or global shape (a corrupt checkpoint)
+};
+
+// By kind (model, optimizer, master_weight, ema), then name.
+std::vector<InspectTensor> GroupTensors(const CheckpointMetadata& meta) {
+  std::map<std::pair<int, std::string>, InspectTensor> by_key;
+  for (const Piece& p : meta.pieces) {
+    InspectTensor& t = by_key[{static_cast<int>(p.kind), p.key}];
+    if (t.pieces.empty()) {
+      t.name = p.key;
+      t.kind = p.kind;
+      t.dtype = p.dtype;
+      t.global_shape = p.global_shape;
+    } else if (t.dtype != p.dtype || t.global_shape != p.global_shape) {
+      t.mixed = true;
+    }
+    t.pieces.push_back(&p);
+    t.bytes += p.end - p.begin;
+  }
+  std::vector<InspectTensor> out;
+  out.reserve(by_key.size());
+  for (auto& [key, t] : by_key) out.push_back(std::move(t));
+  return out;
+}
+
+uint64_t FileBytes(const CheckpointMetadata& meta) {
+  uint64_t total = 0;
+  for (const auto& f : meta.files) total += f.bytes;
+  return total;
+}
 
 ordered_json StepJson(int64_t step) { return step < 0 ? ordered_json(nullptr) : ordered_json(step); }
 
@@ -374,6 +423,159 @@ ordered_json ListJson(const v1::ListCheckpointsResponse& list) {
                    {"latest", c.latest()},
                    {"path", c.path()}});
   }
+  return out;
+}
+
+std::string InspectText(const std::string& dir, const CheckpointMetadata& meta) {
+  const auto tensors = GroupTensors(meta);
+  const Topology& t = meta.topology;
+  std::string out;
+  out += "checkpoint  " + dir + "\n";
+  out += "job         " + meta.job + "\n";
+  out += "step        " + std::to_string(meta.step) + "\n";
+  out +=
+      "complete    yes (metadata.json)" + std::string(meta.created.empty() ? "" : ", created " + meta.created) + "\n";
+  out += "topology    world size " + std::to_string(t.world_size) + ": tp " + std::to_string(t.tp_degree) + " x pp " +
+         std::to_string(t.pp_degree) + " x shard " + std::to_string(t.shard_degree) + "\n";
+  if (meta.ema) {
+    const EmaRecord& e = *meta.ema;
+    out += "ema         decay " + DecayText(e.decay) + ", interval " + std::to_string(e.interval) + ", init " + e.init +
+           ", model params " + e.model_params;
+    if (e.loss_threshold) out += ", loss threshold " + DecayText(*e.loss_threshold);
+    out += "; " + std::to_string(e.updates_applied) + " updates applied, " + std::to_string(e.updates_skipped) +
+           " skipped, last at step " + std::to_string(e.last_step) + "\n";
+  } else {
+    out += "ema         none\n";
+  }
+  out += "size        " + std::to_string(meta.files.size()) + " files, " + FormatBytes(FileBytes(meta)) + "; " +
+         std::to_string(tensors.size()) + " tensors in " + std::to_string(meta.pieces.size()) + " pieces\n";
+
+  out += "\n";
+  TextTable files({"FILE", "RANK", "TP", "PP", "SHARD", "BYTES"}, {false, true, true, true, true, true});
+  for (const auto& f : meta.files) {
+    files.AddRow({f.name, std::to_string(f.rank), std::to_string(f.tp_rank), std::to_string(f.pp_rank),
+                  std::to_string(f.shard_rank), FormatBytes(f.bytes)});
+  }
+  out += files.Render("");
+
+  out += "\n";
+  TextTable table({"TENSOR", "KIND", "DTYPE", "GLOBAL SHAPE", "PIECES", "BYTES"},
+                  {false, false, false, false, true, true});
+  for (const auto& x : tensors) {
+    table.AddRow({x.name, std::string(TensorKindName(x.kind)), std::string(DTypeName(x.dtype)) + (x.mixed ? "*" : ""),
+                  ShapeText(x.global_shape), std::to_string(x.pieces.size()), FormatBytes(x.bytes)});
+  }
+  out += table.Render("");
+  if (std::any_of(tensors.begin(), tensors.end(), [](const auto& x) { return x.mixed; })) {
+    out += "* pieces disagree on dtype or global shape: run `flashckpt verify`\n";
+  }
+  return out;
+}
+
+ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta) {
+  const auto tensors = GroupTensors(meta);
+  const Topology& t = meta.topology;
+  ordered_json out;
+  out["dir"] = dir;
+  out["job"] = meta.job;
+  out["step"] = meta.step;
+  out["complete"] = true;
+  out["created"] = meta.created;
+  out["topology"] = {{"world_size", t.world_size},
+                     {"tp_degree", t.tp_degree},
+                     {"pp_degree", t.pp_degree},
+                     {"shard_degree", t.shard_degree}};
+  if (meta.ema) {
+    const EmaRecord& e = *meta.ema;
+    out["ema"] = {{"decay", e.decay},
+                  {"interval", e.interval},
+                  {"init", e.init},
+                  {"model_params", e.model_params},
+                  {"loss_threshold", e.loss_threshold ? ordered_json(*e.loss_threshold) : ordered_json(nullptr)},
+                  {"updates_applied", e.updates_applied},
+                  {"updates_skipped", e.updates_skipped},
+                  {"last_step", e.last_step}};
+  } else {
+    out["ema"] = nullptr;
+  }
+  ordered_json files = ordered_json::array();
+  for (const auto& f : meta.files) {
+    files.push_back({{"name", f.name},
+                     {"rank", f.rank},
+                     {"tp_rank", f.tp_rank},
+                     {"pp_rank", f.pp_rank},
+                     {"shard_rank", f.shard_rank},
+                     {"bytes", f.bytes}});
+  }
+  out["files"] = std::move(files);
+  ordered_json list = ordered_json::array();
+  uint64_t tensor_bytes = 0;
+  for (const auto& x : tensors) {
+    ordered_json pieces = ordered_json::array();
+    for (const Piece* p : x.pieces) {
+      ordered_json piece = {{"file", p->file},
+                            {"shape", p->shape},
+                            {"box_offset", p->box_offset},
+                            {"box_shape", p->box_shape},
+                            {"flat_range", p->flat_range ? ordered_json({p->flat_range->begin, p->flat_range->end})
+                                                         : ordered_json(nullptr)},
+                            {"bytes", p->end - p->begin}};
+      pieces.push_back(std::move(piece));
+    }
+    tensor_bytes += x.bytes;
+    list.push_back({{"name", x.name},
+                    {"kind", std::string(TensorKindName(x.kind))},
+                    {"dtype", std::string(DTypeName(x.dtype))},
+                    {"global_shape", x.global_shape},
+                    {"bytes", x.bytes},
+                    {"pieces", std::move(pieces)}});
+  }
+  out["tensors"] = std::move(list);
+  out["totals"] = {{"files", meta.files.size()},
+                   {"file_bytes", FileBytes(meta)},
+                   {"tensors", tensors.size()},
+                   {"pieces", meta.pieces.size()},
+                   {"tensor_bytes", tensor_bytes}};
+  return out;
+}
+
+std::string DeleteText(const std::string& job, const v1::DeleteCheckpointsResponse& resp, bool dry_run) {
+  std::string out;
+  const std::string verb = dry_run ? "would delete" : "deleted";
+  if (resp.deleted().empty()) {
+    out += std::string(dry_run ? "would delete" : "deleted") + " nothing of job " + job + "\n";
+  }
+  for (int64_t step : resp.deleted()) out += verb + " " + job + "/" + CheckpointDirName(step) + "\n";
+  for (const auto& s : resp.skipped()) {
+    out += "skipped " + job + "/" + CheckpointDirName(s.step()) + ": " + s.reason() + "\n";
+  }
+  out += "latest  " +
+         (resp.latest() < 0 ? std::string("none (no complete checkpoint left)") : CheckpointDirName(resp.latest())) +
+         "\n";
+  return out;
+}
+
+ordered_json DeleteJson(const std::string& job, const v1::DeleteCheckpointsResponse& resp, bool dry_run) {
+  ordered_json skipped = ordered_json::array();
+  for (const auto& s : resp.skipped()) skipped.push_back({{"step", s.step()}, {"reason", s.reason()}});
+  return {{"job", job},
+          {"dry_run", dry_run},
+          {"deleted", std::vector<int64_t>(resp.deleted().begin(), resp.deleted().end())},
+          {"skipped", std::move(skipped)},
+          {"latest", StepJson(resp.latest())}};
+}
+
+std::string ProgressText(uint64_t done, uint64_t total, double seconds) {
+  done = std::min(done, total);
+  char buf[160];
+  const double pct = total > 0 ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
+  std::snprintf(buf, sizeof buf, "%s of %s (%.0f%%)", FormatBytes(done).c_str(), FormatBytes(total).c_str(), pct);
+  std::string out = buf;
+  if (done == 0 || !(seconds > 0)) return out;
+  const double rate = static_cast<double>(done) / seconds;  // bytes per second
+  std::snprintf(buf, sizeof buf, ", %.2f GB/s", rate / 1e9);
+  out += buf;
+  if (done < total) out += ", ETA " + FormatDuration(static_cast<double>(total - done) / rate);
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "common/metadata.h"
 #include "flashckpt.pb.h"
 
 namespace flashckpt::cli {
@@ -31,5 +32,21 @@ nlohmann::ordered_json EventJson(const v1::Event& event);
 // The ListCheckpoints answer: one row per checkpoint directory.
 std::string ListText(const v1::ListCheckpointsResponse& list);
 nlohmann::ordered_json ListJson(const v1::ListCheckpointsResponse& list);
+
+// `flashckpt inspect`: a complete checkpoint's metadata (read from `dir`): job, step, topology,
+// EMA configuration, its files, and one row per tensor (name and kind: an EMA tensor shares its
+// parameter's name) with dtype, global shape, pieces and bytes, then totals. JSON: the same, with
+// every piece's file, box and flat range.
+std::string InspectText(const std::string& dir, const CheckpointMetadata& meta);
+nlohmann::ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta);
+
+// The DeleteCheckpoints answer: what was deleted (or, dry_run, would be), what was skipped and
+// why, and the newest complete checkpoint left.
+std::string DeleteText(const std::string& job, const v1::DeleteCheckpointsResponse& resp, bool dry_run);
+nlohmann::ordered_json DeleteJson(const std::string& job, const v1::DeleteCheckpointsResponse& resp, bool dry_run);
+
+// One progress line: "1.5 GiB of 6.0 GiB (25%), 1.61 GB/s, ETA 3s" (no rate or ETA before
+// anything is done; done is capped at total).
+std::string ProgressText(uint64_t done, uint64_t total, double seconds);
 
 }  // namespace flashckpt::cli

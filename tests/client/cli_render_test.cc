@@ -1,4 +1,5 @@
-// What `flashckpt status` shows operators and scripts, from a hand-built StatusResponse.
+// What `flashckpt status`, `inspect`, `delete`/`gc` and the reshard progress line show operators
+// and scripts, from hand-built responses and metadata.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -173,6 +174,130 @@ TEST(StatusJson, EmaWithoutUpdateYetHasNullLastStep) {
   auto j = StatusJson(s);
   EXPECT_TRUE(j["jobs"][0]["ranks"][0]["ema"]["last_step"].is_null());
   EXPECT_EQ(j["jobs"][0]["ranks"][0]["ema"]["enabled"], true);
+}
+
+// A (tp 2) checkpoint: one weight cut in two row blocks with its EMA, one optimizer state.
+CheckpointMetadata TwoRankMetadata() {
+  CheckpointMetadata m;
+  m.job = "llama";
+  m.step = 1200;
+  m.topology.world_size = 2;
+  m.topology.tp_degree = 2;
+  for (uint32_t r = 0; r < 2; ++r) {
+    m.files.push_back({"model_state.tp0" + std::to_string(r) + "_pp00_shard00.safetensors", r, r, 0, 0, 20480});
+    Piece w;
+    w.key = "w";
+    w.kind = TensorKind::kModel;
+    w.dtype = DType::kBF16;
+    w.shape = {64, 64};
+    w.global_shape = {128, 64};
+    w.box_offset = {64ull * r, 0};
+    w.box_shape = {64, 64};
+    w.file = m.files.back().name;
+    w.begin = 4096;
+    w.end = 4096 + 64 * 64 * 2;
+    m.pieces.push_back(w);
+    Piece e = w;
+    e.kind = TensorKind::kEma;
+    e.dtype = DType::kF32;
+    e.file = "ema.tp0" + std::to_string(r) + "_pp00_shard00.safetensors";
+    e.end = 4096 + 64 * 64 * 4;
+    m.pieces.push_back(e);
+  }
+  Piece o;
+  o.key = "w.exp_avg";
+  o.kind = TensorKind::kOptimizer;
+  o.dtype = DType::kF32;
+  o.shape = {100};
+  o.global_shape = {128, 64};
+  o.box_offset = {0, 0};
+  o.box_shape = {64, 64};
+  o.flat_range = FlatRange{0, 100};
+  o.file = "optimizer.tp00_pp00_shard00.safetensors";
+  o.begin = 4096;
+  o.end = 4496;
+  m.pieces.push_back(o);
+  EmaRecord ema;
+  ema.decay = 0.9999;
+  ema.interval = 10;
+  ema.init = "first";
+  ema.model_params = "all";
+  ema.updates_applied = 120;
+  ema.last_step = 1200;
+  m.ema = ema;
+  return m;
+}
+
+TEST(InspectText, ShowsTopologyEmaFilesAndOneRowPerTensorAndKind) {
+  std::string text = InspectText("/ck/llama/checkpoint-1200", TwoRankMetadata());
+  EXPECT_NE(text.find("topology    world size 2: tp 2 x pp 1 x shard 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("ema         decay 0.9999, interval 10, init first, model params all; 120 updates applied, 0 "
+                      "skipped, last at step 1200\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("size        2 files, 40.0 KiB; 3 tensors in 5 pieces\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("model_state.tp01_pp00_shard00.safetensors     1   1   0      0  20.0 KiB\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("TENSOR     KIND       DTYPE  GLOBAL SHAPE  PIECES     BYTES\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("w          model      BF16   [128, 64]          2  16.0 KiB\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("w.exp_avg  optimizer  F32    [128, 64]          1     400 B\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("w          ema        F32    [128, 64]          2  32.0 KiB\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("disagree"), std::string::npos) << text;
+}
+
+TEST(InspectText, FlagsPiecesThatDisagreeOnDtype) {
+  CheckpointMetadata m = TwoRankMetadata();
+  m.pieces[2].dtype = DType::kF16;  // rank 1's piece of w
+  std::string text = InspectText("d", m);
+  EXPECT_NE(text.find("w          model      BF16*"), std::string::npos) << text;
+  EXPECT_NE(text.find("* pieces disagree on dtype or global shape"), std::string::npos) << text;
+}
+
+TEST(InspectJson, CountsTensorsPiecesAndBytes) {
+  auto j = InspectJson("d", TwoRankMetadata());
+  EXPECT_EQ(j["topology"]["world_size"], 2);
+  EXPECT_EQ(j["topology"]["tp_degree"], 2);
+  EXPECT_EQ(j["tensors"].size(), 3u);
+  EXPECT_EQ(j["totals"]["tensors"], 3);
+  EXPECT_EQ(j["totals"]["pieces"], 5);
+  EXPECT_EQ(j["totals"]["file_bytes"], 40960);
+  EXPECT_EQ(j["totals"]["tensor_bytes"], 2 * 8192 + 2 * 16384 + 400);
+  EXPECT_DOUBLE_EQ(j["ema"]["decay"].get<double>(), 0.9999);
+  EXPECT_TRUE(j["ema"]["loss_threshold"].is_null());
+  const auto& opt = j["tensors"][1];
+  EXPECT_EQ(opt["name"], "w.exp_avg");
+  EXPECT_EQ(opt["pieces"][0]["flat_range"], nlohmann::ordered_json({0, 100}));
+  EXPECT_TRUE(j["tensors"][0]["pieces"][0]["flat_range"].is_null());
+  CheckpointMetadata no_ema = TwoRankMetadata();
+  no_ema.ema.reset();
+  EXPECT_TRUE(InspectJson("d", no_ema)["ema"].is_null());
+}
+
+TEST(DeleteText, NamesDeletedAndSkippedStepsAndTheLatest) {
+  v1::DeleteCheckpointsResponse r;
+  r.add_deleted(100);
+  r.add_deleted(200);
+  auto* s = r.add_skipped();
+  s->set_step(300);
+  s->set_reason("in use (a restore reading it or a save writing it)");
+  r.set_latest(500);
+  EXPECT_EQ(DeleteText("llama", r, false),
+            "deleted llama/checkpoint-100\ndeleted llama/checkpoint-200\n"
+            "skipped llama/checkpoint-300: in use (a restore reading it or a save writing it)\n"
+            "latest  checkpoint-500\n");
+  EXPECT_EQ(DeleteText("llama", r, true).rfind("would delete llama/checkpoint-100\n", 0), 0u);
+  v1::DeleteCheckpointsResponse none;
+  none.set_latest(-1);
+  EXPECT_EQ(DeleteText("j", none, false), "deleted nothing of job j\nlatest  none (no complete checkpoint left)\n");
+  auto j = DeleteJson("j", none, false);
+  EXPECT_TRUE(j["latest"].is_null());
+  EXPECT_TRUE(j["deleted"].empty());
+}
+
+TEST(ProgressText, ShowsBytesRateAndEta) {
+  EXPECT_EQ(ProgressText(0, 4ull << 30, 0.5), "0 B of 4.0 GiB (0%)");
+  EXPECT_EQ(ProgressText(1ull << 30, 4ull << 30, 1.0), "1.0 GiB of 4.0 GiB (25%), 1.07 GB/s, ETA 3s");
+  EXPECT_EQ(ProgressText(5ull << 30, 4ull << 30, 2.0), "4.0 GiB of 4.0 GiB (100%), 2.15 GB/s");
 }
 
 }  // namespace

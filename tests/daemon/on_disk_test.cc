@@ -1,4 +1,5 @@
-// What the daemon leaves under --root: retention of old checkpoints (--keep), and a save that fails
+// What the daemon leaves under --root: retention of old checkpoints (--keep), deletion by operators
+// (Catalog::DeleteCheckpoint and CollectGarbage: `flashckpt delete` and `gc`), and a save that fails
 // on a full disk (a real 16 MiB tmpfs) without harming earlier checkpoints. A real daemon behind its
 // gRPC service on a temporary socket, driven by the real client library.
 #include <sys/mount.h>
@@ -204,6 +205,97 @@ TEST_F(OnDiskTest, WithKeepOneSavesGoOnForeverOnASmallDisk) {
   for (int64_t step = 1; step <= 6; ++step) ASSERT_OK(t.Save(step));
   EXPECT_EQ(Entries("forever"), (Names{"LATEST", "checkpoint-6"}));
   EXPECT_OK(VerifyCheckpointDir(StepDir("forever", 6), nullptr));
+}
+
+// `flashckpt delete` and `gc` go through these; the RPC edge is tested by tests/integration/test_manage.py.
+class CatalogTest : public OnDiskTest {};
+
+TEST_F(CatalogTest, DeleteRefusesTheNewestWithoutForceAndNeverDeletesAStepInUse) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("del", 100);
+  ASSERT_TRUE(t.client);
+  for (int64_t step : {2, 3, 4}) ASSERT_OK(t.Save(step));
+  Catalog catalog(root());
+
+  auto refused = catalog.DeleteCheckpoint("del", 4, /*force=*/false, {}, /*dry_run=*/false);
+  ASSERT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("newest complete checkpoint"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("--force"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("LATEST would move back to step 3"), std::string::npos);
+  EXPECT_OK(VerifyCheckpointDir(StepDir("del", 4), nullptr));
+
+  StepInUse reading = catalog.Use("del", 3);  // a restore of step 3 in flight
+  for (bool force : {false, true}) {
+    auto in_use = catalog.DeleteCheckpoint("del", 3, force, {}, false);
+    ASSERT_EQ(in_use.status().code(), StatusCode::kFailedPrecondition) << in_use.status().ToString();
+    EXPECT_NE(in_use.status().message().find("in use"), std::string::npos) << in_use.status().ToString();
+  }
+  auto busy = catalog.DeleteCheckpoint("del", 2, false, /*busy=*/{2}, false);  // a slot persisting step 2
+  EXPECT_EQ(busy.status().code(), StatusCode::kFailedPrecondition) << busy.status().ToString();
+
+  auto planned = catalog.DeleteCheckpoint("del", 2, false, {}, /*dry_run=*/true);
+  ASSERT_OK(planned.status());
+  EXPECT_EQ(planned->deleted, (std::vector<int64_t>{2}));
+  EXPECT_EQ(planned->latest, 4);
+  planned = catalog.DeleteCheckpoint("del", 4, /*force=*/true, {}, /*dry_run=*/true);
+  ASSERT_OK(planned.status());
+  EXPECT_EQ(planned->latest, 3);  // what LATEST would become
+  EXPECT_EQ(Entries("del"), (Names{"LATEST", "checkpoint-2", "checkpoint-3", "checkpoint-4"}));
+  EXPECT_EQ(*ReadSmallFile(JobDir("del") + "/LATEST", 100), "4\n");
+
+  auto deleted = catalog.DeleteCheckpoint("del", 2, false, {}, false);
+  ASSERT_OK(deleted.status());
+  EXPECT_EQ(deleted->deleted, (std::vector<int64_t>{2}));
+  EXPECT_EQ(deleted->latest, 4);
+  EXPECT_EQ(Entries("del"), (Names{"LATEST", "checkpoint-3", "checkpoint-4"}));
+  EXPECT_EQ(catalog.DeleteCheckpoint("del", 2, false, {}, false).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(catalog.DeleteCheckpoint("../del", 2, false, {}, false).status().code(), StatusCode::kInvalidArgument);
+
+  reading.Reset();
+  deleted = catalog.DeleteCheckpoint("del", 4, /*force=*/true, {}, false);
+  ASSERT_OK(deleted.status());
+  EXPECT_EQ(deleted->latest, 3);
+  auto latest = ReadSmallFile(JobDir("del") + "/LATEST", 100);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "3\n");  // moved back
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(restored.status());
+  EXPECT_EQ(restored->step, 3);
+
+  deleted = catalog.DeleteCheckpoint("del", 3, /*force=*/true, {}, false);
+  ASSERT_OK(deleted.status());
+  EXPECT_FALSE(deleted->latest.has_value());
+  EXPECT_EQ(Entries("del"), Names{});  // LATEST is gone with the last complete checkpoint
+}
+
+TEST_F(CatalogTest, GcKeepsTheNewestAndListsStepsInUseAsSkipped) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("gc", 100);
+  ASSERT_TRUE(t.client);
+  for (int64_t step : {2, 3, 4, 5}) ASSERT_OK(t.Save(step));
+  ASSERT_OK(MakeDirs(StepDir("gc", 1)));  // an abandoned save: older than every complete one
+  ASSERT_OK(MakeDirs(StepDir("gc", 9)));  // a save in flight: newer, left alone
+  Catalog catalog(root());
+  StepInUse reading = catalog.Use("gc", 3);
+  EXPECT_EQ(catalog.CollectGarbage("gc", 0, {}, false).status().code(), StatusCode::kInvalidArgument);
+
+  auto outcome = catalog.CollectGarbage("gc", 1, /*busy=*/{2}, /*dry_run=*/false);
+  ASSERT_OK(outcome.status());
+  EXPECT_EQ(outcome->deleted, (std::vector<int64_t>{1, 4}));
+  ASSERT_EQ(outcome->skipped.size(), 2u);
+  EXPECT_EQ(outcome->skipped[0].step, 2);
+  EXPECT_EQ(outcome->skipped[1].step, 3);
+  EXPECT_NE(outcome->skipped[1].reason.find("in use"), std::string::npos) << outcome->skipped[1].reason;
+  EXPECT_EQ(outcome->latest, 5);
+  EXPECT_EQ(Entries("gc"), (Names{"LATEST", "checkpoint-2", "checkpoint-3", "checkpoint-5", "checkpoint-9"}));
+
+  reading.Reset();
+  outcome = catalog.CollectGarbage("gc", 1, {}, false);
+  ASSERT_OK(outcome.status());
+  EXPECT_EQ(outcome->deleted, (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(outcome->skipped.empty());
+  EXPECT_EQ(Entries("gc"), (Names{"LATEST", "checkpoint-5", "checkpoint-9"}));
+  EXPECT_OK(VerifyCheckpointDir(StepDir("gc", 5), nullptr));
 }
 
 }  // namespace
