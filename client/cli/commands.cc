@@ -267,6 +267,8 @@ int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64
   if (s.ok() || (count > 0 && seen >= count)) return kExitOk;
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && seconds > 0) return kExitOk;
   return ReportRpcError(s, endpoint, "WatchEvents");
+}
+
 int RunHealth(const Endpoint& endpoint) {
   auto channel = OpenChannel(endpoint);
   if (!channel.ok()) {

@@ -106,7 +106,7 @@ class DaemonProcess {
   int port_ = 0;
 };
 
-// Every RPC but GetStatus and ListCheckpoints, as one call each with `session`.
+// Every write RPC (all but GetStatus, ListCheckpoints and WatchEvents), as one call each with `session`.
 std::vector<std::pair<std::string, grpc::Status>> CallEveryWriteRpc(v1::Checkpoint::Stub* stub,
                                                                     const std::string& session) {
   std::vector<std::pair<std::string, grpc::Status>> out;
