@@ -9,6 +9,7 @@
 #include <iostream>
 #include <vector>
 
+#include "common/cuda_info.h"
 #include "common/layout.h"
 #include "common/names.h"
 #include "daemon/limits.h"
@@ -102,7 +103,7 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   std::string budget;
   CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
   app.set_config("--config", "", "Read flags from an INI/TOML file (keys as the long flag names)");
-  app.set_version_flag("--version", "flashckptd 0.1.0");
+  app.set_version_flag("--version", [] { return "flashckptd 0.1.0 (" + CudaInfoText(GetCudaInfo()) + ")"; });
   app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
   app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
   app.add_option("--state-dir", config.state_dir,
