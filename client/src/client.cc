@@ -616,7 +616,11 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   if (slot.slot() >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
   // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
   ASSIGN_OR_RETURN(matched, impl_->Match(buffers, selection));
-  ASSIGN_OR_RETURN(std::vector<bool> on_device, DeviceMask(BuffersOf(matched)));
+  Result<std::vector<bool>> on_device = DeviceMask(BuffersOf(matched));
+  if (!on_device.ok()) {
+    impl_->AbortSlot(impl_->session_id, slot.slot(), slot.generation());
+    return on_device.status();
+  }
 
   v1::CommitRequest commit;
   commit.set_session_id(impl_->session_id);
@@ -639,7 +643,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   for (size_t i = 0; i < matched.size(); ++i) {
     const auto& [buffer, mapped] = matched[i];
 #if FLASHCKPT_HAVE_CUDA
-    if (on_device[i]) {
+    if ((*on_device)[i]) {
       if (buffer->bytes > 0) from_device.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
       continue;
     }
