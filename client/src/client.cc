@@ -208,9 +208,9 @@ struct Client::Impl {
   // Device copies; holds the pins of the slots, so it is declared after (destroyed before) `segment`.
   DeviceCopier device;
 #endif
-  // The device snapshot whose commit thread is running, if any: every call joins it first
-  // (FinishPending), so the thread never runs beside another call of this client but WaitCopied
-  // and StatusJson, which touch nothing it does.
+  // The device snapshot whose commit thread is running, if any: every call but EmaTensorNames()
+  // joins it first (FinishPending), so the thread never runs beside another call of this client;
+  // the handles' waits touch only the progress it shares with them.
   std::thread committer;
   std::shared_ptr<detail::SnapshotProgress> pending;
 

@@ -21,22 +21,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Three tensors of odd sizes in both files: a weight, its optimizer moment and a small bias.
-std::vector<TensorSpec> ThreeTensors() {
-  auto specs = ModelAndMomentSpecs(1u << 20);
-  TensorSpec bias;
-  bias.name = "bias";
-  bias.shape = {257};
-  specs.push_back(bias);
-  return specs;
-}
-
-uint64_t Elements(const TensorSpec& s) {
-  uint64_t n = 1;
-  for (auto d : s.shape) n *= d;
-  return n;
-}
-
 // Refused before a slot is taken: a device buffer in a build without CUDA or a process without a
 // device. Runs wherever there is no usable device (a build without CUDA, or CUDA with no GPU).
 TEST(DeviceMemory, RefusedCleanlyWithoutCudaOrDevice) {
@@ -84,6 +68,22 @@ TEST(DeviceMemory, RefusedCleanlyWithoutCudaOrDevice) {
 }
 
 #if FLASHCKPT_HAVE_CUDA
+
+// Three tensors of odd sizes in both files: a weight, its optimizer moment and a small bias.
+std::vector<TensorSpec> ThreeTensors() {
+  auto specs = ModelAndMomentSpecs(1u << 20);
+  TensorSpec bias;
+  bias.name = "bias";
+  bias.shape = {257};
+  specs.push_back(bias);
+  return specs;
+}
+
+uint64_t Elements(const TensorSpec& s) {
+  uint64_t n = 1;
+  for (auto d : s.shape) n *= d;
+  return n;
+}
 
 #define ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
 
