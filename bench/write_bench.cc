@@ -156,6 +156,7 @@ Result<double> WriterPath(const std::string& dir, const char* data, uint64_t byt
     hooks.side = [&](size_t r) {
       const uint64_t hi = r + 1 < image.cuts.size() ? image.cuts[r + 1] : bytes;
       whole[r] = Xxh3(data + image.cuts[r], hi - image.cuts[r]);
+      return Status::OK();
     };
   }
   auto start = std::chrono::steady_clock::now();

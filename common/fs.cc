@@ -253,9 +253,15 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     }
   };
   run(hooks.side_count + pieces.size(), [&](size_t k) {
-    if (k < hooks.side_count) return hooks.side(k);
+    if (k < hooks.side_count) {
+      if (Status s = hooks.side(k); !s.ok()) fail(s);
+      return;
+    }
     if (failed.load(std::memory_order_relaxed)) return;  // a full disk: do not write gigabytes more into it
     const Piece& p = pieces[k - hooks.side_count];
+    if (hooks.wait) {
+      if (Status s = hooks.wait(p.image, p.to); !s.ok()) return fail(s);
+    }
     const ImageWrite& im = images[p.image];
     const bool last_region = p.region + 1 == im.cuts.size();
     const uint64_t hi = last_region ? im.bytes : im.cuts[p.region + 1];

@@ -108,10 +108,14 @@ struct ImageWrite {
 // and renamed into place, then the directory fsync'ed once. On a file system without O_DIRECT
 // (tmpfs) the same writes are buffered. On failure every temporary is removed; `renamed` (if given)
 // lists the names already in place, for the caller to undo.
+// Images whose bytes are still arriving (a streaming commit): `wait(image, to)`, when set, runs
+// before a piece's `prepare` and returns once the image's bytes before `to` are in place; an error
+// it returns, like one a `side` task returns, fails the write as an I/O error does.
 struct ImageWriteHooks {
+  std::function<Status(size_t image, uint64_t to)> wait;
   std::function<void(size_t image, size_t region, uint64_t from, uint64_t to)> prepare;
   size_t side_count = 0;
-  std::function<void(size_t task)> side;
+  std::function<Status(size_t task)> side;
   std::function<void(size_t image)> finish;
 };
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,

@@ -6,9 +6,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
 #include <cstdio>
+#include <thread>
 
 namespace flashckpt {
 
@@ -103,6 +105,25 @@ void SharedSegment::Unlink(const std::string& name) { bip::shared_memory_object:
 SharedSegment::~SharedSegment() {
   if (addr_ != nullptr) ::munmap(addr_, bytes_);
   if (owner_) bip::shared_memory_object::remove(name_.c_str());
+}
+
+Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(20);
+  for (;;) {
+    const uint64_t until = header.copied_until.load(std::memory_order_acquire);
+    if (until == kSlotCopyFailed) {
+      return FailedPrecondition("the trainer's device-to-host copies into the slot failed (see its error)");
+    }
+    if (until == 0 || until >= bytes) return Status::OK();
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return DeadlineExceeded("the trainer's copies into the slot did not reach byte " + std::to_string(bytes) +
+                              " within " + std::to_string(timeout.count()) + " ms (they reached byte " +
+                              std::to_string(until) + "); the trainer died or its device stalled");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace flashckpt

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -38,7 +39,19 @@ struct SlotHeader {
   uint32_t reserved;
   std::atomic<int64_t> step;
   std::atomic<uint64_t> generation;
+  // How much of a committed slot is in place: a streaming commit (device copies still in flight)
+  // is sent before its bytes are. 0 (the daemon's value at hand-out, and what a host snapshot
+  // leaves): the whole slot. P > 0: bytes [0, P) of the slot, counted from this header; the trainer
+  // raises it as its copies complete, to 0 when all are. kSlotCopyFailed: the copies failed and the
+  // slot must not be persisted. Written by the trainer, read by the daemon's writer and EMA stage.
+  std::atomic<uint64_t> copied_until;
 };
+inline constexpr uint64_t kSlotCopyFailed = ~0ull;
+
+// Waits until the slot's bytes [0, `bytes`) are in place (copied_until is 0 or at least `bytes`),
+// polling with short sleeps. kFailedPrecondition when the trainer marked its copies failed,
+// kDeadlineExceeded (naming how far they got) when `timeout` passes first.
+Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::milliseconds timeout);
 
 // A mapped segment. Move-only; unmaps on destruction, and the creator also unlinks the name.
 class SharedSegment {

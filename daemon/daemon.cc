@@ -3,6 +3,7 @@
 #include <cstring>
 #include <set>
 
+#include "common/cuda_info.h"
 #include "common/fs.h"
 #include "common/image.h"
 #include "common/log.h"
@@ -440,6 +441,9 @@ v1::StatusResponse Daemon::GetStatus() const {
   out.set_host_memory_used(host_memory_used_.load());
   out.set_host_memory_budget(config_.max_host_memory);
   out.set_root(config_.root);
+  const CudaInfo& cuda = GetCudaInfo();
+  out.set_cuda_compiled(cuda.compiled);
+  out.set_cuda_devices(cuda.devices);
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};

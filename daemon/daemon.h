@@ -81,6 +81,9 @@ struct DaemonConfig {
   uint64_t max_rank_bytes = 0;
   // Prometheus scrape endpoint (daemon/metrics_http.h): empty means none.
   std::string metrics_listen;
+  // How long the writer and the EMA stage wait for a trainer's device copies into a slot whose
+  // commit it sent before they completed (a streaming commit): then the save fails.
+  std::chrono::milliseconds copy_timeout{120000};
 };
 
 // One registered rank's segment: its layout, the mapped memory, the slot state machine and the
@@ -266,6 +269,8 @@ class Daemon {
   void RemoveStaleTemporaries(const std::string& job);
   // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
   Status FinishCommittedLocked(EmaJob job);
+  // Gives a FILLING slot to the rank (BeginSnapshot): resets its copy progress, mirrors it. Needs mu_.
+  void HandOut(RankState* rank, const SlotTicket& ticket, int64_t step);
 
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;

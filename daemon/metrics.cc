@@ -129,6 +129,10 @@ std::string Metrics::Render(const v1::StatusResponse& status, uint64_t watchers_
 
   Header(&out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
   Sample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version()) + "\"", 1);
+  Header(&out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
+  Sample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled() ? 1 : 0);
+  Header(&out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
+  Sample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices()));
   Header(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
   Sample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds());
   Header(&out, "flashckpt_host_memory_used_bytes", "gauge", "Shared memory held by registered ranks' segments.");

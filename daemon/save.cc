@@ -23,6 +23,14 @@ Status SaveFailed(const std::string& job, int64_t step, const Status& cause, con
 
 }  // namespace
 
+// A slot handed out for filling starts complete (copied_until 0): a trainer whose commit goes
+// ahead of its copies lowers it before committing.
+void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
+  reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
+  rank->segment->Mirror(ticket.slot);
+  rank->last_begun = step;
+}
+
 Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
                                          std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
@@ -56,8 +64,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     if (rank->session_id != session_id) return Cancelled("the session was replaced");
     if (auto ticket = rank->segment->slots.Acquire(SlotState::kFilling, step)) {
-      rank->segment->Mirror(ticket->slot);
-      rank->last_begun = step;
+      HandOut(rank, *ticket, step);
       count_wait(true);
       return *ticket;
     }
@@ -79,8 +86,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
       ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
       if (auto ticket = r->segment->slots.Acquire(SlotState::kFilling, step)) {
-        r->segment->Mirror(ticket->slot);
-        r->last_begun = step;
+        HandOut(r, *ticket, step);
         count_wait(true);
         return *ticket;
       }
@@ -109,6 +115,8 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   }
   req.extra = std::move(extra);
   req.keep_alive = segment;
+  req.header = reinterpret_cast<const SlotHeader*>(segment->Slot(ticket.slot));
+  req.copy_timeout = config_.copy_timeout;
   req.done = [this, job, rank, session_id, segment, ticket, step](const Status& s, uint64_t bytes, double secs) {
     OnPersisted(job, rank, session_id, segment, ticket, step, s, bytes, secs);
   };
@@ -232,8 +240,15 @@ void Daemon::RunEmaStage() {
     lock.unlock();
     RankEma& ema = *job.segment->ema;
     auto start = std::chrono::steady_clock::now();
-    bool applied;
-    {
+    bool applied = false;
+    // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
+    // they fail, the update is skipped (and the writer fails the save for the same reason).
+    Status copied = WaitSlotCopied(*reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot)),
+                                   job.segment->layout.slot_bytes, config_.copy_timeout);
+    if (!copied.ok()) {
+      Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
+                           copied.ToString());
+    } else {
       std::lock_guard<std::mutex> ema_lock(ema.mu());
       char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
       applied = ema.Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step, job.loss, image,

@@ -299,8 +299,22 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     StampChunkChecksums(s.base, *s.layout, t, from - start, to - start);
     if (s.layout->placements[t].chunks_field == 0) StampWholeChecksum(s.base, *s.layout, t);  // its one piece
   };
+  // A streaming commit: nothing is hashed or written before the trainer's copies have put it in
+  // place. Only the images of the rank layout come from the trainer; the EMA image is the daemon's.
+  auto copied = [&](uint64_t slot_end) {
+    return req.header == nullptr ? Status::OK() : WaitSlotCopied(*req.header, slot_end, req.copy_timeout);
+  };
+  hooks.wait = [&](size_t i, uint64_t to) {
+    const Source& s = sources[i];
+    return s.stamp ? copied(s.layout->files[s.file].slot_offset + to) : Status::OK();
+  };
   hooks.side_count = whole_hashes.size();
-  hooks.side = [&](size_t k) { StampWholeChecksum(req.slot, layout, whole_hashes[k]); };
+  hooks.side = [&](size_t k) {
+    const Placement& p = layout.placements[whole_hashes[k]];
+    RETURN_IF_ERROR(copied(p.slot_offset + p.bytes));
+    StampWholeChecksum(req.slot, layout, whole_hashes[k]);
+    return Status::OK();
+  };
   hooks.finish = [&](size_t i) {
     if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
   };

@@ -23,6 +23,7 @@
 
 #include "common/io_env.h"
 #include "common/layout.h"
+#include "common/shm.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
@@ -41,6 +42,11 @@ struct PersistRequest {
   char* ema_base = nullptr;                // ema_base + ema_layout->files[0].slot_offset
   std::string extra;
   std::shared_ptr<void> keep_alive;  // owns the segment while the write runs
+  // The slot's header, when the trainer may still be copying into the slot (a streaming commit):
+  // each piece is hashed and written once its bytes are in place (SlotHeader::copied_until),
+  // waiting at most `copy_timeout` for each. Null: the slot is complete.
+  const SlotHeader* header = nullptr;
+  std::chrono::milliseconds copy_timeout{120000};
   // Called on a writer thread with the outcome and the bytes written.
   std::function<void(const Status&, uint64_t bytes, double seconds)> done;
 };

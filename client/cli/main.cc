@@ -7,13 +7,15 @@
 #include <string>
 
 #include "client/cli/commands.h"
+#include "common/cuda_info.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};
   app.footer(
       "Exit status: 0 ok, 1 checkpoint incomplete or failed verification, 2 daemon unreachable or RPC\n"
       "error, 3 an offline command failed otherwise, other values: command-line usage error.");
-  app.set_version_flag("--version", "flashckpt 0.1.0");
+  app.set_version_flag("--version",
+                       [] { return "flashckpt 0.1.0 (" + flashckpt::CudaInfoText(flashckpt::GetCudaInfo()) + ")"; });
   app.require_subcommand(1);
   app.fallthrough();  // `flashckpt status --socket PATH` works as well as `flashckpt --socket PATH status`
   flashckpt::cli::Endpoint endpoint{"/run/flashckpt/flashckptd.sock", "", ""};

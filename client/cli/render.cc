@@ -207,6 +207,14 @@ int64_t JobLastCommitted(const v1::JobStatus& job) {
   return last;
 }
 
+// Whether the daemon has CUDA: what its own cudaGetDeviceCount saw (the trainers' devices are theirs).
+std::string CudaText(const v1::StatusResponse& status) {
+  if (!status.cuda_compiled()) return "not compiled in";
+  if (status.cuda_devices() <= 0) return "compiled in, no device";
+  return "compiled in, " + std::to_string(status.cuda_devices()) +
+         (status.cuda_devices() == 1 ? " device" : " devices");
+}
+
 }  // namespace
 
 std::string EventText(const v1::Event& e) {
@@ -289,6 +297,7 @@ std::string StatusText(const v1::StatusResponse& status) {
   }
   out += "\n";
   out += "root    " + status.root() + "\n";
+  out += "cuda    " + CudaText(status) + "\n";
   if (status.jobs().empty()) {
     out += "jobs    none registered\n";
     return out;
@@ -355,6 +364,8 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
   out["host_memory_used"] = status.host_memory_used();
   out["host_memory_budget"] = status.host_memory_budget();
   out["root"] = status.root();
+  out["cuda_compiled"] = status.cuda_compiled();
+  out["cuda_devices"] = status.cuda_devices();
   ordered_json jobs = ordered_json::array();
   for (const auto& job : status.jobs()) {
     ordered_json j;

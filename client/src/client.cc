@@ -4,17 +4,24 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <future>
 #include <map>
+#include <mutex>
 #include <thread>
 
+#include "common/cuda_info.h"
 #include "common/dtype.h"
 #include "common/shm.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "flashckpt.grpc.pb.h"
+
+#if FLASHCKPT_HAVE_CUDA
+#include "client/src/cuda_copy.h"
+#endif
 
 namespace flashckpt {
 namespace {
@@ -86,7 +93,95 @@ struct MappedTensor {
 // Which registered tensors a call moves.
 enum class Selection { kSaved, kEmaSources, kAll };
 
+using Matched = std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>;
+
+// Device tensors are copied in pieces of this size, each with its own event: the daemon may write
+// a piece while the next ones are still in flight.
+constexpr uint64_t kDeviceCopyChunk = 64u << 20;
+
+// Which buffers are CUDA device memory (true) and which host memory, in the order of `buffers`.
+// Device memory this process cannot copy is refused here, before a slot is taken: in a build
+// without CUDA only a buffer marked on_device can be recognised; without a usable device a device
+// pointer cannot exist unless the caller marked it so.
+Result<std::vector<bool>> DeviceMask(const std::vector<const TensorBuffer*>& buffers) {
+  std::vector<bool> device(buffers.size(), false);
+  const CudaInfo& cuda = GetCudaInfo();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const TensorBuffer& b = *buffers[i];
+    if (!cuda.compiled || cuda.devices == 0) {
+      if (!b.on_device) continue;
+      if (!cuda.compiled) {
+        return FailedPrecondition("tensor '" + b.name +
+                                  "' is marked as CUDA device memory but this libflashckpt was built without CUDA "
+                                  "(FLASHCKPT_WITH_CUDA=OFF); rebuild it with CUDA or pass host memory");
+      }
+      return FailedPrecondition("tensor '" + b.name +
+                                "' is marked as CUDA device memory but this process has no usable CUDA device (" +
+                                cuda.error + "); pass host memory or run where a device is visible");
+    }
+#if FLASHCKPT_HAVE_CUDA
+    if (b.data == nullptr) continue;
+    auto space = PointerSpace(b.data);
+    if (!space.ok()) return space.status().WithContext("telling where tensor '" + b.name + "' lives");
+    device[i] = *space == MemorySpace::kDevice;
+    if (b.on_device && !device[i]) {
+      return InvalidArgument("tensor '" + b.name +
+                             "' is marked as CUDA device memory but cudaPointerGetAttributes says it is host memory");
+    }
+#endif
+  }
+  return device;
+}
+
+std::vector<const TensorBuffer*> BuffersOf(const Matched& matched) {
+  std::vector<const TensorBuffer*> out;
+  out.reserve(matched.size());
+  for (const auto& m : matched) out.push_back(m.first);
+  return out;
+}
+
 }  // namespace
+
+namespace detail {
+
+// What a device snapshot's commit thread tells the handles: the copies, then the commit.
+struct SnapshotProgress {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool copied = false;     // guarded by mu
+  bool committed = false;  // guarded by mu
+  Status copy_status;      // guarded by mu
+  Status commit_status;    // guarded by mu
+
+  void SetCopied(const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    copied = true;
+    copy_status = s;
+    cv.notify_all();
+  }
+  void SetCommitted(const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    committed = true;
+    commit_status = s;
+    cv.notify_all();
+  }
+};
+
+}  // namespace detail
+
+Status SnapshotHandle::WaitCopied() const {
+  if (!progress_) return Status::OK();
+  std::unique_lock<std::mutex> lock(progress_->mu);
+  progress_->cv.wait(lock, [&] { return progress_->copied; });
+  return progress_->copy_status;
+}
+
+Status SnapshotHandle::WaitCommitted() const {
+  if (!progress_) return Status::OK();
+  std::unique_lock<std::mutex> lock(progress_->mu);
+  progress_->cv.wait(lock, [&] { return progress_->committed; });
+  return progress_->commit_status;
+}
 
 struct Client::Impl {
   ClientOptions options;
@@ -109,6 +204,15 @@ struct Client::Impl {
   std::map<std::string, MappedTensor> tensors;
   std::map<std::string, MappedTensor> ema_tensors;
   std::unique_ptr<ParallelLoop> copier;  // copies large host tensors on several threads
+#if FLASHCKPT_HAVE_CUDA
+  // Device copies; holds the pins of the slots, so it is declared after (destroyed before) `segment`.
+  DeviceCopier device;
+#endif
+  // The device snapshot whose commit thread is running, if any: every call but EmaTensorNames()
+  // joins it first (FinishPending), so the thread never runs beside another call of this client;
+  // the handles' waits touch only the progress it shares with them.
+  std::thread committer;
+  std::shared_ptr<detail::SnapshotProgress> pending;
 
   void Deadline(grpc::ClientContext* ctx, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
     ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout + extra);
@@ -125,10 +229,53 @@ struct Client::Impl {
     Deadline(&ctx);
     return FromGrpc(stub->ReleaseSlot(&ctx, req, &resp), "ReleaseSlot");
   }
-  Status Usable() const {
+  Status Usable() {
     if (closed) return Cancelled("the client is closed");
+    FinishPending();
     return Status::OK();
   }
+  // Waits for the commit thread of the last device snapshot; its outcome is the handle's.
+  void FinishPending() {
+    if (committer.joinable()) committer.join();
+    if (pending) {
+      std::lock_guard<std::mutex> lock(pending->mu);
+      (void)Note(pending->commit_status);
+    }
+    pending.reset();
+  }
+  // Unpins and unmaps the segment.
+  void Unmap() {
+#if FLASHCKPT_HAVE_CUDA
+    device.Unpin();
+#endif
+    segment.reset();
+  }
+  // Sends the commit of a filled slot; on failure gives the slot back. Reads only `stub` and
+  // `options`, so the commit thread may call it.
+  Status SendCommit(const v1::CommitRequest& commit) const {
+    v1::CommitResponse committed;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    // Not retried: the slot belongs to the session that began the snapshot.
+    Status status = FromGrpc(stub->Commit(&ctx, commit, &committed), "Commit");
+    if (!status.ok()) AbortSlot(commit.session_id(), commit.slot(), commit.generation());
+    return status;
+  }
+  // Gives a slot being filled back, so a failed snapshot does not hold it until the session ends.
+  void AbortSlot(const std::string& session_of_slot, uint32_t slot, uint64_t generation) const {
+    v1::AbortSnapshotRequest abort;
+    abort.set_session_id(session_of_slot);
+    abort.set_slot(slot);
+    abort.set_generation(generation);
+    v1::AbortSnapshotResponse aborted;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    (void)stub->AbortSnapshot(&ctx, abort, &aborted);
+  }
+  // Copies the slot's bytes into the caller's buffers (restore, EMA): memcpy for host buffers,
+  // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.
+  // Returns once every byte is in place.
+  Status CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device, void* cuda_stream);
   // Opens the session stream and reads the session id, within the rpc timeout.
   Status OpenSession();
   // Maps the segment the registration reply names (keeping the mapping when it is the same one)
@@ -146,12 +293,39 @@ struct Client::Impl {
   }
   // Checks that `buffers` names registered tensors with matching sizes, each at most once, and
   // covers every tensor `required` selects.
-  Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Match(
-      const std::vector<TensorBuffer>& buffers, Selection selection) const;
+  Result<Matched> Match(const std::vector<TensorBuffer>& buffers, Selection selection) const;
 };
 
-Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Client::Impl::Match(
-    const std::vector<TensorBuffer>& buffers, Selection selection) const {
+Status Client::Impl::CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device,
+                             void* cuda_stream) {
+  std::vector<CopyTask> host;
+#if FLASHCKPT_HAVE_CUDA
+  std::vector<DeviceCopy> to_device;
+#endif
+  for (size_t i = 0; i < tasks.size(); ++i) {
+#if FLASHCKPT_HAVE_CUDA
+    if (on_device[i]) {
+      to_device.push_back({tasks[i].dst, tasks[i].src, tasks[i].bytes});
+      continue;
+    }
+#endif
+    host.push_back(tasks[i]);
+  }
+  ParallelCopy(copier.get(), host);
+#if FLASHCKPT_HAVE_CUDA
+  if (to_device.empty()) return Status::OK();
+  RETURN_IF_ERROR(device.PinSlots(Slot(0), slot_stride, slot_count));
+  auto stream = static_cast<cudaStream_t>(cuda_stream);
+  ASSIGN_OR_RETURN(std::vector<CudaEvent> done, device.CopyAfter(stream, to_device));
+  // Work the caller queues next sees the restored bytes; the slot is released only once they are
+  // copied.
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, done.back().get(), 0));
+  RETURN_IF_ERROR(done.back().Synchronize());
+#endif
+  return Status::OK();
+}
+
+Result<Matched> Client::Impl::Match(const std::vector<TensorBuffer>& buffers, Selection selection) const {
   auto wanted = [selection](const MappedTensor& t) {
     switch (selection) {
       case Selection::kSaved: return !t.replica;
@@ -161,7 +335,7 @@ Result<std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>> Client:
     return true;
   };
   if (!segment) return FailedPrecondition("register the rank's tensors before saving or restoring");
-  std::vector<std::pair<const TensorBuffer*, const MappedTensor*>> out;
+  Matched out;
   std::map<std::string, bool> seen;
   for (const auto& b : buffers) {
     auto it = tensors.find(b.name);
@@ -216,12 +390,12 @@ Status Client::Impl::OpenSession() {
 
 Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
   if (!segment || segment->name() != resp.segment_name() || segment->size() != resp.segment_bytes()) {
-    segment.reset();
+    Unmap();
     ASSIGN_OR_RETURN(segment, SharedSegment::Open(resp.segment_name(), resp.segment_bytes()));
   }
   uint64_t end = resp.slot_offset() + resp.slot_stride() * resp.slot_count();
   if (resp.slot_count() == 0 || end > resp.segment_bytes()) {
-    segment.reset();
+    Unmap();
     return Internal("the daemon described slots that do not fit its segment");
   }
   slot_count = resp.slot_count();
@@ -230,7 +404,7 @@ Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
   tensors.clear();
   for (const auto& p : resp.placements()) {
     if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
-      segment.reset();
+      Unmap();
       return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
     }
     tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source()};
@@ -238,7 +412,7 @@ Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
   ema_tensors.clear();
   for (const auto& p : resp.ema_placements()) {
     if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
-      segment.reset();
+      Unmap();
       return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
     }
     ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false};
@@ -304,13 +478,14 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
 
 void Client::Close() {
   if (!impl_ || impl_->closed) return;
+  impl_->FinishPending();  // the last device snapshot's commit, before the session ends
   impl_->closed = true;
   if (impl_->session) {
     impl_->session->WritesDone();
     impl_->session_ctx->TryCancel();
     (void)impl_->session->Finish();
   }
-  impl_->segment.reset();
+  impl_->Unmap();
 }
 
 Status Client::Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema) {
@@ -391,6 +566,9 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
     }
   }
   if (seen.size() != impl_->ema_tensors.size()) return InvalidArgument("give a buffer for every EMA tensor");
+  std::vector<const TensorBuffer*> pointers;
+  for (const auto& b : buffers) pointers.push_back(&b);
+  ASSIGN_OR_RETURN(std::vector<bool> on_device, DeviceMask(pointers));
   v1::GetEmaRequest req;
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::GetEmaResponse resp;
@@ -405,11 +583,14 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
   result.initialized = resp.initialized();
   result.step = resp.step();
   const char* base = impl_->Slot(resp.slot());
+  Status copied;
   if (result.initialized) {
     for (const auto& b : buffers) tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
-    ParallelCopy(impl_->copier.get(), tasks);
+    copied = impl_->CopyOut(tasks, on_device, nullptr);
   }
-  RETURN_IF_ERROR(impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation())));
+  Status released = impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation()));
+  RETURN_IF_ERROR(copied.WithContext("copying the EMA into the caller's buffers"));
+  RETURN_IF_ERROR(released);
   return result;
 }
 
@@ -417,7 +598,10 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
                                         const SnapshotOptions& options) {
   RETURN_IF_ERROR(impl_->Usable());
   // An EMA-only snapshot needs only the tensors the EMA reads; the rest of the slot is not used.
-  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, options.persist ? Selection::kSaved : Selection::kEmaSources));
+  const Selection selection = options.persist ? Selection::kSaved : Selection::kEmaSources;
+  ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, selection));
+  // Device memory this process cannot copy is refused before a slot is taken.
+  RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());
 
   v1::BeginSnapshotRequest begin;
   begin.set_step(step);
@@ -431,13 +615,12 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   }));
   if (slot.slot() >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
   // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
-  ASSIGN_OR_RETURN(matched, impl_->Match(buffers, options.persist ? Selection::kSaved : Selection::kEmaSources));
-
-  char* base = impl_->Slot(slot.slot());
-  std::vector<CopyTask> tasks;
-  tasks.reserve(matched.size());
-  for (const auto& [buffer, mapped] : matched) tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
-  ParallelCopy(impl_->copier.get(), tasks);
+  ASSIGN_OR_RETURN(matched, impl_->Match(buffers, selection));
+  Result<std::vector<bool>> on_device = DeviceMask(BuffersOf(matched));
+  if (!on_device.ok()) {
+    impl_->AbortSlot(impl_->session_id, slot.slot(), slot.generation());
+    return on_device.status();
+  }
 
   v1::CommitRequest commit;
   commit.set_session_id(impl_->session_id);
@@ -450,25 +633,81 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
     commit.set_loss(*options.loss);
   }
   commit.set_extra(options.extra);
-  v1::CommitResponse committed;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx);
-  // Not retried: the slot belongs to the session that began the snapshot.
-  Status status = impl_->Note(FromGrpc(impl_->stub->Commit(&ctx, commit, &committed), "Commit"));
-  if (!status.ok()) {
-    // Give the slot back so a failed commit does not hold it until the session ends.
-    v1::AbortSnapshotRequest abort;
-    abort.set_session_id(impl_->session_id);
-    abort.set_slot(slot.slot());
-    abort.set_generation(slot.generation());
-    v1::AbortSnapshotResponse aborted;
-    grpc::ClientContext abort_ctx;
-    impl_->Deadline(&abort_ctx);
-    (void)impl_->stub->AbortSnapshot(&abort_ctx, abort, &aborted);
-    return status;
+
+  char* base = impl_->Slot(slot.slot());
+  std::vector<CopyTask> tasks;
+  tasks.reserve(matched.size());
+#if FLASHCKPT_HAVE_CUDA
+  std::vector<DeviceCopy> from_device;
+#endif
+  for (size_t i = 0; i < matched.size(); ++i) {
+    const auto& [buffer, mapped] = matched[i];
+#if FLASHCKPT_HAVE_CUDA
+    if ((*on_device)[i]) {
+      if (buffer->bytes > 0) from_device.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
+      continue;
+    }
+#endif
+    tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
   }
+  ParallelCopy(impl_->copier.get(), tasks);
+
   SnapshotHandle handle;
   handle.step_ = step;
+#if FLASHCKPT_HAVE_CUDA
+  if (!from_device.empty()) {
+    // A streaming commit. The device-to-host copies are queued behind the caller's stream in slot
+    // order, in chunks; the commit goes at once (from this client's thread), and the slot header's
+    // copied_until tells the daemon how far the copies have come, so that it hashes and writes the
+    // first chunks while the next are in flight.
+    std::sort(from_device.begin(), from_device.end(),
+              [](const DeviceCopy& a, const DeviceCopy& b) { return a.dst < b.dst; });
+    std::vector<DeviceCopy> chunks;
+    for (const DeviceCopy& c : from_device) {
+      for (uint64_t off = 0; off < c.bytes; off += kDeviceCopyChunk) {
+        chunks.push_back({static_cast<char*>(c.dst) + off, static_cast<const char*>(c.src) + off,
+                          std::min<uint64_t>(kDeviceCopyChunk, c.bytes - off)});
+      }
+    }
+    std::vector<uint64_t> until(chunks.size(), 0);  // copied_until once chunk k is done; 0: all
+    for (size_t k = 0; k + 1 < chunks.size(); ++k) until[k] = static_cast<char*>(chunks[k + 1].dst) - base;
+    auto* header = reinterpret_cast<SlotHeader*>(base);
+    // The host tensors are in place; the device ones from the first chunk on are not.
+    header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
+                               std::memory_order_release);
+    Status pinned = impl_->device.PinSlots(impl_->Slot(0), impl_->slot_stride, impl_->slot_count);
+    Result<std::vector<CudaEvent>> events =
+        pinned.ok() ? impl_->device.CopyAfter(static_cast<cudaStream_t>(options.cuda_stream), chunks,
+                                              /*event_each=*/true)
+                    : Result<std::vector<CudaEvent>>(pinned);
+    if (!events.ok()) {
+      impl_->AbortSlot(commit.session_id(), commit.slot(), commit.generation());
+      return events.status().WithContext("copying the device tensors of step " + std::to_string(step));
+    }
+    auto progress = std::make_shared<detail::SnapshotProgress>();
+    impl_->pending = progress;
+    impl_->committer = std::thread([impl = impl_.get(), progress, header, until = std::move(until),
+                                    events = std::move(events).value(), commit = std::move(commit)] {
+      progress->SetCommitted(impl->SendCommit(commit));
+      // Every chunk is waited for, also after a failed commit: the slot must not be reused while
+      // the device still writes into it.
+      Status copied;
+      for (size_t k = 0; k < events.size(); ++k) {
+        copied = events[k].Synchronize();
+        if (!copied.ok()) {
+          header->copied_until.store(kSlotCopyFailed, std::memory_order_release);
+          copied = copied.WithContext("copying the device tensors of step " + std::to_string(commit.step()));
+          break;
+        }
+        header->copied_until.store(until[k], std::memory_order_release);
+      }
+      progress->SetCopied(copied);
+    });
+    handle.progress_ = std::move(progress);
+    return handle;
+  }
+#endif
+  RETURN_IF_ERROR(impl_->Note(impl_->SendCommit(commit)));
   return handle;
 }
 
@@ -491,6 +730,7 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   RETURN_IF_ERROR(impl_->Usable());
   if (step && *step <= 0) return InvalidArgument("restore step must be positive (or nullopt for the latest)");
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, Selection::kAll));
+  RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());  // before the daemon reads anything
   v1::RestoreRequest req;
   req.set_step(step.value_or(0));
   req.set_convert_dtype(options.convert_dtype);
@@ -506,14 +746,17 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   if (!resp.found()) return result;
   if (resp.slot() >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
   ASSIGN_OR_RETURN(matched, impl_->Match(buffers, Selection::kAll));  // a re-attach rebuilt the tensor table
+  auto on_device = DeviceMask(BuffersOf(matched));
   const char* base = impl_->Slot(resp.slot());
   std::vector<CopyTask> tasks;
   for (const auto& [buffer, mapped] : matched) {
     tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
     result.bytes += buffer->bytes;
   }
-  ParallelCopy(impl_->copier.get(), tasks);
-  RETURN_IF_ERROR(impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation())));
+  Status copied = on_device.ok() ? impl_->CopyOut(tasks, *on_device, options.cuda_stream) : on_device.status();
+  Status released = impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation()));
+  RETURN_IF_ERROR(copied.WithContext("copying the restored tensors into the caller's buffers"));
+  RETURN_IF_ERROR(released);
   result.found = true;
   result.step = resp.step();
   impl_->resumed_from = resp.step();  // the attempt this process's later saves belong to

@@ -137,6 +137,18 @@ TEST(StatusText, ShowsHowLongTheOldestWriteHasRun) {
   EXPECT_NE(text.find("  -            2m 05s          0"), std::string::npos) << text;
 }
 
+TEST(StatusText, SaysWhetherTheDaemonHasCuda) {
+  v1::StatusResponse s = TwoRankStatus();
+  EXPECT_NE(StatusText(s).find("\ncuda    not compiled in\n"), std::string::npos) << StatusText(s);
+  s.set_cuda_compiled(true);
+  EXPECT_NE(StatusText(s).find("\ncuda    compiled in, no device\n"), std::string::npos) << StatusText(s);
+  s.set_cuda_devices(8);
+  EXPECT_NE(StatusText(s).find("\ncuda    compiled in, 8 devices\n"), std::string::npos) << StatusText(s);
+  auto j = StatusJson(s);
+  EXPECT_TRUE(j["cuda_compiled"].get<bool>());
+  EXPECT_EQ(j["cuda_devices"].get<int>(), 8);
+}
+
 TEST(StatusJson, OldestWriteSecondsIsZeroWhenNothingIsBeingWritten) {
   v1::StatusResponse s = TwoRankStatus();
   s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(2.5);

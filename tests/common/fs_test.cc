@@ -86,6 +86,7 @@ void WriteImagesAndReadBack(const std::string& base) {
   hooks.side = [&](size_t) {
     std::lock_guard<std::mutex> lock(mu);
     ++sides;
+    return Status::OK();
   };
   hooks.finish = [&](size_t i) {
     std::lock_guard<std::mutex> lock(mu);

@@ -205,6 +205,8 @@ def check_counters(before, after, persisted_bytes):
     check(value(after, "flashckpt_last_durable_step", **j) == 8, "last durable step %s, expected 8" %
           value(after, "flashckpt_last_durable_step", **j))
     check(value(after, "flashckpt_host_memory_budget_bytes") > 0, "no memory budget gauge")
+    check(("flashckpt_cuda_compiled", frozenset()) in after and ("flashckpt_cuda_devices", frozenset()) in after,
+          "no CUDA gauges")
     stamp = value(after, "flashckpt_last_complete_timestamp_seconds", **j)
     check(abs(time.time() - stamp) < 300, "last complete timestamp %s is not about now" % stamp)
     log("counters moved: snapshots +8, persists +4, ema +8, completed +4, deleted +2, bytes +%d, "

@@ -57,10 +57,17 @@ struct ClientOptions {
 };
 
 // Memory of one registered tensor: `bytes` must equal its registered size.
+//
+// `data` may be host memory or, in a build with CUDA (FLASHCKPT_WITH_CUDA), CUDA device memory:
+// the client asks cudaPointerGetAttributes which it is, so `on_device` is optional there. Set it
+// when `data` is device memory to have the client refuse it with a clear error (instead of
+// reading it as host memory) where it cannot copy it: in a build without CUDA, or in a process
+// that sees no CUDA device.
 struct TensorBuffer {
   std::string name;
   void* data = nullptr;
   uint64_t bytes = 0;
+  bool on_device = false;
 };
 
 // The job's exponential moving average of the weights, kept by the daemon on the CPU:
@@ -85,24 +92,50 @@ struct SnapshotOptions {
   bool persist = true;           // false: hand to the daemon (e.g. for the EMA) but do not write files
   std::optional<double> loss;    // passed to the daemon with the commit
   std::string extra;             // opaque trainer state (JSON or bytes), saved as extra.rankNNNNN.json
+  // The cudaStream_t the caller computes the device tensors on (nullptr: the legacy default
+  // stream). The device copies start after the work queued on it before Snapshot() is called, so
+  // they see the tensors as of the call. Unused for host tensors and in builds without CUDA.
+  void* cuda_stream = nullptr;
 };
 
-// A snapshot in flight. WaitCopied() returns once the tensors may be modified again.
+namespace detail {
+struct SnapshotProgress;  // the state a device snapshot shares with the client's commit thread
+}
+
+// A snapshot in flight.
+//
+// Host tensors are copied and the snapshot committed before Snapshot() returns: both waits return
+// at once. Device tensors are copied by cudaMemcpyAsync on the client's copy stream, in chunks; a
+// client thread sends the commit at once and tells the daemon (through the slot's header) how far
+// the copies have come as each chunk completes, so the daemon checksums and writes the first
+// chunks while later ones are in flight; a save whose copies fail or stall fails. Copyable;
+// thread-safe.
 class SnapshotHandle {
  public:
   int64_t step() const { return step_; }
-  Status WaitCopied() const { return copied_; }
+  // Blocks until the tensors may be modified again (the device-to-host copies are complete) and
+  // returns their error, if any. Call it before the optimizer step mutates the tensors; it does not
+  // wait for the commit.
+  Status WaitCopied() const;
+  // Blocks until the daemon has acknowledged (or refused) the commit and returns its answer; with
+  // device tensors the copies may still be in flight then. A refused snapshot gives its slot back
+  // on its own; its step is not persisted.
+  Status WaitCommitted() const;
 
  private:
   friend class Client;
   int64_t step_ = 0;
-  Status copied_;
+  std::shared_ptr<detail::SnapshotProgress> progress_;  // null: done before Snapshot() returned
 };
 
 struct RestoreOptions {
   // Fill bf16/fp16 tensors from the fp32 ones of the checkpoint (rounded to nearest, ties to even).
   // Without it a dtype that differs from the checkpoint's is kFailedPrecondition.
   bool convert_dtype = false;
+  // The cudaStream_t that will use the device tensors (nullptr: the legacy default stream): the
+  // copies into them wait for the work queued on it so far, and work queued on it after Restore()
+  // returns sees the restored bytes. Restore() returns once the copies are complete.
+  void* cuda_stream = nullptr;
 };
 
 struct RestoreResult {
@@ -132,7 +165,14 @@ class Client {
   Result<EmaResult> Ema(const std::vector<TensorBuffer>& buffers, std::chrono::milliseconds timeout);
 
   // Copies every non-replica registered tensor from `buffers` into a free slot and commits it as
-  // `step`. Returns when the copies are done (host memory); the daemon persists in the background.
+  // `step`; the daemon persists it in the background. With host memory only, returns when the
+  // copies are done and the commit acknowledged. With device memory (CUDA builds), returns once the
+  // device-to-host copies are queued on the client's copy stream, after the work queued on
+  // options.cuda_stream; the handle's WaitCopied() tells when the tensors may change again, and a
+  // client thread commits and reports the copies' progress to the daemon (SnapshotHandle). The next
+  // call on this Client waits for that thread (the commit and the copies) first. The slots are
+  // pinned (cudaHostRegister) at the first device copy after the segment is mapped, on the device
+  // current then, and unpinned when it is unmapped.
   // With persist=false (EMA-only) only the tensors the EMA reads are copied (and required);
   // buffers of other tensors are accepted and ignored.
   Result<SnapshotHandle> Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,

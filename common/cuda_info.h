@@ -1,0 +1,24 @@
+// Whether this build has the CUDA path and whether the process can use a device: for --version,
+// status, and the client's choice between the host and the device copy path. Compiled in every
+// build; without CUDA it reports "not compiled in".
+#pragma once
+
+#include <string>
+
+namespace flashckpt {
+
+struct CudaInfo {
+  bool compiled = false;  // built with FLASHCKPT_WITH_CUDA
+  int devices = 0;        // devices cudaGetDeviceCount reports; 0 when it fails
+  std::string error;      // why there is no device: cudaGetDeviceCount's error, or empty
+};
+
+// Asks the CUDA runtime once per process (the first call initialises the driver) and returns the
+// cached answer afterwards. Thread-safe.
+const CudaInfo& GetCudaInfo();
+
+// "CUDA compiled in, 2 devices", "CUDA compiled in, no device (cudaGetDeviceCount: ...)" or
+// "CUDA not compiled in".
+std::string CudaInfoText(const CudaInfo& info);
+
+}  // namespace flashckpt

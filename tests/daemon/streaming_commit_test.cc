@@ -1,0 +1,190 @@
+// Streaming commits: a trainer may commit a slot before its device copies have put every byte in
+// place, and tell the daemon how far they got through the slot header's copied_until. The daemon
+// hashes and writes nothing before it is in place, fails the save when the trainer marks its copies
+// failed or they stall past the copy timeout, and starts every hand-out complete (copied_until 0).
+// Driven with raw gRPC and the segment mapped by hand, as the client's CUDA path drives them.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/shm.h"
+#include "flashckpt.grpc.pb.h"
+#include "in_process_daemon.h"
+#include "raw_rpc.h"
+#include "testing.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kElements = 1u << 19;  // 2 MiB per tensor: several checksum chunks
+
+class StreamingCommitTest : public ::testing::Test {
+ protected:
+  void Start(std::chrono::milliseconds copy_timeout) {
+    ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.copy_timeout = copy_timeout; }));
+    stub_ = v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + d_.socket(), grpc::InsecureChannelCredentials()));
+    session_ = std::make_unique<RawSession>(stub_.get(), "stream", 0);
+    ASSERT_FALSE(session_->id().empty()) << session_->status().error_message();
+    v1::RegisterRequest req = SmallRegistration(session_->id());
+    req.clear_tensors();
+    for (const char* name : {"w", "w.exp_avg"}) {
+      auto* t = req.add_tensors();
+      t->set_name(name);
+      t->set_kind(std::string(name) == "w" ? v1::TENSOR_KIND_MODEL : v1::TENSOR_KIND_OPTIMIZER);
+      t->set_dtype("F32");
+      t->add_shape(kElements);
+    }
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    grpc::Status s = stub_->Register(&ctx, req, &reg_);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    auto shm = SharedSegment::Open(reg_.segment_name(), reg_.segment_bytes());
+    ASSERT_TRUE(shm.ok()) << shm.status().ToString();
+    shm_ = std::move(shm).value();
+  }
+
+  char* Slot(uint32_t i) const { return shm_->data() + reg_.slot_offset() + reg_.slot_stride() * i; }
+  SlotHeader* Header(uint32_t i) const { return reinterpret_cast<SlotHeader*>(Slot(i)); }
+  const v1::TensorPlacement& Placement(const std::string& name) const {
+    for (const auto& p : reg_.placements()) {
+      if (p.name() == name) return p;
+    }
+    ADD_FAILURE() << "no placement for " << name;
+    return reg_.placements(0);
+  }
+  // The slot offset of the first tensor byte: where a trainer's copies begin.
+  uint64_t FirstTensorByte() const {
+    uint64_t first = ~0ull;
+    for (const auto& p : reg_.placements()) first = std::min<uint64_t>(first, p.slot_offset());
+    return first;
+  }
+  void Fill(uint32_t slot, char byte) const {
+    for (const auto& p : reg_.placements()) std::memset(Slot(slot) + p.slot_offset(), byte, p.bytes());
+  }
+
+  v1::BeginSnapshotResponse Begin(int64_t step) {
+    v1::BeginSnapshotRequest req;
+    req.set_session_id(session_->id());
+    req.set_step(step);
+    req.set_timeout_ms(5000);
+    v1::BeginSnapshotResponse resp;
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    grpc::Status s = stub_->BeginSnapshot(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+  grpc::Status Commit(const v1::BeginSnapshotResponse& slot, int64_t step) {
+    v1::CommitRequest req;
+    req.set_session_id(session_->id());
+    req.set_slot(slot.slot());
+    req.set_generation(slot.generation());
+    req.set_step(step);
+    req.set_persist(true);
+    v1::CommitResponse resp;
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    return stub_->Commit(&ctx, req, &resp);
+  }
+  grpc::Status WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
+    v1::WaitPersistedRequest req;
+    req.set_session_id(session_->id());
+    req.set_step(step);
+    req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
+    v1::WaitPersistedResponse resp;
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx, 30s);
+    return stub_->WaitPersisted(&ctx, req, &resp);
+  }
+  // The last `bytes` bytes of a file: the data of its one tensor.
+  std::string Tail(const std::string& path, uint64_t bytes) const {
+    std::ifstream in(path, std::ios::binary);
+    std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return all.size() < bytes ? std::string() : all.substr(all.size() - bytes);
+  }
+  std::string CheckpointFile(int64_t step, const char* kind) const {
+    return d_.root() + "/stream/checkpoint-" + std::to_string(step) + "/" + kind + ".tp00_pp00_shard00.safetensors";
+  }
+
+  InProcessDaemon d_{"fc-stream"};
+  std::unique_ptr<v1::Checkpoint::Stub> stub_;
+  std::unique_ptr<RawSession> session_;
+  v1::RegisterResponse reg_;
+  std::unique_ptr<SharedSegment> shm_;
+};
+
+// Committed with nothing in place: nothing is written until the copies arrive, and then what is
+// written is what they brought, not what the slot held at the commit.
+TEST_F(StreamingCommitTest, WritesOnlyWhatTheCopiesHavePutInPlace) {
+  Start(30s);
+  auto slot = Begin(1);
+  EXPECT_EQ(Header(slot.slot())->copied_until.load(), 0u) << "a slot is handed out complete";
+  Fill(slot.slot(), 'x');  // stale bytes that must never reach a file
+  Header(slot.slot())->copied_until.store(FirstTensorByte());
+  grpc::Status committed = Commit(slot, 1);
+  ASSERT_TRUE(committed.ok()) << committed.error_message();
+  grpc::Status early = WaitPersisted(1, 500ms);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << early.error_message();
+  // The first tensor arrives, then the second.
+  const auto& w = Placement("w");
+  const auto& m = Placement("w.exp_avg");
+  const auto& first = w.slot_offset() < m.slot_offset() ? w : m;
+  const auto& second = w.slot_offset() < m.slot_offset() ? m : w;
+  std::memset(Slot(slot.slot()) + first.slot_offset(), 'a', first.bytes());
+  Header(slot.slot())->copied_until.store(second.slot_offset());
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(WaitPersisted(1, 10ms).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  std::memset(Slot(slot.slot()) + second.slot_offset(), 'b', second.bytes());
+  Header(slot.slot())->copied_until.store(0);
+  grpc::Status done = WaitPersisted(1, 10s);
+  ASSERT_TRUE(done.ok()) << done.error_message();
+  const bool w_first = &first == &w;
+  EXPECT_EQ(Tail(CheckpointFile(1, "model_state"), w.bytes()), std::string(w.bytes(), w_first ? 'a' : 'b'));
+  EXPECT_EQ(Tail(CheckpointFile(1, "optimizer"), m.bytes()), std::string(m.bytes(), w_first ? 'b' : 'a'));
+}
+
+TEST_F(StreamingCommitTest, CopiesMarkedFailedFailTheSave) {
+  Start(30s);
+  auto slot = Begin(1);
+  Header(slot.slot())->copied_until.store(FirstTensorByte());
+  ASSERT_TRUE(Commit(slot, 1).ok());
+  Header(slot.slot())->copied_until.store(kSlotCopyFailed);
+  grpc::Status s = WaitPersisted(1, 10s);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.error_message().find("copies into the slot failed"), std::string::npos) << s.error_message();
+  EXPECT_FALSE(PathExists(CheckpointFile(1, "model_state")));
+}
+
+// Copies that stop half-way (a trainer killed mid-copy) fail the save after the copy timeout, and
+// the next hand-out of the slot starts complete again.
+TEST_F(StreamingCommitTest, StalledCopiesFailAfterTheCopyTimeout) {
+  Start(300ms);
+  auto slot = Begin(1);
+  Header(slot.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(slot, 1).ok());
+  grpc::Status s = WaitPersisted(1, 10s);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.error_message().find("did not reach byte"), std::string::npos) << s.error_message();
+  EXPECT_FALSE(PathExists(CheckpointFile(1, "model_state")));
+
+  for (int64_t step = 2; step <= 3; ++step) {  // both slots, one of them the stalled one
+    auto next = Begin(step);
+    EXPECT_EQ(Header(next.slot())->copied_until.load(), 0u);
+    Fill(next.slot(), 'c');
+    ASSERT_TRUE(Commit(next, step).ok());
+    grpc::Status done = WaitPersisted(step, 10s);
+    ASSERT_TRUE(done.ok()) << done.error_message();
+  }
+}
+
+}  // namespace
+}  // namespace flashckpt
