@@ -21,6 +21,7 @@ Status ErrnoStatus(std::string_view what, std::string_view path, int err) {
       std::string(what) + " " + std::string(path) + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
   if (err == ENOSPC || err == EDQUOT) return ResourceExhausted(std::move(msg));
   if (err == ENOENT) return NotFound(std::move(msg));
+  if (err == ECANCELED) return Cancelled(std::move(msg));  // CancellableIo after Cancel()
   return IOError(std::move(msg));
 }
 
@@ -254,7 +255,8 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
   };
   run(hooks.side_count + pieces.size(), [&](size_t k) {
     if (k < hooks.side_count) {
-      if (Status s = hooks.side(k); !s.ok()) fail(s);
+      if (failed.load(std::memory_order_relaxed)) return;  // e.g. the trainer's copies failed: do not wait on
+      if (Status s = hooks.side(k); !s.ok()) fail(s);      // each remaining tensor for the copy timeout
       return;
     }
     if (failed.load(std::memory_order_relaxed)) return;  // a full disk: do not write gigabytes more into it

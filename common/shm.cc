@@ -107,7 +107,8 @@ SharedSegment::~SharedSegment() {
   if (owner_) bip::shared_memory_object::remove(name_.c_str());
 }
 
-Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::milliseconds timeout) {
+Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::milliseconds timeout,
+                      const std::function<bool()>& cancelled) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::microseconds(20);
   for (;;) {
@@ -116,6 +117,10 @@ Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::mil
       return FailedPrecondition("the trainer's device-to-host copies into the slot failed (see its error)");
     }
     if (until == 0 || until >= bytes) return Status::OK();
+    if (cancelled && cancelled()) {
+      return Cancelled("the daemon is stopping while the trainer's copies into the slot had reached byte " +
+                       std::to_string(until) + " of " + std::to_string(bytes));
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
       return DeadlineExceeded("the trainer's copies into the slot did not reach byte " + std::to_string(bytes) +
                               " within " + std::to_string(timeout.count()) + " ms (they reached byte " +

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,8 +51,10 @@ inline constexpr uint64_t kSlotCopyFailed = ~0ull;
 
 // Waits until the slot's bytes [0, `bytes`) are in place (copied_until is 0 or at least `bytes`),
 // polling with short sleeps. kFailedPrecondition when the trainer marked its copies failed,
-// kDeadlineExceeded (naming how far they got) when `timeout` passes first.
-Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::milliseconds timeout);
+// kDeadlineExceeded (naming how far they got) when `timeout` passes first, kCancelled as soon as
+// `cancelled` (when given) returns true: a daemon that stops does not wait out the copy timeout.
+Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::milliseconds timeout,
+                      const std::function<bool()>& cancelled = {});
 
 // A mapped segment. Move-only; unmaps on destruction, and the creator also unlinks the name.
 class SharedSegment {

@@ -10,7 +10,8 @@
 namespace flashckpt {
 
 // A failed system call as a Status: "open /x/y.tmp: No space left on device (errno 28)".
-// ENOSPC and EDQUOT map to kResourceExhausted so callers can tell a full disk from other I/O errors.
+// ENOSPC and EDQUOT map to kResourceExhausted so callers can tell a full disk from other I/O errors,
+// ENOENT to kNotFound, ECANCELED (a CancellableIo after Cancel) to kCancelled.
 Status ErrnoStatus(std::string_view what, std::string_view path, int err = errno);
 
 }  // namespace flashckpt

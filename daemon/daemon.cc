@@ -147,6 +147,13 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
       stop_abandoned_ += 1;
       Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
                              job.step, job.rank);
+      v1::Event event;
+      event.set_kind(v1::Event::PERSIST_ABANDONED);
+      event.set_job(job.job);
+      event.set_rank(job.rank);
+      event.set_step(job.step);
+      event.set_reason("not reached by the EMA stage before the stop timeout");
+      Emit(std::move(event));
     }
     ema_queue_.clear();
   }
@@ -416,6 +423,9 @@ Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_
   std::set<int64_t> busy;  // steps a save of this daemon has in a slot
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Once stopping, the slots that show which steps are busy go away while abandoned writes are
+    // left to the next daemon: nothing may be deleted under them.
+    if (stopping_) return Unavailable(kStoppingMessage);
     auto it = jobs_.find(job);
     if (it != jobs_.end()) {
       for (const auto& [r, rank] : it->second.ranks) {

@@ -105,6 +105,7 @@ void Metrics::Observe(const v1::Event& event) {
       persist_seconds_.Observe(event.seconds());
       break;
     case v1::Event::PERSIST_FAILED: s.failures[event.code().empty() ? "UNKNOWN" : event.code()] += 1; break;
+    case v1::Event::PERSIST_ABANDONED: s.abandoned += 1; break;
     case v1::Event::CHECKPOINT_COMPLETE:
       s.completed += 1;
       s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds());
@@ -158,6 +159,8 @@ std::string Metrics::Render(const v1::StatusResponse& status, uint64_t watchers_
        &JobSeries::ema_updates},
       {"flashckpt_persists_total", "Rank snapshots written durably.", &JobSeries::persists},
       {"flashckpt_persisted_bytes_total", "Bytes written durably by persists.", &JobSeries::persisted_bytes},
+      {"flashckpt_persists_abandoned_total", "Committed snapshots left unwritten at a stop, for the next daemon.",
+       &JobSeries::abandoned},
       {"flashckpt_checkpoints_completed_total", "Checkpoints made complete (metadata.json written) by this daemon.",
        &JobSeries::completed},
   };

@@ -244,7 +244,16 @@ void Daemon::RunEmaStage() {
     // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
     // they fail, the update is skipped (and the writer fails the save for the same reason).
     Status copied = WaitSlotCopied(*reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot)),
-                                   job.segment->layout.slot_bytes, config_.copy_timeout);
+                                   job.segment->layout.slot_bytes, config_.copy_timeout, [this] {
+                                     std::lock_guard<std::mutex> stop_lock(mu_);
+                                     return stopping_ && std::chrono::steady_clock::now() >= stop_deadline_;
+                                   });
+    if (copied.code() == StatusCode::kCancelled) {
+      // The stop deadline passed while the copies were still coming: Stop abandons it with the rest.
+      lock.lock();
+      ema_queue_.push_front(std::move(job));
+      return;
+    }
     if (!copied.ok()) {
       Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
                            copied.ToString());
@@ -288,6 +297,13 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     stop_abandoned_ += 1;
     Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
                            step, rank_id, status.message());
+    v1::Event event;
+    event.set_kind(v1::Event::PERSIST_ABANDONED);
+    event.set_job(job);
+    event.set_rank(rank_id);
+    event.set_step(step);
+    event.set_reason("write cut off at the stop timeout");
+    Emit(std::move(event));
     cv_.notify_all();
     return;
   }

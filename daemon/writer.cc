@@ -232,7 +232,9 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
   }
   if (!wrote.ok()) {
     RemoveAttemptFiles(req, dir, written);
-    if (env_.cancelled()) {
+    // Only a failure the cancellation caused is an abandoned write (kept for the next daemon); a
+    // full disk or a failed copy near the deadline is a failure like any other.
+    if (env_.cancelled() && wrote.code() == StatusCode::kCancelled) {
       return Cancelled("abandoned at the daemon's stop timeout: " + wrote.message() +
                        "; its temporaries and partial files were removed");
     }
@@ -302,7 +304,9 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   // A streaming commit: nothing is hashed or written before the trainer's copies have put it in
   // place. Only the images of the rank layout come from the trainer; the EMA image is the daemon's.
   auto copied = [&](uint64_t slot_end) {
-    return req.header == nullptr ? Status::OK() : WaitSlotCopied(*req.header, slot_end, req.copy_timeout);
+    return req.header == nullptr
+               ? Status::OK()
+               : WaitSlotCopied(*req.header, slot_end, req.copy_timeout, [this] { return env_.cancelled(); });
   };
   hooks.wait = [&](size_t i, uint64_t to) {
     const Source& s = sources[i];

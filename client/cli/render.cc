@@ -169,6 +169,7 @@ const char* EventKindText(v1::Event::Kind kind) {
     case v1::Event::CHECKPOINT_COMPLETE: return "complete";
     case v1::Event::CHECKPOINT_DELETED: return "deleted";
     case v1::Event::EVENTS_LOST: return "lost";
+    case v1::Event::PERSIST_ABANDONED: return "abandoned";
     default: return "unknown";
   }
 }
@@ -240,6 +241,7 @@ std::string EventText(const v1::Event& e) {
       out += " rank=" + std::to_string(e.rank()) + " code=" + e.code() + " error=\"" + e.reason() + "\"";
       break;
     case v1::Event::SNAPSHOT_SKIPPED:
+    case v1::Event::PERSIST_ABANDONED:
       out += " rank=" + std::to_string(e.rank()) + " reason=\"" + e.reason() + "\"";
       break;
     default: break;

@@ -154,6 +154,7 @@ TEST(Metrics, CountsEventsByJobAndReason) {
   failed.set_code("RESOURCE_EXHAUSTED");
   m.Observe(failed);
   m.Observe(MakeEvent(v1::Event::CHECKPOINT_DELETED, "llama", 2));
+  m.Observe(MakeEvent(v1::Event::PERSIST_ABANDONED, "llama", 14));
   v1::Event complete = MakeEvent(v1::Event::CHECKPOINT_COMPLETE, "llama", 10);
   complete.set_unix_seconds(1.8e9);
   m.Observe(complete);
@@ -170,6 +171,7 @@ TEST(Metrics, CountsEventsByJobAndReason) {
   EXPECT_EQ(SampleValue(text, "flashckpt_persist_failures_total{job=\"llama\",reason=\"RESOURCE_EXHAUSTED\"}"), 1);
   EXPECT_EQ(SampleValue(text, "flashckpt_checkpoints_deleted_total{job=\"llama\",reason=\"unknown\"}"), 1);
   EXPECT_EQ(SampleValue(text, "flashckpt_slot_wait_timeouts_total{job=\"llama\"}"), 1);
+  EXPECT_EQ(SampleValue(text, "flashckpt_persists_abandoned_total{job=\"llama\"}"), 1);
   EXPECT_EQ(SampleValue(text, "flashckpt_snapshots_total{job=\"llama\"}"), 0);  // present from the start
   EXPECT_EQ(SampleValue(text, "flashckpt_last_durable_step{job=\"llama\"}"), 10);
   EXPECT_EQ(SampleValue(text, "flashckpt_oldest_write_seconds"), 4.5);

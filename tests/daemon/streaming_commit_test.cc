@@ -29,13 +29,18 @@ constexpr uint64_t kElements = 1u << 19;  // 2 MiB per tensor: several checksum 
 
 class StreamingCommitTest : public ::testing::Test {
  protected:
-  void Start(std::chrono::milliseconds copy_timeout) {
+  void Start(std::chrono::milliseconds copy_timeout, bool ema = false) {
     ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.copy_timeout = copy_timeout; }));
     stub_ = v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + d_.socket(), grpc::InsecureChannelCredentials()));
     session_ = std::make_unique<RawSession>(stub_.get(), "stream", 0);
     ASSERT_FALSE(session_->id().empty()) << session_->status().error_message();
     v1::RegisterRequest req = SmallRegistration(session_->id());
     req.clear_tensors();
+    if (ema) {
+      req.mutable_ema()->set_enabled(true);
+      req.mutable_ema()->set_decay(0.9);
+      req.mutable_ema()->set_interval(1);
+    }
     for (const char* name : {"w", "w.exp_avg"}) {
       auto* t = req.add_tensors();
       t->set_name(name);
@@ -185,6 +190,37 @@ TEST_F(StreamingCommitTest, StalledCopiesFailAfterTheCopyTimeout) {
     ASSERT_TRUE(done.ok()) << done.error_message();
   }
 }
+
+// A stop whose deadline passes while a trainer's copies stall (the trainer died mid-copy) does not
+// wait out the copy timeout: the writer (and, with EMA, the EMA stage, which reads the whole slot
+// first) give up at the deadline and leave the snapshot, record and segment, to the next daemon.
+class StreamingCommitStopTest : public StreamingCommitTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(StreamingCommitStopTest, StopDoesNotWaitOutTheCopyTimeout) {
+  Start(60s, /*ema=*/GetParam());
+  auto slot = Begin(1);
+  Header(slot.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(slot, 1).ok());
+  std::this_thread::sleep_for(200ms);  // the writer (or the EMA stage) is waiting on the copies
+  const auto start = std::chrono::steady_clock::now();
+  d_.daemon()->Stop(start + 500ms);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 20s) << "Stop waited for the 60 s copy timeout";
+  EXPECT_FALSE(PathExists(CheckpointFile(1, "model_state")));
+  // Abandoned, not failed: its commit record stays for the next daemon to adopt.
+  auto names = ListDir(d_.socket() + ".state");
+  ASSERT_TRUE(names.ok()) << names.status().ToString();
+  bool record = false;
+  for (const auto& name : *names) record = record || name.find(".slot") != std::string::npos;
+  EXPECT_TRUE(record) << "the abandoned snapshot's commit record is gone";
+  // A stopping daemon deletes nothing: its slots no longer say which steps are busy.
+  auto deleted = d_.daemon()->DeleteCheckpoints("stream", 0, 1, /*force=*/false, /*dry_run=*/false);
+  ASSERT_FALSE(deleted.ok());
+  EXPECT_EQ(deleted.status().code(), StatusCode::kUnavailable);
+}
+
+INSTANTIATE_TEST_SUITE_P(WriterAndEmaStage, StreamingCommitStopTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Ema" : "NoEma"; });
 
 }  // namespace
 }  // namespace flashckpt
