@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/local_daemon.h"
 #include "bench/summary.h"
 #include "common/cuda.h"
 #include "common/cuda_info.h"
@@ -63,31 +64,7 @@ struct PinnedBuffer {
   }
 };
 
-// A flashckptd in this process; stopped on destruction.
-class LocalDaemon {
- public:
-  static Result<std::unique_ptr<LocalDaemon>> Start(const DaemonConfig& config) {
-    std::unique_ptr<LocalDaemon> d(new LocalDaemon());
-    d->daemon_ = std::make_unique<Daemon>(config);
-    RETURN_IF_ERROR(d->daemon_->Start());
-    d->server_ = std::make_unique<Server>(d->daemon_.get());
-    RETURN_IF_ERROR(d->server_->Start());
-    d->serving_ = true;
-    return d;
-  }
-  ~LocalDaemon() {
-    daemon_->Stop();
-    if (serving_) server_->Shutdown(std::chrono::seconds(2));
-  }
-  LocalDaemon(const LocalDaemon&) = delete;
-  LocalDaemon& operator=(const LocalDaemon&) = delete;
-
- private:
-  LocalDaemon() = default;
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Server> server_;
-  bool serving_ = false;
-};
+using bench::LocalDaemon;
 
 Status Run(const Options& o) {
   // The rank's state in device memory, and the bare copy's pinned destination.

@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/local_daemon.h"
 #include "bench/mapping.h"
 #include "bench/summary.h"
 #include "common/fs.h"
@@ -85,32 +86,7 @@ Status CheckInterrupted() { return g_interrupted ? Cancelled("interrupted") : St
 
 using bench::Mapping;  // the trainer's host state and the limits' buffers
 
-// A flashckptd in this process, started as daemon/main.cc starts it; stopped (writes in flight
-// finished, segments and socket removed) on destruction.
-class LocalDaemon {
- public:
-  static Result<std::unique_ptr<LocalDaemon>> Start(const DaemonConfig& config) {
-    std::unique_ptr<LocalDaemon> d(new LocalDaemon());
-    d->daemon_ = std::make_unique<Daemon>(config);
-    RETURN_IF_ERROR(d->daemon_->Start());
-    d->server_ = std::make_unique<Server>(d->daemon_.get());
-    RETURN_IF_ERROR(d->server_->Start());
-    d->serving_ = true;
-    return d;
-  }
-  ~LocalDaemon() {
-    daemon_->Stop();
-    if (serving_) server_->Shutdown(std::chrono::seconds(2));
-  }
-  LocalDaemon(const LocalDaemon&) = delete;
-  LocalDaemon& operator=(const LocalDaemon&) = delete;
-
- private:
-  LocalDaemon() = default;
-  std::unique_ptr<Daemon> daemon_;
-  std::unique_ptr<Server> server_;
-  bool serving_ = false;
-};
+using bench::LocalDaemon;
 
 // One rank's state: fp32 tensors of up to `tensor_bytes` that cycle through a weight (model_state
 // file) and its two Adam moments (optimizer file), laid one after the other in host memory.

@@ -1,0 +1,38 @@
+// A flashckptd inside a benchmark's process, started as daemon/main.cc starts it (the daemon, then
+// its server); stopped on destruction (writes in flight finished, segments and socket removed).
+#pragma once
+
+#include <chrono>
+#include <memory>
+
+#include "common/status.h"
+#include "daemon/server.h"
+
+namespace flashckpt::bench {
+
+class LocalDaemon {
+ public:
+  static Result<std::unique_ptr<LocalDaemon>> Start(const DaemonConfig& config) {
+    std::unique_ptr<LocalDaemon> d(new LocalDaemon());
+    d->daemon_ = std::make_unique<Daemon>(config);
+    RETURN_IF_ERROR(d->daemon_->Start());
+    d->server_ = std::make_unique<Server>(d->daemon_.get());
+    RETURN_IF_ERROR(d->server_->Start());
+    d->serving_ = true;
+    return d;
+  }
+  ~LocalDaemon() {
+    daemon_->Stop();
+    if (serving_) server_->Shutdown(std::chrono::seconds(2));
+  }
+  LocalDaemon(const LocalDaemon&) = delete;
+  LocalDaemon& operator=(const LocalDaemon&) = delete;
+
+ private:
+  LocalDaemon() = default;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<Server> server_;
+  bool serving_ = false;
+};
+
+}  // namespace flashckpt::bench
