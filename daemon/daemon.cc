@@ -60,6 +60,7 @@ RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_
       used(counter),
       accounted(shm->size() + (ema ? ema->bytes() : 0)),
       state(state_dir) {
+  for (const Placement& p : layout.placements) tensor_bytes += p.bytes;  // once, not per commit
   used->fetch_add(accounted);
 }
 

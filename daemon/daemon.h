@@ -93,6 +93,7 @@ struct RankSegment {
   std::unique_ptr<SharedSegment> shm;
   SlotTable slots;                        // guarded by Daemon::mu_
   std::unique_ptr<RankEma> ema;           // null when the job has no EMA (or this rank no EMA tensors)
+  uint64_t tensor_bytes = 0;              // the rank's tensors in one slot (replicas included)
   uint64_t slot_stride = 0;               // bytes per slot
   uint64_t ema_area = 0;                  // offset of the EMA image room within a slot
   std::atomic<uint64_t>* used = nullptr;  // the daemon's host-memory counter

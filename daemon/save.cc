@@ -176,9 +176,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     event.set_job(who.job);
     event.set_rank(who.rank);
     event.set_step(step);
-    uint64_t bytes = 0;
-    for (const Placement& p : rank->segment->layout.placements) bytes += p.bytes;
-    event.set_bytes(bytes);
+    event.set_bytes(rank->segment->tensor_bytes);
     event.set_reason(persist ? "persist" : "ema only");
     Emit(std::move(event));
   }

@@ -36,19 +36,14 @@ import time
 
 import yaml
 
+sys.dont_write_bytecode = True  # keep the source tree clean
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import TestFailure, check  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K8S = os.path.join(REPO, "deploy", "k8s")
 PROBE_PORT = 7070
 CONFIG_DIR = "/etc/flashckpt"
-
-
-class Failure(Exception):
-    pass
-
-
-def check(cond, message):
-    if not cond:
-        raise Failure(message)
 
 
 def parse_size(text):
@@ -293,7 +288,7 @@ def main():
             uid = check_pod(pod, docs, conf)
         check_daemon_takes_conf(flashckptd, conf)
         check_containerfile(uid)
-    except Failure as e:
+    except TestFailure as e:
         print("FAILED: %s" % e, flush=True)
         return 1
     print("PASSED")
