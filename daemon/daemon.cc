@@ -236,7 +236,8 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
 
 Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                            std::optional<EmaPlan> plan, const EmaConfig& config,
-                                                           uint32_t slot_count, const std::string* adopt) {
+                                                           uint32_t slot_count, const std::string& name,
+                                                           bool adopt) {
   std::unique_ptr<RankEma> ema;
   if (plan) {
     ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, std::move(*plan), config, config_.segment_mode));
@@ -245,19 +246,17 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
   uint64_t bytes = SegmentBytes(stride, slot_count);
   std::unique_ptr<SharedSegment> shm;
-  if (adopt != nullptr) {
-    ASSIGN_OR_RETURN(shm, SharedSegment::Open(*adopt, bytes));
+  if (adopt) {
+    ASSIGN_OR_RETURN(shm, SharedSegment::Open(name, bytes));
     const auto* header = reinterpret_cast<const SegmentHeader*>(shm->data());
     if (std::memcmp(header->magic, kSegmentMagic, sizeof kSegmentMagic) != 0 ||
         header->format_version != kFormatVersion || header->slot_count != slot_count || header->slot_bytes != stride ||
         header->segment_bytes != bytes || header->rank != rank ||
         std::string(header->job, strnlen(header->job, sizeof header->job)) != job) {
-      return FailedPrecondition("segment " + *adopt + " does not match its registration record");
+      return FailedPrecondition("segment " + name + " does not match its registration record");
     }
     shm->OwnName();
   } else {
-    ASSIGN_OR_RETURN(std::string token, RandomToken());
-    std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
     // With --shm-group the trainers of other users in the group map the slots; the EMA segment
     // above stays private (only the daemon maps it).
     const unsigned mode = config_.shm_group ? 0660u : config_.segment_mode;
@@ -271,10 +270,9 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
     header->rank = rank;
     std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
   }
-  const std::string name = shm->name();
   auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), slot_count, std::move(ema), stride,
                                                ema_area, &host_memory_used_, &state_);
-  if (adopt == nullptr) {
+  if (!adopt) {
     for (uint32_t i = 0; i < slot_count; ++i) {
       InitSlotImages(segment->Slot(i), segment->layout);
       segment->Mirror(i);
@@ -351,23 +349,31 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
                                " in use (--max-host-memory)");
     }
     rank->segment.reset();  // the writer keeps it alive if a persist is still running
-    ASSIGN_OR_RETURN(rank->segment, CreateSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config,
-                                                  config_.slots));
-    // What a restarted daemon needs to adopt the segment (daemon/recovery.cc).
+    ASSIGN_OR_RETURN(std::string token, RandomToken());
+    const std::string name = "flashckpt." + who.job + "." + std::to_string(who.rank) + "." + token;
+    // What a restarted daemon needs to adopt the segment (daemon/recovery.cc). Written before the
+    // segment exists: a daemon killed in between leaves a record whose segment is missing or blank,
+    // which the next daemon drops (unlinking the segment), never a segment that no record names.
     v1::SegmentRecord record;
     record.set_job(who.job);
     record.set_rank(who.rank);
-    record.set_segment_name(rank->segment->shm->name());
-    record.set_segment_bytes(rank->segment->shm->size());
-    record.set_slot_count(rank->segment->slots.size());
+    record.set_segment_name(name);
+    record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots));
+    record.set_slot_count(config_.slots);
     record.set_checksum_chunk(config_.checksum_chunk);
     *record.mutable_registration() = request;
     record.mutable_registration()->clear_session_id();
     record.mutable_registration()->clear_resumed_from();
     if (Status saved = state_.SaveSegment(record); !saved.ok()) {
-      rank->segment.reset();
       return saved.WithContext("saving the segment's record in the state directory");
     }
+    auto created = CreateSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, config_.slots,
+                                 name, /*adopt=*/false);
+    if (!created.ok()) {
+      state_.RemoveSegment(name);
+      return created.status();
+    }
+    rank->segment = std::move(created).value();
   }
   rank->topology = topology;
   rank->policy = reg.policy;

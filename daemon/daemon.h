@@ -232,11 +232,11 @@ class Daemon {
   void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
                    const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
                    uint64_t bytes, double seconds);
-  // Creates the rank's segment, or with `adopt` maps that existing segment and checks its header
-  // against the layout (its contents are kept).
+  // Creates the rank's segment under `name` (O_EXCL), or with `adopt` maps that existing segment
+  // and checks its header against the layout (its contents are kept).
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                      std::optional<EmaPlan> ema, const EmaConfig& config,
-                                                     uint32_t slot_count, const std::string* adopt = nullptr);
+                                                     uint32_t slot_count, const std::string& name, bool adopt);
   // The EMA stage: applies committed snapshots to their rank's EMA in commit order, then hands
   // persisted ones to the writer and frees the others.
   struct EmaJob {

@@ -1,4 +1,5 @@
 // flashckptd: parse flags, serve until SIGTERM or SIGINT, then stop within --stop-timeout.
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 
@@ -8,6 +9,9 @@
 #include "daemon/systemd_notify.h"
 
 namespace {
+
+// Above this, the start is logged as slow: clients wait connect_timeout (10 s by default) for it.
+constexpr double kSlowStartupSecs = 2.0;
 
 // "serving; 2 jobs, 8 ranks (8 connected)" for systemd's STATUS=.
 std::string ServingLine(const flashckpt::Daemon& daemon) {
@@ -39,15 +43,26 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started below
 
   SystemdNotifier systemd;
+  const auto begun = std::chrono::steady_clock::now();
   Daemon daemon(*config);
   Server server(&daemon);
-  // In order: the daemon adopts what a predecessor left before the server lets anyone in.
+  // In order: the daemon adopts what a predecessor left before the server lets anyone in, so a
+  // client that reaches the socket (or the health service) reaches a daemon that is ready.
   Status started = daemon.Start();
+  const double adopt_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count();
   if (started.ok()) started = server.Start();
   if (!started.ok()) {
     Logger("rpc")->critical("startup failed: {}", started.ToString());
     systemd.Status("startup failed: " + started.ToString());
     return 1;
+  }
+  const double startup_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count();
+  Logger("rpc")->info("serving socket={} startup_secs={:.3f} adopt_secs={:.3f}", config->socket_path, startup_secs,
+                      adopt_secs);
+  if (startup_secs > kSlowStartupSecs) {
+    Logger("rpc")->warn("slow start: serving {:.1f} s after start (adoption {:.1f} s); trainers wait up to their "
+                        "connect_timeout (10 s by default)",
+                        startup_secs, adopt_secs);
   }
   systemd.Ready(ServingLine(daemon), [&daemon] { return ServingLine(daemon); });
   int received = 0;

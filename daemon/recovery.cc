@@ -81,7 +81,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
   }
   ASSIGN_OR_RETURN(std::shared_ptr<RankSegment> segment,
                    CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
-                                 &rec.segment_name()));
+                                 rec.segment_name(), /*adopt=*/true));
 
   struct Pending {
     EmaJob job;

@@ -281,11 +281,16 @@ struct Client::Impl {
   // Maps the segment the registration reply names (keeping the mapping when it is the same one)
   // and records the tensors' places.
   Status ApplyRegistration(const v1::RegisterResponse& resp);
-  // A new session and the same registration, after the daemon restarted (UNAVAILABLE).
-  Status Reattach();
+  // A new session and the same registration, after the daemon restarted (UNAVAILABLE). Waits up
+  // to `wait` for the daemon's socket to accept.
+  Status Reattach(std::chrono::milliseconds wait);
   // Runs `rpc`, a unary call that reads `session_id` when it runs; on UNAVAILABLE it re-attaches
   // once and runs it again. A lost session is re-attached before the call.
   Status WithSession(const std::function<Status()>& rpc);
+  // As WithSession, but while the daemon is unavailable (down, restarting, or killed in the middle
+  // of the call) it keeps re-attaching and retrying until `patience` has passed: for the calls that
+  // start a rank's life (Register), which a trainer cannot go on without.
+  Status WithSessionPatiently(const std::function<Status()>& rpc, std::chrono::milliseconds patience);
   // Remembers that the session is lost when `s` is UNAVAILABLE; returns `s`.
   Status Note(Status s) {
     if (s.code() == StatusCode::kUnavailable) broken = true;
@@ -420,9 +425,12 @@ Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
   return Status::OK();
 }
 
-Status Client::Impl::Reattach() {
-  // A short wait: while the daemon is down every save fails fast and training goes on.
-  const auto wait = std::min<std::chrono::milliseconds>(options.rpc_timeout, std::chrono::milliseconds(250));
+// A short wait: while the daemon is down every save fails fast and training goes on.
+std::chrono::milliseconds ReattachWait(const ClientOptions& options) {
+  return std::min<std::chrono::milliseconds>(options.rpc_timeout, std::chrono::milliseconds(250));
+}
+
+Status Client::Impl::Reattach(std::chrono::milliseconds wait) {
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + wait)) {
     return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
                        std::to_string(wait.count()) + " ms to re-attach); the next call tries again");
@@ -443,12 +451,36 @@ Status Client::Impl::Reattach() {
 }
 
 Status Client::Impl::WithSession(const std::function<Status()>& rpc) {
-  if (broken) RETURN_IF_ERROR(Note(Reattach()));
+  if (broken) RETURN_IF_ERROR(Note(Reattach(ReattachWait(options))));
   Status s = rpc();
   if (s.code() != StatusCode::kUnavailable) return s;
   broken = true;
-  if (!Reattach().ok()) return s;
+  if (!Reattach(ReattachWait(options)).ok()) return s;
   return Note(rpc());
+}
+
+Status Client::Impl::WithSessionPatiently(const std::function<Status()>& rpc, std::chrono::milliseconds patience) {
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  auto left = [&] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  };
+  Status s = broken ? Unavailable("the session was lost") : rpc();
+  while (s.code() == StatusCode::kUnavailable && left().count() > 0) {
+    broken = true;
+    Status attached = Reattach(left());
+    if (!attached.ok()) {
+      s = attached;
+      if (attached.code() != StatusCode::kUnavailable) return attached;
+      std::this_thread::sleep_for(std::min(left(), std::chrono::milliseconds(20)));
+      continue;
+    }
+    s = rpc();
+  }
+  if (s.code() == StatusCode::kUnavailable) {
+    return Note(s.WithContext("flashckptd at " + options.socket_path + " stayed unavailable for " +
+                              std::to_string(patience.count()) + " ms (ClientOptions::connect_timeout)"));
+  }
+  return Note(s);
 }
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -464,12 +496,28 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   impl->channel = grpc::CreateCustomChannel("unix:" + options.socket_path, grpc::InsecureChannelCredentials(), args);
-  if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() + options.connect_timeout)) {
-    return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
-                       std::to_string(options.connect_timeout.count()) + " ms)");
-  }
   impl->stub = v1::Checkpoint::NewStub(impl->channel);
-  RETURN_IF_ERROR(impl->OpenSession());
+  // The daemon may be starting, or restarting (killed while this process starts, or between the
+  // socket accepting and the session opening): until connect_timeout, each of those is waited out.
+  const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
+  Status opened = Unavailable("no attempt was made");
+  int attempts = 0;
+  for (;;) {
+    if (!impl->channel->WaitForConnected(deadline)) {
+      return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
+                         std::to_string(options.connect_timeout.count()) + " ms" +
+                         (attempts > 0 ? "; the last session attempt failed: " + opened.ToString() : "") + ")");
+    }
+    opened = impl->OpenSession();
+    ++attempts;
+    if (opened.code() != StatusCode::kUnavailable) break;
+    if (std::chrono::system_clock::now() >= deadline) {
+      return opened.WithContext("flashckptd at " + options.socket_path + " stayed unavailable for " +
+                                std::to_string(options.connect_timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  RETURN_IF_ERROR(opened);
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned threads = options.copy_threads != 0 ? options.copy_threads : std::min(hw, 8u);
   impl->copier = std::make_unique<ParallelLoop>(threads - 1);
@@ -531,13 +579,17 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
     p->set_param(spec.param);
   }
   v1::RegisterResponse resp;
-  RETURN_IF_ERROR(impl_->WithSession([&] {
-    req.set_session_id(impl_->session_id);
-    req.set_resumed_from(impl_->resumed_from);
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx);
-    return FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
-  }));
+  // A rank cannot train on without its registration: a daemon restart (or one that is killed while
+  // it registers) is waited out for connect_timeout, as in Connect().
+  RETURN_IF_ERROR(impl_->WithSessionPatiently(
+      [&] {
+        req.set_session_id(impl_->session_id);
+        req.set_resumed_from(impl_->resumed_from);
+        grpc::ClientContext ctx;
+        impl_->Deadline(&ctx);
+        return FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
+      },
+      impl_->options.connect_timeout));
   RETURN_IF_ERROR(impl_->ApplyRegistration(resp));
   req.clear_session_id();
   impl_->registration = std::move(req);

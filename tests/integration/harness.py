@@ -13,6 +13,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -85,17 +86,36 @@ def spawn_daemon(cmd, log_path, append=False, say=None):
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def wait_daemon_ready(proc, sock, error=TestFailure, exit_detail=None, say=None):
-    """Waits for the daemon proc to create the UNIX socket sock.
+def socket_accepts(sock):
+    """True when a process listens on the UNIX socket sock. The file alone proves nothing: a daemon
+    killed with SIGKILL leaves it behind until the next one replaces it."""
+    try:
+        if not stat.S_ISSOCK(os.stat(sock).st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(sock)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
 
-    Raises error if it exits first (the message followed by exit_detail(), if given) or the socket is
-    not there within DAEMON_READY_TIMEOUT_S. say, if given, logs the pid once it is up.
+
+def wait_daemon_ready(proc, sock, error=TestFailure, exit_detail=None, say=None):
+    """Waits for the daemon proc to listen on the UNIX socket sock (it adopts what a predecessor
+    left before it listens, so then it serves).
+
+    Raises error if it exits first (the message followed by exit_detail(), if given) or it does not
+    listen within DAEMON_READY_TIMEOUT_S. say, if given, logs the pid once it is up.
     """
     def ready():
         if proc.poll() is not None:
-            raise error("flashckptd exited with %s before creating its socket%s"
+            raise error("flashckptd exited with %s before listening on its socket%s"
                         % (proc.returncode, exit_detail() if exit_detail else ""))
-        return os.path.exists(sock) and stat.S_ISSOCK(os.stat(sock).st_mode)
+        return socket_accepts(sock)
     wait_for(ready, DAEMON_READY_TIMEOUT_S, "the daemon socket %s" % sock, error=error)
     if say:
         say("daemon is up (pid %d)" % proc.pid)

@@ -57,6 +57,7 @@ DONE = re.compile(r"^done rank=(\d+) last_step=(\d+) saves=(\d+) ", re.M)
 RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)\b", re.M)
 EMA_LINE = re.compile(r"^ema step=(-?\d+) tensors=(\d+)$", re.M)
 RECOVERED = re.compile(r"recovered job=\S+ rank=\d+ step=(\d+)")
+SERVING = re.compile(r"serving socket=\S+ startup_secs=([0-9.]+) adopt_secs=([0-9.]+)")
 VERIFY_SAMPLE = 40
 
 
@@ -254,9 +255,21 @@ def run_daemon_side(h, rng, kills):
     slots = [p for p in glob.glob("/dev/shm/flashckpt.%s.*" % h.job) if not p.endswith(".ema")]
     check(not slots, "slot segments left in /dev/shm after a clean stop: %s" % slots)
     log("daemon side: clean stop leaves an empty state directory and no slot segment")
-    print("FIGURES side=daemon kills=%d lost_snapshots=%d recovered_steps=%d complete=%d verified=%d latest=%d" %
-          (done_kills, sum(len(v) for v in lost.values()), len(recovered), len(complete), len(sample), latest),
-          flush=True)
+    startup, adopt = slowest_start(h)
+    print("FIGURES side=daemon kills=%d lost_snapshots=%d recovered_steps=%d complete=%d verified=%d latest=%d "
+          "slowest_start_secs=%.3f its_adoption_secs=%.3f" %
+          (done_kills, sum(len(v) for v in lost.values()), len(recovered), len(complete), len(sample), latest,
+           startup, adopt), flush=True)
+
+
+def slowest_start(h):
+    """(startup, adoption) seconds of the slowest of the daemon's starts, from its logs."""
+    slowest = (0.0, 0.0)
+    for path in glob.glob(os.path.join(h.tmp, "flashckptd.*.log")):
+        with open(path, errors="replace") as f:
+            for startup, adopt in SERVING.findall(f.read()):
+                slowest = max(slowest, (float(startup), float(adopt)))
+    return slowest
 
 
 def recovered_steps(h):

@@ -15,8 +15,10 @@
 // Thread safety: a Client may be used from one thread at a time; distinct Clients are independent.
 // Blocking: every call has a deadline (ClientOptions::rpc_timeout or the argument). Errors are
 // returned as Status, never thrown.
-// Daemon restarts: while the daemon is down, calls fail with kUnavailable (within 250 ms when the
-// socket is gone) and training can go on. The next call re-attaches on its own: a new session and
+// Daemon restarts: Connect() and Register() wait out a daemon that is down or restarting, at any
+// point of the call, for up to ClientOptions::connect_timeout. After them, while the daemon is
+// down, calls fail with kUnavailable (within 250 ms when the socket is gone) and training can go
+// on. The next call re-attaches on its own: a new session and
 // the same registration (and the step this process restored, so its saves stay in the same
 // attempt). A restarted daemon has adopted the old segment and persists the snapshots it had
 // acknowledged; a snapshot whose Commit failed may or may not be persisted.
@@ -40,7 +42,9 @@ struct ClientOptions {
   uint32_t rank = 0;
   // Deadline of each control RPC (not of WaitPersisted/Restore, which take their own).
   std::chrono::milliseconds rpc_timeout{30000};
-  // How long Connect() waits for the daemon's socket to accept.
+  // How long Connect() and Register() wait for an unavailable daemon (not started yet, restarting,
+  // or killed during the call) before they fail with kUnavailable. A daemon serves within a few
+  // seconds of its start (docs/ARCHITECTURE.md, "Start-up"); the default leaves room for that.
   std::chrono::milliseconds connect_timeout{10000};
   // How long Snapshot() waits for a free slot when the job's policy is to wait.
   std::chrono::milliseconds slot_timeout{60000};

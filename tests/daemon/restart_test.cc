@@ -1,0 +1,106 @@
+// A trainer's first calls (Connect, Register) against a daemon that is down or restarting: they wait
+// it out for ClientOptions::connect_timeout and then fail with kUnavailable, never earlier.
+#include <thread>
+
+#include "common/fs.h"
+#include "flashckpt/client.h"
+#include "in_process_daemon.h"
+#include "testing.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+ClientOptions Options(const InProcessDaemon& d, const std::string& job, std::chrono::milliseconds patience) {
+  ClientOptions o;
+  o.socket_path = d.socket();
+  o.job = job;
+  o.rpc_timeout = 5s;
+  o.slot_timeout = 2s;
+  o.connect_timeout = patience;
+  return o;
+}
+
+// One rank's tensors and its buffers.
+struct Rank {
+  std::vector<TensorSpec> specs = ModelAndMomentSpecs(1024);
+  std::vector<float> w = std::vector<float>(1024, 1.5f), m = std::vector<float>(1024, -2.0f);
+  std::vector<TensorBuffer> Buffers() {
+    return {{"w", w.data(), w.size() * sizeof(float)}, {"w.exp_avg", m.data(), m.size() * sizeof(float)}};
+  }
+};
+
+TEST(RestartTest, RegisterWaitsOutADaemonRestart) {
+  InProcessDaemon d("flashckpt-restart-test");
+  ASSERT_OK(d.Start());
+  auto client = Client::Connect(Options(d, "reg", 10s));
+  ASSERT_OK(client.status());
+  // The daemon goes away after the session opened and comes back 1.5 s later: Register, called
+  // while it is down, waits for it (the session is re-opened on the new daemon).
+  d.Stop();
+  std::thread restart([&] {
+    std::this_thread::sleep_for(1500ms);
+    ASSERT_OK(d.Start());
+  });
+  const auto begun = Clock::now();
+  Rank rank;
+  Status registered = (*client)->Register(Topology{}, rank.specs);
+  const auto waited = Clock::now() - begun;
+  restart.join();
+  ASSERT_OK(registered);
+  EXPECT_GE(waited, 1s) << "Register returned before the daemon was back";
+  // The registration is the new daemon's: a save goes through it.
+  auto snap = (*client)->Snapshot(1, rank.Buffers(), {});
+  ASSERT_OK(snap.status());
+  ASSERT_OK((*client)->WaitPersisted(1, 10s));
+  EXPECT_TRUE(PathExists(d.root() + "/reg/checkpoint-1/metadata.json"));
+}
+
+TEST(RestartTest, RegisterGivesUpAtConnectTimeoutWhenTheDaemonStaysDown) {
+  InProcessDaemon d("flashckpt-restart-test");
+  ASSERT_OK(d.Start());
+  auto client = Client::Connect(Options(d, "down", 1200ms));
+  ASSERT_OK(client.status());
+  d.Stop();
+  const auto begun = Clock::now();
+  Rank rank;
+  Status registered = (*client)->Register(Topology{}, rank.specs);
+  const auto waited = Clock::now() - begun;
+  EXPECT_EQ(registered.code(), StatusCode::kUnavailable) << registered.ToString();
+  EXPECT_NE(registered.message().find("connect_timeout"), std::string::npos) << registered.ToString();
+  EXPECT_GE(waited, 1s);   // waited for the daemon ...
+  EXPECT_LT(waited, 15s);  // ... and not without a bound
+}
+
+TEST(RestartTest, ConnectWaitsOutADaemonThatIsStopping) {
+  // A daemon that has begun to stop still listens, but opens no session ("the daemon is
+  // stopping", UNAVAILABLE): what a trainer started during `systemctl restart flashckptd` meets.
+  InProcessDaemon d("flashckpt-restart-test");
+  ASSERT_OK(d.Start());
+  d.daemon()->Stop();
+  {
+    ClientOptions o = Options(d, "conn", 300ms);
+    auto refused = Client::Connect(o);  // the stopping daemon is reached, and refuses the session
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("stopping"), std::string::npos) << refused.status().ToString();
+  }
+  std::thread restart([&] {
+    std::this_thread::sleep_for(1500ms);
+    d.Stop();
+    ASSERT_OK(d.Start());
+  });
+  const auto begun = Clock::now();
+  auto client = Client::Connect(Options(d, "conn", 10s));
+  const auto waited = Clock::now() - begun;
+  restart.join();
+  ASSERT_OK(client.status());
+  EXPECT_GE(waited, 1s) << "Connect returned before the new daemon was up";
+  Rank rank;
+  ASSERT_OK((*client)->Register(Topology{}, rank.specs));
+}
+
+}  // namespace
+}  // namespace flashckpt
