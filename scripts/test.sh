@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds flashckpt and runs its tests in four passes:
+# Builds flashckpt and runs its tests in four passes (after checking that the default CMake
+# generator builds the protocol, in build-make/):
 #   1. build/       RelWithDebInfo, warnings are errors: every test
 #   2. build-asan/  Debug with AddressSanitizer + UndefinedBehaviorSanitizer: every test
 #   3. build-fuzz/  clang, libFuzzer + ASan + UBSan, warnings are errors: each fuzz target of
@@ -18,6 +19,11 @@ section() { printf '\n==== %s (%ds elapsed)\n' "$*" "$SECONDS"; }
 
 section "dependencies"
 ./scripts/deps.sh
+
+section "build-make/ : the default generator (Unix Makefiles) configures and builds the protocol"
+# The passes below use Ninja; users often do not. Protocol generation is where the generators differ.
+cmake -S . -B build-make -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCKPT_WITH_CUDA=OFF >/dev/null
+cmake --build build-make --target flashckpt_proto -j"$JOBS"
 
 section "build/ : RelWithDebInfo, -Werror"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCKPT_WERROR=ON
