@@ -99,6 +99,24 @@ bool PathExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+Result<bool> Exists(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return true;
+  if (errno == ENOENT) return false;
+  return ErrnoStatus("stat", path);
+}
+
+Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir) {
+  auto names = ListDir(dir);
+  if (names.ok()) return std::optional<std::vector<std::string>>(std::move(names).value());
+  if (names.status().code() != StatusCode::kNotFound) return names.status();
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    return IOError(dir + " is a symbolic link to a path that does not exist (a volume that is not mounted?)");
+  }
+  return std::optional<std::vector<std::string>>();
+}
+
 std::string TemporaryPath(const std::string& final_path) {
   static std::atomic<uint64_t> counter{0};
   return final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);

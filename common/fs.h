@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,6 +62,12 @@ Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const 
 Status MakeDirs(const std::string& path, unsigned mode = 0755);
 Status FsyncDir(const std::string& dir, IoEnv* io = IoEnv::Default());
 bool PathExists(const std::string& path);
+// Whether `path` exists: false only when stat says ENOENT; any other failure (EIO, ESTALE, EACCES,
+// ENOTDIR, ELOOP) is an error naming the path. For what must not mistake "cannot tell" for "absent".
+Result<bool> Exists(const std::string& path);
+// The names in directory `dir`, or nullopt when it does not exist (ENOENT). A dangling symbolic
+// link (a volume that is not mounted) and every other failure are errors naming the path.
+Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir);
 
 // A piece of a file to write: `bytes` bytes from `data`.
 struct WriteSpan {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -61,23 +62,31 @@ std::mutex& Catalog::JobMutex(const std::string& job) {
   return *m;
 }
 
-bool Catalog::IsComplete(const std::string& job, int64_t step) const {
-  return PathExists(CheckpointDir(job, step) + "/metadata.json");
+Result<bool> Catalog::IsComplete(const std::string& job, int64_t step) const {
+  return Exists(CheckpointDir(job, step) + "/metadata.json");
 }
 
-bool Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const {
+Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const {
   auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank));
-  return signal.ok() && signal->rank == rank && signal->step == step && signal->resumed_from == resumed_from;
+  if (!signal.ok()) {
+    if (signal.status().code() == StatusCode::kNotFound) return false;
+    return signal.status();
+  }
+  return signal->rank == rank && signal->step == step && signal->resumed_from == resumed_from;
 }
 
 Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from) {
   std::lock_guard<std::mutex> lock(JobMutex(job));
   std::string dir = CheckpointDir(job, step);
-  if (PathExists(dir + "/metadata.json")) return true;
+  ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+  if (complete) return true;
   std::vector<std::string> files;
   for (uint32_t r = 0; r < world_size; ++r) {
     auto signal = ReadSignal(dir + "/" + SignalFileName(r));
-    if (!signal.ok()) return false;  // missing (not yet written) or unreadable: not complete
+    if (!signal.ok()) {
+      if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
+      return signal.status();  // unreadable or torn: an error, never "not complete"
+    }
     if (signal->step != step || signal->resumed_from != resumed_from || signal->rank != r) return false;
     for (auto& f : signal->files) files.push_back(std::move(f));
   }
@@ -88,12 +97,13 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
                       std::to_string(step) + " world size " + std::to_string(world_size));
   }
   RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta)));
-  auto latest = LatestComplete(job);
-  if (latest && *latest <= step) {
-    RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(step) + "\n"));
-  }
+  // LATEST moves forward unless it names a newer complete checkpoint. Only LATEST and that one
+  // directory are read: a completion must not cost a listing of every step of a long run.
+  ASSIGN_OR_RETURN(bool newer, LatestNamesNewer(job, step));
+  if (!newer) RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(step) + "\n"));
   Logger("catalog")->info("complete job={} step={} files={} tensors={}", job, step, meta.files.size(),
                           meta.pieces.size());
+  NoteCompleted(job, step);
   if (listener_) listener_(CatalogChange::kCompleted, job, step, "");
   if (keep_ > 0) {
     auto deleted = ApplyRetentionLocked(job, keep_);
@@ -161,15 +171,13 @@ Result<DeletionOutcome> Catalog::DeleteCheckpoint(const std::string& job, int64_
 
 Result<Catalog::JobSteps> Catalog::ScanSteps(const std::string& job) const {
   JobSteps out;
-  auto names = ListDir(JobDir(job));
-  if (!names.ok()) {
-    if (names.status().code() == StatusCode::kNotFound) return out;
-    return names.status();
-  }
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job)));
+  if (!names) return out;
   for (const auto& n : *names) {
     auto step = ParseCheckpointDirName(n);
     if (!step) continue;
-    (IsComplete(job, *step) ? out.complete : out.incomplete).push_back(*step);
+    ASSIGN_OR_RETURN(bool complete, IsComplete(job, *step));
+    (complete ? out.complete : out.incomplete).push_back(*step);
   }
   std::sort(out.complete.begin(), out.complete.end(), std::greater<>());
   std::sort(out.incomplete.begin(), out.incomplete.end());
@@ -247,6 +255,7 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
     }
     Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
     out.deleted.push_back(step);
+    ForgetKnown(job);
     if (listener_) listener_(CatalogChange::kDeleted, job, step, reason);
   }
   if (dry_run) {  // the newest complete checkpoint that the deletion would leave
@@ -259,7 +268,7 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
     }
     return out;
   }
-  out.latest = LatestComplete(job);
+  ASSIGN_OR_RETURN(out.latest, LatestComplete(job));
   if (!out.deleted.empty()) {
     // LATEST names the newest complete checkpoint left, or goes when none is left.
     Status latest;
@@ -279,16 +288,69 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
   return out;
 }
 
-std::optional<int64_t> Catalog::LatestComplete(const std::string& job) const {
-  auto names = ListDir(JobDir(job));
-  if (!names.ok()) return std::nullopt;
+Result<std::optional<int64_t>> Catalog::LatestComplete(const std::string& job) const {
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job)));
   std::optional<int64_t> best;
+  if (!names) return best;
+  // Newest first: the first complete one is the answer, and a newer one that cannot be told
+  // complete or not is an error (taking an older step would restart from it and then overwrite
+  // the newer checkpoint).
+  std::vector<int64_t> steps;
   for (const auto& n : *names) {
-    auto step = ParseCheckpointDirName(n);
-    if (!step || (best && *step <= *best)) continue;
-    if (IsComplete(job, *step)) best = step;
+    if (auto step = ParseCheckpointDirName(n)) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end(), std::greater<>());
+  for (int64_t step : steps) {
+    ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+    if (complete) return std::optional<int64_t>(step);
   }
   return best;
+}
+
+Result<bool> Catalog::LatestNamesNewer(const std::string& job, int64_t step) const {
+  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) return false;
+    return text.status();
+  }
+  int64_t named = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), named);
+  if (ec != std::errc() || named <= step) return false;  // unparsable (torn) or older: replaced
+  (void)end;
+  return IsComplete(job, named);
+}
+
+Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
+                                                     std::chrono::steady_clock::duration max_age) const {
+  const auto now = std::chrono::steady_clock::now();
+  uint64_t notes = 0;
+  {
+    std::lock_guard<std::mutex> lock(known_mu_);
+    auto it = known_.find(job);
+    if (it != known_.end() && now - it->second.read_at < max_age) return it->second.step;
+    if (it != known_.end()) notes = it->second.notes;
+  }
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(job));
+  std::lock_guard<std::mutex> lock(known_mu_);
+  Known& known = known_[job];
+  // A completion noted while the root was being read may be newer than what the read found.
+  const bool noted_meanwhile = known.notes != notes && known.step && (!latest || *known.step > *latest);
+  if (!noted_meanwhile) known.step = latest;
+  known.read_at = now;
+  return known.step;
+}
+
+void Catalog::NoteCompleted(const std::string& job, int64_t step) {
+  std::lock_guard<std::mutex> lock(known_mu_);
+  auto it = known_.find(job);
+  if (it == known_.end()) return;  // read from the root when status first asks
+  if (!it->second.step || *it->second.step < step) it->second.step = step;
+  it->second.notes += 1;
+}
+
+void Catalog::ForgetKnown(const std::string& job) {
+  std::lock_guard<std::mutex> lock(known_mu_);
+  known_.erase(job);
 }
 
 Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const {
@@ -305,12 +367,9 @@ Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const
   }
   std::vector<CheckpointEntry> out;
   for (const auto& j : jobs) {
-    auto names = ListDir(JobDir(j));
-    if (!names.ok()) {
-      if (names.status().code() == StatusCode::kNotFound) continue;
-      return names.status();
-    }
-    auto latest = LatestComplete(j);
+    ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(j)));
+    if (!names) continue;
+    ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(j));
     for (const auto& n : *names) {
       auto step = ParseCheckpointDirName(n);
       if (!step) continue;
@@ -326,10 +385,10 @@ Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const
           if (::stat((e.path + "/" + f).c_str(), &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
         }
       }
-      e.complete = IsComplete(j, *step);
+      ASSIGN_OR_RETURN(e.complete, IsComplete(j, *step));
       if (e.complete) {
-        auto meta = ReadMetadataFile(e.path);
-        if (meta.ok()) e.world_size = meta->topology.world_size;
+        ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(e.path));
+        e.world_size = meta.topology.world_size;
       }
       e.latest = latest && *latest == *step;
       out.push_back(std::move(e));

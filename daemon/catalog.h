@@ -5,6 +5,7 @@
 // LATEST forward; both are written with the durable rename sequence, so doing it twice is harmless.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -121,13 +122,29 @@ class Catalog {
   Result<DeletionOutcome> DeleteCheckpoint(const std::string& job, int64_t step, bool force,
                                            const std::set<int64_t>& busy, bool dry_run);
 
-  bool IsComplete(const std::string& job, int64_t step) const;
+  // Errors are never taken for absence: on a shared filesystem an EIO, ESTALE, EACCES or ENOTDIR is
+  // exactly when a trainer must not start from scratch or from an older step. Only ENOENT means
+  // "not there"; every other failure is returned, naming the path.
+  //
+  // Whether checkpoint `step` of `job` is complete (its metadata.json exists).
+  Result<bool> IsComplete(const std::string& job, int64_t step) const;
   // Whether `rank` has written its part of `step` in the attempt `resumed_from`: its
   // saved_signal is in place (signals are written last, after the rank's files are durable).
-  bool HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const;
-  // The newest complete checkpoint of the job, or nullopt. Trusts LATEST only when the directory
-  // it names is complete and no newer complete one exists.
-  std::optional<int64_t> LatestComplete(const std::string& job) const;
+  // A signal that is missing, or left by another attempt, is false; one that cannot be read or
+  // parsed is an error.
+  Result<bool> HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const;
+  // The newest complete checkpoint of the job; nullopt when the job directory does not exist or
+  // holds no complete checkpoint. A job directory that cannot be listed (or is a dangling link), or
+  // a checkpoint whose completeness cannot be told, is an error.
+  Result<std::optional<int64_t>> LatestComplete(const std::string& job) const;
+
+  // The newest complete checkpoint of `job` as this catalog knows it, for status: read from the
+  // root (LatestComplete, without any lock held) the first time and when older than `max_age`,
+  // moved forward by every completion this catalog writes and read again after every deletion. So
+  // a status call costs nothing per checkpoint on disk, except the one that refreshes (which other
+  // daemons writing the same root need). Errors are returned, and read again on the next call.
+  Result<std::optional<int64_t>> KnownLatest(const std::string& job,
+                                             std::chrono::steady_clock::duration max_age) const;
 
   // Every checkpoint directory (complete or not) of `job`, or of every job when empty; by job, step.
   Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
@@ -165,6 +182,17 @@ class Catalog {
   // hides a directory, so a step is either registered before the rename or sees no checkpoint.
   std::mutex use_mu_;
   std::map<std::string, std::multiset<int64_t>> in_use_;  // guarded by use_mu_
+  struct Known {
+    std::optional<int64_t> step;
+    std::chrono::steady_clock::time_point read_at;
+    uint64_t notes = 0;  // completions noted: tells a refresh that one came while it read
+  };
+  mutable std::mutex known_mu_;
+  mutable std::map<std::string, Known> known_;  // guarded by known_mu_: a cache (KnownLatest)
+  void NoteCompleted(const std::string& job, int64_t step);
+  // Whether LATEST names a complete checkpoint newer than `step`.
+  Result<bool> LatestNamesNewer(const std::string& job, int64_t step) const;
+  void ForgetKnown(const std::string& job);
 };
 
 }  // namespace flashckpt

@@ -12,6 +12,10 @@
 namespace flashckpt {
 namespace {
 
+// How old the last complete step that status shows may be: this daemon's own completions and
+// deletions update it at once; what other daemons write to a shared root shows within this.
+constexpr auto kStatusRefresh = std::chrono::seconds(30);
+
 constexpr char kVersion[] = "0.1.0";
 constexpr char kStoppingMessage[] =
     "the daemon is stopping: it takes no new sessions, registrations or snapshots while it finishes the writes in "
@@ -283,10 +287,42 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   return segment;
 }
 
+Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::string& job, uint32_t rank,
+                                                                   RankLayout layout, std::optional<EmaPlan> ema_plan,
+                                                                   const EmaConfig& ema_config,
+                                                                   const v1::RegisterRequest& request) {
+  ASSIGN_OR_RETURN(std::string token, RandomToken());
+  const std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
+  const uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
+  // What a restarted daemon needs to adopt the segment (daemon/recovery.cc). Written before the
+  // segment exists: a daemon killed in between leaves a record whose segment is missing or blank,
+  // which the next daemon drops (unlinking the segment), never a segment that no record names.
+  v1::SegmentRecord record;
+  record.set_job(job);
+  record.set_rank(rank);
+  record.set_segment_name(name);
+  record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots));
+  record.set_slot_count(config_.slots);
+  record.set_checksum_chunk(config_.checksum_chunk);
+  *record.mutable_registration() = request;
+  record.mutable_registration()->clear_session_id();
+  record.mutable_registration()->clear_resumed_from();
+  if (Status saved = state_.SaveSegment(record); !saved.ok()) {
+    return saved.WithContext("saving the segment's record in the state directory");
+  }
+  auto created = CreateSegment(job, rank, std::move(layout), std::move(ema_plan), ema_config, config_.slots, name,
+                               /*adopt=*/false);
+  if (!created.ok()) state_.RemoveSegment(name);
+  return created;
+}
+
 Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const v1::RegisterRequest& request) {
   ASSIGN_OR_RETURN(Registration reg, ParseRegistration(request));
   const Topology& topology = reg.topology;
   const EmaConfig& ema_config = reg.ema;
+  // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
+  // after it): a segment's destructor removes its records and unlinks its memory.
+  std::shared_ptr<RankSegment> retired, created;
   std::unique_lock<std::mutex> lock(mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
@@ -299,14 +335,14 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
-  JobState& job = jobs_[who.job];
+  JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
   // Every live rank of a job shares one layout. Ranks of a previous run that are exiting may still
   // hold their sessions for a moment: wait a little for them before refusing.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   for (;;) {
     const RankState* conflict = nullptr;
     uint32_t conflict_rank = 0;
-    for (const auto& [r, other] : job.ranks) {
+    for (const auto& [r, other] : job->ranks) {
       if (r == who.rank || other.session_id.empty() || !other.registered) continue;
       if (!SameDegrees(other.topology, topology)) {
         conflict = &other;
@@ -326,9 +362,9 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     }
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
   }
-  if (!SameDegrees(job.topology, topology)) {
+  if (!SameDegrees(job->topology, topology)) {
     // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
-    for (auto& [r, other] : job.ranks) {
+    for (auto& [r, other] : job->ranks) {
       if (r != who.rank && other.session_id.empty()) other.segment.reset();  // a running persist keeps its own
     }
   }
@@ -340,7 +376,8 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     uint64_t need =
         SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
     uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted : 0;
-    uint64_t used = host_memory_used_.load() - releasable;
+    // Registrations creating their segments right now count with what they will take.
+    uint64_t used = host_memory_used_.load() + registering_bytes_ - releasable;
     if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
       return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
                                FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
@@ -348,39 +385,35 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
                                "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
                                " in use (--max-host-memory)");
     }
-    rank->segment.reset();  // the writer keeps it alive if a persist is still running
-    ASSIGN_OR_RETURN(std::string token, RandomToken());
-    const std::string name = "flashckpt." + who.job + "." + std::to_string(who.rank) + "." + token;
-    // What a restarted daemon needs to adopt the segment (daemon/recovery.cc). Written before the
-    // segment exists: a daemon killed in between leaves a record whose segment is missing or blank,
-    // which the next daemon drops (unlinking the segment), never a segment that no record names.
-    v1::SegmentRecord record;
-    record.set_job(who.job);
-    record.set_rank(who.rank);
-    record.set_segment_name(name);
-    record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots));
-    record.set_slot_count(config_.slots);
-    record.set_checksum_chunk(config_.checksum_chunk);
-    *record.mutable_registration() = request;
-    record.mutable_registration()->clear_session_id();
-    record.mutable_registration()->clear_resumed_from();
-    if (Status saved = state_.SaveSegment(record); !saved.ok()) {
-      return saved.WithContext("saving the segment's record in the state directory");
+    // The old segment goes now (the writer keeps it alive if a persist is still running); the new
+    // one is created without mu_: allocating and populating gigabytes must not hold up the other
+    // ranks' snapshots, status or the watchdog. Its bytes are reserved meanwhile.
+    retired = std::move(rank->segment);
+    registering_bytes_ += need;
+    const uint64_t generation = ++rank->registrations;
+    lock.unlock();
+    retired.reset();
+    auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, request);
+    lock.lock();
+    registering_bytes_ -= need;
+    if (!made.ok()) return made.status();
+    created = std::move(made).value();
+    // The session may have ended, or registered again, while the segment was made: then it is not
+    // this call's to publish (it is released, with its records, after mu_).
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    job = &jobs_[who.job];
+    if (rank->registrations != generation || rank->segment) {
+      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                                " was overtaken by another registration of the rank; register again");
     }
-    auto created = CreateSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, config_.slots,
-                                 name, /*adopt=*/false);
-    if (!created.ok()) {
-      state_.RemoveSegment(name);
-      return created.status();
-    }
-    rank->segment = std::move(created).value();
+    rank->segment = std::move(created);
   }
   rank->topology = topology;
   rank->policy = reg.policy;
   if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
   rank->fatal_persist_errors = reg.fatal_persist_errors;
   rank->registered = true;
-  job.topology = topology;
+  job->topology = topology;
 
   const RankSegment& seg = *rank->segment;
   v1::RegisterResponse resp;
@@ -461,15 +494,36 @@ v1::StatusResponse Daemon::GetStatus() const {
   const CudaInfo& cuda = GetCudaInfo();
   out.set_cuda_compiled(cuda.compiled);
   out.set_cuda_devices(cuda.devices);
+  FillJobsStatus(&out);
+  // The checkpoints on disk, read without the daemon's lock: a slow or failing filesystem must not
+  // hold up the trainers' snapshots.
+  for (auto& j : *out.mutable_jobs()) {
+    auto latest = catalog_.KnownLatest(j.job(), kStatusRefresh);
+    j.set_last_complete_step(latest.ok() && *latest ? **latest : -1);
+    if (!latest.ok()) j.set_catalog_error(latest.status().ToString());
+  }
+  return out;
+}
+
+Daemon::Counts Daemon::CountSessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Counts counts;
+  counts.jobs = jobs_.size();
+  for (const auto& [name, job] : jobs_) {
+    counts.ranks += job.ranks.size();
+    for (const auto& [r, rank] : job.ranks) counts.connected += rank.session_id.empty() ? 0 : 1;
+  }
+  return counts;
+}
+
+void Daemon::FillJobsStatus(v1::StatusResponse* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
   for (const auto& [name, job] : jobs_) {
-    auto* j = out.add_jobs();
+    auto* j = out->add_jobs();
     j->set_job(name);
     j->set_world_size(job.topology.world_size);
-    auto latest = catalog_.LatestComplete(name);
-    j->set_last_complete_step(latest ? *latest : -1);
     for (const auto& [r, rank] : job.ranks) {
       auto* rs = j->add_ranks();
       rs->set_rank(r);
@@ -508,7 +562,6 @@ v1::StatusResponse Daemon::GetStatus() const {
       }
     }
   }
-  return out;
 }
 
 }  // namespace flashckpt

@@ -173,6 +173,13 @@ class Daemon {
   // step that a slot of this daemon is filling, has committed or is persisting is never deleted.
   Result<DeletionOutcome> DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
                                             bool dry_run);
+  // Jobs, ranks and connected ranks, from memory (takes mu_ and nothing else: no file I/O).
+  struct Counts {
+    size_t jobs = 0, ranks = 0, connected = 0;
+  };
+  Counts CountSessions() const;
+  // The daemon's memory, jobs and ranks; each job's last complete step is read from the root
+  // without the daemon's lock (a failure to read it is the job's catalog_error).
   v1::StatusResponse GetStatus() const;
 
   const DaemonConfig& config() const { return config_; }
@@ -183,6 +190,8 @@ class Daemon {
   std::string RenderMetrics() const;
 
  private:
+  // The jobs and ranks part of GetStatus, from memory, under mu_.
+  void FillJobsStatus(v1::StatusResponse* out) const;
   struct RankState {
     std::shared_ptr<RankSegment> segment;
     std::string session_id;  // empty when the trainer is gone
@@ -191,6 +200,7 @@ class Daemon {
     int64_t last_begun = -1;   // per session: steps must increase
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
     bool registered = false;   // per session: Register succeeded (its topology is current)
+    uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
     int64_t last_committed = -1;
     int64_t last_persisted = -1;
     std::string last_error;
@@ -237,6 +247,12 @@ class Daemon {
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                      std::optional<EmaPlan> ema, const EmaConfig& config,
                                                      uint32_t slot_count, const std::string& name, bool adopt);
+  // A new segment for a registration, with its record written first (see recovery.cc). Does file
+  // I/O and allocates: called without mu_.
+  Result<std::shared_ptr<RankSegment>> CreateRecordedSegment(const std::string& job, uint32_t rank, RankLayout layout,
+                                                             std::optional<EmaPlan> ema_plan,
+                                                             const EmaConfig& ema_config,
+                                                             const v1::RegisterRequest& request);
   // The EMA stage: applies committed snapshots to their rank's EMA in commit order, then hands
   // persisted ones to the writer and frees the others.
   struct EmaJob {
@@ -284,6 +300,7 @@ class Daemon {
   std::thread ema_thread_;
   std::deque<EmaJob> ema_queue_;  // guarded by mu_; bounded by the slots in COMMITTED
   std::atomic<uint64_t> host_memory_used_{0};
+  uint64_t registering_bytes_ = 0;  // guarded by mu_: reserved by registrations making their segments
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

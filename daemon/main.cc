@@ -13,16 +13,13 @@ namespace {
 // Above this, the start is logged as slow: clients wait connect_timeout (10 s by default) for it.
 constexpr double kSlowStartupSecs = 2.0;
 
-// "serving; 2 jobs, 8 ranks (8 connected)" for systemd's STATUS=.
+// "serving; 2 jobs, 8 ranks (8 connected)" for systemd's STATUS=. Read from memory under the
+// daemon's lock and nothing else: the watchdog ping waits for it, so a daemon stuck on its lock
+// stops pinging, while a slow filesystem (which status would read) does not.
 std::string ServingLine(const flashckpt::Daemon& daemon) {
-  auto status = daemon.GetStatus();
-  size_t ranks = 0, connected = 0;
-  for (const auto& job : status.jobs()) {
-    ranks += static_cast<size_t>(job.ranks_size());
-    for (const auto& rank : job.ranks()) connected += rank.connected() ? 1 : 0;
-  }
-  return "serving; " + std::to_string(status.jobs_size()) + " jobs, " + std::to_string(ranks) + " ranks (" +
-         std::to_string(connected) + " connected)";
+  const flashckpt::Daemon::Counts counts = daemon.CountSessions();
+  return "serving; " + std::to_string(counts.jobs) + " jobs, " + std::to_string(counts.ranks) + " ranks (" +
+         std::to_string(counts.connected) + " connected)";
 }
 
 }  // namespace

@@ -113,8 +113,17 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     j.replay = true;
     if (j.persist) {
       // Signals are written last: one in place with this attempt means the files are durable.
-      const bool written = catalog_.HasSignal(job, rank_id, c.step(), c.resumed_from());
-      if (written || catalog_.IsComplete(job, c.step())) {
+      // When the disk cannot tell (EIO, ESTALE), the snapshot is written again: the slot holds the
+      // bytes of this very step and attempt, so what is written is what was (or was to be) there.
+      auto signalled = catalog_.HasSignal(job, rank_id, c.step(), c.resumed_from());
+      auto is_complete = catalog_.IsComplete(job, c.step());
+      if (!signalled.ok() || !is_complete.ok()) {
+        Logger("shm")->error("recovery job={} rank={} step={}: cannot tell whether it is durable, writing it again: {}",
+                             job, rank_id, c.step(),
+                             (!signalled.ok() ? signalled.status() : is_complete.status()).ToString());
+      }
+      const bool written = signalled.ok() && *signalled;
+      if (written || (is_complete.ok() && *is_complete)) {
         if (written) {
           auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), c.resumed_from());
           if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());

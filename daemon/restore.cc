@@ -57,12 +57,15 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   StepInUse in_use;
   for (int attempt = 0;; ++attempt) {
     if (requested == 0) {
-      auto latest = catalog_.LatestComplete(job);
+      // Only a job with no checkpoint at all answers found=false; a root that cannot be read is an
+      // error the trainer sees, never a start from scratch.
+      ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
       if (!latest) return out;  // found = false
       step = *latest;
     }
     in_use = catalog_.Use(job, step);
-    if (catalog_.IsComplete(job, step)) break;
+    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    if (complete) break;
     // The latest was deleted between the look-up and the registration (a newer one completed
     // meanwhile): look again.
     if (requested != 0 || attempt >= 8) {

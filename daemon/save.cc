@@ -45,7 +45,8 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
                              std::to_string(rank->last_begun) + "; steps must increase");
     }
   }
-  if (catalog_.IsComplete(job, step)) {
+  ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+  if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
                          "' is already complete; a complete checkpoint is never overwritten");
   }
@@ -388,7 +389,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       WaitResult r;
       r.persisted_step = rank->last_persisted;
       lock.unlock();
-      r.checkpoint_complete = catalog_.IsComplete(job, step);
+      ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
       return r;
     }
     if (rank->last_committed < step) {
@@ -396,10 +397,11 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       const uint32_t rank_id = sessions_[session_id].rank;
       const int64_t attempt = rank->resumed_from;
       lock.unlock();
-      if (catalog_.HasSignal(job, rank_id, step, attempt)) {
+      ASSIGN_OR_RETURN(bool signalled, catalog_.HasSignal(job, rank_id, step, attempt));
+      if (signalled) {
         WaitResult r;
         r.persisted_step = step;
-        r.checkpoint_complete = catalog_.IsComplete(job, step);
+        ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
         return r;
       }
       lock.lock();

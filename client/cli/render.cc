@@ -326,6 +326,7 @@ std::string StatusText(const v1::StatusResponse& status) {
     out += "\njob " + job.job() + "  world size " + std::to_string(job.world_size()) + ", " +
            std::to_string(job.ranks_size()) + " rank(s) here, last complete step " +
            StepText(job.last_complete_step()) + "\n";
+    if (!job.catalog_error().empty()) out += "  checkpoints cannot be read: " + job.catalog_error() + "\n";
     out += "  ema " + EmaSummaryText(job) + "\n";
     // OLDEST WRITE: how long the rank's oldest persist being written has been running.
     TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
@@ -374,6 +375,7 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
     j["job"] = job.job();
     j["world_size"] = job.world_size();
     j["last_complete_step"] = StepJson(job.last_complete_step());
+    if (!job.catalog_error().empty()) j["catalog_error"] = job.catalog_error();
     j["last_committed_step"] = StepJson(JobLastCommitted(job));
     ordered_json ranks = ordered_json::array();
     for (const auto& rank : job.ranks()) {

@@ -13,6 +13,7 @@
 #include "common/verify.h"
 #include "daemon/catalog.h"
 #include "daemon/server.h"
+#include "flashckpt.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
 #include "testing.h"
@@ -141,7 +142,9 @@ TEST_F(OnDiskTest, RetentionSparesStepsInUseAndNewerIncompleteDirectories) {
   ASSERT_OK(deleted.status());
   EXPECT_EQ(*deleted, (std::vector<int64_t>{3}));
   EXPECT_EQ(Entries("spare"), (Names{"LATEST", "checkpoint-5", "checkpoint-7"}));
-  EXPECT_EQ(catalog.LatestComplete("spare"), 5);
+  auto latest = catalog.LatestComplete("spare");
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, std::optional<int64_t>(5));
   EXPECT_OK(VerifyCheckpointDir(StepDir("spare", 5), nullptr));
 
   // The newest complete checkpoint is never deleted, whatever else is going on.
@@ -296,6 +299,63 @@ TEST_F(CatalogTest, GcKeepsTheNewestAndListsStepsInUseAsSkipped) {
   EXPECT_TRUE(outcome->skipped.empty());
   EXPECT_EQ(Entries("gc"), (Names{"LATEST", "checkpoint-5", "checkpoint-9"}));
   EXPECT_OK(VerifyCheckpointDir(StepDir("gc", 5), nullptr));
+}
+
+// An unreadable root is an error the trainer sees, never "no checkpoint": a restore must not start
+// from step 0 (or from an older step) because the filesystem failed.
+TEST_F(OnDiskTest, AJobDirectoryThatIsAFileIsAnErrorNotAnEmptyJob) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("broken", 64);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  std::filesystem::remove_all(JobDir("broken"));
+  ASSERT_OK(WriteFileDurably(root(), "broken", "not a directory"));  // ENOTDIR below it
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 5s);
+  ASSERT_FALSE(restored.ok()) << "restored found=" << restored->found;
+  EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
+  EXPECT_NE(restored.status().message().find(JobDir("broken")), std::string::npos) << restored.status().ToString();
+  auto listed = d_.daemon()->List("broken");
+  EXPECT_EQ(listed.status().code(), StatusCode::kIOError) << listed.status().ToString();
+  // Status says why it shows no complete step, and keeps serving.
+  v1::StatusResponse status = d_.daemon()->GetStatus();
+  ASSERT_EQ(status.jobs_size(), 1);
+  EXPECT_EQ(status.jobs(0).last_complete_step(), -1);
+  EXPECT_NE(status.jobs(0).catalog_error().find("broken"), std::string::npos) << status.jobs(0).catalog_error();
+}
+
+TEST_F(OnDiskTest, AJobDirectoryThatIsADanglingLinkIsAnError) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("unmounted", 64);
+  ASSERT_TRUE(t.client);
+  ASSERT_EQ(::symlink((d_.dir() + "/not-mounted").c_str(), JobDir("unmounted").c_str()), 0) << strerror(errno);
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 5s);
+  ASSERT_FALSE(restored.ok()) << "restored found=" << restored->found;
+  EXPECT_NE(restored.status().message().find("symbolic link"), std::string::npos) << restored.status().ToString();
+  // A job that never saved (no directory at all) is the one case of "no checkpoint".
+  Trainer fresh = StartTrainer("fresh", 64);
+  ASSERT_TRUE(fresh.client);
+  auto none = fresh.client->Restore(std::nullopt, fresh.bufs, 5s);
+  ASSERT_OK(none.status());
+  EXPECT_FALSE(none->found);
+}
+
+TEST_F(OnDiskTest, ANewestCheckpointThatCannotBeToldCompleteIsAnErrorNotTheStepBefore) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("loop", 64);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  ASSERT_OK(t.Save(2));
+  // checkpoint-2's metadata.json becomes a symbolic-link loop: stat fails with ELOOP.
+  const std::string meta = StepDir("loop", 2) + "/metadata.json";
+  ASSERT_EQ(::unlink(meta.c_str()), 0);
+  ASSERT_EQ(::symlink(meta.c_str(), meta.c_str()), 0) << strerror(errno);
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 5s);
+  ASSERT_FALSE(restored.ok()) << "restored step " << restored->step << " instead of failing";
+  EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
+  EXPECT_NE(restored.status().message().find(meta), std::string::npos) << restored.status().ToString();
+  // Status names it too, and `flashckpt list` (the catalog's List) fails instead of hiding it.
+  EXPECT_NE(d_.daemon()->GetStatus().jobs(0).catalog_error().find(meta), std::string::npos);
+  EXPECT_EQ(d_.daemon()->List("loop").status().code(), StatusCode::kIOError);
 }
 
 }  // namespace
