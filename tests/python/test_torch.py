@@ -9,7 +9,8 @@
   restores everything;
 - a state dict whose structure changed between save and resume is a StructureMismatchError naming
   the first differing key, and leaves the model untouched;
-- a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key.
+- a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key;
+- a root that cannot be read makes resume() raise (IO_ERROR naming the path), never return None.
 """
 
 import os
@@ -160,6 +161,29 @@ class CheckpointerTest(harness.DaemonTestCase):
             ck2.save(3)                      # same layout as restored: no re-registration needed
         for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
             self.assertTrue(torch.equal(a, b), k)
+
+    def test_unreadable_root_raises_instead_of_starting_over(self):
+        job = self.daemon.job("unreadable")
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with self.checkpointer(model, optimizer, job) as ck:
+            ck.save(1)
+            ck.wait_persisted(1, timeout=30)
+        # The job directory is replaced by a file (ENOTDIR below it): resume() must raise naming the
+        # path, not return None (which a training script takes as "start from step 0").
+        job_dir = self.daemon.job_dir(job)
+        os.rename(job_dir, job_dir + ".moved")
+        with open(job_dir, "w") as f:
+            f.write("not a directory")
+        model2 = mlp(seed=1)
+        before = {k: v.clone() for k, v in model2.state_dict().items()}
+        with self.checkpointer(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2), job) as ck2:
+            with self.assertRaises(flashckpt.FlashckptError) as raised:
+                ck2.resume()
+        self.assertEqual(raised.exception.code, "IO_ERROR")
+        self.assertIn(job_dir, raised.exception.message)
+        for k, v in model2.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)  # nothing restored
 
     def test_bad_tensors_name_the_key(self):
         model = mlp()
