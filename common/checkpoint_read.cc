@@ -32,6 +32,7 @@ struct Scatter {
 
 // Adjacent whole saved pieces read straight into place (same layout), then verified.
 struct DirectRead {
+  IoEnv* io;
   int fd;
   const std::string* path;
   char* dest;
@@ -40,6 +41,7 @@ struct DirectRead {
 
 // The parts of one saved piece that tensors in another layout need.
 struct PartialRead {
+  IoEnv* io;
   int fd;
   const std::string* path;
   const Piece* piece;
@@ -76,7 +78,7 @@ Status RunDirect(const DirectRead& r, Counters& counters) {
   for (uint64_t pos = begin; pos < end;) {
     const uint64_t n = std::min(kReadBuffer, end - pos);
     char* block = r.dest + (pos - begin);
-    RETURN_IF_ERROR(PreadFull(r.fd, block, n, pos, *r.path));
+    RETURN_IF_ERROR(PreadFull(r.fd, block, n, pos, *r.path, r.io));
     counters.bytes_read += n;
     counters.reads += 1;
     for (uint64_t off = pos; off < pos + n;) {
@@ -125,7 +127,7 @@ Status RunPartial(PartialRead& r, Counters& counters) {
     hash.Reset();
     for (uint64_t pos = lo; pos < hi;) {
       const uint64_t n = std::min(buffer_bytes, hi - pos);
-      RETURN_IF_ERROR(PreadFull(r.fd, buffer.get(), n, pos, *r.path));
+      RETURN_IF_ERROR(PreadFull(r.fd, buffer.get(), n, pos, *r.path, r.io));
       counters.bytes_read += n;
       counters.reads += 1;
       for (uint64_t off = pos; off < pos + n;) {
@@ -177,7 +179,7 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
     auto it = files.find(name);
     if (it == files.end()) {
       std::string path = dir + "/" + name;
-      ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+      ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, options.io));
       it = files.emplace(name, std::make_pair(std::move(path), std::move(fd))).first;
     }
     return std::pair<int, const std::string*>(it->second.second.get(), &it->second.first);
@@ -265,12 +267,12 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
       }
     }
     ASSIGN_OR_RETURN(auto fd, open(p->file));
-    direct.push_back({fd.first, fd.second, whole[i].dest, {p}});
+    direct.push_back({options.io, fd.first, fd.second, whole[i].dest, {p}});
   }
   std::vector<PartialRead> parts;
   for (auto& [piece, scatter] : partial) {
     ASSIGN_OR_RETURN(auto fd, open(piece->file));
-    parts.push_back({fd.first, fd.second, piece, std::move(scatter)});
+    parts.push_back({options.io, fd.first, fd.second, piece, std::move(scatter)});
   }
 
   Counters counters;

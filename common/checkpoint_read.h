@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/io_env.h"
 #include "common/layout.h"
 #include "common/metadata.h"
 #include "common/status.h"
@@ -30,6 +31,7 @@ struct FillOptions {
   // Fill bf16/fp16 tensors from fp32 saved pieces (rounded to nearest even). Without it a dtype
   // that differs from the checkpoint's is an error that names the tensor.
   bool convert_dtype = false;
+  IoEnv* io = IoEnv::Default();  // opens and reads go through it (tests inject faults)
 };
 
 struct FillStats {

@@ -15,9 +15,16 @@ void FaultInjectingIo::FailNth(Op op, uint64_t n, int err) {
   r.fail_at_errno = err;
 }
 
-void FaultInjectingIo::FailEvery(Op op, int err) {
+void FaultInjectingIo::FailEvery(Op op, int err, std::string path_contains) {
   std::lock_guard<std::mutex> lock(mu_);
   rules_[static_cast<size_t>(op)].fail_every_errno = err;
+  rules_[static_cast<size_t>(op)].fail_every_path = std::move(path_contains);
+}
+
+void FaultInjectingIo::Slow(Op op, std::chrono::milliseconds delay) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (op == Op::kWrite) write_delay_ = delay;
+  rules_[static_cast<size_t>(op)].delay = delay;
 }
 
 void FaultInjectingIo::ShortWrites(size_t max_bytes) {
@@ -36,6 +43,8 @@ void FaultInjectingIo::Clear() {
   for (Rule& r : rules_) {
     r.fail_at = 0;
     r.fail_every_errno = 0;
+    r.fail_every_path.clear();
+    r.delay = std::chrono::milliseconds(0);
   }
   short_writes_on_ = false;
   write_delay_ = std::chrono::milliseconds(0);
@@ -56,26 +65,30 @@ uint64_t FaultInjectingIo::short_writes() const {
   return shorts_;
 }
 
-int FaultInjectingIo::CountAndDecideLocked(Op op) {
+int FaultInjectingIo::CountAndDecideLocked(Op op, const std::string* path) {
   Rule& r = rules_[static_cast<size_t>(op)];
   r.calls += 1;
   int err = 0;
   if (r.fail_at != 0 && r.calls == r.fail_at) {
     err = r.fail_at_errno;
     r.fail_at = 0;
-  } else if (r.fail_every_errno != 0) {
+  } else if (r.fail_every_errno != 0 &&
+             (r.fail_every_path.empty() || path == nullptr || path->find(r.fail_every_path) != std::string::npos)) {
     err = r.fail_every_errno;
   }
   if (err != 0) failures_ += 1;
   return err;
 }
 
-int FaultInjectingIo::Gate(Op op) {
+int FaultInjectingIo::Gate(Op op, const std::string* path) {
   int err;
+  std::chrono::milliseconds delay;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    err = CountAndDecideLocked(op);
+    err = CountAndDecideLocked(op, path);
+    delay = rules_[static_cast<size_t>(op)].delay;
   }
+  if (delay.count() > 0) std::this_thread::sleep_for(delay);
   if (err == 0) return 0;
   errno = err;
   return -1;
@@ -130,8 +143,38 @@ int FaultInjectingIo::Fsync(int fd) {
 }
 
 int FaultInjectingIo::Rename(const std::string& from, const std::string& to) {
-  if (Gate(Op::kRename) != 0) return -1;
+  if (Gate(Op::kRename, &to) != 0) return -1;
   return base_->Rename(from, to);
+}
+
+int FaultInjectingIo::Open(const std::string& path, int flags, unsigned mode) {
+  if (Gate(Op::kOpen, &path) != 0) return -1;
+  return base_->Open(path, flags, mode);
+}
+
+ssize_t FaultInjectingIo::Pread(int fd, void* buf, size_t bytes, uint64_t offset) {
+  if (Gate(Op::kRead) != 0) return -1;
+  return base_->Pread(fd, buf, bytes, offset);
+}
+
+int FaultInjectingIo::Stat(const std::string& path, struct stat* st) {
+  if (Gate(Op::kStat, &path) != 0) return -1;
+  return base_->Stat(path, st);
+}
+
+int FaultInjectingIo::ListDir(const std::string& dir, std::vector<std::string>* names) {
+  if (Gate(Op::kList, &dir) != 0) return -1;
+  return base_->ListDir(dir, names);
+}
+
+int FaultInjectingIo::Unlink(const std::string& path) {
+  if (Gate(Op::kUnlink, &path) != 0) return -1;
+  return base_->Unlink(path);
+}
+
+int FaultInjectingIo::Mkdir(const std::string& path, unsigned mode) {
+  if (Gate(Op::kMkdir, &path) != 0) return -1;
+  return base_->Mkdir(path, mode);
 }
 
 }  // namespace flashckpt

@@ -30,16 +30,16 @@ void UniqueFd::Reset() {
   fd_ = -1;
 }
 
-Result<UniqueFd> OpenForRead(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+Result<UniqueFd> OpenForRead(const std::string& path, IoEnv* io) {
+  int fd = io->Open(path, O_RDONLY | O_CLOEXEC, 0);
   if (fd < 0) return ErrnoStatus("open", path);
   return UniqueFd(fd);
 }
 
-Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path) {
+Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path, IoEnv* io) {
   auto* p = static_cast<char*>(buf);
   while (bytes > 0) {
-    ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
+    ssize_t n = io->Pread(fd, p, bytes, offset);
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus("read", path);
@@ -71,23 +71,23 @@ Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const 
   return Status::OK();
 }
 
-Status MakeDirs(const std::string& path, unsigned mode) {
+Status MakeDirs(const std::string& path, unsigned mode, IoEnv* io) {
   std::error_code ec;
   std::filesystem::path p(path);
   std::filesystem::path cur;
   for (const auto& part : p) {
     cur /= part;
     if (cur.string().empty()) continue;
-    if (::mkdir(cur.c_str(), mode) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", cur.string());
+    if (io->Mkdir(cur.string(), mode) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", cur.string());
   }
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return ErrnoStatus("stat", path);
+  if (io->Stat(path, &st) != 0) return ErrnoStatus("stat", path);
   if (!S_ISDIR(st.st_mode)) return FailedPrecondition(path + " exists and is not a directory");
   return Status::OK();
 }
 
 Status FsyncDir(const std::string& dir, IoEnv* io) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int fd = io->Open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
   if (fd < 0) return ErrnoStatus("open directory", dir);
   UniqueFd owned(fd);
   if (io->Fsync(fd) != 0) return ErrnoStatus("fsync directory", dir);
@@ -99,15 +99,15 @@ bool PathExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-Result<bool> Exists(const std::string& path) {
+Result<bool> Exists(const std::string& path, IoEnv* io) {
   struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) return true;
+  if (io->Stat(path, &st) == 0) return true;
   if (errno == ENOENT) return false;
   return ErrnoStatus("stat", path);
 }
 
-Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir) {
-  auto names = ListDir(dir);
+Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir, IoEnv* io) {
+  auto names = ListDir(dir, io);
   if (names.ok()) return std::optional<std::vector<std::string>>(std::move(names).value());
   if (names.status().code() != StatusCode::kNotFound) return names.status();
   struct stat st {};
@@ -143,7 +143,7 @@ Status DurableWrite(const std::string& dir, const std::string& name, int flags, 
   if (renamed != nullptr) *renamed = false;
   std::string final_path = dir + "/" + name;
   std::string tmp_path = TemporaryPath(final_path);
-  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+  int fd = io->Open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
   if (fd < 0 && errno == EINVAL && (flags & O_DIRECT) != 0 && direct_refused != nullptr) {
     *direct_refused = true;
     return Status::OK();
@@ -152,7 +152,7 @@ Status DurableWrite(const std::string& dir, const std::string& name, int flags, 
   UniqueFd owned(fd);
   auto fail = [&](Status s) {
     owned.Reset();
-    ::unlink(tmp_path.c_str());
+    io->Unlink(tmp_path);
     return s;
   };
   Status written = write(fd, tmp_path);
@@ -218,7 +218,7 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     for (Open& f : files) {
       if (!f.tmp.empty()) {
         f.fd.Reset();
-        ::unlink(f.tmp.c_str());
+        io->Unlink(f.tmp);
       }
     }
     return s;
@@ -226,10 +226,10 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
   int flags = O_DIRECT;
   for (size_t i = 0; i < images.size(); ++i) {
     files[i].tmp = TemporaryPath(dir + "/" + images[i].name);
-    int fd = ::open(files[i].tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+    int fd = io->Open(files[i].tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
     if (fd < 0 && errno == EINVAL && flags != 0) {  // no O_DIRECT here (tmpfs): buffered writes
       flags = 0;
-      fd = ::open(files[i].tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      fd = io->Open(files[i].tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     }
     if (fd < 0) {
       Status s = ErrnoStatus("create", files[i].tmp);
@@ -323,8 +323,8 @@ Status WriteFileDurably(const std::string& dir, const std::string& name, std::st
   return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}}, renamed, io);
 }
 
-Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
-  ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes, IoEnv* io) {
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, io));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat", path);
   uint64_t size = static_cast<uint64_t>(st.st_size);
@@ -333,19 +333,13 @@ Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
                       " allowed");
   }
   std::string out(size, '\0');
-  RETURN_IF_ERROR(PreadFull(fd.get(), out.data(), size, 0, path));
+  RETURN_IF_ERROR(PreadFull(fd.get(), out.data(), size, 0, path, io));
   return out;
 }
 
-Result<std::vector<std::string>> ListDir(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return ErrnoStatus("opendir", dir);
+Result<std::vector<std::string>> ListDir(const std::string& dir, IoEnv* io) {
   std::vector<std::string> names;
-  while (dirent* e = ::readdir(d)) {
-    std::string n = e->d_name;
-    if (n != "." && n != "..") names.push_back(std::move(n));
-  }
-  ::closedir(d);
+  if (io->ListDir(dir, &names) != 0) return ErrnoStatus("opendir", dir);
   return names;
 }
 

@@ -50,8 +50,9 @@ class UniqueFd {
   int fd_ = -1;
 };
 
-Result<UniqueFd> OpenForRead(const std::string& path);
-Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path);
+Result<UniqueFd> OpenForRead(const std::string& path, IoEnv* io = IoEnv::Default());
+Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path,
+                 IoEnv* io = IoEnv::Default());
 // Writes all `bytes`: a short write is continued where it stopped (on an O_DIRECT fd the kernel
 // stops on a block boundary, so the rest stays aligned), EINTR is retried, and a write that makes no
 // progress (returns 0) is kIOError instead of a loop forever.
@@ -59,15 +60,16 @@ Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const 
                   IoEnv* io = IoEnv::Default());
 
 // mkdir -p with the given mode for directories it creates.
-Status MakeDirs(const std::string& path, unsigned mode = 0755);
+Status MakeDirs(const std::string& path, unsigned mode = 0755, IoEnv* io = IoEnv::Default());
 Status FsyncDir(const std::string& dir, IoEnv* io = IoEnv::Default());
 bool PathExists(const std::string& path);
 // Whether `path` exists: false only when stat says ENOENT; any other failure (EIO, ESTALE, EACCES,
 // ENOTDIR, ELOOP) is an error naming the path. For what must not mistake "cannot tell" for "absent".
-Result<bool> Exists(const std::string& path);
+Result<bool> Exists(const std::string& path, IoEnv* io = IoEnv::Default());
 // The names in directory `dir`, or nullopt when it does not exist (ENOENT). A dangling symbolic
 // link (a volume that is not mounted) and every other failure are errors naming the path.
-Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir);
+Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir,
+                                                                IoEnv* io = IoEnv::Default());
 
 // A piece of a file to write: `bytes` bytes from `data`.
 struct WriteSpan {
@@ -136,10 +138,10 @@ std::string TemporaryPath(const std::string& final_path);
 long TemporaryOwner(const std::string& name);
 
 // Reads a whole file of at most `max_bytes` bytes.
-Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes, IoEnv* io = IoEnv::Default());
 
 // Names of the entries of a directory (no "." or "..").
-Result<std::vector<std::string>> ListDir(const std::string& dir);
+Result<std::vector<std::string>> ListDir(const std::string& dir, IoEnv* io = IoEnv::Default());
 // rm -r; ok when the path does not exist.
 Status RemoveTree(const std::string& path);
 

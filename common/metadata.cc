@@ -255,7 +255,8 @@ Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir) {
   return BuildMetadataFromFiles(dir, std::move(names));
 }
 
-Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names) {
+Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
+                                                  IoEnv* io) {
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   CheckpointMetadata meta;
@@ -265,7 +266,7 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
       continue;
     }
     std::string path = dir + "/" + name;
-    ASSIGN_OR_RETURN(auto header, ReadSafetensorsHeader(path));
+    ASSIGN_OR_RETURN(auto header, ReadSafetensorsHeader(path, io));
     const auto& m = header.metadata;
     auto job = m.find("job");
     auto step = m.find("step");
@@ -493,9 +494,9 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
   return meta;
 }
 
-Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir) {
+Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir, IoEnv* io) {
   std::string path = checkpoint_dir + "/metadata.json";
-  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxMetadataJsonBytes));
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxMetadataJsonBytes, io));
   auto meta = ParseMetadataJson(text);
   if (!meta.ok()) return meta.status().WithContext(path);
   return meta;

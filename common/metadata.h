@@ -82,11 +82,12 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
 // files must agree on job, step and topology degrees.
 Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
 // The same from the named files only (what the ranks' signals list), ignoring anything else there.
-Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names);
+Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
+                                                  IoEnv* io = IoEnv::Default());
 
 std::string MetadataToJson(const CheckpointMetadata& meta);
 // Parses metadata.json; the input is untrusted and every field is checked.
 Result<CheckpointMetadata> ParseMetadataJson(std::string_view json);
-Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir);
+Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir, IoEnv* io = IoEnv::Default());
 
 }  // namespace flashckpt

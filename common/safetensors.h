@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/io_env.h"
 #include "common/status.h"
 
 namespace flashckpt {
@@ -73,7 +74,7 @@ Result<uint64_t> ParseHeaderLength(const unsigned char prefix[8], uint64_t file_
 // byte size does not overflow and matches the offsets, offsets inside the file, no overlaps or gaps.
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t file_size);
 // Reads and parses the header of the file at `path`.
-Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
+Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path, IoEnv* io = IoEnv::Default());
 
 // numel * element size, or an error on overflow.
 Result<uint64_t> TensorBytes(DType dtype, const std::vector<uint64_t>& shape);

@@ -45,8 +45,8 @@ Result<Signal> ParseSignal(std::string_view text) {
   return s;
 }
 
-Result<Signal> ReadSignal(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, 1u << 20));
+Result<Signal> ReadSignal(const std::string& path, IoEnv* io) {
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, 1u << 20, io));
   auto signal = ParseSignal(text);
   if (!signal.ok()) return signal.status().WithContext(path);
   return signal;

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/io_env.h"
 #include "common/status.h"
 
 namespace flashckpt {
@@ -26,6 +27,6 @@ std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t 
 // ".", "..", and without '/' or NUL). Errors are kCorruption.
 Result<Signal> ParseSignal(std::string_view text);
 // Reads and parses the signal file at `path` (at most 1 MiB); errors name the path.
-Result<Signal> ReadSignal(const std::string& path);
+Result<Signal> ReadSignal(const std::string& path, IoEnv* io = IoEnv::Default());
 
 }  // namespace flashckpt

@@ -63,11 +63,11 @@ std::mutex& Catalog::JobMutex(const std::string& job) {
 }
 
 Result<bool> Catalog::IsComplete(const std::string& job, int64_t step) const {
-  return Exists(CheckpointDir(job, step) + "/metadata.json");
+  return Exists(CheckpointDir(job, step) + "/metadata.json", io_);
 }
 
 Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const {
-  auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank));
+  auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank), io_);
   if (!signal.ok()) {
     if (signal.status().code() == StatusCode::kNotFound) return false;
     return signal.status();
@@ -82,7 +82,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   if (complete) return true;
   std::vector<std::string> files;
   for (uint32_t r = 0; r < world_size; ++r) {
-    auto signal = ReadSignal(dir + "/" + SignalFileName(r));
+    auto signal = ReadSignal(dir + "/" + SignalFileName(r), io_);
     if (!signal.ok()) {
       if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
       return signal.status();  // unreadable or torn: an error, never "not complete"
@@ -90,17 +90,17 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
     if (signal->step != step || signal->resumed_from != resumed_from || signal->rank != r) return false;
     for (auto& f : signal->files) files.push_back(std::move(f));
   }
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files)));
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_));
   if (meta.step != step || meta.job != job || meta.topology.world_size != world_size) {
     return Corruption(dir + ": files describe job '" + meta.job + "' step " + std::to_string(meta.step) +
                       " world size " + std::to_string(meta.topology.world_size) + ", expected '" + job + "' step " +
                       std::to_string(step) + " world size " + std::to_string(world_size));
   }
-  RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta)));
+  RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta), nullptr, io_));
   // LATEST moves forward unless it names a newer complete checkpoint. Only LATEST and that one
   // directory are read: a completion must not cost a listing of every step of a long run.
   ASSIGN_OR_RETURN(bool newer, LatestNamesNewer(job, step));
-  if (!newer) RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(step) + "\n"));
+  if (!newer) RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(step) + "\n", nullptr, io_));
   Logger("catalog")->info("complete job={} step={} files={} tensors={}", job, step, meta.files.size(),
                           meta.pieces.size());
   NoteCompleted(job, step);
@@ -171,7 +171,7 @@ Result<DeletionOutcome> Catalog::DeleteCheckpoint(const std::string& job, int64_
 
 Result<Catalog::JobSteps> Catalog::ScanSteps(const std::string& job) const {
   JobSteps out;
-  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job)));
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
   if (!names) return out;
   for (const auto& n : *names) {
     auto step = ParseCheckpointDirName(n);
@@ -209,7 +209,7 @@ Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, cons
   std::string dir = CheckpointDir(job, step);
   std::lock_guard<std::mutex> lock(use_mu_);
   if (InUseLocked(job, step, busy)) return false;
-  if (::rename(dir.c_str(), hidden.c_str()) != 0) {
+  if (io_->Rename(dir, hidden) != 0) {
     if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
     return ErrnoStatus("rename " + dir + " to", hidden);
   }
@@ -244,7 +244,7 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
       continue;
     }
     Status removed = hid.ok() ? Status::OK() : hid.status();
-    if (removed.ok() && ::unlink((hidden + "/metadata.json").c_str()) != 0 && errno != ENOENT) {
+    if (removed.ok() && io_->Unlink(hidden + "/metadata.json") != 0 && errno != ENOENT) {
       removed = ErrnoStatus("unlink", hidden + "/metadata.json");
     }
     if (removed.ok()) removed = RemoveTree(hidden);
@@ -273,15 +273,15 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
     // LATEST names the newest complete checkpoint left, or goes when none is left.
     Status latest;
     if (out.latest) {
-      auto current = ReadSmallFile(JobDir(job) + "/LATEST", 64);
+      auto current = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
       if (!current.ok() || *current != std::to_string(*out.latest) + "\n") {
-        latest = WriteFileDurably(JobDir(job), "LATEST", std::to_string(*out.latest) + "\n");
+        latest = WriteFileDurably(JobDir(job), "LATEST", std::to_string(*out.latest) + "\n", nullptr, io_);
       }
-    } else if (::unlink((JobDir(job) + "/LATEST").c_str()) != 0 && errno != ENOENT) {
+    } else if (io_->Unlink(JobDir(job) + "/LATEST") != 0 && errno != ENOENT) {
       latest = ErrnoStatus("unlink", JobDir(job) + "/LATEST");
     }
     if (!latest.ok() && first_error.ok()) first_error = latest;
-    Status synced = FsyncDir(JobDir(job));
+    Status synced = FsyncDir(JobDir(job), io_);
     if (!synced.ok() && first_error.ok()) first_error = synced;
   }
   if (!first_error.ok()) return first_error;
@@ -289,7 +289,7 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
 }
 
 Result<std::optional<int64_t>> Catalog::LatestComplete(const std::string& job) const {
-  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job)));
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
   std::optional<int64_t> best;
   if (!names) return best;
   // Newest first: the first complete one is the answer, and a newer one that cannot be told
@@ -308,7 +308,7 @@ Result<std::optional<int64_t>> Catalog::LatestComplete(const std::string& job) c
 }
 
 Result<bool> Catalog::LatestNamesNewer(const std::string& job, int64_t step) const {
-  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64);
+  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
   if (!text.ok()) {
     if (text.status().code() == StatusCode::kNotFound) return false;
     return text.status();
@@ -359,7 +359,7 @@ Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const
     RETURN_IF_ERROR(ValidateJobName(job));
     jobs.push_back(job);
   } else {
-    auto names = ListDir(root_);
+    auto names = ListDir(root_, io_);
     if (!names.ok()) return names.status();
     for (const auto& n : *names) {
       if (ValidateJobName(n).ok()) jobs.push_back(n);
@@ -367,7 +367,7 @@ Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const
   }
   std::vector<CheckpointEntry> out;
   for (const auto& j : jobs) {
-    ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(j)));
+    ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(j), io_));
     if (!names) continue;
     ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(j));
     for (const auto& n : *names) {
@@ -377,17 +377,17 @@ Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const
       e.job = j;
       e.step = *step;
       e.path = CheckpointDir(j, *step);
-      auto files = ListDir(e.path);
+      auto files = ListDir(e.path, io_);
       if (files.ok()) {
         for (const auto& f : *files) {
           if (f.rfind("saved_signal_", 0) == 0) ++e.signals;
           struct stat st {};
-          if (::stat((e.path + "/" + f).c_str(), &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
+          if (io_->Stat(e.path + "/" + f, &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
         }
       }
       ASSIGN_OR_RETURN(e.complete, IsComplete(j, *step));
       if (e.complete) {
-        ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(e.path));
+        ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(e.path, io_));
         e.world_size = meta.topology.world_size;
       }
       e.latest = latest && *latest == *step;

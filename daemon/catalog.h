@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/io_env.h"
 #include "common/signal.h"
 #include "common/status.h"
 
@@ -76,7 +77,9 @@ class Catalog {
  public:
   // keep: after a checkpoint completes, retention keeps the newest `keep` complete checkpoints of the
   // job and deletes older ones (0 keeps everything; --keep).
-  explicit Catalog(std::string root, uint32_t keep = 0) : root_(std::move(root)), keep_(keep) {}
+  // `io`: every file-system call of the catalog goes through it (tests inject faults); not owned.
+  explicit Catalog(std::string root, uint32_t keep = 0, IoEnv* io = IoEnv::Default())
+      : root_(std::move(root)), keep_(keep), io_(io) {}
 
   // Called after each change, on the thread that made it, with no catalog lock held but the job's
   // completion lock. Set once, before the catalog is used.
@@ -175,6 +178,7 @@ class Catalog {
 
   std::string root_;
   const uint32_t keep_;
+  IoEnv* const io_;
   CatalogListener listener_;
   std::mutex mu_;                                              // guards job_mu_
   std::map<std::string, std::unique_ptr<std::mutex>> job_mu_;  // serializes completion per job

@@ -87,7 +87,7 @@ void RankSegment::Mirror(uint32_t i) const {
 }
 
 Daemon::Daemon(DaemonConfig config)
-    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep) {
+    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep, RootIo()) {
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
     v1::Event event;
     event.set_kind(change == CatalogChange::kCompleted ? v1::Event::CHECKPOINT_COMPLETE

@@ -183,6 +183,8 @@ class Daemon {
   v1::StatusResponse GetStatus() const;
 
   const DaemonConfig& config() const { return config_; }
+  // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
+  IoEnv* RootIo() const { return config_.io_env != nullptr ? config_.io_env : IoEnv::Default(); }
 
   // What happened to snapshots and checkpoints, for WatchEvents; closed at the end of Stop.
   EventHub& events() { return events_; }

@@ -173,15 +173,20 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
 
 void Daemon::RemoveStaleTemporaries(const std::string& job) {
   const std::string job_dir = catalog_.JobDir(job);
-  auto dirs = ListDir(job_dir);
-  if (!dirs.ok()) return;
+  auto dirs = ListDir(job_dir, RootIo());
+  if (!dirs.ok()) {
+    if (dirs.status().code() != StatusCode::kNotFound) {
+      Logger("writer")->error("recovery job={}: cannot look for stale temporaries: {}", job, dirs.status().ToString());
+    }
+    return;
+  }
   size_t removed = 0;
   auto sweep = [&](const std::string& dir, const std::vector<std::string>& names) {
     for (const auto& n : names) {
       const long owner = TemporaryOwner(n);
       if (owner == 0 || owner == ::getpid() || ProcessExists(owner)) continue;
       const std::string path = dir + "/" + n;
-      if (::unlink(path.c_str()) == 0) {
+      if (RootIo()->Unlink(path) == 0) {
         removed += 1;
         Logger("writer")->info("removed stale temporary {}", path);
       }
@@ -190,7 +195,7 @@ void Daemon::RemoveStaleTemporaries(const std::string& job) {
   sweep(job_dir, *dirs);  // LATEST.tmp.*
   for (const auto& d : *dirs) {
     if (!ParseCheckpointDirName(d)) continue;
-    auto names = ListDir(job_dir + "/" + d);
+    auto names = ListDir(job_dir + "/" + d, RootIo());
     if (names.ok()) sweep(job_dir + "/" + d, *names);
   }
   if (removed > 0) Logger("writer")->info("recovery job={} stale_temporaries_removed={}", job, removed);

@@ -74,7 +74,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     }
   }
   std::string dir = catalog_.CheckpointDir(job, step);
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, RootIo()));
   if (meta.job != job || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }
@@ -90,10 +90,12 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   FillOptions options;
   options.loop = &readers;
   options.convert_dtype = convert_dtype;
+  options.io = RootIo();
   auto filled = FillSlotFromCheckpoint(dir, meta, segment->layout, segment->Slot(ticket.slot), options);
   if (filled.ok() && segment->ema) {
     FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
     ema_options.loop = &readers;
+    ema_options.io = RootIo();
     Status loaded = LoadEma(dir, meta, segment->ema.get(), ema_options);
     if (!loaded.ok()) filled = loaded;
   }
@@ -101,8 +103,11 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   Status extra_status;
   if (filled.ok()) {
     std::string path = dir + "/" + ExtraFileName(rank_id);
-    if (PathExists(path)) {
-      auto text = ReadSmallFile(path, 16u << 20);
+    auto has_extra = Exists(path, RootIo());  // none was saved: fine; cannot tell: an error
+    if (!has_extra.ok()) {
+      extra_status = has_extra.status();
+    } else if (*has_extra) {
+      auto text = ReadSmallFile(path, 16u << 20, RootIo());
       auto decoded = text.ok() ? DecodeExtra(*text) : Result<std::string>(text.status());
       if (decoded.ok())
         extra = std::move(decoded).value();

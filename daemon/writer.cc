@@ -193,24 +193,26 @@ constexpr uint64_t kWritePiece = 16u << 20;
 // Removes the files one failed attempt of a rank put under their final names, the signal first (it
 // was written last), so the directory never claims more than it holds. A directory that became
 // complete (metadata.json present) is left alone: its files belong to a checkpoint now.
-void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const std::vector<std::string>& written) {
+void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const std::vector<std::string>& written,
+                        IoEnv* io) {
   if (written.empty()) return;
-  if (PathExists(dir + "/metadata.json")) {
-    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} reason=complete", req.job, req.step,
-                           req.rank);
+  auto complete = Exists(dir + "/metadata.json", io);
+  if (!complete.ok() || *complete) {  // cannot tell: keeping files is safe, removing a checkpoint's is not
+    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} reason={}", req.job, req.step,
+                           req.rank, complete.ok() ? "complete" : complete.status().ToString());
     return;
   }
   size_t removed = 0;
   for (auto it = written.rbegin(); it != written.rend(); ++it) {
     std::string path = dir + "/" + *it;
-    if (::unlink(path.c_str()) == 0) {
+    if (io->Unlink(path) == 0) {
       ++removed;
     } else if (errno != ENOENT) {
       Logger("writer")->error("cleanup failed job={} step={} rank={} error=\"{}\"", req.job, req.step, req.rank,
                               ErrnoStatus("unlink", path).ToString());
     }
   }
-  (void)FsyncDir(dir);  // best effort: the removals need not be durable to be correct
+  (void)FsyncDir(dir, io);  // best effort: the removals need not be durable to be correct
   Logger("writer")->warn("removed partial files job={} step={} rank={} files={}", req.job, req.step, req.rank, removed);
 }
 
@@ -231,7 +233,7 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
     if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
   }
   if (!wrote.ok()) {
-    RemoveAttemptFiles(req, dir, written);
+    RemoveAttemptFiles(req, dir, written, &env_);
     // Only a failure the cancellation caused is an abandoned write (kept for the next daemon); a
     // full disk or a failed copy near the deadline is a failure like any other.
     if (env_.cancelled() && wrote.code() == StatusCode::kCancelled) {
@@ -241,7 +243,7 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
     return wrote;
   }
   if (!complete.ok()) {
-    RemoveAttemptFiles(req, dir, written);
+    RemoveAttemptFiles(req, dir, written, &env_);
     return complete.status().WithContext("completing checkpoint " + dir);
   }
   return bytes;
@@ -250,7 +252,7 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
 Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
                               std::vector<std::string>* written, uint64_t* bytes) {
   const RankLayout& layout = *req.layout;
-  RETURN_IF_ERROR(MakeDirs(dir));
+  RETURN_IF_ERROR(MakeDirs(dir, 0755, &env_));
   Signal signal;
   signal.rank = req.rank;
   signal.step = req.step;

@@ -1,0 +1,238 @@
+// The read side and the catalog's own writes under injected file-system faults (the same IoEnv seam
+// as the durable writes: common/fault_injecting_io.h through DaemonConfig::io_env). What a trainer
+// relies on when a shared filesystem misbehaves:
+// - EIO or ESTALE while listing the job, stat'ing a checkpoint or reading metadata.json is an error
+//   it gets (never "no checkpoint", never the step before);
+// - EIO in the middle of a restore's reads fails the restore and hands no byte over;
+// - a metadata.json or LATEST write that fails is reported, and LATEST keeps naming the previous
+//   checkpoint;
+// - a listing that takes seconds holds up no snapshot and no watchdog ping.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "common/fault_injecting_io.h"
+#include "common/fs.h"
+#include "common/verify.h"
+#include "flashckpt.pb.h"
+#include "flashckpt/client.h"
+#include "in_process_daemon.h"
+#include "testing.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+using Op = FaultInjectingIo::Op;
+using Clock = std::chrono::steady_clock;
+
+bool Contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+class ReadFaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  }
+  void TearDown() override {
+    io_.Clear();
+    d_.Stop();
+  }
+
+  std::string JobDir(const std::string& job) const { return d_.root() + "/" + job; }
+  std::string StepDir(const std::string& job, int64_t step) const {
+    return JobDir(job) + "/checkpoint-" + std::to_string(step);
+  }
+
+  // One rank with two tensors of n floats; a save fills them with the step.
+  struct Trainer {
+    std::unique_ptr<Client> client;
+    std::vector<float> w, m;
+    std::vector<TensorBuffer> bufs;
+    Status Save(int64_t step) {
+      std::fill(w.begin(), w.end(), static_cast<float>(step));
+      std::fill(m.begin(), m.end(), static_cast<float>(-step));
+      auto snap = client->Snapshot(step, bufs, {});
+      if (!snap.ok()) return snap.status();
+      return client->WaitPersisted(step, 30s);
+    }
+    bool All(float value) const {
+      return std::all_of(w.begin(), w.end(), [&](float x) { return x == value; }) &&
+             std::all_of(m.begin(), m.end(), [&](float x) { return x == -value; });
+    }
+  };
+  Trainer StartTrainer(const std::string& job, uint64_t n) {
+    Trainer t;
+    t.client = d_.Connect(job, 0);
+    if (!t.client) return t;
+    EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(n)));
+    t.w.resize(n);
+    t.m.resize(n);
+    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
+    return t;
+  }
+
+  // Saves steps 1 and 2, then fills the buffers with 7 (what a failed restore must leave alone).
+  Trainer TwoCheckpoints(const std::string& job, uint64_t n = 1024) {
+    Trainer t = StartTrainer(job, n);
+    EXPECT_TRUE(t.client);
+    if (!t.client) return t;
+    EXPECT_OK(t.Save(1));
+    EXPECT_OK(t.Save(2));
+    std::fill(t.w.begin(), t.w.end(), 7.f);
+    std::fill(t.m.begin(), t.m.end(), -7.f);
+    return t;
+  }
+
+  // A restore of the latest that must fail with `err` naming `path`, leaving the buffers alone.
+  void ExpectRestoreFails(Trainer& t, int err, const std::string& path) {
+    auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
+    ASSERT_FALSE(restored.ok()) << "restored found=" << restored->found << " step=" << restored->step;
+    EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
+    EXPECT_TRUE(Contains(restored.status().message(), path)) << restored.status().ToString();
+    EXPECT_TRUE(Contains(restored.status().message(), std::strerror(err))) << restored.status().ToString();
+    EXPECT_TRUE(t.All(7.f)) << "a failed restore handed bytes over";
+  }
+
+  FaultInjectingIo io_;  // outlives the daemon, which reads and writes through it
+  InProcessDaemon d_{"flashckpt-read-faults-test"};
+};
+
+TEST_F(ReadFaultsTest, AListingThatFailsIsAnErrorNotAnEmptyJob) {
+  for (int err : {EIO, ESTALE}) {
+    SCOPED_TRACE(std::strerror(err));
+    const std::string job = std::string("list-") + (err == EIO ? "eio" : "estale");
+    Trainer t = TwoCheckpoints(job);
+    ASSERT_TRUE(t.client);
+    io_.FailEvery(Op::kList, err, "/" + job);
+    ExpectRestoreFails(t, err, JobDir(job));
+    auto listed = d_.daemon()->List(job);
+    EXPECT_EQ(listed.status().code(), StatusCode::kIOError) << listed.status().ToString();
+    io_.Clear();
+    auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);  // the filesystem is back
+    ASSERT_OK(restored.status());
+    EXPECT_EQ(restored->step, 2);
+    EXPECT_TRUE(t.All(2.f));
+  }
+}
+
+TEST_F(ReadFaultsTest, AStatOfTheNewestCheckpointThatFailsIsAnErrorNotTheStepBefore) {
+  for (int err : {EIO, ESTALE}) {
+    SCOPED_TRACE(std::strerror(err));
+    const std::string job = std::string("stat-") + (err == EIO ? "eio" : "estale");
+    Trainer t = TwoCheckpoints(job);
+    ASSERT_TRUE(t.client);
+    io_.FailEvery(Op::kStat, err, "checkpoint-2/metadata.json");
+    ExpectRestoreFails(t, err, StepDir(job, 2) + "/metadata.json");
+    io_.Clear();
+  }
+}
+
+TEST_F(ReadFaultsTest, ReadingMetadataJsonThatFailsIsAnError) {
+  Trainer t = TwoCheckpoints("meta");
+  ASSERT_TRUE(t.client);
+  io_.FailEvery(Op::kOpen, EIO, "checkpoint-2/metadata.json");
+  ExpectRestoreFails(t, EIO, StepDir("meta", 2) + "/metadata.json");
+}
+
+TEST_F(ReadFaultsTest, AnEioInTheMiddleOfARestoreHandsNothingOver) {
+  // 8 MiB tensors: each is read in several blocks. Reads from now on: metadata.json first, then the
+  // tensors' blocks; the 4th read fails.
+  Trainer t = TwoCheckpoints("mid", 2u << 20);
+  ASSERT_TRUE(t.client);
+  const uint64_t before = io_.calls(Op::kRead);
+  io_.FailNth(Op::kRead, 4, EIO);
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_FALSE(restored.ok()) << "restored step " << restored->step;
+  EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
+  EXPECT_TRUE(Contains(restored.status().message(), StepDir("mid", 2) + "/")) << restored.status().ToString();
+  EXPECT_GT(io_.calls(Op::kRead) - before, 4u) << "the failed read was not in the middle of the restore";
+  EXPECT_TRUE(t.All(7.f)) << "a failed restore handed bytes over";
+  // The slot it took is free again: the next restore works.
+  auto again = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(again.status());
+  EXPECT_TRUE(t.All(2.f));
+}
+
+TEST_F(ReadFaultsTest, AFailedMetadataWriteIsReportedAndLeavesThePreviousCheckpointLatest) {
+  Trainer t = StartTrainer("metawrite", 1024);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  io_.FailEvery(Op::kRename, EIO, "checkpoint-2/metadata.json");
+  Status failed = t.Save(2);
+  EXPECT_EQ(failed.code(), StatusCode::kIOError) << failed.ToString();
+  EXPECT_TRUE(Contains(failed.message(), "metadata.json")) << failed.ToString();
+  io_.Clear();
+  EXPECT_FALSE(PathExists(StepDir("metawrite", 2) + "/metadata.json"));
+  auto latest = ReadSmallFile(JobDir("metawrite") + "/LATEST", 64);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "1\n");
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(restored.status());
+  EXPECT_EQ(restored->step, 1);
+  EXPECT_TRUE(t.All(1.f));
+  ASSERT_OK(t.Save(3));  // and saving goes on
+}
+
+TEST_F(ReadFaultsTest, AFailedLatestWriteIsReportedAndLatestKeepsThePreviousStep) {
+  Trainer t = StartTrainer("latestwrite", 1024);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  io_.FailEvery(Op::kRename, EIO, "latestwrite/LATEST");
+  Status failed = t.Save(2);
+  EXPECT_EQ(failed.code(), StatusCode::kIOError) << failed.ToString();
+  EXPECT_TRUE(Contains(failed.message(), "LATEST")) << failed.ToString();
+  io_.Clear();
+  auto latest = ReadSmallFile(JobDir("latestwrite") + "/LATEST", 64);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "1\n");
+  // checkpoint-2's own files and metadata.json were durable before LATEST was tried: it stays whole.
+  EXPECT_OK(VerifyCheckpointDir(StepDir("latestwrite", 2), nullptr));
+  EXPECT_OK(VerifyCheckpointDir(StepDir("latestwrite", 1), nullptr));
+}
+
+TEST_F(ReadFaultsTest, ASlowListingHoldsUpNoSnapshotAndNoWatchdogPing) {
+  Trainer t = StartTrainer("slow", 1024);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  // A daemon that has not read this root yet (its status cache is cold), on a filesystem whose
+  // listings take 2 s.
+  t.client.reset();
+  d_.Stop();
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  t = StartTrainer("slow", 1024);
+  ASSERT_TRUE(t.client);
+  io_.Slow(Op::kList, 2000ms);
+  std::atomic<bool> listing{true};
+  double status_ms = 0;
+  std::thread status([&] {
+    const auto begun = Clock::now();
+    (void)d_.daemon()->GetStatus();
+    status_ms = std::chrono::duration<double, std::milli>(Clock::now() - begun).count();
+    listing = false;
+  });
+  double worst_snapshot = 0, worst_ping = 0;
+  int snapshots = 0;
+  for (int64_t step = 2; listing; ++step) {
+    auto begun = Clock::now();
+    ASSERT_OK(t.client->Snapshot(step, t.bufs, {}).status());
+    worst_snapshot = std::max(worst_snapshot, std::chrono::duration<double, std::milli>(Clock::now() - begun).count());
+    begun = Clock::now();
+    (void)d_.daemon()->CountSessions();  // what the watchdog ping waits for
+    worst_ping = std::max(worst_ping, std::chrono::duration<double, std::milli>(Clock::now() - begun).count());
+    ++snapshots;
+    std::this_thread::sleep_for(20ms);
+  }
+  status.join();
+  io_.Clear();
+  std::printf("FIGURES status_ms=%.0f snapshots=%d worst_snapshot_ms=%.1f worst_ping_ms=%.2f\n", status_ms, snapshots,
+              worst_snapshot, worst_ping);
+  EXPECT_GE(status_ms, 1900) << "the listing was not slow: the test shows nothing";
+  EXPECT_GT(snapshots, 5);
+  EXPECT_LT(worst_snapshot, 1000) << "a snapshot waited for the slow listing";
+  EXPECT_LT(worst_ping, 1000) << "the watchdog's check waited for the slow listing";
+}
+
+}  // namespace
+}  // namespace flashckpt
