@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""What deploy/ promises (README.md, "Running as a sidecar (Kubernetes)"), checked on the files themselves.
+"""What deploy/ promises (docs/operating.md, "Running as a sidecar (Kubernetes)"), checked on the files themselves.
 
 Every YAML file under deploy/k8s is parsed (all its documents); then:
   - the Pod runs flashckptd as a sidecar (a native one: an init container with restartPolicy
