@@ -16,6 +16,7 @@
 #include "common/layout.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/version.h"
 #include "daemon/limits.h"
 #include "daemon/tcp_listener.h"
 
@@ -200,7 +201,7 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_flag("--check-config", check_config,
                "Check the flags and the --config file (every key known, every value valid), print 'config ok' and "
                "the effective settings in the config file's syntax, and exit 0 (2 on an error) without starting");
-  app.set_version_flag("--version", [] { return "flashckptd 0.1.0 (" + CudaInfoText(GetCudaInfo()) + ")"; });
+  app.set_version_flag("--version", [] { return "flashckptd " + std::string(kVersion) + " (" + CudaInfoText(GetCudaInfo()) + ")"; });
   app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
   app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
   app.add_option("--state-dir", config.state_dir,

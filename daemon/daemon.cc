@@ -8,6 +8,7 @@
 #include "common/image.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/version.h"
 
 namespace flashckpt {
 namespace {
@@ -16,7 +17,6 @@ namespace {
 // deletions update it at once; what other daemons write to a shared root shows within this.
 constexpr auto kStatusRefresh = std::chrono::seconds(30);
 
-constexpr char kVersion[] = "0.1.0";
 constexpr char kStoppingMessage[] =
     "the daemon is stopping: it takes no new sessions, registrations or snapshots while it finishes the writes in "
     "flight; connect again once it has restarted";

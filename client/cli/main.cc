@@ -8,6 +8,7 @@
 
 #include "client/cli/commands.h"
 #include "common/cuda_info.h"
+#include "common/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};
@@ -15,7 +16,7 @@ int main(int argc, char** argv) {
       "Exit status: 0 ok, 1 checkpoint incomplete or failed verification, 2 daemon unreachable or RPC\n"
       "error, 3 an offline command failed otherwise, other values: command-line usage error.");
   app.set_version_flag("--version",
-                       [] { return "flashckpt 0.1.0 (" + flashckpt::CudaInfoText(flashckpt::GetCudaInfo()) + ")"; });
+                       [] { return "flashckpt " + std::string(flashckpt::kVersion) + " (" + flashckpt::CudaInfoText(flashckpt::GetCudaInfo()) + ")"; });
   app.require_subcommand(1);
   app.fallthrough();  // `flashckpt status --socket PATH` works as well as `flashckpt --socket PATH status`
   flashckpt::cli::Endpoint endpoint{"/run/flashckpt/flashckptd.sock", "", ""};

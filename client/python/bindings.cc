@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/version.h"
 #include "flashckpt/client.h"
 
 namespace py = pybind11;
@@ -378,6 +379,7 @@ PYBIND11_MODULE(_flashckpt, m) {
   using flashckpt::PySpec;
   m.doc() = "Bridge between the flashckpt Python package and libflashckpt; use flashckpt.Client instead.";
   m.attr("WITH_CUDA") = false;  // this build copies host memory only
+  m.attr("__version__") = flashckpt::kVersion;
 
   m.def("inspect", &flashckpt::Inspect, py::arg("obj"),
         "(address, dtype, shape, strides, device_type, device_id, readonly, keepalive) of a DLPack or buffer "

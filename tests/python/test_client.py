@@ -161,6 +161,18 @@ class ClientTest(harness.DaemonTestCase):
             with self.assertRaisesRegex(TypeError, r"tensor 'x': object of type list is not a tensor"):
                 c.register({"x": [1, 2]})
 
+    def test_one_version_everywhere(self):
+        """The package, flashckptd and the flashckpt CLI report the project's one version string."""
+        import re
+        import subprocess
+        with open(os.path.join(harness.REPO, "CMakeLists.txt")) as f:
+            project = re.search(r"project\(flashckpt VERSION (\S+)", f.read()).group(1)
+        self.assertEqual(flashckpt.__version__, project)
+        for program in ("flashckptd", "flashckpt"):
+            out = subprocess.run([os.path.join(harness.BIN_DIR, program), "--version"], stdout=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, timeout=30).stdout.decode()
+            self.assertTrue(out.startswith("%s %s (" % (program, project)), out)
+
     def test_daemon_not_running(self):
         missing = os.path.join(self.daemon.tmp, "nobody-here.sock")
         started = time.monotonic()

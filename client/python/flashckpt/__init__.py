@@ -14,7 +14,7 @@ from .errors import (CancelledError, CorruptionError, DaemonUnavailableError, De
                      FailedPreconditionError, FlashckptError, InvalidArgumentError, NotFoundError,
                      ResourceExhaustedError, StructureMismatchError)
 
-__version__ = "0.1.0"
+from ._flashckpt import __version__  # the project's one version string (common/version.h)
 
 __all__ = [
     "Client", "Snapshot", "FlashckptError", "InvalidArgumentError", "NotFoundError", "FailedPreconditionError",
