@@ -4,6 +4,7 @@
 
 #include "common/checkpoint_read.h"
 #include "common/dtype.h"
+#include "common/extra.h"
 #include "common/fs.h"
 #include "common/log.h"
 #include "common/names.h"

@@ -108,9 +108,4 @@ class Writer {
   std::vector<std::thread> threads_;
 };
 
-// The content of extra.rankNNNNN.json for `extra` (embedded when it is JSON, base64 otherwise),
-// and back.
-std::string EncodeExtra(const std::string& job, uint32_t rank, int64_t step, const std::string& extra);
-Result<std::string> DecodeExtra(const std::string& file_contents);
-
 }  // namespace flashckpt
