@@ -46,10 +46,8 @@ class FaultsTest : public ::testing::Test {
     d_.Stop();
   }
 
-  std::string JobDir(const std::string& job) const { return d_.root() + "/" + job; }
-  std::string StepDir(const std::string& job, int64_t step) const {
-    return JobDir(job) + "/checkpoint-" + std::to_string(step);
-  }
+  std::string JobDir(const std::string& job) const { return d_.JobDir(job); }
+  std::string StepDir(const std::string& job, int64_t step) const { return d_.StepDir(job, step); }
   std::string Latest(const std::string& job) const {
     auto latest = ReadSmallFile(JobDir(job) + "/LATEST", 100);
     return latest.ok() ? *latest : latest.status().ToString();
@@ -73,30 +71,9 @@ class FaultsTest : public ::testing::Test {
   }
 
   // One rank of `job` with two tensors of n floats; each save fills them with the step.
-  struct Trainer {
-    std::unique_ptr<Client> client;
-    std::vector<float> w, m;
-    std::vector<TensorBuffer> bufs;
-    Result<SnapshotHandle> Snapshot(int64_t step) {
-      std::fill(w.begin(), w.end(), static_cast<float>(step));
-      std::fill(m.begin(), m.end(), static_cast<float>(-step));
-      return client->Snapshot(step, bufs, {});
-    }
-    Status Save(int64_t step) {
-      auto snap = Snapshot(step);
-      if (!snap.ok()) return snap.status();
-      return client->WaitPersisted(step, 30s);
-    }
-  };
+  using Trainer = TestTrainer;
   Trainer StartTrainer(const std::string& job, uint64_t n, const std::function<void(ClientOptions&)>& tweak = {}) {
-    Trainer t;
-    t.client = d_.Connect(job, 0, tweak);
-    if (!t.client) return t;
-    EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(n)));
-    t.w.resize(n);
-    t.m.resize(n);
-    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
-    return t;
+    return d_.StartTrainer(job, n, tweak);
   }
 
   // What a failed save of `step` must look like, with `last_good` the newest complete checkpoint

@@ -4,6 +4,7 @@
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -27,6 +28,31 @@ inline std::vector<TensorSpec> ModelAndMomentSpecs(uint64_t n) {
   m.kind = TensorKind::kOptimizer;
   return {w, m};
 }
+
+// One rank of a job with the two tensors of ModelAndMomentSpecs, registered; a save fills the weight
+// with the step and the moment with -step, so what a restore hands back tells which step it was.
+struct TestTrainer {
+  std::unique_ptr<Client> client;  // null when it could not connect (a test failure is recorded)
+  std::vector<float> w, m;
+  std::vector<TensorBuffer> bufs;
+
+  Result<SnapshotHandle> Snapshot(int64_t step) {
+    std::fill(w.begin(), w.end(), static_cast<float>(step));
+    std::fill(m.begin(), m.end(), static_cast<float>(-step));
+    return client->Snapshot(step, bufs, {});
+  }
+  // Snapshot and wait until it is durable.
+  Status Save(int64_t step) {
+    auto snap = Snapshot(step);
+    if (!snap.ok()) return snap.status();
+    return client->WaitPersisted(step, std::chrono::seconds(30));
+  }
+  // Whether the buffers hold what a save of step `value` put there.
+  bool All(float value) const {
+    return std::all_of(w.begin(), w.end(), [&](float x) { return x == value; }) &&
+           std::all_of(m.begin(), m.end(), [&](float x) { return x == -value; });
+  }
+};
 
 class InProcessDaemon {
  public:
@@ -83,6 +109,24 @@ class InProcessDaemon {
     auto c = Client::Connect(o);
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  // Rank 0 of `job`, connected (Connect) and registered with two tensors of n floats.
+  TestTrainer StartTrainer(const std::string& job, uint64_t n,
+                           const std::function<void(ClientOptions&)>& tweak = {}) const {
+    TestTrainer t;
+    t.client = Connect(job, 0, tweak);
+    if (!t.client) return t;
+    EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(n)));
+    t.w.resize(n);
+    t.m.resize(n);
+    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
+    return t;
+  }
+
+  std::string JobDir(const std::string& job) const { return root() + "/" + job; }
+  std::string StepDir(const std::string& job, int64_t step) const {
+    return JobDir(job) + "/checkpoint-" + std::to_string(step);
   }
 
  private:

@@ -44,35 +44,13 @@ class OnDiskTest : public ::testing::Test {
   void StopDaemon() { d_.Stop(); }
 
   std::string root() const { return d_.root(); }
-  std::string JobDir(const std::string& job) const { return root() + "/" + job; }
-  std::string StepDir(const std::string& job, int64_t step) const {
-    return JobDir(job) + "/checkpoint-" + std::to_string(step);
-  }
+  std::string JobDir(const std::string& job) const { return d_.JobDir(job); }
+  std::string StepDir(const std::string& job, int64_t step) const { return d_.StepDir(job, step); }
   std::unique_ptr<Client> Connect(const std::string& job) { return d_.Connect(job); }
 
   // A session of job `job` with n-element tensors, registered, whose snapshots carry the step.
-  struct Trainer {
-    std::unique_ptr<Client> client;
-    std::vector<float> w, m;
-    std::vector<TensorBuffer> bufs;
-    Status Save(int64_t step) {
-      std::fill(w.begin(), w.end(), static_cast<float>(step));
-      std::fill(m.begin(), m.end(), static_cast<float>(-step));
-      auto snap = client->Snapshot(step, bufs, {});
-      if (!snap.ok()) return snap.status();
-      return client->WaitPersisted(step, 20s);
-    }
-  };
-  Trainer StartTrainer(const std::string& job, uint64_t n) {
-    Trainer t;
-    t.client = Connect(job);
-    if (!t.client) return t;
-    EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(n)));
-    t.w.resize(n);
-    t.m.resize(n);
-    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
-    return t;
-  }
+  using Trainer = TestTrainer;
+  Trainer StartTrainer(const std::string& job, uint64_t n) { return d_.StartTrainer(job, n); }
 
   // The entries of the job's directory, sorted.
   std::vector<std::string> Entries(const std::string& job) const {

@@ -40,38 +40,12 @@ class ReadFaultsTest : public ::testing::Test {
     d_.Stop();
   }
 
-  std::string JobDir(const std::string& job) const { return d_.root() + "/" + job; }
-  std::string StepDir(const std::string& job, int64_t step) const {
-    return JobDir(job) + "/checkpoint-" + std::to_string(step);
-  }
+  std::string JobDir(const std::string& job) const { return d_.JobDir(job); }
+  std::string StepDir(const std::string& job, int64_t step) const { return d_.StepDir(job, step); }
 
   // One rank with two tensors of n floats; a save fills them with the step.
-  struct Trainer {
-    std::unique_ptr<Client> client;
-    std::vector<float> w, m;
-    std::vector<TensorBuffer> bufs;
-    Status Save(int64_t step) {
-      std::fill(w.begin(), w.end(), static_cast<float>(step));
-      std::fill(m.begin(), m.end(), static_cast<float>(-step));
-      auto snap = client->Snapshot(step, bufs, {});
-      if (!snap.ok()) return snap.status();
-      return client->WaitPersisted(step, 30s);
-    }
-    bool All(float value) const {
-      return std::all_of(w.begin(), w.end(), [&](float x) { return x == value; }) &&
-             std::all_of(m.begin(), m.end(), [&](float x) { return x == -value; });
-    }
-  };
-  Trainer StartTrainer(const std::string& job, uint64_t n) {
-    Trainer t;
-    t.client = d_.Connect(job, 0);
-    if (!t.client) return t;
-    EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(n)));
-    t.w.resize(n);
-    t.m.resize(n);
-    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
-    return t;
-  }
+  using Trainer = TestTrainer;
+  Trainer StartTrainer(const std::string& job, uint64_t n) { return d_.StartTrainer(job, n); }
 
   // Saves steps 1 and 2, then fills the buffers with 7 (what a failed restore must leave alone).
   Trainer TwoCheckpoints(const std::string& job, uint64_t n = 1024) {
