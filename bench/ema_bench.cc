@@ -137,10 +137,10 @@ int Run(uint64_t param_bytes, uint64_t tensor_bytes, unsigned threads, int reps,
     for (size_t b = 0; b < n; b += kChunkElements) chunks.push_back({k, b, std::min(kChunkElements, n - b)});
   }
   auto e_ptr = [&](const Chunk& c) {
-    return reinterpret_cast<float*>(ema->base() + el.placements[c.tensor].slot_offset) + c.begin;
+    return reinterpret_cast<float*>(ema->UnsyncedBase() + el.placements[c.tensor].slot_offset) + c.begin;
   };
   auto spare_ptr = [&](const Chunk& c) {  // where an update writes (the EMA keeps two images)
-    return reinterpret_cast<float*>(ema->spare_base() + el.placements[c.tensor].slot_offset) + c.begin;
+    return reinterpret_cast<float*>(ema->UnsyncedSpareBase() + el.placements[c.tensor].slot_offset) + c.begin;
   };
   auto x_ptr = [&](const Chunk& c) {
     return reinterpret_cast<float*>(slot + layout->placements[ema->plan().source[c.tensor]].slot_offset) + c.begin;

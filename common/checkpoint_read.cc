@@ -5,13 +5,13 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <vector>
 
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/fs.h"
+#include "common/mutex.h"
 #include "common/reshard.h"
 
 namespace flashckpt {
@@ -276,12 +276,12 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
   }
 
   Counters counters;
-  std::mutex error_mu;
+  Mutex error_mu;
   Status first_error;
   auto task = [&](size_t k) {
     Status s = k < direct.size() ? RunDirect(direct[k], counters) : RunPartial(parts[k - direct.size()], counters);
     if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(error_mu);
+      MutexLock lock(&error_mu);
       if (first_error.ok()) first_error = s;
     }
   };

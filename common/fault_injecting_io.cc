@@ -9,37 +9,37 @@
 namespace flashckpt {
 
 void FaultInjectingIo::FailNth(Op op, uint64_t n, int err) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Rule& r = rules_[static_cast<size_t>(op)];
   r.fail_at = n == 0 ? 0 : r.calls + n;
   r.fail_at_errno = err;
 }
 
 void FaultInjectingIo::FailEvery(Op op, int err, std::string path_contains) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   rules_[static_cast<size_t>(op)].fail_every_errno = err;
   rules_[static_cast<size_t>(op)].fail_every_path = std::move(path_contains);
 }
 
 void FaultInjectingIo::Slow(Op op, std::chrono::milliseconds delay) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (op == Op::kWrite) write_delay_ = delay;
   rules_[static_cast<size_t>(op)].delay = delay;
 }
 
 void FaultInjectingIo::ShortWrites(size_t max_bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   short_writes_on_ = true;
   short_max_bytes_ = max_bytes;
 }
 
 void FaultInjectingIo::SlowWrites(std::chrono::milliseconds delay) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   write_delay_ = delay;
 }
 
 void FaultInjectingIo::Clear() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (Rule& r : rules_) {
     r.fail_at = 0;
     r.fail_every_errno = 0;
@@ -51,17 +51,17 @@ void FaultInjectingIo::Clear() {
 }
 
 uint64_t FaultInjectingIo::calls(Op op) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return rules_[static_cast<size_t>(op)].calls;
 }
 
 uint64_t FaultInjectingIo::failures_injected() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return failures_;
 }
 
 uint64_t FaultInjectingIo::short_writes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return shorts_;
 }
 
@@ -84,7 +84,7 @@ int FaultInjectingIo::Gate(Op op, const std::string* path) {
   int err;
   std::chrono::milliseconds delay;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     err = CountAndDecideLocked(op, path);
     delay = rules_[static_cast<size_t>(op)].delay;
   }
@@ -100,7 +100,7 @@ ssize_t FaultInjectingIo::Pwrite(int fd, const void* buf, size_t bytes, uint64_t
   bool shorten;
   size_t max_bytes;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     err = CountAndDecideLocked(Op::kWrite);
     delay = write_delay_;
     shorten = short_writes_on_;
@@ -117,7 +117,7 @@ ssize_t FaultInjectingIo::Pwrite(int fd, const void* buf, size_t bytes, uint64_t
     if (max_bytes > 0 && flags >= 0 && (flags & O_DIRECT) != 0) max_bytes = std::max(kPage, max_bytes / kPage * kPage);
     if (max_bytes < bytes) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         shorts_ += 1;
       }
       if (max_bytes == 0) return 0;

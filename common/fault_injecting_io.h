@@ -16,10 +16,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/io_env.h"
 
 namespace flashckpt {
@@ -76,19 +76,19 @@ class FaultInjectingIo final : public IoEnv {
   };
   // Counts a call of `op` on `path` (null: an fd); returns the errno it must fail with, or 0.
   // Requires mu_.
-  int CountAndDecideLocked(Op op, const std::string* path = nullptr);
+  int CountAndDecideLocked(Op op, const std::string* path = nullptr) REQUIRES(mu_);
   // Counts a call, sleeps as asked, and fails it (-1, errno set) when a rule says so; 0 when it
   // may go ahead.
-  int Gate(Op op, const std::string* path = nullptr);
+  int Gate(Op op, const std::string* path = nullptr) EXCLUDES(mu_);
 
   IoEnv* const base_;
-  mutable std::mutex mu_;
-  std::array<Rule, kOps> rules_{};            // guarded by mu_
-  bool short_writes_on_ = false;              // guarded by mu_
-  size_t short_max_bytes_ = 0;                // guarded by mu_
-  std::chrono::milliseconds write_delay_{0};  // guarded by mu_
-  uint64_t failures_ = 0;                     // guarded by mu_
-  uint64_t shorts_ = 0;                       // guarded by mu_
+  mutable Mutex mu_;
+  std::array<Rule, kOps> rules_ GUARDED_BY(mu_){};
+  bool short_writes_on_ GUARDED_BY(mu_) = false;
+  size_t short_max_bytes_ GUARDED_BY(mu_) = 0;
+  std::chrono::milliseconds write_delay_ GUARDED_BY(mu_){0};
+  uint64_t failures_ GUARDED_BY(mu_) = 0;
+  uint64_t shorts_ GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace flashckpt

@@ -12,7 +12,8 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
-#include <mutex>
+
+#include "common/mutex.h"
 
 namespace flashckpt {
 
@@ -256,11 +257,11 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
       } while (from < hi);
     }
   }
-  std::mutex error_mu;
+  Mutex error_mu;
   Status first_error;               // guarded by error_mu
   std::atomic<bool> failed{false};  // set with first_error: the remaining pieces skip their writes
   auto fail = [&](const Status& s) {
-    std::lock_guard<std::mutex> lock(error_mu);
+    MutexLock lock(&error_mu);
     if (first_error.ok()) first_error = s;
     failed.store(true, std::memory_order_relaxed);
   };

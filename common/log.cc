@@ -3,14 +3,14 @@
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 
-#include <mutex>
+#include "common/mutex.h"
 
 namespace flashckpt {
 namespace {
 
 constexpr char kPattern[] = "%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%n] %v";
 
-std::mutex g_mu;
+Mutex g_mu;
 spdlog::level::level_enum g_level = spdlog::level::info;  // guarded by g_mu
 spdlog::sink_ptr g_sink;                                  // guarded by g_mu; null until first used
 
@@ -25,7 +25,7 @@ spdlog::sink_ptr SinkLocked() {
 }  // namespace
 
 std::shared_ptr<spdlog::logger> Logger(const std::string& name) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  MutexLock lock(&g_mu);
   if (auto existing = spdlog::get(name)) return existing;
   auto logger = std::make_shared<spdlog::logger>(name, SinkLocked());
   logger->set_level(g_level);
@@ -40,7 +40,7 @@ bool IsLogLevel(const std::string& level) {
 bool SetLogLevel(const std::string& level) {
   if (!IsLogLevel(level)) return false;
   auto parsed = spdlog::level::from_str(level);
-  std::lock_guard<std::mutex> lock(g_mu);
+  MutexLock lock(&g_mu);
   g_level = parsed;
   spdlog::apply_all([&](const std::shared_ptr<spdlog::logger>& l) { l->set_level(parsed); });
   return true;
@@ -58,7 +58,7 @@ std::string SetLogFile(const std::string& path) {
     }
   }
   sink->set_pattern(kPattern);
-  std::lock_guard<std::mutex> lock(g_mu);
+  MutexLock lock(&g_mu);
   g_sink = sink;
   spdlog::apply_all([&](const std::shared_ptr<spdlog::logger>& l) { l->sinks() = {sink}; });
   return "";

@@ -28,7 +28,7 @@ class CAPABILITY("mutex") Mutex {
   void AssertHeld() const ASSERT_CAPABILITY(this) {}
 
  private:
-  friend class CondVar;
+  friend class MutexLock;
   std::mutex mu_;
 };
 

@@ -8,26 +8,26 @@ ParallelLoop::ParallelLoop(unsigned helper_threads) {
 
 ParallelLoop::~ParallelLoop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  work_cv_.notify_all();
+  work_cv_.NotifyAll();
   for (auto& t : threads_) t.join();
 }
 
 void ParallelLoop::Worker() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
-    work_cv_.wait(lock, [&] { return stop_ || (body_ != nullptr && next_ < count_); });
+    while (!stop_ && !(body_ != nullptr && next_ < count_)) work_cv_.Wait(&lock);
     if (stop_) return;
     while (body_ != nullptr && next_ < count_) {
       size_t i = next_++;
       ++active_;
       const auto* body = body_;
-      lock.unlock();
+      lock.Unlock();
       (*body)(i);
-      lock.lock();
-      if (--active_ == 0 && next_ >= count_) done_cv_.notify_all();
+      lock.Lock();
+      if (--active_ == 0 && next_ >= count_) done_cv_.NotifyAll();
     }
   }
 }
@@ -38,20 +38,20 @@ void ParallelLoop::Run(size_t count, const std::function<void(size_t)>& body) {
     for (size_t i = 0; i < count; ++i) body(i);
     return;
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   body_ = &body;
   next_ = 0;
   count_ = count;
-  work_cv_.notify_all();
+  work_cv_.NotifyAll();
   while (next_ < count_) {
     size_t i = next_++;
     ++active_;
-    lock.unlock();
+    lock.Unlock();
     body(i);
-    lock.lock();
+    lock.Lock();
     --active_;
   }
-  done_cv_.wait(lock, [&] { return active_ == 0; });
+  while (active_ != 0) done_cv_.Wait(&lock);
   body_ = nullptr;
 }
 

@@ -3,12 +3,12 @@
 // loops: no thread creation or allocation per loop.
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "common/mutex.h"
 
 namespace flashckpt {
 
@@ -22,16 +22,18 @@ class ParallelLoop {
   unsigned threads() const { return static_cast<unsigned>(threads_.size()) + 1; }
   // Calls body(i) for every i in [0, count), each exactly once, spread over the threads; returns
   // when all calls have returned. One loop at a time: callers serialize.
-  void Run(size_t count, const std::function<void(size_t)>& body);
+  void Run(size_t count, const std::function<void(size_t)>& body) EXCLUDES(mu_);
 
  private:
-  void Worker();
+  void Worker() EXCLUDES(mu_);
 
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  const std::function<void(size_t)>* body_ = nullptr;  // guarded by mu_
-  size_t next_ = 0, count_ = 0, active_ = 0;           // guarded by mu_
-  bool stop_ = false;                                  // guarded by mu_
+  Mutex mu_;
+  CondVar work_cv_, done_cv_;
+  const std::function<void(size_t)>* body_ GUARDED_BY(mu_) = nullptr;
+  size_t next_ GUARDED_BY(mu_) = 0;
+  size_t count_ GUARDED_BY(mu_) = 0;
+  size_t active_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 

@@ -37,13 +37,13 @@ void StepInUse::Reset() {
 }
 
 StepInUse Catalog::Use(const std::string& job, int64_t step) {
-  std::lock_guard<std::mutex> lock(use_mu_);
+  MutexLock lock(&use_mu_);
   in_use_[job].insert(step);
   return StepInUse(this, job, step);
 }
 
 void Catalog::Release(const std::string& job, int64_t step) {
-  std::lock_guard<std::mutex> lock(use_mu_);
+  MutexLock lock(&use_mu_);
   auto it = in_use_.find(job);
   if (it == in_use_.end()) return;
   auto s = it->second.find(step);
@@ -55,10 +55,10 @@ std::string Catalog::CheckpointDir(const std::string& job, int64_t step) const {
   return JobDir(job) + "/" + CheckpointDirName(step);
 }
 
-std::mutex& Catalog::JobMutex(const std::string& job) {
-  std::lock_guard<std::mutex> lock(mu_);
+Mutex& Catalog::JobMutex(const std::string& job) {
+  MutexLock lock(&mu_);
   auto& m = job_mu_[job];
-  if (!m) m = std::make_unique<std::mutex>();
+  if (!m) m = std::make_unique<Mutex>();
   return *m;
 }
 
@@ -76,7 +76,7 @@ Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t s
 }
 
 Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from) {
-  std::lock_guard<std::mutex> lock(JobMutex(job));
+  MutexLock lock(&JobMutex(job));
   std::string dir = CheckpointDir(job, step);
   ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
   if (complete) return true;
@@ -115,7 +115,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
 }
 
 Result<std::vector<int64_t>> Catalog::ApplyRetention(const std::string& job, uint32_t keep) {
-  std::lock_guard<std::mutex> lock(JobMutex(job));
+  MutexLock lock(&JobMutex(job));
   return ApplyRetentionLocked(job, keep);
 }
 
@@ -131,7 +131,7 @@ Result<DeletionOutcome> Catalog::CollectGarbage(const std::string& job, uint32_t
                                                 bool dry_run) {
   RETURN_IF_ERROR(ValidateJobName(job));
   if (keep == 0) return InvalidArgument("gc needs keep >= 1: the newest complete checkpoint is always kept");
-  std::lock_guard<std::mutex> lock(JobMutex(job));
+  MutexLock lock(&JobMutex(job));
   ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
   return DeleteStepsLocked(job, RetentionVictims(steps, keep), busy, dry_run, "gc");
 }
@@ -140,7 +140,7 @@ Result<DeletionOutcome> Catalog::DeleteCheckpoint(const std::string& job, int64_
                                                   const std::set<int64_t>& busy, bool dry_run) {
   RETURN_IF_ERROR(ValidateJobName(job));
   if (step <= 0) return InvalidArgument("delete needs a step >= 1, got " + std::to_string(step));
-  std::lock_guard<std::mutex> lock(JobMutex(job));
+  MutexLock lock(&JobMutex(job));
   ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
   const std::string dir = CheckpointDir(job, step);
   const bool complete = std::find(steps.complete.begin(), steps.complete.end(), step) != steps.complete.end();
@@ -154,7 +154,7 @@ Result<DeletionOutcome> Catalog::DeleteCheckpoint(const std::string& job, int64_
                               job + "'; deleting it needs --force (" + then + ")");
   }
   {
-    std::lock_guard<std::mutex> use(use_mu_);
+    MutexLock use(&use_mu_);
     if (InUseLocked(job, step, busy)) {
       return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
                                 "' is in use (a restore reading it or a save writing it); it is never deleted "
@@ -207,7 +207,7 @@ bool Catalog::InUseLocked(const std::string& job, int64_t step, const std::set<i
 Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
                                       const std::string& hidden) {
   std::string dir = CheckpointDir(job, step);
-  std::lock_guard<std::mutex> lock(use_mu_);
+  MutexLock lock(&use_mu_);
   if (InUseLocked(job, step, busy)) return false;
   if (io_->Rename(dir, hidden) != 0) {
     if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
@@ -222,7 +222,7 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
   Status first_error;
   for (int64_t step : victims) {
     if (dry_run) {
-      std::lock_guard<std::mutex> use(use_mu_);
+      MutexLock use(&use_mu_);
       if (InUseLocked(job, step, busy)) {
         out.skipped.push_back({step, "in use (a restore reading it or a save writing it)"});
       } else {
@@ -325,13 +325,13 @@ Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
   const auto now = std::chrono::steady_clock::now();
   uint64_t notes = 0;
   {
-    std::lock_guard<std::mutex> lock(known_mu_);
+    MutexLock lock(&known_mu_);
     auto it = known_.find(job);
     if (it != known_.end() && now - it->second.read_at < max_age) return it->second.step;
     if (it != known_.end()) notes = it->second.notes;
   }
   ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(job));
-  std::lock_guard<std::mutex> lock(known_mu_);
+  MutexLock lock(&known_mu_);
   Known& known = known_[job];
   // A completion noted while the root was being read may be newer than what the read found.
   const bool noted_meanwhile = known.notes != notes && known.step && (!latest || *known.step > *latest);
@@ -341,7 +341,7 @@ Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
 }
 
 void Catalog::NoteCompleted(const std::string& job, int64_t step) {
-  std::lock_guard<std::mutex> lock(known_mu_);
+  MutexLock lock(&known_mu_);
   auto it = known_.find(job);
   if (it == known_.end()) return;  // read from the root when status first asks
   if (!it->second.step || *it->second.step < step) it->second.step = step;
@@ -349,7 +349,7 @@ void Catalog::NoteCompleted(const std::string& job, int64_t step) {
 }
 
 void Catalog::ForgetKnown(const std::string& job) {
-  std::lock_guard<std::mutex> lock(known_mu_);
+  MutexLock lock(&known_mu_);
   known_.erase(job);
 }
 

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "common/io_env.h"
+#include "common/mutex.h"
 #include "common/signal.h"
 #include "common/status.h"
 
@@ -102,7 +102,7 @@ class Catalog {
   // A reader registers first and checks that the checkpoint is (still) complete afterwards: a
   // deletion either happened before the registration (the reader sees no checkpoint) or waits for
   // none and skips the step.
-  StepInUse Use(const std::string& job, int64_t step);
+  StepInUse Use(const std::string& job, int64_t step) EXCLUDES(use_mu_);
 
   // Retention for `job` with `keep` (> 0) complete checkpoints kept: deletes every complete
   // checkpoint older than the newest `keep` complete ones, and every incomplete directory older
@@ -154,7 +154,9 @@ class Catalog {
 
  private:
   friend class StepInUse;
-  std::mutex& JobMutex(const std::string& job);
+  // The lock that serializes completion, retention and deletion of one job (held across their
+  // file I/O: it is the job's, not the catalog's). Made on first use, never removed.
+  Mutex& JobMutex(const std::string& job) EXCLUDES(mu_);
   Result<std::vector<int64_t>> ApplyRetentionLocked(const std::string& job, uint32_t keep);
   // Steps of the job's directories, complete ones newest first, incomplete ones oldest first.
   struct JobSteps {
@@ -170,33 +172,33 @@ class Catalog {
   Result<DeletionOutcome> DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
                                             const std::set<int64_t>& busy, bool dry_run, const char* reason);
   // Whether `step` is in use (Use) or in `busy`. Requires use_mu_.
-  bool InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const;
+  bool InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const REQUIRES(use_mu_);
   // Renames the directory of `step` away unless it is in use; false when it is in use or gone.
   Result<bool> HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
-                               const std::string& hidden);
-  void Release(const std::string& job, int64_t step);
+                               const std::string& hidden) EXCLUDES(use_mu_);
+  void Release(const std::string& job, int64_t step) EXCLUDES(use_mu_);
 
   std::string root_;
   const uint32_t keep_;
   IoEnv* const io_;
   CatalogListener listener_;
-  std::mutex mu_;                                              // guards job_mu_
-  std::map<std::string, std::unique_ptr<std::mutex>> job_mu_;  // serializes completion per job
+  Mutex mu_;
+  std::map<std::string, std::unique_ptr<Mutex>> job_mu_ GUARDED_BY(mu_);  // JobMutex
   // Steps in use per job (a multiset: two readers may share a step). Held across the rename that
   // hides a directory, so a step is either registered before the rename or sees no checkpoint.
-  std::mutex use_mu_;
-  std::map<std::string, std::multiset<int64_t>> in_use_;  // guarded by use_mu_
+  mutable Mutex use_mu_;
+  std::map<std::string, std::multiset<int64_t>> in_use_ GUARDED_BY(use_mu_);
   struct Known {
     std::optional<int64_t> step;
     std::chrono::steady_clock::time_point read_at;
     uint64_t notes = 0;  // completions noted: tells a refresh that one came while it read
   };
-  mutable std::mutex known_mu_;
-  mutable std::map<std::string, Known> known_;  // guarded by known_mu_: a cache (KnownLatest)
-  void NoteCompleted(const std::string& job, int64_t step);
+  mutable Mutex known_mu_;
+  mutable std::map<std::string, Known> known_ GUARDED_BY(known_mu_);  // a cache (KnownLatest)
+  void NoteCompleted(const std::string& job, int64_t step) EXCLUDES(known_mu_);
   // Whether LATEST names a complete checkpoint newer than `step`.
   Result<bool> LatestNamesNewer(const std::string& job, int64_t step) const;
-  void ForgetKnown(const std::string& job);
+  void ForgetKnown(const std::string& job) EXCLUDES(known_mu_);
 };
 
 }  // namespace flashckpt

@@ -52,40 +52,6 @@ bool SameDegrees(const Topology& a, const Topology& b) {
 
 }  // namespace
 
-RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
-                         uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter,
-                         const StateDir* state_dir)
-    : layout(std::move(l)),
-      shm(std::move(s)),
-      slots(count),
-      ema(std::move(e)),
-      slot_stride(stride),
-      ema_area(ema_offset),
-      used(counter),
-      accounted(shm->size() + (ema ? ema->bytes() : 0)),
-      state(state_dir) {
-  for (const Placement& p : layout.placements) tensor_bytes += p.bytes;  // once, not per commit
-  used->fetch_add(accounted);
-}
-
-RankSegment::~RankSegment() {
-  used->fetch_sub(accounted);
-  if (!shm->owns_name()) {  // a stop left snapshots in it: the next daemon adopts it with its records
-    Logger("shm")->info("kept segment={} bytes={} for the next daemon", shm->name(), FormatBytes(shm->size()));
-    return;
-  }
-  if (state != nullptr) state->RemoveSegment(shm->name());
-  Logger("shm")->info("released segment={} bytes={}", shm->name(), FormatBytes(shm->size()));
-}
-
-void RankSegment::Mirror(uint32_t i) const {
-  auto* h = reinterpret_cast<SlotHeader*>(Slot(i));
-  const SlotInfo& s = slots.at(i);
-  h->step.store(s.step, std::memory_order_relaxed);
-  h->generation.store(s.generation, std::memory_order_relaxed);
-  h->state.store(static_cast<uint32_t>(s.state), std::memory_order_release);
-}
-
 Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep, RootIo()) {
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
@@ -125,8 +91,11 @@ Status Daemon::Start() {
                                      config_.io_env != nullptr ? config_.io_env : IoEnv::Default());
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
-  ema_loop_ = std::make_unique<ParallelLoop>(ema_threads - 1);
-  ema_thread_ = std::thread([this] { RunEmaStage(); });
+  ema_stage_ = std::make_unique<EmaStage>(ema_threads, config_.copy_timeout,
+                                          [this](EmaJob job, bool applied, double seconds) {
+                                            OnEmaApplied(std::move(job), applied, seconds);
+                                          });
+  ema_stage_->Start();
   Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={} state_dir={}",
                       config_.root, config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads,
                       config_.keep, state_dir);
@@ -136,18 +105,19 @@ Status Daemon::Start() {
 void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   const auto begun = std::chrono::steady_clock::now();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_ && !writer_) return;
     stopping_ = true;
-    stop_deadline_ = deadline;
   }
-  cv_.notify_all();
-  if (ema_thread_.joinable()) ema_thread_.join();  // drains the EMA stage into the writer, until the deadline
+  cv_.NotifyAll();
+  // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
+  // like a crash for the data, but tidy: their commit records and segments stay for the next
+  // daemon, which replays them.
+  std::vector<EmaJob> unreached;
+  if (ema_stage_) unreached = ema_stage_->Stop(deadline);
   {
-    // Snapshots the EMA stage did not reach by the deadline: like a crash for the data, but tidy.
-    // Their commit records and segments stay for the next daemon, which replays them.
-    std::lock_guard<std::mutex> lock(mu_);
-    for (EmaJob& job : ema_queue_) {
+    MutexLock lock(&mu_);
+    for (EmaJob& job : unreached) {
       job.segment->shm->KeepName();
       stop_abandoned_ += 1;
       Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
@@ -160,12 +130,11 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
       event.set_reason("not reached by the EMA stage before the stop timeout");
       Emit(std::move(event));
     }
-    ema_queue_.clear();
   }
   // Finishes the writes in flight until the deadline; abandons the rest (OnPersisted, kCancelled).
   // Either way no half-written file is left behind under a final name.
   if (writer_) writer_->Stop(deadline);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (writer_) {
     Logger("rpc")->info("stopped finished={} abandoned={} secs={:.3f}", stop_finished_, stop_abandoned_,
                         std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
@@ -178,7 +147,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
 Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   RETURN_IF_ERROR(ValidateJobName(job));
   ASSIGN_OR_RETURN(std::string token, RandomToken());
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_) return Unavailable(kStoppingMessage);
   // A restarted trainer may connect before the daemon has seen its predecessor's stream break.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
@@ -188,7 +157,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
     if (jit == jobs_.end()) break;
     auto rit = jit->second.ranks.find(rank);
     if (rit == jit->second.ranks.end() || rit->second.session_id.empty()) break;
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!cv_.WaitUntil(&lock, deadline)) {
       return FailedPrecondition("rank " + std::to_string(rank) + " of job '" + job +
                                 "' already has a live session; one process per rank");
     }
@@ -205,7 +174,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
 }
 
 void Daemon::CloseSession(const std::string& session_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
   auto& rank = jobs_[it->second.job].ranks[it->second.rank];
@@ -213,13 +182,13 @@ void Daemon::CloseSession(const std::string& session_id) {
   if (rank.session_id == session_id) {
     rank.session_id.clear();
     if (rank.segment) {
-      abandoned = rank.segment->slots.AbandonInFlight();
-      for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) rank.segment->Mirror(i);
+      abandoned = Slots(*rank.segment).AbandonInFlight();
+      for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) Mirror(*rank.segment, i);
     }
   }
   Logger("rpc")->info("session closed job={} rank={} abandoned_slots={}", it->second.job, it->second.rank, abandoned);
   sessions_.erase(it);
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
@@ -279,7 +248,7 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   if (!adopt) {
     for (uint32_t i = 0; i < slot_count; ++i) {
       InitSlotImages(segment->Slot(i), segment->layout);
-      segment->Mirror(i);
+      MirrorUnpublished(*segment, i);
     }
   }
   Logger("shm")->info("{} segment={} bytes={} slots={} slot_bytes={} ema={}", adopt ? "adopted" : "created", name,
@@ -323,7 +292,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
   // after it): a segment's destructor removes its records and unlinks its memory.
   std::shared_ptr<RankSegment> retired, created;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
   LayoutExtras extras;
@@ -351,7 +320,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
       }
     }
     if (conflict == nullptr) break;
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!cv_.WaitUntil(&lock, deadline)) {
       return FailedPrecondition(
           "job '" + who.job + "' is registered with world size " + std::to_string(conflict->topology.world_size) +
           " (tp " + std::to_string(conflict->topology.tp_degree) + ", pp " +
@@ -369,13 +338,13 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     }
   }
   bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
-               SameEma(rank->segment->ema.get(), ema_plan) && rank->segment->slots.CountIn(SlotState::kFilling) == 0 &&
-               rank->segment->slots.CountIn(SlotState::kRestoring) == 0;
+               SameEma(rank->segment->ema.get(), ema_plan) && Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
+               Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
   if (!reuse) {
     uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
     uint64_t need =
         SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
-    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted : 0;
+    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted() : 0;
     // Registrations creating their segments right now count with what they will take.
     uint64_t used = host_memory_used_.load() + registering_bytes_ - releasable;
     if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
@@ -391,10 +360,10 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     retired = std::move(rank->segment);
     registering_bytes_ += need;
     const uint64_t generation = ++rank->registrations;
-    lock.unlock();
+    lock.Unlock();
     retired.reset();
     auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, request);
-    lock.lock();
+    lock.Lock();
     registering_bytes_ -= need;
     if (!made.ok()) return made.status();
     created = std::move(made).value();
@@ -419,7 +388,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   v1::RegisterResponse resp;
   resp.set_segment_name(seg.shm->name());
   resp.set_segment_bytes(seg.shm->size());
-  resp.set_slot_count(seg.slots.size());
+  resp.set_slot_count(Slots(seg).size());
   resp.set_slot_offset(kSegmentHeaderBytes);
   resp.set_slot_stride(seg.slot_stride);
   for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
@@ -462,7 +431,7 @@ Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_
   }
   std::set<int64_t> busy;  // steps a save of this daemon has in a slot
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // Once stopping, the slots that show which steps are busy go away while abandoned writes are
     // left to the next daemon: nothing may be deleted under them.
     if (stopping_) return Unavailable(kStoppingMessage);
@@ -470,8 +439,8 @@ Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_
     if (it != jobs_.end()) {
       for (const auto& [r, rank] : it->second.ranks) {
         if (!rank.segment) continue;
-        for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) {
-          const SlotInfo& slot = rank.segment->slots.at(i);
+        for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
+          const SlotInfo& slot = Slots(*rank.segment).at(i);
           if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
               slot.state == SlotState::kPersisting) {
             busy.insert(slot.step);
@@ -506,7 +475,7 @@ v1::StatusResponse Daemon::GetStatus() const {
 }
 
 Daemon::Counts Daemon::CountSessions() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Counts counts;
   counts.jobs = jobs_.size();
   for (const auto& [name, job] : jobs_) {
@@ -517,7 +486,7 @@ Daemon::Counts Daemon::CountSessions() const {
 }
 
 void Daemon::FillJobsStatus(v1::StatusResponse* out) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const auto now = std::chrono::steady_clock::now();
   const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
   for (const auto& [name, job] : jobs_) {
@@ -544,11 +513,11 @@ void Daemon::FillJobsStatus(v1::StatusResponse* out) const {
       }
       rs->set_oldest_write_seconds(oldest);
       if (rank.segment) {
-        for (uint32_t i = 0; i < rank.segment->slots.size(); ++i) {
+        for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
           auto* s = rs->add_slots();
           s->set_index(i);
-          s->set_state(SlotStateName(rank.segment->slots.at(i).state));
-          s->set_step(rank.segment->slots.at(i).step);
+          s->set_state(SlotStateName(Slots(*rank.segment).at(i).state));
+          s->set_step(Slots(*rank.segment).at(i).step);
         }
         if (const RankEma* ema = rank.segment->ema.get()) {
           const EmaState state = ema->state();

@@ -10,28 +10,27 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/io_env.h"
 #include "common/layout.h"
+#include "common/mutex.h"
 #include "common/shm.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
 #include "daemon/ema.h"
+#include "daemon/ema_stage.h"
 #include "daemon/events.h"
 #include "daemon/limits.h"
 #include "daemon/metrics.h"
 #include "daemon/registration.h"
+#include "daemon/segment.h"
 #include "daemon/slots.h"
 #include "daemon/state_dir.h"
 #include "daemon/writer.h"
@@ -86,31 +85,6 @@ struct DaemonConfig {
   std::chrono::milliseconds copy_timeout{120000};
 };
 
-// One registered rank's segment: its layout, the mapped memory, the slot state machine and the
-// rank's EMA. A slot is the rank layout's bytes followed, with EMA on, by room for one EMA image.
-struct RankSegment {
-  RankLayout layout;
-  std::unique_ptr<SharedSegment> shm;
-  SlotTable slots;                        // guarded by Daemon::mu_
-  std::unique_ptr<RankEma> ema;           // null when the job has no EMA (or this rank no EMA tensors)
-  uint64_t tensor_bytes = 0;              // the rank's tensors in one slot (replicas included)
-  uint64_t slot_stride = 0;               // bytes per slot
-  uint64_t ema_area = 0;                  // offset of the EMA image room within a slot
-  std::atomic<uint64_t>* used = nullptr;  // the daemon's host-memory counter
-  uint64_t accounted = 0;                 // bytes counted in *used (segment + EMA segment)
-  uint32_t ema_pending = 0;               // guarded by Daemon::mu_: snapshots queued for the EMA stage
-  const StateDir* state = nullptr;        // its records are removed with the segment's name
-
-  RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
-              uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter, const StateDir* state_dir);
-  ~RankSegment();
-  char* Slot(uint32_t i) const { return shm->data() + kSegmentHeaderBytes + slot_stride * i; }
-  // Base pointer for the EMA plan's offsets so that its image lands in the slot's EMA room.
-  char* SlotEmaBase(uint32_t i) const { return Slot(i) + ema_area - ema->plan().layout.files[0].slot_offset; }
-  // Copies the slot's state into its header page for inspection.
-  void Mirror(uint32_t i) const;
-};
-
 struct WaitResult {
   int64_t persisted_step = -1;
   bool checkpoint_complete = false;
@@ -131,40 +105,40 @@ class Daemon {
 
   // Creates the root directory, starts the writer, and adopts the slot segments a predecessor
   // left behind (daemon/recovery.cc): their committed snapshots are persisted again.
-  Status Start();
+  Status Start() EXCLUDES(mu_);
   // Refuses new work (UNAVAILABLE, saying the daemon is stopping), wakes every waiter, and lets
   // the EMA stage and the writer finish what was committed until `deadline`. What is not written
   // by then is abandoned: the writes stop at their next piece and remove their temporaries and
   // partial files, never writing a signal or metadata.json for it; its commit record and slot
   // segment stay, so the next daemon adopts and writes it, as after a crash. Logs what was
   // finished and what was abandoned. Idempotent.
-  void Stop(std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max());
+  void Stop(std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) EXCLUDES(mu_);
 
-  Result<std::string> OpenSession(const std::string& job, uint32_t rank);
-  void CloseSession(const std::string& session_id);
+  Result<std::string> OpenSession(const std::string& job, uint32_t rank) EXCLUDES(mu_);
+  void CloseSession(const std::string& session_id) EXCLUDES(mu_);
 
   // fatal_persist_errors (in the request): once a persist of this session fails, its BeginSnapshot
   // and Commit fail with that error (code and message) until the trainer starts a new session; off,
   // a failed persist is reported by WaitPersisted and status only and snapshots go on.
-  Result<v1::RegisterResponse> Register(const std::string& session_id, const v1::RegisterRequest& request);
-  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+  Result<v1::RegisterResponse> Register(const std::string& session_id, const v1::RegisterRequest& request) EXCLUDES(mu_);
+  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
-                std::optional<double> loss, std::string extra);
-  Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket);
-  Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout);
+                std::optional<double> loss, std::string extra) EXCLUDES(mu_);
+  Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
+  Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // step 0 means the latest complete checkpoint; found=false when there is none.
   // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout; with
   // convert_dtype, bf16/fp16 tensors may be filled from fp32 saved ones.
   Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, bool convert_dtype,
-                                 std::chrono::milliseconds timeout);
+                                 std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   struct EmaCopy {
     bool initialized = false;
     int64_t step = -1;
     SlotTicket ticket;
   };
-  Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout);
-  Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket);
+  Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
 
   Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
   // `flashckpt delete` (step > 0: that checkpoint; force allows the newest complete one) or
@@ -172,15 +146,15 @@ class Daemon {
   // DeleteCheckpoint, CollectGarbage). Besides the catalog's steps in use (restores, writers), a
   // step that a slot of this daemon is filling, has committed or is persisting is never deleted.
   Result<DeletionOutcome> DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
-                                            bool dry_run);
+                                            bool dry_run) EXCLUDES(mu_);
   // Jobs, ranks and connected ranks, from memory (takes mu_ and nothing else: no file I/O).
   struct Counts {
     size_t jobs = 0, ranks = 0, connected = 0;
   };
-  Counts CountSessions() const;
+  Counts CountSessions() const EXCLUDES(mu_);
   // The daemon's memory, jobs and ranks; each job's last complete step is read from the root
   // without the daemon's lock (a failure to read it is the job's catalog_error).
-  v1::StatusResponse GetStatus() const;
+  v1::StatusResponse GetStatus() const EXCLUDES(mu_);
 
   const DaemonConfig& config() const { return config_; }
   // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
@@ -189,11 +163,11 @@ class Daemon {
   // What happened to snapshots and checkpoints, for WatchEvents; closed at the end of Stop.
   EventHub& events() { return events_; }
   // The Prometheus exposition of the daemon's metrics and current status.
-  std::string RenderMetrics() const;
+  std::string RenderMetrics() const EXCLUDES(mu_);
 
  private:
-  // The jobs and ranks part of GetStatus, from memory, under mu_.
-  void FillJobsStatus(v1::StatusResponse* out) const;
+  // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
+  void FillJobsStatus(v1::StatusResponse* out) const EXCLUDES(mu_);
   struct RankState {
     std::shared_ptr<RankSegment> segment;
     std::string session_id;  // empty when the trainer is gone
@@ -233,17 +207,18 @@ class Daemon {
   // wait in the timeout error.
   Result<LoadingSlot> AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step, bool need_ema,
                                          std::chrono::steady_clock::time_point deadline,
-                                         std::chrono::milliseconds timeout, const char* purpose);
+                                         std::chrono::milliseconds timeout, const char* purpose) EXCLUDES(mu_);
   // Ends the loading: the slot stays RESTORING for the trainer to release, or is freed when
   // `failure` is not ok (returned) or the session has ended (kCancelled). Requires mu_.
-  Status FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure);
+  Status FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure)
+      REQUIRES(mu_);
 
   // Looks up the rank of a live session; the caller holds mu_.
-  Result<RankState*> RankOf(const std::string& session_id, bool need_segment);
+  Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
   // `session_id`: the session that committed the step (a failure counts as fatal for it only).
   void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
                    const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
-                   uint64_t bytes, double seconds);
+                   uint64_t bytes, double seconds) EXCLUDES(mu_);
   // Creates the rank's segment under `name` (O_EXCL), or with `adopt` maps that existing segment
   // and checks its header against the layout (its contents are kept).
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
@@ -254,21 +229,9 @@ class Daemon {
   Result<std::shared_ptr<RankSegment>> CreateRecordedSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                              std::optional<EmaPlan> ema_plan,
                                                              const EmaConfig& ema_config,
-                                                             const v1::RegisterRequest& request);
-  // The EMA stage: applies committed snapshots to their rank's EMA in commit order, then hands
-  // persisted ones to the writer and frees the others.
-  struct EmaJob {
-    std::shared_ptr<RankSegment> segment;
-    SlotTicket ticket;
-    int64_t step = 0;
-    std::optional<double> loss;
-    bool persist = false;
-    PersistRequest request;  // when persist
-    std::string job;
-    uint32_t rank = 0;
-    bool replay = false;  // adopted after a restart: the EMA may already have seen the step
-  };
-  void RunEmaStage();
+                                                             const v1::RegisterRequest& request) EXCLUDES(mu_);
+  // The EMA stage's callback: counts the update, then FinishCommittedLocked.
+  void OnEmaApplied(EmaJob job, bool applied, double seconds) EXCLUDES(mu_);
   // The persist request of a committed slot; `done` reports to OnPersisted.
   // `session_id`: the committing session ("" for a snapshot adopted after a restart).
   PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
@@ -281,15 +244,15 @@ class Daemon {
   void Emit(v1::Event event);
 
   // Crash recovery (daemon/recovery.cc).
-  Status AdoptSegments();
-  Status AdoptSegment(const StateDir::Adoptable& record);
+  Status AdoptSegments() EXCLUDES(mu_);
+  Status AdoptSegment(const StateDir::Adoptable& record) EXCLUDES(mu_);
   // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by processes
   // that no longer exist.
   void RemoveStaleTemporaries(const std::string& job);
   // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
-  Status FinishCommittedLocked(EmaJob job);
+  Status FinishCommittedLocked(EmaJob job) REQUIRES(mu_);
   // Gives a FILLING slot to the rank (BeginSnapshot): resets its copy progress, mirrors it. Needs mu_.
-  void HandOut(RankState* rank, const SlotTicket& ticket, int64_t step);
+  void HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) REQUIRES(mu_);
 
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;
@@ -298,19 +261,32 @@ class Daemon {
   Metrics metrics_;
   Catalog catalog_;
   std::unique_ptr<Writer> writer_;
-  std::unique_ptr<ParallelLoop> ema_loop_;  // used by the EMA stage thread only
-  std::thread ema_thread_;
-  std::deque<EmaJob> ema_queue_;  // guarded by mu_; bounded by the slots in COMMITTED
+  std::unique_ptr<EmaStage> ema_stage_;  // set once by Start
   std::atomic<uint64_t> host_memory_used_{0};
-  uint64_t registering_bytes_ = 0;  // guarded by mu_: reserved by registrations making their segments
+  uint64_t registering_bytes_ GUARDED_BY(mu_) = 0;  // reserved by registrations making their segments
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopping_ = false;                        // guarded by mu_
-  std::chrono::steady_clock::time_point stop_deadline_ = std::chrono::steady_clock::time_point::max();  // mu_
-  uint64_t stop_finished_ = 0, stop_abandoned_ = 0;  // guarded by mu_: persists finished, abandoned in Stop
-  std::map<std::string, SessionInfo> sessions_;  // guarded by mu_
-  std::map<std::string, JobState> jobs_;         // guarded by mu_
+  // The segment's slot table and EMA count are guarded by mu_ too: these reach them.
+  SlotTable& Slots(RankSegment& segment) REQUIRES(mu_) { return segment.slots_; }
+  const SlotTable& Slots(const RankSegment& segment) const REQUIRES(mu_) { return segment.slots_; }
+  uint32_t& EmaPending(RankSegment& segment) REQUIRES(mu_) { return segment.ema_pending_; }
+  // Copies the slot's state into its header page for inspection (and the next daemon).
+  void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {
+    segment.MirrorSlot(slot, segment.slots_.at(slot));
+  }
+  // The same for a segment no other thread can reach yet: made or adopted, not yet in jobs_ (it is
+  // published there under mu_). Unchecked by the analysis; CreateSegment and AdoptSegment only.
+  static SlotTable& UnpublishedSlots(RankSegment& segment) { return segment.slots_; }
+  static void MirrorUnpublished(const RankSegment& segment, uint32_t slot) {
+    segment.MirrorSlot(slot, segment.slots_.at(slot));
+  }
+
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  uint64_t stop_finished_ GUARDED_BY(mu_) = 0;   // persists finished in Stop
+  uint64_t stop_abandoned_ GUARDED_BY(mu_) = 0;  // and abandoned
+  std::map<std::string, SessionInfo> sessions_ GUARDED_BY(mu_);
+  std::map<std::string, JobState> jobs_ GUARDED_BY(mu_);
 };
 
 }  // namespace flashckpt

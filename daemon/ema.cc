@@ -239,8 +239,29 @@ void RankEma::Stamp(char* image_base, int64_t step, const EmaState& state, Paral
   StampEmaCounters(image_base, plan_.layout, 0, state.updates_applied, state.updates_skipped, state.last_step);
 }
 
+EmaState RankEma::CopyAverage(char* image_base) const {
+  MutexLock lock(&mu_);
+  const FileImage& image = plan_.layout.files[0];
+  const uint64_t data = image.slot_offset + image.header.size();
+  std::memcpy(image_base + data, base() + data, image.data_bytes);
+  return state();
+}
+
+Status RankEma::Load(const std::function<Status(char* image_base)>& fill, const EmaState& state) {
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(fill(spare_base()));
+  Publish(state);
+  return Status::OK();
+}
+
+void RankEma::Reset() {
+  MutexLock lock(&mu_);
+  SetState(EmaState{});
+}
+
 bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,
                     char* slot_image_base, ParallelLoop* loop, bool replay) {
+  MutexLock lock(&mu_);
   EmaState s = state();
   bool changed = false;
   bool due = step % config_.interval == 0;

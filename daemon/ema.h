@@ -14,13 +14,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "common/layout.h"
+#include "common/mutex.h"
 #include "common/shm.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
@@ -89,7 +90,9 @@ enum class EmaStep { kCopy, kScaledCopy, kAverage };
 void EmaKernel(const float* in, float* out, const void* x, DType dtype, size_t n, float decay, EmaStep step,
                float* copy_out);
 
-// One rank's EMA: the plan, its segment and counters. All methods are serialized by mu().
+// One rank's EMA: the plan, its segment and counters. Thread-safe: an update, a load and a copy of
+// the average exclude each other (the EMA's own lock, never handed out); the counters are read
+// without it.
 class RankEma {
  public:
   // Adopts "flashckpt.<job>.<rank>.ema" when it exists with the same signature, else creates it.
@@ -99,21 +102,11 @@ class RankEma {
 
   const EmaPlan& plan() const { return plan_; }
   const EmaConfig& config() const { return config_; }
-  std::mutex& mu() { return mu_; }
   const std::string& segment_name() const { return shm_->name(); }
   bool adopted() const { return adopted_; }
   uint64_t bytes() const { return shm_->size(); }
   // The counters of the current average; lock-free (status).
   EmaState state() const;
-  // Base for the plan's offsets of the current average: its image lies at
-  // plan.layout.files[0].slot_offset from it. Stable while mu() is held.
-  char* base() const { return ImageBase(header()->current.load(std::memory_order_acquire)); }
-  // The other image: a restore fills it and then publishes it (mu() held throughout).
-  char* spare_base() const { return ImageBase(1 - header()->current.load(std::memory_order_acquire)); }
-  // Makes the spare image current with `state`, in one atomic flip.
-  void Publish(const EmaState& state);
-  // Replaces the current image's counters (a reset, a skipped update) without touching the image.
-  void SetState(const EmaState& state);
 
   // Applies the snapshot in `slot` (laid out by `rank`) taken at `step` with `loss`. When
   // `slot_image_base` is given (a persisted snapshot), the EMA image as of this step is also
@@ -122,7 +115,20 @@ class RankEma {
   // before the restart; a step the EMA has already seen is not applied again. Returns whether an
   // update was applied.
   bool Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,
-             char* slot_image_base, ParallelLoop* loop, bool replay = false);
+             char* slot_image_base, ParallelLoop* loop, bool replay = false) EXCLUDES(mu_);
+  // Copies the tensor data of the current average into the image at `image_base` (the base of the
+  // plan's offsets, as for Apply's slot image) and returns the counters it is as of.
+  EmaState CopyAverage(char* image_base) const EXCLUDES(mu_);
+  // Loads an average: `fill` writes it into the spare image at the base it is given; when it
+  // succeeds, that image becomes current with `state` in one flip. A failed `fill` changes nothing.
+  Status Load(const std::function<Status(char* image_base)>& fill, const EmaState& state) EXCLUDES(mu_);
+  // Forgets the average (the next update starts it afresh); the image is left as it is.
+  void Reset() EXCLUDES(mu_);
+
+  // The current and the spare image, unsynchronized: for a caller that is the EMA's only user
+  // (bench/ema_bench.cc times the kernels on them). The daemon goes through the methods above.
+  char* UnsyncedBase() const { return ImageBase(header()->current.load(std::memory_order_acquire)); }
+  char* UnsyncedSpareBase() const { return ImageBase(1 - header()->current.load(std::memory_order_acquire)); }
 
   // Drops the segment's name so the next daemon does not adopt it (the job's layout changed).
   void Unlink();
@@ -131,6 +137,13 @@ class RankEma {
   RankEma() = default;
   EmaSegmentHeader* header() const { return reinterpret_cast<EmaSegmentHeader*>(shm_->data()); }
   char* ImageBase(uint32_t i) const { return shm_->data() + i * plan_.layout.slot_bytes; }
+  // The current average's image and the other one; stable while mu_ is held.
+  char* base() const REQUIRES(mu_) { return UnsyncedBase(); }
+  char* spare_base() const REQUIRES(mu_) { return UnsyncedSpareBase(); }
+  // Makes the spare image current with `state`, in one atomic flip.
+  void Publish(const EmaState& state) REQUIRES(mu_);
+  // Replaces the current image's counters (a reset, a skipped update) without touching the image.
+  void SetState(const EmaState& state) REQUIRES(mu_);
   void Stamp(char* image_base, int64_t step, const EmaState& state, ParallelLoop* loop) const;
 
   struct Chunk {
@@ -143,7 +156,8 @@ class RankEma {
   EmaConfig config_;
   std::unique_ptr<SharedSegment> shm_;
   bool adopted_ = false;
-  std::mutex mu_;
+  // Serializes what changes or reads the images: Apply, CopyAverage, Load, Reset.
+  mutable Mutex mu_;
 };
 
 }  // namespace flashckpt

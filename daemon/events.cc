@@ -12,7 +12,7 @@ EventHub::EventHub(size_t queue_capacity, size_t max_watchers)
     : capacity_(std::max<size_t>(queue_capacity, 1)), max_watchers_(max_watchers) {}
 
 Result<EventHub::Subscription> EventHub::Subscribe(std::string job) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return Unavailable("the daemon is stopping");
   if (watchers_.size() >= max_watchers_) {
     return ResourceExhausted("already " + std::to_string(watchers_.size()) +
@@ -26,7 +26,7 @@ Result<EventHub::Subscription> EventHub::Subscribe(std::string job) {
 
 void EventHub::Publish(v1::Event event) {
   if (event.unix_seconds() == 0) event.set_unix_seconds(UnixSeconds());
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (closed_) return;
   for (auto& w : watchers_) {
     if (!w->job.empty() && w->job != event.job()) continue;
@@ -36,28 +36,28 @@ void EventHub::Publish(v1::Event event) {
       dropped_ += 1;
     }
     w->queue.push_back(event);
-    w->cv.notify_one();
+    w->cv.NotifyOne();
   }
 }
 
 void EventHub::Close() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   closed_ = true;
-  for (auto& w : watchers_) w->cv.notify_all();
+  for (auto& w : watchers_) w->cv.NotifyAll();
 }
 
 size_t EventHub::watchers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return watchers_.size();
 }
 
 uint64_t EventHub::dropped() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return dropped_;
 }
 
 void EventHub::Unsubscribe(const std::shared_ptr<Watcher>& watcher) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   watchers_.remove(watcher);
 }
 
@@ -66,9 +66,11 @@ EventHub::Subscription::~Subscription() {
 }
 
 EventHub::Wait EventHub::Subscription::Next(v1::Event* event, std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(hub_->mu_);
+  MutexLock lock(&hub_->mu_);
   Watcher& w = *watcher_;
-  w.cv.wait_until(lock, deadline, [&] { return hub_->closed_ || w.lost > 0 || !w.queue.empty(); });
+  while (!hub_->closed_ && w.lost == 0 && w.queue.empty()) {
+    if (!w.cv.WaitUntil(&lock, deadline)) break;
+  }
   if (hub_->closed_) return Wait::kClosed;
   if (w.lost > 0) {
     // Before the first event after the gap, so the watcher knows where the gap is.

@@ -89,7 +89,7 @@ Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
 }
 
 void Metrics::Observe(const v1::Event& event) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (event.kind() == v1::Event::EVENTS_LOST || event.kind() == v1::Event::KIND_UNSPECIFIED) return;
   JobSeries& s = SeriesLocked(event.job());
   switch (event.kind()) {
@@ -116,7 +116,7 @@ void Metrics::Observe(const v1::Event& event) {
 }
 
 void Metrics::ObserveSlotWait(const std::string& job, double seconds, bool got_slot) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   JobSeries& s = SeriesLocked(job);
   s.slot_waits += 1;
   if (!got_slot) s.slot_wait_timeouts += 1;
@@ -124,7 +124,7 @@ void Metrics::ObserveSlotWait(const std::string& job, double seconds, bool got_s
 }
 
 std::string Metrics::Render(const v1::StatusResponse& status, uint64_t watchers_lost) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::string out;
   out.reserve(8192);
 

@@ -11,10 +11,10 @@
 #include <array>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "flashckpt.pb.h"
 
 namespace flashckpt {
@@ -41,14 +41,14 @@ class Metrics {
   Metrics();
 
   // Counts the event in the series its kind feeds (EVENTS_LOST is the watchers' and counts nowhere).
-  void Observe(const v1::Event& event);
+  void Observe(const v1::Event& event) EXCLUDES(mu_);
   // A BeginSnapshot that had to wait for a free slot, and how long it waited (also when it then
   // timed out: `got_slot` false).
-  void ObserveSlotWait(const std::string& job, double seconds, bool got_slot);
+  void ObserveSlotWait(const std::string& job, double seconds, bool got_slot) EXCLUDES(mu_);
   // The whole exposition: these counters and histograms, gauges from `status` (host memory,
   // oldest write in flight, last committed and durable step per job, CUDA presence, uptime), and
   // the events watchers lost (EventHub::dropped).
-  std::string Render(const v1::StatusResponse& status, uint64_t watchers_lost) const;
+  std::string Render(const v1::StatusResponse& status, uint64_t watchers_lost) const EXCLUDES(mu_);
 
  private:
   struct JobSeries {
@@ -58,13 +58,13 @@ class Metrics {
     std::map<std::string, uint64_t> deleted;   // by reason: retention, operator
     double last_complete_unix = 0;             // when this daemon last completed a checkpoint of the job
   };
-  JobSeries& SeriesLocked(const std::string& job);
+  JobSeries& SeriesLocked(const std::string& job) REQUIRES(mu_);
 
-  mutable std::mutex mu_;
-  std::map<std::string, JobSeries> jobs_;  // guarded by mu_
-  Histogram persist_seconds_;              // guarded by mu_
-  Histogram ema_seconds_;                  // guarded by mu_
-  Histogram slot_wait_seconds_;            // guarded by mu_
+  mutable Mutex mu_;
+  std::map<std::string, JobSeries> jobs_ GUARDED_BY(mu_);
+  Histogram persist_seconds_ GUARDED_BY(mu_);
+  Histogram ema_seconds_ GUARDED_BY(mu_);
+  Histogram slot_wait_seconds_ GUARDED_BY(mu_);
 };
 
 }  // namespace flashckpt

@@ -96,12 +96,12 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       state_.RemoveCommit(rec.segment_name(), c.slot());
       continue;
     }
-    RETURN_IF_ERROR(segment->slots.Adopt(ticket, c.step()));
+    RETURN_IF_ERROR(UnpublishedSlots(*segment).Adopt(ticket, c.step()));
     const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot()));
     Pending p;
     p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
                  mirror->step.load() == c.step() && mirror->generation.load() == c.generation();
-    segment->Mirror(c.slot());
+    MirrorUnpublished(*segment, c.slot());
     EmaJob& j = p.job;
     j.segment = segment;
     j.ticket = ticket;
@@ -128,8 +128,8 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
           auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), c.resumed_from());
           if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());
         }
-        (void)segment->slots.Release(ticket, SlotState::kCommitted);
-        segment->Mirror(c.slot());
+        (void)UnpublishedSlots(*segment).Release(ticket, SlotState::kCommitted);
+        MirrorUnpublished(*segment, c.slot());
         state_.RemoveCommit(rec.segment_name(), c.slot());
         Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
         continue;
@@ -140,7 +140,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     pending.push_back(std::move(p));
   }
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   JobState& job_state = jobs_[job];
   RankState& rank = job_state.ranks[rank_id];
   if (!rank.segment) {
@@ -154,12 +154,12 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,
                         p.job.step, p.job.persist);
     if (segment->ema && !p.ema_done) {
-      segment->ema_pending += 1;
-      ema_queue_.push_back(std::move(p.job));  // in step order: the records are sorted
+      EmaPending(*segment) += 1;
+      ema_stage_->Submit(std::move(p.job));  // in step order: the records are sorted
     } else {
       if (!p.job.persist) {
-        (void)segment->slots.Release(p.job.ticket, SlotState::kCommitted);
-        segment->Mirror(p.job.ticket.slot);
+        (void)Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
+        Mirror(*segment, p.job.ticket.slot);
         state_.RemoveCommit(rec.segment_name(), p.job.ticket.slot);
         continue;
       }
@@ -167,7 +167,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       if (!s.ok()) Logger("shm")->error("recovered snapshot not queued: {}", s.ToString());
     }
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return Status::OK();
 }
 

@@ -16,24 +16,25 @@ namespace flashckpt {
 // restored step. A checkpoint saved without EMA leaves the EMA uninitialised (the next update
 // starts it afresh).
 Status LoadEma(const std::string& dir, const CheckpointMetadata& meta, RankEma* ema, const FillOptions& options) {
-  std::lock_guard<std::mutex> lock(ema->mu());
   if (!meta.ema) {
-    ema->SetState(EmaState{});
+    ema->Reset();
     Logger("restore")->warn("checkpoint {} has no EMA; the EMA starts afresh", dir);
     return Status::OK();
   }
-  // Filled into the spare image and published at once: a failed or interrupted load leaves the
-  // previous average in place.
-  auto filled = FillSlotFromCheckpoint(dir, meta, ema->plan().layout, ema->spare_base(), options);
-  if (!filled.ok()) return filled.status().WithContext("loading the EMA");
   EmaState state;
   state.initialized = meta.ema->updates_applied > 0;
   state.updates_applied = meta.ema->updates_applied;
   state.updates_skipped = meta.ema->updates_skipped;
   state.last_step = state.initialized ? meta.ema->last_step : -1;
   state.last_seen = state.last_step;
-  ema->Publish(state);
-  return Status::OK();
+  // Filled into the spare image and published at once: a failed or interrupted load leaves the
+  // previous average in place.
+  Status loaded = ema->Load(
+      [&](char* image_base) {
+        return FillSlotFromCheckpoint(dir, meta, ema->plan().layout, image_base, options).status();
+      },
+      state);
+  return loaded.ok() ? loaded : loaded.WithContext("loading the EMA");
 }
 
 // Daemon::Restore: pick the checkpoint, take a slot, fill it without holding the lock, hand it over.
@@ -45,7 +46,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   std::string job;
   uint32_t rank_id = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     (void)rank;
     job = sessions_[session_id].job;
@@ -118,7 +119,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Status failure = !filled.ok() ? filled.status() : extra_status;
   if (!failure.ok()) {
     Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
@@ -141,7 +142,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
 Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
                                                        bool need_ema, std::chrono::steady_clock::time_point deadline,
                                                        std::chrono::milliseconds timeout, const char* purpose) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     if (need_ema && !rank->segment->ema) {
@@ -149,15 +150,15 @@ Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& sessio
           "this rank has no EMA: the job registered without ema_decay, or all its "
           "weights are replicas persisted by another rank");
     }
-    if (rank->segment->ema_pending == 0) {
-      if (auto t = rank->segment->slots.Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
+    if (EmaPending(*rank->segment) == 0) {
+      if (auto t = Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
         LoadingSlot slot{rank->segment, *t};
-        slot.segment->slots.SetLoading(t->slot, true);
-        slot.segment->Mirror(t->slot);
+        Slots(*slot.segment).SetLoading(t->slot, true);
+        Mirror(*slot.segment, t->slot);
         return slot;
       }
     }
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!cv_.WaitUntil(&lock, deadline)) {
       return DeadlineExceeded(std::string("no slot became free for ") + purpose + " within " +
                               std::to_string(timeout.count()) + " ms");
     }
@@ -166,16 +167,16 @@ Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& sessio
 
 Status Daemon::FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure) {
   RankSegment& segment = *slot.segment;
-  segment.slots.SetLoading(slot.ticket.slot, false);
+  Slots(segment).SetLoading(slot.ticket.slot, false);
   auto live = sessions_.find(session_id);
   bool alive = live != sessions_.end() && jobs_[live->second.job].ranks[live->second.rank].session_id == session_id;
   if (failure.ok() && alive) {
-    segment.Mirror(slot.ticket.slot);
+    Mirror(segment, slot.ticket.slot);
     return Status::OK();
   }
-  (void)segment.slots.Release(slot.ticket, SlotState::kRestoring);  // nobody will read it
-  segment.Mirror(slot.ticket.slot);
-  cv_.notify_all();
+  (void)Slots(segment).Release(slot.ticket, SlotState::kRestoring);  // nobody will read it
+  Mirror(segment, slot.ticket.slot);
+  cv_.NotifyAll();
   return failure.ok() ? Cancelled("the session ended while its slot was being filled") : failure;
 }
 
@@ -186,27 +187,20 @@ Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chron
                    AcquireLoadingSlot(session_id, std::nullopt, /*need_ema=*/true, deadline, timeout, "the EMA copy"));
   EmaCopy out;
   out.ticket = loading.ticket;
-  {
-    RankEma& ema = *loading.segment->ema;
-    std::lock_guard<std::mutex> lock(ema.mu());
-    const FileImage& image = ema.plan().layout.files[0];
-    const uint64_t data = image.slot_offset + image.header.size();
-    std::memcpy(loading.segment->SlotEmaBase(loading.ticket.slot) + data, ema.base() + data, image.data_bytes);
-    const EmaState state = ema.state();
-    out.initialized = state.initialized;
-    out.step = state.last_step;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
+  const EmaState state = loading.segment->ema->CopyAverage(loading.segment->SlotEmaBase(loading.ticket.slot));
+  out.initialized = state.initialized;
+  out.step = state.last_step;
+  MutexLock lock(&mu_);
   RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
   return out;
 }
 
 Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-  RETURN_IF_ERROR(rank->segment->slots.Release(ticket, SlotState::kRestoring));
-  rank->segment->Mirror(ticket.slot);
-  cv_.notify_all();
+  RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kRestoring));
+  Mirror(*rank->segment, ticket.slot);
+  cv_.NotifyAll();
   return Status::OK();
 }
 

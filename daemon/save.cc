@@ -27,7 +27,7 @@ Status SaveFailed(const std::string& job, int64_t step, const Status& cause, con
 // ahead of its copies lowers it before committing.
 void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
   reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
-  rank->segment->Mirror(ticket.slot);
+  Mirror(*rank->segment, ticket.slot);
   rank->last_begun = step;
 }
 
@@ -36,7 +36,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
   std::string job;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     job = sessions_[session_id].job;
     if (!rank->fatal_error.ok()) return rank->fatal_error;
@@ -60,11 +60,11 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
                                got_slot);
     }
   };
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     if (rank->session_id != session_id) return Cancelled("the session was replaced");
-    if (auto ticket = rank->segment->slots.Acquire(SlotState::kFilling, step)) {
+    if (auto ticket = Slots(*rank->segment).Acquire(SlotState::kFilling, step)) {
       HandOut(rank, *ticket, step);
       count_wait(true);
       return *ticket;
@@ -72,7 +72,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     if (rank->policy == Backpressure::kSkip) {
       rank->skipped += 1;
       Status skipped = ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
-                                         std::to_string(rank->segment->slots.size()) +
+                                         std::to_string(Slots(*rank->segment).size()) +
                                          " slots are still persisting (backpressure policy skip)");
       v1::Event event;
       event.set_kind(v1::Event::SNAPSHOT_SKIPPED);
@@ -84,9 +84,9 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       return skipped;
     }
     waited = true;
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!cv_.WaitUntil(&lock, deadline)) {
       ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
-      if (auto ticket = r->segment->slots.Acquire(SlotState::kFilling, step)) {
+      if (auto ticket = Slots(*r->segment).Acquire(SlotState::kFilling, step)) {
         HandOut(r, *ticket, step);
         count_wait(true);
         return *ticket;
@@ -135,10 +135,10 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   v1::CommitRecord record;
   std::string segment_name;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
-    const SlotInfo* slot = ticket.slot < rank->segment->slots.size() ? &rank->segment->slots.at(ticket.slot) : nullptr;
+    const SlotInfo* slot = ticket.slot < Slots(*rank->segment).size() ? &Slots(*rank->segment).at(ticket.slot) : nullptr;
     if (slot != nullptr && slot->state == SlotState::kFilling && slot->generation == ticket.generation &&
         (persist || rank->segment->ema)) {
       segment_name = rank->segment->shm->name();
@@ -158,16 +158,16 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
       return saved.WithContext("recording the commit of step " + std::to_string(step) + " in the state directory");
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto rank_or = RankOf(session_id, true);
-  Status committed = rank_or.ok() ? (*rank_or)->segment->slots.Commit(ticket, step) : rank_or.status();
+  Status committed = rank_or.ok() ? Slots(*(*rank_or)->segment).Commit(ticket, step) : rank_or.status();
   if (!committed.ok() || (*rank_or)->segment->shm->name() != segment_name) {
     if (!segment_name.empty()) state_.RemoveCommit(segment_name, ticket.slot);
     if (!committed.ok()) return committed;
   }
   RankState* rank = *rank_or;
   const SessionInfo who = sessions_[session_id];
-  rank->segment->Mirror(ticket.slot);
+  Mirror(*rank->segment, ticket.slot);
   rank->snapshots += 1;
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
@@ -197,9 +197,8 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   }
   if (segment->ema) {
     // The EMA stage applies it in commit order and then finishes it.
-    segment->ema_pending += 1;
-    ema_queue_.push_back(std::move(job));
-    cv_.notify_all();
+    EmaPending(*segment) += 1;
+    ema_stage_->Submit(std::move(job));
     return Status::OK();
   }
   return FinishCommittedLocked(std::move(job));
@@ -208,19 +207,19 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
 Status Daemon::FinishCommittedLocked(EmaJob job) {
   RankSegment& segment = *job.segment;
   if (!job.persist) {
-    RETURN_IF_ERROR(segment.slots.Release(job.ticket, SlotState::kCommitted));
-    segment.Mirror(job.ticket.slot);
-    cv_.notify_all();
+    RETURN_IF_ERROR(Slots(segment).Release(job.ticket, SlotState::kCommitted));
+    Mirror(segment, job.ticket.slot);
+    cv_.NotifyAll();
     return Status::OK();
   }
-  RETURN_IF_ERROR(segment.slots.BeginPersist(job.ticket));
-  segment.Mirror(job.ticket.slot);
+  RETURN_IF_ERROR(Slots(segment).BeginPersist(job.ticket));
+  Mirror(segment, job.ticket.slot);
   Status submitted = writer_->Submit(std::move(job.request));
   if (!submitted.ok()) {
     state_.RemoveCommit(segment.shm->name(), job.ticket.slot);
-    (void)segment.slots.Release(job.ticket, SlotState::kPersisting);
-    segment.Mirror(job.ticket.slot);
-    cv_.notify_all();
+    (void)Slots(segment).Release(job.ticket, SlotState::kPersisting);
+    Mirror(segment, job.ticket.slot);
+    cv_.NotifyAll();
     Logger("writer")->error("persist not queued job={} step={} rank={} error=\"{}\"", job.job, job.step, job.rank,
                             submitted.ToString());
     return submitted;
@@ -228,60 +227,23 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
   return Status::OK();
 }
 
-void Daemon::RunEmaStage() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !ema_queue_.empty(); });
-    if (ema_queue_.empty()) return;  // stopping, and everything committed has been applied
-    if (stopping_ && std::chrono::steady_clock::now() >= stop_deadline_) return;  // Stop abandons the rest
-    EmaJob job = std::move(ema_queue_.front());
-    ema_queue_.pop_front();
-    lock.unlock();
-    RankEma& ema = *job.segment->ema;
-    auto start = std::chrono::steady_clock::now();
-    bool applied = false;
-    // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
-    // they fail, the update is skipped (and the writer fails the save for the same reason).
-    Status copied = WaitSlotCopied(*reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot)),
-                                   job.segment->layout.slot_bytes, config_.copy_timeout, [this] {
-                                     std::lock_guard<std::mutex> stop_lock(mu_);
-                                     return stopping_ && std::chrono::steady_clock::now() >= stop_deadline_;
-                                   });
-    if (copied.code() == StatusCode::kCancelled) {
-      // The stop deadline passed while the copies were still coming: Stop abandons it with the rest.
-      lock.lock();
-      ema_queue_.push_front(std::move(job));
-      return;
-    }
-    if (!copied.ok()) {
-      Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
-                           copied.ToString());
-    } else {
-      std::lock_guard<std::mutex> ema_lock(ema.mu());
-      char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
-      applied = ema.Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step, job.loss, image,
-                          ema_loop_.get(), job.replay);
-    }
-    // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
-    if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
-                         secs);
-    if (applied) {
-      v1::Event event;
-      event.set_kind(v1::Event::EMA_UPDATED);
-      event.set_job(job.job);
-      event.set_rank(job.rank);
-      event.set_step(job.step);
-      event.set_seconds(secs);
-      Emit(std::move(event));
-    }
-    lock.lock();
-    job.segment->ema_pending -= 1;
-    cv_.notify_all();
-    Status s = FinishCommittedLocked(std::move(job));
-    (void)s;  // logged by FinishCommittedLocked; the slot is free either way
+void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
+  // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
+  if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
+  if (applied) {
+    v1::Event event;
+    event.set_kind(v1::Event::EMA_UPDATED);
+    event.set_job(job.job);
+    event.set_rank(job.rank);
+    event.set_step(job.step);
+    event.set_seconds(seconds);
+    Emit(std::move(event));
   }
+  MutexLock lock(&mu_);
+  EmaPending(*job.segment) -= 1;
+  cv_.NotifyAll();
+  Status s = FinishCommittedLocked(std::move(job));
+  (void)s;  // logged by FinishCommittedLocked; the slot is free either way
 }
 
 void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id,
@@ -291,7 +253,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     // Abandoned at the stop timeout (its temporaries and partial files removed): as after a crash,
     // the commit record and the segment stay, and the slot stays PERSISTING in its mirror, so the
     // next daemon adopts it and writes it without passing it through the EMA stage again.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     segment->shm->KeepName();
     stop_abandoned_ += 1;
     Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
@@ -303,16 +265,16 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     event.set_step(step);
     event.set_reason("write cut off at the stop timeout");
     Emit(std::move(event));
-    cv_.notify_all();
+    cv_.NotifyAll();
     return;
   }
   // Written (or failed and reported): a restarted daemon must not write it again.
   state_.RemoveCommit(segment->shm->name(), ticket.slot);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_ && status.ok()) stop_finished_ += 1;
-  Status released = segment->slots.Release(ticket, SlotState::kPersisting);
+  Status released = Slots(*segment).Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
-  segment->Mirror(ticket.slot);
+  Mirror(*segment, ticket.slot);
   auto jit = jobs_.find(job);
   if (jit != jobs_.end()) {
     auto rit = jit->second.ranks.find(rank_id);
@@ -361,15 +323,15 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     Logger("writer")->error("persist failed job={} step={} rank={} error=\"{}\"", job, step, rank_id,
                             status.ToString());
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 Status Daemon::AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-  RETURN_IF_ERROR(rank->segment->slots.Release(ticket, SlotState::kFilling));
-  rank->segment->Mirror(ticket.slot);
-  cv_.notify_all();
+  RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kFilling));
+  Mirror(*rank->segment, ticket.slot);
+  cv_.NotifyAll();
   return Status::OK();
 }
 
@@ -377,7 +339,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
                                          std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string job;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     job = sessions_[session_id].job;
@@ -388,7 +350,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     if (rank->last_persisted >= step) {
       WaitResult r;
       r.persisted_step = rank->last_persisted;
-      lock.unlock();
+      lock.Unlock();
       ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
       return r;
     }
@@ -396,7 +358,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       // Persisted before a daemon restart, which forgot it: the rank's signal is on disk.
       const uint32_t rank_id = sessions_[session_id].rank;
       const int64_t attempt = rank->resumed_from;
-      lock.unlock();
+      lock.Unlock();
       ASSIGN_OR_RETURN(bool signalled, catalog_.HasSignal(job, rank_id, step, attempt));
       if (signalled) {
         WaitResult r;
@@ -404,13 +366,13 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
         ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
         return r;
       }
-      lock.lock();
+      lock.Lock();
       ASSIGN_OR_RETURN(rank, RankOf(session_id, true));
       if (rank->last_committed >= step) continue;
       return FailedPrecondition("step " + std::to_string(step) + " was never committed by this rank (last commit: " +
                                 std::to_string(rank->last_committed) + ")");
     }
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!cv_.WaitUntil(&lock, deadline)) {
       return DeadlineExceeded("step " + std::to_string(step) + " was not persisted within " +
                               std::to_string(timeout.count()) +
                               " ms (last persisted: " + std::to_string(rank->last_persisted) + ")");

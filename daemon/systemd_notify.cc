@@ -23,10 +23,10 @@ SystemdNotifier::SystemdNotifier() {
 
 SystemdNotifier::~SystemdNotifier() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     done_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -38,19 +38,21 @@ void SystemdNotifier::Send(const std::string& state) {
 
 void SystemdNotifier::Ready(const std::string& status_line, std::function<std::string()> status) {
   if (!enabled_) return;
+  bool has_source = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     status_ = std::move(status);
+    has_source = status_ != nullptr;
     last_status_ = status_line;
   }
   Send("READY=1\nSTATUS=" + status_line);
-  if ((watchdog_.count() > 0 || status_) && !thread_.joinable()) thread_ = std::thread([this] { Run(); });
+  if ((watchdog_.count() > 0 || has_source) && !thread_.joinable()) thread_ = std::thread([this] { Run(); });
 }
 
 void SystemdNotifier::Stopping(const std::string& status_line) {
   if (!enabled_) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     status_ = nullptr;  // the stop's own lines from now on
     last_status_ = status_line;
   }
@@ -60,7 +62,7 @@ void SystemdNotifier::Stopping(const std::string& status_line) {
 void SystemdNotifier::Status(const std::string& status_line) {
   if (!enabled_) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     last_status_ = status_line;
   }
   Send("STATUS=" + status_line);
@@ -69,22 +71,27 @@ void SystemdNotifier::Status(const std::string& status_line) {
 void SystemdNotifier::Run() {
   const auto period = watchdog_.count() > 0 ? std::chrono::duration_cast<std::chrono::microseconds>(watchdog_ / 2)
                                             : std::chrono::microseconds(std::chrono::seconds(5));
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!cv_.wait_for(lock, period, [&] { return done_; })) {
+  MutexLock lock(&mu_);
+  for (;;) {
+    // One period, or until the destructor says done.
+    const auto next = std::chrono::steady_clock::now() + period;
+    while (!done_ && cv_.WaitUntil(&lock, next)) {
+    }
+    if (done_) return;
     std::string line;
     if (status_) {
       auto source = status_;
-      lock.unlock();
+      lock.Unlock();
       line = source();  // may take the daemon's lock: not under mu_
-      lock.lock();
+      lock.Lock();
       if (line == last_status_ || !status_) line.clear();
       if (!line.empty()) last_status_ = line;
     }
-    lock.unlock();
+    lock.Unlock();
     std::string state = watchdog_.count() > 0 ? "WATCHDOG=1" : "";
     if (!line.empty()) state += (state.empty() ? "" : "\n") + std::string("STATUS=") + line;
     if (!state.empty()) Send(state);
-    lock.lock();
+    lock.Lock();
   }
 }
 

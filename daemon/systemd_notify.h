@@ -8,11 +8,11 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
+
+#include "common/mutex.h"
 
 namespace flashckpt {
 
@@ -44,11 +44,11 @@ class SystemdNotifier {
 
   bool enabled_ = false;
   std::chrono::microseconds watchdog_{0};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;                    // guarded by mu_
-  std::function<std::string()> status_;  // guarded by mu_
-  std::string last_status_;              // guarded by mu_
+  Mutex mu_;
+  CondVar cv_;
+  bool done_ GUARDED_BY(mu_) = false;
+  std::function<std::string()> status_ GUARDED_BY(mu_);
+  std::string last_status_ GUARDED_BY(mu_);
   std::thread thread_;
 };
 

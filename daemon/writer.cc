@@ -22,26 +22,25 @@ Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsign
 Writer::~Writer() { Stop(); }
 
 Status Writer::Submit(PersistRequest request) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (stopping_) return Unavailable("the writer is stopping; the daemon is shutting down");
   if (queue_.size() >= capacity_) {
     return ResourceExhausted("the persist queue is full (" + std::to_string(capacity_) + " requests)");
   }
   queue_.push_back(std::move(request));
-  cv_.notify_one();
+  cv_.NotifyOne();
   return Status::OK();
 }
 
 void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
   std::deque<PersistRequest> dropped;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
-    cv_.notify_all();
-    auto idle = [&] { return queue_.empty() && in_flight_.empty(); };
-    if (deadline == std::chrono::steady_clock::time_point::max()) {
-      idle_cv_.wait(lock, idle);
-    } else if (!idle_cv_.wait_until(lock, deadline, idle)) {
+    cv_.NotifyAll();
+    bool idle = queue_.empty() && in_flight_.empty();
+    while (!idle && idle_cv_.WaitUntil(&lock, deadline)) idle = queue_.empty() && in_flight_.empty();
+    if (!(queue_.empty() && in_flight_.empty())) {
       // Out of time: the writes running now fail at their next call into env_ and clean up.
       env_.Cancel();
       dropped.swap(queue_);
@@ -63,7 +62,7 @@ void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
 }
 
 std::vector<WriteInFlight> Writer::InFlight() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<WriteInFlight> out;
   out.reserve(in_flight_.size());
   for (const auto& [id, w] : in_flight_) out.push_back(w);
@@ -77,8 +76,8 @@ void Writer::Run() {
     uint64_t id;
     std::chrono::steady_clock::time_point start;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(&mu_);
+      while (!stopping_ && queue_.empty()) cv_.Wait(&lock);
       if (queue_.empty()) return;  // stopping and drained
       req = std::move(queue_.front());
       queue_.pop_front();
@@ -89,10 +88,10 @@ void Writer::Run() {
     auto written = Persist(req, &io);
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       in_flight_.erase(id);
     }
-    idle_cv_.notify_all();
+    idle_cv_.NotifyAll();
     if (req.done) req.done(written.status(), written.ok() ? *written : 0, secs);
   }
 }

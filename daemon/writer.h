@@ -10,18 +10,17 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/io_env.h"
+#include "common/mutex.h"
 #include "common/layout.h"
 #include "common/shm.h"
 #include "common/status.h"
@@ -68,7 +67,7 @@ class Writer {
   ~Writer();  // Stop()
 
   // Queues a request; kResourceExhausted when the queue is full, kUnavailable once stopped.
-  Status Submit(PersistRequest request);
+  Status Submit(PersistRequest request) EXCLUDES(mu_);
   // Finishes every queued request, then joins the threads. Idempotent.
   void Stop() { Stop(std::chrono::steady_clock::time_point::max()); }
   // The same until `deadline`; then it abandons what is left: the persists being written stop at
@@ -76,10 +75,10 @@ class Writer {
   // renamed (never their signal once it is in place: a persist whose signal is written is
   // finished), and the queued ones are not started. The `done` of each abandoned request runs with
   // kCancelled (after Stop returns, every `done` has run).
-  void Stop(std::chrono::steady_clock::time_point deadline);
+  void Stop(std::chrono::steady_clock::time_point deadline) EXCLUDES(mu_);
   // The persists being written now, each with when its thread took it; it leaves the list before
   // its `done` runs. Thread-safe; takes the writer's lock only, so a caller may hold its own.
-  std::vector<WriteInFlight> InFlight() const;
+  std::vector<WriteInFlight> InFlight() const EXCLUDES(mu_);
 
   // The work itself, also usable synchronously (tests). Returns bytes written. On failure (a full
   // disk, an I/O error) the files this attempt wrote for the step are removed again (saved_signal
@@ -89,7 +88,7 @@ class Writer {
   Result<uint64_t> Persist(const PersistRequest& request, ParallelLoop* io = nullptr);
 
  private:
-  void Run();
+  void Run() EXCLUDES(mu_);
   // Writes the rank's files and then its signal; `written` collects the names now in place.
   Status WriteRankFiles(const PersistRequest& request, const std::string& dir, ParallelLoop* io,
                         std::vector<std::string>* written, uint64_t* bytes);
@@ -98,13 +97,13 @@ class Writer {
   size_t capacity_;
   unsigned io_threads_;
   CancellableIo env_;  // the IoEnv given, until the stop timeout cancels it
-  mutable std::mutex mu_;
-  std::condition_variable cv_;                   // work queued, or stopping
-  std::condition_variable idle_cv_;              // a persist finished
-  std::deque<PersistRequest> queue_;             // guarded by mu_
-  bool stopping_ = false;                        // guarded by mu_
-  std::map<uint64_t, WriteInFlight> in_flight_;  // guarded by mu_; by a counter of taken requests
-  uint64_t taken_ = 0;                           // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;                                                 // work queued, or stopping
+  CondVar idle_cv_;                                            // a persist finished
+  std::deque<PersistRequest> queue_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::map<uint64_t, WriteInFlight> in_flight_ GUARDED_BY(mu_);  // by a counter of taken requests
+  uint64_t taken_ GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_;
 };
 
