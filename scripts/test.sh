@@ -3,9 +3,10 @@
 # generator builds the protocol, in build-make/):
 #   1. build/       RelWithDebInfo, warnings are errors: every test
 #   2. build-asan/  Debug with AddressSanitizer + UndefinedBehaviorSanitizer: every test
-#   3. build-fuzz/  clang, libFuzzer + ASan + UBSan, warnings are errors: each fuzz target of
-#                   tests/fuzz for FLASHCKPT_FUZZ_SECONDS (default 30) from generated seeds
-#                   (skipped when FLASHCKPT_SKIP_FUZZ=1)
+#   3. build-fuzz/  clang, libFuzzer + ASan + UBSan, warnings (-Wthread-safety too) are errors:
+#                   the daemon, client and CLI compile (their lock annotations checked), and each
+#                   fuzz target of tests/fuzz runs for FLASHCKPT_FUZZ_SECONDS (default 30) from
+#                   generated seeds (skipped when FLASHCKPT_SKIP_FUZZ=1)
 #   4. build-tsan/  Debug with ThreadSanitizer: the tests labelled `threads` (those that
 #                   run work on several threads without gRPC; skipped when FLASHCKPT_SKIP_TSAN=1)
 # FLASHCKPT_SKIP_SANITIZERS=1 skips passes 2 to 4. Exits with ctest's status: the first failing pass
@@ -60,11 +61,12 @@ fi
 if [ "${FLASHCKPT_SKIP_FUZZ:-0}" = "1" ]; then
   section "fuzz pass skipped (FLASHCKPT_SKIP_FUZZ=1)"
 else
-  section "build-fuzz/ : clang, libFuzzer + address;undefined, -Werror"
-  # Only the fuzz targets and the seed generator are built (tests/fuzz/CMakeLists.txt).
+  section "build-fuzz/ : clang, libFuzzer + address;undefined, -Wthread-safety -Werror"
+  # The fuzz targets and the seed generator (tests/fuzz/CMakeLists.txt), and the daemon, the client
+  # library and the CLI: clang checks their lock annotations (common/thread_annotations.h).
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCKPT_FUZZ=ON \
     -DFLASHCKPT_WERROR=ON -DFLASHCKPT_FUZZ_SECONDS="${FLASHCKPT_FUZZ_SECONDS:-30}"
-  cmake --build build-fuzz -j"$JOBS" --target fuzzers
+  cmake --build build-fuzz -j"$JOBS" --target fuzzers flashckpt_daemon flashckpt_client flashckpt
 
   section "fuzz targets in build-fuzz/ (${FLASHCKPT_FUZZ_SECONDS:-30}s each)"
   # A crash fails the target's test; its input is saved under build-fuzz/fuzz/crashes/.
