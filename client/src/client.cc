@@ -97,7 +97,7 @@ using Matched = std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>
 
 // Device tensors are copied in pieces of this size, each with its own event: the daemon may write
 // a piece while the next ones are still in flight.
-constexpr uint64_t kDeviceCopyChunk = 64u << 20;
+[[maybe_unused]] constexpr uint64_t kDeviceCopyChunk = 64u << 20;  // used by the CUDA build only
 
 // Which buffers are CUDA device memory (true) and which host memory, in the order of `buffers`.
 // Device memory this process cannot copy is refused here, before a slot is taken: in a build
