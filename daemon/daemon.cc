@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/version.h"
+#include "daemon/wire.h"
 
 namespace flashckpt {
 namespace {
@@ -55,24 +56,24 @@ bool SameDegrees(const Topology& a, const Topology& b) {
 Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep, RootIo()) {
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
-    v1::Event event;
-    event.set_kind(change == CatalogChange::kCompleted ? v1::Event::CHECKPOINT_COMPLETE
-                                                       : v1::Event::CHECKPOINT_DELETED);
-    event.set_job(job);
-    event.set_step(step);
-    event.set_reason(std::string(reason));
+    Event event;
+    event.kind = change == CatalogChange::kCompleted ? Event::Kind::kCheckpointComplete
+                                                     : Event::Kind::kCheckpointDeleted;
+    event.job = job;
+    event.step = step;
+    event.reason = std::string(reason);
     Emit(std::move(event));
   });
 }
 
-void Daemon::Emit(v1::Event event) {
-  event.set_unix_seconds(UnixSeconds());
+void Daemon::Emit(Event event) {
+  event.unix_seconds = UnixSeconds();
   metrics_.Observe(event);
   events_.Publish(std::move(event));
 }
 
 std::string Daemon::RenderMetrics() const {
-  v1::StatusResponse status = GetStatus();
+  const StatusReport status = GetStatus();
   return metrics_.Render(status, events_.dropped());
 }
 
@@ -122,12 +123,12 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
       stop_abandoned_ += 1;
       Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
                              job.step, job.rank);
-      v1::Event event;
-      event.set_kind(v1::Event::PERSIST_ABANDONED);
-      event.set_job(job.job);
-      event.set_rank(job.rank);
-      event.set_step(job.step);
-      event.set_reason("not reached by the EMA stage before the stop timeout");
+      Event event;
+      event.kind = Event::Kind::kPersistAbandoned;
+      event.job = job.job;
+      event.rank = job.rank;
+      event.step = job.step;
+      event.reason = "not reached by the EMA stage before the stop timeout";
       Emit(std::move(event));
     }
   }
@@ -259,7 +260,7 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
 Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::string& job, uint32_t rank,
                                                                    RankLayout layout, std::optional<EmaPlan> ema_plan,
                                                                    const EmaConfig& ema_config,
-                                                                   const v1::RegisterRequest& request) {
+                                                                   const Registration& registration) {
   ASSIGN_OR_RETURN(std::string token, RandomToken());
   const std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
   const uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
@@ -273,9 +274,7 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::st
   record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots));
   record.set_slot_count(config_.slots);
   record.set_checksum_chunk(config_.checksum_chunk);
-  *record.mutable_registration() = request;
-  record.mutable_registration()->clear_session_id();
-  record.mutable_registration()->clear_resumed_from();
+  *record.mutable_registration() = RegistrationRecord(registration);
   if (Status saved = state_.SaveSegment(record); !saved.ok()) {
     return saved.WithContext("saving the segment's record in the state directory");
   }
@@ -285,8 +284,7 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::st
   return created;
 }
 
-Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, const v1::RegisterRequest& request) {
-  ASSIGN_OR_RETURN(Registration reg, ParseRegistration(request));
+Result<RegisterReply> Daemon::Register(const std::string& session_id, const Registration& reg) {
   const Topology& topology = reg.topology;
   const EmaConfig& ema_config = reg.ema;
   // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
@@ -362,7 +360,7 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
     const uint64_t generation = ++rank->registrations;
     lock.Unlock();
     retired.reset();
-    auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, request);
+    auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, reg);
     lock.Lock();
     registering_bytes_ -= need;
     if (!made.ok()) return made.status();
@@ -385,38 +383,38 @@ Result<v1::RegisterResponse> Daemon::Register(const std::string& session_id, con
   job->topology = topology;
 
   const RankSegment& seg = *rank->segment;
-  v1::RegisterResponse resp;
-  resp.set_segment_name(seg.shm->name());
-  resp.set_segment_bytes(seg.shm->size());
-  resp.set_slot_count(Slots(seg).size());
-  resp.set_slot_offset(kSegmentHeaderBytes);
-  resp.set_slot_stride(seg.slot_stride);
+  RegisterReply reply;
+  reply.segment_name = seg.shm->name();
+  reply.segment_bytes = seg.shm->size();
+  reply.slot_count = Slots(seg).size();
+  reply.slot_offset = kSegmentHeaderBytes;
+  reply.slot_stride = seg.slot_stride;
   for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
-    auto* p = resp.add_placements();
-    p->set_name(seg.layout.tensors[i].name);
+    TensorLocation& p = reply.placements.emplace_back();
+    p.name = seg.layout.tensors[i].name;
     int f = seg.layout.placements[i].file;
-    p->set_file(f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem);
-    p->set_slot_offset(seg.layout.placements[i].slot_offset);
-    p->set_bytes(seg.layout.placements[i].bytes);
+    p.file = f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem;
+    p.slot_offset = seg.layout.placements[i].slot_offset;
+    p.bytes = seg.layout.placements[i].bytes;
     if (seg.ema) {
       const auto& sources = seg.ema->plan().source;
-      p->set_ema_source(std::find(sources.begin(), sources.end(), i) != sources.end());
+      p.ema_source = std::find(sources.begin(), sources.end(), i) != sources.end();
     }
   }
   if (seg.ema) {
     const RankLayout& el = seg.ema->plan().layout;
     for (size_t i = 0; i < el.tensors.size(); ++i) {
-      auto* p = resp.add_ema_placements();
-      p->set_name(el.tensors[i].name);
-      p->set_file(el.files[0].stem);
-      p->set_slot_offset(seg.ema_area - el.files[0].slot_offset + el.placements[i].slot_offset);
-      p->set_bytes(el.placements[i].bytes);
+      TensorLocation& p = reply.ema_placements.emplace_back();
+      p.name = el.tensors[i].name;
+      p.file = el.files[0].stem;
+      p.slot_offset = seg.ema_area - el.files[0].slot_offset + el.placements[i].slot_offset;
+      p.bytes = el.placements[i].bytes;
     }
   }
   Logger("rpc")->info("registered job={} rank={} tensors={} slot_bytes={} ema_tensors={} reused={}", who.job, who.rank,
                       seg.layout.tensors.size(), FormatBytes(seg.slot_stride),
                       seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
-  return resp;
+  return reply;
 }
 
 Result<std::vector<CheckpointEntry>> Daemon::List(const std::string& job) const { return catalog_.List(job); }
@@ -453,23 +451,23 @@ Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_
   return catalog_.CollectGarbage(job, keep, busy, dry_run);
 }
 
-v1::StatusResponse Daemon::GetStatus() const {
-  v1::StatusResponse out;
-  out.set_version(kVersion);
-  out.set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
-  out.set_host_memory_used(host_memory_used_.load());
-  out.set_host_memory_budget(config_.max_host_memory);
-  out.set_root(config_.root);
+StatusReport Daemon::GetStatus() const {
+  StatusReport out;
+  out.version = kVersion;
+  out.uptime_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  out.host_memory_used = host_memory_used_.load();
+  out.host_memory_budget = config_.max_host_memory;
+  out.root = config_.root;
   const CudaInfo& cuda = GetCudaInfo();
-  out.set_cuda_compiled(cuda.compiled);
-  out.set_cuda_devices(cuda.devices);
+  out.cuda_compiled = cuda.compiled;
+  out.cuda_devices = cuda.devices;
   FillJobsStatus(&out);
   // The checkpoints on disk, read without the daemon's lock: a slow or failing filesystem must not
   // hold up the trainers' snapshots.
-  for (auto& j : *out.mutable_jobs()) {
-    auto latest = catalog_.KnownLatest(j.job(), kStatusRefresh);
-    j.set_last_complete_step(latest.ok() && *latest ? **latest : -1);
-    if (!latest.ok()) j.set_catalog_error(latest.status().ToString());
+  for (JobReport& j : out.jobs) {
+    auto latest = catalog_.KnownLatest(j.job, kStatusRefresh);
+    j.last_complete_step = latest.ok() && *latest ? **latest : -1;
+    if (!latest.ok()) j.catalog_error = latest.status().ToString();
   }
   return out;
 }
@@ -485,48 +483,48 @@ Daemon::Counts Daemon::CountSessions() const {
   return counts;
 }
 
-void Daemon::FillJobsStatus(v1::StatusResponse* out) const {
+void Daemon::FillJobsStatus(StatusReport* out) const {
   MutexLock lock(&mu_);
   const auto now = std::chrono::steady_clock::now();
   const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
   for (const auto& [name, job] : jobs_) {
-    auto* j = out->add_jobs();
-    j->set_job(name);
-    j->set_world_size(job.topology.world_size);
+    JobReport* j = &out->jobs.emplace_back();
+    j->job = name;
+    j->world_size = job.topology.world_size;
     for (const auto& [r, rank] : job.ranks) {
-      auto* rs = j->add_ranks();
-      rs->set_rank(r);
-      rs->set_connected(!rank.session_id.empty());
-      rs->set_segment_bytes(rank.segment ? rank.segment->shm->size() : 0);
-      rs->set_last_committed_step(rank.last_committed);
-      rs->set_last_persisted_step(rank.last_persisted);
-      rs->set_last_error(rank.last_error);
-      rs->set_snapshots(rank.snapshots);
-      rs->set_persists(rank.persists);
-      rs->set_failures(rank.failures);
-      rs->set_skipped(rank.skipped);
-      rs->set_last_persist_gbps(rank.last_persist_gbps);
+      RankReport* rs = &j->ranks.emplace_back();
+      rs->rank = r;
+      rs->connected = !rank.session_id.empty();
+      rs->segment_bytes = rank.segment ? rank.segment->shm->size() : 0;
+      rs->last_committed_step = rank.last_committed;
+      rs->last_persisted_step = rank.last_persisted;
+      rs->last_error = rank.last_error;
+      rs->snapshots = rank.snapshots;
+      rs->persists = rank.persists;
+      rs->failures = rank.failures;
+      rs->skipped = rank.skipped;
+      rs->last_persist_gbps = rank.last_persist_gbps;
       double oldest = 0;  // seconds the rank's oldest persist being written has been running
       for (const WriteInFlight& w : writing) {
         if (w.job != name || w.rank != r) continue;
         oldest = std::max(oldest, std::chrono::duration<double>(now - w.started).count());
       }
-      rs->set_oldest_write_seconds(oldest);
+      rs->oldest_write_seconds = oldest;
       if (rank.segment) {
         for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
-          auto* s = rs->add_slots();
-          s->set_index(i);
-          s->set_state(SlotStateName(Slots(*rank.segment).at(i).state));
-          s->set_step(Slots(*rank.segment).at(i).step);
+          SlotReport* s = &rs->slots.emplace_back();
+          s->index = i;
+          s->state = SlotStateName(Slots(*rank.segment).at(i).state);
+          s->step = Slots(*rank.segment).at(i).step;
         }
         if (const RankEma* ema = rank.segment->ema.get()) {
           const EmaState state = ema->state();
-          rs->set_ema_enabled(true);
-          rs->set_ema_bytes(ema->plan().image_bytes());
-          rs->set_ema_last_step(state.last_step);
-          rs->set_ema_updates_applied(state.updates_applied);
-          rs->set_ema_updates_skipped(state.updates_skipped);
-          rs->set_ema_decay(ema->config().decay);
+          rs->ema_enabled = true;
+          rs->ema_bytes = ema->plan().image_bytes();
+          rs->ema_last_step = state.last_step;
+          rs->ema_updates_applied = state.updates_applied;
+          rs->ema_updates_skipped = state.updates_skipped;
+          rs->ema_decay = ema->config().decay;
         }
       }
     }

@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "daemon/catalog.h"
+#include "daemon/core_types.h"
 #include "daemon/ema.h"
 #include "daemon/ema_stage.h"
 #include "daemon/events.h"
@@ -120,7 +121,8 @@ class Daemon {
   // fatal_persist_errors (in the request): once a persist of this session fails, its BeginSnapshot
   // and Commit fail with that error (code and message) until the trainer starts a new session; off,
   // a failed persist is reported by WaitPersisted and status only and snapshots go on.
-  Result<v1::RegisterResponse> Register(const std::string& session_id, const v1::RegisterRequest& request) EXCLUDES(mu_);
+  // `registration`: checked by ParseRegistration (the edge's job); its layout is checked here.
+  Result<RegisterReply> Register(const std::string& session_id, const Registration& registration) EXCLUDES(mu_);
   Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                 std::optional<double> loss, std::string extra) EXCLUDES(mu_);
@@ -154,7 +156,7 @@ class Daemon {
   Counts CountSessions() const EXCLUDES(mu_);
   // The daemon's memory, jobs and ranks; each job's last complete step is read from the root
   // without the daemon's lock (a failure to read it is the job's catalog_error).
-  v1::StatusResponse GetStatus() const EXCLUDES(mu_);
+  StatusReport GetStatus() const EXCLUDES(mu_);
 
   const DaemonConfig& config() const { return config_; }
   // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
@@ -167,7 +169,7 @@ class Daemon {
 
  private:
   // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
-  void FillJobsStatus(v1::StatusResponse* out) const EXCLUDES(mu_);
+  void FillJobsStatus(StatusReport* out) const EXCLUDES(mu_);
   struct RankState {
     std::shared_ptr<RankSegment> segment;
     std::string session_id;  // empty when the trainer is gone
@@ -229,7 +231,7 @@ class Daemon {
   Result<std::shared_ptr<RankSegment>> CreateRecordedSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                              std::optional<EmaPlan> ema_plan,
                                                              const EmaConfig& ema_config,
-                                                             const v1::RegisterRequest& request) EXCLUDES(mu_);
+                                                             const Registration& registration) EXCLUDES(mu_);
   // The EMA stage's callback: counts the update, then FinishCommittedLocked.
   void OnEmaApplied(EmaJob job, bool applied, double seconds) EXCLUDES(mu_);
   // The persist request of a committed slot; `done` reports to OnPersisted.
@@ -241,7 +243,7 @@ class Daemon {
 
   // Counts the event in the metrics and hands it to the watchers. Takes only leaf locks: callable
   // with mu_ held.
-  void Emit(v1::Event event);
+  void Emit(Event event);
 
   // Crash recovery (daemon/recovery.cc).
   Status AdoptSegments() EXCLUDES(mu_);

@@ -24,12 +24,12 @@ Result<EventHub::Subscription> EventHub::Subscribe(std::string job) {
   return Subscription(this, std::move(watcher));
 }
 
-void EventHub::Publish(v1::Event event) {
-  if (event.unix_seconds() == 0) event.set_unix_seconds(UnixSeconds());
+void EventHub::Publish(Event event) {
+  if (event.unix_seconds == 0) event.unix_seconds = UnixSeconds();
   MutexLock lock(&mu_);
   if (closed_) return;
   for (auto& w : watchers_) {
-    if (!w->job.empty() && w->job != event.job()) continue;
+    if (!w->job.empty() && w->job != event.job) continue;
     if (w->queue.size() >= capacity_) {
       w->queue.pop_front();  // the oldest goes: a watcher wants to know what is happening now
       w->lost += 1;
@@ -65,7 +65,7 @@ EventHub::Subscription::~Subscription() {
   if (hub_ != nullptr && watcher_) hub_->Unsubscribe(watcher_);
 }
 
-EventHub::Wait EventHub::Subscription::Next(v1::Event* event, std::chrono::steady_clock::time_point deadline) {
+EventHub::Wait EventHub::Subscription::Next(Event* event, std::chrono::steady_clock::time_point deadline) {
   MutexLock lock(&hub_->mu_);
   Watcher& w = *watcher_;
   while (!hub_->closed_ && w.lost == 0 && w.queue.empty()) {
@@ -74,11 +74,11 @@ EventHub::Wait EventHub::Subscription::Next(v1::Event* event, std::chrono::stead
   if (hub_->closed_) return Wait::kClosed;
   if (w.lost > 0) {
     // Before the first event after the gap, so the watcher knows where the gap is.
-    event->Clear();
-    event->set_kind(v1::Event::EVENTS_LOST);
-    event->set_unix_seconds(UnixSeconds());
-    event->set_job(w.job);
-    event->set_lost(w.lost);
+    *event = Event{};
+    event->kind = Event::Kind::kEventsLost;
+    event->unix_seconds = UnixSeconds();
+    event->job = w.job;
+    event->lost = w.lost;
     w.lost = 0;
     return Wait::kEvent;
   }

@@ -88,29 +88,29 @@ Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
   return jobs_[job];
 }
 
-void Metrics::Observe(const v1::Event& event) {
+void Metrics::Observe(const Event& event) {
   MutexLock lock(&mu_);
-  if (event.kind() == v1::Event::EVENTS_LOST || event.kind() == v1::Event::KIND_UNSPECIFIED) return;
-  JobSeries& s = SeriesLocked(event.job());
-  switch (event.kind()) {
-    case v1::Event::SNAPSHOT_COMMITTED: s.snapshots += 1; break;
-    case v1::Event::SNAPSHOT_SKIPPED: s.skipped += 1; break;
-    case v1::Event::EMA_UPDATED:
+  if (event.kind == Event::Kind::kEventsLost) return;
+  JobSeries& s = SeriesLocked(event.job);
+  switch (event.kind) {
+    case Event::Kind::kSnapshotCommitted: s.snapshots += 1; break;
+    case Event::Kind::kSnapshotSkipped: s.skipped += 1; break;
+    case Event::Kind::kEmaUpdated:
       s.ema_updates += 1;
-      ema_seconds_.Observe(event.seconds());
+      ema_seconds_.Observe(event.seconds);
       break;
-    case v1::Event::PERSISTED:
+    case Event::Kind::kPersisted:
       s.persists += 1;
-      s.persisted_bytes += event.bytes();
-      persist_seconds_.Observe(event.seconds());
+      s.persisted_bytes += event.bytes;
+      persist_seconds_.Observe(event.seconds);
       break;
-    case v1::Event::PERSIST_FAILED: s.failures[event.code().empty() ? "UNKNOWN" : event.code()] += 1; break;
-    case v1::Event::PERSIST_ABANDONED: s.abandoned += 1; break;
-    case v1::Event::CHECKPOINT_COMPLETE:
+    case Event::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
+    case Event::Kind::kPersistAbandoned: s.abandoned += 1; break;
+    case Event::Kind::kCheckpointComplete:
       s.completed += 1;
-      s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds());
+      s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds);
       break;
-    case v1::Event::CHECKPOINT_DELETED: s.deleted[event.reason().empty() ? "unknown" : event.reason()] += 1; break;
+    case Event::Kind::kCheckpointDeleted: s.deleted[event.reason.empty() ? "unknown" : event.reason] += 1; break;
     default: break;
   }
 }
@@ -123,23 +123,23 @@ void Metrics::ObserveSlotWait(const std::string& job, double seconds, bool got_s
   slot_wait_seconds_.Observe(seconds);
 }
 
-std::string Metrics::Render(const v1::StatusResponse& status, uint64_t watchers_lost) const {
+std::string Metrics::Render(const StatusReport& status, uint64_t watchers_lost) const {
   MutexLock lock(&mu_);
   std::string out;
   out.reserve(8192);
 
   Header(&out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
-  Sample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version()) + "\"", 1);
+  Sample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version) + "\"", 1);
   Header(&out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
-  Sample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled() ? 1 : 0);
+  Sample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled ? 1 : 0);
   Header(&out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
-  Sample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices()));
+  Sample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
   Header(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
-  Sample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds());
+  Sample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
   Header(&out, "flashckpt_host_memory_used_bytes", "gauge", "Shared memory held by registered ranks' segments.");
-  Sample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used()));
+  Sample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
   Header(&out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
-  Sample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget()));
+  Sample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));
 
   // Per-job counters; a counter is rendered for every job seen, zero or not, so rate() works from
   // the first scrape on.
@@ -192,25 +192,25 @@ std::string Metrics::Render(const v1::StatusResponse& status, uint64_t watchers_
 
   // Gauges from the status snapshot.
   double oldest = 0;
-  for (const auto& job : status.jobs()) {
-    for (const auto& rank : job.ranks()) oldest = std::max(oldest, rank.oldest_write_seconds());
+  for (const auto& job : status.jobs) {
+    for (const auto& rank : job.ranks) oldest = std::max(oldest, rank.oldest_write_seconds);
   }
   Header(&out, "flashckpt_oldest_write_seconds", "gauge",
          "Age of the oldest persist being written (0: none); one that keeps growing means a slow or stuck disk.");
   Sample(&out, "flashckpt_oldest_write_seconds", "", oldest);
   Header(&out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
-  for (const auto& job : status.jobs()) {
-    Sample(&out, "flashckpt_registered_ranks", JobLabel(job.job()), job.ranks_size());
+  for (const auto& job : status.jobs) {
+    Sample(&out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));
   }
   Header(&out, "flashckpt_last_committed_step", "gauge", "Newest step any rank of the job committed here (-1: none).");
-  for (const auto& job : status.jobs()) {
+  for (const auto& job : status.jobs) {
     int64_t last = -1;
-    for (const auto& rank : job.ranks()) last = std::max(last, rank.last_committed_step());
-    Sample(&out, "flashckpt_last_committed_step", JobLabel(job.job()), static_cast<double>(last));
+    for (const auto& rank : job.ranks) last = std::max(last, rank.last_committed_step);
+    Sample(&out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
   }
   Header(&out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
-  for (const auto& job : status.jobs()) {
-    Sample(&out, "flashckpt_last_durable_step", JobLabel(job.job()), static_cast<double>(job.last_complete_step()));
+  for (const auto& job : status.jobs) {
+    Sample(&out, "flashckpt_last_durable_step", JobLabel(job.job), static_cast<double>(job.last_complete_step));
   }
   Header(&out, "flashckpt_last_complete_timestamp_seconds", "gauge",
          "Unix time this daemon last completed a checkpoint of the job (0: not since it started).");

@@ -74,12 +74,12 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       Status skipped = ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
                                          std::to_string(Slots(*rank->segment).size()) +
                                          " slots are still persisting (backpressure policy skip)");
-      v1::Event event;
-      event.set_kind(v1::Event::SNAPSHOT_SKIPPED);
-      event.set_job(job);
-      event.set_rank(sessions_[session_id].rank);
-      event.set_step(step);
-      event.set_reason(skipped.message());
+      Event event;
+      event.kind = Event::Kind::kSnapshotSkipped;
+      event.job = job;
+      event.rank = sessions_[session_id].rank;
+      event.step = step;
+      event.reason = skipped.message();
       Emit(std::move(event));
       return skipped;
     }
@@ -172,13 +172,13 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
   {
-    v1::Event event;
-    event.set_kind(v1::Event::SNAPSHOT_COMMITTED);
-    event.set_job(who.job);
-    event.set_rank(who.rank);
-    event.set_step(step);
-    event.set_bytes(rank->segment->tensor_bytes);
-    event.set_reason(persist ? "persist" : "ema only");
+    Event event;
+    event.kind = Event::Kind::kSnapshotCommitted;
+    event.job = who.job;
+    event.rank = who.rank;
+    event.step = step;
+    event.bytes = rank->segment->tensor_bytes;
+    event.reason = persist ? "persist" : "ema only";
     Emit(std::move(event));
   }
 
@@ -231,12 +231,12 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
   if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
   if (applied) {
-    v1::Event event;
-    event.set_kind(v1::Event::EMA_UPDATED);
-    event.set_job(job.job);
-    event.set_rank(job.rank);
-    event.set_step(job.step);
-    event.set_seconds(seconds);
+    Event event;
+    event.kind = Event::Kind::kEmaUpdated;
+    event.job = job.job;
+    event.rank = job.rank;
+    event.step = job.step;
+    event.seconds = seconds;
     Emit(std::move(event));
   }
   MutexLock lock(&mu_);
@@ -258,12 +258,12 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     stop_abandoned_ += 1;
     Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
                            step, rank_id, status.message());
-    v1::Event event;
-    event.set_kind(v1::Event::PERSIST_ABANDONED);
-    event.set_job(job);
-    event.set_rank(rank_id);
-    event.set_step(step);
-    event.set_reason("write cut off at the stop timeout");
+    Event event;
+    event.kind = Event::Kind::kPersistAbandoned;
+    event.job = job;
+    event.rank = rank_id;
+    event.step = step;
+    event.reason = "write cut off at the stop timeout";
     Emit(std::move(event));
     cv_.NotifyAll();
     return;
@@ -301,18 +301,18 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
       }
     }
   }
-  v1::Event event;
-  event.set_job(job);
-  event.set_rank(rank_id);
-  event.set_step(step);
-  event.set_bytes(bytes);
-  event.set_seconds(seconds);
+  Event event;
+  event.job = job;
+  event.rank = rank_id;
+  event.step = step;
+  event.bytes = bytes;
+  event.seconds = seconds;
   if (!status.ok()) {
-    event.set_kind(v1::Event::PERSIST_FAILED);
-    event.set_code(std::string(StatusCodeName(status.code())));
-    event.set_reason(status.message());
+    event.kind = Event::Kind::kPersistFailed;
+    event.code = std::string(StatusCodeName(status.code()));
+    event.reason = status.message();
   } else {
-    event.set_kind(v1::Event::PERSISTED);
+    event.kind = Event::Kind::kPersisted;
   }
   Emit(std::move(event));
   if (status.ok()) {

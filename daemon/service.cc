@@ -5,6 +5,8 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "daemon/limits.h"
+#include "daemon/registration.h"
+#include "daemon/wire.h"
 
 // Returns the gRPC form of `expr`'s Status from a handler when it is not ok.
 #define RETURN_GRPC_IF_ERROR(expr)                             \
@@ -76,9 +78,11 @@ grpc::Status CheckpointService::Register(grpc::ServerContext*, const v1::Registe
     return ToGrpc(InvalidArgument("backpressure " + std::to_string(req->backpressure()) +
                                   " is not BACKPRESSURE_WAIT (0) or BACKPRESSURE_SKIP (1)"));
   }
-  auto result = daemon_->Register(req->session_id(), *req);
+  auto registration = ParseRegistration(*req);
+  if (!registration.ok()) return ToGrpc(registration.status());
+  auto result = daemon_->Register(req->session_id(), *registration);
   if (!result.ok()) return ToGrpc(result.status());
-  *resp = std::move(result).value();
+  *resp = ToProto(*result);
   return grpc::Status::OK;
 }
 
@@ -181,7 +185,7 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::
 }
 
 grpc::Status CheckpointService::GetStatus(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
-  *resp = daemon_->GetStatus();
+  *resp = ToProto(daemon_->GetStatus());
   return grpc::Status::OK;
 }
 
@@ -191,7 +195,7 @@ grpc::Status CheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::
   auto subscription = daemon_->events().Subscribe(req->job());
   if (!subscription.ok()) return ToGrpc(subscription.status());
   writer->SendInitialMetadata();
-  v1::Event event;
+  Event event;
   while (!ctx->IsCancelled()) {
     // A bounded wait, so that a caller that went away is noticed without an event to send.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
@@ -199,7 +203,7 @@ grpc::Status CheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::
       case EventHub::Wait::kClosed: return ToGrpc(Unavailable("the daemon is stopping"));
       case EventHub::Wait::kTimeout: break;
       case EventHub::Wait::kEvent:
-        if (!writer->Write(event)) return grpc::Status::OK;  // the caller is gone
+        if (!writer->Write(ToProto(event))) return grpc::Status::OK;  // the caller is gone
         break;
     }
   }

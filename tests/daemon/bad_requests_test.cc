@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/fs.h"
+#include "daemon/wire.h"
 #include "in_process_daemon.h"
 #include "raw_rpc.h"
 #include "testing.h"
@@ -542,7 +543,7 @@ TEST_F(BadRequestsTest, NonFiniteLossesSkipTheEmaUpdateUnderALossThreshold) {
   bool settled = false;
   v1::RankStatus rank;
   for (int i = 0; i < 200 && !settled; ++i) {
-    rank = d_.daemon()->GetStatus().jobs(0).ranks(0);
+    rank = ToProto(d_.daemon()->GetStatus()).jobs(0).ranks(0);
     settled = rank.ema_updates_applied() + rank.ema_updates_skipped() == 4;
     if (!settled) std::this_thread::sleep_for(10ms);
   }

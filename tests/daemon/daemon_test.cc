@@ -269,8 +269,8 @@ TEST_F(DaemonTest, AClosedSessionGivesItsFillingSlotsBack) {
   bool freed = false;
   for (int i = 0; i < 100 && !freed; ++i) {
     auto st = d_.daemon()->GetStatus();
-    freed = st.jobs_size() == 1 && st.jobs(0).ranks(0).slots_size() == 2 && !st.jobs(0).ranks(0).connected() &&
-            st.jobs(0).ranks(0).slots(0).state() == "free" && st.jobs(0).ranks(0).slots(1).state() == "free";
+    freed = st.jobs.size() == 1 && st.jobs[0].ranks[0].slots.size() == 2 && !st.jobs[0].ranks[0].connected &&
+            st.jobs[0].ranks[0].slots[0].state == "free" && st.jobs[0].ranks[0].slots[1].state == "free";
     if (!freed) std::this_thread::sleep_for(20ms);
   }
   EXPECT_TRUE(freed);

@@ -18,6 +18,7 @@
 #include "common/fs.h"
 #include "common/shm.h"
 #include "daemon/daemon.h"
+#include "daemon/wire.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -110,7 +111,9 @@ class DaemonThreadsTest : public ::testing::Test {
     req.mutable_ema()->set_enabled(true);
     req.mutable_ema()->set_decay(0.5);
     req.mutable_ema()->set_interval(1);
-    ASSIGN_OR_RETURN(t->reg, daemon_->Register(t->session, req));
+    ASSIGN_OR_RETURN(Registration registration, ParseRegistration(req));
+    ASSIGN_OR_RETURN(RegisterReply reply, daemon_->Register(t->session, registration));
+    t->reg = ToProto(reply);  // the placements as a trainer receives them
     ASSIGN_OR_RETURN(t->shm, SharedSegment::Open(t->reg.segment_name(), t->reg.segment_bytes()));
     return Status::OK();
   }
@@ -162,7 +165,7 @@ TEST_F(DaemonThreadsTest, RanksSaveRestoreAndReadTheEmaConcurrentlyWhileStatusIs
   std::atomic<bool> done{false};
   std::thread observer([&] {
     while (!done.load()) {
-      v1::StatusResponse status = daemon_->GetStatus();
+      StatusReport status = daemon_->GetStatus();
       (void)status;
       (void)daemon_->List(job_);
       std::this_thread::sleep_for(1ms);

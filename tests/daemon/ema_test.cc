@@ -210,8 +210,8 @@ TEST_F(EmaDaemonTest, EmaOnlySnapshotsUpdateAndARestartedDaemonAdoptsTheEma) {
     EXPECT_EQ(r->step, 4);
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], want[i]) << i;
     auto st = d_.daemon()->GetStatus();
-    EXPECT_EQ(st.jobs(0).ranks(0).ema_updates_applied(), 3u);
-    EXPECT_EQ(st.jobs(0).ranks(0).ema_updates_skipped(), 1u);
+    EXPECT_EQ(st.jobs[0].ranks[0].ema_updates_applied, 3u);
+    EXPECT_EQ(st.jobs[0].ranks[0].ema_updates_skipped, 1u);
   }
   Stop();
   Start();
@@ -282,7 +282,7 @@ TEST_F(EmaDaemonTest, ANewRunOfTheJobStartsAFreshEmaInsteadOfAdoptingAStaleOne) 
   ASSERT_OK(r.status());
   EXPECT_EQ(r->step, 1);
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], 7.f) << "the first update of the new run copies the weights";
-  EXPECT_EQ(d_.daemon()->GetStatus().jobs(0).ranks(0).ema_updates_applied(), 1u);
+  EXPECT_EQ(d_.daemon()->GetStatus().jobs[0].ranks[0].ema_updates_applied, 1u);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "common/fault_injecting_io.h"
 #include "common/fs.h"
 #include "common/verify.h"
+#include "daemon/wire.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
@@ -54,7 +55,7 @@ class FaultsTest : public ::testing::Test {
   }
   // Rank 0 of the (one) job, as the daemon reports it.
   v1::RankStatus RankStatus() const {
-    v1::StatusResponse s = d_.daemon()->GetStatus();
+    v1::StatusResponse s = ToProto(d_.daemon()->GetStatus());  // as the service sends it
     v1::RankStatus out;
     if (s.jobs_size() > 0 && s.jobs(0).ranks_size() > 0) out = s.jobs(0).ranks(0);
     return out;
@@ -416,7 +417,9 @@ TEST_F(FaultsTest, FatalPersistErrorsAlsoFailACommitOfASlotTakenBeforeTheFailure
     t->add_shape(100);
   }
   request.set_fatal_persist_errors(true);
-  ASSERT_OK(d->Register(*session, request).status());
+  auto registration = ParseRegistration(request);
+  ASSERT_OK(registration.status());
+  ASSERT_OK(d->Register(*session, *registration).status());
   io_.SlowWrites(300ms);  // the failure comes after Begin(3) below
   io_.FailNth(Op::kWrite, 1, EIO);
   auto two = d->BeginSnapshot(*session, 2, 1s);

@@ -109,8 +109,8 @@ TEST(LockScopeTest, StatusStaysFastWithTensOfThousandsOfStepDirectories) {
   }
   auto status_ms = [&] {
     const auto begun = Clock::now();
-    v1::StatusResponse status = d.daemon()->GetStatus();
-    EXPECT_GE(status.jobs(0).last_complete_step(), 1) << status.jobs(0).catalog_error();
+    StatusReport status = d.daemon()->GetStatus();
+    EXPECT_GE(status.jobs[0].last_complete_step, 1) << status.jobs[0].catalog_error;
     return Ms(Clock::now() - begun);
   };
   // The daemon completed step 1 itself, so it knows it; a restarted daemon reads the root once.

@@ -162,19 +162,19 @@ TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
 
   // Operators see it; the slot is free again.
   auto status = d_.daemon()->GetStatus();
-  ASSERT_EQ(status.jobs_size(), 1);
-  const auto& rank = status.jobs(0).ranks(0);
-  EXPECT_EQ(rank.failures(), 1u);
-  EXPECT_EQ(rank.persists(), 2u);
-  EXPECT_NE(rank.last_error().find("No space left on device"), std::string::npos) << rank.last_error();
-  for (const auto& slot : rank.slots()) EXPECT_EQ(slot.state(), "free") << "slot " << slot.index();
+  ASSERT_EQ(status.jobs.size(), 1u);
+  const RankReport& rank = status.jobs[0].ranks[0];
+  EXPECT_EQ(rank.failures, 1u);
+  EXPECT_EQ(rank.persists, 2u);
+  EXPECT_NE(rank.last_error.find("No space left on device"), std::string::npos) << rank.last_error;
+  for (const SlotReport& slot : rank.slots) EXPECT_EQ(slot.state, "free") << "slot " << slot.index;
 
   // Space comes back: the next save succeeds and is complete.
   ASSERT_OK(RemoveTree(StepDir("full", 1)));
   ASSERT_OK(t.Save(4));
   EXPECT_OK(VerifyCheckpointDir(StepDir("full", 4), nullptr));
   EXPECT_EQ(ReadSmallFile(JobDir("full") + "/LATEST", 100).value(), "4\n");
-  EXPECT_EQ(d_.daemon()->GetStatus().jobs(0).ranks(0).failures(), 1u);
+  EXPECT_EQ(d_.daemon()->GetStatus().jobs[0].ranks[0].failures, 1u);
 }
 
 TEST_F(OnDiskTest, WithKeepOneSavesGoOnForeverOnASmallDisk) {
@@ -295,10 +295,10 @@ TEST_F(OnDiskTest, AJobDirectoryThatIsAFileIsAnErrorNotAnEmptyJob) {
   auto listed = d_.daemon()->List("broken");
   EXPECT_EQ(listed.status().code(), StatusCode::kIOError) << listed.status().ToString();
   // Status says why it shows no complete step, and keeps serving.
-  v1::StatusResponse status = d_.daemon()->GetStatus();
-  ASSERT_EQ(status.jobs_size(), 1);
-  EXPECT_EQ(status.jobs(0).last_complete_step(), -1);
-  EXPECT_NE(status.jobs(0).catalog_error().find("broken"), std::string::npos) << status.jobs(0).catalog_error();
+  StatusReport status = d_.daemon()->GetStatus();
+  ASSERT_EQ(status.jobs.size(), 1u);
+  EXPECT_EQ(status.jobs[0].last_complete_step, -1);
+  EXPECT_NE(status.jobs[0].catalog_error.find("broken"), std::string::npos) << status.jobs[0].catalog_error;
 }
 
 TEST_F(OnDiskTest, AJobDirectoryThatIsADanglingLinkIsAnError) {
@@ -332,7 +332,7 @@ TEST_F(OnDiskTest, ANewestCheckpointThatCannotBeToldCompleteIsAnErrorNotTheStepB
   EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
   EXPECT_NE(restored.status().message().find(meta), std::string::npos) << restored.status().ToString();
   // Status names it too, and `flashckpt list` (the catalog's List) fails instead of hiding it.
-  EXPECT_NE(d_.daemon()->GetStatus().jobs(0).catalog_error().find(meta), std::string::npos);
+  EXPECT_NE(d_.daemon()->GetStatus().jobs[0].catalog_error.find(meta), std::string::npos);
   EXPECT_EQ(d_.daemon()->List("loop").status().code(), StatusCode::kIOError);
 }
 
