@@ -29,11 +29,11 @@
 
 #include "bench/local_daemon.h"
 #include "bench/summary.h"
-#include "common/cuda.h"
-#include "common/cuda_info.h"
-#include "common/log.h"
-#include "common/names.h"
-#include "daemon/server.h"
+#include "common/base/cuda.h"
+#include "common/base/cuda_info.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "daemon/edge/server.h"
 #include "flashckpt/client.h"
 
 namespace flashckpt {

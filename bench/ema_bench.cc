@@ -30,13 +30,13 @@
 
 #include "bench/mapping.h"
 #include "bench/summary.h"
-#include "common/image.h"
-#include "common/layout.h"
-#include "common/log.h"
-#include "common/names.h"
-#include "common/shm.h"
-#include "common/thread_pool.h"
-#include "daemon/ema.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/base/thread_pool.h"
+#include "common/format/image.h"
+#include "common/format/layout.h"
+#include "common/io/shm.h"
+#include "daemon/pipeline/ema.h"
 
 namespace flashckpt {
 namespace {

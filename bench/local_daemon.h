@@ -1,12 +1,12 @@
-// A flashckptd inside a benchmark's process, started as daemon/main.cc starts it (the daemon, then
+// A flashckptd inside a benchmark's process, started as daemon/edge/main.cc starts it (the daemon, then
 // its server); stopped on destruction (writes in flight finished, segments and socket removed).
 #pragma once
 
 #include <chrono>
 #include <memory>
 
-#include "common/status.h"
-#include "daemon/server.h"
+#include "common/base/status.h"
+#include "daemon/edge/server.h"
 
 namespace flashckpt::bench {
 

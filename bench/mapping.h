@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 namespace flashckpt::bench {
 

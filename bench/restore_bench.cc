@@ -30,15 +30,15 @@
 #include <vector>
 
 #include "bench/summary.h"
-#include "common/checkpoint_read.h"
-#include "common/fs.h"
-#include "common/image.h"
-#include "common/layout.h"
-#include "common/log.h"
-#include "common/metadata.h"
-#include "common/names.h"
-#include "common/relayout.h"
-#include "common/thread_pool.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/base/thread_pool.h"
+#include "common/format/image.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
+#include "common/read/checkpoint_read.h"
+#include "common/read/relayout.h"
 
 namespace flashckpt {
 namespace {

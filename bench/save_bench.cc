@@ -56,14 +56,14 @@
 #include "bench/local_daemon.h"
 #include "bench/mapping.h"
 #include "bench/summary.h"
-#include "common/fs.h"
-#include "common/image.h"
-#include "common/layout.h"
-#include "common/log.h"
-#include "common/names.h"
-#include "common/shm.h"
-#include "common/thread_pool.h"
-#include "daemon/server.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/base/thread_pool.h"
+#include "common/format/image.h"
+#include "common/format/layout.h"
+#include "common/io/fs.h"
+#include "common/io/shm.h"
+#include "daemon/edge/server.h"
 #include "flashckpt/client.h"
 
 extern char** environ;
@@ -464,7 +464,7 @@ Result<double> StagingAndPersist(const Options& o, const Work& w, char* host, Wr
     if (counted) limit_s.v.push_back(secs);
 
     // The fixed cost the daemon pays per small file after the data (extra, saved_signal,
-    // metadata.json, LATEST): the durable sequence of common/fs.h on 1 KiB.
+    // metadata.json, LATEST): the durable sequence of common/io/fs.h on 1 KiB.
     start = Clock::now();
     RETURN_IF_ERROR(WriteFileDurably(w.root, "small.json", std::string(1024, ' ')));
     if (counted) small_s.v.push_back(Since(start));

@@ -36,10 +36,10 @@
 #include <vector>
 
 #include "bench/summary.h"
-#include "common/checksum.h"
-#include "common/fs.h"
-#include "common/names.h"
-#include "common/thread_pool.h"
+#include "common/base/names.h"
+#include "common/base/thread_pool.h"
+#include "common/format/checksum.h"
+#include "common/io/fs.h"
 
 namespace flashckpt {
 namespace {

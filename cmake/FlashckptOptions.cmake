@@ -2,7 +2,7 @@
 add_library(flashckpt_warnings INTERFACE)
 target_compile_options(flashckpt_warnings INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor
                                                     -Wno-unused-parameter)
-# Clang checks the lock annotations (common/thread_annotations.h): GUARDED_BY, REQUIRES, EXCLUDES.
+# Clang checks the lock annotations (common/base/thread_annotations.h): GUARDED_BY, REQUIRES, EXCLUDES.
 if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
   target_compile_options(flashckpt_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wthread-safety>)
 endif()

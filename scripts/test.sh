@@ -63,7 +63,7 @@ if [ "${FLASHCKPT_SKIP_FUZZ:-0}" = "1" ]; then
 else
   section "build-fuzz/ : clang, libFuzzer + address;undefined, -Wthread-safety -Werror"
   # The fuzz targets and the seed generator (tests/fuzz/CMakeLists.txt), and the daemon, the client
-  # library and the CLI: clang checks their lock annotations (common/thread_annotations.h).
+  # library and the CLI: clang checks their lock annotations (common/base/thread_annotations.h).
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCKPT_FUZZ=ON \
     -DFLASHCKPT_WERROR=ON -DFLASHCKPT_FUZZ_SECONDS="${FLASHCKPT_FUZZ_SECONDS:-30}"
   cmake --build build-fuzz -j"$JOBS" --target fuzzers flashckpt_daemon flashckpt_client flashckpt

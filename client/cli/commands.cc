@@ -18,13 +18,13 @@
 #include <thread>
 
 #include "client/cli/render.h"
-#include "common/fs.h"
-#include "common/metadata.h"
-#include "common/names.h"
-#include "common/relayout.h"
-#include "common/status.h"
-#include "common/thread_pool.h"
-#include "common/verify.h"
+#include "common/base/names.h"
+#include "common/base/status.h"
+#include "common/base/thread_pool.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
+#include "common/read/relayout.h"
+#include "common/read/verify.h"
 #include "flashckpt.grpc.pb.h"
 #include "health.grpc.pb.h"
 

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "client/cli/commands.h"
-#include "common/cuda_info.h"
-#include "common/version.h"
+#include "common/base/cuda_info.h"
+#include "common/base/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};

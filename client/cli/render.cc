@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/dtype.h"
-#include "common/names.h"
+#include "common/base/dtype.h"
+#include "common/base/names.h"
 
 namespace flashckpt::cli {
 namespace {

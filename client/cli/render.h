@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "common/metadata.h"
+#include "common/format/metadata.h"
 #include "flashckpt.pb.h"
 
 namespace flashckpt::cli {

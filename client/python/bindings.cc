@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/version.h"
+#include "common/base/version.h"
 #include "flashckpt/client.h"
 
 namespace py = pybind11;

@@ -12,11 +12,11 @@
 #include <mutex>
 #include <thread>
 
-#include "common/cuda_info.h"
-#include "common/dtype.h"
-#include "common/shm.h"
-#include "common/status.h"
-#include "common/thread_pool.h"
+#include "common/base/cuda_info.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
+#include "common/base/thread_pool.h"
+#include "common/io/shm.h"
 #include "flashckpt.grpc.pb.h"
 
 #if FLASHCKPT_HAVE_CUDA

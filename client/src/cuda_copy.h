@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cuda.h"
-#include "common/status.h"
+#include "common/base/cuda.h"
+#include "common/base/status.h"
 
 namespace flashckpt {
 

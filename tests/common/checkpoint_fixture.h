@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "common/fs.h"
-#include "common/image.h"
-#include "common/layout.h"
-#include "common/metadata.h"
+#include "common/format/image.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
 #include "test_util.h"
 
 namespace flashckpt::testing {

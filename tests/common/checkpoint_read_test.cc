@@ -1,4 +1,4 @@
-#include "common/checkpoint_read.h"
+#include "common/read/checkpoint_read.h"
 
 #include <fcntl.h>
 
@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "checkpoint_fixture.h"
-#include "common/dtype.h"
-#include "common/fs.h"
-#include "common/metadata.h"
-#include "common/thread_pool.h"
+#include "common/base/dtype.h"
+#include "common/base/thread_pool.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
 #include "test_util.h"
 #include "testing.h"
 

@@ -1,6 +1,6 @@
 // extra.rankNNNNN.json: the trainer's opaque bytes survive the round trip whatever they are, and a
 // file that is not such an object is kCorruption (the file is untrusted when read back).
-#include "common/extra.h"
+#include "common/format/extra.h"
 
 #include <nlohmann/json.hpp>
 #include <string>

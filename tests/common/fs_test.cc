@@ -1,6 +1,6 @@
 // The durable image write: O_DIRECT from aligned memory where the file system allows it, buffered
 // where it does not (tmpfs), exact size either way.
-#include "common/fs.h"
+#include "common/io/fs.h"
 
 #include <stdlib.h>
 #include <sys/mman.h>

@@ -1,14 +1,14 @@
-#include "common/layout.h"
+#include "common/format/layout.h"
 
 #include <cstring>
 #include <set>
 #include <string>
 #include <vector>
 
-#include "common/checksum.h"
-#include "common/dtype.h"
-#include "common/image.h"
-#include "common/metadata.h"
+#include "common/base/dtype.h"
+#include "common/format/checksum.h"
+#include "common/format/image.h"
+#include "common/format/metadata.h"
 #include "test_util.h"
 #include "testing.h"
 

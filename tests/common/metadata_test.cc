@@ -1,4 +1,4 @@
-#include "common/metadata.h"
+#include "common/format/metadata.h"
 
 #include <filesystem>
 #include <functional>
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "checkpoint_fixture.h"
-#include "common/checksum.h"
-#include "common/image.h"
+#include "common/format/checksum.h"
+#include "common/format/image.h"
 #include "test_util.h"
 #include "testing.h"
 

@@ -1,4 +1,4 @@
-#include "common/names.h"
+#include "common/base/names.h"
 
 #include <string>
 

@@ -1,4 +1,4 @@
-#include "common/relayout.h"
+#include "common/read/relayout.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -13,14 +13,14 @@
 #include <vector>
 
 #include "checkpoint_fixture.h"
-#include "common/checkpoint_read.h"
-#include "common/fs.h"
-#include "common/image.h"
-#include "common/metadata.h"
-#include "common/names.h"
-#include "common/signal.h"
-#include "common/thread_pool.h"
-#include "common/verify.h"
+#include "common/base/names.h"
+#include "common/base/thread_pool.h"
+#include "common/format/image.h"
+#include "common/format/metadata.h"
+#include "common/format/signal.h"
+#include "common/io/fs.h"
+#include "common/read/checkpoint_read.h"
+#include "common/read/verify.h"
 #include "test_util.h"
 #include "testing.h"
 

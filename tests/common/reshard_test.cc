@@ -1,4 +1,4 @@
-#include "common/reshard.h"
+#include "common/read/reshard.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "common/dtype.h"
-#include "common/layout.h"
-#include "common/metadata.h"
+#include "common/base/dtype.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
 #include "testing.h"
 
 namespace flashckpt {

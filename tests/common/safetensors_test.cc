@@ -1,11 +1,11 @@
-#include "common/safetensors.h"
+#include "common/format/safetensors.h"
 
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "common/checksum.h"
-#include "common/fs.h"
+#include "common/format/checksum.h"
+#include "common/io/fs.h"
 #include "test_util.h"
 #include "testing.h"
 

@@ -1,8 +1,8 @@
-#include "common/signal.h"
+#include "common/format/signal.h"
 
 #include <string>
 
-#include "common/fs.h"
+#include "common/io/fs.h"
 #include "test_util.h"
 #include "testing.h"
 

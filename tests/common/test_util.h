@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/fs.h"
+#include "common/io/fs.h"
 #include "flashckpt/tensor.h"
 
 namespace flashckpt::testing {

@@ -1,4 +1,4 @@
-#include "common/verify.h"
+#include "common/read/verify.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "checkpoint_fixture.h"
-#include "common/checksum.h"
-#include "common/fs.h"
-#include "common/metadata.h"
+#include "common/format/checksum.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
 #include "test_util.h"
 #include "testing.h"
 

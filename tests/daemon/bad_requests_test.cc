@@ -13,8 +13,8 @@
 #include <map>
 #include <thread>
 
-#include "common/fs.h"
-#include "daemon/wire.h"
+#include "common/io/fs.h"
+#include "daemon/edge/wire.h"
 #include "in_process_daemon.h"
 #include "raw_rpc.h"
 #include "testing.h"

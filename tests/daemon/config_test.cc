@@ -1,5 +1,5 @@
 // flashckptd's flags and config file.
-#include "daemon/config.h"
+#include "daemon/edge/config.h"
 
 #include <grp.h>
 #include <stdlib.h>
@@ -8,8 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "daemon/limits.h"
-#include "daemon/tcp_listener.h"
+#include "daemon/edge/limits.h"
+#include "daemon/edge/tcp_listener.h"
 #include "testing.h"
 
 namespace flashckpt {

@@ -12,9 +12,9 @@
 #include <filesystem>
 #include <thread>
 
-#include "common/fs.h"
-#include "common/metadata.h"
-#include "daemon/server.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
+#include "daemon/edge/server.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"

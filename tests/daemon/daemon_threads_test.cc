@@ -15,10 +15,10 @@
 #include <thread>
 #include <vector>
 
-#include "common/fs.h"
-#include "common/shm.h"
-#include "daemon/daemon.h"
-#include "daemon/wire.h"
+#include "common/io/fs.h"
+#include "common/io/shm.h"
+#include "daemon/core/daemon.h"
+#include "daemon/edge/wire.h"
 #include "testing.h"
 
 namespace flashckpt {

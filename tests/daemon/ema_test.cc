@@ -1,6 +1,6 @@
 // EMA: the kernels against a scalar reference, which tensors are covered, bad options, and the
 // daemon path (GetEma after EMA-only snapshots, adoption by a restarted daemon) over real gRPC.
-#include "daemon/ema.h"
+#include "daemon/pipeline/ema.h"
 
 #include <stdlib.h>
 
@@ -8,9 +8,9 @@
 #include <cstring>
 #include <filesystem>
 
-#include "daemon/server.h"
-#include "in_process_daemon.h"
+#include "daemon/edge/server.h"
 #include "flashckpt/client.h"
+#include "in_process_daemon.h"
 #include "testing.h"
 
 namespace flashckpt {

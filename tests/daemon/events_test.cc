@@ -7,8 +7,8 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/events.h"
-#include "daemon/metrics.h"
+#include "daemon/observe/events.h"
+#include "daemon/observe/metrics.h"
 
 namespace flashckpt {
 namespace {

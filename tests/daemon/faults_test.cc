@@ -1,4 +1,4 @@
-// Saves under injected file-system faults (common/fault_injecting_io.h, given to the daemon through
+// Saves under injected file-system faults (common/io/fault_injecting_io.h, given to the daemon through
 // DaemonConfig::io_env): a real daemon behind its gRPC service on a temporary socket, driven by the
 // real client library. What trainers and operators rely on:
 // - a save whose Nth write (or fdatasync, rename, fsync of the directory) fails leaves no complete
@@ -19,10 +19,10 @@
 #include <thread>
 
 #include "client/cli/render.h"
-#include "common/fault_injecting_io.h"
-#include "common/fs.h"
-#include "common/verify.h"
-#include "daemon/wire.h"
+#include "common/io/fault_injecting_io.h"
+#include "common/io/fs.h"
+#include "common/read/verify.h"
+#include "daemon/edge/wire.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"

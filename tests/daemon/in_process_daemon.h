@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/server.h"
+#include "daemon/edge/server.h"
 #include "flashckpt/client.h"
 #include "testing.h"
 

@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "common/fs.h"
-#include "flashckpt/client.h"
+#include "common/io/fs.h"
 #include "flashckpt.pb.h"
+#include "flashckpt/client.h"
 #include "in_process_daemon.h"
 #include "testing.h"
 

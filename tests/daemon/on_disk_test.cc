@@ -9,10 +9,10 @@
 #include <filesystem>
 #include <thread>
 
-#include "common/fs.h"
-#include "common/verify.h"
-#include "daemon/catalog.h"
-#include "daemon/server.h"
+#include "common/io/fs.h"
+#include "common/read/verify.h"
+#include "daemon/edge/server.h"
+#include "daemon/pipeline/catalog.h"
 #include "flashckpt.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"

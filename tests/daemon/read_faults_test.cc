@@ -1,5 +1,5 @@
 // The read side and the catalog's own writes under injected file-system faults (the same IoEnv seam
-// as the durable writes: common/fault_injecting_io.h through DaemonConfig::io_env). What a trainer
+// as the durable writes: common/io/fault_injecting_io.h through DaemonConfig::io_env). What a trainer
 // relies on when a shared filesystem misbehaves:
 // - EIO or ESTALE while listing the job, stat'ing a checkpoint or reading metadata.json is an error
 //   it gets (never "no checkpoint", never the step before);
@@ -13,9 +13,9 @@
 #include <cstring>
 #include <thread>
 
-#include "common/fault_injecting_io.h"
-#include "common/fs.h"
-#include "common/verify.h"
+#include "common/io/fault_injecting_io.h"
+#include "common/io/fs.h"
+#include "common/read/verify.h"
 #include "flashckpt.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"

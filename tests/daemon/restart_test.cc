@@ -2,7 +2,7 @@
 // it out for ClientOptions::connect_timeout and then fail with kUnavailable, never earlier.
 #include <thread>
 
-#include "common/fs.h"
+#include "common/io/fs.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
 #include "testing.h"

@@ -1,4 +1,4 @@
-#include "daemon/slots.h"
+#include "daemon/core/slots.h"
 
 #include "testing.h"
 

@@ -13,8 +13,8 @@
 #include <string>
 #include <thread>
 
-#include "common/fs.h"
-#include "common/shm.h"
+#include "common/io/fs.h"
+#include "common/io/shm.h"
 #include "flashckpt.grpc.pb.h"
 #include "in_process_daemon.h"
 #include "raw_rpc.h"

@@ -13,7 +13,7 @@
 #include <regex>
 #include <thread>
 
-#include "common/fs.h"
+#include "common/io/fs.h"
 #include "health.grpc.pb.h"
 #include "raw_rpc.h"
 #include "testing.h"

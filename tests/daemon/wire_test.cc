@@ -1,11 +1,11 @@
-// The gRPC edge's translation (daemon/wire.*): a registration survives its record, every event
+// The gRPC edge's translation (daemon/edge/wire.*): a registration survives its record, every event
 // kind and every status field reaches the message the service sends.
 #include <gtest/gtest.h>
 
 #include <set>
 
-#include "daemon/registration.h"
-#include "daemon/wire.h"
+#include "daemon/edge/registration.h"
+#include "daemon/edge/wire.h"
 #include "testing.h"
 
 namespace flashckpt {

@@ -9,13 +9,13 @@
 #include <string>
 #include <vector>
 
-#include "common/fs.h"
-#include "common/image.h"
-#include "common/layout.h"
-#include "common/metadata.h"
-#include "common/names.h"
-#include "common/safetensors.h"
-#include "common/signal.h"
+#include "common/base/names.h"
+#include "common/format/image.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
+#include "common/format/safetensors.h"
+#include "common/format/signal.h"
+#include "common/io/fs.h"
 #include "common/test_util.h"
 
 namespace flashckpt {

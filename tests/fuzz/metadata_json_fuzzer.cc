@@ -9,8 +9,8 @@
 #include <string>
 #include <string_view>
 
-#include "common/layout.h"
-#include "common/metadata.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
 #include "fuzz_check.h"
 
 namespace {

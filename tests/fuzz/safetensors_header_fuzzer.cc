@@ -14,8 +14,8 @@
 #include <string>
 #include <string_view>
 
-#include "common/fs.h"
-#include "common/metadata.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
 #include "fuzz_check.h"
 
 namespace {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "common/signal.h"
+#include "common/format/signal.h"
 #include "fuzz_check.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "../daemon/in_process_daemon.h"
-#include "common/cuda_info.h"
+#include "common/base/cuda_info.h"
 #include "flashckpt/client.h"
 #include "testing.h"
 

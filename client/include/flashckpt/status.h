@@ -14,7 +14,7 @@
 
 namespace flashckpt {
 
-// Every error code flashckpt uses. The gRPC mapping lives in daemon/service and client/src only.
+// Every error code flashckpt uses. The gRPC mapping lives in daemon/edge/service and client/src only.
 enum class StatusCode : int {
   kOk = 0,
   kInvalidArgument,     // a request or a flag is malformed; fix the caller

@@ -14,7 +14,7 @@ from .errors import (CancelledError, CorruptionError, DaemonUnavailableError, De
                      FailedPreconditionError, FlashckptError, InvalidArgumentError, NotFoundError,
                      ResourceExhaustedError, StructureMismatchError)
 
-from ._flashckpt import __version__  # the project's one version string (common/version.h)
+from ._flashckpt import __version__  # the project's one version string (common/base/version.h)
 
 __all__ = [
     "Client", "Snapshot", "FlashckptError", "InvalidArgumentError", "NotFoundError", "FailedPreconditionError",

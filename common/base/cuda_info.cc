@@ -1,0 +1,42 @@
+#include "common/base/cuda_info.h"
+
+#if FLASHCKPT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace flashckpt {
+namespace {
+
+CudaInfo Query() {
+  CudaInfo info;
+#if FLASHCKPT_HAVE_CUDA
+  info.compiled = true;
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    info.error = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+    (void)cudaGetLastError();  // not sticky: clear it so later calls do not report it again
+  } else {
+    info.devices = count;
+    if (count == 0) info.error = "cudaGetDeviceCount: 0 devices";
+  }
+#endif
+  return info;
+}
+
+}  // namespace
+
+const CudaInfo& GetCudaInfo() {
+  static const CudaInfo info = Query();
+  return info;
+}
+
+std::string CudaInfoText(const CudaInfo& info) {
+  if (!info.compiled) return "CUDA not compiled in";
+  if (info.devices > 0) {
+    return "CUDA compiled in, " + std::to_string(info.devices) + (info.devices == 1 ? " device" : " devices");
+  }
+  return "CUDA compiled in, no device (" + info.error + ")";
+}
+
+}  // namespace flashckpt

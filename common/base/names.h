@@ -1,0 +1,41 @@
+// Names that become paths or keys: validation and the one place that formats them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "common/base/status.h"
+
+namespace flashckpt {
+
+inline constexpr size_t kMaxJobNameLength = 128;
+inline constexpr size_t kMaxTensorNameLength = 512;
+
+// Job names are [A-Za-z0-9._-]{1,128} and never "." or "..": they become a directory under --root.
+Status ValidateJobName(std::string_view job);
+// Tensor names are printable ASCII without quotes, backslashes or '@' (the metadata key separator).
+Status ValidateTensorName(std::string_view name);
+
+// "model_state.tp00_pp01_shard00" (two digits at least, more when a degree needs them).
+std::string FileStem(std::string_view kind, uint32_t tp, uint32_t pp, uint32_t shard);
+// The largest step: ParseCheckpointDirName reads at most 18 digits, so a larger step would be
+// saved into a directory that no listing, restore or retention ever finds.
+inline constexpr int64_t kMaxStep = 999'999'999'999'999'999;
+
+// "checkpoint-1200"
+std::string CheckpointDirName(int64_t step);
+// Parses "checkpoint-<step>"; nullopt for anything else.
+std::optional<int64_t> ParseCheckpointDirName(std::string_view name);
+// "saved_signal_3"
+std::string SignalFileName(uint32_t rank);
+// "extra.rank00003.json"
+std::string ExtraFileName(uint32_t rank);
+
+// Parses "64GiB", "512MiB", "1.5GiB", "1000000", "4G" (binary units) into bytes.
+std::optional<uint64_t> ParseByteSize(std::string_view text);
+// "38.2 GiB"
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace flashckpt

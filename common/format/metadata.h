@@ -1,0 +1,93 @@
+// What a checkpoint holds: pieces of tensors in files, described by each file's own header and
+// gathered into metadata.json, the file whose presence makes a checkpoint complete.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/base/status.h"
+#include "common/format/layout.h"
+#include "common/format/safetensors.h"
+#include "flashckpt/tensor.h"
+
+namespace flashckpt {
+
+inline constexpr uint64_t kMaxMetadataJsonBytes = 1ull << 30;
+// Files larger than this (4 EiB) are refused as corrupt, so offsets within them never overflow.
+inline constexpr uint64_t kMaxCheckpointFileBytes = 1ull << 62;
+
+// One saved piece of a tensor: where it sits in the global tensor and in which file.
+struct Piece {
+  std::string key;  // tensor name
+  TensorKind kind = TensorKind::kModel;
+  DType dtype = DType::kF32;
+  std::vector<uint64_t> shape;  // local shape as stored
+  std::vector<uint64_t> global_shape;
+  std::vector<uint64_t> box_offset;
+  std::vector<uint64_t> box_shape;
+  std::optional<FlatRange> flat_range;
+  std::string file;    // file name inside the checkpoint directory
+  uint64_t begin = 0;  // absolute byte range in the file
+  uint64_t end = 0;
+  uint64_t xxh3 = 0;
+  // xxh3 of each chunk of `chunk_bytes` bytes from `begin` (the last may be shorter); empty when
+  // the piece fits in one chunk, whose checksum is then `xxh3`.
+  uint64_t chunk_bytes = 0;
+  std::vector<uint64_t> chunk_xxh3;
+};
+
+struct SavedFile {
+  std::string name;  // "model_state.tp00_pp00_shard00.safetensors"
+  uint32_t rank = 0;
+  uint32_t tp_rank = 0, pp_rank = 0, shard_rank = 0;
+  uint64_t bytes = 0;
+};
+
+// The EMA configuration and progress recorded in the ema files of a checkpoint.
+struct EmaRecord {
+  double decay = 0;
+  uint32_t interval = 1;
+  std::string init;          // "first" or "zeros"
+  std::string model_params;  // "fp32" or "all"
+  std::optional<double> loss_threshold;
+  uint64_t updates_applied = 0;
+  uint64_t updates_skipped = 0;
+  int64_t last_step = 0;
+};
+
+// The metadata of an ema file image, read back by BuildMetadataFromFiles into an EmaRecord: the
+// configuration of `record` as fixed strings, and the three counters as fixed-width fields that
+// StampEmaCounters (common/format/image.h) fills at save time.
+LayoutExtras EmaFileExtras(const EmaRecord& record, uint64_t checksum_chunk);
+
+struct CheckpointMetadata {
+  std::string job;
+  int64_t step = 0;
+  Topology topology;  // degrees and world size; the per-rank coordinates are per file
+  std::vector<SavedFile> files;
+  std::vector<Piece> pieces;
+  std::string created;           // UTC, ISO 8601
+  std::optional<EmaRecord> ema;  // present when the checkpoint carries ema files
+};
+
+// The pieces a flashckpt safetensors file declares, checked for consistency (kind, global shape,
+// box, flat range and checksum present and well-formed for every tensor).
+Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name);
+
+// Reads every *.safetensors file header of a checkpoint directory and gathers the metadata. All
+// files must agree on job, step and topology degrees.
+Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
+// The same from the named files only (what the ranks' signals list), ignoring anything else there.
+Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
+                                                  IoEnv* io = IoEnv::Default());
+
+std::string MetadataToJson(const CheckpointMetadata& meta);
+// Parses metadata.json; the input is untrusted and every field is checked.
+Result<CheckpointMetadata> ParseMetadataJson(std::string_view json);
+Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir, IoEnv* io = IoEnv::Default());
+
+}  // namespace flashckpt

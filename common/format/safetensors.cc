@@ -1,0 +1,192 @@
+#include "common/format/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "common/io/fs.h"
+
+namespace flashckpt {
+namespace {
+
+// A placeholder's text: '@' then the field id, padded with '@'. '@' may not begin a key (keys are
+// tensor names, which exclude '@', or fixed ASCII words), so the quoted placeholder is unique.
+std::string Placeholder(size_t id, size_t width) {
+  std::string s = "@" + std::to_string(id);
+  s.resize(width, '@');
+  return s;
+}
+
+bool CheckedMul(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+}  // namespace
+
+Result<uint64_t> TensorBytes(DType dtype, const std::vector<uint64_t>& shape) {
+  if (shape.size() > kMaxTensorRank) {
+    return InvalidArgument("tensor rank " + std::to_string(shape.size()) + " exceeds " +
+                           std::to_string(kMaxTensorRank));
+  }
+  uint64_t n = DTypeSize(dtype);
+  for (uint64_t d : shape) {
+    if (!CheckedMul(n, d, &n)) return InvalidArgument("tensor byte size overflows 64 bits");
+  }
+  return n;
+}
+
+void SafetensorsHeaderBuilder::AddMetadata(std::string key, std::string value) {
+  metadata_.push_back(Field{std::move(key), std::move(value), false, 0});
+}
+
+size_t SafetensorsHeaderBuilder::AddFixedWidthMetadata(std::string key, size_t width) {
+  metadata_.push_back(Field{std::move(key), std::string(width, '0'), true, width});
+  size_t id = 0;
+  for (const auto& f : metadata_) id += f.fixed ? 1 : 0;
+  return id - 1;
+}
+
+void SafetensorsHeaderBuilder::AddTensor(const std::string& name, DType dtype, const std::vector<uint64_t>& shape,
+                                         uint64_t begin, uint64_t end) {
+  tensors_.push_back(SafetensorsEntry{name, dtype, shape, begin, end});
+}
+
+Result<SafetensorsHeaderBuilder::Built> SafetensorsHeaderBuilder::Build() const {
+  nlohmann::ordered_json root = nlohmann::ordered_json::object();
+  nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+  std::vector<size_t> widths;
+  for (const auto& f : metadata_) {
+    if (f.fixed) {
+      meta[f.key] = Placeholder(widths.size(), f.width);
+      widths.push_back(f.width);
+    } else {
+      meta[f.key] = f.value;
+    }
+  }
+  root["__metadata__"] = std::move(meta);
+  for (const auto& t : tensors_) {
+    root[t.name] = {{"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+  }
+  std::string json = root.dump();
+
+  Built built;
+  built.field_widths = widths;
+  for (size_t id = 0; id < widths.size(); ++id) {
+    std::string quoted = "\"" + Placeholder(id, widths[id]) + "\"";
+    size_t pos = json.find(quoted);
+    if (pos == std::string::npos) return Internal("header placeholder " + std::to_string(id) + " not found");
+    std::fill(json.begin() + static_cast<std::ptrdiff_t>(pos) + 1,
+              json.begin() + static_cast<std::ptrdiff_t>(pos + 1 + widths[id]), '0');
+    built.field_offsets.push_back(8 + pos + 1);
+  }
+  uint64_t total = 8 + json.size();
+  uint64_t padded = (total + kPageSize - 1) / kPageSize * kPageSize;
+  json.append(padded - total, ' ');
+  uint64_t n = json.size();
+  built.bytes.resize(8);
+  for (int i = 0; i < 8; ++i) built.bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  built.bytes += json;
+  return built;
+}
+
+Result<uint64_t> ParseHeaderLength(const unsigned char prefix[8], uint64_t file_size) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[i];
+  if (file_size < 8) return Corruption("file of " + std::to_string(file_size) + " bytes has no safetensors header");
+  if (n == 0 || n > kMaxHeaderJsonBytes) {
+    return Corruption("safetensors header length " + std::to_string(n) + " is outside 1.." +
+                      std::to_string(kMaxHeaderJsonBytes));
+  }
+  if (n > file_size - 8) {
+    return Corruption("safetensors header length " + std::to_string(n) + " runs past the end of a " +
+                      std::to_string(file_size) + "-byte file (truncated?)");
+  }
+  return n;
+}
+
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t file_size) {
+  SafetensorsHeader h;
+  h.data_start = 8 + json.size();
+  if (h.data_start > file_size) return Corruption("safetensors header runs past the end of the file");
+  h.data_bytes = file_size - h.data_start;
+  auto root = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) return Corruption("safetensors header is not a JSON object");
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    const std::string& key = it.key();
+    const auto& v = it.value();
+    if (key == "__metadata__") {
+      if (!v.is_object()) return Corruption("__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) return Corruption("__metadata__ value of '" + m.key() + "' is not a string");
+        h.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!v.is_object()) return Corruption("entry '" + key + "' is not an object");
+    auto dt = v.find("dtype");
+    auto sh = v.find("shape");
+    auto off = v.find("data_offsets");
+    if (dt == v.end() || sh == v.end() || off == v.end() || !dt->is_string() || !sh->is_array() ||
+        !off->is_array() || off->size() != 2) {
+      return Corruption("entry '" + key + "' needs dtype, shape and two data_offsets");
+    }
+    SafetensorsEntry e;
+    e.name = key;
+    auto dtype = ParseDType(dt->get<std::string>());
+    if (!dtype) return Corruption("entry '" + key + "' has unknown dtype '" + dt->get<std::string>() + "'");
+    e.dtype = *dtype;
+    if (sh->size() > kMaxTensorRank) return Corruption("entry '" + key + "' has rank above 8");
+    for (const auto& d : *sh) {
+      if (!d.is_number_unsigned()) return Corruption("entry '" + key + "' has a shape that is not unsigned integers");
+      e.shape.push_back(d.get<uint64_t>());
+    }
+    if (!(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned()) {
+      return Corruption("entry '" + key + "' has data_offsets that are not unsigned integers");
+    }
+    e.begin = (*off)[0].get<uint64_t>();
+    e.end = (*off)[1].get<uint64_t>();
+    if (e.begin > e.end || e.end > h.data_bytes) {
+      return Corruption("entry '" + key + "' has data_offsets [" + std::to_string(e.begin) + ", " +
+                        std::to_string(e.end) + ") outside the " + std::to_string(h.data_bytes) +
+                        "-byte data region");
+    }
+    auto bytes = TensorBytes(e.dtype, e.shape);
+    if (!bytes.ok()) return Corruption("entry '" + key + "': " + bytes.status().message());
+    if (*bytes != e.end - e.begin) {
+      return Corruption("entry '" + key + "' spans " + std::to_string(e.end - e.begin) + " bytes but its shape needs " +
+                        std::to_string(*bytes));
+    }
+    h.entries.push_back(std::move(e));
+  }
+  std::sort(h.entries.begin(), h.entries.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
+  uint64_t expected = 0;
+  for (const auto& e : h.entries) {
+    if (e.begin < expected) return Corruption("entry '" + e.name + "' overlaps the tensor before it");
+    if (e.begin > expected) return Corruption("gap in the data region before entry '" + e.name + "'");
+    expected = e.end;
+  }
+  if (expected != h.data_bytes) {
+    return Corruption("the tensors cover " + std::to_string(expected) + " bytes but the data region has " +
+                      std::to_string(h.data_bytes) + " (truncated or trailing bytes)");
+  }
+  return h;
+}
+
+Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path, IoEnv* io) {
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, io));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat", path);
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  unsigned char prefix[8] = {};
+  if (size >= 8) RETURN_IF_ERROR(PreadFull(fd.get(), prefix, 8, 0, path, io));
+  auto n = ParseHeaderLength(prefix, size);
+  if (!n.ok()) return n.status().WithContext(path);
+  std::string json(*n, '\0');
+  RETURN_IF_ERROR(PreadFull(fd.get(), json.data(), *n, 8, path, io));
+  auto parsed = ParseSafetensorsHeader(json, size);
+  if (!parsed.ok()) return parsed.status().WithContext(path);
+  return parsed;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,55 @@
+#include "common/format/signal.h"
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+
+#include "common/io/fs.h"
+
+namespace flashckpt {
+
+std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes) {
+  nlohmann::json j = {{"job", job},       {"rank", s.rank}, {"step", s.step}, {"resumed_from", s.resumed_from},
+                      {"files", s.files}, {"bytes", bytes}};
+  return j.dump() + "\n";
+}
+
+Result<Signal> ParseSignal(std::string_view text) {
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Corruption("not a flashckpt signal: not a JSON object");
+  auto rank = j.find("rank");
+  auto step = j.find("step");
+  auto from = j.find("resumed_from");
+  auto files = j.find("files");
+  if (rank == j.end() || !rank->is_number_unsigned() || step == j.end() || !step->is_number_integer() ||
+      from == j.end() || !from->is_number_integer() || files == j.end() || !files->is_array()) {
+    return Corruption("not a flashckpt signal: needs an unsigned rank, integer step and resumed_from, and files");
+  }
+  // get<uint32_t>() would truncate: rank 2^32 + 1 must not pass for rank 1.
+  if (rank->get<uint64_t>() > UINT32_MAX) {
+    return Corruption("not a flashckpt signal: rank " + std::to_string(rank->get<uint64_t>()) + " is above 2^32-1");
+  }
+  Signal s;
+  s.rank = static_cast<uint32_t>(rank->get<uint64_t>());
+  s.step = step->get<int64_t>();
+  s.resumed_from = from->get<int64_t>();
+  for (const auto& f : *files) {
+    if (!f.is_string()) return Corruption("not a flashckpt signal: a files entry is not a string");
+    std::string name = f.get<std::string>();
+    // The name is joined to the checkpoint directory: it must name an entry of that directory.
+    if (name.empty() || name.find('/') != std::string::npos || name.find('\0') != std::string::npos ||
+        name == "." || name == "..") {
+      return Corruption("not a flashckpt signal: file name '" + name + "' is not a plain name");
+    }
+    s.files.push_back(std::move(name));
+  }
+  return s;
+}
+
+Result<Signal> ReadSignal(const std::string& path, IoEnv* io) {
+  ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, 1u << 20, io));
+  auto signal = ParseSignal(text);
+  if (!signal.ok()) return signal.status().WithContext(path);
+  return signal;
+}
+
+}  // namespace flashckpt

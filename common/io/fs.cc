@@ -1,0 +1,354 @@
+#include "common/io/fs.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+
+#include "common/base/mutex.h"
+
+namespace flashckpt {
+
+Status ErrnoStatus(std::string_view what, std::string_view path, int err) {
+  std::string msg =
+      std::string(what) + " " + std::string(path) + ": " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
+  if (err == ENOSPC || err == EDQUOT) return ResourceExhausted(std::move(msg));
+  if (err == ENOENT) return NotFound(std::move(msg));
+  if (err == ECANCELED) return Cancelled(std::move(msg));  // CancellableIo after Cancel()
+  return IOError(std::move(msg));
+}
+
+void UniqueFd::Reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+Result<UniqueFd> OpenForRead(const std::string& path, IoEnv* io) {
+  int fd = io->Open(path, O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("open", path);
+  return UniqueFd(fd);
+}
+
+Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path, IoEnv* io) {
+  auto* p = static_cast<char*>(buf);
+  while (bytes > 0) {
+    ssize_t n = io->Pread(fd, p, bytes, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("read", path);
+    }
+    if (n == 0) return Corruption("read " + path + ": file ends early (truncated) at offset " + std::to_string(offset));
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path, IoEnv* io) {
+  const auto* p = static_cast<const char*>(buf);
+  while (bytes > 0) {
+    ssize_t n = io->Pwrite(fd, p, bytes, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("write", path);
+    }
+    if (n == 0) {  // no error and no progress: retrying would spin forever
+      return IOError("write " + path + ": the system wrote 0 of " + std::to_string(bytes) + " bytes at offset " +
+                     std::to_string(offset) + " without an error; the file system may be failing (see dmesg)");
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return Status::OK();
+}
+
+Status MakeDirs(const std::string& path, unsigned mode, IoEnv* io) {
+  std::error_code ec;
+  std::filesystem::path p(path);
+  std::filesystem::path cur;
+  for (const auto& part : p) {
+    cur /= part;
+    if (cur.string().empty()) continue;
+    if (io->Mkdir(cur.string(), mode) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", cur.string());
+  }
+  struct stat st {};
+  if (io->Stat(path, &st) != 0) return ErrnoStatus("stat", path);
+  if (!S_ISDIR(st.st_mode)) return FailedPrecondition(path + " exists and is not a directory");
+  return Status::OK();
+}
+
+Status FsyncDir(const std::string& dir, IoEnv* io) {
+  int fd = io->Open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("open directory", dir);
+  UniqueFd owned(fd);
+  if (io->Fsync(fd) != 0) return ErrnoStatus("fsync directory", dir);
+  return Status::OK();
+}
+
+bool PathExists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+Result<bool> Exists(const std::string& path, IoEnv* io) {
+  struct stat st {};
+  if (io->Stat(path, &st) == 0) return true;
+  if (errno == ENOENT) return false;
+  return ErrnoStatus("stat", path);
+}
+
+Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir, IoEnv* io) {
+  auto names = ListDir(dir, io);
+  if (names.ok()) return std::optional<std::vector<std::string>>(std::move(names).value());
+  if (names.status().code() != StatusCode::kNotFound) return names.status();
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    return IOError(dir + " is a symbolic link to a path that does not exist (a volume that is not mounted?)");
+  }
+  return std::optional<std::vector<std::string>>();
+}
+
+std::string TemporaryPath(const std::string& final_path) {
+  static std::atomic<uint64_t> counter{0};
+  return final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+}
+
+long TemporaryOwner(const std::string& name) {
+  auto pos = name.rfind(".tmp.");
+  if (pos == std::string::npos) return 0;
+  const char* p = name.c_str() + pos + 5;
+  char* end = nullptr;
+  long pid = std::strtol(p, &end, 10);
+  if (end == p || *end != '.' || pid <= 0) return 0;
+  return pid;
+}
+
+namespace {
+
+// The durable sequence around `write`: create <name>.tmp.<pid>.<n> with `flags`, let `write` fill
+// it, fdatasync, rename over <name>, fsync(dir); the temporary is removed on failure. `*direct_refused`
+// is set (and nothing else done) when `flags` holds O_DIRECT and the file system refuses it.
+template <typename Write>
+Status DurableWrite(const std::string& dir, const std::string& name, int flags, bool* renamed, bool* direct_refused,
+                    IoEnv* io, Write write) {
+  if (renamed != nullptr) *renamed = false;
+  std::string final_path = dir + "/" + name;
+  std::string tmp_path = TemporaryPath(final_path);
+  int fd = io->Open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+  if (fd < 0 && errno == EINVAL && (flags & O_DIRECT) != 0 && direct_refused != nullptr) {
+    *direct_refused = true;
+    return Status::OK();
+  }
+  if (fd < 0) return ErrnoStatus("create", tmp_path);
+  UniqueFd owned(fd);
+  auto fail = [&](Status s) {
+    owned.Reset();
+    io->Unlink(tmp_path);
+    return s;
+  };
+  Status written = write(fd, tmp_path);
+  if (!written.ok()) return fail(written);
+  if (io->Fdatasync(fd) != 0) return fail(ErrnoStatus("fdatasync", tmp_path));
+  owned.Reset();
+  if (io->Rename(tmp_path, final_path) != 0) return fail(ErrnoStatus("rename", tmp_path));
+  if (renamed != nullptr) *renamed = true;
+  return FsyncDir(dir, io);
+}
+
+}  // namespace
+
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
+                        bool* renamed, IoEnv* io) {
+  return DurableWrite(dir, name, 0, renamed, nullptr, io, [&](int fd, const std::string& path) {
+    uint64_t offset = 0;
+    for (const auto& span : spans) {
+      RETURN_IF_ERROR(PwriteFull(fd, span.data, span.bytes, offset, path, io));
+      offset += span.bytes;
+    }
+    return Status::OK();
+  });
+}
+
+Status WriteImageDurably(const std::string& dir, const std::string& name, const char* data, uint64_t bytes,
+                         uint64_t padded, bool* renamed, IoEnv* io) {
+  constexpr uint64_t kAlign = 4096, kChunk = 16u << 20;
+  if (reinterpret_cast<uintptr_t>(data) % kAlign != 0 || padded % kAlign != 0 || padded < bytes) {
+    return Internal("WriteImageDurably needs 4 KiB-aligned memory and a padded size");
+  }
+  bool direct_refused = false;
+  Status s = DurableWrite(dir, name, O_DIRECT, renamed, &direct_refused, io, [&](int fd, const std::string& path) {
+    for (uint64_t offset = 0; offset < padded; offset += kChunk) {
+      RETURN_IF_ERROR(PwriteFull(fd, data + offset, std::min(kChunk, padded - offset), offset, path, io));
+    }
+    if (padded != bytes && io->Ftruncate(fd, bytes) != 0) return ErrnoStatus("ftruncate", path);
+    return Status::OK();
+  });
+  if (direct_refused) {  // no O_DIRECT on this file system (tmpfs): a buffered write
+    return WriteFileDurably(dir, name, std::vector<WriteSpan>{{data, bytes}}, renamed, io);
+  }
+  return s;
+}
+
+Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed, IoEnv* io) {
+  constexpr uint64_t kAlign = 4096;
+  auto down = [](uint64_t v) { return v / kAlign * kAlign; };
+  for (const ImageWrite& im : images) {
+    if (reinterpret_cast<uintptr_t>(im.data) % kAlign != 0 || im.head % kAlign != 0 || im.head > im.bytes ||
+        im.cuts.empty() || im.cuts.front() != im.head || !std::is_sorted(im.cuts.begin(), im.cuts.end()) ||
+        im.cuts.back() > im.bytes || im.piece == 0) {
+      return Internal("WriteImagesDurably: image " + im.name + " is not laid out for it");
+    }
+  }
+  struct Open {
+    std::string tmp;
+    UniqueFd fd;
+  };
+  std::vector<Open> files(images.size());
+  auto cleanup = [&](Status s) {
+    for (Open& f : files) {
+      if (!f.tmp.empty()) {
+        f.fd.Reset();
+        io->Unlink(f.tmp);
+      }
+    }
+    return s;
+  };
+  int flags = O_DIRECT;
+  for (size_t i = 0; i < images.size(); ++i) {
+    files[i].tmp = TemporaryPath(dir + "/" + images[i].name);
+    int fd = io->Open(files[i].tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+    if (fd < 0 && errno == EINVAL && flags != 0) {  // no O_DIRECT here (tmpfs): buffered writes
+      flags = 0;
+      fd = io->Open(files[i].tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }
+    if (fd < 0) {
+      Status s = ErrnoStatus("create", files[i].tmp);
+      files[i].tmp.clear();
+      return cleanup(s);
+    }
+    files[i].fd = UniqueFd(fd);
+  }
+
+  struct Piece {
+    size_t image, region;
+    uint64_t from, to;
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const ImageWrite& im = images[i];
+    for (size_t r = 0; r < im.cuts.size(); ++r) {
+      const uint64_t lo = im.cuts[r], hi = r + 1 < im.cuts.size() ? im.cuts[r + 1] : im.bytes;
+      uint64_t from = lo;
+      do {  // an empty region is one empty piece: it may still own pages, and prepare sees it
+        const uint64_t to = std::min(hi, from + im.piece);
+        pieces.push_back({i, r, from, to});
+        from = to;
+      } while (from < hi);
+    }
+  }
+  Mutex error_mu;
+  Status first_error;               // guarded by error_mu
+  std::atomic<bool> failed{false};  // set with first_error: the remaining pieces skip their writes
+  auto fail = [&](const Status& s) {
+    MutexLock lock(&error_mu);
+    if (first_error.ok()) first_error = s;
+    failed.store(true, std::memory_order_relaxed);
+  };
+  auto run = [&](size_t count, const std::function<void(size_t)>& body) {
+    if (loop != nullptr) {
+      loop->Run(count, body);
+    } else {
+      for (size_t k = 0; k < count; ++k) body(k);
+    }
+  };
+  run(hooks.side_count + pieces.size(), [&](size_t k) {
+    if (k < hooks.side_count) {
+      if (failed.load(std::memory_order_relaxed)) return;  // e.g. the trainer's copies failed: do not wait on
+      if (Status s = hooks.side(k); !s.ok()) fail(s);      // each remaining tensor for the copy timeout
+      return;
+    }
+    if (failed.load(std::memory_order_relaxed)) return;  // a full disk: do not write gigabytes more into it
+    const Piece& p = pieces[k - hooks.side_count];
+    if (hooks.wait) {
+      if (Status s = hooks.wait(p.image, p.to); !s.ok()) return fail(s);
+    }
+    const ImageWrite& im = images[p.image];
+    const bool last_region = p.region + 1 == im.cuts.size();
+    const uint64_t hi = last_region ? im.bytes : im.cuts[p.region + 1];
+    // Pages from the one holding `from` (unless an earlier piece of the image holds its start) up
+    // to the one holding `to`, which the next piece writes; the image's last piece writes its tail.
+    const uint64_t begin = down(p.from),
+                   end = p.to == hi && last_region ? (im.bytes + kAlign - 1) / kAlign * kAlign : down(p.to);
+    if (hooks.prepare) hooks.prepare(p.image, p.region, p.from, p.to);
+    if (end > begin) {
+      Status s = PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp, io);
+      if (!s.ok()) fail(s);
+    }
+  });
+  if (!first_error.ok()) return cleanup(first_error);
+
+  run(images.size(), [&](size_t i) {
+    const ImageWrite& im = images[i];
+    const int fd = files[i].fd.get();
+    const std::string& path = files[i].tmp;
+    if (hooks.finish) hooks.finish(i);
+    Status s = PwriteFull(fd, im.data, im.head, 0, path, io);
+    if (s.ok() && im.bytes % kAlign != 0 && io->Ftruncate(fd, im.bytes) != 0) s = ErrnoStatus("ftruncate", path);
+    if (s.ok() && io->Fdatasync(fd) != 0) s = ErrnoStatus("fdatasync", path);
+    if (!s.ok()) fail(s);
+  });
+  if (!first_error.ok()) return cleanup(first_error);
+  for (size_t i = 0; i < images.size(); ++i) {
+    files[i].fd.Reset();
+    const std::string final_path = dir + "/" + images[i].name;
+    if (io->Rename(files[i].tmp, final_path) != 0) return cleanup(ErrnoStatus("rename", files[i].tmp));
+    files[i].tmp.clear();
+    if (renamed != nullptr) renamed->push_back(images[i].name);
+  }
+  return FsyncDir(dir, io);
+}
+
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents, bool* renamed,
+                        IoEnv* io) {
+  return WriteFileDurably(dir, name, std::vector<WriteSpan>{{contents.data(), contents.size()}}, renamed, io);
+}
+
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes, IoEnv* io) {
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, io));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat", path);
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    return Corruption(path + " is " + std::to_string(size) + " bytes, more than the " + std::to_string(max_bytes) +
+                      " allowed");
+  }
+  std::string out(size, '\0');
+  RETURN_IF_ERROR(PreadFull(fd.get(), out.data(), size, 0, path, io));
+  return out;
+}
+
+Result<std::vector<std::string>> ListDir(const std::string& dir, IoEnv* io) {
+  std::vector<std::string> names;
+  if (io->ListDir(dir, &names) != 0) return ErrnoStatus("opendir", dir);
+  return names;
+}
+
+Status RemoveTree(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) return IOError("remove " + path + ": " + ec.message());
+  return Status::OK();
+}
+
+}  // namespace flashckpt

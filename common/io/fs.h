@@ -1,0 +1,148 @@
+// File-system primitives with Status errors that name the path: owned fds, full reads and writes,
+// and the durable-write sequence every flashckpt file goes through. The writing calls take an IoEnv
+// (common/io/io_env.h; the real OS by default) through which their pwrite, ftruncate, fdatasync,
+// rename and directory fsync go, so that tests can inject faults (common/io/fault_injecting_io.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/base/status.h"
+#include "common/base/thread_pool.h"
+#include "common/io/io_env.h"
+
+namespace flashckpt {
+
+// Owns a file descriptor; closes it on destruction. Move-only.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { Reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      fd_ = o.fd_;
+      o.fd_ = -1;
+    }
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void Reset();
+  // Gives up ownership: returns the fd, which the caller must close.
+  int Release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+Result<UniqueFd> OpenForRead(const std::string& path, IoEnv* io = IoEnv::Default());
+Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path,
+                 IoEnv* io = IoEnv::Default());
+// Writes all `bytes`: a short write is continued where it stopped (on an O_DIRECT fd the kernel
+// stops on a block boundary, so the rest stays aligned), EINTR is retried, and a write that makes no
+// progress (returns 0) is kIOError instead of a loop forever.
+Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const std::string& path,
+                  IoEnv* io = IoEnv::Default());
+
+// mkdir -p with the given mode for directories it creates.
+Status MakeDirs(const std::string& path, unsigned mode = 0755, IoEnv* io = IoEnv::Default());
+Status FsyncDir(const std::string& dir, IoEnv* io = IoEnv::Default());
+bool PathExists(const std::string& path);
+// Whether `path` exists: false only when stat says ENOENT; any other failure (EIO, ESTALE, EACCES,
+// ENOTDIR, ELOOP) is an error naming the path. For what must not mistake "cannot tell" for "absent".
+Result<bool> Exists(const std::string& path, IoEnv* io = IoEnv::Default());
+// The names in directory `dir`, or nullopt when it does not exist (ENOENT). A dangling symbolic
+// link (a volume that is not mounted) and every other failure are errors naming the path.
+Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::string& dir,
+                                                                IoEnv* io = IoEnv::Default());
+
+// A piece of a file to write: `bytes` bytes from `data`.
+struct WriteSpan {
+  const void* data;
+  size_t bytes;
+};
+
+// The durable write: <dir>/<name>.tmp.<unique>, all spans in order, fdatasync, rename to
+// <dir>/<name>, fsync(dir). On failure the temporary is removed and the old <name> (if any) is
+// untouched. `renamed`, when given, is set to whether <dir>/<name> now holds the new contents (true
+// also when only the final fsync of the directory failed, so a caller can undo the file). Errors
+// name the call, the path and the errno text; ENOSPC/EDQUOT are kResourceExhausted, others kIOError.
+Status WriteFileDurably(const std::string& dir, const std::string& name, const std::vector<WriteSpan>& spans,
+                        bool* renamed = nullptr, IoEnv* io = IoEnv::Default());
+// The durable write of a large file image straight from page-aligned memory: `bytes` from `data`,
+// with `data` 4 KiB-aligned and the memory readable up to `padded` (a multiple of 4 KiB). Written
+// with O_DIRECT in 16 MiB chunks (the page cache is bypassed: no double copy, no writeback stalls),
+// the padded tail cut with ftruncate; where the file system refuses O_DIRECT (tmpfs) it falls back
+// to a buffered write. Then fdatasync, rename and fsync(dir) as above.
+Status WriteImageDurably(const std::string& dir, const std::string& name, const char* data, uint64_t bytes,
+                         uint64_t padded, bool* renamed = nullptr, IoEnv* io = IoEnv::Default());
+Status WriteFileDurably(const std::string& dir, const std::string& name, std::string_view contents,
+                        bool* renamed = nullptr, IoEnv* io = IoEnv::Default());
+
+// A file image for WriteImagesDurably: `bytes` bytes at 4 KiB-aligned `data` (readable up to the
+// next 4 KiB boundary). Its first `head` bytes (a multiple of 4 KiB) are written last; the rest is
+// cut at `cuts` (increasing offsets in [head, bytes), the first equal to `head`) into regions, and
+// each region into pieces of `piece` bytes counted from its start.
+struct ImageWrite {
+  std::string name;
+  const char* data = nullptr;
+  uint64_t bytes = 0;
+  uint64_t head = 0;
+  std::vector<uint64_t> cuts;
+  uint64_t piece = 16u << 20;
+};
+
+// Writes images durably with several writes in flight. Every piece of every region is one task of
+// `loop` (nullptr: the caller's thread): it calls `prepare(image, region, from, to)` for the piece's
+// bytes [from, to), then writes the 4 KiB pages that end within it (O_DIRECT; the page holding the
+// next piece's first byte is left to that piece), so a piece is written while `prepare` (e.g. a
+// checksum) left it in cache. `side` tasks (`side_count` of them; e.g. checksums over whole
+// regions) run in the same loop, before the pieces. When all are done, `finish(image)` runs and
+// the image's head is written, its tail cut to `bytes`, the file fdatasync'ed (one task per image)
+// and renamed into place, then the directory fsync'ed once. On a file system without O_DIRECT
+// (tmpfs) the same writes are buffered. On failure every temporary is removed; `renamed` (if given)
+// lists the names already in place, for the caller to undo.
+// Images whose bytes are still arriving (a streaming commit): `wait(image, to)`, when set, runs
+// before a piece's `prepare` and returns once the image's bytes before `to` are in place; an error
+// it returns, like one a `side` task returns, fails the write as an I/O error does.
+struct ImageWriteHooks {
+  std::function<Status(size_t image, uint64_t to)> wait;
+  std::function<void(size_t image, size_t region, uint64_t from, uint64_t to)> prepare;
+  size_t side_count = 0;
+  std::function<Status(size_t task)> side;
+  std::function<void(size_t image)> finish;
+};
+Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed,
+                          IoEnv* io = IoEnv::Default());
+
+// "<path>.tmp.<pid>.<n>": the temporary a durable write fills and renames over <path>.
+std::string TemporaryPath(const std::string& final_path);
+// The pid in the name of such a temporary ("model_state....safetensors.tmp.4242.7"); 0 when
+// `name` is not one. A restarted daemon removes those whose process is gone.
+long TemporaryOwner(const std::string& name);
+
+// Reads a whole file of at most `max_bytes` bytes.
+Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes, IoEnv* io = IoEnv::Default());
+
+// Names of the entries of a directory (no "." or "..").
+Result<std::vector<std::string>> ListDir(const std::string& dir, IoEnv* io = IoEnv::Default());
+// rm -r; ok when the path does not exist.
+Status RemoveTree(const std::string& path);
+
+}  // namespace flashckpt

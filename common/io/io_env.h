@@ -1,0 +1,77 @@
+// The system calls a daemon makes on its checkpoint root behind a small interface (LevelDB `Env`), so
+// that tests can make a write fail with ENOSPC on the 3rd chunk, a listing fail with ESTALE, a read
+// with EIO, or any of them take 200 ms (common/io/fault_injecting_io.h) while the code under test stays
+// the code that runs in production.
+//
+// The durable write path (pwrite, ftruncate, fdatasync, fsync of a directory, rename) and the read
+// and namespace calls of the catalog, the restore path and recovery (open, pread, stat, listing a
+// directory, unlink, mkdir) go through it. Shared memory, sockets and the daemon's private state
+// directory do not.
+#pragma once
+
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace flashckpt {
+
+class IoEnv {
+ public:
+  virtual ~IoEnv() = default;
+
+  // Each call behaves as the system call it is named after: it returns what that returns (-1 on
+  // failure) and sets errno. Thread-safe: the writers call in from several threads at once.
+  virtual ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) = 0;
+  virtual int Ftruncate(int fd, uint64_t bytes) = 0;
+  virtual int Fdatasync(int fd) = 0;
+  // fsync(2) of a directory fd, after a rename into it.
+  virtual int Fsync(int fd) = 0;
+  virtual int Rename(const std::string& from, const std::string& to) = 0;
+
+  virtual int Open(const std::string& path, int flags, unsigned mode) = 0;
+  virtual ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) = 0;
+  virtual int Stat(const std::string& path, struct stat* st) = 0;
+  // opendir(3) and readdir(3): the names in `dir` but "." and "..", appended to `names`.
+  virtual int ListDir(const std::string& dir, std::vector<std::string>* names) = 0;
+  virtual int Unlink(const std::string& path) = 0;
+  virtual int Mkdir(const std::string& path, unsigned mode) = 0;
+
+  // The real OS. Never null; lives as long as the process; stateless.
+  static IoEnv* Default();
+};
+
+// Forwards every call to `base` until Cancel(); from then on each call that writes (pwrite, ftruncate,
+// fdatasync, fsync, rename) fails with ECANCELED before it starts; reads, listings and unlinks go on. A durable write in progress (common/io/fs.h) thus stops at its next piece and
+// takes its failure path: its temporaries are removed and nothing more is renamed into place.
+// The writer abandons what it has not finished this way when the daemon's stop timeout runs out.
+class CancellableIo final : public IoEnv {
+ public:
+  explicit CancellableIo(IoEnv* base) : base_(base) {}
+  void Cancel() { cancelled_.store(true, std::memory_order_release); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override;
+  int Ftruncate(int fd, uint64_t bytes) override;
+  int Fdatasync(int fd) override;
+  int Fsync(int fd) override;
+  int Rename(const std::string& from, const std::string& to) override;
+  int Open(const std::string& path, int flags, unsigned mode) override { return base_->Open(path, flags, mode); }
+  ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
+    return base_->Pread(fd, buf, bytes, offset);
+  }
+  int Stat(const std::string& path, struct stat* st) override { return base_->Stat(path, st); }
+  int ListDir(const std::string& dir, std::vector<std::string>* names) override { return base_->ListDir(dir, names); }
+  int Unlink(const std::string& path) override { return base_->Unlink(path); }
+  int Mkdir(const std::string& path, unsigned mode) override { return base_->Mkdir(path, mode); }
+
+ private:
+  IoEnv* base_;  // not owned
+  std::atomic<bool> cancelled_{false};
+};
+
+}  // namespace flashckpt

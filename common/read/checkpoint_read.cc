@@ -1,0 +1,303 @@
+#include "common/read/checkpoint_read.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "common/base/dtype.h"
+#include "common/base/mutex.h"
+#include "common/format/checksum.h"
+#include "common/io/fs.h"
+#include "common/read/reshard.h"
+
+namespace flashckpt {
+namespace {
+
+// Reads go in blocks of at most this size (for a piece read in part, through a buffer of it).
+constexpr uint64_t kReadBuffer = 4u << 20;
+// Merged whole-piece reads are cut at piece boundaries into tasks of about this size, so that a
+// large file is read by several threads.
+constexpr uint64_t kTaskBytes = 64u << 20;
+
+// A part of a saved piece that goes to a different place in the new layout.
+struct Scatter {
+  uint64_t file_offset;
+  char* dest;
+  uint64_t bytes;
+};
+
+// Adjacent whole saved pieces read straight into place (same layout), then verified.
+struct DirectRead {
+  IoEnv* io;
+  int fd;
+  const std::string* path;
+  char* dest;
+  std::vector<const Piece*> pieces;  // adjacent in the file and in the slot
+};
+
+// The parts of one saved piece that tensors in another layout need.
+struct PartialRead {
+  IoEnv* io;
+  int fd;
+  const std::string* path;
+  const Piece* piece;
+  std::vector<Scatter> parts;
+};
+
+// A tensor read in the checkpoint's fp32 into `staging`, narrowed into the slot at the end.
+struct Conversion {
+  std::unique_ptr<char[]> staging;
+  uint64_t elements;
+  DType to;
+  char* dest;
+};
+
+struct Counters {
+  std::atomic<uint64_t> bytes_read{0};
+  std::atomic<uint64_t> reads{0};
+};
+
+Status ChecksumMismatch(const std::string& path, const Piece& p, std::optional<size_t> chunk, uint64_t got,
+                        uint64_t want) {
+  std::string what =
+      chunk ? "chunk " + std::to_string(*chunk) + " of tensor '" + p.key + "'" : "tensor '" + p.key + "'";
+  return Corruption(path + ": " + what + " has checksum " + ChecksumHex(got) + ", the checkpoint records " +
+                    ChecksumHex(want));
+}
+
+// Reads the run in blocks straight into the slot and hashes each block while it is still in
+// cache, so verifying costs no second pass over memory.
+Status RunDirect(const DirectRead& r, Counters& counters) {
+  const uint64_t begin = r.pieces.front()->begin, end = r.pieces.back()->end;
+  Xxh3Stream hash;
+  size_t piece = 0;  // the piece whose bytes come next
+  for (uint64_t pos = begin; pos < end;) {
+    const uint64_t n = std::min(kReadBuffer, end - pos);
+    char* block = r.dest + (pos - begin);
+    RETURN_IF_ERROR(PreadFull(r.fd, block, n, pos, *r.path, r.io));
+    counters.bytes_read += n;
+    counters.reads += 1;
+    for (uint64_t off = pos; off < pos + n;) {
+      const Piece& p = *r.pieces[piece];
+      const uint64_t take = std::min(p.end, pos + n) - off;
+      hash.Update(block + (off - pos), take);
+      off += take;
+      if (off == p.end) {
+        if (hash.Digest() != p.xxh3) return ChecksumMismatch(*r.path, p, std::nullopt, hash.Digest(), p.xxh3);
+        hash.Reset();
+        ++piece;
+      }
+    }
+    pos += n;
+  }
+  return Status::OK();
+}
+
+// Reads the checksum units (chunks, or the whole piece if it has a single checksum) that hold the
+// needed parts, verifies each unit, and copies the parts out.
+Status RunPartial(PartialRead& r, Counters& counters) {
+  const Piece& p = *r.piece;
+  std::sort(r.parts.begin(), r.parts.end(),
+            [](const Scatter& a, const Scatter& b) { return a.file_offset < b.file_offset; });
+  const bool chunked = !p.chunk_xxh3.empty();
+  const uint64_t unit = chunked ? p.chunk_bytes : p.end - p.begin;
+  // Needed units as runs [first, last) of unit indices.
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  for (const Scatter& s : r.parts) {
+    if (s.bytes == 0) continue;
+    uint64_t first = (s.file_offset - p.begin) / unit, last = (s.file_offset + s.bytes - 1 - p.begin) / unit + 1;
+    if (!runs.empty() && first <= runs.back().second) {
+      runs.back().second = std::max(runs.back().second, last);
+    } else {
+      runs.emplace_back(first, last);
+    }
+  }
+  const uint64_t buffer_bytes = std::min(kReadBuffer, p.end - p.begin);
+  std::unique_ptr<char[]> buffer(new (std::nothrow) char[buffer_bytes]);
+  if (!buffer) return ResourceExhausted("cannot allocate a read buffer of " + std::to_string(buffer_bytes) + " bytes");
+  Xxh3Stream hash;
+  size_t next = 0;  // first part that may still intersect what is read next
+  for (auto [first, last] : runs) {
+    const uint64_t lo = p.begin + first * unit, hi = std::min(p.end, p.begin + last * unit);
+    uint64_t u = first, unit_end = std::min(p.end, lo + unit);
+    hash.Reset();
+    for (uint64_t pos = lo; pos < hi;) {
+      const uint64_t n = std::min(buffer_bytes, hi - pos);
+      RETURN_IF_ERROR(PreadFull(r.fd, buffer.get(), n, pos, *r.path, r.io));
+      counters.bytes_read += n;
+      counters.reads += 1;
+      for (uint64_t off = pos; off < pos + n;) {
+        const uint64_t take = std::min(unit_end, pos + n) - off;
+        hash.Update(buffer.get() + (off - pos), take);
+        off += take;
+        if (off == unit_end) {
+          const uint64_t want = chunked ? p.chunk_xxh3[u] : p.xxh3;
+          if (hash.Digest() != want) {
+            return ChecksumMismatch(*r.path, p, chunked ? std::optional<size_t>(u) : std::nullopt, hash.Digest(), want);
+          }
+          hash.Reset();
+          ++u;
+          unit_end = std::min(p.end, unit_end + unit);
+        }
+      }
+      // Parts do not overlap (each needed element is read once), so sorted by offset they also end
+      // in order: skip those that ended before this buffer, copy those that intersect it.
+      while (next < r.parts.size() && r.parts[next].file_offset + r.parts[next].bytes <= pos) ++next;
+      for (size_t k = next; k < r.parts.size() && r.parts[k].file_offset < pos + n; ++k) {
+        const Scatter& s = r.parts[k];
+        uint64_t from = std::max(s.file_offset, pos), to = std::min(s.file_offset + s.bytes, pos + n);
+        if (from < to) std::memcpy(s.dest + (from - s.file_offset), buffer.get() + (from - pos), to - from);
+      }
+      pos += n;
+    }
+  }
+  return Status::OK();
+}
+
+bool SameGeometry(const TensorSpec& t, const Piece& p) {
+  if (t.kind != p.kind || t.dtype != p.dtype || t.global_shape != p.global_shape || t.box_offset != p.box_offset ||
+      t.box_shape != p.box_shape || t.flat_range.has_value() != p.flat_range.has_value()) {
+    return false;
+  }
+  return !t.flat_range || (t.flat_range->begin == p.flat_range->begin && t.flat_range->end == p.flat_range->end);
+}
+
+}  // namespace
+
+Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const CheckpointMetadata& meta,
+                                         const RankLayout& layout, char* slot, const FillOptions& options) {
+  std::multimap<std::string, const Piece*> by_key;
+  for (const auto& p : meta.pieces) by_key.emplace(p.key, &p);
+
+  // Each file is opened once, here, and read by any thread with pread.
+  std::map<std::string, std::pair<std::string, UniqueFd>> files;  // name -> (path, fd)
+  auto open = [&](const std::string& name) -> Result<std::pair<int, const std::string*>> {
+    auto it = files.find(name);
+    if (it == files.end()) {
+      std::string path = dir + "/" + name;
+      ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, options.io));
+      it = files.emplace(name, std::make_pair(std::move(path), std::move(fd))).first;
+    }
+    return std::pair<int, const std::string*>(it->second.second.get(), &it->second.first);
+  };
+
+  struct Whole {
+    const Piece* piece;
+    char* dest;
+  };
+  std::vector<Whole> whole;                              // same layout: whole pieces straight into place
+  std::map<const Piece*, std::vector<Scatter>> partial;  // other layouts: parts of saved pieces
+  std::vector<Conversion> conversions;
+  FillStats stats;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorSpec& t = layout.tensors[i];
+    char* dest = slot + layout.placements[i].slot_offset;
+    stats.bytes_needed += layout.placements[i].bytes;
+    auto [lo, hi] = by_key.equal_range(t.name);
+    std::vector<const Piece*> candidates;
+    const Piece* match = nullptr;
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second->kind != t.kind) continue;  // e.g. the EMA twin of a model weight
+      candidates.push_back(it->second);
+      // The byte size is checked too: metadata.json is untrusted, and a whole piece is read straight
+      // into the tensor's place in the slot.
+      if (match == nullptr && SameGeometry(t, *it->second) &&
+          it->second->end - it->second->begin == layout.placements[i].bytes) {
+        match = it->second;
+      }
+    }
+    if (candidates.empty()) {
+      return NotFound("tensor '" + t.name + "' (" + std::string(TensorKindName(t.kind)) +
+                      ") is not in the checkpoint " + dir);
+    }
+    if (match != nullptr) {
+      whole.push_back({match, dest});
+      continue;
+    }
+    // Another layout, or another dtype: plan the reads by intersecting this rank's piece with the
+    // saved ones. A conversion reads the saved fp32 values into staging memory first.
+    TensorSpec want = t;
+    const DType saved = candidates.front()->dtype;
+    if (saved != t.dtype && options.convert_dtype && saved == DType::kF32 && CanNarrowF32(t.dtype)) {
+      const uint64_t elements = layout.placements[i].bytes / DTypeSize(t.dtype);
+      std::unique_ptr<char[]> staging(new (std::nothrow) char[elements * sizeof(float)]);
+      if (!staging) return ResourceExhausted("cannot allocate fp32 staging memory for tensor '" + t.name + "'");
+      want.dtype = saved;
+      dest = staging.get();
+      conversions.push_back({std::move(staging), elements, t.dtype, slot + layout.placements[i].slot_offset});
+    }
+    auto planned = PlanPieceReads(want, candidates);
+    if (!planned.ok()) {
+      // The layout's specs are valid: a refused plan means the checkpoint does not hold what this
+      // rank asks for (another dtype or global shape), not a malformed request.
+      Status s = planned.status();
+      if (s.code() == StatusCode::kInvalidArgument) {
+        std::string hint = saved != t.dtype && saved == DType::kF32 && CanNarrowF32(t.dtype)
+                               ? " (ask for dtype conversion to narrow fp32 to " + std::string(DTypeName(t.dtype)) + ")"
+                               : "";
+        s = FailedPrecondition(s.message() + hint);
+      }
+      return s.WithContext("restoring into a different layout");
+    }
+    for (const ReadRun& run : planned->runs) {
+      partial[candidates[run.piece]].push_back({run.file_offset, dest + run.dest_offset, run.bytes});
+    }
+  }
+
+  // Whole pieces: sorted by file and offset, merged while adjacent in both the file and the slot,
+  // cut into tasks of about kTaskBytes at piece boundaries.
+  std::sort(whole.begin(), whole.end(), [](const Whole& a, const Whole& b) {
+    return a.piece->file != b.piece->file ? a.piece->file < b.piece->file : a.piece->begin < b.piece->begin;
+  });
+  std::vector<DirectRead> direct;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const Piece* p = whole[i].piece;
+    if (!direct.empty()) {
+      DirectRead& last = direct.back();
+      const Piece* prev = last.pieces.back();
+      const bool adjacent = prev->file == p->file && prev->end == p->begin &&
+                            whole[i].dest == last.dest + (p->begin - last.pieces.front()->begin);
+      if (adjacent && p->end - last.pieces.front()->begin <= kTaskBytes) {
+        last.pieces.push_back(p);
+        continue;
+      }
+    }
+    ASSIGN_OR_RETURN(auto fd, open(p->file));
+    direct.push_back({options.io, fd.first, fd.second, whole[i].dest, {p}});
+  }
+  std::vector<PartialRead> parts;
+  for (auto& [piece, scatter] : partial) {
+    ASSIGN_OR_RETURN(auto fd, open(piece->file));
+    parts.push_back({options.io, fd.first, fd.second, piece, std::move(scatter)});
+  }
+
+  Counters counters;
+  Mutex error_mu;
+  Status first_error;
+  auto task = [&](size_t k) {
+    Status s = k < direct.size() ? RunDirect(direct[k], counters) : RunPartial(parts[k - direct.size()], counters);
+    if (!s.ok()) {
+      MutexLock lock(&error_mu);
+      if (first_error.ok()) first_error = s;
+    }
+  };
+  const size_t tasks = direct.size() + parts.size();
+  if (options.loop != nullptr) {
+    options.loop->Run(tasks, task);
+  } else {
+    for (size_t k = 0; k < tasks; ++k) task(k);
+  }
+  RETURN_IF_ERROR(first_error);
+  for (const Conversion& c : conversions) {
+    NarrowF32(reinterpret_cast<const float*>(c.staging.get()), c.elements, c.to, c.dest);
+  }
+  stats.bytes_read = counters.bytes_read;
+  stats.reads = counters.reads;
+  return stats;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,534 @@
+#include "daemon/core/daemon.h"
+
+#include <cstring>
+#include <set>
+
+#include "common/base/cuda_info.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/base/version.h"
+#include "common/format/image.h"
+#include "common/io/fs.h"
+#include "daemon/edge/wire.h"
+
+namespace flashckpt {
+namespace {
+
+// How old the last complete step that status shows may be: this daemon's own completions and
+// deletions update it at once; what other daemons write to a shared root shows within this.
+constexpr auto kStatusRefresh = std::chrono::seconds(30);
+
+constexpr char kStoppingMessage[] =
+    "the daemon is stopping: it takes no new sessions, registrations or snapshots while it finishes the writes in "
+    "flight; connect again once it has restarted";
+
+bool SameLayout(const RankLayout& a, const RankLayout& b) {
+  if (a.slot_bytes != b.slot_bytes || a.files.size() != b.files.size() || a.tensors.size() != b.tensors.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.files.size(); ++i) {
+    if (a.files[i].header != b.files[i].header || a.files[i].slot_offset != b.files[i].slot_offset) return false;
+  }
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    if (a.tensors[i].name != b.tensors[i].name || a.placements[i].slot_offset != b.placements[i].slot_offset ||
+        a.placements[i].bytes != b.placements[i].bytes || a.tensors[i].replica != b.tensors[i].replica) {
+      return false;
+    }
+  }
+  return true;
+}
+
+uint64_t PageAlign(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
+
+// The EMA image header embeds the EMA configuration: equal headers mean the same EMA.
+bool SameEma(const RankEma* current, const std::optional<EmaPlan>& wanted) {
+  if (current == nullptr || !wanted) return current == nullptr && !wanted;
+  return current->plan().layout.files[0].header == wanted->layout.files[0].header;
+}
+
+bool SameDegrees(const Topology& a, const Topology& b) {
+  return a.world_size == b.world_size && a.tp_degree == b.tp_degree && a.pp_degree == b.pp_degree &&
+         a.shard_degree == b.shard_degree;
+}
+
+}  // namespace
+
+Daemon::Daemon(DaemonConfig config)
+    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep, RootIo()) {
+  catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
+    Event event;
+    event.kind = change == CatalogChange::kCompleted ? Event::Kind::kCheckpointComplete
+                                                     : Event::Kind::kCheckpointDeleted;
+    event.job = job;
+    event.step = step;
+    event.reason = std::string(reason);
+    Emit(std::move(event));
+  });
+}
+
+void Daemon::Emit(Event event) {
+  event.unix_seconds = UnixSeconds();
+  metrics_.Observe(event);
+  events_.Publish(std::move(event));
+}
+
+std::string Daemon::RenderMetrics() const {
+  const StatusReport status = GetStatus();
+  return metrics_.Render(status, events_.dropped());
+}
+
+Daemon::~Daemon() { Stop(); }
+
+Status Daemon::Start() {
+  if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
+  if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
+  RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
+  std::string state_dir = config_.state_dir;
+  if (state_dir.empty() && !config_.socket_path.empty()) state_dir = config_.socket_path + ".state";
+  if (!state_dir.empty()) {
+    ASSIGN_OR_RETURN(state_, StateDir::Open(state_dir));
+  }
+  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads,
+                                     config_.io_env != nullptr ? config_.io_env : IoEnv::Default());
+  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
+  ema_stage_ = std::make_unique<EmaStage>(ema_threads, config_.copy_timeout,
+                                          [this](EmaJob job, bool applied, double seconds) {
+                                            OnEmaApplied(std::move(job), applied, seconds);
+                                          });
+  ema_stage_->Start();
+  Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={} state_dir={}",
+                      config_.root, config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads,
+                      config_.keep, state_dir);
+  return AdoptSegments();
+}
+
+void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
+  const auto begun = std::chrono::steady_clock::now();
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ && !writer_) return;
+    stopping_ = true;
+  }
+  cv_.NotifyAll();
+  // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
+  // like a crash for the data, but tidy: their commit records and segments stay for the next
+  // daemon, which replays them.
+  std::vector<EmaJob> unreached;
+  if (ema_stage_) unreached = ema_stage_->Stop(deadline);
+  {
+    MutexLock lock(&mu_);
+    for (EmaJob& job : unreached) {
+      job.segment->shm->KeepName();
+      stop_abandoned_ += 1;
+      Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
+                             job.step, job.rank);
+      Event event;
+      event.kind = Event::Kind::kPersistAbandoned;
+      event.job = job.job;
+      event.rank = job.rank;
+      event.step = job.step;
+      event.reason = "not reached by the EMA stage before the stop timeout";
+      Emit(std::move(event));
+    }
+  }
+  // Finishes the writes in flight until the deadline; abandons the rest (OnPersisted, kCancelled).
+  // Either way no half-written file is left behind under a final name.
+  if (writer_) writer_->Stop(deadline);
+  MutexLock lock(&mu_);
+  if (writer_) {
+    Logger("rpc")->info("stopped finished={} abandoned={} secs={:.3f}", stop_finished_, stop_abandoned_,
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
+  }
+  jobs_.clear();  // unmaps every segment, and unlinks those no abandoned snapshot is left in
+  writer_.reset();
+  events_.Close();  // after the last writes' events: watchers see how the stop ended
+}
+
+Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  ASSIGN_OR_RETURN(std::string token, RandomToken());
+  MutexLock lock(&mu_);
+  if (stopping_) return Unavailable(kStoppingMessage);
+  // A restarted trainer may connect before the daemon has seen its predecessor's stream break.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (;;) {
+    if (stopping_) return Unavailable(kStoppingMessage);
+    auto jit = jobs_.find(job);
+    if (jit == jobs_.end()) break;
+    auto rit = jit->second.ranks.find(rank);
+    if (rit == jit->second.ranks.end() || rit->second.session_id.empty()) break;
+    if (!cv_.WaitUntil(&lock, deadline)) {
+      return FailedPrecondition("rank " + std::to_string(rank) + " of job '" + job +
+                                "' already has a live session; one process per rank");
+    }
+  }
+  RankState& state = jobs_[job].ranks[rank];
+  state.session_id = token;
+  state.last_begun = -1;
+  state.resumed_from = 0;
+  state.registered = false;
+  state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
+  sessions_[token] = SessionInfo{job, rank};
+  Logger("rpc")->info("session open job={} rank={}", job, rank);
+  return token;
+}
+
+void Daemon::CloseSession(const std::string& session_id) {
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return;
+  auto& rank = jobs_[it->second.job].ranks[it->second.rank];
+  uint32_t abandoned = 0;
+  if (rank.session_id == session_id) {
+    rank.session_id.clear();
+    if (rank.segment) {
+      abandoned = Slots(*rank.segment).AbandonInFlight();
+      for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) Mirror(*rank.segment, i);
+    }
+  }
+  Logger("rpc")->info("session closed job={} rank={} abandoned_slots={}", it->second.job, it->second.rank, abandoned);
+  sessions_.erase(it);
+  cv_.NotifyAll();
+}
+
+Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
+  if (stopping_) return Unavailable(kStoppingMessage);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    // UNAVAILABLE, not an argument error: after a daemon restart every session id is unknown, and
+    // the client library re-attaches (a new session, the same registration) on this code.
+    return Unavailable("session_id names no open session (it ended, or the daemon restarted); open a new Session");
+  }
+  RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
+  if (need_segment && !rank.segment) {
+    return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
+                              "' has not registered its tensors");
+  }
+  return &rank;
+}
+
+Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
+                                                           std::optional<EmaPlan> plan, const EmaConfig& config,
+                                                           uint32_t slot_count, const std::string& name,
+                                                           bool adopt) {
+  std::unique_ptr<RankEma> ema;
+  if (plan) {
+    ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, std::move(*plan), config, config_.segment_mode));
+  }
+  const uint64_t ema_area = layout.slot_bytes;
+  const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
+  uint64_t bytes = SegmentBytes(stride, slot_count);
+  std::unique_ptr<SharedSegment> shm;
+  if (adopt) {
+    ASSIGN_OR_RETURN(shm, SharedSegment::Open(name, bytes));
+    const auto* header = reinterpret_cast<const SegmentHeader*>(shm->data());
+    if (std::memcmp(header->magic, kSegmentMagic, sizeof kSegmentMagic) != 0 ||
+        header->format_version != kFormatVersion || header->slot_count != slot_count || header->slot_bytes != stride ||
+        header->segment_bytes != bytes || header->rank != rank ||
+        std::string(header->job, strnlen(header->job, sizeof header->job)) != job) {
+      return FailedPrecondition("segment " + name + " does not match its registration record");
+    }
+    shm->OwnName();
+  } else {
+    // With --shm-group the trainers of other users in the group map the slots; the EMA segment
+    // above stays private (only the daemon maps it).
+    const unsigned mode = config_.shm_group ? 0660u : config_.segment_mode;
+    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, mode, config_.shm_group));
+    auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
+    std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
+    header->format_version = kFormatVersion;
+    header->slot_count = slot_count;
+    header->slot_bytes = stride;
+    header->segment_bytes = bytes;
+    header->rank = rank;
+    std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
+  }
+  auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), slot_count, std::move(ema), stride,
+                                               ema_area, &host_memory_used_, &state_);
+  if (!adopt) {
+    for (uint32_t i = 0; i < slot_count; ++i) {
+      InitSlotImages(segment->Slot(i), segment->layout);
+      MirrorUnpublished(*segment, i);
+    }
+  }
+  Logger("shm")->info("{} segment={} bytes={} slots={} slot_bytes={} ema={}", adopt ? "adopted" : "created", name,
+                      FormatBytes(bytes), slot_count, FormatBytes(stride), segment->ema != nullptr);
+  return segment;
+}
+
+Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::string& job, uint32_t rank,
+                                                                   RankLayout layout, std::optional<EmaPlan> ema_plan,
+                                                                   const EmaConfig& ema_config,
+                                                                   const Registration& registration) {
+  ASSIGN_OR_RETURN(std::string token, RandomToken());
+  const std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
+  const uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
+  // What a restarted daemon needs to adopt the segment (daemon/core/recovery.cc). Written before the
+  // segment exists: a daemon killed in between leaves a record whose segment is missing or blank,
+  // which the next daemon drops (unlinking the segment), never a segment that no record names.
+  v1::SegmentRecord record;
+  record.set_job(job);
+  record.set_rank(rank);
+  record.set_segment_name(name);
+  record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots));
+  record.set_slot_count(config_.slots);
+  record.set_checksum_chunk(config_.checksum_chunk);
+  *record.mutable_registration() = RegistrationRecord(registration);
+  if (Status saved = state_.SaveSegment(record); !saved.ok()) {
+    return saved.WithContext("saving the segment's record in the state directory");
+  }
+  auto created = CreateSegment(job, rank, std::move(layout), std::move(ema_plan), ema_config, config_.slots, name,
+                               /*adopt=*/false);
+  if (!created.ok()) state_.RemoveSegment(name);
+  return created;
+}
+
+Result<RegisterReply> Daemon::Register(const std::string& session_id, const Registration& reg) {
+  const Topology& topology = reg.topology;
+  const EmaConfig& ema_config = reg.ema;
+  // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
+  // after it): a segment's destructor removes its records and unlinks its memory.
+  std::shared_ptr<RankSegment> retired, created;
+  MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo who = sessions_[session_id];
+  LayoutExtras extras;
+  extras.checksum_chunk = config_.checksum_chunk;
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, reg.tensors, extras));
+  RETURN_IF_ERROR(CheckRankBytes(layout, config_.max_rank_bytes));
+  std::optional<EmaPlan> ema_plan;
+  if (ema_config.enabled) {
+    ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
+    if (!plan.layout.files.empty()) ema_plan = std::move(plan);
+  }
+  JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
+  // Every live rank of a job shares one layout. Ranks of a previous run that are exiting may still
+  // hold their sessions for a moment: wait a little for them before refusing.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    const RankState* conflict = nullptr;
+    uint32_t conflict_rank = 0;
+    for (const auto& [r, other] : job->ranks) {
+      if (r == who.rank || other.session_id.empty() || !other.registered) continue;
+      if (!SameDegrees(other.topology, topology)) {
+        conflict = &other;
+        conflict_rank = r;
+        break;
+      }
+    }
+    if (conflict == nullptr) break;
+    if (!cv_.WaitUntil(&lock, deadline)) {
+      return FailedPrecondition(
+          "job '" + who.job + "' is registered with world size " + std::to_string(conflict->topology.world_size) +
+          " (tp " + std::to_string(conflict->topology.tp_degree) + ", pp " +
+          std::to_string(conflict->topology.pp_degree) + ", shard " + std::to_string(conflict->topology.shard_degree) +
+          ") by live rank " + std::to_string(conflict_rank) + "; this rank asks for world size " +
+          std::to_string(topology.world_size) + " (tp " + std::to_string(topology.tp_degree) + ", pp " +
+          std::to_string(topology.pp_degree) + ", shard " + std::to_string(topology.shard_degree) + ")");
+    }
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+  }
+  if (!SameDegrees(job->topology, topology)) {
+    // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
+    for (auto& [r, other] : job->ranks) {
+      if (r != who.rank && other.session_id.empty()) other.segment.reset();  // a running persist keeps its own
+    }
+  }
+  bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
+               SameEma(rank->segment->ema.get(), ema_plan) && Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
+               Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
+  if (!reuse) {
+    uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
+    uint64_t need =
+        SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
+    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted() : 0;
+    // Registrations creating their segments right now count with what they will take.
+    uint64_t used = host_memory_used_.load() + registering_bytes_ - releasable;
+    if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
+      return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
+                               FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
+                               FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
+                               "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
+                               " in use (--max-host-memory)");
+    }
+    // The old segment goes now (the writer keeps it alive if a persist is still running); the new
+    // one is created without mu_: allocating and populating gigabytes must not hold up the other
+    // ranks' snapshots, status or the watchdog. Its bytes are reserved meanwhile.
+    retired = std::move(rank->segment);
+    registering_bytes_ += need;
+    const uint64_t generation = ++rank->registrations;
+    lock.Unlock();
+    retired.reset();
+    auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, reg);
+    lock.Lock();
+    registering_bytes_ -= need;
+    if (!made.ok()) return made.status();
+    created = std::move(made).value();
+    // The session may have ended, or registered again, while the segment was made: then it is not
+    // this call's to publish (it is released, with its records, after mu_).
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    job = &jobs_[who.job];
+    if (rank->registrations != generation || rank->segment) {
+      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                                " was overtaken by another registration of the rank; register again");
+    }
+    rank->segment = std::move(created);
+  }
+  rank->topology = topology;
+  rank->policy = reg.policy;
+  if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
+  rank->fatal_persist_errors = reg.fatal_persist_errors;
+  rank->registered = true;
+  job->topology = topology;
+
+  const RankSegment& seg = *rank->segment;
+  RegisterReply reply;
+  reply.segment_name = seg.shm->name();
+  reply.segment_bytes = seg.shm->size();
+  reply.slot_count = Slots(seg).size();
+  reply.slot_offset = kSegmentHeaderBytes;
+  reply.slot_stride = seg.slot_stride;
+  for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
+    TensorLocation& p = reply.placements.emplace_back();
+    p.name = seg.layout.tensors[i].name;
+    int f = seg.layout.placements[i].file;
+    p.file = f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem;
+    p.slot_offset = seg.layout.placements[i].slot_offset;
+    p.bytes = seg.layout.placements[i].bytes;
+    if (seg.ema) {
+      const auto& sources = seg.ema->plan().source;
+      p.ema_source = std::find(sources.begin(), sources.end(), i) != sources.end();
+    }
+  }
+  if (seg.ema) {
+    const RankLayout& el = seg.ema->plan().layout;
+    for (size_t i = 0; i < el.tensors.size(); ++i) {
+      TensorLocation& p = reply.ema_placements.emplace_back();
+      p.name = el.tensors[i].name;
+      p.file = el.files[0].stem;
+      p.slot_offset = seg.ema_area - el.files[0].slot_offset + el.placements[i].slot_offset;
+      p.bytes = el.placements[i].bytes;
+    }
+  }
+  Logger("rpc")->info("registered job={} rank={} tensors={} slot_bytes={} ema_tensors={} reused={}", who.job, who.rank,
+                      seg.layout.tensors.size(), FormatBytes(seg.slot_stride),
+                      seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
+  return reply;
+}
+
+Result<std::vector<CheckpointEntry>> Daemon::List(const std::string& job) const { return catalog_.List(job); }
+
+Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
+                                                  bool dry_run) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
+  if ((step > 0) == (keep > 0)) {
+    return InvalidArgument("give either a step to delete or keep >= 1 (gc), not " +
+                           std::string(step > 0 ? "both" : "neither"));
+  }
+  std::set<int64_t> busy;  // steps a save of this daemon has in a slot
+  {
+    MutexLock lock(&mu_);
+    // Once stopping, the slots that show which steps are busy go away while abandoned writes are
+    // left to the next daemon: nothing may be deleted under them.
+    if (stopping_) return Unavailable(kStoppingMessage);
+    auto it = jobs_.find(job);
+    if (it != jobs_.end()) {
+      for (const auto& [r, rank] : it->second.ranks) {
+        if (!rank.segment) continue;
+        for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
+          const SlotInfo& slot = Slots(*rank.segment).at(i);
+          if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
+              slot.state == SlotState::kPersisting) {
+            busy.insert(slot.step);
+          }
+        }
+      }
+    }
+  }
+  if (step > 0) return catalog_.DeleteCheckpoint(job, step, force, busy, dry_run);
+  return catalog_.CollectGarbage(job, keep, busy, dry_run);
+}
+
+StatusReport Daemon::GetStatus() const {
+  StatusReport out;
+  out.version = kVersion;
+  out.uptime_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  out.host_memory_used = host_memory_used_.load();
+  out.host_memory_budget = config_.max_host_memory;
+  out.root = config_.root;
+  const CudaInfo& cuda = GetCudaInfo();
+  out.cuda_compiled = cuda.compiled;
+  out.cuda_devices = cuda.devices;
+  FillJobsStatus(&out);
+  // The checkpoints on disk, read without the daemon's lock: a slow or failing filesystem must not
+  // hold up the trainers' snapshots.
+  for (JobReport& j : out.jobs) {
+    auto latest = catalog_.KnownLatest(j.job, kStatusRefresh);
+    j.last_complete_step = latest.ok() && *latest ? **latest : -1;
+    if (!latest.ok()) j.catalog_error = latest.status().ToString();
+  }
+  return out;
+}
+
+Daemon::Counts Daemon::CountSessions() const {
+  MutexLock lock(&mu_);
+  Counts counts;
+  counts.jobs = jobs_.size();
+  for (const auto& [name, job] : jobs_) {
+    counts.ranks += job.ranks.size();
+    for (const auto& [r, rank] : job.ranks) counts.connected += rank.session_id.empty() ? 0 : 1;
+  }
+  return counts;
+}
+
+void Daemon::FillJobsStatus(StatusReport* out) const {
+  MutexLock lock(&mu_);
+  const auto now = std::chrono::steady_clock::now();
+  const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
+  for (const auto& [name, job] : jobs_) {
+    JobReport* j = &out->jobs.emplace_back();
+    j->job = name;
+    j->world_size = job.topology.world_size;
+    for (const auto& [r, rank] : job.ranks) {
+      RankReport* rs = &j->ranks.emplace_back();
+      rs->rank = r;
+      rs->connected = !rank.session_id.empty();
+      rs->segment_bytes = rank.segment ? rank.segment->shm->size() : 0;
+      rs->last_committed_step = rank.last_committed;
+      rs->last_persisted_step = rank.last_persisted;
+      rs->last_error = rank.last_error;
+      rs->snapshots = rank.snapshots;
+      rs->persists = rank.persists;
+      rs->failures = rank.failures;
+      rs->skipped = rank.skipped;
+      rs->last_persist_gbps = rank.last_persist_gbps;
+      double oldest = 0;  // seconds the rank's oldest persist being written has been running
+      for (const WriteInFlight& w : writing) {
+        if (w.job != name || w.rank != r) continue;
+        oldest = std::max(oldest, std::chrono::duration<double>(now - w.started).count());
+      }
+      rs->oldest_write_seconds = oldest;
+      if (rank.segment) {
+        for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
+          SlotReport* s = &rs->slots.emplace_back();
+          s->index = i;
+          s->state = SlotStateName(Slots(*rank.segment).at(i).state);
+          s->step = Slots(*rank.segment).at(i).step;
+        }
+        if (const RankEma* ema = rank.segment->ema.get()) {
+          const EmaState state = ema->state();
+          rs->ema_enabled = true;
+          rs->ema_bytes = ema->plan().image_bytes();
+          rs->ema_last_step = state.last_step;
+          rs->ema_updates_applied = state.updates_applied;
+          rs->ema_updates_skipped = state.updates_skipped;
+          rs->ema_decay = ema->config().decay;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,294 @@
+// The daemon's core: sessions, registered ranks and their segments, the save and restore paths.
+// The gRPC service (daemon/edge/service.*) is a thin translation layer on top of this class.
+//
+// Threads: gRPC handler threads call in concurrently; writer threads call back on completion.
+// One mutex (mu_) guards the session table, the job table, every rank's slot table and counters;
+// it is never held across file I/O. It may be held while taking the writer's own lock (Submit,
+// InFlight), never the other way round. cv_ is signalled whenever a slot is freed, a persist finishes
+// or a session ends, and every wait on it has a deadline.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+#include "common/base/thread_pool.h"
+#include "common/format/layout.h"
+#include "common/io/io_env.h"
+#include "common/io/shm.h"
+#include "daemon/core/core_types.h"
+#include "daemon/core/segment.h"
+#include "daemon/core/slots.h"
+#include "daemon/core/state_dir.h"
+#include "daemon/edge/limits.h"
+#include "daemon/edge/registration.h"
+#include "daemon/observe/events.h"
+#include "daemon/observe/metrics.h"
+#include "daemon/pipeline/catalog.h"
+#include "daemon/pipeline/ema.h"
+#include "daemon/pipeline/ema_stage.h"
+#include "daemon/pipeline/writer.h"
+#include "flashckpt.pb.h"
+
+namespace flashckpt {
+
+struct DaemonConfig {
+  std::string socket_path;
+  // Records for adopting slot segments after a crash (daemon/core/state_dir.h). Empty:
+  // "<socket_path>.state"; no records at all when socket_path is empty too.
+  std::string state_dir;
+  std::string root;
+  uint32_t slots = 2;
+  uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
+  unsigned writer_threads = 2;
+  unsigned ema_threads = 0;                         // 0: min(hardware threads, 8)
+  unsigned restore_threads = 4;                     // reader threads of one restore
+  unsigned io_threads = 4;                          // writes in flight per writer thread
+  uint64_t checksum_chunk = kDefaultChecksumChunk;  // per-chunk checksums of saved tensors (layout.h)
+  unsigned segment_mode = 0600;
+  // Retention: after a checkpoint completes, keep the newest `keep` complete checkpoints of its job
+  // and delete older ones (and incomplete directories older than those). 0 keeps everything.
+  uint32_t keep = 0;
+  // Peers allowed on the socket (SO_PEERCRED): these uids, members of these gids, the daemon's own
+  // uid and root.
+  std::vector<uint32_t> allow_uids;
+  std::vector<uint32_t> allow_gids;
+  std::string log_level = "info";
+  std::string log_file;  // empty: stderr (common/base/log.h)
+  // After SIGTERM, seconds until the daemon exits: writes in flight finish until then (less a
+  // moment to close the listeners), the rest is abandoned for the next daemon (Stop).
+  uint32_t stop_timeout_s = 60;
+  // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
+  IoEnv* io_env = IoEnv::Default();
+  // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
+  // user in it can map them; unset: 0600, the daemon's user only. EMA segments stay segment_mode.
+  std::optional<uint32_t> shm_group;
+  // Optional TCP listener (daemon/edge/tcp_listener.h): empty `listen` means none. Read-only RPCs unless
+  // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
+  std::string listen;
+  bool tcp_allow_writes = false;
+  std::string tls_cert, tls_key;
+  // Request limits (daemon/edge/limits.h): tensors of one registration, and bytes of one rank's tensors
+  // (0: only max_host_memory bounds them).
+  uint32_t max_tensors_per_rank = kDefaultMaxTensorsPerRank;
+  uint64_t max_rank_bytes = 0;
+  // Prometheus scrape endpoint (daemon/observe/metrics_http.h): empty means none.
+  std::string metrics_listen;
+  // How long the writer and the EMA stage wait for a trainer's device copies into a slot whose
+  // commit it sent before they completed (a streaming commit): then the save fails.
+  std::chrono::milliseconds copy_timeout{120000};
+};
+
+struct WaitResult {
+  int64_t persisted_step = -1;
+  bool checkpoint_complete = false;
+};
+
+struct RestoreOutcome {
+  bool found = false;
+  int64_t step = 0;
+  SlotTicket ticket;
+  std::string extra;
+  uint64_t bytes_read = 0;
+};
+
+class Daemon {
+ public:
+  explicit Daemon(DaemonConfig config);
+  ~Daemon();
+
+  // Creates the root directory, starts the writer, and adopts the slot segments a predecessor
+  // left behind (daemon/core/recovery.cc): their committed snapshots are persisted again.
+  Status Start() EXCLUDES(mu_);
+  // Refuses new work (UNAVAILABLE, saying the daemon is stopping), wakes every waiter, and lets
+  // the EMA stage and the writer finish what was committed until `deadline`. What is not written
+  // by then is abandoned: the writes stop at their next piece and remove their temporaries and
+  // partial files, never writing a signal or metadata.json for it; its commit record and slot
+  // segment stay, so the next daemon adopts and writes it, as after a crash. Logs what was
+  // finished and what was abandoned. Idempotent.
+  void Stop(std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) EXCLUDES(mu_);
+
+  Result<std::string> OpenSession(const std::string& job, uint32_t rank) EXCLUDES(mu_);
+  void CloseSession(const std::string& session_id) EXCLUDES(mu_);
+
+  // fatal_persist_errors (in the request): once a persist of this session fails, its BeginSnapshot
+  // and Commit fail with that error (code and message) until the trainer starts a new session; off,
+  // a failed persist is reported by WaitPersisted and status only and snapshots go on.
+  // `registration`: checked by ParseRegistration (the edge's job); its layout is checked here.
+  Result<RegisterReply> Register(const std::string& session_id, const Registration& registration) EXCLUDES(mu_);
+  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
+                std::optional<double> loss, std::string extra) EXCLUDES(mu_);
+  Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
+  Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // step 0 means the latest complete checkpoint; found=false when there is none.
+  // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout; with
+  // convert_dtype, bf16/fp16 tensors may be filled from fp32 saved ones.
+  Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, bool convert_dtype,
+                                 std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
+  struct EmaCopy {
+    bool initialized = false;
+    int64_t step = -1;
+    SlotTicket ticket;
+  };
+  Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
+
+  Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
+  // `flashckpt delete` (step > 0: that checkpoint; force allows the newest complete one) or
+  // `flashckpt gc` (step 0, keep >= 1: retention's rule) through the catalog (Catalog::
+  // DeleteCheckpoint, CollectGarbage). Besides the catalog's steps in use (restores, writers), a
+  // step that a slot of this daemon is filling, has committed or is persisting is never deleted.
+  Result<DeletionOutcome> DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
+                                            bool dry_run) EXCLUDES(mu_);
+  // Jobs, ranks and connected ranks, from memory (takes mu_ and nothing else: no file I/O).
+  struct Counts {
+    size_t jobs = 0, ranks = 0, connected = 0;
+  };
+  Counts CountSessions() const EXCLUDES(mu_);
+  // The daemon's memory, jobs and ranks; each job's last complete step is read from the root
+  // without the daemon's lock (a failure to read it is the job's catalog_error).
+  StatusReport GetStatus() const EXCLUDES(mu_);
+
+  const DaemonConfig& config() const { return config_; }
+  // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
+  IoEnv* RootIo() const { return config_.io_env != nullptr ? config_.io_env : IoEnv::Default(); }
+
+  // What happened to snapshots and checkpoints, for WatchEvents; closed at the end of Stop.
+  EventHub& events() { return events_; }
+  // The Prometheus exposition of the daemon's metrics and current status.
+  std::string RenderMetrics() const EXCLUDES(mu_);
+
+ private:
+  // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
+  void FillJobsStatus(StatusReport* out) const EXCLUDES(mu_);
+  struct RankState {
+    std::shared_ptr<RankSegment> segment;
+    std::string session_id;  // empty when the trainer is gone
+    Topology topology;
+    Backpressure policy = Backpressure::kWait;
+    int64_t last_begun = -1;   // per session: steps must increase
+    int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
+    bool registered = false;   // per session: Register succeeded (its topology is current)
+    uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
+    int64_t last_committed = -1;
+    int64_t last_persisted = -1;
+    std::string last_error;
+    // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
+    std::map<int64_t, Status> failed;
+    bool fatal_persist_errors = false;  // per registration (Register)
+    Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
+    uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
+    double last_persist_gbps = 0;
+  };
+  struct JobState {
+    Topology topology;  // degrees and world size of the current registration
+    std::map<uint32_t, RankState> ranks;
+  };
+  struct SessionInfo {
+    std::string job;
+    uint32_t rank = 0;
+  };
+
+  // A slot the daemon fills for the trainer to read (restore, EMA copy).
+  struct LoadingSlot {
+    std::shared_ptr<RankSegment> segment;
+    SlotTicket ticket;
+  };
+  // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
+  // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
+  // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the
+  // wait in the timeout error.
+  Result<LoadingSlot> AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step, bool need_ema,
+                                         std::chrono::steady_clock::time_point deadline,
+                                         std::chrono::milliseconds timeout, const char* purpose) EXCLUDES(mu_);
+  // Ends the loading: the slot stays RESTORING for the trainer to release, or is freed when
+  // `failure` is not ok (returned) or the session has ended (kCancelled). Requires mu_.
+  Status FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure)
+      REQUIRES(mu_);
+
+  // Looks up the rank of a live session; the caller holds mu_.
+  Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
+  // `session_id`: the session that committed the step (a failure counts as fatal for it only).
+  void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
+                   const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
+                   uint64_t bytes, double seconds) EXCLUDES(mu_);
+  // Creates the rank's segment under `name` (O_EXCL), or with `adopt` maps that existing segment
+  // and checks its header against the layout (its contents are kept).
+  Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
+                                                     std::optional<EmaPlan> ema, const EmaConfig& config,
+                                                     uint32_t slot_count, const std::string& name, bool adopt);
+  // A new segment for a registration, with its record written first (see recovery.cc). Does file
+  // I/O and allocates: called without mu_.
+  Result<std::shared_ptr<RankSegment>> CreateRecordedSegment(const std::string& job, uint32_t rank, RankLayout layout,
+                                                             std::optional<EmaPlan> ema_plan,
+                                                             const EmaConfig& ema_config,
+                                                             const Registration& registration) EXCLUDES(mu_);
+  // The EMA stage's callback: counts the update, then FinishCommittedLocked.
+  void OnEmaApplied(EmaJob job, bool applied, double seconds) EXCLUDES(mu_);
+  // The persist request of a committed slot; `done` reports to OnPersisted.
+  // `session_id`: the committing session ("" for a snapshot adopted after a restart).
+  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+                                    uint32_t world_size, int64_t resumed_from,
+                                    const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket, int64_t step,
+                                    std::string extra);
+
+  // Counts the event in the metrics and hands it to the watchers. Takes only leaf locks: callable
+  // with mu_ held.
+  void Emit(Event event);
+
+  // Crash recovery (daemon/core/recovery.cc).
+  Status AdoptSegments() EXCLUDES(mu_);
+  Status AdoptSegment(const StateDir::Adoptable& record) EXCLUDES(mu_);
+  // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by processes
+  // that no longer exist.
+  void RemoveStaleTemporaries(const std::string& job);
+  // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
+  Status FinishCommittedLocked(EmaJob job) REQUIRES(mu_);
+  // Gives a FILLING slot to the rank (BeginSnapshot): resets its copy progress, mirrors it. Needs mu_.
+  void HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) REQUIRES(mu_);
+
+  const DaemonConfig config_;
+  const std::chrono::steady_clock::time_point started_;
+  StateDir state_;  // set once by Start
+  EventHub events_;
+  Metrics metrics_;
+  Catalog catalog_;
+  std::unique_ptr<Writer> writer_;
+  std::unique_ptr<EmaStage> ema_stage_;  // set once by Start
+  std::atomic<uint64_t> host_memory_used_{0};
+  uint64_t registering_bytes_ GUARDED_BY(mu_) = 0;  // reserved by registrations making their segments
+
+  // The segment's slot table and EMA count are guarded by mu_ too: these reach them.
+  SlotTable& Slots(RankSegment& segment) REQUIRES(mu_) { return segment.slots_; }
+  const SlotTable& Slots(const RankSegment& segment) const REQUIRES(mu_) { return segment.slots_; }
+  uint32_t& EmaPending(RankSegment& segment) REQUIRES(mu_) { return segment.ema_pending_; }
+  // Copies the slot's state into its header page for inspection (and the next daemon).
+  void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {
+    segment.MirrorSlot(slot, segment.slots_.at(slot));
+  }
+  // The same for a segment no other thread can reach yet: made or adopted, not yet in jobs_ (it is
+  // published there under mu_). Unchecked by the analysis; CreateSegment and AdoptSegment only.
+  static SlotTable& UnpublishedSlots(RankSegment& segment) { return segment.slots_; }
+  static void MirrorUnpublished(const RankSegment& segment, uint32_t slot) {
+    segment.MirrorSlot(slot, segment.slots_.at(slot));
+  }
+
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  uint64_t stop_finished_ GUARDED_BY(mu_) = 0;   // persists finished in Stop
+  uint64_t stop_abandoned_ GUARDED_BY(mu_) = 0;  // and abandoned
+  std::map<std::string, SessionInfo> sessions_ GUARDED_BY(mu_);
+  std::map<std::string, JobState> jobs_ GUARDED_BY(mu_);
+};
+
+}  // namespace flashckpt

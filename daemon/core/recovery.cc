@@ -1,0 +1,204 @@
+// Crash recovery: a daemon killed with SIGKILL leaves its slot segments in /dev/shm and their
+// records in the state directory (daemon/core/state_dir.h). The next daemon on the same socket adopts
+// them before it serves anyone:
+//   - each segment's layout is rebuilt from its registration record and checked against the
+//     segment's own header; the rank's EMA segment is adopted as usual (daemon/pipeline/ema.h);
+//   - every slot with a commit record holds a snapshot the old daemon acknowledged: it is
+//     COMMITTED again and goes through the EMA stage (as a replay: a step the EMA has already seen
+//     is not applied twice) and the writer, unless its files were already durable (its signal is
+//     in place, or the checkpoint is complete), in which case only completion is checked;
+//   - temporaries the dead writer left in the job's checkpoint directories are removed.
+// The trainers re-attach on their own (a new session, the same registration: the adopted segment
+// is reused, so the client's mapping stays valid).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <set>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/io/fs.h"
+#include "daemon/core/daemon.h"
+
+namespace flashckpt {
+namespace {
+
+bool ProcessExists(long pid) { return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
+
+}  // namespace
+
+Status Daemon::AdoptSegments() {
+  std::vector<StateDir::Adoptable> records = state_.Load();
+  std::set<std::string> jobs;
+  for (const auto& r : records) {
+    if (ValidateJobName(r.segment.job()).ok()) jobs.insert(r.segment.job());
+  }
+  // Before any persist is queued: the temporaries of this process are not among them.
+  for (const auto& job : jobs) RemoveStaleTemporaries(job);
+  size_t adopted = 0, snapshots = 0;
+  for (const auto& r : records) {
+    Status s = AdoptSegment(r);
+    if (!s.ok()) {
+      // Without a usable record the segment's snapshots cannot be written: free its memory.
+      Logger("shm")->error("not adopted segment={} job={} rank={} committed_snapshots={}: {}", r.segment.segment_name(),
+                           r.segment.job(), r.segment.rank(), r.commits.size(), s.ToString());
+      if (r.segment.segment_name().rfind("flashckpt.", 0) == 0) SharedSegment::Unlink(r.segment.segment_name());
+      state_.RemoveSegment(r.segment.segment_name());
+      continue;
+    }
+    adopted += 1;
+    snapshots += r.commits.size();
+  }
+  if (!records.empty()) {
+    Logger("shm")->info("recovery segments={} adopted={} committed_snapshots={}", records.size(), adopted, snapshots);
+  }
+  return Status::OK();
+}
+
+Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
+  const v1::SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job();
+  const uint32_t rank_id = rec.rank();
+  RETURN_IF_ERROR(ValidateJobName(job));
+  const std::string prefix = "flashckpt." + job + "." + std::to_string(rank_id) + ".";
+  if (rec.segment_name().rfind(prefix, 0) != 0) {
+    return InvalidArgument("segment name '" + rec.segment_name() + "' does not belong to job '" + job + "' rank " +
+                           std::to_string(rank_id));
+  }
+  if (rec.slot_count() == 0 || rec.slot_count() > 64) {
+    return InvalidArgument("slot count " + std::to_string(rec.slot_count()) + " is out of range");
+  }
+  RETURN_IF_ERROR(ValidateChecksumChunk(rec.checksum_chunk()));
+  ASSIGN_OR_RETURN(Registration reg, ParseRegistration(rec.registration()));
+  LayoutExtras extras;
+  extras.checksum_chunk = rec.checksum_chunk();
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(job, rank_id, reg.topology, reg.tensors, extras));
+  std::optional<EmaPlan> ema_plan;
+  if (reg.ema.enabled) {
+    ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, reg.ema));
+    if (!plan.layout.files.empty()) ema_plan = std::move(plan);
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<RankSegment> segment,
+                   CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
+                                 rec.segment_name(), /*adopt=*/true));
+
+  struct Pending {
+    EmaJob job;
+    bool ema_done = false;  // the old daemon's EMA stage had finished with it (mirrored PERSISTING)
+  };
+  std::vector<Pending> pending;
+  for (const v1::CommitRecord& c : record.commits) {
+    const SlotTicket ticket{c.slot(), c.generation()};
+    if (c.step() < 0 || c.world_size() != reg.topology.world_size || c.resumed_from() < 0) {
+      Logger("shm")->warn("dropping commit record segment={} slot={}: step {} world size {}", rec.segment_name(),
+                          c.slot(), c.step(), c.world_size());
+      state_.RemoveCommit(rec.segment_name(), c.slot());
+      continue;
+    }
+    RETURN_IF_ERROR(UnpublishedSlots(*segment).Adopt(ticket, c.step()));
+    const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot()));
+    Pending p;
+    p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
+                 mirror->step.load() == c.step() && mirror->generation.load() == c.generation();
+    MirrorUnpublished(*segment, c.slot());
+    EmaJob& j = p.job;
+    j.segment = segment;
+    j.ticket = ticket;
+    j.step = c.step();
+    if (c.has_loss()) j.loss = c.loss();
+    j.persist = c.persist();
+    j.job = job;
+    j.rank = rank_id;
+    j.replay = true;
+    if (j.persist) {
+      // Signals are written last: one in place with this attempt means the files are durable.
+      // When the disk cannot tell (EIO, ESTALE), the snapshot is written again: the slot holds the
+      // bytes of this very step and attempt, so what is written is what was (or was to be) there.
+      auto signalled = catalog_.HasSignal(job, rank_id, c.step(), c.resumed_from());
+      auto is_complete = catalog_.IsComplete(job, c.step());
+      if (!signalled.ok() || !is_complete.ok()) {
+        Logger("shm")->error("recovery job={} rank={} step={}: cannot tell whether it is durable, writing it again: {}",
+                             job, rank_id, c.step(),
+                             (!signalled.ok() ? signalled.status() : is_complete.status()).ToString());
+      }
+      const bool written = signalled.ok() && *signalled;
+      if (written || (is_complete.ok() && *is_complete)) {
+        if (written) {
+          auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), c.resumed_from());
+          if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());
+        }
+        (void)UnpublishedSlots(*segment).Release(ticket, SlotState::kCommitted);
+        MirrorUnpublished(*segment, c.slot());
+        state_.RemoveCommit(rec.segment_name(), c.slot());
+        Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
+        continue;
+      }
+      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", c.world_size(), c.resumed_from(), segment, ticket,
+                                     c.step(), c.extra());
+    }
+    pending.push_back(std::move(p));
+  }
+
+  MutexLock lock(&mu_);
+  JobState& job_state = jobs_[job];
+  RankState& rank = job_state.ranks[rank_id];
+  if (!rank.segment) {
+    rank.segment = segment;
+    rank.topology = reg.topology;
+    rank.policy = reg.policy;
+    job_state.topology = reg.topology;
+  }  // else another record of the rank was adopted first: this one lives until its snapshots are written
+  for (Pending& p : pending) {
+    rank.last_committed = std::max(rank.last_committed, p.job.step);
+    Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,
+                        p.job.step, p.job.persist);
+    if (segment->ema && !p.ema_done) {
+      EmaPending(*segment) += 1;
+      ema_stage_->Submit(std::move(p.job));  // in step order: the records are sorted
+    } else {
+      if (!p.job.persist) {
+        (void)Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
+        Mirror(*segment, p.job.ticket.slot);
+        state_.RemoveCommit(rec.segment_name(), p.job.ticket.slot);
+        continue;
+      }
+      Status s = FinishCommittedLocked(std::move(p.job));
+      if (!s.ok()) Logger("shm")->error("recovered snapshot not queued: {}", s.ToString());
+    }
+  }
+  cv_.NotifyAll();
+  return Status::OK();
+}
+
+void Daemon::RemoveStaleTemporaries(const std::string& job) {
+  const std::string job_dir = catalog_.JobDir(job);
+  auto dirs = ListDir(job_dir, RootIo());
+  if (!dirs.ok()) {
+    if (dirs.status().code() != StatusCode::kNotFound) {
+      Logger("writer")->error("recovery job={}: cannot look for stale temporaries: {}", job, dirs.status().ToString());
+    }
+    return;
+  }
+  size_t removed = 0;
+  auto sweep = [&](const std::string& dir, const std::vector<std::string>& names) {
+    for (const auto& n : names) {
+      const long owner = TemporaryOwner(n);
+      if (owner == 0 || owner == ::getpid() || ProcessExists(owner)) continue;
+      const std::string path = dir + "/" + n;
+      if (RootIo()->Unlink(path) == 0) {
+        removed += 1;
+        Logger("writer")->info("removed stale temporary {}", path);
+      }
+    }
+  };
+  sweep(job_dir, *dirs);  // LATEST.tmp.*
+  for (const auto& d : *dirs) {
+    if (!ParseCheckpointDirName(d)) continue;
+    auto names = ListDir(job_dir + "/" + d, RootIo());
+    if (names.ok()) sweep(job_dir + "/" + d, *names);
+  }
+  if (removed > 0) Logger("writer")->info("recovery job={} stale_temporaries_removed={}", job, removed);
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,207 @@
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "common/base/dtype.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/format/extra.h"
+#include "common/io/fs.h"
+#include "common/read/checkpoint_read.h"
+#include "daemon/core/daemon.h"
+#include "daemon/pipeline/writer.h"
+
+namespace flashckpt {
+// Loads the checkpoint's EMA into the rank's EMA segment, so the average continues from the
+// restored step. A checkpoint saved without EMA leaves the EMA uninitialised (the next update
+// starts it afresh).
+Status LoadEma(const std::string& dir, const CheckpointMetadata& meta, RankEma* ema, const FillOptions& options) {
+  if (!meta.ema) {
+    ema->Reset();
+    Logger("restore")->warn("checkpoint {} has no EMA; the EMA starts afresh", dir);
+    return Status::OK();
+  }
+  EmaState state;
+  state.initialized = meta.ema->updates_applied > 0;
+  state.updates_applied = meta.ema->updates_applied;
+  state.updates_skipped = meta.ema->updates_skipped;
+  state.last_step = state.initialized ? meta.ema->last_step : -1;
+  state.last_seen = state.last_step;
+  // Filled into the spare image and published at once: a failed or interrupted load leaves the
+  // previous average in place.
+  Status loaded = ema->Load(
+      [&](char* image_base) {
+        return FillSlotFromCheckpoint(dir, meta, ema->plan().layout, image_base, options).status();
+      },
+      state);
+  return loaded.ok() ? loaded : loaded.WithContext("loading the EMA");
+}
+
+// Daemon::Restore: pick the checkpoint, take a slot, fill it without holding the lock, hand it over.
+
+Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step, bool convert_dtype,
+                                       std::chrono::milliseconds timeout) {
+  if (step < 0) return InvalidArgument("restore step must be non-negative (0 = latest)");
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string job;
+  uint32_t rank_id = 0;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    (void)rank;
+    job = sessions_[session_id].job;
+    rank_id = sessions_[session_id].rank;
+  }
+  RestoreOutcome out;
+  // Retention must not delete the checkpoint while it is read: mark the step in use first, then
+  // check that it is (still) complete. Until the slot is filled, `in_use` keeps it.
+  const int64_t requested = step;
+  StepInUse in_use;
+  for (int attempt = 0;; ++attempt) {
+    if (requested == 0) {
+      // Only a job with no checkpoint at all answers found=false; a root that cannot be read is an
+      // error the trainer sees, never a start from scratch.
+      ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
+      if (!latest) return out;  // found = false
+      step = *latest;
+    }
+    in_use = catalog_.Use(job, step);
+    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    if (complete) break;
+    // The latest was deleted between the look-up and the registration (a newer one completed
+    // meanwhile): look again.
+    if (requested != 0 || attempt >= 8) {
+      return NotFound("checkpoint-" + std::to_string(step) + " of job '" + job +
+                      "' does not exist or is incomplete (no metadata.json)");
+    }
+  }
+  std::string dir = catalog_.CheckpointDir(job, step);
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, RootIo()));
+  if (meta.job != job || meta.step != step) {
+    return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
+  }
+
+  ASSIGN_OR_RETURN(LoadingSlot loading,
+                   AcquireLoadingSlot(session_id, step, /*need_ema=*/false, deadline, timeout, "the restore"));
+  const std::shared_ptr<RankSegment>& segment = loading.segment;
+  const SlotTicket ticket = loading.ticket;
+
+  auto start = std::chrono::steady_clock::now();
+  // Restores are rare and latency-bound: each gets its own reader threads.
+  ParallelLoop readers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  FillOptions options;
+  options.loop = &readers;
+  options.convert_dtype = convert_dtype;
+  options.io = RootIo();
+  auto filled = FillSlotFromCheckpoint(dir, meta, segment->layout, segment->Slot(ticket.slot), options);
+  if (filled.ok() && segment->ema) {
+    FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
+    ema_options.loop = &readers;
+    ema_options.io = RootIo();
+    Status loaded = LoadEma(dir, meta, segment->ema.get(), ema_options);
+    if (!loaded.ok()) filled = loaded;
+  }
+  std::string extra;
+  Status extra_status;
+  if (filled.ok()) {
+    std::string path = dir + "/" + ExtraFileName(rank_id);
+    auto has_extra = Exists(path, RootIo());  // none was saved: fine; cannot tell: an error
+    if (!has_extra.ok()) {
+      extra_status = has_extra.status();
+    } else if (*has_extra) {
+      auto text = ReadSmallFile(path, 16u << 20, RootIo());
+      auto decoded = text.ok() ? DecodeExtra(*text) : Result<std::string>(text.status());
+      if (decoded.ok())
+        extra = std::move(decoded).value();
+      else
+        extra_status = decoded.status().WithContext(path);
+    }
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  MutexLock lock(&mu_);
+  Status failure = !filled.ok() ? filled.status() : extra_status;
+  if (!failure.ok()) {
+    Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
+                             failure.ToString());
+  }
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, failure));
+  Logger("restore")->info("restored job={} rank={} step={} bytes={} read={} read_ratio={:.2f} reads={} secs={:.3f}",
+                          job, rank_id, step, FormatBytes(filled->bytes_needed), FormatBytes(filled->bytes_read),
+                          filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
+                          filled->reads, secs);
+  jobs_[job].ranks[rank_id].resumed_from = step;
+  out.found = true;
+  out.step = step;
+  out.ticket = ticket;
+  out.extra = std::move(extra);
+  out.bytes_read = filled->bytes_read;
+  return out;
+}
+
+Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
+                                                       bool need_ema, std::chrono::steady_clock::time_point deadline,
+                                                       std::chrono::milliseconds timeout, const char* purpose) {
+  MutexLock lock(&mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    if (need_ema && !rank->segment->ema) {
+      return FailedPrecondition(
+          "this rank has no EMA: the job registered without ema_decay, or all its "
+          "weights are replicas persisted by another rank");
+    }
+    if (EmaPending(*rank->segment) == 0) {
+      if (auto t = Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
+        LoadingSlot slot{rank->segment, *t};
+        Slots(*slot.segment).SetLoading(t->slot, true);
+        Mirror(*slot.segment, t->slot);
+        return slot;
+      }
+    }
+    if (!cv_.WaitUntil(&lock, deadline)) {
+      return DeadlineExceeded(std::string("no slot became free for ") + purpose + " within " +
+                              std::to_string(timeout.count()) + " ms");
+    }
+  }
+}
+
+Status Daemon::FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure) {
+  RankSegment& segment = *slot.segment;
+  Slots(segment).SetLoading(slot.ticket.slot, false);
+  auto live = sessions_.find(session_id);
+  bool alive = live != sessions_.end() && jobs_[live->second.job].ranks[live->second.rank].session_id == session_id;
+  if (failure.ok() && alive) {
+    Mirror(segment, slot.ticket.slot);
+    return Status::OK();
+  }
+  (void)Slots(segment).Release(slot.ticket, SlotState::kRestoring);  // nobody will read it
+  Mirror(segment, slot.ticket.slot);
+  cv_.NotifyAll();
+  return failure.ok() ? Cancelled("the session ended while its slot was being filled") : failure;
+}
+
+Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  // The copy is as of the last commit: AcquireLoadingSlot waits for committed snapshots to reach the EMA.
+  ASSIGN_OR_RETURN(LoadingSlot loading,
+                   AcquireLoadingSlot(session_id, std::nullopt, /*need_ema=*/true, deadline, timeout, "the EMA copy"));
+  EmaCopy out;
+  out.ticket = loading.ticket;
+  const EmaState state = loading.segment->ema->CopyAverage(loading.segment->SlotEmaBase(loading.ticket.slot));
+  out.initialized = state.initialized;
+  out.step = state.last_step;
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
+  return out;
+}
+
+Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) {
+  MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+  RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kRestoring));
+  Mirror(*rank->segment, ticket.slot);
+  cv_.NotifyAll();
+  return Status::OK();
+}
+
+}  // namespace flashckpt

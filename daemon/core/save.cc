@@ -1,0 +1,383 @@
+// The save path of the daemon: BeginSnapshot hands out a slot, Commit queues it for the writer,
+// OnPersisted frees it and wakes WaitPersisted.
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "daemon/core/daemon.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr size_t kMaxExtraBytes = 4u << 20;
+constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
+
+// What a trainer is told about a failed save of `step`: the writer's code (kResourceExhausted for a
+// full disk) and message (the call, the file, the errno text), and what happened and what to do.
+Status SaveFailed(const std::string& job, int64_t step, const Status& cause, const std::string& root) {
+  std::string advice = cause.code() == StatusCode::kResourceExhausted
+                           ? "; free space under " + root + " (or run with --keep N) and save again"
+                           : "";
+  return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
+                                  cause.message() + "; this rank's partial files of the step were removed, " +
+                                  "earlier checkpoints are untouched" + advice);
+}
+
+}  // namespace
+
+// A slot handed out for filling starts complete (copied_until 0): a trainer whose commit goes
+// ahead of its copies lowers it before committing.
+void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
+  reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
+  Mirror(*rank->segment, ticket.slot);
+  rank->last_begun = step;
+}
+
+Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
+                                         std::chrono::milliseconds timeout) {
+  if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
+  std::string job;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    job = sessions_[session_id].job;
+    if (!rank->fatal_error.ok()) return rank->fatal_error;
+    if (step <= rank->last_begun) {
+      return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
+                             std::to_string(rank->last_begun) + "; steps must increase");
+    }
+  }
+  ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+  if (complete) {
+    return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
+                         "' is already complete; a complete checkpoint is never overwritten");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  bool waited = false;
+  // A wait for a slot shows in the metrics whichever way it ends.
+  auto count_wait = [&](bool got_slot) {
+    if (waited) {
+      metrics_.ObserveSlotWait(job, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                               got_slot);
+    }
+  };
+  MutexLock lock(&mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    if (rank->session_id != session_id) return Cancelled("the session was replaced");
+    if (auto ticket = Slots(*rank->segment).Acquire(SlotState::kFilling, step)) {
+      HandOut(rank, *ticket, step);
+      count_wait(true);
+      return *ticket;
+    }
+    if (rank->policy == Backpressure::kSkip) {
+      rank->skipped += 1;
+      Status skipped = ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
+                                         std::to_string(Slots(*rank->segment).size()) +
+                                         " slots are still persisting (backpressure policy skip)");
+      Event event;
+      event.kind = Event::Kind::kSnapshotSkipped;
+      event.job = job;
+      event.rank = sessions_[session_id].rank;
+      event.step = step;
+      event.reason = skipped.message();
+      Emit(std::move(event));
+      return skipped;
+    }
+    waited = true;
+    if (!cv_.WaitUntil(&lock, deadline)) {
+      ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
+      if (auto ticket = Slots(*r->segment).Acquire(SlotState::kFilling, step)) {
+        HandOut(r, *ticket, step);
+        count_wait(true);
+        return *ticket;
+      }
+      count_wait(false);
+      return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) + " ms for step " +
+                              std::to_string(step) + "; the disk is slower than the save rate");
+    }
+  }
+}
+
+PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+                                          uint32_t world_size, int64_t resumed_from,
+                                          const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket,
+                                          int64_t step, std::string extra) {
+  PersistRequest req;
+  req.job = job;
+  req.rank = rank;
+  req.world_size = world_size;
+  req.step = step;
+  req.resumed_from = resumed_from;
+  req.layout = &segment->layout;
+  req.slot = segment->Slot(ticket.slot);
+  if (segment->ema) {
+    req.ema_layout = &segment->ema->plan().layout;
+    req.ema_base = segment->SlotEmaBase(ticket.slot);
+  }
+  req.extra = std::move(extra);
+  req.keep_alive = segment;
+  req.header = reinterpret_cast<const SlotHeader*>(segment->Slot(ticket.slot));
+  req.copy_timeout = config_.copy_timeout;
+  req.done = [this, job, rank, session_id, segment, ticket, step](const Status& s, uint64_t bytes, double secs) {
+    OnPersisted(job, rank, session_id, segment, ticket, step, s, bytes, secs);
+  };
+  return req;
+}
+
+Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
+                      std::optional<double> loss, std::string extra) {
+  if (extra.size() > kMaxExtraBytes) {
+    return InvalidArgument("extra state of " + std::to_string(extra.size()) + " bytes exceeds the " +
+                           std::to_string(kMaxExtraBytes) + "-byte limit");
+  }
+  // A snapshot that will be persisted or averaged is recorded in the state directory before the
+  // commit is acknowledged, so that a restarted daemon still finishes it. Written without the lock.
+  v1::CommitRecord record;
+  std::string segment_name;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
+    const SlotInfo* slot = ticket.slot < Slots(*rank->segment).size() ? &Slots(*rank->segment).at(ticket.slot) : nullptr;
+    if (slot != nullptr && slot->state == SlotState::kFilling && slot->generation == ticket.generation &&
+        (persist || rank->segment->ema)) {
+      segment_name = rank->segment->shm->name();
+      record.set_slot(ticket.slot);
+      record.set_generation(ticket.generation);
+      record.set_step(step);
+      record.set_persist(persist);
+      record.set_resumed_from(rank->resumed_from);
+      record.set_world_size(rank->topology.world_size);
+      record.set_has_loss(loss.has_value());
+      record.set_loss(loss.value_or(0.0));
+      if (persist) record.set_extra(extra);
+    }  // else: slots.Commit below refuses the ticket with its reason
+  }
+  if (!segment_name.empty()) {
+    if (Status saved = state_.SaveCommit(segment_name, record); !saved.ok()) {
+      return saved.WithContext("recording the commit of step " + std::to_string(step) + " in the state directory");
+    }
+  }
+  MutexLock lock(&mu_);
+  auto rank_or = RankOf(session_id, true);
+  Status committed = rank_or.ok() ? Slots(*(*rank_or)->segment).Commit(ticket, step) : rank_or.status();
+  if (!committed.ok() || (*rank_or)->segment->shm->name() != segment_name) {
+    if (!segment_name.empty()) state_.RemoveCommit(segment_name, ticket.slot);
+    if (!committed.ok()) return committed;
+  }
+  RankState* rank = *rank_or;
+  const SessionInfo who = sessions_[session_id];
+  Mirror(*rank->segment, ticket.slot);
+  rank->snapshots += 1;
+  rank->last_committed = step;
+  rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
+  {
+    Event event;
+    event.kind = Event::Kind::kSnapshotCommitted;
+    event.job = who.job;
+    event.rank = who.rank;
+    event.step = step;
+    event.bytes = rank->segment->tensor_bytes;
+    event.reason = persist ? "persist" : "ema only";
+    Emit(std::move(event));
+  }
+
+  std::shared_ptr<RankSegment> segment = rank->segment;
+  EmaJob job;
+  job.segment = segment;
+  job.ticket = ticket;
+  job.step = step;
+  job.loss = loss;
+  job.persist = persist;
+  job.job = who.job;
+  job.rank = who.rank;
+  if (persist) {
+    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->resumed_from,
+                                     segment, ticket, step, std::move(extra));
+  }
+  if (segment->ema) {
+    // The EMA stage applies it in commit order and then finishes it.
+    EmaPending(*segment) += 1;
+    ema_stage_->Submit(std::move(job));
+    return Status::OK();
+  }
+  return FinishCommittedLocked(std::move(job));
+}
+
+Status Daemon::FinishCommittedLocked(EmaJob job) {
+  RankSegment& segment = *job.segment;
+  if (!job.persist) {
+    RETURN_IF_ERROR(Slots(segment).Release(job.ticket, SlotState::kCommitted));
+    Mirror(segment, job.ticket.slot);
+    cv_.NotifyAll();
+    return Status::OK();
+  }
+  RETURN_IF_ERROR(Slots(segment).BeginPersist(job.ticket));
+  Mirror(segment, job.ticket.slot);
+  Status submitted = writer_->Submit(std::move(job.request));
+  if (!submitted.ok()) {
+    state_.RemoveCommit(segment.shm->name(), job.ticket.slot);
+    (void)Slots(segment).Release(job.ticket, SlotState::kPersisting);
+    Mirror(segment, job.ticket.slot);
+    cv_.NotifyAll();
+    Logger("writer")->error("persist not queued job={} step={} rank={} error=\"{}\"", job.job, job.step, job.rank,
+                            submitted.ToString());
+    return submitted;
+  }
+  return Status::OK();
+}
+
+void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
+  // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
+  if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
+  if (applied) {
+    Event event;
+    event.kind = Event::Kind::kEmaUpdated;
+    event.job = job.job;
+    event.rank = job.rank;
+    event.step = job.step;
+    event.seconds = seconds;
+    Emit(std::move(event));
+  }
+  MutexLock lock(&mu_);
+  EmaPending(*job.segment) -= 1;
+  cv_.NotifyAll();
+  Status s = FinishCommittedLocked(std::move(job));
+  (void)s;  // logged by FinishCommittedLocked; the slot is free either way
+}
+
+void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id,
+                         const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
+                         const Status& status, uint64_t bytes, double seconds) {
+  if (status.code() == StatusCode::kCancelled) {
+    // Abandoned at the stop timeout (its temporaries and partial files removed): as after a crash,
+    // the commit record and the segment stay, and the slot stays PERSISTING in its mirror, so the
+    // next daemon adopts it and writes it without passing it through the EMA stage again.
+    MutexLock lock(&mu_);
+    segment->shm->KeepName();
+    stop_abandoned_ += 1;
+    Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
+                           step, rank_id, status.message());
+    Event event;
+    event.kind = Event::Kind::kPersistAbandoned;
+    event.job = job;
+    event.rank = rank_id;
+    event.step = step;
+    event.reason = "write cut off at the stop timeout";
+    Emit(std::move(event));
+    cv_.NotifyAll();
+    return;
+  }
+  // Written (or failed and reported): a restarted daemon must not write it again.
+  state_.RemoveCommit(segment->shm->name(), ticket.slot);
+  MutexLock lock(&mu_);
+  if (stopping_ && status.ok()) stop_finished_ += 1;
+  Status released = Slots(*segment).Release(ticket, SlotState::kPersisting);
+  if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
+  Mirror(*segment, ticket.slot);
+  auto jit = jobs_.find(job);
+  if (jit != jobs_.end()) {
+    auto rit = jit->second.ranks.find(rank_id);
+    if (rit != jit->second.ranks.end()) {
+      RankState& rank = rit->second;
+      if (status.ok()) {
+        rank.persists += 1;
+        rank.last_persisted = std::max(rank.last_persisted, step);
+        if (seconds > 0) rank.last_persist_gbps = static_cast<double>(bytes) / seconds / 1e9;
+        rank.failed.erase(step);
+      } else {
+        rank.failures += 1;
+        rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
+        rank.failed[step] = status;
+        while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
+        if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
+          Status failed = SaveFailed(job, step, status, config_.root);
+          rank.fatal_error = Status(failed.code(), failed.message() +
+                                                       "; no snapshot is taken after a failed save as this rank "
+                                                       "registered with fatal_persist_errors: fix the cause and "
+                                                       "restart the trainer, which resumes from the last complete "
+                                                       "checkpoint");
+        }
+      }
+    }
+  }
+  Event event;
+  event.job = job;
+  event.rank = rank_id;
+  event.step = step;
+  event.bytes = bytes;
+  event.seconds = seconds;
+  if (!status.ok()) {
+    event.kind = Event::Kind::kPersistFailed;
+    event.code = std::string(StatusCodeName(status.code()));
+    event.reason = status.message();
+  } else {
+    event.kind = Event::Kind::kPersisted;
+  }
+  Emit(std::move(event));
+  if (status.ok()) {
+    double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
+    Logger("writer")->info("persisted job={} step={} rank={} bytes={} secs={:.3f} gbps={:.2f}", job, step, rank_id,
+                           FormatBytes(bytes), seconds, gbps);
+  } else {
+    Logger("writer")->error("persist failed job={} step={} rank={} error=\"{}\"", job, step, rank_id,
+                            status.ToString());
+  }
+  cv_.NotifyAll();
+}
+
+Status Daemon::AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) {
+  MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+  RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kFilling));
+  Mirror(*rank->segment, ticket.slot);
+  cv_.NotifyAll();
+  return Status::OK();
+}
+
+Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t step,
+                                         std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string job;
+  MutexLock lock(&mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    job = sessions_[session_id].job;
+    if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
+      // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
+      return SaveFailed(job, step, failed->second, config_.root);
+    }
+    if (rank->last_persisted >= step) {
+      WaitResult r;
+      r.persisted_step = rank->last_persisted;
+      lock.Unlock();
+      ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
+      return r;
+    }
+    if (rank->last_committed < step) {
+      // Persisted before a daemon restart, which forgot it: the rank's signal is on disk.
+      const uint32_t rank_id = sessions_[session_id].rank;
+      const int64_t attempt = rank->resumed_from;
+      lock.Unlock();
+      ASSIGN_OR_RETURN(bool signalled, catalog_.HasSignal(job, rank_id, step, attempt));
+      if (signalled) {
+        WaitResult r;
+        r.persisted_step = step;
+        ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
+        return r;
+      }
+      lock.Lock();
+      ASSIGN_OR_RETURN(rank, RankOf(session_id, true));
+      if (rank->last_committed >= step) continue;
+      return FailedPrecondition("step " + std::to_string(step) + " was never committed by this rank (last commit: " +
+                                std::to_string(rank->last_committed) + ")");
+    }
+    if (!cv_.WaitUntil(&lock, deadline)) {
+      return DeadlineExceeded("step " + std::to_string(step) + " was not persisted within " +
+                              std::to_string(timeout.count()) +
+                              " ms (last persisted: " + std::to_string(rank->last_persisted) + ")");
+    }
+  }
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,56 @@
+// One registered rank's slot segment as the daemon holds it: the rank's layout, the mapped shared
+// memory, the slot state machine, the rank's EMA and the host memory they count against.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "common/format/layout.h"
+#include "common/io/shm.h"
+#include "daemon/core/slots.h"
+#include "daemon/core/state_dir.h"
+#include "daemon/pipeline/ema.h"
+
+namespace flashckpt {
+
+class Daemon;
+
+// A slot is the rank layout's bytes followed, with EMA on, by room for one EMA image. The slot
+// table and the EMA stage's count are the daemon's to guard (Daemon::mu_): they are reached only
+// through Daemon::Slots, Daemon::EmaPending and Daemon::Mirror, which require that lock, so clang's
+// thread-safety analysis checks every use. The rest is set at construction and read freely.
+class RankSegment {
+ public:
+  RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
+              uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter, const StateDir* state_dir);
+  ~RankSegment();
+  RankSegment(const RankSegment&) = delete;
+  RankSegment& operator=(const RankSegment&) = delete;
+
+  char* Slot(uint32_t i) const { return shm->data() + kSegmentHeaderBytes + slot_stride * i; }
+  // Base pointer for the EMA plan's offsets so that its image lands in the slot's EMA room.
+  char* SlotEmaBase(uint32_t i) const { return Slot(i) + ema_area - ema->plan().layout.files[0].slot_offset; }
+
+  const RankLayout layout;
+  const std::unique_ptr<SharedSegment> shm;
+  const std::unique_ptr<RankEma> ema;  // null when the job has no EMA (or this rank no EMA tensors)
+  uint64_t tensor_bytes = 0;           // the rank's tensors in one slot (replicas included)
+  const uint64_t slot_stride;          // bytes per slot
+  const uint64_t ema_area;             // offset of the EMA image room within a slot
+  // Host memory this segment (and its EMA segment) counts against the daemon's budget.
+  uint64_t accounted() const { return accounted_; }
+
+ private:
+  friend class Daemon;
+  // Copies slot `i`'s state into its header page, for inspection and for the next daemon.
+  void MirrorSlot(uint32_t i, const SlotInfo& info) const;
+
+  SlotTable slots_;           // Daemon::mu_
+  uint32_t ema_pending_ = 0;  // Daemon::mu_: snapshots queued for the EMA stage
+  std::atomic<uint64_t>* const used_;  // the daemon's host-memory counter
+  const uint64_t accounted_;          // bytes counted in *used (segment + EMA segment)
+  const StateDir* const state_;       // its records are removed with the segment's name
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,145 @@
+#include "daemon/core/state_dir.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <map>
+
+#include "common/base/log.h"
+#include "common/io/fs.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr char kSegmentSuffix[] = ".reg";
+constexpr char kSlotInfix[] = ".slot";
+constexpr char kTempSuffix[] = ".tmp";
+constexpr uint64_t kMaxSegmentRecordBytes = 1ull << 30;  // a million tensor specs fit
+constexpr uint64_t kMaxCommitRecordBytes = 8ull << 20;   // extra state is capped at 4 MiB
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string SlotName(const std::string& segment, uint32_t slot) { return segment + kSlotInfix + std::to_string(slot); }
+
+}  // namespace
+
+Result<StateDir> StateDir::Open(const std::string& path) {
+  if (path.empty()) return InvalidArgument("--state-dir must not be empty");
+  if (!PathExists(path)) {
+    // Its parent is usually the socket's directory, which the server makes 0750.
+    const std::string parent = std::filesystem::path(path).parent_path().string();
+    if (!parent.empty() && !PathExists(parent)) RETURN_IF_ERROR(MakeDirs(parent, 0750));
+    if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", path);
+  }
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return ErrnoStatus("stat", path);
+  if (!S_ISDIR(st.st_mode)) return FailedPrecondition("--state-dir " + path + " exists and is not a directory");
+  if (st.st_uid != ::geteuid()) {
+    return FailedPrecondition("--state-dir " + path + " belongs to uid " + std::to_string(st.st_uid) +
+                              ", not to the daemon's uid " + std::to_string(::geteuid()));
+  }
+  if ((st.st_mode & 077) != 0 && ::chmod(path.c_str(), 0700) != 0) return ErrnoStatus("chmod", path);
+  return StateDir(path);
+}
+
+Status StateDir::Write(const std::string& name, const std::string& bytes) const {
+  const std::string final_path = path_ + "/" + name;
+  const std::string tmp = final_path + kTempSuffix;
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!fd.valid()) return ErrnoStatus("open", tmp);
+  Status written = PwriteFull(fd.get(), bytes.data(), bytes.size(), 0, tmp);
+  if (written.ok() && ::rename(tmp.c_str(), final_path.c_str()) != 0) written = ErrnoStatus("rename", tmp);
+  if (!written.ok()) ::unlink(tmp.c_str());
+  return written;
+}
+
+Status StateDir::SaveSegment(const v1::SegmentRecord& record) const {
+  if (!enabled()) return Status::OK();
+  return Write(record.segment_name() + kSegmentSuffix, record.SerializeAsString());
+}
+
+Status StateDir::SaveCommit(const std::string& segment, const v1::CommitRecord& record) const {
+  if (!enabled()) return Status::OK();
+  return Write(SlotName(segment, record.slot()), record.SerializeAsString());
+}
+
+void StateDir::RemoveCommit(const std::string& segment, uint32_t slot) const {
+  if (!enabled()) return;
+  ::unlink((path_ + "/" + SlotName(segment, slot)).c_str());
+}
+
+void StateDir::RemoveSegment(const std::string& segment) const {
+  if (!enabled()) return;
+  auto names = ListDir(path_);
+  if (!names.ok()) return;
+  const std::string slot_prefix = segment + kSlotInfix;
+  for (const auto& n : *names) {
+    if (n.compare(0, slot_prefix.size(), slot_prefix) == 0) ::unlink((path_ + "/" + n).c_str());
+  }
+  ::unlink((path_ + "/" + segment + kSegmentSuffix).c_str());
+}
+
+std::vector<StateDir::Adoptable> StateDir::Load() const {
+  std::vector<Adoptable> out;
+  if (!enabled()) return out;
+  auto names = ListDir(path_);
+  if (!names.ok()) {
+    Logger("shm")->error("cannot list the state directory: {}", names.status().ToString());
+    return out;
+  }
+  std::sort(names->begin(), names->end());
+  auto drop = [&](const std::string& name, const std::string& why) {
+    Logger("shm")->warn("dropping state record {}/{}: {}", path_, name, why);
+    ::unlink((path_ + "/" + name).c_str());
+  };
+  std::map<std::string, Adoptable> segments;  // by segment name
+  for (const auto& n : *names) {
+    if (EndsWith(n, kTempSuffix)) {
+      drop(n, "an unfinished write");
+      continue;
+    }
+    if (!EndsWith(n, kSegmentSuffix)) continue;
+    auto bytes = ReadSmallFile(path_ + "/" + n, kMaxSegmentRecordBytes);
+    Adoptable a;
+    if (!bytes.ok() || !a.segment.ParseFromString(*bytes)) {
+      drop(n, bytes.ok() ? "not a segment record" : bytes.status().ToString());
+      continue;
+    }
+    const std::string segment = n.substr(0, n.size() - (sizeof kSegmentSuffix - 1));
+    if (a.segment.segment_name() != segment) {
+      drop(n, "it names segment '" + a.segment.segment_name() + "'");
+      continue;
+    }
+    segments.emplace(segment, std::move(a));
+  }
+  for (const auto& n : *names) {
+    auto pos = n.rfind(kSlotInfix);
+    if (pos == std::string::npos || EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix)) continue;
+    auto it = segments.find(n.substr(0, pos));
+    if (it == segments.end()) {
+      drop(n, "its segment has no record");
+      continue;
+    }
+    auto bytes = ReadSmallFile(path_ + "/" + n, kMaxCommitRecordBytes);
+    v1::CommitRecord c;
+    if (!bytes.ok() || !c.ParseFromString(*bytes) || n != SlotName(it->first, c.slot())) {
+      drop(n, "not a commit record of that slot");
+      continue;
+    }
+    it->second.commits.push_back(std::move(c));
+  }
+  for (auto& [name, a] : segments) {
+    std::sort(a.commits.begin(), a.commits.end(),
+              [](const v1::CommitRecord& x, const v1::CommitRecord& y) { return x.step() < y.step(); });
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,55 @@
+// The daemon's private state directory (--state-dir, default "<socket>.state", mode 0700): the
+// records a restarted daemon needs to adopt the slot segments its predecessor left behind.
+//
+//   <segment name>.reg        SegmentRecord: who registered the segment and how (its layout is
+//                             rebuilt from it and checked against the segment's own header)
+//   <segment name>.slot<N>    CommitRecord: slot N holds a committed snapshot that is not yet
+//                             persisted (or applied to the EMA); written before the Commit is
+//                             acknowledged, removed when the slot is free again
+//
+// The records must outlive the daemon process, not the machine (the segments they describe live
+// in /dev/shm and do not survive a reboot either): each is written to a temporary name and
+// renamed, without fsync. Records are parsed defensively by the reader: the directory is the
+// daemon's own, but a record may be torn by a full disk or left by an older version.
+// Thread-safe: every method touches only the files it names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/base/status.h"
+#include "daemon_state.pb.h"
+
+namespace flashckpt {
+
+class StateDir {
+ public:
+  StateDir() = default;  // disabled: every method is a no-op (a daemon without a socket path)
+  // Creates the directory 0700 (or checks that an existing one is a directory owned by this uid).
+  static Result<StateDir> Open(const std::string& path);
+
+  bool enabled() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+
+  Status SaveSegment(const v1::SegmentRecord& record) const;
+  Status SaveCommit(const std::string& segment, const v1::CommitRecord& record) const;
+  void RemoveCommit(const std::string& segment, uint32_t slot) const;
+  // Removes the segment's record and every commit record of it.
+  void RemoveSegment(const std::string& segment) const;
+
+  struct Adoptable {
+    v1::SegmentRecord segment;
+    std::vector<v1::CommitRecord> commits;  // sorted by step
+  };
+  // Every readable segment record with its commit records. Unreadable records are logged and
+  // removed (their segment cannot be adopted without them); stray temporaries are removed.
+  std::vector<Adoptable> Load() const;
+
+ private:
+  explicit StateDir(std::string path) : path_(std::move(path)) {}
+  Status Write(const std::string& name, const std::string& bytes) const;
+  std::string path_;
+};
+
+}  // namespace flashckpt

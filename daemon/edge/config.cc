@@ -1,0 +1,293 @@
+#include "daemon/edge/config.h"
+
+#include <grp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include "common/base/cuda_info.h"
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/base/version.h"
+#include "common/format/layout.h"
+#include "daemon/edge/limits.h"
+#include "daemon/edge/tcp_listener.h"
+
+namespace flashckpt {
+namespace {
+
+// Half of physical memory: a sane default budget for a node that also runs the trainer.
+uint64_t DefaultHostMemoryBudget() {
+  long pages = ::sysconf(_SC_PHYS_PAGES);
+  long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 8ull << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2;
+}
+
+// --shm-group: a group name or a numeric gid. The daemon must be able to hand its segments to the
+// group (fchown): root can give them to any group, another user only to a group it is in.
+Result<uint32_t> ResolveShmGroup(const std::string& text) {
+  gid_t gid = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), gid);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+    std::vector<char> buf(16384);
+    group entry{};
+    group* found = nullptr;
+    int err = ::getgrnam_r(text.c_str(), &entry, buf.data(), buf.size(), &found);
+    if (err != 0 || found == nullptr) {
+      return InvalidArgument("--shm-group '" + text + "': no such group (give a group name from /etc/group or a gid)");
+    }
+    gid = found->gr_gid;
+  }
+  if (::geteuid() != 0 && ::getegid() != gid) {
+    std::vector<gid_t> groups(static_cast<size_t>(std::max(0, ::getgroups(0, nullptr))));
+    int n = ::getgroups(static_cast<int>(groups.size()), groups.data());
+    groups.resize(static_cast<size_t>(std::max(0, n)));
+    if (std::find(groups.begin(), groups.end(), gid) == groups.end()) {
+      return InvalidArgument("--shm-group '" + text + "' (gid " + std::to_string(gid) +
+                             "): the daemon's user is not in that group, so it cannot give segments to it; add it "
+                             "(usermod -aG) or run the daemon as root");
+    }
+  }
+  return gid;
+}
+
+// What CLI11 cannot check alone: sizes, the group, and flags that only make sense together.
+Status Finish(DaemonConfig& config, const std::string& budget, const std::string& chunk, const std::string& rank_bytes,
+              const std::string& shm_group) {
+  if (budget.empty()) {
+    config.max_host_memory = DefaultHostMemoryBudget();
+  } else {
+    auto bytes = ParseByteSize(budget);
+    if (!bytes || *bytes == 0) {
+      return InvalidArgument("--max-host-memory '" + budget + "' is not a size like 64GiB, 512MiB or 1000000");
+    }
+    config.max_host_memory = *bytes;
+  }
+  if (!chunk.empty()) {
+    auto bytes = ParseByteSize(chunk);
+    if (!bytes) return InvalidArgument("--checksum-chunk '" + chunk + "' is not a size like 1MiB or 65536");
+    RETURN_IF_ERROR(ValidateChecksumChunk(*bytes).WithContext("--checksum-chunk"));
+    config.checksum_chunk = *bytes;
+  }
+  if (!rank_bytes.empty()) {
+    auto bytes = ParseByteSize(rank_bytes);
+    if (!bytes) {
+      return InvalidArgument("--max-rank-bytes '" + rank_bytes + "' is not a size like 16GiB or 1000000 (0: no cap)");
+    }
+    config.max_rank_bytes = *bytes;
+  }
+  if (!shm_group.empty()) {
+    ASSIGN_OR_RETURN(config.shm_group, ResolveShmGroup(shm_group));
+  }
+  if (!IsLogLevel(config.log_level)) {
+    return InvalidArgument("--log-level '" + config.log_level + "' is not one of trace, debug, info, warn, error, off");
+  }
+  if (!config.log_file.empty()) {
+    // The file is opened (appended to) only when the daemon starts; here its place is checked.
+    struct stat st {};
+    std::string dir = std::filesystem::path(config.log_file).parent_path().string();
+    if (dir.empty()) dir = ".";
+    if (::stat(config.log_file.c_str(), &st) == 0) {
+      if (!S_ISREG(st.st_mode) || ::access(config.log_file.c_str(), W_OK) != 0) {
+        return InvalidArgument("--log-file " + config.log_file + " is not a regular file this user can write to");
+      }
+    } else if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
+      return InvalidArgument("--log-file " + config.log_file + ": its directory " + dir +
+                             " does not exist or this user cannot create files in it");
+    }
+  }
+  if (config.tls_cert.empty() != config.tls_key.empty()) {
+    return InvalidArgument("--tls-cert and --tls-key go together: give both (TLS on the --listen port) or neither");
+  }
+  if (config.listen.empty()) {
+    if (!config.tls_cert.empty()) {
+      return InvalidArgument("--tls-cert and --tls-key need --listen (TLS is for the TCP listener)");
+    }
+    if (config.tcp_allow_writes) return InvalidArgument("--tcp-allow-writes needs --listen");
+  } else {
+    RETURN_IF_ERROR(ParseListenAddress(config.listen).status());
+  }
+  if (!config.metrics_listen.empty()) {
+    RETURN_IF_ERROR(ParseListenAddress(config.metrics_listen).status().WithContext("--metrics-listen"));
+  }
+  return Status::OK();
+}
+
+// A size as the flags take it: the largest binary unit that divides it exactly.
+std::string SizeText(uint64_t bytes) {
+  const char* units[] = {"TiB", "GiB", "MiB", "KiB"};
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t scale = 1ull << (10 * (4 - i));
+    if (bytes != 0 && bytes % scale == 0) return std::to_string(bytes / scale) + units[i];
+  }
+  return std::to_string(bytes);
+}
+
+// A string value in the config file's syntax: double-quoted when it is empty or holds what would
+// end or split it (CLI11 strips the quotes; it has no escapes).
+std::string ValueText(const std::string& v) {
+  if (!v.empty() && v.find_first_of(" \t\"'#;=[],") == std::string::npos) return v;
+  return "\"" + v + "\"";
+}
+
+template <typename T>
+std::string ListText(const std::vector<T>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+std::string FormatDaemonConfig(const DaemonConfig& c) {
+  std::ostringstream out;
+  auto line = [&](const char* key, const std::string& value) { out << key << " = " << value << "\n"; };
+  auto optional = [&](const char* key, const std::string& value) {
+    if (value.empty()) {
+      out << "# " << key << " = (not set)\n";
+    } else {
+      line(key, ValueText(value));
+    }
+  };
+  line("socket", ValueText(c.socket_path));
+  line("root", ValueText(c.root));
+  line("state-dir", ValueText(!c.state_dir.empty() ? c.state_dir : c.socket_path + ".state"));
+  line("slots", std::to_string(c.slots));
+  line("max-host-memory", SizeText(c.max_host_memory));
+  line("writer-threads", std::to_string(c.writer_threads));
+  line("io-threads", std::to_string(c.io_threads));
+  line("restore-threads", std::to_string(c.restore_threads));
+  line("checksum-chunk", SizeText(c.checksum_chunk));
+  line("keep", std::to_string(c.keep));
+  line("stop-timeout", std::to_string(c.stop_timeout_s));
+  line("log-level", ValueText(c.log_level));
+  optional("log-file", c.log_file);
+  if (c.allow_uids.empty()) {
+    out << "# allow-uid = (none)\n";
+  } else {
+    line("allow-uid", ListText(c.allow_uids));
+  }
+  if (c.allow_gids.empty()) {
+    out << "# allow-gid = (none)\n";
+  } else {
+    line("allow-gid", ListText(c.allow_gids));
+  }
+  optional("shm-group", c.shm_group ? std::to_string(*c.shm_group) : "");
+  optional("listen", c.listen);
+  line("tcp-allow-writes", c.tcp_allow_writes ? "true" : "false");
+  optional("tls-cert", c.tls_cert);
+  optional("tls-key", c.tls_key);
+  optional("metrics-listen", c.metrics_listen);
+  line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));
+  line("max-rank-bytes", c.max_rank_bytes == 0 ? "0" : SizeText(c.max_rank_bytes));
+  return out.str();
+}
+
+Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
+  DaemonConfig config;
+  std::string budget;
+  CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
+  app.set_config("--config", "", "Read flags from an INI/TOML file (keys as the long flag names)");
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error, not ignored
+  bool check_config = false;
+  app.add_flag("--check-config", check_config,
+               "Check the flags and the --config file (every key known, every value valid), print 'config ok' and "
+               "the effective settings in the config file's syntax, and exit 0 (2 on an error) without starting");
+  app.set_version_flag("--version", [] { return "flashckptd " + std::string(kVersion) + " (" + CudaInfoText(GetCudaInfo()) + ")"; });
+  app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
+  app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
+  app.add_option("--state-dir", config.state_dir,
+                 "Private directory (0700) of the records a restarted daemon uses to adopt the shared-memory "
+                 "segments and committed snapshots a crashed one left (default: <socket>.state)");
+  app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--max-host-memory", budget,
+                 "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");
+  app.add_option("--writer-threads", config.writer_threads, "Threads persisting snapshots")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--keep", config.keep,
+                 "Keep the newest N complete checkpoints of each job and delete older ones (0: keep all)")
+      ->capture_default_str();
+  app.add_option("--io-threads", config.io_threads, "Writes in flight per writer thread (one persist)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--restore-threads", config.restore_threads, "Reader threads of one restore")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  std::string chunk;
+  app.add_option("--checksum-chunk", chunk,
+                 "Tensors record an xxh3 per chunk of this size (power of two, 4KiB..1GiB), so a restore "
+                 "into another layout reads and verifies only the chunks it needs (default: 1MiB)");
+  app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
+  app.add_option("--log-file", config.log_file,
+                 "Append the log to this file instead of stderr (reopened only at start: rotate with copytruncate)");
+  app.add_option("--stop-timeout", config.stop_timeout_s,
+                 "Seconds from SIGTERM to exit: writes in flight finish until then, the rest is left for the next "
+                 "daemon to adopt")
+      ->check(CLI::Range(1u, 86400u))
+      ->capture_default_str();
+  app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
+  app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
+  std::string shm_group;
+  app.add_option("--shm-group", shm_group,
+                 "Create slot segments 0660 and give them to this group (name or gid), so trainers running as "
+                 "other users in it can map them (default: 0600, the daemon's user only)");
+  app.add_option("--listen", config.listen,
+                 "Also serve gRPC on TCP HOST:PORT (PORT alone: 127.0.0.1); read-only (status, list) unless "
+                 "--tcp-allow-writes");
+  app.add_flag(
+      "--tcp-allow-writes", config.tcp_allow_writes,
+      "Serve every RPC on the --listen port, not only GetStatus, ListCheckpoints and WatchEvents (TCP callers are "
+      "not authenticated)");
+  app.add_option("--tls-cert", config.tls_cert,
+                 "PEM certificate (chain) for TLS on the --listen port; needs --tls-key");
+  app.add_option("--tls-key", config.tls_key, "PEM private key of --tls-cert");
+  app.add_option("--max-tensors-per-rank", config.max_tensors_per_rank,
+                 "Most tensors one rank may register; more is refused with INVALID_ARGUMENT")
+      ->check(CLI::Range(uint32_t{1}, static_cast<uint32_t>(kMaxTensorsPerRank)))
+      ->capture_default_str();
+  std::string rank_bytes;
+  app.add_option("--max-rank-bytes", rank_bytes,
+                 "Most bytes of tensors one rank may register, e.g. 16GiB; more is refused with "
+                 "RESOURCE_EXHAUSTED (default 0: only --max-host-memory)");
+  app.add_option("--metrics-listen", config.metrics_listen,
+                 "Serve Prometheus metrics over HTTP at HOST:PORT/metrics (PORT alone: 127.0.0.1); off when unset");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    app.exit(e);
+    return Cancelled("help or version printed");
+  } catch (const CLI::ConfigError& e) {
+    // CLI11 says "INI was not able to parse KEY" for a key no flag has.
+    std::string what = e.what();
+    const std::string prefix = "INI was not able to parse ";
+    if (what.rfind(prefix, 0) == 0) {
+      what = "unknown key '" + what.substr(prefix.size()) + "' in the --config file (keys are the long flag " +
+             "names without dashes; flashckptd --help lists them)";
+    }
+    std::cerr << "flashckptd: " << what << "\n";
+    return InvalidArgument(what);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return InvalidArgument(e.what());
+  }
+  if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
+    std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
+    return s;
+  }
+  if (check_config) {
+    std::cout << "config ok\n" << FormatDaemonConfig(config);
+    return Cancelled("config checked");
+  }
+  return config;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,30 @@
+// A rank's registration as the daemon understands it, parsed from the RegisterRequest a trainer
+// sends (daemon/edge/service.cc) or that a restarted daemon reads back from its state directory
+// (daemon/core/recovery.cc): both go through ParseRegistration, so both are checked the same way.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/base/status.h"
+#include "common/format/layout.h"
+#include "daemon/pipeline/ema.h"
+#include "flashckpt.pb.h"
+
+namespace flashckpt {
+
+enum class Backpressure { kWait, kSkip };
+
+struct Registration {
+  Topology topology;
+  std::vector<TensorSpec> tensors;
+  Backpressure policy = Backpressure::kWait;
+  EmaConfig ema;
+  int64_t resumed_from = 0;  // the attempt a re-attaching client carries on (0: none)
+  bool fatal_persist_errors = false;
+};
+
+// Converts and checks the request's fields; the layout itself is checked by BuildRankLayout.
+Result<Registration> ParseRegistration(const v1::RegisterRequest& request);
+
+}  // namespace flashckpt

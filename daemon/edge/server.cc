@@ -1,0 +1,136 @@
+#include "daemon/edge/server.h"
+
+#include <fcntl.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_posix.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+
+#include "common/base/log.h"
+#include "common/io/fs.h"
+#include "daemon/edge/limits.h"
+
+namespace flashckpt {
+
+Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
+
+Status Server::Start() {
+  const std::string& path = daemon_->config().socket_path;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof addr.sun_path) {
+    return InvalidArgument("--socket path must be 1 to " + std::to_string(sizeof addr.sun_path - 1) + " bytes");
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (!dir.empty() && !PathExists(dir)) RETURN_IF_ERROR(MakeDirs(dir, 0750));
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) return FailedPrecondition(path + " exists and is not a socket");
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (probe.valid() && ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      return FailedPrecondition("another daemon is listening on " + path);
+    }
+    ::unlink(path.c_str());  // stale socket of a daemon that died
+  }
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoStatus("socket", path);
+  // Bind with a restrictive umask so the socket never exists with wider permissions than 0660.
+  mode_t old_mask = ::umask(0117);
+  int bound = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  int bind_errno = errno;
+  ::umask(old_mask);
+  if (bound != 0) return ErrnoStatus("bind", path, bind_errno);
+  if (::chmod(path.c_str(), 0660) != 0) return ErrnoStatus("chmod", path);
+  if (::listen(fd.get(), 128) != 0) return ErrnoStatus("listen", path);
+
+  // For every server built from here on (the TCP listener's too): grpc.health.v1.Health, SERVING.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(kMaxRequestMessageBytes);
+  builder.RegisterService(&service_);
+  server_ = builder.BuildAndStart();
+  if (!server_) return Unavailable("could not start the gRPC server");
+  listen_fd_ = fd.Release();  // closed in Shutdown
+  acceptor_ = std::thread([this] { AcceptLoop(); });
+  Logger("rpc")->info("listening socket={}", path);
+  if (!daemon_->config().listen.empty()) {
+    tcp_ = std::make_unique<TcpListener>(&service_, daemon_->config());
+    RETURN_IF_ERROR(tcp_->Start());
+  }
+  if (!daemon_->config().metrics_listen.empty()) {
+    metrics_ = std::make_unique<MetricsHttpServer>(daemon_->config().metrics_listen,
+                                                   [daemon = daemon_] { return daemon->RenderMetrics(); });
+    RETURN_IF_ERROR(metrics_->Start());
+  }
+  return Status::OK();
+}
+
+bool Server::PeerAllowed(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    Logger("rpc")->warn("refused peer: SO_PEERCRED failed: {}", std::strerror(errno));
+    return false;
+  }
+  const DaemonConfig& c = daemon_->config();
+  bool ok = cred.uid == 0 || cred.uid == ::getuid() ||
+            std::find(c.allow_uids.begin(), c.allow_uids.end(), cred.uid) != c.allow_uids.end() ||
+            std::find(c.allow_gids.begin(), c.allow_gids.end(), cred.gid) != c.allow_gids.end();
+  if (!ok) {
+    refused_ += 1;
+    Logger("rpc")->warn("refused peer uid={} gid={} pid={} (allowed: root, uid {}, --allow-uid, --allow-gid)", cred.uid,
+                        cred.gid, cred.pid, ::getuid());
+  }
+  return ok;
+}
+
+void Server::AcceptLoop() {
+  while (!stopping_.load()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    int ready = ::poll(&p, 1, 1000);  // Shutdown() wakes it; the timeout is a fallback
+    if (ready <= 0) continue;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;
+    if (!PeerAllowed(fd)) {
+      ::close(fd);
+      continue;
+    }
+    grpc::AddInsecureChannelFromFd(server_.get(), fd);  // gRPC owns the fd from here on
+  }
+}
+
+void Server::SetServing(bool serving) {
+  if (server_ && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->SetServingStatus(serving);
+  }
+  if (tcp_) tcp_->SetServing(serving);
+}
+
+void Server::Shutdown(std::chrono::milliseconds grace) {
+  const auto deadline = std::chrono::system_clock::now() + grace;  // one grace for both listeners
+  if (metrics_) metrics_->Stop();
+  metrics_.reset();
+  // The TCP listener first: it forwards to service_.
+  if (tcp_) tcp_->Shutdown(deadline);
+  tcp_.reset();
+  if (!server_) return;
+  stopping_ = true;
+  if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);  // wakes the acceptor's poll at once
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+  server_->Shutdown(deadline);
+  server_->Wait();
+  server_.reset();
+  ::unlink(daemon_->config().socket_path.c_str());
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,62 @@
+// The daemon's listeners. The UNIX socket: it accepts connections itself, checks each peer's
+// credentials (SO_PEERCRED) against the allowed uids/gids, and only then hands the connection to
+// gRPC (grpc::AddInsecureChannelFromFd). A refused peer is closed and logged with its uid and pid.
+// With --listen, also a TCP listener on a gRPC server of its own (daemon/edge/tcp_listener.h); with
+// --metrics-listen, the Prometheus scrape endpoint (daemon/observe/metrics_http.h). Both gRPC servers
+// serve the standard health service (grpc.health.v1.Health) beside flashckpt's own.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
+#include "daemon/edge/service.h"
+#include "daemon/edge/tcp_listener.h"
+#include "daemon/observe/metrics_http.h"
+
+namespace flashckpt {
+
+class Server {
+ public:
+  explicit Server(Daemon* daemon) : daemon_(daemon), service_(daemon) {}
+  ~Server();
+
+  // Creates the socket's directory if needed (0750), refuses a socket another daemon listens on,
+  // binds the socket with mode 0660 and starts accepting; then starts the TCP listener if the
+  // config asks for one, and the metrics endpoint (an error there fails the start; Shutdown
+  // cleans up either way).
+  Status Start();
+  // Stops accepting, cancels open streams and waits up to `grace` for handlers to return.
+  void Shutdown(std::chrono::milliseconds grace);
+  // The overall status (service "") of the standard health service, grpc.health.v1.Health, that
+  // both listeners serve (on TCP also without --tcp-allow-writes): SERVING from Start, NOT_SERVING
+  // once the daemon begins to stop.
+  void SetServing(bool serving);
+
+  uint64_t refused_peers() const { return refused_.load(); }
+  // The TCP listener's bound port, 0 without --listen.
+  int tcp_port() const { return tcp_ ? tcp_->port() : 0; }
+  // The metrics endpoint's bound port, 0 without --metrics-listen.
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  // Calls refused on the TCP listener for want of --tcp-allow-writes.
+  uint64_t tcp_denied_calls() const { return tcp_ ? tcp_->denied_calls() : 0; }
+
+ private:
+  void AcceptLoop();
+  bool PeerAllowed(int fd);
+
+  Daemon* daemon_;
+  CheckpointService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<TcpListener> tcp_;
+  std::unique_ptr<MetricsHttpServer> metrics_;
+  int listen_fd_ = -1;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> refused_{0};
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,162 @@
+#include "daemon/edge/wire.h"
+
+#include "common/base/dtype.h"
+
+namespace flashckpt {
+namespace {
+
+void ToProto(const TensorLocation& t, v1::TensorPlacement* p) {
+  p->set_name(t.name);
+  p->set_file(t.file);
+  p->set_slot_offset(t.slot_offset);
+  p->set_bytes(t.bytes);
+  p->set_ema_source(t.ema_source);
+}
+
+v1::Event::Kind KindToProto(Event::Kind kind) {
+  switch (kind) {
+    case Event::Kind::kSnapshotCommitted: return v1::Event::SNAPSHOT_COMMITTED;
+    case Event::Kind::kSnapshotSkipped: return v1::Event::SNAPSHOT_SKIPPED;
+    case Event::Kind::kEmaUpdated: return v1::Event::EMA_UPDATED;
+    case Event::Kind::kPersisted: return v1::Event::PERSISTED;
+    case Event::Kind::kPersistFailed: return v1::Event::PERSIST_FAILED;
+    case Event::Kind::kCheckpointComplete: return v1::Event::CHECKPOINT_COMPLETE;
+    case Event::Kind::kCheckpointDeleted: return v1::Event::CHECKPOINT_DELETED;
+    case Event::Kind::kEventsLost: return v1::Event::EVENTS_LOST;
+    case Event::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
+  }
+  return v1::Event::KIND_UNSPECIFIED;
+}
+
+v1::TensorKind TensorKindToProto(TensorKind kind) {
+  switch (kind) {
+    case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
+    case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
+    case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
+    case TensorKind::kEma: break;  // the daemon's own: never registered
+  }
+  return v1::TENSOR_KIND_UNSPECIFIED;
+}
+
+}  // namespace
+
+v1::RegisterResponse ToProto(const RegisterReply& reply) {
+  v1::RegisterResponse out;
+  out.set_segment_name(reply.segment_name);
+  out.set_segment_bytes(reply.segment_bytes);
+  out.set_slot_count(reply.slot_count);
+  out.set_slot_offset(reply.slot_offset);
+  out.set_slot_stride(reply.slot_stride);
+  for (const TensorLocation& t : reply.placements) ToProto(t, out.add_placements());
+  for (const TensorLocation& t : reply.ema_placements) ToProto(t, out.add_ema_placements());
+  return out;
+}
+
+v1::StatusResponse ToProto(const StatusReport& status) {
+  v1::StatusResponse out;
+  out.set_version(status.version);
+  out.set_uptime_seconds(status.uptime_seconds);
+  out.set_host_memory_used(status.host_memory_used);
+  out.set_host_memory_budget(status.host_memory_budget);
+  out.set_root(status.root);
+  out.set_cuda_compiled(status.cuda_compiled);
+  out.set_cuda_devices(status.cuda_devices);
+  for (const JobReport& job : status.jobs) {
+    v1::JobStatus* j = out.add_jobs();
+    j->set_job(job.job);
+    j->set_world_size(job.world_size);
+    j->set_last_complete_step(job.last_complete_step);
+    j->set_catalog_error(job.catalog_error);
+    for (const RankReport& rank : job.ranks) {
+      v1::RankStatus* r = j->add_ranks();
+      r->set_rank(rank.rank);
+      r->set_connected(rank.connected);
+      r->set_segment_bytes(rank.segment_bytes);
+      r->set_last_committed_step(rank.last_committed_step);
+      r->set_last_persisted_step(rank.last_persisted_step);
+      r->set_last_error(rank.last_error);
+      r->set_snapshots(rank.snapshots);
+      r->set_persists(rank.persists);
+      r->set_failures(rank.failures);
+      r->set_skipped(rank.skipped);
+      for (const SlotReport& slot : rank.slots) {
+        v1::SlotStatus* s = r->add_slots();
+        s->set_index(slot.index);
+        s->set_state(slot.state);
+        s->set_step(slot.step);
+      }
+      r->set_ema_enabled(rank.ema_enabled);
+      r->set_ema_bytes(rank.ema_bytes);
+      r->set_ema_last_step(rank.ema_last_step);
+      r->set_ema_updates_applied(rank.ema_updates_applied);
+      r->set_ema_updates_skipped(rank.ema_updates_skipped);
+      r->set_ema_decay(rank.ema_decay);
+      r->set_oldest_write_seconds(rank.oldest_write_seconds);
+      r->set_last_persist_gbps(rank.last_persist_gbps);
+    }
+  }
+  return out;
+}
+
+v1::Event ToProto(const Event& event) {
+  v1::Event out;
+  out.set_kind(KindToProto(event.kind));
+  out.set_unix_seconds(event.unix_seconds);
+  out.set_job(event.job);
+  out.set_rank(event.rank);
+  out.set_step(event.step);
+  out.set_bytes(event.bytes);
+  out.set_seconds(event.seconds);
+  out.set_reason(event.reason);
+  out.set_lost(event.lost);
+  out.set_code(event.code);
+  return out;
+}
+
+v1::RegisterRequest RegistrationRecord(const Registration& registration) {
+  v1::RegisterRequest out;
+  const Topology& t = registration.topology;
+  v1::Topology* topology = out.mutable_topology();
+  topology->set_world_size(t.world_size);
+  topology->set_tp_rank(t.tp_rank);
+  topology->set_tp_degree(t.tp_degree);
+  topology->set_pp_rank(t.pp_rank);
+  topology->set_pp_degree(t.pp_degree);
+  topology->set_shard_rank(t.shard_rank);
+  topology->set_shard_degree(t.shard_degree);
+  for (const TensorSpec& spec : registration.tensors) {
+    v1::TensorSpec* p = out.add_tensors();
+    p->set_name(spec.name);
+    p->set_kind(TensorKindToProto(spec.kind));
+    p->set_dtype(std::string(DTypeName(spec.dtype)));
+    for (uint64_t d : spec.shape) p->add_shape(d);
+    for (uint64_t d : spec.global_shape) p->add_global_shape(d);
+    for (uint64_t d : spec.box_offset) p->add_box_offset(d);
+    for (uint64_t d : spec.box_shape) p->add_box_shape(d);
+    if (spec.flat_range) {
+      p->set_has_flat_range(true);
+      p->set_flat_begin(spec.flat_range->begin);
+      p->set_flat_end(spec.flat_range->end);
+    }
+    p->set_replica(spec.replica);
+    p->set_param(spec.param);
+  }
+  out.set_backpressure(registration.policy == Backpressure::kSkip ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
+  const EmaConfig& ema = registration.ema;
+  if (ema.enabled) {
+    v1::EmaOptions* e = out.mutable_ema();
+    e->set_enabled(true);
+    e->set_decay(ema.decay);
+    e->set_interval(ema.interval);
+    e->set_init(ema.init_zeros ? "zeros" : "first");
+    e->set_model_params(ema.all_float_params ? "all" : "fp32");
+    if (ema.loss_threshold) {
+      e->set_has_loss_threshold(true);
+      e->set_loss_threshold(*ema.loss_threshold);
+    }
+  }
+  out.set_fatal_persist_errors(registration.fatal_persist_errors);
+  return out;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,224 @@
+#include "daemon/observe/metrics.h"
+
+#include <cmath>
+#include <cstdio>
+
+namespace flashckpt {
+namespace {
+
+// Label values are job names (common/base/names.h allows no quotes or backslashes), but escape anyway
+// as the exposition format asks: a metric line must never be broken by what a client sent.
+std::string Escape(const std::string& value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string Number(double v) {
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  if (std::isnan(v)) return "NaN";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+void Header(std::string* out, const char* name, const char* type, const char* help) {
+  *out += "# HELP ";
+  *out += name;
+  *out += ' ';
+  *out += help;
+  *out += "\n# TYPE ";
+  *out += name;
+  *out += ' ';
+  *out += type;
+  *out += '\n';
+}
+
+void Sample(std::string* out, const std::string& name, const std::string& labels, double value) {
+  *out += name;
+  if (!labels.empty()) *out += "{" + labels + "}";
+  *out += ' ' + Number(value) + '\n';
+}
+
+std::string JobLabel(const std::string& job) { return "job=\"" + Escape(job) + "\""; }
+
+}  // namespace
+
+Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::Observe(double value) {
+  if (!std::isfinite(value) || value < 0) value = 0;
+  size_t i = 0;
+  while (i < bounds_.size() && value > bounds_[i]) ++i;
+  counts_[i] += 1;
+  sum_ += value;
+  count_ += 1;
+}
+
+void Histogram::Render(const std::string& name, const std::string& labels, std::string* out) const {
+  const std::string prefix = labels.empty() ? "" : labels + ",";
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i <= bounds_.size(); ++i) {
+    cumulative += counts_[i];
+    std::string le = i < bounds_.size() ? Number(bounds_[i]) : "+Inf";
+    Sample(out, name + "_bucket", prefix + "le=\"" + le + "\"", static_cast<double>(cumulative));
+  }
+  Sample(out, name + "_sum", labels, sum_);
+  Sample(out, name + "_count", labels, static_cast<double>(count_));
+}
+
+Metrics::Metrics()
+    : persist_seconds_({0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500}),
+      ema_seconds_({0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}),
+      slot_wait_seconds_({0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300}) {}
+
+Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
+  auto it = jobs_.find(job);
+  if (it != jobs_.end()) return it->second;
+  if (jobs_.size() >= kMaxJobs) return jobs_["_other"];
+  return jobs_[job];
+}
+
+void Metrics::Observe(const Event& event) {
+  MutexLock lock(&mu_);
+  if (event.kind == Event::Kind::kEventsLost) return;
+  JobSeries& s = SeriesLocked(event.job);
+  switch (event.kind) {
+    case Event::Kind::kSnapshotCommitted: s.snapshots += 1; break;
+    case Event::Kind::kSnapshotSkipped: s.skipped += 1; break;
+    case Event::Kind::kEmaUpdated:
+      s.ema_updates += 1;
+      ema_seconds_.Observe(event.seconds);
+      break;
+    case Event::Kind::kPersisted:
+      s.persists += 1;
+      s.persisted_bytes += event.bytes;
+      persist_seconds_.Observe(event.seconds);
+      break;
+    case Event::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
+    case Event::Kind::kPersistAbandoned: s.abandoned += 1; break;
+    case Event::Kind::kCheckpointComplete:
+      s.completed += 1;
+      s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds);
+      break;
+    case Event::Kind::kCheckpointDeleted: s.deleted[event.reason.empty() ? "unknown" : event.reason] += 1; break;
+    default: break;
+  }
+}
+
+void Metrics::ObserveSlotWait(const std::string& job, double seconds, bool got_slot) {
+  MutexLock lock(&mu_);
+  JobSeries& s = SeriesLocked(job);
+  s.slot_waits += 1;
+  if (!got_slot) s.slot_wait_timeouts += 1;
+  slot_wait_seconds_.Observe(seconds);
+}
+
+std::string Metrics::Render(const StatusReport& status, uint64_t watchers_lost) const {
+  MutexLock lock(&mu_);
+  std::string out;
+  out.reserve(8192);
+
+  Header(&out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
+  Sample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version) + "\"", 1);
+  Header(&out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
+  Sample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled ? 1 : 0);
+  Header(&out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
+  Sample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
+  Header(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
+  Sample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
+  Header(&out, "flashckpt_host_memory_used_bytes", "gauge", "Shared memory held by registered ranks' segments.");
+  Sample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
+  Header(&out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
+  Sample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));
+
+  // Per-job counters; a counter is rendered for every job seen, zero or not, so rate() works from
+  // the first scrape on.
+  struct CounterDef {
+    const char* name;
+    const char* help;
+    uint64_t JobSeries::*field;
+  };
+  static constexpr CounterDef kCounters[] = {
+      {"flashckpt_snapshots_total", "Snapshots committed by trainer ranks.", &JobSeries::snapshots},
+      {"flashckpt_snapshots_skipped_total", "Snapshots skipped for want of a free slot (backpressure skip).",
+       &JobSeries::skipped},
+      {"flashckpt_slot_waits_total", "BeginSnapshot calls that had to wait for a free slot.", &JobSeries::slot_waits},
+      {"flashckpt_slot_wait_timeouts_total", "Slot waits that ended at their deadline without a slot.",
+       &JobSeries::slot_wait_timeouts},
+      {"flashckpt_ema_updates_total", "EMA updates applied (a snapshot the loss gate rejects is not counted).",
+       &JobSeries::ema_updates},
+      {"flashckpt_persists_total", "Rank snapshots written durably.", &JobSeries::persists},
+      {"flashckpt_persisted_bytes_total", "Bytes written durably by persists.", &JobSeries::persisted_bytes},
+      {"flashckpt_persists_abandoned_total", "Committed snapshots left unwritten at a stop, for the next daemon.",
+       &JobSeries::abandoned},
+      {"flashckpt_checkpoints_completed_total", "Checkpoints made complete (metadata.json written) by this daemon.",
+       &JobSeries::completed},
+  };
+  for (const auto& def : kCounters) {
+    Header(&out, def.name, "counter", def.help);
+    for (const auto& [job, s] : jobs_) Sample(&out, def.name, JobLabel(job), static_cast<double>(s.*def.field));
+  }
+  Header(&out, "flashckpt_persist_failures_total", "counter", "Failed persists, by the error's code.");
+  for (const auto& [job, s] : jobs_) {
+    for (const auto& [reason, n] : s.failures) {
+      Sample(&out, "flashckpt_persist_failures_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
+             static_cast<double>(n));
+    }
+  }
+  Header(&out, "flashckpt_checkpoints_deleted_total", "counter", "Checkpoint directories deleted, by reason.");
+  for (const auto& [job, s] : jobs_) {
+    for (const auto& [reason, n] : s.deleted) {
+      Sample(&out, "flashckpt_checkpoints_deleted_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
+             static_cast<double>(n));
+    }
+  }
+
+  Header(&out, "flashckpt_persist_duration_seconds", "histogram", "Time to write one rank's snapshot durably.");
+  persist_seconds_.Render("flashckpt_persist_duration_seconds", "", &out);
+  Header(&out, "flashckpt_ema_update_duration_seconds", "histogram", "Time of one rank's EMA update.");
+  ema_seconds_.Render("flashckpt_ema_update_duration_seconds", "", &out);
+  Header(&out, "flashckpt_slot_wait_seconds", "histogram", "Time BeginSnapshot waited for a free slot.");
+  slot_wait_seconds_.Render("flashckpt_slot_wait_seconds", "", &out);
+
+  // Gauges from the status snapshot.
+  double oldest = 0;
+  for (const auto& job : status.jobs) {
+    for (const auto& rank : job.ranks) oldest = std::max(oldest, rank.oldest_write_seconds);
+  }
+  Header(&out, "flashckpt_oldest_write_seconds", "gauge",
+         "Age of the oldest persist being written (0: none); one that keeps growing means a slow or stuck disk.");
+  Sample(&out, "flashckpt_oldest_write_seconds", "", oldest);
+  Header(&out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
+  for (const auto& job : status.jobs) {
+    Sample(&out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));
+  }
+  Header(&out, "flashckpt_last_committed_step", "gauge", "Newest step any rank of the job committed here (-1: none).");
+  for (const auto& job : status.jobs) {
+    int64_t last = -1;
+    for (const auto& rank : job.ranks) last = std::max(last, rank.last_committed_step);
+    Sample(&out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
+  }
+  Header(&out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
+  for (const auto& job : status.jobs) {
+    Sample(&out, "flashckpt_last_durable_step", JobLabel(job.job), static_cast<double>(job.last_complete_step));
+  }
+  Header(&out, "flashckpt_last_complete_timestamp_seconds", "gauge",
+         "Unix time this daemon last completed a checkpoint of the job (0: not since it started).");
+  for (const auto& [job, s] : jobs_)
+    Sample(&out, "flashckpt_last_complete_timestamp_seconds", JobLabel(job), s.last_complete_unix);
+  Header(&out, "flashckpt_watch_events_lost_total", "counter", "Events dropped for watchers that fell behind.");
+  Sample(&out, "flashckpt_watch_events_lost_total", "", static_cast<double>(watchers_lost));
+  return out;
+}
+
+}  // namespace flashckpt

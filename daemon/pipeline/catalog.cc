@@ -1,0 +1,402 @@
+#include "daemon/pipeline/catalog.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/format/metadata.h"
+#include "common/io/fs.h"
+
+namespace flashckpt {
+
+StepInUse::StepInUse(StepInUse&& o) noexcept : catalog_(o.catalog_), job_(std::move(o.job_)), step_(o.step_) {
+  o.catalog_ = nullptr;
+}
+
+StepInUse& StepInUse::operator=(StepInUse&& o) noexcept {
+  if (this != &o) {
+    Reset();
+    catalog_ = o.catalog_;
+    job_ = std::move(o.job_);
+    step_ = o.step_;
+    o.catalog_ = nullptr;
+  }
+  return *this;
+}
+
+void StepInUse::Reset() {
+  if (catalog_ != nullptr) catalog_->Release(job_, step_);
+  catalog_ = nullptr;
+}
+
+StepInUse Catalog::Use(const std::string& job, int64_t step) {
+  MutexLock lock(&use_mu_);
+  in_use_[job].insert(step);
+  return StepInUse(this, job, step);
+}
+
+void Catalog::Release(const std::string& job, int64_t step) {
+  MutexLock lock(&use_mu_);
+  auto it = in_use_.find(job);
+  if (it == in_use_.end()) return;
+  auto s = it->second.find(step);
+  if (s != it->second.end()) it->second.erase(s);
+  if (it->second.empty()) in_use_.erase(it);
+}
+
+std::string Catalog::CheckpointDir(const std::string& job, int64_t step) const {
+  return JobDir(job) + "/" + CheckpointDirName(step);
+}
+
+Mutex& Catalog::JobMutex(const std::string& job) {
+  MutexLock lock(&mu_);
+  auto& m = job_mu_[job];
+  if (!m) m = std::make_unique<Mutex>();
+  return *m;
+}
+
+Result<bool> Catalog::IsComplete(const std::string& job, int64_t step) const {
+  return Exists(CheckpointDir(job, step) + "/metadata.json", io_);
+}
+
+Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const {
+  auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank), io_);
+  if (!signal.ok()) {
+    if (signal.status().code() == StatusCode::kNotFound) return false;
+    return signal.status();
+  }
+  return signal->rank == rank && signal->step == step && signal->resumed_from == resumed_from;
+}
+
+Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from) {
+  MutexLock lock(&JobMutex(job));
+  std::string dir = CheckpointDir(job, step);
+  ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+  if (complete) return true;
+  std::vector<std::string> files;
+  for (uint32_t r = 0; r < world_size; ++r) {
+    auto signal = ReadSignal(dir + "/" + SignalFileName(r), io_);
+    if (!signal.ok()) {
+      if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
+      return signal.status();  // unreadable or torn: an error, never "not complete"
+    }
+    if (signal->step != step || signal->resumed_from != resumed_from || signal->rank != r) return false;
+    for (auto& f : signal->files) files.push_back(std::move(f));
+  }
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_));
+  if (meta.step != step || meta.job != job || meta.topology.world_size != world_size) {
+    return Corruption(dir + ": files describe job '" + meta.job + "' step " + std::to_string(meta.step) +
+                      " world size " + std::to_string(meta.topology.world_size) + ", expected '" + job + "' step " +
+                      std::to_string(step) + " world size " + std::to_string(world_size));
+  }
+  RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta), nullptr, io_));
+  // LATEST moves forward unless it names a newer complete checkpoint. Only LATEST and that one
+  // directory are read: a completion must not cost a listing of every step of a long run.
+  ASSIGN_OR_RETURN(bool newer, LatestNamesNewer(job, step));
+  if (!newer) RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(step) + "\n", nullptr, io_));
+  Logger("catalog")->info("complete job={} step={} files={} tensors={}", job, step, meta.files.size(),
+                          meta.pieces.size());
+  NoteCompleted(job, step);
+  if (listener_) listener_(CatalogChange::kCompleted, job, step, "");
+  if (keep_ > 0) {
+    auto deleted = ApplyRetentionLocked(job, keep_);
+    if (!deleted.ok()) {
+      Logger("catalog")->error("retention failed job={} keep={} error=\"{}\"", job, keep_, deleted.status().ToString());
+    }
+  }
+  return true;
+}
+
+Result<std::vector<int64_t>> Catalog::ApplyRetention(const std::string& job, uint32_t keep) {
+  MutexLock lock(&JobMutex(job));
+  return ApplyRetentionLocked(job, keep);
+}
+
+Result<std::vector<int64_t>> Catalog::ApplyRetentionLocked(const std::string& job, uint32_t keep) {
+  if (keep == 0) return std::vector<int64_t>{};
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  ASSIGN_OR_RETURN(DeletionOutcome outcome,
+                   DeleteStepsLocked(job, RetentionVictims(steps, keep), {}, /*dry_run=*/false, "retention"));
+  return std::move(outcome.deleted);
+}
+
+Result<DeletionOutcome> Catalog::CollectGarbage(const std::string& job, uint32_t keep, const std::set<int64_t>& busy,
+                                                bool dry_run) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (keep == 0) return InvalidArgument("gc needs keep >= 1: the newest complete checkpoint is always kept");
+  MutexLock lock(&JobMutex(job));
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  return DeleteStepsLocked(job, RetentionVictims(steps, keep), busy, dry_run, "gc");
+}
+
+Result<DeletionOutcome> Catalog::DeleteCheckpoint(const std::string& job, int64_t step, bool force,
+                                                  const std::set<int64_t>& busy, bool dry_run) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (step <= 0) return InvalidArgument("delete needs a step >= 1, got " + std::to_string(step));
+  MutexLock lock(&JobMutex(job));
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  const std::string dir = CheckpointDir(job, step);
+  const bool complete = std::find(steps.complete.begin(), steps.complete.end(), step) != steps.complete.end();
+  if (!complete && std::find(steps.incomplete.begin(), steps.incomplete.end(), step) == steps.incomplete.end()) {
+    return NotFound("no checkpoint directory " + dir);
+  }
+  if (complete && steps.complete.front() == step && !force) {
+    std::string then = steps.complete.size() > 1 ? "LATEST would move back to step " + std::to_string(steps.complete[1])
+                                                 : "the job would have no complete checkpoint left";
+    return FailedPrecondition("checkpoint-" + std::to_string(step) + " is the newest complete checkpoint of job '" +
+                              job + "'; deleting it needs --force (" + then + ")");
+  }
+  {
+    MutexLock use(&use_mu_);
+    if (InUseLocked(job, step, busy)) {
+      return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
+                                "' is in use (a restore reading it or a save writing it); it is never deleted "
+                                "while in use: try again when that has finished");
+    }
+  }
+  ASSIGN_OR_RETURN(DeletionOutcome outcome, DeleteStepsLocked(job, {step}, busy, dry_run, "delete"));
+  if (!outcome.skipped.empty()) {  // came into use, or vanished, since the check above
+    return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
+                              "' was not deleted: " + outcome.skipped.front().reason);
+  }
+  return outcome;
+}
+
+Result<Catalog::JobSteps> Catalog::ScanSteps(const std::string& job) const {
+  JobSteps out;
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
+  if (!names) return out;
+  for (const auto& n : *names) {
+    auto step = ParseCheckpointDirName(n);
+    if (!step) continue;
+    ASSIGN_OR_RETURN(bool complete, IsComplete(job, *step));
+    (complete ? out.complete : out.incomplete).push_back(*step);
+  }
+  std::sort(out.complete.begin(), out.complete.end(), std::greater<>());
+  std::sort(out.incomplete.begin(), out.incomplete.end());
+  return out;
+}
+
+std::vector<int64_t> Catalog::RetentionVictims(const JobSteps& steps, uint32_t keep) {
+  std::vector<int64_t> victims;
+  // Nothing is safe to delete before a checkpoint is complete, and the newest one always stays.
+  if (keep == 0 || steps.complete.empty()) return victims;
+  const size_t kept = std::min<size_t>(keep, steps.complete.size());
+  const int64_t oldest_kept = steps.complete[kept - 1];
+  victims.assign(steps.complete.begin() + static_cast<std::ptrdiff_t>(kept), steps.complete.end());
+  for (int64_t step : steps.incomplete) {
+    if (step < oldest_kept) victims.push_back(step);
+  }
+  std::sort(victims.begin(), victims.end());
+  return victims;
+}
+
+bool Catalog::InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const {
+  if (busy.count(step) != 0) return true;
+  auto it = in_use_.find(job);
+  return it != in_use_.end() && it->second.count(step) != 0;
+}
+
+Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                                      const std::string& hidden) {
+  std::string dir = CheckpointDir(job, step);
+  MutexLock lock(&use_mu_);
+  if (InUseLocked(job, step, busy)) return false;
+  if (io_->Rename(dir, hidden) != 0) {
+    if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
+    return ErrnoStatus("rename " + dir + " to", hidden);
+  }
+  return true;
+}
+
+Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
+                                                   const std::set<int64_t>& busy, bool dry_run, const char* reason) {
+  DeletionOutcome out;
+  Status first_error;
+  for (int64_t step : victims) {
+    if (dry_run) {
+      MutexLock use(&use_mu_);
+      if (InUseLocked(job, step, busy)) {
+        out.skipped.push_back({step, "in use (a restore reading it or a save writing it)"});
+      } else {
+        out.deleted.push_back(step);
+      }
+      continue;
+    }
+    // Crash-safe order: the directory is renamed to a hidden name in one step (no reader sees half
+    // a checkpoint under its own name), then metadata.json goes first (a leftover of a crash here is
+    // never complete, even if renamed back), then the rest.
+    std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
+    Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
+    auto hid = cleared.ok() ? HideUnlessInUse(job, step, busy, hidden) : Result<bool>(cleared);
+    if (hid.ok() && !*hid) {
+      const bool gone = !PathExists(CheckpointDir(job, step));
+      Logger("catalog")->info("{} skipped job={} step={} reason={}", reason, job, step, gone ? "gone" : "in_use");
+      out.skipped.push_back(
+          {step, gone ? "already gone (deleted meanwhile)" : "in use (a restore reading it or a save writing it)"});
+      continue;
+    }
+    Status removed = hid.ok() ? Status::OK() : hid.status();
+    if (removed.ok() && io_->Unlink(hidden + "/metadata.json") != 0 && errno != ENOENT) {
+      removed = ErrnoStatus("unlink", hidden + "/metadata.json");
+    }
+    if (removed.ok()) removed = RemoveTree(hidden);
+    if (!removed.ok()) {
+      Logger("catalog")->error("delete failed job={} step={} error=\"{}\"", job, step, removed.ToString());
+      if (first_error.ok()) first_error = removed;
+      continue;
+    }
+    Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
+    out.deleted.push_back(step);
+    ForgetKnown(job);
+    if (listener_) listener_(CatalogChange::kDeleted, job, step, reason);
+  }
+  if (dry_run) {  // the newest complete checkpoint that the deletion would leave
+    ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+    for (int64_t step : steps.complete) {
+      if (std::find(out.deleted.begin(), out.deleted.end(), step) == out.deleted.end()) {
+        out.latest = step;
+        break;
+      }
+    }
+    return out;
+  }
+  ASSIGN_OR_RETURN(out.latest, LatestComplete(job));
+  if (!out.deleted.empty()) {
+    // LATEST names the newest complete checkpoint left, or goes when none is left.
+    Status latest;
+    if (out.latest) {
+      auto current = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
+      if (!current.ok() || *current != std::to_string(*out.latest) + "\n") {
+        latest = WriteFileDurably(JobDir(job), "LATEST", std::to_string(*out.latest) + "\n", nullptr, io_);
+      }
+    } else if (io_->Unlink(JobDir(job) + "/LATEST") != 0 && errno != ENOENT) {
+      latest = ErrnoStatus("unlink", JobDir(job) + "/LATEST");
+    }
+    if (!latest.ok() && first_error.ok()) first_error = latest;
+    Status synced = FsyncDir(JobDir(job), io_);
+    if (!synced.ok() && first_error.ok()) first_error = synced;
+  }
+  if (!first_error.ok()) return first_error;
+  return out;
+}
+
+Result<std::optional<int64_t>> Catalog::LatestComplete(const std::string& job) const {
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
+  std::optional<int64_t> best;
+  if (!names) return best;
+  // Newest first: the first complete one is the answer, and a newer one that cannot be told
+  // complete or not is an error (taking an older step would restart from it and then overwrite
+  // the newer checkpoint).
+  std::vector<int64_t> steps;
+  for (const auto& n : *names) {
+    if (auto step = ParseCheckpointDirName(n)) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end(), std::greater<>());
+  for (int64_t step : steps) {
+    ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+    if (complete) return std::optional<int64_t>(step);
+  }
+  return best;
+}
+
+Result<bool> Catalog::LatestNamesNewer(const std::string& job, int64_t step) const {
+  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) return false;
+    return text.status();
+  }
+  int64_t named = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), named);
+  if (ec != std::errc() || named <= step) return false;  // unparsable (torn) or older: replaced
+  (void)end;
+  return IsComplete(job, named);
+}
+
+Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
+                                                     std::chrono::steady_clock::duration max_age) const {
+  const auto now = std::chrono::steady_clock::now();
+  uint64_t notes = 0;
+  {
+    MutexLock lock(&known_mu_);
+    auto it = known_.find(job);
+    if (it != known_.end() && now - it->second.read_at < max_age) return it->second.step;
+    if (it != known_.end()) notes = it->second.notes;
+  }
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(job));
+  MutexLock lock(&known_mu_);
+  Known& known = known_[job];
+  // A completion noted while the root was being read may be newer than what the read found.
+  const bool noted_meanwhile = known.notes != notes && known.step && (!latest || *known.step > *latest);
+  if (!noted_meanwhile) known.step = latest;
+  known.read_at = now;
+  return known.step;
+}
+
+void Catalog::NoteCompleted(const std::string& job, int64_t step) {
+  MutexLock lock(&known_mu_);
+  auto it = known_.find(job);
+  if (it == known_.end()) return;  // read from the root when status first asks
+  if (!it->second.step || *it->second.step < step) it->second.step = step;
+  it->second.notes += 1;
+}
+
+void Catalog::ForgetKnown(const std::string& job) {
+  MutexLock lock(&known_mu_);
+  known_.erase(job);
+}
+
+Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const {
+  std::vector<std::string> jobs;
+  if (!job.empty()) {
+    RETURN_IF_ERROR(ValidateJobName(job));
+    jobs.push_back(job);
+  } else {
+    auto names = ListDir(root_, io_);
+    if (!names.ok()) return names.status();
+    for (const auto& n : *names) {
+      if (ValidateJobName(n).ok()) jobs.push_back(n);
+    }
+  }
+  std::vector<CheckpointEntry> out;
+  for (const auto& j : jobs) {
+    ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(j), io_));
+    if (!names) continue;
+    ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(j));
+    for (const auto& n : *names) {
+      auto step = ParseCheckpointDirName(n);
+      if (!step) continue;
+      CheckpointEntry e;
+      e.job = j;
+      e.step = *step;
+      e.path = CheckpointDir(j, *step);
+      auto files = ListDir(e.path, io_);
+      if (files.ok()) {
+        for (const auto& f : *files) {
+          if (f.rfind("saved_signal_", 0) == 0) ++e.signals;
+          struct stat st {};
+          if (io_->Stat(e.path + "/" + f, &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
+        }
+      }
+      ASSIGN_OR_RETURN(e.complete, IsComplete(j, *step));
+      if (e.complete) {
+        ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(e.path, io_));
+        e.world_size = meta.topology.world_size;
+      }
+      e.latest = latest && *latest == *step;
+      out.push_back(std::move(e));
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.job != b.job ? a.job < b.job : a.step < b.step; });
+  return out;
+}
+
+}  // namespace flashckpt

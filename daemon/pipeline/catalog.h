@@ -1,0 +1,204 @@
+// The checkpoints on disk under --root: where they go, when one is complete, which is the latest.
+//
+// A checkpoint directory is complete iff it holds metadata.json. Whichever daemon sees the last
+// saved_signal_<rank> of a step builds metadata.json from the files' own headers and then moves
+// LATEST forward; both are written with the durable rename sequence, so doing it twice is harmless.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+#include "common/format/signal.h"
+#include "common/io/io_env.h"
+
+namespace flashckpt {
+
+struct CheckpointEntry {
+  std::string job;
+  int64_t step = 0;
+  bool complete = false;
+  uint32_t signals = 0;
+  uint32_t world_size = 0;  // from metadata.json; 0 when incomplete
+  uint64_t bytes = 0;
+  std::string path;
+  bool latest = false;
+};
+
+// What a deletion (retention, `flashckpt delete`, `flashckpt gc`) did, or with dry_run would do.
+struct DeletionOutcome {
+  struct Skipped {
+    int64_t step = 0;
+    std::string reason;  // "in use: ..." (a restore reading it, a writer writing it)
+  };
+  std::vector<int64_t> deleted;   // oldest first
+  std::vector<Skipped> skipped;   // oldest first
+  std::optional<int64_t> latest;  // the newest complete checkpoint afterwards (what LATEST says)
+};
+
+class Catalog;
+
+// What the catalog tells its listener: a checkpoint became complete (metadata.json written by this
+// daemon), or a checkpoint directory was deleted (`reason`: "retention", or "delete" and "gc" for
+// the operator's `flashckpt delete` and `flashckpt gc`).
+enum class CatalogChange { kCompleted, kDeleted };
+using CatalogListener =
+    std::function<void(CatalogChange change, const std::string& job, int64_t step, std::string_view reason)>;
+
+// Marks one step of a job as in use (a restore reading it, a writer writing it): retention does not
+// delete it while the guard lives. Move-only; the step is released in the destructor.
+class StepInUse {
+ public:
+  StepInUse() = default;
+  StepInUse(StepInUse&& o) noexcept;
+  StepInUse& operator=(StepInUse&& o) noexcept;
+  StepInUse(const StepInUse&) = delete;
+  StepInUse& operator=(const StepInUse&) = delete;
+  ~StepInUse() { Reset(); }
+  void Reset();
+
+ private:
+  friend class Catalog;
+  StepInUse(Catalog* catalog, std::string job, int64_t step) : catalog_(catalog), job_(std::move(job)), step_(step) {}
+  Catalog* catalog_ = nullptr;
+  std::string job_;
+  int64_t step_ = 0;
+};
+
+class Catalog {
+ public:
+  // keep: after a checkpoint completes, retention keeps the newest `keep` complete checkpoints of the
+  // job and deletes older ones (0 keeps everything; --keep).
+  // `io`: every file-system call of the catalog goes through it (tests inject faults); not owned.
+  explicit Catalog(std::string root, uint32_t keep = 0, IoEnv* io = IoEnv::Default())
+      : root_(std::move(root)), keep_(keep), io_(io) {}
+
+  // Called after each change, on the thread that made it, with no catalog lock held but the job's
+  // completion lock. Set once, before the catalog is used.
+  void SetListener(CatalogListener listener) { listener_ = std::move(listener); }
+
+  const std::string& root() const { return root_; }
+  std::string JobDir(const std::string& job) const { return root_ + "/" + job; }
+  std::string CheckpointDir(const std::string& job, int64_t step) const;
+
+  // Called after a rank's signal is durable: when all `world_size` signals of the step are present
+  // and come from the same attempt (`resumed_from`, the step the ranks resumed from, 0 for a fresh
+  // start), and metadata.json is not there yet, writes metadata.json from the files those signals
+  // list and advances LATEST. Signals left by an earlier attempt that crashed are not counted:
+  // the ranks of the new attempt overwrite them. Returns whether the checkpoint is complete.
+  // When this call wrote metadata.json and `keep` > 0, it then applies retention (ApplyRetention);
+  // a retention failure is logged, never returned: the new checkpoint is complete either way.
+  Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from);
+
+  // Protects `step` of `job` from retention until the returned guard is destroyed. Thread-safe.
+  // A reader registers first and checks that the checkpoint is (still) complete afterwards: a
+  // deletion either happened before the registration (the reader sees no checkpoint) or waits for
+  // none and skips the step.
+  StepInUse Use(const std::string& job, int64_t step) EXCLUDES(use_mu_);
+
+  // Retention for `job` with `keep` (> 0) complete checkpoints kept: deletes every complete
+  // checkpoint older than the newest `keep` complete ones, and every incomplete directory older
+  // than the oldest kept complete one, except steps in use (Use). Never deletes the newest complete
+  // checkpoint. A directory is first renamed to a hidden `.deleting-checkpoint-<step>.<pid>` (so
+  // no reader ever sees half of it), then removed. Returns the deleted steps, oldest first.
+  // Serialized with completion per job; blocks for the removals.
+  Result<std::vector<int64_t>> ApplyRetention(const std::string& job, uint32_t keep);
+
+  // `flashckpt gc`: the same rule as retention for any `keep` >= 1, with what was skipped and why.
+  // `busy`: further steps to treat as in use (the daemon's slots that are filling or persisting
+  // them). dry_run: plans only. Serialized with completion per job; blocks for the removals.
+  Result<DeletionOutcome> CollectGarbage(const std::string& job, uint32_t keep, const std::set<int64_t>& busy,
+                                         bool dry_run);
+  // `flashckpt delete`: deletes checkpoint directory `step` of `job`, complete or not. kNotFound
+  // when there is none; kFailedPrecondition when it is the newest complete checkpoint and !force
+  // (the message says so), or when it is in use (Use, or in `busy`: never deleted, even with
+  // force). When LATEST named it, LATEST moves to the newest remaining complete checkpoint, or is
+  // removed when none remains. dry_run: checks and plans only.
+  Result<DeletionOutcome> DeleteCheckpoint(const std::string& job, int64_t step, bool force,
+                                           const std::set<int64_t>& busy, bool dry_run);
+
+  // Errors are never taken for absence: on a shared filesystem an EIO, ESTALE, EACCES or ENOTDIR is
+  // exactly when a trainer must not start from scratch or from an older step. Only ENOENT means
+  // "not there"; every other failure is returned, naming the path.
+  //
+  // Whether checkpoint `step` of `job` is complete (its metadata.json exists).
+  Result<bool> IsComplete(const std::string& job, int64_t step) const;
+  // Whether `rank` has written its part of `step` in the attempt `resumed_from`: its
+  // saved_signal is in place (signals are written last, after the rank's files are durable).
+  // A signal that is missing, or left by another attempt, is false; one that cannot be read or
+  // parsed is an error.
+  Result<bool> HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const;
+  // The newest complete checkpoint of the job; nullopt when the job directory does not exist or
+  // holds no complete checkpoint. A job directory that cannot be listed (or is a dangling link), or
+  // a checkpoint whose completeness cannot be told, is an error.
+  Result<std::optional<int64_t>> LatestComplete(const std::string& job) const;
+
+  // The newest complete checkpoint of `job` as this catalog knows it, for status: read from the
+  // root (LatestComplete, without any lock held) the first time and when older than `max_age`,
+  // moved forward by every completion this catalog writes and read again after every deletion. So
+  // a status call costs nothing per checkpoint on disk, except the one that refreshes (which other
+  // daemons writing the same root need). Errors are returned, and read again on the next call.
+  Result<std::optional<int64_t>> KnownLatest(const std::string& job,
+                                             std::chrono::steady_clock::duration max_age) const;
+
+  // Every checkpoint directory (complete or not) of `job`, or of every job when empty; by job, step.
+  Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
+
+ private:
+  friend class StepInUse;
+  // The lock that serializes completion, retention and deletion of one job (held across their
+  // file I/O: it is the job's, not the catalog's). Made on first use, never removed.
+  Mutex& JobMutex(const std::string& job) EXCLUDES(mu_);
+  Result<std::vector<int64_t>> ApplyRetentionLocked(const std::string& job, uint32_t keep);
+  // Steps of the job's directories, complete ones newest first, incomplete ones oldest first.
+  struct JobSteps {
+    std::vector<int64_t> complete, incomplete;
+  };
+  Result<JobSteps> ScanSteps(const std::string& job) const;
+  // Retention's victims for `keep` >= 1: complete checkpoints older than the newest `keep`
+  // complete ones, incomplete directories older than the oldest kept complete one. Oldest first.
+  static std::vector<int64_t> RetentionVictims(const JobSteps& steps, uint32_t keep);
+  // The one deletion path: deletes `victims` (oldest first) except the steps in use (Use or
+  // `busy`), which are listed as skipped, then makes LATEST name the newest complete checkpoint
+  // left (or removes it). `reason` goes to the log. Requires JobMutex(job).
+  Result<DeletionOutcome> DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
+                                            const std::set<int64_t>& busy, bool dry_run, const char* reason);
+  // Whether `step` is in use (Use) or in `busy`. Requires use_mu_.
+  bool InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const REQUIRES(use_mu_);
+  // Renames the directory of `step` away unless it is in use; false when it is in use or gone.
+  Result<bool> HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                               const std::string& hidden) EXCLUDES(use_mu_);
+  void Release(const std::string& job, int64_t step) EXCLUDES(use_mu_);
+
+  std::string root_;
+  const uint32_t keep_;
+  IoEnv* const io_;
+  CatalogListener listener_;
+  Mutex mu_;
+  std::map<std::string, std::unique_ptr<Mutex>> job_mu_ GUARDED_BY(mu_);  // JobMutex
+  // Steps in use per job (a multiset: two readers may share a step). Held across the rename that
+  // hides a directory, so a step is either registered before the rename or sees no checkpoint.
+  mutable Mutex use_mu_;
+  std::map<std::string, std::multiset<int64_t>> in_use_ GUARDED_BY(use_mu_);
+  struct Known {
+    std::optional<int64_t> step;
+    std::chrono::steady_clock::time_point read_at;
+    uint64_t notes = 0;  // completions noted: tells a refresh that one came while it read
+  };
+  mutable Mutex known_mu_;
+  mutable std::map<std::string, Known> known_ GUARDED_BY(known_mu_);  // a cache (KnownLatest)
+  void NoteCompleted(const std::string& job, int64_t step) EXCLUDES(known_mu_);
+  // Whether LATEST names a complete checkpoint newer than `step`.
+  Result<bool> LatestNamesNewer(const std::string& job, int64_t step) const;
+  void ForgetKnown(const std::string& job) EXCLUDES(known_mu_);
+};
+
+}  // namespace flashckpt

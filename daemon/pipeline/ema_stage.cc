@@ -1,0 +1,81 @@
+#include "daemon/pipeline/ema_stage.h"
+
+#include "common/base/log.h"
+#include "common/io/shm.h"
+
+namespace flashckpt {
+
+EmaStage::EmaStage(unsigned threads, std::chrono::milliseconds copy_timeout, Done done)
+    : threads_(std::max(1u, threads)), copy_timeout_(copy_timeout), done_(std::move(done)) {}
+
+EmaStage::~EmaStage() { Stop(); }
+
+void EmaStage::Start() {
+  loop_ = std::make_unique<ParallelLoop>(threads_ - 1);
+  thread_ = std::thread([this] { Run(); });
+}
+
+void EmaStage::Submit(EmaJob job) {
+  MutexLock lock(&mu_);
+  queue_.push_back(std::move(job));
+  cv_.NotifyAll();
+}
+
+std::vector<EmaJob> EmaStage::Stop(std::chrono::steady_clock::time_point deadline) {
+  {
+    MutexLock lock(&mu_);
+    if (!stopping_) deadline_ = deadline;
+    stopping_ = true;
+    cv_.NotifyAll();
+  }
+  if (thread_.joinable()) thread_.join();
+  MutexLock lock(&mu_);
+  std::vector<EmaJob> left(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
+  queue_.clear();
+  return left;
+}
+
+bool EmaStage::PastDeadline() {
+  MutexLock lock(&mu_);
+  return stopping_ && std::chrono::steady_clock::now() >= deadline_;
+}
+
+void EmaStage::Run() {
+  for (;;) {
+    EmaJob job;
+    {
+      MutexLock lock(&mu_);
+      while (!stopping_ && queue_.empty()) cv_.Wait(&lock);
+      if (queue_.empty()) return;  // stopping, and everything committed has been applied
+      if (stopping_ && std::chrono::steady_clock::now() >= deadline_) return;  // Stop abandons the rest
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    bool applied = false;
+    // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
+    // they fail, the update is skipped (and the writer fails the save for the same reason).
+    const auto& header = *reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot));
+    Status copied = WaitSlotCopied(header, job.segment->layout.slot_bytes, copy_timeout_, [this] { return PastDeadline(); });
+    if (copied.code() == StatusCode::kCancelled) {
+      // The stop deadline passed while the copies were still coming: Stop abandons it with the rest.
+      MutexLock lock(&mu_);
+      queue_.push_front(std::move(job));
+      return;
+    }
+    if (!copied.ok()) {
+      Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
+                           copied.ToString());
+    } else {
+      char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
+      applied = job.segment->ema->Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step, job.loss,
+                                        image, loop_.get(), job.replay);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
+                         secs);
+    done_(std::move(job), applied, secs);
+  }
+}
+
+}  // namespace flashckpt

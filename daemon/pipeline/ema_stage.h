@@ -1,0 +1,80 @@
+// The EMA stage: one thread that applies committed snapshots to their rank's EMA (daemon/pipeline/ema.h),
+// in commit order, with a pool of helper threads for the arithmetic. What to do with a snapshot
+// once applied (hand it to the writer, free its slot) is the daemon's: the stage calls it back.
+//
+//   Daemon::Commit --Submit--> [queue] --thread: wait for the slot's copies, RankEma::Apply--> done()
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/thread_pool.h"
+#include "daemon/core/segment.h"
+#include "daemon/core/slots.h"
+#include "daemon/pipeline/writer.h"
+
+namespace flashckpt {
+
+// A committed snapshot on its way through the EMA stage (and, when `persist`, to the writer).
+struct EmaJob {
+  std::shared_ptr<RankSegment> segment;
+  SlotTicket ticket;
+  int64_t step = 0;
+  std::optional<double> loss;
+  bool persist = false;
+  PersistRequest request;  // when persist
+  std::string job;
+  uint32_t rank = 0;
+  bool replay = false;  // adopted after a restart: the EMA may already have seen the step
+};
+
+class EmaStage {
+ public:
+  // Called on the stage's thread with no lock of the stage held, once per job, in order:
+  // `applied` says whether the EMA changed (false: not due, gated by the loss, or the trainer's
+  // copies into the slot failed, which is logged), `seconds` how long the job took.
+  using Done = std::function<void(EmaJob job, bool applied, double seconds)>;
+
+  // `threads` in all work on one update (the stage's thread and threads - 1 helpers);
+  // `copy_timeout`: how long a streaming commit's copies may keep the stage waiting.
+  EmaStage(unsigned threads, std::chrono::milliseconds copy_timeout, Done done);
+  ~EmaStage();  // Stop()
+  EmaStage(const EmaStage&) = delete;
+  EmaStage& operator=(const EmaStage&) = delete;
+
+  void Start();
+  // Queues a job behind those already committed. Never blocks: the queue is bounded by the slots
+  // in COMMITTED. Requires Start; jobs submitted after Stop are returned by no one (callers stop
+  // submitting first).
+  void Submit(EmaJob job) EXCLUDES(mu_);
+  // Applies what is queued until `deadline`, then joins the thread and returns the jobs it did not
+  // reach (in order), for the caller to abandon. Idempotent: a second call returns nothing.
+  std::vector<EmaJob> Stop(std::chrono::steady_clock::time_point deadline =
+                               std::chrono::steady_clock::time_point::max()) EXCLUDES(mu_);
+
+ private:
+  void Run() EXCLUDES(mu_);
+  bool PastDeadline() EXCLUDES(mu_);
+
+  const unsigned threads_;
+  const std::chrono::milliseconds copy_timeout_;
+  const Done done_;
+  std::unique_ptr<ParallelLoop> loop_;  // used by the stage's thread only
+  std::thread thread_;
+
+  Mutex mu_;
+  CondVar cv_;                       // a job queued, or stopping
+  std::deque<EmaJob> queue_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::chrono::steady_clock::time_point deadline_ GUARDED_BY(mu_) = std::chrono::steady_clock::time_point::max();
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,250 @@
+#include "daemon/pipeline/writer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <memory>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/format/extra.h"
+#include "common/format/image.h"
+#include "common/io/fs.h"
+
+namespace flashckpt {
+Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads, IoEnv* env)
+    : catalog_(catalog), capacity_(queue_capacity), io_threads_(std::max(1u, io_threads)), env_(env) {
+  for (unsigned i = 0; i < std::max(1u, threads); ++i) threads_.emplace_back([this] { Run(); });
+}
+
+Writer::~Writer() { Stop(); }
+
+Status Writer::Submit(PersistRequest request) {
+  MutexLock lock(&mu_);
+  if (stopping_) return Unavailable("the writer is stopping; the daemon is shutting down");
+  if (queue_.size() >= capacity_) {
+    return ResourceExhausted("the persist queue is full (" + std::to_string(capacity_) + " requests)");
+  }
+  queue_.push_back(std::move(request));
+  cv_.NotifyOne();
+  return Status::OK();
+}
+
+void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
+  std::deque<PersistRequest> dropped;
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    cv_.NotifyAll();
+    bool idle = queue_.empty() && in_flight_.empty();
+    while (!idle && idle_cv_.WaitUntil(&lock, deadline)) idle = queue_.empty() && in_flight_.empty();
+    if (!(queue_.empty() && in_flight_.empty())) {
+      // Out of time: the writes running now fail at their next call into env_ and clean up.
+      env_.Cancel();
+      dropped.swap(queue_);
+      for (const auto& [id, w] : in_flight_) {
+        Logger("writer")->warn("abandoning job={} step={} rank={} secs={:.1f}: the stop timeout ran out", w.job, w.step,
+                               w.rank,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - w.started).count());
+      }
+    }
+  }
+  for (PersistRequest& req : dropped) {
+    Logger("writer")->warn("abandoning job={} step={} rank={}: queued, not started", req.job, req.step, req.rank);
+    if (req.done) req.done(Cancelled("abandoned before it started: the daemon stopped"), 0, 0);
+  }
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  threads_.clear();
+}
+
+std::vector<WriteInFlight> Writer::InFlight() const {
+  MutexLock lock(&mu_);
+  std::vector<WriteInFlight> out;
+  out.reserve(in_flight_.size());
+  for (const auto& [id, w] : in_flight_) out.push_back(w);
+  return out;
+}
+
+void Writer::Run() {
+  ParallelLoop io(io_threads_ - 1);  // this thread's writes in flight
+  for (;;) {
+    PersistRequest req;
+    uint64_t id;
+    std::chrono::steady_clock::time_point start;
+    {
+      MutexLock lock(&mu_);
+      while (!stopping_ && queue_.empty()) cv_.Wait(&lock);
+      if (queue_.empty()) return;  // stopping and drained
+      req = std::move(queue_.front());
+      queue_.pop_front();
+      start = std::chrono::steady_clock::now();
+      id = taken_++;
+      in_flight_[id] = WriteInFlight{req.job, req.rank, req.step, start};
+    }
+    auto written = Persist(req, &io);
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    {
+      MutexLock lock(&mu_);
+      in_flight_.erase(id);
+    }
+    idle_cv_.NotifyAll();
+    if (req.done) req.done(written.status(), written.ok() ? *written : 0, secs);
+  }
+}
+
+namespace {
+
+// Tensors are hashed and written in pieces of about this size (whole checksum chunks).
+constexpr uint64_t kWritePiece = 16u << 20;
+
+// Removes the files one failed attempt of a rank put under their final names, the signal first (it
+// was written last), so the directory never claims more than it holds. A directory that became
+// complete (metadata.json present) is left alone: its files belong to a checkpoint now.
+void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const std::vector<std::string>& written,
+                        IoEnv* io) {
+  if (written.empty()) return;
+  auto complete = Exists(dir + "/metadata.json", io);
+  if (!complete.ok() || *complete) {  // cannot tell: keeping files is safe, removing a checkpoint's is not
+    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} reason={}", req.job, req.step,
+                           req.rank, complete.ok() ? "complete" : complete.status().ToString());
+    return;
+  }
+  size_t removed = 0;
+  for (auto it = written.rbegin(); it != written.rend(); ++it) {
+    std::string path = dir + "/" + *it;
+    if (io->Unlink(path) == 0) {
+      ++removed;
+    } else if (errno != ENOENT) {
+      Logger("writer")->error("cleanup failed job={} step={} rank={} error=\"{}\"", req.job, req.step, req.rank,
+                              ErrnoStatus("unlink", path).ToString());
+    }
+  }
+  (void)FsyncDir(dir, io);  // best effort: the removals need not be durable to be correct
+  Logger("writer")->warn("removed partial files job={} step={} rank={} files={}", req.job, req.step, req.rank, removed);
+}
+
+}  // namespace
+
+Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
+  const std::string dir = catalog_->CheckpointDir(req.job, req.step);
+  std::vector<std::string> written;  // files of this attempt now under their final names, in order
+  uint64_t bytes = 0;
+  Status wrote;
+  Result<bool> complete = false;
+  {
+    // Retention leaves the directory alone while this rank writes into it and until it has tried
+    // to complete it: another step's completion would otherwise count it as an incomplete
+    // directory older than the newest complete one, and delete it in between.
+    StepInUse in_use = catalog_->Use(req.job, req.step);
+    wrote = WriteRankFiles(req, dir, io, &written, &bytes);
+    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
+  }
+  if (!wrote.ok()) {
+    RemoveAttemptFiles(req, dir, written, &env_);
+    // Only a failure the cancellation caused is an abandoned write (kept for the next daemon); a
+    // full disk or a failed copy near the deadline is a failure like any other.
+    if (env_.cancelled() && wrote.code() == StatusCode::kCancelled) {
+      return Cancelled("abandoned at the daemon's stop timeout: " + wrote.message() +
+                       "; its temporaries and partial files were removed");
+    }
+    return wrote;
+  }
+  if (!complete.ok()) {
+    RemoveAttemptFiles(req, dir, written, &env_);
+    return complete.status().WithContext("completing checkpoint " + dir);
+  }
+  return bytes;
+}
+
+Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
+                              std::vector<std::string>* written, uint64_t* bytes) {
+  const RankLayout& layout = *req.layout;
+  RETURN_IF_ERROR(MakeDirs(dir, 0755, &env_));
+  Signal signal;
+  signal.rank = req.rank;
+  signal.step = req.step;
+  signal.resumed_from = req.resumed_from;
+
+  // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
+  // chunks) of each tensor is a task that hashes its chunks and writes its pages right after, while
+  // they are in cache; the whole-tensor checksums of multi-chunk tensors are tasks of their own in
+  // the same loop. The headers, which hold the step and the checksums, are written last. The EMA
+  // image was stamped by the EMA stage; its tensors are only written.
+  struct Source {
+    const RankLayout* layout;
+    char* base;  // what the layout's offsets are relative to
+    size_t file;
+    bool stamp;
+  };
+  std::vector<Source> sources;
+  for (size_t f = 0; f < layout.files.size(); ++f) sources.push_back({&layout, req.slot, f, true});
+  if (req.ema_layout != nullptr) sources.push_back({req.ema_layout, req.ema_base, 0, false});
+  const uint64_t chunk = layout.checksum_chunk;
+  const uint64_t piece = std::max(chunk, (kWritePiece / chunk) * chunk);
+  std::vector<ImageWrite> images;
+  std::vector<size_t> whole_hashes;  // tensors of `layout` hashed whole in side tasks
+  for (const Source& s : sources) {
+    const FileImage& image = s.layout->files[s.file];
+    ImageWrite w;
+    w.name = image.stem + ".safetensors";
+    w.data = s.base + image.slot_offset;
+    w.bytes = image.file_bytes();
+    w.head = image.header.size();
+    w.piece = piece;
+    for (size_t t : image.tensors) {
+      w.cuts.push_back(s.layout->placements[t].slot_offset - image.slot_offset);
+      if (s.stamp && s.layout->placements[t].chunks_field != 0) whole_hashes.push_back(t);
+    }
+    if (w.cuts.empty()) w.cuts.push_back(w.head);
+    images.push_back(std::move(w));
+    signal.files.push_back(images.back().name);
+    *bytes += image.file_bytes();
+  }
+  ImageWriteHooks hooks;
+  hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
+    const Source& s = sources[i];
+    const FileImage& image = s.layout->files[s.file];
+    if (!s.stamp || r >= image.tensors.size()) return;
+    const size_t t = image.tensors[r];
+    const uint64_t start = images[i].cuts[r];
+    StampChunkChecksums(s.base, *s.layout, t, from - start, to - start);
+    if (s.layout->placements[t].chunks_field == 0) StampWholeChecksum(s.base, *s.layout, t);  // its one piece
+  };
+  // A streaming commit: nothing is hashed or written before the trainer's copies have put it in
+  // place. Only the images of the rank layout come from the trainer; the EMA image is the daemon's.
+  auto copied = [&](uint64_t slot_end) {
+    return req.header == nullptr
+               ? Status::OK()
+               : WaitSlotCopied(*req.header, slot_end, req.copy_timeout, [this] { return env_.cancelled(); });
+  };
+  hooks.wait = [&](size_t i, uint64_t to) {
+    const Source& s = sources[i];
+    return s.stamp ? copied(s.layout->files[s.file].slot_offset + to) : Status::OK();
+  };
+  hooks.side_count = whole_hashes.size();
+  hooks.side = [&](size_t k) {
+    const Placement& p = layout.placements[whole_hashes[k]];
+    RETURN_IF_ERROR(copied(p.slot_offset + p.bytes));
+    StampWholeChecksum(req.slot, layout, whole_hashes[k]);
+    return Status::OK();
+  };
+  hooks.finish = [&](size_t i) {
+    if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
+  };
+  RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written, &env_));
+
+  auto write = [&](const std::string& name, const std::string& text) {
+    bool renamed = false;
+    Status s = WriteFileDurably(dir, name, text, &renamed, &env_);
+    if (renamed) written->push_back(name);
+    return s;
+  };
+  RETURN_IF_ERROR(write(ExtraFileName(req.rank), EncodeExtra(req.job, req.rank, req.step, req.extra)));
+  return write(SignalFileName(req.rank), EncodeSignal(req.job, signal, *bytes));
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,110 @@
+// The background writer: a fixed pool of threads that turns committed slots into durable files.
+//
+// For each job it writes the slot's file images with several writes in flight (WriteImagesDurably:
+// each tensor hashed and written a piece at a time, the headers with the step and checksums last,
+// then fdatasync, rename, fsync dir), writes the trainer's extra state and then saved_signal_<rank>,
+// and asks the catalog whether the checkpoint is now complete.
+// The slot is owned by the writer while PERSISTING; no lock is held during I/O. Every write,
+// fdatasync, rename and directory fsync of those files goes through the writer's IoEnv
+// (common/io/io_env.h): the real OS, or in tests one that injects faults.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+#include "common/base/thread_pool.h"
+#include "common/format/layout.h"
+#include "common/io/io_env.h"
+#include "common/io/shm.h"
+#include "daemon/pipeline/catalog.h"
+
+namespace flashckpt {
+
+struct PersistRequest {
+  std::string job;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  int64_t step = 0;
+  int64_t resumed_from = 0;                // the attempt: step this rank's session resumed from, 0 if fresh
+  const RankLayout* layout = nullptr;      // kept alive by `keep_alive`
+  char* slot = nullptr;                    // the slot's first byte
+  const RankLayout* ema_layout = nullptr;  // with EMA: its image, already stamped, lies at
+  char* ema_base = nullptr;                // ema_base + ema_layout->files[0].slot_offset
+  std::string extra;
+  std::shared_ptr<void> keep_alive;  // owns the segment while the write runs
+  // The slot's header, when the trainer may still be copying into the slot (a streaming commit):
+  // each piece is hashed and written once its bytes are in place (SlotHeader::copied_until),
+  // waiting at most `copy_timeout` for each. Null: the slot is complete.
+  const SlotHeader* header = nullptr;
+  std::chrono::milliseconds copy_timeout{120000};
+  // Called on a writer thread with the outcome and the bytes written.
+  std::function<void(const Status&, uint64_t bytes, double seconds)> done;
+};
+
+// A persist a writer thread is working on (not one still queued).
+struct WriteInFlight {
+  std::string job;
+  uint32_t rank = 0;
+  int64_t step = 0;
+  std::chrono::steady_clock::time_point started;
+};
+
+class Writer {
+ public:
+  // Each of `threads` persists one request at a time with `io_threads` writes in flight, through
+  // `env` (not owned; must outlive the writer).
+  Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads = 4,
+         IoEnv* env = IoEnv::Default());
+  ~Writer();  // Stop()
+
+  // Queues a request; kResourceExhausted when the queue is full, kUnavailable once stopped.
+  Status Submit(PersistRequest request) EXCLUDES(mu_);
+  // Finishes every queued request, then joins the threads. Idempotent.
+  void Stop() { Stop(std::chrono::steady_clock::time_point::max()); }
+  // The same until `deadline`; then it abandons what is left: the persists being written stop at
+  // their next write or rename (CancellableIo), remove their temporaries and the files they had
+  // renamed (never their signal once it is in place: a persist whose signal is written is
+  // finished), and the queued ones are not started. The `done` of each abandoned request runs with
+  // kCancelled (after Stop returns, every `done` has run).
+  void Stop(std::chrono::steady_clock::time_point deadline) EXCLUDES(mu_);
+  // The persists being written now, each with when its thread took it; it leaves the list before
+  // its `done` runs. Thread-safe; takes the writer's lock only, so a caller may hold its own.
+  std::vector<WriteInFlight> InFlight() const EXCLUDES(mu_);
+
+  // The work itself, also usable synchronously (tests). Returns bytes written. On failure (a full
+  // disk, an I/O error) the files this attempt wrote for the step are removed again (saved_signal
+  // first), unless the checkpoint became complete; other steps are never touched. kCancelled: the
+  // write was abandoned by Stop(deadline), and cleaned up the same way.
+  // `io` (nullptr: the caller's thread only) runs the writes.
+  Result<uint64_t> Persist(const PersistRequest& request, ParallelLoop* io = nullptr);
+
+ private:
+  void Run() EXCLUDES(mu_);
+  // Writes the rank's files and then its signal; `written` collects the names now in place.
+  Status WriteRankFiles(const PersistRequest& request, const std::string& dir, ParallelLoop* io,
+                        std::vector<std::string>* written, uint64_t* bytes);
+
+  Catalog* catalog_;
+  size_t capacity_;
+  unsigned io_threads_;
+  CancellableIo env_;  // the IoEnv given, until the stop timeout cancels it
+  mutable Mutex mu_;
+  CondVar cv_;                                                 // work queued, or stopping
+  CondVar idle_cv_;                                            // a persist finished
+  std::deque<PersistRequest> queue_ GUARDED_BY(mu_);
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::map<uint64_t, WriteInFlight> in_flight_ GUARDED_BY(mu_);  // by a counter of taken requests
+  uint64_t taken_ GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace flashckpt
