@@ -28,6 +28,7 @@ class CAPABILITY("mutex") Mutex {
   void AssertHeld() const ASSERT_CAPABILITY(this) {}
 
  private:
+  friend class MutexLock;
   friend class CondVar;
   std::mutex mu_;
 };
