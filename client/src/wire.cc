@@ -118,4 +118,100 @@ Result<std::string> StatusResponseJson(const v1::StatusResponse& status) {
   return json;
 }
 
+DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
+  DaemonStatus out;
+  out.version = status.version();
+  out.uptime_seconds = status.uptime_seconds();
+  out.host_memory_used = status.host_memory_used();
+  out.host_memory_budget = status.host_memory_budget();
+  out.root = status.root();
+  out.cuda_compiled = status.cuda_compiled();
+  out.cuda_devices = status.cuda_devices();
+  out.jobs.reserve(static_cast<size_t>(status.jobs_size()));
+  for (const v1::JobStatus& j : status.jobs()) {
+    JobStatus job;
+    job.job = j.job();
+    job.world_size = j.world_size();
+    job.last_complete_step = j.last_complete_step();
+    job.catalog_error = j.catalog_error();
+    job.ranks.reserve(static_cast<size_t>(j.ranks_size()));
+    for (const v1::RankStatus& r : j.ranks()) {
+      RankStatus rank;
+      rank.rank = r.rank();
+      rank.connected = r.connected();
+      rank.segment_bytes = r.segment_bytes();
+      rank.last_committed_step = r.last_committed_step();
+      rank.last_persisted_step = r.last_persisted_step();
+      rank.last_error = r.last_error();
+      rank.snapshots = r.snapshots();
+      rank.persists = r.persists();
+      rank.failures = r.failures();
+      rank.skipped = r.skipped();
+      for (const v1::SlotStatus& s : r.slots()) rank.slots.push_back({s.index(), s.state(), s.step()});
+      rank.oldest_write_seconds = r.oldest_write_seconds();
+      rank.last_persist_gbps = r.last_persist_gbps();
+      rank.ema_enabled = r.ema_enabled();
+      rank.ema_decay = r.ema_decay();
+      rank.ema_last_step = r.ema_last_step();
+      rank.ema_updates_applied = r.ema_updates_applied();
+      rank.ema_updates_skipped = r.ema_updates_skipped();
+      rank.ema_bytes = r.ema_bytes();
+      job.ranks.push_back(std::move(rank));
+    }
+    out.jobs.push_back(std::move(job));
+  }
+  return out;
+}
+
+std::vector<CheckpointInfo> CheckpointsFromProto(const v1::ListCheckpointsResponse& list) {
+  std::vector<CheckpointInfo> out;
+  out.reserve(static_cast<size_t>(list.checkpoints_size()));
+  for (const v1::CheckpointInfo& c : list.checkpoints()) {
+    out.push_back({c.job(), c.step(), c.complete(), c.signals(), c.world_size(), c.bytes(), c.path(), c.latest()});
+  }
+  return out;
+}
+
+namespace {
+
+DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
+  switch (kind) {
+    case v1::Event::SNAPSHOT_COMMITTED: return DaemonEvent::Kind::kSnapshotCommitted;
+    case v1::Event::SNAPSHOT_SKIPPED: return DaemonEvent::Kind::kSnapshotSkipped;
+    case v1::Event::EMA_UPDATED: return DaemonEvent::Kind::kEmaUpdated;
+    case v1::Event::PERSISTED: return DaemonEvent::Kind::kPersisted;
+    case v1::Event::PERSIST_FAILED: return DaemonEvent::Kind::kPersistFailed;
+    case v1::Event::CHECKPOINT_COMPLETE: return DaemonEvent::Kind::kCheckpointComplete;
+    case v1::Event::CHECKPOINT_DELETED: return DaemonEvent::Kind::kCheckpointDeleted;
+    case v1::Event::EVENTS_LOST: return DaemonEvent::Kind::kEventsLost;
+    case v1::Event::PERSIST_ABANDONED: return DaemonEvent::Kind::kPersistAbandoned;
+    default: return DaemonEvent::Kind::kUnknown;
+  }
+}
+
+}  // namespace
+
+DaemonEvent EventFromProto(const v1::Event& event) {
+  DaemonEvent out;
+  out.kind = EventKindFromProto(event.kind());
+  out.unix_seconds = event.unix_seconds();
+  out.job = event.job();
+  out.rank = event.rank();
+  out.step = event.step();
+  out.bytes = event.bytes();
+  out.seconds = event.seconds();
+  out.reason = event.reason();
+  out.lost = event.lost();
+  out.code = event.code();
+  return out;
+}
+
+DeleteResult DeleteResultFromProto(const v1::DeleteCheckpointsResponse& resp) {
+  DeleteResult out;
+  out.deleted.assign(resp.deleted().begin(), resp.deleted().end());
+  for (const v1::SkippedCheckpoint& s : resp.skipped()) out.skipped.push_back({s.step(), s.reason()});
+  out.latest = resp.latest();
+  return out;
+}
+
 }  // namespace flashckpt
