@@ -18,9 +18,11 @@
 namespace flashckpt {
 namespace {
 
+#if FLASHCKPT_HAVE_CUDA
 // Device tensors are copied in pieces of this size, each with its own event: the daemon may write
 // a piece while the next ones are still in flight.
 constexpr uint64_t kDeviceCopyChunk = 64u << 20;
+#endif
 
 // Which buffers are CUDA device memory (true) and which host memory, in the order of `buffers`.
 // Device memory this process cannot copy is refused here, before a slot is taken: in a build
