@@ -128,7 +128,7 @@ struct CopyTask {
   uint64_t bytes;
 };
 
-// The client's copy (ParallelCopy in client/src/client.cc), reproduced: tensors cut into 16 MiB
+// The client's copy (ParallelCopy in client/src/host_copy.cc), reproduced: tensors cut into 16 MiB
 // chunks spread over a ParallelLoop; below 32 MiB in all, one plain memcpy per tensor.
 void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
   uint64_t total = 0;

@@ -1,23 +1,20 @@
 #include "client/cli/commands.h"
 
-#include <grpcpp/grpcpp.h>
-
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
 #include "client/cli/render.h"
+#include "common/base/mutex.h"
 #include "common/base/names.h"
 #include "common/base/status.h"
 #include "common/base/thread_pool.h"
@@ -25,8 +22,7 @@
 #include "common/io/fs.h"
 #include "common/read/relayout.h"
 #include "common/read/verify.h"
-#include "flashckpt.grpc.pb.h"
-#include "health.grpc.pb.h"
+#include "flashckpt/admin.h"
 
 namespace flashckpt::cli {
 namespace {
@@ -39,71 +35,36 @@ void PrintJson(const ordered_json& j) {
   std::cout << j.dump(2, ' ', false, ordered_json::error_handler_t::replace) << "\n";
 }
 
-// The CA file is read here, not by gRPC, so that a missing file is reported as such rather than as an
-// unreachable daemon.
-Result<std::shared_ptr<grpc::Channel>> OpenChannel(const Endpoint& endpoint) {
-  if (endpoint.address.empty()) {
-    return grpc::CreateChannel("unix:" + endpoint.socket, grpc::InsecureChannelCredentials());
+// The daemon at `endpoint`, with the CLI's deadlines; null after printing why it cannot be asked
+// (an unreadable --tls-ca).
+std::unique_ptr<AdminClient> OpenAdmin(const Endpoint& endpoint) {
+  AdminOptions options;
+  options.socket_path = endpoint.socket;
+  options.address = endpoint.address;
+  options.tls_ca_file = endpoint.tls_ca;
+  options.rpc_timeout = kRpcDeadline;
+  options.delete_timeout = kDeleteDeadline;
+  auto admin = AdminClient::Open(options);
+  if (!admin.ok()) {
+    std::cerr << "flashckpt: " << admin.status().message() << "\n";
+    return nullptr;
   }
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-  if (!endpoint.tls_ca.empty()) {
-    auto ca = ReadSmallFile(endpoint.tls_ca, 1u << 20);
-    if (!ca.ok()) return ca.status().WithContext("--tls-ca");
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = std::move(ca).value();
-    credentials = grpc::SslCredentials(ssl);
-  }
-  return grpc::CreateChannel(endpoint.address, credentials);
+  return std::move(admin).value();
 }
 
-Result<std::unique_ptr<v1::Checkpoint::Stub>> Connect(const Endpoint& endpoint) {
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, OpenChannel(endpoint));
-  return v1::Checkpoint::NewStub(channel);
-}
-
-void SetDeadline(grpc::ClientContext* ctx) { ctx->set_deadline(std::chrono::system_clock::now() + kRpcDeadline); }
-
-const char* GrpcCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    default: return "UNRECOGNIZED";
-  }
-}
-
-// Prints a failed RPC the way an operator can act on: unreachable daemon first, then the code.
-int ReportRpcError(const grpc::Status& s, const Endpoint& endpoint, const char* rpc,
-                   std::chrono::seconds deadline = kRpcDeadline) {
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    std::cerr << "flashckpt: daemon not reachable at " << endpoint.Describe() << " (UNAVAILABLE: " << s.error_message()
-              << "); "
+// Prints a failed call the way an operator can act on: the operator client's message (unreachable
+// daemon, no answer in time, or the code and the daemon's reason) and, for an unreachable daemon,
+// which flags to check.
+int ReportRpcError(const Status& s, const Endpoint& endpoint) {
+  std::cerr << "flashckpt: " << s.message();
+  if (s.code() == StatusCode::kUnavailable) {
+    std::cerr << "; "
               << (endpoint.address.empty()
                       ? "is flashckptd running, and is --socket right?"
                       : "is flashckptd listening there (--listen), and does the connection match its TLS setting "
-                        "(a daemon with --tls-cert needs --tls-ca, one without must not get it)?")
-              << "\n";
-  } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    std::cerr << "flashckpt: " << rpc << " got no answer from " << endpoint.Describe() << " within " << deadline.count()
-              << " s (DEADLINE_EXCEEDED)\n";
-  } else {
-    std::cerr << "flashckpt: " << rpc << " failed: " << GrpcCodeName(s.error_code()) << " (gRPC code "
-              << static_cast<int>(s.error_code()) << "): " << s.error_message() << "\n";
+                        "(a daemon with --tls-cert needs --tls-ca, one without must not get it)?");
   }
+  std::cerr << "\n";
   return kExitRpcFailed;
 }
 
@@ -138,34 +99,43 @@ class ProgressLine {
   ProgressLine& operator=(const ProgressLine&) = delete;
 
   // Before other output on a terminal: clears the line being redrawn.
-  void Clear() {
-    std::lock_guard<std::mutex> lock(print_mu_);
+  void Clear() EXCLUDES(print_mu_) {
+    MutexLock lock(&print_mu_);
     if (tty_) std::cerr << "\r\033[K" << std::flush;
   }
   // Stops the updates and prints the final line (`ok`: all of the total was done).
-  void Finish(bool ok) {
+  void Finish(bool ok) EXCLUDES(mu_, print_mu_) {
     Stop();
     Print(ok ? total_ : done_(), true);
   }
 
  private:
-  void Stop() {
+  void Stop() EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
     if (thread_.joinable()) thread_.join();
   }
 
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) Print(done_(), false);
+  // A line every second until stopped; the lock is let go while the line is printed.
+  void Run() EXCLUDES(mu_, print_mu_) {
+    MutexLock lock(&mu_);
+    auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (!stop_) {
+      if (cv_.WaitUntil(&lock, next)) continue;  // woken: look at stop_ again
+      if (stop_) break;
+      lock.Unlock();
+      Print(done_(), false);
+      lock.Lock();
+      next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    }
   }
-  void Print(uint64_t done, bool last) {
+  void Print(uint64_t done, bool last) EXCLUDES(print_mu_) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     std::string line = what_ + " " + ProgressText(done, total_, secs);
-    std::lock_guard<std::mutex> lock(print_mu_);
+    MutexLock lock(&print_mu_);
     if (tty_) {
       std::cerr << "\r\033[K" << line << (last ? "\n" : "") << std::flush;
     } else {
@@ -178,112 +148,70 @@ class ProgressLine {
   const std::function<uint64_t()> done_;
   const bool tty_;
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;    // guarded by mu_
-  std::mutex print_mu_;  // one line at a time on stderr
+  Mutex mu_;
+  CondVar cv_;
+  bool stop_ GUARDED_BY(mu_) = false;
+  Mutex print_mu_;  // one line at a time on stderr
   std::thread thread_;
 };
 
 }  // namespace
 
-std::string Endpoint::Describe() const {
-  if (address.empty()) return socket;
-  return address + (tls_ca.empty() ? " (plain TCP)" : " (TLS)");
-}
-
 int RunStatus(const Endpoint& endpoint, bool json) {
-  auto stub = Connect(endpoint);
-  if (!stub.ok()) {
-    std::cerr << "flashckpt: " << stub.status().message() << "\n";
-    return kExitRpcFailed;
-  }
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  v1::StatusResponse resp;
-  grpc::Status s = (*stub)->GetStatus(&ctx, v1::StatusRequest{}, &resp);
-  if (!s.ok()) return ReportRpcError(s, endpoint, "GetStatus");
+  auto admin = OpenAdmin(endpoint);
+  if (!admin) return kExitRpcFailed;
+  auto status = admin->Status();
+  if (!status.ok()) return ReportRpcError(status.status(), endpoint);
   if (json)
-    PrintJson(StatusJson(resp));
+    PrintJson(StatusJson(*status));
   else
-    std::cout << StatusText(resp);
+    std::cout << StatusText(*status);
   return kExitOk;
 }
 
 int RunList(const Endpoint& endpoint, const std::string& job, bool json) {
-  auto stub = Connect(endpoint);
-  if (!stub.ok()) {
-    std::cerr << "flashckpt: " << stub.status().message() << "\n";
-    return kExitRpcFailed;
-  }
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  v1::ListCheckpointsRequest req;
-  req.set_job(job);
-  v1::ListCheckpointsResponse resp;
-  grpc::Status s = (*stub)->ListCheckpoints(&ctx, req, &resp);
-  if (!s.ok()) return ReportRpcError(s, endpoint, "ListCheckpoints");
+  auto admin = OpenAdmin(endpoint);
+  if (!admin) return kExitRpcFailed;
+  auto list = admin->List(job);
+  if (!list.ok()) return ReportRpcError(list.status(), endpoint);
   if (json)
-    PrintJson(ListJson(resp));
+    PrintJson(ListJson(*list));
   else
-    std::cout << ListText(resp);
+    std::cout << ListText(*list);
   return kExitOk;
 }
 
 int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64_t count, double seconds) {
-  auto stub = Connect(endpoint);
-  if (!stub.ok()) {
-    std::cerr << "flashckpt: " << stub.status().message() << "\n";
-    return kExitRpcFailed;
-  }
-  grpc::ClientContext ctx;
-  if (seconds > 0) {
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                                            std::chrono::duration<double>(seconds)));
-  }
-  v1::WatchEventsRequest req;
-  req.set_job(job);
-  auto reader = (*stub)->WatchEvents(&ctx, req);
-  // The daemon sends its initial metadata once the watcher is subscribed: every event from here on
-  // is seen. A call that failed returns here too, and Finish below reports it.
-  reader->WaitForInitialMetadata();
-  std::cerr << "flashckpt: watching events of " << (job.empty() ? "every job" : "job " + job) << " at "
-            << endpoint.Describe() << "\n"
-            << std::flush;
-  v1::Event event;
-  uint64_t seen = 0;
-  while (reader->Read(&event)) {
+  auto admin = OpenAdmin(endpoint);
+  if (!admin) return kExitRpcFailed;
+  WatchOptions options;
+  options.job = job;
+  options.max_events = count;
+  if (seconds > 0) options.duration = std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
+  options.on_subscribed = [&] {
+    std::cerr << "flashckpt: watching events of " << (job.empty() ? "every job" : "job " + job) << " at "
+              << admin->endpoint() << "\n"
+              << std::flush;
+  };
+  Status s = admin->Watch(options, [json](const DaemonEvent& event) {
     if (json)
       std::cout << EventJson(event).dump(-1, ' ', false, ordered_json::error_handler_t::replace) << "\n";
     else
       std::cout << EventText(event) << "\n";
     std::cout << std::flush;  // a line as soon as it happens, also into a pipe
-    if (count > 0 && ++seen >= count) {
-      ctx.TryCancel();
-      break;
-    }
-  }
-  grpc::Status s = reader->Finish();
-  if (s.ok() || (count > 0 && seen >= count)) return kExitOk;
-  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && seconds > 0) return kExitOk;
-  return ReportRpcError(s, endpoint, "WatchEvents");
+    return true;
+  });
+  if (!s.ok()) return ReportRpcError(s, endpoint);
+  return kExitOk;
 }
 
 int RunHealth(const Endpoint& endpoint) {
-  auto channel = OpenChannel(endpoint);
-  if (!channel.ok()) {
-    std::cerr << "flashckpt: " << channel.status().message() << "\n";
-    return kExitRpcFailed;
-  }
-  auto stub = grpc::health::v1::Health::NewStub(*channel);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  grpc::health::v1::HealthCheckRequest req;  // service "": the daemon as a whole
-  grpc::health::v1::HealthCheckResponse resp;
-  grpc::Status s = stub->Check(&ctx, req, &resp);
-  if (!s.ok()) return ReportRpcError(s, endpoint, "Health.Check");
-  std::cout << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
-  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitRpcFailed;
+  auto admin = OpenAdmin(endpoint);
+  if (!admin) return kExitRpcFailed;
+  auto health = admin->Health();
+  if (!health.ok()) return ReportRpcError(health.status(), endpoint);
+  std::cout << HealthStateName(*health) << "\n";
+  return *health == HealthState::kServing ? kExitOk : kExitRpcFailed;
 }
 
 int RunVerify(const std::string& dir, bool json) {
@@ -393,26 +321,14 @@ int RunInspect(const std::string& dir, bool json) {
 
 int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, uint32_t keep, bool force, bool dry_run,
               bool json) {
-  auto stub = Connect(endpoint);
-  if (!stub.ok()) {
-    std::cerr << "flashckpt: " << stub.status().message() << "\n";
-    return kExitRpcFailed;
-  }
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kDeleteDeadline);
-  v1::DeleteCheckpointsRequest req;
-  req.set_job(job);
-  req.set_step(step);
-  req.set_keep(keep);
-  req.set_force(force);
-  req.set_dry_run(dry_run);
-  v1::DeleteCheckpointsResponse resp;
-  grpc::Status s = (*stub)->DeleteCheckpoints(&ctx, req, &resp);
-  if (!s.ok()) return ReportRpcError(s, endpoint, "DeleteCheckpoints", kDeleteDeadline);
+  auto admin = OpenAdmin(endpoint);
+  if (!admin) return kExitRpcFailed;
+  auto result = step > 0 ? admin->Delete(job, step, force, dry_run) : admin->Gc(job, keep, dry_run);
+  if (!result.ok()) return ReportRpcError(result.status(), endpoint);
   if (json)
-    PrintJson(DeleteJson(job, resp, dry_run));
+    PrintJson(DeleteJson(job, *result, dry_run));
   else
-    std::cout << DeleteText(job, resp, dry_run);
+    std::cout << DeleteText(job, *result, dry_run);
   return kExitOk;
 }
 

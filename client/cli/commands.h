@@ -19,14 +19,14 @@ inline constexpr std::chrono::seconds kRpcDeadline{10};
 // DeleteCheckpoints removes directory trees, which on a shared file system takes a while.
 inline constexpr std::chrono::seconds kDeleteDeadline{300};
 
-// Where the daemon answers: its UNIX socket, or its TCP listener (flashckptd --listen), over TLS when
-// a CA is given. Over TCP the daemon serves status and list only, unless it allows writes.
+// Where the daemon answers (--socket, --address, --tls-ca): its UNIX socket, or its TCP listener
+// (flashckptd --listen), over TLS when a CA is given. Over TCP the daemon serves status, list, watch
+// and health only, unless it allows writes. The commands that ask the daemon go through
+// flashckpt::AdminClient (flashckpt/admin.h) with the deadlines above.
 struct Endpoint {
   std::string socket;   // UNIX socket path; used when `address` is empty
   std::string address;  // HOST:PORT or [IPV6]:PORT of the daemon's --listen
   std::string tls_ca;   // PEM file of the CA that signed the daemon's --tls-cert; empty: plain TCP
-  // "/run/flashckpt/flashckptd.sock", "10.0.0.5:7070 (TLS)"
-  std::string Describe() const;
 };
 
 // GetStatus from the daemon at `endpoint`.

@@ -110,28 +110,28 @@ std::string DecayText(double decay) {
 
 // The job's EMA in one line: "off", or "on for 2 of 4 rank(s) here, decay 0.999" (ranks whose
 // weights are all replicas persisted by another rank hold no EMA and count as off).
-std::string EmaSummaryText(const v1::JobStatus& job) {
+std::string EmaSummaryText(const JobStatus& job) {
   int on = 0;
   std::vector<std::string> decays;  // distinct, in rank order; one unless ranks disagree
-  for (const auto& rank : job.ranks()) {
-    if (!rank.ema_enabled()) continue;
+  for (const auto& rank : job.ranks) {
+    if (!rank.ema_enabled) continue;
     ++on;
-    std::string d = DecayText(rank.ema_decay());
+    std::string d = DecayText(rank.ema_decay);
     if (std::find(decays.begin(), decays.end(), d) == decays.end()) decays.push_back(d);
   }
   if (on == 0) return "off";
   std::string out =
-      "on for " + std::to_string(on) + " of " + std::to_string(job.ranks_size()) + " rank(s) here, decay ";
+      "on for " + std::to_string(on) + " of " + std::to_string(job.ranks.size()) + " rank(s) here, decay ";
   for (size_t i = 0; i < decays.size(); ++i) out += (i ? "/" : "") + decays[i];
   return out;
 }
 
-std::string SlotsText(const v1::RankStatus& rank) {
+std::string SlotsText(const RankStatus& rank) {
   std::string out;
-  for (const auto& s : rank.slots()) {
+  for (const auto& s : rank.slots) {
     if (!out.empty()) out += " ";
-    out += std::to_string(s.index()) + ":" + s.state();
-    if (s.state() != "free" && s.step() >= 0) out += "@" + std::to_string(s.step());
+    out += std::to_string(s.index) + ":" + s.state;
+    if (s.state != "free" && s.step >= 0) out += "@" + std::to_string(s.step);
   }
   return out.empty() ? "-" : out;
 }
@@ -159,17 +159,17 @@ std::string UtcText(double unix_seconds) {
   return buf;
 }
 
-const char* EventKindText(v1::Event::Kind kind) {
+const char* EventKindText(DaemonEvent::Kind kind) {
   switch (kind) {
-    case v1::Event::SNAPSHOT_COMMITTED: return "committed";
-    case v1::Event::SNAPSHOT_SKIPPED: return "skipped";
-    case v1::Event::EMA_UPDATED: return "ema-updated";
-    case v1::Event::PERSISTED: return "persisted";
-    case v1::Event::PERSIST_FAILED: return "failed";
-    case v1::Event::CHECKPOINT_COMPLETE: return "complete";
-    case v1::Event::CHECKPOINT_DELETED: return "deleted";
-    case v1::Event::EVENTS_LOST: return "lost";
-    case v1::Event::PERSIST_ABANDONED: return "abandoned";
+    case DaemonEvent::Kind::kSnapshotCommitted: return "committed";
+    case DaemonEvent::Kind::kSnapshotSkipped: return "skipped";
+    case DaemonEvent::Kind::kEmaUpdated: return "ema-updated";
+    case DaemonEvent::Kind::kPersisted: return "persisted";
+    case DaemonEvent::Kind::kPersistFailed: return "failed";
+    case DaemonEvent::Kind::kCheckpointComplete: return "complete";
+    case DaemonEvent::Kind::kCheckpointDeleted: return "deleted";
+    case DaemonEvent::Kind::kEventsLost: return "lost";
+    case DaemonEvent::Kind::kPersistAbandoned: return "abandoned";
     default: return "unknown";
   }
 }
@@ -190,82 +190,82 @@ std::string CompactBytes(uint64_t bytes) {
 double Gbps(uint64_t bytes, double seconds) { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 
 // The rate of the job's most recent persists: the mean of its ranks' last rates ("-" before any).
-std::string JobGbpsText(const v1::JobStatus& job) {
+std::string JobGbpsText(const JobStatus& job) {
   double sum = 0;
   int n = 0;
-  for (const auto& r : job.ranks()) {
-    if (r.last_persist_gbps() > 0) {
-      sum += r.last_persist_gbps();
+  for (const auto& r : job.ranks) {
+    if (r.last_persist_gbps > 0) {
+      sum += r.last_persist_gbps;
       ++n;
     }
   }
   return n == 0 ? "-" : Fixed(sum / n, 2);
 }
 
-int64_t JobLastCommitted(const v1::JobStatus& job) {
+int64_t JobLastCommitted(const JobStatus& job) {
   int64_t last = -1;
-  for (const auto& r : job.ranks()) last = std::max(last, r.last_committed_step());
+  for (const auto& r : job.ranks) last = std::max(last, r.last_committed_step);
   return last;
 }
 
 // Whether the daemon has CUDA: what its own cudaGetDeviceCount saw (the trainers' devices are theirs).
-std::string CudaText(const v1::StatusResponse& status) {
-  if (!status.cuda_compiled()) return "not compiled in";
-  if (status.cuda_devices() <= 0) return "compiled in, no device";
-  return "compiled in, " + std::to_string(status.cuda_devices()) +
-         (status.cuda_devices() == 1 ? " device" : " devices");
+std::string CudaText(const DaemonStatus& status) {
+  if (!status.cuda_compiled) return "not compiled in";
+  if (status.cuda_devices <= 0) return "compiled in, no device";
+  return "compiled in, " + std::to_string(status.cuda_devices) +
+         (status.cuda_devices == 1 ? " device" : " devices");
 }
 
 }  // namespace
 
-std::string EventText(const v1::Event& e) {
+std::string EventText(const DaemonEvent& e) {
   char kind[16];
-  std::snprintf(kind, sizeof kind, "%-11s", EventKindText(e.kind()));
-  std::string out = UtcText(e.unix_seconds()) + " " + kind;
-  if (e.kind() == v1::Event::EVENTS_LOST) {
-    return out + " " + std::to_string(e.lost()) + " event(s) dropped: this watcher fell behind";
+  std::snprintf(kind, sizeof kind, "%-11s", EventKindText(e.kind));
+  std::string out = UtcText(e.unix_seconds) + " " + kind;
+  if (e.kind == DaemonEvent::Kind::kEventsLost) {
+    return out + " " + std::to_string(e.lost) + " event(s) dropped: this watcher fell behind";
   }
-  out += " job=" + e.job() + " step=" + std::to_string(e.step());
-  switch (e.kind()) {
-    case v1::Event::CHECKPOINT_COMPLETE: break;
-    case v1::Event::CHECKPOINT_DELETED: out += " reason=" + e.reason(); break;
-    case v1::Event::SNAPSHOT_COMMITTED:
-      out += " rank=" + std::to_string(e.rank()) + " bytes=" + CompactBytes(e.bytes()) + " for=" + e.reason();
+  out += " job=" + e.job + " step=" + std::to_string(e.step);
+  switch (e.kind) {
+    case DaemonEvent::Kind::kCheckpointComplete: break;
+    case DaemonEvent::Kind::kCheckpointDeleted: out += " reason=" + e.reason; break;
+    case DaemonEvent::Kind::kSnapshotCommitted:
+      out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) + " for=" + e.reason;
       break;
-    case v1::Event::EMA_UPDATED: out += " rank=" + std::to_string(e.rank()) + " secs=" + Fixed(e.seconds(), 3); break;
-    case v1::Event::PERSISTED:
-      out += " rank=" + std::to_string(e.rank()) + " bytes=" + CompactBytes(e.bytes()) +
-             " secs=" + Fixed(e.seconds(), 2) + " gbps=" + Fixed(Gbps(e.bytes(), e.seconds()), 2);
+    case DaemonEvent::Kind::kEmaUpdated: out += " rank=" + std::to_string(e.rank) + " secs=" + Fixed(e.seconds, 3); break;
+    case DaemonEvent::Kind::kPersisted:
+      out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) +
+             " secs=" + Fixed(e.seconds, 2) + " gbps=" + Fixed(Gbps(e.bytes, e.seconds), 2);
       break;
-    case v1::Event::PERSIST_FAILED:
-      out += " rank=" + std::to_string(e.rank()) + " code=" + e.code() + " error=\"" + e.reason() + "\"";
+    case DaemonEvent::Kind::kPersistFailed:
+      out += " rank=" + std::to_string(e.rank) + " code=" + e.code + " error=\"" + e.reason + "\"";
       break;
-    case v1::Event::SNAPSHOT_SKIPPED:
-    case v1::Event::PERSIST_ABANDONED:
-      out += " rank=" + std::to_string(e.rank()) + " reason=\"" + e.reason() + "\"";
+    case DaemonEvent::Kind::kSnapshotSkipped:
+    case DaemonEvent::Kind::kPersistAbandoned:
+      out += " rank=" + std::to_string(e.rank) + " reason=\"" + e.reason + "\"";
       break;
     default: break;
   }
   return out;
 }
 
-ordered_json EventJson(const v1::Event& e) {
+ordered_json EventJson(const DaemonEvent& e) {
   ordered_json j;
-  j["time"] = UtcText(e.unix_seconds());
-  j["unix_seconds"] = e.unix_seconds();
-  j["event"] = EventKindText(e.kind());
-  if (e.kind() == v1::Event::EVENTS_LOST) {
-    j["lost"] = e.lost();
+  j["time"] = UtcText(e.unix_seconds);
+  j["unix_seconds"] = e.unix_seconds;
+  j["event"] = EventKindText(e.kind);
+  if (e.kind == DaemonEvent::Kind::kEventsLost) {
+    j["lost"] = e.lost;
     return j;
   }
-  j["job"] = e.job();
-  j["step"] = e.step();
-  j["rank"] = e.rank();
-  j["bytes"] = e.bytes();
-  j["seconds"] = e.seconds();
-  if (e.kind() == v1::Event::PERSISTED) j["gbps"] = Gbps(e.bytes(), e.seconds());
-  if (!e.code().empty()) j["code"] = e.code();
-  if (!e.reason().empty()) j["reason"] = e.reason();
+  j["job"] = e.job;
+  j["step"] = e.step;
+  j["rank"] = e.rank;
+  j["bytes"] = e.bytes;
+  j["seconds"] = e.seconds;
+  if (e.kind == DaemonEvent::Kind::kPersisted) j["gbps"] = Gbps(e.bytes, e.seconds);
+  if (!e.code.empty()) j["code"] = e.code;
+  if (!e.reason.empty()) j["reason"] = e.reason;
   return j;
 }
 
@@ -285,126 +285,126 @@ std::string FormatDuration(double seconds) {
   return buf;
 }
 
-std::string StatusText(const v1::StatusResponse& status) {
+std::string StatusText(const DaemonStatus& status) {
   std::string out;
-  out += "daemon  flashckptd " + status.version() + ", up " + FormatDuration(status.uptime_seconds()) + "\n";
-  out += "memory  " + FormatBytes(status.host_memory_used()) + " used of " + FormatBytes(status.host_memory_budget()) +
+  out += "daemon  flashckptd " + status.version + ", up " + FormatDuration(status.uptime_seconds) + "\n";
+  out += "memory  " + FormatBytes(status.host_memory_used) + " used of " + FormatBytes(status.host_memory_budget) +
          " budget";
-  if (status.host_memory_budget() > 0) {
+  if (status.host_memory_budget > 0) {
     char pct[32];
     std::snprintf(
         pct, sizeof pct, " (%.1f%%)",
-        100.0 * static_cast<double>(status.host_memory_used()) / static_cast<double>(status.host_memory_budget()));
+        100.0 * static_cast<double>(status.host_memory_used) / static_cast<double>(status.host_memory_budget));
     out += pct;
   }
   out += "\n";
-  out += "root    " + status.root() + "\n";
+  out += "root    " + status.root + "\n";
   out += "cuda    " + CudaText(status) + "\n";
-  if (status.jobs().empty()) {
+  if (status.jobs.empty()) {
     out += "jobs    none registered\n";
     return out;
   }
   // At a glance: is each job being checkpointed, and how far behind is the disk?
   TextTable jobs({"JOB", "RANKS", "COMMITTED", "DURABLE", "LAG", "PERSIST GB/s", "EMA", "FAILURES"},
                  {false, true, true, true, true, true, false, true});
-  for (const auto& job : status.jobs()) {
+  for (const auto& job : status.jobs) {
     int64_t committed = JobLastCommitted(job);
-    int64_t durable = job.last_complete_step();
+    int64_t durable = job.last_complete_step;
     std::string lag = committed < 0 ? "-" : std::to_string(committed - std::max<int64_t>(durable, 0));
     uint64_t failures = 0;
     bool ema = false;
-    for (const auto& r : job.ranks()) {
-      failures += r.failures();
-      ema = ema || r.ema_enabled();
+    for (const auto& r : job.ranks) {
+      failures += r.failures;
+      ema = ema || r.ema_enabled;
     }
-    jobs.AddRow({job.job(), std::to_string(job.ranks_size()) + "/" + std::to_string(job.world_size()),
+    jobs.AddRow({job.job, std::to_string(job.ranks.size()) + "/" + std::to_string(job.world_size),
                  StepText(committed), StepText(durable), lag, JobGbpsText(job), ema ? "on" : "off",
                  std::to_string(failures)});
   }
   out += "\n" + jobs.Render("");
-  for (const auto& job : status.jobs()) {
-    out += "\njob " + job.job() + "  world size " + std::to_string(job.world_size()) + ", " +
-           std::to_string(job.ranks_size()) + " rank(s) here, last complete step " +
-           StepText(job.last_complete_step()) + "\n";
-    if (!job.catalog_error().empty()) out += "  checkpoints cannot be read: " + job.catalog_error() + "\n";
+  for (const auto& job : status.jobs) {
+    out += "\njob " + job.job + "  world size " + std::to_string(job.world_size) + ", " +
+           std::to_string(job.ranks.size()) + " rank(s) here, last complete step " +
+           StepText(job.last_complete_step) + "\n";
+    if (!job.catalog_error.empty()) out += "  checkpoints cannot be read: " + job.catalog_error + "\n";
     out += "  ema " + EmaSummaryText(job) + "\n";
     // OLDEST WRITE: how long the rank's oldest persist being written has been running.
     TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
                      "PERSISTS", "FAILURES", "SKIPPED", "LAST ERROR"},
                     {true, false, true, true, true, false, true, true, true, true, true, false});
-    for (const auto& rank : job.ranks()) {
-      table.AddRow({std::to_string(rank.rank()), rank.connected() ? "yes" : "no", FormatBytes(rank.segment_bytes()),
-                    StepText(rank.last_committed_step()), StepText(rank.last_persisted_step()), SlotsText(rank),
-                    OldestWriteText(rank.oldest_write_seconds()), std::to_string(rank.snapshots()),
-                    std::to_string(rank.persists()), std::to_string(rank.failures()), std::to_string(rank.skipped()),
-                    rank.last_error().empty() ? "-" : rank.last_error()});
+    for (const auto& rank : job.ranks) {
+      table.AddRow({std::to_string(rank.rank), rank.connected ? "yes" : "no", FormatBytes(rank.segment_bytes),
+                    StepText(rank.last_committed_step), StepText(rank.last_persisted_step), SlotsText(rank),
+                    OldestWriteText(rank.oldest_write_seconds), std::to_string(rank.snapshots),
+                    std::to_string(rank.persists), std::to_string(rank.failures), std::to_string(rank.skipped),
+                    rank.last_error.empty() ? "-" : rank.last_error});
     }
     out += table.Render("  ");
-    bool any_ema = std::any_of(job.ranks().begin(), job.ranks().end(), [](const auto& r) { return r.ema_enabled(); });
+    bool any_ema = std::any_of(job.ranks.begin(), job.ranks.end(), [](const auto& r) { return r.ema_enabled; });
     if (!any_ema) continue;
     // EMA STEP is the step of the last update applied; APPLIED and SKIPPED count updates (SKIPPED:
     // refused by the loss threshold); EMA SIZE is the size of the rank's ema.*.safetensors image.
     TextTable ema({"RANK", "EMA", "DECAY", "EMA STEP", "APPLIED", "SKIPPED", "EMA SIZE"},
                   {true, false, true, true, true, true, true});
-    for (const auto& rank : job.ranks()) {
-      if (!rank.ema_enabled()) {
-        ema.AddRow({std::to_string(rank.rank()), "off", "-", "-", "-", "-", "-"});
+    for (const auto& rank : job.ranks) {
+      if (!rank.ema_enabled) {
+        ema.AddRow({std::to_string(rank.rank), "off", "-", "-", "-", "-", "-"});
         continue;
       }
-      ema.AddRow({std::to_string(rank.rank()), "on", DecayText(rank.ema_decay()), StepText(rank.ema_last_step()),
-                  std::to_string(rank.ema_updates_applied()), std::to_string(rank.ema_updates_skipped()),
-                  FormatBytes(rank.ema_bytes())});
+      ema.AddRow({std::to_string(rank.rank), "on", DecayText(rank.ema_decay), StepText(rank.ema_last_step),
+                  std::to_string(rank.ema_updates_applied), std::to_string(rank.ema_updates_skipped),
+                  FormatBytes(rank.ema_bytes)});
     }
     out += "\n" + ema.Render("  ");
   }
   return out;
 }
 
-ordered_json StatusJson(const v1::StatusResponse& status) {
+ordered_json StatusJson(const DaemonStatus& status) {
   ordered_json out;
-  out["version"] = status.version();
-  out["uptime_seconds"] = status.uptime_seconds();
-  out["host_memory_used"] = status.host_memory_used();
-  out["host_memory_budget"] = status.host_memory_budget();
-  out["root"] = status.root();
-  out["cuda_compiled"] = status.cuda_compiled();
-  out["cuda_devices"] = status.cuda_devices();
+  out["version"] = status.version;
+  out["uptime_seconds"] = status.uptime_seconds;
+  out["host_memory_used"] = status.host_memory_used;
+  out["host_memory_budget"] = status.host_memory_budget;
+  out["root"] = status.root;
+  out["cuda_compiled"] = status.cuda_compiled;
+  out["cuda_devices"] = status.cuda_devices;
   ordered_json jobs = ordered_json::array();
-  for (const auto& job : status.jobs()) {
+  for (const auto& job : status.jobs) {
     ordered_json j;
-    j["job"] = job.job();
-    j["world_size"] = job.world_size();
-    j["last_complete_step"] = StepJson(job.last_complete_step());
-    if (!job.catalog_error().empty()) j["catalog_error"] = job.catalog_error();
+    j["job"] = job.job;
+    j["world_size"] = job.world_size;
+    j["last_complete_step"] = StepJson(job.last_complete_step);
+    if (!job.catalog_error.empty()) j["catalog_error"] = job.catalog_error;
     j["last_committed_step"] = StepJson(JobLastCommitted(job));
     ordered_json ranks = ordered_json::array();
-    for (const auto& rank : job.ranks()) {
+    for (const auto& rank : job.ranks) {
       ordered_json r;
-      r["rank"] = rank.rank();
-      r["connected"] = rank.connected();
-      r["segment_bytes"] = rank.segment_bytes();
-      r["last_committed_step"] = StepJson(rank.last_committed_step());
-      r["last_persisted_step"] = StepJson(rank.last_persisted_step());
+      r["rank"] = rank.rank;
+      r["connected"] = rank.connected;
+      r["segment_bytes"] = rank.segment_bytes;
+      r["last_committed_step"] = StepJson(rank.last_committed_step);
+      r["last_persisted_step"] = StepJson(rank.last_persisted_step);
       ordered_json slots = ordered_json::array();
-      for (const auto& s : rank.slots()) {
-        slots.push_back({{"index", s.index()}, {"state", s.state()}, {"step", StepJson(s.step())}});
+      for (const auto& s : rank.slots) {
+        slots.push_back({{"index", s.index}, {"state", s.state}, {"step", StepJson(s.step)}});
       }
       r["slots"] = std::move(slots);
-      r["oldest_write_seconds"] = rank.oldest_write_seconds();  // 0: nothing being written
-      r["last_persist_gbps"] = rank.last_persist_gbps();        // 0: none yet
-      r["snapshots"] = rank.snapshots();
-      r["persists"] = rank.persists();
-      r["failures"] = rank.failures();
-      r["skipped"] = rank.skipped();
-      r["last_error"] = rank.last_error();
+      r["oldest_write_seconds"] = rank.oldest_write_seconds;  // 0: nothing being written
+      r["last_persist_gbps"] = rank.last_persist_gbps;        // 0: none yet
+      r["snapshots"] = rank.snapshots;
+      r["persists"] = rank.persists;
+      r["failures"] = rank.failures;
+      r["skipped"] = rank.skipped;
+      r["last_error"] = rank.last_error;
       // Same keys whether EMA is on or off, so scripts need not test for their presence.
-      const bool on = rank.ema_enabled();
+      const bool on = rank.ema_enabled;
       r["ema"] = {{"enabled", on},
-                  {"decay", on ? ordered_json(rank.ema_decay()) : ordered_json(nullptr)},
-                  {"last_step", on ? StepJson(rank.ema_last_step()) : ordered_json(nullptr)},
-                  {"updates_applied", rank.ema_updates_applied()},
-                  {"updates_skipped", rank.ema_updates_skipped()},
-                  {"bytes", rank.ema_bytes()}};
+                  {"decay", on ? ordered_json(rank.ema_decay) : ordered_json(nullptr)},
+                  {"last_step", on ? StepJson(rank.ema_last_step) : ordered_json(nullptr)},
+                  {"updates_applied", rank.ema_updates_applied},
+                  {"updates_skipped", rank.ema_updates_skipped},
+                  {"bytes", rank.ema_bytes}};
       ranks.push_back(std::move(r));
     }
     j["ranks"] = std::move(ranks);
@@ -414,29 +414,29 @@ ordered_json StatusJson(const v1::StatusResponse& status) {
   return out;
 }
 
-std::string ListText(const v1::ListCheckpointsResponse& list) {
-  if (list.checkpoints().empty()) return "no checkpoints\n";
+std::string ListText(const std::vector<CheckpointInfo>& list) {
+  if (list.empty()) return "no checkpoints\n";
   TextTable table({"JOB", "STEP", "COMPLETE", "SIGNALS", "BYTES", "LATEST", "PATH"},
                   {false, true, false, true, true, false, false});
-  for (const auto& c : list.checkpoints()) {
-    std::string signals = std::to_string(c.signals()) + "/" + (c.world_size() ? std::to_string(c.world_size()) : "?");
-    table.AddRow({c.job(), std::to_string(c.step()), c.complete() ? "yes" : "no", signals, FormatBytes(c.bytes()),
-                  c.latest() ? "*" : "", c.path()});
+  for (const auto& c : list) {
+    std::string signals = std::to_string(c.signals) + "/" + (c.world_size ? std::to_string(c.world_size) : "?");
+    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : "no", signals, FormatBytes(c.bytes),
+                  c.latest ? "*" : "", c.path});
   }
   return table.Render("");
 }
 
-ordered_json ListJson(const v1::ListCheckpointsResponse& list) {
+ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
   ordered_json out = ordered_json::array();
-  for (const auto& c : list.checkpoints()) {
-    out.push_back({{"job", c.job()},
-                   {"step", c.step()},
-                   {"complete", c.complete()},
-                   {"signals", c.signals()},
-                   {"world_size", c.world_size() ? ordered_json(c.world_size()) : ordered_json(nullptr)},
-                   {"bytes", c.bytes()},
-                   {"latest", c.latest()},
-                   {"path", c.path()}});
+  for (const auto& c : list) {
+    out.push_back({{"job", c.job},
+                   {"step", c.step},
+                   {"complete", c.complete},
+                   {"signals", c.signals},
+                   {"world_size", c.world_size ? ordered_json(c.world_size) : ordered_json(nullptr)},
+                   {"bytes", c.bytes},
+                   {"latest", c.latest},
+                   {"path", c.path}});
   }
   return out;
 }
@@ -554,30 +554,30 @@ ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta)
   return out;
 }
 
-std::string DeleteText(const std::string& job, const v1::DeleteCheckpointsResponse& resp, bool dry_run) {
+std::string DeleteText(const std::string& job, const DeleteResult& resp, bool dry_run) {
   std::string out;
   const std::string verb = dry_run ? "would delete" : "deleted";
-  if (resp.deleted().empty()) {
+  if (resp.deleted.empty()) {
     out += std::string(dry_run ? "would delete" : "deleted") + " nothing of job " + job + "\n";
   }
-  for (int64_t step : resp.deleted()) out += verb + " " + job + "/" + CheckpointDirName(step) + "\n";
-  for (const auto& s : resp.skipped()) {
-    out += "skipped " + job + "/" + CheckpointDirName(s.step()) + ": " + s.reason() + "\n";
+  for (int64_t step : resp.deleted) out += verb + " " + job + "/" + CheckpointDirName(step) + "\n";
+  for (const auto& s : resp.skipped) {
+    out += "skipped " + job + "/" + CheckpointDirName(s.step) + ": " + s.reason + "\n";
   }
   out += "latest  " +
-         (resp.latest() < 0 ? std::string("none (no complete checkpoint left)") : CheckpointDirName(resp.latest())) +
+         (resp.latest < 0 ? std::string("none (no complete checkpoint left)") : CheckpointDirName(resp.latest)) +
          "\n";
   return out;
 }
 
-ordered_json DeleteJson(const std::string& job, const v1::DeleteCheckpointsResponse& resp, bool dry_run) {
+ordered_json DeleteJson(const std::string& job, const DeleteResult& resp, bool dry_run) {
   ordered_json skipped = ordered_json::array();
-  for (const auto& s : resp.skipped()) skipped.push_back({{"step", s.step()}, {"reason", s.reason()}});
+  for (const auto& s : resp.skipped) skipped.push_back({{"step", s.step}, {"reason", s.reason}});
   return {{"job", job},
           {"dry_run", dry_run},
-          {"deleted", std::vector<int64_t>(resp.deleted().begin(), resp.deleted().end())},
+          {"deleted", std::vector<int64_t>(resp.deleted.begin(), resp.deleted.end())},
           {"skipped", std::move(skipped)},
-          {"latest", StepJson(resp.latest())}};
+          {"latest", StepJson(resp.latest)}};
 }
 
 std::string ProgressText(uint64_t done, uint64_t total, double seconds) {

@@ -1,103 +1,28 @@
+// The trainer client's data path (client.h): Snapshot() into a slot and its commit (streaming
+// from a client thread for device tensors), WaitPersisted(), Restore() and Ema() out of a slot the
+// daemon lends, and StatusJson(). The session and re-attach are session.cc.
 #include "flashckpt/client.h"
 
-#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <cstring>
-#include <functional>
-#include <future>
 #include <map>
-#include <mutex>
 #include <thread>
 
+#include "client/src/client_impl.h"
+#include "client/src/host_copy.h"
+#include "client/src/wire.h"
 #include "common/base/cuda_info.h"
-#include "common/base/dtype.h"
 #include "common/base/status.h"
-#include "common/base/thread_pool.h"
-#include "common/io/shm.h"
-#include "flashckpt.grpc.pb.h"
-
-#if FLASHCKPT_HAVE_CUDA
-#include "client/src/cuda_copy.h"
-#endif
 
 namespace flashckpt {
 namespace {
 
-Status FromGrpc(const grpc::Status& s, const char* rpc) {
-  if (s.ok()) return Status::OK();
-  StatusCode code = StatusCode::kInternal;
-  switch (s.error_code()) {
-    case grpc::StatusCode::INVALID_ARGUMENT: code = StatusCode::kInvalidArgument; break;
-    case grpc::StatusCode::NOT_FOUND: code = StatusCode::kNotFound; break;
-    case grpc::StatusCode::ALREADY_EXISTS: code = StatusCode::kAlreadyExists; break;
-    case grpc::StatusCode::FAILED_PRECONDITION: code = StatusCode::kFailedPrecondition; break;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: code = StatusCode::kResourceExhausted; break;
-    case grpc::StatusCode::DEADLINE_EXCEEDED: code = StatusCode::kDeadlineExceeded; break;
-    case grpc::StatusCode::UNAVAILABLE: code = StatusCode::kUnavailable; break;
-    case grpc::StatusCode::DATA_LOSS: code = StatusCode::kCorruption; break;
-    case grpc::StatusCode::CANCELLED: code = StatusCode::kCancelled; break;
-    // The daemon sends IO_ERROR (a failed system call: a failing disk) as INTERNAL named in the details.
-    case grpc::StatusCode::INTERNAL:
-      code = s.error_details() == "IO_ERROR" ? StatusCode::kIOError : StatusCode::kInternal;
-      break;
-    default: code = StatusCode::kInternal; break;
-  }
-  return Status(code, std::string(rpc) + ": " + s.error_message());
-}
-
-v1::TensorKind KindToProto(TensorKind k) {
-  switch (k) {
-    case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
-    case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
-    case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
-    case TensorKind::kEma: break;  // the daemon's own kind: refused at registration
-  }
-  return v1::TENSOR_KIND_UNSPECIFIED;
-}
-
-struct CopyTask {
-  void* dst;
-  const void* src;
-  size_t bytes;
-};
-
-// Copies the tasks, splitting large ones into 16 MiB chunks spread over the loop's threads.
-void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
-  constexpr size_t kChunk = 16u << 20;
-  size_t total = 0;
-  for (const auto& t : tasks) total += t.bytes;
-  if (loop->threads() == 1 || total < 2 * kChunk) {
-    for (const auto& t : tasks) std::memcpy(t.dst, t.src, t.bytes);
-    return;
-  }
-  std::vector<size_t> first_chunk(tasks.size() + 1, 0);  // prefix sums of chunks per task
-  for (size_t i = 0; i < tasks.size(); ++i) first_chunk[i + 1] = first_chunk[i] + (tasks[i].bytes + kChunk - 1) / kChunk;
-  loop->Run(first_chunk.back(), [&](size_t c) {
-    size_t i = static_cast<size_t>(std::upper_bound(first_chunk.begin(), first_chunk.end(), c) - first_chunk.begin()) - 1;
-    size_t offset = (c - first_chunk[i]) * kChunk;
-    size_t n = std::min(kChunk, tasks[i].bytes - offset);
-    std::memcpy(static_cast<char*>(tasks[i].dst) + offset, static_cast<const char*>(tasks[i].src) + offset, n);
-  });
-}
-
-struct MappedTensor {
-  uint64_t slot_offset = 0;
-  uint64_t bytes = 0;
-  bool replica = false;
-  bool ema_source = false;  // read by the daemon's EMA: the only tensors an EMA-only snapshot copies
-};
-
-// Which registered tensors a call moves.
-enum class Selection { kSaved, kEmaSources, kAll };
-
-using Matched = std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>;
-
+#if FLASHCKPT_HAVE_CUDA
 // Device tensors are copied in pieces of this size, each with its own event: the daemon may write
 // a piece while the next ones are still in flight.
-[[maybe_unused]] constexpr uint64_t kDeviceCopyChunk = 64u << 20;  // used by the CUDA build only
+constexpr uint64_t kDeviceCopyChunk = 64u << 20;
+#endif
 
 // Which buffers are CUDA device memory (true) and which host memory, in the order of `buffers`.
 // Device memory this process cannot copy is refused here, before a slot is taken: in a build
@@ -144,162 +69,75 @@ std::vector<const TensorBuffer*> BuffersOf(const Matched& matched) {
 
 namespace detail {
 
-// What a device snapshot's commit thread tells the handles: the copies, then the commit.
-struct SnapshotProgress {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool copied = false;     // guarded by mu
-  bool committed = false;  // guarded by mu
-  Status copy_status;      // guarded by mu
-  Status commit_status;    // guarded by mu
+void SnapshotProgress::SetCopied(const Status& s) {
+  MutexLock lock(&mu_);
+  copied_ = true;
+  copy_status_ = s;
+  cv_.NotifyAll();
+}
 
-  void SetCopied(const Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
-    copied = true;
-    copy_status = s;
-    cv.notify_all();
-  }
-  void SetCommitted(const Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
-    committed = true;
-    commit_status = s;
-    cv.notify_all();
-  }
-};
+void SnapshotProgress::SetCommitted(const Status& s) {
+  MutexLock lock(&mu_);
+  committed_ = true;
+  commit_status_ = s;
+  cv_.NotifyAll();
+}
+
+Status SnapshotProgress::WaitCopied() {
+  MutexLock lock(&mu_);
+  while (!copied_) cv_.Wait(&lock);
+  return copy_status_;
+}
+
+Status SnapshotProgress::WaitCommitted() {
+  MutexLock lock(&mu_);
+  while (!committed_) cv_.Wait(&lock);
+  return commit_status_;
+}
 
 }  // namespace detail
 
 Status SnapshotHandle::WaitCopied() const {
   if (!progress_) return Status::OK();
-  std::unique_lock<std::mutex> lock(progress_->mu);
-  progress_->cv.wait(lock, [&] { return progress_->copied; });
-  return progress_->copy_status;
+  return progress_->WaitCopied();
 }
 
 Status SnapshotHandle::WaitCommitted() const {
   if (!progress_) return Status::OK();
-  std::unique_lock<std::mutex> lock(progress_->mu);
-  progress_->cv.wait(lock, [&] { return progress_->committed; });
-  return progress_->commit_status;
+  return progress_->WaitCommitted();
 }
 
-struct Client::Impl {
-  ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Checkpoint::Stub> stub;
-  // The session stream: open for the client's lifetime.
-  std::unique_ptr<grpc::ClientContext> session_ctx;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> session;
-  std::string session_id;
-  bool closed = false;
-  // Re-attaching after the daemon restarted: the last registration (without a session id), the
-  // step this process restored (its signals name that attempt), and whether the session is lost.
-  std::optional<v1::RegisterRequest> registration;
-  int64_t resumed_from = 0;
-  bool broken = false;
+Status Client::Impl::ReleaseSlot(uint32_t slot, uint64_t generation) const {
+  v1::ReleaseSlotRequest req;
+  req.set_session_id(session_id);
+  req.set_slot(slot);
+  req.set_generation(generation);
+  v1::ReleaseSlotResponse resp;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  return FromGrpc(stub->ReleaseSlot(&ctx, req, &resp), "ReleaseSlot");
+}
 
-  std::unique_ptr<SharedSegment> segment;
-  uint32_t slot_count = 0;
-  uint64_t slot_offset = 0, slot_stride = 0;
-  std::map<std::string, MappedTensor> tensors;
-  std::map<std::string, MappedTensor> ema_tensors;
-  std::unique_ptr<ParallelLoop> copier;  // copies large host tensors on several threads
-#if FLASHCKPT_HAVE_CUDA
-  // Device copies; holds the pins of the slots, so it is declared after (destroyed before) `segment`.
-  DeviceCopier device;
-#endif
-  // The device snapshot whose commit thread is running, if any: every call but EmaTensorNames()
-  // joins it first (FinishPending), so the thread never runs beside another call of this client;
-  // the handles' waits touch only the progress it shares with them.
-  std::thread committer;
-  std::shared_ptr<detail::SnapshotProgress> pending;
+Status Client::Impl::SendCommit(const v1::CommitRequest& commit) const {
+  v1::CommitResponse committed;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  // Not retried: the slot belongs to the session that began the snapshot.
+  Status status = FromGrpc(stub->Commit(&ctx, commit, &committed), "Commit");
+  if (!status.ok()) AbortSlot(commit.session_id(), commit.slot(), commit.generation());
+  return status;
+}
 
-  void Deadline(grpc::ClientContext* ctx, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
-    ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout + extra);
-  }
-  char* Slot(uint32_t i) const { return segment->data() + slot_offset + slot_stride * i; }
-  // Gives a slot the daemon lent for reading (restore, EMA) back.
-  Status ReleaseSlot(uint32_t slot, uint64_t generation) const {
-    v1::ReleaseSlotRequest req;
-    req.set_session_id(session_id);
-    req.set_slot(slot);
-    req.set_generation(generation);
-    v1::ReleaseSlotResponse resp;
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    return FromGrpc(stub->ReleaseSlot(&ctx, req, &resp), "ReleaseSlot");
-  }
-  Status Usable() {
-    if (closed) return Cancelled("the client is closed");
-    FinishPending();
-    return Status::OK();
-  }
-  // Waits for the commit thread of the last device snapshot; its outcome is the handle's.
-  void FinishPending() {
-    if (committer.joinable()) committer.join();
-    if (pending) {
-      std::lock_guard<std::mutex> lock(pending->mu);
-      (void)Note(pending->commit_status);
-    }
-    pending.reset();
-  }
-  // Unpins and unmaps the segment.
-  void Unmap() {
-#if FLASHCKPT_HAVE_CUDA
-    device.Unpin();
-#endif
-    segment.reset();
-  }
-  // Sends the commit of a filled slot; on failure gives the slot back. Reads only `stub` and
-  // `options`, so the commit thread may call it.
-  Status SendCommit(const v1::CommitRequest& commit) const {
-    v1::CommitResponse committed;
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    // Not retried: the slot belongs to the session that began the snapshot.
-    Status status = FromGrpc(stub->Commit(&ctx, commit, &committed), "Commit");
-    if (!status.ok()) AbortSlot(commit.session_id(), commit.slot(), commit.generation());
-    return status;
-  }
-  // Gives a slot being filled back, so a failed snapshot does not hold it until the session ends.
-  void AbortSlot(const std::string& session_of_slot, uint32_t slot, uint64_t generation) const {
-    v1::AbortSnapshotRequest abort;
-    abort.set_session_id(session_of_slot);
-    abort.set_slot(slot);
-    abort.set_generation(generation);
-    v1::AbortSnapshotResponse aborted;
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    (void)stub->AbortSnapshot(&ctx, abort, &aborted);
-  }
-  // Copies the slot's bytes into the caller's buffers (restore, EMA): memcpy for host buffers,
-  // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.
-  // Returns once every byte is in place.
-  Status CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device, void* cuda_stream);
-  // Opens the session stream and reads the session id, within the rpc timeout.
-  Status OpenSession();
-  // Maps the segment the registration reply names (keeping the mapping when it is the same one)
-  // and records the tensors' places.
-  Status ApplyRegistration(const v1::RegisterResponse& resp);
-  // A new session and the same registration, after the daemon restarted (UNAVAILABLE). Waits up
-  // to `wait` for the daemon's socket to accept.
-  Status Reattach(std::chrono::milliseconds wait);
-  // Runs `rpc`, a unary call that reads `session_id` when it runs; on UNAVAILABLE it re-attaches
-  // once and runs it again. A lost session is re-attached before the call.
-  Status WithSession(const std::function<Status()>& rpc);
-  // As WithSession, but while the daemon is unavailable (down, restarting, or killed in the middle
-  // of the call) it keeps re-attaching and retrying until `patience` has passed: for the calls that
-  // start a rank's life (Register), which a trainer cannot go on without.
-  Status WithSessionPatiently(const std::function<Status()>& rpc, std::chrono::milliseconds patience);
-  // Remembers that the session is lost when `s` is UNAVAILABLE; returns `s`.
-  Status Note(Status s) {
-    if (s.code() == StatusCode::kUnavailable) broken = true;
-    return s;
-  }
-  // Checks that `buffers` names registered tensors with matching sizes, each at most once, and
-  // covers every tensor `required` selects.
-  Result<Matched> Match(const std::vector<TensorBuffer>& buffers, Selection selection) const;
-};
+void Client::Impl::AbortSlot(const std::string& session_of_slot, uint32_t slot, uint64_t generation) const {
+  v1::AbortSnapshotRequest abort;
+  abort.set_session_id(session_of_slot);
+  abort.set_slot(slot);
+  abort.set_generation(generation);
+  v1::AbortSnapshotResponse aborted;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  (void)stub->AbortSnapshot(&ctx, abort, &aborted);
+}
 
 Status Client::Impl::CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device,
                              void* cuda_stream) {
@@ -360,240 +198,6 @@ Result<Matched> Client::Impl::Match(const std::vector<TensorBuffer>& buffers, Se
     }
   }
   return out;
-}
-
-Status Client::Impl::OpenSession() {
-  if (session) {  // the old stream, broken or not: finished exactly once
-    session_ctx->TryCancel();
-    (void)session->Finish();
-    session.reset();
-    session_ctx.reset();
-  }
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  auto stream = stub->Session(ctx.get());
-  v1::SessionRequest hello;
-  hello.set_job(options.job);
-  hello.set_rank(options.rank);
-  if (!stream->Write(hello)) return FromGrpc(stream->Finish(), "Session");
-  // The first event carries the session id; bound the wait for it.
-  v1::SessionEvent event;
-  auto* raw = stream.get();
-  auto reply = std::async(std::launch::async, [raw, &event] { return raw->Read(&event); });
-  if (reply.wait_for(options.rpc_timeout) != std::future_status::ready) {
-    ctx->TryCancel();
-    reply.wait();
-    (void)stream->Finish();
-    return DeadlineExceeded("flashckptd did not open the session within " +
-                            std::to_string(options.rpc_timeout.count()) + " ms");
-  }
-  if (!reply.get()) return FromGrpc(stream->Finish(), "Session");
-  session_ctx = std::move(ctx);
-  session = std::move(stream);
-  session_id = event.session_id();
-  return Status::OK();
-}
-
-Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
-  if (!segment || segment->name() != resp.segment_name() || segment->size() != resp.segment_bytes()) {
-    Unmap();
-    ASSIGN_OR_RETURN(segment, SharedSegment::Open(resp.segment_name(), resp.segment_bytes()));
-  }
-  uint64_t end = resp.slot_offset() + resp.slot_stride() * resp.slot_count();
-  if (resp.slot_count() == 0 || end > resp.segment_bytes()) {
-    Unmap();
-    return Internal("the daemon described slots that do not fit its segment");
-  }
-  slot_count = resp.slot_count();
-  slot_offset = resp.slot_offset();
-  slot_stride = resp.slot_stride();
-  tensors.clear();
-  for (const auto& p : resp.placements()) {
-    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
-      Unmap();
-      return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
-    }
-    tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source()};
-  }
-  ema_tensors.clear();
-  for (const auto& p : resp.ema_placements()) {
-    if (p.slot_offset() + p.bytes() > resp.slot_stride()) {
-      Unmap();
-      return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
-    }
-    ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false};
-  }
-  return Status::OK();
-}
-
-// A short wait: while the daemon is down every save fails fast and training goes on.
-std::chrono::milliseconds ReattachWait(const ClientOptions& options) {
-  return std::min<std::chrono::milliseconds>(options.rpc_timeout, std::chrono::milliseconds(250));
-}
-
-Status Client::Impl::Reattach(std::chrono::milliseconds wait) {
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() + wait)) {
-    return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
-                       std::to_string(wait.count()) + " ms to re-attach); the next call tries again");
-  }
-  RETURN_IF_ERROR(OpenSession());
-  if (registration) {
-    v1::RegisterRequest req = *registration;
-    req.set_session_id(session_id);
-    req.set_resumed_from(resumed_from);
-    v1::RegisterResponse resp;
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    RETURN_IF_ERROR(FromGrpc(stub->Register(&ctx, req, &resp), "Register"));
-    RETURN_IF_ERROR(ApplyRegistration(resp));
-  }
-  broken = false;
-  return Status::OK();
-}
-
-Status Client::Impl::WithSession(const std::function<Status()>& rpc) {
-  if (broken) RETURN_IF_ERROR(Note(Reattach(ReattachWait(options))));
-  Status s = rpc();
-  if (s.code() != StatusCode::kUnavailable) return s;
-  broken = true;
-  if (!Reattach(ReattachWait(options)).ok()) return s;
-  return Note(rpc());
-}
-
-Status Client::Impl::WithSessionPatiently(const std::function<Status()>& rpc, std::chrono::milliseconds patience) {
-  const auto deadline = std::chrono::steady_clock::now() + patience;
-  auto left = [&] {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-  };
-  Status s = broken ? Unavailable("the session was lost") : rpc();
-  while (s.code() == StatusCode::kUnavailable && left().count() > 0) {
-    broken = true;
-    Status attached = Reattach(left());
-    if (!attached.ok()) {
-      s = attached;
-      if (attached.code() != StatusCode::kUnavailable) return attached;
-      std::this_thread::sleep_for(std::min(left(), std::chrono::milliseconds(20)));
-      continue;
-    }
-    s = rpc();
-  }
-  if (s.code() == StatusCode::kUnavailable) {
-    return Note(s.WithContext("flashckptd at " + options.socket_path + " stayed unavailable for " +
-                              std::to_string(patience.count()) + " ms (ClientOptions::connect_timeout)"));
-  }
-  return Note(s);
-}
-
-Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-
-Client::~Client() { Close(); }
-
-Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  auto impl = std::make_unique<Impl>();
-  impl->options = options;
-  grpc::ChannelArguments args;
-  // A trainer often starts before the daemon's socket exists: retry quickly instead of backing off to seconds.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-  impl->channel = grpc::CreateCustomChannel("unix:" + options.socket_path, grpc::InsecureChannelCredentials(), args);
-  impl->stub = v1::Checkpoint::NewStub(impl->channel);
-  // The daemon may be starting, or restarting (killed while this process starts, or between the
-  // socket accepting and the session opening): until connect_timeout, each of those is waited out.
-  const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
-  Status opened = Unavailable("no attempt was made");
-  int attempts = 0;
-  for (;;) {
-    if (!impl->channel->WaitForConnected(deadline)) {
-      return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
-                         std::to_string(options.connect_timeout.count()) + " ms" +
-                         (attempts > 0 ? "; the last session attempt failed: " + opened.ToString() : "") + ")");
-    }
-    opened = impl->OpenSession();
-    ++attempts;
-    if (opened.code() != StatusCode::kUnavailable) break;
-    if (std::chrono::system_clock::now() >= deadline) {
-      return opened.WithContext("flashckptd at " + options.socket_path + " stayed unavailable for " +
-                                std::to_string(options.connect_timeout.count()) + " ms");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  RETURN_IF_ERROR(opened);
-  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  unsigned threads = options.copy_threads != 0 ? options.copy_threads : std::min(hw, 8u);
-  impl->copier = std::make_unique<ParallelLoop>(threads - 1);
-  return std::unique_ptr<Client>(new Client(std::move(impl)));
-}
-
-void Client::Close() {
-  if (!impl_ || impl_->closed) return;
-  impl_->FinishPending();  // the last device snapshot's commit, before the session ends
-  impl_->closed = true;
-  if (impl_->session) {
-    impl_->session->WritesDone();
-    impl_->session_ctx->TryCancel();
-    (void)impl_->session->Finish();
-  }
-  impl_->Unmap();
-}
-
-Status Client::Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema) {
-  RETURN_IF_ERROR(impl_->Usable());
-  v1::RegisterRequest req;
-  auto* t = req.mutable_topology();
-  t->set_world_size(topology.world_size);
-  t->set_tp_rank(topology.tp_rank);
-  t->set_tp_degree(topology.tp_degree);
-  t->set_pp_rank(topology.pp_rank);
-  t->set_pp_degree(topology.pp_degree);
-  t->set_shard_rank(topology.shard_rank);
-  t->set_shard_degree(topology.shard_degree);
-  req.set_backpressure(impl_->options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
-  req.set_fatal_persist_errors(impl_->options.fatal_persist_errors);
-  if (ema.decay) {
-    auto* e = req.mutable_ema();
-    e->set_enabled(true);
-    e->set_decay(*ema.decay);
-    e->set_interval(ema.interval);
-    e->set_init(ema.init_zeros ? "zeros" : "first");
-    e->set_model_params(ema.all_float_params ? "all" : "fp32");
-    if (ema.loss_threshold) {
-      e->set_has_loss_threshold(true);
-      e->set_loss_threshold(*ema.loss_threshold);
-    }
-  }
-  for (const auto& spec : tensors) {
-    auto* p = req.add_tensors();
-    p->set_name(spec.name);
-    p->set_kind(KindToProto(spec.kind));
-    p->set_dtype(std::string(DTypeName(spec.dtype)));
-    for (auto d : spec.shape) p->add_shape(d);
-    for (auto d : spec.global_shape) p->add_global_shape(d);
-    for (auto d : spec.box_offset) p->add_box_offset(d);
-    for (auto d : spec.box_shape) p->add_box_shape(d);
-    if (spec.flat_range) {
-      p->set_has_flat_range(true);
-      p->set_flat_begin(spec.flat_range->begin);
-      p->set_flat_end(spec.flat_range->end);
-    }
-    p->set_replica(spec.replica);
-    p->set_param(spec.param);
-  }
-  v1::RegisterResponse resp;
-  // A rank cannot train on without its registration: a daemon restart (or one that is killed while
-  // it registers) is waited out for connect_timeout, as in Connect().
-  RETURN_IF_ERROR(impl_->WithSessionPatiently(
-      [&] {
-        req.set_session_id(impl_->session_id);
-        req.set_resumed_from(impl_->resumed_from);
-        grpc::ClientContext ctx;
-        impl_->Deadline(&ctx);
-        return FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
-      },
-      impl_->options.connect_timeout));
-  RETURN_IF_ERROR(impl_->ApplyRegistration(resp));
-  req.clear_session_id();
-  impl_->registration = std::move(req);
-  return Status::OK();
 }
 
 std::vector<std::string> Client::EmaTensorNames() const {
@@ -824,13 +428,7 @@ Result<std::string> Client::StatusJson() {
     impl_->Deadline(&ctx);
     RETURN_IF_ERROR(FromGrpc(impl_->stub->GetStatus(&ctx, v1::StatusRequest{}, &resp), "GetStatus"));
   }
-  google::protobuf::util::JsonPrintOptions options;
-  options.always_print_primitive_fields = true;
-  options.preserve_proto_field_names = true;
-  std::string json;
-  auto converted = google::protobuf::util::MessageToJsonString(resp, &json, options);
-  if (!converted.ok()) return Internal("cannot render the daemon status as JSON: " + converted.ToString());
-  return json;
+  return StatusResponseJson(resp);
 }
 
 }  // namespace flashckpt

@@ -1,5 +1,5 @@
 // What `flashckpt status`, `inspect`, `delete`/`gc` and the reshard progress line show operators
-// and scripts, from hand-built responses and metadata.
+// and scripts, from hand-built answers (the structs of flashckpt/admin.h) and metadata.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -10,42 +10,42 @@ namespace flashckpt::cli {
 namespace {
 
 // Job "llama": rank 0 keeps an EMA, rank 1 holds only replicas (no EMA tensors).
-v1::StatusResponse TwoRankStatus() {
-  v1::StatusResponse s;
-  s.set_version("0.1.0");
-  s.set_uptime_seconds(75);
-  s.set_host_memory_used(3ull << 30);
-  s.set_host_memory_budget(8ull << 30);
-  s.set_root("/var/lib/flashckpt");
-  auto* job = s.add_jobs();
-  job->set_job("llama");
-  job->set_world_size(2);
-  job->set_last_complete_step(1200);
-  auto* r0 = job->add_ranks();
-  r0->set_rank(0);
-  r0->set_connected(true);
-  r0->set_last_committed_step(1250);
-  r0->set_last_persisted_step(1200);
-  r0->set_ema_enabled(true);
-  r0->set_ema_decay(0.9999);
-  r0->set_ema_last_step(1250);
-  r0->set_ema_updates_applied(117);
-  r0->set_ema_updates_skipped(8);
-  r0->set_ema_bytes(48ull << 20);
-  auto* r1 = job->add_ranks();
-  r1->set_rank(1);
-  r1->set_connected(true);
-  r1->set_last_committed_step(-1);
-  r1->set_last_persisted_step(-1);
-  r1->set_ema_last_step(-1);
+DaemonStatus TwoRankStatus() {
+  DaemonStatus s;
+  s.version = "0.1.0";
+  s.uptime_seconds = 75;
+  s.host_memory_used = 3ull << 30;
+  s.host_memory_budget = 8ull << 30;
+  s.root = "/var/lib/flashckpt";
+  JobStatus& job = s.jobs.emplace_back();
+  job.job = "llama";
+  job.world_size = 2;
+  job.last_complete_step = 1200;
+  RankStatus& r0 = job.ranks.emplace_back();
+  r0.rank = 0;
+  r0.connected = true;
+  r0.last_committed_step = 1250;
+  r0.last_persisted_step = 1200;
+  r0.ema_enabled = true;
+  r0.ema_decay = 0.9999;
+  r0.ema_last_step = 1250;
+  r0.ema_updates_applied = 117;
+  r0.ema_updates_skipped = 8;
+  r0.ema_bytes = 48ull << 20;
+  RankStatus& r1 = job.ranks.emplace_back();
+  r1.rank = 1;
+  r1.connected = true;
+  r1.last_committed_step = -1;
+  r1.last_persisted_step = -1;
+  r1.ema_last_step = -1;
   return s;
 }
 
 TEST(StatusText, OneLinePerJobWithLagRateAndFailures) {
-  v1::StatusResponse s = TwoRankStatus();
-  s.mutable_jobs(0)->mutable_ranks(0)->set_last_persist_gbps(4.0);
-  s.mutable_jobs(0)->mutable_ranks(1)->set_last_persist_gbps(2.5);
-  s.mutable_jobs(0)->mutable_ranks(1)->set_failures(3);
+  DaemonStatus s = TwoRankStatus();
+  s.jobs[0].ranks[0].last_persist_gbps = 4.0;
+  s.jobs[0].ranks[1].last_persist_gbps = 2.5;
+  s.jobs[0].ranks[1].failures = 3;
   std::string text = StatusText(s);
   EXPECT_NE(text.find("JOB    RANKS  COMMITTED  DURABLE  LAG  PERSIST GB/s  EMA  FAILURES\n"
                       "llama    2/2       1250     1200   50          3.25  on          3\n"),
@@ -57,37 +57,37 @@ TEST(StatusText, OneLinePerJobWithLagRateAndFailures) {
 }
 
 TEST(StatusText, JobLineBeforeAnyCommit) {
-  v1::StatusResponse s = TwoRankStatus();
-  s.mutable_jobs(0)->set_last_complete_step(-1);
-  s.mutable_jobs(0)->mutable_ranks(0)->set_last_committed_step(-1);
+  DaemonStatus s = TwoRankStatus();
+  s.jobs[0].last_complete_step = -1;
+  s.jobs[0].ranks[0].last_committed_step = -1;
   std::string text = StatusText(s);
   EXPECT_NE(text.find("llama    2/2          -        -    -             -  on          0\n"), std::string::npos)
       << text;
 }
 
 TEST(EventText, OneLinePerEventWithItsFields) {
-  v1::Event e;
-  e.set_kind(v1::Event::PERSISTED);
-  e.set_unix_seconds(1795396354.805);  // 2026-11-23T01:12:34.805Z
-  e.set_job("llama");
-  e.set_step(1200);
-  e.set_rank(3);
-  e.set_bytes(4000000000);
-  e.set_seconds(2.0);
+  DaemonEvent e;
+  e.kind = DaemonEvent::Kind::kPersisted;
+  e.unix_seconds = 1795396354.805;  // 2026-11-23T01:12:34.805Z
+  e.job = "llama";
+  e.step = 1200;
+  e.rank = 3;
+  e.bytes = 4000000000;
+  e.seconds = 2.0;
   EXPECT_EQ(EventText(e),
             "2026-11-23T01:12:34.805Z persisted   job=llama step=1200 rank=3 bytes=3.7GiB secs=2.00 gbps=2.00");
   EXPECT_DOUBLE_EQ(EventJson(e)["gbps"].get<double>(), 2.0);
-  e.set_kind(v1::Event::PERSIST_FAILED);
-  e.set_code("IO_ERROR");
-  e.set_reason("write x: Input/output error (errno 5)");
+  e.kind = DaemonEvent::Kind::kPersistFailed;
+  e.code = "IO_ERROR";
+  e.reason = "write x: Input/output error (errno 5)";
   EXPECT_EQ(EventText(e),
             "2026-11-23T01:12:34.805Z failed      job=llama step=1200 rank=3 code=IO_ERROR "
             "error=\"write x: Input/output error (errno 5)\"");
   EXPECT_EQ(EventJson(e)["code"], "IO_ERROR");
-  v1::Event lost;
-  lost.set_kind(v1::Event::EVENTS_LOST);
-  lost.set_unix_seconds(1795396354.805);
-  lost.set_lost(6);
+  DaemonEvent lost;
+  lost.kind = DaemonEvent::Kind::kEventsLost;
+  lost.unix_seconds = 1795396354.805;
+  lost.lost = 6;
   EXPECT_EQ(EventText(lost), "2026-11-23T01:12:34.805Z lost        6 event(s) dropped: this watcher fell behind");
 }
 
@@ -100,27 +100,27 @@ TEST(StatusText, ShowsTheEmaOfEachRank) {
 }
 
 TEST(StatusText, JobWithoutEmaSaysOffAndHasNoEmaTable) {
-  v1::StatusResponse s = TwoRankStatus();
-  s.mutable_jobs(0)->mutable_ranks(0)->set_ema_enabled(false);
+  DaemonStatus s = TwoRankStatus();
+  s.jobs[0].ranks[0].ema_enabled = false;
   std::string text = StatusText(s);
   EXPECT_NE(text.find("  ema off\n"), std::string::npos) << text;
   EXPECT_EQ(text.find("EMA STEP"), std::string::npos) << text;
 }
 
 TEST(StatusText, EmaWithoutUpdateYetShowsDash) {
-  v1::StatusResponse s = TwoRankStatus();
-  auto* r0 = s.mutable_jobs(0)->mutable_ranks(0);
-  r0->set_ema_last_step(-1);
-  r0->set_ema_updates_applied(0);
-  r0->set_ema_updates_skipped(0);
+  DaemonStatus s = TwoRankStatus();
+  RankStatus& r0 = s.jobs[0].ranks[0];
+  r0.ema_last_step = -1;
+  r0.ema_updates_applied = 0;
+  r0.ema_updates_skipped = 0;
   std::string text = StatusText(s);
   EXPECT_NE(text.find("   0  on   0.9999         -        0        0  48.0 MiB\n"), std::string::npos) << text;
 }
 
 // OLDEST WRITE: how long the rank's oldest persist in flight has run; "-" when none (0).
 TEST(StatusText, ShowsHowLongTheOldestWriteHasRun) {
-  v1::StatusResponse s = TwoRankStatus();
-  s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(2.34);
+  DaemonStatus s = TwoRankStatus();
+  s.jobs[0].ranks[0].oldest_write_seconds = 2.34;
   std::string text = StatusText(s);
   EXPECT_NE(text.find("  RANK  CONNECTED  MEMORY  COMMITTED  PERSISTED  SLOTS  OLDEST WRITE  SNAPSHOTS  PERSISTS  "
                       "FAILURES  SKIPPED  LAST ERROR\n"),
@@ -132,17 +132,17 @@ TEST(StatusText, ShowsHowLongTheOldestWriteHasRun) {
   EXPECT_NE(text.find("     1  yes           0 B          -          -  -                 -          0"),
             std::string::npos)
       << text;
-  s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(125);  // a stuck disk: minutes
+  s.jobs[0].ranks[0].oldest_write_seconds = 125;  // a stuck disk: minutes
   text = StatusText(s);
   EXPECT_NE(text.find("  -            2m 05s          0"), std::string::npos) << text;
 }
 
 TEST(StatusText, SaysWhetherTheDaemonHasCuda) {
-  v1::StatusResponse s = TwoRankStatus();
+  DaemonStatus s = TwoRankStatus();
   EXPECT_NE(StatusText(s).find("\ncuda    not compiled in\n"), std::string::npos) << StatusText(s);
-  s.set_cuda_compiled(true);
+  s.cuda_compiled = true;
   EXPECT_NE(StatusText(s).find("\ncuda    compiled in, no device\n"), std::string::npos) << StatusText(s);
-  s.set_cuda_devices(8);
+  s.cuda_devices = 8;
   EXPECT_NE(StatusText(s).find("\ncuda    compiled in, 8 devices\n"), std::string::npos) << StatusText(s);
   auto j = StatusJson(s);
   EXPECT_TRUE(j["cuda_compiled"].get<bool>());
@@ -150,8 +150,8 @@ TEST(StatusText, SaysWhetherTheDaemonHasCuda) {
 }
 
 TEST(StatusJson, OldestWriteSecondsIsZeroWhenNothingIsBeingWritten) {
-  v1::StatusResponse s = TwoRankStatus();
-  s.mutable_jobs(0)->mutable_ranks(0)->set_oldest_write_seconds(2.5);
+  DaemonStatus s = TwoRankStatus();
+  s.jobs[0].ranks[0].oldest_write_seconds = 2.5;
   auto j = StatusJson(s);
   EXPECT_DOUBLE_EQ(j["jobs"][0]["ranks"][0]["oldest_write_seconds"].get<double>(), 2.5);
   EXPECT_DOUBLE_EQ(j["jobs"][0]["ranks"][1]["oldest_write_seconds"].get<double>(), 0.0);
@@ -181,8 +181,8 @@ TEST(StatusJson, EveryRankHasAnEmaObjectWithTheSameKeys) {
 }
 
 TEST(StatusJson, EmaWithoutUpdateYetHasNullLastStep) {
-  v1::StatusResponse s = TwoRankStatus();
-  s.mutable_jobs(0)->mutable_ranks(0)->set_ema_last_step(-1);
+  DaemonStatus s = TwoRankStatus();
+  s.jobs[0].ranks[0].ema_last_step = -1;
   auto j = StatusJson(s);
   EXPECT_TRUE(j["jobs"][0]["ranks"][0]["ema"]["last_step"].is_null());
   EXPECT_EQ(j["jobs"][0]["ranks"][0]["ema"]["enabled"], true);
@@ -286,20 +286,17 @@ TEST(InspectJson, CountsTensorsPiecesAndBytes) {
 }
 
 TEST(DeleteText, NamesDeletedAndSkippedStepsAndTheLatest) {
-  v1::DeleteCheckpointsResponse r;
-  r.add_deleted(100);
-  r.add_deleted(200);
-  auto* s = r.add_skipped();
-  s->set_step(300);
-  s->set_reason("in use (a restore reading it or a save writing it)");
-  r.set_latest(500);
+  DeleteResult r;
+  r.deleted = {100, 200};
+  r.skipped.push_back({300, "in use (a restore reading it or a save writing it)"});
+  r.latest = 500;
   EXPECT_EQ(DeleteText("llama", r, false),
             "deleted llama/checkpoint-100\ndeleted llama/checkpoint-200\n"
             "skipped llama/checkpoint-300: in use (a restore reading it or a save writing it)\n"
             "latest  checkpoint-500\n");
   EXPECT_EQ(DeleteText("llama", r, true).rfind("would delete llama/checkpoint-100\n", 0), 0u);
-  v1::DeleteCheckpointsResponse none;
-  none.set_latest(-1);
+  DeleteResult none;
+  none.latest = -1;
   EXPECT_EQ(DeleteText("j", none, false), "deleted nothing of job j\nlatest  none (no complete checkpoint left)\n");
   auto j = DeleteJson("j", none, false);
   EXPECT_TRUE(j["latest"].is_null());

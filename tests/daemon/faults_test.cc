@@ -24,6 +24,7 @@
 #include "common/read/verify.h"
 #include "daemon/edge/wire.h"
 #include "flashckpt.grpc.pb.h"
+#include "flashckpt/admin.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
 #include "testing.h"
@@ -60,15 +61,18 @@ class FaultsTest : public ::testing::Test {
     if (s.jobs_size() > 0 && s.jobs(0).ranks_size() > 0) out = s.jobs(0).ranks(0);
     return out;
   }
-  // The daemon's answer to `flashckpt status`, fetched over the socket as the CLI does.
-  v1::StatusResponse StatusOverTheSocket() const {
-    auto stub = v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + d_.socket(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 5s);
-    v1::StatusResponse resp;
-    grpc::Status s = stub->GetStatus(&ctx, v1::StatusRequest{}, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp;
+  // The daemon's answer to `flashckpt status`, fetched over the socket as the CLI does (through the
+  // operator client, flashckpt/admin.h).
+  DaemonStatus StatusOverTheSocket() const {
+    AdminOptions options;
+    options.socket_path = d_.socket();
+    options.rpc_timeout = 5s;
+    auto admin = AdminClient::Open(options);
+    EXPECT_TRUE(admin.ok()) << admin.status().ToString();
+    if (!admin.ok()) return {};
+    auto status = admin.value()->Status();
+    EXPECT_TRUE(status.ok()) << status.status().ToString();
+    return status.ok() ? *status : DaemonStatus{};
   }
 
   // One rank of `job` with two tensors of n floats; each save fills them with the step.
@@ -172,10 +176,10 @@ TEST_F(FaultsTest, TheFirstFailureShowsInStatus) {
   io_.FailNth(Op::kWrite, 1, ENOSPC);
   Status s = t.Save(2);
   ExpectFailedCleanly("first", 2, s, ENOSPC, 1, 1);
-  const v1::StatusResponse status = StatusOverTheSocket();
-  ASSERT_EQ(status.jobs_size(), 1);
-  EXPECT_EQ(status.jobs(0).ranks(0).failures(), 1u);
-  EXPECT_EQ(status.jobs(0).last_complete_step(), 1);
+  const DaemonStatus status = StatusOverTheSocket();
+  ASSERT_EQ(status.jobs.size(), 1u);
+  EXPECT_EQ(status.jobs[0].ranks[0].failures, 1u);
+  EXPECT_EQ(status.jobs[0].last_complete_step, 1);
   const std::string text = cli::StatusText(status);
   EXPECT_TRUE(Contains(text, "step 2: RESOURCE_EXHAUSTED: write " + StepDir("first", 2) + "/")) << text;
   ASSERT_OK(t.Save(3));
@@ -274,13 +278,13 @@ TEST_F(FaultsTest, StatusShowsHowLongTheOldestWriteHasRun) {
   EXPECT_EQ(RankStatus().oldest_write_seconds(), 0.0);
   io_.SlowWrites(300ms);
   ASSERT_OK(t.Snapshot(1).status());
-  v1::StatusResponse during = StatusOverTheSocket();
+  DaemonStatus during = StatusOverTheSocket();
   for (auto deadline = Clock::now() + 10s;  // the writer takes the save within moments
-       during.jobs(0).ranks(0).oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+       during.jobs[0].ranks[0].oldest_write_seconds == 0 && Clock::now() < deadline;) {
     std::this_thread::sleep_for(10ms);
     during = StatusOverTheSocket();
   }
-  const double seconds = during.jobs(0).ranks(0).oldest_write_seconds();
+  const double seconds = during.jobs[0].ranks[0].oldest_write_seconds;
   EXPECT_GT(seconds, 0.0);
   EXPECT_LT(seconds, 60.0);
   char shown[32];
@@ -294,8 +298,8 @@ TEST_F(FaultsTest, StatusShowsHowLongTheOldestWriteHasRun) {
   EXPECT_TRUE(Contains(*json, "\"oldest_write_seconds\"")) << *json;
 
   ASSERT_OK(t.client->WaitPersisted(1, 30s));
-  const v1::StatusResponse idle = StatusOverTheSocket();
-  EXPECT_EQ(idle.jobs(0).ranks(0).oldest_write_seconds(), 0.0);
+  const DaemonStatus idle = StatusOverTheSocket();
+  EXPECT_EQ(idle.jobs[0].ranks[0].oldest_write_seconds, 0.0);
   EXPECT_EQ(cli::StatusJson(idle)["jobs"][0]["ranks"][0]["oldest_write_seconds"].get<double>(), 0.0);
 }
 

@@ -1,0 +1,206 @@
+// libflashckpt, operator side: what a flashckptd says about itself (status, checkpoints, events,
+// health) and the deletion of checkpoints through it, as plain C++ structs. The `flashckpt`
+// command is built on it; trainers use client.h.
+//
+//   auto admin = flashckpt::AdminClient::Open({.socket_path = "/run/flashckpt/flashckptd.sock"});
+//   if (!admin.ok()) return admin.status();
+//   auto status = admin.value()->Status();
+//   for (const flashckpt::JobStatus& job : status->jobs) ...
+//
+// Endpoint: the daemon's UNIX socket, or its TCP listener (flashckptd --listen HOST:PORT), over TLS
+// when a CA is given. Over TCP the daemon answers Status, List, Watch and Health; Delete and Gc only
+// when it runs with --tcp-allow-writes (else they fail, naming that flag).
+// No session: an AdminClient registers nothing and may come and go while trainers run. It does not
+// wait for a daemon that is down: a call fails at once with kUnavailable, and the next call tries
+// again.
+// Thread safety: an AdminClient may be used from several threads at once.
+// Blocking: every unary call has a deadline (AdminOptions::rpc_timeout; Delete and Gc:
+// delete_timeout). Watch() runs until its handler, its limits or the daemon end it.
+// Errors: a Status whose message can be shown to an operator as it is:
+//   kUnavailable       "daemon not reachable at /run/flashckpt/flashckptd.sock (UNAVAILABLE: <gRPC's reason>)"
+//   kDeadlineExceeded  "GetStatus got no answer from 10.0.0.5:7070 (TLS) within 10 s (DEADLINE_EXCEEDED)"
+//   any other code     "DeleteCheckpoints failed: FAILED_PRECONDITION (gRPC code 9): <the daemon's reason>"
+// The code is the one the daemon sent, mapped as for the trainer client; gRPC codes flashckpt has no
+// code for (PERMISSION_DENIED from a read-only TCP listener, UNIMPLEMENTED) are kInternal, and the
+// message names them.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flashckpt/status.h"
+
+namespace flashckpt {
+
+struct AdminOptions {
+  std::string socket_path;  // the daemon's UNIX socket (flashckptd --socket); used when `address` is empty
+  std::string address;      // HOST:PORT or [IPV6]:PORT of the daemon's TCP listener (flashckptd --listen)
+  std::string tls_ca_file;  // with `address`: PEM file of the CA that signed the daemon's --tls-cert;
+                            // empty: plain TCP. Read by Open().
+  std::chrono::milliseconds rpc_timeout{10000};      // deadline of Status, List and Health
+  std::chrono::milliseconds delete_timeout{300000};  // of Delete and Gc, which remove directory trees
+};
+
+// One slot of a rank's segment.
+struct SlotStatus {
+  uint32_t index = 0;
+  std::string state;  // "free", "filling", "committed", "persisting", "restoring"
+  int64_t step = 0;   // negative: none
+};
+
+// One rank registered with the daemon. Steps that have not happened yet are negative.
+struct RankStatus {
+  uint32_t rank = 0;
+  bool connected = false;  // its session is open
+  uint64_t segment_bytes = 0;
+  int64_t last_committed_step = 0;
+  int64_t last_persisted_step = 0;
+  std::string last_error;  // of the last failed save; empty: none
+  uint64_t snapshots = 0;
+  uint64_t persists = 0;
+  uint64_t failures = 0;
+  uint64_t skipped = 0;  // snapshots refused for want of a free slot (skip policy)
+  std::vector<SlotStatus> slots;
+  double oldest_write_seconds = 0;  // how long its oldest persist being written has run; 0: none
+  double last_persist_gbps = 0;     // rate of its last persist; 0: none yet
+  // Its EMA (all zero when off).
+  bool ema_enabled = false;
+  double ema_decay = 0;
+  int64_t ema_last_step = 0;  // step of the last update applied; negative: none yet
+  uint64_t ema_updates_applied = 0;
+  uint64_t ema_updates_skipped = 0;  // refused by the loss threshold
+  uint64_t ema_bytes = 0;            // size of the rank's ema.*.safetensors image
+};
+
+struct JobStatus {
+  std::string job;
+  uint32_t world_size = 0;
+  int64_t last_complete_step = 0;  // negative: none, or it could not be told (catalog_error)
+  std::vector<RankStatus> ranks;   // the ranks registered with this daemon
+  std::string catalog_error;       // why the job's checkpoints cannot be read; empty: they can
+};
+
+// The daemon, its memory and every job and rank it knows.
+struct DaemonStatus {
+  std::string version;
+  double uptime_seconds = 0;
+  uint64_t host_memory_used = 0;
+  uint64_t host_memory_budget = 0;  // --max-host-memory
+  std::string root;
+  bool cuda_compiled = false;  // the daemon's build has CUDA
+  int32_t cuda_devices = 0;    // the devices the daemon sees (the trainers' are theirs)
+  std::vector<JobStatus> jobs;
+};
+
+// One checkpoint directory under the daemon's root.
+struct CheckpointInfo {
+  std::string job;
+  int64_t step = 0;
+  bool complete = false;  // metadata.json exists
+  uint32_t signals = 0;   // saved_signal files present
+  uint32_t world_size = 0;  // 0: unknown (incomplete)
+  uint64_t bytes = 0;
+  std::string path;
+  bool latest = false;  // LATEST names it
+};
+
+// One thing that happened to a snapshot or a checkpoint, as the daemon saw it. Fields that do not
+// apply to a kind are zero or empty.
+struct DaemonEvent {
+  enum class Kind {
+    kUnknown,             // sent by a newer daemon
+    kSnapshotCommitted,   // a rank's snapshot is in its slot (bytes: the rank's state; reason: what for)
+    kSnapshotSkipped,     // no free slot under the skip policy (reason)
+    kEmaUpdated,          // the rank's EMA took the step (seconds: the update's duration)
+    kPersisted,           // the rank's files and signal of the step are durable (bytes, seconds)
+    kPersistFailed,       // reason: the error; code: its code name (IO_ERROR, RESOURCE_EXHAUSTED, ...)
+    kCheckpointComplete,  // metadata.json written: every rank of the step is durable
+    kCheckpointDeleted,   // reason: "retention", "delete" or "gc"
+    kEventsLost,          // this watcher fell behind; `lost` events were dropped for it
+    kPersistAbandoned,    // the daemon stopped before writing it (reason); the next daemon does
+  };
+  Kind kind = Kind::kUnknown;
+  double unix_seconds = 0;
+  std::string job;
+  uint32_t rank = 0;
+  int64_t step = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+  std::string reason;
+  uint64_t lost = 0;
+  std::string code;
+};
+
+struct SkippedCheckpoint {
+  int64_t step = 0;
+  std::string reason;  // e.g. in use by a restore or a save
+};
+
+// What Delete or Gc deleted (or, dry run, would delete).
+struct DeleteResult {
+  std::vector<int64_t> deleted;  // oldest first
+  std::vector<SkippedCheckpoint> skipped;
+  int64_t latest = -1;  // the newest complete checkpoint afterwards; negative: none
+};
+
+// grpc.health.v1 serving states; the names are gRPC's.
+enum class HealthState { kUnknown, kServing, kNotServing, kServiceUnknown };
+// "UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN".
+std::string_view HealthStateName(HealthState state);
+
+struct WatchOptions {
+  std::string job;  // empty: every job
+  // Watch() returns OK once this much time has passed; 0: no limit.
+  std::chrono::milliseconds duration{0};
+  // Watch() returns OK after this many events; 0: no limit.
+  uint64_t max_events = 0;
+  // Called once the call is established (the daemon has subscribed the watcher: every event from
+  // then on is seen) or has failed (Watch() then returns its error), before any event.
+  std::function<void()> on_subscribed;
+};
+
+class AdminClient {
+ public:
+  // Prepares the channel to the daemon; connects at the first call. Fails only when the TLS CA
+  // file cannot be read.
+  static Result<std::unique_ptr<AdminClient>> Open(const AdminOptions& options);
+  ~AdminClient();
+
+  AdminClient(const AdminClient&) = delete;
+  AdminClient& operator=(const AdminClient&) = delete;
+
+  // Where the daemon is, as messages name it: "/run/flashckpt/flashckptd.sock",
+  // "10.0.0.5:7070 (TLS)", "127.0.0.1:7070 (plain TCP)".
+  const std::string& endpoint() const;
+
+  // The daemon's version, memory budget and use, and every job and rank it knows (GetStatus).
+  Result<DaemonStatus> Status();
+  // The checkpoint directories of `job`, or (empty) of every job under the daemon's root.
+  Result<std::vector<CheckpointInfo>> List(const std::string& job);
+  // Calls `on_event` on this thread for each event as the daemon reports it, until `on_event`
+  // returns false or a limit of `options` is reached (then OK), or the stream ends: OK when the
+  // daemon ends it cleanly, else its error (kUnavailable when the daemon stops).
+  flashckpt::Status Watch(const WatchOptions& options, const std::function<bool(const DaemonEvent&)>& on_event);
+  // Deletes the checkpoint `step` of `job` (complete or not). Never one in use (kFailedPrecondition);
+  // the newest complete one only with `force` (LATEST then moves back to the newest one left).
+  // `dry_run`: deletes nothing and says what would be deleted.
+  Result<DeleteResult> Delete(const std::string& job, int64_t step, bool force, bool dry_run);
+  // Keeps the newest `keep` (>= 1) complete checkpoints of `job` and deletes older ones, and
+  // incomplete directories older than the oldest kept one, as flashckptd --keep does; steps in use
+  // are skipped.
+  Result<DeleteResult> Gc(const std::string& job, uint32_t keep, bool dry_run);
+  // grpc.health.v1.Health/Check of the daemon as a whole: kServing, or kNotServing while it stops.
+  Result<HealthState> Health();
+
+ private:
+  struct Impl;
+  explicit AdminClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashckpt

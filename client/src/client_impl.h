@@ -1,0 +1,156 @@
+// The state behind flashckpt::Client (client.h), shared by the files of the trainer client:
+// session.cc (connect, the session stream, registration and re-attach after a daemon restart),
+// client.cc (snapshot, restore, EMA), wire.cc (protobuf), host_copy.cc and cuda_copy.cc (copies).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "client/src/host_copy.h"
+#include "common/base/mutex.h"
+#include "common/base/thread_pool.h"
+#include "common/io/shm.h"
+#include "flashckpt.grpc.pb.h"
+#include "flashckpt/client.h"
+
+#if FLASHCKPT_HAVE_CUDA
+#include "client/src/cuda_copy.h"
+#endif
+
+namespace flashckpt {
+
+struct MappedTensor {
+  uint64_t slot_offset = 0;
+  uint64_t bytes = 0;
+  bool replica = false;
+  bool ema_source = false;  // read by the daemon's EMA: the only tensors an EMA-only snapshot copies
+};
+
+// Which registered tensors a call moves.
+enum class Selection { kSaved, kEmaSources, kAll };
+
+using Matched = std::vector<std::pair<const TensorBuffer*, const MappedTensor*>>;
+
+namespace detail {
+
+// What a device snapshot's commit thread tells the handles: the copies, then the commit.
+struct SnapshotProgress {
+ public:
+  void SetCopied(const Status& s) EXCLUDES(mu_);
+  void SetCommitted(const Status& s) EXCLUDES(mu_);
+  // Block until the copies (the commit) are done and return their outcome.
+  Status WaitCopied() EXCLUDES(mu_);
+  Status WaitCommitted() EXCLUDES(mu_);
+
+ private:
+  Mutex mu_;
+  CondVar cv_;
+  bool copied_ GUARDED_BY(mu_) = false;
+  bool committed_ GUARDED_BY(mu_) = false;
+  Status copy_status_ GUARDED_BY(mu_);
+  Status commit_status_ GUARDED_BY(mu_);
+};
+
+}  // namespace detail
+
+// Used by one thread at a time (the Client's contract); the commit thread of a device snapshot
+// reads only `stub` and `options`, and the handles share only the SnapshotProgress.
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Checkpoint::Stub> stub;
+  // The session stream: open for the client's lifetime.
+  std::unique_ptr<grpc::ClientContext> session_ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> session;
+  std::string session_id;
+  bool closed = false;
+  // Re-attaching after the daemon restarted: the last registration (without a session id), the
+  // step this process restored (its signals name that attempt), and whether the session is lost.
+  std::optional<v1::RegisterRequest> registration;
+  int64_t resumed_from = 0;
+  bool broken = false;
+
+  std::unique_ptr<SharedSegment> segment;
+  uint32_t slot_count = 0;
+  uint64_t slot_offset = 0, slot_stride = 0;
+  std::map<std::string, MappedTensor> tensors;
+  std::map<std::string, MappedTensor> ema_tensors;
+  std::unique_ptr<ParallelLoop> copier;  // copies large host tensors on several threads
+#if FLASHCKPT_HAVE_CUDA
+  // Device copies; holds the pins of the slots, so it is declared after (destroyed before) `segment`.
+  DeviceCopier device;
+#endif
+  // The device snapshot whose commit thread is running, if any: every call but EmaTensorNames()
+  // joins it first (FinishPending), so the thread never runs beside another call of this client;
+  // the handles' waits touch only the progress it shares with them.
+  std::thread committer;
+  std::shared_ptr<detail::SnapshotProgress> pending;
+
+  void Deadline(grpc::ClientContext* ctx, std::chrono::milliseconds extra = std::chrono::milliseconds(0)) const {
+    ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout + extra);
+  }
+  char* Slot(uint32_t i) const { return segment->data() + slot_offset + slot_stride * i; }
+  // Gives a slot the daemon lent for reading (restore, EMA) back.
+  Status ReleaseSlot(uint32_t slot, uint64_t generation) const;
+  Status Usable() {
+    if (closed) return Cancelled("the client is closed");
+    FinishPending();
+    return Status::OK();
+  }
+  // Waits for the commit thread of the last device snapshot; its outcome is the handle's.
+  void FinishPending() {
+    if (committer.joinable()) committer.join();
+    if (pending) (void)Note(pending->WaitCommitted());
+    pending.reset();
+  }
+  // Unpins and unmaps the segment.
+  void Unmap() {
+#if FLASHCKPT_HAVE_CUDA
+    device.Unpin();
+#endif
+    segment.reset();
+  }
+  // Sends the commit of a filled slot; on failure gives the slot back. Reads only `stub` and
+  // `options`, so the commit thread may call it.
+  Status SendCommit(const v1::CommitRequest& commit) const;
+  // Gives a slot being filled back, so a failed snapshot does not hold it until the session ends.
+  void AbortSlot(const std::string& session_of_slot, uint32_t slot, uint64_t generation) const;
+  // Copies the slot's bytes into the caller's buffers (restore, EMA): memcpy for host buffers,
+  // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.
+  // Returns once every byte is in place.
+  Status CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device, void* cuda_stream);
+  // Opens the session stream and reads the session id, within the rpc timeout.
+  Status OpenSession();
+  // Maps the segment the registration reply names (keeping the mapping when it is the same one)
+  // and records the tensors' places.
+  Status ApplyRegistration(const v1::RegisterResponse& resp);
+  // A new session and the same registration, after the daemon restarted (UNAVAILABLE). Waits up
+  // to `wait` for the daemon's socket to accept.
+  Status Reattach(std::chrono::milliseconds wait);
+  // Runs `rpc`, a unary call that reads `session_id` when it runs; on UNAVAILABLE it re-attaches
+  // once and runs it again. A lost session is re-attached before the call.
+  Status WithSession(const std::function<Status()>& rpc);
+  // As WithSession, but while the daemon is unavailable (down, restarting, or killed in the middle
+  // of the call) it keeps re-attaching and retrying until `patience` has passed: for the calls that
+  // start a rank's life (Register), which a trainer cannot go on without.
+  Status WithSessionPatiently(const std::function<Status()>& rpc, std::chrono::milliseconds patience);
+  // Remembers that the session is lost when `s` is UNAVAILABLE; returns `s`.
+  Status Note(Status s) {
+    if (s.code() == StatusCode::kUnavailable) broken = true;
+    return s;
+  }
+  // Checks that `buffers` names registered tensors with matching sizes, each at most once, and
+  // covers every tensor `required` selects.
+  Result<Matched> Match(const std::vector<TensorBuffer>& buffers, Selection selection) const;
+};
+
+}  // namespace flashckpt

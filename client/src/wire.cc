@@ -1,0 +1,217 @@
+#include "client/src/wire.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include "common/base/dtype.h"
+
+namespace flashckpt {
+
+StatusCode CodeFromGrpc(const grpc::Status& s) {
+  switch (s.error_code()) {
+    case grpc::StatusCode::OK: return StatusCode::kOk;
+    case grpc::StatusCode::INVALID_ARGUMENT: return StatusCode::kInvalidArgument;
+    case grpc::StatusCode::NOT_FOUND: return StatusCode::kNotFound;
+    case grpc::StatusCode::ALREADY_EXISTS: return StatusCode::kAlreadyExists;
+    case grpc::StatusCode::FAILED_PRECONDITION: return StatusCode::kFailedPrecondition;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return StatusCode::kResourceExhausted;
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return StatusCode::kDeadlineExceeded;
+    case grpc::StatusCode::UNAVAILABLE: return StatusCode::kUnavailable;
+    case grpc::StatusCode::DATA_LOSS: return StatusCode::kCorruption;
+    case grpc::StatusCode::CANCELLED: return StatusCode::kCancelled;
+    // The daemon sends IO_ERROR (a failed system call: a failing disk) as INTERNAL named in the details.
+    case grpc::StatusCode::INTERNAL:
+      return s.error_details() == "IO_ERROR" ? StatusCode::kIOError : StatusCode::kInternal;
+    default: return StatusCode::kInternal;
+  }
+}
+
+Status FromGrpc(const grpc::Status& s, std::string_view rpc) {
+  if (s.ok()) return Status::OK();
+  return Status(CodeFromGrpc(s), std::string(rpc) + ": " + s.error_message());
+}
+
+const char* GrpcCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    default: return "UNRECOGNIZED";
+  }
+}
+
+v1::TensorKind KindToProto(TensorKind k) {
+  switch (k) {
+    case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
+    case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
+    case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
+    case TensorKind::kEma: break;  // the daemon's own kind: refused at registration
+  }
+  return v1::TENSOR_KIND_UNSPECIFIED;
+}
+
+v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vector<TensorSpec>& tensors,
+                                      const EmaOptions& ema, const ClientOptions& options) {
+  v1::RegisterRequest req;
+  auto* t = req.mutable_topology();
+  t->set_world_size(topology.world_size);
+  t->set_tp_rank(topology.tp_rank);
+  t->set_tp_degree(topology.tp_degree);
+  t->set_pp_rank(topology.pp_rank);
+  t->set_pp_degree(topology.pp_degree);
+  t->set_shard_rank(topology.shard_rank);
+  t->set_shard_degree(topology.shard_degree);
+  req.set_backpressure(options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
+  req.set_fatal_persist_errors(options.fatal_persist_errors);
+  if (ema.decay) {
+    auto* e = req.mutable_ema();
+    e->set_enabled(true);
+    e->set_decay(*ema.decay);
+    e->set_interval(ema.interval);
+    e->set_init(ema.init_zeros ? "zeros" : "first");
+    e->set_model_params(ema.all_float_params ? "all" : "fp32");
+    if (ema.loss_threshold) {
+      e->set_has_loss_threshold(true);
+      e->set_loss_threshold(*ema.loss_threshold);
+    }
+  }
+  for (const auto& spec : tensors) {
+    auto* p = req.add_tensors();
+    p->set_name(spec.name);
+    p->set_kind(KindToProto(spec.kind));
+    p->set_dtype(std::string(DTypeName(spec.dtype)));
+    for (auto d : spec.shape) p->add_shape(d);
+    for (auto d : spec.global_shape) p->add_global_shape(d);
+    for (auto d : spec.box_offset) p->add_box_offset(d);
+    for (auto d : spec.box_shape) p->add_box_shape(d);
+    if (spec.flat_range) {
+      p->set_has_flat_range(true);
+      p->set_flat_begin(spec.flat_range->begin);
+      p->set_flat_end(spec.flat_range->end);
+    }
+    p->set_replica(spec.replica);
+    p->set_param(spec.param);
+  }
+  return req;
+}
+
+Result<std::string> StatusResponseJson(const v1::StatusResponse& status) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  auto converted = google::protobuf::util::MessageToJsonString(status, &json, options);
+  if (!converted.ok()) return Internal("cannot render the daemon status as JSON: " + converted.ToString());
+  return json;
+}
+
+DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
+  DaemonStatus out;
+  out.version = status.version();
+  out.uptime_seconds = status.uptime_seconds();
+  out.host_memory_used = status.host_memory_used();
+  out.host_memory_budget = status.host_memory_budget();
+  out.root = status.root();
+  out.cuda_compiled = status.cuda_compiled();
+  out.cuda_devices = status.cuda_devices();
+  out.jobs.reserve(static_cast<size_t>(status.jobs_size()));
+  for (const v1::JobStatus& j : status.jobs()) {
+    JobStatus job;
+    job.job = j.job();
+    job.world_size = j.world_size();
+    job.last_complete_step = j.last_complete_step();
+    job.catalog_error = j.catalog_error();
+    job.ranks.reserve(static_cast<size_t>(j.ranks_size()));
+    for (const v1::RankStatus& r : j.ranks()) {
+      RankStatus rank;
+      rank.rank = r.rank();
+      rank.connected = r.connected();
+      rank.segment_bytes = r.segment_bytes();
+      rank.last_committed_step = r.last_committed_step();
+      rank.last_persisted_step = r.last_persisted_step();
+      rank.last_error = r.last_error();
+      rank.snapshots = r.snapshots();
+      rank.persists = r.persists();
+      rank.failures = r.failures();
+      rank.skipped = r.skipped();
+      for (const v1::SlotStatus& s : r.slots()) rank.slots.push_back({s.index(), s.state(), s.step()});
+      rank.oldest_write_seconds = r.oldest_write_seconds();
+      rank.last_persist_gbps = r.last_persist_gbps();
+      rank.ema_enabled = r.ema_enabled();
+      rank.ema_decay = r.ema_decay();
+      rank.ema_last_step = r.ema_last_step();
+      rank.ema_updates_applied = r.ema_updates_applied();
+      rank.ema_updates_skipped = r.ema_updates_skipped();
+      rank.ema_bytes = r.ema_bytes();
+      job.ranks.push_back(std::move(rank));
+    }
+    out.jobs.push_back(std::move(job));
+  }
+  return out;
+}
+
+std::vector<CheckpointInfo> CheckpointsFromProto(const v1::ListCheckpointsResponse& list) {
+  std::vector<CheckpointInfo> out;
+  out.reserve(static_cast<size_t>(list.checkpoints_size()));
+  for (const v1::CheckpointInfo& c : list.checkpoints()) {
+    out.push_back({c.job(), c.step(), c.complete(), c.signals(), c.world_size(), c.bytes(), c.path(), c.latest()});
+  }
+  return out;
+}
+
+namespace {
+
+DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
+  switch (kind) {
+    case v1::Event::SNAPSHOT_COMMITTED: return DaemonEvent::Kind::kSnapshotCommitted;
+    case v1::Event::SNAPSHOT_SKIPPED: return DaemonEvent::Kind::kSnapshotSkipped;
+    case v1::Event::EMA_UPDATED: return DaemonEvent::Kind::kEmaUpdated;
+    case v1::Event::PERSISTED: return DaemonEvent::Kind::kPersisted;
+    case v1::Event::PERSIST_FAILED: return DaemonEvent::Kind::kPersistFailed;
+    case v1::Event::CHECKPOINT_COMPLETE: return DaemonEvent::Kind::kCheckpointComplete;
+    case v1::Event::CHECKPOINT_DELETED: return DaemonEvent::Kind::kCheckpointDeleted;
+    case v1::Event::EVENTS_LOST: return DaemonEvent::Kind::kEventsLost;
+    case v1::Event::PERSIST_ABANDONED: return DaemonEvent::Kind::kPersistAbandoned;
+    default: return DaemonEvent::Kind::kUnknown;
+  }
+}
+
+}  // namespace
+
+DaemonEvent EventFromProto(const v1::Event& event) {
+  DaemonEvent out;
+  out.kind = EventKindFromProto(event.kind());
+  out.unix_seconds = event.unix_seconds();
+  out.job = event.job();
+  out.rank = event.rank();
+  out.step = event.step();
+  out.bytes = event.bytes();
+  out.seconds = event.seconds();
+  out.reason = event.reason();
+  out.lost = event.lost();
+  out.code = event.code();
+  return out;
+}
+
+DeleteResult DeleteResultFromProto(const v1::DeleteCheckpointsResponse& resp) {
+  DeleteResult out;
+  out.deleted.assign(resp.deleted().begin(), resp.deleted().end());
+  for (const v1::SkippedCheckpoint& s : resp.skipped()) out.skipped.push_back({s.step(), s.reason()});
+  out.latest = resp.latest();
+  return out;
+}
+
+}  // namespace flashckpt
