@@ -20,6 +20,16 @@ std::chrono::milliseconds ReattachWait(const ClientOptions& options) {
   return std::min<std::chrono::milliseconds>(options.rpc_timeout, std::chrono::milliseconds(250));
 }
 
+// Why a session stream ended before it opened. CANCELLED here is never this client's doing (its
+// own cancel is the timeout, DEADLINE_EXCEEDED): a daemon whose server shuts down (a restart)
+// cancels the streams it has; that is UNAVAILABLE, waited out like a daemon not yet listening.
+Status SessionRefused(const grpc::Status& s) {
+  if (s.error_code() == grpc::StatusCode::CANCELLED) {
+    return Unavailable("Session: the daemon ended the stream while it shut down (" + s.error_message() + ")");
+  }
+  return FromGrpc(s, "Session");
+}
+
 }  // namespace
 
 Status Client::Impl::OpenSession() {
@@ -34,7 +44,7 @@ Status Client::Impl::OpenSession() {
   v1::SessionRequest hello;
   hello.set_job(options.job);
   hello.set_rank(options.rank);
-  if (!stream->Write(hello)) return FromGrpc(stream->Finish(), "Session");
+  if (!stream->Write(hello)) return SessionRefused(stream->Finish());
   // The first event carries the session id; bound the wait for it.
   v1::SessionEvent event;
   auto* raw = stream.get();
@@ -46,7 +56,7 @@ Status Client::Impl::OpenSession() {
     return DeadlineExceeded("flashckptd did not open the session within " +
                             std::to_string(options.rpc_timeout.count()) + " ms");
   }
-  if (!reply.get()) return FromGrpc(stream->Finish(), "Session");
+  if (!reply.get()) return SessionRefused(stream->Finish());
   session_ctx = std::move(ctx);
   session = std::move(stream);
   session_id = event.session_id();

@@ -3,6 +3,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include "common/base/dtype.h"
+#include "proto/convert.h"
 
 namespace flashckpt {
 
@@ -53,27 +54,10 @@ const char* GrpcCodeName(grpc::StatusCode code) {
   }
 }
 
-v1::TensorKind KindToProto(TensorKind k) {
-  switch (k) {
-    case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
-    case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
-    case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
-    case TensorKind::kEma: break;  // the daemon's own kind: refused at registration
-  }
-  return v1::TENSOR_KIND_UNSPECIFIED;
-}
-
 v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vector<TensorSpec>& tensors,
                                       const EmaOptions& ema, const ClientOptions& options) {
   v1::RegisterRequest req;
-  auto* t = req.mutable_topology();
-  t->set_world_size(topology.world_size);
-  t->set_tp_rank(topology.tp_rank);
-  t->set_tp_degree(topology.tp_degree);
-  t->set_pp_rank(topology.pp_rank);
-  t->set_pp_degree(topology.pp_degree);
-  t->set_shard_rank(topology.shard_rank);
-  t->set_shard_degree(topology.shard_degree);
+  TopologyToProto(topology, req.mutable_topology());
   req.set_backpressure(options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
   req.set_fatal_persist_errors(options.fatal_persist_errors);
   if (ema.decay) {
@@ -88,23 +72,7 @@ v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vecto
       e->set_loss_threshold(*ema.loss_threshold);
     }
   }
-  for (const auto& spec : tensors) {
-    auto* p = req.add_tensors();
-    p->set_name(spec.name);
-    p->set_kind(KindToProto(spec.kind));
-    p->set_dtype(std::string(DTypeName(spec.dtype)));
-    for (auto d : spec.shape) p->add_shape(d);
-    for (auto d : spec.global_shape) p->add_global_shape(d);
-    for (auto d : spec.box_offset) p->add_box_offset(d);
-    for (auto d : spec.box_shape) p->add_box_shape(d);
-    if (spec.flat_range) {
-      p->set_has_flat_range(true);
-      p->set_flat_begin(spec.flat_range->begin);
-      p->set_flat_end(spec.flat_range->end);
-    }
-    p->set_replica(spec.replica);
-    p->set_param(spec.param);
-  }
+  for (const TensorSpec& spec : tensors) TensorSpecToProto(spec, req.add_tensors());
   return req;
 }
 

@@ -26,7 +26,6 @@ Status FromGrpc(const grpc::Status& s, std::string_view rpc);
 const char* GrpcCodeName(grpc::StatusCode code);
 
 // --- trainer client ---
-v1::TensorKind KindToProto(TensorKind k);
 // Register's request (without the session id and resumed_from, which each attempt sets).
 v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vector<TensorSpec>& tensors,
                                       const EmaOptions& ema, const ClientOptions& options);

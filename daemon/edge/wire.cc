@@ -1,6 +1,6 @@
 #include "daemon/edge/wire.h"
 
-#include "common/base/dtype.h"
+#include "proto/convert.h"
 
 namespace flashckpt {
 namespace {
@@ -26,16 +26,6 @@ v1::Event::Kind KindToProto(Event::Kind kind) {
     case Event::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
   }
   return v1::Event::KIND_UNSPECIFIED;
-}
-
-v1::TensorKind TensorKindToProto(TensorKind kind) {
-  switch (kind) {
-    case TensorKind::kModel: return v1::TENSOR_KIND_MODEL;
-    case TensorKind::kOptimizer: return v1::TENSOR_KIND_OPTIMIZER;
-    case TensorKind::kMasterWeight: return v1::TENSOR_KIND_MASTER_WEIGHT;
-    case TensorKind::kEma: break;  // the daemon's own: never registered
-  }
-  return v1::TENSOR_KIND_UNSPECIFIED;
 }
 
 }  // namespace
@@ -115,32 +105,8 @@ v1::Event ToProto(const Event& event) {
 
 v1::RegisterRequest RegistrationRecord(const Registration& registration) {
   v1::RegisterRequest out;
-  const Topology& t = registration.topology;
-  v1::Topology* topology = out.mutable_topology();
-  topology->set_world_size(t.world_size);
-  topology->set_tp_rank(t.tp_rank);
-  topology->set_tp_degree(t.tp_degree);
-  topology->set_pp_rank(t.pp_rank);
-  topology->set_pp_degree(t.pp_degree);
-  topology->set_shard_rank(t.shard_rank);
-  topology->set_shard_degree(t.shard_degree);
-  for (const TensorSpec& spec : registration.tensors) {
-    v1::TensorSpec* p = out.add_tensors();
-    p->set_name(spec.name);
-    p->set_kind(TensorKindToProto(spec.kind));
-    p->set_dtype(std::string(DTypeName(spec.dtype)));
-    for (uint64_t d : spec.shape) p->add_shape(d);
-    for (uint64_t d : spec.global_shape) p->add_global_shape(d);
-    for (uint64_t d : spec.box_offset) p->add_box_offset(d);
-    for (uint64_t d : spec.box_shape) p->add_box_shape(d);
-    if (spec.flat_range) {
-      p->set_has_flat_range(true);
-      p->set_flat_begin(spec.flat_range->begin);
-      p->set_flat_end(spec.flat_range->end);
-    }
-    p->set_replica(spec.replica);
-    p->set_param(spec.param);
-  }
+  TopologyToProto(registration.topology, out.mutable_topology());
+  for (const TensorSpec& spec : registration.tensors) TensorSpecToProto(spec, out.add_tensors());
   out.set_backpressure(registration.policy == Backpressure::kSkip ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
   const EmaConfig& ema = registration.ema;
   if (ema.enabled) {

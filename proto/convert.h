@@ -1,0 +1,16 @@
+// The public types (flashckpt/tensor.h) as flashckpt.v1 messages: what the client library sends in
+// Register and what the daemon keeps of a registration in its state directory, converted the same
+// way on both sides. The other direction is the daemon's ParseRegistration (daemon/edge/registration.h),
+// which also checks what it reads.
+#pragma once
+
+#include "flashckpt.pb.h"
+#include "flashckpt/tensor.h"
+
+namespace flashckpt {
+
+v1::TensorKind TensorKindToProto(TensorKind kind);  // kEma (the daemon's own) has no message kind
+void TopologyToProto(const Topology& topology, v1::Topology* out);
+void TensorSpecToProto(const TensorSpec& spec, v1::TensorSpec* out);
+
+}  // namespace flashckpt
