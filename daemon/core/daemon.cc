@@ -56,9 +56,9 @@ bool SameDegrees(const Topology& a, const Topology& b) {
 Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep, RootIo()) {
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
-    Event event;
-    event.kind = change == CatalogChange::kCompleted ? Event::Kind::kCheckpointComplete
-                                                     : Event::Kind::kCheckpointDeleted;
+    DaemonEvent event;
+    event.kind = change == CatalogChange::kCompleted ? DaemonEvent::Kind::kCheckpointComplete
+                                                     : DaemonEvent::Kind::kCheckpointDeleted;
     event.job = job;
     event.step = step;
     event.reason = std::string(reason);
@@ -66,14 +66,14 @@ Daemon::Daemon(DaemonConfig config)
   });
 }
 
-void Daemon::Emit(Event event) {
+void Daemon::Emit(DaemonEvent event) {
   event.unix_seconds = UnixSeconds();
   metrics_.Observe(event);
   events_.Publish(std::move(event));
 }
 
 std::string Daemon::RenderMetrics() const {
-  const StatusReport status = GetStatus();
+  const DaemonStatus status = GetStatus();
   return metrics_.Render(status, events_.dropped());
 }
 
@@ -123,8 +123,8 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
       stop_abandoned_ += 1;
       Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
                              job.step, job.rank);
-      Event event;
-      event.kind = Event::Kind::kPersistAbandoned;
+      DaemonEvent event;
+      event.kind = DaemonEvent::Kind::kPersistAbandoned;
       event.job = job.job;
       event.rank = job.rank;
       event.step = job.step;
@@ -451,8 +451,8 @@ Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_
   return catalog_.CollectGarbage(job, keep, busy, dry_run);
 }
 
-StatusReport Daemon::GetStatus() const {
-  StatusReport out;
+DaemonStatus Daemon::GetStatus() const {
+  DaemonStatus out;
   out.version = kVersion;
   out.uptime_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
   out.host_memory_used = host_memory_used_.load();
@@ -464,7 +464,7 @@ StatusReport Daemon::GetStatus() const {
   FillJobsStatus(&out);
   // The checkpoints on disk, read without the daemon's lock: a slow or failing filesystem must not
   // hold up the trainers' snapshots.
-  for (JobReport& j : out.jobs) {
+  for (JobStatus& j : out.jobs) {
     auto latest = catalog_.KnownLatest(j.job, kStatusRefresh);
     j.last_complete_step = latest.ok() && *latest ? **latest : -1;
     if (!latest.ok()) j.catalog_error = latest.status().ToString();
@@ -483,16 +483,16 @@ Daemon::Counts Daemon::CountSessions() const {
   return counts;
 }
 
-void Daemon::FillJobsStatus(StatusReport* out) const {
+void Daemon::FillJobsStatus(DaemonStatus* out) const {
   MutexLock lock(&mu_);
   const auto now = std::chrono::steady_clock::now();
   const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
   for (const auto& [name, job] : jobs_) {
-    JobReport* j = &out->jobs.emplace_back();
+    JobStatus* j = &out->jobs.emplace_back();
     j->job = name;
     j->world_size = job.topology.world_size;
     for (const auto& [r, rank] : job.ranks) {
-      RankReport* rs = &j->ranks.emplace_back();
+      RankStatus* rs = &j->ranks.emplace_back();
       rs->rank = r;
       rs->connected = !rank.session_id.empty();
       rs->segment_bytes = rank.segment ? rank.segment->shm->size() : 0;
@@ -512,7 +512,7 @@ void Daemon::FillJobsStatus(StatusReport* out) const {
       rs->oldest_write_seconds = oldest;
       if (rank.segment) {
         for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
-          SlotReport* s = &rs->slots.emplace_back();
+          SlotStatus* s = &rs->slots.emplace_back();
           s->index = i;
           s->state = SlotStateName(Slots(*rank.segment).at(i).state);
           s->step = Slots(*rank.segment).at(i).step;

@@ -156,7 +156,7 @@ class Daemon {
   Counts CountSessions() const EXCLUDES(mu_);
   // The daemon's memory, jobs and ranks; each job's last complete step is read from the root
   // without the daemon's lock (a failure to read it is the job's catalog_error).
-  StatusReport GetStatus() const EXCLUDES(mu_);
+  DaemonStatus GetStatus() const EXCLUDES(mu_);
 
   const DaemonConfig& config() const { return config_; }
   // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
@@ -169,7 +169,7 @@ class Daemon {
 
  private:
   // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
-  void FillJobsStatus(StatusReport* out) const EXCLUDES(mu_);
+  void FillJobsStatus(DaemonStatus* out) const EXCLUDES(mu_);
   struct RankState {
     std::shared_ptr<RankSegment> segment;
     std::string session_id;  // empty when the trainer is gone
@@ -243,7 +243,7 @@ class Daemon {
 
   // Counts the event in the metrics and hands it to the watchers. Takes only leaf locks: callable
   // with mu_ held.
-  void Emit(Event event);
+  void Emit(DaemonEvent event);
 
   // Crash recovery (daemon/core/recovery.cc).
   Status AdoptSegments() EXCLUDES(mu_);

@@ -74,8 +74,8 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       Status skipped = ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
                                          std::to_string(Slots(*rank->segment).size()) +
                                          " slots are still persisting (backpressure policy skip)");
-      Event event;
-      event.kind = Event::Kind::kSnapshotSkipped;
+      DaemonEvent event;
+      event.kind = DaemonEvent::Kind::kSnapshotSkipped;
       event.job = job;
       event.rank = sessions_[session_id].rank;
       event.step = step;
@@ -172,8 +172,8 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
   {
-    Event event;
-    event.kind = Event::Kind::kSnapshotCommitted;
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kSnapshotCommitted;
     event.job = who.job;
     event.rank = who.rank;
     event.step = step;
@@ -231,8 +231,8 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
   if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
   if (applied) {
-    Event event;
-    event.kind = Event::Kind::kEmaUpdated;
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kEmaUpdated;
     event.job = job.job;
     event.rank = job.rank;
     event.step = job.step;
@@ -258,8 +258,8 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     stop_abandoned_ += 1;
     Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
                            step, rank_id, status.message());
-    Event event;
-    event.kind = Event::Kind::kPersistAbandoned;
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kPersistAbandoned;
     event.job = job;
     event.rank = rank_id;
     event.step = step;
@@ -301,18 +301,18 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
       }
     }
   }
-  Event event;
+  DaemonEvent event;
   event.job = job;
   event.rank = rank_id;
   event.step = step;
   event.bytes = bytes;
   event.seconds = seconds;
   if (!status.ok()) {
-    event.kind = Event::Kind::kPersistFailed;
+    event.kind = DaemonEvent::Kind::kPersistFailed;
     event.code = std::string(StatusCodeName(status.code()));
     event.reason = status.message();
   } else {
-    event.kind = Event::Kind::kPersisted;
+    event.kind = DaemonEvent::Kind::kPersisted;
   }
   Emit(std::move(event));
   if (status.ok()) {

@@ -195,7 +195,7 @@ grpc::Status CheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::
   auto subscription = daemon_->events().Subscribe(req->job());
   if (!subscription.ok()) return ToGrpc(subscription.status());
   writer->SendInitialMetadata();
-  Event event;
+  DaemonEvent event;
   while (!ctx->IsCancelled()) {
     // A bounded wait, so that a caller that went away is noticed without an event to send.
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);

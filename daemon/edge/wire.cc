@@ -13,17 +13,18 @@ void ToProto(const TensorLocation& t, v1::TensorPlacement* p) {
   p->set_ema_source(t.ema_source);
 }
 
-v1::Event::Kind KindToProto(Event::Kind kind) {
+v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {
   switch (kind) {
-    case Event::Kind::kSnapshotCommitted: return v1::Event::SNAPSHOT_COMMITTED;
-    case Event::Kind::kSnapshotSkipped: return v1::Event::SNAPSHOT_SKIPPED;
-    case Event::Kind::kEmaUpdated: return v1::Event::EMA_UPDATED;
-    case Event::Kind::kPersisted: return v1::Event::PERSISTED;
-    case Event::Kind::kPersistFailed: return v1::Event::PERSIST_FAILED;
-    case Event::Kind::kCheckpointComplete: return v1::Event::CHECKPOINT_COMPLETE;
-    case Event::Kind::kCheckpointDeleted: return v1::Event::CHECKPOINT_DELETED;
-    case Event::Kind::kEventsLost: return v1::Event::EVENTS_LOST;
-    case Event::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
+    case DaemonEvent::Kind::kSnapshotCommitted: return v1::Event::SNAPSHOT_COMMITTED;
+    case DaemonEvent::Kind::kSnapshotSkipped: return v1::Event::SNAPSHOT_SKIPPED;
+    case DaemonEvent::Kind::kEmaUpdated: return v1::Event::EMA_UPDATED;
+    case DaemonEvent::Kind::kPersisted: return v1::Event::PERSISTED;
+    case DaemonEvent::Kind::kPersistFailed: return v1::Event::PERSIST_FAILED;
+    case DaemonEvent::Kind::kCheckpointComplete: return v1::Event::CHECKPOINT_COMPLETE;
+    case DaemonEvent::Kind::kCheckpointDeleted: return v1::Event::CHECKPOINT_DELETED;
+    case DaemonEvent::Kind::kEventsLost: return v1::Event::EVENTS_LOST;
+    case DaemonEvent::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
+    case DaemonEvent::Kind::kUnknown: break;
   }
   return v1::Event::KIND_UNSPECIFIED;
 }
@@ -42,7 +43,7 @@ v1::RegisterResponse ToProto(const RegisterReply& reply) {
   return out;
 }
 
-v1::StatusResponse ToProto(const StatusReport& status) {
+v1::StatusResponse ToProto(const DaemonStatus& status) {
   v1::StatusResponse out;
   out.set_version(status.version);
   out.set_uptime_seconds(status.uptime_seconds);
@@ -51,13 +52,13 @@ v1::StatusResponse ToProto(const StatusReport& status) {
   out.set_root(status.root);
   out.set_cuda_compiled(status.cuda_compiled);
   out.set_cuda_devices(status.cuda_devices);
-  for (const JobReport& job : status.jobs) {
+  for (const JobStatus& job : status.jobs) {
     v1::JobStatus* j = out.add_jobs();
     j->set_job(job.job);
     j->set_world_size(job.world_size);
     j->set_last_complete_step(job.last_complete_step);
     j->set_catalog_error(job.catalog_error);
-    for (const RankReport& rank : job.ranks) {
+    for (const RankStatus& rank : job.ranks) {
       v1::RankStatus* r = j->add_ranks();
       r->set_rank(rank.rank);
       r->set_connected(rank.connected);
@@ -69,7 +70,7 @@ v1::StatusResponse ToProto(const StatusReport& status) {
       r->set_persists(rank.persists);
       r->set_failures(rank.failures);
       r->set_skipped(rank.skipped);
-      for (const SlotReport& slot : rank.slots) {
+      for (const SlotStatus& slot : rank.slots) {
         v1::SlotStatus* s = r->add_slots();
         s->set_index(slot.index);
         s->set_state(slot.state);
@@ -88,7 +89,7 @@ v1::StatusResponse ToProto(const StatusReport& status) {
   return out;
 }
 
-v1::Event ToProto(const Event& event) {
+v1::Event ToProto(const DaemonEvent& event) {
   v1::Event out;
   out.set_kind(KindToProto(event.kind));
   out.set_unix_seconds(event.unix_seconds);

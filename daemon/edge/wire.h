@@ -10,8 +10,8 @@
 namespace flashckpt {
 
 v1::RegisterResponse ToProto(const RegisterReply& reply);
-v1::StatusResponse ToProto(const StatusReport& status);
-v1::Event ToProto(const Event& event);
+v1::StatusResponse ToProto(const DaemonStatus& status);
+v1::Event ToProto(const DaemonEvent& event);
 
 // A registration as the request that would make it (without session id or resumed_from): what a
 // segment's record keeps, so that the next daemon's ParseRegistration gives the same registration.

@@ -24,7 +24,7 @@ Result<EventHub::Subscription> EventHub::Subscribe(std::string job) {
   return Subscription(this, std::move(watcher));
 }
 
-void EventHub::Publish(Event event) {
+void EventHub::Publish(DaemonEvent event) {
   if (event.unix_seconds == 0) event.unix_seconds = UnixSeconds();
   MutexLock lock(&mu_);
   if (closed_) return;
@@ -65,7 +65,7 @@ EventHub::Subscription::~Subscription() {
   if (hub_ != nullptr && watcher_) hub_->Unsubscribe(watcher_);
 }
 
-EventHub::Wait EventHub::Subscription::Next(Event* event, std::chrono::steady_clock::time_point deadline) {
+EventHub::Wait EventHub::Subscription::Next(DaemonEvent* event, std::chrono::steady_clock::time_point deadline) {
   MutexLock lock(&hub_->mu_);
   Watcher& w = *watcher_;
   while (!hub_->closed_ && w.lost == 0 && w.queue.empty()) {
@@ -74,8 +74,8 @@ EventHub::Wait EventHub::Subscription::Next(Event* event, std::chrono::steady_cl
   if (hub_->closed_) return Wait::kClosed;
   if (w.lost > 0) {
     // Before the first event after the gap, so the watcher knows where the gap is.
-    *event = Event{};
-    event->kind = Event::Kind::kEventsLost;
+    *event = DaemonEvent{};
+    event->kind = DaemonEvent::Kind::kEventsLost;
     event->unix_seconds = UnixSeconds();
     event->job = w.job;
     event->lost = w.lost;

@@ -1,7 +1,8 @@
 // Events: what happened to snapshots and checkpoints, for watchers (the WatchEvents stream,
 // `flashckpt watch`) and for the metrics (daemon/observe/metrics.h).
 //
-// The daemon publishes one Event (daemon/core/core_types.h) wherever its log says something happened to a snapshot or a
+// The daemon publishes one DaemonEvent (flashckpt/daemon_types.h) wherever its log says something
+// happened to a snapshot or a
 // checkpoint: committed, skipped, EMA updated, persisted, failed, complete, deleted. Publish never
 // blocks and never waits for a watcher: each watcher has a bounded queue, and one that falls
 // behind loses its oldest events and is told how many with a kEventsLost event before the next
@@ -45,7 +46,7 @@ class EventHub {
 
     // Waits until `deadline` for the next event of this watcher's job (or of every job). kClosed
     // once the hub is closed: events still queued are dropped then, as the daemon is stopping.
-    Wait Next(Event* event, std::chrono::steady_clock::time_point deadline);
+    Wait Next(DaemonEvent* event, std::chrono::steady_clock::time_point deadline);
 
    private:
     friend class EventHub;
@@ -60,7 +61,7 @@ class EventHub {
   // already watching, kUnavailable once closed.
   Result<Subscription> Subscribe(std::string job) EXCLUDES(mu_);
   // Queues `event` for every watcher of its job; stamps unix_seconds when it is 0.
-  void Publish(Event event) EXCLUDES(mu_);
+  void Publish(DaemonEvent event) EXCLUDES(mu_);
   // Wakes every watcher with kClosed and refuses new ones. Idempotent.
   void Close() EXCLUDES(mu_);
 
@@ -73,7 +74,7 @@ class EventHub {
     std::string job;
     // Guarded by EventHub::mu_ (which the analysis cannot name from here: only the hub's methods
     // and Subscription::Next, under that lock, touch them).
-    std::deque<Event> queue;
+    std::deque<DaemonEvent> queue;
     uint64_t lost = 0;  // dropped since the watcher last read
     CondVar cv;
   };

@@ -88,29 +88,29 @@ Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
   return jobs_[job];
 }
 
-void Metrics::Observe(const Event& event) {
+void Metrics::Observe(const DaemonEvent& event) {
   MutexLock lock(&mu_);
-  if (event.kind == Event::Kind::kEventsLost) return;
+  if (event.kind == DaemonEvent::Kind::kEventsLost) return;
   JobSeries& s = SeriesLocked(event.job);
   switch (event.kind) {
-    case Event::Kind::kSnapshotCommitted: s.snapshots += 1; break;
-    case Event::Kind::kSnapshotSkipped: s.skipped += 1; break;
-    case Event::Kind::kEmaUpdated:
+    case DaemonEvent::Kind::kSnapshotCommitted: s.snapshots += 1; break;
+    case DaemonEvent::Kind::kSnapshotSkipped: s.skipped += 1; break;
+    case DaemonEvent::Kind::kEmaUpdated:
       s.ema_updates += 1;
       ema_seconds_.Observe(event.seconds);
       break;
-    case Event::Kind::kPersisted:
+    case DaemonEvent::Kind::kPersisted:
       s.persists += 1;
       s.persisted_bytes += event.bytes;
       persist_seconds_.Observe(event.seconds);
       break;
-    case Event::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
-    case Event::Kind::kPersistAbandoned: s.abandoned += 1; break;
-    case Event::Kind::kCheckpointComplete:
+    case DaemonEvent::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
+    case DaemonEvent::Kind::kPersistAbandoned: s.abandoned += 1; break;
+    case DaemonEvent::Kind::kCheckpointComplete:
       s.completed += 1;
       s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds);
       break;
-    case Event::Kind::kCheckpointDeleted: s.deleted[event.reason.empty() ? "unknown" : event.reason] += 1; break;
+    case DaemonEvent::Kind::kCheckpointDeleted: s.deleted[event.reason.empty() ? "unknown" : event.reason] += 1; break;
     default: break;
   }
 }
@@ -123,7 +123,7 @@ void Metrics::ObserveSlotWait(const std::string& job, double seconds, bool got_s
   slot_wait_seconds_.Observe(seconds);
 }
 
-std::string Metrics::Render(const StatusReport& status, uint64_t watchers_lost) const {
+std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) const {
   MutexLock lock(&mu_);
   std::string out;
   out.reserve(8192);

@@ -41,14 +41,14 @@ class Metrics {
   Metrics();
 
   // Counts the event in the series its kind feeds (kEventsLost is the watchers' and counts nowhere).
-  void Observe(const Event& event) EXCLUDES(mu_);
+  void Observe(const DaemonEvent& event) EXCLUDES(mu_);
   // A BeginSnapshot that had to wait for a free slot, and how long it waited (also when it then
   // timed out: `got_slot` false).
   void ObserveSlotWait(const std::string& job, double seconds, bool got_slot) EXCLUDES(mu_);
   // The whole exposition: these counters and histograms, gauges from `status` (host memory,
   // oldest write in flight, last committed and durable step per job, CUDA presence, uptime), and
   // the events watchers lost (EventHub::dropped).
-  std::string Render(const StatusReport& status, uint64_t watchers_lost) const EXCLUDES(mu_);
+  std::string Render(const DaemonStatus& status, uint64_t watchers_lost) const EXCLUDES(mu_);
 
  private:
   struct JobSeries {

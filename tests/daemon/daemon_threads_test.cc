@@ -165,7 +165,7 @@ TEST_F(DaemonThreadsTest, RanksSaveRestoreAndReadTheEmaConcurrentlyWhileStatusIs
   std::atomic<bool> done{false};
   std::thread observer([&] {
     while (!done.load()) {
-      StatusReport status = daemon_->GetStatus();
+      DaemonStatus status = daemon_->GetStatus();
       (void)status;
       (void)daemon_->List(job_);
       std::this_thread::sleep_for(1ms);

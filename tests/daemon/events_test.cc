@@ -15,15 +15,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-Event MakeEvent(Event::Kind kind, const std::string& job, int64_t step) {
-  Event e;
+DaemonEvent MakeEvent(DaemonEvent::Kind kind, const std::string& job, int64_t step) {
+  DaemonEvent e;
   e.kind = kind;
   e.job = job;
   e.step = step;
   return e;
 }
 
-EventHub::Wait NextWithin(EventHub::Subscription& s, Event* e, int ms = 2000) {
+EventHub::Wait NextWithin(EventHub::Subscription& s, DaemonEvent* e, int ms = 2000) {
   return s.Next(e, Clock::now() + std::chrono::milliseconds(ms));
 }
 
@@ -32,16 +32,16 @@ TEST(EventHub, DeliversOnlyTheWatchedJobInOrder) {
   auto a = hub.Subscribe("a");
   auto all = hub.Subscribe("");
   ASSERT_TRUE(a.ok() && all.ok());
-  hub.Publish(MakeEvent(Event::Kind::kSnapshotCommitted, "a", 1));
-  hub.Publish(MakeEvent(Event::Kind::kSnapshotCommitted, "b", 2));
-  hub.Publish(MakeEvent(Event::Kind::kPersisted, "a", 3));
-  Event e;
+  hub.Publish(MakeEvent(DaemonEvent::Kind::kSnapshotCommitted, "a", 1));
+  hub.Publish(MakeEvent(DaemonEvent::Kind::kSnapshotCommitted, "b", 2));
+  hub.Publish(MakeEvent(DaemonEvent::Kind::kPersisted, "a", 3));
+  DaemonEvent e;
   ASSERT_EQ(NextWithin(*a, &e), EventHub::Wait::kEvent);
   EXPECT_EQ(e.step, 1);
   EXPECT_GT(e.unix_seconds, 1.6e9);  // stamped by Publish
   ASSERT_EQ(NextWithin(*a, &e), EventHub::Wait::kEvent);
   EXPECT_EQ(e.step, 3);
-  EXPECT_EQ(e.kind, Event::Kind::kPersisted);
+  EXPECT_EQ(e.kind, DaemonEvent::Kind::kPersisted);
   EXPECT_EQ(NextWithin(*a, &e, 20), EventHub::Wait::kTimeout);
   for (int64_t want : {1, 2, 3}) {
     ASSERT_EQ(NextWithin(*all, &e), EventHub::Wait::kEvent);
@@ -53,10 +53,10 @@ TEST(EventHub, ASlowWatcherLosesTheOldestAndIsToldHowMany) {
   EventHub hub(/*queue_capacity=*/4);
   auto w = hub.Subscribe("");
   ASSERT_TRUE(w.ok());
-  for (int64_t s = 1; s <= 10; ++s) hub.Publish(MakeEvent(Event::Kind::kSnapshotCommitted, "j", s));
-  Event e;
+  for (int64_t s = 1; s <= 10; ++s) hub.Publish(MakeEvent(DaemonEvent::Kind::kSnapshotCommitted, "j", s));
+  DaemonEvent e;
   ASSERT_EQ(NextWithin(*w, &e), EventHub::Wait::kEvent);
-  EXPECT_EQ(e.kind, Event::Kind::kEventsLost);
+  EXPECT_EQ(e.kind, DaemonEvent::Kind::kEventsLost);
   EXPECT_EQ(e.lost, 6u);
   for (int64_t want : {7, 8, 9, 10}) {
     ASSERT_EQ(NextWithin(*w, &e), EventHub::Wait::kEvent);
@@ -85,7 +85,7 @@ TEST(EventHub, BoundsTheWatchersAndEndsThemOnClose) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     hub.Close();
   });
-  Event e;
+  DaemonEvent e;
   auto start = Clock::now();
   EXPECT_EQ(first->Next(&e, Clock::now() + std::chrono::seconds(30)), EventHub::Wait::kClosed);
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));  // woken by Close, not the deadline
@@ -110,7 +110,7 @@ TEST(EventHub, ManyPublishersManyWatchers) {
   std::vector<bool> in_order(kWatchers, true);
   for (int w = 0; w < kWatchers; ++w) {
     threads.emplace_back([&, w] {
-      Event e;
+      DaemonEvent e;
       while (seen[w] < kPublishers * kEach && NextWithin(subs[w], &e, 10000) == EventHub::Wait::kEvent) {
         auto [it, fresh] = last[w].try_emplace(e.rank, -1);
         if (e.step != it->second + 1) in_order[w] = false;
@@ -122,7 +122,7 @@ TEST(EventHub, ManyPublishersManyWatchers) {
   for (int p = 0; p < kPublishers; ++p) {
     threads.emplace_back([&, p] {
       for (int i = 0; i < kEach; ++i) {
-        Event e = MakeEvent(Event::Kind::kPersisted, "j", i);
+        DaemonEvent e = MakeEvent(DaemonEvent::Kind::kPersisted, "j", i);
         e.rank = static_cast<uint32_t>(p);
         hub.Publish(std::move(e));
       }
@@ -145,23 +145,23 @@ double SampleValue(const std::string& text, const std::string& line_prefix) {
 
 TEST(Metrics, CountsEventsByJobAndReason) {
   Metrics m;
-  Event persisted = MakeEvent(Event::Kind::kPersisted, "llama", 10);
+  DaemonEvent persisted = MakeEvent(DaemonEvent::Kind::kPersisted, "llama", 10);
   persisted.bytes = 1000;
   persisted.seconds = 0.3;
   m.Observe(persisted);
   m.Observe(persisted);
-  Event failed = MakeEvent(Event::Kind::kPersistFailed, "llama", 12);
+  DaemonEvent failed = MakeEvent(DaemonEvent::Kind::kPersistFailed, "llama", 12);
   failed.code = "RESOURCE_EXHAUSTED";
   m.Observe(failed);
-  m.Observe(MakeEvent(Event::Kind::kCheckpointDeleted, "llama", 2));
-  m.Observe(MakeEvent(Event::Kind::kPersistAbandoned, "llama", 14));
-  Event complete = MakeEvent(Event::Kind::kCheckpointComplete, "llama", 10);
+  m.Observe(MakeEvent(DaemonEvent::Kind::kCheckpointDeleted, "llama", 2));
+  m.Observe(MakeEvent(DaemonEvent::Kind::kPersistAbandoned, "llama", 14));
+  DaemonEvent complete = MakeEvent(DaemonEvent::Kind::kCheckpointComplete, "llama", 10);
   complete.unix_seconds = 1.8e9;
   m.Observe(complete);
   m.ObserveSlotWait("llama", 2.0, false);
-  StatusReport status;
+  DaemonStatus status;
   status.version = "0.1.0";
-  JobReport& job = status.jobs.emplace_back();
+  JobStatus& job = status.jobs.emplace_back();
   job.job = "llama";
   job.last_complete_step = 10;
   job.ranks.emplace_back().oldest_write_seconds = 4.5;
@@ -188,9 +188,9 @@ TEST(Metrics, CountsEventsByJobAndReason) {
 TEST(Metrics, BoundsTheJobsItKeeps) {
   Metrics m;
   for (size_t i = 0; i < Metrics::kMaxJobs + 10; ++i) {
-    m.Observe(MakeEvent(Event::Kind::kSnapshotCommitted, "job" + std::to_string(i), 1));
+    m.Observe(MakeEvent(DaemonEvent::Kind::kSnapshotCommitted, "job" + std::to_string(i), 1));
   }
-  std::string text = "\n" + m.Render(StatusReport{}, 0);
+  std::string text = "\n" + m.Render(DaemonStatus{}, 0);
   EXPECT_EQ(SampleValue(text, "flashckpt_snapshots_total{job=\"job0\"}"), 1);
   EXPECT_EQ(SampleValue(text, "flashckpt_snapshots_total{job=\"_other\"}"), 10);
   EXPECT_EQ(SampleValue(text, "flashckpt_snapshots_total{job=\"job" + std::to_string(Metrics::kMaxJobs + 5) + "\"}"),
@@ -199,8 +199,8 @@ TEST(Metrics, BoundsTheJobsItKeeps) {
 
 TEST(Metrics, EscapesLabelValues) {
   Metrics m;
-  m.Observe(MakeEvent(Event::Kind::kSnapshotCommitted, "a\"b\\c\nd", 1));
-  std::string text = "\n" + m.Render(StatusReport{}, 0);
+  m.Observe(MakeEvent(DaemonEvent::Kind::kSnapshotCommitted, "a\"b\\c\nd", 1));
+  std::string text = "\n" + m.Render(DaemonStatus{}, 0);
   EXPECT_EQ(SampleValue(text, "flashckpt_snapshots_total{job=\"a\\\"b\\\\c\\nd\"}"), 1);
 }
 

@@ -114,7 +114,7 @@ TEST(LockScopeTest, StatusStaysFastWithTensOfThousandsOfStepDirectories) {
   }
   auto status_ms = [&] {
     const auto begun = Clock::now();
-    StatusReport status = d.daemon()->GetStatus();
+    DaemonStatus status = d.daemon()->GetStatus();
     EXPECT_GE(status.jobs[0].last_complete_step, 1) << status.jobs[0].catalog_error;
     return Ms(Clock::now() - begun);
   };

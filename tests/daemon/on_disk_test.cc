@@ -163,11 +163,11 @@ TEST_F(OnDiskTest, ASaveThatFillsTheDiskFailsCleanlyAndTheNextOneSucceeds) {
   // Operators see it; the slot is free again.
   auto status = d_.daemon()->GetStatus();
   ASSERT_EQ(status.jobs.size(), 1u);
-  const RankReport& rank = status.jobs[0].ranks[0];
+  const RankStatus& rank = status.jobs[0].ranks[0];
   EXPECT_EQ(rank.failures, 1u);
   EXPECT_EQ(rank.persists, 2u);
   EXPECT_NE(rank.last_error.find("No space left on device"), std::string::npos) << rank.last_error;
-  for (const SlotReport& slot : rank.slots) EXPECT_EQ(slot.state, "free") << "slot " << slot.index;
+  for (const SlotStatus& slot : rank.slots) EXPECT_EQ(slot.state, "free") << "slot " << slot.index;
 
   // Space comes back: the next save succeeds and is complete.
   ASSERT_OK(RemoveTree(StepDir("full", 1)));
@@ -295,7 +295,7 @@ TEST_F(OnDiskTest, AJobDirectoryThatIsAFileIsAnErrorNotAnEmptyJob) {
   auto listed = d_.daemon()->List("broken");
   EXPECT_EQ(listed.status().code(), StatusCode::kIOError) << listed.status().ToString();
   // Status says why it shows no complete step, and keeps serving.
-  StatusReport status = d_.daemon()->GetStatus();
+  DaemonStatus status = d_.daemon()->GetStatus();
   ASSERT_EQ(status.jobs.size(), 1u);
   EXPECT_EQ(status.jobs[0].last_complete_step, -1);
   EXPECT_NE(status.jobs[0].catalog_error.find("broken"), std::string::npos) << status.jobs[0].catalog_error;

@@ -94,14 +94,14 @@ TEST(Wire, ARegistrationRecordParsesBackToTheSameRegistration) {
 }
 
 TEST(Wire, EveryEventKindHasItsOwnMessageKind) {
-  const Event::Kind kinds[] = {Event::Kind::kSnapshotCommitted, Event::Kind::kSnapshotSkipped,
-                               Event::Kind::kEmaUpdated,        Event::Kind::kPersisted,
-                               Event::Kind::kPersistFailed,     Event::Kind::kCheckpointComplete,
-                               Event::Kind::kCheckpointDeleted, Event::Kind::kEventsLost,
-                               Event::Kind::kPersistAbandoned};
+  const DaemonEvent::Kind kinds[] = {DaemonEvent::Kind::kSnapshotCommitted, DaemonEvent::Kind::kSnapshotSkipped,
+                               DaemonEvent::Kind::kEmaUpdated,        DaemonEvent::Kind::kPersisted,
+                               DaemonEvent::Kind::kPersistFailed,     DaemonEvent::Kind::kCheckpointComplete,
+                               DaemonEvent::Kind::kCheckpointDeleted, DaemonEvent::Kind::kEventsLost,
+                               DaemonEvent::Kind::kPersistAbandoned};
   std::set<int> seen;
-  for (Event::Kind kind : kinds) {
-    Event e;
+  for (DaemonEvent::Kind kind : kinds) {
+    DaemonEvent e;
     e.kind = kind;
     const v1::Event m = ToProto(e);
     EXPECT_NE(m.kind(), v1::Event::KIND_UNSPECIFIED);
@@ -109,8 +109,8 @@ TEST(Wire, EveryEventKindHasItsOwnMessageKind) {
   }
   EXPECT_EQ(seen.size(), std::size(kinds));
 
-  Event e;
-  e.kind = Event::Kind::kPersistFailed;
+  DaemonEvent e;
+  e.kind = DaemonEvent::Kind::kPersistFailed;
   e.unix_seconds = 1.8e9;
   e.job = "llama";
   e.rank = 3;
@@ -134,7 +134,7 @@ TEST(Wire, EveryEventKindHasItsOwnMessageKind) {
 }
 
 TEST(Wire, StatusAndRegisterReplyReachTheirMessages) {
-  StatusReport s;
+  DaemonStatus s;
   s.version = "1.2.3";
   s.uptime_seconds = 12;
   s.host_memory_used = 100;
@@ -142,12 +142,12 @@ TEST(Wire, StatusAndRegisterReplyReachTheirMessages) {
   s.root = "/ckpt";
   s.cuda_compiled = true;
   s.cuda_devices = 8;
-  JobReport& j = s.jobs.emplace_back();
+  JobStatus& j = s.jobs.emplace_back();
   j.job = "llama";
   j.world_size = 2;
   j.last_complete_step = 30;
   j.catalog_error = "IO_ERROR: stat";
-  RankReport& r = j.ranks.emplace_back();
+  RankStatus& r = j.ranks.emplace_back();
   r.rank = 1;
   r.connected = true;
   r.segment_bytes = 4096;

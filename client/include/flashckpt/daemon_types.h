@@ -1,0 +1,116 @@
+// What a flashckptd reports about itself, as plain C++ structs: its status (memory, jobs, ranks,
+// slots), its checkpoint directories, the events of snapshots and checkpoints, and what a deletion
+// did. The daemon builds them (its GetStatus and events) and the operator side of the client
+// library (admin.h) hands the same structs out, so both speak one vocabulary; the wire format in
+// between is flashckpt.v1.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace flashckpt {
+
+// One slot of a rank's segment.
+struct SlotStatus {
+  uint32_t index = 0;
+  std::string state;  // "free", "filling", "committed", "persisting", "restoring"
+  int64_t step = 0;   // negative: none
+};
+
+// One rank registered with the daemon. Steps that have not happened yet are negative.
+struct RankStatus {
+  uint32_t rank = 0;
+  bool connected = false;  // its session is open
+  uint64_t segment_bytes = 0;
+  int64_t last_committed_step = 0;
+  int64_t last_persisted_step = 0;
+  std::string last_error;  // of the last failed save; empty: none
+  uint64_t snapshots = 0;
+  uint64_t persists = 0;
+  uint64_t failures = 0;
+  uint64_t skipped = 0;  // snapshots refused for want of a free slot (skip policy)
+  std::vector<SlotStatus> slots;
+  double oldest_write_seconds = 0;  // how long its oldest persist being written has run; 0: none
+  double last_persist_gbps = 0;     // rate of its last persist; 0: none yet
+  // Its EMA (all zero when off).
+  bool ema_enabled = false;
+  double ema_decay = 0;
+  int64_t ema_last_step = 0;  // step of the last update applied; negative: none yet
+  uint64_t ema_updates_applied = 0;
+  uint64_t ema_updates_skipped = 0;  // refused by the loss threshold
+  uint64_t ema_bytes = 0;            // size of the rank's ema.*.safetensors image
+};
+
+struct JobStatus {
+  std::string job;
+  uint32_t world_size = 0;
+  int64_t last_complete_step = 0;  // negative: none, or it could not be told (catalog_error)
+  std::vector<RankStatus> ranks;   // the ranks registered with this daemon
+  std::string catalog_error;       // why the job's checkpoints cannot be read; empty: they can
+};
+
+// The daemon, its memory and every job and rank it knows.
+struct DaemonStatus {
+  std::string version;
+  double uptime_seconds = 0;
+  uint64_t host_memory_used = 0;
+  uint64_t host_memory_budget = 0;  // --max-host-memory
+  std::string root;
+  bool cuda_compiled = false;  // the daemon's build has CUDA
+  int32_t cuda_devices = 0;    // the devices the daemon sees (the trainers' are theirs)
+  std::vector<JobStatus> jobs;
+};
+
+// One checkpoint directory under the daemon's root.
+struct CheckpointInfo {
+  std::string job;
+  int64_t step = 0;
+  bool complete = false;  // metadata.json exists
+  uint32_t signals = 0;   // saved_signal files present
+  uint32_t world_size = 0;  // 0: unknown (incomplete)
+  uint64_t bytes = 0;
+  std::string path;
+  bool latest = false;  // LATEST names it
+};
+
+// One thing that happened to a snapshot or a checkpoint, as the daemon saw it. Fields that do not
+// apply to a kind are zero or empty.
+struct DaemonEvent {
+  enum class Kind {
+    kUnknown,             // sent by a newer daemon
+    kSnapshotCommitted,   // a rank's snapshot is in its slot (bytes: the rank's state; reason: what for)
+    kSnapshotSkipped,     // no free slot under the skip policy (reason)
+    kEmaUpdated,          // the rank's EMA took the step (seconds: the update's duration)
+    kPersisted,           // the rank's files and signal of the step are durable (bytes, seconds)
+    kPersistFailed,       // reason: the error; code: its code name (IO_ERROR, RESOURCE_EXHAUSTED, ...)
+    kCheckpointComplete,  // metadata.json written: every rank of the step is durable
+    kCheckpointDeleted,   // reason: "retention", "delete" or "gc"
+    kEventsLost,          // this watcher fell behind; `lost` events were dropped for it
+    kPersistAbandoned,    // the daemon stopped before writing it (reason); the next daemon does
+  };
+  Kind kind = Kind::kUnknown;
+  double unix_seconds = 0;
+  std::string job;
+  uint32_t rank = 0;
+  int64_t step = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+  std::string reason;
+  uint64_t lost = 0;
+  std::string code;
+};
+
+struct SkippedCheckpoint {
+  int64_t step = 0;
+  std::string reason;  // e.g. in use by a restore or a save
+};
+
+// What Delete or Gc deleted (or, dry run, would delete).
+struct DeleteResult {
+  std::vector<int64_t> deleted;  // oldest first
+  std::vector<SkippedCheckpoint> skipped;
+  int64_t latest = -1;  // the newest complete checkpoint afterwards; negative: none
+};
+
+}  // namespace flashckpt
