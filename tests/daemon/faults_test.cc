@@ -36,20 +36,10 @@ using namespace std::chrono_literals;
 using Op = FaultInjectingIo::Op;
 using Clock = std::chrono::steady_clock;
 
-bool Contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-class FaultsTest : public ::testing::Test {
+class FaultsTest : public FaultyIoDaemonTest {
  protected:
-  void SetUp() override {
-    ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
-  }
-  void TearDown() override {
-    io_.Clear();  // the writes still queued finish at full speed
-    d_.Stop();
-  }
+  FaultsTest() : FaultyIoDaemonTest("flashckpt-faults-test") {}
 
-  std::string JobDir(const std::string& job) const { return d_.JobDir(job); }
-  std::string StepDir(const std::string& job, int64_t step) const { return d_.StepDir(job, step); }
   std::string Latest(const std::string& job) const {
     auto latest = ReadSmallFile(JobDir(job) + "/LATEST", 100);
     return latest.ok() ? *latest : latest.status().ToString();
@@ -111,8 +101,6 @@ class FaultsTest : public ::testing::Test {
     for (const auto& slot : rank.slots()) EXPECT_EQ(slot.state(), "free") << "slot " << slot.index();
   }
 
-  FaultInjectingIo io_;  // outlives the daemon, which writes through it
-  InProcessDaemon d_{"flashckpt-faults-test"};
 };
 
 // Every write of a save failing in turn with ENOSPC and with EIO, then random rounds (seeded) that

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/io/fault_injecting_io.h"
 #include "daemon/edge/server.h"
 #include "flashckpt/client.h"
 #include "testing.h"
@@ -134,5 +135,26 @@ class InProcessDaemon {
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<Server> server_;
 };
+
+// A fixture: a daemon whose file-system calls all go through `io_`, where the test injects faults
+// (failures, short writes, delays). TearDown clears them first, so what is still queued finishes.
+class FaultyIoDaemonTest : public ::testing::Test {
+ protected:
+  explicit FaultyIoDaemonTest(const std::string& prefix) : d_(prefix) {}
+  void SetUp() override {
+    ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  }
+  void TearDown() override {
+    io_.Clear();
+    d_.Stop();
+  }
+  std::string JobDir(const std::string& job) const { return d_.JobDir(job); }
+  std::string StepDir(const std::string& job, int64_t step) const { return d_.StepDir(job, step); }
+
+  FaultInjectingIo io_;  // outlives the daemon, which reads and writes through it
+  InProcessDaemon d_;
+};
+
+inline bool Contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 }  // namespace flashckpt

@@ -28,20 +28,9 @@ using namespace std::chrono_literals;
 using Op = FaultInjectingIo::Op;
 using Clock = std::chrono::steady_clock;
 
-bool Contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-class ReadFaultsTest : public ::testing::Test {
+class ReadFaultsTest : public FaultyIoDaemonTest {
  protected:
-  void SetUp() override {
-    ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
-  }
-  void TearDown() override {
-    io_.Clear();
-    d_.Stop();
-  }
-
-  std::string JobDir(const std::string& job) const { return d_.JobDir(job); }
-  std::string StepDir(const std::string& job, int64_t step) const { return d_.StepDir(job, step); }
+  ReadFaultsTest() : FaultyIoDaemonTest("flashckpt-read-faults-test") {}
 
   // One rank with two tensors of n floats; a save fills them with the step.
   using Trainer = TestTrainer;
@@ -69,8 +58,6 @@ class ReadFaultsTest : public ::testing::Test {
     EXPECT_TRUE(t.All(7.f)) << "a failed restore handed bytes over";
   }
 
-  FaultInjectingIo io_;  // outlives the daemon, which reads and writes through it
-  InProcessDaemon d_{"flashckpt-read-faults-test"};
 };
 
 TEST_F(ReadFaultsTest, AListingThatFailsIsAnErrorNotAnEmptyJob) {
