@@ -82,12 +82,14 @@ Daemon::~Daemon() { Stop(); }
 Status Daemon::Start() {
   if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
   if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
-  RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
   std::string state_dir = config_.state_dir;
   if (state_dir.empty() && !config_.socket_path.empty()) state_dir = config_.socket_path + ".state";
   if (!state_dir.empty()) {
+    // Before anything is read, adopted or deleted: one daemon per state directory.
     ASSIGN_OR_RETURN(state_, StateDir::Open(state_dir));
+    ASSIGN_OR_RETURN(state_lock_, StateDirLock::Acquire(state_dir));
   }
+  RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
   writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads,
                                      config_.io_env != nullptr ? config_.io_env : IoEnv::Default());
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());

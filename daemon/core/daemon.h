@@ -258,7 +258,8 @@ class Daemon {
 
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;
-  StateDir state_;  // set once by Start
+  StateDir state_;           // set once by Start
+  StateDirLock state_lock_;  // taken by Start, held for the daemon's life
   EventHub events_;
   Metrics metrics_;
   Catalog catalog_;

@@ -1,6 +1,7 @@
 #include "daemon/core/state_dir.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@ namespace {
 constexpr char kSegmentSuffix[] = ".reg";
 constexpr char kSlotInfix[] = ".slot";
 constexpr char kTempSuffix[] = ".tmp";
+constexpr char kLockName[] = "daemon.lock";
 constexpr uint64_t kMaxSegmentRecordBytes = 1ull << 30;  // a million tensor specs fit
 constexpr uint64_t kMaxCommitRecordBytes = 8ull << 20;   // extra state is capped at 4 MiB
 
@@ -140,6 +142,26 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
     out.push_back(std::move(a));
   }
   return out;
+}
+
+Result<StateDirLock> StateDirLock::Acquire(const std::string& dir) {
+  const std::string path = dir + "/" + kLockName;
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd.valid()) return ErrnoStatus("open", path);
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) return ErrnoStatus("flock", path);
+    auto owner = ReadSmallFile(path, 64);
+    std::string pid = owner.ok() ? *owner : "";
+    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+    return FailedPrecondition("another flashckptd" + (pid.empty() ? std::string() : " (pid " + pid + ")") +
+                              " owns the state directory " + dir + " (it holds " + path +
+                              "); this one has touched nothing: stop that daemon first, or give this one another "
+                              "--socket or --state-dir");
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd.get(), 0) != 0) return ErrnoStatus("ftruncate", path);
+  RETURN_IF_ERROR(PwriteFull(fd.get(), pid.data(), pid.size(), 0, path));
+  return StateDirLock(std::move(fd));
 }
 
 }  // namespace flashckpt

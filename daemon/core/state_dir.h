@@ -6,6 +6,8 @@
 //   <segment name>.slot<N>    CommitRecord: slot N holds a committed snapshot that is not yet
 //                             persisted (or applied to the EMA); written before the Commit is
 //                             acknowledged, removed when the slot is free again
+//   daemon.lock               flock()ed by the daemon that owns the directory (StateDirLock); holds
+//                             its pid
 //
 // The records must outlive the daemon process, not the machine (the segments they describe live
 // in /dev/shm and do not survive a reboot either): each is written to a temporary name and
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "common/base/status.h"
+#include "common/io/fs.h"
 #include "daemon_state.pb.h"
 
 namespace flashckpt {
@@ -50,6 +53,22 @@ class StateDir {
   explicit StateDir(std::string path) : path_(std::move(path)) {}
   Status Write(const std::string& name, const std::string& bytes) const;
   std::string path_;
+};
+
+// One daemon per state directory: an exclusive flock on <dir>/daemon.lock, taken before the daemon
+// reads, adopts or deletes anything and held until it exits (the kernel drops it when the process
+// dies, SIGKILL included, so a crashed daemon never blocks its successor). The file holds the
+// owner's pid, which the refusal of a second daemon names.
+class StateDirLock {
+ public:
+  StateDirLock() = default;  // holds nothing
+  // kFailedPrecondition when another process holds it, naming that process.
+  static Result<StateDirLock> Acquire(const std::string& dir);
+  bool held() const { return fd_.valid(); }
+
+ private:
+  explicit StateDirLock(UniqueFd fd) : fd_(std::move(fd)) {}
+  UniqueFd fd_;
 };
 
 }  // namespace flashckpt

@@ -40,6 +40,14 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started below
 
   SystemdNotifier systemd;
+  // A second daemon on a live daemon's socket must not adopt, release or delete anything of it:
+  // refused before the daemon starts (and by the state directory's lock, below, when the socket
+  // differs).
+  if (Status free = CheckNoDaemonListening(config->socket_path); !free.ok()) {
+    Logger("rpc")->critical("startup refused: {}", free.ToString());
+    systemd.Status("startup refused: " + free.ToString());
+    return 1;
+  }
   const auto begun = std::chrono::steady_clock::now();
   Daemon daemon(*config);
   Server server(&daemon);

@@ -21,25 +21,48 @@ namespace flashckpt {
 
 Server::~Server() { Shutdown(std::chrono::milliseconds(0)); }
 
-Status Server::Start() {
-  const std::string& path = daemon_->config().socket_path;
+namespace {
+
+Result<sockaddr_un> SocketAddress(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path) {
     return InvalidArgument("--socket path must be 1 to " + std::to_string(sizeof addr.sun_path - 1) + " bytes");
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size());
+  return addr;
+}
+
+}  // namespace
+
+Status CheckNoDaemonListening(const std::string& path) {
+  ASSIGN_OR_RETURN(sockaddr_un addr, SocketAddress(path));
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return Status::OK();  // no socket yet
+  if (!S_ISSOCK(st.st_mode)) return FailedPrecondition(path + " exists and is not a socket");
+  UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (probe.valid() && ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+    // The listener's credentials, as the kernel recorded them when it called listen().
+    ucred peer{};
+    socklen_t len = sizeof peer;
+    std::string who;
+    if (::getsockopt(probe.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) == 0 && peer.pid > 0) {
+      who = " (pid " + std::to_string(peer.pid) + ")";
+    }
+    return FailedPrecondition("another daemon" + who + " is listening on " + path +
+                              "; this one has touched nothing (stop that daemon first, or give this one another "
+                              "--socket)");
+  }
+  return Status::OK();
+}
+
+Status Server::Start() {
+  const std::string& path = daemon_->config().socket_path;
+  ASSIGN_OR_RETURN(sockaddr_un addr, SocketAddress(path));
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (!dir.empty() && !PathExists(dir)) RETURN_IF_ERROR(MakeDirs(dir, 0750));
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) return FailedPrecondition(path + " exists and is not a socket");
-    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (probe.valid() && ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
-      return FailedPrecondition("another daemon is listening on " + path);
-    }
-    ::unlink(path.c_str());  // stale socket of a daemon that died
-  }
+  RETURN_IF_ERROR(CheckNoDaemonListening(path));
+  if (PathExists(path)) ::unlink(path.c_str());  // stale socket of a daemon that died
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return ErrnoStatus("socket", path);
   // Bind with a restrictive umask so the socket never exists with wider permissions than 0660.

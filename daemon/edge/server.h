@@ -19,6 +19,11 @@
 
 namespace flashckpt {
 
+// OK when no process accepts connections on the UNIX socket `path` (none there, or a stale one a
+// dead daemon left); FailedPrecondition when one does. flashckptd checks this before its daemon
+// adopts or deletes anything, and Server::Start again before it replaces a stale socket.
+Status CheckNoDaemonListening(const std::string& path);
+
 class Server {
  public:
   explicit Server(Daemon* daemon) : daemon_(daemon), service_(daemon) {}

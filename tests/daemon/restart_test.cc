@@ -1,5 +1,9 @@
 // A trainer's first calls (Connect, Register) against a daemon that is down or restarting: they wait
-// it out for ClientOptions::connect_timeout and then fail with kUnavailable, never earlier.
+// it out for ClientOptions::connect_timeout and then fail with kUnavailable, never earlier. And one
+// daemon per state directory: a second one is refused before it adopts anything.
+#include <unistd.h>
+
+#include <algorithm>
 #include <thread>
 
 #include "common/io/fs.h"
@@ -100,6 +104,34 @@ TEST(RestartTest, ConnectWaitsOutADaemonThatIsStopping) {
   EXPECT_GE(waited, 1s) << "Connect returned before the new daemon was up";
   Rank rank;
   ASSERT_OK((*client)->Register(Topology{}, rank.specs));
+}
+
+// One daemon per state directory: a second Daemon given a live one's state directory is refused at
+// Start, names the owner and adopts nothing; the first goes on serving its trainer.
+TEST(RestartTest, ASecondDaemonOnALiveStateDirectoryIsRefusedAndTouchesNothing) {
+  InProcessDaemon live("flashckpt-restart-test");
+  ASSERT_OK(live.Start());
+  TestTrainer t = live.StartTrainer("held", 1024);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  const std::string state_dir = live.socket() + ".state";
+  auto before = ListDir(state_dir);
+  ASSERT_OK(before.status());
+
+  InProcessDaemon second("flashckpt-restart-test");
+  Status refused = second.Start([&](DaemonConfig& c) { c.state_dir = state_dir; });
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+  EXPECT_NE(refused.message().find("(pid " + std::to_string(::getpid()) + ") owns the state directory " + state_dir),
+            std::string::npos)
+      << refused.ToString();
+  EXPECT_FALSE(PathExists(second.root())) << "the refused daemon made its root";
+  second.Stop();
+  auto after = ListDir(state_dir);
+  ASSERT_OK(after.status());
+  std::sort(before->begin(), before->end());
+  std::sort(after->begin(), after->end());
+  EXPECT_EQ(*after, *before) << "the refused daemon changed the live daemon's records";
+  ASSERT_OK(t.Save(2));  // the live daemon's trainer never noticed
 }
 
 }  // namespace
