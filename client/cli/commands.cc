@@ -332,4 +332,22 @@ int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, ui
   return kExitOk;
 }
 
+int RunRelease(const Endpoint& endpoint, const std::string& job, bool json) {
+  auto admin = OpenAdmin(endpoint);
+  if (!admin) return kExitRpcFailed;
+  auto result = admin->Release(job);
+  if (!result.ok()) return ReportRpcError(result.status(), endpoint);
+  if (json) {
+    ordered_json j;
+    j["job"] = job;
+    j["ranks"] = result->ranks;
+    j["bytes"] = result->bytes;
+    PrintJson(j);
+  } else {
+    std::cout << "released job " << job << ": " << result->ranks << (result->ranks == 1 ? " rank, " : " ranks, ")
+              << FormatBytes(result->bytes) << " of shared memory given back\n";
+  }
+  return kExitOk;
+}
+
 }  // namespace flashckpt::cli

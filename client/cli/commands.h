@@ -55,5 +55,7 @@ int RunInspect(const std::string& dir, bool json);
 // force: also the newest complete one), else gc keeping the newest `keep` (`flashckpt gc`).
 int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, uint32_t keep, bool force, bool dry_run,
               bool json);
+// ReleaseJob through the daemon (`flashckpt release --job J`): its shared memory given back.
+int RunRelease(const Endpoint& endpoint, const std::string& job, bool json);
 
 }  // namespace flashckpt::cli

@@ -107,6 +107,11 @@ int main(int argc, char** argv) {
   gc->add_flag("--dry-run", dry_run, "Only say what would be deleted");
   gc->add_flag("--json", json, "Print JSON");
 
+  CLI::App* release = app.add_subcommand(
+      "release", "Give back the shared memory of a job whose ranks have all gone (as flashckptd --idle-release does)");
+  release->add_option("--job", owner, "The job")->required();
+  release->add_flag("--json", json, "Print JSON");
+
   CLI11_PARSE(app, argc, argv);
 
   if (*reshard) {
@@ -115,6 +120,7 @@ int main(int argc, char** argv) {
   if (*inspect) return flashckpt::cli::RunInspect(dir, json);
   if (*del) return flashckpt::cli::RunDelete(endpoint, owner, step, 0, force, dry_run, json);
   if (*gc) return flashckpt::cli::RunDelete(endpoint, owner, 0, keep, false, dry_run, json);
+  if (*release) return flashckpt::cli::RunRelease(endpoint, owner, json);
 
   if (*status) return flashckpt::cli::RunStatus(endpoint, json);
   if (*health) return flashckpt::cli::RunHealth(endpoint);

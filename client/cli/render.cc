@@ -170,6 +170,7 @@ const char* EventKindText(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kCheckpointDeleted: return "deleted";
     case DaemonEvent::Kind::kEventsLost: return "lost";
     case DaemonEvent::Kind::kPersistAbandoned: return "abandoned";
+    case DaemonEvent::Kind::kJobReleased: return "released";
     default: return "unknown";
   }
 }
@@ -224,6 +225,9 @@ std::string EventText(const DaemonEvent& e) {
   std::string out = UtcText(e.unix_seconds) + " " + kind;
   if (e.kind == DaemonEvent::Kind::kEventsLost) {
     return out + " " + std::to_string(e.lost) + " event(s) dropped: this watcher fell behind";
+  }
+  if (e.kind == DaemonEvent::Kind::kJobReleased) {
+    return out + " job=" + e.job + " bytes=" + CompactBytes(e.bytes) + " reason=" + e.reason;
   }
   out += " job=" + e.job + " step=" + std::to_string(e.step);
   switch (e.kind) {

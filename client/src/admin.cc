@@ -182,6 +182,20 @@ Result<DeleteResult> AdminClient::Gc(const std::string& job, uint32_t keep, bool
   return impl_->Delete(req);
 }
 
+Result<ReleaseResult> AdminClient::Release(const std::string& job) {
+  grpc::ClientContext ctx;
+  Impl::SetDeadline(&ctx, impl_->options.rpc_timeout);
+  v1::ReleaseJobRequest req;
+  req.set_job(job);
+  v1::ReleaseJobResponse resp;
+  grpc::Status s = impl_->stub->ReleaseJob(&ctx, req, &resp);
+  if (!s.ok()) return impl_->Failed(s, "ReleaseJob", impl_->options.rpc_timeout);
+  ReleaseResult out;
+  out.ranks = resp.ranks();
+  out.bytes = resp.bytes();
+  return out;
+}
+
 Result<HealthState> AdminClient::Health() {
   grpc::ClientContext ctx;
   Impl::SetDeadline(&ctx, impl_->options.rpc_timeout);

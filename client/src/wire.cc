@@ -153,6 +153,7 @@ DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
     case v1::Event::CHECKPOINT_DELETED: return DaemonEvent::Kind::kCheckpointDeleted;
     case v1::Event::EVENTS_LOST: return DaemonEvent::Kind::kEventsLost;
     case v1::Event::PERSIST_ABANDONED: return DaemonEvent::Kind::kPersistAbandoned;
+    case v1::Event::JOB_RELEASED: return DaemonEvent::Kind::kJobReleased;
     default: return DaemonEvent::Kind::kUnknown;
   }
 }

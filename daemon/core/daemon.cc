@@ -1,5 +1,6 @@
 #include "daemon/core/daemon.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
@@ -36,6 +37,14 @@ bool SameLayout(const RankLayout& a, const RankLayout& b) {
     }
   }
   return true;
+}
+
+// The budget refusal's note on memory that jobs with no rank connected still hold.
+std::string DisconnectedText(uint64_t bytes) {
+  if (bytes == 0) return "";
+  return "; " + FormatBytes(bytes) +
+         " of it belongs to jobs with no rank connected, given back after --idle-release or at once by "
+         "`flashckpt release --job JOB`";
 }
 
 uint64_t PageAlign(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
@@ -102,7 +111,16 @@ Status Daemon::Start() {
   Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={} state_dir={}",
                       config_.root, config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads,
                       config_.keep, state_dir);
-  return AdoptSegments();
+  RETURN_IF_ERROR(AdoptSegments());
+  {
+    std::vector<StateDir::KeptEma> kept = state_.LoadKeptEmas();
+    MutexLock lock(&mu_);
+    for (StateDir::KeptEma& k : kept) {
+      kept_emas_[k.segment] = KeptEma{std::move(k.job), std::chrono::steady_clock::now()};
+    }
+  }
+  if (config_.idle_release.count() > 0) idle_thread_ = std::thread([this] { IdleReleaseLoop(); });
+  return Status::OK();
 }
 
 void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
@@ -113,6 +131,8 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
     stopping_ = true;
   }
   cv_.NotifyAll();
+  idle_cv_.NotifyAll();
+  if (idle_thread_.joinable()) idle_thread_.join();
   // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
   // like a crash for the data, but tidy: their commit records and segments stay for the next
   // daemon, which replays them.
@@ -137,14 +157,32 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   // Finishes the writes in flight until the deadline; abandons the rest (OnPersisted, kCancelled).
   // Either way no half-written file is left behind under a final name.
   if (writer_) writer_->Stop(deadline);
-  MutexLock lock(&mu_);
-  if (writer_) {
-    Logger("rpc")->info("stopped finished={} abandoned={} secs={:.3f}", stop_finished_, stop_abandoned_,
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
+  // EMA segments stay in /dev/shm for the next daemon. Those of jobs with no rank connected get a
+  // record, so that the next daemon unlinks them if the job does not come back.
+  std::vector<std::pair<std::string, std::string>> kept;  // EMA segment, job
+  {
+    MutexLock lock(&mu_);
+    if (writer_) {
+      Logger("rpc")->info("stopped finished={} abandoned={} secs={:.3f}", stop_finished_, stop_abandoned_,
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
+    }
+    for (const auto& [name, job] : jobs_) {
+      const bool connected = std::any_of(job.ranks.begin(), job.ranks.end(),
+                                         [](const auto& entry) { return !entry.second.session_id.empty(); });
+      if (connected) continue;
+      for (const auto& [r, rank] : job.ranks) {
+        if (rank.segment && rank.segment->ema) kept.emplace_back(rank.segment->ema->segment_name(), name);
+      }
+    }
+    jobs_.clear();  // unmaps every segment, and unlinks those no abandoned snapshot is left in
+    writer_.reset();
+    events_.Close();  // after the last writes' events: watchers see how the stop ended
   }
-  jobs_.clear();  // unmaps every segment, and unlinks those no abandoned snapshot is left in
-  writer_.reset();
-  events_.Close();  // after the last writes' events: watchers see how the stop ended
+  for (const auto& [segment, job] : kept) {
+    if (Status s = state_.SaveKeptEma(segment, job); !s.ok()) {
+      Logger("shm")->error("no record of the EMA segment {} left for the next daemon: {}", segment, s.ToString());
+    }
+  }
 }
 
 Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
@@ -156,6 +194,12 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
   for (;;) {
     if (stopping_) return Unavailable(kStoppingMessage);
+    if (releasing_.count(job) != 0) {  // its segments are being unlinked: a moment
+      if (!cv_.WaitUntil(&lock, deadline)) {
+        return Unavailable("job '" + job + "' is being released (its shared memory given back); connect again");
+      }
+      continue;
+    }
     auto jit = jobs_.find(job);
     if (jit == jobs_.end()) break;
     auto rit = jit->second.ranks.find(rank);
@@ -184,6 +228,7 @@ void Daemon::CloseSession(const std::string& session_id) {
   uint32_t abandoned = 0;
   if (rank.session_id == session_id) {
     rank.session_id.clear();
+    rank.gone_since = std::chrono::steady_clock::now();
     if (rank.segment) {
       abandoned = Slots(*rank.segment).AbandonInFlight();
       for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) Mirror(*rank.segment, i);
@@ -352,7 +397,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
                                FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
                                FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
                                "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
-                               " in use (--max-host-memory)");
+                               " in use (--max-host-memory)" + DisconnectedText(DisconnectedBytesLocked()));
     }
     // The old segment goes now (the writer keeps it alive if a persist is still running); the new
     // one is created without mu_: allocating and populating gigabytes must not hold up the other

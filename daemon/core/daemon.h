@@ -14,7 +14,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/base/mutex.h"
@@ -84,11 +86,20 @@ struct DaemonConfig {
   // How long the writer and the EMA stage wait for a trainer's device copies into a slot whose
   // commit it sent before they completed (a streaming commit): then the save fails.
   std::chrono::milliseconds copy_timeout{120000};
+  // A job none of whose ranks has been connected for this long, with nothing of it left to write,
+  // gives its shared memory back (ReleaseJob); 0 never does.
+  std::chrono::seconds idle_release{300};
 };
 
 struct WaitResult {
   int64_t persisted_step = -1;
   bool checkpoint_complete = false;
+};
+
+// What ReleaseJob gave back.
+struct ReleaseOutcome {
+  uint32_t ranks = 0;   // ranks the daemon knew of the job
+  uint64_t bytes = 0;   // shared memory freed (slot and EMA segments)
 };
 
 struct RestoreOutcome {
@@ -149,6 +160,13 @@ class Daemon {
   // step that a slot of this daemon is filling, has committed or is persisting is never deleted.
   Result<DeletionOutcome> DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
                                             bool dry_run) EXCLUDES(mu_);
+  // Forgets a job none of whose ranks is connected, once nothing of it is waiting to be written:
+  // unlinks its slot segments (with their records) and its EMA segments, which the checkpoints
+  // hold. `reason` is the event's ("release": an operator; "idle": --idle-release). NOT_FOUND for
+  // a job the daemon does not hold; FAILED_PRECONDITION, naming why, while a rank is connected or
+  // a snapshot of it is still on its way to disk.
+  Result<ReleaseOutcome> ReleaseJob(const std::string& job, const std::string& reason = "release") EXCLUDES(mu_);
+
   // Jobs, ranks and connected ranks, from memory (takes mu_ and nothing else: no file I/O).
   struct Counts {
     size_t jobs = 0, ranks = 0, connected = 0;
@@ -177,6 +195,7 @@ class Daemon {
     Backpressure policy = Backpressure::kWait;
     int64_t last_begun = -1;   // per session: steps must increase
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
+    std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
     uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
     int64_t last_committed = -1;
@@ -197,6 +216,25 @@ class Daemon {
     std::string job;
     uint32_t rank = 0;
   };
+
+  // Why the job's memory cannot be given back now, or "" when it can: a connected rank, or a
+  // snapshot still in a slot on its way through the EMA stage or the writer.
+  std::string ReleaseBlocker(const JobState& job) const REQUIRES(mu_);
+  // Takes the job out of jobs_ (into releasing_ until DropReleased is done with it).
+  std::vector<std::shared_ptr<RankSegment>> DetachJobLocked(const std::string& name, ReleaseOutcome* outcome)
+      REQUIRES(mu_);
+  // Unlinks the detached segments and their EMA segments, then lets the job's name be used again.
+  void DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
+                    const ReleaseOutcome& outcome, const std::string& reason) EXCLUDES(mu_);
+  // No rank connected, nothing left to write, and the last rank gone for config_.idle_release.
+  bool IdleDueLocked(const JobState& job) const REQUIRES(mu_);
+  // The --idle-release thread: releases jobs idle for config_.idle_release until Stop.
+  void IdleReleaseLoop() EXCLUDES(mu_);
+  // Unlinks the kept EMA segments (kept_emas_) that have been idle for config_.idle_release; takes
+  // and lets go of mu_ around the unlinking, as a release does.
+  void DropIdleKeptEmasLocked(MutexLock* lock) REQUIRES(mu_);
+  // Shared memory held by jobs with no rank connected (for the budget's refusal).
+  uint64_t DisconnectedBytesLocked() const REQUIRES(mu_);
 
   // A slot the daemon fills for the trainer to read (restore, EMA copy).
   struct LoadingSlot {
@@ -272,6 +310,7 @@ class Daemon {
   SlotTable& Slots(RankSegment& segment) REQUIRES(mu_) { return segment.slots_; }
   const SlotTable& Slots(const RankSegment& segment) const REQUIRES(mu_) { return segment.slots_; }
   uint32_t& EmaPending(RankSegment& segment) REQUIRES(mu_) { return segment.ema_pending_; }
+  uint32_t EmaPending(const RankSegment& segment) const REQUIRES(mu_) { return segment.ema_pending_; }
   // Copies the slot's state into its header page for inspection (and the next daemon).
   void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {
     segment.MirrorSlot(slot, segment.slots_.at(slot));
@@ -290,6 +329,18 @@ class Daemon {
   uint64_t stop_abandoned_ GUARDED_BY(mu_) = 0;  // and abandoned
   std::map<std::string, SessionInfo> sessions_ GUARDED_BY(mu_);
   std::map<std::string, JobState> jobs_ GUARDED_BY(mu_);
+  // Jobs being released: their segments are unlinked outside mu_, and a session of the job waits
+  // for that (OpenSession) so that it never maps a name about to go.
+  std::set<std::string> releasing_ GUARDED_BY(mu_);
+  // EMA segments a stopped predecessor left for jobs with no rank connected (StateDir::KeptEma),
+  // by segment name: unlinked by the idle-release thread once idle, unless their job came back.
+  struct KeptEma {
+    std::string job;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::map<std::string, KeptEma> kept_emas_ GUARDED_BY(mu_);
+  CondVar idle_cv_;          // wakes the idle-release thread at Stop
+  std::thread idle_thread_;  // started by Start with idle_release > 0, joined by Stop
 };
 
 }  // namespace flashckpt

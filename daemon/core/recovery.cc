@@ -143,6 +143,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
   MutexLock lock(&mu_);
   JobState& job_state = jobs_[job];
   RankState& rank = job_state.ranks[rank_id];
+  if (rank.session_id.empty()) rank.gone_since = std::chrono::steady_clock::now();  // idle from here
   if (!rank.segment) {
     rank.segment = segment;
     rank.topology = reg.topology;

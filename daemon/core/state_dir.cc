@@ -11,6 +11,7 @@
 #include <map>
 
 #include "common/base/log.h"
+#include "common/base/names.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
@@ -20,6 +21,7 @@ constexpr char kSegmentSuffix[] = ".reg";
 constexpr char kSlotInfix[] = ".slot";
 constexpr char kTempSuffix[] = ".tmp";
 constexpr char kLockName[] = "daemon.lock";
+constexpr char kKeptEmaSuffix[] = ".kept";
 constexpr uint64_t kMaxSegmentRecordBytes = 1ull << 30;  // a million tensor specs fit
 constexpr uint64_t kMaxCommitRecordBytes = 8ull << 20;   // extra state is capped at 4 MiB
 
@@ -87,6 +89,41 @@ void StateDir::RemoveSegment(const std::string& segment) const {
   ::unlink((path_ + "/" + segment + kSegmentSuffix).c_str());
 }
 
+Status StateDir::SaveKeptEma(const std::string& ema_segment, const std::string& job) const {
+  if (!enabled()) return Status::OK();
+  return Write(ema_segment + kKeptEmaSuffix, job);
+}
+
+void StateDir::RemoveKeptEma(const std::string& ema_segment) const {
+  if (!enabled()) return;
+  ::unlink((path_ + "/" + ema_segment + kKeptEmaSuffix).c_str());
+}
+
+std::vector<StateDir::KeptEma> StateDir::LoadKeptEmas() const {
+  std::vector<KeptEma> out;
+  if (!enabled()) return out;
+  auto names = ListDir(path_);
+  if (!names.ok()) return out;
+  std::sort(names->begin(), names->end());
+  for (const auto& n : *names) {
+    if (!EndsWith(n, kKeptEmaSuffix)) continue;
+    KeptEma kept;
+    kept.segment = n.substr(0, n.size() - (sizeof kKeptEmaSuffix - 1));
+    auto job = ReadSmallFile(path_ + "/" + n, 1024);
+    const std::string prefix = job.ok() ? "flashckpt." + *job + "." : std::string();
+    const bool named = job.ok() && ValidateJobName(*job).ok() && kept.segment.rfind(prefix, 0) == 0 &&
+                       EndsWith(kept.segment, ".ema");
+    if (!named) {
+      Logger("shm")->warn("dropping state record {}/{}: not a kept EMA record of its job", path_, n);
+      ::unlink((path_ + "/" + n).c_str());
+      continue;
+    }
+    kept.job = std::move(job).value();
+    out.push_back(std::move(kept));
+  }
+  return out;
+}
+
 std::vector<StateDir::Adoptable> StateDir::Load() const {
   std::vector<Adoptable> out;
   if (!enabled()) return out;
@@ -122,7 +159,10 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
   }
   for (const auto& n : *names) {
     auto pos = n.rfind(kSlotInfix);
-    if (pos == std::string::npos || EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix)) continue;
+    if (pos == std::string::npos || EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix) ||
+        EndsWith(n, kKeptEmaSuffix)) {
+      continue;
+    }
     auto it = segments.find(n.substr(0, pos));
     if (it == segments.end()) {
       drop(n, "its segment has no record");

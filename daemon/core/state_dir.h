@@ -6,6 +6,9 @@
 //   <segment name>.slot<N>    CommitRecord: slot N holds a committed snapshot that is not yet
 //                             persisted (or applied to the EMA); written before the Commit is
 //                             acknowledged, removed when the slot is free again
+//   <EMA segment name>.kept   the job's name: a daemon stopped while the job had no rank connected
+//                             left this EMA segment in /dev/shm; the next daemon hands it to the
+//                             job if it comes back, else unlinks it after --idle-release
 //   daemon.lock               flock()ed by the daemon that owns the directory (StateDirLock); holds
 //                             its pid
 //
@@ -40,6 +43,16 @@ class StateDir {
   void RemoveCommit(const std::string& segment, uint32_t slot) const;
   // Removes the segment's record and every commit record of it.
   void RemoveSegment(const std::string& segment) const;
+
+  // EMA segments a stopped daemon left for the next one, each with its job (see above).
+  Status SaveKeptEma(const std::string& ema_segment, const std::string& job) const;
+  void RemoveKeptEma(const std::string& ema_segment) const;
+  struct KeptEma {
+    std::string segment, job;
+  };
+  // Every readable record; one that is unreadable, or whose segment name is not its job's EMA
+  // segment name, is logged and removed.
+  std::vector<KeptEma> LoadKeptEmas() const;
 
   struct Adoptable {
     v1::SegmentRecord segment;

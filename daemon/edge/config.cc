@@ -168,6 +168,7 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   line("checksum-chunk", SizeText(c.checksum_chunk));
   line("keep", std::to_string(c.keep));
   line("stop-timeout", std::to_string(c.stop_timeout_s));
+  line("idle-release", std::to_string(c.idle_release.count()));
   line("log-level", ValueText(c.log_level));
   optional("log-file", c.log_file);
   if (c.allow_uids.empty()) {
@@ -234,6 +235,13 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "daemon to adopt")
       ->check(CLI::Range(1u, 86400u))
       ->capture_default_str();
+  uint32_t idle_release_s = static_cast<uint32_t>(config.idle_release.count());
+  app.add_option("--idle-release", idle_release_s,
+                 "Seconds after the last rank of a job disconnected, with nothing of it left to write, until the "
+                 "daemon gives the job's shared memory back and forgets it (0: never; flashckpt release --job J "
+                 "does it at once)")
+      ->check(CLI::Range(0u, 30u * 86400u))
+      ->capture_default_str();
   app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
   app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
   std::string shm_group;
@@ -279,6 +287,7 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
     app.exit(e);
     return InvalidArgument(e.what());
   }
+  config.idle_release = std::chrono::seconds(idle_release_s);
   if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
     std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
     return s;

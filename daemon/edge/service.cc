@@ -229,4 +229,14 @@ grpc::Status CheckpointService::DeleteCheckpoints(grpc::ServerContext*, const v1
   return grpc::Status::OK;
 }
 
+grpc::Status CheckpointService::ReleaseJob(grpc::ServerContext*, const v1::ReleaseJobRequest* req,
+                                           v1::ReleaseJobResponse* resp) {
+  RETURN_GRPC_IF_ERROR(ValidateJobName(req->job()));
+  auto outcome = daemon_->ReleaseJob(req->job());
+  if (!outcome.ok()) return ToGrpc(outcome.status());
+  resp->set_ranks(outcome->ranks);
+  resp->set_bytes(outcome->bytes);
+  return grpc::Status::OK;
+}
+
 }  // namespace flashckpt

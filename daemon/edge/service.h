@@ -41,6 +41,8 @@ class CheckpointService final : public v1::Checkpoint::Service {
                            grpc::ServerWriter<v1::Event>* writer) override;
   grpc::Status DeleteCheckpoints(grpc::ServerContext* ctx, const v1::DeleteCheckpointsRequest* req,
                                  v1::DeleteCheckpointsResponse* resp) override;
+  grpc::Status ReleaseJob(grpc::ServerContext* ctx, const v1::ReleaseJobRequest* req,
+                          v1::ReleaseJobResponse* resp) override;
 
  private:
   Daemon* daemon_;

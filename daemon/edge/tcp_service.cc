@@ -91,4 +91,10 @@ grpc::Status TcpCheckpointService::DeleteCheckpoints(grpc::ServerContext* ctx, c
   return local_->DeleteCheckpoints(ctx, req, resp);
 }
 
+grpc::Status TcpCheckpointService::ReleaseJob(grpc::ServerContext* ctx, const v1::ReleaseJobRequest* req,
+                                              v1::ReleaseJobResponse* resp) {
+  if (!allow_writes_) return Denied(ctx, "ReleaseJob");
+  return local_->ReleaseJob(ctx, req, resp);
+}
+
 }  // namespace flashckpt

@@ -54,6 +54,8 @@ class TcpCheckpointService final : public v1::Checkpoint::Service {
                            v1::ReleaseSlotResponse* resp) override;
   grpc::Status DeleteCheckpoints(grpc::ServerContext* ctx, const v1::DeleteCheckpointsRequest* req,
                                  v1::DeleteCheckpointsResponse* resp) override;
+  grpc::Status ReleaseJob(grpc::ServerContext* ctx, const v1::ReleaseJobRequest* req,
+                          v1::ReleaseJobResponse* resp) override;
 
   // Calls refused for want of --tcp-allow-writes since the start.
   uint64_t denied_calls() const { return denied_.load(); }

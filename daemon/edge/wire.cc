@@ -24,6 +24,7 @@ v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kCheckpointDeleted: return v1::Event::CHECKPOINT_DELETED;
     case DaemonEvent::Kind::kEventsLost: return v1::Event::EVENTS_LOST;
     case DaemonEvent::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
+    case DaemonEvent::Kind::kJobReleased: return v1::Event::JOB_RELEASED;
     case DaemonEvent::Kind::kUnknown: break;
   }
   return v1::Event::KIND_UNSPECIFIED;

@@ -106,6 +106,7 @@ void Metrics::Observe(const DaemonEvent& event) {
       break;
     case DaemonEvent::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
     case DaemonEvent::Kind::kPersistAbandoned: s.abandoned += 1; break;
+    case DaemonEvent::Kind::kJobReleased: s.released += 1; break;
     case DaemonEvent::Kind::kCheckpointComplete:
       s.completed += 1;
       s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds);
@@ -163,6 +164,9 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
        &JobSeries::abandoned},
       {"flashckpt_checkpoints_completed_total", "Checkpoints made complete (metadata.json written) by this daemon.",
        &JobSeries::completed},
+      {"flashckpt_jobs_released_total",
+       "Times the job's shared memory was given back (idle for --idle-release, or flashckpt release).",
+       &JobSeries::released},
   };
   for (const auto& def : kCounters) {
     Header(&out, def.name, "counter", def.help);

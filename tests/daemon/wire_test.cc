@@ -98,7 +98,7 @@ TEST(Wire, EveryEventKindHasItsOwnMessageKind) {
                                DaemonEvent::Kind::kEmaUpdated,        DaemonEvent::Kind::kPersisted,
                                DaemonEvent::Kind::kPersistFailed,     DaemonEvent::Kind::kCheckpointComplete,
                                DaemonEvent::Kind::kCheckpointDeleted, DaemonEvent::Kind::kEventsLost,
-                               DaemonEvent::Kind::kPersistAbandoned};
+                               DaemonEvent::Kind::kPersistAbandoned,  DaemonEvent::Kind::kJobReleased};
   std::set<int> seen;
   for (DaemonEvent::Kind kind : kinds) {
     DaemonEvent e;

@@ -249,12 +249,15 @@ def run_daemon_side(h, rng, kills):
     rc = h.stop_daemon()
     check(rc == 0, "flashckptd exited with %s on SIGTERM" % rc)
     state = h.sock + ".state"
-    records = [r for r in os.listdir(state) if r != "daemon.lock"] if os.path.isdir(state) else None  # lock stays
-    check(records == [], "after a clean stop the state directory should hold no record: %s"
-          % (records if records is not None else "missing"))
+    # The lock file stays (unlocked), and so does a record of each EMA segment kept for the next daemon.
+    emas = ["flashckpt.%s.%d.ema.kept" % (h.job, r) for r in range(2)]
+    records = sorted(r for r in os.listdir(state) if r != "daemon.lock") if os.path.isdir(state) else None
+    check(records is not None and all(r in emas for r in records),
+          "after a clean stop the state directory should hold no record but the kept EMAs' %s: %s"
+          % (emas, records if records is not None else "missing"))
     slots = [p for p in glob.glob("/dev/shm/flashckpt.%s.*" % h.job) if not p.endswith(".ema")]
     check(not slots, "slot segments left in /dev/shm after a clean stop: %s" % slots)
-    log("daemon side: clean stop leaves an empty state directory and no slot segment")
+    log("daemon side: clean stop leaves no record but the kept EMA segments' and no slot segment")
     startup, adopt = slowest_start(h)
     print("FIGURES side=daemon kills=%d lost_snapshots=%d recovered_steps=%d complete=%d verified=%d latest=%d "
           "slowest_start_secs=%.3f its_adoption_secs=%.3f" %

@@ -9,7 +9,7 @@
 //
 // Endpoint: the daemon's UNIX socket, or its TCP listener (flashckptd --listen HOST:PORT), over TLS
 // when a CA is given. Over TCP the daemon answers Status, List, Watch and Health; Delete and Gc only
-// when it runs with --tcp-allow-writes (else they fail, naming that flag).
+// (and Release) when it runs with --tcp-allow-writes (else they fail, naming that flag).
 // No session: an AdminClient registers nothing and may come and go while trainers run. It does not
 // wait for a daemon that is down: a call fails at once with kUnavailable, and the next call tries
 // again.
@@ -45,6 +45,12 @@ struct AdminOptions {
                             // empty: plain TCP. Read by Open().
   std::chrono::milliseconds rpc_timeout{10000};      // deadline of Status, List and Health
   std::chrono::milliseconds delete_timeout{300000};  // of Delete and Gc, which remove directory trees
+};
+
+// What Release gave back.
+struct ReleaseResult {
+  uint32_t ranks = 0;  // ranks the daemon knew of the job
+  uint64_t bytes = 0;  // shared memory freed (slot and EMA segments)
 };
 
 // grpc.health.v1 serving states; the names are gRPC's.
@@ -93,6 +99,11 @@ class AdminClient {
   // incomplete directories older than the oldest kept one, as flashckptd --keep does; steps in use
   // are skipped.
   Result<DeleteResult> Gc(const std::string& job, uint32_t keep, bool dry_run);
+  // Gives back the shared memory of `job` and makes the daemon forget it, as flashckptd
+  // --idle-release does once the job has been idle that long. kFailedPrecondition while a rank of
+  // the job is connected or a snapshot of it is still to be written; kNotFound when the daemon
+  // holds no such job.
+  Result<ReleaseResult> Release(const std::string& job);
   // grpc.health.v1.Health/Check of the daemon as a whole: kServing, or kNotServing while it stops.
   Result<HealthState> Health();
 

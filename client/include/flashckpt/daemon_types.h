@@ -88,6 +88,7 @@ struct DaemonEvent {
     kCheckpointDeleted,   // reason: "retention", "delete" or "gc"
     kEventsLost,          // this watcher fell behind; `lost` events were dropped for it
     kPersistAbandoned,    // the daemon stopped before writing it (reason); the next daemon does
+    kJobReleased,         // the job's shared memory was given back (bytes); reason: "idle" or "release"
   };
   Kind kind = Kind::kUnknown;
   double unix_seconds = 0;

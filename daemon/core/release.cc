@@ -1,0 +1,180 @@
+// Giving memory back: a job whose ranks have all gone keeps its slot segments (and EMA segments)
+// only until nothing of it is left to write and it has been idle for --idle-release, or until an
+// operator runs `flashckpt release --job J`. Then the daemon forgets the job: its segments and
+// their records are removed, the EMA segments too (the checkpoints hold the EMA), and status no
+// longer lists it. A trainer of the job that comes back later registers afresh.
+//
+// The unlinking happens outside mu_. Meanwhile the job's name is in releasing_, and OpenSession
+// of that job waits for it, so no new registration can map a segment name about to disappear.
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "daemon/core/daemon.h"
+
+namespace flashckpt {
+namespace {
+
+const char* SlotStateText(SlotState state) {
+  switch (state) {
+    case SlotState::kFilling: return "being filled";
+    case SlotState::kCommitted: return "committed, not yet written";
+    case SlotState::kPersisting: return "being written";
+    case SlotState::kRestoring: return "being restored";
+    default: return "in use";
+  }
+}
+
+}  // namespace
+
+std::string Daemon::ReleaseBlocker(const JobState& job) const {
+  for (const auto& [r, rank] : job.ranks) {
+    if (!rank.session_id.empty()) return "rank " + std::to_string(r) + " is connected (a trainer holds a session)";
+    if (!rank.segment) continue;
+    const SlotTable& slots = Slots(*rank.segment);
+    for (uint32_t i = 0; i < slots.size(); ++i) {
+      const SlotInfo& slot = slots.at(i);
+      if (slot.state == SlotState::kFree) continue;
+      return "rank " + std::to_string(r) + " has step " + std::to_string(slot.step) + " in slot " + std::to_string(i) +
+             ", " + SlotStateText(slot.state);
+    }
+    if (EmaPending(*rank.segment) > 0) return "rank " + std::to_string(r) + " has snapshots queued for its EMA";
+  }
+  return "";
+}
+
+std::vector<std::shared_ptr<RankSegment>> Daemon::DetachJobLocked(const std::string& name,
+                                                                  ReleaseOutcome* outcome) {
+  std::vector<std::shared_ptr<RankSegment>> segments;
+  auto it = jobs_.find(name);
+  if (it == jobs_.end()) return segments;
+  for (auto& [r, rank] : it->second.ranks) {
+    outcome->ranks += 1;
+    if (!rank.segment) continue;
+    outcome->bytes += rank.segment->accounted();
+    segments.push_back(std::move(rank.segment));
+  }
+  jobs_.erase(it);
+  releasing_.insert(name);
+  return segments;
+}
+
+void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
+                          const ReleaseOutcome& outcome, const std::string& reason) {
+  for (std::shared_ptr<RankSegment>& segment : segments) {
+    // The EMA segment outlives daemons by design (a restarted daemon adopts it); a released
+    // job's EMA is in its checkpoints, so its name goes now.
+    if (segment->ema) segment->ema->Unlink();
+    segment.reset();  // the last reference unmaps it, unlinks its name and removes its records
+  }
+  Logger("rpc")->info("released job={} ranks={} bytes={} reason={}", name, outcome.ranks, FormatBytes(outcome.bytes),
+                      reason);
+  DaemonEvent event;
+  event.kind = DaemonEvent::Kind::kJobReleased;
+  event.job = name;
+  event.bytes = outcome.bytes;
+  event.reason = reason;
+  Emit(std::move(event));
+  MutexLock lock(&mu_);
+  releasing_.erase(name);
+  cv_.NotifyAll();
+}
+
+Result<ReleaseOutcome> Daemon::ReleaseJob(const std::string& job, const std::string& reason) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  ReleaseOutcome outcome;
+  std::vector<std::shared_ptr<RankSegment>> segments;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return Unavailable("the daemon is stopping; its segments are left for the next daemon");
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) {
+      return NotFound("flashckptd holds no job '" + job + "'" +
+                      (releasing_.count(job) != 0 ? " (it is being released)" : " (see flashckpt status)"));
+    }
+    const std::string blocker = ReleaseBlocker(it->second);
+    if (!blocker.empty()) {
+      Logger("rpc")->warn("release refused job={}: {}", job, blocker);
+      return FailedPrecondition("job '" + job + "' is not released: " + blocker +
+                                "; a job is released once all its ranks have gone and its snapshots are written");
+    }
+    segments = DetachJobLocked(job, &outcome);
+  }
+  DropReleased(job, std::move(segments), outcome, reason);
+  return outcome;
+}
+
+uint64_t Daemon::DisconnectedBytesLocked() const {
+  uint64_t bytes = 0;
+  for (const auto& [name, job] : jobs_) {
+    const bool connected = std::any_of(job.ranks.begin(), job.ranks.end(),
+                                       [](const auto& entry) { return !entry.second.session_id.empty(); });
+    if (connected) continue;
+    for (const auto& [r, rank] : job.ranks) bytes += rank.segment ? rank.segment->accounted() : 0;
+  }
+  return bytes;
+}
+
+bool Daemon::IdleDueLocked(const JobState& job) const {
+  if (!ReleaseBlocker(job).empty()) return false;
+  std::chrono::steady_clock::time_point last_gone{};
+  for (const auto& [r, rank] : job.ranks) last_gone = std::max(last_gone, rank.gone_since);
+  return std::chrono::steady_clock::now() - last_gone >= config_.idle_release;
+}
+
+void Daemon::DropIdleKeptEmasLocked(MutexLock* lock) {
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<std::pair<std::string, std::string>> due;  // segment, job
+  for (auto& [segment, kept] : kept_emas_) {
+    if (jobs_.count(kept.job) != 0 || releasing_.count(kept.job) != 0) {
+      kept.since = now;  // the job is back: its rank adopts the segment when it registers
+      continue;
+    }
+    if (now - kept.since >= config_.idle_release) due.emplace_back(segment, kept.job);
+  }
+  if (due.empty()) return;
+  for (const auto& [segment, job] : due) {
+    kept_emas_.erase(segment);
+    releasing_.insert(job);  // OpenSession of the job waits until the name is gone
+  }
+  lock->Unlock();
+  for (const auto& [segment, job] : due) {
+    SharedSegment::Unlink(segment);
+    state_.RemoveKeptEma(segment);
+    Logger("shm")->info("released kept EMA segment={} job={}: its job did not come back within --idle-release",
+                        segment, job);
+  }
+  lock->Lock();
+  for (const auto& [segment, job] : due) releasing_.erase(job);
+  cv_.NotifyAll();
+}
+
+void Daemon::IdleReleaseLoop() {
+  const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(config_.idle_release);
+  // Checked a few times per idle period, at least every 10 s: a job goes at most that late.
+  const auto period = std::clamp(idle / 4, std::chrono::milliseconds(100), std::chrono::milliseconds(10000));
+  MutexLock lock(&mu_);
+  while (!stopping_) {
+    idle_cv_.WaitFor(&lock, period);
+    if (stopping_) break;
+    DropIdleKeptEmasLocked(&lock);
+    if (stopping_) break;
+    std::vector<std::string> names;
+    for (const auto& [name, job] : jobs_) {
+      if (IdleDueLocked(job)) names.push_back(name);
+    }
+    for (const std::string& name : names) {
+      // mu_ was let go for the previous job: a trainer may have come back since.
+      auto it = jobs_.find(name);
+      if (it == jobs_.end() || !IdleDueLocked(it->second)) continue;
+      ReleaseOutcome outcome;
+      std::vector<std::shared_ptr<RankSegment>> segments = DetachJobLocked(name, &outcome);
+      lock.Unlock();
+      DropReleased(name, std::move(segments), outcome, "idle");
+      lock.Lock();
+      if (stopping_) break;
+    }
+  }
+}
+
+}  // namespace flashckpt

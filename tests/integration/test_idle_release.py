@@ -1,0 +1,180 @@
+#!/usr/bin/python3
+"""Memory comes back: a job whose ranks have all gone gives its shared memory back.
+
+  1. `flashckpt release --job J` while J's trainer runs is refused (exit 2, "is connected") and
+     touches nothing; once the trainer has exited it frees J's slot and EMA segments (exit 0), the
+     status no longer lists J, and a second release says the daemon holds no such job (exit 2).
+  2. Many short jobs with an EMA, one after another, under flashckptd --idle-release 2: each
+     job's slot and EMA segments leave /dev/shm within a few seconds of its trainer's exit, and at
+     the end the status lists none of them and the memory in use is 0. Their checkpoints stay.
+  3. A job left behind by a daemon killed with SIGKILL is adopted by the next daemon and released
+     by it once idle, EMA segment included. A daemon stopped with SIGTERM keeps only the EMA segment
+     of a job with no rank connected (for a trainer that carries on), with a record; the next
+     daemon unlinks it once idle.
+
+    test_idle_release.py --bin-dir build/bin [--jobs N] [--keep]
+"""
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+sys.dont_write_bytecode = True  # keep the source tree clean
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import DaemonHarness, check, log, run_with_daemon_harness, tail, wait_for  # noqa: E402
+
+PREFIX = "idle%d" % os.getpid()
+IDLE_S = 2
+
+
+def segments(job):
+    return sorted(glob.glob("/dev/shm/flashckpt.%s.*" % job))
+
+
+def status(h):
+    rc, out, err = h.cli("--socket", h.sock, "status", "--json")
+    check(rc == 0, "flashckpt status failed (exit %d): %s" % (rc, err))
+    return json.loads(out)
+
+
+def listed(h, job):
+    return any(j["job"] == job for j in status(h)["jobs"])
+
+
+def sim(h, job, steps, step_ms=0, name=None):
+    out = os.path.join(h.tmp, (name or job) + ".log")
+    h.logs.append(out)
+    cmd = [h.binary("flashckpt-sim"), "--socket", h.sock, "--job", job, "--rank", "0", "--world-size", "1",
+           "--layers", "1", "--hidden", "64", "--steps", str(steps), "--save-every", "2", "--step-ms", str(step_ms),
+           "--ema-decay", "0.9", "--wait-timeout", "60"]
+    f = open(out, "wb")
+    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    f.close()
+    h.procs.append(p)
+    return p, out
+
+
+def finish(p, out, what):
+    rc = p.wait(timeout=120)
+    check(rc == 0, "%s exited %d:\n%s" % (what, rc, tail(out)))
+
+
+def operator_release(h):
+    job = PREFIX + "-op"
+    p, out = sim(h, job, steps=200, step_ms=20)
+    wait_for(lambda: len(segments(job)) == 2, 60, "the slot and EMA segments of " + job)
+    before = segments(job)
+    rc, _, err = h.cli("--socket", h.sock, "release", "--job", job)
+    check(rc == 2, "release of a job with a connected rank exited %d, not 2: %s" % (rc, err))
+    check("rank 0 is connected" in err, "the refusal does not say why: %s" % err)
+    check(segments(job) == before, "a refused release changed the segments: %s -> %s" % (before, segments(job)))
+    log("release while the trainer runs: refused, exit 2 (%s)" % err.strip())
+    finish(p, out, "the trainer of " + job)
+    # The daemon sees the session end a moment after the trainer's exit.
+    deadline = time.monotonic() + 10
+    while True:
+        rc, stdout, err = h.cli("--socket", h.sock, "release", "--job", job)
+        if rc == 0 or "is connected" not in err or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    check(rc == 0, "release after the trainer's exit failed (exit %d): %s" % (rc, err))
+    check(stdout.startswith("released job %s: 1 rank, " % job), "unexpected output: %r" % stdout)
+    check(segments(job) == [], "segments left after the release: %s" % segments(job))
+    check(not listed(h, job), "status still lists " + job)
+    rc, _, err = h.cli("--socket", h.sock, "release", "--job", job)
+    check(rc == 2 and "holds no job" in err, "a second release: exit %d: %s" % (rc, err))
+    check(os.path.exists(os.path.join(h.root, job, "LATEST")), "the job's checkpoints are gone")
+    log("release after the exit: %s" % stdout.strip())
+
+
+def idle_jobs(h, count):
+    jobs = ["%s-%d" % (PREFIX, i) for i in range(count)]
+    start = time.monotonic()
+    for i in range(0, count, 2):  # two trainers at a time
+        running = [(job,) + sim(h, job, steps=4) for job in jobs[i:i + 2]]
+        for job, p, out in running:
+            finish(p, out, "the trainer of " + job)
+    ran = time.monotonic() - start
+    log("%d short jobs ran in %.1fs" % (count, ran))
+    wait_for(lambda: not any(segments(job) for job in jobs), IDLE_S + 15,
+             "every idle job's segments to leave /dev/shm")
+    st = status(h)
+    left = [j["job"] for j in st["jobs"] if j["job"].startswith(PREFIX)]
+    check(not left, "status still lists jobs: %s" % left)
+    check(st["host_memory_used"] == 0, "host memory in use: %d" % st["host_memory_used"])
+    missing = [job for job in jobs if not os.path.exists(os.path.join(h.root, job, "LATEST"))]
+    check(not missing, "jobs without their checkpoint: %s" % missing)
+    log("%d idle jobs released: no segment, no status entry, 0 bytes in use" % count)
+
+
+def after_restarts(h):
+    job = PREFIX + "-crash"
+    p, out = sim(h, job, steps=4)
+    finish(p, out, "the trainer of " + job)
+    check(len(segments(job)) == 2, "expected a slot and an EMA segment: %s" % segments(job))
+    h.daemon.send_signal(signal.SIGKILL)
+    h.daemon.wait()
+    h.start_daemon(["--idle-release", str(IDLE_S)])
+    check(listed(h, job), "the restarted daemon did not adopt " + job)
+    wait_for(lambda: not segments(job), IDLE_S + 15, "the adopted job's segments to be released")
+    check(not listed(h, job), "status still lists the adopted job")
+    log("a job adopted after SIGKILL was released once idle, EMA segment included")
+
+    job = PREFIX + "-term"
+    ema = "/dev/shm/flashckpt.%s.0.ema" % job
+    kept = os.path.join(h.sock + ".state", "flashckpt.%s.0.ema.kept" % job)
+    h.stop_daemon()
+    h.start_daemon(["--idle-release", "0"])
+    p, out = sim(h, job, steps=4)
+    finish(p, out, "the trainer of " + job)
+    check(len(segments(job)) == 2, "expected a slot and an EMA segment: %s" % segments(job))
+    rc = h.stop_daemon()
+    check(rc == 0, "the daemon's stop exited %s" % rc)
+    # The EMA stays for a trainer that carries on after the restart, with a record for the next daemon.
+    check(segments(job) == [ema], "after SIGTERM /dev/shm holds %s, expected only %s" % (segments(job), ema))
+    check(os.path.exists(kept), "no record of the kept EMA segment: %s" % os.listdir(h.sock + ".state"))
+    h.start_daemon(["--idle-release", str(IDLE_S)])
+    wait_for(lambda: not segments(job), IDLE_S + 15, "the next daemon to release the kept EMA segment")
+    wait_for(lambda: not os.path.exists(kept), 5, "the kept EMA's record to go with its segment")
+    log("the EMA segment a stopped daemon kept for an idle job was released by the next daemon once idle")
+
+
+def run(h, count):
+    h.procs = []
+    h.start_daemon(["--idle-release", "0"])
+    operator_release(h)
+    h.stop_daemon()
+    h.start_daemon(["--idle-release", str(IDLE_S)])
+    idle_jobs(h, count)
+    after_restarts(h)
+
+
+class Harness(DaemonHarness):
+    def kill_all(self):
+        for p in getattr(self, "procs", []):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin-dir", required=True)
+    ap.add_argument("--jobs", type=int, default=20)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+
+    def jobs(h):
+        return [PREFIX + "-op", PREFIX + "-crash", PREFIX + "-term"] + ["%s-%d" % (PREFIX, i) for i in range(args.jobs)]
+
+    return run_with_daemon_harness(lambda h: run(h, args.jobs), "fcidle", jobs, args.bin_dir, keep=args.keep,
+                                   harness=Harness)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
