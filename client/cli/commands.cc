@@ -20,6 +20,7 @@
 #include "common/base/thread_pool.h"
 #include "common/format/metadata.h"
 #include "common/io/fs.h"
+#include "common/read/header_check.h"
 #include "common/read/relayout.h"
 #include "common/read/verify.h"
 #include "flashckpt/admin.h"
@@ -309,6 +310,12 @@ int RunInspect(const std::string& dir, bool json) {
       std::cerr << "flashckpt: inspect " << dir
                 << ": metadata.json is unreadable or corrupt: " << meta.status().ToString() << "\n";
     }
+    return kExitVerifyFailed;
+  }
+  // What is shown is metadata.json; each file's header must agree with it (one small read per file).
+  if (Status checked = CheckFileHeaders(dir, *meta); !checked.ok()) {
+    std::cerr << "flashckpt: inspect " << dir << ": metadata.json disagrees with the checkpoint's files: "
+              << checked.ToString() << "\n";
     return kExitVerifyFailed;
   }
   if (json) {

@@ -48,8 +48,10 @@ int RunVerify(const std::string& dir, bool json);
 // (bytes read and written of about twice the source's tensor bytes, GB/s, ETA).
 int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint32_t pp, uint32_t shard,
                const std::string& checksum_chunk, unsigned threads, bool progress);
-// Offline: a complete checkpoint's topology, files, tensors, sizes and EMA. An incomplete or
-// corrupt one is kExitVerifyFailed, a missing directory kExitFailed.
+// Offline: a complete checkpoint's topology, files, tensors, sizes and EMA, from its metadata.json
+// once every file's header agrees with it (CheckFileHeaders; no tensor data is read). An incomplete
+// or corrupt one, or one whose metadata.json disagrees with a file, is kExitVerifyFailed, a missing
+// directory kExitFailed.
 int RunInspect(const std::string& dir, bool json);
 // DeleteCheckpoints through the daemon: `step` > 0 deletes that checkpoint (`flashckpt delete`;
 // force: also the newest complete one), else gc keeping the newest `keep` (`flashckpt gc`).

@@ -175,15 +175,19 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
 
 Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path, IoEnv* io) {
   ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, io));
+  return ReadSafetensorsHeader(fd.get(), path, io);
+}
+
+Result<SafetensorsHeader> ReadSafetensorsHeader(int fd, const std::string& path, IoEnv* io) {
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat", path);
+  if (::fstat(fd, &st) != 0) return ErrnoStatus("fstat", path);
   uint64_t size = static_cast<uint64_t>(st.st_size);
   unsigned char prefix[8] = {};
-  if (size >= 8) RETURN_IF_ERROR(PreadFull(fd.get(), prefix, 8, 0, path, io));
+  if (size >= 8) RETURN_IF_ERROR(PreadFull(fd, prefix, 8, 0, path, io));
   auto n = ParseHeaderLength(prefix, size);
   if (!n.ok()) return n.status().WithContext(path);
   std::string json(*n, '\0');
-  RETURN_IF_ERROR(PreadFull(fd.get(), json.data(), *n, 8, path, io));
+  RETURN_IF_ERROR(PreadFull(fd, json.data(), *n, 8, path, io));
   auto parsed = ParseSafetensorsHeader(json, size);
   if (!parsed.ok()) return parsed.status().WithContext(path);
   return parsed;

@@ -75,6 +75,9 @@ Result<uint64_t> ParseHeaderLength(const unsigned char prefix[8], uint64_t file_
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t file_size);
 // Reads and parses the header of the file at `path`.
 Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path, IoEnv* io = IoEnv::Default());
+// The same through `fd`, open for reading on the file at `path` (named in errors); reads only the
+// header, with pread, so the fd's offset is unchanged and other threads may read it at once.
+Result<SafetensorsHeader> ReadSafetensorsHeader(int fd, const std::string& path, IoEnv* io = IoEnv::Default());
 
 // numel * element size, or an error on overflow.
 Result<uint64_t> TensorBytes(DType dtype, const std::vector<uint64_t>& shape);

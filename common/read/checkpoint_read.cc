@@ -11,7 +11,9 @@
 #include "common/base/dtype.h"
 #include "common/base/mutex.h"
 #include "common/format/checksum.h"
+#include "common/format/safetensors.h"
 #include "common/io/fs.h"
+#include "common/read/header_check.h"
 #include "common/read/reshard.h"
 
 namespace flashckpt {
@@ -172,14 +174,24 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
                                          const RankLayout& layout, char* slot, const FillOptions& options) {
   std::multimap<std::string, const Piece*> by_key;
   for (const auto& p : meta.pieces) by_key.emplace(p.key, &p);
+  RecordedFiles recorded;
+  if (!options.headers_checked) {
+    ASSIGN_OR_RETURN(recorded, GroupPiecesByFile(dir, meta));
+  }
 
-  // Each file is opened once, here, and read by any thread with pread.
+  // Each file is opened once, here, before any data is read, and read by any thread with pread.
+  // Its header is checked against metadata.json first: the reads below are planned from where
+  // metadata.json says each piece lies and goes, which no checksum covers.
   std::map<std::string, std::pair<std::string, UniqueFd>> files;  // name -> (path, fd)
   auto open = [&](const std::string& name) -> Result<std::pair<int, const std::string*>> {
     auto it = files.find(name);
     if (it == files.end()) {
       std::string path = dir + "/" + name;
       ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, options.io));
+      if (!options.headers_checked) {
+        ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(fd.get(), path, options.io));
+        RETURN_IF_ERROR(CheckFileHeader(path, name, header, meta, recorded[name]).status());
+      }
       it = files.emplace(name, std::make_pair(std::move(path), std::move(fd))).first;
     }
     return std::pair<int, const std::string*>(it->second.second.get(), &it->second.first);

@@ -18,6 +18,7 @@
 #include "common/format/signal.h"
 #include "common/io/fs.h"
 #include "common/read/checkpoint_read.h"
+#include "common/read/header_check.h"
 
 namespace flashckpt {
 namespace {
@@ -209,6 +210,7 @@ Status WriteLayout(const std::string& src, const CheckpointMetadata& meta, const
   InitSlotImages(slot.get(), layout);
   FillOptions options;
   options.loop = loop;
+  options.headers_checked = true;  // all of them, by RelayoutCheckpoint
   ASSIGN_OR_RETURN(FillStats stats, FillSlotFromCheckpoint(src, meta, layout, slot.get(), options));
   report->bytes_read += stats.bytes_read;
   for (size_t f = 0; f < layout.files.size(); ++f) {
@@ -272,6 +274,10 @@ Status RelayoutCheckpoint(const std::string& src, const std::string& dst, const 
   }
   const CheckpointMetadata meta = std::move(read).value();
   ASSIGN_OR_RETURN(std::vector<NewRank> ranks, PlanNewLayout(meta, degrees));
+  // A reshard reads the whole checkpoint: every file's header is checked against metadata.json
+  // once, here, before the destination is created, so a misplaced piece is refused with nothing
+  // written.
+  RETURN_IF_ERROR(CheckFileHeaders(src, meta));
   RETURN_IF_ERROR(PrepareDestination(dst));
 
   std::vector<std::string> names;

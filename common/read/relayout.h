@@ -60,8 +60,11 @@ struct RelayoutReport {
 
 // Rewrites the complete checkpoint `src_dir` into `dst_dir` (created; it must not exist or be
 // empty) under `degrees`, with per-chunk checksums of `checksum_chunk` bytes. `progress`, if set,
-// is called after each new rank's files are written. Every byte read is verified against the
-// source's checksums; on failure `dst_dir` is left without metadata.json.
+// is called after each new rank's files are written. Before `dst_dir` is created, every source
+// file's header is checked against metadata.json (CheckFileHeaders, common/read/header_check.h):
+// a piece that metadata.json places elsewhere than its file's header does is kCorruption naming
+// the file and tensor, and nothing is written. Every byte read is verified against the source's
+// checksums; on a later failure `dst_dir` is left without metadata.json.
 Status RelayoutCheckpoint(const std::string& src_dir, const std::string& dst_dir, const Degrees& degrees,
                           uint64_t checksum_chunk, ParallelLoop* loop, RelayoutReport* report,
                           const std::function<void(const NewRank&, const RelayoutReport&)>& progress = {});

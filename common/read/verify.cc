@@ -5,18 +5,15 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <charconv>
-#include <map>
 #include <memory>
 #include <new>
-#include <set>
 #include <vector>
 
-#include "common/base/dtype.h"
 #include "common/format/checksum.h"
 #include "common/format/metadata.h"
 #include "common/format/safetensors.h"
 #include "common/io/fs.h"
+#include "common/read/header_check.h"
 
 namespace flashckpt {
 namespace {
@@ -29,51 +26,6 @@ struct Xxh3StateDeleter {
 };
 using Xxh3State = std::unique_ptr<XXH3_state_t, Xxh3StateDeleter>;
 
-std::string ShapeText(const std::vector<uint64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
-
-std::string RangeText(const std::optional<FlatRange>& r) {
-  return r ? "[" + std::to_string(r->begin) + ", " + std::to_string(r->end) + ")" : "none";
-}
-
-// How the piece a file's header declares differs from what metadata.json records; empty if not.
-std::string PieceDifference(const Piece& disk, const Piece& meta) {
-  auto differ = [](const char* what, const std::string& d, const std::string& m) {
-    return std::string(what) + " is " + d + " in the file header but " + m + " in metadata.json";
-  };
-  if (disk.kind != meta.kind) {
-    return differ("kind", std::string(TensorKindName(disk.kind)), std::string(TensorKindName(meta.kind)));
-  }
-  if (disk.dtype != meta.dtype) {
-    return differ("dtype", std::string(DTypeName(disk.dtype)), std::string(DTypeName(meta.dtype)));
-  }
-  if (disk.shape != meta.shape) return differ("shape", ShapeText(disk.shape), ShapeText(meta.shape));
-  if (disk.global_shape != meta.global_shape) {
-    return differ("global shape", ShapeText(disk.global_shape), ShapeText(meta.global_shape));
-  }
-  if (disk.box_offset != meta.box_offset) {
-    return differ("box offset", ShapeText(disk.box_offset), ShapeText(meta.box_offset));
-  }
-  if (disk.box_shape != meta.box_shape) {
-    return differ("box shape", ShapeText(disk.box_shape), ShapeText(meta.box_shape));
-  }
-  bool same_range = disk.flat_range.has_value() == meta.flat_range.has_value() &&
-                    (!disk.flat_range || (disk.flat_range->begin == meta.flat_range->begin &&
-                                          disk.flat_range->end == meta.flat_range->end));
-  if (!same_range) return differ("flat range", RangeText(disk.flat_range), RangeText(meta.flat_range));
-  if (disk.begin != meta.begin || disk.end != meta.end) {
-    return differ("byte range", ShapeText({disk.begin, disk.end}), ShapeText({meta.begin, meta.end}));
-  }
-  if (disk.xxh3 != meta.xxh3) return differ("recorded xxh3", ChecksumHex(disk.xxh3), ChecksumHex(meta.xxh3));
-  if (disk.chunk_bytes != meta.chunk_bytes || disk.chunk_xxh3 != meta.chunk_xxh3) {
-    return "the per-chunk checksums in the file header differ from those in metadata.json";
-  }
-  return {};
-}
-
 // A file that passed the cheap checks, waiting for its data to be hashed.
 struct CheckedFile {
   std::string path;
@@ -83,7 +35,7 @@ struct CheckedFile {
 
 // Size, header and declared pieces of one listed file against metadata.json.
 Result<CheckedFile> CheckFileShape(const std::string& dir, const SavedFile& file, const CheckpointMetadata& meta,
-                                   const std::map<std::string, const Piece*>& recorded) {
+                                   const RecordedPieces& recorded) {
   CheckedFile out;
   out.path = dir + "/" + file.name;
   struct stat st {};
@@ -97,39 +49,7 @@ Result<CheckedFile> CheckFileShape(const std::string& dir, const SavedFile& file
                       std::to_string(file.bytes) + (out.bytes < file.bytes ? " (truncated)" : " (grown)"));
   }
   ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(out.path));
-  // A file of another step or job copied over this one may be self-consistent; its header says so.
-  auto job = header.metadata.find("job");
-  auto step = header.metadata.find("step");
-  int64_t file_step = -1;
-  if (step != header.metadata.end()) {
-    const std::string& s = step->second;
-    auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), file_step);
-    if (ec != std::errc() || ptr != s.data() + s.size()) file_step = -1;
-  }
-  if (job == header.metadata.end() || job->second != meta.job || file_step != meta.step) {
-    return Corruption(out.path + ": header names job '" + (job == header.metadata.end() ? "" : job->second) +
-                      "' step " + (step == header.metadata.end() ? "?" : step->second) + ", metadata.json job '" +
-                      meta.job + "' step " + std::to_string(meta.step));
-  }
-  ASSIGN_OR_RETURN(out.pieces, PiecesFromHeader(header, file.name));
-  for (const Piece& p : out.pieces) {
-    auto it = recorded.find(p.key);
-    if (it == recorded.end()) {
-      return Corruption(out.path + ": tensor '" + p.key + "' is in the file but metadata.json does not list it there");
-    }
-    std::string diff = PieceDifference(p, *it->second);
-    if (!diff.empty()) return Corruption(out.path + ": tensor '" + p.key + "': " + diff);
-  }
-  if (out.pieces.size() != recorded.size()) {
-    std::set<std::string> present;
-    for (const Piece& p : out.pieces) present.insert(p.key);
-    for (const auto& [key, piece] : recorded) {
-      if (!present.count(key)) {
-        return Corruption(out.path + ": tensor '" + key + "' is listed in metadata.json but absent from the file");
-      }
-    }
-  }
-  std::sort(out.pieces.begin(), out.pieces.end(), [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+  ASSIGN_OR_RETURN(out.pieces, CheckFileHeader(out.path, file.name, header, meta, recorded));
   return out;
 }
 
@@ -205,19 +125,7 @@ Status VerifyCheckpointDir(const std::string& dir, VerifyReport* report) {
   report->job = meta.job;
   report->step = meta.step;
 
-  // metadata.json's pieces by file, then by tensor name.
-  std::map<std::string, std::map<std::string, const Piece*>> recorded;
-  for (const SavedFile& f : meta.files) {
-    if (!recorded.emplace(f.name, std::map<std::string, const Piece*>{}).second) {
-      return Corruption(dir + "/metadata.json: file '" + f.name + "' is listed twice");
-    }
-  }
-  for (const Piece& p : meta.pieces) {
-    if (!recorded[p.file].emplace(p.key, &p).second) {
-      return Corruption(dir + "/metadata.json: tensor '" + p.key + "' has two pieces in file '" + p.file + "'");
-    }
-  }
-
+  ASSIGN_OR_RETURN(RecordedFiles recorded, GroupPiecesByFile(dir, meta));
   std::vector<CheckedFile> checked;
   checked.reserve(meta.files.size());
   for (const SavedFile& f : meta.files) {

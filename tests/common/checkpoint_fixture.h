@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/format/image.h"
@@ -46,6 +47,25 @@ inline Status WriteRankFiles(const std::string& dir, const std::string& job, uin
 // Gathers metadata.json from the files' own headers, as the last daemon to see a signal does.
 inline Status WriteMetadata(const std::string& dir) {
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromDir(dir));
+  return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
+}
+
+// Swaps, in metadata.json, where the pieces of tensor `key` in files `a` and `b` go (box offset and
+// shape, flat range), leaving their byte ranges and checksums as they are: a damaged or edited
+// metadata.json whose every checksum still matches the bytes on disk.
+inline Status SwapPlacements(const std::string& dir, const std::string& key, const std::string& a,
+                             const std::string& b) {
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
+  Piece* first = nullptr;
+  Piece* second = nullptr;
+  for (Piece& p : meta.pieces) {
+    if (p.key == key && p.file == a) first = &p;
+    if (p.key == key && p.file == b) second = &p;
+  }
+  if (first == nullptr || second == nullptr) return NotFound("no piece of '" + key + "' in " + a + " or " + b);
+  std::swap(first->box_offset, second->box_offset);
+  std::swap(first->box_shape, second->box_shape);
+  std::swap(first->flat_range, second->flat_range);
   return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
 }
 

@@ -142,6 +142,28 @@ TEST(FillSlotFromCheckpoint, VerifiesTheChunksItReadsAndOnlyThose) {
   EXPECT_NE(s.message().find(FileOf(0)), std::string::npos) << s.ToString();
 }
 
+TEST(FillSlotFromCheckpoint, RefusesPiecesThatMetadataPlacesOtherwiseThanTheirFileHeader) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  ASSERT_OK(SaveTwoRanks(dir.path(), kChunk));
+  // metadata.json now puts rank 1's rows at the top and rank 0's below; every checksum still
+  // matches the bytes it covers, so only the files' own headers can tell.
+  ASSERT_OK(testing::SwapPlacements(dir.path(), "w", FileOf(0), FileOf(1)));
+  // The same layout (rank 0's rows, read as a whole piece) and another one (chunks of both pieces).
+  for (const TensorSpec& want : {RowBlock(0, 128), RowBlock(61, 134)}) {
+    Filled f = Fill(dir.path(), want);
+    ASSERT_FALSE(f.status.ok()) << "rows [" << want.box_offset[0] << ", " << want.box_offset[0] + want.box_shape[0]
+                                << ") were filled from a misplaced piece";
+    EXPECT_EQ(f.status.code(), StatusCode::kCorruption) << f.status.ToString();
+    for (const char* word : {"tensor 'w'", "box offset", "in the file header", "metadata.json", ".safetensors"}) {
+      EXPECT_NE(f.status.message().find(word), std::string::npos) << "'" << word << "' in " << f.status.ToString();
+    }
+  }
+  // Rank 0's rows are the piece metadata.json now places at offset 0: the one in rank 1's file.
+  Status s = Fill(dir.path(), RowBlock(0, 128)).status;
+  EXPECT_NE(s.message().find(dir.File(FileOf(1))), std::string::npos) << s.ToString();
+}
+
 TEST(FillSlotFromCheckpoint, NarrowsFp32OnlyWhenAsked) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());

@@ -764,6 +764,29 @@ TEST_F(RelayoutTest, RefusesBadDegreesAndChunksWithoutCreatingTheDestination) {
   EXPECT_FALSE(std::filesystem::exists(dst));
 }
 
+TEST_F(RelayoutTest, RefusesMisplacedPiecesWithoutWritingAnything) {
+  // metadata.json swaps the flat ranges of the two shards of one tp box: every checksum still
+  // matches, but resharding would write each half of the optimizer state where the other belongs.
+  const std::string shard0 = "optimizer.tp01_pp00_shard00.safetensors";
+  const std::string shard1 = "optimizer.tp01_pp00_shard01.safetensors";
+  ASSERT_OK(testing::SwapPlacements(src_, kExpAvg, shard0, shard1));
+  const std::string dst = root_.File("out");
+  RelayoutReport report;
+  ParallelLoop loop(2);
+  Status s = RelayoutCheckpoint(src_, dst, Degrees{1, 1, 1}, kChunk, &loop, &report);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+  for (const std::string& word : {std::string("tensor '") + kExpAvg + "'", std::string("flat range"),
+                                  std::string("metadata.json"), std::string("optimizer.tp01_pp00_shard0")}) {
+    EXPECT_NE(s.message().find(word), std::string::npos) << "'" << word << "' in " << s.ToString();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dst)) << "the destination was created";
+  EXPECT_EQ(report.files, 0u);
+  // verify refuses the source for the same reason.
+  Status verified = VerifyCheckpointDir(src_, nullptr);
+  EXPECT_EQ(verified.code(), StatusCode::kCorruption) << verified.ToString();
+  EXPECT_NE(verified.message().find("flat range"), std::string::npos) << verified.ToString();
+}
+
 TEST_F(RelayoutTest, StopsAtACorruptSourcePieceWithoutMetadata) {
   auto meta = ReadMetadataFile(src_);
   ASSERT_OK(meta.status());

@@ -169,6 +169,18 @@ TEST_F(VerifyTest, DetectsMetadataThatRecordsAnotherChecksum) {
   ExpectMentions(s, {kOptim1, "'step'"});
 }
 
+TEST_F(VerifyTest, DetectsMetadataThatSwapsWherePiecesGo) {
+  // The two shards' flat ranges of exp_avg swapped in metadata.json: every checksum still matches.
+  const std::string optim0 = "optimizer.tp00_pp00_shard00.safetensors";
+  ASSERT_OK(testing::SwapPlacements(dir_.path(), "layers.0.w.exp_avg", optim0, kOptim1));
+  Status s = Verify();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  ExpectMentions(s, {optim0, "'layers.0.w.exp_avg'", "flat range is [0, 2048) in the file header",
+                     "[2048, 4096) in metadata.json"});
+  EXPECT_EQ(report_.tensors, 0u) << "no data is hashed before the headers are checked";
+}
+
 TEST_F(VerifyTest, DetectsAFileOfAnotherStep) {
   // Rank 1's files of step 1300 land in checkpoint 1200: each file is self-consistent, but not
   // the checkpoint metadata.json describes.

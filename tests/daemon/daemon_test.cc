@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <thread>
 
@@ -349,6 +351,55 @@ TEST_F(DaemonTest, ACompleteCheckpointIsNeverOverwritten) {
   ASSERT_OK(again->Register(Topology{}, Specs(10)));
   auto s = again->Snapshot(3, bufs, {});
   EXPECT_EQ(s.status().code(), StatusCode::kAlreadyExists) << s.status().ToString();
+}
+
+TEST_F(DaemonTest, ARestoreRefusesAMetadataJsonThatMisplacesPieces) {
+  // Two tp ranks each hold half of "w" ([2n], rank r at offset r * n) and save it filled with r + 1.
+  constexpr uint64_t n = 1000;
+  std::vector<std::unique_ptr<Client>> ranks;
+  std::vector<std::vector<float>> halves;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ranks.push_back(Connect("misplaced", r));
+    ASSERT_TRUE(ranks.back());
+    TensorSpec w;
+    w.name = "w";
+    w.shape = {n};
+    w.global_shape = {2 * n};
+    w.box_offset = {r * n};
+    w.box_shape = {n};
+    Topology t;
+    t.world_size = 2;
+    t.tp_degree = 2;
+    t.tp_rank = r;
+    ASSERT_OK(ranks.back()->Register(t, {w}));
+    halves.emplace_back(n, static_cast<float>(r + 1));
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_OK(ranks[r]->Snapshot(5, {{"w", halves[r].data(), n * 4}}, {}).status());
+  }
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(ranks[r]->WaitPersisted(5, 10s));
+  const std::string dir = root() + "/misplaced/checkpoint-5";
+  for (auto deadline = std::chrono::steady_clock::now() + 10s;
+       !PathExists(dir + "/metadata.json") && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+
+  // metadata.json swaps where the two halves go; their checksums still match the bytes on disk.
+  auto meta = ReadMetadataFile(dir);
+  ASSERT_OK(meta.status());
+  ASSERT_EQ(meta->pieces.size(), 2u);
+  std::swap(meta->pieces[0].box_offset, meta->pieces[1].box_offset);
+  ASSERT_OK(WriteFileDurably(dir, "metadata.json", MetadataToJson(*meta)));
+
+  std::vector<float> got(n, 0.f);
+  auto restored = ranks[0]->Restore(std::nullopt, {{"w", got.data(), n * 4}}, 10s);
+  ASSERT_FALSE(restored.ok()) << "restored rank 0 from a misplaced piece: w[0] = " << got[0];
+  EXPECT_EQ(restored.status().code(), StatusCode::kCorruption) << restored.status().ToString();
+  for (const char* word : {"tensor 'w'", "box offset", "model_state.tp01_pp00_shard00.safetensors"}) {
+    EXPECT_NE(restored.status().message().find(word), std::string::npos)
+        << "'" << word << "' in " << restored.status().ToString();
+  }
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.f; })) << "bytes were handed over";
 }
 
 TEST_F(DaemonTest, WaitPersistedForAStepNeverCommittedFailsFast) {

@@ -99,16 +99,17 @@ TEST_F(ReadFaultsTest, ReadingMetadataJsonThatFailsIsAnError) {
 
 TEST_F(ReadFaultsTest, AnEioInTheMiddleOfARestoreHandsNothingOver) {
   // 8 MiB tensors: each is read in several blocks. Reads from now on: metadata.json first, then the
-  // tensors' blocks; the 4th read fails.
+  // two files' headers (two reads each), then the tensors' four blocks; the 8th read (the third
+  // block) fails.
   Trainer t = TwoCheckpoints("mid", 2u << 20);
   ASSERT_TRUE(t.client);
   const uint64_t before = io_.calls(Op::kRead);
-  io_.FailNth(Op::kRead, 4, EIO);
+  io_.FailNth(Op::kRead, 8, EIO);
   auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
   ASSERT_FALSE(restored.ok()) << "restored step " << restored->step;
   EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
   EXPECT_TRUE(Contains(restored.status().message(), StepDir("mid", 2) + "/")) << restored.status().ToString();
-  EXPECT_GT(io_.calls(Op::kRead) - before, 4u) << "the failed read was not in the middle of the restore";
+  EXPECT_GT(io_.calls(Op::kRead) - before, 8u) << "the failed read was not in the middle of the restore";
   EXPECT_TRUE(t.All(7.f)) << "a failed restore handed bytes over";
   // The slot it took is free again: the next restore works.
   auto again = t.client->Restore(std::nullopt, t.bufs, 10s);

@@ -13,6 +13,9 @@ Two ranks (tp 2, EMA on) save checkpoints 2, 4, 6, 8 and 10; then:
   4. `gc --keep 2 --dry-run` names what `gc --keep 2` then deletes: the older complete checkpoints
      and an older incomplete directory; a newer incomplete directory (a save in flight) stays.
   5. `reshard --progress` prints its progress on stderr only and ends at 100%.
+     A copy of a checkpoint whose metadata.json swaps where two pieces of a tensor go (checksums
+     intact) is refused by `inspect`, `verify` and `reshard` (exit 1, naming the tensor and its
+     file), and `reshard` creates nothing.
   6. A daemon restarted with --tcp-allow-writes deletes over TCP.
 
     test_manage.py --bin-dir build/bin [--keep]
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -188,6 +192,30 @@ def check_reshard_progress(h):
     log("reshard progress on stderr: %s" % lines[-1])
 
 
+def check_misplaced_pieces(h):
+    src = os.path.join(h.tmp, "misplaced")
+    shutil.copytree(ckpt(h, 8), src)
+    path = os.path.join(src, "metadata.json")
+    with open(path) as f:
+        meta = json.load(f)
+    # A tensor cut over the two tp ranks: swap where its two pieces go, leave bytes and checksums.
+    name, pieces = next((n, v) for n, v in sorted(meta["tensors"].items())
+                        if len(v) == 2 and v[0]["kind"] == v[1]["kind"] and v[0]["box_offset"] != v[1]["box_offset"])
+    pieces[0]["box_offset"], pieces[1]["box_offset"] = pieces[1]["box_offset"], pieces[0]["box_offset"]
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    want = "tensor '%s'" % name
+    for args in (["inspect", src], ["verify", src]):
+        rc, out, err = h.cli(*args)
+        check(rc == 1 and want in err and "box offset" in err and ".safetensors" in err,
+              "%s of misplaced pieces: exit %d\n%s%s" % (args[0], rc, out, err))
+    dst = os.path.join(h.tmp, "misplaced-resharded")
+    rc, out, err = h.cli("reshard", src, dst, "--tp-degree", "1")
+    check(rc == 1 and want in err and "box offset" in err, "reshard of misplaced pieces: exit %d\n%s%s" % (rc, out, err))
+    check(not os.path.exists(dst), "reshard of misplaced pieces created %s" % dst)
+    log("misplaced pieces of %s refused by inspect, verify and reshard" % name)
+
+
 def start_listening(h, extra_args=()):
     """Starts flashckptd with a TCP listener on a free loopback port; returns HOST:PORT."""
     h.start_daemon(extra_args=["--listen", "127.0.0.1:0"] + list(extra_args))
@@ -214,6 +242,7 @@ def run(h):
     check_delete(h, address)
     check_gc(h)
     check_reshard_progress(h)
+    check_misplaced_pieces(h)
     check(h.stop_daemon() == 0, "flashckptd did not exit 0 on SIGTERM")
     check_delete_over_tcp_with_writes(h)
     check(h.stop_daemon() == 0, "flashckptd (--tcp-allow-writes) did not exit 0 on SIGTERM")
