@@ -91,4 +91,22 @@ Result<std::string> DecodeExtra(const std::string& file_contents) {
   return Corruption("extra file has unknown encoding '" + e + "'");
 }
 
+Result<std::string> DecodeExtra(const std::string& file_contents, const std::string& job, uint32_t rank,
+                                int64_t step) {
+  auto j = nlohmann::json::parse(file_contents, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return Corruption("extra file is not a JSON object");
+  auto owner = j.find("job");
+  auto r = j.find("rank");
+  auto s = j.find("step");
+  const bool mine = owner != j.end() && owner->is_string() && owner->get<std::string>() == job && r != j.end() &&
+                    r->is_number_unsigned() && r->get<uint64_t>() == rank && s != j.end() &&
+                    s->is_number_integer() && s->get<int64_t>() == step;
+  if (!mine) {
+    return Corruption("extra file is not job '" + job + "' rank " + std::to_string(rank) + " step " +
+                      std::to_string(step) + "'s (it says job " + (owner != j.end() ? owner->dump() : "?") + " rank " +
+                      (r != j.end() ? r->dump() : "?") + " step " + (s != j.end() ? s->dump() : "?") + ")");
+  }
+  return DecodeExtra(file_contents);
+}
+
 }  // namespace flashckpt

@@ -19,5 +19,8 @@ namespace flashckpt {
 std::string EncodeExtra(const std::string& job, uint32_t rank, int64_t step, const std::string& extra);
 // The trainer's bytes back; kCorruption for a file that is not such an object.
 Result<std::string> DecodeExtra(const std::string& file_contents);
+// The same, and kCorruption unless the file says it is `job`'s, `rank`'s and `step`'s.
+Result<std::string> DecodeExtra(const std::string& file_contents, const std::string& job, uint32_t rank,
+                                int64_t step);
 
 }  // namespace flashckpt

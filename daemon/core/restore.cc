@@ -39,6 +39,30 @@ Status LoadEma(const std::string& dir, const CheckpointMetadata& meta, RankEma* 
 
 // Daemon::Restore: pick the checkpoint, take a slot, fill it without holding the lock, hand it over.
 
+namespace {
+
+// extra.rankNNNNN.json of `rank` in the checkpoint `dir`, checked to be that job's, rank's and
+// step's. A checkpoint without one (none was saved) gives "" only while its metadata.json is
+// still there: a file missing because the checkpoint is being deleted fails the restore.
+Status ReadRestoreExtra(const std::string& dir, const std::string& job, uint32_t rank, int64_t step, IoEnv* io,
+                        std::string* extra) {
+  const std::string path = dir + "/" + ExtraFileName(rank);
+  auto text = ReadSmallFile(path, 16u << 20, io);
+  if (!text.ok()) {
+    if (text.status().code() != StatusCode::kNotFound) return text.status();
+    ASSIGN_OR_RETURN(bool listed, Exists(dir + "/metadata.json", io));
+    if (!listed) return NotFound(dir + " was deleted during the restore (" + ExtraFileName(rank) + " is gone)");
+    extra->clear();
+    return Status::OK();
+  }
+  auto decoded = DecodeExtra(*text, job, rank, step);
+  if (!decoded.ok()) return decoded.status().WithContext(path);
+  *extra = std::move(decoded).value();
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step, bool convert_dtype,
                                        std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("restore step must be non-negative (0 = latest)");
@@ -87,13 +111,20 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   const SlotTicket ticket = loading.ticket;
 
   auto start = std::chrono::steady_clock::now();
+  // The rank's extra state is part of what it restores: read and checked before any tensor, so
+  // that a checkpoint deleted under the restore (by another daemon's retention on a shared root)
+  // fails it rather than hand over tensors without their extra state.
+  std::string extra;
+  Status extra_status = ReadRestoreExtra(dir, job, rank_id, step, RootIo(), &extra);
   // Restores are rare and latency-bound: each gets its own reader threads.
   ParallelLoop readers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
   FillOptions options;
   options.loop = &readers;
   options.convert_dtype = convert_dtype;
   options.io = RootIo();
-  auto filled = FillSlotFromCheckpoint(dir, meta, segment->layout, segment->Slot(ticket.slot), options);
+  Result<FillStats> filled = !extra_status.ok() ? Result<FillStats>(extra_status)
+                                                : FillSlotFromCheckpoint(dir, meta, segment->layout,
+                                                                         segment->Slot(ticket.slot), options);
   if (filled.ok() && segment->ema) {
     FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
     ema_options.loop = &readers;
@@ -101,26 +132,10 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     Status loaded = LoadEma(dir, meta, segment->ema.get(), ema_options);
     if (!loaded.ok()) filled = loaded;
   }
-  std::string extra;
-  Status extra_status;
-  if (filled.ok()) {
-    std::string path = dir + "/" + ExtraFileName(rank_id);
-    auto has_extra = Exists(path, RootIo());  // none was saved: fine; cannot tell: an error
-    if (!has_extra.ok()) {
-      extra_status = has_extra.status();
-    } else if (*has_extra) {
-      auto text = ReadSmallFile(path, 16u << 20, RootIo());
-      auto decoded = text.ok() ? DecodeExtra(*text) : Result<std::string>(text.status());
-      if (decoded.ok())
-        extra = std::move(decoded).value();
-      else
-        extra_status = decoded.status().WithContext(path);
-    }
-  }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   MutexLock lock(&mu_);
-  Status failure = !filled.ok() ? filled.status() : extra_status;
+  Status failure = filled.status();
   if (!failure.ok()) {
     Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
                              failure.ToString());

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "common/io/fault_injecting_io.h"
@@ -115,6 +116,60 @@ TEST_F(ReadFaultsTest, AnEioInTheMiddleOfARestoreHandsNothingOver) {
   auto again = t.client->Restore(std::nullopt, t.bufs, 10s);
   ASSERT_OK(again.status());
   EXPECT_TRUE(t.All(2.f));
+}
+
+// Another daemon's retention (a shared root) deletes the checkpoint while a restore reads it. The
+// restore either fails or hands over everything the rank saved: never tensors without their extra
+// state. The reads are slowed so that the deletion falls after the tensor files were opened.
+TEST_F(ReadFaultsTest, ACheckpointDeletedDuringARestoreNeverLosesTheExtraState) {
+  Trainer t = StartTrainer("gone", 1024);
+  ASSERT_TRUE(t.client);
+  std::fill(t.w.begin(), t.w.end(), 2.f);
+  std::fill(t.m.begin(), t.m.end(), -2.f);
+  SnapshotOptions with_extra;
+  with_extra.extra = R"({"data_position":12345})";
+  ASSERT_OK(t.client->Snapshot(2, t.bufs, with_extra).status());
+  ASSERT_OK(t.client->WaitPersisted(2, 30s));
+  std::fill(t.w.begin(), t.w.end(), 7.f);
+  io_.Slow(Op::kRead, 100ms);
+  std::thread remover([&] {
+    std::this_thread::sleep_for(550ms);  // metadata.json, the extra state and both headers are read by then
+    std::filesystem::remove_all(StepDir("gone", 2));
+  });
+  auto restored = t.client->Restore(std::nullopt, t.bufs, 20s);
+  remover.join();
+  io_.Clear();
+  if (restored.ok()) {
+    EXPECT_EQ(restored->step, 2);
+    EXPECT_EQ(restored->extra, with_extra.extra) << "the restore handed over tensors without their extra state";
+    EXPECT_TRUE(t.All(2.f));
+  } else {
+    EXPECT_TRUE(restored.status().code() == StatusCode::kNotFound ||
+                restored.status().code() == StatusCode::kIOError)
+        << restored.status().ToString();
+    EXPECT_TRUE(std::all_of(t.w.begin(), t.w.end(), [](float x) { return x == 7.f; })) << "bytes handed over";
+  }
+}
+
+// The extra state read back must be the rank's own for that step: one copied from another rank or
+// step is refused, naming the file.
+TEST_F(ReadFaultsTest, AnExtraStateOfAnotherRankOrStepIsRefused) {
+  Trainer t = StartTrainer("foreign", 1024);
+  ASSERT_TRUE(t.client);
+  SnapshotOptions with_extra;
+  with_extra.extra = R"({"step":1})";
+  ASSERT_OK(t.client->Snapshot(1, t.bufs, with_extra).status());
+  ASSERT_OK(t.client->WaitPersisted(1, 30s));
+  with_extra.extra = R"({"step":2})";
+  ASSERT_OK(t.client->Snapshot(2, t.bufs, with_extra).status());
+  ASSERT_OK(t.client->WaitPersisted(2, 30s));
+  const std::string extra = "/extra.rank00000.json";
+  std::filesystem::copy_file(StepDir("foreign", 1) + extra, StepDir("foreign", 2) + extra,
+                             std::filesystem::copy_options::overwrite_existing);
+  auto restored = t.client->Restore(2, t.bufs, 10s);
+  ASSERT_FALSE(restored.ok()) << "restored with extra " << restored->extra;
+  EXPECT_EQ(restored.status().code(), StatusCode::kCorruption) << restored.status().ToString();
+  EXPECT_TRUE(Contains(restored.status().message(), StepDir("foreign", 2) + extra)) << restored.status().ToString();
 }
 
 TEST_F(ReadFaultsTest, AFailedMetadataWriteIsReportedAndLeavesThePreviousCheckpointLatest) {
