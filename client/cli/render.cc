@@ -132,6 +132,9 @@ std::string SlotsText(const RankStatus& rank) {
     if (!out.empty()) out += " ";
     out += std::to_string(s.index) + ":" + s.state;
     if (s.state != "free" && s.step >= 0) out += "@" + std::to_string(s.step);
+    // A slot filling for long: its trainer stopped between BeginSnapshot and Commit (SIGSTOP, a
+    // debugger) or its copies are slow.
+    if (s.state == "filling" && s.filling_seconds >= 1) out += "(" + FormatDuration(s.filling_seconds) + ")";
   }
   return out.empty() ? "-" : out;
 }
@@ -391,7 +394,10 @@ ordered_json StatusJson(const DaemonStatus& status) {
       r["last_persisted_step"] = StepJson(rank.last_persisted_step);
       ordered_json slots = ordered_json::array();
       for (const auto& s : rank.slots) {
-        slots.push_back({{"index", s.index}, {"state", s.state}, {"step", StepJson(s.step)}});
+        slots.push_back({{"index", s.index},
+                         {"state", s.state},
+                         {"step", StepJson(s.step)},
+                         {"filling_seconds", s.filling_seconds}});
       }
       r["slots"] = std::move(slots);
       r["oldest_write_seconds"] = rank.oldest_write_seconds;  // 0: nothing being written

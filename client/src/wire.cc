@@ -115,7 +115,9 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
       rank.persists = r.persists();
       rank.failures = r.failures();
       rank.skipped = r.skipped();
-      for (const v1::SlotStatus& s : r.slots()) rank.slots.push_back({s.index(), s.state(), s.step()});
+      for (const v1::SlotStatus& s : r.slots()) {
+        rank.slots.push_back({s.index(), s.state(), s.step(), s.filling_seconds()});
+      }
       rank.oldest_write_seconds = r.oldest_write_seconds();
       rank.last_persist_gbps = r.last_persist_gbps();
       rank.ema_enabled = r.ema_enabled();

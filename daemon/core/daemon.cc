@@ -563,6 +563,9 @@ void Daemon::FillJobsStatus(DaemonStatus* out) const {
           s->index = i;
           s->state = SlotStateName(Slots(*rank.segment).at(i).state);
           s->step = Slots(*rank.segment).at(i).step;
+          if (Slots(*rank.segment).at(i).state == SlotState::kFilling) {
+            s->filling_seconds = std::chrono::duration<double>(now - Slots(*rank.segment).at(i).handed_out).count();
+          }
         }
         if (const RankEma* ema = rank.segment->ema.get()) {
           const EmaState state = ema->state();

@@ -16,6 +16,7 @@ std::optional<SlotTicket> SlotTable::Acquire(SlotState purpose, int64_t step) {
     slots_[i].state = purpose;
     slots_[i].step = step;
     slots_[i].generation += 1;
+    slots_[i].handed_out = std::chrono::steady_clock::now();
     return SlotTicket{i, slots_[i].generation};
   }
   return std::nullopt;

@@ -9,6 +9,7 @@
 // Not thread-safe: the owner (the daemon's registry) guards it with its mutex.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -28,6 +29,7 @@ struct SlotInfo {
   int64_t step = -1;
   uint64_t generation = 0;
   bool loading = false;  // RESTORING and the daemon is still filling it: not abandonable
+  std::chrono::steady_clock::time_point handed_out{};  // when Acquire last gave it out
 };
 
 class SlotTable {

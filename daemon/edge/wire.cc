@@ -76,6 +76,7 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
         s->set_index(slot.index);
         s->set_state(slot.state);
         s->set_step(slot.step);
+        s->set_filling_seconds(slot.filling_seconds);
       }
       r->set_ema_enabled(rank.ema_enabled);
       r->set_ema_bytes(rank.ema_bytes);

@@ -202,6 +202,16 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
   Header(&out, "flashckpt_oldest_write_seconds", "gauge",
          "Age of the oldest persist being written (0: none); one that keeps growing means a slow or stuck disk.");
   Sample(&out, "flashckpt_oldest_write_seconds", "", oldest);
+  Header(&out, "flashckpt_oldest_filling_seconds", "gauge",
+         "Per job, how long its oldest slot has been filling since BeginSnapshot (0: none); one that keeps growing "
+         "is a trainer stopped between BeginSnapshot and Commit.");
+  for (const auto& job : status.jobs) {
+    double filling = 0;
+    for (const auto& rank : job.ranks) {
+      for (const auto& slot : rank.slots) filling = std::max(filling, slot.filling_seconds);
+    }
+    Sample(&out, "flashckpt_oldest_filling_seconds", JobLabel(job.job), filling);
+  }
   Header(&out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
   for (const auto& job : status.jobs) {
     Sample(&out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));

@@ -1,5 +1,7 @@
-// Memory comes back: a job whose ranks have all gone gives its shared memory back after
-// --idle-release, or at once by ReleaseJob (flashckpt release), and only then.
+// The lifecycle of a job's memory and slots:
+// - memory comes back: a job whose ranks have all gone gives its shared memory back after
+//   --idle-release, or at once by ReleaseJob (flashckpt release), and only then;
+// - a slot that a stopped trainer keeps filling shows its age in status and metrics.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -8,7 +10,9 @@
 #include <string>
 #include <thread>
 
+#include "client/cli/render.h"
 #include "in_process_daemon.h"
+#include "raw_rpc.h"
 
 namespace flashckpt {
 namespace {
@@ -175,6 +179,53 @@ TEST(ReleaseTest, ASnapshotStillBeingWrittenKeepsTheJob) {
   EXPECT_FALSE(Listed(*d.daemon(), job)) << "released once written";
   EXPECT_TRUE(std::filesystem::exists(d.StepDir(job, 1) + "/metadata.json")) << "the snapshot was written first";
   d.Stop();
+}
+
+// A trainer stopped between BeginSnapshot and Commit (SIGSTOP, a debugger): its slot stays filling,
+// and status, the CLI and the metrics say for how long.
+TEST(StalledFillTest, StatusAndMetricsShowHowLongASlotHasBeenFilling) {
+  InProcessDaemon d("flashckpt-stalled");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("stalled");
+  auto stub = v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials()));
+  RawSession session(stub.get(), job, 0);
+  ASSERT_FALSE(session.id().empty()) << session.status().error_message();
+  {
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    v1::RegisterResponse resp;
+    ASSERT_TRUE(stub->Register(&ctx, SmallRegistration(session.id()), &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    v1::BeginSnapshotRequest req;
+    req.set_session_id(session.id());
+    req.set_step(7);
+    v1::BeginSnapshotResponse resp;
+    ASSERT_TRUE(stub->BeginSnapshot(&ctx, req, &resp).ok());
+  }  // and no Commit: the trainer stopped here
+  std::this_thread::sleep_for(1200ms);
+  const DaemonStatus status = d.daemon()->GetStatus();
+  ASSERT_EQ(status.jobs.size(), 1u);
+  const RankStatus& rank = status.jobs[0].ranks.at(0);
+  double filling = 0;
+  for (const SlotStatus& slot : rank.slots) {
+    if (slot.state == "filling") {
+      EXPECT_EQ(slot.step, 7);
+      filling = slot.filling_seconds;
+    } else {
+      EXPECT_EQ(slot.filling_seconds, 0) << slot.state;
+    }
+  }
+  EXPECT_GE(filling, 1.0);
+  EXPECT_LT(filling, 60.0);
+  EXPECT_TRUE(Contains(cli::StatusText(status), "filling@7(1s)")) << cli::StatusText(status);
+  const std::string metrics = d.daemon()->RenderMetrics();
+  const std::string sample = "flashckpt_oldest_filling_seconds{job=\"" + job + "\"} ";
+  const size_t at = metrics.find(sample);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_GE(std::stod(metrics.substr(at + sample.size())), 1.0);
 }
 
 }  // namespace

@@ -16,6 +16,9 @@ struct SlotStatus {
   uint32_t index = 0;
   std::string state;  // "free", "filling", "committed", "persisting", "restoring"
   int64_t step = 0;   // negative: none
+  // "filling": seconds since BeginSnapshot handed it out (a trainer that stops between
+  // BeginSnapshot and Commit keeps it filling); 0 in any other state.
+  double filling_seconds = 0;
 };
 
 // One rank registered with the daemon. Steps that have not happened yet are negative.
