@@ -1,8 +1,10 @@
 #include "client/cli/commands.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -66,6 +68,19 @@ int ReportRpcError(const Status& s, const Endpoint& endpoint) {
   }
   std::cerr << "\n";
   return kExitRpcFailed;
+}
+
+// The one rule of the offline commands (verify, inspect, reshard) for the directory they read: one
+// that is missing or not a directory is a wrong argument, kExitFailed, like every other failure that
+// is not about a checkpoint's contents; a directory whose checkpoint is incomplete or corrupt is
+// kExitVerifyFailed. Returns why `dir` is not a directory to read, or OK.
+Status CheckCheckpointDir(const std::string& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    return errno == ENOENT ? NotFound("no such directory") : ErrnoStatus("stat", dir, errno);
+  }
+  if (!S_ISDIR(st.st_mode)) return InvalidArgument("not a directory");
+  return Status::OK();
 }
 
 // Bytes this process has moved through read and write system calls so far (/proc/self/io: rchar +
@@ -215,6 +230,14 @@ int RunHealth(const Endpoint& endpoint) {
 }
 
 int RunVerify(const std::string& dir, bool json) {
+  if (Status bad = CheckCheckpointDir(dir); !bad.ok()) {
+    if (json) {
+      PrintJson(ordered_json{{"dir", dir}, {"ok", false}, {"code", std::string(StatusCodeName(bad.code()))},
+                             {"error", bad.message()}});
+    }
+    std::cerr << "flashckpt: verify " << dir << ": " << bad.message() << "\n";
+    return kExitFailed;
+  }
   VerifyReport report;
   Status s = VerifyCheckpointDir(dir, &report);
   if (json) {
@@ -243,6 +266,10 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
   auto chunk = ParseByteSize(checksum_chunk);
   if (!chunk) {
     std::cerr << "flashckpt: --checksum-chunk '" << checksum_chunk << "' is not a size like 1MiB or 65536\n";
+    return kExitFailed;
+  }
+  if (Status bad = CheckCheckpointDir(src); !bad.ok()) {
+    std::cerr << "flashckpt: reshard " << src << ": " << bad.message() << "\n";
     return kExitFailed;
   }
   const auto start = std::chrono::steady_clock::now();
@@ -289,8 +316,8 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
 }
 
 int RunInspect(const std::string& dir, bool json) {
-  if (!PathExists(dir)) {
-    std::cerr << "flashckpt: inspect " << dir << ": no such directory\n";
+  if (Status bad = CheckCheckpointDir(dir); !bad.ok()) {
+    std::cerr << "flashckpt: inspect " << dir << ": " << bad.message() << "\n";
     return kExitFailed;
   }
   auto meta = ReadMetadataFile(dir);
