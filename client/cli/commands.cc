@@ -241,8 +241,13 @@ int RunVerify(const std::string& dir, bool json) {
   VerifyReport report;
   Status s = VerifyCheckpointDir(dir, &report);
   if (json) {
-    ordered_json j = {{"dir", dir},           {"ok", s.ok()},          {"job", report.job},
-                      {"step", report.step},  {"files", report.files}, {"tensors", report.tensors},
+    ordered_json j = {{"dir", dir},
+                      {"ok", s.ok()},
+                      {"job", report.job},
+                      {"step", report.step},
+                      {"files", report.files},
+                      {"tensors", report.tensors},
+                      {"pieces", report.pieces},
                       {"bytes", report.bytes}};
     if (!s.ok()) {
       j["code"] = std::string(StatusCodeName(s.code()));
@@ -255,8 +260,9 @@ int RunVerify(const std::string& dir, bool json) {
     return kExitVerifyFailed;
   }
   if (!json) {
-    std::cout << "ok: " << report.files << " files, " << report.tensors << " tensors, " << report.bytes
-              << " bytes verified (job " << report.job << ", step " << report.step << ")\n";
+    std::cout << "ok: " << report.files << " files, " << report.tensors << " tensors in " << report.pieces
+              << " pieces, " << report.bytes << " bytes verified (job " << report.job << ", step " << report.step
+              << ")\n";
   }
   return kExitOk;
 }
