@@ -9,8 +9,8 @@ namespace {
 
 CudaInfo Query() {
   CudaInfo info;
+  info.compiled = CudaCompiledIn();
 #if FLASHCKPT_HAVE_CUDA
-  info.compiled = true;
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -25,6 +25,8 @@ CudaInfo Query() {
 }
 
 }  // namespace
+
+bool CudaCompiledIn() { return FLASHCKPT_HAVE_CUDA != 0; }
 
 const CudaInfo& GetCudaInfo() {
   static const CudaInfo info = Query();

@@ -13,6 +13,10 @@ struct CudaInfo {
   std::string error;      // why there is no device: cudaGetDeviceCount's error, or empty
 };
 
+// Whether this build has the CUDA path (FLASHCKPT_WITH_CUDA): the compile-time fact behind
+// CudaInfo::compiled, without asking the runtime (no driver is initialised).
+bool CudaCompiledIn();
+
 // Asks the CUDA runtime once per process (the first call initialises the driver) and returns the
 // cached answer afterwards. Thread-safe.
 const CudaInfo& GetCudaInfo();
