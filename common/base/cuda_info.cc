@@ -38,7 +38,7 @@ std::string CudaInfoText(const CudaInfo& info) {
   if (info.devices > 0) {
     return "CUDA compiled in, " + std::to_string(info.devices) + (info.devices == 1 ? " device" : " devices");
   }
-  return "CUDA compiled in, no device (" + info.error + ")";
+  return "CUDA compiled in, no CUDA device or driver (" + info.error + ")";
 }
 
 }  // namespace flashckpt

@@ -40,6 +40,9 @@ class BuildInfoTest(unittest.TestCase):
         self.assertIn(cuda.split(",")[0], ("CUDA compiled in", "CUDA not compiled in"))
         self.assertEqual(_flashckpt.WITH_CUDA, cuda.startswith("CUDA compiled in"),
                          "flashckpt --version says %r" % cuda)
+        if _flashckpt.WITH_CUDA and not re.fullmatch(r"CUDA compiled in, \d+ devices?", cuda):
+            # A machine without a GPU: said as such, with the runtime's own words in parentheses.
+            self.assertRegex(cuda, r"^CUDA compiled in, no CUDA device or driver \(cudaGetDeviceCount: .+\)$")
 
     def test_a_gpu_tensor_is_refused_naming_the_real_build(self):
         message = str(_tensors._not_host("w", "cuda:0"))
