@@ -203,7 +203,10 @@ int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64
   options.job = job;
   options.max_events = count;
   if (seconds > 0) options.duration = std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
-  options.on_subscribed = [&] {
+  bool subscribed = false;
+  options.on_subscribed = [&](bool ok) {
+    subscribed = ok;
+    if (!ok) return;  // the error follows
     std::cerr << "flashckpt: watching events of " << (job.empty() ? "every job" : "job " + job) << " at "
               << admin->endpoint() << "\n"
               << std::flush;
@@ -216,6 +219,11 @@ int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64
     std::cout << std::flush;  // a line as soon as it happens, also into a pipe
     return true;
   });
+  if (!s.ok() && subscribed && s.code() == StatusCode::kUnavailable) {
+    // The watch was connected: the socket and the daemon were right, the daemon went away.
+    std::cerr << "flashckpt: " << s.message() << "\n";
+    return kExitRpcFailed;
+  }
   if (!s.ok()) return ReportRpcError(s, endpoint);
   return kExitOk;
 }

@@ -36,7 +36,8 @@ int RunList(const Endpoint& endpoint, const std::string& job, bool json);
 // WatchEvents: one line (or JSON object) per event on stdout as it happens, for one job or (empty)
 // every job. Prints "watching ..." on stderr once the daemon has subscribed it. Runs until
 // interrupted, or until `count` events (0: no limit) or `seconds` (0: no limit) have passed, which
-// end it with kExitOk; a daemon that stops or cannot be reached ends it with kExitRpcFailed.
+// end it with kExitOk; a daemon that stops ("the daemon at ... stopped") or cannot be reached ends
+// it with kExitRpcFailed.
 int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64_t count, double seconds);
 // grpc.health.v1.Health/Check of the daemon as a whole: prints SERVING (exit 0), or NOT_SERVING
 // while it stops (exit 2); unreachable: exit 2 with the reason. An exec probe for supervisors.
