@@ -1,8 +1,10 @@
 #include "client/cli/commands.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -67,6 +69,19 @@ int ReportRpcError(const Status& s, const Endpoint& endpoint) {
   }
   std::cerr << "\n";
   return kExitRpcFailed;
+}
+
+// The one rule of the offline commands (verify, inspect, reshard) for the directory they read: one
+// that is missing or not a directory is a wrong argument, kExitFailed, like every other failure that
+// is not about a checkpoint's contents; a directory whose checkpoint is incomplete or corrupt is
+// kExitVerifyFailed. Returns why `dir` is not a directory to read, or OK.
+Status CheckCheckpointDir(const std::string& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    return errno == ENOENT ? NotFound("no such directory") : ErrnoStatus("stat", dir, errno);
+  }
+  if (!S_ISDIR(st.st_mode)) return InvalidArgument("not a directory");
+  return Status::OK();
 }
 
 // Bytes this process has moved through read and write system calls so far (/proc/self/io: rchar +
@@ -189,7 +204,10 @@ int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64
   options.job = job;
   options.max_events = count;
   if (seconds > 0) options.duration = std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
-  options.on_subscribed = [&] {
+  bool subscribed = false;
+  options.on_subscribed = [&](bool ok) {
+    subscribed = ok;
+    if (!ok) return;  // the error follows
     std::cerr << "flashckpt: watching events of " << (job.empty() ? "every job" : "job " + job) << " at "
               << admin->endpoint() << "\n"
               << std::flush;
@@ -202,6 +220,11 @@ int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64
     std::cout << std::flush;  // a line as soon as it happens, also into a pipe
     return true;
   });
+  if (!s.ok() && subscribed && s.code() == StatusCode::kUnavailable) {
+    // The watch was connected: the socket and the daemon were right, the daemon went away.
+    std::cerr << "flashckpt: " << s.message() << "\n";
+    return kExitRpcFailed;
+  }
   if (!s.ok()) return ReportRpcError(s, endpoint);
   return kExitOk;
 }
@@ -216,11 +239,24 @@ int RunHealth(const Endpoint& endpoint) {
 }
 
 int RunVerify(const std::string& dir, bool json) {
+  if (Status bad = CheckCheckpointDir(dir); !bad.ok()) {
+    if (json) {
+      PrintJson(ordered_json{{"dir", dir}, {"ok", false}, {"code", std::string(StatusCodeName(bad.code()))},
+                             {"error", bad.message()}});
+    }
+    std::cerr << "flashckpt: verify " << dir << ": " << bad.message() << "\n";
+    return kExitFailed;
+  }
   VerifyReport report;
   Status s = VerifyCheckpointDir(dir, &report);
   if (json) {
-    ordered_json j = {{"dir", dir},           {"ok", s.ok()},          {"job", report.job},
-                      {"step", report.step},  {"files", report.files}, {"tensors", report.tensors},
+    ordered_json j = {{"dir", dir},
+                      {"ok", s.ok()},
+                      {"job", report.job},
+                      {"step", report.step},
+                      {"files", report.files},
+                      {"tensors", report.tensors},
+                      {"pieces", report.pieces},
                       {"bytes", report.bytes}};
     if (!s.ok()) {
       j["code"] = std::string(StatusCodeName(s.code()));
@@ -233,8 +269,9 @@ int RunVerify(const std::string& dir, bool json) {
     return kExitVerifyFailed;
   }
   if (!json) {
-    std::cout << "ok: " << report.files << " files, " << report.tensors << " tensors, " << report.bytes
-              << " bytes verified (job " << report.job << ", step " << report.step << ")\n";
+    std::cout << "ok: " << report.files << " files, " << report.tensors << " tensors in " << report.pieces
+              << " pieces, " << report.bytes << " bytes verified (job " << report.job << ", step " << report.step
+              << ")\n";
   }
   return kExitOk;
 }
@@ -244,6 +281,10 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
   auto chunk = ParseByteSize(checksum_chunk);
   if (!chunk) {
     std::cerr << "flashckpt: --checksum-chunk '" << checksum_chunk << "' is not a size like 1MiB or 65536\n";
+    return kExitFailed;
+  }
+  if (Status bad = CheckCheckpointDir(src); !bad.ok()) {
+    std::cerr << "flashckpt: reshard " << src << ": " << bad.message() << "\n";
     return kExitFailed;
   }
   const auto start = std::chrono::steady_clock::now();
@@ -290,8 +331,8 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
 }
 
 int RunInspect(const std::string& dir, bool json) {
-  if (!PathExists(dir)) {
-    std::cerr << "flashckpt: inspect " << dir << ": no such directory\n";
+  if (Status bad = CheckCheckpointDir(dir); !bad.ok()) {
+    std::cerr << "flashckpt: inspect " << dir << ": " << bad.message() << "\n";
     return kExitFailed;
   }
   auto meta = ReadMetadataFile(dir);

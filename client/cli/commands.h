@@ -12,7 +12,7 @@ namespace flashckpt::cli {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitVerifyFailed = 1;  // the checkpoint is incomplete or corrupt
 inline constexpr int kExitRpcFailed = 2;     // the daemon is unreachable or answered with an error
-inline constexpr int kExitFailed = 3;        // an offline command failed (bad argument, I/O error)
+inline constexpr int kExitFailed = 3;        // an offline command failed otherwise (a missing directory, I/O error)
 
 // Every RPC of the CLI is cheap for the daemon; one that takes longer is stuck.
 inline constexpr std::chrono::seconds kRpcDeadline{10};
@@ -36,11 +36,14 @@ int RunList(const Endpoint& endpoint, const std::string& job, bool json);
 // WatchEvents: one line (or JSON object) per event on stdout as it happens, for one job or (empty)
 // every job. Prints "watching ..." on stderr once the daemon has subscribed it. Runs until
 // interrupted, or until `count` events (0: no limit) or `seconds` (0: no limit) have passed, which
-// end it with kExitOk; a daemon that stops or cannot be reached ends it with kExitRpcFailed.
+// end it with kExitOk; a daemon that stops ("the daemon at ... stopped") or cannot be reached ends
+// it with kExitRpcFailed.
 int RunWatch(const Endpoint& endpoint, const std::string& job, bool json, uint64_t count, double seconds);
 // grpc.health.v1.Health/Check of the daemon as a whole: prints SERVING (exit 0), or NOT_SERVING
 // while it stops (exit 2); unreachable: exit 2 with the reason. An exec probe for supervisors.
 int RunHealth(const Endpoint& endpoint);
+// The offline commands below share one rule: the directory they read missing or not a directory is
+// kExitFailed; an incomplete or corrupt checkpoint in it is kExitVerifyFailed.
 // Offline: VerifyCheckpointDir on a checkpoint directory. Needs no daemon.
 int RunVerify(const std::string& dir, bool json);
 // Offline: RelayoutCheckpoint from `src` into the new directory `dst`, printing a line per new

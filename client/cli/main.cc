@@ -14,7 +14,8 @@ int main(int argc, char** argv) {
   CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};
   app.footer(
       "Exit status: 0 ok, 1 checkpoint incomplete or failed verification, 2 daemon unreachable or RPC\n"
-      "error, 3 an offline command failed otherwise, other values: command-line usage error.");
+      "error, 3 an offline command failed otherwise (a DIR or SRC that is missing or not a directory,\n"
+      "a DST that is not empty), other values: command-line usage error.");
   app.set_version_flag("--version",
                        [] { return "flashckpt " + std::string(flashckpt::kVersion) + " (" + flashckpt::CudaInfoText(flashckpt::GetCudaInfo()) + ")"; });
   app.require_subcommand(1);

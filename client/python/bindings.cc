@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/base/cuda_info.h"
 #include "common/base/version.h"
 #include "flashckpt/client.h"
 
@@ -378,8 +379,14 @@ PYBIND11_MODULE(_flashckpt, m) {
   using flashckpt::PyClient;
   using flashckpt::PySpec;
   m.doc() = "Bridge between the flashckpt Python package and libflashckpt; use flashckpt.Client instead.";
-  m.attr("WITH_CUDA") = false;  // this build copies host memory only
+  // Whether libflashckpt was built with CUDA, as `flashckpt --version` says (the Python package
+  // itself hands the library host tensors only).
+  m.attr("WITH_CUDA") = flashckpt::CudaCompiledIn();
   m.attr("__version__") = flashckpt::kVersion;
+  m.def(
+      "cuda_info", [] { return flashckpt::CudaInfoText(flashckpt::GetCudaInfo()); },
+      "What `flashckpt --version` says of CUDA in this process: compiled in or not, and the devices the "
+      "runtime finds (the first call initialises the CUDA driver)");
 
   m.def("inspect", &flashckpt::Inspect, py::arg("obj"),
         "(address, dtype, shape, strides, device_type, device_id, readonly, keepalive) of a DLPack or buffer "

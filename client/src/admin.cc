@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "client/src/wire.h"
+#include "common/base/names.h"
 #include "common/base/status.h"
 #include "common/io/fs.h"
 #include "flashckpt.grpc.pb.h"
@@ -146,7 +147,9 @@ flashckpt::Status AdminClient::Watch(const WatchOptions& options,
   // The daemon sends its initial metadata once the watcher is subscribed: every event from here on
   // is seen. A call that failed returns here too, and Finish below reports it.
   reader->WaitForInitialMetadata();
-  if (options.on_subscribed) options.on_subscribed();
+  const auto& initial = ctx.GetServerInitialMetadata();
+  const bool subscribed = initial.find(kWatchSubscribedKey) != initial.end();
+  if (options.on_subscribed) options.on_subscribed(subscribed);
   v1::Event event;
   uint64_t seen = 0;
   bool stopped = false;  // by the handler or max_events
@@ -162,6 +165,10 @@ flashckpt::Status AdminClient::Watch(const WatchOptions& options,
   grpc::Status s = reader->Finish();
   if (s.ok() || stopped) return flashckpt::Status::OK();
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && limited) return flashckpt::Status::OK();
+  if (subscribed && s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // The stream was up: the daemon stopped (or was killed), it was not a wrong address.
+    return Unavailable("the daemon at " + impl_->endpoint + " stopped (UNAVAILABLE: " + s.error_message() + ")");
+  }
   return impl_->Failed(s, "WatchEvents", impl_->options.rpc_timeout);
 }
 

@@ -9,8 +9,8 @@ namespace {
 
 CudaInfo Query() {
   CudaInfo info;
+  info.compiled = CudaCompiledIn();
 #if FLASHCKPT_HAVE_CUDA
-  info.compiled = true;
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -26,6 +26,8 @@ CudaInfo Query() {
 
 }  // namespace
 
+bool CudaCompiledIn() { return FLASHCKPT_HAVE_CUDA != 0; }
+
 const CudaInfo& GetCudaInfo() {
   static const CudaInfo info = Query();
   return info;
@@ -36,7 +38,7 @@ std::string CudaInfoText(const CudaInfo& info) {
   if (info.devices > 0) {
     return "CUDA compiled in, " + std::to_string(info.devices) + (info.devices == 1 ? " device" : " devices");
   }
-  return "CUDA compiled in, no device (" + info.error + ")";
+  return "CUDA compiled in, no CUDA device or driver (" + info.error + ")";
 }
 
 }  // namespace flashckpt

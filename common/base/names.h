@@ -24,6 +24,10 @@ std::string FileStem(std::string_view kind, uint32_t tp, uint32_t pp, uint32_t s
 // saved into a directory that no listing, restore or retention ever finds.
 inline constexpr int64_t kMaxStep = 999'999'999'999'999'999;
 
+// The key of the initial metadata WatchEvents sends once the watcher is subscribed: a client tells
+// a stream that ended after it was connected (the daemon stopped) from one that never connected.
+inline constexpr char kWatchSubscribedKey[] = "flashckpt-watch-subscribed";
+
 // "checkpoint-1200"
 std::string CheckpointDirName(int64_t step);
 // Parses "checkpoint-<step>"; nullopt for anything else.

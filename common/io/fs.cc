@@ -2,9 +2,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 
 #include <algorithm>
@@ -131,6 +133,56 @@ long TemporaryOwner(const std::string& name) {
   long pid = std::strtol(p, &end, 10);
   if (end == p || *end != '.' || pid <= 0) return 0;
   return pid;
+}
+
+namespace {
+
+// The state letter and program name ("flashckptd", at most 15 characters) of /proc/<pid>/stat
+// ("<pid> (<name>) <state> ..."); false when it cannot be read. The name may hold spaces and ')':
+// the state follows the last ')'.
+bool ReadProcessStat(const std::string& pid, char* state, std::string* program) {
+  UniqueFd fd(::open(("/proc/" + pid + "/stat").c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return false;
+  char buf[512];
+  ssize_t n = ::read(fd.get(), buf, sizeof buf);
+  if (n <= 0) return false;
+  const std::string_view stat(buf, static_cast<size_t>(n));
+  const size_t open = stat.find('('), close = stat.rfind(')');
+  if (open == std::string_view::npos || close == std::string_view::npos || close < open || close + 2 >= stat.size()) {
+    return false;
+  }
+  *state = stat[close + 2];
+  *program = std::string(stat.substr(open + 1, close - open - 1));
+  return true;
+}
+
+}  // namespace
+
+bool IsTemporaryWriterAlive(long pid) {
+  if (pid <= 0) return false;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;  // no such process
+  char state = 0;
+  std::string program;
+  if (!ReadProcessStat(std::to_string(pid), &state, &program)) return true;  // exists; cannot tell more
+  if (state == 'Z' || state == 'X') return false;                            // exited, not yet reaped
+  static const std::string own_program = [] {
+    char own_state = 0;
+    std::string own;
+    return ReadProcessStat("self", &own_state, &own) ? own : std::string();
+  }();
+  return program == "flashckptd" || program == "flashckpt" || program == own_program;
+}
+
+std::vector<std::string> RemoveStaleTemporaries(const std::string& dir, const std::vector<std::string>& names,
+                                                IoEnv* io) {
+  std::vector<std::string> removed;
+  for (const auto& name : names) {
+    const long owner = TemporaryOwner(name);
+    if (owner == 0 || owner == ::getpid() || IsTemporaryWriterAlive(owner)) continue;
+    const std::string path = dir + "/" + name;
+    if (io->Unlink(path) == 0) removed.push_back(path);
+  }
+  return removed;
 }
 
 namespace {

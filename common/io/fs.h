@@ -136,6 +136,16 @@ std::string TemporaryPath(const std::string& final_path);
 // The pid in the name of such a temporary ("model_state....safetensors.tmp.4242.7"); 0 when
 // `name` is not one. A restarted daemon removes those whose process is gone.
 long TemporaryOwner(const std::string& name);
+// Whether process `pid` may still be filling a temporary it named: it exists, is not a zombie (a
+// process that exited and was not yet reaped writes nothing more), and runs a program that writes
+// checkpoint files: flashckptd, the flashckpt command (an offline reshard), or this process's own
+// program. So a pid that another program got after the writer died does not keep its temporary
+// forever. A process that exists but whose /proc entry cannot be read (hidepid) counts as alive.
+bool IsTemporaryWriterAlive(long pid);
+// Removes those of `names` (entries of `dir`) that are temporaries of a process other than this
+// one that is not alive (IsTemporaryWriterAlive); returns the paths it removed.
+std::vector<std::string> RemoveStaleTemporaries(const std::string& dir, const std::vector<std::string>& names,
+                                                IoEnv* io = IoEnv::Default());
 
 // Reads a whole file of at most `max_bytes` bytes.
 Result<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes, IoEnv* io = IoEnv::Default());

@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <memory>
 #include <new>
+#include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "common/format/checksum.h"
@@ -57,7 +60,9 @@ Result<CheckedFile> CheckFileShape(const std::string& dir, const SavedFile& file
 // checksums. The pieces tile the data region (the header parser refuses gaps), so the file is read
 // front to back in large chunks, each chunk feeding whichever pieces it covers: a file of many
 // small tensors costs a few reads, not one per tensor.
-Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_state_t* chunk, VerifyReport* report) {
+// `tensors` collects the (kind, name) of every matched piece, for the report's tensor count.
+Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_state_t* chunk,
+                  std::set<std::pair<TensorKind, std::string>>* tensors, VerifyReport* report) {
   ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file.path));
   (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   uint64_t window_begin = 0, window_end = 0;  // file bytes [window_begin, window_end) are in buf
@@ -102,7 +107,9 @@ Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_
                         std::to_string(p.end) + ") is " + ChecksumHex(actual) + " but " + ChecksumHex(p.xxh3) +
                         " is recorded: the data is corrupt");
     }
-    if (report) ++report->tensors;
+    tensors->emplace(p.kind, p.key);
+    report->tensors = tensors->size();
+    ++report->pieces;
   }
   return Status::OK();
 }
@@ -136,8 +143,9 @@ Status VerifyCheckpointDir(const std::string& dir, VerifyReport* report) {
   Xxh3State whole(XXH3_createState()), chunk(XXH3_createState());
   std::unique_ptr<char[]> buf(new (std::nothrow) char[kChunkBytes]);
   if (!whole || !chunk || !buf) return ResourceExhausted("cannot allocate the verification buffer");
+  std::set<std::pair<TensorKind, std::string>> tensors;
   for (const CheckedFile& c : checked) {
-    RETURN_IF_ERROR(HashPieces(c, buf.get(), whole.get(), chunk.get(), report));
+    RETURN_IF_ERROR(HashPieces(c, buf.get(), whole.get(), chunk.get(), &tensors, report));
     ++report->files;
     report->bytes += c.bytes;
   }

@@ -15,7 +15,8 @@ struct VerifyReport {
   std::string job;
   int64_t step = 0;
   uint64_t files = 0;    // files whose size, header and every checksum were checked
-  uint64_t tensors = 0;  // pieces whose bytes were hashed and matched
+  uint64_t tensors = 0;  // distinct tensors (name and kind, as `flashckpt inspect` counts them) among the pieces
+  uint64_t pieces = 0;   // pieces (a tensor's part in one file) whose bytes were hashed and matched
   uint64_t bytes = 0;    // size of the fully checked files, headers included
 };
 

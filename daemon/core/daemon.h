@@ -286,8 +286,8 @@ class Daemon {
   // Crash recovery (daemon/core/recovery.cc).
   Status AdoptSegments() EXCLUDES(mu_);
   Status AdoptSegment(const StateDir::Adoptable& record) EXCLUDES(mu_);
-  // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by processes
-  // that no longer exist.
+  // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by writers that
+  // are gone (a zombie or a pid another program reuses counts as gone: IsTemporaryWriterAlive).
   void RemoveStaleTemporaries(const std::string& job);
   // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
   Status FinishCommittedLocked(EmaJob job) REQUIRES(mu_);

@@ -10,10 +10,6 @@
 //   - temporaries the dead writer left in the job's checkpoint directories are removed.
 // The trainers re-attach on their own (a new session, the same registration: the adopted segment
 // is reused, so the client's mapping stays valid).
-#include <signal.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <set>
 
 #include "common/base/log.h"
@@ -22,11 +18,6 @@
 #include "daemon/core/daemon.h"
 
 namespace flashckpt {
-namespace {
-
-bool ProcessExists(long pid) { return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
-
-}  // namespace
 
 Status Daemon::AdoptSegments() {
   std::vector<StateDir::Adoptable> records = state_.Load();
@@ -183,14 +174,9 @@ void Daemon::RemoveStaleTemporaries(const std::string& job) {
   }
   size_t removed = 0;
   auto sweep = [&](const std::string& dir, const std::vector<std::string>& names) {
-    for (const auto& n : names) {
-      const long owner = TemporaryOwner(n);
-      if (owner == 0 || owner == ::getpid() || ProcessExists(owner)) continue;
-      const std::string path = dir + "/" + n;
-      if (RootIo()->Unlink(path) == 0) {
-        removed += 1;
-        Logger("writer")->info("removed stale temporary {}", path);
-      }
+    for (const auto& path : flashckpt::RemoveStaleTemporaries(dir, names, RootIo())) {
+      removed += 1;
+      Logger("writer")->info("removed stale temporary {}", path);
     }
   };
   sweep(job_dir, *dirs);  // LATEST.tmp.*

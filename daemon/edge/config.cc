@@ -196,7 +196,10 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   DaemonConfig config;
   std::string budget;
   CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
-  app.set_config("--config", "", "Read flags from an INI/TOML file (keys as the long flag names)");
+  // CLI11's reader: TOML-style `key = value` lines; an unknown key (or a key under a [section]) is refused.
+  app.set_config("--config", "",
+                 "Read flags from a file of `key = value` lines (TOML style): keys are the long flag names, # starts "
+                 "a comment, a repeatable flag takes a list (allow-uid = [1000, 1001]), a value may be quoted");
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error, not ignored
   bool check_config = false;
   app.add_flag("--check-config", check_config,

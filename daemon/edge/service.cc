@@ -194,6 +194,7 @@ grpc::Status CheckpointService::WatchEvents(grpc::ServerContext* ctx, const v1::
   if (!req->job().empty()) RETURN_GRPC_IF_ERROR(ValidateJobName(req->job()));
   auto subscription = daemon_->events().Subscribe(req->job());
   if (!subscription.ok()) return ToGrpc(subscription.status());
+  ctx->AddInitialMetadata(kWatchSubscribedKey, "1");
   writer->SendInitialMetadata();
   DaemonEvent event;
   while (!ctx->IsCancelled()) {

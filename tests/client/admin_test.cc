@@ -3,6 +3,7 @@
 // the errors an operator sees for an unreachable daemon and for a refused call.
 #include <filesystem>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "common/base/version.h"
@@ -211,7 +212,7 @@ TEST_F(AdminTest, WatchSeesASaveFromCommitToCompleteCheckpoint) {
   WatchOptions options;
   options.job = "llama";
   options.duration = 20s;  // a bound in case the save never completes
-  options.on_subscribed = [&] { subscribed.set_value(); };
+  options.on_subscribed = [&](bool) { subscribed.set_value(); };
   Status watched;
   std::thread watcher([&] {
     watched = admin->Watch(options, [&](const DaemonEvent& e) {
@@ -238,6 +239,23 @@ TEST_F(AdminTest, WatchSeesASaveFromCommitToCompleteCheckpoint) {
   quiet.job = "nobody";
   quiet.duration = 200ms;
   EXPECT_OK(admin->Watch(quiet, [](const DaemonEvent&) { return true; }));
+}
+
+TEST_F(AdminTest, AWatchWhoseDaemonStopsSaysItStoppedNotThatItIsUnreachable) {
+  auto admin = OverTheSocket();
+  ASSERT_TRUE(admin);
+  std::promise<bool> subscribed;
+  WatchOptions options;
+  options.duration = 20s;  // a bound in case the stop is never seen
+  options.on_subscribed = [&](bool ok) { subscribed.set_value(ok); };
+  Status watched;
+  std::thread watcher([&] { watched = admin->Watch(options, [](const DaemonEvent&) { return true; }); });
+  const bool ok = subscribed.get_future().get();
+  d_.Stop();
+  watcher.join();
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(watched.code(), StatusCode::kUnavailable) << watched.ToString();
+  EXPECT_EQ(watched.message(), "the daemon at " + d_.socket() + " stopped (UNAVAILABLE: the daemon is stopping)");
 }
 
 TEST_F(AdminTest, TcpListenerAnswersStatusAndRefusesDeleteNamingTheFlag) {
@@ -274,13 +292,13 @@ TEST_F(AdminTest, AnUnreachableDaemonIsUnavailableNamingTheSocket) {
   EXPECT_EQ(admin->List("").status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(admin->Health().status().code(), StatusCode::kUnavailable);
   EXPECT_EQ(admin->Gc("llama", 1, true).status().code(), StatusCode::kUnavailable);
-  bool subscribed = false;
+  std::optional<bool> subscribed;
   WatchOptions w;
-  w.on_subscribed = [&] { subscribed = true; };
+  w.on_subscribed = [&](bool ok) { subscribed = ok; };
   Status watched = admin->Watch(w, [](const DaemonEvent&) { return true; });
   EXPECT_EQ(watched.code(), StatusCode::kUnavailable);
   EXPECT_EQ(watched.message().rfind(expected, 0), 0u) << watched.message();
-  EXPECT_TRUE(subscribed);  // told before the error, as documented
+  EXPECT_EQ(subscribed, false);  // told before the error, as documented
 
   // The daemon's own socket, once it has stopped.
   auto live = OverTheSocket();

@@ -2,8 +2,12 @@
 // where it does not (tmpfs), exact size either way.
 #include "common/io/fs.h"
 
+#include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -13,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -147,6 +152,81 @@ TEST(WriteImagesDurably, RemovesItsTemporariesOnFailure) {
   EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the first image's temporary was removed";
   ::munmap(mem, 8192);
   std::filesystem::remove_all(dir);
+}
+
+// A temporary named after `pid` in `dir`, as a durable write of that process names it.
+std::string TemporaryOf(const testing::TempDir& dir, pid_t pid) {
+  const std::string name = "model_state.tp00_pp00_shard00.safetensors.tmp." + std::to_string(pid) + ".0";
+  UniqueFd fd(::open(dir.File(name).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
+  EXPECT_GE(fd.get(), 0) << name;
+  return name;
+}
+
+TEST(RemoveStaleTemporaries, RemovesTheTemporaryOfAZombie) {
+  testing::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  // Wait for it to exit without reaping it: it stays a zombie, and kill(pid, 0) still finds it.
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);
+  ASSERT_EQ(::kill(child, 0), 0) << "the zombie is still a process";
+  const std::string name = TemporaryOf(dir, child);
+
+  std::vector<std::string> removed = RemoveStaleTemporaries(dir.path(), {name, "LATEST"});
+  EXPECT_EQ(removed, std::vector<std::string>{dir.File(name)});
+  EXPECT_FALSE(PathExists(dir.File(name))) << "a zombie writes nothing more: its temporary is stale";
+  EXPECT_TRUE(PathExists(dir.path())) << "only the temporary goes";
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+}
+
+TEST(RemoveStaleTemporaries, KeepsTheTemporaryOfALiveWriterAndOfThisProcess) {
+  testing::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  int hold[2];
+  ASSERT_EQ(::pipe(hold), 0);
+  const pid_t child = ::fork();  // the same program as this one, alive until the pipe closes
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(hold[1]);
+    char c;
+    ::_exit(static_cast<int>(::read(hold[0], &c, 1)));
+  }
+  ::close(hold[0]);
+  const std::string live = TemporaryOf(dir, child), own = TemporaryOf(dir, ::getpid());
+
+  EXPECT_TRUE(IsTemporaryWriterAlive(child));
+  EXPECT_TRUE(RemoveStaleTemporaries(dir.path(), {live, own}).empty());
+  EXPECT_TRUE(PathExists(dir.File(live)));
+  EXPECT_TRUE(PathExists(dir.File(own)));
+  ::close(hold[1]);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  EXPECT_FALSE(IsTemporaryWriterAlive(child)) << "reaped: no such process";
+}
+
+TEST(RemoveStaleTemporaries, RemovesATemporaryWhosePidAnotherProgramHolds) {
+  testing::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  int exec_done[2];
+  ASSERT_EQ(::pipe2(exec_done, O_CLOEXEC), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::execl("/bin/sleep", "sleep", "60", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(exec_done[1]);
+  char c;
+  ASSERT_EQ(::read(exec_done[0], &c, 1), 0) << "closed by the exec";  // now the child runs sleep
+  ::close(exec_done[0]);
+  const std::string name = TemporaryOf(dir, child);
+
+  EXPECT_FALSE(IsTemporaryWriterAlive(child)) << "sleep writes no checkpoint files";
+  EXPECT_EQ(RemoveStaleTemporaries(dir.path(), {name}).size(), 1u);
+  EXPECT_FALSE(PathExists(dir.File(name)));
+  ::kill(child, SIGKILL);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
 }
 
 }  // namespace

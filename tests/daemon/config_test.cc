@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "daemon/edge/limits.h"
 #include "daemon/edge/tcp_listener.h"
@@ -96,6 +98,36 @@ TEST(DaemonConfig, AnUnknownConfigKeyIsRefusedByName) {
   auto c = Parse({"--config", f.path()});
   EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find("unknown key 'slotz'"), std::string::npos) << c.status().message();
+}
+
+// What `flashckptd --help` says of --config: TOML-style `key = value` lines, # comments, quoted
+// values, a list for a repeatable flag, no sections.
+TEST(DaemonConfig, TheConfigFileIsTheSyntaxItsHelpDescribes) {
+  ::testing::internal::CaptureStdout();
+  EXPECT_EQ(Parse({"--help"}).status().code(), StatusCode::kCancelled);
+  const std::string help = ::testing::internal::GetCapturedStdout();
+  const size_t at = help.find("--config");
+  ASSERT_NE(at, std::string::npos) << help;
+  const std::string config_help = help.substr(at, help.find("\n  -", at) - at);
+  EXPECT_NE(config_help.find("`key = value` lines (TOML style)"), std::string::npos) << config_help;
+  EXPECT_EQ(config_help.find("INI"), std::string::npos) << "a [section] of an INI file is refused: " << config_help;
+
+  ConfigFile f(
+      "# the daemon of this node\n"
+      "socket = \"/run/flash ckpt/flashckptd.sock\"  # quoted: it holds a space\n"
+      "root = /var/lib/flashckpt\n"
+      "allow-uid = [1000, 1001]\n"
+      "listen = 127.0.0.1:7070\n"
+      "tcp-allow-writes = true\n");
+  auto c = Parse({"--config", f.path()});
+  ASSERT_OK(c.status());
+  EXPECT_EQ(c->socket_path, "/run/flash ckpt/flashckptd.sock");
+  EXPECT_EQ(c->root, "/var/lib/flashckpt");
+  EXPECT_EQ(c->allow_uids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_TRUE(c->tcp_allow_writes);
+
+  ConfigFile sections("[flashckptd]\nsocket = s\nroot = r\n");
+  EXPECT_EQ(Parse({"--config", sections.path()}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(DaemonConfig, TheFormattedSettingsReadBackAsTheSameSettings) {

@@ -3,8 +3,8 @@
 
 Two ranks (tp 2, EMA on) save checkpoints 2, 4, 6, 8 and 10; then:
   1. `inspect` of checkpoint-10 shows the topology, the EMA and the tensors; `--json` parses and its
-     world size, tensor count and bytes agree with metadata.json read here; an incomplete directory
-     exits 1, a missing one 3.
+     world size, tensor count and bytes agree with metadata.json read here, and `verify` counts the
+     same tensors and pieces; an incomplete directory exits 1, a missing one 3.
   2. `delete --step 4` removes the directory; `delete --step 10` (the newest) without --force exits 2
      with FAILED_PRECONDITION naming --force and leaves it whole (`verify` passes); with --force it
      goes and LATEST moves back to 8.
@@ -99,6 +99,15 @@ def check_inspect(h):
     for name, kind in tensors:
         check(re.search(r"^%s\s+%s\s" % (re.escape(name), kind), out, re.M),
               "inspect has no row for tensor %s (%s):\n%s" % (name, kind, out))
+    # verify counts in inspect's words: tensors (name, kind) and the pieces they are saved in.
+    out, _ = cli_ok(h, "verify", ckpt(h, 10))
+    check("%d files, %d tensors in %d pieces, " % (len(meta["files"]), len(tensors), pieces) in out,
+          "verify does not count %d tensors in %d pieces:\n%s" % (len(tensors), pieces, out))
+    out, _ = cli_ok(h, "verify", "--json", ckpt(h, 10))
+    j = json.loads(out)
+    check(j["ok"] is True and j["tensors"] == len(tensors) and j["pieces"] == pieces,
+          "verify --json counts %s tensors, %s pieces; metadata.json %d, %d" %
+          (j.get("tensors"), j.get("pieces"), len(tensors), pieces))
 
     out, _ = cli_ok(h, "inspect", "--json", ckpt(h, 10))
     j = json.loads(out)

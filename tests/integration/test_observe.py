@@ -301,6 +301,8 @@ def run(h):
         rc = w.proc.wait(timeout=30)
         err = open(w.err_path).read()
         check(rc == 2 and "stopping" in err, "%s after SIGTERM: exit %d, %r" % (w.name, rc, err))
+        check("not reachable" not in err and "is flashckptd" not in err,
+              "%s after SIGTERM blames the address of a daemon it was connected to: %r" % (w.name, err))
     log("watchers ended with exit 2: the daemon is stopping")
 
 

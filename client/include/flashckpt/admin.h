@@ -64,9 +64,10 @@ struct WatchOptions {
   std::chrono::milliseconds duration{0};
   // Watch() returns OK after this many events; 0: no limit.
   uint64_t max_events = 0;
-  // Called once the call is established (the daemon has subscribed the watcher: every event from
-  // then on is seen) or has failed (Watch() then returns its error), before any event.
-  std::function<void()> on_subscribed;
+  // Called once, before any event: with true once the daemon has subscribed the watcher (every
+  // event from then on is seen), with false when the call failed before that (Watch() then returns
+  // its error). So a caller that waits for it is never left waiting.
+  std::function<void(bool subscribed)> on_subscribed;
 };
 
 class AdminClient {
@@ -89,7 +90,8 @@ class AdminClient {
   Result<std::vector<CheckpointInfo>> List(const std::string& job);
   // Calls `on_event` on this thread for each event as the daemon reports it, until `on_event`
   // returns false or a limit of `options` is reached (then OK), or the stream ends: OK when the
-  // daemon ends it cleanly, else its error (kUnavailable when the daemon stops).
+  // daemon ends it cleanly, else its error: kUnavailable when the daemon cannot be reached, and
+  // kUnavailable saying "the daemon at ... stopped" when it stops (or dies) after subscribing.
   flashckpt::Status Watch(const WatchOptions& options, const std::function<bool(const DaemonEvent&)>& on_event);
   // Deletes the checkpoint `step` of `job` (complete or not). Never one in use (kFailedPrecondition);
   // the newest complete one only with `force` (LATEST then moves back to the newest one left).

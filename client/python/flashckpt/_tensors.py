@@ -79,9 +79,12 @@ def _not_contiguous(name, shape, strides):
 
 
 def _not_host(name, where):
+    # The package copies host memory in every build; what the library was built with only changes
+    # whether a C++ trainer could pass device memory (flashckpt/client.h).
+    build = "libflashckpt has CUDA compiled in for C++ callers" if _flashckpt.WITH_CUDA else "built without CUDA"
     return ValueError(
-        "tensor '%s' is on %s, but this build of flashckpt copies host memory only (built without CUDA); "
-        "save a CPU copy of it instead" % (name, where))
+        "tensor '%s' is on %s, but the flashckpt Python package copies host memory only (%s); "
+        "save a CPU copy of it instead" % (name, where, build))
 
 
 def _torch_dtype_names(torch):

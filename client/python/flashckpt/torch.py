@@ -34,8 +34,9 @@ whose structure differs from the current model/optimizer raises StructureMismatc
 first differing key, and leaves the model untouched when the difference is known before loading.
 
 Tensors must be contiguous CPU tensors of a supported dtype: a non-contiguous one raises a
-ValueError naming it (fix: p.data = p.data.contiguous()), never a silent copy. This build copies
-host memory only; CUDA tensors raise a ValueError.
+ValueError naming it (fix: p.data = p.data.contiguous()), never a silent copy. The Python package
+copies host memory only, with or without CUDA compiled into libflashckpt; CUDA tensors raise a
+ValueError.
 """
 
 import base64
