@@ -230,9 +230,10 @@ class Daemon {
   bool IdleDueLocked(const JobState& job) const REQUIRES(mu_);
   // The --idle-release thread: releases jobs idle for config_.idle_release until Stop.
   void IdleReleaseLoop() EXCLUDES(mu_);
-  // Unlinks the kept EMA segments (kept_emas_) that have been idle for config_.idle_release; takes
-  // and lets go of mu_ around the unlinking, as a release does.
-  void DropIdleKeptEmasLocked(MutexLock* lock) REQUIRES(mu_);
+  // Takes the kept EMA segments (kept_emas_) idle for config_.idle_release out of the table, their
+  // jobs into releasing_: (segment, job) pairs for DropKeptEmas, which unlinks them without mu_.
+  std::vector<std::pair<std::string, std::string>> TakeIdleKeptEmasLocked() REQUIRES(mu_);
+  void DropKeptEmas(const std::vector<std::pair<std::string, std::string>>& due) EXCLUDES(mu_);
   // Shared memory held by jobs with no rank connected (for the budget's refusal).
   uint64_t DisconnectedBytesLocked() const REQUIRES(mu_);
 

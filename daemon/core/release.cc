@@ -122,7 +122,7 @@ bool Daemon::IdleDueLocked(const JobState& job) const {
   return std::chrono::steady_clock::now() - last_gone >= config_.idle_release;
 }
 
-void Daemon::DropIdleKeptEmasLocked(MutexLock* lock) {
+std::vector<std::pair<std::string, std::string>> Daemon::TakeIdleKeptEmasLocked() {
   const auto now = std::chrono::steady_clock::now();
   std::vector<std::pair<std::string, std::string>> due;  // segment, job
   for (auto& [segment, kept] : kept_emas_) {
@@ -132,19 +132,21 @@ void Daemon::DropIdleKeptEmasLocked(MutexLock* lock) {
     }
     if (now - kept.since >= config_.idle_release) due.emplace_back(segment, kept.job);
   }
-  if (due.empty()) return;
   for (const auto& [segment, job] : due) {
     kept_emas_.erase(segment);
     releasing_.insert(job);  // OpenSession of the job waits until the name is gone
   }
-  lock->Unlock();
+  return due;
+}
+
+void Daemon::DropKeptEmas(const std::vector<std::pair<std::string, std::string>>& due) {
   for (const auto& [segment, job] : due) {
     SharedSegment::Unlink(segment);
     state_.RemoveKeptEma(segment);
     Logger("shm")->info("released kept EMA segment={} job={}: its job did not come back within --idle-release",
                         segment, job);
   }
-  lock->Lock();
+  MutexLock lock(&mu_);
   for (const auto& [segment, job] : due) releasing_.erase(job);
   cv_.NotifyAll();
 }
@@ -157,8 +159,13 @@ void Daemon::IdleReleaseLoop() {
   while (!stopping_) {
     idle_cv_.WaitFor(&lock, period);
     if (stopping_) break;
-    DropIdleKeptEmasLocked(&lock);
-    if (stopping_) break;
+    std::vector<std::pair<std::string, std::string>> kept = TakeIdleKeptEmasLocked();
+    if (!kept.empty()) {
+      lock.Unlock();
+      DropKeptEmas(kept);
+      lock.Lock();
+      if (stopping_) break;
+    }
     std::vector<std::string> names;
     for (const auto& [name, job] : jobs_) {
       if (IdleDueLocked(job)) names.push_back(name);
