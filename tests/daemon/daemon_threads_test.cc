@@ -219,5 +219,53 @@ TEST_F(DaemonThreadsTest, ASessionClosedWhileItsSnapshotsAreWrittenGivesItsSlots
   ASSERT_OK(daemon_->WaitPersisted(again.session, 6, 20s).status());
 }
 
+// A job released (idle for --idle-release, or by an operator) while its trainer keeps coming back:
+// each return either finds the job held or registers afresh, never a segment half released, and
+// once the trainer is gone for good the job's memory comes back.
+TEST_F(DaemonThreadsTest, AJobIsReleasedWhileItsTrainerComesAndGoes) {
+  daemon_->Stop();
+  DaemonConfig c = daemon_->config();
+  c.idle_release = 1s;
+  daemon_ = std::make_unique<Daemon>(c);
+  ASSERT_OK(daemon_->Start());
+  std::atomic<bool> done{false};
+  Status trainer_status, operator_status;
+  std::thread trainer([&] {
+    for (int round = 0; round < 12 && trainer_status.ok(); ++round) {
+      Trainer t;
+      trainer_status = Join(0, &t);
+      if (!trainer_status.ok()) break;
+      auto ticket = daemon_->BeginSnapshot(t.session, round + 1, 20s);
+      trainer_status = ticket.status();
+      if (!trainer_status.ok()) break;
+      trainer_status = daemon_->Commit(t.session, *ticket, round + 1, /*persist=*/false, 1.0, "");
+      daemon_->CloseSession(t.session);
+      std::this_thread::sleep_for(std::chrono::milliseconds(round % 3 == 0 ? 1300 : 50));
+    }
+    done = true;
+  });
+  std::thread operator_thread([&] {
+    while (!done.load() && operator_status.ok()) {
+      auto released = daemon_->ReleaseJob(job_);
+      const StatusCode code = released.status().code();
+      if (!released.ok() && code != StatusCode::kNotFound && code != StatusCode::kFailedPrecondition) {
+        operator_status = released.status();
+      }
+      (void)daemon_->GetStatus();
+      std::this_thread::sleep_for(7ms);
+    }
+  });
+  trainer.join();
+  operator_thread.join();
+  EXPECT_OK(trainer_status);
+  EXPECT_OK(operator_status);
+  for (auto deadline = std::chrono::steady_clock::now() + 10s;
+       daemon_->GetStatus().host_memory_used != 0 && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(daemon_->GetStatus().host_memory_used, 0u);
+  EXPECT_TRUE(daemon_->GetStatus().jobs.empty());
+}
+
 }  // namespace
 }  // namespace flashckpt
