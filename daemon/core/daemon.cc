@@ -143,6 +143,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
     for (EmaJob& job : unreached) {
       job.segment->shm->KeepName();
       stop_abandoned_ += 1;
+      NoteAbandonedLocked(job.job, job.rank, job.step);
       Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
                              job.step, job.rank);
       DaemonEvent event;
@@ -174,10 +175,21 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
         if (rank.segment && rank.segment->ema) kept.emplace_back(rank.segment->ema->segment_name(), name);
       }
     }
+    // The writes are over: what each connected rank got stays for the WaitPersisted calls still
+    // waiting, which wake after the job table is gone (without the segments).
+    for (const auto& [id, who] : sessions_) {
+      auto jit = jobs_.find(who.job);
+      if (jit == jobs_.end()) continue;
+      auto rit = jit->second.ranks.find(who.rank);
+      if (rit == jit->second.ranks.end() || rit->second.session_id != id) continue;
+      RankState& kept_rank = stopped_ranks_[id] = rit->second;
+      kept_rank.segment.reset();
+    }
     jobs_.clear();  // unmaps every segment, and unlinks those no abandoned snapshot is left in
     writer_.reset();
     events_.Close();  // after the last writes' events: watchers see how the stop ended
   }
+  cv_.NotifyAll();
   for (const auto& [segment, job] : kept) {
     if (Status s = state_.SaveKeptEma(segment, job); !s.ok()) {
       Logger("shm")->error("no record of the EMA segment {} left for the next daemon: {}", segment, s.ToString());
@@ -253,6 +265,40 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
                               "' has not registered its tensors");
   }
   return &rank;
+}
+
+Result<const Daemon::RankState*> Daemon::WaitedRank(const std::string& session_id, bool* final) const {
+  *final = false;
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    if (stopping_) return Unavailable(kStoppingMessage);
+    return Unavailable("session_id names no open session (it ended, or the daemon restarted); open a new Session");
+  }
+  if (stopping_) {
+    if (auto kept = stopped_ranks_.find(session_id); kept != stopped_ranks_.end()) {
+      *final = true;
+      return &kept->second;
+    }
+  }
+  const RankState* rank = nullptr;
+  if (auto jit = jobs_.find(it->second.job); jit != jobs_.end()) {
+    if (auto rit = jit->second.ranks.find(it->second.rank); rit != jit->second.ranks.end()) rank = &rit->second;
+  }
+  if (rank == nullptr || !rank->segment) {
+    if (stopping_) return Unavailable(kStoppingMessage);
+    return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
+                              "' has not registered its tensors");
+  }
+  return rank;
+}
+
+void Daemon::NoteAbandonedLocked(const std::string& job, uint32_t rank, int64_t step) {
+  auto jit = jobs_.find(job);
+  if (jit == jobs_.end()) return;
+  auto rit = jit->second.ranks.find(rank);
+  if (rit == jit->second.ranks.end()) return;
+  rit->second.abandoned.insert(step);
+  cv_.NotifyAll();
 }
 
 Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,

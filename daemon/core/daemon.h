@@ -203,6 +203,9 @@ class Daemon {
     std::string last_error;
     // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
     std::map<int64_t, Status> failed;
+    // Committed steps a stop left to the next daemon (not reached by the EMA stage or the writer
+    // before its deadline), so WaitPersisted(step) says so instead of waiting for them.
+    std::set<int64_t> abandoned;
     bool fatal_persist_errors = false;  // per registration (Register)
     Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
@@ -255,6 +258,12 @@ class Daemon {
 
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
+  // The rank a WaitPersisted waits on. Unlike RankOf it answers while the daemon is stopping, as the
+  // stop still finishes the writes in flight; once the stop is done with them (stopped_ranks_),
+  // `*final` is set and the rank's record is the one the stop left.
+  Result<const RankState*> WaitedRank(const std::string& session_id, bool* final) const REQUIRES(mu_);
+  // Records that the stop left `step` of the rank to the next daemon. Requires mu_.
+  void NoteAbandonedLocked(const std::string& job, uint32_t rank, int64_t step) REQUIRES(mu_);
   // `session_id`: the session that committed the step (a failure counts as fatal for it only).
   void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
                    const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
@@ -327,6 +336,10 @@ class Daemon {
   bool stopping_ GUARDED_BY(mu_) = false;
   uint64_t stop_finished_ GUARDED_BY(mu_) = 0;   // persists finished in Stop
   uint64_t stop_abandoned_ GUARDED_BY(mu_) = 0;  // and abandoned
+  // What each connected rank had persisted, failed and abandoned when the stop was done with the
+  // writes, by session id: the job table is emptied then, and a WaitPersisted that wakes after it
+  // reads its step's outcome here.
+  std::map<std::string, RankState> stopped_ranks_ GUARDED_BY(mu_);
   std::map<std::string, SessionInfo> sessions_ GUARDED_BY(mu_);
   std::map<std::string, JobState> jobs_ GUARDED_BY(mu_);
   // Jobs being released: their segments are unlinked outside mu_, and a session of the job waits

@@ -361,6 +361,60 @@ TEST_F(FaultsTest, StopAbandonsAWriteAtItsDeadlineAndTheNextDaemonWritesIt) {
   EXPECT_TRUE(records->empty()) << ::testing::PrintToString(*records);
 }
 
+// A trainer waiting for its step when the stop (SIGTERM) begins is not refused for that: the stop
+// finishes the write, and the wait returns OK.
+TEST_F(FaultsTest, WaitPersistedDuringAStopReturnsOnceTheStopHasWrittenTheStep) {
+  Trainer t = StartTrainer("stopwait", 1000);
+  ASSERT_TRUE(t.client);
+  io_.SlowWrites(200ms);
+  ASSERT_OK(t.Snapshot(1).status());
+  for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+  Status waited = Internal("not run");
+  std::thread waiter([&] { waited = t.client->WaitPersisted(1, 30s); });
+  std::this_thread::sleep_for(100ms);  // the wait has reached the daemon
+  d_.daemon()->Stop(Clock::now() + 30s);
+  waiter.join();
+  EXPECT_OK(waited);
+  EXPECT_TRUE(PathExists(StepDir("stopwait", 1) + "/metadata.json"));
+}
+
+// When the stop's deadline cuts the write off, the waiter is told that its step was left to the
+// next daemon (which writes it), not merely that the daemon is stopping.
+TEST_F(FaultsTest, WaitPersistedDuringAStopThatAbandonsTheWriteSaysItWasLeftToTheNextDaemon) {
+  {
+    Trainer t = StartTrainer("stopleft", 1000);
+    ASSERT_TRUE(t.client);
+    io_.SlowWrites(400ms);
+    ASSERT_OK(t.Snapshot(1).status());
+    for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+      std::this_thread::sleep_for(5ms);
+    }
+    ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+    Status waited = Internal("not run");
+    std::thread waiter([&] { waited = t.client->WaitPersisted(1, 30s); });
+    std::this_thread::sleep_for(50ms);
+    d_.daemon()->Stop(Clock::now() + 100ms);
+    waiter.join();
+    EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited.ToString();
+    EXPECT_TRUE(Contains(waited.message(), "step 1 of job 'stopleft' was committed but not written"))
+        << waited.ToString();
+    EXPECT_TRUE(Contains(waited.message(), "left to the next daemon")) << waited.ToString();
+    EXPECT_FALSE(PathExists(StepDir("stopleft", 1) + "/metadata.json"));
+    d_.Stop();
+  }
+  // The next daemon writes it (and leaves no segment behind).
+  io_.Clear();
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  for (auto deadline = Clock::now() + 30s;
+       !PathExists(StepDir("stopleft", 1) + "/metadata.json") && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(PathExists(StepDir("stopleft", 1) + "/metadata.json")) << "the next daemon did not write step 1";
+}
+
 // fatal_persist_errors: after a failed save, Snapshot() fails with that save's error (code, step,
 // file, errno) every time, even with the disk healthy again, until the trainer starts a new session.
 TEST_F(FaultsTest, FatalPersistErrorsStopTheSnapshotsAfterAFailedSave) {
