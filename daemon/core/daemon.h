@@ -214,6 +214,12 @@ class Daemon {
   struct JobState {
     Topology topology;  // degrees and world size of the current registration
     std::map<uint32_t, RankState> ranks;
+    // Steps of an earlier layout that may still be in progress when a registration changed the
+    // job's layout (world size or degrees), with that layout: the newest step the job's ranks
+    // persisted here, and the steps in their slots then. While one of them is still in progress
+    // (LayoutHoldLocked, CheckLayoutHold), a session that has not restored a checkpoint may not
+    // save: its signals would land beside the other layout's in a checkpoint that never completes.
+    std::map<int64_t, Topology> held_steps;
   };
   struct SessionInfo {
     std::string job;
@@ -256,6 +262,15 @@ class Daemon {
   Status FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure)
       REQUIRES(mu_);
 
+  // The layout hold of BeginSnapshot (JobState::held_steps): an error, naming the step, while a
+  // held step is still in a slot of the job (committed or being written), else the held steps
+  // left to look at on disk (none when the session restored a checkpoint).
+  Result<std::map<int64_t, Topology>> LayoutHoldLocked(const std::string& job, const RankState& rank) const
+      REQUIRES(mu_);
+  // The rest of the hold, on disk (without mu_): an error while a held step's directory exists
+  // without metadata.json; the steps found complete or gone are dropped from the hold.
+  Status CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held)
+      EXCLUDES(mu_);
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
   // The rank a WaitPersisted waits on. Unlike RankOf it answers while the daemon is stopping, as the

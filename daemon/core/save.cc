@@ -35,6 +35,8 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
                                          std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
   std::string job;
+  std::map<int64_t, Topology> held;  // steps of an earlier layout to look at on disk
+  Topology topology;
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -44,7 +46,10 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
                              std::to_string(rank->last_begun) + "; steps must increase");
     }
+    ASSIGN_OR_RETURN(held, LayoutHoldLocked(job, *rank));
+    topology = rank->topology;
   }
+  if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
   ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
   if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +

@@ -402,6 +402,81 @@ TEST_F(DaemonTest, ARestoreRefusesAMetadataJsonThatMisplacesPieces) {
   EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.f; })) << "bytes were handed over";
 }
 
+// A job whose layout changes (world size 2, tp 2 -> world size 1) while a checkpoint of the old
+// layout is incomplete: a session of the new layout may register, but saves only after it restores
+// (resharding the old layout's last complete checkpoint) or once the incomplete step is deleted;
+// otherwise its signals would be counted with the old layout's in a checkpoint that never completes.
+TEST_F(DaemonTest, ANewLayoutSavesOnlyAfterARestoreWhileTheOldLayoutsCheckpointIsIncomplete) {
+  constexpr uint64_t n = 1000;
+  {
+    std::vector<std::unique_ptr<Client>> ranks;
+    std::vector<std::vector<float>> halves;
+    for (uint32_t r = 0; r < 2; ++r) {
+      ranks.push_back(Connect("relayout", r));
+      ASSERT_TRUE(ranks.back());
+      TensorSpec w;
+      w.name = "w";
+      w.shape = {n};
+      w.global_shape = {2 * n};
+      w.box_offset = {r * n};
+      w.box_shape = {n};
+      Topology t;
+      t.world_size = 2;
+      t.tp_degree = 2;
+      t.tp_rank = r;
+      ASSERT_OK(ranks.back()->Register(t, {w}));
+      halves.emplace_back(n, static_cast<float>(r + 1));
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      ASSERT_OK(ranks[r]->Snapshot(5, {{"w", halves[r].data(), n * 4}}, {}).status());
+    }
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(ranks[r]->WaitPersisted(5, 10s));
+    // Step 10: rank 0 saves, rank 1 exits first. checkpoint-10 stays at 1 of 2 signals.
+    ASSERT_OK(ranks[0]->Snapshot(10, {{"w", halves[0].data(), n * 4}}, {}).status());
+    ASSERT_OK(ranks[0]->WaitPersisted(10, 10s));
+  }
+  for (auto deadline = std::chrono::steady_clock::now() + 10s;
+       !PathExists(root() + "/relayout/checkpoint-5/metadata.json") && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(PathExists(root() + "/relayout/checkpoint-5/metadata.json"));
+  ASSERT_FALSE(PathExists(root() + "/relayout/checkpoint-10/metadata.json"));
+
+  TensorSpec whole;
+  whole.name = "w";
+  whole.shape = {2 * n};
+  std::vector<float> w(2 * n, 7.f);
+  const std::vector<TensorBuffer> bufs = {{"w", w.data(), 2 * n * 4}};
+  {
+    auto c = Connect("relayout", 0);
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->Register(Topology{}, {whole}));
+    auto refused = c->Snapshot(20, bufs, {});
+    ASSERT_FALSE(refused.ok()) << "a session of the new layout saved beside the old layout's checkpoint-10";
+    EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+    for (const char* word : {"checkpoint-10", "world size 2 (tp 2", "world size 1", "restores", "flashckpt delete"}) {
+      EXPECT_TRUE(Contains(refused.status().message(), word)) << "'" << word << "' in " << refused.status().ToString();
+    }
+    // A restore (the old layout's step 5, resharded) lifts it for this session.
+    auto restored = c->Restore(std::nullopt, bufs, 10s);
+    ASSERT_OK(restored.status());
+    ASSERT_TRUE(restored->found);
+    EXPECT_EQ(restored->step, 5);
+    EXPECT_EQ(w[0], 1.f);
+    EXPECT_EQ(w[2 * n - 1], 2.f);
+    ASSERT_OK(c->Snapshot(20, bufs, {}).status());
+    ASSERT_OK(c->WaitPersisted(20, 10s));
+  }
+  // A session that does not restore stays held until checkpoint-10 is gone.
+  auto c = Connect("relayout", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, {whole}));
+  EXPECT_EQ(c->Snapshot(30, bufs, {}).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_OK(d_.daemon()->DeleteCheckpoints("relayout", 10, 0, /*force=*/true, /*dry_run=*/false).status());
+  ASSERT_OK(c->Snapshot(30, bufs, {}).status());
+  ASSERT_OK(c->WaitPersisted(30, 10s));
+}
+
 TEST_F(DaemonTest, WaitPersistedForAStepNeverCommittedFailsFast) {
   auto c = Connect("wait", 0);
   ASSERT_TRUE(c);
