@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "common/base/log.h"
 #include "common/format/metadata.h"
 #include "common/io/fs.h"
 #include "daemon/edge/server.h"
@@ -475,6 +476,52 @@ TEST_F(DaemonTest, ANewLayoutSavesOnlyAfterARestoreWhileTheOldLayoutsCheckpointI
   ASSERT_OK(d_.daemon()->DeleteCheckpoints("relayout", 10, 0, /*force=*/true, /*dry_run=*/false).status());
   ASSERT_OK(c->Snapshot(30, bufs, {}).status());
   ASSERT_OK(c->WaitPersisted(30, 10s));
+}
+
+// Every request a handler refuses is in the daemon's log with the RPC, the code, the message and
+// the caller's pid and uid (from the socket's SO_PEERCRED), so an operator can tell which process
+// asked for what.
+TEST_F(DaemonTest, RefusedRequestsAreLoggedWithThePeersPidAndUid) {
+  StopDaemon();
+  const std::string log = d_.dir() + "/flashckptd.log";
+  ASSERT_EQ(SetLogFile(log), "");
+  StartDaemon(64ull << 20);
+  {
+    auto c = Connect("logged", 0);
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->Register(Topology{}, Specs(10)));
+    EXPECT_EQ(c->WaitPersisted(50, 10s).code(), StatusCode::kFailedPrecondition);
+    Topology other;
+    other.world_size = 2;
+    other.tp_degree = 2;
+    other.tp_rank = 1;
+    // Refused after the daemon's 5 s wait for exiting ranks of the other layout: a longer deadline.
+    auto second = d_.Connect("logged", 1, [](ClientOptions& o) { o.rpc_timeout = 20s; });
+    ASSERT_TRUE(second);
+    EXPECT_EQ(second->Register(other, Specs(10)).code(), StatusCode::kFailedPrecondition);
+    // A request whose refusal quotes it cannot write a line of its own into the log.
+    grpc::ClientContext ctx;
+    v1::DeleteCheckpointsRequest req;
+    req.set_job("x\nforged line");
+    req.set_step(1);
+    v1::DeleteCheckpointsResponse resp;
+    EXPECT_EQ(Stub()->DeleteCheckpoints(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  StopDaemon();
+  ASSERT_EQ(SetLogFile(""), "");
+  auto text = ReadSmallFile(log, 16u << 20);
+  ASSERT_OK(text.status());
+  const std::string who = "pid=" + std::to_string(::getpid()) + " uid=" + std::to_string(::getuid());
+  for (const std::string& line : {"refused rpc=WaitPersisted code=FAILED_PRECONDITION " + who,
+                                  "refused rpc=Register code=FAILED_PRECONDITION " + who}) {
+    EXPECT_TRUE(Contains(*text, line)) << "'" << line << "' not in the log:\n" << *text;
+  }
+  EXPECT_TRUE(Contains(*text, "was never committed by this rank")) << *text;
+  EXPECT_TRUE(Contains(*text, "is registered with world size 1")) << *text;
+  EXPECT_TRUE(Contains(*text, "refused rpc=DeleteCheckpoints code=INVALID_ARGUMENT " + who)) << *text;
+  EXPECT_TRUE(Contains(*text, "job name 'x\\x0aforged line'")) << *text;
+  EXPECT_FALSE(Contains(*text, "\nforged line")) << *text;
+  StartDaemon(64ull << 20);  // for TearDown
 }
 
 TEST_F(DaemonTest, WaitPersistedForAStepNeverCommittedFailsFast) {
