@@ -30,6 +30,16 @@ Status SessionRefused(const grpc::Status& s) {
   return FromGrpc(s, "Session");
 }
 
+// A segment the daemon named in its reply but that is gone when the client maps it: the daemon
+// gave it back between the two, which only a stop does (it unlinks the segments no abandoned
+// snapshot is left in). That is the daemon going away, UNAVAILABLE, so the caller re-attaches to
+// the next daemon and registers again instead of failing the trainer.
+Status SegmentGone(Status mapped) {
+  if (mapped.code() != StatusCode::kNotFound) return mapped;
+  return Unavailable("the segment flashckptd named for this rank was gone when it was mapped (the daemon stopped "
+                     "meanwhile, or it does not share this process's /dev/shm): " + mapped.message());
+}
+
 }  // namespace
 
 Status Client::Impl::OpenSession() {
@@ -110,7 +120,7 @@ Status Client::Impl::Reattach(std::chrono::milliseconds wait) {
     grpc::ClientContext ctx;
     Deadline(&ctx);
     RETURN_IF_ERROR(FromGrpc(stub->Register(&ctx, req, &resp), "Register"));
-    RETURN_IF_ERROR(ApplyRegistration(resp));
+    RETURN_IF_ERROR(SegmentGone(ApplyRegistration(resp)));
   }
   broken = false;
   return Status::OK();
@@ -214,10 +224,11 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
         req.set_resumed_from(impl_->resumed_from);
         grpc::ClientContext ctx;
         impl_->Deadline(&ctx);
-        return FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
+        Status registered = FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
+        if (!registered.ok()) return registered;
+        return SegmentGone(impl_->ApplyRegistration(resp));
       },
       impl_->options.connect_timeout));
-  RETURN_IF_ERROR(impl_->ApplyRegistration(resp));
   req.clear_session_id();
   impl_->registration = std::move(req);
   return Status::OK();

@@ -60,6 +60,22 @@ bool SameDegrees(const Topology& a, const Topology& b) {
          a.shard_degree == b.shard_degree;
 }
 
+std::string LayoutText(const Topology& t) {
+  return "world size " + std::to_string(t.world_size) + " (tp " + std::to_string(t.tp_degree) + ", pp " +
+         std::to_string(t.pp_degree) + ", shard " + std::to_string(t.shard_degree) + ")";
+}
+
+// What a session that has not restored is told when it may not save in the job's new layout.
+Status LayoutHeld(const std::string& job, int64_t step, const Topology& before, const Topology& now,
+                  const std::string& state) {
+  return FailedPrecondition(
+      "job '" + job + "' changed its layout to " + LayoutText(now) + " while checkpoint-" + std::to_string(step) +
+      " of its previous layout, " + LayoutText(before) + ", " + state +
+      "; a rank of the new layout saves only after it restores a checkpoint (Client::Restore, restore(): "
+      "resharding it), or once checkpoint-" + std::to_string(step) + " is complete or deleted (`flashckpt delete --job " +
+      job + " --step " + std::to_string(step) + " --force`)");
+}
+
 }  // namespace
 
 Daemon::Daemon(DaemonConfig config)
@@ -143,6 +159,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
     for (EmaJob& job : unreached) {
       job.segment->shm->KeepName();
       stop_abandoned_ += 1;
+      NoteAbandonedLocked(job.job, job.rank, job.step);
       Logger("writer")->warn("abandoned job={} step={} rank={} stage=ema: committed, left to the next daemon", job.job,
                              job.step, job.rank);
       DaemonEvent event;
@@ -174,10 +191,21 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
         if (rank.segment && rank.segment->ema) kept.emplace_back(rank.segment->ema->segment_name(), name);
       }
     }
+    // The writes are over: what each connected rank got stays for the WaitPersisted calls still
+    // waiting, which wake after the job table is gone (without the segments).
+    for (const auto& [id, who] : sessions_) {
+      auto jit = jobs_.find(who.job);
+      if (jit == jobs_.end()) continue;
+      auto rit = jit->second.ranks.find(who.rank);
+      if (rit == jit->second.ranks.end() || rit->second.session_id != id) continue;
+      RankState& kept_rank = stopped_ranks_[id] = rit->second;
+      kept_rank.segment.reset();
+    }
     jobs_.clear();  // unmaps every segment, and unlinks those no abandoned snapshot is left in
     writer_.reset();
     events_.Close();  // after the last writes' events: watchers see how the stop ended
   }
+  cv_.NotifyAll();
   for (const auto& [segment, job] : kept) {
     if (Status s = state_.SaveKeptEma(segment, job); !s.ok()) {
       Logger("shm")->error("no record of the EMA segment {} left for the next daemon: {}", segment, s.ToString());
@@ -253,6 +281,77 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
                               "' has not registered its tensors");
   }
   return &rank;
+}
+
+Result<const Daemon::RankState*> Daemon::WaitedRank(const std::string& session_id, bool* final) const {
+  *final = false;
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    if (stopping_) return Unavailable(kStoppingMessage);
+    return Unavailable("session_id names no open session (it ended, or the daemon restarted); open a new Session");
+  }
+  if (stopping_) {
+    if (auto kept = stopped_ranks_.find(session_id); kept != stopped_ranks_.end()) {
+      *final = true;
+      return &kept->second;
+    }
+  }
+  const RankState* rank = nullptr;
+  if (auto jit = jobs_.find(it->second.job); jit != jobs_.end()) {
+    if (auto rit = jit->second.ranks.find(it->second.rank); rit != jit->second.ranks.end()) rank = &rit->second;
+  }
+  if (rank == nullptr || !rank->segment) {
+    if (stopping_) return Unavailable(kStoppingMessage);
+    return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
+                              "' has not registered its tensors");
+  }
+  return rank;
+}
+
+Result<std::map<int64_t, Topology>> Daemon::LayoutHoldLocked(const std::string& name, const RankState& rank) const {
+  auto jit = jobs_.find(name);
+  if (jit == jobs_.end() || jit->second.held_steps.empty() || rank.resumed_from > 0) {
+    return std::map<int64_t, Topology>{};
+  }
+  const JobState& job = jit->second;
+  for (const auto& [r, other] : job.ranks) {
+    if (!other.segment) continue;
+    for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
+      const SlotInfo& slot = Slots(*other.segment).at(i);
+      auto held = job.held_steps.find(slot.step);
+      if (held != job.held_steps.end() &&
+          (slot.state == SlotState::kCommitted || slot.state == SlotState::kPersisting)) {
+        return LayoutHeld(name, slot.step, held->second, rank.topology, "is still being written by this daemon");
+      }
+    }
+  }
+  return job.held_steps;
+}
+
+Status Daemon::CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held) {
+  std::vector<int64_t> done;
+  for (const auto& [step, before] : held) {
+    ASSIGN_OR_RETURN(bool exists, Exists(catalog_.CheckpointDir(job, step), RootIo()));
+    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    if (exists && !complete) {
+      return LayoutHeld(job, step, before, now, "is incomplete (its directory has no metadata.json)");
+    }
+    done.push_back(step);
+  }
+  MutexLock lock(&mu_);
+  if (auto jit = jobs_.find(job); jit != jobs_.end()) {
+    for (int64_t step : done) jit->second.held_steps.erase(step);
+  }
+  return Status::OK();
+}
+
+void Daemon::NoteAbandonedLocked(const std::string& job, uint32_t rank, int64_t step) {
+  auto jit = jobs_.find(job);
+  if (jit == jobs_.end()) return;
+  auto rit = jit->second.ranks.find(rank);
+  if (rit == jit->second.ranks.end()) return;
+  rit->second.abandoned.insert(step);
+  cv_.NotifyAll();
 }
 
 Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
@@ -377,6 +476,27 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
   }
   if (!SameDegrees(job->topology, topology)) {
+    // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
+    // in its slots. Sessions of the new layout that do not restore may not save until it is done
+    // (BeginSnapshot): their signals would be counted with the old layout's.
+    int64_t newest = -1;
+    for (const auto& [r, other] : job->ranks) {
+      newest = std::max(newest, other.last_persisted);
+      if (!other.segment) continue;
+      for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
+        const SlotInfo& slot = Slots(*other.segment).at(i);
+        if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
+            slot.state == SlotState::kPersisting) {
+          job->held_steps.emplace(slot.step, job->topology);
+        }
+      }
+    }
+    if (newest >= 0) job->held_steps.emplace(newest, job->topology);
+    if (!job->held_steps.empty()) {
+      Logger("rpc")->info("layout changed job={} from=\"{}\" to=\"{}\" held_steps={}: ranks that do not restore "
+                          "save only once these are complete or deleted",
+                          who.job, LayoutText(job->topology), LayoutText(topology), job->held_steps.size());
+    }
     // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
     for (auto& [r, other] : job->ranks) {
       if (r != who.rank && other.session_id.empty()) other.segment.reset();  // a running persist keeps its own

@@ -203,6 +203,9 @@ class Daemon {
     std::string last_error;
     // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
     std::map<int64_t, Status> failed;
+    // Committed steps a stop left to the next daemon (not reached by the EMA stage or the writer
+    // before its deadline), so WaitPersisted(step) says so instead of waiting for them.
+    std::set<int64_t> abandoned;
     bool fatal_persist_errors = false;  // per registration (Register)
     Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
@@ -211,6 +214,12 @@ class Daemon {
   struct JobState {
     Topology topology;  // degrees and world size of the current registration
     std::map<uint32_t, RankState> ranks;
+    // Steps of an earlier layout that may still be in progress when a registration changed the
+    // job's layout (world size or degrees), with that layout: the newest step the job's ranks
+    // persisted here, and the steps in their slots then. While one of them is still in progress
+    // (LayoutHoldLocked, CheckLayoutHold), a session that has not restored a checkpoint may not
+    // save: its signals would land beside the other layout's in a checkpoint that never completes.
+    std::map<int64_t, Topology> held_steps;
   };
   struct SessionInfo {
     std::string job;
@@ -254,8 +263,23 @@ class Daemon {
   Status FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure)
       REQUIRES(mu_);
 
+  // The layout hold of BeginSnapshot (JobState::held_steps): an error, naming the step, while a
+  // held step is still in a slot of the job (committed or being written), else the held steps
+  // left to look at on disk (none when the session restored a checkpoint).
+  Result<std::map<int64_t, Topology>> LayoutHoldLocked(const std::string& job, const RankState& rank) const
+      REQUIRES(mu_);
+  // The rest of the hold, on disk (without mu_): an error while a held step's directory exists
+  // without metadata.json; the steps found complete or gone are dropped from the hold.
+  Status CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held)
+      EXCLUDES(mu_);
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
+  // The rank a WaitPersisted waits on. Unlike RankOf it answers while the daemon is stopping, as the
+  // stop still finishes the writes in flight; once the stop is done with them (stopped_ranks_),
+  // `*final` is set and the rank's record is the one the stop left.
+  Result<const RankState*> WaitedRank(const std::string& session_id, bool* final) const REQUIRES(mu_);
+  // Records that the stop left `step` of the rank to the next daemon. Requires mu_.
+  void NoteAbandonedLocked(const std::string& job, uint32_t rank, int64_t step) REQUIRES(mu_);
   // `session_id`: the session that committed the step (a failure counts as fatal for it only).
   void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
                    const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
@@ -328,6 +352,10 @@ class Daemon {
   bool stopping_ GUARDED_BY(mu_) = false;
   uint64_t stop_finished_ GUARDED_BY(mu_) = 0;   // persists finished in Stop
   uint64_t stop_abandoned_ GUARDED_BY(mu_) = 0;  // and abandoned
+  // What each connected rank had persisted, failed and abandoned when the stop was done with the
+  // writes, by session id: the job table is emptied then, and a WaitPersisted that wakes after it
+  // reads its step's outcome here.
+  std::map<std::string, RankState> stopped_ranks_ GUARDED_BY(mu_);
   std::map<std::string, SessionInfo> sessions_ GUARDED_BY(mu_);
   std::map<std::string, JobState> jobs_ GUARDED_BY(mu_);
   // Jobs being released: their segments are unlinked outside mu_, and a session of the job waits

@@ -35,6 +35,8 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
                                          std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
   std::string job;
+  std::map<int64_t, Topology> held;  // steps of an earlier layout to look at on disk
+  Topology topology;
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -44,7 +46,10 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
                              std::to_string(rank->last_begun) + "; steps must increase");
     }
+    ASSIGN_OR_RETURN(held, LayoutHoldLocked(job, *rank));
+    topology = rank->topology;
   }
+  if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
   ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
   if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
@@ -256,6 +261,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     MutexLock lock(&mu_);
     segment->shm->KeepName();
     stop_abandoned_ += 1;
+    NoteAbandonedLocked(job, rank_id, step);
     Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
                            step, rank_id, status.message());
     DaemonEvent event;
@@ -335,14 +341,20 @@ Status Daemon::AbortSnapshot(const std::string& session_id, const SlotTicket& ti
   return Status::OK();
 }
 
+// A stop does not fail a waiter: it still finishes the writes in flight until its deadline, so
+// the waiter learns its step's outcome (written, failed, or left to the next daemon) within its
+// own timeout. The stop empties the job table when it is done with the writes; a waiter that
+// wakes after that reads what the stop left of its rank (stopped_ranks_).
 Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t step,
                                          std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string job;
+  bool timed_out = false;
   MutexLock lock(&mu_);
   for (;;) {
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-    job = sessions_[session_id].job;
+    bool final = false;
+    ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
+    job = sessions_.at(session_id).job;
     if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
       // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
       return SaveFailed(job, step, failed->second, config_.root);
@@ -354,9 +366,17 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
       return r;
     }
+    if (rank->abandoned.count(step) != 0) {
+      // UNAVAILABLE, as for a daemon that is down: the step is not lost, the next daemon adopts
+      // its slot segment and writes it.
+      return Unavailable("step " + std::to_string(step) + " of job '" + job +
+                         "' was committed but not written before the daemon's stop timeout (--stop-timeout); it "
+                         "was left to the next daemon, which writes it when it starts: wait for it again once "
+                         "the daemon has restarted");
+    }
     if (rank->last_committed < step) {
       // Persisted before a daemon restart, which forgot it: the rank's signal is on disk.
-      const uint32_t rank_id = sessions_[session_id].rank;
+      const uint32_t rank_id = sessions_.at(session_id).rank;
       const int64_t attempt = rank->resumed_from;
       lock.Unlock();
       ASSIGN_OR_RETURN(bool signalled, catalog_.HasSignal(job, rank_id, step, attempt));
@@ -367,16 +387,23 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
         return r;
       }
       lock.Lock();
-      ASSIGN_OR_RETURN(rank, RankOf(session_id, true));
+      ASSIGN_OR_RETURN(rank, WaitedRank(session_id, &final));
       if (rank->last_committed >= step) continue;
       return FailedPrecondition("step " + std::to_string(step) + " was never committed by this rank (last commit: " +
                                 std::to_string(rank->last_committed) + ")");
     }
-    if (!cv_.WaitUntil(&lock, deadline)) {
+    if (final) {
+      // The stop is done with every write and this step was none of them.
+      return Unavailable("the daemon stopped before step " + std::to_string(step) + " of job '" + job +
+                         "' was written; connect again once it has restarted");
+    }
+    if (timed_out) {
       return DeadlineExceeded("step " + std::to_string(step) + " was not persisted within " +
                               std::to_string(timeout.count()) +
                               " ms (last persisted: " + std::to_string(rank->last_persisted) + ")");
     }
+    // Looked at once more after the deadline: the rank may be gone from the job table by then.
+    timed_out = !cv_.WaitUntil(&lock, deadline);
   }
 }
 

@@ -79,6 +79,10 @@ Status Server::Start() {
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(kMaxRequestMessageBytes);
   builder.RegisterService(&service_);
+  // Every call a handler refuses is logged with the peer's pid and uid (request_log.h).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<RefusalLogFactory>(&peers_));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   server_ = builder.BuildAndStart();
   if (!server_) return Unavailable("could not start the gRPC server");
   listen_fd_ = fd.Release();  // closed in Shutdown
@@ -111,6 +115,8 @@ bool Server::PeerAllowed(int fd) {
     refused_ += 1;
     Logger("rpc")->warn("refused peer uid={} gid={} pid={} (allowed: root, uid {}, --allow-uid, --allow-gid)", cred.uid,
                         cred.gid, cred.pid, ::getuid());
+  } else {
+    peers_.Note(fd, PeerCredentials{cred.pid, cred.uid, cred.gid});  // gRPC's peer "fd:<fd>" from here on
   }
   return ok;
 }

@@ -1,6 +1,8 @@
 // The daemon's listeners. The UNIX socket: it accepts connections itself, checks each peer's
 // credentials (SO_PEERCRED) against the allowed uids/gids, and only then hands the connection to
-// gRPC (grpc::AddInsecureChannelFromFd). A refused peer is closed and logged with its uid and pid.
+// gRPC (grpc::AddInsecureChannelFromFd). A refused peer is closed and logged with its uid and pid;
+// an accepted one's credentials are kept by fd (PeerTable), so every call a handler refuses is
+// logged with the caller's pid and uid (RefusalLogFactory, daemon/edge/request_log.h).
 // With --listen, also a TCP listener on a gRPC server of its own (daemon/edge/tcp_listener.h); with
 // --metrics-listen, the Prometheus scrape endpoint (daemon/observe/metrics_http.h). Both gRPC servers
 // serve the standard health service (grpc.health.v1.Health) beside flashckpt's own.
@@ -13,6 +15,7 @@
 #include <memory>
 #include <thread>
 
+#include "daemon/edge/request_log.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
 #include "daemon/observe/metrics_http.h"
@@ -54,6 +57,7 @@ class Server {
   bool PeerAllowed(int fd);
 
   Daemon* daemon_;
+  PeerTable peers_;  // the credentials of the socket's accepted connections, for the refusal log
   CheckpointService service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<TcpListener> tcp_;

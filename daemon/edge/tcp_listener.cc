@@ -10,6 +10,7 @@
 #include "common/base/log.h"
 #include "common/io/fs.h"
 #include "daemon/edge/limits.h"
+#include "daemon/edge/request_log.h"
 
 namespace flashckpt {
 namespace {
@@ -122,6 +123,10 @@ Status TcpListener::Start() {
   // unauthenticated caller gets no 16 MiB buffers out of it.
   builder.SetMaxReceiveMessageSize(config_.tcp_allow_writes ? kMaxRequestMessageBytes : kMaxReadOnlyRequestBytes);
   builder.RegisterService(&service_);
+  // Refused calls are logged with the caller's address (no credentials on TCP).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<RefusalLogFactory>(nullptr));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.AddListeningPort(address.Target(), credentials, &port_);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {

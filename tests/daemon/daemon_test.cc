@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "common/base/log.h"
 #include "common/format/metadata.h"
 #include "common/io/fs.h"
 #include "daemon/edge/server.h"
@@ -400,6 +401,127 @@ TEST_F(DaemonTest, ARestoreRefusesAMetadataJsonThatMisplacesPieces) {
         << "'" << word << "' in " << restored.status().ToString();
   }
   EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.f; })) << "bytes were handed over";
+}
+
+// A job whose layout changes (world size 2, tp 2 -> world size 1) while a checkpoint of the old
+// layout is incomplete: a session of the new layout may register, but saves only after it restores
+// (resharding the old layout's last complete checkpoint) or once the incomplete step is deleted;
+// otherwise its signals would be counted with the old layout's in a checkpoint that never completes.
+TEST_F(DaemonTest, ANewLayoutSavesOnlyAfterARestoreWhileTheOldLayoutsCheckpointIsIncomplete) {
+  constexpr uint64_t n = 1000;
+  {
+    std::vector<std::unique_ptr<Client>> ranks;
+    std::vector<std::vector<float>> halves;
+    for (uint32_t r = 0; r < 2; ++r) {
+      ranks.push_back(Connect("relayout", r));
+      ASSERT_TRUE(ranks.back());
+      TensorSpec w;
+      w.name = "w";
+      w.shape = {n};
+      w.global_shape = {2 * n};
+      w.box_offset = {r * n};
+      w.box_shape = {n};
+      Topology t;
+      t.world_size = 2;
+      t.tp_degree = 2;
+      t.tp_rank = r;
+      ASSERT_OK(ranks.back()->Register(t, {w}));
+      halves.emplace_back(n, static_cast<float>(r + 1));
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      ASSERT_OK(ranks[r]->Snapshot(5, {{"w", halves[r].data(), n * 4}}, {}).status());
+    }
+    for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(ranks[r]->WaitPersisted(5, 10s));
+    // Step 10: rank 0 saves, rank 1 exits first. checkpoint-10 stays at 1 of 2 signals.
+    ASSERT_OK(ranks[0]->Snapshot(10, {{"w", halves[0].data(), n * 4}}, {}).status());
+    ASSERT_OK(ranks[0]->WaitPersisted(10, 10s));
+  }
+  for (auto deadline = std::chrono::steady_clock::now() + 10s;
+       !PathExists(root() + "/relayout/checkpoint-5/metadata.json") && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(PathExists(root() + "/relayout/checkpoint-5/metadata.json"));
+  ASSERT_FALSE(PathExists(root() + "/relayout/checkpoint-10/metadata.json"));
+
+  TensorSpec whole;
+  whole.name = "w";
+  whole.shape = {2 * n};
+  std::vector<float> w(2 * n, 7.f);
+  const std::vector<TensorBuffer> bufs = {{"w", w.data(), 2 * n * 4}};
+  {
+    auto c = Connect("relayout", 0);
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->Register(Topology{}, {whole}));
+    auto refused = c->Snapshot(20, bufs, {});
+    ASSERT_FALSE(refused.ok()) << "a session of the new layout saved beside the old layout's checkpoint-10";
+    EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+    for (const char* word : {"checkpoint-10", "world size 2 (tp 2", "world size 1", "restores", "flashckpt delete"}) {
+      EXPECT_TRUE(Contains(refused.status().message(), word)) << "'" << word << "' in " << refused.status().ToString();
+    }
+    // A restore (the old layout's step 5, resharded) lifts it for this session.
+    auto restored = c->Restore(std::nullopt, bufs, 10s);
+    ASSERT_OK(restored.status());
+    ASSERT_TRUE(restored->found);
+    EXPECT_EQ(restored->step, 5);
+    EXPECT_EQ(w[0], 1.f);
+    EXPECT_EQ(w[2 * n - 1], 2.f);
+    ASSERT_OK(c->Snapshot(20, bufs, {}).status());
+    ASSERT_OK(c->WaitPersisted(20, 10s));
+  }
+  // A session that does not restore stays held until checkpoint-10 is gone.
+  auto c = Connect("relayout", 0);
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->Register(Topology{}, {whole}));
+  EXPECT_EQ(c->Snapshot(30, bufs, {}).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_OK(d_.daemon()->DeleteCheckpoints("relayout", 10, 0, /*force=*/true, /*dry_run=*/false).status());
+  ASSERT_OK(c->Snapshot(30, bufs, {}).status());
+  ASSERT_OK(c->WaitPersisted(30, 10s));
+}
+
+// Every request a handler refuses is in the daemon's log with the RPC, the code, the message and
+// the caller's pid and uid (from the socket's SO_PEERCRED), so an operator can tell which process
+// asked for what.
+TEST_F(DaemonTest, RefusedRequestsAreLoggedWithThePeersPidAndUid) {
+  StopDaemon();
+  const std::string log = d_.dir() + "/flashckptd.log";
+  ASSERT_EQ(SetLogFile(log), "");
+  StartDaemon(64ull << 20);
+  {
+    auto c = Connect("logged", 0);
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->Register(Topology{}, Specs(10)));
+    EXPECT_EQ(c->WaitPersisted(50, 10s).code(), StatusCode::kFailedPrecondition);
+    Topology other;
+    other.world_size = 2;
+    other.tp_degree = 2;
+    other.tp_rank = 1;
+    // Refused after the daemon's 5 s wait for exiting ranks of the other layout: a longer deadline.
+    auto second = d_.Connect("logged", 1, [](ClientOptions& o) { o.rpc_timeout = 20s; });
+    ASSERT_TRUE(second);
+    EXPECT_EQ(second->Register(other, Specs(10)).code(), StatusCode::kFailedPrecondition);
+    // A request whose refusal quotes it cannot write a line of its own into the log.
+    grpc::ClientContext ctx;
+    v1::DeleteCheckpointsRequest req;
+    req.set_job("x\nforged line");
+    req.set_step(1);
+    v1::DeleteCheckpointsResponse resp;
+    EXPECT_EQ(Stub()->DeleteCheckpoints(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  StopDaemon();
+  ASSERT_EQ(SetLogFile(""), "");
+  auto text = ReadSmallFile(log, 16u << 20);
+  ASSERT_OK(text.status());
+  const std::string who = "pid=" + std::to_string(::getpid()) + " uid=" + std::to_string(::getuid());
+  for (const std::string& line : {"refused rpc=WaitPersisted code=FAILED_PRECONDITION " + who,
+                                  "refused rpc=Register code=FAILED_PRECONDITION " + who}) {
+    EXPECT_TRUE(Contains(*text, line)) << "'" << line << "' not in the log:\n" << *text;
+  }
+  EXPECT_TRUE(Contains(*text, "was never committed by this rank")) << *text;
+  EXPECT_TRUE(Contains(*text, "is registered with world size 1")) << *text;
+  EXPECT_TRUE(Contains(*text, "refused rpc=DeleteCheckpoints code=INVALID_ARGUMENT " + who)) << *text;
+  EXPECT_TRUE(Contains(*text, "job name 'x\\x0aforged line'")) << *text;
+  EXPECT_FALSE(Contains(*text, "\nforged line")) << *text;
+  StartDaemon(64ull << 20);  // for TearDown
 }
 
 TEST_F(DaemonTest, WaitPersistedForAStepNeverCommittedFailsFast) {

@@ -361,6 +361,122 @@ TEST_F(FaultsTest, StopAbandonsAWriteAtItsDeadlineAndTheNextDaemonWritesIt) {
   EXPECT_TRUE(records->empty()) << ::testing::PrintToString(*records);
 }
 
+// A trainer waiting for its step when the stop (SIGTERM) begins is not refused for that: the stop
+// finishes the write, and the wait returns OK.
+TEST_F(FaultsTest, WaitPersistedDuringAStopReturnsOnceTheStopHasWrittenTheStep) {
+  Trainer t = StartTrainer("stopwait", 1000);
+  ASSERT_TRUE(t.client);
+  io_.SlowWrites(200ms);
+  ASSERT_OK(t.Snapshot(1).status());
+  for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+  Status waited = Internal("not run");
+  std::thread waiter([&] { waited = t.client->WaitPersisted(1, 30s); });
+  std::this_thread::sleep_for(100ms);  // the wait has reached the daemon
+  d_.daemon()->Stop(Clock::now() + 30s);
+  waiter.join();
+  EXPECT_OK(waited);
+  EXPECT_TRUE(PathExists(StepDir("stopwait", 1) + "/metadata.json"));
+}
+
+// When the stop's deadline cuts the write off, the waiter is told that its step was left to the
+// next daemon (which writes it), not merely that the daemon is stopping.
+TEST_F(FaultsTest, WaitPersistedDuringAStopThatAbandonsTheWriteSaysItWasLeftToTheNextDaemon) {
+  {
+    Trainer t = StartTrainer("stopleft", 1000);
+    ASSERT_TRUE(t.client);
+    io_.SlowWrites(400ms);
+    ASSERT_OK(t.Snapshot(1).status());
+    for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+      std::this_thread::sleep_for(5ms);
+    }
+    ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+    Status waited = Internal("not run");
+    std::thread waiter([&] { waited = t.client->WaitPersisted(1, 30s); });
+    std::this_thread::sleep_for(50ms);
+    d_.daemon()->Stop(Clock::now() + 100ms);
+    waiter.join();
+    EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited.ToString();
+    EXPECT_TRUE(Contains(waited.message(), "step 1 of job 'stopleft' was committed but not written"))
+        << waited.ToString();
+    EXPECT_TRUE(Contains(waited.message(), "left to the next daemon")) << waited.ToString();
+    EXPECT_FALSE(PathExists(StepDir("stopleft", 1) + "/metadata.json"));
+    d_.Stop();
+  }
+  // The next daemon writes it (and leaves no segment behind).
+  io_.Clear();
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  for (auto deadline = Clock::now() + 30s;
+       !PathExists(StepDir("stopleft", 1) + "/metadata.json") && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(PathExists(StepDir("stopleft", 1) + "/metadata.json")) << "the next daemon did not write step 1";
+}
+
+// What a registration that reuses its rank's segment names is a segment that exists, so the trainer
+// maps it: within one daemon (a new session of the rank) and after a restart whose daemon adopted
+// it (the stop abandoned a snapshot in it). A daemon gives a segment back between its reply and
+// the trainer's mapping only by stopping (shown last); the client takes a segment gone at mapping
+// for the daemon going away (UNAVAILABLE) and registers again with the next one.
+TEST_F(FaultsTest, AReusedSegmentIsOneTheTrainerCanMap) {
+  v1::RegisterRequest request;
+  request.mutable_topology()->set_world_size(1);
+  request.mutable_topology()->set_tp_degree(1);
+  request.mutable_topology()->set_pp_degree(1);
+  request.mutable_topology()->set_shard_degree(1);
+  for (const char* name : {"w", "w.exp_avg"}) {
+    v1::TensorSpec* t = request.add_tensors();
+    t->set_name(name);
+    t->set_kind(std::string(name) == "w" ? v1::TENSOR_KIND_MODEL : v1::TENSOR_KIND_OPTIMIZER);
+    t->set_dtype("F32");
+    t->add_shape(1000);
+  }
+  auto registration = ParseRegistration(request);
+  ASSERT_OK(registration.status());
+  Daemon* d = d_.daemon();
+  auto first_session = d->OpenSession("reuse", 0);
+  ASSERT_OK(first_session.status());
+  auto first = d->Register(*first_session, *registration);
+  ASSERT_OK(first.status());
+  d->CloseSession(*first_session);
+  auto session = d->OpenSession("reuse", 0);
+  ASSERT_OK(session.status());
+  auto again = d->Register(*session, *registration);
+  ASSERT_OK(again.status());
+  EXPECT_EQ(again->segment_name, first->segment_name) << "not reused";
+  EXPECT_OK(SharedSegment::Open(again->segment_name, again->segment_bytes).status());
+
+  io_.SlowWrites(400ms);
+  auto ticket = d->BeginSnapshot(*session, 1, 1s);
+  ASSERT_OK(ticket.status());
+  ASSERT_OK(d->Commit(*session, *ticket, 1, true, std::nullopt, ""));
+  for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+  d->Stop(Clock::now() + 100ms);  // abandons step 1: the segment stays for the next daemon
+  d_.Stop();
+  io_.Clear();
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  d = d_.daemon();
+  session = d->OpenSession("reuse", 0);
+  ASSERT_OK(session.status());
+  auto adopted = d->Register(*session, *registration);
+  ASSERT_OK(adopted.status());
+  EXPECT_EQ(adopted->segment_name, first->segment_name) << "the adopted segment was not reused";
+  EXPECT_OK(SharedSegment::Open(adopted->segment_name, adopted->segment_bytes).status());
+  for (auto deadline = Clock::now() + 30s;
+       !PathExists(StepDir("reuse", 1) + "/metadata.json") && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(PathExists(StepDir("reuse", 1) + "/metadata.json")) << "the next daemon did not write step 1";
+
+  d->Stop();  // nothing abandoned: the stop unlinks the segment it has just named
+  EXPECT_EQ(SharedSegment::Open(adopted->segment_name, adopted->segment_bytes).status().code(), StatusCode::kNotFound);
+}
+
 // fatal_persist_errors: after a failed save, Snapshot() fails with that save's error (code, step,
 // file, errno) every time, even with the disk healthy again, until the trainer starts a new session.
 TEST_F(FaultsTest, FatalPersistErrorsStopTheSnapshotsAfterAFailedSave) {
