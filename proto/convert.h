@@ -4,6 +4,8 @@
 // which also checks what it reads.
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include "flashckpt.pb.h"
 #include "flashckpt/tensor.h"
 
@@ -12,5 +14,8 @@ namespace flashckpt {
 v1::TensorKind TensorKindToProto(TensorKind kind);  // kEma (the daemon's own) has no message kind
 void TopologyToProto(const Topology& topology, v1::Topology* out);
 void TensorSpecToProto(const TensorSpec& spec, v1::TensorSpec* out);
+// gRPC's name of a code: "FAILED_PRECONDITION", "PERMISSION_DENIED", ...; "UNRECOGNIZED" for a
+// value outside the enum.
+const char* GrpcCodeName(grpc::StatusCode code);
 
 }  // namespace flashckpt

@@ -12,6 +12,7 @@
 #include "common/io/fs.h"
 #include "flashckpt.grpc.pb.h"
 #include "health.grpc.pb.h"
+#include "proto/convert.h"
 
 namespace flashckpt {
 namespace {

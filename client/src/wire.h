@@ -22,8 +22,6 @@ namespace flashckpt {
 StatusCode CodeFromGrpc(const grpc::Status& s);
 // A failed call as the trainer client reports it: "<rpc>: <the daemon's message>".
 Status FromGrpc(const grpc::Status& s, std::string_view rpc);
-// gRPC's name of a code: "FAILED_PRECONDITION", "PERMISSION_DENIED", ...
-const char* GrpcCodeName(grpc::StatusCode code);
 
 // --- trainer client ---
 // Register's request (without the session id and resumed_from, which each attempt sets).

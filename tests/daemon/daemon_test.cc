@@ -44,6 +44,45 @@ class DaemonTest : public ::testing::Test {
   std::string socket() const { return d_.socket(); }
   std::string root() const { return d_.root(); }
   std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank) { return d_.Connect(job, rank); }
+  // Two tp ranks of `job`, each holding half of "w" ([2n], rank r at offset r * n) filled with
+  // r + 1, registered; both save `step` and wait until it is durable. Fewer ranks on a failure.
+  struct TwoHalves {
+    std::vector<std::unique_ptr<Client>> ranks;
+    std::vector<std::vector<float>> halves;
+  };
+  TwoHalves SaveTwoHalves(const std::string& job, uint64_t n, int64_t step) {
+    TwoHalves two;
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto client = Connect(job, r);
+      if (!client) return {};
+      TensorSpec w;
+      w.name = "w";
+      w.shape = {n};
+      w.global_shape = {2 * n};
+      w.box_offset = {r * n};
+      w.box_shape = {n};
+      Topology t;
+      t.world_size = 2;
+      t.tp_degree = 2;
+      t.tp_rank = r;
+      Status registered = client->Register(t, {w});
+      EXPECT_OK(registered);
+      if (!registered.ok()) return {};
+      two.ranks.push_back(std::move(client));
+      two.halves.emplace_back(n, static_cast<float>(r + 1));
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      Status saved = two.ranks[r]->Snapshot(step, {{"w", two.halves[r].data(), n * 4}}, {}).status();
+      EXPECT_OK(saved);
+      if (!saved.ok()) return {};
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      Status waited = two.ranks[r]->WaitPersisted(step, 10s);
+      EXPECT_OK(waited);
+      if (!waited.ok()) return {};
+    }
+    return two;
+  }
 
   std::unique_ptr<v1::Checkpoint::Stub> Stub() {
     return v1::Checkpoint::NewStub(grpc::CreateChannel("unix:" + socket(), grpc::InsecureChannelCredentials()));
@@ -357,28 +396,9 @@ TEST_F(DaemonTest, ACompleteCheckpointIsNeverOverwritten) {
 TEST_F(DaemonTest, ARestoreRefusesAMetadataJsonThatMisplacesPieces) {
   // Two tp ranks each hold half of "w" ([2n], rank r at offset r * n) and save it filled with r + 1.
   constexpr uint64_t n = 1000;
-  std::vector<std::unique_ptr<Client>> ranks;
-  std::vector<std::vector<float>> halves;
-  for (uint32_t r = 0; r < 2; ++r) {
-    ranks.push_back(Connect("misplaced", r));
-    ASSERT_TRUE(ranks.back());
-    TensorSpec w;
-    w.name = "w";
-    w.shape = {n};
-    w.global_shape = {2 * n};
-    w.box_offset = {r * n};
-    w.box_shape = {n};
-    Topology t;
-    t.world_size = 2;
-    t.tp_degree = 2;
-    t.tp_rank = r;
-    ASSERT_OK(ranks.back()->Register(t, {w}));
-    halves.emplace_back(n, static_cast<float>(r + 1));
-  }
-  for (uint32_t r = 0; r < 2; ++r) {
-    ASSERT_OK(ranks[r]->Snapshot(5, {{"w", halves[r].data(), n * 4}}, {}).status());
-  }
-  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(ranks[r]->WaitPersisted(5, 10s));
+  TwoHalves two = SaveTwoHalves("misplaced", n, 5);
+  ASSERT_EQ(two.ranks.size(), 2u);
+  auto& ranks = two.ranks;
   const std::string dir = root() + "/misplaced/checkpoint-5";
   for (auto deadline = std::chrono::steady_clock::now() + 10s;
        !PathExists(dir + "/metadata.json") && std::chrono::steady_clock::now() < deadline;) {
@@ -410,28 +430,10 @@ TEST_F(DaemonTest, ARestoreRefusesAMetadataJsonThatMisplacesPieces) {
 TEST_F(DaemonTest, ANewLayoutSavesOnlyAfterARestoreWhileTheOldLayoutsCheckpointIsIncomplete) {
   constexpr uint64_t n = 1000;
   {
-    std::vector<std::unique_ptr<Client>> ranks;
-    std::vector<std::vector<float>> halves;
-    for (uint32_t r = 0; r < 2; ++r) {
-      ranks.push_back(Connect("relayout", r));
-      ASSERT_TRUE(ranks.back());
-      TensorSpec w;
-      w.name = "w";
-      w.shape = {n};
-      w.global_shape = {2 * n};
-      w.box_offset = {r * n};
-      w.box_shape = {n};
-      Topology t;
-      t.world_size = 2;
-      t.tp_degree = 2;
-      t.tp_rank = r;
-      ASSERT_OK(ranks.back()->Register(t, {w}));
-      halves.emplace_back(n, static_cast<float>(r + 1));
-    }
-    for (uint32_t r = 0; r < 2; ++r) {
-      ASSERT_OK(ranks[r]->Snapshot(5, {{"w", halves[r].data(), n * 4}}, {}).status());
-    }
-    for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(ranks[r]->WaitPersisted(5, 10s));
+    TwoHalves two = SaveTwoHalves("relayout", n, 5);
+    ASSERT_EQ(two.ranks.size(), 2u);
+    auto& ranks = two.ranks;
+    auto& halves = two.halves;
     // Step 10: rank 0 saves, rank 1 exits first. checkpoint-10 stays at 1 of 2 signals.
     ASSERT_OK(ranks[0]->Snapshot(10, {{"w", halves[0].data(), n * 4}}, {}).status());
     ASSERT_OK(ranks[0]->WaitPersisted(10, 10s));

@@ -51,6 +51,13 @@ class FaultsTest : public FaultyIoDaemonTest {
     if (s.jobs_size() > 0 && s.jobs(0).ranks_size() > 0) out = s.jobs(0).ranks(0);
     return out;
   }
+  // Waits (10 s at most) until rank 0 has a persist being written.
+  bool WriteStarted() const {
+    for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
+      std::this_thread::sleep_for(5ms);
+    }
+    return RankStatus().oldest_write_seconds() > 0;
+  }
   // The daemon's answer to `flashckpt status`, fetched over the socket as the CLI does (through the
   // operator client, flashckpt/admin.h).
   DaemonStatus StatusOverTheSocket() const {
@@ -317,10 +324,7 @@ TEST_F(FaultsTest, StopAbandonsAWriteAtItsDeadlineAndTheNextDaemonWritesIt) {
     ASSERT_TRUE(t.client);
     io_.SlowWrites(400ms);
     ASSERT_OK(t.Snapshot(1).status());
-    for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
-      std::this_thread::sleep_for(5ms);
-    }
-    ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+    ASSERT_TRUE(WriteStarted()) << "the write never started";
     const auto begun = Clock::now();
     d_.daemon()->Stop(Clock::now() + 100ms);
     // The write in progress sleeps out its 400 ms, then its next call fails: no more than that.
@@ -368,10 +372,7 @@ TEST_F(FaultsTest, WaitPersistedDuringAStopReturnsOnceTheStopHasWrittenTheStep) 
   ASSERT_TRUE(t.client);
   io_.SlowWrites(200ms);
   ASSERT_OK(t.Snapshot(1).status());
-  for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
-    std::this_thread::sleep_for(5ms);
-  }
-  ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+  ASSERT_TRUE(WriteStarted()) << "the write never started";
   Status waited = Internal("not run");
   std::thread waiter([&] { waited = t.client->WaitPersisted(1, 30s); });
   std::this_thread::sleep_for(100ms);  // the wait has reached the daemon
@@ -389,10 +390,7 @@ TEST_F(FaultsTest, WaitPersistedDuringAStopThatAbandonsTheWriteSaysItWasLeftToTh
     ASSERT_TRUE(t.client);
     io_.SlowWrites(400ms);
     ASSERT_OK(t.Snapshot(1).status());
-    for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
-      std::this_thread::sleep_for(5ms);
-    }
-    ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+    ASSERT_TRUE(WriteStarted()) << "the write never started";
     Status waited = Internal("not run");
     std::thread waiter([&] { waited = t.client->WaitPersisted(1, 30s); });
     std::this_thread::sleep_for(50ms);
@@ -452,10 +450,7 @@ TEST_F(FaultsTest, AReusedSegmentIsOneTheTrainerCanMap) {
   auto ticket = d->BeginSnapshot(*session, 1, 1s);
   ASSERT_OK(ticket.status());
   ASSERT_OK(d->Commit(*session, *ticket, 1, true, std::nullopt, ""));
-  for (auto deadline = Clock::now() + 10s; RankStatus().oldest_write_seconds() == 0 && Clock::now() < deadline;) {
-    std::this_thread::sleep_for(5ms);
-  }
-  ASSERT_GT(RankStatus().oldest_write_seconds(), 0.0) << "the write never started";
+  ASSERT_TRUE(WriteStarted()) << "the write never started";
   d->Stop(Clock::now() + 100ms);  // abandons step 1: the segment stays for the next daemon
   d_.Stop();
   io_.Clear();

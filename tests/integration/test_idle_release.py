@@ -26,7 +26,8 @@ import time
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import DaemonHarness, check, log, run_with_daemon_harness, tail, wait_for  # noqa: E402
+from harness import (DaemonHarness, check, kill_processes, log, run_with_daemon_harness, tail,  # noqa: E402
+                     wait_for)
 
 PREFIX = "idle%d" % os.getpid()
 IDLE_S = 2
@@ -156,10 +157,7 @@ def run(h, count):
 
 class Harness(DaemonHarness):
     def kill_all(self):
-        for p in getattr(self, "procs", []):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_processes(getattr(self, "procs", []))
 
 
 def main():

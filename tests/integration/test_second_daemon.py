@@ -23,8 +23,8 @@ import time
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (DaemonHarness, TestFailure, check, daemon_command, log, run_with_daemon_harness,  # noqa: E402
-                     tail, wait_for)
+from harness import (DaemonHarness, TestFailure, check, daemon_command, kill_processes, log,  # noqa: E402
+                     run_with_daemon_harness, tail, wait_for)
 
 JOB = "second%d" % os.getpid()
 STEPS, SAVE_EVERY, STEP_MS = 400, 20, 25  # about 10 s of training, 20 saves
@@ -116,10 +116,7 @@ def run(h):
 
 class Harness(DaemonHarness):
     def kill_all(self):
-        for p in getattr(self, "procs", []):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_processes(getattr(self, "procs", []))
 
 
 def main():
