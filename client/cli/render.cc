@@ -174,6 +174,7 @@ const char* EventKindText(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kEventsLost: return "lost";
     case DaemonEvent::Kind::kPersistAbandoned: return "abandoned";
     case DaemonEvent::Kind::kJobReleased: return "released";
+    case DaemonEvent::Kind::kSplitAttempt: return "split";
     default: return "unknown";
   }
 }
@@ -212,6 +213,25 @@ int64_t JobLastCommitted(const JobStatus& job) {
   return last;
 }
 
+// The attempts the job's ranks are in, one per distinct attempt ("3f2a9c01d4e5b687 (fresh): ranks 0,1"),
+// "-" before any registration.
+std::string RunsText(const JobStatus& job) {
+  std::map<std::pair<std::string, int64_t>, std::vector<uint32_t>> by;
+  for (const auto& r : job.ranks) {
+    if (!r.run_id.empty()) by[{r.run_id, r.resumed_from}].push_back(r.rank);
+  }
+  if (by.empty()) return "-";
+  std::string out;
+  for (const auto& [attempt, ranks] : by) {
+    if (!out.empty()) out += "; ";
+    out += attempt.first + (attempt.second > 0 ? " resumed from step " + std::to_string(attempt.second) : " (fresh)");
+    out += ": rank";
+    out += ranks.size() > 1 ? "s" : "";
+    for (size_t i = 0; i < ranks.size(); ++i) out += (i == 0 ? " " : ",") + std::to_string(ranks[i]);
+  }
+  return out;
+}
+
 // Whether the daemon has CUDA: what its own cudaGetDeviceCount saw (the trainers' devices are theirs).
 std::string CudaText(const DaemonStatus& status) {
   if (!status.cuda_compiled) return "not compiled in";
@@ -236,6 +256,7 @@ std::string EventText(const DaemonEvent& e) {
   switch (e.kind) {
     case DaemonEvent::Kind::kCheckpointComplete: break;
     case DaemonEvent::Kind::kCheckpointDeleted: out += " reason=" + e.reason; break;
+    case DaemonEvent::Kind::kSplitAttempt: out += " reason=\"" + e.reason + "\""; break;
     case DaemonEvent::Kind::kSnapshotCommitted:
       out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) + " for=" + e.reason;
       break;
@@ -334,6 +355,11 @@ std::string StatusText(const DaemonStatus& status) {
            std::to_string(job.ranks.size()) + " rank(s) here, last complete step " +
            StepText(job.last_complete_step) + "\n";
     if (!job.catalog_error.empty()) out += "  checkpoints cannot be read: " + job.catalog_error + "\n";
+    out += "  run " + RunsText(job) + "\n";
+    if (job.split_attempts > 0) {
+      out += "  SPLIT ATTEMPT: " + std::to_string(job.split_attempts) +
+             " step(s) saved by its ranks in different attempts will never complete; newest: " + job.split + "\n";
+    }
     out += "  ema " + EmaSummaryText(job) + "\n";
     // OLDEST WRITE: how long the rank's oldest persist being written has been running.
     TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
@@ -383,6 +409,8 @@ ordered_json StatusJson(const DaemonStatus& status) {
     j["world_size"] = job.world_size;
     j["last_complete_step"] = StepJson(job.last_complete_step);
     if (!job.catalog_error.empty()) j["catalog_error"] = job.catalog_error;
+    j["split_attempts"] = job.split_attempts;
+    j["split"] = job.split;
     j["last_committed_step"] = StepJson(JobLastCommitted(job));
     ordered_json ranks = ordered_json::array();
     for (const auto& rank : job.ranks) {
@@ -392,6 +420,8 @@ ordered_json StatusJson(const DaemonStatus& status) {
       r["segment_bytes"] = rank.segment_bytes;
       r["last_committed_step"] = StepJson(rank.last_committed_step);
       r["last_persisted_step"] = StepJson(rank.last_persisted_step);
+      r["run_id"] = rank.run_id;
+      r["resumed_from"] = rank.resumed_from;
       ordered_json slots = ordered_json::array();
       for (const auto& s : rank.slots) {
         slots.push_back({{"index", s.index},

@@ -229,7 +229,8 @@ struct PySpec {
 class PyClient {
  public:
   PyClient(const std::string& socket, const std::string& job, uint32_t rank, double rpc_timeout, double connect_timeout,
-           double slot_timeout, bool skip_when_busy, unsigned copy_threads, bool fatal_persist_errors) {
+           double slot_timeout, bool skip_when_busy, unsigned copy_threads, bool fatal_persist_errors,
+           const std::string& run_id, bool overwrite) {
     ClientOptions options;
     options.socket_path = socket;
     options.job = job;
@@ -240,6 +241,8 @@ class PyClient {
     options.skip_when_busy = skip_when_busy;
     options.copy_threads = copy_threads;
     options.fatal_persist_errors = fatal_persist_errors;
+    options.run_id = run_id;
+    options.overwrite = overwrite;
     Result<std::unique_ptr<Client>> connected = Status(StatusCode::kInternal, "not connected");
     {
       py::gil_scoped_release release;
@@ -314,6 +317,18 @@ class PyClient {
     }
     Check(status);
   }
+
+  void WaitComplete(int64_t step, double timeout) {
+    Status status;
+    Client* client = Live();  // raises, so it must run with the GIL held
+    {
+      py::gil_scoped_release release;
+      status = client->WaitComplete(step, Millis(timeout));
+    }
+    Check(status);
+  }
+
+  std::string RunId() { return Live()->RunId(); }
 
   // -> (found, step, extra, bytes)
   py::tuple Restore(std::optional<int64_t> step, const std::vector<PyBuffer>& buffers, double timeout,
@@ -406,14 +421,17 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def_readwrite("param", &PySpec::param);
 
   py::class_<PyClient>(m, "Client")
-      .def(py::init<const std::string&, const std::string&, uint32_t, double, double, double, bool, unsigned, bool>(),
+      .def(py::init<const std::string&, const std::string&, uint32_t, double, double, double, bool, unsigned, bool,
+                    const std::string&, bool>(),
            py::arg("socket"), py::arg("job"), py::arg("rank"), py::arg("rpc_timeout"), py::arg("connect_timeout"),
            py::arg("slot_timeout"), py::arg("skip_when_busy"), py::arg("copy_threads"),
-           py::arg("fatal_persist_errors") = false)
+           py::arg("fatal_persist_errors") = false, py::arg("run_id") = "", py::arg("overwrite") = false)
       .def("register", &PyClient::Register, py::arg("topology"), py::arg("specs"), py::arg("ema"))
       .def("snapshot", &PyClient::Snapshot, py::arg("step"), py::arg("buffers"), py::arg("persist"),
            py::arg("loss"), py::arg("extra"))
       .def("wait_persisted", &PyClient::WaitPersisted, py::arg("step"), py::arg("timeout"))
+      .def("wait_complete", &PyClient::WaitComplete, py::arg("step"), py::arg("timeout"))
+      .def("run_id", &PyClient::RunId)
       .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"),
            py::arg("convert_dtype") = false)
       .def("ema_names", &PyClient::EmaNames)

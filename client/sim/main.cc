@@ -32,6 +32,8 @@ struct Options {
   uint32_t step_ms = 0;
   uint32_t wait_timeout_s = 120;
   int64_t first_step = 1;
+  std::string run_id;
+  bool fresh = false;
   std::optional<double> ema_decay;
   uint32_t ema_interval = 1;
   std::string ema_init = "first";
@@ -202,6 +204,10 @@ int main(int argc, char** argv) {
   app.add_option("--wait-timeout", o.wait_timeout_s, "seconds to wait for the last save to be durable");
   app.add_option("--first-step", o.first_step, "first step when not resuming (to carry on after a daemon restart)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--run-id", o.run_id, "this run's id (the same on every rank; default: the daemon picks)");
+  app.add_flag("--fresh", o.fresh,
+               "start a new lineage of a job that has checkpoints of another run (they are deleted at the first "
+               "save); without it such a start is refused unless --resume");
   app.add_option("--ema-decay", o.ema_decay, "keep an EMA of the weights with this decay");
   app.add_option("--ema-interval", o.ema_interval, "EMA update every I steps (persist=false snapshots between saves)");
   app.add_option("--ema-init", o.ema_init, "first or zeros")->check(CLI::IsMember({"first", "zeros"}));
@@ -222,6 +228,8 @@ int main(int argc, char** argv) {
   copts.socket_path = o.socket;
   copts.job = o.job;
   copts.rank = o.rank;
+  copts.run_id = o.run_id;
+  copts.overwrite = o.fresh;
   auto client = flashckpt::Client::Connect(copts);
   if (!client.ok()) return Fail("connect", client.status());
   flashckpt::Client& c = **client;

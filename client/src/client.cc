@@ -381,6 +381,20 @@ Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
   });
 }
 
+Status Client::WaitComplete(int64_t step, std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(impl_->Usable());
+  v1::WaitCompleteRequest req;
+  req.set_step(step);
+  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
+  v1::WaitCompleteResponse resp;
+  return impl_->WithSession([&] {
+    req.set_session_id(impl_->session_id);
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, timeout);
+    return FromGrpc(impl_->stub->WaitComplete(&ctx, req, &resp), "WaitComplete");
+  });
+}
+
 Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
                                       std::chrono::milliseconds timeout, const RestoreOptions& options) {
   RETURN_IF_ERROR(impl_->Usable());

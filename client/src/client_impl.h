@@ -77,6 +77,7 @@ struct Client::Impl {
   // step this process restored (its signals name that attempt), and whether the session is lost.
   std::optional<v1::RegisterRequest> registration;
   int64_t resumed_from = 0;
+  std::string run_id;  // the session's run, from the first registration's reply
   bool broken = false;
 
   std::unique_ptr<SharedSegment> segment;

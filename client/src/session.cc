@@ -222,6 +222,7 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
       [&] {
         req.set_session_id(impl_->session_id);
         req.set_resumed_from(impl_->resumed_from);
+        if (req.run_id().empty()) req.set_run_id(impl_->run_id);  // a later registration keeps the run
         grpc::ClientContext ctx;
         impl_->Deadline(&ctx);
         Status registered = FromGrpc(impl_->stub->Register(&ctx, req, &resp), "Register");
@@ -230,8 +231,12 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
       },
       impl_->options.connect_timeout));
   req.clear_session_id();
+  impl_->run_id = resp.run_id();
+  req.set_run_id(impl_->run_id);  // a re-attach carries on the same run
   impl_->registration = std::move(req);
   return Status::OK();
 }
+
+const std::string& Client::RunId() const { return impl_->run_id; }
 
 }  // namespace flashckpt

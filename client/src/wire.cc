@@ -37,6 +37,8 @@ v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vecto
   TopologyToProto(topology, req.mutable_topology());
   req.set_backpressure(options.skip_when_busy ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
   req.set_fatal_persist_errors(options.fatal_persist_errors);
+  req.set_run_id(options.run_id);
+  req.set_overwrite(options.overwrite);
   if (ema.decay) {
     auto* e = req.mutable_ema();
     e->set_enabled(true);
@@ -79,6 +81,8 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
     job.world_size = j.world_size();
     job.last_complete_step = j.last_complete_step();
     job.catalog_error = j.catalog_error();
+    job.split_attempts = j.split_attempts();
+    job.split = j.split();
     job.ranks.reserve(static_cast<size_t>(j.ranks_size()));
     for (const v1::RankStatus& r : j.ranks()) {
       RankStatus rank;
@@ -97,6 +101,8 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
       }
       rank.oldest_write_seconds = r.oldest_write_seconds();
       rank.last_persist_gbps = r.last_persist_gbps();
+      rank.run_id = r.run_id();
+      rank.resumed_from = r.resumed_from();
       rank.ema_enabled = r.ema_enabled();
       rank.ema_decay = r.ema_decay();
       rank.ema_last_step = r.ema_last_step();
@@ -133,6 +139,7 @@ DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
     case v1::Event::EVENTS_LOST: return DaemonEvent::Kind::kEventsLost;
     case v1::Event::PERSIST_ABANDONED: return DaemonEvent::Kind::kPersistAbandoned;
     case v1::Event::JOB_RELEASED: return DaemonEvent::Kind::kJobReleased;
+    case v1::Event::SPLIT_ATTEMPT: return DaemonEvent::Kind::kSplitAttempt;
     default: return DaemonEvent::Kind::kUnknown;
   }
 }

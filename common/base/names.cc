@@ -23,6 +23,19 @@ Status ValidateJobName(std::string_view job) {
   return Status::OK();
 }
 
+Status ValidateRunId(std::string_view run_id) {
+  if (run_id.empty() || run_id.size() > kMaxRunIdLength) {
+    return InvalidArgument("run id must be 1 to " + std::to_string(kMaxRunIdLength) + " characters, got " +
+                           std::to_string(run_id.size()));
+  }
+  for (char c : run_id) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+              c == '_' || c == '-' || c == ':';
+    if (!ok) return InvalidArgument("run id '" + std::string(run_id) + "' has a character outside [A-Za-z0-9._:-]");
+  }
+  return Status::OK();
+}
+
 Status ValidateTensorName(std::string_view name) {
   if (name.empty() || name.size() > kMaxTensorNameLength) {
     return InvalidArgument("tensor name must be 1 to 512 characters");

@@ -317,6 +317,8 @@ std::string MetadataToJson(const CheckpointMetadata& meta) {
   j["job"] = meta.job;
   j["step"] = meta.step;
   j["created"] = meta.created;
+  if (!meta.run_id.empty()) j["run_id"] = meta.run_id;
+  j["resumed_from"] = meta.resumed_from;
   j["topology"] = {{"world_size", meta.topology.world_size},
                    {"tp_degree", meta.topology.tp_degree},
                    {"pp_degree", meta.topology.pp_degree},
@@ -379,6 +381,18 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
   }
   meta.step = step->get<int64_t>();
   if (j.contains("created") && j["created"].is_string()) meta.created = j["created"].get<std::string>();
+  if (auto run = j.find("run_id"); run != j.end()) {
+    if (!run->is_string() || !ValidateRunId(run->get<std::string>()).ok()) {
+      return Corruption("metadata.json: run_id is not a run id ([A-Za-z0-9._:-]{1,64})");
+    }
+    meta.run_id = run->get<std::string>();
+  }
+  if (auto from = j.find("resumed_from"); from != j.end()) {
+    if (!from->is_number_integer() || from->get<int64_t>() < 0) {
+      return Corruption("metadata.json: resumed_from is not a non-negative integer");
+    }
+    meta.resumed_from = from->get<int64_t>();
+  }
   auto topo = j.find("topology");
   if (topo == j.end() || !topo->is_object()) return Corruption("metadata.json: no topology object");
   auto u32 = [&](const json& obj, const char* key, uint32_t* out) -> Status {

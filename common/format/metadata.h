@@ -71,6 +71,10 @@ struct CheckpointMetadata {
   std::vector<SavedFile> files;
   std::vector<Piece> pieces;
   std::string created;           // UTC, ISO 8601
+  // The attempt whose signals completed it (common/format/signal.h); run_id is empty for a
+  // checkpoint written before runs had ids, and for one built from its files alone.
+  std::string run_id;
+  int64_t resumed_from = 0;
   std::optional<EmaRecord> ema;  // present when the checkpoint carries ema files
 };
 

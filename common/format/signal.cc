@@ -3,13 +3,20 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 
+#include "common/base/names.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
 
+std::string AttemptText(const Attempt& a) {
+  std::string run = "run " + (a.run_id.empty() ? std::string("(no id)") : a.run_id);
+  return a.resumed_from > 0 ? run + " resumed from step " + std::to_string(a.resumed_from) : run + " (fresh)";
+}
+
 std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes) {
   nlohmann::json j = {{"job", job},       {"rank", s.rank}, {"step", s.step}, {"resumed_from", s.resumed_from},
                       {"files", s.files}, {"bytes", bytes}};
+  if (!s.run_id.empty()) j["run_id"] = s.run_id;
   return j.dump() + "\n";
 }
 
@@ -32,6 +39,12 @@ Result<Signal> ParseSignal(std::string_view text) {
   s.rank = static_cast<uint32_t>(rank->get<uint64_t>());
   s.step = step->get<int64_t>();
   s.resumed_from = from->get<int64_t>();
+  if (auto run = j.find("run_id"); run != j.end()) {
+    if (!run->is_string() || !ValidateRunId(run->get<std::string>()).ok()) {
+      return Corruption("not a flashckpt signal: run_id is not a run id ([A-Za-z0-9._:-]{1,64})");
+    }
+    s.run_id = run->get<std::string>();
+  }
   for (const auto& f : *files) {
     if (!f.is_string()) return Corruption("not a flashckpt signal: a files entry is not a string");
     std::string name = f.get<std::string>();

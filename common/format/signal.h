@@ -1,6 +1,7 @@
 // saved_signal_<rank>: the marker a rank leaves in a checkpoint directory once its files of the
-// step are durable. It lists those files and the attempt (the step the run resumed from), so that a
-// checkpoint is only ever assembled from the files of one attempt.
+// step are durable. It lists those files and the attempt they belong to (the run id and the step the
+// rank's process resumed from), so that a checkpoint is only ever assembled from the files of one
+// attempt.
 #pragma once
 
 #include <cstdint>
@@ -13,11 +14,25 @@
 
 namespace flashckpt {
 
+// Which attempt of a job a rank's saves belong to: the run (chosen at the session's first
+// registration: RegisterRequest.run_id, or drawn by the daemon) and the step its process restored
+// (0: it started fresh). Signals of different attempts never complete a checkpoint together.
+struct Attempt {
+  std::string run_id;  // empty: written before runs had ids
+  int64_t resumed_from = 0;
+  bool operator==(const Attempt& o) const { return run_id == o.run_id && resumed_from == o.resumed_from; }
+  bool operator!=(const Attempt& o) const { return !(*this == o); }
+};
+// "run 3f2a… resumed from step 200", "run 3f2a… (fresh)": for messages and events.
+std::string AttemptText(const Attempt& attempt);
+
 struct Signal {
   uint32_t rank = 0;
   int64_t step = 0;
   int64_t resumed_from = 0;
+  std::string run_id;  // optional in the file (signals written before runs had ids): empty
   std::vector<std::string> files;
+  Attempt attempt() const { return Attempt{run_id, resumed_from}; }
 };
 
 // The signal as one line of JSON; `bytes` is the size of the rank's files, for operators.

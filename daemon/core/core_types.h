@@ -30,6 +30,7 @@ struct RegisterReply {
   uint64_t slot_stride = 0;
   std::vector<TensorLocation> placements;
   std::vector<TensorLocation> ema_placements;  // the EMA tensors, as GetEma leaves them in a slot
+  std::string run_id;                          // the session's run (the request's or the daemon's pick)
 };
 
 }  // namespace flashckpt

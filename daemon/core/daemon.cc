@@ -241,6 +241,8 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   state.session_id = token;
   state.last_begun = -1;
   state.resumed_from = 0;
+  state.run_id.clear();
+  state.lineage_checked = false;
   state.registered = false;
   state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
   sessions_[token] = SessionInfo{job, rank};
@@ -436,6 +438,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
   // after it): a segment's destructor removes its records and unlinks its memory.
   std::shared_ptr<RankSegment> retired, created;
+  ASSIGN_OR_RETURN(const std::string drawn_run, RandomToken());  // the run, if this one starts it
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
@@ -449,15 +452,15 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
   JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
-  // Every live rank of a job shares one layout. Ranks of a previous run that are exiting may still
-  // hold their sessions for a moment: wait a little for them before refusing.
+  // Every live rank of a job shares one layout, and one run when the request names it. Ranks of a
+  // previous run that are exiting may still hold their sessions for a moment: wait a little for them.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   for (;;) {
     const RankState* conflict = nullptr;
     uint32_t conflict_rank = 0;
     for (const auto& [r, other] : job->ranks) {
       if (r == who.rank || other.session_id.empty() || !other.registered) continue;
-      if (!SameDegrees(other.topology, topology)) {
+      if (!SameDegrees(other.topology, topology) || (!reg.run_id.empty() && other.run_id != reg.run_id)) {
         conflict = &other;
         conflict_rank = r;
         break;
@@ -465,6 +468,11 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     if (conflict == nullptr) break;
     if (!cv_.WaitUntil(&lock, deadline)) {
+      if (SameDegrees(conflict->topology, topology)) {
+        return FailedPrecondition("job '" + who.job + "' is running as run " + conflict->run_id + " (live rank " +
+                                  std::to_string(conflict_rank) + "); this rank asks for run " + reg.run_id +
+                                  ": the ranks of a job share one run id (or leave it empty to join the live run)");
+      }
       return FailedPrecondition(
           "job '" + who.job + "' is registered with world size " + std::to_string(conflict->topology.world_size) +
           " (tp " + std::to_string(conflict->topology.tp_degree) + ", pp " +
@@ -542,6 +550,8 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     rank->segment = std::move(created);
   }
+  rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, drawn_run);
+  rank->overwrite = reg.overwrite;
   rank->topology = topology;
   rank->policy = reg.policy;
   if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
@@ -551,6 +561,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
 
   const RankSegment& seg = *rank->segment;
   RegisterReply reply;
+  reply.run_id = rank->run_id;
   reply.segment_name = seg.shm->name();
   reply.segment_bytes = seg.shm->size();
   reply.slot_count = Slots(seg).size();
@@ -578,9 +589,18 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
       p.bytes = el.placements[i].bytes;
     }
   }
-  Logger("rpc")->info("registered job={} rank={} tensors={} slot_bytes={} ema_tensors={} reused={}", who.job, who.rank,
-                      seg.layout.tensors.size(), FormatBytes(seg.slot_stride),
-                      seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
+  Logger("rpc")->info("registered job={} rank={} run={} resumed_from={} tensors={} slot_bytes={} ema_tensors={} "
+                      "reused={}",
+                      who.job, who.rank, rank->run_id, rank->resumed_from, seg.layout.tensors.size(),
+                      FormatBytes(seg.slot_stride), seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
+  // The EMA continues only its own run's average (one adopted by job name may be another run's);
+  // taken without mu_, as an update in progress holds the EMA's lock.
+  std::shared_ptr<RankSegment> segment = rank->segment;
+  lock.Unlock();
+  if (segment->ema && segment->ema->StartRun(reply.run_id)) {
+    Logger("ema")->info("fresh EMA job={} rank={} run={}: the average in its segment was another run's", who.job,
+                        who.rank, reply.run_id);
+  }
   return reply;
 }
 
@@ -600,22 +620,27 @@ Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_
     // Once stopping, the slots that show which steps are busy go away while abandoned writes are
     // left to the next daemon: nothing may be deleted under them.
     if (stopping_) return Unavailable(kStoppingMessage);
-    auto it = jobs_.find(job);
-    if (it != jobs_.end()) {
-      for (const auto& [r, rank] : it->second.ranks) {
-        if (!rank.segment) continue;
-        for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
-          const SlotInfo& slot = Slots(*rank.segment).at(i);
-          if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
-              slot.state == SlotState::kPersisting) {
-            busy.insert(slot.step);
-          }
-        }
-      }
-    }
+    busy = BusyStepsLocked(job);
   }
   if (step > 0) return catalog_.DeleteCheckpoint(job, step, force, busy, dry_run);
   return catalog_.CollectGarbage(job, keep, busy, dry_run);
+}
+
+std::set<int64_t> Daemon::BusyStepsLocked(const std::string& job) const {
+  std::set<int64_t> busy;
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return busy;
+  for (const auto& [r, rank] : it->second.ranks) {
+    if (!rank.segment) continue;
+    for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) {
+      const SlotInfo& slot = Slots(*rank.segment).at(i);
+      if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
+          slot.state == SlotState::kPersisting) {
+        busy.insert(slot.step);
+      }
+    }
+  }
+  return busy;
 }
 
 DaemonStatus Daemon::GetStatus() const {
@@ -658,6 +683,8 @@ void Daemon::FillJobsStatus(DaemonStatus* out) const {
     JobStatus* j = &out->jobs.emplace_back();
     j->job = name;
     j->world_size = job.topology.world_size;
+    j->split_attempts = job.split_attempts;
+    j->split = job.split;
     for (const auto& [r, rank] : job.ranks) {
       RankStatus* rs = &j->ranks.emplace_back();
       rs->rank = r;
@@ -671,6 +698,8 @@ void Daemon::FillJobsStatus(DaemonStatus* out) const {
       rs->failures = rank.failures;
       rs->skipped = rank.skipped;
       rs->last_persist_gbps = rank.last_persist_gbps;
+      rs->run_id = rank.run_id;
+      rs->resumed_from = rank.resumed_from;
       double oldest = 0;  // seconds the rank's oldest persist being written has been running
       for (const WriteInFlight& w : writing) {
         if (w.job != name || w.rank != r) continue;

@@ -139,6 +139,12 @@ class Daemon {
                 std::optional<double> loss, std::string extra) EXCLUDES(mu_);
   Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
   Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // Waits for this rank's files of `step` (WaitPersisted), then until checkpoint `step` is complete,
+  // whoever completes it. Fails with the rank's persist error; FAILED_PRECONDITION when the step can
+  // never complete because its ranks saved it in different attempts (seen at commit among this
+  // daemon's sessions, or in the signals once `timeout` is up), naming the ranks and attempts; or
+  // DEADLINE_EXCEEDED naming the ranks whose signals are missing.
+  Status WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // step 0 means the latest complete checkpoint; found=false when there is none.
   // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout; with
   // convert_dtype, bf16/fp16 tensors may be filled from fp32 saved ones.
@@ -195,6 +201,10 @@ class Daemon {
     Backpressure policy = Backpressure::kWait;
     int64_t last_begun = -1;   // per session: steps must increase
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
+    std::string run_id;        // per session: its run, set by Register (the attempt)
+    bool overwrite = false;    // per registration: its first snapshot may start a new lineage
+    bool lineage_checked = false;  // per session: the first BeginSnapshot's lineage check passed
+    Attempt attempt() const { return Attempt{run_id, resumed_from}; }
     std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
     uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
@@ -220,6 +230,18 @@ class Daemon {
     // (LayoutHoldLocked, CheckLayoutHold), a session that has not restored a checkpoint may not
     // save: its signals would land beside the other layout's in a checkpoint that never completes.
     std::map<int64_t, Topology> held_steps;
+    // Split attempts: for recent steps, the attempt in which each rank's session committed it (with
+    // the session, so that a gone session's commits never count); the steps found saved in
+    // different attempts, with their description; how many; the newest one's description.
+    struct Committed {
+      std::string session_id;
+      Attempt attempt;
+    };
+    std::map<int64_t, std::map<uint32_t, Committed>> committed_attempts;
+    std::map<int64_t, std::string> split_steps;
+    uint64_t split_attempts = 0;
+    std::string split;
+    std::string overwritten_for;  // the run whose overwrite deleted the other runs' checkpoints
   };
   struct SessionInfo {
     std::string job;
@@ -272,6 +294,23 @@ class Daemon {
   // without metadata.json; the steps found complete or gone are dropped from the hold.
   Status CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held)
       EXCLUDES(mu_);
+  // The run a registration joins: its own (the request's, or this session's earlier one), else the
+  // run of the job's live ranks, else `drawn`.
+  std::string ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state, const Registration& reg,
+                              const std::string& drawn) const REQUIRES(mu_);
+  // The first BeginSnapshot of a session that did not restore: refused while the job's newest
+  // complete checkpoint is another run's, unless the session registered with overwrite, which then
+  // deletes the checkpoints that are not its run's (once per run). File I/O: without mu_.
+  Status CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
+                      bool overwrite) EXCLUDES(mu_);
+  // Steps a slot of the job is filling, has committed or is persisting: never deleted.
+  std::set<int64_t> BusyStepsLocked(const std::string& job) const REQUIRES(mu_);
+  // Records that `rank`'s session committed `step` in `attempt`; when another live session of the
+  // job committed the same step in another attempt, the step is split: counted, logged, an event.
+  void NoteAttemptLocked(const std::string& job, uint32_t rank, const std::string& session_id, int64_t step,
+                         const Attempt& attempt) REQUIRES(mu_);
+  // Counts a split step (once) with its description: status, metrics, an event, the log.
+  void NoteSplitLocked(const std::string& job, uint32_t rank, int64_t step, const std::string& text) REQUIRES(mu_);
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
   // The rank a WaitPersisted waits on. Unlike RankOf it answers while the daemon is stopping, as the
@@ -300,7 +339,7 @@ class Daemon {
   // The persist request of a committed slot; `done` reports to OnPersisted.
   // `session_id`: the committing session ("" for a snapshot adopted after a restart).
   PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
-                                    uint32_t world_size, int64_t resumed_from,
+                                    uint32_t world_size, const Attempt& attempt,
                                     const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket, int64_t step,
                                     std::string extra);
 

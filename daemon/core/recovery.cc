@@ -106,7 +106,8 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       // Signals are written last: one in place with this attempt means the files are durable.
       // When the disk cannot tell (EIO, ESTALE), the snapshot is written again: the slot holds the
       // bytes of this very step and attempt, so what is written is what was (or was to be) there.
-      auto signalled = catalog_.HasSignal(job, rank_id, c.step(), c.resumed_from());
+      const Attempt attempt{c.run_id(), c.resumed_from()};
+      auto signalled = catalog_.HasSignal(job, rank_id, c.step(), attempt);
       auto is_complete = catalog_.IsComplete(job, c.step());
       if (!signalled.ok() || !is_complete.ok()) {
         Logger("shm")->error("recovery job={} rank={} step={}: cannot tell whether it is durable, writing it again: {}",
@@ -116,7 +117,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       const bool written = signalled.ok() && *signalled;
       if (written || (is_complete.ok() && *is_complete)) {
         if (written) {
-          auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), c.resumed_from());
+          auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), attempt);
           if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());
         }
         (void)UnpublishedSlots(*segment).Release(ticket, SlotState::kCommitted);
@@ -125,7 +126,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
         Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
         continue;
       }
-      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", c.world_size(), c.resumed_from(), segment, ticket,
+      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", c.world_size(), attempt, segment, ticket,
                                      c.step(), c.extra());
     }
     pending.push_back(std::move(p));

@@ -37,6 +37,9 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   std::string job;
   std::map<int64_t, Topology> held;  // steps of an earlier layout to look at on disk
   Topology topology;
+  bool check_lineage = false;
+  std::string run_id;
+  bool overwrite = false;
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -48,8 +51,12 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     }
     ASSIGN_OR_RETURN(held, LayoutHoldLocked(job, *rank));
     topology = rank->topology;
+    check_lineage = !rank->lineage_checked && rank->resumed_from == 0;
+    run_id = rank->run_id;
+    overwrite = rank->overwrite;
   }
   if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
+  if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite));
   ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
   if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
@@ -104,7 +111,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
 }
 
 PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
-                                          uint32_t world_size, int64_t resumed_from,
+                                          uint32_t world_size, const Attempt& attempt,
                                           const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket,
                                           int64_t step, std::string extra) {
   PersistRequest req;
@@ -112,7 +119,7 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   req.rank = rank;
   req.world_size = world_size;
   req.step = step;
-  req.resumed_from = resumed_from;
+  req.attempt = attempt;
   req.layout = &segment->layout;
   req.slot = segment->Slot(ticket.slot);
   if (segment->ema) {
@@ -152,6 +159,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
       record.set_step(step);
       record.set_persist(persist);
       record.set_resumed_from(rank->resumed_from);
+      record.set_run_id(rank->run_id);
       record.set_world_size(rank->topology.world_size);
       record.set_has_loss(loss.has_value());
       record.set_loss(loss.value_or(0.0));
@@ -176,6 +184,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->snapshots += 1;
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
+  if (persist) NoteAttemptLocked(who.job, who.rank, session_id, step, rank->attempt());
   {
     DaemonEvent event;
     event.kind = DaemonEvent::Kind::kSnapshotCommitted;
@@ -197,7 +206,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.job = who.job;
   job.rank = who.rank;
   if (persist) {
-    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->resumed_from,
+    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->attempt(),
                                      segment, ticket, step, std::move(extra));
   }
   if (segment->ema) {
@@ -377,7 +386,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     if (rank->last_committed < step) {
       // Persisted before a daemon restart, which forgot it: the rank's signal is on disk.
       const uint32_t rank_id = sessions_.at(session_id).rank;
-      const int64_t attempt = rank->resumed_from;
+      const Attempt attempt = rank->attempt();
       lock.Unlock();
       ASSIGN_OR_RETURN(bool signalled, catalog_.HasSignal(job, rank_id, step, attempt));
       if (signalled) {

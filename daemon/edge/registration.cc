@@ -76,6 +76,9 @@ Result<Registration> ParseRegistration(const v1::RegisterRequest& req) {
     return InvalidArgument("resumed_from must be non-negative, got " + std::to_string(req.resumed_from()));
   }
   r.resumed_from = req.resumed_from();
+  if (!req.run_id().empty()) RETURN_IF_ERROR(ValidateRunId(req.run_id()));
+  r.run_id = req.run_id();
+  r.overwrite = req.overwrite();
   r.fatal_persist_errors = req.fatal_persist_errors();
   return r;
 }

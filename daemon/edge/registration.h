@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/base/status.h"
@@ -21,6 +22,8 @@ struct Registration {
   Backpressure policy = Backpressure::kWait;
   EmaConfig ema;
   int64_t resumed_from = 0;  // the attempt a re-attaching client carries on (0: none)
+  std::string run_id;        // the trainer's run id (checked: ValidateRunId); empty: the daemon picks
+  bool overwrite = false;    // a fresh start may replace the job's checkpoints of another run
   bool fatal_persist_errors = false;
 };
 

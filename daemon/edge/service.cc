@@ -129,6 +129,15 @@ grpc::Status CheckpointService::WaitPersisted(grpc::ServerContext* ctx, const v1
   return grpc::Status::OK;
 }
 
+grpc::Status CheckpointService::WaitComplete(grpc::ServerContext* ctx, const v1::WaitCompleteRequest* req,
+                                             v1::WaitCompleteResponse*) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  return ToGrpc(daemon_->WaitComplete(req->session_id(), req->step(), Bounded(ctx, *timeout)));
+}
+
 grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                                         v1::RestoreResponse* resp) {
   RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));

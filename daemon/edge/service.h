@@ -28,6 +28,8 @@ class CheckpointService final : public v1::Checkpoint::Service {
                              v1::AbortSnapshotResponse* resp) override;
   grpc::Status WaitPersisted(grpc::ServerContext* ctx, const v1::WaitPersistedRequest* req,
                              v1::WaitPersistedResponse* resp) override;
+  grpc::Status WaitComplete(grpc::ServerContext* ctx, const v1::WaitCompleteRequest* req,
+                            v1::WaitCompleteResponse* resp) override;
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req, v1::RestoreResponse* resp) override;
   grpc::Status GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req, v1::GetEmaResponse* resp) override;
   grpc::Status ReleaseSlot(grpc::ServerContext* ctx, const v1::ReleaseSlotRequest* req,

@@ -67,6 +67,12 @@ grpc::Status TcpCheckpointService::WaitPersisted(grpc::ServerContext* ctx, const
   return local_->WaitPersisted(ctx, req, resp);
 }
 
+grpc::Status TcpCheckpointService::WaitComplete(grpc::ServerContext* ctx, const v1::WaitCompleteRequest* req,
+                                                v1::WaitCompleteResponse* resp) {
+  if (!allow_writes_) return Denied(ctx, "WaitComplete");
+  return local_->WaitComplete(ctx, req, resp);
+}
+
 grpc::Status TcpCheckpointService::Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                                            v1::RestoreResponse* resp) {
   if (!allow_writes_) return Denied(ctx, "Restore");

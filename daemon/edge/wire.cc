@@ -25,6 +25,7 @@ v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kEventsLost: return v1::Event::EVENTS_LOST;
     case DaemonEvent::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
     case DaemonEvent::Kind::kJobReleased: return v1::Event::JOB_RELEASED;
+    case DaemonEvent::Kind::kSplitAttempt: return v1::Event::SPLIT_ATTEMPT;
     case DaemonEvent::Kind::kUnknown: break;
   }
   return v1::Event::KIND_UNSPECIFIED;
@@ -41,6 +42,7 @@ v1::RegisterResponse ToProto(const RegisterReply& reply) {
   out.set_slot_stride(reply.slot_stride);
   for (const TensorLocation& t : reply.placements) ToProto(t, out.add_placements());
   for (const TensorLocation& t : reply.ema_placements) ToProto(t, out.add_ema_placements());
+  out.set_run_id(reply.run_id);
   return out;
 }
 
@@ -59,6 +61,8 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
     j->set_world_size(job.world_size);
     j->set_last_complete_step(job.last_complete_step);
     j->set_catalog_error(job.catalog_error);
+    j->set_split_attempts(job.split_attempts);
+    j->set_split(job.split);
     for (const RankStatus& rank : job.ranks) {
       v1::RankStatus* r = j->add_ranks();
       r->set_rank(rank.rank);
@@ -86,6 +90,8 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
       r->set_ema_decay(rank.ema_decay);
       r->set_oldest_write_seconds(rank.oldest_write_seconds);
       r->set_last_persist_gbps(rank.last_persist_gbps);
+      r->set_run_id(rank.run_id);
+      r->set_resumed_from(rank.resumed_from);
     }
   }
   return out;

@@ -107,6 +107,7 @@ void Metrics::Observe(const DaemonEvent& event) {
     case DaemonEvent::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
     case DaemonEvent::Kind::kPersistAbandoned: s.abandoned += 1; break;
     case DaemonEvent::Kind::kJobReleased: s.released += 1; break;
+    case DaemonEvent::Kind::kSplitAttempt: s.split_attempts += 1; break;
     case DaemonEvent::Kind::kCheckpointComplete:
       s.completed += 1;
       s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds);
@@ -167,6 +168,10 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
       {"flashckpt_jobs_released_total",
        "Times the job's shared memory was given back (idle for --idle-release, or flashckpt release).",
        &JobSeries::released},
+      {"flashckpt_split_attempts_total",
+       "Steps the job's ranks saved in different attempts (a rank restored while the others went on): they never "
+       "complete.",
+       &JobSeries::split_attempts},
   };
   for (const auto& def : kCounters) {
     Header(&out, def.name, "counter", def.help);

@@ -55,6 +55,7 @@ class Metrics {
     uint64_t snapshots = 0, skipped = 0, slot_waits = 0, slot_wait_timeouts = 0;
     uint64_t ema_updates = 0, persists = 0, persisted_bytes = 0, completed = 0, abandoned = 0;
     uint64_t released = 0;  // times the job's shared memory was given back
+    uint64_t split_attempts = 0;  // steps saved by its ranks in different attempts (never complete)
     std::map<std::string, uint64_t> failures;  // by the error's code name
     std::map<std::string, uint64_t> deleted;   // by reason: retention, operator
     double last_complete_unix = 0;             // when this daemon last completed a checkpoint of the job

@@ -66,16 +66,75 @@ Result<bool> Catalog::IsComplete(const std::string& job, int64_t step) const {
   return Exists(CheckpointDir(job, step) + "/metadata.json", io_);
 }
 
-Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const {
+Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, const Attempt& attempt) const {
   auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank), io_);
   if (!signal.ok()) {
     if (signal.status().code() == StatusCode::kNotFound) return false;
     return signal.status();
   }
-  return signal->rank == rank && signal->step == step && signal->resumed_from == resumed_from;
+  return signal->rank == rank && signal->step == step && signal->attempt() == attempt;
 }
 
-Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from) {
+Result<std::map<uint32_t, Attempt>> Catalog::SignalAttempts(const std::string& job, int64_t step,
+                                                            uint32_t world_size) const {
+  std::map<uint32_t, Attempt> out;
+  const std::string dir = CheckpointDir(job, step);
+  for (uint32_t r = 0; r < world_size; ++r) {
+    auto signal = ReadSignal(dir + "/" + SignalFileName(r), io_);
+    if (!signal.ok()) {
+      if (signal.status().code() == StatusCode::kNotFound) continue;
+      return signal.status();
+    }
+    if (signal->rank == r && signal->step == step) out[r] = signal->attempt();
+  }
+  return out;
+}
+
+Result<std::optional<Catalog::RunCheckpoint>> Catalog::LatestRun(const std::string& job) const {
+  std::optional<RunCheckpoint> none;
+  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) return none;
+    return text.status();
+  }
+  int64_t step = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), step);
+  (void)end;
+  if (ec != std::errc() || step < 0) return none;  // torn: the next completion rewrites it
+  auto meta = ReadMetadataFile(CheckpointDir(job, step), io_);
+  if (!meta.ok()) {
+    if (meta.status().code() == StatusCode::kNotFound) return none;
+    return meta.status();
+  }
+  return std::optional<RunCheckpoint>{RunCheckpoint{step, meta->run_id}};
+}
+
+Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const std::string& run_id,
+                                                 const std::set<int64_t>& busy) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  MutexLock lock(&JobMutex(job));
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  std::vector<int64_t> victims;
+  for (int64_t step : steps.complete) {
+    ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(CheckpointDir(job, step), io_));
+    if (meta.run_id != run_id) victims.push_back(step);
+  }
+  for (int64_t step : steps.incomplete) {
+    ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(CheckpointDir(job, step), io_));
+    bool ours = false;
+    for (const auto& name : names) {
+      if (name.rfind("saved_signal_", 0) != 0) continue;
+      auto signal = ReadSignal(CheckpointDir(job, step) + "/" + name, io_);
+      if (signal.ok() && signal->run_id == run_id) ours = true;
+      if (!signal.ok() && signal.status().code() != StatusCode::kNotFound) return signal.status();
+    }
+    if (!ours) victims.push_back(step);
+  }
+  std::sort(victims.begin(), victims.end());
+  return DeleteStepsLocked(job, victims, busy, /*dry_run=*/false, "overwrite");
+}
+
+Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt) {
   MutexLock lock(&JobMutex(job));
   std::string dir = CheckpointDir(job, step);
   ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
@@ -87,10 +146,12 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
       if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
       return signal.status();  // unreadable or torn: an error, never "not complete"
     }
-    if (signal->step != step || signal->resumed_from != resumed_from || signal->rank != r) return false;
+    if (signal->step != step || signal->attempt() != attempt || signal->rank != r) return false;
     for (auto& f : signal->files) files.push_back(std::move(f));
   }
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_));
+  meta.run_id = attempt.run_id;
+  meta.resumed_from = attempt.resumed_from;
   if (meta.step != step || meta.job != job || meta.topology.world_size != world_size) {
     return Corruption(dir + ": files describe job '" + meta.job + "' step " + std::to_string(meta.step) +
                       " world size " + std::to_string(meta.topology.world_size) + ", expected '" + job + "' step " +

@@ -90,13 +90,13 @@ class Catalog {
   std::string CheckpointDir(const std::string& job, int64_t step) const;
 
   // Called after a rank's signal is durable: when all `world_size` signals of the step are present
-  // and come from the same attempt (`resumed_from`, the step the ranks resumed from, 0 for a fresh
-  // start), and metadata.json is not there yet, writes metadata.json from the files those signals
-  // list and advances LATEST. Signals left by an earlier attempt that crashed are not counted:
-  // the ranks of the new attempt overwrite them. Returns whether the checkpoint is complete.
+  // and come from `attempt` (the run and the step the ranks resumed from: common/format/signal.h),
+  // and metadata.json is not there yet, writes metadata.json (with the attempt) from the files those
+  // signals list and advances LATEST. Signals left by an earlier attempt that crashed are not
+  // counted: the ranks of the new attempt overwrite them. Returns whether the checkpoint is complete.
   // When this call wrote metadata.json and `keep` > 0, it then applies retention (ApplyRetention);
   // a retention failure is logged, never returned: the new checkpoint is complete either way.
-  Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, int64_t resumed_from);
+  Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt);
 
   // Protects `step` of `job` from retention until the returned guard is destroyed. Thread-safe.
   // A reader registers first and checks that the checkpoint is (still) complete afterwards: a
@@ -131,11 +131,26 @@ class Catalog {
   //
   // Whether checkpoint `step` of `job` is complete (its metadata.json exists).
   Result<bool> IsComplete(const std::string& job, int64_t step) const;
-  // Whether `rank` has written its part of `step` in the attempt `resumed_from`: its
-  // saved_signal is in place (signals are written last, after the rank's files are durable).
-  // A signal that is missing, or left by another attempt, is false; one that cannot be read or
-  // parsed is an error.
-  Result<bool> HasSignal(const std::string& job, uint32_t rank, int64_t step, int64_t resumed_from) const;
+  // Whether `rank` has written its part of `step` in `attempt`: its saved_signal is in place
+  // (signals are written last, after the rank's files are durable). A signal that is missing, or
+  // left by another attempt, is false; one that cannot be read or parsed is an error.
+  Result<bool> HasSignal(const std::string& job, uint32_t rank, int64_t step, const Attempt& attempt) const;
+  // The attempt of each signal of `step` among ranks 0..world_size-1 (a rank without one is absent).
+  Result<std::map<uint32_t, Attempt>> SignalAttempts(const std::string& job, int64_t step, uint32_t world_size) const;
+  // The checkpoint LATEST names with the run that wrote it (metadata.json's run_id, empty for one
+  // written before runs had ids): two small reads, no listing of the job's directories. nullopt
+  // when there is no LATEST, or it names no complete checkpoint.
+  struct RunCheckpoint {
+    int64_t step = 0;
+    std::string run_id;
+  };
+  Result<std::optional<RunCheckpoint>> LatestRun(const std::string& job) const;
+  // A run that starts a new lineage of the job (ClientOptions::overwrite): deletes every checkpoint
+  // directory that is not the run's own (complete ones another run wrote, and incomplete ones none
+  // of whose signals is of `run_id`), except steps in use (Use, or `busy`), which are skipped.
+  // Listeners see reason "overwrite"; LATEST follows as for any deletion.
+  Result<DeletionOutcome> DeleteOtherRuns(const std::string& job, const std::string& run_id,
+                                          const std::set<int64_t>& busy);
   // The newest complete checkpoint of the job; nullopt when the job directory does not exist or
   // holds no complete checkpoint. A job directory that cannot be listed (or is a dangling link), or
   // a checkpoint whose completeness cannot be told, is an error.

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -257,6 +258,23 @@ Status RankEma::Load(const std::function<Status(char* image_base)>& fill, const 
 void RankEma::Reset() {
   MutexLock lock(&mu_);
   SetState(EmaState{});
+}
+
+std::string RankEma::run_id() const {
+  MutexLock lock(&mu_);
+  const char* id = header()->run_id;
+  return std::string(id, strnlen(id, sizeof header()->run_id));
+}
+
+bool RankEma::StartRun(const std::string& run_id) {
+  MutexLock lock(&mu_);
+  char* id = header()->run_id;
+  if (std::string(id, strnlen(id, sizeof header()->run_id)) == run_id) return false;
+  // Forgotten before the new id is recorded: a daemon killed in between leaves a blank average.
+  SetState(EmaState{});
+  std::memset(id, 0, sizeof header()->run_id);
+  std::memcpy(id, run_id.data(), std::min(run_id.size(), sizeof header()->run_id - 1));
+  return true;
 }
 
 bool RankEma::Apply(const RankLayout& rank, const char* slot, int64_t step, std::optional<double> loss,

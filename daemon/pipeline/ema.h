@@ -79,6 +79,8 @@ struct EmaSegmentHeader {
   std::atomic<uint32_t> current;  // 0 or 1: the image that holds the average
   uint32_t reserved;
   EmaCounters counters[2];  // counters[i] describe image i
+  // The run whose average this is (NUL-terminated; all zero in a segment made before runs had ids).
+  char run_id[72];
 };
 
 // How one update combines the average `e` with the weights `x`.
@@ -124,6 +126,12 @@ class RankEma {
   Status Load(const std::function<Status(char* image_base)>& fill, const EmaState& state) EXCLUDES(mu_);
   // Forgets the average (the next update starts it afresh); the image is left as it is.
   void Reset() EXCLUDES(mu_);
+  // The run the average belongs to; empty for a segment made before runs had ids.
+  std::string run_id() const EXCLUDES(mu_);
+  // Makes the EMA `run_id`'s. An average of another run (a fresh start of a job name used before,
+  // adopted by name) is forgotten first, so that run's weights never leak into this one's average;
+  // a session that restores loads the checkpoint's average afterwards. Returns whether it was.
+  bool StartRun(const std::string& run_id) EXCLUDES(mu_);
 
   // The current and the spare image, unsynchronized: for a caller that is the EMA's only user
   // (bench/ema_bench.cc times the kernels on them). The daemon goes through the methods above.

@@ -141,7 +141,7 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
     // directory older than the newest complete one, and delete it in between.
     StepInUse in_use = catalog_->Use(req.job, req.step);
     wrote = WriteRankFiles(req, dir, io, &written, &bytes);
-    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.resumed_from);
+    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt);
   }
   if (!wrote.ok()) {
     RemoveAttemptFiles(req, dir, written, &env_);
@@ -167,7 +167,8 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   Signal signal;
   signal.rank = req.rank;
   signal.step = req.step;
-  signal.resumed_from = req.resumed_from;
+  signal.resumed_from = req.attempt.resumed_from;
+  signal.run_id = req.attempt.run_id;
 
   // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
   // chunks) of each tensor is a task that hashes its chunks and writes its pages right after, while

@@ -34,7 +34,7 @@ struct PersistRequest {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   int64_t step = 0;
-  int64_t resumed_from = 0;                // the attempt: step this rank's session resumed from, 0 if fresh
+  Attempt attempt;                         // the run and the step this rank's session resumed from
   const RankLayout* layout = nullptr;      // kept alive by `keep_alive`
   char* slot = nullptr;                    // the slot's first byte
   const RankLayout* ema_layout = nullptr;  // with EMA: its image, already stamped, lies at

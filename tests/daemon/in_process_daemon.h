@@ -97,7 +97,9 @@ class InProcessDaemon {
   Server* server() const { return server_.get(); }
 
   // A client of `job`/`rank` with short deadlines; null (and a test failure) when it cannot connect.
-  // `tweak` may change any option (backpressure, fatal_persist_errors, timeouts).
+  // Every client of a job is a process of one run ("<job>-run"), so a test may connect again and
+  // carry on saving; tests of runs themselves set run_id (empty: the daemon picks). `tweak` may
+  // change any option (backpressure, fatal_persist_errors, timeouts, run_id).
   std::unique_ptr<Client> Connect(const std::string& job, uint32_t rank = 0,
                                   const std::function<void(ClientOptions&)>& tweak = {}) const {
     ClientOptions o;
@@ -106,6 +108,7 @@ class InProcessDaemon {
     o.rank = rank;
     o.rpc_timeout = std::chrono::seconds(5);
     o.slot_timeout = std::chrono::seconds(2);
+    o.run_id = job.substr(0, 60) + "-run";
     if (tweak) tweak(o);
     auto c = Client::Connect(o);
     EXPECT_TRUE(c.ok()) << c.status().ToString();

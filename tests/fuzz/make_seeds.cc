@@ -108,10 +108,13 @@ Status WriteSeeds(const std::string& root) {
     signal.rank = rank;
     signal.step = kStep;
     signal.resumed_from = 1000;
+    signal.run_id = "seed-run";
     signal.files = files;
     RETURN_IF_ERROR(WriteFileDurably(signals, SignalFileName(rank), EncodeSignal(kJob, signal, 16384)));
   }
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromDir(headers));
+  meta.run_id = "seed-run";
+  meta.resumed_from = 1000;
   RETURN_IF_ERROR(WriteFileDurably(metadata, "metadata.json", MetadataToJson(meta)));
   return WriteCompactCopies(headers, meta);
 }

@@ -19,6 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto again = ParseSignal(EncodeSignal("fuzz", *signal, 0));
   FUZZ_CHECK(again.ok());
   FUZZ_CHECK(again->rank == signal->rank && again->step == signal->step);
-  FUZZ_CHECK(again->resumed_from == signal->resumed_from && again->files == signal->files);
+  FUZZ_CHECK(again->resumed_from == signal->resumed_from && again->run_id == signal->run_id);
+  FUZZ_CHECK(again->files == signal->files);
   return 0;
 }

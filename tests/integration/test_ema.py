@@ -181,6 +181,8 @@ class Harness(DaemonHarness):
                    "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--wait-timeout", "30"] + sc.sim_args()
             if resume:
                 cmd.append("--resume")
+            # One run per scenario: ranks that carry on in new processes (--first-step) keep its EMA.
+            cmd += ["--run-id", sc.job + "-run"]
             if first_step is not None:
                 cmd += ["--first-step", str(first_step)]
             if step_ms is not None:

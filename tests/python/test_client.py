@@ -10,7 +10,9 @@
   unregistered tensors, changed shapes, a closed client are clear errors; status() is a dict;
 - a save that fails on disk (a directory where a file must go: rename fails with EISDIR) raises from
   wait_persisted() naming step, file and errno; by default snapshots go on, with
-  fatal_persist_errors=True the next snapshot() raises that error.
+  fatal_persist_errors=True the next snapshot() raises that error;
+- run_id is recorded in metadata.json; a new run that does not restore may not save into a job with
+  another run's checkpoints unless overwrite=True; wait_complete() waits for the whole checkpoint.
 """
 
 import array
@@ -253,6 +255,34 @@ class ClientTest(harness.DaemonTestCase):
                 self.assertIn("Is a directory (errno 21)", cm.exception.message)
                 self.assertIn("fatal_persist_errors", cm.exception.message)
             self.assertFalse(os.path.exists(os.path.join(self.daemon.job_dir(c.job), "checkpoint-3")))
+
+    def test_runs_lineage_and_wait_complete(self):
+        w = np.full(4, 1.0, np.float32)
+        with self.client("lineage", run_id="sched-41") as c:
+            c.register({"w": w})
+            self.assertEqual(c.run_id, "sched-41")
+            c.snapshot(1, {"w": w})
+            c.wait_complete(1, timeout=30)
+            meta = os.path.join(self.daemon.job_dir(c.job), "checkpoint-1", "metadata.json")
+            with open(meta) as f:
+                self.assertIn('"run_id":"sched-41"', f.read().replace(" ", ""))
+            job = c.job
+        # A new run (the daemon draws its id) that does not restore is refused, naming the way out.
+        with flashckpt.Client(self.daemon.socket, job) as fresh:
+            fresh.register({"w": w})
+            self.assertNotIn(fresh.run_id, ("", "sched-41"))
+            with self.assertRaises(flashckpt.FailedPreconditionError) as cm:
+                fresh.snapshot(2, {"w": w})
+            self.assertIn("already has complete checkpoints", cm.exception.message)
+            self.assertIn("overwrite=True", cm.exception.message)
+        # overwrite=True starts a new lineage: the other run's checkpoint goes.
+        with flashckpt.Client(self.daemon.socket, job, overwrite=True) as over:
+            over.register({"w": w})
+            over.snapshot(2, {"w": w})
+            over.wait_complete(2, timeout=30)
+            self.assertFalse(os.path.exists(os.path.join(self.daemon.job_dir(job), "checkpoint-1")))
+        with self.assertRaises(flashckpt.FlashckptError):
+            self.client("bad-run", run_id="not a run id").register({"w": w})
 
     def test_status_and_close(self):
         c = self.client("status")

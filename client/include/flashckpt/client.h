@@ -58,6 +58,16 @@ struct ClientOptions {
   // the file and the errno text), so a job stops instead of training on without checkpoints.
   // Sent with Register().
   bool fatal_persist_errors = false;
+  // The run this process belongs to: [A-Za-z0-9._:-]{1,64}, the same on every rank of one run (a
+  // scheduler's job id and attempt, say). Empty: the daemon picks, the run of the job's live ranks
+  // on it or a new one (RunId() says which). Signals, metadata.json, the EMA and status carry it; an
+  // EMA another run left is not continued, and signals of two runs never complete a checkpoint.
+  std::string run_id;
+  // A run that did not restore may not save into a job that has complete checkpoints of another run
+  // (its first Snapshot() fails with kFailedPrecondition): restore, use another job name, or set
+  // this to start a new lineage, which makes the first Snapshot() delete the job's checkpoints that
+  // are not this run's.
+  bool overwrite = false;
 };
 
 // Memory of one registered tensor: `bytes` must equal its registered size.
@@ -162,6 +172,10 @@ class Client {
   // with a different layout replaces the previous one.
   Status Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema = {});
 
+  // The run this client's session belongs to (ClientOptions::run_id, or the daemon's choice);
+  // empty before Register().
+  const std::string& RunId() const;
+
   // Names of the EMA tensors this rank holds (empty without EMA); each is fp32 with the shape of
   // the tensor it tracks.
   std::vector<std::string> EmaTensorNames() const;
@@ -185,6 +199,12 @@ class Client {
   // Blocks until this rank's files of `step` (or a later step) are durable, the save of `step`
   // failed, or `timeout` passes (kDeadlineExceeded).
   Status WaitPersisted(int64_t step, std::chrono::milliseconds timeout);
+  // Blocks until checkpoint `step` is complete: every rank's files are durable and metadata.json is
+  // written, whichever daemon completed it. Fails with this rank's save error; kFailedPrecondition
+  // when the step can never complete (its ranks saved it in different attempts: a rank restored
+  // while the others went on; the message names the ranks and attempts); kDeadlineExceeded naming
+  // the ranks whose part is missing when `timeout` passes.
+  Status WaitComplete(int64_t step, std::chrono::milliseconds timeout);
 
   // Restores `step` (nullopt: the latest complete checkpoint) into `buffers`, which must name every
   // registered tensor. Checksums are verified by the daemon before any byte reaches the buffers.

@@ -36,6 +36,8 @@ struct RankStatus {
   std::vector<SlotStatus> slots;
   double oldest_write_seconds = 0;  // how long its oldest persist being written has run; 0: none
   double last_persist_gbps = 0;     // rate of its last persist; 0: none yet
+  std::string run_id;               // its session's run; empty: not registered
+  int64_t resumed_from = 0;         // the step its process restored; 0: it started fresh
   // Its EMA (all zero when off).
   bool ema_enabled = false;
   double ema_decay = 0;
@@ -51,6 +53,10 @@ struct JobStatus {
   int64_t last_complete_step = 0;  // negative: none, or it could not be told (catalog_error)
   std::vector<RankStatus> ranks;   // the ranks registered with this daemon
   std::string catalog_error;       // why the job's checkpoints cannot be read; empty: they can
+  // Steps its ranks saved in different attempts (never to complete), and the newest such split:
+  // the step, the ranks and their attempts. Empty: none.
+  uint64_t split_attempts = 0;
+  std::string split;
 };
 
 // The daemon, its memory and every job and rank it knows.
@@ -88,10 +94,11 @@ struct DaemonEvent {
     kPersisted,           // the rank's files and signal of the step are durable (bytes, seconds)
     kPersistFailed,       // reason: the error; code: its code name (IO_ERROR, RESOURCE_EXHAUSTED, ...)
     kCheckpointComplete,  // metadata.json written: every rank of the step is durable
-    kCheckpointDeleted,   // reason: "retention", "delete" or "gc"
+    kCheckpointDeleted,   // reason: "retention", "delete", "gc" or "overwrite"
     kEventsLost,          // this watcher fell behind; `lost` events were dropped for it
     kPersistAbandoned,    // the daemon stopped before writing it (reason); the next daemon does
     kJobReleased,         // the job's shared memory was given back (bytes); reason: "idle" or "release"
+    kSplitAttempt,        // ranks saved `step` in different attempts, so it never completes (reason)
   };
   Kind kind = Kind::kUnknown;
   double unix_seconds = 0;

@@ -87,6 +87,12 @@ class Client:
         error) raises from wait_persisted() and shows in status(), and snapshots go on. True: every
         later snapshot() raises that save's error too (its code; the message names the step, the
         file and the errno text), so training stops instead of going on without checkpoints.
+      run_id: this run's id ([A-Za-z0-9._:-]{1,64}, the same on every rank of the run, e.g. a
+        scheduler's job id); None: the daemon picks (the run of the job's live ranks, or a new one).
+        See the run_id property. An EMA another run left is not continued.
+      overwrite: a run that does not restore may not save into a job with complete checkpoints of
+        another run (FailedPreconditionError at the first snapshot); overwrite=True starts a new
+        lineage instead: the first snapshot deletes the job's checkpoints of other runs.
       connect_timeout, rpc_timeout, slot_timeout: deadlines in seconds.
       copy_threads: threads copying large tensors (0: min(cores, 8)).
 
@@ -97,7 +103,7 @@ class Client:
                  shard_rank=0, shard_degree=1, ema_decay=None, ema_interval=1, ema_init="first",
                  ema_model_params="fp32", ema_loss_threshold=None, backpressure="wait", *,
                  connect_timeout=10.0, rpc_timeout=30.0, slot_timeout=60.0, copy_threads=0,
-                 fatal_persist_errors=False):
+                 fatal_persist_errors=False, run_id=None, overwrite=False):
         if ema_init not in ("first", "zeros"):
             raise ValueError("ema_init must be 'first' or 'zeros', got %r" % (ema_init,))
         if ema_model_params not in ("fp32", "all"):
@@ -126,7 +132,8 @@ class Client:
         try:
             self._impl = _flashckpt.Client(self.socket, job, self.rank, float(rpc_timeout), float(connect_timeout),
                                            float(slot_timeout), backpressure == "skip", int(copy_threads),
-                                           bool(fatal_persist_errors))
+                                           bool(fatal_persist_errors), "" if run_id is None else str(run_id),
+                                           bool(overwrite))
         except DaemonUnavailableError as e:
             hint = ("no socket file exists at %s" % self.socket if not os.path.exists(self.socket)
                     else "the socket %s exists but nothing answers on it" % self.socket)
@@ -235,6 +242,20 @@ class Client:
         Raises DeadlineExceededError after `timeout` seconds, or the error of a failed save.
         """
         self._live().wait_persisted(int(step), float(timeout))
+
+    def wait_complete(self, step, timeout=600.0):
+        """Blocks until checkpoint `step` is complete: every rank's part durable, metadata.json written.
+
+        Raises this rank's save error; FailedPreconditionError when the step can never complete (its
+        ranks saved it in different attempts; the message names them); DeadlineExceededError naming
+        the ranks whose part is missing after `timeout` seconds.
+        """
+        self._live().wait_complete(int(step), float(timeout))
+
+    @property
+    def run_id(self):
+        """The run this session belongs to (given, or the daemon's choice); "" before register()."""
+        return self._live().run_id()
 
     # --- restore -------------------------------------------------------------------------------
 

@@ -165,8 +165,8 @@ class Checkpointer:
             self.last_snapshot.wait_copied()
 
     def wait_persisted(self, step, timeout=600.0):
-        """Blocks until checkpoint `step` (or a later one) of this rank is durable."""
-        self.client.wait_persisted(step, timeout)
+        """Blocks until checkpoint `step` is complete: every rank's part of it durable (wait_complete)."""
+        self.client.wait_complete(step, timeout)
 
     # --- resume --------------------------------------------------------------------------------
 

@@ -1,0 +1,178 @@
+// Runs and attempts: which run a registration joins, the lineage check of a session's first
+// snapshot (a fresh start never inherits another run's checkpoints), split attempts (ranks that
+// saved one step in different attempts, so it never completes), and WaitComplete.
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "daemon/core/daemon.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr size_t kTrackedSteps = 64;  // recent steps whose committed attempts are compared, per job
+constexpr size_t kSplitSteps = 64;    // split steps remembered per job for WaitComplete
+
+// "step 30: rank 0 in run a1 (fresh), rank 1 in run a1 resumed from step 20"
+std::string SplitText(int64_t step, const std::map<uint32_t, Attempt>& by_rank) {
+  std::string out = "step " + std::to_string(step) + ":";
+  bool first = true;
+  for (const auto& [rank, attempt] : by_rank) {
+    out += std::string(first ? " " : ", ") + "rank " + std::to_string(rank) + " in " + AttemptText(attempt);
+    first = false;
+  }
+  return out;
+}
+
+std::string RanksText(const std::vector<uint32_t>& ranks) {
+  std::string out;
+  for (uint32_t r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
+  return out;
+}
+
+}  // namespace
+
+std::string Daemon::ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state,
+                                    const Registration& reg, const std::string& drawn) const {
+  if (!reg.run_id.empty()) return reg.run_id;
+  if (!state.run_id.empty()) return state.run_id;  // this session registered before
+  for (const auto& [r, other] : job.ranks) {
+    if (r != rank && !other.session_id.empty() && other.registered && !other.run_id.empty()) return other.run_id;
+  }
+  return drawn;
+}
+
+Status Daemon::CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
+                            bool overwrite) {
+  if (overwrite) {
+    std::set<int64_t> busy;
+    {
+      MutexLock lock(&mu_);
+      auto jit = jobs_.find(job);
+      if (jit == jobs_.end() || jit->second.overwritten_for != run_id) busy = BusyStepsLocked(job);
+      else overwrite = false;  // another rank of the run did it
+    }
+    if (overwrite) {
+      ASSIGN_OR_RETURN(DeletionOutcome outcome, catalog_.DeleteOtherRuns(job, run_id, busy));
+      Logger("catalog")->warn("overwrite job={} run={} deleted={} skipped={}: a new lineage starts", job, run_id,
+                              outcome.deleted.size(), outcome.skipped.size());
+      if (!outcome.skipped.empty()) {
+        return FailedPrecondition("job '" + job + "': starting run " + run_id + " with overwrite could not delete " +
+                                  "checkpoint-" + std::to_string(outcome.skipped.front().step) + " (" +
+                                  outcome.skipped.front().reason + "); try again when it is no longer in use");
+      }
+    }
+  } else {
+    ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
+    if (latest && latest->run_id != run_id) {
+      return FailedPrecondition(
+          "job '" + job + "' already has complete checkpoints (the newest is step " + std::to_string(latest->step) +
+          ", of run " + (latest->run_id.empty() ? std::string("(no id)") : latest->run_id) + ") and this run (" +
+          run_id + ") started fresh instead of restoring: restore to continue that run, use another job name, or "
+          "register with overwrite (ClientOptions::overwrite, overwrite=True in Python, --fresh) to start a new "
+          "lineage, which deletes the job's checkpoints of other runs");
+    }
+  }
+  MutexLock lock(&mu_);
+  if (overwrite) jobs_[job].overwritten_for = run_id;
+  auto it = sessions_.find(session_id);
+  if (it != sessions_.end()) {
+    RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
+    if (rank.session_id == session_id) rank.lineage_checked = true;
+  }
+  return Status::OK();
+}
+
+void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
+                               const Attempt& attempt) {
+  JobState& job = jobs_[name];
+  auto& by_rank = job.committed_attempts[step];
+  by_rank[rank] = JobState::Committed{session_id, attempt};
+  while (job.committed_attempts.size() > kTrackedSteps) job.committed_attempts.erase(job.committed_attempts.begin());
+  if (job.split_steps.count(step) != 0) return;
+  // Only live sessions count: a gone one's commit may be overwritten by its successor's.
+  std::map<uint32_t, Attempt> live;
+  bool split = false;
+  for (const auto& [r, committed] : by_rank) {
+    auto rit = job.ranks.find(r);
+    if (rit == job.ranks.end() || rit->second.session_id != committed.session_id) continue;
+    live[r] = committed.attempt;
+    split = split || committed.attempt != attempt;
+  }
+  if (split) NoteSplitLocked(name, rank, step, SplitText(step, live));
+}
+
+void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t step, const std::string& text) {
+  JobState& job = jobs_[name];
+  if (!job.split_steps.emplace(step, text).second) return;
+  while (job.split_steps.size() > kSplitSteps) job.split_steps.erase(job.split_steps.begin());
+  job.split_attempts += 1;
+  job.split = text;
+  Logger("rpc")->error("split attempt job={} {}: this step never completes; restart every rank of the job from one "
+                       "checkpoint",
+                       name, text);
+  DaemonEvent event;
+  event.kind = DaemonEvent::Kind::kSplitAttempt;
+  event.job = name;
+  event.rank = rank;
+  event.step = step;
+  event.reason = text;
+  Emit(std::move(event));
+  cv_.NotifyAll();
+}
+
+Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  ASSIGN_OR_RETURN(WaitResult own, WaitPersisted(session_id, step, timeout));
+  if (own.checkpoint_complete) return Status::OK();
+  std::string job;
+  uint32_t rank_id = 0, world_size = 0;
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      bool final = false;
+      ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
+      job = sessions_.at(session_id).job;
+      rank_id = sessions_.at(session_id).rank;
+      world_size = rank->topology.world_size;
+      auto jit = jobs_.find(job);
+      if (jit != jobs_.end()) {
+        if (auto split = jit->second.split_steps.find(step); split != jit->second.split_steps.end()) {
+          return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
+                                    "' can never complete: its ranks saved it in different attempts (" +
+                                    split->second + "); restart every rank of the job from one checkpoint");
+        }
+      }
+      // Completion by another daemon sharing the root is seen on the next look at the disk.
+      const auto next = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
+      if (std::chrono::steady_clock::now() < deadline) (void)cv_.WaitUntil(&lock, next);
+    }
+    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    if (complete) return Status::OK();
+    if (std::chrono::steady_clock::now() >= deadline) break;
+  }
+  // The deadline: what the signals of the step say about why it is not complete.
+  ASSIGN_OR_RETURN(auto attempts, catalog_.SignalAttempts(job, step, world_size));
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < world_size; ++r) {
+    if (attempts.count(r) == 0) missing.push_back(r);
+  }
+  const bool mixed = std::any_of(attempts.begin(), attempts.end(),
+                                 [&](const auto& a) { return a.second != attempts.begin()->second; });
+  if (missing.empty() && mixed) {
+    const std::string text = SplitText(step, attempts);
+    {
+      MutexLock lock(&mu_);
+      if (jobs_.count(job) != 0) NoteSplitLocked(job, rank_id, step, text);
+    }
+    return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
+                              "' can never complete: its ranks saved it in different attempts (" + text +
+                              "); restart every rank of the job from one checkpoint");
+  }
+  return DeadlineExceeded("checkpoint-" + std::to_string(step) + " of job '" + job + "' is not complete after " +
+                          std::to_string(timeout.count()) + " ms: " + std::to_string(world_size - missing.size()) +
+                          " of " + std::to_string(world_size) + " ranks have written their part" +
+                          (missing.empty() ? std::string() : "; waiting for rank(s) " + RanksText(missing)));
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,321 @@
+// Runs and attempts:
+// - a run has an identity (given, or drawn by the daemon and shared by the job's live ranks) that
+//   signals, metadata.json, the EMA and status carry;
+// - a fresh run never continues another run's EMA, and may not save into a job with another run's
+//   complete checkpoints unless it asks to start a new lineage (overwrite);
+// - a step that the ranks saved in different attempts is an error everyone sees (status, metrics,
+//   an event, WaitComplete), and WaitComplete waits for the whole checkpoint.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "client/cli/render.h"
+#include "common/format/metadata.h"
+#include "common/format/signal.h"
+#include "in_process_daemon.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string JobName(const std::string& base) { return base + "-" + std::to_string(::getpid()); }
+
+// The daemon draws the run id: what a trainer that gives none gets.
+void DrawnRun(ClientOptions& o) { o.run_id.clear(); }
+
+// One rank of a job with an fp32 weight `w` of n floats and an EMA (decay 0.5, the first update
+// copies the weights).
+struct EmaRank {
+  std::unique_ptr<Client> client;
+  std::vector<float> w;
+  Status Save(int64_t step, float value) {
+    std::fill(w.begin(), w.end(), value);
+    auto snap = client->Snapshot(step, {{"w", w.data(), w.size() * 4}}, {});
+    if (!snap.ok()) return snap.status();
+    return client->WaitPersisted(step, 10s);
+  }
+  // The daemon's EMA, element 0 (all elements are equal here).
+  Result<float> Ema() {
+    std::vector<float> got(w.size(), -1.f);
+    ASSIGN_OR_RETURN(EmaResult r, client->Ema({{"w", got.data(), got.size() * 4}}, 5s));
+    if (!r.initialized) return FailedPrecondition("no EMA yet");
+    return got[0];
+  }
+};
+
+EmaRank StartEmaRank(const InProcessDaemon& d, const std::string& job,
+                     const std::function<void(ClientOptions&)>& tweak) {
+  EmaRank r;
+  r.client = d.Connect(job, 0, tweak);
+  if (!r.client) return r;
+  TensorSpec w;
+  w.name = "w";
+  w.shape = {256};
+  EmaOptions ema;
+  ema.decay = 0.5;
+  EXPECT_OK(r.client->Register(Topology{}, {w}, ema));
+  r.w.resize(256);
+  return r;
+}
+
+nlohmann::json ReadJson(const std::string& path) {
+  auto text = ReadSmallFile(path, 1u << 20);
+  EXPECT_OK(text.status());
+  return nlohmann::json::parse(text.ok() ? *text : "{}", nullptr, false);
+}
+
+TEST(RunTest, AFreshRunOfAJobNameUsedBeforeStartsAFreshEmaEvenUnderANewDaemonAndRoot) {
+  const std::string job = JobName("ema-run");
+  std::string first_run;
+  {
+    InProcessDaemon d("flashckpt-run");
+    ASSERT_OK(d.Start());
+    EmaRank a = StartEmaRank(d, job, DrawnRun);
+    ASSERT_TRUE(a.client);
+    first_run = a.client->RunId();
+    EXPECT_EQ(first_run.size(), 16u) << "drawn by the daemon: " << first_run;
+    ASSERT_OK(a.Save(1, 1.f));
+    ASSERT_OK(a.Save(2, 1.f));
+    EXPECT_EQ(*a.Ema(), 1.f);
+    // The run is in the signal, metadata.json and status.
+    EXPECT_EQ(ReadJson(d.StepDir(job, 2) + "/saved_signal_0")["run_id"], first_run);
+    EXPECT_EQ(ReadJson(d.StepDir(job, 2) + "/metadata.json")["run_id"], first_run);
+    EXPECT_EQ(d.daemon()->GetStatus().jobs.at(0).ranks.at(0).run_id, first_run);
+  }  // the daemon stops; the EMA segment stays in /dev/shm for a successor
+  ASSERT_TRUE(std::filesystem::exists("/dev/shm/flashckpt." + job + ".0.ema"));
+
+  // Another run of the same job name, under a new daemon with a new root: its average starts from
+  // its own first snapshot (3.0), not from the old run's (which would give 0.5 * 1 + 0.5 * 3 = 2).
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  EmaRank b = StartEmaRank(d, job, DrawnRun);
+  ASSERT_TRUE(b.client);
+  EXPECT_NE(b.client->RunId(), first_run);
+  ASSERT_OK(b.Save(5, 3.f));
+  auto ema = b.Ema();
+  ASSERT_OK(ema.status());
+  EXPECT_EQ(*ema, 3.f);
+  auto meta = ReadMetadataFile(d.StepDir(job, 5));
+  ASSERT_OK(meta.status());
+  ASSERT_TRUE(meta->ema.has_value());
+  EXPECT_EQ(meta->ema->updates_applied, 1u) << "one snapshot, one update";
+  EXPECT_EQ(meta->run_id, b.client->RunId());
+  b.client.reset();
+  SharedSegment::Unlink("flashckpt." + job + ".0.ema");
+}
+
+TEST(RunTest, AFreshStartIntoAJobWithAnotherRunsCheckpointsIsRefusedUnlessItOverwrites) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("lineage");
+  {
+    TestTrainer old = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "old-run"; });
+    ASSERT_TRUE(old.client);
+    ASSERT_OK(old.Save(10));
+    ASSERT_OK(old.Save(20));
+  }
+  // A process of the same run carries on.
+  {
+    TestTrainer same = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "old-run"; });
+    ASSERT_TRUE(same.client);
+    ASSERT_OK(same.Save(30));
+  }
+  // A fresh run is refused at its first snapshot, with the ways out named.
+  TestTrainer fresh = d.StartTrainer(job, 256, DrawnRun);
+  ASSERT_TRUE(fresh.client);
+  auto refused = fresh.Snapshot(40);
+  ASSERT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  for (const char* word : {"already has complete checkpoints", "step 30", "old-run", "restore", "another job name",
+                           "overwrite"}) {
+    EXPECT_TRUE(Contains(refused.status().message(), word)) << "'" << word << "' in " << refused.status().ToString();
+  }
+  EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, 40)));
+  // After a restore it continues that lineage.
+  auto restored = fresh.client->Restore(std::nullopt, fresh.bufs, 10s);
+  ASSERT_OK(restored.status());
+  EXPECT_EQ(restored->step, 30);
+  ASSERT_OK(fresh.Save(40));
+  EXPECT_EQ(ReadJson(d.StepDir(job, 40) + "/metadata.json")["resumed_from"], 30);
+  fresh.client.reset();
+
+  // overwrite starts a new lineage: the job's checkpoints of other runs go at its first snapshot.
+  TestTrainer over = d.StartTrainer(job, 256, [](ClientOptions& o) {
+    o.run_id = "new-run";
+    o.overwrite = true;
+  });
+  ASSERT_TRUE(over.client);
+  ASSERT_OK(over.Save(5));
+  ASSERT_OK(over.client->WaitComplete(5, 10s));
+  for (int64_t step : {10, 20, 30, 40}) EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, step))) << step;
+  auto latest = ReadSmallFile(d.JobDir(job) + "/LATEST", 100);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "5\n");
+  EXPECT_EQ(ReadJson(d.StepDir(job, 5) + "/metadata.json")["run_id"], "new-run");
+}
+
+TEST(RunTest, RanksThatGiveNoRunJoinTheLiveRunAndAnotherNamedRunIsRefused) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("join");
+  auto register_rank = [&](uint32_t rank, const std::function<void(ClientOptions&)>& tweak) {
+    auto c = d.Connect(job, rank, tweak);
+    if (!c) return c;
+    TensorSpec w;
+    w.name = "w";
+    w.shape = {16};
+    w.global_shape = {32};
+    w.box_offset = {rank * 16u};
+    w.box_shape = {16};
+    Topology t;
+    t.world_size = 2;
+    t.tp_degree = 2;
+    t.tp_rank = rank;
+    Status s = c->Register(t, {w});
+    if (!s.ok()) {
+      ADD_FAILURE() << s.ToString();
+      return std::unique_ptr<Client>();
+    }
+    return c;
+  };
+  auto r0 = register_rank(0, DrawnRun);
+  ASSERT_TRUE(r0);
+  auto r1 = register_rank(1, DrawnRun);
+  ASSERT_TRUE(r1);
+  EXPECT_FALSE(r0->RunId().empty());
+  EXPECT_EQ(r1->RunId(), r0->RunId()) << "the second rank joins the live run";
+  r1.reset();
+  // A rank naming another run is refused while rank 0 of the live run is connected.
+  // (The daemon waits 5 s for the live rank to go first: the call's deadline must be longer.)
+  auto other = d.Connect(job, 1, [](ClientOptions& o) {
+    o.run_id = "someone-else";
+    o.rpc_timeout = 20s;
+  });
+  ASSERT_TRUE(other);
+  TensorSpec w;
+  w.name = "w";
+  w.shape = {16};
+  w.global_shape = {32};
+  w.box_offset = {16};
+  w.box_shape = {16};
+  Topology t;
+  t.world_size = 2;
+  t.tp_degree = 2;
+  t.tp_rank = 1;
+  Status refused = other->Register(t, {w});
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+  EXPECT_TRUE(Contains(refused.message(), "run " + r0->RunId())) << refused.ToString();
+  EXPECT_TRUE(Contains(refused.message(), "someone-else")) << refused.ToString();
+}
+
+// Two tp ranks of a job, each holding half of "w".
+struct TwoRanks {
+  std::vector<std::unique_ptr<Client>> ranks;
+  std::vector<std::vector<float>> halves;
+  std::vector<TensorBuffer> Bufs(uint32_t r) { return {{"w", halves[r].data(), halves[r].size() * 4}}; }
+};
+
+TwoRanks RegisterTwoRanks(const InProcessDaemon& d, const std::string& job, uint64_t n) {
+  TwoRanks two;
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto c = d.Connect(job, r);
+    if (!c) return {};
+    TensorSpec w;
+    w.name = "w";
+    w.shape = {n};
+    w.global_shape = {2 * n};
+    w.box_offset = {r * n};
+    w.box_shape = {n};
+    Topology t;
+    t.world_size = 2;
+    t.tp_degree = 2;
+    t.tp_rank = r;
+    EXPECT_OK(c->Register(t, {w}));
+    two.ranks.push_back(std::move(c));
+    two.halves.emplace_back(n, static_cast<float>(r + 1));
+  }
+  return two;
+}
+
+TEST(RunTest, WaitCompleteWaitsForEveryRankAndNamesTheMissingOnes) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("complete");
+  TwoRanks two = RegisterTwoRanks(d, job, 64);
+  ASSERT_EQ(two.ranks.size(), 2u);
+  ASSERT_OK(two.ranks[0]->Snapshot(3, two.Bufs(0), {}).status());
+  ASSERT_OK(two.ranks[0]->WaitPersisted(3, 10s));  // this rank's part is durable, the checkpoint is not
+  Status early = two.ranks[0]->WaitComplete(3, 300ms);
+  EXPECT_EQ(early.code(), StatusCode::kDeadlineExceeded) << early.ToString();
+  EXPECT_TRUE(Contains(early.message(), "1 of 2 ranks")) << early.ToString();
+  EXPECT_TRUE(Contains(early.message(), "waiting for rank(s) 1")) << early.ToString();
+  // Rank 1 saves while rank 0 waits: the wait ends when the checkpoint is complete.
+  std::thread late([&] {
+    std::this_thread::sleep_for(200ms);
+    EXPECT_OK(two.ranks[1]->Snapshot(3, two.Bufs(1), {}).status());
+  });
+  EXPECT_OK(two.ranks[0]->WaitComplete(3, 10s));
+  late.join();
+  EXPECT_TRUE(std::filesystem::exists(d.StepDir(job, 3) + "/metadata.json"));
+  EXPECT_OK(two.ranks[1]->WaitComplete(3, 10s));
+}
+
+TEST(RunTest, AStepSavedInDifferentAttemptsIsAnErrorEveryoneSees) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("split");
+  TwoRanks two = RegisterTwoRanks(d, job, 64);
+  ASSERT_EQ(two.ranks.size(), 2u);
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(two.ranks[r]->Snapshot(5, two.Bufs(r), {}).status());
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(two.ranks[r]->WaitComplete(5, 10s));
+  auto events = d.daemon()->events().Subscribe(job);
+  ASSERT_OK(events.status());
+
+  // Rank 1 restores in the middle of the run; rank 0 keeps its session and goes on.
+  auto restored = two.ranks[1]->Restore(std::nullopt, two.Bufs(1), 10s);
+  ASSERT_OK(restored.status());
+  ASSERT_EQ(restored->step, 5);
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(two.ranks[r]->Snapshot(10, two.Bufs(r), {}).status());
+  // Each rank's own part is durable: WaitPersisted has nothing to report.
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(two.ranks[r]->WaitPersisted(10, 10s));
+  EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, 10) + "/metadata.json"));
+
+  // The wait for the checkpoint says at once that it never completes, and why.
+  for (uint32_t r = 0; r < 2; ++r) {
+    const auto begun = std::chrono::steady_clock::now();
+    Status split = two.ranks[r]->WaitComplete(10, 30s);
+    EXPECT_EQ(split.code(), StatusCode::kFailedPrecondition) << split.ToString();
+    EXPECT_LT(std::chrono::steady_clock::now() - begun, 10s) << "not a timeout";
+    for (const char* word : {"checkpoint-10", "can never complete", "rank 0 in run", "(fresh)", "rank 1 in run",
+                             "resumed from step 5"}) {
+      EXPECT_TRUE(Contains(split.message(), word)) << "'" << word << "' in " << split.ToString();
+    }
+  }
+  // Status, the CLI's rendering of it, metrics and an event show it too.
+  const DaemonStatus status = d.daemon()->GetStatus();
+  ASSERT_EQ(status.jobs.size(), 1u);
+  EXPECT_EQ(status.jobs[0].split_attempts, 1u);
+  EXPECT_TRUE(Contains(status.jobs[0].split, "step 10:")) << status.jobs[0].split;
+  EXPECT_EQ(status.jobs[0].ranks[1].resumed_from, 5);
+  EXPECT_EQ(status.jobs[0].ranks[0].resumed_from, 0);
+  EXPECT_TRUE(Contains(cli::StatusText(status), "SPLIT ATTEMPT: 1 step(s)")) << cli::StatusText(status);
+  EXPECT_TRUE(Contains(d.daemon()->RenderMetrics(), "flashckpt_split_attempts_total{job=\"" + job + "\"} 1"))
+      << d.daemon()->RenderMetrics();
+  bool seen = false;
+  DaemonEvent event;
+  while (!seen && events->Next(&event, std::chrono::steady_clock::now() + 5s) == EventHub::Wait::kEvent) {
+    if (event.kind != DaemonEvent::Kind::kSplitAttempt) continue;
+    seen = true;
+    EXPECT_EQ(event.step, 10);
+    EXPECT_TRUE(Contains(event.reason, "resumed from step 5")) << event.reason;
+    EXPECT_TRUE(Contains(cli::EventText(event), "split")) << cli::EventText(event);
+  }
+  EXPECT_TRUE(seen) << "no split event";
+}
+
+}  // namespace
+}  // namespace flashckpt
