@@ -103,6 +103,8 @@ def main():
     p.add_argument("--summary", help="write a JSON summary here at the end")
     p.add_argument("--torch-save-dir", help="where to time torch.save of the same state (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines on stdout")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over: do not resume; the first save deletes the job's earlier checkpoints")
     args = p.parse_args()
 
     torch.set_num_threads(1)  # deterministic and fast enough on a small machine
@@ -111,9 +113,9 @@ def main():
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job,
-                      ema_decay=args.ema_decay, ema_interval=args.ema_every)
+                      ema_decay=args.ema_decay, ema_interval=args.ema_every, overwrite=args.fresh)
 
-    start = ck.resume()
+    start = None if args.fresh else ck.resume()
     pos = ck.extra["data_pos"] if start is not None else 0
     print("resumed step=%s" % start if start is not None else "fresh start: no checkpoint of job %r" % args.job,
           flush=True)

@@ -243,6 +243,11 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   state.resumed_from = 0;
   state.run_id.clear();
   state.lineage_checked = false;
+  // A new process: the steps its predecessor committed and persisted are not its own, and a
+  // WaitPersisted of the new one must not be answered by them (a step persisted before, by another
+  // process, is still found through its signal on disk).
+  state.last_committed = -1;
+  state.last_persisted = -1;
   state.registered = false;
   state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
   sessions_[token] = SessionInfo{job, rank};
@@ -487,9 +492,8 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
     // in its slots. Sessions of the new layout that do not restore may not save until it is done
     // (BeginSnapshot): their signals would be counted with the old layout's.
-    int64_t newest = -1;
+    const int64_t newest = job->newest_persisted;
     for (const auto& [r, other] : job->ranks) {
-      newest = std::max(newest, other.last_persisted);
       if (!other.segment) continue;
       for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
         const SlotInfo& slot = Slots(*other.segment).at(i);

@@ -230,6 +230,7 @@ class Daemon {
     // (LayoutHoldLocked, CheckLayoutHold), a session that has not restored a checkpoint may not
     // save: its signals would land beside the other layout's in a checkpoint that never completes.
     std::map<int64_t, Topology> held_steps;
+    int64_t newest_persisted = -1;  // the newest step any rank of the job persisted here
     // Split attempts: for recent steps, the attempt in which each rank's session committed it (with
     // the session, so that a gone session's commits never count); the steps found saved in
     // different attempts, with their description; how many; the newest one's description.

@@ -87,8 +87,6 @@ void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std
   JobState& job = jobs_[name];
   auto& by_rank = job.committed_attempts[step];
   by_rank[rank] = JobState::Committed{session_id, attempt};
-  while (job.committed_attempts.size() > kTrackedSteps) job.committed_attempts.erase(job.committed_attempts.begin());
-  if (job.split_steps.count(step) != 0) return;
   // Only live sessions count: a gone one's commit may be overwritten by its successor's.
   std::map<uint32_t, Attempt> live;
   bool split = false;
@@ -98,7 +96,10 @@ void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std
     live[r] = committed.attempt;
     split = split || committed.attempt != attempt;
   }
-  if (split) NoteSplitLocked(name, rank, step, SplitText(step, live));
+  // Bounded, oldest steps first (after the last use of by_rank: a resumed run's step may be the
+  // oldest one and go at once).
+  while (job.committed_attempts.size() > kTrackedSteps) job.committed_attempts.erase(job.committed_attempts.begin());
+  if (split && job.split_steps.count(step) == 0) NoteSplitLocked(name, rank, step, SplitText(step, live));
 }
 
 void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t step, const std::string& text) {

@@ -298,6 +298,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
       if (status.ok()) {
         rank.persists += 1;
         rank.last_persisted = std::max(rank.last_persisted, step);
+        jit->second.newest_persisted = std::max(jit->second.newest_persisted, step);
         if (seconds > 0) rank.last_persist_gbps = static_cast<double>(bytes) / seconds / 1e9;
         rank.failed.erase(step);
       } else {

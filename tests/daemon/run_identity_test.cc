@@ -212,6 +212,48 @@ TEST(RunTest, RanksThatGiveNoRunJoinTheLiveRunAndAnotherNamedRunIsRefused) {
   EXPECT_TRUE(Contains(refused.message(), "someone-else")) << refused.ToString();
 }
 
+TEST(RunTest, WaitPersistedOfANewProcessIsNotAnsweredByItsPredecessorsSteps) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start([](DaemonConfig& c) { c.max_host_memory = 1ull << 30; }));
+  const std::string job = JobName("successor");
+  constexpr uint64_t n = 8u << 20;  // 32 MiB per tensor: a write that takes a while
+  {
+    TestTrainer first = d.StartTrainer(job, n);
+    ASSERT_TRUE(first.client);
+    ASSERT_OK(first.Save(50));
+    ASSERT_OK(first.Save(100));
+  }
+  // The next process of the run goes back to step 50 and saves step 60: its wait ends only once
+  // step 60 is written, though the rank once persisted step 100.
+  TestTrainer next = d.StartTrainer(job, n);
+  ASSERT_TRUE(next.client);
+  ASSERT_OK(next.client->Restore(50, next.bufs, 30s).status());
+  ASSERT_OK(next.Snapshot(60).status());
+  ASSERT_OK(next.client->WaitPersisted(60, 30s));
+  EXPECT_TRUE(std::filesystem::exists(d.StepDir(job, 60) + "/saved_signal_0"))
+      << "WaitPersisted(60) returned before step 60 was written";
+}
+
+TEST(RunTest, AResumedRunSavesAStepOlderThanEveryStepTheDaemonTracks) {
+  // The daemon remembers the attempts of a bounded window of recent steps; a run that goes back
+  // further saves a step older than all of them (under AddressSanitizer in CI: no use after free).
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("window");
+  {
+    TestTrainer first = d.StartTrainer(job, 64);
+    ASSERT_TRUE(first.client);
+    for (int64_t step = 10; step <= 700; step += 10) ASSERT_OK(first.Snapshot(step).status());
+    ASSERT_OK(first.client->WaitPersisted(700, 30s));
+  }
+  TestTrainer next = d.StartTrainer(job, 64);
+  ASSERT_TRUE(next.client);
+  ASSERT_OK(next.client->Restore(10, next.bufs, 10s).status());
+  ASSERT_OK(next.Save(15));
+  ASSERT_OK(next.client->WaitComplete(15, 10s));
+  ASSERT_OK(next.Save(25));
+}
+
 // Two tp ranks of a job, each holding half of "w".
 struct TwoRanks {
   std::vector<std::unique_ptr<Client>> ranks;

@@ -372,7 +372,12 @@ def run_trainer_side(h, rng, kills):
     log("trainer side: %d rounds of SIGKILL (%d with both ranks at once, %d one first); complete checkpoints "
         "never changed, each new one (%d in all) passes the reader and flashckpt verify" %
         (kills, outcomes["both"], outcomes["one"], len(verified)))
-    wait_for(lambda: all(s["state"] == "free" for s in slot_states(h)), 30, "every slot to be free again")
+    try:
+        wait_for(lambda: all(s["state"] == "free" for s in slot_states(h)), 30, "every slot to be free again")
+    except TestFailure:
+        rc, out, err = h.cli("status", "--socket", h.sock)
+        log("status (exit %d):\n%s%s" % (rc, out, err))
+        raise
     latest = check_resume(h, "final")
     verify_complete(h, reader.complete_steps(h.job_dir), verified)
     print("FIGURES side=trainer rounds=%d rank_kills=%d killed_before_or_during_restore=%d killed_training=%d "
