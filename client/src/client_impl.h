@@ -129,8 +129,9 @@ struct Client::Impl {
   // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.
   // Returns once every byte is in place.
   Status CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device, void* cuda_stream);
-  // Opens the session stream and reads the session id, within the rpc timeout.
-  Status OpenSession();
+  // Opens the session stream and reads the session id, within the rpc timeout. `reattach`: this
+  // process carrying on after its session broke (SessionRequest.reattach).
+  Status OpenSession(bool reattach = false);
   // Maps the segment the registration reply names (keeping the mapping when it is the same one)
   // and records the tensors' places.
   Status ApplyRegistration(const v1::RegisterResponse& resp);

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <future>
+#include <string>
 #include <thread>
 
 #include "client/src/client_impl.h"
@@ -34,6 +36,32 @@ Status SessionRefused(const grpc::Status& s) {
 // gave it back between the two, which only a stop does (it unlinks the segments no abandoned
 // snapshot is left in). That is the daemon going away, UNAVAILABLE, so the caller re-attaches to
 // the next daemon and registers again instead of failing the trainer.
+// The run id the environment gives every rank of one attempt alike, for a client that names none:
+// FLASHCKPT_RUN_ID; torchrun's TORCHELASTIC_RUN_ID (unless "none", its default) and restart count;
+// Slurm's SLURM_JOB_ID and restart count. Characters outside [A-Za-z0-9._:-] become '-'; cut to 64.
+// Empty when none is set: the daemon picks (the run of the job's live ranks on it, or a new one).
+std::string RunIdFromEnvironment() {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v != nullptr ? v : "");
+  };
+  std::string id = env("FLASHCKPT_RUN_ID");
+  if (id.empty() && !env("TORCHELASTIC_RUN_ID").empty() && env("TORCHELASTIC_RUN_ID") != "none") {
+    const std::string restarts = env("TORCHELASTIC_RESTART_COUNT");
+    id = "torchelastic-" + env("TORCHELASTIC_RUN_ID") + "." + (restarts.empty() ? "0" : restarts);
+  }
+  if (id.empty() && !env("SLURM_JOB_ID").empty()) {
+    const std::string restarts = env("SLURM_RESTART_COUNT");
+    id = "slurm-" + env("SLURM_JOB_ID") + "." + (restarts.empty() ? "0" : restarts);
+  }
+  for (char& c : id) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+              c == '-' || c == ':';
+    if (!ok) c = '-';
+  }
+  return id.substr(0, 64);
+}
+
 Status SegmentGone(Status mapped) {
   if (mapped.code() != StatusCode::kNotFound) return mapped;
   return Unavailable("the segment flashckptd named for this rank was gone when it was mapped (the daemon stopped "
@@ -42,7 +70,7 @@ Status SegmentGone(Status mapped) {
 
 }  // namespace
 
-Status Client::Impl::OpenSession() {
+Status Client::Impl::OpenSession(bool reattach) {
   if (session) {  // the old stream, broken or not: finished exactly once
     session_ctx->TryCancel();
     (void)session->Finish();
@@ -54,6 +82,7 @@ Status Client::Impl::OpenSession() {
   v1::SessionRequest hello;
   hello.set_job(options.job);
   hello.set_rank(options.rank);
+  hello.set_reattach(reattach);
   if (!stream->Write(hello)) return SessionRefused(stream->Finish());
   // The first event carries the session id; bound the wait for it.
   v1::SessionEvent event;
@@ -111,7 +140,7 @@ Status Client::Impl::Reattach(std::chrono::milliseconds wait) {
     return Unavailable("flashckptd is not reachable at " + options.socket_path + " (waited " +
                        std::to_string(wait.count()) + " ms to re-attach); the next call tries again");
   }
-  RETURN_IF_ERROR(OpenSession());
+  RETURN_IF_ERROR(OpenSession(/*reattach=*/true));
   if (registration) {
     v1::RegisterRequest req = *registration;
     req.set_session_id(session_id);
@@ -166,6 +195,7 @@ Client::~Client() { Close(); }
 Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (impl->options.run_id.empty()) impl->options.run_id = RunIdFromEnvironment();
   grpc::ChannelArguments args;
   // A trainer often starts before the daemon's socket exists: retry quickly instead of backing off to seconds.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);

@@ -213,7 +213,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   }
 }
 
-Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
+Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, bool reattach) {
   RETURN_IF_ERROR(ValidateJobName(job));
   ASSIGN_OR_RETURN(std::string token, RandomToken());
   MutexLock lock(&mu_);
@@ -242,16 +242,20 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank) {
   state.last_begun = -1;
   state.resumed_from = 0;
   state.run_id.clear();
-  state.lineage_checked = false;
-  // A new process: the steps its predecessor committed and persisted are not its own, and a
-  // WaitPersisted of the new one must not be answered by them (a step persisted before, by another
-  // process, is still found through its signal on disk).
-  state.last_committed = -1;
-  state.last_persisted = -1;
+  if (!reattach) {
+    // A new process: the steps its predecessor committed and persisted are not its own, and a
+    // WaitPersisted of the new one must not be answered by them (a step persisted before, by
+    // another process, is still found through its signal on disk).
+    state.process += 1;
+    state.lineage_checked = false;
+    state.last_committed = -1;
+    state.last_persisted = -1;
+    state.failed.clear();
+  }
   state.registered = false;
   state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
   sessions_[token] = SessionInfo{job, rank};
-  Logger("rpc")->info("session open job={} rank={}", job, rank);
+  Logger("rpc")->info("session open job={} rank={} reattach={}", job, rank, reattach);
   return token;
 }
 
@@ -447,6 +451,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
+  RETURN_IF_ERROR(CheckRunKept(*rank, reg));
   LayoutExtras extras;
   extras.checksum_chunk = config_.checksum_chunk;
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, reg.tensors, extras));
@@ -473,6 +478,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     if (conflict == nullptr) break;
     if (!cv_.WaitUntil(&lock, deadline)) {
+      ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));  // not stopping: `conflict` is valid
       if (SameDegrees(conflict->topology, topology)) {
         return FailedPrecondition("job '" + who.job + "' is running as run " + conflict->run_id + " (live rank " +
                                   std::to_string(conflict_rank) + "); this rank asks for run " + reg.run_id +
@@ -597,10 +603,25 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
                       "reused={}",
                       who.job, who.rank, rank->run_id, rank->resumed_from, seg.layout.tensors.size(),
                       FormatBytes(seg.slot_stride), seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
-  // The EMA continues only its own run's average (one adopted by job name may be another run's);
-  // taken without mu_, as an update in progress holds the EMA's lock.
+  // The EMA continues only its own run's average (one adopted by job name may be another run's).
+  // Another run's snapshots still queued for it (a predecessor's commits, a restarted daemon's
+  // replays) are applied first, so that none of them lands in the new average; the check and the
+  // reset take the EMA's lock, not mu_, as an update in progress holds it.
   std::shared_ptr<RankSegment> segment = rank->segment;
   lock.Unlock();
+  if (segment->ema && segment->ema->run_id() != reply.run_id) {
+    lock.Lock();
+    const auto drained = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (EmaPending(*segment) > 0 && cv_.WaitUntil(&lock, drained)) {
+    }
+    const uint32_t pending = EmaPending(*segment);
+    lock.Unlock();
+    if (pending > 0) {
+      return Unavailable("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + ": " +
+                         std::to_string(pending) + " snapshot(s) of the previous run are still on their way to its "
+                         "EMA after 30 s; register again");
+    }
+  }
   if (segment->ema && segment->ema->StartRun(reply.run_id)) {
     Logger("ema")->info("fresh EMA job={} rank={} run={}: the average in its segment was another run's", who.job,
                         who.rank, reply.run_id);

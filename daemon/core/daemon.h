@@ -126,7 +126,8 @@ class Daemon {
   // finished and what was abandoned. Idempotent.
   void Stop(std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) EXCLUDES(mu_);
 
-  Result<std::string> OpenSession(const std::string& job, uint32_t rank) EXCLUDES(mu_);
+  // `reattach`: the trainer process of the rank's last session carrying on (SessionRequest.reattach).
+  Result<std::string> OpenSession(const std::string& job, uint32_t rank, bool reattach = false) EXCLUDES(mu_);
   void CloseSession(const std::string& session_id) EXCLUDES(mu_);
 
   // fatal_persist_errors (in the request): once a persist of this session fails, its BeginSnapshot
@@ -203,7 +204,11 @@ class Daemon {
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
     std::string run_id;        // per session: its run, set by Register (the attempt)
     bool overwrite = false;    // per registration: its first snapshot may start a new lineage
-    bool lineage_checked = false;  // per session: the first BeginSnapshot's lineage check passed
+    bool lineage_checked = false;  // per process: the first BeginSnapshot's lineage check passed
+    // The trainer process: counts sessions that were not re-attachments. A persist reports to
+    // last_persisted and `failed` only while its process is the rank's (WaitPersisted of a new
+    // process is never answered by its predecessor's steps).
+    uint64_t process = 0;
     Attempt attempt() const { return Attempt{run_id, resumed_from}; }
     std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
@@ -239,10 +244,14 @@ class Daemon {
       Attempt attempt;
     };
     std::map<int64_t, std::map<uint32_t, Committed>> committed_attempts;
-    std::map<int64_t, std::string> split_steps;
+    struct Split {
+      std::string text;                            // the step, the ranks and their attempts
+      std::map<uint32_t, std::string> sessions;  // the sessions that committed it, by rank
+    };
+    std::map<int64_t, Split> split_steps;
     uint64_t split_attempts = 0;
     std::string split;
-    std::string overwritten_for;  // the run whose overwrite deleted the other runs' checkpoints
+    std::set<std::string> overwritten_for;  // runs whose overwrite deleted the other runs' checkpoints
   };
   struct SessionInfo {
     std::string job;
@@ -295,10 +304,13 @@ class Daemon {
   // without metadata.json; the steps found complete or gone are dropped from the hold.
   Status CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held)
       EXCLUDES(mu_);
-  // The run a registration joins: its own (the request's, or this session's earlier one), else the
-  // run of the job's live ranks, else `drawn`.
+  // The run a registration joins: this session's earlier one, else the request's, else the run of
+  // the job's live registered ranks, else `drawn`. Chosen in the same hold of mu_ that marks the rank
+  // registered, so ranks registering at once agree.
   std::string ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state, const Registration& reg,
                               const std::string& drawn) const REQUIRES(mu_);
+  // A session's run never changes: an error when `reg` names another than the session's.
+  static Status CheckRunKept(const RankState& state, const Registration& reg);
   // The first BeginSnapshot of a session that did not restore: refused while the job's newest
   // complete checkpoint is another run's, unless the session registered with overwrite, which then
   // deletes the checkpoints that are not its run's (once per run). File I/O: without mu_.
@@ -310,8 +322,10 @@ class Daemon {
   // job committed the same step in another attempt, the step is split: counted, logged, an event.
   void NoteAttemptLocked(const std::string& job, uint32_t rank, const std::string& session_id, int64_t step,
                          const Attempt& attempt) REQUIRES(mu_);
-  // Counts a split step (once) with its description: status, metrics, an event, the log.
-  void NoteSplitLocked(const std::string& job, uint32_t rank, int64_t step, const std::string& text) REQUIRES(mu_);
+  // Counts a split step (once) with its description and sessions: status, metrics, an event, the log.
+  void NoteSplitLocked(const std::string& job, uint32_t rank, int64_t step, JobState::Split split) REQUIRES(mu_);
+  // The split of `step` while every session that took part in it is still the rank's, else null.
+  const JobState::Split* LiveSplitLocked(const JobState& job, int64_t step) const REQUIRES(mu_);
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
   // The rank a WaitPersisted waits on. Unlike RankOf it answers while the daemon is stopping, as the
@@ -321,7 +335,8 @@ class Daemon {
   // Records that the stop left `step` of the rank to the next daemon. Requires mu_.
   void NoteAbandonedLocked(const std::string& job, uint32_t rank, int64_t step) REQUIRES(mu_);
   // `session_id`: the session that committed the step (a failure counts as fatal for it only).
-  void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id,
+  // `process`: the rank's process (RankState::process) that committed it.
+  void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id, uint64_t process,
                    const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
                    uint64_t bytes, double seconds) EXCLUDES(mu_);
   // Creates the rank's segment under `name` (O_EXCL), or with `adopt` maps that existing segment
@@ -339,7 +354,7 @@ class Daemon {
   void OnEmaApplied(EmaJob job, bool applied, double seconds) EXCLUDES(mu_);
   // The persist request of a committed slot; `done` reports to OnPersisted.
   // `session_id`: the committing session ("" for a snapshot adopted after a restart).
-  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id, uint64_t process,
                                     uint32_t world_size, const Attempt& attempt,
                                     const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket, int64_t step,
                                     std::string extra);

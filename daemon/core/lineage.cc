@@ -31,10 +31,16 @@ std::string RanksText(const std::vector<uint32_t>& ranks) {
 
 }  // namespace
 
+Status Daemon::CheckRunKept(const RankState& state, const Registration& reg) {
+  if (state.run_id.empty() || reg.run_id.empty() || reg.run_id == state.run_id) return Status::OK();
+  return InvalidArgument("this session belongs to run " + state.run_id + "; a registration cannot move it to run " +
+                         reg.run_id + " (a new run is a new process)");
+}
+
 std::string Daemon::ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state,
                                     const Registration& reg, const std::string& drawn) const {
+  if (!state.run_id.empty()) return state.run_id;  // this session registered before: its run is fixed
   if (!reg.run_id.empty()) return reg.run_id;
-  if (!state.run_id.empty()) return state.run_id;  // this session registered before
   for (const auto& [r, other] : job.ranks) {
     if (r != rank && !other.session_id.empty() && other.registered && !other.run_id.empty()) return other.run_id;
   }
@@ -48,32 +54,37 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
     {
       MutexLock lock(&mu_);
       auto jit = jobs_.find(job);
-      if (jit == jobs_.end() || jit->second.overwritten_for != run_id) busy = BusyStepsLocked(job);
+      if (jit == jobs_.end() || jit->second.overwritten_for.count(run_id) == 0) busy = BusyStepsLocked(job);
       else overwrite = false;  // another rank of the run did it
     }
     if (overwrite) {
       ASSIGN_OR_RETURN(DeletionOutcome outcome, catalog_.DeleteOtherRuns(job, run_id, busy));
       Logger("catalog")->warn("overwrite job={} run={} deleted={} skipped={}: a new lineage starts", job, run_id,
                               outcome.deleted.size(), outcome.skipped.size());
-      if (!outcome.skipped.empty()) {
+      for (const auto& skipped : outcome.skipped) {
+        if (skipped.reason.rfind("already gone", 0) == 0) continue;  // deleted meanwhile (another rank)
         return FailedPrecondition("job '" + job + "': starting run " + run_id + " with overwrite could not delete " +
-                                  "checkpoint-" + std::to_string(outcome.skipped.front().step) + " (" +
-                                  outcome.skipped.front().reason + "); try again when it is no longer in use");
+                                  "checkpoint-" + std::to_string(skipped.step) + " (" + skipped.reason +
+                                  "); try again when it is no longer in use");
       }
     }
   } else {
     ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
-    if (latest && latest->run_id != run_id) {
+    if (latest && latest->run_id.empty()) {
+      // Written before runs had ids: a job that was running when the daemon was upgraded carries on.
+      Logger("rpc")->warn("lineage job={} run={}: the newest checkpoint (step {}) has no run id; not checked", job,
+                          run_id, latest->step);
+    } else if (latest && latest->run_id != run_id) {
       return FailedPrecondition(
           "job '" + job + "' already has complete checkpoints (the newest is step " + std::to_string(latest->step) +
-          ", of run " + (latest->run_id.empty() ? std::string("(no id)") : latest->run_id) + ") and this run (" +
+          ", of run " + latest->run_id + ") and this run (" +
           run_id + ") started fresh instead of restoring: restore to continue that run, use another job name, or "
           "register with overwrite (ClientOptions::overwrite, overwrite=True in Python, --fresh) to start a new "
           "lineage, which deletes the job's checkpoints of other runs");
     }
   }
   MutexLock lock(&mu_);
-  if (overwrite) jobs_[job].overwritten_for = run_id;
+  if (overwrite) jobs_[job].overwritten_for.insert(run_id);
   auto it = sessions_.find(session_id);
   if (it != sessions_.end()) {
     RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
@@ -89,22 +100,37 @@ void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std
   by_rank[rank] = JobState::Committed{session_id, attempt};
   // Only live sessions count: a gone one's commit may be overwritten by its successor's.
   std::map<uint32_t, Attempt> live;
-  bool split = false;
+  JobState::Split split;
+  bool differ = false;
   for (const auto& [r, committed] : by_rank) {
     auto rit = job.ranks.find(r);
     if (rit == job.ranks.end() || rit->second.session_id != committed.session_id) continue;
     live[r] = committed.attempt;
-    split = split || committed.attempt != attempt;
+    split.sessions[r] = committed.session_id;
+    differ = differ || committed.attempt != attempt;
   }
   // Bounded, oldest steps first (after the last use of by_rank: a resumed run's step may be the
   // oldest one and go at once).
   while (job.committed_attempts.size() > kTrackedSteps) job.committed_attempts.erase(job.committed_attempts.begin());
-  if (split && job.split_steps.count(step) == 0) NoteSplitLocked(name, rank, step, SplitText(step, live));
+  if (!differ || LiveSplitLocked(job, step) != nullptr) return;
+  split.text = SplitText(step, live);
+  NoteSplitLocked(name, rank, step, std::move(split));
 }
 
-void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t step, const std::string& text) {
+const Daemon::JobState::Split* Daemon::LiveSplitLocked(const JobState& job, int64_t step) const {
+  auto it = job.split_steps.find(step);
+  if (it == job.split_steps.end()) return nullptr;
+  for (const auto& [r, session] : it->second.sessions) {
+    auto rit = job.ranks.find(r);
+    if (rit == job.ranks.end() || rit->second.session_id != session) return nullptr;  // restarted since
+  }
+  return &it->second;
+}
+
+void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t step, JobState::Split split) {
   JobState& job = jobs_[name];
-  if (!job.split_steps.emplace(step, text).second) return;
+  const std::string text = split.text;
+  job.split_steps[step] = std::move(split);
   while (job.split_steps.size() > kSplitSteps) job.split_steps.erase(job.split_steps.begin());
   job.split_attempts += 1;
   job.split = text;
@@ -122,58 +148,86 @@ void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t ste
 }
 
 Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) {
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   ASSIGN_OR_RETURN(WaitResult own, WaitPersisted(session_id, step, timeout));
   if (own.checkpoint_complete) return Status::OK();
   std::string job;
   uint32_t rank_id = 0, world_size = 0;
+  Attempt attempt;
+  {
+    MutexLock lock(&mu_);
+    bool final = false;
+    ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
+    job = sessions_.at(session_id).job;
+    rank_id = sessions_.at(session_id).rank;
+    world_size = rank->topology.world_size;
+    attempt = rank->attempt();
+  }
+  // WaitPersisted also returns when a later step is durable: a step this rank skipped (or saved in
+  // another attempt) has no part of it from this rank and will not complete in this attempt.
+  ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+  if (complete) return Status::OK();
+  ASSIGN_OR_RETURN(bool part, catalog_.HasSignal(job, rank_id, step, attempt));
+  if (!part) {
+    return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job + "' holds no part of rank " +
+                              std::to_string(rank_id) + " in this attempt (" + AttemptText(attempt) +
+                              "): it did not save that step (skipped, or saved before it restored)");
+  }
   for (;;) {
     {
       MutexLock lock(&mu_);
       bool final = false;
       ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
-      job = sessions_.at(session_id).job;
-      rank_id = sessions_.at(session_id).rank;
-      world_size = rank->topology.world_size;
+      (void)rank;
+      if (final) {
+        return Unavailable("the daemon stopped before checkpoint-" + std::to_string(step) + " of job '" + job +
+                           "' was complete; this rank's part is written: wait again once it has restarted");
+      }
       auto jit = jobs_.find(job);
       if (jit != jobs_.end()) {
-        if (auto split = jit->second.split_steps.find(step); split != jit->second.split_steps.end()) {
+        if (const JobState::Split* split = LiveSplitLocked(jit->second, step)) {
           return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
-                                    "' can never complete: its ranks saved it in different attempts (" +
-                                    split->second + "); restart every rank of the job from one checkpoint");
+                                    "' can never complete: its ranks saved it in different attempts (" + split->text +
+                                    "); restart every rank of the job from one checkpoint");
         }
       }
       // Completion by another daemon sharing the root is seen on the next look at the disk.
       const auto next = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
       if (std::chrono::steady_clock::now() < deadline) (void)cv_.WaitUntil(&lock, next);
     }
-    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    ASSIGN_OR_RETURN(complete, catalog_.IsComplete(job, step));
     if (complete) return Status::OK();
     if (std::chrono::steady_clock::now() >= deadline) break;
   }
-  // The deadline: what the signals of the step say about why it is not complete.
+  // The deadline: what the step's signals say about why it is not complete. A signal of another
+  // attempt may be a rank that has not reached the step yet in this one (its old signal is still
+  // there), or a split across daemons: both are named, neither is counted as a split here.
   ASSIGN_OR_RETURN(auto attempts, catalog_.SignalAttempts(job, step, world_size));
-  std::vector<uint32_t> missing;
+  std::vector<uint32_t> missing, other;
   for (uint32_t r = 0; r < world_size; ++r) {
-    if (attempts.count(r) == 0) missing.push_back(r);
-  }
-  const bool mixed = std::any_of(attempts.begin(), attempts.end(),
-                                 [&](const auto& a) { return a.second != attempts.begin()->second; });
-  if (missing.empty() && mixed) {
-    const std::string text = SplitText(step, attempts);
-    {
-      MutexLock lock(&mu_);
-      if (jobs_.count(job) != 0) NoteSplitLocked(job, rank_id, step, text);
+    auto a = attempts.find(r);
+    if (a == attempts.end()) {
+      missing.push_back(r);
+    } else if (a->second != attempt) {
+      other.push_back(r);
     }
-    return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
-                              "' can never complete: its ranks saved it in different attempts (" + text +
-                              "); restart every rank of the job from one checkpoint");
+  }
+  std::string why = std::to_string(world_size - missing.size() - other.size()) + " of " +
+                    std::to_string(world_size) + " ranks have written their part in this attempt (" +
+                    AttemptText(attempt) + ")";
+  if (!missing.empty()) why += "; waiting for rank(s) " + RanksText(missing);
+  if (!other.empty()) {
+    why += "; the part of rank(s) " + RanksText(other) + " is of another attempt (" +
+           SplitText(step, [&] {
+             std::map<uint32_t, Attempt> o;
+             for (uint32_t r : other) o[r] = attempts.at(r);
+             return o;
+           }()) +
+           "): they have not saved the step again yet, or they run in another attempt (ranks on several daemons "
+           "need one run id: ClientOptions::run_id or FLASHCKPT_RUN_ID)";
   }
   return DeadlineExceeded("checkpoint-" + std::to_string(step) + " of job '" + job + "' is not complete after " +
-                          std::to_string(timeout.count()) + " ms: " + std::to_string(world_size - missing.size()) +
-                          " of " + std::to_string(world_size) + " ranks have written their part" +
-                          (missing.empty() ? std::string() : "; waiting for rank(s) " + RanksText(missing)));
+                          std::to_string(timeout.count()) + " ms: " + why);
 }
 
 }  // namespace flashckpt

@@ -81,7 +81,8 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
   std::vector<Pending> pending;
   for (const v1::CommitRecord& c : record.commits) {
     const SlotTicket ticket{c.slot(), c.generation()};
-    if (c.step() < 0 || c.world_size() != reg.topology.world_size || c.resumed_from() < 0) {
+    if (c.step() < 0 || c.world_size() != reg.topology.world_size || c.resumed_from() < 0 ||
+        (!c.run_id().empty() && !ValidateRunId(c.run_id()).ok())) {
       Logger("shm")->warn("dropping commit record segment={} slot={}: step {} world size {}", rec.segment_name(),
                           c.slot(), c.step(), c.world_size());
       state_.RemoveCommit(rec.segment_name(), c.slot());
@@ -126,8 +127,8 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
         Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
         continue;
       }
-      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", c.world_size(), attempt, segment, ticket,
-                                     c.step(), c.extra());
+      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", /*process=*/0, c.world_size(), attempt, segment,
+                                     ticket, c.step(), c.extra());
     }
     pending.push_back(std::move(p));
   }

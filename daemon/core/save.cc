@@ -111,6 +111,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
 }
 
 PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+                                          uint64_t process,
                                           uint32_t world_size, const Attempt& attempt,
                                           const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket,
                                           int64_t step, std::string extra) {
@@ -130,8 +131,9 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   req.keep_alive = segment;
   req.header = reinterpret_cast<const SlotHeader*>(segment->Slot(ticket.slot));
   req.copy_timeout = config_.copy_timeout;
-  req.done = [this, job, rank, session_id, segment, ticket, step](const Status& s, uint64_t bytes, double secs) {
-    OnPersisted(job, rank, session_id, segment, ticket, step, s, bytes, secs);
+  req.done = [this, job, rank, session_id, process, segment, ticket, step](const Status& s, uint64_t bytes,
+                                                                          double secs) {
+    OnPersisted(job, rank, session_id, process, segment, ticket, step, s, bytes, secs);
   };
   return req;
 }
@@ -206,7 +208,8 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.job = who.job;
   job.rank = who.rank;
   if (persist) {
-    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->topology.world_size, rank->attempt(),
+    job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
+                                     rank->attempt(),
                                      segment, ticket, step, std::move(extra));
   }
   if (segment->ema) {
@@ -260,7 +263,7 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   (void)s;  // logged by FinishCommittedLocked; the slot is free either way
 }
 
-void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id,
+void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id, uint64_t process,
                          const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
                          const Status& status, uint64_t bytes, double seconds) {
   if (status.code() == StatusCode::kCancelled) {
@@ -295,16 +298,17 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     auto rit = jit->second.ranks.find(rank_id);
     if (rit != jit->second.ranks.end()) {
       RankState& rank = rit->second;
+      const bool own = rank.process == process;  // else a predecessor's save, finished late
       if (status.ok()) {
         rank.persists += 1;
-        rank.last_persisted = std::max(rank.last_persisted, step);
+        if (own) rank.last_persisted = std::max(rank.last_persisted, step);
         jit->second.newest_persisted = std::max(jit->second.newest_persisted, step);
         if (seconds > 0) rank.last_persist_gbps = static_cast<double>(bytes) / seconds / 1e9;
-        rank.failed.erase(step);
+        if (own) rank.failed.erase(step);
       } else {
         rank.failures += 1;
         rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
-        rank.failed[step] = status;
+        if (own) rank.failed[step] = status;
         while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
         if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
           Status failed = SaveFailed(job, step, status, config_.root);

@@ -55,7 +55,7 @@ grpc::Status CheckpointService::Session(grpc::ServerContext* ctx,
                                         grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
   v1::SessionRequest hello;
   if (!stream->Read(&hello)) return grpc::Status(grpc::StatusCode::CANCELLED, "session closed before its request");
-  auto id = daemon_->OpenSession(hello.job(), hello.rank());
+  auto id = daemon_->OpenSession(hello.job(), hello.rank(), hello.reattach());
   if (!id.ok()) return ToGrpc(id.status());
   v1::SessionEvent event;
   event.set_session_id(*id);

@@ -119,16 +119,25 @@ Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const s
     ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(CheckpointDir(job, step), io_));
     if (meta.run_id != run_id) victims.push_back(step);
   }
+  // An incomplete directory goes only when it holds another run's signals and none of this run's:
+  // one without signals may be this run's own step that another daemon is writing.
   for (int64_t step : steps.incomplete) {
-    ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(CheckpointDir(job, step), io_));
-    bool ours = false;
-    for (const auto& name : names) {
+    auto names = ListDir(CheckpointDir(job, step), io_);
+    if (!names.ok()) {
+      if (names.status().code() == StatusCode::kNotFound) continue;  // gone meanwhile
+      return names.status();
+    }
+    bool ours = false, others = false;
+    for (const auto& name : *names) {
       if (name.rfind("saved_signal_", 0) != 0) continue;
       auto signal = ReadSignal(CheckpointDir(job, step) + "/" + name, io_);
-      if (signal.ok() && signal->run_id == run_id) ours = true;
-      if (!signal.ok() && signal.status().code() != StatusCode::kNotFound) return signal.status();
+      if (!signal.ok()) {
+        if (signal.status().code() == StatusCode::kNotFound) continue;
+        return signal.status();
+      }
+      (signal->run_id == run_id ? ours : others) = true;
     }
-    if (!ours) victims.push_back(step);
+    if (others && !ours) victims.push_back(step);
   }
   std::sort(victims.begin(), victims.end());
   return DeleteStepsLocked(job, victims, busy, /*dry_run=*/false, "overwrite");

@@ -146,8 +146,8 @@ class Catalog {
   };
   Result<std::optional<RunCheckpoint>> LatestRun(const std::string& job) const;
   // A run that starts a new lineage of the job (ClientOptions::overwrite): deletes every checkpoint
-  // directory that is not the run's own (complete ones another run wrote, and incomplete ones none
-  // of whose signals is of `run_id`), except steps in use (Use, or `busy`), which are skipped.
+  // directory that is another run's (complete ones it wrote, incomplete ones holding its signals and
+  // none of `run_id`), except steps in use (Use, or `busy`), which are skipped.
   // Listeners see reason "overwrite"; LATEST follows as for any deletion.
   Result<DeletionOutcome> DeleteOtherRuns(const std::string& job, const std::string& run_id,
                                           const std::set<int64_t>& busy);

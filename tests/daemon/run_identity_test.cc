@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -304,6 +305,42 @@ TEST(RunTest, WaitCompleteWaitsForEveryRankAndNamesTheMissingOnes) {
   late.join();
   EXPECT_TRUE(std::filesystem::exists(d.StepDir(job, 3) + "/metadata.json"));
   EXPECT_OK(two.ranks[1]->WaitComplete(3, 10s));
+  // A step this rank never saved (it went from 3 to 6) says so at once, not at the deadline.
+  ASSERT_OK(two.ranks[0]->Snapshot(6, two.Bufs(0), {}).status());
+  ASSERT_OK(two.ranks[0]->WaitPersisted(6, 10s));
+  const auto begun = std::chrono::steady_clock::now();
+  Status skipped = two.ranks[0]->WaitComplete(5, 30s);
+  EXPECT_EQ(skipped.code(), StatusCode::kFailedPrecondition) << skipped.ToString();
+  EXPECT_TRUE(Contains(skipped.message(), "holds no part of rank 0")) << skipped.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - begun, 10s);
+}
+
+TEST(RunTest, TheRunIdComesFromTheEnvironmentWhenTheTrainerGivesNone) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("env");
+  auto run_of = [&](uint32_t rank) {
+    TestTrainer t = d.StartTrainer(job, 16, [rank](ClientOptions& o) {
+      o.run_id.clear();
+      o.rank = rank;
+    });
+    return t.client ? t.client->RunId() : std::string("(no client)");
+  };
+  ::setenv("FLASHCKPT_RUN_ID", "nightly run/7", 1);  // characters outside [A-Za-z0-9._:-] become '-'
+  EXPECT_EQ(run_of(0), "nightly-run-7");
+  ::unsetenv("FLASHCKPT_RUN_ID");
+  ::setenv("SLURM_JOB_ID", "4242", 1);
+  ::setenv("SLURM_RESTART_COUNT", "2", 1);
+  EXPECT_EQ(run_of(0), "slurm-4242.2");
+  ::setenv("TORCHELASTIC_RUN_ID", "none", 1);  // torchrun's default: not an id, Slurm's is taken
+  EXPECT_EQ(run_of(0), "slurm-4242.2");
+  ::setenv("TORCHELASTIC_RUN_ID", "rdzv-9", 1);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+  EXPECT_EQ(run_of(0), "torchelastic-rdzv-9.3");
+  for (const char* name : {"SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"}) {
+    ::unsetenv(name);
+  }
+  EXPECT_EQ(run_of(0).size(), 16u) << "drawn by the daemon";
 }
 
 TEST(RunTest, AStepSavedInDifferentAttemptsIsAnErrorEveryoneSees) {

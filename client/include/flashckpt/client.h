@@ -58,10 +58,14 @@ struct ClientOptions {
   // the file and the errno text), so a job stops instead of training on without checkpoints.
   // Sent with Register().
   bool fatal_persist_errors = false;
-  // The run this process belongs to: [A-Za-z0-9._:-]{1,64}, the same on every rank of one run (a
-  // scheduler's job id and attempt, say). Empty: the daemon picks, the run of the job's live ranks
-  // on it or a new one (RunId() says which). Signals, metadata.json, the EMA and status carry it; an
-  // EMA another run left is not continued, and signals of two runs never complete a checkpoint.
+  // The run this process belongs to: [A-Za-z0-9._:-]{1,64}, the same on every rank of one attempt
+  // and different for the next (a scheduler's job id with its restart count, say). Empty: taken
+  // from the environment (FLASHCKPT_RUN_ID; TORCHELASTIC_RUN_ID with TORCHELASTIC_RESTART_COUNT;
+  // SLURM_JOB_ID with SLURM_RESTART_COUNT), else the daemon picks: the run of the job's live ranks
+  // on it, or a new one (RunId() says which). A job whose ranks use several daemons needs one of
+  // the first two, as the daemons do not talk to each other. Signals, metadata.json, the EMA and
+  // status carry it; an EMA another run left is not continued, and signals of two runs never
+  // complete a checkpoint.
   std::string run_id;
   // A run that did not restore may not save into a job that has complete checkpoints of another run
   // (its first Snapshot() fails with kFailedPrecondition): restore, use another job name, or set

@@ -87,9 +87,12 @@ class Client:
         error) raises from wait_persisted() and shows in status(), and snapshots go on. True: every
         later snapshot() raises that save's error too (its code; the message names the step, the
         file and the errno text), so training stops instead of going on without checkpoints.
-      run_id: this run's id ([A-Za-z0-9._:-]{1,64}, the same on every rank of the run, e.g. a
-        scheduler's job id); None: the daemon picks (the run of the job's live ranks, or a new one).
-        See the run_id property. An EMA another run left is not continued.
+      run_id: this run's id ([A-Za-z0-9._:-]{1,64}, the same on every rank of one attempt, e.g. a
+        scheduler's job id with its restart count); None: from the environment (FLASHCKPT_RUN_ID,
+        torchrun's TORCHELASTIC_RUN_ID and restart count, Slurm's SLURM_JOB_ID and restart count),
+        else the daemon picks (the run of the job's live ranks, or a new one). Ranks on several
+        daemons (nodes) need one of the first two. See the run_id property. An EMA another run left
+        is not continued.
       overwrite: a run that does not restore may not save into a job with complete checkpoints of
         another run (FailedPreconditionError at the first snapshot); overwrite=True starts a new
         lineage instead: the first snapshot deletes the job's checkpoints of other runs.
