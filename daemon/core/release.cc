@@ -7,6 +7,9 @@
 // The unlinking happens outside mu_. Meanwhile the job's name is in releasing_, and OpenSession
 // of that job waits for it, so no new registration can map a segment name about to disappear.
 #include <algorithm>
+#include <chrono>
+#include <memory>
+#include <thread>
 
 #include "common/base/log.h"
 #include "common/base/names.h"
@@ -61,11 +64,25 @@ std::vector<std::shared_ptr<RankSegment>> Daemon::DetachJobLocked(const std::str
 
 void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
                           const ReleaseOutcome& outcome, const std::string& reason) {
+  std::vector<std::weak_ptr<RankSegment>> going;
   for (std::shared_ptr<RankSegment>& segment : segments) {
     // The EMA segment outlives daemons by design (a restarted daemon adopts it); a released
     // job's EMA is in its checkpoints, so its name goes now.
     if (segment->ema) segment->ema->Unlink();
+    going.push_back(segment);
     segment.reset();  // the last reference unmaps it, unlinks its name and removes its records
+  }
+  // A writer thread may still hold a segment for a moment after its last persist reported (the
+  // request that kept it alive is destroyed after its callback): the release is done, and said to
+  // be, once the memory is really given back.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (const auto& segment : going) {
+    while (!segment.expired() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    if (!segment.expired()) {
+      Logger("rpc")->warn("released job={}: a segment is still in use after 10 s; it goes when its user lets go", name);
+    }
   }
   Logger("rpc")->info("released job={} ranks={} bytes={} reason={}", name, outcome.ranks, FormatBytes(outcome.bytes),
                       reason);
