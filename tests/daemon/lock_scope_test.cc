@@ -27,7 +27,10 @@ TEST(LockScopeTest, ALargeRegistrationHoldsUpNoSnapshotAndNoStatus) {
   constexpr uint64_t kBigElements = 256ull << 20;  // two fp32 tensors of 1 GiB: 2 GiB a slot, 4 GiB in all
   ASSERT_OK(d.Start([](DaemonConfig& c) { c.max_host_memory = 6ull << 30; }));
 
-  auto small = d.Connect("small", 0);
+  // The small rank skips a step when both its slots are still being written instead of waiting for
+  // one: how long the disk takes to persist is not what this test measures (a CI machine flushing
+  // gigabytes of build output made a slot wait of seconds), the daemon's lock is.
+  auto small = d.Connect("small", 0, [](ClientOptions& o) { o.skip_when_busy = true; });
   ASSERT_TRUE(small);
   std::vector<float> w(4096, 1.f), m(4096, 2.f);
   std::vector<TensorBuffer> bufs{{"w", w.data(), w.size() * 4}, {"w.exp_avg", m.data(), m.size() * 4}};
@@ -38,14 +41,16 @@ TEST(LockScopeTest, ALargeRegistrationHoldsUpNoSnapshotAndNoStatus) {
   std::atomic<bool> registering{false}, done{false};
   double worst_snapshot = 0, worst_status = 0;  // during the registration, each written by one thread
   Clock::time_point worst_snapshot_at;           // when the worst snapshot began
-  int snapshots = 0, statuses = 0;
+  int snapshots = 0, skipped = 0, statuses = 0;
   Status snapshot_error;
   std::thread saver([&] {
     for (int64_t step = 1; !done; ++step) {
       const auto begun = Clock::now();
       auto snap = small->Snapshot(step, bufs, {});
       const double ms = Ms(Clock::now() - begun);
-      if (!snap.ok()) {
+      if (snap.status().code() == StatusCode::kResourceExhausted) {
+        ++skipped;  // both slots busy: the step is skipped, the call returned at once
+      } else if (!snap.ok()) {
         snapshot_error = snap.status();
         return;
       }
@@ -83,9 +88,10 @@ TEST(LockScopeTest, ALargeRegistrationHoldsUpNoSnapshotAndNoStatus) {
   ASSERT_OK(snapshot_error);
   // When the worst snapshot began, from the start of the registration (compare with the daemon's
   // "created segment" log line: the daemon's part ends there, the client's mapping follows).
-  std::printf("FIGURES registration_ms=%.0f worst_snapshot_ms=%.1f (%d snapshots, the worst began at %.0f ms) "
-              "worst_status_ms=%.1f (%d calls)\n",
-              registration, worst_snapshot, snapshots, Ms(worst_snapshot_at - begun), worst_status, statuses);
+  std::printf("FIGURES registration_ms=%.0f worst_snapshot_ms=%.1f (%d snapshots, %d skipped for a busy slot, the "
+              "worst began at %.0f ms) worst_status_ms=%.1f (%d calls)\n",
+              registration, worst_snapshot, snapshots, skipped, Ms(worst_snapshot_at - begun), worst_status,
+              statuses);
   // Making 4 GiB of shared memory takes seconds; a call that waited for it would take as long.
   ASSERT_GT(registration, 400) << "the registration was too quick to show anything";
   EXPECT_GT(snapshots, 0);
