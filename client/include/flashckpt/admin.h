@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "flashckpt/daemon_types.h"
+#include "flashckpt/export.h"
 #include "flashckpt/status.h"
 
 namespace flashckpt {
@@ -56,7 +57,7 @@ struct ReleaseResult {
 // grpc.health.v1 serving states; the names are gRPC's.
 enum class HealthState { kUnknown, kServing, kNotServing, kServiceUnknown };
 // "UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN".
-std::string_view HealthStateName(HealthState state);
+FLASHCKPT_API std::string_view HealthStateName(HealthState state);
 
 struct WatchOptions {
   std::string job;  // empty: every job
@@ -70,7 +71,7 @@ struct WatchOptions {
   std::function<void(bool subscribed)> on_subscribed;
 };
 
-class AdminClient {
+class FLASHCKPT_API AdminClient {
  public:
   // Prepares the channel to the daemon; connects at the first call. Fails only when the TLS CA
   // file cannot be read.
@@ -110,7 +111,7 @@ class AdminClient {
   Result<HealthState> Health();
 
  private:
-  struct Impl;
+  struct FLASHCKPT_HIDDEN Impl;
   explicit AdminClient(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

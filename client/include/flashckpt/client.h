@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "flashckpt/export.h"
 #include "flashckpt/status.h"
 #include "flashckpt/tensor.h"
 
@@ -128,7 +129,7 @@ struct SnapshotProgress;  // the state a device snapshot shares with the client'
 // the copies have come as each chunk completes, so the daemon checksums and writes the first
 // chunks while later ones are in flight; a save whose copies fail or stall fails. Copyable;
 // thread-safe.
-class SnapshotHandle {
+class FLASHCKPT_API SnapshotHandle {
  public:
   int64_t step() const { return step_; }
   // Blocks until the tensors may be modified again (the device-to-host copies are complete) and
@@ -163,7 +164,7 @@ struct RestoreResult {
   uint64_t bytes = 0;  // bytes copied into the caller's buffers
 };
 
-class Client {
+class FLASHCKPT_API Client {
  public:
   // Connects to the daemon and opens this rank's session.
   static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
@@ -226,7 +227,7 @@ class Client {
   void Close();
 
  private:
-  struct Impl;
+  struct FLASHCKPT_HIDDEN Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -12,6 +12,8 @@
 #include <utility>
 #include <variant>
 
+#include "flashckpt/export.h"
+
 namespace flashckpt {
 
 // Every error code flashckpt uses. The gRPC mapping lives in daemon/edge/service and client/src only.
@@ -30,9 +32,9 @@ enum class StatusCode : int {
   kCancelled,           // the session ended or the operation was abandoned
 };
 
-std::string_view StatusCodeName(StatusCode code);
+FLASHCKPT_API std::string_view StatusCodeName(StatusCode code);
 
-class [[nodiscard]] Status {
+class [[nodiscard]] FLASHCKPT_API Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message);
