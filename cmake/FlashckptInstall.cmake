@@ -62,7 +62,8 @@ install(FILES ${_fc_help_files} ${PROJECT_SOURCE_DIR}/README.md ${PROJECT_SOURCE
 
 # Debian packages (scripts/package.sh, from a build configured with CMAKE_INSTALL_PREFIX=/usr):
 #   flashckptd        programs + service: the daemon, the CLI, the simulator, the unit, the docs;
-#                     postinst creates the system user flashckpt and /var/lib/flashckpt
+#                     postinst creates the system user flashckpt and /var/lib/flashckpt, prerm
+#                     stops the service, postrm (purge) removes the config postinst made
 #   libflashckpt1     runtime: libflashckpt.so.1
 #   libflashckpt-dev  dev: headers, the .so link, the CMake package and flashckpt.pc
 # Dependencies on Debian's libraries come from dpkg-shlibdeps.
@@ -80,7 +81,8 @@ if(FLASHCKPT_BUILD_SHARED)
   set(CPACK_DEBIAN_PACKAGE_SECTION utils)
   set(CPACK_DEBIAN_DAEMON_PACKAGE_NAME flashckptd)
   set(CPACK_DEBIAN_DAEMON_PACKAGE_DEPENDS "libflashckpt1 (= ${PROJECT_VERSION})")
-  set(CPACK_DEBIAN_DAEMON_PACKAGE_CONTROL_EXTRA ${PROJECT_SOURCE_DIR}/deploy/debian/postinst)
+  set(CPACK_DEBIAN_DAEMON_PACKAGE_CONTROL_EXTRA ${PROJECT_SOURCE_DIR}/deploy/debian/postinst
+      ${PROJECT_SOURCE_DIR}/deploy/debian/prerm ${PROJECT_SOURCE_DIR}/deploy/debian/postrm)
   set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME libflashckpt1)
   set(CPACK_DEBIAN_RUNTIME_PACKAGE_SECTION libs)
   set(CPACK_DEBIAN_DEV_PACKAGE_NAME libflashckpt-dev)

@@ -22,9 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/base/cuda_info.h"
-#include "common/base/version.h"
 #include "flashckpt/client.h"
+#include "flashckpt/version.h"
 
 namespace py = pybind11;
 
@@ -396,10 +395,10 @@ PYBIND11_MODULE(_flashckpt, m) {
   m.doc() = "Bridge between the flashckpt Python package and libflashckpt; use flashckpt.Client instead.";
   // Whether libflashckpt was built with CUDA, as `flashckpt --version` says (the Python package
   // itself hands the library host tensors only).
-  m.attr("WITH_CUDA") = flashckpt::CudaCompiledIn();
-  m.attr("__version__") = flashckpt::kVersion;
+  m.attr("WITH_CUDA") = flashckpt::LibraryHasCuda();
+  m.attr("__version__") = flashckpt::LibraryVersion();
   m.def(
-      "cuda_info", [] { return flashckpt::CudaInfoText(flashckpt::GetCudaInfo()); },
+      "cuda_info", [] { return flashckpt::LibraryCudaInfo(); },
       "What `flashckpt --version` says of CUDA in this process: compiled in or not, and the devices the "
       "runtime finds (the first call initialises the CUDA driver)");
 

@@ -250,7 +250,7 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   std::string shm_group;
   app.add_option("--shm-group", shm_group,
                  "Create slot segments 0660 and give them to this group (name or gid), so trainers running as "
-                 "other users in it can map them (default: 0600, the daemon's user only)");
+                 "other users in it can map them (default: none: segments 0600, the daemon's user only)");
   app.add_option("--listen", config.listen,
                  "Also serve gRPC on TCP HOST:PORT (PORT alone: 127.0.0.1); read-only (status, list) unless "
                  "--tcp-allow-writes");

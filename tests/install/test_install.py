@@ -8,7 +8,10 @@
      CONFIG) (the default CMake generator) and built against the prefix, and also compiled with the
      flags `pkg-config --cflags --libs flashckpt` gives; each, run against the installed flashckptd,
      saves a tensor and restores it bit for bit;
-  4. the systemd unit and the documentation are in place, the unit naming the installed daemon.
+  4. the systemd unit and the documentation are in place, the unit naming the installed daemon;
+  5. `pip install client/python` into a virtual environment builds the Python package against the
+     prefix's libflashckpt (FLASHCKPT_PREFIX, offline: --no-index), and that package, loading the
+     prefix's libflashckpt.so.1, saves an array through the installed daemon and restores it.
 
     test_install.py --build-dir build --source-dir . [--keep]
 """
@@ -16,6 +19,7 @@
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -24,6 +28,31 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from harness import DaemonHarness, TestFailure, check, log, run_with_daemon_harness  # noqa: E402
 
 JOB = "install%d" % os.getpid()
+PYTHON = "/usr/bin/python3"  # Debian's interpreter: setuptools, pybind11 and numpy for the venv
+
+# Run by the venv's interpreter: the installed package saves an array and restores it.
+PY_ROUND_TRIP = r"""
+import os, sys
+import numpy as np
+import flashckpt
+from flashckpt import _flashckpt
+sock, job, venv = sys.argv[1:4]
+assert os.path.realpath(flashckpt.__file__).startswith(os.path.realpath(venv)), flashckpt.__file__
+print("ext", _flashckpt.__file__)
+w = np.arange(4096, dtype=np.float32)
+c = flashckpt.Client(sock, job, run_id="py-run")
+c.register({"w": w})
+c.snapshot(3, {"w": w})
+c.wait_persisted(3, timeout=60)
+c.close()
+back = np.zeros_like(w)
+r = flashckpt.Client(sock, job, run_id="py-run")
+r.register({"w": back})
+step, _ = r.restore({"w": back})
+r.close()
+assert step == 3 and np.array_equal(back, w), (step, back[:4])
+print("python restored step %d: %d floats equal, version %s" % (step, back.size, flashckpt.__version__))
+"""
 COMPONENTS = ("programs", "runtime", "dev", "service")  # not python: it goes to the interpreter's path
 
 
@@ -103,10 +132,33 @@ def main():
             out = run_cmd([program, h.sock, "%s-%s" % (JOB, name)], "the %s consumer" % name, timeout=120)
             check("restored step 7: 4096 floats equal" in out, "the %s consumer said: %s" % (name, out))
             log("%s consumer: %s" % (name, out.strip()))
+
+        # 5. The Python package, built by pip against the prefix. pip builds in the source folder,
+        # so it gets a copy of client/python and the checkout stays clean.
+        venv = os.path.join(h.tmp, "venv")
+        run_cmd([PYTHON, "-m", "venv", "--system-site-packages", venv], "python3 -m venv")
+        pysrc = os.path.join(h.tmp, "client-python")
+        shutil.copytree(os.path.join(source, "client/python"), pysrc,
+                        ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+        pip_env = dict(os.environ, FLASHCKPT_PREFIX=prefix, PIP_DISABLE_PIP_VERSION_CHECK="1")
+        run_cmd([os.path.join(venv, "bin", "pip"), "install", "--no-index", pysrc], "pip install client/python",
+                env=pip_env, timeout=600)
+        vpython = os.path.join(venv, "bin", "python")
+        out = run_cmd([vpython, "-c", PY_ROUND_TRIP, h.sock, JOB + "-python", venv], "the installed Python package",
+                      cwd=h.tmp, timeout=120)
+        ext = re.search(r"^ext (\S+)", out, re.M)
+        check(ext, "no extension path in: %s" % out)
+        ldd = run_cmd(["ldd", ext.group(1)], "ldd _flashckpt")
+        found = re.search(r"libflashckpt\.so\.1 => (\S+)", ldd)
+        check(found and os.path.realpath(found.group(1)).startswith(os.path.realpath(lib)),
+              "the pip-built extension does not load libflashckpt from the prefix:\n%s" % ldd)
+        check("python restored step 3: 4096 floats equal" in out, "the Python package said: %s" % out)
+        log("pip install client/python: %s" % out.strip().splitlines()[-1])
+
         rc = h.stop_daemon()
         check(rc == 0, "the installed daemon exited %s" % rc)
 
-    return run_with_daemon_harness(run, "fcinst", ["%s-cmake" % JOB, "%s-pkg-config" % JOB], args.build_dir,
+    return run_with_daemon_harness(run, "fcinst", ["%s-cmake" % JOB, "%s-pkg-config" % JOB, "%s-python" % JOB], args.build_dir,
                                    keep=args.keep, harness=DaemonHarness)
 
 

@@ -5,7 +5,8 @@
   2. `dpkg-deb -c` and `dpkg-deb -f`: each file in its place (the daemon, CLI and simulator in
      /usr/bin, libflashckpt.so.1 in the multiarch library directory, headers, the CMake package and
      flashckpt.pc in -dev, the unit in /usr/lib/systemd/system naming /usr/bin/flashckptd, the
-     postinst that creates the system user), and dependencies from dpkg-shlibdeps;
+     postinst that creates the system user, the prerm that stops the service, the postrm that cleans
+     up on purge), and dependencies from dpkg-shlibdeps;
   3. unpacked into a scratch root, the simulator finds libflashckpt.so.1 there through its RPATH.
 
     test_package.py --source-dir . [--keep]
@@ -67,6 +68,10 @@ def main():
         run_cmd(["dpkg-deb", "-e", debs["flashckptd"], control], "dpkg-deb -e")
         with open(os.path.join(control, "postinst")) as f:
             check("useradd --system" in f.read(), "flashckptd's postinst does not create the system user")
+        with open(os.path.join(control, "prerm")) as f:
+            check("systemctl stop flashckptd" in f.read(), "flashckptd's prerm does not stop the service")
+        with open(os.path.join(control, "postrm")) as f:
+            check('"purge"' in f.read(), "flashckptd's postrm does nothing on purge")
         log("every file in its place; flashckptd depends on %s" % depends.strip())
 
         root = os.path.join(scratch, "root")
