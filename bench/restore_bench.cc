@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench/summary.h"
+#include "bench/synthetic_checkpoint.h"
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/base/thread_pool.h"
@@ -84,32 +85,11 @@ std::vector<TensorSpec> SavedSpecs(uint32_t layers, uint64_t hidden, uint32_t tp
 
 // Writes the (2, 1, 2) checkpoint; returns the bytes of its files.
 Result<uint64_t> WriteCheckpoint(const std::string& dir, uint32_t layers, uint64_t hidden) {
-  std::vector<std::string> names;
-  uint64_t bytes = 0;
+  std::vector<bench::SyntheticRank> ranks;
   for (uint32_t r = 0; r < 4; ++r) {
-    Topology t{4, r % 2, 2, 0, 1, r / 2, 2};
-    ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout("bench", r, t, SavedSpecs(layers, hidden, r % 2, r / 2)));
-    Buffer slot = Allocate(layout.slot_bytes);
-    if (!slot) return ResourceExhausted("cannot allocate the slot");
-    uint64_t x = 0x9e3779b97f4a7c15ull * (r + 1);
-    auto* words = reinterpret_cast<uint64_t*>(slot.get());
-    for (uint64_t i = 0; i < layout.slot_bytes / 8; ++i) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-      words[i] = x;
-    }
-    InitSlotImages(slot.get(), layout);
-    for (size_t f = 0; f < layout.files.size(); ++f) {
-      StampImage(slot.get(), layout, f, 100);
-      const FileImage& image = layout.files[f];
-      names.push_back(image.stem + ".safetensors");
-      RETURN_IF_ERROR(WriteImageDurably(dir, names.back(), slot.get() + image.slot_offset, image.file_bytes(),
-                                        (image.file_bytes() + kPageSize - 1) / kPageSize * kPageSize));
-      bytes += image.file_bytes();
-    }
+    ranks.push_back({Topology{4, r % 2, 2, 0, 1, r / 2, 2}, SavedSpecs(layers, hidden, r % 2, r / 2)});
   }
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, names));
-  RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta)));
-  return bytes;
+  return bench::WriteSyntheticCheckpoint(dir, ranks);
 }
 
 struct Row {

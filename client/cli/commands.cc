@@ -26,6 +26,7 @@
 #include "common/read/relayout.h"
 #include "common/read/verify.h"
 #include "flashckpt/admin.h"
+#include "flashckpt/offline.h"
 
 namespace flashckpt::cli {
 namespace {
@@ -327,6 +328,39 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
       "ok: %s -> %s as (tp, pp, shard) = (%u, %u, %u): %u ranks wrote %u files, %s read, %s written in %.2f s\n",
       src.c_str(), dst.c_str(), tp, pp, shard, report.ranks, report.files, FormatBytes(report.bytes_read).c_str(),
       FormatBytes(report.bytes_written).c_str(), secs);
+  return kExitOk;
+}
+
+int RunExport(const std::string& src, const std::string& dst, const std::string& weights, const std::string& dtype,
+              const std::string& max_shard_size, const std::string& strip_prefix, unsigned threads, bool progress) {
+  if (Status bad = CheckCheckpointDir(src); !bad.ok()) {
+    std::cerr << "flashckpt: export " << src << ": " << bad.message() << "\n";
+    return kExitFailed;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<uint64_t> done{0};
+  std::unique_ptr<ProgressLine> line;
+  ExportOptions options;
+  options.weights = weights;
+  options.dtype = dtype;
+  options.max_shard_size = max_shard_size;
+  options.strip_prefix = strip_prefix;
+  options.threads = threads;
+  options.progress = [&](uint64_t d, uint64_t t) {
+    done = d;
+    if (progress && !line) line = std::make_unique<ProgressLine>("export", t, [&done] { return done.load(); });
+  };
+  ExportReport report;
+  Status s = ExportCheckpoint(src, dst, options, &report);
+  if (line) line->Finish(s.ok());
+  if (!s.ok()) {
+    std::cerr << "flashckpt: export " << src << " -> " << dst << " failed: " << s.ToString() << "\n";
+    return s.code() == StatusCode::kCorruption || s.code() == StatusCode::kNotFound ? kExitVerifyFailed : kExitFailed;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("ok: %s -> %s: %u %s tensors, %s in %zu file%s%s in %.2f s\n", src.c_str(), dst.c_str(), report.tensors,
+              weights.c_str(), FormatBytes(report.bytes).c_str(), report.files.size(),
+              report.files.size() == 1 ? "" : "s", report.index ? " + model.safetensors.index.json" : "", secs);
   return kExitOk;
 }
 

@@ -51,6 +51,10 @@ int RunVerify(const std::string& dir, bool json);
 // (bytes read and written of about twice the source's tensor bytes, GB/s, ETA).
 int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint32_t pp, uint32_t shard,
                const std::string& checksum_chunk, unsigned threads, bool progress);
+// Offline: ExportCheckpoint (flashckpt/offline.h) of `src` into `dst`, then a summary line.
+// `progress`: a progress line on stderr (tensor bytes written of their total, GB/s, ETA).
+int RunExport(const std::string& src, const std::string& dst, const std::string& weights, const std::string& dtype,
+              const std::string& max_shard_size, const std::string& strip_prefix, unsigned threads, bool progress);
 // Offline: a complete checkpoint's topology, files, tensors, sizes and EMA, from its metadata.json
 // once every file's header agrees with it (CheckFileHeaders; no tensor data is read). An incomplete
 // or corrupt one, or one whose metadata.json disagrees with a file, is kExitVerifyFailed, a missing

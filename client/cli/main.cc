@@ -83,6 +83,25 @@ int main(int argc, char** argv) {
                     "Print progress (bytes, GB/s, ETA) on stderr every second; on by default when stderr is a "
                     "terminal");
 
+  std::string weights = "model", dtype, max_shard_size = "5GB", strip_prefix;
+  CLI::App* exp = app.add_subcommand(
+      "export", "Write a checkpoint's model or EMA weights as a Hugging Face safetensors directory (offline)");
+  exp->add_option("src", dir, "The complete checkpoint directory to read")->required();
+  exp->add_option("dst", dst, "A new (or empty) directory for model.safetensors (or shards and their index)")
+      ->required();
+  exp->add_option("--weights", weights, "model: the model weights; ema: the EMA, under the parameters' names")
+      ->check(CLI::IsMember({"model", "ema"}))
+      ->capture_default_str();
+  exp->add_option("--dtype", dtype, "Convert fp32/bf16/fp16 tensors to this dtype (default: as saved)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  exp->add_option("--max-shard-size", max_shard_size,
+                  "Most tensor bytes per file (K/M/G = 1024^n); a larger tensor gets a file of its own")
+      ->capture_default_str();
+  exp->add_option("--strip-prefix", strip_prefix, "Remove this prefix from the tensor names that have it");
+  exp->add_option("--threads", threads, "Reader threads")->check(CLI::Range(1, 64))->capture_default_str();
+  exp->add_flag("--progress", progress,
+                "Print progress (bytes, GB/s, ETA) on stderr every second; on by default when stderr is a terminal");
+
   CLI::App* inspect =
       app.add_subcommand("inspect", "Show a complete checkpoint's topology, files, tensors, sizes and EMA (offline)");
   inspect->add_option("dir", dir, "The checkpoint directory, e.g. <root>/<job>/checkpoint-1200")->required();
@@ -117,6 +136,10 @@ int main(int argc, char** argv) {
 
   if (*reshard) {
     return flashckpt::cli::RunReshard(dir, dst, tp, pp, shard, chunk, threads, progress || ::isatty(STDERR_FILENO));
+  }
+  if (*exp) {
+    return flashckpt::cli::RunExport(dir, dst, weights, dtype, max_shard_size, strip_prefix, threads,
+                                     progress || ::isatty(STDERR_FILENO));
   }
   if (*inspect) return flashckpt::cli::RunInspect(dir, json);
   if (*del) return flashckpt::cli::RunDelete(endpoint, owner, step, 0, force, dry_run, json);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "flashckpt/client.h"
+#include "flashckpt/offline.h"
 #include "flashckpt/version.h"
 
 namespace py = pybind11;
@@ -401,6 +402,27 @@ PYBIND11_MODULE(_flashckpt, m) {
       "cuda_info", [] { return flashckpt::LibraryCudaInfo(); },
       "What `flashckpt --version` says of CUDA in this process: compiled in or not, and the devices the "
       "runtime finds (the first call initialises the CUDA driver)");
+
+  m.def(
+      "export_checkpoint",
+      [](const std::string& dir, const std::string& out, const std::string& weights, const std::string& dtype,
+         const std::string& max_shard_size, const std::string& strip_prefix, unsigned threads) {
+        flashckpt::ExportOptions options;
+        options.weights = weights;
+        options.dtype = dtype;
+        options.max_shard_size = max_shard_size;
+        options.strip_prefix = strip_prefix;
+        options.threads = threads;
+        flashckpt::ExportReport report;
+        flashckpt::Status status;
+        {
+          py::gil_scoped_release release;
+          status = flashckpt::ExportCheckpoint(dir, out, options, &report);
+        }
+        flashckpt::Check(status);
+        return std::make_tuple(report.tensors, report.bytes, report.files, report.index);
+      },
+      "ExportCheckpoint (flashckpt/offline.h); use flashckpt.export");
 
   m.def("inspect", &flashckpt::Inspect, py::arg("obj"),
         "(address, dtype, shape, strides, device_type, device_id, readonly, keepalive) of a DLPack or buffer "

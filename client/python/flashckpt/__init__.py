@@ -2,6 +2,7 @@
 
     flashckpt.Client             one rank's session: register, snapshot, wait_persisted, restore, ema
     flashckpt.torch.Checkpointer PyTorch model + optimizer: save, resume (exactly), ema_state_dict
+    flashckpt.export             a checkpoint's model or EMA weights as Hugging Face safetensors (offline)
 
 Tensors are copied once, straight into the daemon's shared memory; the daemon persists them as
 safetensors files in the background and keeps an fp32 EMA of the weights. Tensors must be
@@ -10,6 +11,7 @@ tensor is refused with a ValueError that names it rather than copied behind your
 """
 
 from .client import Client, Snapshot
+from .offline import export
 from .errors import (CancelledError, CorruptionError, DaemonUnavailableError, DeadlineExceededError,
                      FailedPreconditionError, FlashckptError, InvalidArgumentError, NotFoundError,
                      ResourceExhaustedError, StructureMismatchError)
@@ -17,7 +19,7 @@ from .errors import (CancelledError, CorruptionError, DaemonUnavailableError, De
 from ._flashckpt import __version__  # the project's one version string (common/base/version.h)
 
 __all__ = [
-    "Client", "Snapshot", "FlashckptError", "InvalidArgumentError", "NotFoundError", "FailedPreconditionError",
+    "Client", "Snapshot", "export", "FlashckptError", "InvalidArgumentError", "NotFoundError", "FailedPreconditionError",
     "ResourceExhaustedError", "DeadlineExceededError", "DaemonUnavailableError", "CorruptionError",
     "CancelledError", "StructureMismatchError",
 ]

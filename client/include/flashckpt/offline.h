@@ -1,0 +1,52 @@
+// Offline work on checkpoint directories, without a daemon: export a checkpoint's weights (or its
+// EMA) as a Hugging Face style safetensors directory for evaluation and serving.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "flashckpt/export.h"
+#include "flashckpt/status.h"
+
+namespace flashckpt {
+
+struct ExportOptions {
+  // "model": the model weights; "ema": the EMA tensors, under their parameters' names.
+  std::string weights = "model";
+  // "" keeps each tensor's saved dtype; "fp32", "bf16" or "fp16" converts the floating-point
+  // tensors (fp32, bf16, fp16; narrowing rounds to nearest even). Other dtypes are kept.
+  std::string dtype;
+  // Most bytes of tensor data per output file ("5GB", "500MiB", bytes; K/M/G are powers of 1024
+  // as in every flashckpt size). A tensor larger than it gets a file of its own.
+  std::string max_shard_size = "5GB";
+  // Removed from the start of every tensor name that has it ("model." -> Hugging Face names).
+  std::string strip_prefix;
+  unsigned threads = 4;  // reader threads
+  // Called after each tensor is written: tensor bytes done, and their total.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
+
+struct ExportReport {
+  uint32_t tensors = 0;
+  uint64_t bytes = 0;                    // tensor bytes written (after conversion)
+  std::vector<std::string> files;        // the safetensors files, in order
+  bool index = false;                    // model.safetensors.index.json was written
+};
+
+// Exports the complete checkpoint `checkpoint_dir` into `out_dir` (absent or empty): every tensor
+// of the chosen kind, merged from its tp boxes, pipeline stages and flat ranges into the full
+// tensor, every byte read verified against the checkpoint's checksums. Writes model.safetensors,
+// or model-0000K-of-0000N.safetensors plus model.safetensors.index.json ("metadata":
+// {"total_size"}, "weight_map"), tensors in name order, "format": "pt" in every file's
+// __metadata__. Each file appears by an atomic rename once complete, the index last. Memory: one
+// tensor at a time.
+// Errors: kNotFound for a missing directory or an incomplete checkpoint (no metadata.json);
+// kCorruption for a checksum or header mismatch; kInvalidArgument for a bad option, a checkpoint
+// without tensors of that kind, or two names that strip_prefix makes equal; kAlreadyExists for a
+// non-empty `out_dir`; I/O errors name the file.
+FLASHCKPT_API Status ExportCheckpoint(const std::string& checkpoint_dir, const std::string& out_dir,
+                                      const ExportOptions& options, ExportReport* report);
+
+}  // namespace flashckpt

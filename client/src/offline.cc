@@ -1,0 +1,339 @@
+// ExportCheckpoint (flashckpt/offline.h): a checkpoint's model or EMA weights as a Hugging Face
+// style safetensors directory.
+//
+// The plan comes from metadata.json alone: every tensor of the chosen kind, its full (global)
+// shape, dtype and size after conversion, so the output files (in name order, cut at
+// max_shard_size) and their headers are known before any data is read. Then each tensor is read on
+// its own, as a one-tensor layout of degree (1, 1, 1), by the reader of a resharding restore
+// (FillSlotFromCheckpoint: its tp boxes, pipeline stage and flat ranges merged, every chunk read
+// verified), converted, and appended to its file. Only one tensor is in memory at a time.
+#include "flashckpt/offline.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <vector>
+
+#include "common/base/dtype.h"
+#include "common/base/names.h"
+#include "common/base/thread_pool.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
+#include "common/format/safetensors.h"
+#include "common/io/fs.h"
+#include "common/read/checkpoint_read.h"
+#include "common/read/header_check.h"
+
+namespace flashckpt {
+namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+// The dtype an export converts floating-point tensors to: false for an unknown name; `*convert`
+// false for "" (keep the saved dtypes).
+bool ParseExportDType(const std::string& name, bool* convert, DType* to) {
+  *convert = !name.empty();
+  if (name.empty()) return true;
+  if (name == "fp32" || name == "float32") *to = DType::kF32;
+  else if (name == "bf16" || name == "bfloat16") *to = DType::kBF16;
+  else if (name == "fp16" || name == "float16") *to = DType::kF16;
+  else return false;
+  return true;
+}
+
+bool IsFloat16Or32(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+float F16BitsToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;  // +-0
+  } else {        // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// `n` values of a 16-bit float dtype to fp32 (exact).
+void WidenToF32(const char* in, DType from, uint64_t n, float* out) {
+  for (uint64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, 2);
+    if (from == DType::kBF16) {
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(&out[i], &bits, sizeof(float));
+    } else {
+      out[i] = F16BitsToF32(h);
+    }
+  }
+}
+
+struct OutTensor {
+  std::string key;   // the name in the checkpoint
+  std::string name;  // the name in the export
+  DType saved = DType::kF32;
+  DType out = DType::kF32;
+  std::vector<uint64_t> shape;  // global
+  uint64_t elements = 1;
+  uint64_t out_bytes = 0;
+  size_t file = 0;
+  uint64_t begin = 0;  // in its file's data
+};
+
+Status PrepareOutDir(const std::string& dir) {
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(dir));
+  if (!names) return MakeDirs(dir);
+  if (!names->empty()) return AlreadyExists(dir + " is not empty: the export needs a new or empty directory");
+  return Status::OK();
+}
+
+// Reads tensor `t` in full, verified, into `slot` (reused between calls, grown as needed) and
+// returns where its bytes (in t.out, or t.saved when a widening is left to the caller) start.
+Result<const char*> ReadTensor(const std::string& dir, const CheckpointMetadata& meta, const OutTensor& t, TensorKind kind,
+                               ParallelLoop* loop, std::unique_ptr<char, FreeDeleter>* slot, uint64_t* slot_bytes,
+                               DType* got) {
+  // fp32 saved, 16-bit wanted: the reader narrows (round to nearest even). Otherwise it reads the
+  // saved dtype and the caller converts.
+  const bool narrow = t.saved == DType::kF32 && t.out != DType::kF32 && CanNarrowF32(t.out);
+  TensorSpec spec;
+  spec.name = t.key;
+  spec.kind = kind;
+  spec.dtype = narrow ? t.out : t.saved;
+  spec.shape = t.shape;
+  ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(meta.job, 0, Topology{}, {spec}));
+  if (layout.slot_bytes > *slot_bytes) {
+    slot->reset(static_cast<char*>(std::aligned_alloc(kPageSize, layout.slot_bytes)));
+    if (!*slot) {
+      *slot_bytes = 0;
+      return ResourceExhausted("cannot allocate " + FormatBytes(layout.slot_bytes) + " for tensor '" + t.key + "'");
+    }
+    *slot_bytes = layout.slot_bytes;
+  }
+  FillOptions options;
+  options.loop = loop;
+  options.convert_dtype = narrow;
+  options.headers_checked = true;  // all of them, once, by ExportCheckpoint
+  RETURN_IF_ERROR(FillSlotFromCheckpoint(dir, meta, layout, slot->get(), options).status());
+  *got = spec.dtype;
+  return static_cast<const char*>(slot->get() + layout.placements[0].slot_offset);
+}
+
+// Writes one output file: <dir>/<name>.tmp.*, header then each tensor in order, fdatasync, rename.
+class FileWriter {
+ public:
+  static Result<FileWriter> Open(const std::string& dir, const std::string& name, const std::string& header) {
+    FileWriter w;
+    w.final_ = dir + "/" + name;
+    w.tmp_ = TemporaryPath(w.final_);
+    w.fd_ = ::open(w.tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (w.fd_ < 0) return ErrnoStatus("open", w.tmp_);
+    RETURN_IF_ERROR(w.Append(header.data(), header.size()));
+    return w;
+  }
+  FileWriter() = default;
+  FileWriter(FileWriter&& o) noexcept { *this = std::move(o); }
+  FileWriter& operator=(FileWriter&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    std::swap(tmp_, o.tmp_);
+    std::swap(final_, o.final_);
+    std::swap(offset_, o.offset_);
+    return *this;
+  }
+  ~FileWriter() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlink(tmp_.c_str());
+    }
+  }
+  Status Append(const void* data, uint64_t bytes) {
+    RETURN_IF_ERROR(PwriteFull(fd_, data, bytes, offset_, tmp_));
+    offset_ += bytes;
+    return Status::OK();
+  }
+  Status Commit() {
+    if (::fdatasync(fd_) != 0) return ErrnoStatus("fdatasync", tmp_);
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) {
+      ::unlink(tmp_.c_str());
+      return ErrnoStatus("close", tmp_);
+    }
+    if (::rename(tmp_.c_str(), final_.c_str()) != 0) {
+      Status s = ErrnoStatus("rename", tmp_);
+      ::unlink(tmp_.c_str());
+      return s;
+    }
+    return Status::OK();
+  }
+
+ private:
+  int fd_ = -1;
+  std::string tmp_, final_;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace
+
+Status ExportCheckpoint(const std::string& dir, const std::string& out_dir, const ExportOptions& options,
+                        ExportReport* report) {
+  ExportReport local;
+  if (report == nullptr) report = &local;
+  *report = ExportReport{};
+  if (options.weights != "model" && options.weights != "ema") {
+    return InvalidArgument("weights must be 'model' or 'ema', got '" + options.weights + "'");
+  }
+  const TensorKind kind = options.weights == "ema" ? TensorKind::kEma : TensorKind::kModel;
+  bool convert = false;
+  DType to = DType::kF32;
+  if (!ParseExportDType(options.dtype, &convert, &to)) return InvalidArgument("dtype must be fp32, bf16 or fp16, got '" + options.dtype + "'");
+  const auto max_shard = ParseByteSize(options.max_shard_size);
+  if (!max_shard || *max_shard == 0) {
+    return InvalidArgument("max shard size '" + options.max_shard_size + "' is not a size like 5GB or 500MiB");
+  }
+  if (options.threads < 1 || options.threads > 64) return InvalidArgument("threads must be 1 to 64");
+
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
+  RETURN_IF_ERROR(CheckFileHeaders(dir, meta));
+
+  // One entry per tensor of the kind, from its first piece (the reader checks that every piece of
+  // a key agrees on dtype and global shape).
+  std::map<std::string, OutTensor> by_name;
+  std::map<std::string, std::string> key_of_name;
+  for (const Piece& p : meta.pieces) {
+    if (p.kind != kind) continue;
+    std::string name = p.key;
+    if (!options.strip_prefix.empty() && name.rfind(options.strip_prefix, 0) == 0) {
+      name = name.substr(options.strip_prefix.size());
+      if (name.empty()) return InvalidArgument("stripping '" + options.strip_prefix + "' leaves tensor '" + p.key + "' no name");
+    }
+    auto [it, inserted] = key_of_name.emplace(name, p.key);
+    if (!inserted) {
+      if (it->second != p.key) {
+        return InvalidArgument("tensors '" + it->second + "' and '" + p.key + "' are both '" + name + "' without '" +
+                               options.strip_prefix + "'");
+      }
+      continue;
+    }
+    OutTensor t;
+    t.key = p.key;
+    t.name = name;
+    t.saved = p.dtype;
+    t.out = convert && IsFloat16Or32(p.dtype) ? to : p.dtype;
+    t.shape = p.global_shape.empty() ? p.shape : p.global_shape;
+    for (uint64_t d : t.shape) t.elements *= d;
+    t.out_bytes = t.elements * DTypeSize(t.out);
+    by_name.emplace(name, std::move(t));
+  }
+  if (by_name.empty()) {
+    return InvalidArgument("checkpoint " + dir + " has no " + std::string(TensorKindName(kind)) + " tensors" +
+                           (kind == TensorKind::kEma ? " (it was saved without an EMA)" : ""));
+  }
+
+  // The files: tensors in name order, a new file when the next would pass the shard size.
+  std::vector<OutTensor> tensors;
+  for (auto& [name, t] : by_name) tensors.push_back(std::move(t));
+  std::vector<uint64_t> file_bytes;
+  uint64_t total = 0;
+  for (OutTensor& t : tensors) {
+    if (file_bytes.empty() || (file_bytes.back() > 0 && file_bytes.back() + t.out_bytes > *max_shard)) {
+      file_bytes.push_back(0);
+    }
+    t.file = file_bytes.size() - 1;
+    t.begin = file_bytes.back();
+    file_bytes.back() += t.out_bytes;
+    total += t.out_bytes;
+  }
+  const size_t n_files = file_bytes.size();
+  auto file_name = [&](size_t i) {
+    if (n_files == 1) return std::string("model.safetensors");
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", i + 1, n_files);
+    return std::string(buf);
+  };
+
+  RETURN_IF_ERROR(PrepareOutDir(out_dir));
+  ParallelLoop loop(options.threads - 1);
+  std::unique_ptr<char, FreeDeleter> slot;
+  uint64_t slot_bytes = 0;
+  std::vector<float> widened;
+  std::vector<char> narrowed;
+  uint64_t done = 0;
+  size_t next = 0;
+  for (size_t f = 0; f < n_files; ++f) {
+    SafetensorsHeaderBuilder builder;
+    builder.AddMetadata("format", "pt");
+    builder.AddMetadata("flashckpt_job", meta.job);
+    builder.AddMetadata("flashckpt_step", std::to_string(meta.step));
+    builder.AddMetadata("flashckpt_weights", options.weights);
+    size_t end = next;
+    while (end < tensors.size() && tensors[end].file == f) {
+      const OutTensor& t = tensors[end];
+      builder.AddTensor(t.name, t.out, t.shape, t.begin, t.begin + t.out_bytes);
+      ++end;
+    }
+    ASSIGN_OR_RETURN(auto header, builder.Build());
+    ASSIGN_OR_RETURN(FileWriter writer, FileWriter::Open(out_dir, file_name(f), header.bytes));
+    for (; next < end; ++next) {
+      const OutTensor& t = tensors[next];
+      DType got = t.saved;
+      ASSIGN_OR_RETURN(const char* data, ReadTensor(dir, meta, t, kind, &loop, &slot, &slot_bytes, &got));
+      const char* bytes = data;
+      if (got != t.out) {  // a 16-bit dtype to fp32, or to the other 16-bit dtype
+        widened.resize(t.elements);
+        WidenToF32(data, got, t.elements, widened.data());
+        bytes = reinterpret_cast<const char*>(widened.data());
+        if (t.out != DType::kF32) {
+          narrowed.resize(t.out_bytes);
+          NarrowF32(widened.data(), t.elements, t.out, narrowed.data());
+          bytes = narrowed.data();
+        }
+      }
+      RETURN_IF_ERROR(writer.Append(bytes, t.out_bytes));
+      done += t.out_bytes;
+      ++report->tensors;
+      if (options.progress) options.progress(done, total);
+    }
+    RETURN_IF_ERROR(writer.Commit());
+    report->files.push_back(file_name(f));
+    // Large buffers are not kept past the tensor that needed them.
+    std::vector<float>().swap(widened);
+    std::vector<char>().swap(narrowed);
+  }
+  report->bytes = done;
+  if (n_files > 1) {
+    nlohmann::ordered_json index;
+    index["metadata"] = {{"total_size", total}};
+    nlohmann::ordered_json map = nlohmann::ordered_json::object();
+    for (const OutTensor& t : tensors) map[t.name] = file_name(t.file);
+    index["weight_map"] = std::move(map);
+    RETURN_IF_ERROR(WriteFileDurably(out_dir, "model.safetensors.index.json", index.dump(2) + "\n"));
+    report->index = true;
+  } else {
+    RETURN_IF_ERROR(FsyncDir(out_dir));
+  }
+  return Status::OK();
+}
+
+}  // namespace flashckpt
