@@ -364,6 +364,39 @@ int RunExport(const std::string& src, const std::string& dst, const std::string&
   return kExitOk;
 }
 
+int RunImport(const std::string& src, const std::string& root, const std::string& job, int64_t step,
+              const std::string& add_prefix, const std::string& checksum_chunk, bool progress) {
+  if (Status bad = CheckCheckpointDir(src); !bad.ok()) {
+    std::cerr << "flashckpt: import " << src << ": " << bad.message() << "\n";
+    return kExitFailed;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<uint64_t> done{0};
+  std::unique_ptr<ProgressLine> line;
+  ImportOptions options;
+  options.root = root;
+  options.job = job;
+  options.step = step;
+  options.add_prefix = add_prefix;
+  options.checksum_chunk = checksum_chunk;
+  options.progress = [&](uint64_t d, uint64_t t) {
+    done = d;
+    if (progress && !line) line = std::make_unique<ProgressLine>("import", t, [&done] { return done.load(); });
+  };
+  ImportReport report;
+  Status s = ImportCheckpoint(src, options, &report);
+  if (line) line->Finish(s.ok());
+  if (!s.ok()) {
+    std::cerr << "flashckpt: import " << src << " failed: " << s.ToString() << "\n";
+    return s.code() == StatusCode::kCorruption || s.code() == StatusCode::kNotFound ? kExitVerifyFailed : kExitFailed;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("ok: %s -> %s: %u tensors, %s from %u file%s in %.2f s\n", src.c_str(), report.checkpoint_dir.c_str(),
+              report.tensors, FormatBytes(report.bytes).c_str(), report.source_files,
+              report.source_files == 1 ? "" : "s", secs);
+  return kExitOk;
+}
+
 int RunInspect(const std::string& dir, bool json) {
   if (Status bad = CheckCheckpointDir(dir); !bad.ok()) {
     std::cerr << "flashckpt: inspect " << dir << ": " << bad.message() << "\n";

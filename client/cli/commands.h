@@ -55,6 +55,10 @@ int RunReshard(const std::string& src, const std::string& dst, uint32_t tp, uint
 // `progress`: a progress line on stderr (tensor bytes written of their total, GB/s, ETA).
 int RunExport(const std::string& src, const std::string& dst, const std::string& weights, const std::string& dtype,
               const std::string& max_shard_size, const std::string& strip_prefix, unsigned threads, bool progress);
+// Offline: ImportCheckpoint (flashckpt/offline.h) of the Hugging Face directory `src` as checkpoint
+// `step` of the new job `job` under `root`, then a summary line.
+int RunImport(const std::string& src, const std::string& root, const std::string& job, int64_t step,
+              const std::string& add_prefix, const std::string& checksum_chunk, bool progress);
 // Offline: a complete checkpoint's topology, files, tensors, sizes and EMA, from its metadata.json
 // once every file's header agrees with it (CheckFileHeaders; no tensor data is read). An incomplete
 // or corrupt one, or one whose metadata.json disagrees with a file, is kExitVerifyFailed, a missing

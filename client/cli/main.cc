@@ -102,6 +102,22 @@ int main(int argc, char** argv) {
   exp->add_flag("--progress", progress,
                 "Print progress (bytes, GB/s, ETA) on stderr every second; on by default when stderr is a terminal");
 
+  std::string import_root, import_job, add_prefix;
+  int64_t import_step = 0;
+  CLI::App* imp = app.add_subcommand(
+      "import", "Write a Hugging Face safetensors directory as the first checkpoint of a new job (offline)");
+  imp->add_option("src", dir, "The directory with model.safetensors, or model.safetensors.index.json and its files")
+      ->required();
+  imp->add_option("--root", import_root, "The checkpoint root (flashckptd --root)")->required();
+  imp->add_option("--job", import_job, "The new job: it must have no checkpoints")->required();
+  imp->add_option("--step", import_step, "The checkpoint's step")
+      ->check(CLI::Range(int64_t{0}, int64_t{999'999'999'999'999'999}))
+      ->capture_default_str();
+  imp->add_option("--add-prefix", add_prefix, "Put this before every tensor name (model. for a Checkpointer's names)");
+  imp->add_option("--checksum-chunk", chunk, "Per-chunk checksum size of the written file")->capture_default_str();
+  imp->add_flag("--progress", progress,
+                "Print progress (bytes, GB/s, ETA) on stderr every second; on by default when stderr is a terminal");
+
   CLI::App* inspect =
       app.add_subcommand("inspect", "Show a complete checkpoint's topology, files, tensors, sizes and EMA (offline)");
   inspect->add_option("dir", dir, "The checkpoint directory, e.g. <root>/<job>/checkpoint-1200")->required();
@@ -139,6 +155,10 @@ int main(int argc, char** argv) {
   }
   if (*exp) {
     return flashckpt::cli::RunExport(dir, dst, weights, dtype, max_shard_size, strip_prefix, threads,
+                                     progress || ::isatty(STDERR_FILENO));
+  }
+  if (*imp) {
+    return flashckpt::cli::RunImport(dir, import_root, import_job, import_step, add_prefix, chunk,
                                      progress || ::isatty(STDERR_FILENO));
   }
   if (*inspect) return flashckpt::cli::RunInspect(dir, json);

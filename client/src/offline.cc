@@ -1,18 +1,27 @@
-// ExportCheckpoint (flashckpt/offline.h): a checkpoint's model or EMA weights as a Hugging Face
-// style safetensors directory.
+// ExportCheckpoint and ImportCheckpoint (flashckpt/offline.h): a checkpoint's model or EMA weights
+// as a Hugging Face style safetensors directory, and such a directory as a job's first checkpoint.
 //
+// Export:
 // The plan comes from metadata.json alone: every tensor of the chosen kind, its full (global)
 // shape, dtype and size after conversion, so the output files (in name order, cut at
 // max_shard_size) and their headers are known before any data is read. Then each tensor is read on
 // its own, as a one-tensor layout of degree (1, 1, 1), by the reader of a resharding restore
 // (FillSlotFromCheckpoint: its tp boxes, pipeline stage and flat ranges merged, every chunk read
 // verified), converted, and appended to its file. Only one tensor is in memory at a time.
+//
+// Import: every header of the input is parsed defensively first (the index, each file, every
+// tensor's place in exactly one file); then one rank's layout of (1, 1, 1) is built from them, and
+// each tensor is copied 16 MiB at a time from its source file into the model_state file, hashed per
+// chunk and whole on the way; the header template gets the step and the checksums and is written
+// last, then the file is synced and renamed, then saved_signal_0, metadata.json and LATEST.
 #include "flashckpt/offline.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -24,9 +33,12 @@
 #include "common/base/dtype.h"
 #include "common/base/names.h"
 #include "common/base/thread_pool.h"
+#include "common/format/checksum.h"
+#include "common/format/hf.h"
 #include "common/format/layout.h"
 #include "common/format/metadata.h"
 #include "common/format/safetensors.h"
+#include "common/format/signal.h"
 #include "common/io/fs.h"
 #include "common/read/checkpoint_read.h"
 #include "common/read/header_check.h"
@@ -172,6 +184,11 @@ class FileWriter {
     offset_ += bytes;
     return Status::OK();
   }
+  Status WriteAt(const void* data, uint64_t bytes, uint64_t offset) { return PwriteFull(fd_, data, bytes, offset, tmp_); }
+  Status Truncate(uint64_t bytes) {
+    if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return ErrnoStatus("ftruncate", tmp_);
+    return Status::OK();
+  }
   Status Commit() {
     if (::fdatasync(fd_) != 0) return ErrnoStatus("fdatasync", tmp_);
     const int fd = fd_;
@@ -194,7 +211,132 @@ class FileWriter {
   uint64_t offset_ = 0;
 };
 
+// --- import ----------------------------------------------------------------------------------
+
+constexpr uint64_t kCopyPiece = 16ull << 20;
+
+void PutDigits(std::string* head, uint64_t at, const std::string& digits) {
+  head->replace(at, digits.size(), digits);
+}
+
 }  // namespace
+
+Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options, ImportReport* report) {
+  ImportReport local;
+  if (report == nullptr) report = &local;
+  *report = ImportReport{};
+  RETURN_IF_ERROR(ValidateJobName(options.job));
+  if (options.step < 0 || options.step > kMaxStep) {
+    return InvalidArgument("step must be 0 to " + std::to_string(kMaxStep) + ", got " + std::to_string(options.step));
+  }
+  const auto chunk = ParseByteSize(options.checksum_chunk);
+  if (!chunk) return InvalidArgument("checksum chunk '" + options.checksum_chunk + "' is not a size like 1MiB");
+  RETURN_IF_ERROR(ValidateChecksumChunk(*chunk));
+  ASSIGN_OR_RETURN(auto root_names, ListDirIfExists(options.root));
+  if (!root_names) return NotFound("the root " + options.root + " does not exist");
+  const std::string job_dir = options.root + "/" + options.job;
+  ASSIGN_OR_RETURN(auto job_names, ListDirIfExists(job_dir));
+  for (const std::string& name : job_names.value_or(std::vector<std::string>{})) {
+    if (name == "LATEST" || ParseCheckpointDirName(name)) {
+      return AlreadyExists("job '" + options.job + "' already has checkpoints (" + job_dir + "/" + name +
+                           "): import starts a new job");
+    }
+  }
+
+  ASSIGN_OR_RETURN(auto sources, ReadHfDirectory(hf_dir, &report->source_files));
+  std::vector<TensorSpec> specs;
+  std::map<std::string, const HfTensor*> source_of;  // by name in the checkpoint
+  for (const auto& [name, src] : sources) {
+    TensorSpec spec;
+    spec.name = options.add_prefix + name;
+    spec.kind = TensorKind::kModel;
+    spec.dtype = src.entry.dtype;
+    spec.shape = src.entry.shape;
+    source_of[spec.name] = &src;
+    specs.push_back(std::move(spec));
+  }
+  LayoutExtras extras;
+  extras.checksum_chunk = *chunk;
+  auto built = BuildRankLayout(options.job, 0, Topology{}, specs, extras);
+  if (!built.ok()) return built.status().WithContext("importing " + hf_dir);
+  const RankLayout& layout = *built;
+  uint64_t total = 0;
+  for (const Placement& p : layout.placements) total += p.bytes;
+
+  RETURN_IF_ERROR(MakeDirs(job_dir));
+  const std::string dir = job_dir + "/" + CheckpointDirName(options.step);
+  if (::mkdir(dir.c_str(), 0755) != 0) return ErrnoStatus("mkdir", dir);
+  report->checkpoint_dir = dir;
+  auto write_all = [&]() -> Status {
+    std::map<std::string, UniqueFd> inputs;
+    std::vector<char> buffer(std::max(kCopyPiece, *chunk));
+    std::vector<std::string> names;
+    uint64_t file_bytes = 0, done = 0;
+    for (const FileImage& image : layout.files) {
+      std::string head = image.header;
+      char step_digits[kStepFieldWidth + 1];
+      std::snprintf(step_digits, sizeof step_digits, "%020lld", static_cast<long long>(options.step));
+      PutDigits(&head, image.step_field, std::string(step_digits, kStepFieldWidth));
+      const std::string name = image.stem + ".safetensors";
+      ASSIGN_OR_RETURN(FileWriter writer, FileWriter::Open(dir, name, ""));
+      for (size_t t : image.tensors) {
+        const Placement& p = layout.placements[t];
+        const HfTensor& src = *source_of.at(layout.tensors[t].name);
+        const std::string in_path = hf_dir + "/" + src.file;
+        auto in = inputs.find(src.file);
+        if (in == inputs.end()) {
+          ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(in_path));
+          in = inputs.emplace(src.file, std::move(fd)).first;
+        }
+        const uint64_t from = src.data_start + src.entry.begin, at = p.slot_offset - image.slot_offset;
+        // Pieces of whole checksum chunks (a tensor of one chunk has no per-chunk checksums).
+        const uint64_t piece = std::max(kCopyPiece, *chunk) / *chunk * *chunk;
+        Xxh3Stream whole;
+        for (uint64_t pos = 0; pos < p.bytes; pos += piece) {
+          const uint64_t n = std::min(piece, p.bytes - pos);
+          for (uint64_t got = 0; got < n;) {
+            const ssize_t r = ::pread(in->second.get(), buffer.data() + got, n - got, static_cast<off_t>(from + pos + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) return ErrnoStatus("pread", in_path);
+            if (r == 0) return Corruption(in_path + ": tensor '" + src.entry.name + "' ends past the end of the file");
+            got += static_cast<uint64_t>(r);
+          }
+          whole.Update(buffer.data(), n);
+          if (p.chunks_field != 0) {
+            for (uint64_t c = 0; c < n; c += p.checksum_chunk) {  // p.checksum_chunk == *chunk here
+              const uint64_t k = (pos + c) / p.checksum_chunk;
+              PutDigits(&head, p.chunks_field - image.slot_offset + k * kChecksumFieldWidth,
+                        ChecksumHex(Xxh3(buffer.data() + c, std::min(p.checksum_chunk, n - c))));
+            }
+          }
+          RETURN_IF_ERROR(writer.WriteAt(buffer.data(), n, at + pos));
+        }
+        PutDigits(&head, p.checksum_field - image.slot_offset, ChecksumHex(whole.Digest()));
+        done += p.bytes;
+        ++report->tensors;
+        if (options.progress) options.progress(done, total);
+      }
+      RETURN_IF_ERROR(writer.WriteAt(head.data(), head.size(), 0));
+      RETURN_IF_ERROR(writer.Truncate(image.file_bytes()));
+      RETURN_IF_ERROR(writer.Commit());
+      names.push_back(name);
+      file_bytes += image.file_bytes();
+    }
+    RETURN_IF_ERROR(FsyncDir(dir));
+    Signal signal;
+    signal.rank = 0;
+    signal.step = options.step;
+    signal.files = names;
+    RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(0), EncodeSignal(options.job, signal, file_bytes)));
+    ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, names));
+    RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta)));
+    report->bytes = done;
+    return WriteFileDurably(job_dir, "LATEST", std::to_string(options.step) + "\n");
+  };
+  Status s = write_all();
+  if (!s.ok()) (void)RemoveTree(dir);  // nothing of a failed import stays to block the next one
+  return s;
+}
 
 Status ExportCheckpoint(const std::string& dir, const std::string& out_dir, const ExportOptions& options,
                         ExportReport* report) {

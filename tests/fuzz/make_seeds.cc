@@ -74,6 +74,7 @@ Status WriteSeeds(const std::string& root) {
   const std::string signals = root + "/signal";
   for (const auto& dir : {headers, metadata, signals}) RETURN_IF_ERROR(MakeDirs(dir));
 
+
   // Two shard ranks: the weight "w" (4 x 260 f32: two 4 KiB checksum chunks) is saved by shard 0
   // and a replica on shard 1; its optimizer state is split between them as flat ranges.
   Topology topology;
@@ -116,7 +117,24 @@ Status WriteSeeds(const std::string& root) {
   meta.run_id = "seed-run";
   meta.resumed_from = 1000;
   RETURN_IF_ERROR(WriteFileDurably(metadata, "metadata.json", MetadataToJson(meta)));
-  return WriteCompactCopies(headers, meta);
+  RETURN_IF_ERROR(WriteCompactCopies(headers, meta));
+
+  // What `flashckpt import` reads: a Hugging Face file (a compact header, "format": "pt", two
+  // tensors) and an index, named so that the gathering above (of *.safetensors) skips them.
+  {
+    const std::string json =
+        R"({"__metadata__":{"format":"pt"},"a.weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
+        R"("b":{"dtype":"BF16","shape":[2],"data_offsets":[16,20]}})";
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
+    file += json + std::string(20, '\x01');
+    RETURN_IF_ERROR(WriteFileDurably(headers, "hf-model-file", file));
+    RETURN_IF_ERROR(WriteFileDurably(
+        headers, "hf-index-json",
+        R"({"metadata":{"total_size":20},"weight_map":{"a.weight":"model-00001-of-00002.safetensors",)"
+        R"("b":"model-00002-of-00002.safetensors"}})"));
+  }
+  return Status::OK();
 }
 
 }  // namespace

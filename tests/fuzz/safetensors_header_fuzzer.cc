@@ -5,6 +5,9 @@
 // metadata (job, step, topology, EMA record) and each tensor's piece description. Properties: no
 // crash, every piece lies in the file's data region with a byte size that matches its dtype and
 // shape, and the metadata.json written from an accepted file parses back to the same checkpoint.
+// The same bytes also go through the reader of `flashckpt import` (common/format/hf.h): as the one
+// file of a Hugging Face directory (every tensor it accepts lies in the file with a matching size)
+// and as its index (every file it names is a plain name).
 #include <fcntl.h>
 #include <stdlib.h>
 
@@ -14,6 +17,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/format/hf.h"
 #include "common/format/metadata.h"
 #include "common/io/fs.h"
 #include "fuzz_check.h"
@@ -49,6 +53,31 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     FUZZ_CHECK(fd.valid());
     FUZZ_CHECK(PwriteFull(fd.get(), data, size, 0, path).ok());
+  }
+  {
+    static const std::string& hf = *new std::string(dir + "/hf");
+    FUZZ_CHECK(MakeDirs(hf).ok());
+    const std::string hf_path = hf + "/model.safetensors";
+    UniqueFd fd(::open(hf_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    FUZZ_CHECK(fd.valid());
+    FUZZ_CHECK(PwriteFull(fd.get(), data, size, 0, hf_path).ok());
+    auto tensors = ReadHfDirectory(hf);
+    if (tensors.ok()) {
+      FUZZ_CHECK(!tensors->empty());
+      for (const auto& [name, t] : *tensors) {
+        FUZZ_CHECK(t.file == "model.safetensors" && t.entry.name == name);
+        auto bytes = TensorBytes(t.entry.dtype, t.entry.shape);
+        FUZZ_CHECK(bytes.ok() && *bytes == t.entry.end - t.entry.begin);
+        FUZZ_CHECK(t.entry.begin <= t.entry.end && t.data_start + t.entry.end <= size);
+      }
+    }
+    auto index = ParseHfIndex(std::string_view(reinterpret_cast<const char*>(data), size), "index");
+    if (index.ok()) {
+      FUZZ_CHECK(!index->empty());
+      for (const auto& [name, file] : *index) {
+        FUZZ_CHECK(!file.empty() && file != "." && file != ".." && file.find('/') == std::string::npos);
+      }
+    }
   }
   auto meta = BuildMetadataFromFiles(dir, {kFileName});
   if (!meta.ok()) return 0;

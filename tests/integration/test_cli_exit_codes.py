@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The exit statuses of the offline `flashckpt` commands, run as the real binary (no daemon).
 
-One rule for every offline command (those whose help says "offline": verify, inspect, reshard, export), as
+One rule for every offline command (those whose help says "offline": verify, inspect, reshard, export, import), as
 `flashckpt --help` and docs/reference.md state it:
   - the directory it reads is missing, or is not a directory: exit 3, and stderr says which;
   - the directory exists but holds an incomplete checkpoint (no metadata.json): exit 1.
@@ -26,6 +26,7 @@ COMMANDS = {
     "verify": lambda d, tmp: ["verify", d],
     "inspect": lambda d, tmp: ["inspect", d],
     "export": lambda d, tmp: ["export", d, os.path.join(tmp, "exported")],
+    "import": lambda d, tmp: ["import", d, "--root", tmp, "--job", "imported"],
     "reshard": lambda d, tmp: ["reshard", d, os.path.join(tmp, "resharded"), "--tp-degree", "1",
                                "--pp-degree", "1", "--shard-degree", "1"],
 }

@@ -1,5 +1,6 @@
 // Offline work on checkpoint directories, without a daemon: export a checkpoint's weights (or its
-// EMA) as a Hugging Face style safetensors directory for evaluation and serving.
+// EMA) as a Hugging Face style safetensors directory for evaluation and serving, and import such a
+// directory as the first checkpoint of a job (pretrained weights to start from).
 #pragma once
 
 #include <cstdint>
@@ -48,5 +49,36 @@ struct ExportReport {
 // non-empty `out_dir`; I/O errors name the file.
 FLASHCKPT_API Status ExportCheckpoint(const std::string& checkpoint_dir, const std::string& out_dir,
                                       const ExportOptions& options, ExportReport* report);
+
+struct ImportOptions {
+  std::string root;     // the checkpoint root (flashckptd --root)
+  std::string job;      // a new job: it must have no checkpoints yet
+  int64_t step = 0;     // the checkpoint's step
+  std::string add_prefix;  // put before every tensor name ("model." for a Checkpointer's names)
+  // Per-chunk checksum size of the written file (a power of two, 4KiB..1GiB), as flashckptd
+  // --checksum-chunk.
+  std::string checksum_chunk = "1MiB";
+  // Called after each tensor is written: tensor bytes done, and their total.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
+
+struct ImportReport {
+  uint32_t tensors = 0;
+  uint64_t bytes = 0;
+  uint32_t source_files = 0;
+  std::string checkpoint_dir;  // <root>/<job>/checkpoint-<step>
+};
+
+// Imports the Hugging Face safetensors directory `hf_dir` (model.safetensors, or
+// model.safetensors.index.json and the files its weight_map names) as checkpoint `step` of a new job:
+// one rank's layout (tp, pp, shard) = (1, 1, 1) holding every tensor as a model weight, with
+// checksums, its saved_signal_0, metadata.json (written last: the checkpoint is complete only then)
+// and LATEST. Any layout restores from it (the resharding restore cuts each rank's boxes out of the
+// full tensors). The input is untrusted: every header is parsed defensively, and a bad header,
+// offsets out of range, an index naming a missing file or a tensor its file lacks, a tensor in two
+// files, or an unknown dtype is kCorruption naming the file and tensor. kNotFound: `hf_dir` holds
+// neither model.safetensors nor the index; kAlreadyExists: the job has checkpoints. Tensors are
+// copied piece by piece (16 MiB at a time), never whole in memory.
+FLASHCKPT_API Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options, ImportReport* report);
 
 }  // namespace flashckpt
