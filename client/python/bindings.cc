@@ -332,14 +332,21 @@ class PyClient {
 
   // -> (found, step, extra, bytes)
   py::tuple Restore(std::optional<int64_t> step, const std::vector<PyBuffer>& buffers, double timeout,
-                    bool convert_dtype) {
+                    bool convert_dtype, const std::vector<std::string>& kinds, const std::string& source_job) {
     std::vector<TensorBuffer> b = Buffers(buffers);
+    RestoreOptions options;
+    options.convert_dtype = convert_dtype;
+    options.source_job = source_job;
+    for (const std::string& kind : kinds) {
+      if (kind == "model") options.kinds.push_back(TensorKind::kModel);
+      else if (kind == "optimizer") options.kinds.push_back(TensorKind::kOptimizer);
+      else if (kind == "master_weight") options.kinds.push_back(TensorKind::kMasterWeight);
+      else Raise(InvalidArgument("restore kind '" + kind + "' is not model, optimizer or master_weight"));
+    }
     Result<RestoreResult> restored = Status(StatusCode::kInternal, "not run");
     Client* client = Live();  // raises, so it must run with the GIL held
     {
       py::gil_scoped_release release;
-      RestoreOptions options;
-      options.convert_dtype = convert_dtype;
       restored = client->Restore(step, b, Millis(timeout), options);
     }
     RestoreResult r = Take(std::move(restored));
@@ -454,7 +461,8 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def("wait_complete", &PyClient::WaitComplete, py::arg("step"), py::arg("timeout"))
       .def("run_id", &PyClient::RunId)
       .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"),
-           py::arg("convert_dtype") = false)
+           py::arg("convert_dtype") = false, py::arg("kinds") = std::vector<std::string>{},
+           py::arg("source_job") = std::string())
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))
       .def("status_json", &PyClient::StatusJson)

@@ -12,6 +12,7 @@
 #include "client/src/client_impl.h"
 #include "client/src/host_copy.h"
 #include "client/src/wire.h"
+#include "proto/convert.h"
 #include "common/base/cuda_info.h"
 #include "common/base/status.h"
 
@@ -401,9 +402,21 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   if (step && *step <= 0) return InvalidArgument("restore step must be positive (or nullopt for the latest)");
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, Selection::kAll));
   RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());  // before the daemon reads anything
+  if (!options.source_job.empty() && options.kinds.empty()) {
+    return InvalidArgument("a restore from another job (source_job '" + options.source_job +
+                           "') must name the tensor kinds it wants");
+  }
   v1::RestoreRequest req;
   req.set_step(step.value_or(0));
   req.set_convert_dtype(options.convert_dtype);
+  for (TensorKind kind : options.kinds) {
+    if (kind == TensorKind::kEma) return InvalidArgument("restore kinds are model, optimizer and master_weight");
+    req.add_kinds(TensorKindToProto(kind));
+  }
+  req.set_source_job(options.source_job);
+  auto wanted = [&](const MappedTensor& t) {
+    return options.kinds.empty() || std::find(options.kinds.begin(), options.kinds.end(), t.kind) != options.kinds.end();
+  };
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::RestoreResponse resp;
   RETURN_IF_ERROR(impl_->WithSession([&] {
@@ -420,6 +433,7 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   const char* base = impl_->Slot(resp.slot());
   std::vector<CopyTask> tasks;
   for (const auto& [buffer, mapped] : matched) {
+    if (!wanted(*mapped)) continue;  // not read by the daemon: left as it is
     tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
     result.bytes += buffer->bytes;
   }
@@ -429,7 +443,8 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   RETURN_IF_ERROR(released);
   result.found = true;
   result.step = resp.step();
-  impl_->resumed_from = resp.step();  // the attempt this process's later saves belong to
+  // The attempt this process's later saves belong to (weights of another job start none).
+  if (options.source_job.empty()) impl_->resumed_from = resp.step();
   result.extra = resp.extra();
   return result;
 }

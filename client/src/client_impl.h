@@ -33,6 +33,7 @@ struct MappedTensor {
   uint64_t bytes = 0;
   bool replica = false;
   bool ema_source = false;  // read by the daemon's EMA: the only tensors an EMA-only snapshot copies
+  TensorKind kind = TensorKind::kModel;
 };
 
 // Which registered tensors a call moves.

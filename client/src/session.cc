@@ -121,7 +121,10 @@ Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
       Unmap();
       return Internal("the daemon placed tensor '" + p.name() + "' outside its slot");
     }
-    tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source()};
+    TensorKind kind = TensorKind::kModel;
+    if (p.kind() == v1::TENSOR_KIND_OPTIMIZER) kind = TensorKind::kOptimizer;
+    if (p.kind() == v1::TENSOR_KIND_MASTER_WEIGHT) kind = TensorKind::kMasterWeight;
+    tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), p.file().empty(), p.ema_source(), kind};
   }
   ema_tensors.clear();
   for (const auto& p : resp.ema_placements()) {
@@ -129,7 +132,7 @@ Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
       Unmap();
       return Internal("the daemon placed EMA tensor '" + p.name() + "' outside its slot");
     }
-    ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false};
+    ema_tensors[p.name()] = MappedTensor{p.slot_offset(), p.bytes(), false, false, TensorKind::kEma};
   }
   return Status::OK();
 }

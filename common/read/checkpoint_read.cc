@@ -207,6 +207,10 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
   FillStats stats;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const TensorSpec& t = layout.tensors[i];
+    if (!options.kinds.empty() &&
+        std::find(options.kinds.begin(), options.kinds.end(), t.kind) == options.kinds.end()) {
+      continue;  // not asked for: its slot bytes stay as they are
+    }
     char* dest = slot + layout.placements[i].slot_offset;
     stats.bytes_needed += layout.placements[i].bytes;
     auto [lo, hi] = by_key.equal_range(t.name);

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/base/status.h"
 #include "common/base/thread_pool.h"
@@ -41,6 +42,9 @@ struct FillOptions {
   // (CheckFileHeaders, common/read/header_check.h), as a reader of many layouts from one
   // checkpoint does once: the headers are not read again.
   bool headers_checked = false;
+  // Fill only the layout's tensors of these kinds (empty: all); the slot bytes of the others are
+  // left untouched.
+  std::vector<TensorKind> kinds;
 };
 
 struct FillStats {

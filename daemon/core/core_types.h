@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "flashckpt/daemon_types.h"
+#include "flashckpt/tensor.h"
 
 namespace flashckpt {
 
@@ -19,6 +20,17 @@ struct TensorLocation {
   uint64_t slot_offset = 0;
   uint64_t bytes = 0;
   bool ema_source = false;  // read by the daemon's EMA: the only tensors an EMA-only snapshot copies
+  TensorKind kind = TensorKind::kModel;
+};
+
+// What a restore reads (RestoreRequest): with convert_dtype, bf16/fp16 tensors may be filled from
+// fp32 saved ones; `kinds` (empty: all) limits it to the rank's tensors of those kinds, and then the
+// EMA is not loaded; `source_job` (empty: the session's own) reads another job's checkpoint, which
+// starts no attempt of the session's job.
+struct RestoreWant {
+  bool convert_dtype = false;
+  std::vector<TensorKind> kinds;
+  std::string source_job;
 };
 
 // Register's answer: the rank's segment and its slots.

@@ -584,6 +584,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     p.file = f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem;
     p.slot_offset = seg.layout.placements[i].slot_offset;
     p.bytes = seg.layout.placements[i].bytes;
+    p.kind = seg.layout.tensors[i].kind;
     if (seg.ema) {
       const auto& sources = seg.ema->plan().source;
       p.ema_source = std::find(sources.begin(), sources.end(), i) != sources.end();

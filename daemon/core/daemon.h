@@ -147,9 +147,9 @@ class Daemon {
   // DEADLINE_EXCEEDED naming the ranks whose signals are missing.
   Status WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // step 0 means the latest complete checkpoint; found=false when there is none.
-  // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout; with
-  // convert_dtype, bf16/fp16 tensors may be filled from fp32 saved ones.
-  Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, bool convert_dtype,
+  // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout, as `want`
+  // says (RestoreWant).
+  Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                  std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   struct EmaCopy {

@@ -63,7 +63,7 @@ Status ReadRestoreExtra(const std::string& dir, const std::string& job, uint32_t
 
 }  // namespace
 
-Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step, bool convert_dtype,
+Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                        std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("restore step must be non-negative (0 = latest)");
   auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -76,6 +76,9 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     job = sessions_[session_id].job;
     rank_id = sessions_[session_id].rank;
   }
+  // The job whose checkpoint is read: the session's own, or another one's (pretrained weights).
+  const bool own = want.source_job.empty() || want.source_job == job;
+  const std::string source = own ? job : want.source_job;
   RestoreOutcome out;
   // Retention must not delete the checkpoint while it is read: mark the step in use first, then
   // check that it is (still) complete. Until the slot is filled, `in_use` keeps it.
@@ -85,24 +88,39 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     if (requested == 0) {
       // Only a job with no checkpoint at all answers found=false; a root that cannot be read is an
       // error the trainer sees, never a start from scratch.
-      ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
+      ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(source));
       if (!latest) return out;  // found = false
       step = *latest;
     }
-    in_use = catalog_.Use(job, step);
-    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    in_use = catalog_.Use(source, step);
+    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(source, step));
     if (complete) break;
     // The latest was deleted between the look-up and the registration (a newer one completed
     // meanwhile): look again.
     if (requested != 0 || attempt >= 8) {
-      return NotFound("checkpoint-" + std::to_string(step) + " of job '" + job +
+      return NotFound("checkpoint-" + std::to_string(step) + " of job '" + source +
                       "' does not exist or is incomplete (no metadata.json)");
     }
   }
-  std::string dir = catalog_.CheckpointDir(job, step);
+  std::string dir = catalog_.CheckpointDir(source, step);
   ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, RootIo()));
-  if (meta.job != job || meta.step != step) {
+  if (meta.job != source || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
+  }
+  // Every kind asked for that the rank holds must be in the checkpoint (an imported one holds model
+  // weights only). A full restore names the first missing tensor instead (FillSlotFromCheckpoint).
+  if (!want.kinds.empty()) {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    const auto& tensors = rank->segment->layout.tensors;
+    for (TensorKind kind : want.kinds) {
+      const bool held = std::any_of(tensors.begin(), tensors.end(), [&](const TensorSpec& t) { return t.kind == kind; });
+      const bool saved = std::any_of(meta.pieces.begin(), meta.pieces.end(), [&](const Piece& p) { return p.kind == kind; });
+      if (held && !saved) {
+        return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + source + "' holds no " +
+                                  std::string(TensorKindName(kind)) + " tensors; restore only the kinds it has");
+      }
+    }
   }
 
   ASSIGN_OR_RETURN(LoadingSlot loading,
@@ -115,17 +133,18 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   // that a checkpoint deleted under the restore (by another daemon's retention on a shared root)
   // fails it rather than hand over tensors without their extra state.
   std::string extra;
-  Status extra_status = ReadRestoreExtra(dir, job, rank_id, step, RootIo(), &extra);
+  Status extra_status = own ? ReadRestoreExtra(dir, job, rank_id, step, RootIo(), &extra) : Status::OK();
   // Restores are rare and latency-bound: each gets its own reader threads.
   ParallelLoop readers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
   FillOptions options;
   options.loop = &readers;
-  options.convert_dtype = convert_dtype;
+  options.convert_dtype = want.convert_dtype;
   options.io = RootIo();
+  options.kinds = want.kinds;
   Result<FillStats> filled = !extra_status.ok() ? Result<FillStats>(extra_status)
                                                 : FillSlotFromCheckpoint(dir, meta, segment->layout,
                                                                          segment->Slot(ticket.slot), options);
-  if (filled.ok() && segment->ema) {
+  if (filled.ok() && segment->ema && want.kinds.empty()) {  // a partial restore leaves the EMA as it is
     FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
     ema_options.loop = &readers;
     ema_options.io = RootIo();
@@ -145,7 +164,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
                           job, rank_id, step, FormatBytes(filled->bytes_needed), FormatBytes(filled->bytes_read),
                           filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
                           filled->reads, secs);
-  jobs_[job].ranks[rank_id].resumed_from = step;
+  if (own) jobs_[job].ranks[rank_id].resumed_from = step;
   out.found = true;
   out.step = step;
   out.ticket = ticket;

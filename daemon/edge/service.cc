@@ -144,7 +144,26 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   RETURN_GRPC_IF_ERROR(CheckStep(req->step()));  // 0: the latest
   auto timeout = RequestTimeout(req->timeout_ms(), 600000);
   if (!timeout.ok()) return ToGrpc(timeout.status());
-  auto r = daemon_->Restore(req->session_id(), req->step(), req->convert_dtype(), Bounded(ctx, *timeout));
+  RestoreWant want;
+  want.convert_dtype = req->convert_dtype();
+  for (int k : req->kinds()) {
+    switch (k) {
+      case v1::TENSOR_KIND_MODEL: want.kinds.push_back(TensorKind::kModel); break;
+      case v1::TENSOR_KIND_OPTIMIZER: want.kinds.push_back(TensorKind::kOptimizer); break;
+      case v1::TENSOR_KIND_MASTER_WEIGHT: want.kinds.push_back(TensorKind::kMasterWeight); break;
+      default:
+        return ToGrpc(InvalidArgument("restore kind " + std::to_string(k) +
+                                      " is not TENSOR_KIND_MODEL, _OPTIMIZER or _MASTER_WEIGHT"));
+    }
+  }
+  if (!req->source_job().empty()) {
+    if (Status bad = ValidateJobName(req->source_job()); !bad.ok()) {
+      return ToGrpc(bad.WithContext("restore source_job"));
+    }
+    if (want.kinds.empty()) return ToGrpc(InvalidArgument("a restore from another job (source_job) must name its kinds"));
+  }
+  want.source_job = req->source_job();
+  auto r = daemon_->Restore(req->session_id(), req->step(), want, Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
   resp->set_step(r->step);

@@ -11,6 +11,7 @@ void ToProto(const TensorLocation& t, v1::TensorPlacement* p) {
   p->set_slot_offset(t.slot_offset);
   p->set_bytes(t.bytes);
   p->set_ema_source(t.ema_source);
+  if (t.kind != TensorKind::kEma) p->set_kind(TensorKindToProto(t.kind));
 }
 
 v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {

@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <thread>
+#include <vector>
 
 #include "common/io/fs.h"
 #include "daemon/edge/wire.h"
@@ -141,11 +142,14 @@ class BadRequestsTest : public ::testing::Test {
     v1::WaitPersistedResponse resp;
     return stub_->WaitPersisted(&ctx, req, &resp);
   }
-  grpc::Status Restore(const std::string& session, int64_t step, uint32_t timeout_ms = 5000) {
+  grpc::Status Restore(const std::string& session, int64_t step, uint32_t timeout_ms = 5000,
+                       std::vector<int> kinds = {}, const std::string& source_job = "") {
     v1::RestoreRequest req;
     req.set_session_id(session);
     req.set_step(step);
     req.set_timeout_ms(timeout_ms);
+    for (int k : kinds) req.add_kinds(static_cast<v1::TensorKind>(k));
+    req.set_source_job(source_job);
     grpc::ClientContext ctx;
     RawDeadline(&ctx);
     v1::RestoreResponse resp;
@@ -481,6 +485,12 @@ void BadRequestsTest::ReadCases(const std::string& session) {
          "timeout_ms");
   Expect("Restore a step never saved", Restore(session, 77), Code::NOT_FOUND, "checkpoint-77");
   Expect("Restore session_id of 17 digits", Restore("0123456789abcdef0", 0), kInvalid, "session_id");
+  Expect("Restore kind 99", Restore(session, 0, 5000, {99}), kInvalid, "restore kind 99");
+  Expect("Restore kind unspecified", Restore(session, 0, 5000, {0}), kInvalid, "restore kind 0");
+  Expect("Restore source_job '../x'", Restore(session, 0, 5000, {1}, "../x"), kInvalid, "source_job");
+  Expect("Restore source_job without kinds", Restore(session, 0, 5000, {}, "other"), kInvalid, "must name its kinds");
+  Expect("Restore a source job with no checkpoint-5", Restore(session, 5, 5000, {1}, "other"), Code::NOT_FOUND,
+         "job 'other'");
   Expect("GetEma timeout_ms UINT32_MAX", Ema(session, std::numeric_limits<uint32_t>::max()), kInvalid, "timeout_ms");
   Expect("GetEma without session_id", Ema("", 100), kInvalid, "session_id");
   Expect("ListCheckpoints job '../x'", List("../x"), kInvalid, "job name");

@@ -137,7 +137,7 @@ class DaemonThreadsTest : public ::testing::Test {
 
   // Restores the latest checkpoint and checks every element, then takes a copy of the EMA.
   Status RestoreAndReadEma(uint32_t rank, Trainer* t) {
-    ASSIGN_OR_RETURN(RestoreOutcome restored, daemon_->Restore(t->session, 0, false, 20s));
+    ASSIGN_OR_RETURN(RestoreOutcome restored, daemon_->Restore(t->session, 0, RestoreWant{}, 20s));
     if (!restored.found || restored.step != kSteps) return Internal("restore did not find the last step");
     const char* names[] = {"w", "w.exp_avg"};
     for (size_t k = 0; k < 2; ++k) {

@@ -8,8 +8,12 @@ in two files plus model.safetensors.index.json. Then:
      independent reader (flashckpt_reader.py) accept it;
   2. the round trip: `flashckpt export` of it gives back every tensor byte for byte (name, dtype,
      shape, data); with `--add-prefix model.` and `export --strip-prefix model.` too;
-  3. a real daemon restores it into two ranks of tensor parallelism 2 (each its half of the rows of
-     the matrices, the vectors whole) through the Python client, bit for bit;
+  3. a real daemon restores it, model weights only (kinds=["model"]), into four ranks of (tp, shard) =
+     (2, 2) that also hold Adam moments (flat ranges): every weight bit for bit, the moments left as
+     they were; a full restore is NOT_FOUND naming a moment, asking for optimizer tensors is
+     FAILED_PRECONDITION; and flashckpt.torch.Checkpointer.load_pretrained(job=...) loads an import
+     made with --add-prefix model. into a torch model with a fresh optimizer, which then saves
+     its own step 1;
   4. malformed input is refused with exit 1 naming the file and tensor, and leaves nothing behind:
      a header that is not JSON, offsets past the end of the data, an index naming a missing file, a
      tensor in a file the index does not place it in, an unknown dtype; importing into a job that
@@ -134,6 +138,7 @@ def main():
             h.start_daemon()
             code = r"""
 import sys, numpy as np, torch, flashckpt
+from flashckpt.errors import FailedPreconditionError, NotFoundError
 sock, job, path = sys.argv[1:4]
 src = {n: np.load(path + "/" + n + ".npy") for n in ("embed.weight", "layers.0.weight", "layers.0.bias",
                                                    "norm.weight", "step_count")}
@@ -143,30 +148,81 @@ def empty(shape, name):  # norm.weight is bf16 (its bits in the .npy as uint16)
     return torch.zeros(shape, dtype=torch.from_numpy(src[name]).dtype)
 def raw(t):
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
-clients = []
-for rank in (0, 1):
-    c = flashckpt.Client(sock, job, rank=rank, world_size=2, tp_rank=rank, tp_degree=2, run_id="imported-run")
+# Four ranks: tp 2 x shard 2. The matrices' rows are cut by tp (the shard-1 ranks hold replicas of
+# the model), their Adam moments are flat ranges of the tp box cut by shard; the vectors are whole.
+clients, mine_of = [], {}
+for rank in range(4):
+    tp, shard = rank % 2, rank // 2
+    c = flashckpt.Client(sock, job, rank=rank, world_size=4, tp_rank=tp, tp_degree=2, shard_rank=shard,
+                         shard_degree=2, run_id="imported-run")
     mine, specs = {}, {}
     for name, full in src.items():
         if full.ndim == 2:
             rows = full.shape[0] // 2
+            box = {"global_shape": full.shape, "box_offset": (tp * rows, 0), "box_shape": (rows, full.shape[1])}
             mine[name] = empty((rows, full.shape[1]), name)
-            specs[name] = {"global_shape": full.shape, "box_offset": (rank * rows, 0),
-                           "box_shape": (rows, full.shape[1])}
+            specs[name] = dict(box, replica=shard == 1)
+            n = rows * full.shape[1]
+            mine[name + ".exp_avg"] = torch.full((n // 2,), 7.0)
+            specs[name + ".exp_avg"] = dict(box, kind="optimizer", flat_range=(shard * n // 2, (shard + 1) * n // 2))
         else:
             mine[name] = empty(full.shape, name)
-            specs[name] = {"replica": rank == 1}
+            specs[name] = {"replica": rank != 0}
     c.register(mine, specs)
-    step, _ = c.restore(mine)
+    if rank == 0:
+        try:
+            c.restore(mine)
+            raise SystemExit("a full restore of a weights-only checkpoint succeeded")
+        except NotFoundError as e:
+            assert "exp_avg" in e.message, e.message
+        try:
+            c.restore(mine, kinds=["model", "optimizer"])
+            raise SystemExit("a restore asking for optimizer tensors succeeded")
+        except FailedPreconditionError as e:
+            assert "holds no optimizer tensors" in e.message, e.message
+    step, _ = c.restore(mine, kinds=["model"])
     assert step == 0, step
     for name, full in src.items():
-        want = full[rank * (full.shape[0] // 2):(rank + 1) * (full.shape[0] // 2)] if full.ndim == 2 else full
+        want = full[tp * (full.shape[0] // 2):(tp + 1) * (full.shape[0] // 2)] if full.ndim == 2 else full
         assert raw(mine[name]) == np.ascontiguousarray(want).tobytes(), (rank, name)
+        if full.ndim == 2:
+            assert bool((mine[name + ".exp_avg"] == 7.0).all()), (rank, name, "optimizer state was overwritten")
     clients.append(c)
 for c in clients:
     c.close()
-print("restored step 0 into tp 2: every tensor bit for bit")
+print("restored step 0 into (tp, shard) = (2, 2), model only: every weight bit for bit, the optimizer untouched")
+
+# A PyTorch job of its own loads them with Checkpointer.load_pretrained (job=the imported one), with
+# a fresh optimizer, trains a step and saves as a fresh run of its own job.
+from flashckpt.torch import Checkpointer
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32)])
+net = Net()
+opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+ck = Checkpointer(net, opt, socket=sock, job=job + "-ft", run_id="ft-run")
+step = ck.load_pretrained(job=job + "-torch")
+assert step == 0, step
+for key, value in net.state_dict().items():
+    assert value.numpy().tobytes() == src[key].tobytes(), key
+assert len(opt.state) == 0, "the optimizer was touched"
+loss = net.layers[0](net.embed(torch.arange(4))).pow(2).mean()
+loss.backward()
+opt.step()
+ck.save(1)
+ck.wait_persisted(1, timeout=60)
+ck.close() if hasattr(ck, "close") else None
+print("Checkpointer.load_pretrained: weights bit for bit, fresh optimizer; its own job saved step 1")
 """
+            torch_hf = os.path.join(h.tmp, "hf-torch")
+            os.makedirs(torch_hf)
+            write_safetensors(os.path.join(torch_hf, "model.safetensors"),
+                              {"embed.weight": tensors["embed.weight"], "layers.0.weight": tensors["layers.0.weight"],
+                               "layers.0.bias": tensors["layers.0.bias"]})
+            rc, out, err = h.cli("import", torch_hf, "--root", h.root, "--job", JOB + "-torch", "--add-prefix", "model.")
+            check(rc == 0, "import for the Checkpointer: %s%s" % (out, err))
             npy = os.path.join(h.tmp, "npy")
             os.makedirs(npy)
             for n, (_, a) in tensors.items():
@@ -175,7 +231,8 @@ print("restored step 0 into tp 2: every tensor bit for bit")
                                stderr=subprocess.STDOUT, timeout=120, env=dict(os.environ, PYTHONPATH=args.python_dir))
             out = p.stdout.decode(errors="replace")
             check(p.returncode == 0, "restoring the import into tp 2 failed:\n%s" % out)
-            log(out.strip().splitlines()[-1])
+            for line in out.strip().splitlines()[-2:]:
+                log(line)
 
         # 4. Malformed input.
         def refused(case, build, words):
@@ -226,7 +283,7 @@ print("restored step 0 into tp 2: every tensor bit for bit")
         check(rc == 3 and "already has checkpoints" in err, "import into a used job: exit %d: %s" % (rc, err))
         log("a used job: exit 3")
 
-    return run_with_daemon_harness(run, "fcimp", [JOB], args.bin_dir, keep=args.keep)
+    return run_with_daemon_harness(run, "fcimp", [JOB, JOB + "-ft"], args.bin_dir, keep=args.keep)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,13 @@ struct RestoreOptions {
   // copies into them wait for the work queued on it so far, and work queued on it after Restore()
   // returns sees the restored bytes. Restore() returns once the copies are complete.
   void* cuda_stream = nullptr;
+  // Restore only the tensors of these kinds (empty: all); the buffers of other kinds are left as
+  // they are, and the EMA is not loaded. E.g. {kModel}: pretrained weights with a fresh optimizer.
+  // A kind the checkpoint holds no tensor of is kFailedPrecondition naming it.
+  std::vector<TensorKind> kinds;
+  // Read the checkpoint from this job under the daemon's root instead of the session's own (needs
+  // `kinds`). It starts no attempt of this job: the session's saves stay those of a fresh start.
+  std::string source_job;
 };
 
 struct RestoreResult {

@@ -262,7 +262,7 @@ class Client:
 
     # --- restore -------------------------------------------------------------------------------
 
-    def restore(self, tensors, step=None, timeout=600.0, convert_dtype=False):
+    def restore(self, tensors, step=None, timeout=600.0, convert_dtype=False, kinds=None, job=None):
         """Restores checkpoint `step` (None: the latest complete one) into `tensors`, in place.
 
         `tensors` must hold every registered tensor (replicas included). Returns (step, extra): the
@@ -272,11 +272,26 @@ class Client:
         checkpoint's EMA, so the average continues from the restored step. The checkpoint may have
         been saved in another parallel layout. With convert_dtype=True, bfloat16/float16 tensors
         are filled from float32 saved ones (rounded to nearest even).
+
+        kinds: None restores every tensor; a list of "model", "optimizer", "master_weight" restores
+        only the tensors registered with those kinds (the others are left as they are, and the EMA
+        is not loaded): kinds=["model"] starts from pretrained weights with a fresh optimizer. A
+        kind the checkpoint holds no tensor of raises FailedPreconditionError naming it.
+        job: read the checkpoint of this job (under the same daemon root) instead of this client's
+        own, e.g. one made by `flashckpt import`; needs kinds. It starts no attempt of this job.
         """
+        if kinds is not None:
+            kinds = [str(k) for k in kinds]
+            bad = [k for k in kinds if k not in ("model", "optimizer", "master_weight")]
+            if bad or not kinds:
+                raise ValueError("kinds must be a non-empty list of 'model', 'optimizer', 'master_weight', got %r"
+                                 % (kinds,))
+        if job is not None and kinds is None:
+            raise ValueError("a restore from another job needs kinds (e.g. kinds=['model'])")
         views = self._buffers(tensors, writable=True, what="restore", include_replicas=True)
         found, got, extra, _ = self._live().restore(None if step is None else int(step),
                                                     [v.buffer() for v in views], float(timeout),
-                                                    bool(convert_dtype))
+                                                    bool(convert_dtype), kinds or [], "" if job is None else str(job))
         if not found:
             return None, None
         return got, (extra or None)

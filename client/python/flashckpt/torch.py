@@ -258,6 +258,25 @@ class Checkpointer:
         self.resumed_step = found
         return found
 
+    def load_pretrained(self, step=None, job=None, timeout=600.0):
+        """Loads the model weights only, in place, from checkpoint `step` (None: the latest complete
+        one) of `job` (None: this Checkpointer's own); the optimizer is left as it is.
+
+        For pretrained weights in Hugging Face safetensors: `flashckpt import HF_DIR --root ROOT
+        --job JOB --add-prefix model.` makes the Hugging Face names this Checkpointer's
+        `model.<state-dict key>`. Every model tensor must be in the checkpoint with its shape and
+        dtype (NotFoundError / FailedPreconditionError name the first that is not). A checkpoint of
+        another job starts no attempt of this one: the next save() is that of a fresh start.
+        Returns the step loaded, or None when the job has no complete checkpoint.
+        """
+        _, tensors = self._state()
+        if not any(n.startswith("model.") for n in tensors):
+            raise ValueError("the model holds no tensors; there is nothing to load")
+        self._register(tensors)
+        source = None if job is None or job == self.client.job else job
+        got, _ = self.client.restore(tensors, step=step, timeout=timeout, kinds=["model"], job=source)
+        return got
+
     # --- EMA -----------------------------------------------------------------------------------
 
     def ema_state_dict(self, timeout=60.0):
