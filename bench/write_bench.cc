@@ -8,15 +8,18 @@
 //   pwrite, 1 thread         one write in flight
 //   pwrite, N threads        N writes in flight from N threads (ParallelLoop)
 //   io_uring, depth N        N writes in flight from one thread (liburing)
-//   writer path              WriteImagesDurably as the daemon's writer calls it: N threads, each
-//                            16 MiB piece's 1 MiB chunks hashed right before its pages are written,
-//                            a whole-tensor hash per tensor as a task of the same loop, header last,
-//                            then fdatasync + rename + fsync(dir)
-//   writer path, no hash     the same without hashing: what the fused checksums cost
-//   hashing only             the writer path's hashing without any I/O, on the same threads: the
-//                            CPU time the checksums need (xxh3 per chunk, then the whole-tensor pass)
+//   writer path              WriteImagesDurably as the daemon's writer calls it, on a real rank layout
+//                            of --tensor-bytes fp32 tensors: N threads, each 16 MiB piece's checksum
+//                            chunks stamped (StampPieceChecksums) right before its pages are written,
+//                            the whole-tensor checksums derived from the chunks' at the end
+//                            (StampDerivedChecksums), header last, then fdatasync + rename + fsync(dir)
+//   writer path, no hash     the same without checksums: what the checksums cost
+//   hashing only             the writer path's checksums without any I/O, on the same threads
 //
-// Best of --repeat runs each; every row is also given as a ratio to dd.
+// The rows run in --repeat rounds, each round every row once in turn (dd first), so the limit and
+// the rows see the same conditions; the best and the median of each row are printed, and ratios are
+// of medians. The headline is printed on a fixed line for scripts:
+//   RESULT checksum_cost=<median writer path time / median writer path time without checksums>
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/mman.h>
@@ -38,7 +41,8 @@
 #include "bench/summary.h"
 #include "common/base/names.h"
 #include "common/base/thread_pool.h"
-#include "common/format/checksum.h"
+#include "common/format/image.h"
+#include "common/format/layout.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
@@ -132,55 +136,104 @@ Result<double> IoUring(const std::string& path, const char* data, uint64_t bytes
   return Seconds(start);
 }
 
-// The writer's path on one image of --bytes cut into tensors of `tensor` bytes.
-Result<double> WriterPath(const std::string& dir, const char* data, uint64_t bytes, uint64_t tensor, ParallelLoop* loop,
-                          bool hash) {
-  ImageWrite image;
-  image.name = "writer-path.bin";
-  image.data = data;
-  image.bytes = bytes;
-  image.head = 4096;
-  for (uint64_t off = image.head; off < bytes; off += tensor) image.cuts.push_back(off);
-  // As the daemon's writer: each piece's 1 MiB chunks hashed right before the piece is written, and
-  // a whole-region hash per region as a side task of the same loop.
-  std::vector<uint64_t> sink(image.cuts.size()), whole(image.cuts.size());
+// A rank layout of fp32 tensors of `tensor` bytes (the last may be smaller) filling `bytes`, and a
+// slot holding its images (pseudo-random tensor bytes, header templates in place).
+struct WriterSetup {
+  RankLayout layout;
+  std::unique_ptr<char, void (*)(void*)> slot{nullptr, std::free};
+};
+
+Result<WriterSetup> MakeWriterSetup(uint64_t bytes, uint64_t tensor) {
+  std::vector<TensorSpec> specs;
+  for (uint64_t at = 0, k = 0; at < bytes; at += tensor, ++k) {
+    const uint64_t elements = std::max<uint64_t>(1, std::min(tensor, bytes - at) / 4);
+    TensorSpec t;
+    t.name = "t" + std::to_string(k);
+    t.kind = TensorKind::kModel;
+    t.shape = {elements};
+    t.global_shape = t.shape;
+    t.box_offset = {0};
+    t.box_shape = t.shape;
+    specs.push_back(std::move(t));
+  }
+  WriterSetup setup;
+  ASSIGN_OR_RETURN(setup.layout, BuildRankLayout("bench", 0, Topology{1, 0, 1, 0, 1, 0, 1}, specs));
+  const uint64_t padded = (setup.layout.slot_bytes + kPageSize - 1) / kPageSize * kPageSize;
+  setup.slot.reset(static_cast<char*>(std::aligned_alloc(kPageSize, padded)));
+  if (!setup.slot) return ResourceExhausted("cannot allocate the slot");
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  auto* words = reinterpret_cast<uint64_t*>(setup.slot.get());
+  for (uint64_t i = 0; i < padded / 8; ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    words[i] = x;
+  }
+  InitSlotImages(setup.slot.get(), setup.layout);
+  return setup;
+}
+
+// The daemon writer's path (daemon/pipeline/writer.cc) on the images of `setup`, with or without
+// its checksums.
+Result<double> WriterPath(const std::string& dir, WriterSetup& setup, ParallelLoop* loop, bool hash) {
+  const RankLayout& layout = setup.layout;
+  char* slot = setup.slot.get();
+  const uint64_t chunk = layout.checksum_chunk, piece = std::max(chunk, (kWritePiece / chunk) * chunk);
+  std::vector<ImageWrite> images;
+  for (const FileImage& image : layout.files) {
+    ImageWrite w;
+    w.name = image.stem + ".safetensors";
+    w.data = slot + image.slot_offset;
+    w.bytes = image.file_bytes();
+    w.head = image.header.size();
+    w.piece = piece;
+    for (size_t t : image.tensors) w.cuts.push_back(layout.placements[t].slot_offset - image.slot_offset);
+    images.push_back(std::move(w));
+  }
   ImageWriteHooks hooks;
   if (hash) {
-    hooks.prepare = [&](size_t, size_t region, uint64_t from, uint64_t to) {
-      uint64_t h = 0;
-      for (uint64_t pos = from; pos < to; pos += 1u << 20)
-        h ^= Xxh3(data + pos, std::min<uint64_t>(1u << 20, to - pos));
-      sink[region] ^= h;
+    hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
+      const uint64_t start = images[i].cuts[r];
+      StampPieceChecksums(slot, layout, layout.files[i].tensors[r], from - start, to - start);
     };
-    hooks.side_count = image.cuts.size();
-    hooks.side = [&](size_t r) {
-      const uint64_t hi = r + 1 < image.cuts.size() ? image.cuts[r + 1] : bytes;
-      whole[r] = Xxh3(data + image.cuts[r], hi - image.cuts[r]);
-      return Status::OK();
+    hooks.finish = [&](size_t i) {
+      StampDerivedChecksums(slot, layout, i);
+      StampStep(slot, layout, i, 100);
     };
   }
   auto start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(WriteImagesDurably(dir, {image}, loop, hooks, nullptr));
+  RETURN_IF_ERROR(WriteImagesDurably(dir, images, loop, hooks, nullptr));
   return Seconds(start);
 }
 
-// The writer path's hashing alone: per tensor, xxh3 of each 1 MiB chunk and a whole-tensor pass.
-Result<double> HashOnly(const char* data, uint64_t bytes, uint64_t tensor, ParallelLoop* loop) {
-  const size_t tensors = (bytes - 4096 + tensor - 1) / tensor;
-  std::vector<uint64_t> sink(tensors);
+// The writer path's checksums alone, on the same pieces and threads.
+Result<double> HashOnly(WriterSetup& setup, ParallelLoop* loop) {
+  const RankLayout& layout = setup.layout;
+  const uint64_t chunk = layout.checksum_chunk, piece = std::max(chunk, (kWritePiece / chunk) * chunk);
+  struct Task {
+    size_t tensor;
+    uint64_t from, to;
+  };
+  std::vector<Task> tasks;
+  for (size_t t = 0; t < layout.placements.size(); ++t) {
+    for (uint64_t at = 0; at < layout.placements[t].bytes; at += piece) {
+      tasks.push_back({t, at, std::min(layout.placements[t].bytes, at + piece)});
+    }
+  }
   auto start = std::chrono::steady_clock::now();
-  loop->Run(tensors, [&](size_t t) {
-    const uint64_t from = 4096 + t * tensor, to = std::min(bytes, from + tensor);
-    for (uint64_t pos = from; pos < to; pos += 1u << 20)
-      sink[t] ^= Xxh3(data + pos, std::min<uint64_t>(1u << 20, to - pos));
-    sink[t] ^= Xxh3(data + from, to - from);
+  loop->Run(tasks.size(), [&](size_t k) {
+    StampPieceChecksums(setup.slot.get(), layout, tasks[k].tensor, tasks[k].from, tasks[k].to);
   });
+  for (size_t f = 0; f < layout.files.size(); ++f) StampDerivedChecksums(setup.slot.get(), layout, f);
   return Seconds(start);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 int Main(int argc, char** argv) {
   std::string dir = "/var/tmp", size = "2GiB", chunk_text = "16MiB", tensor_text = "256MiB";
-  unsigned depth = 4, repeat = 2;
+  unsigned depth = 4, repeat = 5;
   CLI::App app{"write_bench: O_DIRECT writes with threads and with io_uring against dd"};
   app.add_option("--dir", dir, "Directory on the disk to measure")->capture_default_str();
   app.add_option("--bytes", size, "Bytes per write test")->capture_default_str();
@@ -189,7 +242,7 @@ int Main(int argc, char** argv) {
   app.add_option("--depth", depth, "Writes in flight (threads or io_uring depth)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  app.add_option("--repeat", repeat, "Runs per row (the best is printed)")
+  app.add_option("--repeat", repeat, "Rounds (each runs every row once; best and median printed)")
       ->check(CLI::Range(1, 50))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -215,51 +268,63 @@ int Main(int argc, char** argv) {
   for (uint64_t i = 0; i < n; i += 8) std::memcpy(data + i, &i, 8);
   struct statfs fs {};
   ::statfs(root.c_str(), &fs);
-  std::printf("write_bench: %s per row into %s (statfs type 0x%lx), %s writes, %u in flight, %ld cores, best of %u\n\n",
+  std::printf("write_bench: %s per row into %s (statfs type 0x%lx), %s writes, %u in flight, %ld cores, %u rounds\n\n",
               FormatBytes(n).c_str(), dir.c_str(), static_cast<unsigned long>(fs.f_type), FormatBytes(*chunk).c_str(),
               depth, ::sysconf(_SC_NPROCESSORS_ONLN), repeat);
 
   ParallelLoop loop(depth - 1);
+  auto setup = MakeWriterSetup(n, *tensor);
+  if (!setup.ok()) {
+    std::fprintf(stderr, "write_bench: %s\n", setup.status().ToString().c_str());
+    ::munmap(mem, n);
+    (void)RemoveTree(root);
+    return 1;
+  }
   const std::string path = root + "/data.bin";
   struct Row {
     std::string name;
     std::function<Result<double>()> run;
+    uint64_t bytes;  // written (or hashed) per run
+    std::vector<double> secs;
   };
-  const std::vector<Row> rows = {
-      {"dd oflag=direct (limit)", [&] { return RunDd(path, n, *chunk); }},
-      {"pwrite, 1 thread", [&] { return PwriteThreads(path, data, n, *chunk, nullptr); }},
-      {"pwrite, " + std::to_string(depth) + " threads", [&] { return PwriteThreads(path, data, n, *chunk, &loop); }},
-      {"io_uring, depth " + std::to_string(depth), [&] { return IoUring(path, data, n, *chunk, depth); }},
-      {"writer path", [&] { return WriterPath(root, data, n, *tensor, &loop, true); }},
-      {"writer path, no hash", [&] { return WriterPath(root, data, n, *tensor, &loop, false); }},
-      {"hashing only (no I/O)", [&] { return HashOnly(data, n, *tensor, &loop); }},
+  const uint64_t images = setup->layout.slot_bytes;  // the writer path's files, headers included
+  std::vector<Row> rows = {
+      {"dd oflag=direct (limit)", [&] { return RunDd(path, n, *chunk); }, n, {}},
+      {"pwrite, 1 thread", [&] { return PwriteThreads(path, data, n, *chunk, nullptr); }, n, {}},
+      {"pwrite, " + std::to_string(depth) + " threads", [&] { return PwriteThreads(path, data, n, *chunk, &loop); },
+       n, {}},
+      {"io_uring, depth " + std::to_string(depth), [&] { return IoUring(path, data, n, *chunk, depth); }, n, {}},
+      {"writer path", [&] { return WriterPath(root, *setup, &loop, true); }, images, {}},
+      {"writer path, no hash", [&] { return WriterPath(root, *setup, &loop, false); }, images, {}},
+      {"hashing only (no I/O)", [&] { return HashOnly(*setup, &loop); }, images, {}},
   };
-  std::printf("%-26s %10s %10s %10s\n", "row", "seconds", "GB/s", "vs dd");
-  double limit = 0, writer_rate = 0, plain_rate = 0;
   int rc = 0;
-  for (const Row& row : rows) {
-    double best = 0;
-    for (unsigned i = 0; i < repeat; ++i) {
+  for (unsigned round = 0; round < repeat && rc == 0; ++round) {
+    for (Row& row : rows) {
       ::unlink(path.c_str());
-      ::unlink((root + "/writer-path.bin").c_str());
+      for (const FileImage& image : setup->layout.files) ::unlink((root + "/" + image.stem + ".safetensors").c_str());
       auto secs = row.run();
       if (!secs.ok()) {
         std::fprintf(stderr, "write_bench: %s: %s\n", row.name.c_str(), secs.status().ToString().c_str());
         rc = 1;
         break;
       }
-      if (best == 0 || *secs < best) best = *secs;
+      row.secs.push_back(*secs);
     }
-    if (rc != 0) break;
-    const double rate = n / best / 1e9;
-    if (limit == 0) limit = rate;
-    std::printf("%-26s %10.3f %10.2f %9.2fx\n", row.name.c_str(), best, rate, rate / limit);
-    if (row.name == "writer path") writer_rate = rate;
-    if (row.name == "writer path, no hash") plain_rate = rate;
   }
-  if (rc == 0 && writer_rate > 0) {
-    bench::SummaryRow("2. writer path (checksums fused) vs dd oflag=direct", writer_rate / limit, ">=", 0.9);
-    bench::SummaryRow("2. checksum cost: writer path without / with hashing", plain_rate / writer_rate, "<=", 1.05);
+  if (rc == 0) {
+    std::printf("%-26s %10s %10s %10s %10s\n", "row", "best s", "median s", "GB/s", "vs dd");
+    const double limit = rows[0].bytes / Median(rows[0].secs) / 1e9;
+    for (const Row& row : rows) {
+      const double median = Median(row.secs), rate = row.bytes / median / 1e9;
+      std::printf("%-26s %10.3f %10.3f %10.2f %9.2fx\n", row.name.c_str(),
+                  *std::min_element(row.secs.begin(), row.secs.end()), median, rate, rate / limit);
+    }
+    const double writer = Median(rows[4].secs), plain = Median(rows[5].secs);
+    std::printf("\nRESULT checksum_cost=%.3f\n", writer / plain);
+    bench::SummaryRow("2. writer path (checksums fused) vs dd oflag=direct", images / writer / 1e9 / limit, ">=",
+                      0.9);
+    bench::SummaryRow("2. checksum cost: writer path with / without hashing", writer / plain, "<=", 1.05);
   }
   ::munmap(mem, n);
   (void)RemoveTree(root);

@@ -490,6 +490,7 @@ std::string InspectText(const std::string& dir, const CheckpointMetadata& meta) 
   out += "step        " + std::to_string(meta.step) + "\n";
   out +=
       "complete    yes (metadata.json)" + std::string(meta.created.empty() ? "" : ", created " + meta.created) + "\n";
+  out += "format      version " + std::to_string(meta.format_version) + "\n";
   out += "topology    world size " + std::to_string(t.world_size) + ": tp " + std::to_string(t.tp_degree) + " x pp " +
          std::to_string(t.pp_degree) + " x shard " + std::to_string(t.shard_degree) + "\n";
   if (meta.ema) {
@@ -536,6 +537,7 @@ ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta)
   out["step"] = meta.step;
   out["complete"] = true;
   out["created"] = meta.created;
+  out["format_version"] = meta.format_version;
   out["topology"] = {{"world_size", t.world_size},
                      {"tp_degree", t.tp_degree},
                      {"pp_degree", t.pp_degree},

@@ -291,7 +291,10 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
         const uint64_t from = src.data_start + src.entry.begin, at = p.slot_offset - image.slot_offset;
         // Pieces of whole checksum chunks (a tensor of one chunk has no per-chunk checksums).
         const uint64_t piece = std::max(kCopyPiece, *chunk) / *chunk * *chunk;
+        // Each byte is hashed once: for its chunk, and the whole checksum of a tensor of several
+        // chunks is computed from theirs (format version 2); a tensor of one chunk is hashed whole.
         Xxh3Stream whole;
+        std::vector<uint64_t> chunk_sums;
         for (uint64_t pos = 0; pos < p.bytes; pos += piece) {
           const uint64_t n = std::min(piece, p.bytes - pos);
           for (uint64_t got = 0; got < n;) {
@@ -301,17 +304,22 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
             if (r == 0) return Corruption(in_path + ": tensor '" + src.entry.name + "' ends past the end of the file");
             got += static_cast<uint64_t>(r);
           }
-          whole.Update(buffer.data(), n);
           if (p.chunks_field != 0) {
             for (uint64_t c = 0; c < n; c += p.checksum_chunk) {  // p.checksum_chunk == *chunk here
               const uint64_t k = (pos + c) / p.checksum_chunk;
+              chunk_sums.push_back(Xxh3(buffer.data() + c, std::min(p.checksum_chunk, n - c)));
               PutDigits(&head, p.chunks_field - image.slot_offset + k * kChecksumFieldWidth,
-                        ChecksumHex(Xxh3(buffer.data() + c, std::min(p.checksum_chunk, n - c))));
+                        ChecksumHex(chunk_sums.back()));
             }
+          } else {
+            whole.Update(buffer.data(), n);
           }
           RETURN_IF_ERROR(writer.WriteAt(buffer.data(), n, at + pos));
         }
-        PutDigits(&head, p.checksum_field - image.slot_offset, ChecksumHex(whole.Digest()));
+        const uint64_t whole_sum = p.chunks_field != 0
+                                       ? CombineChunkChecksums(chunk_sums.data(), chunk_sums.size(), p.bytes)
+                                       : whole.Digest();
+        PutDigits(&head, p.checksum_field - image.slot_offset, ChecksumHex(whole_sum));
         done += p.bytes;
         ++report->tensors;
         if (options.progress) options.progress(done, total);

@@ -25,6 +25,13 @@ class Xxh3Stream {
  private:
   void* state_;  // XXH3_state_t, kept out of this header
 };
+// The whole-tensor checksum of a tensor that records per-chunk checksums, from format version 2 on:
+// the XXH3-64 of its chunks' checksums, each as 8 little-endian bytes in chunk order, followed by
+// the tensor's byte length as 8 little-endian bytes. A writer hashes every byte once (for its
+// chunk), and a reader verifies a tensor chunk by chunk, on as many threads as it likes, and then
+// this cheap function of the chunk list (docs/format.md, "Checksums").
+uint64_t CombineChunkChecksums(const uint64_t* chunks, size_t count, uint64_t bytes);
+
 std::string ChecksumHex(uint64_t checksum);
 // nullopt unless `hex` is exactly 16 hex digits.
 std::optional<uint64_t> ParseChecksumHex(std::string_view hex);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <string_view>
+#include <vector>
 
 #include "common/format/checksum.h"
 
@@ -43,7 +45,31 @@ void StampChunkChecksums(char* slot, const RankLayout& layout, size_t tensor, ui
 
 void StampWholeChecksum(char* slot, const RankLayout& layout, size_t tensor) {
   const Placement& p = layout.placements[tensor];
-  WriteHex(slot + p.checksum_field, Xxh3(slot + p.slot_offset, p.bytes));
+  if (p.chunks_field == 0) {  // one chunk: the whole checksum is the hash of the bytes
+    WriteHex(slot + p.checksum_field, Xxh3(slot + p.slot_offset, p.bytes));
+    return;
+  }
+  // Format version 2: a function of the chunk checksums already stamped, not a second pass.
+  const uint64_t count = ChunkCount(p.bytes, p.checksum_chunk);
+  std::vector<uint64_t> chunks(count);
+  for (uint64_t k = 0; k < count; ++k) {
+    // The fields were written by WriteHex above: 16 lowercase hex digits each.
+    chunks[k] = ParseChecksumHex(std::string_view(slot + p.chunks_field + k * kChecksumFieldWidth,
+                                                  kChecksumFieldWidth))
+                    .value_or(0);
+  }
+  WriteHex(slot + p.checksum_field, CombineChunkChecksums(chunks.data(), chunks.size(), p.bytes));
+}
+
+void StampPieceChecksums(char* slot, const RankLayout& layout, size_t tensor, uint64_t from, uint64_t to) {
+  StampChunkChecksums(slot, layout, tensor, from, to);
+  if (layout.placements[tensor].chunks_field == 0) StampWholeChecksum(slot, layout, tensor);  // its one piece
+}
+
+void StampDerivedChecksums(char* slot, const RankLayout& layout, size_t file) {
+  for (size_t t : layout.files[file].tensors) {
+    if (layout.placements[t].chunks_field != 0) StampWholeChecksum(slot, layout, t);
+  }
 }
 
 void StampChecksum(char* slot, const RankLayout& layout, size_t tensor) {

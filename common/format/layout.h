@@ -21,7 +21,12 @@
 
 namespace flashckpt {
 
-inline constexpr int kFormatVersion = 1;
+// The version of the file format this release writes, recorded in every file's `__metadata__`
+// ("format_version") and in metadata.json. Version 2 derives a chunked tensor's whole checksum from
+// its chunk checksums (CombineChunkChecksums); version 1 hashed its bytes a second time. Readers
+// accept every version from kOldestFormatVersion on; shared-memory segments carry it too.
+inline constexpr int kFormatVersion = 2;
+inline constexpr int kOldestFormatVersion = 1;
 inline constexpr size_t kMaxTensorsPerRank = 1 << 20;
 // The most bytes one slot (a rank's layout) may span: 256 TiB, beyond any host's memory. Bounding
 // every offset by it keeps the layout's sums, SegmentBytes() of up to 64 slots and every

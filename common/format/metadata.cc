@@ -201,8 +201,36 @@ LayoutExtras EmaFileExtras(const EmaRecord& record, uint64_t checksum_chunk) {
   return extras;
 }
 
+Result<int> ParseFormatVersion(std::string_view text, const std::string& where) {
+  int version = 0;
+  const bool digits = !text.empty() && text.size() <= 4 &&
+                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (digits) version = std::stoi(std::string(text));
+  if (!digits || version < kOldestFormatVersion || version > kFormatVersion) {
+    return Corruption(where + ": format_version '" + std::string(text) + "' is not one this release reads (" +
+                      std::to_string(kOldestFormatVersion) + " to " + std::to_string(kFormatVersion) +
+                      "; a newer flashckpt wrote it?)");
+  }
+  return version;
+}
+
+// From format version 2 on, a chunked piece's whole checksum is a function of its chunk checksums.
+static Status ApplyChecksumRule(int format_version, Piece* p) {
+  p->whole_from_chunks = format_version >= 2 && !p->chunk_xxh3.empty();
+  if (!p->whole_from_chunks) return Status::OK();
+  const uint64_t want = CombineChunkChecksums(p->chunk_xxh3.data(), p->chunk_xxh3.size(), p->end - p->begin);
+  if (p->xxh3 != want) {
+    return Corruption("tensor '" + p->key + "': xxh3 " + ChecksumHex(p->xxh3) + " is not the " + ChecksumHex(want) +
+                      " that its chunk checksums give (format version " + std::to_string(format_version) + ")");
+  }
+  return Status::OK();
+}
+
 Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name) {
   std::vector<Piece> pieces;
+  auto version_text = header.metadata.find("format_version");
+  if (version_text == header.metadata.end()) return Corruption(file_name + ": no format_version in __metadata__");
+  ASSIGN_OR_RETURN(const int version, ParseFormatVersion(version_text->second, file_name));
   for (const auto& e : header.entries) {
     auto fail = [&](const std::string& why) { return Corruption(file_name + ": tensor '" + e.name + "': " + why); };
     Piece p;
@@ -241,6 +269,7 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
       if (!chunk.ok()) return fail(chunk.status().message());
       RETURN_IF_ERROR(ParseChunkChecksums(chunks->second, *chunk, &p).WithContext(file_name));
     }
+    RETURN_IF_ERROR(ApplyChecksumRule(version, &p).WithContext(file_name));
     Status geometry = CheckPieceGeometry(p);
     if (!geometry.ok()) return geometry.WithContext(file_name);
     Status shape = CheckPieceShape(p);
@@ -288,11 +317,18 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
     ASSIGN_OR_RETURN(f.pp_rank, U32Meta(m, "pp_rank"));
     ASSIGN_OR_RETURN(f.shard_rank, U32Meta(m, "shard_rank"));
     f.bytes = header.data_start + header.data_bytes;
+    auto version_text = m.find("format_version");
+    if (version_text == m.end()) return Corruption(path + ": no format_version in __metadata__");
+    ASSIGN_OR_RETURN(const int version, ParseFormatVersion(version_text->second, path));
     if (first) {
+      meta.format_version = version;
       meta.job = job->second;
       meta.step = file_step;
       meta.topology = t;
       first = false;
+    } else if (version != meta.format_version) {
+      return Corruption(path + ": format_version " + std::to_string(version) + " differs from the other files' " +
+                        std::to_string(meta.format_version) + " in " + dir);
     } else if (meta.job != job->second || meta.step != file_step || meta.topology.world_size != t.world_size ||
                meta.topology.tp_degree != t.tp_degree || meta.topology.pp_degree != t.pp_degree ||
                meta.topology.shard_degree != t.shard_degree) {
@@ -313,7 +349,7 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
 std::string MetadataToJson(const CheckpointMetadata& meta) {
   json j;
   j["format"] = "flashckpt";
-  j["format_version"] = kFormatVersion;
+  j["format_version"] = meta.format_version;
   j["job"] = meta.job;
   j["step"] = meta.step;
   j["created"] = meta.created;
@@ -374,6 +410,12 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
   if (j.is_discarded() || !j.is_object()) return Corruption("metadata.json is not a JSON object");
   CheckpointMetadata meta;
   const std::string where = "metadata.json";
+  auto version = j.find("format_version");
+  if (version == j.end() || !version->is_number_unsigned()) {
+    return Corruption("metadata.json: format_version missing or not a number");
+  }
+  ASSIGN_OR_RETURN(meta.format_version,
+                   ParseFormatVersion(std::to_string(version->get<uint64_t>()), where));
   ASSIGN_OR_RETURN(meta.job, StringField(j, "job", where));
   auto step = j.find("step");
   if (step == j.end() || !step->is_number_integer() || step->get<int64_t>() < 0) {
@@ -483,6 +525,7 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
         ASSIGN_OR_RETURN(std::string hex, StringField(pj, "xxh3_chunks", pw));
         RETURN_IF_ERROR(ParseChunkChecksums(hex, chunk, &p).WithContext("metadata.json"));
       }
+      RETURN_IF_ERROR(ApplyChecksumRule(meta.format_version, &p).WithContext("metadata.json"));
       RETURN_IF_ERROR(CheckPieceGeometry(p));
       RETURN_IF_ERROR(CheckPieceShape(p).WithContext("metadata.json"));
       meta.pieces.push_back(std::move(p));

@@ -38,6 +38,10 @@ struct Piece {
   // the piece fits in one chunk, whose checksum is then `xxh3`.
   uint64_t chunk_bytes = 0;
   std::vector<uint64_t> chunk_xxh3;
+  // Whether `xxh3` is CombineChunkChecksums of `chunk_xxh3` (format version 2 and later, pieces with
+  // chunk checksums) rather than the hash of the bytes. Readers that parse a piece check this
+  // relation, so verifying every chunk verifies the piece.
+  bool whole_from_chunks = false;
 };
 
 struct SavedFile {
@@ -65,6 +69,7 @@ struct EmaRecord {
 LayoutExtras EmaFileExtras(const EmaRecord& record, uint64_t checksum_chunk);
 
 struct CheckpointMetadata {
+  int format_version = kFormatVersion;  // of every file (they agree); see kFormatVersion
   std::string job;
   int64_t step = 0;
   Topology topology;  // degrees and world size; the per-rank coordinates are per file
@@ -78,8 +83,13 @@ struct CheckpointMetadata {
   std::optional<EmaRecord> ema;  // present when the checkpoint carries ema files
 };
 
+// The format version a file's `__metadata__` or metadata.json records: kCorruption unless it is
+// one this release reads (kOldestFormatVersion..kFormatVersion), naming `where`.
+Result<int> ParseFormatVersion(std::string_view text, const std::string& where);
+
 // The pieces a flashckpt safetensors file declares, checked for consistency (kind, global shape,
-// box, flat range and checksum present and well-formed for every tensor).
+// box, flat range and checksum present and well-formed for every tensor, and from format version 2
+// a chunked tensor's whole checksum equal to the one its chunk checksums give).
 Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name);
 
 // Reads every *.safetensors file header of a checkpoint directory and gathers the metadata. All

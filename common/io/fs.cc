@@ -324,14 +324,10 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
       for (size_t k = 0; k < count; ++k) body(k);
     }
   };
-  run(hooks.side_count + pieces.size(), [&](size_t k) {
-    if (k < hooks.side_count) {
-      if (failed.load(std::memory_order_relaxed)) return;  // e.g. the trainer's copies failed: do not wait on
-      if (Status s = hooks.side(k); !s.ok()) fail(s);      // each remaining tensor for the copy timeout
-      return;
-    }
-    if (failed.load(std::memory_order_relaxed)) return;  // a full disk: do not write gigabytes more into it
-    const Piece& p = pieces[k - hooks.side_count];
+  run(pieces.size(), [&](size_t k) {
+    // After a failure (a full disk, the trainer's copies failed) nothing more is written or waited on.
+    if (failed.load(std::memory_order_relaxed)) return;
+    const Piece& p = pieces[k];
     if (hooks.wait) {
       if (Status s = hooks.wait(p.image, p.to); !s.ok()) return fail(s);
     }

@@ -111,20 +111,17 @@ struct ImageWrite {
 // `loop` (nullptr: the caller's thread): it calls `prepare(image, region, from, to)` for the piece's
 // bytes [from, to), then writes the 4 KiB pages that end within it (O_DIRECT; the page holding the
 // next piece's first byte is left to that piece), so a piece is written while `prepare` (e.g. a
-// checksum) left it in cache. `side` tasks (`side_count` of them; e.g. checksums over whole
-// regions) run in the same loop, before the pieces. When all are done, `finish(image)` runs and
+// checksum) left it in cache. When all are done, `finish(image)` runs and
 // the image's head is written, its tail cut to `bytes`, the file fdatasync'ed (one task per image)
 // and renamed into place, then the directory fsync'ed once. On a file system without O_DIRECT
 // (tmpfs) the same writes are buffered. On failure every temporary is removed; `renamed` (if given)
 // lists the names already in place, for the caller to undo.
 // Images whose bytes are still arriving (a streaming commit): `wait(image, to)`, when set, runs
 // before a piece's `prepare` and returns once the image's bytes before `to` are in place; an error
-// it returns, like one a `side` task returns, fails the write as an I/O error does.
+// it returns fails the write as an I/O error does.
 struct ImageWriteHooks {
   std::function<Status(size_t image, uint64_t to)> wait;
   std::function<void(size_t image, size_t region, uint64_t from, uint64_t to)> prepare;
-  size_t side_count = 0;
-  std::function<Status(size_t task)> side;
   std::function<void(size_t image)> finish;
 };
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,

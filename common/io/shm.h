@@ -18,7 +18,9 @@ namespace flashckpt {
 
 inline constexpr char kSegmentMagic[8] = {'F', 'C', 'K', 'P', 'T', 'S', 'G', '1'};
 
-// Page 0 of a segment; written by the daemon at creation and read-only afterwards.
+// Page 0 of a segment; written by the daemon at creation and read-only afterwards (except
+// format_version, which a daemon that adopts a segment of an older format version raises once it
+// has rewritten the slots' file headers).
 struct SegmentHeader {
   char magic[8];
   uint32_t format_version;

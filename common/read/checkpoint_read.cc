@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <optional>
 #include <vector>
 
 #include "common/base/dtype.h"
@@ -21,9 +22,10 @@ namespace {
 
 // Reads go in blocks of at most this size (for a piece read in part, through a buffer of it).
 constexpr uint64_t kReadBuffer = 4u << 20;
-// Merged whole-piece reads are cut at piece boundaries into tasks of about this size, so that a
-// large file is read by several threads.
-constexpr uint64_t kTaskBytes = 64u << 20;
+// Whole-piece reads are merged into tasks of about this size, cut at piece boundaries or, inside a
+// piece verified by its chunks, at chunk boundaries, so that a large file, and a large tensor, is
+// read and verified by several threads.
+constexpr uint64_t kTaskBytes = 16u << 20;
 
 // A part of a saved piece that goes to a different place in the new layout.
 struct Scatter {
@@ -32,13 +34,16 @@ struct Scatter {
   uint64_t bytes;
 };
 
-// Adjacent whole saved pieces read straight into place (same layout), then verified.
+// File bytes [begin, end) of adjacent whole saved pieces, read straight into place (same layout)
+// and verified. `begin` and `end` are piece boundaries, or chunk boundaries of a piece whose whole
+// checksum derives from its chunks (Piece::whole_from_chunks), which is then verified chunk by chunk.
 struct DirectRead {
   IoEnv* io;
   int fd;
   const std::string* path;
-  char* dest;
-  std::vector<const Piece*> pieces;  // adjacent in the file and in the slot
+  char* dest;  // where file byte `begin` goes
+  uint64_t begin, end;
+  std::vector<const Piece*> pieces;  // those [begin, end) covers, adjacent in the file and in the slot
 };
 
 // The parts of one saved piece that tensors in another layout need.
@@ -72,27 +77,48 @@ Status ChecksumMismatch(const std::string& path, const Piece& p, std::optional<s
 }
 
 // Reads the run in blocks straight into the slot and hashes each block while it is still in
-// cache, so verifying costs no second pass over memory.
+// cache, so verifying costs no second pass over memory. The checksum units are the chunks of a
+// piece verified by its chunks, else whole pieces.
 Status RunDirect(const DirectRead& r, Counters& counters) {
-  const uint64_t begin = r.pieces.front()->begin, end = r.pieces.back()->end;
   Xxh3Stream hash;
   size_t piece = 0;  // the piece whose bytes come next
-  for (uint64_t pos = begin; pos < end;) {
-    const uint64_t n = std::min(kReadBuffer, end - pos);
-    char* block = r.dest + (pos - begin);
+  // The unit being hashed: chunk `chunk` of the piece when `per_chunk`, else all of it.
+  bool per_chunk = false;
+  size_t chunk = 0;
+  uint64_t unit_end = 0, want = 0;
+  auto begin_unit = [&](uint64_t at) {
+    const Piece& p = *r.pieces[piece];
+    per_chunk = p.whole_from_chunks;
+    if (per_chunk) {
+      chunk = static_cast<size_t>((at - p.begin) / p.chunk_bytes);
+      unit_end = std::min(p.end, p.begin + (chunk + 1) * p.chunk_bytes);
+      want = p.chunk_xxh3[chunk];
+    } else {
+      chunk = 0;
+      unit_end = p.end;
+      want = p.xxh3;
+    }
+    hash.Reset();
+  };
+  begin_unit(r.begin);
+  for (uint64_t pos = r.begin; pos < r.end;) {
+    const uint64_t n = std::min(kReadBuffer, r.end - pos);
+    char* block = r.dest + (pos - r.begin);
     RETURN_IF_ERROR(PreadFull(r.fd, block, n, pos, *r.path, r.io));
     counters.bytes_read += n;
     counters.reads += 1;
     for (uint64_t off = pos; off < pos + n;) {
-      const Piece& p = *r.pieces[piece];
-      const uint64_t take = std::min(p.end, pos + n) - off;
+      const uint64_t take = std::min(unit_end, pos + n) - off;
       hash.Update(block + (off - pos), take);
       off += take;
-      if (off == p.end) {
-        if (hash.Digest() != p.xxh3) return ChecksumMismatch(*r.path, p, std::nullopt, hash.Digest(), p.xxh3);
-        hash.Reset();
-        ++piece;
+      if (off != unit_end) continue;
+      if (hash.Digest() != want) {
+        return ChecksumMismatch(*r.path, *r.pieces[piece], per_chunk ? std::optional<size_t>(chunk) : std::nullopt,
+                                hash.Digest(), want);
       }
+      if (off == r.end) break;
+      if (off == r.pieces[piece]->end) ++piece;
+      begin_unit(off);
     }
     pos += n;
   }
@@ -272,18 +298,30 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
   std::vector<DirectRead> direct;
   for (size_t i = 0; i < whole.size(); ++i) {
     const Piece* p = whole[i].piece;
+    const uint64_t bytes = p->end - p->begin;
+    if (p->whole_from_chunks && bytes > kTaskBytes) {
+      // A large piece verified by its chunks: tasks of whole chunks, read and verified in parallel.
+      ASSIGN_OR_RETURN(auto fd, open(p->file));
+      const uint64_t step = std::max<uint64_t>(1, kTaskBytes / p->chunk_bytes) * p->chunk_bytes;
+      for (uint64_t at = p->begin; at < p->end; at += step) {
+        direct.push_back({options.io, fd.first, fd.second, whole[i].dest + (at - p->begin), at,
+                          std::min(p->end, at + step), {p}});
+      }
+      continue;
+    }
     if (!direct.empty()) {
       DirectRead& last = direct.back();
       const Piece* prev = last.pieces.back();
-      const bool adjacent = prev->file == p->file && prev->end == p->begin &&
-                            whole[i].dest == last.dest + (p->begin - last.pieces.front()->begin);
-      if (adjacent && p->end - last.pieces.front()->begin <= kTaskBytes) {
+      const bool adjacent = prev->file == p->file && prev->end == p->begin && last.end == p->begin &&
+                            whole[i].dest == last.dest + (p->begin - last.begin);
+      if (adjacent && p->end - last.begin <= kTaskBytes) {
         last.pieces.push_back(p);
+        last.end = p->end;
         continue;
       }
     }
     ASSIGN_OR_RETURN(auto fd, open(p->file));
-    direct.push_back({options.io, fd.first, fd.second, whole[i].dest, {p}});
+    direct.push_back({options.io, fd.first, fd.second, whole[i].dest, p->begin, p->end, {p}});
   }
   std::vector<PartialRead> parts;
   for (auto& [piece, scatter] : partial) {

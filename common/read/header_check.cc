@@ -89,6 +89,12 @@ Result<std::vector<Piece>> CheckFileHeader(const std::string& path, const std::s
                       (step == header.metadata.end() ? "?" : step->second) + ", metadata.json job '" + meta.job +
                       "' step " + std::to_string(meta.step));
   }
+  // The format version decides how the whole checksums are checked: the file and metadata.json agree.
+  auto version = header.metadata.find("format_version");
+  if (version != header.metadata.end() && version->second != std::to_string(meta.format_version)) {
+    return Corruption(path + ": header has format_version " + version->second + ", metadata.json " +
+                      std::to_string(meta.format_version));
+  }
   ASSIGN_OR_RETURN(std::vector<Piece> pieces, PiecesFromHeader(header, file_name));
   for (const Piece& p : pieces) {
     auto it = recorded.find(p.key);

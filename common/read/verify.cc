@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <memory>
@@ -23,11 +22,6 @@ namespace {
 
 // Big enough for sequential reads to run at disk speed, small enough to never matter for memory.
 constexpr size_t kChunkBytes = 8u << 20;
-
-struct Xxh3StateDeleter {
-  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
-};
-using Xxh3State = std::unique_ptr<XXH3_state_t, Xxh3StateDeleter>;
 
 // A file that passed the cheap checks, waiting for its data to be hashed.
 struct CheckedFile {
@@ -59,18 +53,21 @@ Result<CheckedFile> CheckFileShape(const std::string& dir, const SavedFile& file
 // Hashes every piece of a checked file, and each chunk of the pieces that record per-chunk
 // checksums. The pieces tile the data region (the header parser refuses gaps), so the file is read
 // front to back in large chunks, each chunk feeding whichever pieces it covers: a file of many
-// small tensors costs a few reads, not one per tensor.
+// small tensors costs a few reads, not one per tensor. A piece whose whole checksum derives from its
+// chunk checksums (format version 2; the parser checked that relation) is verified by its chunks
+// alone, so each byte is hashed once; otherwise its bytes are hashed whole as well.
 // `tensors` collects the (kind, name) of every matched piece, for the report's tensor count.
-Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_state_t* chunk,
-                  std::set<std::pair<TensorKind, std::string>>* tensors, VerifyReport* report) {
+Status HashPieces(const CheckedFile& file, char* buf, std::set<std::pair<TensorKind, std::string>>* tensors,
+                  VerifyReport* report) {
   ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file.path));
   (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  Xxh3Stream whole, chunk;
   uint64_t window_begin = 0, window_end = 0;  // file bytes [window_begin, window_end) are in buf
   for (const Piece& p : file.pieces) {
     const bool chunked = !p.chunk_xxh3.empty();
-    if (XXH3_64bits_reset(whole) != XXH_OK || XXH3_64bits_reset(chunk) != XXH_OK) {
-      return Internal("XXH3_64bits_reset failed");
-    }
+    const bool hash_whole = !p.whole_from_chunks;
+    whole.Reset();
+    chunk.Reset();
     size_t chunk_index = 0;
     uint64_t chunk_end = chunked ? std::min(p.end, p.begin + p.chunk_bytes) : p.end;
     for (uint64_t pos = p.begin; pos < p.end;) {
@@ -82,13 +79,11 @@ Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_
       }
       const uint64_t take = std::min(chunk_end, window_end) - pos;
       const char* data = buf + (pos - window_begin);
-      if (XXH3_64bits_update(whole, data, static_cast<size_t>(take)) != XXH_OK ||
-          (chunked && XXH3_64bits_update(chunk, data, static_cast<size_t>(take)) != XXH_OK)) {
-        return Internal("XXH3_64bits_update failed");
-      }
+      if (hash_whole) whole.Update(data, static_cast<size_t>(take));
+      if (chunked) chunk.Update(data, static_cast<size_t>(take));
       pos += take;
       if (chunked && pos == chunk_end) {
-        uint64_t actual = XXH3_64bits_digest(chunk);
+        uint64_t actual = chunk.Digest();
         if (actual != p.chunk_xxh3[chunk_index]) {
           uint64_t from = p.begin + chunk_index * p.chunk_bytes;
           return Corruption(file.path + ": tensor '" + p.key + "': xxh3 of chunk " + std::to_string(chunk_index) +
@@ -96,16 +91,18 @@ Status HashPieces(const CheckedFile& file, char* buf, XXH3_state_t* whole, XXH3_
                             ChecksumHex(actual) + " but " + ChecksumHex(p.chunk_xxh3[chunk_index]) +
                             " is recorded: the data is corrupt");
         }
-        if (XXH3_64bits_reset(chunk) != XXH_OK) return Internal("XXH3_64bits_reset failed");
+        chunk.Reset();
         ++chunk_index;
         chunk_end = std::min(p.end, chunk_end + p.chunk_bytes);
       }
     }
-    uint64_t actual = XXH3_64bits_digest(whole);
-    if (actual != p.xxh3) {
-      return Corruption(file.path + ": tensor '" + p.key + "': xxh3 of its bytes [" + std::to_string(p.begin) + ", " +
-                        std::to_string(p.end) + ") is " + ChecksumHex(actual) + " but " + ChecksumHex(p.xxh3) +
-                        " is recorded: the data is corrupt");
+    if (hash_whole) {
+      uint64_t actual = whole.Digest();
+      if (actual != p.xxh3) {
+        return Corruption(file.path + ": tensor '" + p.key + "': xxh3 of its bytes [" + std::to_string(p.begin) +
+                          ", " + std::to_string(p.end) + ") is " + ChecksumHex(actual) + " but " +
+                          ChecksumHex(p.xxh3) + " is recorded: the data is corrupt");
+      }
     }
     tensors->emplace(p.kind, p.key);
     report->tensors = tensors->size();
@@ -140,12 +137,11 @@ Status VerifyCheckpointDir(const std::string& dir, VerifyReport* report) {
     checked.push_back(std::move(c));
   }
 
-  Xxh3State whole(XXH3_createState()), chunk(XXH3_createState());
   std::unique_ptr<char[]> buf(new (std::nothrow) char[kChunkBytes]);
-  if (!whole || !chunk || !buf) return ResourceExhausted("cannot allocate the verification buffer");
+  if (!buf) return ResourceExhausted("cannot allocate the verification buffer");
   std::set<std::pair<TensorKind, std::string>> tensors;
   for (const CheckedFile& c : checked) {
-    RETURN_IF_ERROR(HashPieces(c, buf.get(), whole.get(), chunk.get(), &tensors, report));
+    RETURN_IF_ERROR(HashPieces(c, buf.get(), &tensors, report));
     ++report->files;
     report->bytes += c.bytes;
   }

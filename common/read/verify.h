@@ -25,7 +25,9 @@ struct VerifyReport {
 //   - each listed file exists, is a regular file and has the recorded size;
 //   - its safetensors header parses, names the job and step of metadata.json, and declares exactly
 //     the pieces metadata.json records for it (same keys, dtypes, shapes, boxes, offsets, checksums);
-//   - the xxh3-64 of each piece's bytes on disk equals the recorded checksum.
+//   - the xxh3-64 of each piece's bytes on disk, and of each of its checksum chunks, equals the
+//     recorded checksum (format version 2: a chunked piece is checked by its chunks, and its whole
+//     checksum must be the one they give, docs/format.md "Checksums").
 // Cheap checks run on every file before any data is hashed, so a missing or truncated file is
 // reported at once. Files are read sequentially in bounded chunks: memory use does not grow with
 // file size. Stops at the first problem and returns kCorruption (kNotFound for a missing file,

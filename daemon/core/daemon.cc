@@ -377,15 +377,20 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
   uint64_t bytes = SegmentBytes(stride, slot_count);
   std::unique_ptr<SharedSegment> shm;
+  bool older_format = false;  // adopted from a daemon that wrote an older file format
   if (adopt) {
     ASSIGN_OR_RETURN(shm, SharedSegment::Open(name, bytes));
-    const auto* header = reinterpret_cast<const SegmentHeader*>(shm->data());
+    auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
+    older_format = header->format_version >= static_cast<uint32_t>(kOldestFormatVersion) &&
+                   header->format_version < static_cast<uint32_t>(kFormatVersion);
     if (std::memcmp(header->magic, kSegmentMagic, sizeof kSegmentMagic) != 0 ||
-        header->format_version != kFormatVersion || header->slot_count != slot_count || header->slot_bytes != stride ||
+        (header->format_version != kFormatVersion && !older_format) || header->slot_count != slot_count ||
+        header->slot_bytes != stride ||
         header->segment_bytes != bytes || header->rank != rank ||
         std::string(header->job, strnlen(header->job, sizeof header->job)) != job) {
       return FailedPrecondition("segment " + name + " does not match its registration record");
     }
+    if (older_format) header->format_version = kFormatVersion;  // its slot images are rewritten below
     shm->OwnName();
   } else {
     // With --shm-group the trainers of other users in the group map the slots; the EMA segment
@@ -408,6 +413,14 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
       InitSlotImages(segment->Slot(i), segment->layout);
       MirrorUnpublished(*segment, i);
     }
+  } else if (older_format) {
+    // A daemon of an older release left it (an upgrade after a crash): the slots' file headers say
+    // that release's format version, whose checksum rule this daemon does not write. The headers
+    // are rewritten from this release's templates (the same layout, the same sizes); the trainers'
+    // bytes and the committed snapshots are kept, and every checksum is stamped when a slot is written.
+    for (uint32_t i = 0; i < slot_count; ++i) InitSlotImages(segment->Slot(i), segment->layout);
+    Logger("shm")->warn("segment={} was written by an older release: its slot headers now use format version {}",
+                        name, kFormatVersion);
   }
   Logger("shm")->info("{} segment={} bytes={} slots={} slot_bytes={} ema={}", adopt ? "adopted" : "created", name,
                       FormatBytes(bytes), slot_count, FormatBytes(stride), segment->ema != nullptr);

@@ -98,9 +98,6 @@ void Writer::Run() {
 
 namespace {
 
-// Tensors are hashed and written in pieces of about this size (whole checksum chunks).
-constexpr uint64_t kWritePiece = 16u << 20;
-
 // Removes the files one failed attempt of a rank put under their final names, the signal first (it
 // was written last), so the directory never claims more than it holds. A directory that became
 // complete (metadata.json present) is left alone: its files belong to a checkpoint now.
@@ -172,8 +169,8 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
 
   // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
   // chunks) of each tensor is a task that hashes its chunks and writes its pages right after, while
-  // they are in cache; the whole-tensor checksums of multi-chunk tensors are tasks of their own in
-  // the same loop. The headers, which hold the step and the checksums, are written last. The EMA
+  // they are in cache; the whole-tensor checksums of multi-chunk tensors are computed from their
+  // chunk checksums at the end. The headers, which hold the step and the checksums, are written last. The EMA
   // image was stamped by the EMA stage; its tensors are only written.
   struct Source {
     const RankLayout* layout;
@@ -187,7 +184,6 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   const uint64_t chunk = layout.checksum_chunk;
   const uint64_t piece = std::max(chunk, (kWritePiece / chunk) * chunk);
   std::vector<ImageWrite> images;
-  std::vector<size_t> whole_hashes;  // tensors of `layout` hashed whole in side tasks
   for (const Source& s : sources) {
     const FileImage& image = s.layout->files[s.file];
     ImageWrite w;
@@ -198,7 +194,6 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     w.piece = piece;
     for (size_t t : image.tensors) {
       w.cuts.push_back(s.layout->placements[t].slot_offset - image.slot_offset);
-      if (s.stamp && s.layout->placements[t].chunks_field != 0) whole_hashes.push_back(t);
     }
     if (w.cuts.empty()) w.cuts.push_back(w.head);
     images.push_back(std::move(w));
@@ -212,8 +207,7 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     if (!s.stamp || r >= image.tensors.size()) return;
     const size_t t = image.tensors[r];
     const uint64_t start = images[i].cuts[r];
-    StampChunkChecksums(s.base, *s.layout, t, from - start, to - start);
-    if (s.layout->placements[t].chunks_field == 0) StampWholeChecksum(s.base, *s.layout, t);  // its one piece
+    StampPieceChecksums(s.base, *s.layout, t, from - start, to - start);
   };
   // A streaming commit: nothing is hashed or written before the trainer's copies have put it in
   // place. Only the images of the rank layout come from the trainer; the EMA image is the daemon's.
@@ -226,15 +220,13 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     const Source& s = sources[i];
     return s.stamp ? copied(s.layout->files[s.file].slot_offset + to) : Status::OK();
   };
-  hooks.side_count = whole_hashes.size();
-  hooks.side = [&](size_t k) {
-    const Placement& p = layout.placements[whole_hashes[k]];
-    RETURN_IF_ERROR(copied(p.slot_offset + p.bytes));
-    StampWholeChecksum(req.slot, layout, whole_hashes[k]);
-    return Status::OK();
-  };
+  // Every byte is hashed once, for its chunk, while it is in cache; a tensor of several chunks gets
+  // its whole checksum from their checksums once all of them are stamped (format version 2).
   hooks.finish = [&](size_t i) {
-    if (sources[i].stamp) StampStep(sources[i].base, *sources[i].layout, sources[i].file, req.step);
+    const Source& s = sources[i];
+    if (!s.stamp) return;
+    StampDerivedChecksums(s.base, *s.layout, s.file);
+    StampStep(s.base, *s.layout, s.file, req.step);
   };
   RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written, &env_));
 

@@ -53,7 +53,7 @@ TEST(WriteImageDurably, DirectIoOnADiskFileSystem) { WriteAndReadBack("/var/tmp"
 TEST(WriteImageDurably, BufferedFallbackOnTmpfs) { WriteAndReadBack("/dev/shm"); }
 
 // Two images cut at unaligned offsets, written with 3 threads: every piece of every region is
-// prepared exactly once, side tasks run, the head is written after `finish`, and the files equal
+// prepared exactly once, the head is written after `finish`, and the files equal
 // memory.
 void WriteImagesAndReadBack(const std::string& base) {
   char tmpl[256];
@@ -80,18 +80,12 @@ void WriteImagesAndReadBack(const std::string& base) {
   std::mutex mu;
   std::map<std::pair<size_t, size_t>, uint64_t> prepared;  // bytes prepared per region
   bool bad_piece = false;
-  int finished = 0, sides = 0;
+  int finished = 0;
   ImageWriteHooks hooks;
   hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
     std::lock_guard<std::mutex> lock(mu);
     if (to < from || to - from > images[i].piece || (from - images[i].cuts[r]) % images[i].piece != 0) bad_piece = true;
     prepared[{i, r}] += to - from;
-  };
-  hooks.side_count = 3;
-  hooks.side = [&](size_t) {
-    std::lock_guard<std::mutex> lock(mu);
-    ++sides;
-    return Status::OK();
   };
   hooks.finish = [&](size_t i) {
     std::lock_guard<std::mutex> lock(mu);
@@ -103,7 +97,6 @@ void WriteImagesAndReadBack(const std::string& base) {
   ASSERT_OK(WriteImagesDurably(dir, images, &loop, hooks, &renamed));
   EXPECT_FALSE(bad_piece);
   EXPECT_EQ(finished, 2);
-  EXPECT_EQ(sides, 3);
   EXPECT_EQ(renamed, (std::vector<std::string>{"image0", "image1"}));
   for (int i = 0; i < 2; ++i) {
     for (size_t r = 0; r < images[i].cuts.size(); ++r) {

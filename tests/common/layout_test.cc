@@ -406,6 +406,75 @@ TEST(StampImage, WritesStepAndChecksumsThatParse) {
   }
 }
 
+// The format version 2 rule (docs/format.md, "Checksums"): values computed by the independent
+// test reader (tests/integration/flashckpt_reader.py) from the documented rule alone.
+TEST(CombineChunkChecksums, FollowsTheDocumentedRule) {
+  const uint64_t three[] = {1, 2, 3};
+  EXPECT_EQ(ChecksumHex(CombineChunkChecksums(three, 3, 10)), "123253d2e6be5077");
+  const uint64_t two[] = {0x0123456789abcdefull, 0xfedcba9876543210ull};
+  EXPECT_EQ(ChecksumHex(CombineChunkChecksums(two, 2, 1u << 21)), "a934dd8605359f4c");
+  EXPECT_EQ(ChecksumHex(Xxh3("", 0)), "2d06800538d394c2");
+}
+
+// Every byte is hashed once: a tensor of several chunks gets per-chunk checksums of its bytes and a
+// whole checksum computed from them; a tensor of one chunk the checksum of its bytes. A header
+// whose whole checksum is not the one its chunks give is refused.
+TEST(StampImage, TheWholeChecksumOfAChunkedTensorDerivesFromItsChunks) {
+  LayoutExtras extras;
+  extras.checksum_chunk = 4096;
+  auto layout = BuildRankLayout("job", 0, Single(),
+                                {Spec("big", TensorKind::kModel, DType::kF32, {2500}),  // 10000 bytes: 3 chunks
+                                 Spec("small", TensorKind::kModel, DType::kF32, {100})},
+                                extras);
+  ASSERT_OK(layout.status());
+  SlotBuffer slot(layout->slot_bytes);
+  for (uint64_t i = 0; i < layout->slot_bytes; ++i) slot.data()[i] = static_cast<char>(i * 7 + 3);
+  InitSlotImages(slot.data(), *layout);
+  StampImage(slot.data(), *layout, 0, 42);
+  const FileImage& image = layout->files[0];
+  auto header = ParseSafetensorsHeader(std::string_view(slot.data() + image.slot_offset + 8, image.header.size() - 8),
+                                       image.file_bytes());
+  ASSERT_OK(header.status());
+  EXPECT_EQ(header->metadata.at("format_version"), "2");
+  auto pieces = PiecesFromHeader(*header, "model_state");
+  ASSERT_OK(pieces.status());
+  ASSERT_EQ(pieces->size(), 2u);
+  for (const Piece& piece : *pieces) {
+    const Placement& p = layout->placements[layout->Find(piece.key)];
+    const char* data = slot.data() + p.slot_offset;
+    if (piece.key == "small") {
+      EXPECT_FALSE(piece.whole_from_chunks);
+      EXPECT_TRUE(piece.chunk_xxh3.empty());
+      EXPECT_EQ(piece.xxh3, Xxh3(data, p.bytes));
+      continue;
+    }
+    EXPECT_TRUE(piece.whole_from_chunks);
+    ASSERT_EQ(piece.chunk_xxh3.size(), 3u);
+    for (size_t k = 0; k < 3; ++k) {
+      EXPECT_EQ(piece.chunk_xxh3[k], Xxh3(data + k * 4096, std::min<uint64_t>(4096, p.bytes - k * 4096)));
+    }
+    EXPECT_EQ(piece.xxh3, CombineChunkChecksums(piece.chunk_xxh3.data(), 3, p.bytes));
+    EXPECT_NE(piece.xxh3, Xxh3(data, p.bytes));
+  }
+  // A whole checksum that its chunks do not give: refused when the header is parsed, naming the tensor.
+  auto edited = *header;
+  const std::string key = TensorMetaKey("big", "xxh3");
+  edited.metadata[key] = ChecksumHex(Xxh3(slot.data() + layout->placements[layout->Find("big")].slot_offset,
+                                          layout->placements[layout->Find("big")].bytes));
+  auto refused = PiecesFromHeader(edited, "model_state");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(refused.status().message().find("'big'"), std::string::npos) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("chunk checksums give"), std::string::npos) << refused.status().ToString();
+  // A version this release does not know is refused too; version 1 takes the whole checksum as given.
+  edited.metadata["format_version"] = "3";
+  EXPECT_NE(PiecesFromHeader(edited, "model_state").status().message().find("format_version '3'"), std::string::npos);
+  edited.metadata["format_version"] = "1";
+  auto v1 = PiecesFromHeader(edited, "model_state");
+  ASSERT_OK(v1.status());
+  EXPECT_FALSE((*v1)[0].whole_from_chunks || (*v1)[1].whole_from_chunks);
+}
+
 TEST(InitSlotImages, TouchesOnlyHeaderBytes) {
   auto layout = BuildRankLayout("llama", 0, Single(), MixedSpecs());
   ASSERT_OK(layout.status());

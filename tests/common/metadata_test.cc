@@ -69,9 +69,10 @@ CheckpointMetadata SampleMetadata() {
   big.file = m.files[1].name;
   big.begin = 4096 + 64;
   big.end = big.begin + 16000;
-  big.xxh3 = 0xfeedull;
   big.chunk_bytes = 4096;
   big.chunk_xxh3 = {1, 2, 0xabcdefull, ~0ull};
+  // Format version 2: the whole checksum of a chunked piece is the one its chunk checksums give.
+  big.xxh3 = CombineChunkChecksums(big.chunk_xxh3.data(), big.chunk_xxh3.size(), big.end - big.begin);
   m.pieces.push_back(big);
   return m;
 }
@@ -243,7 +244,8 @@ TEST(PiecesFromHeader, RejectsIncompleteTensorMetadata) {
   h.data_start = 4096;
   h.data_bytes = 16;
   h.entries.push_back(SafetensorsEntry{"w", DType::kF32, {4}, 0, 16});
-  h.metadata = {{"w@kind", "model"},
+  h.metadata = {{"format_version", "2"},
+                {"w@kind", "model"},
                 {"w@global_shape", "[8]"},
                 {"w@box_offset", "[4]"},
                 {"w@box_shape", "[4]"},
@@ -268,6 +270,10 @@ TEST(PiecesFromHeader, RejectsIncompleteTensorMetadata) {
       {"w@flat_range", "[3, 2]"},
       {"w@flat_range", "[1]"},
       {"w@xxh3_chunks", "00000000000000ff00000000000000ff"},  // one chunk, and no checksum_chunk
+      {"format_version", ""},
+      {"format_version", "3"},
+      {"format_version", "0"},
+      {"format_version", "2.0"},
   };
   for (const auto& [key, value] : edits) {
     SafetensorsHeader bad = h;

@@ -264,20 +264,36 @@ TEST(Verify, ChecksEveryChunkChecksum) {
   EXPECT_EQ(w.chunk_bytes, 4096u);
 
   // Replace chunk 5's checksum with another value in both the header and metadata.json, so that
-  // they agree with each other and the whole-tensor checksum is still right. (The fixture's data
-  // repeats every 256 bytes, so all chunks have the same checksum: edit by position in the list.)
+  // they agree with each other. (The fixture's data repeats every 256 bytes, so all chunks have the
+  // same checksum: edit by position in the list.) The whole checksum derives from the chunks'
+  // (format version 2), so the edit alone is refused before any data is hashed; with the whole
+  // checksum edited to match, only hashing chunk 5 finds it.
   std::string all;
   for (uint64_t c : w.chunk_xxh3) all += ChecksumHex(c);
-  for (const char* name : {"model_state.tp00_pp00_shard00.safetensors", "metadata.json"}) {
-    auto text = ReadSmallFile(dir.File(name), 1 << 20);
-    ASSERT_OK(text.status());
-    size_t pos = text->find(all);
-    ASSERT_NE(pos, std::string::npos) << name;
-    std::string edited = *text;
-    edited.replace(pos + 5 * 16, 16, ChecksumHex(w.chunk_xxh3[5] ^ 0x10));
-    ASSERT_OK(WriteFileDurably(dir.path(), name, edited));
-  }
+  std::vector<uint64_t> edited_chunks = w.chunk_xxh3;
+  edited_chunks[5] ^= 0x10;
+  const uint64_t edited_whole = CombineChunkChecksums(edited_chunks.data(), edited_chunks.size(), w.end - w.begin);
+  auto edit = [&](bool whole_too) {
+    for (const char* name : {"model_state.tp00_pp00_shard00.safetensors", "metadata.json"}) {
+      auto text = ReadSmallFile(dir.File(name), 1 << 20);
+      ASSERT_OK(text.status());
+      std::string edited = *text;
+      size_t pos = edited.find(all);
+      if (pos != std::string::npos) edited.replace(pos + 5 * 16, 16, ChecksumHex(edited_chunks[5]));
+      if (whole_too) {
+        pos = edited.find(ChecksumHex(w.xxh3));
+        ASSERT_NE(pos, std::string::npos) << name;
+        edited.replace(pos, 16, ChecksumHex(edited_whole));
+      }
+      ASSERT_OK(WriteFileDurably(dir.path(), name, edited));
+    }
+  };
+  edit(false);
   Status s = VerifyCheckpointDir(dir.path(), &report);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+  EXPECT_NE(s.message().find("chunk checksums give"), std::string::npos) << s.ToString();
+  edit(true);
+  s = VerifyCheckpointDir(dir.path(), &report);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kCorruption);
   EXPECT_NE(s.message().find("chunk 5"), std::string::npos) << s.ToString();

@@ -8,10 +8,12 @@
 // - on a slow disk Snapshot() never waits for the writer beyond the backpressure policy, and status
 //   shows how long the oldest write has been running;
 // - with fatal_persist_errors, the snapshots after a failed save fail with its error.
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -19,8 +21,11 @@
 #include <thread>
 
 #include "client/cli/render.h"
+#include "common/format/layout.h"
+#include "common/format/metadata.h"
 #include "common/io/fault_injecting_io.h"
 #include "common/io/fs.h"
+#include "common/io/shm.h"
 #include "common/read/verify.h"
 #include "daemon/edge/wire.h"
 #include "flashckpt.grpc.pb.h"
@@ -58,6 +63,8 @@ class FaultsTest : public FaultyIoDaemonTest {
     }
     return RankStatus().oldest_write_seconds() > 0;
   }
+  std::string AbandonStepOne(const std::string& job);
+  bool StepOneWritten(const std::string& job);
   // The daemon's answer to `flashckpt status`, fetched over the socket as the CLI does (through the
   // operator client, flashckpt/admin.h).
   DaemonStatus StatusOverTheSocket() const {
@@ -317,52 +324,107 @@ TEST_F(FaultsTest, StopFinishesAWriteInFlightWithinItsDeadline) {
   EXPECT_OK(VerifyCheckpointDir(StepDir("finish", 1), nullptr));
 }
 
-TEST_F(FaultsTest, StopAbandonsAWriteAtItsDeadlineAndTheNextDaemonWritesIt) {
+// Saves step 1 of `job` with writes slow enough that a stop with a short deadline abandons it, and
+// stops the daemon; returns the segment that is left, with its records, for the next daemon.
+std::string FaultsTest::AbandonStepOne(const std::string& job) {
   const std::string state_dir = d_.socket() + ".state";
   {
-    Trainer t = StartTrainer("abandon", 1000);
-    ASSERT_TRUE(t.client);
+    Trainer t = StartTrainer(job, 1000);
+    EXPECT_TRUE(t.client);
+    if (!t.client) return "";
     io_.SlowWrites(400ms);
-    ASSERT_OK(t.Snapshot(1).status());
-    ASSERT_TRUE(WriteStarted()) << "the write never started";
+    EXPECT_OK(t.Snapshot(1).status());
+    EXPECT_TRUE(WriteStarted()) << "the write never started";
     const auto begun = Clock::now();
     d_.daemon()->Stop(Clock::now() + 100ms);
     // The write in progress sleeps out its 400 ms, then its next call fails: no more than that.
     EXPECT_LT(Clock::now() - begun, 2s);
-    auto left = ListDir(StepDir("abandon", 1));
+    auto left = ListDir(StepDir(job, 1));
     if (left.ok()) {
       EXPECT_TRUE(left->empty()) << ::testing::PrintToString(*left);
     }
-    EXPECT_FALSE(PathExists(StepDir("abandon", 1) + "/metadata.json"));
+    EXPECT_FALSE(PathExists(StepDir(job, 1) + "/metadata.json"));
     d_.Stop();
   }
   // Its segment and records stay for the next daemon.
   auto records = ListDir(state_dir);
-  ASSERT_OK(records.status());
+  EXPECT_OK(records.status());
+  if (!records.ok()) return "";
   std::string segment;
   bool commit = false;
   for (const auto& r : *records) {
     if (r.size() > 4 && r.substr(r.size() - 4) == ".reg") segment = r.substr(0, r.size() - 4);
     if (r.find(".slot") != std::string::npos) commit = true;
   }
-  ASSERT_FALSE(segment.empty()) << ::testing::PrintToString(*records);
+  EXPECT_FALSE(segment.empty()) << ::testing::PrintToString(*records);
   EXPECT_TRUE(commit) << ::testing::PrintToString(*records);
   EXPECT_TRUE(PathExists("/dev/shm/" + segment));
-
   io_.Clear();
-  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  return segment;
+}
+
+// Waits (at most 30 s) for the next daemon to write step 1 of `job`.
+bool FaultsTest::StepOneWritten(const std::string& job) {
   for (auto deadline = Clock::now() + 30s;
-       !PathExists(StepDir("abandon", 1) + "/metadata.json") && Clock::now() < deadline;) {
+       !PathExists(StepDir(job, 1) + "/metadata.json") && Clock::now() < deadline;) {
     std::this_thread::sleep_for(10ms);
   }
-  ASSERT_TRUE(PathExists(StepDir("abandon", 1) + "/metadata.json")) << "the next daemon did not write step 1";
+  return PathExists(StepDir(job, 1) + "/metadata.json");
+}
+
+TEST_F(FaultsTest, StopAbandonsAWriteAtItsDeadlineAndTheNextDaemonWritesIt) {
+  const std::string state_dir = d_.socket() + ".state";
+  const std::string segment = AbandonStepOne("abandon");
+  ASSERT_FALSE(segment.empty());
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  ASSERT_TRUE(StepOneWritten("abandon")) << "the next daemon did not write step 1";
   EXPECT_OK(VerifyCheckpointDir(StepDir("abandon", 1), nullptr));
   d_.Stop();
   EXPECT_FALSE(PathExists("/dev/shm/" + segment)) << "a clean stop with nothing left keeps no segment";
-  records = ListDir(state_dir);
+  auto records = ListDir(state_dir);
   ASSERT_OK(records.status());
   records->erase(std::remove(records->begin(), records->end(), "daemon.lock"), records->end());  // stays, unlocked
   EXPECT_TRUE(records->empty()) << ::testing::PrintToString(*records);
+}
+
+// An upgrade after a crash: the segment a daemon of the release before format version 2 left (its
+// header, and its slots' file headers, say version 1) is adopted, and its committed snapshot is
+// written in the current format, whose checksum rule its old file headers would have misstated.
+TEST_F(FaultsTest, ASegmentOfTheOlderFormatIsAdoptedAndItsStepWrittenInTheCurrentOne) {
+  const std::string segment = AbandonStepOne("older");
+  ASSERT_FALSE(segment.empty());
+  {
+    // Make it what the older release left: the segment header's version and every file header's.
+    std::string bytes;
+    {
+      auto read = ReadSmallFile("/dev/shm/" + segment, 1ull << 30);
+      ASSERT_OK(read.status());
+      bytes = std::move(read).value();
+    }
+    uint32_t version = 0;
+    std::memcpy(&version, bytes.data() + offsetof(SegmentHeader, format_version), sizeof version);
+    ASSERT_EQ(version, static_cast<uint32_t>(kFormatVersion));
+    version = 1;
+    const std::string now = "\"format_version\":\"" + std::to_string(kFormatVersion) + "\"";
+    const std::string old = "\"format_version\":\"1\"";
+    ASSERT_EQ(now.size(), old.size());
+    size_t replaced = 0;
+    for (size_t at = bytes.find(now); at != std::string::npos; at = bytes.find(now, at + 1), ++replaced) {
+      bytes.replace(at, now.size(), old);
+    }
+    ASSERT_GT(replaced, 0u) << "no file header in the segment";
+    std::memcpy(bytes.data() + offsetof(SegmentHeader, format_version), &version, sizeof version);
+    UniqueFd fd(::open(("/dev/shm/" + segment).c_str(), O_WRONLY | O_CLOEXEC));
+    ASSERT_TRUE(fd.valid());
+    ASSERT_OK(PwriteFull(fd.get(), bytes.data(), bytes.size(), 0, segment));
+  }
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &io_; }));
+  ASSERT_TRUE(StepOneWritten("older")) << "the next daemon did not adopt the older segment and write step 1";
+  EXPECT_OK(VerifyCheckpointDir(StepDir("older", 1), nullptr));
+  auto meta = ReadMetadataFile(StepDir("older", 1));
+  ASSERT_OK(meta.status());
+  EXPECT_EQ(meta->format_version, kFormatVersion);
+  d_.Stop();
 }
 
 // A trainer waiting for its step when the stop (SIGTERM) begins is not refused for that: the stop

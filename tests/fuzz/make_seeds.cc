@@ -3,7 +3,9 @@
 // shard ranks as flat ranges, one larger than its 4 KiB checksum chunk, a replica, an EMA file),
 // stamped images (and copies without the header padding), metadata.json gathered from their
 // headers, and the ranks' signals. Generated rather than checked in, so the seeds follow the format
-// as it changes. Each file is a few KiB at most.
+// as it changes. Each file is a few KiB at most. With a second argument, a checkpoint directory of
+// an older format version (tests/data/format_v1), its files and metadata.json are added as seeds
+// ("v1.<name>") so that the fuzzers cover every format version readers accept.
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -137,15 +139,32 @@ Status WriteSeeds(const std::string& root) {
   return Status::OK();
 }
 
+// The files of an older-format checkpoint `from` as seeds: its safetensors files (and compact
+// copies) for the header fuzzer, its metadata.json for the metadata fuzzer.
+Status AddOlderFormatSeeds(const std::string& root, const std::string& from) {
+  ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(from));
+  size_t added = 0;
+  for (const std::string& name : names) {
+    const bool is_meta = name == "metadata.json";
+    if (!is_meta && (name.size() < 12 || name.compare(name.size() - 12, 12, ".safetensors") != 0)) continue;
+    ASSIGN_OR_RETURN(std::string bytes, ReadSmallFile(from + "/" + name, 1u << 20));
+    RETURN_IF_ERROR(WriteFileDurably(root + (is_meta ? "/metadata_json" : "/safetensors_header"), "v1." + name, bytes));
+    ++added;
+  }
+  if (added == 0) return NotFound(from + ": no checkpoint files to add as seeds");
+  return Status::OK();
+}
+
 }  // namespace
 }  // namespace flashckpt
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s DIR\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s DIR [OLDER_FORMAT_CHECKPOINT_DIR]\n", argv[0]);
     return 2;
   }
   flashckpt::Status s = flashckpt::WriteSeeds(argv[1]);
+  if (s.ok() && argc == 3) s = flashckpt::AddOlderFormatSeeds(argv[1], argv[2]);
   if (!s.ok()) {
     std::fprintf(stderr, "fuzz_seeds: %s\n", s.ToString().c_str());
     return 1;

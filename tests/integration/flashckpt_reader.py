@@ -7,12 +7,16 @@ on-disk contract:
 
   * metadata.json exists (the checkpoint is complete) and agrees with every file's own header;
   * every rank left its saved_signal_<rank>;
-  * every tensor's bytes match the "<name>@xxh3" checksum in its file's __metadata__;
+  * every file's __metadata__ and metadata.json record the same "format_version", 1 or 2;
   * per-chunk checksums, where a file has them: its __metadata__ "checksum_chunk" C (decimal, a power
     of two) and, for every tensor of more than C bytes and only for those, "<name>@xxh3_chunks": 16
     lowercase hex digits per chunk k = tensor bytes [k*C, min((k+1)*C, size)) (the last may be
     shorter). Each chunk must hash to its digits, and metadata.json's piece must repeat them as
     "chunk_bytes": C and "xxh3_chunks" (pieces without chunk checksums have neither);
+  * every tensor's "<name>@xxh3" in its file's __metadata__: the XXH3-64 of its bytes, except, in
+    format version 2, for a tensor with chunk checksums c_0 .. c_(n-1): the XXH3-64 of the 8(n+1)
+    bytes c_0, ..., c_(n-1), size, each an unsigned 64-bit little-endian integer (docs/format.md,
+    "Checksums");
   * the pieces of each global tensor cover every global element exactly once;
   * with `formula=True`, every element equals what flashckpt-sim writes at the checkpoint's step:
         v = ((l*7919 + i*H + j) % 1000) / 1024 + step   for layers.<l>.weight at global (i, j)
@@ -33,13 +37,14 @@ import argparse
 import json
 import os
 import re
+import struct
 import sys
 
 import numpy as np
 
 __all__ = [
     "CheckpointError", "xxh3_64", "xxh3_chunks", "read_safetensors", "verify_checkpoint", "sim_expected",
-    "read_latest", "complete_steps", "checkpoint_steps", "read_ema", "ema_tensor",
+    "read_latest", "complete_steps", "checkpoint_steps", "read_ema", "ema_tensor", "whole_checksum_from_chunks",
 ]
 
 
@@ -604,7 +609,19 @@ def _read_chunk_checksums(st, tname, chunk, where):
     return hexes
 
 
-def _read_piece(st, tname, kind_of_file, checksums, chunk=None):
+def _format_version(text, where):
+    """A format_version this reader knows (1 or 2), from its decimal text."""
+    if text not in ("1", "2"):
+        raise CheckpointError("%s: format_version %r is not 1 or 2" % (where, text))
+    return int(text)
+
+
+def whole_checksum_from_chunks(chunk_sums, size):
+    """Format version 2: a chunked tensor's whole checksum from its chunk checksums and byte size."""
+    return xxh3_64(struct.pack("<%dQ" % (len(chunk_sums) + 1), *chunk_sums, size))
+
+
+def _read_piece(st, tname, kind_of_file, checksums, chunk=None, version=1):
     """A tensor's geometry and checksum from its file's __metadata__, checked for consistency."""
     t, m = st.tensors[tname], st.metadata
     where = "%s: tensor '%s'" % (st.name, tname)
@@ -635,17 +652,25 @@ def _read_piece(st, tname, kind_of_file, checksums, chunk=None):
     if not _HEX16.match(ck):
         raise CheckpointError("%s: @xxh3 %r is not 16 lowercase hex digits" % (where, ck))
     chunks = _read_chunk_checksums(st, tname, chunk, where)
+    size = t.end - t.begin
+    from_chunks = version >= 2 and chunks is not None
+    if from_chunks:  # a function of the recorded chunk checksums: checked even without hashing data
+        sums = [int(chunks[16 * k:16 * k + 16], 16) for k in range(len(chunks) // 16)]
+        want = "%016x" % whole_checksum_from_chunks(sums, size)
+        if want != ck:
+            raise CheckpointError("%s: @xxh3 %s is not %s, the format version 2 checksum of its chunk checksums" %
+                                  (where, ck, want))
     if checksums:
         if chunks is not None:  # first, so that damage is located to a chunk
-            size = t.end - t.begin
             for k, h in enumerate(xxh3_chunks(st.tensor_bytes(tname), chunk)):
                 got, want = "%016x" % h, chunks[16 * k:16 * k + 16]
                 if got != want:
                     raise CheckpointError("%s: %s: chunk checksum mismatch: header says %s, bytes hash to %s" %
                                           (where, _chunk_span(k, chunk, size), want, got))
-        got = "%016x" % xxh3_64(st.tensor_bytes(tname))
-        if got != ck:
-            raise CheckpointError("%s: checksum mismatch: header says %s, bytes hash to %s" % (where, ck, got))
+        if not from_chunks:
+            got = "%016x" % xxh3_64(st.tensor_bytes(tname))
+            if got != ck:
+                raise CheckpointError("%s: checksum mismatch: header says %s, bytes hash to %s" % (where, ck, got))
     return _Piece(st.name, tname, t, kind, gshape, boff, bshape, frange, ck,
                   chunk if chunks is not None else None, chunks)
 
@@ -750,6 +775,8 @@ def verify_checkpoint(ckpt_dir, layers=None, hidden=None, formula=True, checksum
     """
     ckpt_dir = os.path.abspath(ckpt_dir)
     job, step, topo, listed, indexed = _load_metadata(ckpt_dir)
+    with open(os.path.join(ckpt_dir, "metadata.json"), "r", encoding="utf-8") as f:
+        version = _format_version(str(json.load(f).get("format_version")), "metadata.json")
     coverage = {}  # (family, tensor name) -> (global_shape, dtype, kind, uint8 count per global element)
     summary = {"job": job, "step": step, "world_size": topo.W, "files": len(listed), "pieces": 0,
                "elements": 0, "ema_elements": 0, "bytes": 0}
@@ -758,8 +785,11 @@ def verify_checkpoint(ckpt_dir, layers=None, hidden=None, formula=True, checksum
         summary["bytes"] += len(st.raw)
         kind_of_file, tp, pp, shard = _check_file_header(st, listed[fname], job, step, topo, formula)
         chunk = _checksum_chunk(st)
+        file_version = _format_version(st.metadata.get("format_version"), fname + ": __metadata__")
+        if file_version != version:
+            raise CheckpointError("%s: format_version %d, metadata.json says %d" % (fname, file_version, version))
         for tname in st.tensors:
-            piece = _read_piece(st, tname, kind_of_file, checksums, chunk)
+            piece = _read_piece(st, tname, kind_of_file, checksums, chunk, version)
             _check_index_entry(piece, indexed.pop((fname, tname), None))
             summary["pieces"] += 1
 

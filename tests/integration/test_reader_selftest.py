@@ -6,9 +6,11 @@ The fake checkpoints are written here, by hand, in the on-disk format flashckptd
 images with the header padded to 4 KiB, signals, metadata.json, LATEST) with the values flashckpt-sim
 produces, computed element by element in plain Python (not with the reader's numpy code).
 
-Per-chunk checksums are tested on such a fake and on a real checkpoint: flashckptd started with
---checksum-chunk 4KiB and four flashckpt-sim ranks, from FLASHCKPT_BIN_DIR (ctest sets it; default
-build/bin of this checkout, and the real-checkpoint cases are skipped when that has no flashckptd).
+Per-chunk checksums are tested on such a fake (format versions 1 and 2) and on a real checkpoint:
+flashckptd started with --checksum-chunk 4KiB and four flashckpt-sim ranks, from FLASHCKPT_BIN_DIR
+(ctest sets it; default build/bin of this checkout, and the real-checkpoint cases are skipped when
+that has no flashckptd). A checkpoint kept as the release before format version 2 wrote it
+(tests/data/format_v1) is read, and resumed from by a real daemon.
 """
 
 import glob
@@ -63,8 +65,15 @@ def chunk_hex(data, chunk):
     return "".join("%016x" % reader.xxh3_64(data[k:k + chunk]) for k in range(0, len(data), chunk))
 
 
-def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False, checksum_chunk=None):
-    """checksum_chunk: write per-chunk checksums of this many bytes, as flashckptd --checksum-chunk does."""
+def whole_from_hex(hexes, size):
+    """Format version 2: the whole checksum (16 hex digits) of a tensor from its "@xxh3_chunks"."""
+    sums = [int(hexes[k:k + 16], 16) for k in range(0, len(hexes), 16)]
+    return "%016x" % reader.whole_checksum_from_chunks(sums, size)
+
+
+def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False, checksum_chunk=None, version=1):
+    """checksum_chunk: write per-chunk checksums of this many bytes, as flashckptd --checksum-chunk does.
+    version: the format version; from 2 on, a chunked tensor's @xxh3 derives from its chunk checksums."""
     W = T * P * D
     ckpt = os.path.join(job_dir, "checkpoint-%d" % step)
     os.makedirs(ckpt)
@@ -97,7 +106,7 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False, checksum
                 continue
             stem = "%s.tp%02d_pp%02d_shard%02d" % (kind, tp, pp, shard)
             fname = stem + ".safetensors"
-            meta = {"format": "flashckpt", "format_version": "1", "job": job, "rank": str(rank), "file": kind,
+            meta = {"format": "flashckpt", "format_version": str(version), "job": job, "rank": str(rank), "file": kind,
                     "world_size": str(W), "tp_rank": str(tp), "tp_degree": str(T), "pp_rank": str(pp),
                     "pp_degree": str(P), "shard_rank": str(shard), "shard_degree": str(D), "step": "%020d" % step}
             if checksum_chunk:
@@ -114,6 +123,8 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False, checksum
                 meta[name + "@xxh3"] = "%016x" % reader.xxh3_64(data)
                 if checksum_chunk and len(data) > checksum_chunk:
                     meta[name + "@xxh3_chunks"] = chunk_hex(data, checksum_chunk)
+                    if version >= 2:
+                        meta[name + "@xxh3"] = whole_from_hex(meta[name + "@xxh3_chunks"], len(data))
                 tensors.append((name, "F32", shape, data))
             path = os.path.join(ckpt, fname)
             write_safetensors(path, meta, tensors)
@@ -133,7 +144,7 @@ def write_fake_checkpoint(job_dir, job, step, T, P, D, L, H, ema=False, checksum
                 index.setdefault(name, []).append(piece)
         with open(os.path.join(ckpt, "saved_signal_%d" % rank), "w") as f:
             f.write("%d\n" % step)
-    metadata = {"format": "flashckpt", "format_version": 1, "job": job, "step": step,
+    metadata = {"format": "flashckpt", "format_version": version, "job": job, "step": step,
                 "topology": {"world_size": W, "tp_degree": T, "pp_degree": P, "shard_degree": D},
                 "files": files, "tensors": index}
     with open(os.path.join(ckpt, "metadata.json"), "w") as f:
@@ -234,6 +245,14 @@ class ReaderSelfTest(unittest.TestCase):
         self.assertEqual(reader.main([self.job_dir, "--layers", str(self.L), "--hidden", str(self.H)]), 0)
 
     # --- rejected -------------------------------------------------------------------------------
+
+    def test_unknown_format_version(self):
+        self.rewrite_metadata(lambda m: m.__setitem__("format_version", 3))
+        self.assertRejected("metadata.json", "format_version '3'")
+
+    def test_format_version_of_a_file_differs_from_metadata_json(self):
+        self.rewrite_metadata(lambda m: m.__setitem__("format_version", 2))
+        self.assertRejected("format_version 1, metadata.json says 2")
 
     def test_flipped_data_byte(self):
         name = "optimizer.tp01_pp01_shard02.safetensors"
@@ -370,6 +389,7 @@ class ChunkChecksumCases:
     L, H, STEP, CHUNK = 2, 72, 10, 4096
     FILE = "model_state.tp01_pp00_shard00.safetensors"
     TENSOR = "layers.1.weight"
+    VERSION = 2  # the format version of the checkpoint (2: whole checksums derive from the chunks)
 
     def verify(self, **kw):
         return reader.verify_checkpoint(self.ckpt, layers=self.L, hidden=self.H, **kw)
@@ -441,13 +461,29 @@ class ChunkChecksumCases:
 
     # --- rejected -------------------------------------------------------------------------------
 
+    def set_whole(self, hexes):
+        """Sets the tensor's whole checksum in its header and in metadata.json."""
+        edit_header(self.path(), lambda m: m.__setitem__(self.TENSOR + "@xxh3", hexes))
+        self.edit_index(lambda p: p.__setitem__("xxh3", hexes))
+
+    def test_whole_checksum_follows_the_format_version(self):
+        m, st = self.header(), reader.read_safetensors(self.path())
+        self.assertEqual(m["format_version"], str(self.VERSION))
+        data = st.tensor_bytes(self.TENSOR)
+        want = (whole_from_hex(m[self.TENSOR + "@xxh3_chunks"], len(data)) if self.VERSION >= 2
+                else "%016x" % reader.xxh3_64(data))
+        self.assertEqual(m[self.TENSOR + "@xxh3"], want)
+
     def test_wrong_chunk_checksum_in_header_and_metadata_json(self):
         # Header and metadata.json agree on a wrong checksum for chunk 1, and the whole-tensor checksum
-        # is right: only hashing the chunk finds it.
-        m = self.header()
-        st = reader.read_safetensors(self.path())
-        self.assertEqual(m[self.TENSOR + "@xxh3"], "%016x" % reader.xxh3_64(st.tensor_bytes(self.TENSOR)))
-        self.set_chunks(wrong_chunk(m[self.TENSOR + "@xxh3_chunks"], 1))
+        # is consistent with the records: only hashing the chunk finds it.
+        wrong = wrong_chunk(self.header()[self.TENSOR + "@xxh3_chunks"], 1)
+        self.set_chunks(wrong)
+        if self.VERSION >= 2:
+            # The whole checksum derives from the chunks': an edited chunk list alone is refused
+            # without hashing any data, and with the whole checksum edited to match, hashing finds it.
+            self.assertRejected(self.FILE, self.TENSOR, "format version 2", checksums=False)
+            self.set_whole(whole_from_hex(wrong, 10368))
         msg = self.assertRejected(self.FILE, self.TENSOR, "chunk 1 of 3", "bytes [4096, 8192)", "checksum")
         self.assertNotIn("chunk 0", msg)
         self.assertEqual(reader.main([self.ckpt]), 1)
@@ -456,7 +492,14 @@ class ChunkChecksumCases:
 
     def test_wrong_last_chunk_checksum_in_header_only(self):
         self.set_chunks(wrong_chunk(self.header()[self.TENSOR + "@xxh3_chunks"], 2), index=False)
-        self.assertRejected(self.FILE, self.TENSOR, "chunk 2 of 3", "bytes [8192, 10368)", "header says")
+        if self.VERSION >= 2:
+            self.assertRejected(self.FILE, self.TENSOR, "format version 2")
+        else:
+            self.assertRejected(self.FILE, self.TENSOR, "chunk 2 of 3", "bytes [8192, 10368)", "header says")
+
+    def test_wrong_whole_checksum(self):
+        self.set_whole("%016x" % (int(self.header()[self.TENSOR + "@xxh3"], 16) ^ 1))
+        self.assertRejected(self.FILE, self.TENSOR, "format version 2" if self.VERSION >= 2 else "checksum mismatch")
 
     def test_flipped_byte_names_its_chunk(self):
         st = reader.read_safetensors(self.path())
@@ -502,16 +545,17 @@ class ChunkChecksumCases:
 
 class FakeChunkChecksumTest(ChunkChecksumCases, unittest.TestCase):
     """A fake checkpoint with chunk checksums: tp 2 x shard 3, so every optimizer piece (864 floats,
-    3456 bytes) fits in one chunk and has none, and every model piece has 3."""
+    3456 bytes) fits in one chunk and has none, and every model piece has 3. Format version 1."""
 
     T, P, D = 2, 1, 3
+    VERSION = 1
 
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="fc-reader-chunks-")
         job_dir = os.path.join(self.tmp, "job")
         os.makedirs(job_dir)
         self.ckpt = write_fake_checkpoint(job_dir, "selftest", self.STEP, self.T, self.P, self.D, self.L, self.H,
-                                          checksum_chunk=self.CHUNK)
+                                          checksum_chunk=self.CHUNK, version=self.VERSION)
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -529,6 +573,12 @@ class FakeChunkChecksumTest(ChunkChecksumCases, unittest.TestCase):
     def test_chunk_checksums_without_checksum_chunk(self):
         edit_header(self.path(), lambda m: m.pop("checksum_chunk"))
         self.assertRejected(self.FILE, "no checksum_chunk")
+
+
+class FakeChunkChecksumV2Test(FakeChunkChecksumTest):
+    """The same fake checkpoint in format version 2, written from the documented rule alone."""
+
+    VERSION = 2
 
 
 def _bin_dir():
@@ -584,7 +634,7 @@ class DaemonChunkChecksumTest(ChunkChecksumCases, unittest.TestCase):
                         [sim, "--socket", sock, "--job", job, "--rank", str(rank), "--world-size", str(world),
                          "--tp-degree", str(cls.T), "--shard-degree", str(cls.D), "--layers", str(cls.L),
                          "--hidden", str(cls.H), "--steps", str(cls.STEP), "--save-every", str(cls.STEP),
-                         "--ema-decay", "0.9", "--wait-timeout", str(cls.SIM_TIMEOUT_S)],
+                         "--ema-decay", "0.9", "--run-id", job, "--wait-timeout", str(cls.SIM_TIMEOUT_S)],
                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + cls.SIM_TIMEOUT_S
             for rank, p in enumerate(sims):
@@ -626,6 +676,93 @@ class DaemonChunkChecksumTest(ChunkChecksumCases, unittest.TestCase):
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0x80]))
         self.assertRejected(name, "layers.0.weight", "chunk 0 of 3")
+
+
+class FormatV1FixtureTest(unittest.TestCase):
+    """tests/data/format_v1: a checkpoint as flashckptd wrote it before format version 2 (whole
+    checksums over the bytes). The reader accepts it as version 1 and finds a flipped byte; a real
+    flashckptd resumes four flashckpt-sim ranks from it (they check every value) and their next
+    checkpoint is version 2, which the reader checks by the documented rule."""
+
+    JOB, STEP, L, H = "format-v1", 10, 2, 48
+    SIM_TIMEOUT_S = 30
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="fc-reader-v1-")
+        self.root = os.path.join(self.tmp, "root")
+        self.job_dir = os.path.join(self.root, self.JOB)
+        shutil.copytree(os.path.join(REPO, "tests", "data", "format_v1", self.JOB), self.job_dir)
+        self.ckpt = os.path.join(self.job_dir, "checkpoint-%d" % self.STEP)
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_reader_accepts_version_1_and_finds_a_flipped_byte(self):
+        s = reader.verify_checkpoint(self.ckpt, layers=self.L, hidden=self.H)
+        self.assertEqual((s["step"], s["world_size"], s["ema_tensors"]), (self.STEP, 4, self.L))
+        name = "model_state.tp01_pp00_shard00.safetensors"
+        st = reader.read_safetensors(os.path.join(self.ckpt, name))
+        self.assertEqual(st.metadata["format_version"], "1")
+        self.assertEqual(len(st.metadata["layers.1.weight@xxh3_chunks"]), 2 * 16)
+        with open(st.path, "r+b") as f:
+            f.seek(st.tensors["layers.1.weight"].begin + 4097)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x04]))
+        with self.assertRaises(reader.CheckpointError) as cm:
+            reader.verify_checkpoint(self.ckpt, layers=self.L, hidden=self.H)
+        self.assertIn("chunk 1 of 2", str(cm.exception))
+
+    def test_a_daemon_resumes_from_version_1_and_writes_version_2(self):
+        bin_dir = _bin_dir()
+        if bin_dir is None:
+            self.skipTest("no flashckptd in %s/build/bin and FLASHCKPT_BIN_DIR unset" % REPO)
+        sock, daemon_log = os.path.join(self.tmp, "flashckptd.sock"), os.path.join(self.tmp, "flashckptd.log")
+        cmd = harness.daemon_command(harness.binary(bin_dir, "flashckptd", error=AssertionError), sock, self.root,
+                                     extra_args=["--checksum-chunk", "4KiB"])
+        sim = harness.binary(bin_dir, "flashckpt-sim", error=AssertionError)
+        daemon, sims = harness.spawn_daemon(cmd, daemon_log), []
+        try:
+            harness.wait_daemon_ready(daemon, sock, error=AssertionError,
+                                      exit_detail=lambda: ":\n" + harness.tail(daemon_log))
+            for rank in range(4):
+                out = open(os.path.join(self.tmp, "sim.rank%d.log" % rank), "wb")
+                with out:
+                    sims.append(subprocess.Popen(
+                        [sim, "--socket", sock, "--job", self.JOB, "--rank", str(rank), "--world-size", "4",
+                         "--tp-degree", "2", "--shard-degree", "2", "--layers", str(self.L), "--hidden", str(self.H),
+                         "--steps", "20", "--save-every", "10", "--ema-decay", "0.9", "--resume",
+                         # One run id on every rank: a rank that starts after another has finished
+                         # would otherwise be a run of its own, and step 20 would never complete.
+                         "--run-id", "resume-of-v1-%d" % os.getpid(),
+                         "--wait-timeout", str(self.SIM_TIMEOUT_S)],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + self.SIM_TIMEOUT_S
+            for rank, p in enumerate(sims):
+                try:
+                    rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    rc = "still running after %ds" % self.SIM_TIMEOUT_S
+                log = harness.tail(os.path.join(self.tmp, "sim.rank%d.log" % rank))
+                self.assertEqual(rc, 0, "flashckpt-sim rank %d: %s\n%s\nflashckptd:\n%s" %
+                                 (rank, rc, log, harness.tail(daemon_log)))
+                self.assertIn("resumed step=%d" % self.STEP, log)
+        finally:
+            harness.kill_processes(sims)
+            code = harness.stop_daemon(daemon)
+            for seg in glob.glob("/dev/shm/flashckpt.%s.*" % self.JOB):
+                os.unlink(seg)
+        self.assertEqual(code, 0, harness.tail(daemon_log))
+        self.assertEqual(reader.read_latest(self.job_dir), 20)
+        new = os.path.join(self.job_dir, "checkpoint-20")
+        s = reader.verify_checkpoint(new, layers=self.L, hidden=self.H)
+        self.assertEqual(s["ema_tensors"], self.L)
+        st = reader.read_safetensors(os.path.join(new, "model_state.tp00_pp00_shard00.safetensors"))
+        self.assertEqual(st.metadata["format_version"], "2")
+        hexes = st.metadata["layers.0.weight@xxh3_chunks"]
+        size = st.tensors["layers.0.weight"].end - st.tensors["layers.0.weight"].begin
+        self.assertEqual(st.metadata["layers.0.weight@xxh3"], whole_from_hex(hexes, size))
+        reader.verify_checkpoint(self.ckpt, layers=self.L, hidden=self.H)  # the old one is untouched
 
 
 if __name__ == "__main__":
