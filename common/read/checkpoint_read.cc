@@ -22,10 +22,13 @@ namespace {
 
 // Reads go in blocks of at most this size (for a piece read in part, through a buffer of it).
 constexpr uint64_t kReadBuffer = 4u << 20;
+// Whole pieces are read straight into the slot in blocks of this size, each hashed right after it
+// is read, while it is still in the core's cache.
+constexpr uint64_t kDirectBlock = 1u << 20;
 // Whole-piece reads are merged into tasks of about this size, cut at piece boundaries or, inside a
 // piece verified by its chunks, at chunk boundaries, so that a large file, and a large tensor, is
 // read and verified by several threads.
-constexpr uint64_t kTaskBytes = 16u << 20;
+constexpr uint64_t kTaskBytes = 4u << 20;
 
 // A part of a saved piece that goes to a different place in the new layout.
 struct Scatter {
@@ -102,7 +105,7 @@ Status RunDirect(const DirectRead& r, Counters& counters) {
   };
   begin_unit(r.begin);
   for (uint64_t pos = r.begin; pos < r.end;) {
-    const uint64_t n = std::min(kReadBuffer, r.end - pos);
+    const uint64_t n = std::min(kDirectBlock, r.end - pos);
     char* block = r.dest + (pos - r.begin);
     RETURN_IF_ERROR(PreadFull(r.fd, block, n, pos, *r.path, r.io));
     counters.bytes_read += n;
