@@ -71,7 +71,7 @@ def save_checkpoints(h):
             procs.append(subprocess.Popen(
                 [h.binary("flashckpt-sim"), "--socket", h.sock, "--job", JOB, "--rank", str(rank),
                  "--world-size", "2", "--tp-degree", "2", "--layers", "2", "--hidden", "32",
-                 "--steps", str(STEPS[-1]), "--save-every", "2", "--ema-decay", "0.9"],
+                 "--steps", str(STEPS[-1]), "--save-every", "2", "--ema-decay", "0.9", "--run-id", "manage-run"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     for p, path in zip(procs, logs):
         check(p.wait(timeout=120) == 0, "flashckpt-sim failed:\n%s" % tail(path))

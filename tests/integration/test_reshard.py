@@ -55,7 +55,10 @@ def run_ranks(h, layout, resume, dump_root=None):
         cmd = [h.binary("flashckpt-sim"), "--socket", h.sock, "--job", JOB, "--rank", str(rank),
                "--world-size", str(world), "--tp-degree", str(t), "--pp-degree", str(p),
                "--shard-degree", str(d), "--layers", str(LAYERS), "--hidden", str(HIDDEN),
-               "--steps", str(STEPS), "--save-every", "10", "--ema-decay", "0.9", "--wait-timeout", "60"]
+               "--steps", str(STEPS), "--save-every", "10", "--ema-decay", "0.9", "--wait-timeout", "60",
+               # one run id for the ranks started together (a rank that starts after another has
+               # finished would otherwise be a run of its own)
+               "--run-id", "reshard-%d-%d-%d-%s" % (t, p, d, "resume" if resume else "fresh")]
         if resume:
             cmd.append("--resume")
         if dump_root:

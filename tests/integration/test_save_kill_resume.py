@@ -70,7 +70,10 @@ class Harness(DaemonHarness):
             cmd = [self.binary("flashckpt-sim"), "--socket", self.sock, "--job", self.job,
                    "--rank", str(rank), "--world-size", str(WORLD), "--tp-degree", str(TP),
                    "--shard-degree", str(SHARD), "--layers", str(LAYERS), "--hidden", str(HIDDEN),
-                   "--steps", str(steps), "--save-every", str(SAVE_EVERY)]
+                   "--steps", str(steps), "--save-every", str(SAVE_EVERY),
+                   # One run id for the phase's ranks: a rank that starts after another has finished
+                   # would otherwise be a run of its own, and its steps would never complete.
+                   "--run-id", "%s-%s" % (self.job, phase)]
             if resume:
                 cmd.append("--resume")
             if step_ms is not None:
