@@ -396,9 +396,9 @@ Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
   uint64_t notes = 0;
   {
     MutexLock lock(&known_mu_);
-    auto it = known_.find(job);
-    if (it != known_.end() && now - it->second.read_at < max_age) return it->second.step;
-    if (it != known_.end()) notes = it->second.notes;
+    Known& known = known_[job];  // from now on completions are noted, also during the first read
+    if (known.read && now - known.read_at < max_age) return known.step;
+    notes = known.notes;
   }
   ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(job));
   MutexLock lock(&known_mu_);
@@ -406,6 +406,7 @@ Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
   // A completion noted while the root was being read may be newer than what the read found.
   const bool noted_meanwhile = known.notes != notes && known.step && (!latest || *known.step > *latest);
   if (!noted_meanwhile) known.step = latest;
+  known.read = true;
   known.read_at = now;
   return known.step;
 }
@@ -413,7 +414,7 @@ Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
 void Catalog::NoteCompleted(const std::string& job, int64_t step) {
   MutexLock lock(&known_mu_);
   auto it = known_.find(job);
-  if (it == known_.end()) return;  // read from the root when status first asks
+  if (it == known_.end()) return;  // status has not asked: it reads the root when it first does
   if (!it->second.step || *it->second.step < step) it->second.step = step;
   it->second.notes += 1;
 }

@@ -205,6 +205,7 @@ class Catalog {
   std::map<std::string, std::multiset<int64_t>> in_use_ GUARDED_BY(use_mu_);
   struct Known {
     std::optional<int64_t> step;
+    bool read = false;  // false until the first read of the root has finished
     std::chrono::steady_clock::time_point read_at;
     uint64_t notes = 0;  // completions noted: tells a refresh that one came while it read
   };
