@@ -81,7 +81,10 @@ class Harness(DaemonHarness):
                    "--world-size", str(WORLD), "--tp-degree", str(TP), "--layers", str(LAYERS),
                    "--hidden", str(HIDDEN), "--steps", str(steps), "--save-every", str(SAVE_EVERY),
                    "--step-ms", str(step_ms), "--wait-timeout", "60", "--ema-decay", repr(EMA_DECAY),
-                   "--ema-interval", str(EMA_INTERVAL)]
+                   "--ema-interval", str(EMA_INTERVAL),
+                   # One run id for the ranks started together: a rank that starts after the other
+                   # has finished would otherwise be a run of its own, and its steps never complete.
+                   "--run-id", "%s-%s" % (self.job, phase)]
             if resume:
                 cmd.append("--resume")
             if tolerate:
