@@ -120,6 +120,16 @@ class StreamingCommitTest : public ::testing::Test {
     return d_.root() + "/stream/checkpoint-" + std::to_string(step) + "/" + kind + ".tp00_pp00_shard00.safetensors";
   }
 
+  // A daemon stopped with a snapshot in flight leaves its segment, and any daemon its EMA segment,
+  // for a successor; there is none here, so the test removes them.
+  void TearDown() override {
+    session_.reset();
+    shm_.reset();
+    d_.Stop();
+    if (!reg_.segment_name().empty()) SharedSegment::Unlink(reg_.segment_name());
+    SharedSegment::Unlink("flashckpt.stream.0.ema");
+  }
+
   InProcessDaemon d_{"fc-stream"};
   std::unique_ptr<v1::Checkpoint::Stub> stub_;
   std::unique_ptr<RawSession> session_;
