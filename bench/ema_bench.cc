@@ -110,10 +110,11 @@ int Run(uint64_t param_bytes, uint64_t tensor_bytes, unsigned threads, int reps,
   if (!plan.ok()) return Fail("EMA plan", plan.status());
   const uint64_t ema_slot_bytes = plan->layout.slot_bytes;
 
-  std::snprintf(g_shm_path, sizeof g_shm_path, "/flashckpt.%s.0.ema", job.c_str());
+  const std::string scope = "bench";
+  std::snprintf(g_shm_path, sizeof g_shm_path, "/%s", EmaSegmentName(job, 0, scope).c_str());
   ::signal(SIGINT, UnlinkAndExit);
   ::signal(SIGTERM, UnlinkAndExit);
-  auto opened = RankEma::Open(job, 0, std::move(plan).value(), config, 0600);
+  auto opened = RankEma::Open(job, 0, scope, std::move(plan).value(), config, 0600);
   if (!opened.ok()) return Fail("EMA segment", opened.status());
   std::unique_ptr<RankEma> ema = std::move(opened).value();
   struct Unlinker {

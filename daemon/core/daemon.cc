@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <set>
 
 #include "common/base/cuda_info.h"
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/base/version.h"
+#include "common/format/checksum.h"
 #include "common/format/image.h"
 #include "common/io/fs.h"
 #include "daemon/edge/wire.h"
@@ -115,6 +117,14 @@ Status Daemon::Start() {
     ASSIGN_OR_RETURN(state_lock_, StateDirLock::Acquire(state_dir));
   }
   RETURN_IF_ERROR(MakeDirs(config_.root, 0755));
+  {
+    // The same for every start of this daemon (its state directory), another for any other daemon.
+    std::error_code ec;
+    const std::string where = state_dir.empty() ? config_.root : state_dir;
+    const std::string canonical = std::filesystem::weakly_canonical(where, ec).string();
+    const std::string& key = ec ? where : canonical;
+    ema_scope_ = ChecksumHex(Xxh3(key.data(), key.size()));
+  }
   writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads,
                                      config_.io_env != nullptr ? config_.io_env : IoEnv::Default());
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
@@ -371,7 +381,11 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
                                                            bool adopt) {
   std::unique_ptr<RankEma> ema;
   if (plan) {
-    ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, std::move(*plan), config, config_.segment_mode));
+    // A segment under the name of releases before the scope is this daemon's when its predecessor
+    // recorded it: the rank's slot segment is adopted, or the EMA was kept for the job.
+    const bool adopt_unscoped = adopt || state_.HasKeptEma(UnscopedEmaSegmentName(job, rank));
+    ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, ema_scope_, std::move(*plan), config, config_.segment_mode,
+                                        adopt_unscoped));
   }
   const uint64_t ema_area = layout.slot_bytes;
   const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
@@ -680,6 +694,10 @@ std::set<int64_t> Daemon::BusyStepsLocked(const std::string& job) const {
     }
   }
   return busy;
+}
+
+std::string Daemon::EmaSegmentName(const std::string& job, uint32_t rank) const {
+  return flashckpt::EmaSegmentName(job, rank, ema_scope_);
 }
 
 DaemonStatus Daemon::GetStatus() const {

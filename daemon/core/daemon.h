@@ -182,6 +182,9 @@ class Daemon {
   // The daemon's memory, jobs and ranks; each job's last complete step is read from the root
   // without the daemon's lock (a failure to read it is the job's catalog_error).
   DaemonStatus GetStatus() const EXCLUDES(mu_);
+  // The name of the EMA segment this daemon keeps for `rank` of `job` (EmaSegmentName with this
+  // daemon's scope: a hash of its state directory, or of its root when it has none). Set by Start.
+  std::string EmaSegmentName(const std::string& job, uint32_t rank) const;
 
   const DaemonConfig& config() const { return config_; }
   // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
@@ -377,6 +380,7 @@ class Daemon {
   const DaemonConfig config_;
   const std::chrono::steady_clock::time_point started_;
   StateDir state_;           // set once by Start
+  std::string ema_scope_;    // set once by Start, before any segment (EmaSegmentName)
   StateDirLock state_lock_;  // taken by Start, held for the daemon's life
   EventHub events_;
   Metrics metrics_;

@@ -99,6 +99,10 @@ void StateDir::RemoveKeptEma(const std::string& ema_segment) const {
   ::unlink((path_ + "/" + ema_segment + kKeptEmaSuffix).c_str());
 }
 
+bool StateDir::HasKeptEma(const std::string& ema_segment) const {
+  return enabled() && PathExists(path_ + "/" + ema_segment + kKeptEmaSuffix);
+}
+
 std::vector<StateDir::KeptEma> StateDir::LoadKeptEmas() const {
   std::vector<KeptEma> out;
   if (!enabled()) return out;

@@ -47,6 +47,8 @@ class StateDir {
   // EMA segments a stopped daemon left for the next one, each with its job (see above).
   Status SaveKeptEma(const std::string& ema_segment, const std::string& job) const;
   void RemoveKeptEma(const std::string& ema_segment) const;
+  // Whether a record keeps `ema_segment`.
+  bool HasKeptEma(const std::string& ema_segment) const;
   struct KeptEma {
     std::string segment, job;
   };

@@ -163,21 +163,40 @@ Result<EmaPlan> PlanEma(const RankLayout& rank, const EmaConfig& config) {
   return plan;
 }
 
-Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t rank, EmaPlan plan,
-                                               const EmaConfig& config, unsigned mode) {
+std::string EmaSegmentName(const std::string& job, uint32_t rank, const std::string& scope) {
+  return "flashckpt." + job + "." + std::to_string(rank) + "." + scope + ".ema";
+}
+
+std::string UnscopedEmaSegmentName(const std::string& job, uint32_t rank) {
+  return "flashckpt." + job + "." + std::to_string(rank) + ".ema";
+}
+
+Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t rank, const std::string& scope,
+                                               EmaPlan plan, const EmaConfig& config, unsigned mode,
+                                               bool adopt_unscoped) {
   std::unique_ptr<RankEma> ema(new RankEma());
-  const std::string name = "flashckpt." + job + "." + std::to_string(rank) + ".ema";
+  std::string name = EmaSegmentName(job, rank, scope);
   const FileImage& image = plan.layout.files.at(0);
   const uint64_t bytes = 2 * plan.layout.slot_bytes;  // two images (ema.h)
   const uint64_t signature = Xxh3(image.header.data(), image.header.size());
-  auto existing = SharedSegment::Open(name, bytes);
-  if (existing.ok()) {
-    auto* h = reinterpret_cast<EmaSegmentHeader*>((*existing)->data());
-    if (std::memcmp(h->magic, kEmaMagic, sizeof kEmaMagic) == 0 && h->signature == signature &&
-        h->current.load() <= 1) {
-      ema->shm_ = std::move(existing).value();
-      ema->adopted_ = true;
+  bool scoped_missing = false;
+  auto adopt = [&](const std::string& candidate) {
+    auto existing = SharedSegment::Open(candidate, bytes);
+    if (!existing.ok()) {
+      scoped_missing = scoped_missing || (candidate == name && existing.status().code() == StatusCode::kNotFound);
+      return false;
     }
+    auto* h = reinterpret_cast<EmaSegmentHeader*>((*existing)->data());
+    if (std::memcmp(h->magic, kEmaMagic, sizeof kEmaMagic) != 0 || h->signature != signature ||
+        h->current.load() > 1) {
+      return false;
+    }
+    ema->shm_ = std::move(existing).value();
+    ema->adopted_ = true;
+    return true;
+  };
+  if (!adopt(name) && adopt_unscoped && scoped_missing && adopt(UnscopedEmaSegmentName(job, rank))) {
+    name = UnscopedEmaSegmentName(job, rank);  // kept under its name: records and release use it
   }
   if (!ema->shm_) {
     SharedSegment::Unlink(name);

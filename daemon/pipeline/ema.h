@@ -4,7 +4,9 @@
 // plus model tensors without a master weight that are fp32 (or bf16/fp16 with
 // model_params = all). Replicas are covered by the rank that persists them.
 //
-// Where: a daemon-owned shared-memory segment per rank, "flashckpt.<job>.<rank>.ema", laid out as
+// Where: a daemon-owned shared-memory segment per rank, "flashckpt.<job>.<rank>.<scope>.ema"
+// (EmaSegmentName: the scope tells the daemons of one host apart and stays the same when a daemon
+// restarts), laid out as
 // [header page][image 0][spare page][image 1], each image the ema.tpXX_ppYY_shardZZ safetensors file:
 // two copies, so that an update interrupted by a crash never leaves a half-updated average. It
 // outlives the daemon process, so a restarted daemon adopts it and the average carries on. Each slot of the rank's segment also has
@@ -38,6 +40,12 @@ struct EmaConfig {
 };
 
 Status ValidateEmaConfig(const EmaConfig& config);
+
+// "flashckpt.<job>.<rank>.<scope>.ema": the name of a rank's EMA segment. `scope` is the daemon's
+// (Daemon::ema_scope): two daemons on one host that serve a job of the same name keep apart.
+std::string EmaSegmentName(const std::string& job, uint32_t rank, const std::string& scope);
+// The name releases before the scope used: "flashckpt.<job>.<rank>.ema".
+std::string UnscopedEmaSegmentName(const std::string& job, uint32_t rank);
 std::string EmaInitName(const EmaConfig& config);
 
 // The EMA tensors of a rank and the layout of their image.
@@ -97,9 +105,13 @@ void EmaKernel(const float* in, float* out, const void* x, DType dtype, size_t n
 // without it.
 class RankEma {
  public:
-  // Adopts "flashckpt.<job>.<rank>.ema" when it exists with the same signature, else creates it.
-  static Result<std::unique_ptr<RankEma>> Open(const std::string& job, uint32_t rank, EmaPlan plan,
-                                               const EmaConfig& config, unsigned mode);
+  // Adopts EmaSegmentName(job, rank, scope) when it exists with the same signature, else creates
+  // it. With `adopt_unscoped`, a segment of the same signature under the name that releases before
+  // the scope used, "flashckpt.<job>.<rank>.ema", is adopted when the scoped one does not exist
+  // (the caller knows this daemon's predecessor left it: an upgrade keeps the average).
+  static Result<std::unique_ptr<RankEma>> Open(const std::string& job, uint32_t rank, const std::string& scope,
+                                               EmaPlan plan, const EmaConfig& config, unsigned mode,
+                                               bool adopt_unscoped = false);
   ~RankEma();
 
   const EmaPlan& plan() const { return plan_; }

@@ -561,7 +561,7 @@ TEST_F(BadRequestsTest, NonFiniteLossesSkipTheEmaUpdateUnderALossThreshold) {
   EXPECT_EQ(rank.ema_updates_skipped(), 3u) << "NaN, +inf and -inf losses must be gated";
   EXPECT_EQ(rank.ema_updates_applied(), 1u);
   EXPECT_EQ(rank.ema_last_step(), 4);
-  SharedSegment::Unlink("flashckpt.nanloss.0.ema");
+  UnlinkEmaSegments("nanloss");
 }
 
 }  // namespace

@@ -344,7 +344,7 @@ TEST_F(DaemonTest, SegmentIsPrivateToTheDaemonUser) {
 TEST_F(DaemonTest, SegmentsGoToTheShmGroupWithMode0660) {
   const uint32_t gid = ::geteuid() == 0 ? 100u : static_cast<uint32_t>(::getegid());
   StopDaemon();
-  SharedSegment::Unlink("flashckpt.group.0.ema");  // a leftover of an earlier run would be adopted as it is
+  UnlinkEmaSegments("group");  // a leftover of an earlier run would be adopted as it is
   ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.shm_group = gid; }));
   auto c = Connect("group", 0);
   ASSERT_TRUE(c);
@@ -357,7 +357,7 @@ TEST_F(DaemonTest, SegmentsGoToTheShmGroupWithMode0660) {
     if (name.rfind("flashckpt.group.0.", 0) != 0) continue;
     struct stat st {};
     ASSERT_EQ(::stat(e.path().c_str(), &st), 0);
-    if (name == "flashckpt.group.0.ema") {
+    if (name == d_.daemon()->EmaSegmentName("group", 0)) {
       EXPECT_EQ(st.st_mode & 0777, 0600u) << "the EMA segment is the daemon's alone: " << name;
       ++ema;
       continue;
@@ -374,7 +374,7 @@ TEST_F(DaemonTest, SegmentsGoToTheShmGroupWithMode0660) {
   ASSERT_OK(c->Snapshot(1, bufs, {}).status());
   ASSERT_OK(c->WaitPersisted(1, 10s));
   c.reset();
-  SharedSegment::Unlink("flashckpt.group.0.ema");  // EMA segments outlive the daemon on purpose
+  UnlinkEmaSegments("group");  // EMA segments outlive the daemon on purpose
 }
 
 TEST_F(DaemonTest, ACompleteCheckpointIsNeverOverwritten) {

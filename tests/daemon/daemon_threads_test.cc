@@ -85,7 +85,7 @@ class DaemonThreadsTest : public ::testing::Test {
     if (daemon_) daemon_->Stop();
     daemon_.reset();
     // The daemon leaves EMA segments for its successor.
-    for (uint32_t r = 0; r < kRanks; ++r) SharedSegment::Unlink("flashckpt." + job_ + "." + std::to_string(r) + ".ema");
+    UnlinkEmaSegments(job_);
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
 

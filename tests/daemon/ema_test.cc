@@ -143,7 +143,7 @@ class EmaDaemonTest : public ::testing::Test {
   }
   void TearDown() override {
     Stop();
-    SharedSegment::Unlink("flashckpt." + job_ + ".0.ema");  // the daemon leaves EMA segments for its successor
+    UnlinkEmaSegments(job_);  // the daemon leaves EMA segments for its successor
   }
   void Start() {
     ASSERT_OK(d_.Start([](DaemonConfig& c) { c.max_host_memory = 256ull << 20; }));

@@ -60,7 +60,7 @@ TEST(ReleaseTest, OperatorReleaseIsRefusedWhileARankIsConnectedThenFreesEverySeg
   TestTrainer t = SavedTrainerWithEma(d, job);
   ASSERT_TRUE(t.client);
   const std::set<std::string> segments = ShmOf(job);
-  ASSERT_TRUE(segments.count("flashckpt." + job + ".0.ema")) << "the EMA has its own segment";
+  ASSERT_TRUE(segments.count(d.daemon()->EmaSegmentName(job, 0))) << "the EMA has its own segment";
   ASSERT_EQ(segments.size(), 2u);
   const uint64_t used = d.daemon()->GetStatus().host_memory_used;
   ASSERT_GT(used, 0u);

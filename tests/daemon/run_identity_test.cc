@@ -70,12 +70,113 @@ nlohmann::json ReadJson(const std::string& path) {
   return nlohmann::json::parse(text.ok() ? *text : "{}", nullptr, false);
 }
 
+// Two daemons on one host (two roots, two sockets, two state directories) that serve a job of the
+// same name: each keeps its own average. Under one /dev/shm name for both, the second daemon adopted
+// the first one's segment and each update of one moved the other's average.
+TEST(RunTest, TwoDaemonsOnOneHostKeepTheirOwnEmaForAJobOfTheSameName) {
+  const std::string job = JobName("ema-two");
+  InProcessDaemon d1("flashckpt-run"), d2("flashckpt-run");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start());
+  EXPECT_NE(d1.daemon()->EmaSegmentName(job, 0), d2.daemon()->EmaSegmentName(job, 0));
+  {
+    EmaRank a = StartEmaRank(d1, job, DrawnRun);
+    EmaRank b = StartEmaRank(d2, job, DrawnRun);
+    ASSERT_TRUE(a.client);
+    ASSERT_TRUE(b.client);
+    ASSERT_OK(a.Save(1, 1.f));
+    ASSERT_OK(b.Save(1, 3.f));
+    ASSERT_OK(a.Save(2, 1.f));
+    ASSERT_OK(b.Save(2, 3.f));
+    auto ema_a = a.Ema(), ema_b = b.Ema();
+    ASSERT_OK(ema_a.status());
+    ASSERT_OK(ema_b.status());
+    EXPECT_EQ(*ema_a, 1.f) << "daemon 1's average moved with daemon 2's updates";
+    EXPECT_EQ(*ema_b, 3.f) << "daemon 2's average moved with daemon 1's updates";
+    EXPECT_EQ(EmaSegmentsOf(job).size(), 2u);
+  }
+  d1.Stop();
+  d2.Stop();
+  UnlinkEmaSegments(job);
+}
+
+// An upgrade: the daemon's predecessor, of a release that named EMA segments without a scope, kept
+// "flashckpt.<job>.<rank>.ema" with a record in the state directory. The upgraded daemon adopts it,
+// and the run's average carries on.
+TEST(RunTest, AnEmaSegmentKeptUnderTheUnscopedNameByThePredecessorIsAdopted) {
+  const std::string job = JobName("ema-upgrade");
+  auto same_run = [](ClientOptions& o) { o.run_id = "upgrade-run"; };
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string scoped = d.daemon()->EmaSegmentName(job, 0), unscoped = "flashckpt." + job + ".0.ema";
+  {
+    EmaRank a = StartEmaRank(d, job, same_run);
+    ASSERT_TRUE(a.client);
+    ASSERT_OK(a.Save(1, 1.f));
+  }
+  d.Stop();  // keeps the EMA segment, with a record, for its successor
+  const std::string state = d.socket() + ".state";
+  ASSERT_TRUE(std::filesystem::exists(state + "/" + scoped + ".kept"));
+  // What the older release left: the same segment and record under the unscoped name.
+  std::filesystem::rename("/dev/shm/" + scoped, "/dev/shm/" + unscoped);
+  std::filesystem::rename(state + "/" + scoped + ".kept", state + "/" + unscoped + ".kept");
+
+  ASSERT_OK(d.Start());
+  {
+    EmaRank b = StartEmaRank(d, job, same_run);
+    ASSERT_TRUE(b.client);
+    ASSERT_OK(b.Save(2, 3.f));
+    auto ema = b.Ema();
+    ASSERT_OK(ema.status());
+    EXPECT_EQ(*ema, 2.f) << "0.5 * 1 + 0.5 * 3 when the kept average was adopted, 3 when it started afresh";
+  }
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + scoped)) << "a second segment was made";
+  d.Stop();
+  UnlinkEmaSegments(job);
+}
+
+// Without a record of it, a segment under the unscoped name may be another daemon's: it is left alone.
+TEST(RunTest, AnUnscopedEmaSegmentThatNoRecordKeepsIsNotAdopted) {
+  const std::string job = JobName("ema-stray");
+  auto same_run = [](ClientOptions& o) { o.run_id = "stray-run"; };
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string scoped = d.daemon()->EmaSegmentName(job, 0), unscoped = "flashckpt." + job + ".0.ema";
+  {
+    EmaRank a = StartEmaRank(d, job, same_run);
+    ASSERT_TRUE(a.client);
+    ASSERT_OK(a.Save(1, 1.f));
+  }
+  d.Stop();
+  const std::string state = d.socket() + ".state";
+  std::filesystem::rename("/dev/shm/" + scoped, "/dev/shm/" + unscoped);
+  std::filesystem::remove(state + "/" + scoped + ".kept");
+
+  ASSERT_OK(d.Start());
+  {
+    EmaRank b = StartEmaRank(d, job, same_run);
+    ASSERT_TRUE(b.client);
+    ASSERT_OK(b.Save(2, 3.f));
+    auto ema = b.Ema();
+    ASSERT_OK(ema.status());
+    EXPECT_EQ(*ema, 3.f) << "an average nothing says is this daemon's was adopted";
+  }
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm/" + unscoped)) << "another daemon's segment was touched";
+  d.Stop();
+  UnlinkEmaSegments(job);
+}
+
+// The daemon is the same one (its state directory, so its EMA segments' names), its root a new one:
+// the old run's average is there to adopt by name, and the run id is what refuses it.
 TEST(RunTest, AFreshRunOfAJobNameUsedBeforeStartsAFreshEmaEvenUnderANewDaemonAndRoot) {
   const std::string job = JobName("ema-run");
-  std::string first_run;
+  InProcessDaemon state("flashckpt-run-state");  // holds the state directory both daemons use
+  auto same_state = [&](DaemonConfig& c) { c.state_dir = state.dir() + "/state"; };
+  std::string first_run, ema_segment;
   {
     InProcessDaemon d("flashckpt-run");
-    ASSERT_OK(d.Start());
+    ASSERT_OK(d.Start(same_state));
+    ema_segment = d.daemon()->EmaSegmentName(job, 0);
     EmaRank a = StartEmaRank(d, job, DrawnRun);
     ASSERT_TRUE(a.client);
     first_run = a.client->RunId();
@@ -88,12 +189,13 @@ TEST(RunTest, AFreshRunOfAJobNameUsedBeforeStartsAFreshEmaEvenUnderANewDaemonAnd
     EXPECT_EQ(ReadJson(d.StepDir(job, 2) + "/metadata.json")["run_id"], first_run);
     EXPECT_EQ(d.daemon()->GetStatus().jobs.at(0).ranks.at(0).run_id, first_run);
   }  // the daemon stops; the EMA segment stays in /dev/shm for a successor
-  ASSERT_TRUE(std::filesystem::exists("/dev/shm/flashckpt." + job + ".0.ema"));
+  ASSERT_TRUE(std::filesystem::exists("/dev/shm/" + ema_segment));
 
   // Another run of the same job name, under a new daemon with a new root: its average starts from
   // its own first snapshot (3.0), not from the old run's (which would give 0.5 * 1 + 0.5 * 3 = 2).
   InProcessDaemon d("flashckpt-run");
-  ASSERT_OK(d.Start());
+  ASSERT_OK(d.Start(same_state));
+  ASSERT_EQ(d.daemon()->EmaSegmentName(job, 0), ema_segment);
   EmaRank b = StartEmaRank(d, job, DrawnRun);
   ASSERT_TRUE(b.client);
   EXPECT_NE(b.client->RunId(), first_run);
@@ -107,7 +209,7 @@ TEST(RunTest, AFreshRunOfAJobNameUsedBeforeStartsAFreshEmaEvenUnderANewDaemonAnd
   EXPECT_EQ(meta->ema->updates_applied, 1u) << "one snapshot, one update";
   EXPECT_EQ(meta->run_id, b.client->RunId());
   b.client.reset();
-  SharedSegment::Unlink("flashckpt." + job + ".0.ema");
+  UnlinkEmaSegments(job);
 }
 
 TEST(RunTest, AFreshStartIntoAJobWithAnotherRunsCheckpointsIsRefusedUnlessItOverwrites) {

@@ -123,11 +123,12 @@ class StreamingCommitTest : public ::testing::Test {
   // A daemon stopped with a snapshot in flight leaves its segment, and any daemon its EMA segment,
   // for a successor; there is none here, so the test removes them.
   void TearDown() override {
+    const std::string ema = d_.daemon() != nullptr ? d_.daemon()->EmaSegmentName("stream", 0) : std::string();
     session_.reset();
     shm_.reset();
     d_.Stop();
     if (!reg_.segment_name().empty()) SharedSegment::Unlink(reg_.segment_name());
-    SharedSegment::Unlink("flashckpt.stream.0.ema");
+    if (!ema.empty()) SharedSegment::Unlink(ema);
   }
 
   InProcessDaemon d_{"fc-stream"};

@@ -253,9 +253,11 @@ def run_daemon_side(h, rng, kills):
     check(rc == 0, "flashckptd exited with %s on SIGTERM" % rc)
     state = h.sock + ".state"
     # The lock file stays (unlocked), and so does a record of each EMA segment kept for the next daemon.
-    emas = ["flashckpt.%s.%d.ema.kept" % (h.job, r) for r in range(2)]
+    # flashckpt.<job>.<rank>.<scope>.ema.kept, the scope the daemon's (16 hex digits).
+    kept = re.compile(r"flashckpt\.%s\.[01]\.[0-9a-f]{16}\.ema\.kept$" % re.escape(h.job))
+    emas = "flashckpt.%s.<rank>.<scope>.ema.kept" % h.job
     records = sorted(r for r in os.listdir(state) if r != "daemon.lock") if os.path.isdir(state) else None
-    check(records is not None and all(r in emas for r in records),
+    check(records is not None and all(kept.match(r) for r in records),
           "after a clean stop the state directory should hold no record but the kept EMAs' %s: %s"
           % (emas, records if records is not None else "missing"))
     slots = [p for p in glob.glob("/dev/shm/flashckpt.%s.*" % h.job) if not p.endswith(".ema")]
