@@ -134,6 +134,14 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& na
 
 void SharedSegment::Unlink(const std::string& name) { bip::shared_memory_object::remove(name.c_str()); }
 
+Status SharedSegment::Rename(const std::string& from, const std::string& to) {
+  const std::string a = "/dev/shm/" + from, b = "/dev/shm/" + to;
+  if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_NOREPLACE) != 0) {
+    return ErrnoStatus("rename shared memory " + from + " to", to);
+  }
+  return Status::OK();
+}
+
 SharedSegment::~SharedSegment() {
   if (addr_ != nullptr) ::munmap(addr_, bytes_);
   if (owner_) bip::shared_memory_object::remove(name_.c_str());

@@ -83,6 +83,9 @@ class SharedSegment {
   bool owns_name() const { return owner_; }
   // Removes a segment name; ok when it does not exist.
   static void Unlink(const std::string& name);
+  // Gives segment `from` the name `to`, which must not exist (an error when it does); mappings of
+  // it stay valid. POSIX shared memory names are files in /dev/shm on Linux, the one system served.
+  static Status Rename(const std::string& from, const std::string& to);
 
   char* data() const { return static_cast<char*>(addr_); }
   uint64_t size() const { return bytes_; }

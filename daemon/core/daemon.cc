@@ -378,14 +378,23 @@ void Daemon::NoteAbandonedLocked(const std::string& job, uint32_t rank, int64_t 
 Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                            std::optional<EmaPlan> plan, const EmaConfig& config,
                                                            uint32_t slot_count, const std::string& name,
-                                                           bool adopt) {
+                                                           bool adopt, const std::string& run_id) {
   std::unique_ptr<RankEma> ema;
   if (plan) {
     // A segment under the name of releases before the scope is this daemon's when its predecessor
-    // recorded it: the rank's slot segment is adopted, or the EMA was kept for the job.
-    const bool adopt_unscoped = adopt || state_.HasKeptEma(UnscopedEmaSegmentName(job, rank));
+    // recorded it (the rank's slot segment is adopted, or the EMA was kept for the job) or when
+    // its average is of the run this rank registers in.
+    const std::string unscoped = UnscopedEmaSegmentName(job, rank);
+    const bool recorded = adopt || state_.HasKeptEma(unscoped);
     ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, ema_scope_, std::move(*plan), config, config_.segment_mode,
-                                        adopt_unscoped));
+                                        recorded, run_id));
+    if (ema->upgraded() || recorded) {
+      // Renamed, or removed as unfit: the record of the old name goes (the next stop records the
+      // scoped one), so that no later release of it unlinks a name that is no longer this daemon's.
+      state_.RemoveKeptEma(unscoped);
+      MutexLock lock(&mu_);
+      kept_emas_.erase(unscoped);
+    }
   }
   const uint64_t ema_area = layout.slot_bytes;
   const uint64_t stride = ema_area + (ema ? PageAlign(ema->plan().image_bytes()) : 0);
@@ -444,7 +453,8 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
 Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::string& job, uint32_t rank,
                                                                    RankLayout layout, std::optional<EmaPlan> ema_plan,
                                                                    const EmaConfig& ema_config,
-                                                                   const Registration& registration) {
+                                                                   const Registration& registration,
+                                                                   const std::string& run_id) {
   ASSIGN_OR_RETURN(std::string token, RandomToken());
   const std::string name = "flashckpt." + job + "." + std::to_string(rank) + "." + token;
   const uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
@@ -463,7 +473,7 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::st
     return saved.WithContext("saving the segment's record in the state directory");
   }
   auto created = CreateSegment(job, rank, std::move(layout), std::move(ema_plan), ema_config, config_.slots, name,
-                               /*adopt=*/false);
+                               /*adopt=*/false, run_id);
   if (!created.ok()) state_.RemoveSegment(name);
   return created;
 }
@@ -570,9 +580,11 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     retired = std::move(rank->segment);
     registering_bytes_ += need;
     const uint64_t generation = ++rank->registrations;
+    const std::string run_id = ChooseRunLocked(*job, who.rank, *rank, reg, drawn_run);  // chosen again below
     lock.Unlock();
     retired.reset();
-    auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, reg);
+    auto made =
+        CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, reg, run_id);
     lock.Lock();
     registering_bytes_ -= need;
     if (!made.ok()) return made.status();

@@ -343,16 +343,19 @@ class Daemon {
                    const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
                    uint64_t bytes, double seconds) EXCLUDES(mu_);
   // Creates the rank's segment under `name` (O_EXCL), or with `adopt` maps that existing segment
-  // and checks its header against the layout (its contents are kept).
+  // and checks its header against the layout (its contents are kept). `run_id`: the run the rank
+  // registers in, as far as known (RankEma::Open: an EMA segment an older release left).
   Result<std::shared_ptr<RankSegment>> CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                      std::optional<EmaPlan> ema, const EmaConfig& config,
-                                                     uint32_t slot_count, const std::string& name, bool adopt);
+                                                     uint32_t slot_count, const std::string& name, bool adopt,
+                                                     const std::string& run_id = "") EXCLUDES(mu_);
   // A new segment for a registration, with its record written first (see recovery.cc). Does file
   // I/O and allocates: called without mu_.
   Result<std::shared_ptr<RankSegment>> CreateRecordedSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                              std::optional<EmaPlan> ema_plan,
                                                              const EmaConfig& ema_config,
-                                                             const Registration& registration) EXCLUDES(mu_);
+                                                             const Registration& registration,
+                                                             const std::string& run_id) EXCLUDES(mu_);
   // The EMA stage's callback: counts the update, then FinishCommittedLocked.
   void OnEmaApplied(EmaJob job, bool applied, double seconds) EXCLUDES(mu_);
   // The persist request of a committed slot; `done` reports to OnPersisted.

@@ -172,10 +172,10 @@ std::string UnscopedEmaSegmentName(const std::string& job, uint32_t rank) {
 }
 
 Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t rank, const std::string& scope,
-                                               EmaPlan plan, const EmaConfig& config, unsigned mode,
-                                               bool adopt_unscoped) {
+                                               EmaPlan plan, const EmaConfig& config, unsigned mode, bool recorded,
+                                               const std::string& run_id) {
   std::unique_ptr<RankEma> ema(new RankEma());
-  std::string name = EmaSegmentName(job, rank, scope);
+  const std::string name = EmaSegmentName(job, rank, scope);
   const FileImage& image = plan.layout.files.at(0);
   const uint64_t bytes = 2 * plan.layout.slot_bytes;  // two images (ema.h)
   const uint64_t signature = Xxh3(image.header.data(), image.header.size());
@@ -195,8 +195,30 @@ Result<std::unique_ptr<RankEma>> RankEma::Open(const std::string& job, uint32_t 
     ema->adopted_ = true;
     return true;
   };
-  if (!adopt(name) && adopt_unscoped && scoped_missing && adopt(UnscopedEmaSegmentName(job, rank))) {
-    name = UnscopedEmaSegmentName(job, rank);  // kept under its name: records and release use it
+  if (!adopt(name) && scoped_missing) {
+    // An upgrade from a release that named EMA segments without a scope.
+    const std::string old = UnscopedEmaSegmentName(job, rank);
+    if (adopt(old)) {
+      const std::string its_run = ema->run_id();
+      ema->shm_.reset();
+      ema->adopted_ = false;
+      if (recorded || (!run_id.empty() && its_run == run_id)) {
+        Status renamed = SharedSegment::Rename(old, name);
+        if (renamed.ok() && adopt(name)) {
+          ema->upgraded_ = true;
+          Logger("ema")->info("renamed segment={} to={}: the average of run {} carries on under this daemon's name",
+                              old, name, its_run.empty() ? "(none)" : its_run);
+        } else if (!renamed.ok()) {
+          Logger("ema")->warn("segment={} is this daemon's but could not be renamed to {} ({}); a new average starts",
+                              old, name, renamed.ToString());
+        }
+      } else {
+        Logger("ema")->info("segment={} of run {} left alone: nothing says it is this daemon's", old,
+                            its_run.empty() ? "(none)" : its_run);
+      }
+    } else if (recorded) {
+      SharedSegment::Unlink(old);  // this daemon's, of another layout: a new average starts below
+    }
   }
   if (!ema->shm_) {
     SharedSegment::Unlink(name);

@@ -106,12 +106,16 @@ void EmaKernel(const float* in, float* out, const void* x, DType dtype, size_t n
 class RankEma {
  public:
   // Adopts EmaSegmentName(job, rank, scope) when it exists with the same signature, else creates
-  // it. With `adopt_unscoped`, a segment of the same signature under the name that releases before
-  // the scope used, "flashckpt.<job>.<rank>.ema", is adopted when the scoped one does not exist
-  // (the caller knows this daemon's predecessor left it: an upgrade keeps the average).
+  // it. When the scoped one does not exist, a segment of the same signature under the name that
+  // releases before the scope used, UnscopedEmaSegmentName (an upgrade), is adopted and renamed to
+  // the scoped name if it is this daemon's: `recorded` (the caller knows its predecessor left it),
+  // or its average belongs to `run_id` (non-empty), the run the rank registers in. Otherwise it
+  // may be another daemon's and is left alone; one that is recorded but does not fit is removed.
   static Result<std::unique_ptr<RankEma>> Open(const std::string& job, uint32_t rank, const std::string& scope,
                                                EmaPlan plan, const EmaConfig& config, unsigned mode,
-                                               bool adopt_unscoped = false);
+                                               bool recorded = false, const std::string& run_id = "");
+  // Whether Open adopted a segment under the unscoped name (and renamed it).
+  bool upgraded() const { return upgraded_; }
   ~RankEma();
 
   const EmaPlan& plan() const { return plan_; }
@@ -176,6 +180,7 @@ class RankEma {
   EmaConfig config_;
   std::unique_ptr<SharedSegment> shm_;
   bool adopted_ = false;
+  bool upgraded_ = false;  // adopted under the unscoped name and renamed
   // Serializes what changes or reads the images: Apply, CopyAverage, Load, Reset.
   mutable Mutex mu_;
 };

@@ -101,8 +101,8 @@ TEST(RunTest, TwoDaemonsOnOneHostKeepTheirOwnEmaForAJobOfTheSameName) {
 }
 
 // An upgrade: the daemon's predecessor, of a release that named EMA segments without a scope, kept
-// "flashckpt.<job>.<rank>.ema" with a record in the state directory. The upgraded daemon adopts it,
-// and the run's average carries on.
+// "flashckpt.<job>.<rank>.ema" with a record in the state directory. The upgraded daemon adopts it
+// under its own name, and the run's average carries on.
 TEST(RunTest, AnEmaSegmentKeptUnderTheUnscopedNameByThePredecessorIsAdopted) {
   const std::string job = JobName("ema-upgrade");
   auto same_run = [](ClientOptions& o) { o.run_id = "upgrade-run"; };
@@ -130,20 +130,56 @@ TEST(RunTest, AnEmaSegmentKeptUnderTheUnscopedNameByThePredecessorIsAdopted) {
     ASSERT_OK(ema.status());
     EXPECT_EQ(*ema, 2.f) << "0.5 * 1 + 0.5 * 3 when the kept average was adopted, 3 when it started afresh";
   }
-  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + scoped)) << "a second segment was made";
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm/" + scoped)) << "not renamed to this daemon's name";
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + unscoped)) << "renamed, not copied or left behind";
+  EXPECT_FALSE(std::filesystem::exists(state + "/" + unscoped + ".kept")) << "the old name's record stayed";
   d.Stop();
   UnlinkEmaSegments(job);
 }
 
-// Without a record of it, a segment under the unscoped name may be another daemon's: it is left alone.
-TEST(RunTest, AnUnscopedEmaSegmentThatNoRecordKeepsIsNotAdopted) {
-  const std::string job = JobName("ema-stray");
-  auto same_run = [](ClientOptions& o) { o.run_id = "stray-run"; };
+// An upgrade where the predecessor stopped while its trainer was connected: no record keeps the
+// segment, but its average is of the run the rank registers in, so it is this daemon's; it is
+// adopted and renamed to this daemon's name.
+TEST(RunTest, AnUnscopedEmaSegmentOfTheRegisteringRunIsAdoptedAndRenamed) {
+  const std::string job = JobName("ema-run-match");
+  auto same_run = [](ClientOptions& o) { o.run_id = "match-run"; };
   InProcessDaemon d("flashckpt-run");
   ASSERT_OK(d.Start());
   const std::string scoped = d.daemon()->EmaSegmentName(job, 0), unscoped = "flashckpt." + job + ".0.ema";
   {
     EmaRank a = StartEmaRank(d, job, same_run);
+    ASSERT_TRUE(a.client);
+    ASSERT_OK(a.Save(1, 1.f));
+    d.Stop();  // the trainer is still connected: no kept-EMA record
+  }
+  const std::string state = d.socket() + ".state";
+  ASSERT_FALSE(std::filesystem::exists(state + "/" + scoped + ".kept"));
+  std::filesystem::rename("/dev/shm/" + scoped, "/dev/shm/" + unscoped);  // as the older release named it
+
+  ASSERT_OK(d.Start());
+  {
+    EmaRank b = StartEmaRank(d, job, same_run);
+    ASSERT_TRUE(b.client);
+    ASSERT_OK(b.Save(2, 3.f));
+    auto ema = b.Ema();
+    ASSERT_OK(ema.status());
+    EXPECT_EQ(*ema, 2.f) << "0.5 * 1 + 0.5 * 3 when the average was adopted, 3 when it started afresh";
+  }
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm/" + scoped));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + unscoped)) << "renamed, not copied or left behind";
+  d.Stop();
+  UnlinkEmaSegments(job);
+}
+
+// Without a record of it and of another run, a segment under the unscoped name may be another
+// daemon's: it is left alone, and the rank's average starts afresh under this daemon's name.
+TEST(RunTest, AnUnscopedEmaSegmentThatNoRecordKeepsIsNotAdopted) {
+  const std::string job = JobName("ema-stray");
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string scoped = d.daemon()->EmaSegmentName(job, 0), unscoped = "flashckpt." + job + ".0.ema";
+  {
+    EmaRank a = StartEmaRank(d, job, [](ClientOptions& o) { o.run_id = "stray-run"; });
     ASSERT_TRUE(a.client);
     ASSERT_OK(a.Save(1, 1.f));
   }
@@ -154,7 +190,10 @@ TEST(RunTest, AnUnscopedEmaSegmentThatNoRecordKeepsIsNotAdopted) {
 
   ASSERT_OK(d.Start());
   {
-    EmaRank b = StartEmaRank(d, job, same_run);
+    EmaRank b = StartEmaRank(d, job, [](ClientOptions& o) {
+      o.run_id = "another-run";
+      o.overwrite = true;  // a new lineage of the job
+    });
     ASSERT_TRUE(b.client);
     ASSERT_OK(b.Save(2, 3.f));
     auto ema = b.Ema();
@@ -162,6 +201,7 @@ TEST(RunTest, AnUnscopedEmaSegmentThatNoRecordKeepsIsNotAdopted) {
     EXPECT_EQ(*ema, 3.f) << "an average nothing says is this daemon's was adopted";
   }
   EXPECT_TRUE(std::filesystem::exists("/dev/shm/" + unscoped)) << "another daemon's segment was touched";
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm/" + scoped));
   d.Stop();
   UnlinkEmaSegments(job);
 }
