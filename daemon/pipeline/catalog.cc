@@ -120,7 +120,9 @@ Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const s
     if (meta.run_id != run_id) victims.push_back(step);
   }
   // An incomplete directory goes only when it holds another run's signals and none of this run's:
-  // one without signals may be this run's own step that another daemon is writing.
+  // one without signals may be this run's own step that another daemon is writing. A signal that
+  // cannot be parsed is not this run's (its signals are written whole, by rename): it counts as
+  // another run's, so a damaged leftover never blocks a new lineage.
   for (int64_t step : steps.incomplete) {
     auto names = ListDir(CheckpointDir(job, step), io_);
     if (!names.ok()) {
@@ -133,7 +135,11 @@ Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const s
       auto signal = ReadSignal(CheckpointDir(job, step) + "/" + name, io_);
       if (!signal.ok()) {
         if (signal.status().code() == StatusCode::kNotFound) continue;
-        return signal.status();
+        if (signal.status().code() != StatusCode::kCorruption) return signal.status();
+        Logger("catalog")->warn("overwrite job={} run={}: {}: counted as another run's", job, run_id,
+                                signal.status().ToString());
+        others = true;
+        continue;
       }
       (signal->run_id == run_id ? ours : others) = true;
     }

@@ -10,7 +10,9 @@
 - a state dict whose structure changed between save and resume is a StructureMismatchError naming
   the first differing key, and leaves the model untouched;
 - a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key;
-- a root that cannot be read makes resume() raise (IO_ERROR naming the path), never return None.
+- a root that cannot be read makes resume() raise (IO_ERROR naming the path), never return None;
+- wait_persisted() of one rank returns only once every rank's part is durable, and its timeout
+  names the rank it waits for.
 """
 
 import os
@@ -75,6 +77,28 @@ class CheckpointerTest(harness.DaemonTestCase):
         for k, v in ema.items():
             self.assertEqual(v.dtype, torch.float32)
             np.testing.assert_array_equal(v.numpy(), ref[k], err_msg=k)
+
+    def test_wait_persisted_waits_for_every_rank(self):
+        # Two ranks of one job (each holding the whole model, as data-parallel ranks do today):
+        # rank 0's wait_persisted is answered only when rank 1's part is written too, and its
+        # timeout names the rank it waits for.
+        job = self.daemon.job("waitall")
+        models = [mlp(seed=1), mlp(seed=1)]
+        cks = [self.checkpointer(m, None, job, rank=r, world_size=2, run_id="waitall-run")
+               for r, m in enumerate(models)]
+        try:
+            cks[0].save(1)
+            with self.assertRaises(flashckpt.DeadlineExceededError) as cm:
+                cks[0].wait_persisted(1, timeout=0.5)
+            self.assertIn("waiting for rank(s) 1", cm.exception.message)
+            meta = os.path.join(self.daemon.job_dir(job), "checkpoint-1", "metadata.json")
+            self.assertFalse(os.path.exists(meta))
+            cks[1].save(1)
+            cks[0].wait_persisted(1, timeout=30)
+            self.assertTrue(os.path.exists(meta))
+        finally:
+            for ck in cks:
+                ck.close()
 
     def test_modified_right_after_save(self):
         job = self.daemon.job("mutate")
