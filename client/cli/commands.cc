@@ -23,6 +23,7 @@
 #include "common/format/metadata.h"
 #include "common/io/fs.h"
 #include "common/read/header_check.h"
+#include "common/read/listing.h"
 #include "common/read/relayout.h"
 #include "common/read/verify.h"
 #include "flashckpt/admin.h"
@@ -191,6 +192,24 @@ int RunList(const Endpoint& endpoint, const std::string& job, bool json) {
   if (!admin) return kExitRpcFailed;
   auto list = admin->List(job);
   if (!list.ok()) return ReportRpcError(list.status(), endpoint);
+  if (json)
+    PrintJson(ListJson(*list));
+  else
+    std::cout << ListText(*list);
+  return kExitOk;
+}
+
+int RunListRoot(const std::string& root, const std::string& job, bool json) {
+  struct stat st {};
+  if (::stat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    std::cerr << "flashckpt: list --root " << root << ": not a directory\n";
+    return kExitFailed;
+  }
+  auto list = ListCheckpoints(root, job);
+  if (!list.ok()) {
+    std::cerr << "flashckpt: list --root " << root << ": " << list.status().ToString() << "\n";
+    return kExitFailed;
+  }
   if (json)
     PrintJson(ListJson(*list));
   else
@@ -426,10 +445,15 @@ int RunInspect(const std::string& dir, bool json) {
               << checked.ToString() << "\n";
     return kExitVerifyFailed;
   }
+  // Which node wrote each rank's part: its signal (a signal that cannot be read shows no node).
+  std::vector<SignalledRank> signalled;
+  if (auto entry = DescribeCheckpointDir(meta->job, meta->step, dir); entry.ok() && *entry) {
+    signalled = (*entry)->signalled;
+  }
   if (json) {
-    PrintJson(InspectJson(dir, *meta));
+    PrintJson(InspectJson(dir, *meta, signalled));
   } else {
-    std::cout << InspectText(dir, *meta);
+    std::cout << InspectText(dir, *meta, signalled);
   }
   return kExitOk;
 }

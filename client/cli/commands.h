@@ -33,6 +33,8 @@ struct Endpoint {
 int RunStatus(const Endpoint& endpoint, bool json);
 // ListCheckpoints, for one job or (empty `job`) every job under the daemon's root.
 int RunList(const Endpoint& endpoint, const std::string& job, bool json);
+// The same from the files under `root`, without a daemon (offline): a missing root is kExitFailed.
+int RunListRoot(const std::string& root, const std::string& job, bool json);
 // WatchEvents: one line (or JSON object) per event on stdout as it happens, for one job or (empty)
 // every job. Prints "watching ..." on stderr once the daemon has subscribed it. Runs until
 // interrupted, or until `count` events (0: no limit) or `seconds` (0: no limit) have passed, which

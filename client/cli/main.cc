@@ -41,8 +41,13 @@ int main(int argc, char** argv) {
       "health", "Ask the daemon's gRPC health service: prints SERVING (exit 0), else NOT_SERVING or why (exit 2)");
 
   std::string job;
-  CLI::App* list = app.add_subcommand("list", "List checkpoints under the daemon's root");
+  CLI::App* list = app.add_subcommand(
+      "list", "List checkpoints under the daemon's root (with --root: under that root, from its files, no daemon)");
   list->add_option("--job", job, "Only this job");
+  std::string list_root;
+  list->add_option("--root", list_root,
+                   "Read the checkpoints from this root's files instead of asking a daemon (offline: a login node "
+                   "that sees the shared root)");
   list->add_flag("--json", json, "Print JSON instead of a table");
 
   uint64_t watch_count = 0;
@@ -168,6 +173,7 @@ int main(int argc, char** argv) {
 
   if (*status) return flashckpt::cli::RunStatus(endpoint, json);
   if (*health) return flashckpt::cli::RunHealth(endpoint);
+  if (*list && !list_root.empty()) return flashckpt::cli::RunListRoot(list_root, job, json);
   if (*list) return flashckpt::cli::RunList(endpoint, job, json);
   if (*watch) return flashckpt::cli::RunWatch(endpoint, job, json, watch_count, watch_seconds);
   return flashckpt::cli::RunVerify(dir, json);

@@ -327,6 +327,7 @@ std::string StatusText(const DaemonStatus& status) {
   }
   out += "\n";
   out += "root    " + status.root + "\n";
+  if (!status.node_name.empty()) out += "node    " + status.node_name + "\n";
   out += "cuda    " + CudaText(status) + "\n";
   if (status.jobs.empty()) {
     out += "jobs    none registered\n";
@@ -400,6 +401,7 @@ ordered_json StatusJson(const DaemonStatus& status) {
   out["host_memory_used"] = status.host_memory_used;
   out["host_memory_budget"] = status.host_memory_budget;
   out["root"] = status.root;
+  out["node_name"] = status.node_name;
   out["cuda_compiled"] = status.cuda_compiled;
   out["cuda_devices"] = status.cuda_devices;
   ordered_json jobs = ordered_json::array();
@@ -454,14 +456,74 @@ ordered_json StatusJson(const DaemonStatus& status) {
   return out;
 }
 
+namespace {
+
+// The distinct nodes of a step's signals, in rank order: "node-a,node-b"; more than three are
+// shortened to the first three and a count ("a,b,c +5"); "-" when no signal records its node.
+std::string NodesText(const CheckpointInfo& c) {
+  std::vector<std::string> nodes;
+  for (const SignalledRank& r : c.signalled) {
+    if (!r.node.empty() && std::find(nodes.begin(), nodes.end(), r.node) == nodes.end()) nodes.push_back(r.node);
+  }
+  if (nodes.empty()) return "-";
+  std::string out;
+  for (size_t i = 0; i < nodes.size() && i < 3; ++i) out += (i ? "," : "") + nodes[i];
+  if (nodes.size() > 3) out += " +" + std::to_string(nodes.size() - 3);
+  return out;
+}
+
+struct MissingRank {
+  uint32_t rank;
+  std::string node;  // the node of the rank's newest signal in another step of the job; empty: none
+};
+
+// The ranks of an incomplete step that have not signalled (none when its world size is unknown),
+// each with the node that signalled for it last in another step of the job: the node that lags.
+std::vector<MissingRank> MissingRanks(const CheckpointInfo& c, const std::vector<CheckpointInfo>& list) {
+  std::vector<MissingRank> out;
+  if (c.complete || c.world_size == 0) return out;
+  for (uint32_t r = 0; r < c.world_size; ++r) {
+    auto has = [r](const CheckpointInfo& o) {
+      return std::any_of(o.signalled.begin(), o.signalled.end(), [r](const SignalledRank& s) { return s.rank == r; });
+    };
+    if (has(c)) continue;
+    MissingRank m{r, ""};
+    int64_t best = -1;
+    for (const CheckpointInfo& o : list) {
+      if (o.job != c.job || o.step == c.step || o.step <= best) continue;
+      for (const SignalledRank& s : o.signalled) {
+        if (s.rank == r && !s.node.empty()) {
+          m.node = s.node;
+          best = o.step;
+        }
+      }
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+// "3@node-b,7": the missing ranks and where they last wrote; "-" when none or unknown.
+std::string MissingText(const std::vector<MissingRank>& missing) {
+  if (missing.empty()) return "-";
+  std::string out;
+  for (size_t i = 0; i < missing.size(); ++i) {
+    if (i == 8) return out + " +" + std::to_string(missing.size() - 8);
+    out += (i ? "," : "") + std::to_string(missing[i].rank) + (missing[i].node.empty() ? "" : "@" + missing[i].node);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string ListText(const std::vector<CheckpointInfo>& list) {
   if (list.empty()) return "no checkpoints\n";
-  TextTable table({"JOB", "STEP", "COMPLETE", "SIGNALS", "BYTES", "LATEST", "PATH"},
-                  {false, true, false, true, true, false, false});
+  TextTable table({"JOB", "STEP", "COMPLETE", "SIGNALS", "MISSING", "NODES", "BYTES", "LATEST", "PATH"},
+                  {false, true, false, true, false, false, true, false, false});
   for (const auto& c : list) {
     std::string signals = std::to_string(c.signals) + "/" + (c.world_size ? std::to_string(c.world_size) : "?");
-    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : "no", signals, FormatBytes(c.bytes),
-                  c.latest ? "*" : "", c.path});
+    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : "no", signals, MissingText(MissingRanks(c, list)),
+                  NodesText(c), FormatBytes(c.bytes), c.latest ? "*" : "", c.path});
   }
   return table.Render("");
 }
@@ -469,6 +531,14 @@ std::string ListText(const std::vector<CheckpointInfo>& list) {
 ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
   ordered_json out = ordered_json::array();
   for (const auto& c : list) {
+    ordered_json signalled = ordered_json::array();
+    for (const SignalledRank& r : c.signalled) {
+      signalled.push_back({{"rank", r.rank}, {"node", r.node.empty() ? ordered_json(nullptr) : ordered_json(r.node)}});
+    }
+    ordered_json missing = ordered_json::array();
+    for (const MissingRank& m : MissingRanks(c, list)) {
+      missing.push_back({{"rank", m.rank}, {"last_node", m.node.empty() ? ordered_json(nullptr) : ordered_json(m.node)}});
+    }
     out.push_back({{"job", c.job},
                    {"step", c.step},
                    {"complete", c.complete},
@@ -476,12 +546,53 @@ ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
                    {"world_size", c.world_size ? ordered_json(c.world_size) : ordered_json(nullptr)},
                    {"bytes", c.bytes},
                    {"latest", c.latest},
-                   {"path", c.path}});
+                   {"path", c.path},
+                   {"signalled", signalled},
+                   {"missing", missing}});
   }
   return out;
 }
 
-std::string InspectText(const std::string& dir, const CheckpointMetadata& meta) {
+namespace {
+
+// The node that wrote rank `rank`'s signal; "-" when none records it.
+std::string NodeOfRank(const std::vector<SignalledRank>& signalled, uint32_t rank) {
+  for (const SignalledRank& r : signalled) {
+    if (r.rank == rank && !r.node.empty()) return r.node;
+  }
+  return "-";
+}
+
+// "node-a (ranks 0-3), node-b (ranks 4, 6)": the nodes in order of their first rank.
+std::string NodesByRankText(const std::vector<SignalledRank>& signalled) {
+  std::vector<std::pair<std::string, std::vector<uint32_t>>> nodes;
+  for (const SignalledRank& r : signalled) {
+    if (r.node.empty()) continue;
+    auto it = std::find_if(nodes.begin(), nodes.end(), [&](const auto& n) { return n.first == r.node; });
+    if (it == nodes.end()) it = nodes.insert(nodes.end(), {r.node, {}});
+    it->second.push_back(r.rank);
+  }
+  if (nodes.empty()) return "not recorded";
+  std::string out;
+  for (const auto& [node, ranks] : nodes) {
+    if (!out.empty()) out += ", ";
+    std::string list;
+    for (size_t i = 0; i < ranks.size();) {
+      size_t j = i;
+      while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+      if (!list.empty()) list += ", ";
+      list += std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+      i = j + 1;
+    }
+    out += node + (ranks.size() == 1 ? " (rank " : " (ranks ") + list + ")";
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string InspectText(const std::string& dir, const CheckpointMetadata& meta,
+                        const std::vector<SignalledRank>& signalled) {
   const auto tensors = GroupTensors(meta);
   const Topology& t = meta.topology;
   std::string out;
@@ -505,12 +616,13 @@ std::string InspectText(const std::string& dir, const CheckpointMetadata& meta) 
   }
   out += "size        " + std::to_string(meta.files.size()) + " files, " + FormatBytes(FileBytes(meta)) + "; " +
          std::to_string(tensors.size()) + " tensors in " + std::to_string(meta.pieces.size()) + " pieces\n";
+  out += "nodes       " + NodesByRankText(signalled) + "\n";
 
   out += "\n";
-  TextTable files({"FILE", "RANK", "TP", "PP", "SHARD", "BYTES"}, {false, true, true, true, true, true});
+  TextTable files({"FILE", "RANK", "TP", "PP", "SHARD", "NODE", "BYTES"}, {false, true, true, true, true, false, true});
   for (const auto& f : meta.files) {
     files.AddRow({f.name, std::to_string(f.rank), std::to_string(f.tp_rank), std::to_string(f.pp_rank),
-                  std::to_string(f.shard_rank), FormatBytes(f.bytes)});
+                  std::to_string(f.shard_rank), NodeOfRank(signalled, f.rank), FormatBytes(f.bytes)});
   }
   out += files.Render("");
 
@@ -528,7 +640,8 @@ std::string InspectText(const std::string& dir, const CheckpointMetadata& meta) 
   return out;
 }
 
-ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta) {
+ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta,
+                         const std::vector<SignalledRank>& signalled) {
   const auto tensors = GroupTensors(meta);
   const Topology& t = meta.topology;
   ordered_json out;
@@ -555,6 +668,11 @@ ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta)
   } else {
     out["ema"] = nullptr;
   }
+  ordered_json ranks = ordered_json::array();
+  for (const SignalledRank& r : signalled) {
+    ranks.push_back({{"rank", r.rank}, {"node", r.node.empty() ? ordered_json(nullptr) : ordered_json(r.node)}});
+  }
+  out["signalled"] = ranks;
   ordered_json files = ordered_json::array();
   for (const auto& f : meta.files) {
     files.push_back({{"name", f.name},

@@ -39,8 +39,11 @@ nlohmann::ordered_json ListJson(const std::vector<CheckpointInfo>& list);
 // EMA configuration, its files, and one row per tensor (name and kind: an EMA tensor shares its
 // parameter's name) with dtype, global shape, pieces and bytes, then totals. JSON: the same, with
 // every piece's file, box and flat range.
-std::string InspectText(const std::string& dir, const CheckpointMetadata& meta);
-nlohmann::ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta);
+// `signalled`: the ranks whose saved_signal is in `dir` and the node that wrote each (DescribeCheckpointDir).
+std::string InspectText(const std::string& dir, const CheckpointMetadata& meta,
+                        const std::vector<SignalledRank>& signalled);
+nlohmann::ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta,
+                                   const std::vector<SignalledRank>& signalled);
 
 // The answer of a delete or gc: what was deleted (or, dry_run, would be), what was skipped and
 // why, and the newest complete checkpoint left.

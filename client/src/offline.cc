@@ -334,6 +334,8 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
     Signal signal;
     signal.rank = 0;
     signal.step = options.step;
+    signal.node = DefaultNodeName();  // the host that imported it
+    signal.world_size = 1;
     signal.files = names;
     RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(0), EncodeSignal(options.job, signal, file_bytes)));
     ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, names));

@@ -72,6 +72,7 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
   out.host_memory_used = status.host_memory_used();
   out.host_memory_budget = status.host_memory_budget();
   out.root = status.root();
+  out.node_name = status.node_name();
   out.cuda_compiled = status.cuda_compiled();
   out.cuda_devices = status.cuda_devices();
   out.jobs.reserve(static_cast<size_t>(status.jobs_size()));
@@ -120,7 +121,9 @@ std::vector<CheckpointInfo> CheckpointsFromProto(const v1::ListCheckpointsRespon
   std::vector<CheckpointInfo> out;
   out.reserve(static_cast<size_t>(list.checkpoints_size()));
   for (const v1::CheckpointInfo& c : list.checkpoints()) {
-    out.push_back({c.job(), c.step(), c.complete(), c.signals(), c.world_size(), c.bytes(), c.path(), c.latest()});
+    CheckpointInfo info{c.job(), c.step(), c.complete(), c.signals(), c.world_size(), c.bytes(), c.path(), c.latest(), {}};
+    for (const v1::SignalledRank& r : c.signalled()) info.signalled.push_back({r.rank(), r.node()});
+    out.push_back(std::move(info));
   }
   return out;
 }

@@ -1,6 +1,9 @@
 #include "common/base/names.h"
 
+#include <unistd.h>
+
 #include <charconv>
+#include <cstring>
 #include <cstdlib>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +24,30 @@ Status ValidateJobName(std::string_view job) {
     }
   }
   return Status::OK();
+}
+
+Status ValidateNodeName(std::string_view node) {
+  if (node.empty() || node.size() > kMaxNodeNameLength) {
+    return InvalidArgument("node name must be 1 to " + std::to_string(kMaxNodeNameLength) + " characters, got " +
+                           std::to_string(node.size()));
+  }
+  for (char c : node) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+              c == '_' || c == '-' || c == ':';
+    if (!ok) return InvalidArgument("node name '" + std::string(node) + "' has a character outside [A-Za-z0-9._:-]");
+  }
+  return Status::OK();
+}
+
+std::string DefaultNodeName() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') return "localhost";
+  std::string name(host, ::strnlen(host, sizeof host - 1));
+  if (name.size() > kMaxNodeNameLength) name.resize(kMaxNodeNameLength);
+  for (char& c : name) {
+    if (!ValidateNodeName(std::string_view(&c, 1)).ok()) c = '-';
+  }
+  return name;
 }
 
 Status ValidateRunId(std::string_view run_id) {

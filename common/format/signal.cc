@@ -17,6 +17,8 @@ std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes
   nlohmann::json j = {{"job", job},       {"rank", s.rank}, {"step", s.step}, {"resumed_from", s.resumed_from},
                       {"files", s.files}, {"bytes", bytes}};
   if (!s.run_id.empty()) j["run_id"] = s.run_id;
+  if (!s.node.empty()) j["node"] = s.node;
+  if (s.world_size != 0) j["world_size"] = s.world_size;
   return j.dump() + "\n";
 }
 
@@ -44,6 +46,19 @@ Result<Signal> ParseSignal(std::string_view text) {
       return Corruption("not a flashckpt signal: run_id is not a run id ([A-Za-z0-9._:-]{1,64})");
     }
     s.run_id = run->get<std::string>();
+  }
+  if (auto node = j.find("node"); node != j.end()) {
+    if (!node->is_string() || !ValidateNodeName(node->get<std::string>()).ok()) {
+      return Corruption("not a flashckpt signal: node is not a node name ([A-Za-z0-9._:-]{1,253})");
+    }
+    s.node = node->get<std::string>();
+  }
+  if (auto world = j.find("world_size"); world != j.end()) {
+    if (!world->is_number_unsigned() || world->get<uint64_t>() == 0 || world->get<uint64_t>() > UINT32_MAX ||
+        s.rank >= world->get<uint64_t>()) {
+      return Corruption("not a flashckpt signal: world_size is not a count of ranks above the signal's rank");
+    }
+    s.world_size = static_cast<uint32_t>(world->get<uint64_t>());
   }
   for (const auto& f : *files) {
     if (!f.is_string()) return Corruption("not a flashckpt signal: a files entry is not a string");

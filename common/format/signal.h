@@ -1,7 +1,8 @@
 // saved_signal_<rank>: the marker a rank leaves in a checkpoint directory once its files of the
 // step are durable. It lists those files and the attempt they belong to (the run id and the step the
 // rank's process resumed from), so that a checkpoint is only ever assembled from the files of one
-// attempt.
+// attempt, and says which node wrote them and how many ranks the step has, so that an operator (and
+// `flashckpt list`) sees, for a step that is not complete, which ranks and nodes have not written.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,8 @@ struct Signal {
   int64_t step = 0;
   int64_t resumed_from = 0;
   std::string run_id;  // optional in the file (signals written before runs had ids): empty
+  std::string node;    // the node whose daemon wrote it (--node-name); optional in the file: empty
+  uint32_t world_size = 0;  // the ranks of the rank's layout; optional in the file: 0 (unknown)
   std::vector<std::string> files;
   Attempt attempt() const { return Attempt{run_id, resumed_from}; }
 };

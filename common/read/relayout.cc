@@ -302,6 +302,8 @@ Status RelayoutCheckpoint(const std::string& src, const std::string& dst, const 
     Signal signal;
     signal.rank = nr.rank;
     signal.step = meta.step;
+    signal.node = DefaultNodeName();  // the host that rewrote it
+    signal.world_size = nr.topology.world_size;
     signal.files.assign(names.begin() + rank_names, names.end());
     rank_names = names.size();
     RETURN_IF_ERROR(WriteFileDurably(dst, SignalFileName(nr.rank),

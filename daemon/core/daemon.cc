@@ -80,8 +80,19 @@ Status LayoutHeld(const std::string& job, int64_t step, const Topology& before, 
 
 }  // namespace
 
+namespace {
+
+DaemonConfig WithDefaultNodeName(DaemonConfig config) {
+  if (config.node_name.empty()) config.node_name = DefaultNodeName();
+  return config;
+}
+
+}  // namespace
+
 Daemon::Daemon(DaemonConfig config)
-    : config_(std::move(config)), started_(std::chrono::steady_clock::now()), catalog_(config_.root, config_.keep, RootIo()) {
+    : config_(WithDefaultNodeName(std::move(config))),
+      started_(std::chrono::steady_clock::now()),
+      catalog_(config_.root, config_.keep, RootIo()) {
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
     DaemonEvent event;
     event.kind = change == CatalogChange::kCompleted ? DaemonEvent::Kind::kCheckpointComplete
@@ -109,6 +120,7 @@ Daemon::~Daemon() { Stop(); }
 Status Daemon::Start() {
   if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
   if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");
+  RETURN_IF_ERROR(ValidateNodeName(config_.node_name).WithContext("--node-name"));
   std::string state_dir = config_.state_dir;
   if (state_dir.empty() && !config_.socket_path.empty()) state_dir = config_.socket_path + ".state";
   if (!state_dir.empty()) {
@@ -669,7 +681,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   return reply;
 }
 
-Result<std::vector<CheckpointEntry>> Daemon::List(const std::string& job) const { return catalog_.List(job); }
+Result<std::vector<CheckpointInfo>> Daemon::List(const std::string& job) const { return catalog_.List(job); }
 
 Result<DeletionOutcome> Daemon::DeleteCheckpoints(const std::string& job, int64_t step, uint32_t keep, bool force,
                                                   bool dry_run) {
@@ -719,6 +731,7 @@ DaemonStatus Daemon::GetStatus() const {
   out.host_memory_used = host_memory_used_.load();
   out.host_memory_budget = config_.max_host_memory;
   out.root = config_.root;
+  out.node_name = config_.node_name;
   const CudaInfo& cuda = GetCudaInfo();
   out.cuda_compiled = cuda.compiled;
   out.cuda_devices = cuda.devices;

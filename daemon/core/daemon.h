@@ -47,6 +47,9 @@ struct DaemonConfig {
   // "<socket_path>.state"; no records at all when socket_path is empty too.
   std::string state_dir;
   std::string root;
+  // The node this daemon runs on, recorded in every signal it writes and shown by status, list and
+  // inspect ([A-Za-z0-9._:-]{1,253}); empty: the host name (DefaultNodeName).
+  std::string node_name;
   uint32_t slots = 2;
   uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
   unsigned writer_threads = 2;
@@ -160,7 +163,7 @@ class Daemon {
   Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
 
-  Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
+  Result<std::vector<CheckpointInfo>> List(const std::string& job) const;
   // `flashckpt delete` (step > 0: that checkpoint; force allows the newest complete one) or
   // `flashckpt gc` (step 0, keep >= 1: retention's rule) through the catalog (Catalog::
   // DeleteCheckpoint, CollectGarbage). Besides the catalog's steps in use (restores, writers), a

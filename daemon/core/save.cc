@@ -119,6 +119,7 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   req.job = job;
   req.rank = rank;
   req.world_size = world_size;
+  req.node = config_.node_name;
   req.step = step;
   req.attempt = attempt;
   req.layout = &segment->layout;

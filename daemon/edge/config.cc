@@ -62,6 +62,8 @@ Result<uint32_t> ResolveShmGroup(const std::string& text) {
 // What CLI11 cannot check alone: sizes, the group, and flags that only make sense together.
 Status Finish(DaemonConfig& config, const std::string& budget, const std::string& chunk, const std::string& rank_bytes,
               const std::string& shm_group) {
+  if (config.node_name.empty()) config.node_name = DefaultNodeName();
+  if (Status s = ValidateNodeName(config.node_name); !s.ok()) return InvalidArgument("--node-name: " + s.message());
   if (budget.empty()) {
     config.max_host_memory = DefaultHostMemoryBudget();
   } else {
@@ -160,6 +162,7 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   line("socket", ValueText(c.socket_path));
   line("root", ValueText(c.root));
   line("state-dir", ValueText(!c.state_dir.empty() ? c.state_dir : c.socket_path + ".state"));
+  line("node-name", ValueText(c.node_name));
   line("slots", std::to_string(c.slots));
   line("max-host-memory", SizeText(c.max_host_memory));
   line("writer-threads", std::to_string(c.writer_threads));
@@ -211,6 +214,10 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--state-dir", config.state_dir,
                  "Private directory (0700) of the records a restarted daemon uses to adopt the shared-memory "
                  "segments and committed snapshots a crashed one left (default: <socket>.state)");
+  app.add_option("--node-name", config.node_name,
+                 "This node's name ([A-Za-z0-9._:-]), recorded in every saved_signal this daemon writes and shown "
+                 "by flashckpt status, list and inspect, so an operator sees which node wrote or lags "
+                 "(default: the host name)");
   app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();
   app.add_option("--max-host-memory", budget,
                  "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");

@@ -208,6 +208,11 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::
     c->set_bytes(e.bytes);
     c->set_path(e.path);
     c->set_latest(e.latest);
+    for (const SignalledRank& r : e.signalled) {
+      auto* out = c->add_signalled();
+      out->set_rank(r.rank);
+      out->set_node(r.node);
+    }
   }
   return grpc::Status::OK;
 }

@@ -54,6 +54,7 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
   out.set_host_memory_used(status.host_memory_used);
   out.set_host_memory_budget(status.host_memory_budget);
   out.set_root(status.root);
+  out.set_node_name(status.node_name);
   out.set_cuda_compiled(status.cuda_compiled);
   out.set_cuda_devices(status.cuda_devices);
   for (const JobStatus& job : status.jobs) {

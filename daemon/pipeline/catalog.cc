@@ -430,50 +430,8 @@ void Catalog::ForgetKnown(const std::string& job) {
   known_.erase(job);
 }
 
-Result<std::vector<CheckpointEntry>> Catalog::List(const std::string& job) const {
-  std::vector<std::string> jobs;
-  if (!job.empty()) {
-    RETURN_IF_ERROR(ValidateJobName(job));
-    jobs.push_back(job);
-  } else {
-    auto names = ListDir(root_, io_);
-    if (!names.ok()) return names.status();
-    for (const auto& n : *names) {
-      if (ValidateJobName(n).ok()) jobs.push_back(n);
-    }
-  }
-  std::vector<CheckpointEntry> out;
-  for (const auto& j : jobs) {
-    ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(j), io_));
-    if (!names) continue;
-    ASSIGN_OR_RETURN(std::optional<int64_t> latest, LatestComplete(j));
-    for (const auto& n : *names) {
-      auto step = ParseCheckpointDirName(n);
-      if (!step) continue;
-      CheckpointEntry e;
-      e.job = j;
-      e.step = *step;
-      e.path = CheckpointDir(j, *step);
-      auto files = ListDir(e.path, io_);
-      if (files.ok()) {
-        for (const auto& f : *files) {
-          if (f.rfind("saved_signal_", 0) == 0) ++e.signals;
-          struct stat st {};
-          if (io_->Stat(e.path + "/" + f, &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
-        }
-      }
-      ASSIGN_OR_RETURN(e.complete, IsComplete(j, *step));
-      if (e.complete) {
-        ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(e.path, io_));
-        e.world_size = meta.topology.world_size;
-      }
-      e.latest = latest && *latest == *step;
-      out.push_back(std::move(e));
-    }
-  }
-  std::sort(out.begin(), out.end(),
-            [](const auto& a, const auto& b) { return a.job != b.job ? a.job < b.job : a.step < b.step; });
-  return out;
+Result<std::vector<CheckpointInfo>> Catalog::List(const std::string& job) const {
+  return ListCheckpoints(root_, job, io_);
 }
 
 }  // namespace flashckpt

@@ -18,20 +18,10 @@
 #include "common/base/mutex.h"
 #include "common/base/status.h"
 #include "common/format/signal.h"
+#include "common/read/listing.h"
 #include "common/io/io_env.h"
 
 namespace flashckpt {
-
-struct CheckpointEntry {
-  std::string job;
-  int64_t step = 0;
-  bool complete = false;
-  uint32_t signals = 0;
-  uint32_t world_size = 0;  // from metadata.json; 0 when incomplete
-  uint64_t bytes = 0;
-  std::string path;
-  bool latest = false;
-};
 
 // What a deletion (retention, `flashckpt delete`, `flashckpt gc`) did, or with dry_run would do.
 struct DeletionOutcome {
@@ -165,7 +155,7 @@ class Catalog {
                                              std::chrono::steady_clock::duration max_age) const;
 
   // Every checkpoint directory (complete or not) of `job`, or of every job when empty; by job, step.
-  Result<std::vector<CheckpointEntry>> List(const std::string& job) const;
+  Result<std::vector<CheckpointInfo>> List(const std::string& job) const;
 
  private:
   friend class StepInUse;

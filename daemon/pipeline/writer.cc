@@ -166,6 +166,8 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   signal.step = req.step;
   signal.resumed_from = req.attempt.resumed_from;
   signal.run_id = req.attempt.run_id;
+  signal.node = req.node;
+  signal.world_size = req.world_size;
 
   // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
   // chunks) of each tensor is a task that hashes its chunks and writes its pages right after, while

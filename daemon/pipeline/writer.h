@@ -33,6 +33,7 @@ struct PersistRequest {
   std::string job;
   uint32_t rank = 0;
   uint32_t world_size = 1;
+  std::string node;  // the daemon's --node-name, recorded in the signal
   int64_t step = 0;
   Attempt attempt;                         // the run and the step this rank's session resumed from
   const RankLayout* layout = nullptr;      // kept alive by `keep_alive`

@@ -240,15 +240,49 @@ CheckpointMetadata TwoRankMetadata() {
   return m;
 }
 
+// An incomplete step names the ranks that have not signalled and the node each wrote from last;
+// a complete one the nodes that wrote it.
+TEST(ListText, NamesTheMissingRanksAndTheirLastNodes) {
+  std::vector<CheckpointInfo> list(2);
+  list[0].job = list[1].job = "llama";
+  list[0].step = 10;
+  list[0].complete = true;
+  list[0].latest = true;
+  list[0].world_size = 3;
+  list[0].signals = 3;
+  list[0].signalled = {{0, "gpu-a"}, {1, "gpu-a"}, {2, "gpu-b"}};
+  list[1].step = 20;
+  list[1].world_size = 3;
+  list[1].signals = 1;
+  list[1].signalled = {{1, "gpu-a"}};
+  const std::string text = ListText(list);
+  std::string row10, row20;
+  for (size_t at = 0, end; at < text.size(); at = end + 1) {
+    end = text.find('\n', at);
+    const std::string line = text.substr(at, end - at);
+    if (line.rfind("llama", 0) == 0 && line.find(" 10 ") != std::string::npos) row10 = line;
+    if (line.rfind("llama", 0) == 0 && line.find(" 20 ") != std::string::npos) row20 = line;
+  }
+  EXPECT_NE(row10.find("gpu-a,gpu-b"), std::string::npos) << text;
+  EXPECT_NE(row20.find("1/3"), std::string::npos) << text;
+  EXPECT_NE(row20.find("0@gpu-a,2@gpu-b"), std::string::npos) << text;
+  auto j = ListJson(list);
+  EXPECT_EQ(j[1]["missing"].size(), 2u);
+  EXPECT_EQ(j[1]["missing"][1]["rank"], 2);
+  EXPECT_EQ(j[1]["missing"][1]["last_node"], "gpu-b");
+  EXPECT_TRUE(j[0]["missing"].empty());
+}
+
 TEST(InspectText, ShowsTopologyEmaFilesAndOneRowPerTensorAndKind) {
-  std::string text = InspectText("/ck/llama/checkpoint-1200", TwoRankMetadata());
+  std::string text = InspectText("/ck/llama/checkpoint-1200", TwoRankMetadata(), {{0, "gpu-a"}, {1, "gpu-b"}});
+  EXPECT_NE(text.find("nodes       gpu-a (rank 0), gpu-b (rank 1)\n"), std::string::npos) << text;
   EXPECT_NE(text.find("topology    world size 2: tp 2 x pp 1 x shard 1\n"), std::string::npos) << text;
   EXPECT_NE(text.find("ema         decay 0.9999, interval 10, init first, model params all; 120 updates applied, 0 "
                       "skipped, last at step 1200\n"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("size        2 files, 40.0 KiB; 3 tensors in 5 pieces\n"), std::string::npos) << text;
-  EXPECT_NE(text.find("model_state.tp01_pp00_shard00.safetensors     1   1   0      0  20.0 KiB\n"), std::string::npos)
+  EXPECT_NE(text.find("model_state.tp01_pp00_shard00.safetensors     1   1   0      0  gpu-b  20.0 KiB\n"), std::string::npos)
       << text;
   EXPECT_NE(text.find("TENSOR     KIND       DTYPE  GLOBAL SHAPE  PIECES     BYTES\n"), std::string::npos) << text;
   EXPECT_NE(text.find("w          model      BF16   [128, 64]          2  16.0 KiB\n"), std::string::npos) << text;
@@ -260,13 +294,16 @@ TEST(InspectText, ShowsTopologyEmaFilesAndOneRowPerTensorAndKind) {
 TEST(InspectText, FlagsPiecesThatDisagreeOnDtype) {
   CheckpointMetadata m = TwoRankMetadata();
   m.pieces[2].dtype = DType::kF16;  // rank 1's piece of w
-  std::string text = InspectText("d", m);
+  std::string text = InspectText("d", m, {});
+  EXPECT_NE(text.find("nodes       not recorded\n"), std::string::npos) << text;
   EXPECT_NE(text.find("w          model      BF16*"), std::string::npos) << text;
   EXPECT_NE(text.find("* pieces disagree on dtype or global shape"), std::string::npos) << text;
 }
 
 TEST(InspectJson, CountsTensorsPiecesAndBytes) {
-  auto j = InspectJson("d", TwoRankMetadata());
+  auto j = InspectJson("d", TwoRankMetadata(), {{0, "gpu-a"}, {1, ""}});
+  EXPECT_EQ(j["signalled"][0]["node"], "gpu-a");
+  EXPECT_TRUE(j["signalled"][1]["node"].is_null());
   EXPECT_EQ(j["topology"]["world_size"], 2);
   EXPECT_EQ(j["topology"]["tp_degree"], 2);
   EXPECT_EQ(j["tensors"].size(), 3u);
@@ -282,7 +319,7 @@ TEST(InspectJson, CountsTensorsPiecesAndBytes) {
   EXPECT_TRUE(j["tensors"][0]["pieces"][0]["flat_range"].is_null());
   CheckpointMetadata no_ema = TwoRankMetadata();
   no_ema.ema.reset();
-  EXPECT_TRUE(InspectJson("d", no_ema)["ema"].is_null());
+  EXPECT_TRUE(InspectJson("d", no_ema, {})["ema"].is_null());
 }
 
 TEST(DeleteText, NamesDeletedAndSkippedStepsAndTheLatest) {

@@ -23,6 +23,36 @@ TEST(Signal, RoundTrips) {
   EXPECT_EQ(parsed->step, 1200);
   EXPECT_EQ(parsed->resumed_from, 800);
   EXPECT_EQ(parsed->files, s.files);
+  EXPECT_EQ(parsed->node, "");
+  EXPECT_EQ(parsed->world_size, 0u);
+}
+
+// The run, the node that wrote it and the layout's world size travel with the signal; a signal
+// without them (an older release) parses with them empty.
+TEST(Signal, CarriesTheRunTheNodeAndTheWorldSize) {
+  Signal s;
+  s.rank = 5;
+  s.step = 30;
+  s.run_id = "slurm:4471";
+  s.node = "gpu-node-07.cluster";
+  s.world_size = 8;
+  s.files = {"model_state.tp01_pp00_shard02.safetensors"};
+  auto parsed = ParseSignal(EncodeSignal("llama", s, 10));
+  ASSERT_OK(parsed.status());
+  EXPECT_EQ(parsed->run_id, "slurm:4471");
+  EXPECT_EQ(parsed->node, "gpu-node-07.cluster");
+  EXPECT_EQ(parsed->world_size, 8u);
+
+  const std::string head = R"({"rank": 5, "step": 30, "resumed_from": 0, "files": [])";
+  for (const std::string& bad : {head + R"(, "node": ""})", head + R"(, "node": "a/b"})",
+                                 head + R"(, "node": "a b"})", head + R"(, "node": 7})",
+                                 head + R"(, "node": ")" + std::string(254, 'n') + R"("})",
+                                 head + R"(, "world_size": 0})", head + R"(, "world_size": 5})",
+                                 head + R"(, "world_size": -8})", head + R"(, "world_size": 4294967296})",
+                                 head + R"(, "run_id": "a b"})"}) {
+    EXPECT_EQ(ParseSignal(bad).status().code(), StatusCode::kCorruption) << bad;
+  }
+  EXPECT_OK(ParseSignal(head + R"(, "node": ")" + std::string(253, 'n') + R"(", "world_size": 6})").status());
 }
 
 TEST(Signal, RejectsBadInputs) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/base/names.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/tcp_listener.h"
 #include "testing.h"
@@ -150,6 +151,20 @@ TEST(DaemonConfig, TheFormattedSettingsReadBackAsTheSameSettings) {
   EXPECT_EQ(FormatDaemonConfig(*second), text);
   EXPECT_EQ(second->allow_uids, first->allow_uids);
   EXPECT_EQ(second->max_host_memory, first->max_host_memory);
+}
+
+TEST(DaemonConfig, NodeNameDefaultsToTheHostNameAndIsChecked) {
+  auto c = Parse({"--socket", "s", "--root", "r"});
+  ASSERT_OK(c.status());
+  EXPECT_EQ(c->node_name, DefaultNodeName());
+  auto named = Parse({"--socket", "s", "--root", "r", "--node-name", "gpu-07.rack3"});
+  ASSERT_OK(named.status());
+  EXPECT_EQ(named->node_name, "gpu-07.rack3");
+  EXPECT_NE(FormatDaemonConfig(*named).find("node-name = gpu-07.rack3\n"), std::string::npos)
+      << FormatDaemonConfig(*named);
+  auto bad = Parse({"--socket", "s", "--root", "r", "--node-name", "a/b"});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--node-name"), std::string::npos) << bad.status().ToString();
 }
 
 TEST(DaemonConfig, BadValuesAreRefused) {

@@ -206,6 +206,33 @@ TEST(RunTest, AnUnscopedEmaSegmentThatNoRecordKeepsIsNotAdopted) {
   UnlinkEmaSegments(job);
 }
 
+// Which node wrote a rank's part is in its signal (with the layout's world size, so a listing can
+// name the ranks a step still lacks), in status and in the listing.
+TEST(RunTest, SignalsRecordTheDaemonsNodeAndTheWorldSize) {
+  const std::string job = JobName("node");
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start([](DaemonConfig& c) { c.node_name = "gpu-node-7"; }));
+  EmaRank a = StartEmaRank(d, job, DrawnRun);
+  ASSERT_TRUE(a.client);
+  ASSERT_OK(a.Save(1, 1.f));
+  auto signal = ReadJson(d.StepDir(job, 1) + "/saved_signal_0");
+  EXPECT_EQ(signal["node"], "gpu-node-7");
+  EXPECT_EQ(signal["world_size"], 1);
+  EXPECT_EQ(d.daemon()->GetStatus().node_name, "gpu-node-7");
+  auto list = d.daemon()->List(job);
+  ASSERT_OK(list.status());
+  ASSERT_EQ(list->size(), 1u);
+  ASSERT_EQ(list->at(0).signalled.size(), 1u);
+  EXPECT_EQ(list->at(0).signalled[0].node, "gpu-node-7");
+  a.client.reset();
+  d.Stop();
+  UnlinkEmaSegments(job);
+
+  InProcessDaemon bad("flashckpt-run");
+  Status s = bad.Start([](DaemonConfig& c) { c.node_name = "a/b"; });
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+}
+
 // The daemon is the same one (its state directory, so its EMA segments' names), its root a new one:
 // the old run's average is there to adopt by name, and the run id is what refuses it.
 TEST(RunTest, AFreshRunOfAJobNameUsedBeforeStartsAFreshEmaEvenUnderANewDaemonAndRoot) {

@@ -2,6 +2,9 @@
 """Managing checkpoints with the real `flashckpt` CLI against a real flashckptd and flashckpt-sim ranks.
 
 Two ranks (tp 2, EMA on) save checkpoints 2, 4, 6, 8 and 10; then:
+  0. Status shows the daemon's node name; `list --root` (offline, from the files) prints what the
+     daemon's `list` does, each step's signalled ranks with their node, and for a step one rank has
+     not signalled, that rank and the node that wrote it last; `inspect` names the nodes.
   1. `inspect` of checkpoint-10 shows the topology, the EMA and the tensors; `--json` parses and its
      world size, tensor count and bytes agree with metadata.json read here, and `verify` counts the
      same tensors and pieces; an incomplete directory exits 1, a missing one 3.
@@ -17,6 +20,9 @@ Two ranks (tp 2, EMA on) save checkpoints 2, 4, 6, 8 and 10; then:
      intact) is refused by `inspect`, `verify` and `reshard` (exit 1, naming the tensor and its
      file), and `reshard` creates nothing.
   6. A daemon restarted with --tcp-allow-writes deletes over TCP.
+  7. A run with another run id that does not resume is refused at its first save, naming --fresh, and
+     changes nothing; with `flashckpt-sim --fresh` it starts a new lineage: the other run's checkpoints
+     are deleted and LATEST is the new run's step.
 
     test_manage.py --bin-dir build/bin [--keep]
 """
@@ -26,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -61,24 +68,99 @@ def cli_ok(h, *args):
     return out, err
 
 
-def save_checkpoints(h):
+def start_sims(h, run_id, steps, extra=()):
+    """Starts ranks 0 and 1 of JOB (tp 2, EMA on) saving every 2 steps; returns (processes, logs)."""
     procs, logs = [], []
     for rank in range(2):
-        path = os.path.join(h.tmp, "sim-rank%d.log" % rank)
+        path = os.path.join(h.tmp, "sim-%s-rank%d.log" % (run_id, rank))
         logs.append(path)
         h.logs.append(path)
         with open(path, "wb") as out:
             procs.append(subprocess.Popen(
                 [h.binary("flashckpt-sim"), "--socket", h.sock, "--job", JOB, "--rank", str(rank),
                  "--world-size", "2", "--tp-degree", "2", "--layers", "2", "--hidden", "32",
-                 "--steps", str(STEPS[-1]), "--save-every", "2", "--ema-decay", "0.9", "--run-id", "manage-run"],
+                 "--steps", str(steps), "--save-every", "2", "--ema-decay", "0.9", "--run-id", run_id] + list(extra),
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    return procs, logs
+
+
+def save_checkpoints(h):
+    procs, logs = start_sims(h, "manage-run", STEPS[-1])
     for p, path in zip(procs, logs):
         check(p.wait(timeout=120) == 0, "flashckpt-sim failed:\n%s" % tail(path))
     for step in STEPS:
         check(os.path.exists(os.path.join(ckpt(h, step), "metadata.json")), "checkpoint-%d is not complete" % step)
     check(latest(h) == "10\n", "LATEST is %r, expected 10" % latest(h))
     log("saved checkpoints %s" % STEPS)
+
+
+def check_fresh(h):
+    """A fresh run into the job is refused, naming --fresh; with --fresh it starts a new lineage."""
+    before = sorted(n for n in os.listdir(job_dir(h)) if n.startswith("checkpoint-"))
+    check(before, "the job has no checkpoints left to protect")
+    procs, logs = start_sims(h, "manage-other", 2)
+    for p, path in zip(procs, logs):
+        rc = p.wait(timeout=120)
+        check(rc != 0, "a fresh run into a job with another run's checkpoints exited 0:\n%s" % tail(path))
+    text = "".join(open(path, errors="replace").read() for path in logs)
+    check("already has complete checkpoints" in text and "--fresh" in text,
+          "the refusal does not say why or name --fresh:\n%s" % text[-2000:])
+    after = sorted(n for n in os.listdir(job_dir(h)) if n.startswith("checkpoint-"))
+    check(after == before, "a refused fresh run changed the checkpoints: %s -> %s" % (before, after))
+    procs, logs = start_sims(h, "manage-fresh", 2, ["--fresh"])
+    for p, path in zip(procs, logs):
+        check(p.wait(timeout=120) == 0, "flashckpt-sim --fresh failed:\n%s" % tail(path))
+    after = sorted(n for n in os.listdir(job_dir(h)) if n.startswith("checkpoint-"))
+    check(after == ["checkpoint-2"], "after --fresh the job holds %s, expected only the new checkpoint-2" % after)
+    with open(os.path.join(ckpt(h, 2), "metadata.json")) as f:
+        run_id = json.load(f).get("run_id")
+    check(run_id == "manage-fresh", "checkpoint-2 records run %r, expected manage-fresh" % run_id)
+    check(latest(h) == "2\n", "LATEST is %r after --fresh, expected 2" % latest(h))
+    log("a fresh run is refused naming --fresh; --fresh starts a new lineage (%d old checkpoints deleted)" %
+        len(before))
+
+
+def host_node_name():
+    """flashckptd's default --node-name: the host name, characters outside [A-Za-z0-9._:-] as '-'."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:253] or "localhost"
+
+
+def check_nodes_and_offline_list(h):
+    node = host_node_name()
+    out, _ = cli_ok(h, "--socket", h.sock, "status", "--json")
+    check(json.loads(out)["node_name"] == node, "status --json node_name: %s, expected %s" % (out[:300], node))
+    out, _ = cli_ok(h, "--socket", h.sock, "status")
+    check(("node    %s\n" % node) in out, "status does not show the node:\n%s" % out)
+    # A step that only rank 1 has signalled, from another node: the listing names the rank that is
+    # missing and the node that wrote it last.
+    partial = os.path.join(job_dir(h), "checkpoint-11")
+    os.makedirs(partial)
+    with open(os.path.join(partial, "saved_signal_1"), "w") as f:
+        json.dump({"job": JOB, "rank": 1, "step": 11, "resumed_from": 0, "files": [], "node": "node-x",
+                   "world_size": 2}, f)
+    try:
+        online, _ = cli_ok(h, "--socket", h.sock, "list", "--job", JOB, "--json")
+        offline, _ = cli_ok(h, "list", "--root", h.root, "--job", JOB, "--json")
+        check(json.loads(online) == json.loads(offline),
+              "list from the daemon and list --root differ:\n%s\n%s" % (online, offline))
+        by_step = {c["step"]: c for c in json.loads(offline)}
+        for step in STEPS:
+            c = by_step[step]
+            check(c["complete"] and c["signalled"] == [{"rank": 0, "node": node}, {"rank": 1, "node": node}],
+                  "list of checkpoint-%d: %s" % (step, c))
+        c = by_step[11]
+        check(not c["complete"] and c["world_size"] == 2 and c["signalled"] == [{"rank": 1, "node": "node-x"}] and
+              c["missing"] == [{"rank": 0, "last_node": node}], "list of the partial checkpoint-11: %s" % c)
+        text, _ = cli_ok(h, "list", "--root", h.root, "--job", JOB)
+        row = next((l for l in text.splitlines() if l.split()[:2] == [JOB, "11"]), "")
+        check(("0@%s" % node) in row and "node-x" in row and "1/2" in row, "list row of checkpoint-11: %r\n%s" % (row, text))
+    finally:
+        shutil.rmtree(partial)
+    out, _ = cli_ok(h, "inspect", ckpt(h, 10))
+    check(("nodes       %s (ranks 0-1)" % node) in out, "inspect does not name the node:\n%s" % out)
+    rc, out, err = h.cli("list", "--root", os.path.join(h.tmp, "no-such-root"))
+    check(rc == 3 and "not a directory" in err, "list --root of a missing root: exit %d %s" % (rc, err))
+    log("node %s in status, list (daemon and --root agree) and inspect; a missing rank is named" % node)
 
 
 def check_inspect(h):
@@ -247,6 +329,7 @@ def check_delete_over_tcp_with_writes(h):
 def run(h):
     address = start_listening(h)
     save_checkpoints(h)
+    check_nodes_and_offline_list(h)
     check_inspect(h)
     check_delete(h, address)
     check_gc(h)
@@ -254,6 +337,7 @@ def run(h):
     check_misplaced_pieces(h)
     check(h.stop_daemon() == 0, "flashckptd did not exit 0 on SIGTERM")
     check_delete_over_tcp_with_writes(h)
+    check_fresh(h)
     check(h.stop_daemon() == 0, "flashckptd (--tcp-allow-writes) did not exit 0 on SIGTERM")
 
 

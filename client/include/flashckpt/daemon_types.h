@@ -66,21 +66,31 @@ struct DaemonStatus {
   uint64_t host_memory_used = 0;
   uint64_t host_memory_budget = 0;  // --max-host-memory
   std::string root;
+  std::string node_name;       // flashckptd --node-name: what its signals record
   bool cuda_compiled = false;  // the daemon's build has CUDA
   int32_t cuda_devices = 0;    // the devices the daemon sees (the trainers' are theirs)
   std::vector<JobStatus> jobs;
 };
 
-// One checkpoint directory under the daemon's root.
+// A rank whose saved_signal is in a checkpoint directory, and the node whose daemon wrote it
+// (flashckptd --node-name; empty: not recorded, by an older release).
+struct SignalledRank {
+  uint32_t rank = 0;
+  std::string node;
+};
+
+// One checkpoint directory under a root.
 struct CheckpointInfo {
   std::string job;
   int64_t step = 0;
   bool complete = false;  // metadata.json exists
   uint32_t signals = 0;   // saved_signal files present
-  uint32_t world_size = 0;  // 0: unknown (incomplete)
+  // From metadata.json when complete, else from the signals (which record it); 0: unknown.
+  uint32_t world_size = 0;
   uint64_t bytes = 0;
   std::string path;
-  bool latest = false;  // LATEST names it
+  bool latest = false;  // the newest complete checkpoint of its job (what LATEST names)
+  std::vector<SignalledRank> signalled;  // the ranks that have signalled, by rank
 };
 
 // One thing that happened to a snapshot or a checkpoint, as the daemon saw it. Fields that do not
