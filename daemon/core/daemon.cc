@@ -92,7 +92,9 @@ DaemonConfig WithDefaultNodeName(DaemonConfig config) {
 Daemon::Daemon(DaemonConfig config)
     : config_(WithDefaultNodeName(std::move(config))),
       started_(std::chrono::steady_clock::now()),
-      catalog_(config_.root, config_.keep, RootIo()) {
+      catalog_(config_.root, config_.keep, RootIo()),
+      leases_(config_.root, config_.node_name, config_.lease_ttl) {
+  catalog_.SetLeases(&leases_);
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
     DaemonEvent event;
     event.kind = change == CatalogChange::kCompleted ? DaemonEvent::Kind::kCheckpointComplete
@@ -158,7 +160,36 @@ Status Daemon::Start() {
     }
   }
   if (config_.idle_release.count() > 0) idle_thread_ = std::thread([this] { IdleReleaseLoop(); });
+  if (config_.sweep_interval.count() > 0) sweep_thread_ = std::thread([this] { SweepLoop(); });
   return Status::OK();
+}
+
+void Daemon::SweepLoop() {
+  // The newest step directories of a job each sweep looks at: one listing of the job directory and
+  // at most this many stats (and signal reads of incomplete ones), however long the run.
+  constexpr size_t kSweepSteps = 16;
+  MutexLock lock(&mu_);
+  for (bool first = true; !stopping_; first = false) {
+    if (!first) {
+      idle_cv_.WaitFor(&lock, config_.sweep_interval);
+      if (stopping_) break;
+    }
+    std::vector<std::string> jobs;
+    for (const auto& [name, job] : jobs_) jobs.push_back(name);
+    lock.Unlock();
+    for (const std::string& job : jobs) {
+      auto completed = catalog_.CompleteSignalledSteps(job, kSweepSteps);
+      if (!completed.ok()) {
+        Logger("catalog")->warn("sweep job={} error=\"{}\"", job, completed.status().ToString());
+        continue;
+      }
+      for (int64_t step : *completed) {
+        Logger("catalog")->info("sweep completed job={} step={}: its signals were all there (written by more than "
+                                "one daemon, or seen late)", job, step);
+      }
+    }
+    lock.Lock();
+  }
 }
 
 void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
@@ -171,6 +202,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   cv_.NotifyAll();
   idle_cv_.NotifyAll();
   if (idle_thread_.joinable()) idle_thread_.join();
+  if (sweep_thread_.joinable()) sweep_thread_.join();
   // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
   // like a crash for the data, but tidy: their commit records and segments stay for the next
   // daemon, which replays them.

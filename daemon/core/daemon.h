@@ -92,6 +92,14 @@ struct DaemonConfig {
   // A job none of whose ranks has been connected for this long, with nothing of it left to write,
   // gives its shared memory back (ReleaseJob); 0 never does.
   std::chrono::seconds idle_release{300};
+  // How often the daemon re-checks the newest incomplete steps of its jobs and completes those whose
+  // signals are all there (Catalog::CompleteSignalledSteps: signals written by daemons of other
+  // nodes on a shared root); also once at start. 0: never.
+  std::chrono::milliseconds sweep_interval{10000};
+  // A step this daemon reads (a restore) or writes holds a lease in the root for as long, refreshed
+  // every third of this; every deletion of every daemon on the root skips a step with a live lease,
+  // and a lease of a daemon that died expires after this (daemon/pipeline/lease.h). 0: no leases.
+  std::chrono::milliseconds lease_ttl{60000};
 };
 
 struct WaitResult {
@@ -277,6 +285,9 @@ class Daemon {
   bool IdleDueLocked(const JobState& job) const REQUIRES(mu_);
   // The --idle-release thread: releases jobs idle for config_.idle_release until Stop.
   void IdleReleaseLoop() EXCLUDES(mu_);
+  // Every sweep_interval (and once at start): Catalog::CompleteSignalledSteps for each job the
+  // daemon knows, without mu_ while it reads the root.
+  void SweepLoop() EXCLUDES(mu_);
   // Takes the kept EMA segments (kept_emas_) idle for config_.idle_release out of the table, their
   // jobs into releasing_: (segment, job) pairs for DropKeptEmas, which unlinks them without mu_.
   std::vector<std::pair<std::string, std::string>> TakeIdleKeptEmasLocked() REQUIRES(mu_);
@@ -391,6 +402,9 @@ class Daemon {
   EventHub events_;
   Metrics metrics_;
   Catalog catalog_;
+  // Leases on the steps this daemon reads or writes, in the root (lease_ttl; written with the real
+  // file system, not io_env: they are bookkeeping, not checkpoint data).
+  Leases leases_;
   std::unique_ptr<Writer> writer_;
   std::unique_ptr<EmaStage> ema_stage_;  // set once by Start
   std::atomic<uint64_t> host_memory_used_{0};
@@ -433,8 +447,9 @@ class Daemon {
     std::chrono::steady_clock::time_point since;
   };
   std::map<std::string, KeptEma> kept_emas_ GUARDED_BY(mu_);
-  CondVar idle_cv_;          // wakes the idle-release thread at Stop
+  CondVar idle_cv_;          // wakes the idle-release and sweep threads at Stop
   std::thread idle_thread_;  // started by Start with idle_release > 0, joined by Stop
+  std::thread sweep_thread_;  // started by Start with sweep_interval > 0, joined by Stop
 };
 
 }  // namespace flashckpt

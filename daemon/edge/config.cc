@@ -172,6 +172,8 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   line("keep", std::to_string(c.keep));
   line("stop-timeout", std::to_string(c.stop_timeout_s));
   line("idle-release", std::to_string(c.idle_release.count()));
+  line("sweep-interval", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(c.sweep_interval).count()));
+  line("lease-ttl", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(c.lease_ttl).count()));
   line("log-level", ValueText(c.log_level));
   optional("log-file", c.log_file);
   if (c.allow_uids.empty()) {
@@ -252,6 +254,20 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "does it at once)")
       ->check(CLI::Range(0u, 30u * 86400u))
       ->capture_default_str();
+  uint32_t sweep_s = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(config.sweep_interval).count());
+  app.add_option("--sweep-interval", sweep_s,
+                 "Seconds between re-checks of the newest incomplete steps of the daemon's jobs: a step whose "
+                 "signals are all there (written by the daemons of several nodes on a shared root, or seen late) "
+                 "completes within this time (0: never)")
+      ->check(CLI::Range(0u, 3600u))
+      ->capture_default_str();
+  uint32_t lease_s = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(config.lease_ttl).count());
+  app.add_option("--lease-ttl", lease_s,
+                 "Seconds a lease in the root lives unless refreshed: a step being restored or written holds one, "
+                 "and no daemon on the root deletes a step with a live lease; a lease of a daemon that died "
+                 "expires after this (0: no leases)")
+      ->check(CLI::Range(0u, 86400u))
+      ->capture_default_str();
   app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
   app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
   std::string shm_group;
@@ -298,6 +314,8 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
     return InvalidArgument(e.what());
   }
   config.idle_release = std::chrono::seconds(idle_release_s);
+  config.sweep_interval = std::chrono::seconds(sweep_s);
+  config.lease_ttl = std::chrono::seconds(lease_s);
   if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
     std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
     return s;

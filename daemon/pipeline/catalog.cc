@@ -16,7 +16,8 @@
 
 namespace flashckpt {
 
-StepInUse::StepInUse(StepInUse&& o) noexcept : catalog_(o.catalog_), job_(std::move(o.job_)), step_(o.step_) {
+StepInUse::StepInUse(StepInUse&& o) noexcept
+    : catalog_(o.catalog_), job_(std::move(o.job_)), step_(o.step_), lease_(std::move(o.lease_)) {
   o.catalog_ = nullptr;
 }
 
@@ -26,29 +27,41 @@ StepInUse& StepInUse::operator=(StepInUse&& o) noexcept {
     catalog_ = o.catalog_;
     job_ = std::move(o.job_);
     step_ = o.step_;
+    lease_ = std::move(o.lease_);
     o.catalog_ = nullptr;
   }
   return *this;
 }
 
 void StepInUse::Reset() {
-  if (catalog_ != nullptr) catalog_->Release(job_, step_);
+  if (catalog_ != nullptr) catalog_->Release(job_, step_, lease_);
   catalog_ = nullptr;
+  lease_.clear();
 }
 
 StepInUse Catalog::Use(const std::string& job, int64_t step) {
-  MutexLock lock(&use_mu_);
-  in_use_[job].insert(step);
-  return StepInUse(this, job, step);
+  {
+    MutexLock lock(&use_mu_);
+    in_use_[job].insert(step);
+  }
+  // The lease is written after the step is marked here: this daemon never deletes it from now on,
+  // and another daemon's deletion sees the lease, or renames the directory back when it finds the
+  // lease after its rename (HideUnlessInUse).
+  std::string lease = leases_ != nullptr ? leases_->Take(job, step) : "";
+  return StepInUse(this, job, step, std::move(lease));
 }
 
-void Catalog::Release(const std::string& job, int64_t step) {
-  MutexLock lock(&use_mu_);
-  auto it = in_use_.find(job);
-  if (it == in_use_.end()) return;
-  auto s = it->second.find(step);
-  if (s != it->second.end()) it->second.erase(s);
-  if (it->second.empty()) in_use_.erase(it);
+void Catalog::Release(const std::string& job, int64_t step, const std::string& lease) {
+  {
+    MutexLock lock(&use_mu_);
+    auto it = in_use_.find(job);
+    if (it != in_use_.end()) {
+      auto s = it->second.find(step);
+      if (s != it->second.end()) it->second.erase(s);
+      if (it->second.empty()) in_use_.erase(it);
+    }
+  }
+  if (leases_ != nullptr) leases_->Drop(lease);
 }
 
 std::string Catalog::CheckpointDir(const std::string& job, int64_t step) const {
@@ -190,6 +203,55 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   return true;
 }
 
+Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& job, size_t max_steps) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  std::vector<int64_t> completed;
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
+  if (!names) return completed;
+  std::vector<int64_t> steps;
+  for (const auto& n : *names) {
+    if (auto step = ParseCheckpointDirName(n)) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end(), std::greater<>());
+  if (steps.size() > max_steps) steps.resize(max_steps);
+  for (int64_t step : steps) {
+    ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+    if (complete) continue;
+    const std::string dir = CheckpointDir(job, step);
+    auto files = ListDir(dir, io_);
+    if (!files.ok()) {
+      if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
+      return files.status();
+    }
+    // The signals there must all be of one attempt and say how many ranks the step has (signals
+    // of releases that did not record it never complete here: their own daemon completes them).
+    std::optional<Attempt> attempt;
+    uint32_t world_size = 0, signals = 0;
+    bool usable = true;
+    for (const auto& f : *files) {
+      if (f.rfind("saved_signal_", 0) != 0) continue;
+      auto signal = ReadSignal(dir + "/" + f, io_);
+      if (!signal.ok()) {
+        if (signal.status().code() == StatusCode::kNotFound) continue;
+        usable = false;  // damaged or unreadable: MaybeComplete would refuse it too
+        break;
+      }
+      if (signal->step != step || SignalFileName(signal->rank) != f || signal->world_size == 0 ||
+          (world_size != 0 && signal->world_size != world_size) || (attempt && signal->attempt() != *attempt)) {
+        usable = false;
+        break;
+      }
+      world_size = signal->world_size;
+      attempt = signal->attempt();
+      ++signals;
+    }
+    if (!usable || world_size == 0 || signals != world_size) continue;
+    ASSIGN_OR_RETURN(bool done, MaybeComplete(job, step, world_size, *attempt));
+    if (done) completed.push_back(step);
+  }
+  return completed;
+}
+
 Result<std::vector<int64_t>> Catalog::ApplyRetention(const std::string& job, uint32_t keep) {
   MutexLock lock(&JobMutex(job));
   return ApplyRetentionLocked(job, keep);
@@ -283,13 +345,32 @@ bool Catalog::InUseLocked(const std::string& job, int64_t step, const std::set<i
 Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
                                       const std::string& hidden) {
   std::string dir = CheckpointDir(job, step);
-  MutexLock lock(&use_mu_);
-  if (InUseLocked(job, step, busy)) return false;
-  if (io_->Rename(dir, hidden) != 0) {
-    if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
-    return ErrnoStatus("rename " + dir + " to", hidden);
+  // A live lease of any daemon (read without use_mu_: it is I/O on the shared root).
+  auto leased = [&]() -> Result<bool> {
+    if (leases_ == nullptr) return false;
+    ASSIGN_OR_RETURN(std::optional<std::string> holder, leases_->LiveHolder(job, step));
+    if (holder) Logger("catalog")->info("deletion skipped job={} step={}: leased by {}", job, step, *holder);
+    return holder.has_value();
+  };
+  ASSIGN_OR_RETURN(bool before, leased());
+  if (before) return false;
+  {
+    MutexLock lock(&use_mu_);
+    if (InUseLocked(job, step, busy)) return false;
+    if (io_->Rename(dir, hidden) != 0) {
+      if (errno == ENOENT) return false;  // already gone (another daemon sharing the root)
+      return ErrnoStatus("rename " + dir + " to", hidden);
+    }
   }
-  return true;
+  // A lease taken between the first look and the rename: its holder may be about to read the
+  // directory. It goes back under its name (the holder retries a directory it did not find).
+  auto after = leased();
+  if (after.ok() && !*after) return true;
+  if (io_->Rename(hidden, dir) != 0) {
+    return ErrnoStatus("rename back " + hidden + " to", dir + " (a lease appeared while it was deleted)");
+  }
+  if (!after.ok()) return after.status();
+  return false;
 }
 
 Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,

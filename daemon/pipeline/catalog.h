@@ -19,6 +19,7 @@
 #include "common/base/status.h"
 #include "common/format/signal.h"
 #include "common/read/listing.h"
+#include "daemon/pipeline/lease.h"
 #include "common/io/io_env.h"
 
 namespace flashckpt {
@@ -44,7 +45,8 @@ using CatalogListener =
     std::function<void(CatalogChange change, const std::string& job, int64_t step, std::string_view reason)>;
 
 // Marks one step of a job as in use (a restore reading it, a writer writing it): retention does not
-// delete it while the guard lives. Move-only; the step is released in the destructor.
+// delete it while the guard lives, and with leases (Catalog::SetLeases) neither does any other
+// daemon that writes the same root. Move-only; the step is released in the destructor.
 class StepInUse {
  public:
   StepInUse() = default;
@@ -57,10 +59,12 @@ class StepInUse {
 
  private:
   friend class Catalog;
-  StepInUse(Catalog* catalog, std::string job, int64_t step) : catalog_(catalog), job_(std::move(job)), step_(step) {}
+  StepInUse(Catalog* catalog, std::string job, int64_t step, std::string lease)
+      : catalog_(catalog), job_(std::move(job)), step_(step), lease_(std::move(lease)) {}
   Catalog* catalog_ = nullptr;
   std::string job_;
   int64_t step_ = 0;
+  std::string lease_;  // its lease file in the shared root (Leases::Take); empty: none
 };
 
 class Catalog {
@@ -74,6 +78,9 @@ class Catalog {
   // Called after each change, on the thread that made it, with no catalog lock held but the job's
   // completion lock. Set once, before the catalog is used.
   void SetListener(CatalogListener listener) { listener_ = std::move(listener); }
+  // Leases in the root (daemon/pipeline/lease.h): Use takes one, and every deletion skips a step
+  // with a live lease of any daemon. Not owned; set once, before the catalog is used; null: none.
+  void SetLeases(Leases* leases) { leases_ = leases; }
 
   const std::string& root() const { return root_; }
   std::string JobDir(const std::string& job) const { return root_ + "/" + job; }
@@ -87,6 +94,15 @@ class Catalog {
   // When this call wrote metadata.json and `keep` > 0, it then applies retention (ApplyRetention);
   // a retention failure is logged, never returned: the new checkpoint is complete either way.
   Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt);
+  // The sweep: completes the steps among the newest `max_steps` step directories of `job` that are
+  // not complete but hold the signals of all their ranks, of one attempt (the signals' world_size
+  // says how many: older signals that do not record it are left to the daemon that wrote them).
+  // On a shared root the last two signals of a step may be written by two daemons at once, each
+  // missing the other's, or one daemon may see another's files late (NFS): every daemon sweeps its
+  // jobs so that such a step completes anyway (MaybeComplete, which may run on several daemons:
+  // metadata.json is written whole and renamed into place, LATEST moves forward only). Returns the
+  // steps it completed.
+  Result<std::vector<int64_t>> CompleteSignalledSteps(const std::string& job, size_t max_steps);
 
   // Protects `step` of `job` from retention until the returned guard is destroyed. Thread-safe.
   // A reader registers first and checks that the checkpoint is (still) complete afterwards: a
@@ -178,15 +194,18 @@ class Catalog {
                                             const std::set<int64_t>& busy, bool dry_run, const char* reason);
   // Whether `step` is in use (Use) or in `busy`. Requires use_mu_.
   bool InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const REQUIRES(use_mu_);
-  // Renames the directory of `step` away unless it is in use; false when it is in use or gone.
+  // Renames the directory of `step` away unless it is in use: on this daemon (Use, `busy`), or on
+  // any daemon (a live lease, checked before the rename and again after it, when the directory is
+  // renamed back if one has appeared); false when it is in use or gone.
   Result<bool> HideUnlessInUse(const std::string& job, int64_t step, const std::set<int64_t>& busy,
                                const std::string& hidden) EXCLUDES(use_mu_);
-  void Release(const std::string& job, int64_t step) EXCLUDES(use_mu_);
+  void Release(const std::string& job, int64_t step, const std::string& lease) EXCLUDES(use_mu_);
 
   std::string root_;
   const uint32_t keep_;
   IoEnv* const io_;
   CatalogListener listener_;
+  Leases* leases_ = nullptr;
   Mutex mu_;
   std::map<std::string, std::unique_ptr<Mutex>> job_mu_ GUARDED_BY(mu_);  // JobMutex
   // Steps in use per job (a multiset: two readers may share a step). Held across the rename that

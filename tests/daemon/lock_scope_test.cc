@@ -177,7 +177,10 @@ class GatedListing final : public IoEnv {
 TEST(LockScopeTest, StatusStaysFastWithTensOfThousandsOfStepDirectories) {
   GatedListing io("/long");  // outlives the daemon
   InProcessDaemon d("flashckpt-lock-scope-test");
-  auto through_gate = [&](DaemonConfig& c) { c.io_env = &io; };
+  auto through_gate = [&](DaemonConfig& c) {
+    c.io_env = &io;
+    c.sweep_interval = std::chrono::milliseconds(0);  // only status reads the job directory here
+  };
   ASSERT_OK(d.Start(through_gate));
   auto client = d.Connect("long", 0);
   ASSERT_TRUE(client);

@@ -6,10 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <filesystem>
 #include <thread>
 
 #include "common/io/fs.h"
+#include "common/io/io_env.h"
 #include "common/read/verify.h"
 #include "daemon/edge/server.h"
 #include "daemon/pipeline/catalog.h"
@@ -334,6 +337,252 @@ TEST_F(OnDiskTest, ANewestCheckpointThatCannotBeToldCompleteIsAnErrorNotTheStepB
   // Status names it too, and `flashckpt list` (the catalog's List) fails instead of hiding it.
   EXPECT_NE(d_.daemon()->GetStatus().jobs[0].catalog_error.find(meta), std::string::npos);
   EXPECT_EQ(d_.daemon()->List("loop").status().code(), StatusCode::kIOError);
+}
+
+// Hides the saved_signal_<rank> files of other daemons' ranks from this daemon until Reveal(): a
+// shared file system that shows one node's files to another late (NFS close-to-open caching).
+class DelayedSignals final : public IoEnv {
+ public:
+  explicit DelayedSignals(std::string hidden) : hidden_("/" + std::move(hidden)) {}
+  void Reveal() { revealed_ = true; }
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override {
+    return base_->Pwrite(fd, buf, bytes, offset);
+  }
+  int Ftruncate(int fd, uint64_t bytes) override { return base_->Ftruncate(fd, bytes); }
+  int Fdatasync(int fd) override { return base_->Fdatasync(fd); }
+  int Fsync(int fd) override { return base_->Fsync(fd); }
+  int Rename(const std::string& from, const std::string& to) override { return base_->Rename(from, to); }
+  int Open(const std::string& path, int flags, unsigned mode) override {
+    if (Hidden(path)) {
+      errno = ENOENT;
+      return -1;
+    }
+    return base_->Open(path, flags, mode);
+  }
+  ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
+    return base_->Pread(fd, buf, bytes, offset);
+  }
+  int Stat(const std::string& path, struct stat* st) override {
+    if (Hidden(path)) {
+      errno = ENOENT;
+      return -1;
+    }
+    return base_->Stat(path, st);
+  }
+  int ListDir(const std::string& dir, std::vector<std::string>* names) override {
+    const size_t before = names->size();
+    const int rc = base_->ListDir(dir, names);
+    if (rc == 0 && !revealed_) {
+      names->erase(std::remove(names->begin() + static_cast<std::ptrdiff_t>(before), names->end(), hidden_.substr(1)),
+                   names->end());
+    }
+    return rc;
+  }
+  int Unlink(const std::string& path) override { return base_->Unlink(path); }
+  int Mkdir(const std::string& path, unsigned mode) override { return base_->Mkdir(path, mode); }
+
+ private:
+  bool Hidden(const std::string& path) const {
+    return !revealed_ && path.size() >= hidden_.size() &&
+           path.compare(path.size() - hidden_.size(), hidden_.size(), hidden_) == 0;
+  }
+  IoEnv* const base_ = IoEnv::Default();
+  const std::string hidden_;
+  std::atomic<bool> revealed_{false};
+};
+
+// Two daemons on one root, one rank each, each seeing the other's signal late: each writes its
+// rank's signal, looks for the other's, misses it, and leaves the step incomplete. Once the files
+// are visible, the sweep of either daemon completes every step; LATEST names the newest.
+TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
+  const std::string job = "swept";
+  DelayedSignals sees_no_rank1("saved_signal_1"), sees_no_rank0("saved_signal_0");
+  auto sweeping = [](DelayedSignals* io) {
+    return [io](DaemonConfig& c) {
+      c.io_env = io;
+      c.sweep_interval = 200ms;
+    };
+  };
+  ASSERT_OK(d_.Start(sweeping(&sees_no_rank1)));
+  InProcessDaemon other("flashckpt-sweep");
+  ASSERT_OK(other.Start([&](DaemonConfig& c) {
+    sweeping(&sees_no_rank0)(c);
+    c.root = root();
+  }));
+  std::vector<float> w0(256), w1(256);
+  auto connect = [&](const InProcessDaemon& d, uint32_t rank, std::vector<float>& w) {
+    auto c = d.Connect(job, rank, [](ClientOptions& o) { o.run_id = "swept-run"; });
+    if (!c) return c;
+    Topology t;
+    t.world_size = 2;
+    t.tp_degree = 2;
+    t.tp_rank = rank;
+    TensorSpec s;
+    s.name = "w";
+    s.shape = {256};
+    s.global_shape = {512};
+    s.box_offset = {256 * rank};
+    s.box_shape = {256};
+    EXPECT_OK(c->Register(t, {s}));
+    return c;
+  };
+  auto rank0 = connect(d_, 0, w0);
+  auto rank1 = connect(other, 1, w1);
+  ASSERT_TRUE(rank0 && rank1);
+  for (int64_t step = 1; step <= 3; ++step) {
+    std::fill(w0.begin(), w0.end(), static_cast<float>(step));
+    std::fill(w1.begin(), w1.end(), static_cast<float>(-step));
+    ASSERT_OK(rank0->Snapshot(step, {{"w", w0.data(), w0.size() * 4}}, {}).status());
+    ASSERT_OK(rank1->Snapshot(step, {{"w", w1.data(), w1.size() * 4}}, {}).status());
+    ASSERT_OK(rank0->WaitPersisted(step, 10s));
+    ASSERT_OK(rank1->WaitPersisted(step, 10s));
+  }
+  // Both signals of every step are durable, and neither daemon saw the other's.
+  for (int64_t step = 1; step <= 3; ++step) {
+    EXPECT_TRUE(std::filesystem::exists(StepDir(job, step) + "/saved_signal_0"));
+    EXPECT_TRUE(std::filesystem::exists(StepDir(job, step) + "/saved_signal_1"));
+    EXPECT_FALSE(std::filesystem::exists(StepDir(job, step) + "/metadata.json")) << step;
+  }
+  sees_no_rank1.Reveal();
+  sees_no_rank0.Reveal();
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  auto all_complete = [&] {
+    for (int64_t step = 1; step <= 3; ++step) {
+      if (!std::filesystem::exists(StepDir(job, step) + "/metadata.json")) return false;
+    }
+    return true;
+  };
+  while (!all_complete() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  for (int64_t step = 1; step <= 3; ++step) {
+    EXPECT_TRUE(std::filesystem::exists(StepDir(job, step) + "/metadata.json")) << "step " << step << " not swept";
+  }
+  auto latest = ReadSmallFile(JobDir(job) + "/LATEST", 64);
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "3\n");
+  ASSERT_OK(rank0->WaitComplete(3, 5s));
+  rank0.reset();
+  rank1.reset();
+  other.Stop();
+  d_.Stop();
+}
+
+// Holds every pread at a gate while it is closed, and says when one is waiting there: a restore
+// that takes as long as the test needs.
+class GatedReads final : public IoEnv {
+ public:
+  void Close() {
+    MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  void Open() {
+    MutexLock lock(&mu_);
+    closed_ = false;
+    cv_.NotifyAll();
+  }
+  bool Holding() {
+    MutexLock lock(&mu_);
+    return held_ > 0;
+  }
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override {
+    return base_->Pwrite(fd, buf, bytes, offset);
+  }
+  int Ftruncate(int fd, uint64_t bytes) override { return base_->Ftruncate(fd, bytes); }
+  int Fdatasync(int fd) override { return base_->Fdatasync(fd); }
+  int Fsync(int fd) override { return base_->Fsync(fd); }
+  int Rename(const std::string& from, const std::string& to) override { return base_->Rename(from, to); }
+  int Open(const std::string& path, int flags, unsigned mode) override { return base_->Open(path, flags, mode); }
+  ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
+    {
+      MutexLock lock(&mu_);
+      ++held_;
+      while (closed_) cv_.Wait(&lock);
+      --held_;
+    }
+    return base_->Pread(fd, buf, bytes, offset);
+  }
+  int Stat(const std::string& path, struct stat* st) override { return base_->Stat(path, st); }
+  int ListDir(const std::string& dir, std::vector<std::string>* names) override { return base_->ListDir(dir, names); }
+  int Unlink(const std::string& path) override { return base_->Unlink(path); }
+  int Mkdir(const std::string& path, unsigned mode) override { return base_->Mkdir(path, mode); }
+
+ private:
+  IoEnv* const base_ = IoEnv::Default();
+  Mutex mu_;
+  CondVar cv_;
+  bool closed_ GUARDED_BY(mu_) = false;
+  int held_ GUARDED_BY(mu_) = 0;
+};
+
+// Two daemons on one root, retention (--keep 2) on the one that saves. While the other restores an
+// older step that is falling out of retention, the saving daemon's retention skips it (the restore's
+// lease in the root), and deletes it once the restore is done. A lease of a node that died keeps its
+// step only until it expires.
+TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
+  const std::string job = "leased";
+  ASSERT_OK(d_.Start([](DaemonConfig& c) {
+    c.keep = 2;
+    c.node_name = "saver";
+  }));
+  GatedReads gate;  // outlives the reading daemon
+  InProcessDaemon reader("flashckpt-lease");
+  ASSERT_OK(reader.Start([&](DaemonConfig& c) {
+    c.root = root();
+    c.io_env = &gate;
+    c.node_name = "reader";
+  }));
+  Trainer saver = StartTrainer(job, 1024);
+  ASSERT_TRUE(saver.client);
+  for (int64_t step = 1; step <= 3; ++step) ASSERT_OK(saver.Save(step));
+  EXPECT_EQ(Entries(job), (std::vector<std::string>{"LATEST", "checkpoint-2", "checkpoint-3"}));
+
+  // The restore of step 2 on the other daemon, held in its first read.
+  TestTrainer restorer = reader.StartTrainer(job, 1024);
+  ASSERT_TRUE(restorer.client);
+  gate.Close();
+  std::thread restore([&] {
+    auto r = restorer.client->Restore(2, restorer.bufs, 30s);
+    EXPECT_OK(r.status());
+    if (r.ok()) {
+      EXPECT_EQ(r->step, 2);
+    }
+  });
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!gate.Holding() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  ASSERT_TRUE(gate.Holding()) << "the restore never reached its first read";
+  // Steps 4 and 5 complete; retention keeps 4 and 5, deletes 3, and skips the leased 2.
+  ASSERT_OK(saver.Save(4));
+  ASSERT_OK(saver.Save(5));
+  EXPECT_EQ(Entries(job),
+            (std::vector<std::string>{".leases", "LATEST", "checkpoint-2", "checkpoint-4", "checkpoint-5"}));
+  gate.Open();
+  restore.join();
+  EXPECT_TRUE(restorer.All(2.f)) << "the restore read another step's bytes";
+  ASSERT_OK(saver.Save(6));  // the next retention deletes 2: its lease is gone
+  EXPECT_EQ(Entries(job), (std::vector<std::string>{"LATEST", "checkpoint-5", "checkpoint-6"}));
+
+  // A lease of a node that died with it: step 5 stays until the lease expires, then goes.
+  const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  const auto expires = now_ms + 1500;
+  ASSERT_OK(MakeDirs(JobDir(job) + "/.leases"));
+  ASSERT_OK(WriteFileDurably(JobDir(job) + "/.leases", "checkpoint-5.lost-node.4242.0",
+                             R"({"step": 5, "node": "lost-node", "pid": 4242, "expires_unix_ms": )" +
+                                 std::to_string(expires) + "}\n"));
+  ASSERT_OK(saver.Save(7));
+  EXPECT_EQ(Entries(job), (std::vector<std::string>{".leases", "LATEST", "checkpoint-5", "checkpoint-6", "checkpoint-7"}));
+  while (std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+             .count() <= expires + 50) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_OK(saver.Save(8));
+  // The expired lease was removed, and with it the lease directory.
+  EXPECT_EQ(Entries(job), (std::vector<std::string>{"LATEST", "checkpoint-7", "checkpoint-8"}));
+  restorer.client.reset();
+  saver.client.reset();
+  reader.Stop();
 }
 
 }  // namespace

@@ -112,6 +112,8 @@ Status WriteSeeds(const std::string& root) {
     signal.step = kStep;
     signal.resumed_from = 1000;
     signal.run_id = "seed-run";
+    signal.node = "seed-node-" + std::to_string(rank);
+    signal.world_size = 2;
     signal.files = files;
     RETURN_IF_ERROR(WriteFileDurably(signals, SignalFileName(rank), EncodeSignal(kJob, signal, 16384)));
   }
