@@ -20,6 +20,16 @@ Every YAML file under deploy/k8s is parsed (all its documents); then:
   - deploy/container/Containerfile builds with tests off from packages of scripts/deps.sh, and runs
     flashckptd as the non-root uid the pod runs as.
 
+For many nodes (docs/operating.md, "Many nodes, one root"):
+  - the DaemonSet (deploy/k8s/daemonset.yaml) runs flashckptd with --config on its own ConfigMap and
+    --node-name from the node's name (the downward API), mounts the host's /dev/shm and a host
+    directory at the socket's directory (so trainer pods on the node share both), and a
+    ReadWriteMany PVC at the ConfigMap's root; its ConfigMap's keys are flags and the real daemon
+    starts from it (as above);
+  - deploy/slurm/prolog.sh, run for real as a Slurm prolog would (as root, SLURM_JOB_ID and
+    SLURM_JOB_USER set; skipped when not root), starts a daemon whose status names the short host
+    name as its node, and deploy/slurm/epilog.sh stops it and removes its run directory.
+
     test_deploy.py --bin-dir build/bin
 """
 
@@ -264,30 +274,121 @@ def check_containerfile(pod_uid):
           % (len(installed), user.group(1), entry.group(1)))
 
 
+def check_daemonset(ds, docs, conf, flags):
+    spec = ds["spec"]["template"]["spec"]
+    containers = [c for c in spec["containers"] if "flashckptd" in c["name"]]
+    check(len(containers) == 1, "DaemonSet %s has no flashckptd container" % ds["metadata"]["name"])
+    c = containers[0]
+    args = c.get("args", [])
+    check(args[:2] == ["--config", CONFIG_DIR + "/flashckptd.conf"], "the DaemonSet's daemon is not started with "
+          "--config %s/flashckptd.conf: %s" % (CONFIG_DIR, args))
+    check("--node-name" in args and args[args.index("--node-name") + 1] == "$(NODE_NAME)",
+          "the DaemonSet's daemon does not take --node-name $(NODE_NAME): %s" % args)
+    env = {e["name"]: e for e in c.get("env", [])}
+    check(env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName",
+          "NODE_NAME does not come from spec.nodeName")
+    check(all(a[2:] in flags | {"config"} for a in args if a.startswith("--")),
+          "the DaemonSet passes unknown flags: %s" % args)
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    by_path = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+    check(by_path.get("/dev/shm", {}).get("hostPath", {}).get("path") == "/dev/shm",
+          "the DaemonSet does not mount the host's /dev/shm at /dev/shm")
+    run_dir = os.path.dirname(conf["socket"])
+    check("hostPath" in by_path.get(run_dir, {}), "the socket's directory %s is not a host directory" % run_dir)
+    claim = by_path.get(conf["root"], {}).get("persistentVolumeClaim", {}).get("claimName")
+    pvcs = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "PersistentVolumeClaim"}
+    check(claim in pvcs and "ReadWriteMany" in pvcs[claim]["spec"]["accessModes"],
+          "the root %s is not a ReadWriteMany PVC of deploy/k8s" % conf["root"])
+    uid = security(spec, c, "runAsUser")
+    check(uid and uid != 0 and security(spec, c, "runAsNonRoot"), "the DaemonSet's daemon may run as root")
+    print("DaemonSet %s: --node-name from spec.nodeName, host /dev/shm and %s, root %s on RWX claim %s, uid %s"
+          % (ds["metadata"]["name"], run_dir, conf["root"], claim, uid))
+
+
+def check_slurm_scripts(bin_dir):
+    scripts = os.path.join(REPO, "deploy", "slurm")
+    for name in ("prolog.sh", "epilog.sh"):
+        p = subprocess.run(["bash", "-n", os.path.join(scripts, name)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+        check(p.returncode == 0, "bash -n deploy/slurm/%s: %s" % (name, p.stdout.decode()))
+    if os.geteuid() != 0 or subprocess.run(["which", "runuser"], stdout=subprocess.DEVNULL).returncode != 0:
+        print("deploy/slurm: syntax checked; not run (needs root and runuser, as a Slurm prolog has)")
+        return
+    job = "fcdeploy%d" % os.getpid()
+    run_dir = "/run/flashckpt/" + job
+    made_parent = not os.path.exists("/run/flashckpt")
+    root = tempfile.mkdtemp(prefix="fcslurm", dir="/tmp")
+    env = dict(os.environ, SLURM_JOB_ID=job, SLURM_JOB_USER="root", FLASHCKPT_ROOT=root,
+               FLASHCKPTD=os.path.join(bin_dir, "flashckptd"), FLASHCKPT_MAX_HOST_MEMORY="256MiB")
+    try:
+        p = subprocess.run(["bash", os.path.join(scripts, "prolog.sh")], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=60)
+        log = os.path.join(run_dir, "flashckptd.log")
+        check(p.returncode == 0, "prolog.sh exited %d: %s\n%s" % (p.returncode, p.stdout.decode(),
+                                                                  open(log).read() if os.path.exists(log) else ""))
+        sock = os.path.join(run_dir, "flashckptd.sock")
+        out = subprocess.run([os.path.join(bin_dir, "flashckpt"), "--socket", sock, "status", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
+        check(out.returncode == 0, "flashckpt status after the prolog: %s" % out.stdout.decode())
+        status = __import__("json").loads(out.stdout.decode())
+        host = subprocess.run(["hostname", "-s"], stdout=subprocess.PIPE).stdout.decode().strip()
+        check(status["node_name"] == host and status["root"] == root,
+              "the prolog's daemon: node %r root %r, expected %r %r" % (status["node_name"], status["root"], host, root))
+        pid = int(open(os.path.join(run_dir, "flashckptd.pid")).read())
+        p = subprocess.run(["bash", os.path.join(scripts, "epilog.sh")], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, timeout=300)
+        check(p.returncode == 0, "epilog.sh exited %d: %s" % (p.returncode, p.stdout.decode()))
+        check(not os.path.exists(run_dir), "the epilog left %s" % run_dir)
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        check(not alive, "the daemon (pid %d) still runs after the epilog" % pid)
+        print("deploy/slurm: the prolog started flashckptd (node %s, root %s); the epilog stopped it" % (host, root))
+    finally:
+        subprocess.run(["bash", os.path.join(scripts, "epilog.sh")], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=300)
+        subprocess.run(["rm", "-rf", root])
+        if made_parent:
+            try:
+                os.rmdir("/run/flashckpt")
+            except OSError:
+                pass  # something else uses it now
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin-dir", required=True)
     args = ap.parse_args()
-    flashckptd = os.path.join(os.path.abspath(args.bin_dir), "flashckptd")
+    bin_dir = os.path.abspath(args.bin_dir)
+    flashckptd = os.path.join(bin_dir, "flashckptd")
     try:
         check(os.access(flashckptd, os.X_OK), "%s is missing (build first)" % flashckptd)
         flags = daemon_flags(flashckptd)
         docs = load_documents()
-        maps = [d for d in one(docs, "ConfigMap") if "flashckptd.conf" in d.get("data", {})]
-        check(len(maps) == 1, "expected one ConfigMap with flashckptd.conf")
-        conf = parse_conf(maps[0]["data"]["flashckptd.conf"])
-        check_conf_keys(conf, flags, "ConfigMap %s" % maps[0]["metadata"]["name"])
+        maps = {d["metadata"]["name"]: d for d in one(docs, "ConfigMap") if "flashckptd.conf" in d.get("data", {})}
         with open(os.path.join(REPO, "deploy", "flashckptd.conf.example")) as f:
             check_conf_keys(parse_conf(f.read()), flags, "deploy/flashckptd.conf.example")
-        pods = one(docs, "Pod")
+
+        def mounted_conf(pod_spec, what):
+            names = {v["configMap"]["name"] for v in pod_spec.get("volumes", []) if "configMap" in v} & set(maps)
+            check(len(names) == 1, "%s does not mount one ConfigMap with flashckptd.conf" % what)
+            conf = parse_conf(maps[names.pop()]["data"]["flashckptd.conf"])
+            check_conf_keys(conf, flags, "the ConfigMap of %s" % what)
+            return conf
+
         uid = None
-        for pod in pods:
-            configmaps = {v["configMap"]["name"] for v in pod["spec"].get("volumes", []) if "configMap" in v}
-            check(maps[0]["metadata"]["name"] in configmaps, "pod %s does not mount the ConfigMap"
-                  % pod["metadata"]["name"])
+        for pod in one(docs, "Pod"):
+            conf = mounted_conf(pod["spec"], "pod " + pod["metadata"]["name"])
             uid = check_pod(pod, docs, conf)
-        check_daemon_takes_conf(flashckptd, conf)
+            check_daemon_takes_conf(flashckptd, conf)
+        for ds in one(docs, "DaemonSet"):
+            conf = mounted_conf(ds["spec"]["template"]["spec"], "DaemonSet " + ds["metadata"]["name"])
+            check_daemonset(ds, docs, conf, flags)
+            check_daemon_takes_conf(flashckptd, conf)
         check_containerfile(uid)
+        check_slurm_scripts(bin_dir)
     except TestFailure as e:
         print("FAILED: %s" % e, flush=True)
         return 1
