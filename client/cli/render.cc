@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <ctime>
 #include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -477,38 +478,44 @@ struct MissingRank {
   std::string node;  // the node of the rank's newest signal in another step of the job; empty: none
 };
 
+// At most this many missing ranks are named per step (the count says how many there are).
+constexpr size_t kMissingShown = 64;
+
 // The ranks of an incomplete step that have not signalled (none when its world size is unknown),
 // each with the node that signalled for it last in another step of the job: the node that lags.
-std::vector<MissingRank> MissingRanks(const CheckpointInfo& c, const std::vector<CheckpointInfo>& list) {
+// At most kMissingShown; `count` gets how many are missing.
+std::vector<MissingRank> MissingRanks(const CheckpointInfo& c, const std::vector<CheckpointInfo>& list,
+                                      uint64_t* count) {
   std::vector<MissingRank> out;
+  *count = 0;
   if (c.complete || c.world_size == 0) return out;
-  for (uint32_t r = 0; r < c.world_size; ++r) {
-    auto has = [r](const CheckpointInfo& o) {
-      return std::any_of(o.signalled.begin(), o.signalled.end(), [r](const SignalledRank& s) { return s.rank == r; });
-    };
-    if (has(c)) continue;
-    MissingRank m{r, ""};
-    int64_t best = -1;
-    for (const CheckpointInfo& o : list) {
-      if (o.job != c.job || o.step == c.step || o.step <= best) continue;
-      for (const SignalledRank& s : o.signalled) {
-        if (s.rank == r && !s.node.empty()) {
-          m.node = s.node;
-          best = o.step;
-        }
-      }
+  std::set<uint32_t> present;
+  for (const SignalledRank& s : c.signalled) present.insert(s.rank);
+  *count = c.world_size - std::min<uint64_t>(c.world_size, present.size());
+  // The newest node of each rank over the job's other steps: one pass over what the list holds.
+  std::map<uint32_t, std::pair<int64_t, std::string>> last;
+  for (const CheckpointInfo& o : list) {
+    if (o.job != c.job || o.step == c.step) continue;
+    for (const SignalledRank& s : o.signalled) {
+      if (s.node.empty()) continue;
+      auto [it, fresh] = last.try_emplace(s.rank, o.step, s.node);
+      if (!fresh && o.step > it->second.first) it->second = {o.step, s.node};
     }
-    out.push_back(std::move(m));
+  }
+  for (uint32_t r = 0; r < c.world_size && out.size() < kMissingShown; ++r) {
+    if (present.count(r) != 0) continue;
+    auto it = last.find(r);
+    out.push_back({r, it == last.end() ? std::string() : it->second.second});
   }
   return out;
 }
 
 // "3@node-b,7": the missing ranks and where they last wrote; "-" when none or unknown.
-std::string MissingText(const std::vector<MissingRank>& missing) {
+std::string MissingText(const std::vector<MissingRank>& missing, uint64_t count) {
   if (missing.empty()) return "-";
   std::string out;
   for (size_t i = 0; i < missing.size(); ++i) {
-    if (i == 8) return out + " +" + std::to_string(missing.size() - 8);
+    if (i == 8) return out + " +" + std::to_string(count - 8);
     out += (i ? "," : "") + std::to_string(missing[i].rank) + (missing[i].node.empty() ? "" : "@" + missing[i].node);
   }
   return out;
@@ -522,7 +529,9 @@ std::string ListText(const std::vector<CheckpointInfo>& list) {
                   {false, true, false, true, false, false, true, false, false});
   for (const auto& c : list) {
     std::string signals = std::to_string(c.signals) + "/" + (c.world_size ? std::to_string(c.world_size) : "?");
-    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : "no", signals, MissingText(MissingRanks(c, list)),
+    uint64_t count = 0;
+    const std::vector<MissingRank> missing = MissingRanks(c, list, &count);
+    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : "no", signals, MissingText(missing, count),
                   NodesText(c), FormatBytes(c.bytes), c.latest ? "*" : "", c.path});
   }
   return table.Render("");
@@ -536,7 +545,8 @@ ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
       signalled.push_back({{"rank", r.rank}, {"node", r.node.empty() ? ordered_json(nullptr) : ordered_json(r.node)}});
     }
     ordered_json missing = ordered_json::array();
-    for (const MissingRank& m : MissingRanks(c, list)) {
+    uint64_t count = 0;
+    for (const MissingRank& m : MissingRanks(c, list, &count)) {
       missing.push_back({{"rank", m.rank}, {"last_node", m.node.empty() ? ordered_json(nullptr) : ordered_json(m.node)}});
     }
     out.push_back({{"job", c.job},
@@ -548,7 +558,8 @@ ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
                    {"latest", c.latest},
                    {"path", c.path},
                    {"signalled", signalled},
-                   {"missing", missing}});
+                   {"missing", missing},  // the first 64
+                   {"missing_count", count}});
   }
   return out;
 }

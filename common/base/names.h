@@ -13,15 +13,15 @@ namespace flashckpt {
 inline constexpr size_t kMaxJobNameLength = 128;
 inline constexpr size_t kMaxTensorNameLength = 512;
 inline constexpr size_t kMaxRunIdLength = 64;
-inline constexpr size_t kMaxNodeNameLength = 253;
+inline constexpr size_t kMaxNodeNameLength = 64;
 
 // Job names are [A-Za-z0-9._-]{1,128} and never "." or "..": they become a directory under --root.
 Status ValidateJobName(std::string_view job);
 // Run ids (RegisterRequest.run_id: a scheduler's job id, or one the daemon draws) are
 // [A-Za-z0-9._:-]{1,64}: they are written into signals, metadata.json and logs.
 Status ValidateRunId(std::string_view run_id);
-// Node names (flashckptd --node-name, the host name by default) are [A-Za-z0-9._:-]{1,253}: a
-// host name fits; they are written into signals and shown by status, list and inspect.
+// Node names (flashckptd --node-name, the host name by default, cut to 64) are [A-Za-z0-9._:-]{1,64}:
+// they are written into signals and lease file names and shown by status, list and inspect.
 Status ValidateNodeName(std::string_view node);
 // The host name (gethostname), with any character a node name does not allow replaced by '-'.
 std::string DefaultNodeName();

@@ -49,7 +49,7 @@ Result<Signal> ParseSignal(std::string_view text) {
   }
   if (auto node = j.find("node"); node != j.end()) {
     if (!node->is_string() || !ValidateNodeName(node->get<std::string>()).ok()) {
-      return Corruption("not a flashckpt signal: node is not a node name ([A-Za-z0-9._:-]{1,253})");
+      return Corruption("not a flashckpt signal: node is not a node name ([A-Za-z0-9._:-]{1,64})");
     }
     s.node = node->get<std::string>();
   }

@@ -17,9 +17,14 @@ Result<std::optional<CheckpointInfo>> DescribeCheckpointDir(const std::string& j
   e.job = job;
   e.step = step;
   e.path = path;
-  ASSIGN_OR_RETURN(auto files, ListDirIfExists(path, io));
-  if (!files) return std::optional<CheckpointInfo>();
-  for (const auto& f : *files) {
+  auto files = ListDirIfExists(path, io);
+  if (!files.ok()) {
+    struct stat st {};
+    if (io->Stat(path, &st) == 0 && !S_ISDIR(st.st_mode)) return std::optional<CheckpointInfo>();  // not a step
+    return files.status();
+  }
+  if (!*files) return std::optional<CheckpointInfo>();
+  for (const auto& f : **files) {
     struct stat st {};
     if (io->Stat(path + "/" + f, &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
     if (f.rfind("saved_signal_", 0) != 0) continue;

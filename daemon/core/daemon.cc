@@ -174,18 +174,32 @@ void Daemon::SweepLoop() {
       idle_cv_.WaitFor(&lock, config_.sweep_interval);
       if (stopping_) break;
     }
-    std::vector<std::string> jobs;
-    for (const auto& [name, job] : jobs_) jobs.push_back(name);
+    // Each job with its ranks' current attempts (also of ranks that have exited since their last
+    // save): only their steps are completed, never one of an attempt that a rank has left.
+    std::vector<std::pair<std::string, std::vector<Attempt>>> jobs;
+    for (const auto& [name, job] : jobs_) {
+      std::vector<Attempt> attempts;
+      for (const auto& [r, rank] : job.ranks) {
+        if (!rank.run_id.empty() && std::find(attempts.begin(), attempts.end(), rank.attempt()) == attempts.end()) {
+          attempts.push_back(rank.attempt());
+        }
+      }
+      if (!attempts.empty()) jobs.emplace_back(name, std::move(attempts));
+    }
     lock.Unlock();
-    for (const std::string& job : jobs) {
-      auto completed = catalog_.CompleteSignalledSteps(job, kSweepSteps);
+    for (const auto& [job, attempts] : jobs) {
+      {
+        MutexLock check(&mu_);  // a stop does not wait for the rest of a sweep of a slow root
+        if (stopping_) break;
+      }
+      auto completed = catalog_.CompleteSignalledSteps(job, attempts, kSweepSteps);
       if (!completed.ok()) {
         Logger("catalog")->warn("sweep job={} error=\"{}\"", job, completed.status().ToString());
         continue;
       }
       for (int64_t step : *completed) {
-        Logger("catalog")->info("sweep completed job={} step={}: its signals were all there (written by more than "
-                                "one daemon, or seen late)", job, step);
+        Logger("catalog")->info("sweep found job={} step={} complete: its signals were all there (written by more "
+                                "than one daemon, or seen late)", job, step);
       }
     }
     lock.Lock();

@@ -217,7 +217,7 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "Private directory (0700) of the records a restarted daemon uses to adopt the shared-memory "
                  "segments and committed snapshots a crashed one left (default: <socket>.state)");
   app.add_option("--node-name", config.node_name,
-                 "This node's name ([A-Za-z0-9._:-]), recorded in every saved_signal this daemon writes and shown "
+                 "This node's name ([A-Za-z0-9._:-], at most 64), recorded in every saved_signal this daemon writes and shown "
                  "by flashckpt status, list and inspect, so an operator sees which node wrote or lags "
                  "(default: the host name)");
   app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();

@@ -203,7 +203,8 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   return true;
 }
 
-Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& job, size_t max_steps) {
+Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& job, const std::vector<Attempt>& attempts,
+                                                             size_t max_steps) {
   RETURN_IF_ERROR(ValidateJobName(job));
   std::vector<int64_t> completed;
   ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
@@ -246,6 +247,7 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
       ++signals;
     }
     if (!usable || world_size == 0 || signals != world_size) continue;
+    if (std::find(attempts.begin(), attempts.end(), *attempt) == attempts.end()) continue;
     ASSIGN_OR_RETURN(bool done, MaybeComplete(job, step, world_size, *attempt));
     if (done) completed.push_back(step);
   }

@@ -18,9 +18,9 @@
 #include "common/base/mutex.h"
 #include "common/base/status.h"
 #include "common/format/signal.h"
+#include "common/io/io_env.h"
 #include "common/read/listing.h"
 #include "daemon/pipeline/lease.h"
-#include "common/io/io_env.h"
 
 namespace flashckpt {
 
@@ -102,7 +102,11 @@ class Catalog {
   // jobs so that such a step completes anyway (MaybeComplete, which may run on several daemons:
   // metadata.json is written whole and renamed into place, LATEST moves forward only). Returns the
   // steps it completed.
-  Result<std::vector<int64_t>> CompleteSignalledSteps(const std::string& job, size_t max_steps);
+  // Only steps whose signals are of one of `attempts` (those of the job's live sessions) are
+  // completed: a step left by an attempt that has since restarted from an older step stays as it
+  // is, for the new attempt to save again.
+  Result<std::vector<int64_t>> CompleteSignalledSteps(const std::string& job, const std::vector<Attempt>& attempts,
+                                                      size_t max_steps);
 
   // Protects `step` of `job` from retention until the returned guard is destroyed. Thread-safe.
   // A reader registers first and checks that the checkpoint is (still) complete afterwards: a

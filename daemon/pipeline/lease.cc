@@ -1,5 +1,6 @@
 #include "daemon/pipeline/lease.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,10 +60,16 @@ std::string Leases::Take(const std::string& job, int64_t step) {
                            "." + std::to_string(n);
   // The directory exists only while a lease does (Drop removes it when it is empty), so another
   // daemon may remove it between MakeDirs and the write: then the write is tried again.
+  // Only `.leases` is made: a job directory that does not exist holds nothing to protect (and a
+  // restore of a missing step must not create one).
   Status s;
   for (int attempt = 0; attempt < 3; ++attempt) {
-    s = MakeDirs(dir, 0755, io_);
-    if (s.ok()) s = Write(path, step);
+    if (io_->Mkdir(dir, 0755) != 0 && errno != EEXIST) {
+      if (errno == ENOENT) return "";
+      s = ErrnoStatus("mkdir", dir);
+      break;
+    }
+    s = Write(path, step);
     if (s.ok() || s.code() != StatusCode::kNotFound) break;
   }
   if (!s.ok()) {
@@ -105,23 +112,34 @@ Result<std::optional<std::string>> Leases::LiveHolder(const std::string& job, in
   const std::string prefix = CheckpointDirName(step) + ".";
   const int64_t now = UnixMs();
   for (const auto& name : *names) {
-    if (name.rfind(prefix, 0) != 0) continue;
+    // A lease being written (WriteFileDurably's temporary) is not one yet: its holder renames it
+    // into place, or removes it.
+    if (name.rfind(prefix, 0) != 0 || TemporaryOwner(name) != 0) continue;
     const std::string path = dir + "/" + name;
     auto text = ReadSmallFile(path, 4096, io_);
-    if (!text.ok()) {
-      if (text.status().code() == StatusCode::kNotFound) continue;  // dropped meanwhile
-      return text.status();
-    }
-    auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (!text.ok() && text.status().code() == StatusCode::kNotFound) continue;  // dropped meanwhile
+    auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false) : nlohmann::json();
     const bool valid = j.is_object() && j.contains("expires_unix_ms") && j["expires_unix_ms"].is_number_integer();
-    const int64_t expires = valid ? j["expires_unix_ms"].get<int64_t>() : 0;
+    if (!valid) {
+      // Not a lease this release writes (unreadable, too large, not JSON): it protects nothing, and
+      // goes once it is older than a TTL (never while it might be another writer's in progress).
+      struct stat st {};
+      if (io_->Stat(path, &st) == 0 && std::chrono::system_clock::from_time_t(st.st_mtime) + ttl_ <
+                                           std::chrono::system_clock::now()) {
+        Logger("catalog")->warn("lease file {} is not a lease: removed", path);
+        (void)io_->Unlink(path);
+      }
+      continue;
+    }
+    const int64_t expires = j["expires_unix_ms"].get<int64_t>();
     if (expires <= now) {
-      // Expired (its holder died or hung), or not a lease: it protects nothing.
+      // Expired: its holder died, hung, or lost the root for a TTL; it protects nothing.
       Logger("catalog")->info("lease expired job={} step={} file={}: removed", job, step, name);
       if (io_->Unlink(path) == 0) (void)::rmdir(dir.c_str());
       continue;
     }
-    const std::string node = j.contains("node") && j["node"].is_string() ? j["node"].get<std::string>() : "?";
+    std::string node = j.contains("node") && j["node"].is_string() ? j["node"].get<std::string>() : "?";
+    if (!ValidateNodeName(node).ok()) node = "?";
     const std::string pid = j.contains("pid") && j["pid"].is_number_integer() ? std::to_string(j["pid"].get<int64_t>()) : "?";
     holder = "node " + node + " pid " + pid + ", expires in " + std::to_string((expires - now + 999) / 1000) + " s";
     return holder;

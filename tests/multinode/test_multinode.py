@@ -1,0 +1,294 @@
+#!/usr/bin/python3
+"""Many nodes, one shared root: simulated nodes, each its own mount and PID namespace with a private
+tmpfs on /dev/shm (node-local shared memory that dies with the node), its own flashckptd (its own
+--node-name, socket and state directory) and its own flashckpt-sim ranks; every node sees the same
+checkpoint root. Killing a node is a SIGKILL of its namespace's first process: the kernel kills every
+process of the node, and its /dev/shm goes with the last of them.
+
+  1. 4 nodes x 2 ranks (world 8, tp 2, shard 4) save every step for 30 steps: every step is
+     complete, `flashckpt verify` passes on each, the independent reader checks the last against
+     the simulator's formula, and each rank's signal names its node.
+  2. The job resumes bit-exact on 3 nodes x 2 ranks (tp 2, shard 3) and on 2 nodes x 4 ranks (tp 4,
+     shard 2): every rank restores the newest step and checks every element it holds.
+  3. A node is killed in the middle of a run that saves every step: LATEST stays on a complete step;
+     `flashckpt list --root` names the missing ranks of the newest step and the killed node; the job
+     then restarts on the 3 surviving nodes plus a fresh one and resumes bit-exact from LATEST.
+
+Needs root (namespaces, mounts): otherwise it prints why and exits 0 (ctest: skipped, code 77).
+
+    test_multinode.py --bin-dir build/bin [--keep]
+"""
+
+import argparse
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integration"))
+import flashckpt_reader  # noqa: E402
+from harness import TestFailure, check, log, tail  # noqa: E402
+
+SKIP = 77
+LAYERS, HIDDEN = 2, 64
+JOB = "multinode-%d" % os.getpid()
+
+
+class Node:
+    """A simulated node: a mount + PID namespace with a private /dev/shm, running one flashckptd."""
+
+    def __init__(self, name, tmp, root, bin_dir):
+        self.name, self.root, self.bin_dir = name, root, bin_dir
+        self.dir = os.path.join(tmp, name)
+        os.makedirs(self.dir, exist_ok=True)
+        self.sock = os.path.join(self.dir, "flashckptd.sock")
+        self.logs = []
+        # PID 1 of the node: mounts the node's own /dev/shm, then waits (sleep is killed with the node).
+        self.init = subprocess.Popen(
+            ["unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--", "/bin/sh", "-c",
+             "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && echo ready && exec sleep 86400"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        said = []
+        deadline = time.monotonic() + 30
+        while True:
+            ready, _, _ = select.select([self.init.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.init.stdout.readline().decode() if ready else ""
+            if line.strip() == "ready":
+                break
+            said.append(line)
+            if not line or time.monotonic() > deadline:
+                self.init.kill()
+                raise TestFailure("node %s did not start: %s" % (name, "".join(said)))
+        self.pid1 = self._child_of(self.init.pid)
+        self.daemon = None
+
+    @staticmethod
+    def _child_of(pid):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                with open("/proc/%d/task/%d/children" % (pid, pid)) as f:
+                    kids = f.read().split()
+                if kids:
+                    return int(kids[0])
+            except OSError:
+                pass
+            time.sleep(0.01)
+        raise TestFailure("no child of unshare %d" % pid)
+
+    def run(self, cmd, log_name):
+        """Starts `cmd` inside the node (its mount and PID namespaces)."""
+        path = os.path.join(self.dir, log_name)
+        self.logs.append(path)
+        return subprocess.Popen(["nsenter", "--target", str(self.pid1), "--mount", "--pid", "--"] + cmd,
+                                stdout=open(path, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def start_daemon(self):
+        self.daemon = self.run([os.path.join(self.bin_dir, "flashckptd"), "--socket", self.sock, "--root", self.root,
+                                "--node-name", self.name, "--max-host-memory", "256MiB", "--sweep-interval", "1"],
+                               "flashckptd.log")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.sock):
+            check(self.daemon.poll() is None, "flashckptd of %s exited:\n%s" % (self.name, tail(self.logs[-1])))
+            check(time.monotonic() < deadline, "flashckptd of %s did not open its socket" % self.name)
+            time.sleep(0.05)
+
+    def shm(self):
+        """The names in the node's own /dev/shm."""
+        p = subprocess.run(["nsenter", "--target", str(self.pid1), "--mount", "--", "ls", "/dev/shm"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return p.stdout.decode().split()
+
+    def kill(self):
+        """The node dies: SIGKILL of its PID 1 takes every process of the node, and its /dev/shm."""
+        if self.init.poll() is None:
+            try:
+                os.kill(self.pid1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.init.wait(timeout=30)
+
+
+def kill_rank(p):
+    """SIGKILL of a rank started with Node.run: the process inside the node (nsenter's child), then nsenter."""
+    try:
+        with open("/proc/%d/task/%d/children" % (p.pid, p.pid)) as f:
+            for child in f.read().split():
+                os.kill(int(child), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+    p.kill()
+    p.wait()
+
+
+def run_ranks(nodes, ranks_per_node, tp, steps, run_id, resume=False, step_ms=0, wait=True):
+    """flashckpt-sim ranks of JOB, `ranks_per_node` on each node in order; rank r on node r // n."""
+    world = len(nodes) * ranks_per_node
+    procs = []
+    for rank in range(world):
+        node = nodes[rank // ranks_per_node]
+        cmd = [os.path.join(node.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", JOB, "--rank", str(rank),
+               "--world-size", str(world), "--tp-degree", str(tp), "--shard-degree", str(world // tp),
+               "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--steps", str(steps), "--save-every", "1",
+               "--run-id", run_id, "--wait-timeout", "60"]
+        if resume:
+            cmd.append("--resume")
+        if step_ms:
+            cmd += ["--step-ms", str(step_ms)]
+        procs.append((rank, node, node.run(cmd, "sim-%s-rank%d.log" % (run_id, rank))))
+    if not wait:
+        return procs
+    out = {}
+    deadline = time.monotonic() + 180
+    for rank, node, p in procs:
+        try:
+            rc = p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for _, _, q in procs:
+                kill_rank(q)
+            raise TestFailure("rank %d on %s did not finish within 180 s" % (rank, node.name))
+        text = open(os.path.join(node.dir, "sim-%s-rank%d.log" % (run_id, rank)), errors="replace").read()
+        check(rc == 0, "rank %d on %s exited %d:\n%s" % (rank, node.name, rc, text[-3000:]))
+        out[rank] = text
+    return out
+
+
+def check_resumed(results, step):
+    elements = 0
+    for rank, text in results.items():
+        line = next((l for l in text.splitlines() if l.startswith("resumed step=")), None)
+        check(line is not None, "rank %d printed no resumed line:\n%s" % (rank, text[-2000:]))
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        check(int(line.split()[1].split("=")[1]) == step, "rank %d resumed %s, expected step %d" % (rank, line, step))
+        elements += int(fields.get("verified_elements", "0"))
+    check(elements > 0, "no element was verified")
+    return elements
+
+
+def cli(bin_dir, *args):
+    p = subprocess.run([os.path.join(bin_dir, "flashckpt")] + list(args), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, timeout=120)
+    return p.returncode, p.stdout.decode(), p.stderr.decode()
+
+
+def job_dir(root):
+    return os.path.join(root, JOB)
+
+
+def latest(root):
+    with open(os.path.join(job_dir(root), "LATEST")) as f:
+        return int(f.read())
+
+
+def run(tmp, bin_dir):
+    root = os.path.join(tmp, "root")
+    os.makedirs(root)
+    nodes = [Node("node%d" % i, tmp, root, bin_dir) for i in range(4)]
+    try:
+        for n in nodes:
+            n.start_daemon()
+        log("4 nodes up, each with its own /dev/shm and daemon")
+
+        # 1. 4 x 2 ranks save every step.
+        run_ranks(nodes, 2, tp=2, steps=30, run_id="mn-train")
+        for n in nodes:
+            segments = n.shm()
+            check(segments and all(s.startswith("flashckpt.") for s in segments),
+                  "%s's /dev/shm: %s" % (n.name, segments))
+        for step in range(1, 31):
+            d = os.path.join(job_dir(root), "checkpoint-%d" % step)
+            check(os.path.exists(os.path.join(d, "metadata.json")), "checkpoint-%d is not complete" % step)
+            rc, out, err = cli(bin_dir, "verify", d)
+            check(rc == 0, "verify checkpoint-%d: %d %s%s" % (step, rc, out, err))
+        last = os.path.join(job_dir(root), "checkpoint-30")
+        flashckpt_reader.verify_checkpoint(last, layers=LAYERS, hidden=HIDDEN)
+        for rank in range(8):
+            with open(os.path.join(last, "saved_signal_%d" % rank)) as f:
+                sig = json.load(f)
+            check(sig.get("node") == "node%d" % (rank // 2) and sig.get("world_size") == 8,
+                  "saved_signal_%d: %s" % (rank, sig))
+        check(latest(root) == 30, "LATEST is %d" % latest(root))
+        log("4 nodes x 2 ranks: 30 steps complete, verified; each signal names its node")
+
+        # 2. Other node counts and layouts.
+        done = check_resumed(run_ranks(nodes[:3], 2, tp=2, steps=30, run_id="mn-3x2", resume=True), 30)
+        log("3 nodes x 2 ranks (tp 2, shard 3) resumed step 30 bit-exact (%d elements)" % done)
+        done = check_resumed(run_ranks(nodes[:2], 4, tp=4, steps=30, run_id="mn-2x4", resume=True), 30)
+        log("2 nodes x 4 ranks (tp 4, shard 2) resumed step 30 bit-exact (%d elements)" % done)
+
+        # 3. A node dies while the job saves every step.
+        procs = run_ranks(nodes, 2, tp=2, steps=400, run_id="mn-kill", resume=True, step_ms=20, wait=False)
+        deadline = time.monotonic() + 60
+        while latest(root) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        check(latest(root) >= 40, "the run did not get past step 40")
+        nodes[3].kill()
+        killed_at = latest(root)
+        time.sleep(0.5)
+        for _, node, p in procs:  # the job fails: its other ranks are stopped too
+            kill_rank(p)
+        time.sleep(1.5)  # a sweep interval: nothing left to complete
+        final = latest(root)
+        check(final >= killed_at, "LATEST moved back from %d to %d" % (killed_at, final))
+        check(os.path.exists(os.path.join(job_dir(root), "checkpoint-%d" % final, "metadata.json")),
+              "LATEST names an incomplete step")
+        rc, out, err = cli(bin_dir, "list", "--root", root, "--job", JOB, "--json")
+        check(rc == 0, "list --root: %d %s" % (rc, err))
+        listed = json.loads(out)
+        newer = [c for c in listed if c["step"] > final]
+        check(newer, "no step after LATEST %d was started: %s" % (final, [c["step"] for c in listed][-5:]))
+        missing_nodes = {m["last_node"] for c in newer for m in c["missing"]}
+        check("node3" in missing_nodes, "list does not name the killed node among the missing: %s" % missing_nodes)
+        log("node3 killed at LATEST %d: LATEST stays %d (complete); list names node3's ranks as missing" %
+            (killed_at, final))
+
+        nodes[3] = Node("node4", tmp, root, bin_dir)
+        nodes[3].start_daemon()
+        done = check_resumed(run_ranks(nodes, 2, tp=2, steps=final, run_id="mn-replaced", resume=True), final)
+        log("3 surviving nodes + 1 fresh node resumed step %d bit-exact (%d elements)" % (final, done))
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin-dir", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("SKIPPED: simulated nodes need root (mount and PID namespaces, a tmpfs per node)")
+        return SKIP
+    probe = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--", "true"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    if probe.returncode != 0:
+        print("SKIPPED: cannot create namespaces here: %s" % probe.stdout.decode().strip())
+        return SKIP
+    tmp = tempfile.mkdtemp(prefix="fcmultinode", dir="/tmp")
+    try:
+        run(tmp, os.path.abspath(args.bin_dir))
+    except (TestFailure, flashckpt_reader.CheckpointError) as e:
+        print("FAILED: %s" % e, flush=True)
+        for name in sorted(os.listdir(tmp)):
+            d = os.path.join(tmp, name)
+            if os.path.isdir(d) and name.startswith("node"):
+                for f in sorted(os.listdir(d)):
+                    if f.endswith(".log"):
+                        print("---- %s/%s\n%s" % (name, f, tail(os.path.join(d, f))))
+        return 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print("PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
