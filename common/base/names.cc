@@ -26,18 +26,32 @@ Status ValidateJobName(std::string_view job) {
   return Status::OK();
 }
 
-Status ValidateNodeName(std::string_view node) {
-  if (node.empty() || node.size() > kMaxNodeNameLength) {
-    return InvalidArgument("node name must be 1 to " + std::to_string(kMaxNodeNameLength) + " characters, got " +
-                           std::to_string(node.size()));
+namespace {
+
+// Run ids and node names: [A-Za-z0-9._:-].
+bool IsIdChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+         c == '-' || c == ':';
+}
+
+// `what` ("run id", "node name") of 1 to `max` characters of IsIdChar.
+Status ValidateId(std::string_view what, std::string_view value, size_t max) {
+  if (value.empty() || value.size() > max) {
+    return InvalidArgument(std::string(what) + " must be 1 to " + std::to_string(max) + " characters, got " +
+                           std::to_string(value.size()));
   }
-  for (char c : node) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-              c == '_' || c == '-' || c == ':';
-    if (!ok) return InvalidArgument("node name '" + std::string(node) + "' has a character outside [A-Za-z0-9._:-]");
+  for (char c : value) {
+    if (!IsIdChar(c)) {
+      return InvalidArgument(std::string(what) + " '" + std::string(value) +
+                             "' has a character outside [A-Za-z0-9._:-]");
+    }
   }
   return Status::OK();
 }
+
+}  // namespace
+
+Status ValidateNodeName(std::string_view node) { return ValidateId("node name", node, kMaxNodeNameLength); }
 
 std::string DefaultNodeName() {
   char host[256] = {};
@@ -45,23 +59,12 @@ std::string DefaultNodeName() {
   std::string name(host, ::strnlen(host, sizeof host - 1));
   if (name.size() > kMaxNodeNameLength) name.resize(kMaxNodeNameLength);
   for (char& c : name) {
-    if (!ValidateNodeName(std::string_view(&c, 1)).ok()) c = '-';
+    if (!IsIdChar(c)) c = '-';
   }
   return name;
 }
 
-Status ValidateRunId(std::string_view run_id) {
-  if (run_id.empty() || run_id.size() > kMaxRunIdLength) {
-    return InvalidArgument("run id must be 1 to " + std::to_string(kMaxRunIdLength) + " characters, got " +
-                           std::to_string(run_id.size()));
-  }
-  for (char c : run_id) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-              c == '_' || c == '-' || c == ':';
-    if (!ok) return InvalidArgument("run id '" + std::string(run_id) + "' has a character outside [A-Za-z0-9._:-]");
-  }
-  return Status::OK();
-}
+Status ValidateRunId(std::string_view run_id) { return ValidateId("run id", run_id, kMaxRunIdLength); }
 
 Status ValidateTensorName(std::string_view name) {
   if (name.empty() || name.size() > kMaxTensorNameLength) {
