@@ -44,7 +44,9 @@ class PosixIoEnv final : public IoEnv {
     return 0;
   }
   int Unlink(const std::string& path) override { return ::unlink(path.c_str()); }
-  int Mkdir(const std::string& path, unsigned mode) override { return ::mkdir(path.c_str(), static_cast<mode_t>(mode)); }
+  int Mkdir(const std::string& path, unsigned mode) override {
+    return ::mkdir(path.c_str(), static_cast<mode_t>(mode));
+  }
 };
 
 }  // namespace
@@ -65,13 +67,13 @@ int Refused() {
 }  // namespace
 
 ssize_t CancellableIo::Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) {
-  return cancelled() ? Refused() : base_->Pwrite(fd, buf, bytes, offset);
+  return cancelled() ? Refused() : base()->Pwrite(fd, buf, bytes, offset);
 }
-int CancellableIo::Ftruncate(int fd, uint64_t bytes) { return cancelled() ? Refused() : base_->Ftruncate(fd, bytes); }
-int CancellableIo::Fdatasync(int fd) { return cancelled() ? Refused() : base_->Fdatasync(fd); }
-int CancellableIo::Fsync(int fd) { return cancelled() ? Refused() : base_->Fsync(fd); }
+int CancellableIo::Ftruncate(int fd, uint64_t bytes) { return cancelled() ? Refused() : base()->Ftruncate(fd, bytes); }
+int CancellableIo::Fdatasync(int fd) { return cancelled() ? Refused() : base()->Fdatasync(fd); }
+int CancellableIo::Fsync(int fd) { return cancelled() ? Refused() : base()->Fsync(fd); }
 int CancellableIo::Rename(const std::string& from, const std::string& to) {
-  return cancelled() ? Refused() : base_->Rename(from, to);
+  return cancelled() ? Refused() : base()->Rename(from, to);
 }
 
 }  // namespace flashckpt

@@ -5,8 +5,9 @@
 //
 // The durable write path (pwrite, ftruncate, fdatasync, fsync of a directory, rename) and the read
 // and namespace calls of the catalog, the restore path and recovery (open, pread, stat, listing a
-// directory, unlink, mkdir) go through it. Shared memory, sockets and the daemon's private state
-// directory do not.
+// directory, unlink, mkdir) go through it; so do the writes and removals of the records in the
+// daemon's private state directory (daemon/core/state_dir.h), through an IoEnv of their own. Shared
+// memory and sockets do not.
 #pragma once
 
 #include <sys/stat.h>
@@ -45,21 +46,19 @@ class IoEnv {
   static IoEnv* Default();
 };
 
-// Forwards every call to `base` until Cancel(); from then on each call that writes (pwrite, ftruncate,
-// fdatasync, fsync, rename) fails with ECANCELED before it starts; reads, listings and unlinks go on. A durable write in progress (common/io/fs.h) thus stops at its next piece and
-// takes its failure path: its temporaries are removed and nothing more is renamed into place.
-// The writer abandons what it has not finished this way when the daemon's stop timeout runs out.
-class CancellableIo final : public IoEnv {
+// Passes every call to `base` (not owned; it must outlive this object): the base of an IoEnv that
+// changes only a few calls, overriding those and calling base() for what they pass on.
+class ForwardingIoEnv : public IoEnv {
  public:
-  explicit CancellableIo(IoEnv* base) : base_(base) {}
-  void Cancel() { cancelled_.store(true, std::memory_order_release); }
-  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+  explicit ForwardingIoEnv(IoEnv* base = IoEnv::Default()) : base_(base) {}
 
-  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override;
-  int Ftruncate(int fd, uint64_t bytes) override;
-  int Fdatasync(int fd) override;
-  int Fsync(int fd) override;
-  int Rename(const std::string& from, const std::string& to) override;
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override {
+    return base_->Pwrite(fd, buf, bytes, offset);
+  }
+  int Ftruncate(int fd, uint64_t bytes) override { return base_->Ftruncate(fd, bytes); }
+  int Fdatasync(int fd) override { return base_->Fdatasync(fd); }
+  int Fsync(int fd) override { return base_->Fsync(fd); }
+  int Rename(const std::string& from, const std::string& to) override { return base_->Rename(from, to); }
   int Open(const std::string& path, int flags, unsigned mode) override { return base_->Open(path, flags, mode); }
   ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
     return base_->Pread(fd, buf, bytes, offset);
@@ -69,8 +68,31 @@ class CancellableIo final : public IoEnv {
   int Unlink(const std::string& path) override { return base_->Unlink(path); }
   int Mkdir(const std::string& path, unsigned mode) override { return base_->Mkdir(path, mode); }
 
+ protected:
+  IoEnv* base() const { return base_; }
+
  private:
-  IoEnv* base_;  // not owned
+  IoEnv* const base_;
+};
+
+// Forwards every call to `base` until Cancel(); from then on each call that writes (pwrite, ftruncate,
+// fdatasync, fsync, rename) fails with ECANCELED before it starts; reads, listings and unlinks go on.
+// A durable write in progress (common/io/fs.h) thus stops at its next piece and takes its failure
+// path: its temporaries are removed and nothing more is renamed into place. The writer abandons what
+// it has not finished this way when the daemon's stop timeout runs out.
+class CancellableIo final : public ForwardingIoEnv {
+ public:
+  explicit CancellableIo(IoEnv* base) : ForwardingIoEnv(base) {}
+  void Cancel() { cancelled_.store(true, std::memory_order_release); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override;
+  int Ftruncate(int fd, uint64_t bytes) override;
+  int Fdatasync(int fd) override;
+  int Fsync(int fd) override;
+  int Rename(const std::string& from, const std::string& to) override;
+
+ private:
   std::atomic<bool> cancelled_{false};
 };
 

@@ -127,7 +127,8 @@ Status Daemon::Start() {
   if (state_dir.empty() && !config_.socket_path.empty()) state_dir = config_.socket_path + ".state";
   if (!state_dir.empty()) {
     // Before anything is read, adopted or deleted: one daemon per state directory.
-    ASSIGN_OR_RETURN(state_, StateDir::Open(state_dir));
+    IoEnv* state_io = config_.state_io_env != nullptr ? config_.state_io_env : IoEnv::Default();
+    ASSIGN_OR_RETURN(state_, StateDir::Open(state_dir, state_io));
     ASSIGN_OR_RETURN(state_lock_, StateDirLock::Acquire(state_dir));
   }
   RETURN_IF_ERROR(MakeDirs(config_.root, 0755));

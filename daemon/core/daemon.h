@@ -72,6 +72,9 @@ struct DaemonConfig {
   uint32_t stop_timeout_s = 60;
   // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
   IoEnv* io_env = IoEnv::Default();
+  // The writes and removals of the state directory's records (the same terms): tests hold a
+  // registration or fail it there, apart from the root's calls.
+  IoEnv* state_io_env = IoEnv::Default();
   // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
   // user in it can map them; unset: 0600, the daemon's user only. EMA segments stay segment_mode.
   std::optional<uint32_t> shm_group;

@@ -33,7 +33,7 @@ std::string SlotName(const std::string& segment, uint32_t slot) { return segment
 
 }  // namespace
 
-Result<StateDir> StateDir::Open(const std::string& path) {
+Result<StateDir> StateDir::Open(const std::string& path, IoEnv* io) {
   if (path.empty()) return InvalidArgument("--state-dir must not be empty");
   if (!PathExists(path)) {
     // Its parent is usually the socket's directory, which the server makes 0750.
@@ -49,19 +49,21 @@ Result<StateDir> StateDir::Open(const std::string& path) {
                               ", not to the daemon's uid " + std::to_string(::geteuid()));
   }
   if ((st.st_mode & 077) != 0 && ::chmod(path.c_str(), 0700) != 0) return ErrnoStatus("chmod", path);
-  return StateDir(path);
+  return StateDir(path, io);
 }
 
 Status StateDir::Write(const std::string& name, const std::string& bytes) const {
   const std::string final_path = path_ + "/" + name;
   const std::string tmp = final_path + kTempSuffix;
-  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  UniqueFd fd(io_->Open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (!fd.valid()) return ErrnoStatus("open", tmp);
-  Status written = PwriteFull(fd.get(), bytes.data(), bytes.size(), 0, tmp);
-  if (written.ok() && ::rename(tmp.c_str(), final_path.c_str()) != 0) written = ErrnoStatus("rename", tmp);
-  if (!written.ok()) ::unlink(tmp.c_str());
+  Status written = PwriteFull(fd.get(), bytes.data(), bytes.size(), 0, tmp, io_);
+  if (written.ok() && io_->Rename(tmp, final_path) != 0) written = ErrnoStatus("rename", tmp);
+  if (!written.ok()) io_->Unlink(tmp);
   return written;
 }
+
+void StateDir::Remove(const std::string& name) const { io_->Unlink(path_ + "/" + name); }
 
 Status StateDir::SaveSegment(const v1::SegmentRecord& record) const {
   if (!enabled()) return Status::OK();
@@ -75,7 +77,7 @@ Status StateDir::SaveCommit(const std::string& segment, const v1::CommitRecord& 
 
 void StateDir::RemoveCommit(const std::string& segment, uint32_t slot) const {
   if (!enabled()) return;
-  ::unlink((path_ + "/" + SlotName(segment, slot)).c_str());
+  Remove(SlotName(segment, slot));
 }
 
 void StateDir::RemoveSegment(const std::string& segment) const {
@@ -84,9 +86,9 @@ void StateDir::RemoveSegment(const std::string& segment) const {
   if (!names.ok()) return;
   const std::string slot_prefix = segment + kSlotInfix;
   for (const auto& n : *names) {
-    if (n.compare(0, slot_prefix.size(), slot_prefix) == 0) ::unlink((path_ + "/" + n).c_str());
+    if (n.compare(0, slot_prefix.size(), slot_prefix) == 0) Remove(n);
   }
-  ::unlink((path_ + "/" + segment + kSegmentSuffix).c_str());
+  Remove(segment + kSegmentSuffix);
 }
 
 Status StateDir::SaveKeptEma(const std::string& ema_segment, const std::string& job) const {
@@ -96,7 +98,7 @@ Status StateDir::SaveKeptEma(const std::string& ema_segment, const std::string& 
 
 void StateDir::RemoveKeptEma(const std::string& ema_segment) const {
   if (!enabled()) return;
-  ::unlink((path_ + "/" + ema_segment + kKeptEmaSuffix).c_str());
+  Remove(ema_segment + kKeptEmaSuffix);
 }
 
 bool StateDir::HasKeptEma(const std::string& ema_segment) const {
@@ -115,11 +117,11 @@ std::vector<StateDir::KeptEma> StateDir::LoadKeptEmas() const {
     kept.segment = n.substr(0, n.size() - (sizeof kKeptEmaSuffix - 1));
     auto job = ReadSmallFile(path_ + "/" + n, 1024);
     const std::string prefix = job.ok() ? "flashckpt." + *job + "." : std::string();
-    const bool named = job.ok() && ValidateJobName(*job).ok() && kept.segment.rfind(prefix, 0) == 0 &&
-                       EndsWith(kept.segment, ".ema");
+    const bool named =
+        job.ok() && ValidateJobName(*job).ok() && kept.segment.rfind(prefix, 0) == 0 && EndsWith(kept.segment, ".ema");
     if (!named) {
       Logger("shm")->warn("dropping state record {}/{}: not a kept EMA record of its job", path_, n);
-      ::unlink((path_ + "/" + n).c_str());
+      Remove(n);
       continue;
     }
     kept.job = std::move(job).value();
@@ -139,7 +141,7 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
   std::sort(names->begin(), names->end());
   auto drop = [&](const std::string& name, const std::string& why) {
     Logger("shm")->warn("dropping state record {}/{}: {}", path_, name, why);
-    ::unlink((path_ + "/" + name).c_str());
+    Remove(name);
   };
   std::map<std::string, Adoptable> segments;  // by segment name
   for (const auto& n : *names) {

@@ -25,6 +25,7 @@
 
 #include "common/base/status.h"
 #include "common/io/fs.h"
+#include "common/io/io_env.h"
 #include "daemon_state.pb.h"
 
 namespace flashckpt {
@@ -33,7 +34,8 @@ class StateDir {
  public:
   StateDir() = default;  // disabled: every method is a no-op (a daemon without a socket path)
   // Creates the directory 0700 (or checks that an existing one is a directory owned by this uid).
-  static Result<StateDir> Open(const std::string& path);
+  // Records are written and removed through `io` (not owned; it must outlive the StateDir).
+  static Result<StateDir> Open(const std::string& path, IoEnv* io = IoEnv::Default());
 
   bool enabled() const { return !path_.empty(); }
   const std::string& path() const { return path_; }
@@ -65,9 +67,11 @@ class StateDir {
   std::vector<Adoptable> Load() const;
 
  private:
-  explicit StateDir(std::string path) : path_(std::move(path)) {}
+  StateDir(std::string path, IoEnv* io) : path_(std::move(path)), io_(io) {}
   Status Write(const std::string& name, const std::string& bytes) const;
+  void Remove(const std::string& name) const;
   std::string path_;
+  IoEnv* io_ = IoEnv::Default();
 };
 
 // One daemon per state directory: an exclusive flock on <dir>/daemon.lock, taken before the daemon

@@ -19,6 +19,7 @@
 #include "flashckpt.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
+#include "io_gate.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -341,53 +342,40 @@ TEST_F(OnDiskTest, ANewestCheckpointThatCannotBeToldCompleteIsAnErrorNotTheStepB
 
 // Hides the saved_signal_<rank> files of other daemons' ranks from this daemon until Reveal(): a
 // shared file system that shows one node's files to another late (NFS close-to-open caching).
-class DelayedSignals final : public IoEnv {
+class DelayedSignals final : public ForwardingIoEnv {
  public:
   explicit DelayedSignals(std::string hidden) : hidden_("/" + std::move(hidden)) {}
   void Reveal() { revealed_ = true; }
 
-  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override {
-    return base_->Pwrite(fd, buf, bytes, offset);
-  }
-  int Ftruncate(int fd, uint64_t bytes) override { return base_->Ftruncate(fd, bytes); }
-  int Fdatasync(int fd) override { return base_->Fdatasync(fd); }
-  int Fsync(int fd) override { return base_->Fsync(fd); }
-  int Rename(const std::string& from, const std::string& to) override { return base_->Rename(from, to); }
   int Open(const std::string& path, int flags, unsigned mode) override {
     if (Hidden(path)) {
       errno = ENOENT;
       return -1;
     }
-    return base_->Open(path, flags, mode);
-  }
-  ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
-    return base_->Pread(fd, buf, bytes, offset);
+    return base()->Open(path, flags, mode);
   }
   int Stat(const std::string& path, struct stat* st) override {
     if (Hidden(path)) {
       errno = ENOENT;
       return -1;
     }
-    return base_->Stat(path, st);
+    return base()->Stat(path, st);
   }
   int ListDir(const std::string& dir, std::vector<std::string>* names) override {
     const size_t before = names->size();
-    const int rc = base_->ListDir(dir, names);
+    const int rc = base()->ListDir(dir, names);
     if (rc == 0 && !revealed_) {
       names->erase(std::remove(names->begin() + static_cast<std::ptrdiff_t>(before), names->end(), hidden_.substr(1)),
                    names->end());
     }
     return rc;
   }
-  int Unlink(const std::string& path) override { return base_->Unlink(path); }
-  int Mkdir(const std::string& path, unsigned mode) override { return base_->Mkdir(path, mode); }
 
  private:
   bool Hidden(const std::string& path) const {
     return !revealed_ && path.size() >= hidden_.size() &&
            path.compare(path.size() - hidden_.size(), hidden_.size(), hidden_) == 0;
   }
-  IoEnv* const base_ = IoEnv::Default();
   const std::string hidden_;
   std::atomic<bool> revealed_{false};
 };
@@ -407,7 +395,7 @@ TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
   ASSERT_OK(d_.Start(sweeping(&sees_no_rank1)));
   InProcessDaemon other("flashckpt-sweep");
   ASSERT_OK(other.Start([&](DaemonConfig& c) {
-    sweeping(&sees_no_rank0)(c);
+    sweeping (&sees_no_rank0)(c);
     c.root = root();
   }));
   std::vector<float> w0(256), w1(256);
@@ -467,52 +455,17 @@ TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
   d_.Stop();
 }
 
-// Holds every pread at a gate while it is closed, and says when one is waiting there: a restore
-// that takes as long as the test needs.
-class GatedReads final : public IoEnv {
+// Holds every pread at `gate`: a restore that takes as long as the test needs.
+class GatedReads final : public ForwardingIoEnv {
  public:
-  void Close() {
-    MutexLock lock(&mu_);
-    closed_ = true;
-  }
-  void Open() {
-    MutexLock lock(&mu_);
-    closed_ = false;
-    cv_.NotifyAll();
-  }
-  bool Holding() {
-    MutexLock lock(&mu_);
-    return held_ > 0;
-  }
-
-  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override {
-    return base_->Pwrite(fd, buf, bytes, offset);
-  }
-  int Ftruncate(int fd, uint64_t bytes) override { return base_->Ftruncate(fd, bytes); }
-  int Fdatasync(int fd) override { return base_->Fdatasync(fd); }
-  int Fsync(int fd) override { return base_->Fsync(fd); }
-  int Rename(const std::string& from, const std::string& to) override { return base_->Rename(from, to); }
-  int Open(const std::string& path, int flags, unsigned mode) override { return base_->Open(path, flags, mode); }
+  explicit GatedReads(IoGate* gate) : gate_(gate) {}
   ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
-    {
-      MutexLock lock(&mu_);
-      ++held_;
-      while (closed_) cv_.Wait(&lock);
-      --held_;
-    }
-    return base_->Pread(fd, buf, bytes, offset);
+    gate_->Pass();
+    return base()->Pread(fd, buf, bytes, offset);
   }
-  int Stat(const std::string& path, struct stat* st) override { return base_->Stat(path, st); }
-  int ListDir(const std::string& dir, std::vector<std::string>* names) override { return base_->ListDir(dir, names); }
-  int Unlink(const std::string& path) override { return base_->Unlink(path); }
-  int Mkdir(const std::string& path, unsigned mode) override { return base_->Mkdir(path, mode); }
 
  private:
-  IoEnv* const base_ = IoEnv::Default();
-  Mutex mu_;
-  CondVar cv_;
-  bool closed_ GUARDED_BY(mu_) = false;
-  int held_ GUARDED_BY(mu_) = 0;
+  IoGate* const gate_;
 };
 
 // Two daemons on one root, retention (--keep 2) on the one that saves. While the other restores an
@@ -525,11 +478,12 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
     c.keep = 2;
     c.node_name = "saver";
   }));
-  GatedReads gate;  // outlives the reading daemon
+  IoGate gate;
+  GatedReads reads(&gate);  // outlives the reading daemon
   InProcessDaemon reader("flashckpt-lease");
   ASSERT_OK(reader.Start([&](DaemonConfig& c) {
     c.root = root();
-    c.io_env = &gate;
+    c.io_env = &reads;
     c.node_name = "reader";
     c.sweep_interval = std::chrono::milliseconds(0);  // only the restore reads through the gate
   }));
@@ -566,9 +520,9 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
   // A lease of a node that died with it: step 5 stays while the lease lives, and goes once it has
   // expired (rewritten here with an expiry in the past, as time would make it).
   auto write_lost_lease = [&](int64_t expires_in_ms) {
-    const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::system_clock::now().time_since_epoch())
-                            .count();
+    const auto now_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     ASSERT_OK(MakeDirs(JobDir(job) + "/.leases"));
     ASSERT_OK(WriteFileDurably(JobDir(job) + "/.leases", "checkpoint-5.lost-node.4242.0",
                                R"({"step": 5, "node": "lost-node", "pid": 4242, "expires_unix_ms": )" +
@@ -576,7 +530,8 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
   };
   write_lost_lease(3600 * 1000);
   ASSERT_OK(saver.Save(7));
-  EXPECT_EQ(Entries(job), (std::vector<std::string>{".leases", "LATEST", "checkpoint-5", "checkpoint-6", "checkpoint-7"}));
+  EXPECT_EQ(Entries(job),
+            (std::vector<std::string>{".leases", "LATEST", "checkpoint-5", "checkpoint-6", "checkpoint-7"}));
   write_lost_lease(-1);
   ASSERT_OK(saver.Save(8));
   // The expired lease was removed, and with it the lease directory.

@@ -4,8 +4,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <filesystem>
 #include <thread>
 
+#include "common/io/fault_injecting_io.h"
 #include "common/io/fs.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
@@ -132,6 +135,55 @@ TEST(RestartTest, ASecondDaemonOnALiveStateDirectoryIsRefusedAndTouchesNothing) 
   std::sort(after->begin(), after->end());
   EXPECT_EQ(*after, *before) << "the refused daemon changed the live daemon's records";
   ASSERT_OK(t.Save(2));  // the live daemon's trainer never noticed
+}
+
+// The segments of `job` in /dev/shm, slot and EMA segments alike.
+std::vector<std::string> SegmentsOf(const std::string& job) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("flashckpt." + job + ".", 0) == 0) out.push_back(name);
+  }
+  return out;
+}
+
+// The state directory is full: the record a registration writes first fails, and so does the one a
+// commit writes before it is acknowledged. Each call fails naming the state directory; the failed
+// registration leaves no segment, a failed commit loses no slot (more commits fail than there are
+// slots), and once there is room again the rank registers and saves.
+TEST(RestartTest, AFullStateDirectoryFailsRegistrationsAndCommitsAndLosesNothing) {
+  FaultInjectingIo io;  // outlives the daemon
+  InProcessDaemon d("flashckpt-restart-test");
+  ASSERT_OK(d.Start([&](DaemonConfig& c) {
+    c.state_io_env = &io;
+    c.slots = 2;
+  }));
+  const std::string job = "full-state";
+  auto client = d.Connect(job);
+  ASSERT_TRUE(client);
+  Rank rank;
+
+  io.FailEvery(FaultInjectingIo::Op::kOpen, ENOSPC);
+  const Status refused = client->Register(Topology{}, rank.specs);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+  EXPECT_NE(refused.message().find("state directory"), std::string::npos) << refused.ToString();
+  EXPECT_EQ(SegmentsOf(job), std::vector<std::string>{}) << "a failed registration left its segment";
+
+  io.Clear();
+  ASSERT_OK(client->Register(Topology{}, rank.specs));
+  io.FailEvery(FaultInjectingIo::Op::kOpen, ENOSPC);
+  for (int64_t step = 1; step <= 3; ++step) {
+    const Status failed = client->Snapshot(step, rank.Buffers(), {}).status();
+    EXPECT_EQ(failed.code(), StatusCode::kResourceExhausted) << "step " << step << ": " << failed.ToString();
+    EXPECT_NE(failed.message().find("state directory"), std::string::npos) << failed.ToString();
+  }
+  io.Clear();
+  for (int64_t step = 4; step <= 7; ++step) {
+    ASSERT_OK(client->Snapshot(step, rank.Buffers(), {}).status());
+    ASSERT_OK(client->WaitPersisted(step, 10s));
+  }
+  EXPECT_GT(io.failures_injected(), 3u);
 }
 
 }  // namespace
