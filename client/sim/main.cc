@@ -28,6 +28,7 @@ struct Options {
   uint32_t layers = 4, hidden = 256;
   int64_t steps = 100, save_every = 10;
   bool resume = false;
+  std::optional<int64_t> resume_step;  // restore this step instead of the latest
   bool tolerate_restarts = false;  // a save lost to a daemon restart is reported and training goes on
   uint32_t step_ms = 0;
   uint32_t wait_timeout_s = 120;
@@ -197,6 +198,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "last step")->check(CLI::Range(int64_t{1}, int64_t{8191}));
   app.add_option("--save-every", o.save_every, "save every K steps")->check(CLI::PositiveNumber);
   app.add_flag("--resume", o.resume, "restore the latest complete checkpoint first and verify it");
+  app.add_option("--resume-step", o.resume_step, "restore this checkpoint instead of the latest (implies --resume)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--tolerate-daemon-restarts", o.tolerate_restarts,
                "a save that fails because the daemon is down or restarting is reported ('lost step=S') and "
                "training goes on; each acknowledged one is reported as 'committed step=S persist=0|1'");
@@ -241,8 +244,8 @@ int main(int argc, char** argv) {
   if (Status s = c.Register(sim.topology(), sim.specs(), ema); !s.ok()) return Fail("register", s);
 
   int64_t first = o.first_step;
-  if (o.resume) {
-    auto restored = c.Restore(std::nullopt, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
+  if (o.resume || o.resume_step) {
+    auto restored = c.Restore(o.resume_step, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
     if (!restored.ok()) return Fail("restore", restored.status());
     if (!restored->found) {
       std::printf("resumed step=0 verified_elements=0 (no complete checkpoint)\n");

@@ -13,6 +13,11 @@ process of the node, and its /dev/shm goes with the last of them.
   3. A node is killed in the middle of a run that saves every step: LATEST stays on a complete step;
      `flashckpt list --root` names the missing ranks of the newest step and the killed node; the job
      then restarts on the 3 surviving nodes plus a fresh one and resumes bit-exact from LATEST.
+  4. Every daemon restarted with --keep 2. A job saves on 2 nodes while a third node restores an older
+     step that is falling out of retention, held in the middle of its read (its daemon stopped once
+     its lease is in the root): the savers' retention skips that step, the restore then succeeds
+     bit-exact, and the next save deletes the step. A node killed in the middle of a restore leaves
+     its lease: the step stays while the lease lives and is deleted once it has expired.
 
 Needs root (namespaces, mounts): otherwise it prints why and exits 0 (ctest: skipped, code 77).
 
@@ -43,6 +48,11 @@ SKIP = 77
 NODE_ENV = dict(os.environ, ASAN_OPTIONS=":".join(o for o in (os.environ.get("ASAN_OPTIONS", ""), "detect_leaks=0") if o))
 LAYERS, HIDDEN = 2, 64
 JOB = "multinode-%d" % os.getpid()
+# Step 4: a model large enough that a restore lasts a few milliseconds (27 MiB for one rank holding
+# all of it), so that the harness sees its lease in the root and stops its daemon in the middle.
+KEEP_JOB, KEEP_LAYERS, KEEP_HIDDEN = JOB + "-keep", 4, 768
+# Long enough for the savers' steps while a restoring daemon is stopped (it cannot refresh its lease).
+LEASE_TTL_S = 15
 
 
 class Node:
@@ -72,6 +82,7 @@ class Node:
                 raise TestFailure("node %s did not start: %s" % (name, "".join(said)))
         self.pid1 = self._child_of(self.init.pid)
         self.daemon = None
+        self.paused = False
 
     @staticmethod
     def _child_of(pid):
@@ -95,15 +106,53 @@ class Node:
                                 stdout=open(path, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=NODE_ENV)
 
-    def start_daemon(self):
+    def start_daemon(self, *extra):
         self.daemon = self.run([os.path.join(self.bin_dir, "flashckptd"), "--socket", self.sock, "--root", self.root,
-                                "--node-name", self.name, "--max-host-memory", "256MiB", "--sweep-interval", "1"],
-                               "flashckptd.log")
+                                "--node-name", self.name, "--max-host-memory", "256MiB", "--sweep-interval", "1"] +
+                               list(extra), "flashckptd.log")
         deadline = time.monotonic() + 30
         while not os.path.exists(self.sock):
             check(self.daemon.poll() is None, "flashckptd of %s exited:\n%s" % (self.name, tail(self.logs[-1])))
             check(time.monotonic() < deadline, "flashckptd of %s did not open its socket" % self.name)
             time.sleep(0.05)
+
+    def daemon_pid(self):
+        """The daemon's pid as this machine sees it (the child of nsenter)."""
+        with open("/proc/%d/task/%d/children" % (self.daemon.pid, self.daemon.pid)) as f:
+            return int(f.read().split()[0])
+
+    def pause_daemon(self):
+        """SIGSTOP: the daemon stops where it is, in the middle of whatever it does (nsenter, its parent,
+        then stops itself as well, and continues the daemon when it is continued)."""
+        os.kill(self.daemon_pid(), signal.SIGSTOP)
+        self.paused = True
+        # Until nsenter has stopped too: continued before it stops itself, it would stop for good.
+        deadline = time.monotonic() + 10
+        while self._state(self.daemon.pid) != "T":
+            check(time.monotonic() < deadline, "nsenter of %s's daemon did not stop with it" % self.name)
+            time.sleep(0.001)
+
+    def resume_daemon(self):
+        self._continue()
+        self.paused = False
+
+    @staticmethod
+    def _state(pid):
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def _continue(self):
+        for pid in (self.daemon.pid, self.daemon_pid()):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def stop_daemon(self):
+        """SIGTERM to the daemon; it exits 0 within 30 s."""
+        os.kill(self.daemon_pid(), signal.SIGTERM)
+        rc = self.daemon.wait(timeout=30)
+        check(rc == 0, "flashckptd of %s exited %d on SIGTERM:\n%s" % (self.name, rc, tail(self.logs[-1])))
 
     def shm(self):
         """The names in the node's own /dev/shm."""
@@ -118,6 +167,14 @@ class Node:
                 os.kill(self.pid1, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            if self.paused:
+                # A stopped daemon takes its SIGKILL (before any of its code runs) once continued, and
+                # its stopped parent must go on to reap it, or the node's PID namespace never empties.
+                try:
+                    self._continue()
+                except (OSError, IndexError, ValueError):
+                    pass
+                self.paused = False
             self.init.wait(timeout=30)
 
 
@@ -133,15 +190,16 @@ def kill_rank(p):
     p.wait()
 
 
-def run_ranks(nodes, ranks_per_node, tp, steps, run_id, resume=False, step_ms=0, wait=True):
-    """flashckpt-sim ranks of JOB, `ranks_per_node` on each node in order; rank r on node r // n."""
+def run_ranks(nodes, ranks_per_node, tp, steps, run_id, resume=False, step_ms=0, wait=True, job=JOB, layers=LAYERS,
+              hidden=HIDDEN):
+    """flashckpt-sim ranks of `job`, `ranks_per_node` on each node in order; rank r on node r // n."""
     world = len(nodes) * ranks_per_node
     procs = []
     for rank in range(world):
         node = nodes[rank // ranks_per_node]
-        cmd = [os.path.join(node.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", JOB, "--rank", str(rank),
+        cmd = [os.path.join(node.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", job, "--rank", str(rank),
                "--world-size", str(world), "--tp-degree", str(tp), "--shard-degree", str(world // tp),
-               "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--steps", str(steps), "--save-every", "1",
+               "--layers", str(layers), "--hidden", str(hidden), "--steps", str(steps), "--save-every", "1",
                "--run-id", run_id, "--wait-timeout", "60"]
         if resume:
             cmd.append("--resume")
@@ -183,8 +241,49 @@ def cli(bin_dir, *args):
     return p.returncode, p.stdout.decode(), p.stderr.decode()
 
 
-def job_dir(root):
-    return os.path.join(root, JOB)
+def job_dir(root, job=JOB):
+    return os.path.join(root, job)
+
+
+def steps_on_disk(root, job):
+    return sorted(int(n.split("-")[1]) for n in os.listdir(job_dir(root, job)) if n.startswith("checkpoint-"))
+
+
+def lease_of(root, job, step, node):
+    """The path of `node`'s lease on `step` of `job` in the root, or None."""
+    d = os.path.join(job_dir(root, job), ".leases")
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return None
+    prefix = "checkpoint-%d.%s." % (step, node)
+    # Not a lease being written (WriteFileDurably's temporary "<name>.tmp.<pid>.<n>"): it protects nothing yet.
+    return next((os.path.join(d, n) for n in names if n.startswith(prefix) and ".tmp." not in n), None)
+
+
+def hold_restore(node, root, step):
+    """One rank on `node` restores `step` of KEEP_JOB (all of it: world 1); its daemon is stopped (SIGSTOP)
+    in the middle of the restore, once its lease on the step is in the root. Returns the rank's process
+    and the lease. A restore that ends before it is stopped is run again (at most 5 times)."""
+    cmd = [os.path.join(node.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", KEEP_JOB, "--rank", "0",
+           "--world-size", "1", "--layers", str(KEEP_LAYERS), "--hidden", str(KEEP_HIDDEN),
+           "--steps", str(step), "--resume-step", str(step), "--wait-timeout", "60"]
+    for attempt in range(5):
+        p = node.run(cmd, "restore-%d-%d.log" % (step, attempt))
+        lease = None
+        deadline = time.monotonic() + 60
+        while lease is None and p.poll() is None and time.monotonic() < deadline:
+            lease = lease_of(root, KEEP_JOB, step, node.name)
+            if lease is None:
+                time.sleep(0.0005)
+        if lease is not None:
+            node.pause_daemon()
+            if os.path.exists(lease):
+                return p, lease
+            node.resume_daemon()  # the restore ended meanwhile: again
+        rc = p.wait(timeout=60)
+        check(rc == 0, "the restore of step %d on %s exited %d:\n%s" % (step, node.name, rc, tail(node.logs[-1])))
+    raise TestFailure("no restore of step %d on %s could be stopped in its middle in 5 tries" % (step, node.name))
 
 
 def latest(root):
@@ -258,9 +357,55 @@ def run(tmp, bin_dir):
         nodes[3].start_daemon()
         done = check_resumed(run_ranks(nodes, 2, tp=2, steps=final, run_id="mn-replaced", resume=True), final)
         log("3 surviving nodes + 1 fresh node resumed step %d bit-exact (%d elements)" % (final, done))
-    finally:
+
+        # 4. --keep 2 on every daemon; a restore of a step falling out of retention; a dead node's lease.
         for n in nodes:
-            n.kill()
+            n.stop_daemon()
+            n.start_daemon("--keep", "2", "--lease-ttl", str(LEASE_TTL_S))
+        savers = nodes[:2]
+
+        def save(steps):  # 2 nodes x 1 rank (shard 2) save up to `steps`, resuming from LATEST
+            run_ranks(savers, 1, tp=1, steps=steps, run_id="mn-keep", resume=True, job=KEEP_JOB, layers=KEEP_LAYERS,
+                      hidden=KEEP_HIDDEN)
+
+        save(3)
+        check(steps_on_disk(root, KEEP_JOB) == [2, 3], "--keep 2 left %s" % steps_on_disk(root, KEEP_JOB))
+        reader, lease = hold_restore(nodes[2], root, 2)
+        save(6)  # step 4 completes: retention would delete 2, which the stopped restore holds a lease on
+        check(os.path.exists(lease), "the lease of the held restore is gone")
+        check(steps_on_disk(root, KEEP_JOB) == [2, 5, 6],
+              "retention with a restore of step 2 in progress left %s" % steps_on_disk(root, KEEP_JOB))
+        nodes[2].resume_daemon()
+        check(reader.wait(timeout=120) == 0, "the held restore failed:\n%s" % tail(nodes[2].logs[-1]))
+        check_resumed({0: open(nodes[2].logs[-1], errors="replace").read()}, 2)
+        check(not os.path.exists(lease), "the restore left its lease")
+        save(7)
+        check(steps_on_disk(root, KEEP_JOB) == [6, 7],
+              "after the restore, retention left %s" % steps_on_disk(root, KEEP_JOB))
+        log("--keep 2 on every daemon: a restore of step 2 on node2, held while steps 4-6 completed, kept step 2 "
+            "(its lease) and succeeded bit-exact; the next save deleted step 2")
+
+        reader, lease = hold_restore(nodes[3], root, 6)
+        nodes[3].kill()  # the node dies in the middle of the restore; its lease stays in the root
+        reader.wait(timeout=30)
+        save(8)
+        check(steps_on_disk(root, KEEP_JOB) == [6, 7, 8],
+              "with a dead node's live lease on step 6, retention left %s" % steps_on_disk(root, KEEP_JOB))
+        with open(lease) as f:
+            expires = json.load(f)["expires_unix_ms"] / 1000.0
+        time.sleep(max(0.0, expires - time.time()) + 0.5)
+        save(9)
+        check(steps_on_disk(root, KEEP_JOB) == [8, 9],
+              "after the dead node's lease expired, retention left %s" % steps_on_disk(root, KEEP_JOB))
+        check(not os.path.exists(os.path.join(job_dir(root, KEEP_JOB), ".leases")), "the expired lease stayed")
+        log("a node killed while restoring step 6: its lease kept step 6 until it expired (%d s), then retention "
+            "deleted it" % LEASE_TTL_S)
+    finally:
+        for n in nodes:  # every node, even when one of them fails to die
+            try:
+                n.kill()
+            except (OSError, subprocess.SubprocessError) as e:
+                log("node %s: %s" % (n.name, e))
 
 
 def main():
