@@ -97,13 +97,14 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(source, step));
     if (complete) break;
     // The latest was deleted between the look-up and the registration (a newer one completed
-    // meanwhile): look again. A step asked for by number is looked at again a few times: another
-    // daemon's deletion that renamed it away puts it back once it finds this restore's lease.
+    // meanwhile): look again, 50 ms later. A step asked for by number is looked at again a few
+    // times: another daemon's deletion that renamed it away puts it back once it finds this
+    // restore's lease (the newest step too, rather than falling back to an older one at once).
     if ((requested != 0 && attempt >= 3) || attempt >= 8) {
       return NotFound("checkpoint-" + std::to_string(step) + " of job '" + source +
                       "' does not exist or is incomplete (no metadata.json)");
     }
-    if (requested != 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   std::string dir = catalog_.CheckpointDir(source, step);
   ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, RootIo()));

@@ -121,8 +121,8 @@ def check_fresh(h):
 
 
 def host_node_name():
-    """flashckptd's default --node-name: the host name, characters outside [A-Za-z0-9._:-] as '-'."""
-    return re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:253] or "localhost"
+    """flashckptd's default --node-name: the host name, characters outside [A-Za-z0-9._:-] as '-', cut to 64."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", socket.gethostname())[:64] or "localhost"
 
 
 def check_nodes_and_offline_list(h):
