@@ -381,9 +381,22 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
   Status first_error;
   for (int64_t step : victims) {
     if (dry_run) {
+      // What the deletion would skip: a step in use here, or leased by any daemon on the root (the
+      // lease read without use_mu_: it is I/O on the shared root).
+      std::optional<std::string> holder;
+      if (leases_ != nullptr) {
+        auto leased = leases_->LiveHolder(job, step);
+        if (!leased.ok()) {
+          if (first_error.ok()) first_error = leased.status();
+          continue;
+        }
+        holder = std::move(leased).value();
+      }
       MutexLock use(&use_mu_);
       if (InUseLocked(job, step, busy)) {
         out.skipped.push_back({step, "in use (a restore reading it or a save writing it)"});
+      } else if (holder) {
+        out.skipped.push_back({step, "leased by " + *holder});
       } else {
         out.deleted.push_back(step);
       }
@@ -425,6 +438,7 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
         break;
       }
     }
+    if (!first_error.ok()) return first_error;
     return out;
   }
   ASSIGN_OR_RETURN(out.latest, LatestComplete(job));

@@ -28,7 +28,7 @@ namespace flashckpt {
 struct DeletionOutcome {
   struct Skipped {
     int64_t step = 0;
-    std::string reason;  // "in use: ..." (a restore reading it, a writer writing it)
+    std::string reason;  // in use here (a restore reading it, a writer writing it), or "leased by ..."
   };
   std::vector<int64_t> deleted;   // oldest first
   std::vector<Skipped> skipped;   // oldest first

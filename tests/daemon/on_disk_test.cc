@@ -529,6 +529,14 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
                                    std::to_string(now_ms + expires_in_ms) + "}\n"));
   };
   write_lost_lease(3600 * 1000);
+  // gc --dry-run names the leased step among those it would skip, not among those it would delete.
+  auto planned = d_.daemon()->DeleteCheckpoints(job, 0, /*keep=*/1, /*force=*/false, /*dry_run=*/true);
+  ASSERT_OK(planned.status());
+  EXPECT_EQ(planned->deleted, std::vector<int64_t>{});
+  ASSERT_EQ(planned->skipped.size(), 1u);
+  EXPECT_EQ(planned->skipped[0].step, 5);
+  EXPECT_NE(planned->skipped[0].reason.find("leased by node lost-node pid 4242"), std::string::npos)
+      << planned->skipped[0].reason;
   ASSERT_OK(saver.Save(7));
   EXPECT_EQ(Entries(job),
             (std::vector<std::string>{".leases", "LATEST", "checkpoint-5", "checkpoint-6", "checkpoint-7"}));
