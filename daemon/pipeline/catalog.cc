@@ -215,9 +215,13 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
   }
   std::sort(steps.begin(), steps.end(), std::greater<>());
   if (steps.size() > max_steps) steps.resize(max_steps);
+  std::optional<int64_t> newest_complete;
   for (int64_t step : steps) {
     ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
-    if (complete) continue;
+    if (complete) {
+      newest_complete = std::max(newest_complete.value_or(step), step);
+      continue;
+    }
     const std::string dir = CheckpointDir(job, step);
     auto files = ListDir(dir, io_);
     if (!files.ok()) {
@@ -249,7 +253,24 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
     if (!usable || world_size == 0 || signals != world_size) continue;
     if (std::find(attempts.begin(), attempts.end(), *attempt) == attempts.end()) continue;
     ASSIGN_OR_RETURN(bool done, MaybeComplete(job, step, world_size, *attempt));
-    if (done) completed.push_back(step);
+    if (done) {
+      completed.push_back(step);
+      newest_complete = std::max(newest_complete.value_or(step), step);
+    }
+  }
+  // Two daemons completing steps at the same moment each read LATEST, then each replace it: the
+  // older step's rename may land last. LATEST is moved forward again to the newest complete step.
+  if (newest_complete) {
+    MutexLock lock(&JobMutex(job));
+    ASSIGN_OR_RETURN(bool named, LatestNamesNewer(job, *newest_complete - 1));
+    ASSIGN_OR_RETURN(bool still, IsComplete(job, *newest_complete));  // not deleted meanwhile
+    if (!named && still) {
+      RETURN_IF_ERROR(
+          WriteFileDurably(JobDir(job), "LATEST", std::to_string(*newest_complete) + "\n", nullptr, io_));
+      Logger("catalog")->warn("LATEST of job={} named an older step than complete step {}: moved forward (two "
+                              "daemons completed steps at once)",
+                              job, *newest_complete);
+    }
   }
   return completed;
 }

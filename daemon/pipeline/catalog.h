@@ -104,7 +104,8 @@ class Catalog {
   // steps it completed.
   // Only steps whose signals are of one of `attempts` (those of the job's live sessions) are
   // completed: a step left by an attempt that has since restarted from an older step stays as it
-  // is, for the new attempt to save again.
+  // is, for the new attempt to save again. LATEST is moved forward when it names an older step than
+  // the newest complete one it saw (two daemons that completed steps at once: the older rename last).
   Result<std::vector<int64_t>> CompleteSignalledSteps(const std::string& job, const std::vector<Attempt>& attempts,
                                                       size_t max_steps);
 

@@ -449,6 +449,17 @@ TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
   ASSERT_OK(latest.status());
   EXPECT_EQ(*latest, "3\n");
   ASSERT_OK(rank0->WaitComplete(3, 5s));
+  // Two daemons that complete steps 1 and 3 at once both read LATEST before either replaced it; the
+  // rename of step 1 may land last. The next sweep moves LATEST forward again.
+  ASSERT_OK(WriteFileDurably(JobDir(job), "LATEST", "1\n"));
+  const auto repaired_by = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < repaired_by) {
+    latest = ReadSmallFile(JobDir(job) + "/LATEST", 64);
+    if (latest.ok() && *latest == "3\n") break;
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(*latest, "3\n") << "the sweep left LATEST behind the newest complete step";
   rank0.reset();
   rank1.reset();
   other.Stop();
@@ -503,6 +514,14 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
       EXPECT_EQ(r->step, 2);
     }
   });
+  struct OpenAndJoinAtExit {
+    IoGate* gate;
+    std::thread* t;
+    ~OpenAndJoinAtExit() {
+      gate->Open();
+      if (t->joinable()) t->join();
+    }
+  } at_exit{&gate, &restore};
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (!gate.Holding() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(gate.Holding()) << "the restore never reached its first read";
@@ -511,6 +530,7 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
   ASSERT_OK(saver.Save(5));
   EXPECT_EQ(Entries(job),
             (std::vector<std::string>{".leases", "LATEST", "checkpoint-2", "checkpoint-4", "checkpoint-5"}));
+  EXPECT_FALSE(gate.timed_out()) << "the restore waited out the gate's limit";
   gate.Open();
   restore.join();
   EXPECT_TRUE(restorer.All(2.f)) << "the restore read another step's bytes";
