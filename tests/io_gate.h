@@ -1,10 +1,13 @@
 // A gate for tests that must hold a daemon in the middle of a file-system call (an IoEnv that waits
 // at it): closed, it holds every call that reaches Pass() until it opens again, and says whether one
-// is waiting. A call is held at most `limit` (then it goes on), so a test that forgot to open the
-// gate, or a daemon that waits for something the held call holds, fails instead of hanging.
+// is waiting. A call is held at most `limit` (then it goes on, and timed_out() says so), so a test
+// that forgot to open the gate, or a daemon that waits for something the held call holds, fails
+// instead of hanging. The default limit is longer than any wait of the tests that use it, and shorter
+// than ctest's timeout of a test.
 #pragma once
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -18,7 +21,7 @@ namespace flashckpt {
 
 class IoGate {
  public:
-  explicit IoGate(std::chrono::seconds limit = std::chrono::seconds(30)) : limit_(limit) {}
+  explicit IoGate(std::chrono::seconds limit = std::chrono::seconds(90)) : limit_(limit) {}
 
   void Close() {
     MutexLock lock(&mu_);
@@ -34,15 +37,25 @@ class IoGate {
     MutexLock lock(&mu_);
     return held_ > 0;
   }
-  // Waits while the gate is closed, at most `limit`.
+  // Whether a call went on because it had waited `limit` at the closed gate.
+  bool timed_out() {
+    MutexLock lock(&mu_);
+    return timed_out_;
+  }
+  // Waits while the gate is closed, at most `limit`. Keeps errno.
   void Pass() {
+    const int saved_errno = errno;
     MutexLock lock(&mu_);
     ++held_;
     const auto deadline = std::chrono::steady_clock::now() + limit_;
     while (closed_) {
-      if (!cv_.WaitUntil(&lock, deadline)) break;
+      if (!cv_.WaitUntil(&lock, deadline)) {
+        timed_out_ = timed_out_ || closed_;
+        break;
+      }
     }
     --held_;
+    errno = saved_errno;
   }
 
  private:
@@ -50,6 +63,7 @@ class IoGate {
   Mutex mu_;
   CondVar cv_;
   bool closed_ GUARDED_BY(mu_) = false;
+  bool timed_out_ GUARDED_BY(mu_) = false;
   int held_ GUARDED_BY(mu_) = 0;
 };
 

@@ -28,7 +28,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using Op = FaultInjectingIo::Op;
-using Clock = std::chrono::steady_clock;
 
 class ReadFaultsTest : public FaultyIoDaemonTest {
  protected:
@@ -221,7 +220,16 @@ TEST_F(ReadFaultsTest, ASlowListingHoldsUpNoSnapshotAndNoWatchdogPing) {
   t.client.reset();
   d_.Stop();
   IoGate gate;
-  GatedListings io(&gate, "/slow");  // outlives the daemon
+  GatedListings io(&gate, "/slow");
+  // The daemon goes before `io` does (also when an assertion returns early).
+  struct StopAtExit {
+    InProcessDaemon* d;
+    Trainer* t;
+    ~StopAtExit() {
+      t->client.reset();
+      d->Stop();
+    }
+  } stop_at_exit{&d_, &t};
   ASSERT_OK(d_.Start([&](DaemonConfig& c) {
     c.io_env = &io;
     c.sweep_interval = std::chrono::milliseconds(0);  // only status lists the job directory here
@@ -246,6 +254,7 @@ TEST_F(ReadFaultsTest, ASlowListingHoldsUpNoSnapshotAndNoWatchdogPing) {
     (void)d_.daemon()->CountSessions();  // what the watchdog ping waits for
   }
   EXPECT_TRUE(gate.Holding()) << "the listing went on before the gate opened: the test showed nothing";
+  EXPECT_FALSE(gate.timed_out()) << "the listing waited out the gate's limit";
   gate.Open();
   status.join();
 }

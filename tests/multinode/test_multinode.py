@@ -42,6 +42,7 @@ import flashckpt_reader  # noqa: E402
 from harness import TestFailure, check, log, tail  # noqa: E402
 
 SKIP = 77
+PR_SET_PDEATHSIG = 1
 # LeakSanitizer cannot stop the world from inside a PID namespace (it exits with "LeakSanitizer has
 # encountered a fatal error"): in a sanitized build, processes on a simulated node run without leak
 # checks (the other sanitized tests check leaks; address and undefined-behaviour checks stay on).
@@ -51,8 +52,15 @@ JOB = "multinode-%d" % os.getpid()
 # Step 4: a model large enough that a restore lasts a few milliseconds (27 MiB for one rank holding
 # all of it), so that the harness sees its lease in the root and stops its daemon in the middle.
 KEEP_JOB, KEEP_LAYERS, KEEP_HIDDEN = JOB + "-keep", 4, 768
-# Long enough for the savers' steps while a restoring daemon is stopped (it cannot refresh its lease).
-LEASE_TTL_S = 15
+# Far longer than the savers' steps while a restoring daemon is stopped (it cannot refresh its lease;
+# seconds under AddressSanitizer on a loaded machine); the test waits it out once, for the expiry.
+LEASE_TTL_S = 30
+
+
+def die_with_parent():
+    """In the child, before exec: SIGKILL when the harness dies."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class Node:
@@ -65,10 +73,11 @@ class Node:
         self.sock = os.path.join(self.dir, "flashckptd.sock")
         self.logs = []
         # PID 1 of the node: mounts the node's own /dev/shm, then waits (sleep is killed with the node).
+        # If the harness dies (a ctest timeout), unshare dies with it and takes the node's PID 1 along.
         self.init = subprocess.Popen(
-            ["unshare", "--mount", "--pid", "--fork", "--propagation", "private", "--", "/bin/sh", "-c",
-             "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && echo ready && exec sleep 86400"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private", "--", "/bin/sh",
+             "-c", "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && echo ready && exec sleep 86400"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         said = []
         deadline = time.monotonic() + 30
         while True:
@@ -82,6 +91,7 @@ class Node:
                 raise TestFailure("node %s did not start: %s" % (name, "".join(said)))
         self.pid1 = self._child_of(self.init.pid)
         self.daemon = None
+        self.starts = 0
         self.paused = False
 
     @staticmethod
@@ -107,9 +117,10 @@ class Node:
                                 env=NODE_ENV)
 
     def start_daemon(self, *extra):
+        self.starts += 1
         self.daemon = self.run([os.path.join(self.bin_dir, "flashckptd"), "--socket", self.sock, "--root", self.root,
                                 "--node-name", self.name, "--max-host-memory", "256MiB", "--sweep-interval", "1"] +
-                               list(extra), "flashckptd.log")
+                               list(extra), "flashckptd-%d.log" % self.starts)
         deadline = time.monotonic() + 30
         while not os.path.exists(self.sock):
             check(self.daemon.poll() is None, "flashckptd of %s exited:\n%s" % (self.name, tail(self.logs[-1])))
@@ -142,11 +153,15 @@ class Node:
             return f.read().rsplit(")", 1)[1].split()[0]
 
     def _continue(self):
-        for pid in (self.daemon.pid, self.daemon_pid()):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        # nsenter first, whatever happens next: it continues the daemon itself.
+        try:
+            os.kill(self.daemon.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        try:
+            os.kill(self.daemon_pid(), signal.SIGCONT)
+        except (OSError, IndexError, ValueError):
+            pass
 
     def stop_daemon(self):
         """SIGTERM to the daemon; it exits 0 within 30 s."""
@@ -170,10 +185,7 @@ class Node:
             if self.paused:
                 # A stopped daemon takes its SIGKILL (before any of its code runs) once continued, and
                 # its stopped parent must go on to reap it, or the node's PID namespace never empties.
-                try:
-                    self._continue()
-                except (OSError, IndexError, ValueError):
-                    pass
+                self._continue()
                 self.paused = False
             self.init.wait(timeout=30)
 
@@ -267,7 +279,7 @@ def hold_restore(node, root, step):
     and the lease. A restore that ends before it is stopped is run again (at most 5 times)."""
     cmd = [os.path.join(node.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", KEEP_JOB, "--rank", "0",
            "--world-size", "1", "--layers", str(KEEP_LAYERS), "--hidden", str(KEEP_HIDDEN),
-           "--steps", str(step), "--resume-step", str(step), "--wait-timeout", "60"]
+           "--steps", str(step), "--resume-step", str(step), "--wait-timeout", "180"]
     for attempt in range(5):
         p = node.run(cmd, "restore-%d-%d.log" % (step, attempt))
         lease = None
@@ -275,7 +287,7 @@ def hold_restore(node, root, step):
         while lease is None and p.poll() is None and time.monotonic() < deadline:
             lease = lease_of(root, KEEP_JOB, step, node.name)
             if lease is None:
-                time.sleep(0.0005)
+                time.sleep(0.002)
         if lease is not None:
             node.pause_daemon()
             if os.path.exists(lease):
@@ -371,7 +383,10 @@ def run(tmp, bin_dir):
         save(3)
         check(steps_on_disk(root, KEEP_JOB) == [2, 3], "--keep 2 left %s" % steps_on_disk(root, KEEP_JOB))
         reader, lease = hold_restore(nodes[2], root, 2)
+        begun = time.monotonic()
         save(6)  # step 4 completes: retention would delete 2, which the stopped restore holds a lease on
+        took = time.monotonic() - begun
+        check(took < LEASE_TTL_S / 2, "steps 4-6 took %.1f s: too close to the lease TTL to show anything" % took)
         check(os.path.exists(lease), "the lease of the held restore is gone")
         check(steps_on_disk(root, KEEP_JOB) == [2, 5, 6],
               "retention with a restore of step 2 in progress left %s" % steps_on_disk(root, KEEP_JOB))
@@ -382,8 +397,8 @@ def run(tmp, bin_dir):
         save(7)
         check(steps_on_disk(root, KEEP_JOB) == [6, 7],
               "after the restore, retention left %s" % steps_on_disk(root, KEEP_JOB))
-        log("--keep 2 on every daemon: a restore of step 2 on node2, held while steps 4-6 completed, kept step 2 "
-            "(its lease) and succeeded bit-exact; the next save deleted step 2")
+        log("--keep 2 on every daemon: a restore of step 2 on node2, held while steps 4-6 completed (%.1f s), kept "
+            "step 2 (its lease) and succeeded bit-exact; the next save deleted step 2" % took)
 
         reader, lease = hold_restore(nodes[3], root, 6)
         nodes[3].kill()  # the node dies in the middle of the restore; its lease stays in the root
@@ -424,7 +439,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="fcmultinode", dir="/tmp")
     try:
         run(tmp, os.path.abspath(args.bin_dir))
-    except (TestFailure, flashckpt_reader.CheckpointError) as e:
+    except (TestFailure, flashckpt_reader.CheckpointError, subprocess.TimeoutExpired) as e:
         print("FAILED: %s" % e, flush=True)
         for name in sorted(os.listdir(tmp)):
             d = os.path.join(tmp, name)
