@@ -203,8 +203,8 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   return true;
 }
 
-Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& job, const std::vector<Attempt>& attempts,
-                                                             size_t max_steps) {
+Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& job,
+                                                             const std::vector<Attempt>& attempts, size_t max_steps) {
   RETURN_IF_ERROR(ValidateJobName(job));
   std::vector<int64_t> completed;
   ASSIGN_OR_RETURN(auto names, ListDirIfExists(JobDir(job), io_));
@@ -216,17 +216,22 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
   std::sort(steps.begin(), steps.end(), std::greater<>());
   if (steps.size() > max_steps) steps.resize(max_steps);
   std::optional<int64_t> newest_complete;
+  Status first_error;  // a step that cannot be read does not stop the others, nor LATEST's check
   for (int64_t step : steps) {
-    ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
-    if (complete) {
+    auto complete = IsComplete(job, step);
+    if (!complete.ok()) {
+      if (first_error.ok()) first_error = complete.status();
+      continue;
+    }
+    if (*complete) {
       newest_complete = std::max(newest_complete.value_or(step), step);
       continue;
     }
     const std::string dir = CheckpointDir(job, step);
     auto files = ListDir(dir, io_);
     if (!files.ok()) {
-      if (files.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
-      return files.status();
+      if (files.status().code() != StatusCode::kNotFound && first_error.ok()) first_error = files.status();
+      continue;  // NOT_FOUND: deleted meanwhile
     }
     // The signals there must all be of one attempt and say how many ranks the step has (signals
     // of releases that did not record it never complete here: their own daemon completes them).
@@ -252,27 +257,57 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
     }
     if (!usable || world_size == 0 || signals != world_size) continue;
     if (std::find(attempts.begin(), attempts.end(), *attempt) == attempts.end()) continue;
-    ASSIGN_OR_RETURN(bool done, MaybeComplete(job, step, world_size, *attempt));
-    if (done) {
+    auto done = MaybeComplete(job, step, world_size, *attempt);
+    if (!done.ok()) {
+      if (first_error.ok()) first_error = done.status();
+      continue;
+    }
+    if (*done) {
       completed.push_back(step);
       newest_complete = std::max(newest_complete.value_or(step), step);
     }
   }
-  // Two daemons completing steps at the same moment each read LATEST, then each replace it: the
-  // older step's rename may land last. LATEST is moved forward again to the newest complete step.
   if (newest_complete) {
-    MutexLock lock(&JobMutex(job));
-    ASSIGN_OR_RETURN(bool named, LatestNamesNewer(job, *newest_complete - 1));
-    ASSIGN_OR_RETURN(bool still, IsComplete(job, *newest_complete));  // not deleted meanwhile
-    if (!named && still) {
-      RETURN_IF_ERROR(
-          WriteFileDurably(JobDir(job), "LATEST", std::to_string(*newest_complete) + "\n", nullptr, io_));
-      Logger("catalog")->warn("LATEST of job={} named an older step than complete step {}: moved forward (two "
-                              "daemons completed steps at once)",
-                              job, *newest_complete);
-    }
+    Status moved = MoveLatestForward(job, *newest_complete);
+    if (!moved.ok() && first_error.ok()) first_error = moved;
   }
+  if (!first_error.ok()) return first_error;
   return completed;
+}
+
+// The step LATEST names, or nullopt when it is missing or does not hold a step number.
+Result<std::optional<int64_t>> Catalog::LatestNamed(const std::string& job) const {
+  std::optional<int64_t> named;
+  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) return named;
+    return text.status();
+  }
+  int64_t step = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), step);
+  if (ec == std::errc() && step > 0 && (end == text->data() + text->size() || *end == '\n')) named = step;
+  return named;
+}
+
+Status Catalog::MoveLatestForward(const std::string& job, int64_t complete) {
+  // Read without the job's lock first: nearly every sweep finds LATEST at or past the step.
+  ASSIGN_OR_RETURN(std::optional<int64_t> named, LatestNamed(job));
+  if (named && *named >= complete) return Status::OK();  // a newer step is never replaced, complete or not yet
+  MutexLock lock(&JobMutex(job));
+  ASSIGN_OR_RETURN(named, LatestNamed(job));
+  if (named && *named >= complete) return Status::OK();
+  ASSIGN_OR_RETURN(bool still, IsComplete(job, complete));  // not deleted meanwhile
+  if (!still) return Status::OK();
+  RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(complete) + "\n", nullptr, io_));
+  if (named) {
+    Logger("catalog")->warn(
+        "LATEST of job={} named step {}, older than complete step {}: moved forward (two "
+        "daemons completed steps at once, the older one's LATEST last)",
+        job, *named, complete);
+  } else {
+    Logger("catalog")->warn("LATEST of job={} was missing or unreadable with step {} complete: written", job, complete);
+  }
+  return Status::OK();
 }
 
 Result<std::vector<int64_t>> Catalog::ApplyRetention(const std::string& job, uint32_t keep) {
@@ -403,7 +438,8 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
   for (int64_t step : victims) {
     if (dry_run) {
       // What the deletion would skip: a step in use here, or leased by any daemon on the root (the
-      // lease read without use_mu_: it is I/O on the shared root).
+      // lease read without use_mu_: it is I/O on the shared root; expired leases it finds are
+      // removed, as by a deletion: they protect nothing).
       std::optional<std::string> holder;
       if (leases_ != nullptr) {
         auto leased = leases_->LiveHolder(job, step);
@@ -515,7 +551,7 @@ Result<bool> Catalog::LatestNamesNewer(const std::string& job, int64_t step) con
 }
 
 Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,
-                                                     std::chrono::steady_clock::duration max_age) const {
+                                                    std::chrono::steady_clock::duration max_age) const {
   const auto now = std::chrono::steady_clock::now();
   uint64_t notes = 0;
   {

@@ -105,7 +105,8 @@ class Catalog {
   // Only steps whose signals are of one of `attempts` (those of the job's live sessions) are
   // completed: a step left by an attempt that has since restarted from an older step stays as it
   // is, for the new attempt to save again. LATEST is moved forward when it names an older step than
-  // the newest complete one it saw (two daemons that completed steps at once: the older rename last).
+  // the newest complete one seen, or nothing (MoveLatestForward). A step that cannot be read does not
+  // stop the others: the first such error is returned after all were looked at.
   Result<std::vector<int64_t>> CompleteSignalledSteps(const std::string& job, const std::vector<Attempt>& attempts,
                                                       size_t max_steps);
 
@@ -172,8 +173,7 @@ class Catalog {
   // moved forward by every completion this catalog writes and read again after every deletion. So
   // a status call costs nothing per checkpoint on disk, except the one that refreshes (which other
   // daemons writing the same root need). Errors are returned, and read again on the next call.
-  Result<std::optional<int64_t>> KnownLatest(const std::string& job,
-                                             std::chrono::steady_clock::duration max_age) const;
+  Result<std::optional<int64_t>> KnownLatest(const std::string& job, std::chrono::steady_clock::duration max_age) const;
 
   // Every checkpoint directory (complete or not) of `job`, or of every job when empty; by job, step.
   Result<std::vector<CheckpointInfo>> List(const std::string& job) const;
@@ -228,6 +228,11 @@ class Catalog {
   void NoteCompleted(const std::string& job, int64_t step) EXCLUDES(known_mu_);
   // Whether LATEST names a complete checkpoint newer than `step`.
   Result<bool> LatestNamesNewer(const std::string& job, int64_t step) const;
+  Result<std::optional<int64_t>> LatestNamed(const std::string& job) const;
+  // Two daemons completing steps at the same moment each read LATEST, then each replace it: the
+  // older step's rename may land last. LATEST is set to `complete` (a complete step) when it names
+  // an older step or none; a newer step, complete or not (a file system that shows it late), stays.
+  Status MoveLatestForward(const std::string& job, int64_t complete);
   void ForgetKnown(const std::string& job) EXCLUDES(known_mu_);
 };
 
