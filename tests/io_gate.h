@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -65,6 +66,23 @@ class IoGate {
   bool closed_ GUARDED_BY(mu_) = false;
   bool timed_out_ GUARDED_BY(mu_) = false;
   int held_ GUARDED_BY(mu_) = 0;
+};
+
+// Opens `gate` and joins `thread` (one held at the gate) when the test returns, also early through
+// a failed assertion: the thread is never left joinable, nor held until the gate's limit.
+class OpenAndJoinAtExit {
+ public:
+  OpenAndJoinAtExit(IoGate* gate, std::thread* thread) : gate_(gate), thread_(thread) {}
+  ~OpenAndJoinAtExit() {
+    gate_->Open();
+    if (thread_->joinable()) thread_->join();
+  }
+  OpenAndJoinAtExit(const OpenAndJoinAtExit&) = delete;
+  OpenAndJoinAtExit& operator=(const OpenAndJoinAtExit&) = delete;
+
+ private:
+  IoGate* const gate_;
+  std::thread* const thread_;
 };
 
 // Holds at `gate` each open(2) of a path that contains `text`; every other call goes straight on.

@@ -105,15 +105,9 @@ Result<std::map<uint32_t, Attempt>> Catalog::SignalAttempts(const std::string& j
 
 Result<std::optional<Catalog::RunCheckpoint>> Catalog::LatestRun(const std::string& job) const {
   std::optional<RunCheckpoint> none;
-  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
-  if (!text.ok()) {
-    if (text.status().code() == StatusCode::kNotFound) return none;
-    return text.status();
-  }
-  int64_t step = 0;
-  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), step);
-  (void)end;
-  if (ec != std::errc() || step < 0) return none;  // torn: the next completion rewrites it
+  ASSIGN_OR_RETURN(std::optional<int64_t> named, LatestNamed(job));
+  if (!named) return none;  // missing or torn: the next completion rewrites it
+  const int64_t step = *named;
   auto meta = ReadMetadataFile(CheckpointDir(job, step), io_);
   if (!meta.ok()) {
     if (meta.status().code() == StatusCode::kNotFound) return none;
@@ -275,7 +269,6 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
   return completed;
 }
 
-// The step LATEST names, or nullopt when it is missing or does not hold a step number.
 Result<std::optional<int64_t>> Catalog::LatestNamed(const std::string& job) const {
   std::optional<int64_t> named;
   auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
@@ -285,7 +278,8 @@ Result<std::optional<int64_t>> Catalog::LatestNamed(const std::string& job) cons
   }
   int64_t step = 0;
   auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), step);
-  if (ec == std::errc() && step > 0 && (end == text->data() + text->size() || *end == '\n')) named = step;
+  (void)end;
+  if (ec == std::errc() && step >= 0) named = step;  // else torn: as if missing
   return named;
 }
 
@@ -538,16 +532,9 @@ Result<std::optional<int64_t>> Catalog::LatestComplete(const std::string& job) c
 }
 
 Result<bool> Catalog::LatestNamesNewer(const std::string& job, int64_t step) const {
-  auto text = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
-  if (!text.ok()) {
-    if (text.status().code() == StatusCode::kNotFound) return false;
-    return text.status();
-  }
-  int64_t named = 0;
-  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), named);
-  if (ec != std::errc() || named <= step) return false;  // unparsable (torn) or older: replaced
-  (void)end;
-  return IsComplete(job, named);
+  ASSIGN_OR_RETURN(std::optional<int64_t> named, LatestNamed(job));
+  if (!named || *named <= step) return false;  // missing, torn or older: replaced
+  return IsComplete(job, *named);
 }
 
 Result<std::optional<int64_t>> Catalog::KnownLatest(const std::string& job,

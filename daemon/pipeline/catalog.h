@@ -228,6 +228,7 @@ class Catalog {
   void NoteCompleted(const std::string& job, int64_t step) EXCLUDES(known_mu_);
   // Whether LATEST names a complete checkpoint newer than `step`.
   Result<bool> LatestNamesNewer(const std::string& job, int64_t step) const;
+  // The step LATEST names; nullopt when it is missing or does not begin with a step number (torn).
   Result<std::optional<int64_t>> LatestNamed(const std::string& job) const;
   // Two daemons completing steps at the same moment each read LATEST, then each replace it: the
   // older step's rename may land last. LATEST is set to `complete` (a complete step) when it names

@@ -50,14 +50,7 @@ TEST(LockScopeTest, ARegistrationOffTheLockHoldsUpNoSnapshotAndNoStatus) {
   gate.Close();
   Status registered = Internal("the registration did not return");
   std::thread registration([&] { registered = big->Register(Topology{}, ModelAndMomentSpecs(64ull << 10)); });
-  struct OpenAndJoinAtExit {
-    IoGate* gate;
-    std::thread* t;
-    ~OpenAndJoinAtExit() {
-      gate->Open();
-      if (t->joinable()) t->join();
-    }
-  } at_exit{&gate, &registration};
+  OpenAndJoinAtExit at_exit(&gate, &registration);
   for (int i = 0; i < 2000 && !gate.Holding(); ++i) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(gate.Holding()) << "the registration did not write its segment's record";
 
@@ -119,10 +112,6 @@ TEST(LockScopeTest, StatusStaysFastWithTensOfThousandsOfStepDirectories) {
 
   // The first status call reads the root and is held in its listing; the trainer saves meanwhile.
   gate.Close();
-  struct OpenAtExit {
-    IoGate* gate;
-    ~OpenAtExit() { gate->Open(); }
-  } open_at_exit{&gate};
   const uint64_t listings_before = io.listings();
   DaemonStatus first;
   double first_ms = 0;
@@ -131,14 +120,7 @@ TEST(LockScopeTest, StatusStaysFastWithTensOfThousandsOfStepDirectories) {
     first = d.daemon()->GetStatus();
     first_ms = Ms(Clock::now() - begun);
   });
-  struct JoinAtExit {
-    std::thread* t;
-    IoGate* gate;
-    ~JoinAtExit() {
-      gate->Open();
-      if (t->joinable()) t->join();
-    }
-  } join_at_exit{&status_thread, &gate};
+  OpenAndJoinAtExit at_exit(&gate, &status_thread);
   for (int i = 0; i < 2000 && !gate.Holding(); ++i) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(gate.Holding()) << "status did not list the job directory";
 

@@ -526,14 +526,7 @@ TEST_F(OnDiskTest, RetentionOfAnotherDaemonSkipsAStepARestoreHoldsALeaseOn) {
       EXPECT_EQ(r->step, 2);
     }
   });
-  struct OpenAndJoinAtExit {
-    IoGate* gate;
-    std::thread* t;
-    ~OpenAndJoinAtExit() {
-      gate->Open();
-      if (t->joinable()) t->join();
-    }
-  } at_exit{&gate, &restore};
+  OpenAndJoinAtExit at_exit(&gate, &restore);
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (!gate.Holding() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(gate.Holding()) << "the restore never reached its first read";

@@ -238,14 +238,7 @@ TEST_F(ReadFaultsTest, ASlowListingHoldsUpNoSnapshotAndNoWatchdogPing) {
   ASSERT_TRUE(t.client);
   gate.Close();
   std::thread status([&] { (void)d_.daemon()->GetStatus(); });
-  struct OpenAndJoinAtExit {
-    IoGate* gate;
-    std::thread* t;
-    ~OpenAndJoinAtExit() {
-      gate->Open();
-      if (t->joinable()) t->join();
-    }
-  } at_exit{&gate, &status};
+  OpenAndJoinAtExit at_exit(&gate, &status);
   for (int i = 0; i < 2000 && !gate.Holding(); ++i) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(gate.Holding()) << "status did not list the job directory";
 
