@@ -12,8 +12,14 @@
 - a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key;
 - a root that cannot be read makes resume() raise (IO_ERROR naming the path), never return None;
 - wait_persisted() of one rank returns only once every rank's part is durable, and its timeout
-  names the rank it waits for.
+  names the rank it waits for;
+- a dict of states (a module under another key than "model", an optimizer, an LR scheduler, a
+  GradScaler, a Stateful object of mixed types, a plain dict) is saved and resumed: training goes on
+  with bit-identical losses, every value comes back with its type, the plain dict in place, the
+  module's tensors in the model_state file and the others in the optimizer file.
 """
+
+import json
 
 import os
 import sys
@@ -220,6 +226,101 @@ class CheckpointerTest(harness.DaemonTestCase):
         model.register_buffer("phase", torch.zeros(3, dtype=torch.complex64))
         with self.checkpointer(model, None, self.daemon.job("baddtype")) as ck:
             with self.assertRaisesRegex(TypeError, r"tensor 'model\.phase' has dtype complex64"):
+                ck.save(1)
+
+
+class Counter:
+    """A Stateful object holding a mix of types, as a data loader's or a trainer's own state does."""
+
+    def __init__(self, seed):
+        self.seen, self.mean, self.window, self.history = seed, float(seed) / 3, (seed, "x"), torch.full((3,), seed)
+
+    def state_dict(self):
+        return {"seen": self.seen, "mean": self.mean, "window": self.window, "history": self.history}
+
+    def load_state_dict(self, state):
+        self.seen, self.mean, self.window = state["seen"], state["mean"], state["window"]
+        self.history = state["history"]
+
+
+def safetensors_keys(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return sorted(k for k in json.loads(f.read(n)) if k != "__metadata__")
+
+
+class StatesTest(harness.DaemonTestCase):
+    def states(self, seed):
+        model = mlp(seed=seed)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2 * (seed + 1))
+        sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+        return {"net": model, "optim": optim, "sched": sched,
+                "scaler": torch.cuda.amp.GradScaler(enabled=False), "counter": Counter(seed),
+                "data": {"epoch": seed, "order": (seed, 1, 2), "perm": torch.arange(5) * seed}}
+
+    def train(self, states, g, steps):
+        losses = []
+        for _ in range(steps):
+            losses.append(step_once(states["net"], states["optim"], g))
+            states["sched"].step()
+            states["counter"].seen += 1
+            states["data"]["epoch"] += 1
+        return losses
+
+    def test_dict_of_states_resumes_every_value(self):
+        job = self.daemon.job("states")
+        states = self.states(seed=0)
+        g = torch.Generator().manual_seed(5)
+        with Checkpointer(states, socket=self.daemon.socket, job=job, ema_decay=0.5) as ck:
+            self.assertIs(ck.model, states["net"])
+            self.assertIs(ck.optimizer, states["optim"])
+            self.train(states, g, 4)
+            states["counter"].window = (7, "y")
+            ck.save(4)
+            ck.wait_persisted(4, timeout=30)
+            self.assertEqual(sorted(ck.ema_state_dict()), sorted(states["net"].state_dict()))
+        saved_generator = g.get_state()
+        reference = self.train(states, g, 3)
+
+        fresh = self.states(seed=1)
+        data = fresh["data"]
+        with Checkpointer(fresh, socket=self.daemon.socket, job=job) as ck2:
+            self.assertEqual(ck2.resume(), 4)
+        self.assertIs(fresh["data"], data)  # the plain dict is refilled in place
+        self.assertEqual(data["epoch"], 4)
+        self.assertEqual(data["order"], (0, 1, 2))
+        self.assertTrue(torch.equal(data["perm"], torch.arange(5) * 0))
+        c = fresh["counter"]
+        self.assertEqual((c.seen, c.mean, c.window), (4, 0.0, (7, "y")))
+        self.assertIsInstance(c.window, tuple)
+        self.assertEqual(fresh["sched"].state_dict(), {**states["sched"].state_dict(), "last_epoch": 4,
+                                                       "_step_count": 5, "_last_lr": [2.5e-3]})
+        g.set_state(saved_generator)
+        self.assertEqual(self.train(fresh, g, 3), reference)  # bit-identical losses
+
+        step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-4")
+        files = sorted(os.listdir(step_dir))
+        model_file = next(f for f in files if f.startswith("model_state."))
+        optim_file = next(f for f in files if f.startswith("optimizer."))
+        self.assertEqual(safetensors_keys(os.path.join(step_dir, model_file)),
+                         sorted("net." + k for k in states["net"].state_dict()))
+        optim_keys = safetensors_keys(os.path.join(step_dir, optim_file))
+        self.assertIn("counter.history", optim_keys)
+        self.assertIn("data.perm", optim_keys)
+        self.assertIn("optim.state.0.exp_avg", optim_keys)
+
+    def test_dict_of_states_bad_arguments(self):
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with self.assertRaisesRegex(TypeError, "inside the dict of states"):
+            Checkpointer({"model": model}, optimizer, socket=self.daemon.socket, job=self.daemon.job("bad1"))
+        with self.assertRaisesRegex(ValueError, "without '.'"):
+            Checkpointer({"my.model": model}, socket=self.daemon.socket, job=self.daemon.job("bad2"))
+        with self.assertRaisesRegex(ValueError, "empty"):
+            Checkpointer({}, socket=self.daemon.socket, job=self.daemon.job("bad3"))
+        with Checkpointer({"model": model, "fn": {"f": len}}, socket=self.daemon.socket,
+                          job=self.daemon.job("bad4")) as ck:
+            with self.assertRaisesRegex(TypeError, "fn.f"):
                 ck.save(1)
 
 

@@ -17,13 +17,27 @@
     ck.wait_persisted(step, timeout=600)
     ema = ck.ema_state_dict()           # {parameter name: fp32 tensor}: the daemon's EMA
 
-What a checkpoint holds: every tensor of model.state_dict() ("model.<key>", kind model) and of
-optimizer.state_dict() ("optimizer.state.<i>.<name>", kind optimizer), copied once into the
-daemon's shared memory; and, in the rank's extra.rankNNNNN.json, the structure of both state dicts
-with their non-tensor leaves (hyper-parameters, step counters: they come back with their types),
-the RNG state (torch's CPU generator, and CUDA's when CUDA is initialised) and the `extra` given to
-save(). The daemon keeps an fp32 EMA of the model's floating tensors (parameters and floating
-buffers) when ema_decay is set.
+More than a model and an optimizer: the first argument may be a dict of states, as in
+torch.distributed.checkpoint's Stateful protocol:
+
+    ck = Checkpointer({"model": model, "optim": optimizer, "sched": lr_scheduler, "scaler": scaler,
+                       "data": {"epoch": 0, "pos": 0}}, socket=..., job=...)
+
+Each value with state_dict()/load_state_dict() is saved through them; any other value (a dict of
+counters, a tensor, a list) is saved as it is, and resume() puts the saved one back: a dict in
+place (cleared and refilled, so references to it see the restored contents), anything else as the
+new value of ck.states[key]. Checkpointer(model, optimizer) is Checkpointer({"model": model,
+"optimizer": optimizer}).
+
+What a checkpoint holds: every tensor of every state ("<key>.<state-dict key>", e.g.
+"model.fc1.weight", "optimizer.state.0.exp_avg"), copied once into the daemon's shared memory. The
+tensors of nn.Module values and of the value named "model" are model state (kind model: the
+model_state files, and the daemon's EMA); all others are training state (kind optimizer: the
+optimizer files). In the rank's extra.rankNNNNN.json: the structure of every state with its
+non-tensor leaves (hyper-parameters, step counters: they come back with their types), the RNG state
+(torch's CPU generator, and CUDA's when CUDA is initialised) and the `extra` given to save(). The
+daemon keeps an fp32 EMA of the model's floating tensors (parameters and floating buffers) when
+ema_decay is set.
 
 The layout is registered with the daemon on the first save and again whenever the set, dtype or
 shape of the tensors changes (Adam's state appears only after its first step).
@@ -33,6 +47,11 @@ gets its state through optimizer.load_state_dict() (its fresh state may be empty
 whose structure differs from the current model/optimizer raises StructureMismatchError naming the
 first differing key, and leaves the model untouched when the difference is known before loading.
 
+In a torch.distributed job (a process group of world_size ranks), every rank restores the same
+step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
+bounds the wait) and takes the newest step every rank sees complete. A rank that fails makes every
+rank raise, the others with a FailedPreconditionError naming it and its reason.
+
 Tensors must be contiguous CPU tensors of a supported dtype: a non-contiguous one raises a
 ValueError naming it (fix: p.data = p.data.contiguous()), never a silent copy. The Python package
 copies host memory only, with or without CUDA compiled into libflashckpt; CUDA tensors raise a
@@ -40,6 +59,7 @@ ValueError.
 """
 
 import base64
+import collections.abc
 import json
 import time
 
@@ -77,21 +97,55 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
 
 
+def _is_stateful(obj):
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _is_optimizer(obj):
+    """An optimizer-like state: its state_dict has the per-parameter `state` that is empty until its first step."""
+    return isinstance(obj, torch.optim.Optimizer) or (
+        _is_stateful(obj) and hasattr(obj, "param_groups") and isinstance(getattr(obj, "state", None), dict))
+
+
 class Checkpointer:
-    """Checkpoints `model` (an nn.Module, or anything with state_dict/load_state_dict) and `optimizer`.
+    """Checkpoints a dict of states ({"model": model, "optim": optimizer, ...}), or `model` (an
+    nn.Module, or anything with state_dict/load_state_dict) and `optimizer`.
 
     Keyword arguments are those of flashckpt.Client (socket, job, ema_*, backpressure,
     fatal_persist_errors, timeouts).
     rank and world_size default to torch.distributed's when it is initialised, else 0 and 1; unless
     given, shard_degree = world_size / (tp_degree * pp_degree) and shard_rank = rank // (tp_degree *
     pp_degree), i.e. data-parallel ranks are shards. rng=False leaves the RNG state out.
+    process_group: the group whose ranks agree on the step resume() restores (default: the default
+    group, when torch.distributed is initialised and has this Checkpointer's world_size ranks).
 
-    Attributes: extra (the `extra` of the resumed checkpoint), resumed_step, saves, blocked_seconds
-    (total time save() blocked the caller), last_snapshot, ema_step (step of the EMA last read).
+    Attributes: states (the dict of states), model and optimizer (the first nn.Module and optimizer
+    among them, or None), extra (the `extra` of the resumed checkpoint), resumed_step, saves,
+    blocked_seconds (total time save() blocked the caller), last_snapshot, ema_step (step of the EMA
+    last read).
     """
 
     def __init__(self, model, optimizer=None, *, socket, job, rank=None, world_size=None, tp_rank=0, tp_degree=1,
-                 pp_rank=0, pp_degree=1, shard_rank=None, shard_degree=None, rng=True, **client_options):
+                 pp_rank=0, pp_degree=1, shard_rank=None, shard_degree=None, rng=True, process_group=None,
+                 **client_options):
+        if isinstance(model, collections.abc.Mapping) and not _is_stateful(model):
+            if optimizer is not None:
+                raise TypeError("pass the optimizer inside the dict of states (e.g. {'model': model, 'optim': "
+                                "optimizer}), not as a second argument")
+            if not model:
+                raise ValueError("the dict of states is empty; there is nothing to checkpoint")
+            for key in model:
+                if not isinstance(key, str) or not key or "." in key:
+                    raise ValueError("the keys of the dict of states name its tensors ('<key>.<state-dict key>'): "
+                                     "each must be a non-empty str without '.', got %r" % (key,))
+            self.states = model
+        else:
+            self.states = {"model": model}
+            if optimizer is not None:
+                self.states["optimizer"] = optimizer
+        self._model_keys = [k for k, v in self.states.items() if k == "model" or isinstance(v, torch.nn.Module)]
+        self.model = next((self.states[k] for k in self._model_keys), None)
+        self.optimizer = next((v for v in self.states.values() if _is_optimizer(v)), None)
         if rank is None or world_size is None:
             dist_rank, dist_size = _distributed_rank_and_size()
             rank = dist_rank if rank is None else rank
@@ -101,12 +155,12 @@ class Checkpointer:
             shard_degree = max(1, world_size // group)
         if shard_rank is None:
             shard_rank = rank // group
-        self.model = model
-        self.optimizer = optimizer
         self.rng = rng
         self.client = Client(socket, job, rank=rank, world_size=world_size, tp_rank=tp_rank, tp_degree=tp_degree,
                              pp_rank=pp_rank, pp_degree=pp_degree, shard_rank=shard_rank, shard_degree=shard_degree,
                              **client_options)
+        self._process_group = process_group
+        self._world_size = world_size
         self.ema_enabled = client_options.get("ema_decay") is not None
         self.extra = None
         self.resumed_step = None
@@ -119,14 +173,13 @@ class Checkpointer:
     # --- state ---------------------------------------------------------------------------------
 
     def _state(self):
-        state = {"model": self.model.state_dict()}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        state = {}
+        for key, obj in self.states.items():
+            state[key] = obj.state_dict() if _is_stateful(obj) else obj
         return _state.flatten(state)
 
-    @staticmethod
-    def _kind(name):
-        return "model" if name.startswith("model.") else "optimizer"
+    def _kind(self, name):
+        return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
 
     def _register(self, tensors):
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
@@ -137,7 +190,7 @@ class Checkpointer:
     # --- save ----------------------------------------------------------------------------------
 
     def save(self, step, extra=None, loss=None, persist=True):
-        """Snapshots the model and optimizer as `step`; returns once the copy is done (a Snapshot whose
+        """Snapshots every state as `step`; returns once the copy is done (a Snapshot whose
         `seconds` is how long this call blocked).
 
         persist=True: the daemon writes a checkpoint in the background (wait_persisted() waits for
@@ -185,19 +238,37 @@ class Checkpointer:
                 return
             time.sleep(0.02)
 
-    def resume(self, step=None, timeout=600.0):
-        """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
+    def _group(self):
+        """The process group whose ranks agree on the resumed step, or None (one process, or no group)."""
+        dist = getattr(torch, "distributed", None)
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        group = self._process_group if self._process_group is not None else dist.group.WORLD
+        if dist.get_world_size(group) != self._world_size or self._world_size == 1:
+            return None
+        return group
 
-        Loads the model in place, the optimizer (through load_state_dict), the RNG state and the
-        daemon's EMA as of that step, and sets self.extra. Raises StructureMismatchError naming the
-        first differing key when the checkpoint's state dicts differ in structure from the current ones.
-        """
-        self._settle(min(timeout, 60.0))
-        tree, tensors = self._state()
-        if not tensors:
-            raise ValueError("the model and optimizer hold no tensors; there is nothing to resume")
+    def _gather(self, group, value):
+        """Every rank's `value`, in rank order. The process group's timeout (init_process_group(timeout=))
+        bounds the wait for a rank that never gets here."""
+        out = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(out, value, group=group)
+        return out
 
-        # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure.
+    def _agree(self, group, what, error):
+        """Raises on every rank when some rank failed `what` (`error`: this rank's exception or None)."""
+        reports = self._gather(group, None if error is None else "%s: %s" % (type(error).__name__, error))
+        if error is not None:
+            raise error
+        failed = [(r, why) for r, why in enumerate(reports) if why is not None]
+        if failed:
+            rank, why = failed[0]
+            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
+                                          "(every rank raises): %s" % (rank, what, why))
+
+    def _probe(self, tensors, step, timeout):
+        """(step, saved tree, blob) of checkpoint `step` (None: the latest complete one), read by
+        restoring one tensor into scratch memory; (None, None, None) when there is none."""
         first = next(iter(tensors))
         scratch = torch.empty_like(tensors[first])
         self.client._register({first: scratch}, {first: {"kind": self._kind(first)}}, with_ema=False)
@@ -211,7 +282,7 @@ class Checkpointer:
                 "the checkpoint does not match the current state; first differing key '%s': %s"
                 % (first, e.message), key=first) from None
         if found is None:
-            return None
+            return None, None
         try:
             blob = json.loads(extra.decode("utf-8")) if extra else None
         except ValueError:
@@ -219,17 +290,83 @@ class Checkpointer:
         if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
             raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
                                          "state has no state-dict structure); restore it with flashckpt.Client" % found)
-        saved = blob["state"]
+        return found, blob
 
-        # 2. Compare structures. A fresh optimizer (no state yet) takes the checkpoint's state.
-        skip = ()
-        if self.optimizer is not None and len(self.optimizer.state) == 0:
-            skip = (("optimizer", "state"),)
-        diff = _state.first_difference(saved, tree, skip=skip)
+    def resume(self, step=None, timeout=600.0):
+        """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
+
+        Loads every state (modules in place, the others through load_state_dict), the RNG state and
+        the daemon's EMA as of that step, and sets self.extra. Raises StructureMismatchError naming the
+        first differing key when the checkpoint's state dicts differ in structure from the current ones.
+
+        In a torch.distributed job every rank of the process group restores the same step: the
+        newest that every rank sees complete when step is None. A rank that cannot restore it makes
+        every rank raise (the others a FailedPreconditionError naming that rank and its reason), and
+        None is returned only when no rank has a checkpoint. Every rank must call resume().
+        """
+        group = self._group()
+        self._settle(min(timeout, 60.0))
+        tree, tensors = self._state()
+        if not tensors:
+            raise ValueError("the states hold no tensors; there is nothing to resume")
+
+        # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
+        # on the step.
+        found, blob, error = None, None, None
+        try:
+            found, blob = self._probe(tensors, step, timeout)
+        except Exception as e:  # reported to the other ranks, then raised here
+            if group is None:
+                raise
+            error = e
+        if group is not None:
+            self._agree(group, "read its checkpoint", error)
+            steps = self._gather(group, found)
+            if any(s is None for s in steps) and any(s is not None for s in steps):
+                rank = steps.index(None)
+                have = next(s for s in steps if s is not None)
+                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group finds no "
+                                              "complete checkpoint of job '%s' while another rank finds step %d "
+                                              "(every rank raises)" % (rank, self.client.job, have))
+            agreed = min(steps) if found is not None else None
+            if agreed is not None and agreed != found:
+                error = None
+                try:
+                    found, blob = self._probe(tensors, agreed, timeout)
+                except Exception as e:
+                    error = e
+                self._agree(group, "read checkpoint-%d" % agreed, error)
+        if found is None:
+            return None
+
+        # 2. Compare structures on every rank before any rank loads anything, then restore.
+        for what, stage in (("match checkpoint-%d" % found, lambda: self._check_structure(found, blob, tree)),
+                            ("restore checkpoint-%d" % found, lambda: self._restore_found(found, blob, tensors,
+                                                                                          timeout))):
+            error = None
+            try:
+                stage()
+            except Exception as e:
+                if group is None:
+                    raise
+                error = e
+            if group is not None:
+                self._agree(group, what, error)
+        self.resumed_step = found
+        return found
+
+    def _check_structure(self, found, blob, tree):
+        """Raises StructureMismatchError naming the first key where the saved states differ from the
+        current ones. A fresh optimizer (no state yet) takes the checkpoint's state."""
+        skip = tuple((key, "state") for key, obj in self.states.items() if _is_optimizer(obj) and len(obj.state) == 0)
+        diff = _state.first_difference(blob["state"], tree, skip=skip)
         if diff:
             key, why = diff
             raise StructureMismatchError("checkpoint-%d does not match the current state; first differing key '%s': %s"
                                          % (found, key, why), key=key)
+
+    def _restore_found(self, found, blob, tensors, timeout):
+        saved = blob["state"]
 
         # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
         targets = {}
@@ -246,17 +383,25 @@ class Checkpointer:
                                           % (found, got))
         state = _state.unflatten(saved, targets)
 
-        model_tree = _state.subtree(saved, ("model",))
-        in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(model_tree))
-        if not in_place or any("t" not in n for n in _leaves(model_tree)):
-            self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        # 4. Hand each state its part.
+        for key, obj in self.states.items():
+            if key not in state:
+                continue
+            if key in self._model_keys and _is_stateful(obj):
+                subtree = _state.subtree(saved, (key,))
+                in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(subtree))
+                if not in_place or any("t" not in n for n in _leaves(subtree)):
+                    obj.load_state_dict(state[key])
+            elif _is_stateful(obj):
+                obj.load_state_dict(state[key])
+            elif isinstance(obj, dict) and isinstance(state[key], dict):
+                obj.clear()
+                obj.update(state[key])
+            else:
+                self.states[key] = state[key]
         if self.rng and "rng" in blob:
             _set_rng_state(blob["rng"])
         self.extra = blob.get("user")
-        self.resumed_step = found
-        return found
 
     def load_pretrained(self, step=None, job=None, timeout=600.0):
         """Loads the model weights only, in place, from checkpoint `step` (None: the latest complete
@@ -264,13 +409,14 @@ class Checkpointer:
 
         For pretrained weights in Hugging Face safetensors: `flashckpt import HF_DIR --root ROOT
         --job JOB --add-prefix model.` makes the Hugging Face names this Checkpointer's
-        `model.<state-dict key>`. Every model tensor must be in the checkpoint with its shape and
+        `model.<state-dict key>` (the model given as `model`, or under "model" in the dict of
+        states; a module under another key has that key as its prefix). Every model tensor must be in the checkpoint with its shape and
         dtype (NotFoundError / FailedPreconditionError name the first that is not). A checkpoint of
         another job starts no attempt of this one: the next save() is that of a fresh start.
         Returns the step loaded, or None when the job has no complete checkpoint.
         """
         _, tensors = self._state()
-        if not any(n.startswith("model.") for n in tensors):
+        if not any(self._kind(n) == "model" for n in tensors):
             raise ValueError("the model holds no tensors; there is nothing to load")
         self._register(tensors)
         source = None if job is None or job == self.client.job else job
@@ -281,6 +427,7 @@ class Checkpointer:
 
     def ema_state_dict(self, timeout=60.0):
         """The daemon's current EMA as {model state-dict key: fp32 tensor}, as of the last save().
+        With several modules among the states the keys keep their "<key>." prefix.
 
         Raises FailedPreconditionError when no EMA update has been applied yet.
         """
@@ -296,7 +443,10 @@ class Checkpointer:
             raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
                                           "multiple of ema_interval first")
         self.ema_step = step
-        return {name[len("model."):] if name.startswith("model.") else name: t for name, t in out.items()}
+        if len(self._model_keys) != 1:
+            return out
+        prefix = self._model_keys[0] + "."
+        return {name[len(prefix):] if name.startswith(prefix) else name: t for name, t in out.items()}
 
     # --- misc ----------------------------------------------------------------------------------
 
