@@ -7,6 +7,7 @@ Each case runs two real worker processes (this file, run with "worker") against 
 - rank 1's optimizer has another structure (SGD where AdamW was saved): rank 1 raises
   StructureMismatchError, and rank 0, whose own restore would have worked, raises
   FailedPreconditionError naming rank 1 and its reason, and loads nothing;
+- rank 0 asks for step 2 and rank 1 for step 4: both raise ValueError naming what each asked for;
 - rank 1 dies before resume(): rank 0's resume() raises instead of waiting for it, well within the
   test's deadline.
 """
@@ -87,6 +88,14 @@ def worker(case, rank, port, sock, job, out):
             except flashckpt.FlashckptError as e:
                 result["error"] = [type(e).__name__, str(e)]
         result["untouched"] = digest(model, optimizer) == before
+    elif case == "different_steps":
+        model, optimizer = make(seed=7)
+        with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
+            try:
+                ck.resume(step=2 if rank == 0 else 4)
+                result["error"] = None
+            except ValueError as e:
+                result["error"] = [type(e).__name__, str(e)]
     elif case == "peer_dies":
         model, optimizer = make(seed=7)
         if rank == 1:
@@ -176,6 +185,16 @@ class DistributedResumeTest(unittest.TestCase):
         self.assertIn("StructureMismatchError", results[0]["error"][1])
         self.assertTrue(results[0]["untouched"], "rank 0 restored although rank 1 could not")
         print("rank 0: %s" % results[0]["error"][1])
+
+    def test_ranks_asking_for_different_steps_all_raise(self):
+        job = self.daemon.job("diststeps")
+        _, procs, outs = self.run_pair("save", job)
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        results, procs, outs = self.run_pair("different_steps", job)
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        for r in results:
+            self.assertIsNotNone(r["error"], r)
+            self.assertIn("rank 0: 2, rank 1: 4", r["error"][1])
 
     def test_a_dead_peer_fails_resume_instead_of_hanging(self):
         job = self.daemon.job("distdead")

@@ -243,10 +243,14 @@ class Checkpointer:
         dist = getattr(torch, "distributed", None)
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return None
-        group = self._process_group if self._process_group is not None else dist.group.WORLD
-        if dist.get_world_size(group) != self._world_size or self._world_size == 1:
+        if self._process_group is not None:
+            if dist.get_world_size(self._process_group) != self._world_size:
+                raise ValueError("process_group has %d ranks, this Checkpointer's job has world_size %d"
+                                 % (dist.get_world_size(self._process_group), self._world_size))
+            return self._process_group
+        if self._world_size == 1 or dist.get_world_size() != self._world_size:
             return None
-        return group
+        return dist.group.WORLD
 
     def _gather(self, group, value):
         """Every rank's `value`, in rank order. The process group's timeout (init_process_group(timeout=))
@@ -267,8 +271,8 @@ class Checkpointer:
                                           "(every rank raises): %s" % (rank, what, why))
 
     def _probe(self, tensors, step, timeout):
-        """(step, saved tree, blob) of checkpoint `step` (None: the latest complete one), read by
-        restoring one tensor into scratch memory; (None, None, None) when there is none."""
+        """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
+        tensor into scratch memory; (None, None) when there is none. The blob holds the saved tree."""
         first = next(iter(tensors))
         scratch = torch.empty_like(tensors[first])
         self.client._register({first: scratch}, {first: {"kind": self._kind(first)}}, with_ema=False)
@@ -302,25 +306,43 @@ class Checkpointer:
         In a torch.distributed job every rank of the process group restores the same step: the
         newest that every rank sees complete when step is None. A rank that cannot restore it makes
         every rank raise (the others a FailedPreconditionError naming that rank and its reason), and
-        None is returned only when no rank has a checkpoint. Every rank must call resume().
+        None is returned only when no rank has a checkpoint. Every rank must call resume(), with the
+        same `step` (ranks that ask for different steps all raise ValueError). The gathers use the
+        group's backend: with NCCL, set the rank's device (torch.cuda.set_device) first; with gloo a
+        peer that died makes them fail at once, with NCCL only the group's timeout ends the wait.
         """
         group = self._group()
-        self._settle(min(timeout, 60.0))
-        tree, tensors = self._state()
-        if not tensors:
-            raise ValueError("the states hold no tensors; there is nothing to resume")
+
+        def stage(what, fn):
+            """fn()'s result; with a group, every rank learns whether fn failed on any rank, and raises then."""
+            if group is None:
+                return fn()
+            result, error = None, None
+            try:
+                result = fn()
+            except Exception as e:  # reported to the other ranks, then raised here
+                error = e
+            self._agree(group, what, error)
+            return result
+
+        if group is not None:
+            asked = self._gather(group, step)
+            if len(set(asked)) != 1:
+                raise ValueError("the ranks of the process group asked resume() for different steps (%s); every "
+                                 "rank must ask for the same one" % ", ".join(
+                                     "rank %d: %s" % (r, "latest" if s is None else s) for r, s in enumerate(asked)))
 
         # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
         # on the step.
-        found, blob, error = None, None, None
-        try:
-            found, blob = self._probe(tensors, step, timeout)
-        except Exception as e:  # reported to the other ranks, then raised here
-            if group is None:
-                raise
-            error = e
+        def probe():
+            self._settle(min(timeout, 60.0))
+            tree, tensors = self._state()
+            if not tensors:
+                raise ValueError("the states hold no tensors; there is nothing to resume")
+            return (tree, tensors) + self._probe(tensors, step, timeout)
+
+        tree, tensors, found, blob = stage("read its checkpoint", probe)
         if group is not None:
-            self._agree(group, "read its checkpoint", error)
             steps = self._gather(group, found)
             if any(s is None for s in steps) and any(s is not None for s in steps):
                 rank = steps.index(None)
@@ -328,30 +350,18 @@ class Checkpointer:
                 raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group finds no "
                                               "complete checkpoint of job '%s' while another rank finds step %d "
                                               "(every rank raises)" % (rank, self.client.job, have))
-            agreed = min(steps) if found is not None else None
-            if agreed is not None and agreed != found:
-                error = None
-                try:
-                    found, blob = self._probe(tensors, agreed, timeout)
-                except Exception as e:
-                    error = e
-                self._agree(group, "read checkpoint-%d" % agreed, error)
+            if found is not None:
+                # The oldest step found: a newer one that completed while the ranks looked is not yet
+                # seen by all. Every rank takes part in this stage, also those that found it already.
+                agreed = min(steps)
+                found, blob = stage("read checkpoint-%d" % agreed,
+                                    lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
         if found is None:
             return None
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
-        for what, stage in (("match checkpoint-%d" % found, lambda: self._check_structure(found, blob, tree)),
-                            ("restore checkpoint-%d" % found, lambda: self._restore_found(found, blob, tensors,
-                                                                                          timeout))):
-            error = None
-            try:
-                stage()
-            except Exception as e:
-                if group is None:
-                    raise
-                error = e
-            if group is not None:
-                self._agree(group, what, error)
+        stage("match checkpoint-%d" % found, lambda: self._check_structure(found, blob, tree))
+        stage("restore checkpoint-%d" % found, lambda: self._restore_found(found, blob, tensors, timeout))
         self.resumed_step = found
         return found
 
@@ -387,7 +397,7 @@ class Checkpointer:
         for key, obj in self.states.items():
             if key not in state:
                 continue
-            if key in self._model_keys and _is_stateful(obj):
+            if isinstance(obj, torch.nn.Module):
                 subtree = _state.subtree(saved, (key,))
                 in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(subtree))
                 if not in_place or any("t" not in n for n in _leaves(subtree)):
@@ -433,6 +443,8 @@ class Checkpointer:
         """
         if not self.ema_enabled:
             raise ValueError("this Checkpointer was created without ema_decay; there is no EMA")
+        if not self._model_keys:
+            raise ValueError("no module among the states (nor a state named 'model'); the EMA covers model tensors")
         self._register(self._state()[1])
         shapes = self.client.registered
         out = {}
