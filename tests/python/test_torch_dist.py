@@ -7,6 +7,10 @@ Each case runs two real worker processes (this file, run with "worker") against 
 - rank 1's optimizer has another structure (SGD where AdamW was saved): rank 1 raises
   StructureMismatchError, and rank 0, whose own restore would have worked, raises
   FailedPreconditionError naming rank 1 and its reason, and loads nothing;
+- a hand-written tensor-parallel MLP (fc1 column-parallel, fc2 row-parallel over gloo), tp 2 x dp 2,
+  saved with shard_specs, restores as tp 1 x dp 2 (every rank the full tensors) and as tp 2 x dp 1
+  (each rank its part), parameters and AdamW moments equal bit for bit to the saved ones, into a
+  fresh optimizer; training goes on;
 - rank 0 asks for step 2 and rank 1 for step 4: both raise ValueError naming what each asked for;
 - rank 1 dies before resume(): rank 0's resume() raises instead of waiting for it, well within the
   test's deadline.
@@ -114,6 +118,113 @@ def worker(case, rank, port, sock, job, out):
         dist.destroy_process_group()
 
 
+# --- tensor parallelism ----------------------------------------------------------------------------
+# A hand-written tensor-parallel MLP: fc1 column-parallel (rows of its weight and its bias split over
+# the tp ranks), fc2 row-parallel (columns of its weight split; its output summed over the tp group,
+# its bias whole). Data-parallel ranks average their gradients. rank = tp_rank + tp_degree * dp_rank.
+D, H, O = 8, 16, 4
+
+
+def full_tensors():
+    g = __import__("torch").Generator().manual_seed(11)
+    torch = __import__("torch")
+    return {"fc1_w": torch.randn(H, D, generator=g), "fc1_b": torch.randn(H, generator=g),
+            "fc2_w": torch.randn(O, H, generator=g), "fc2_b": torch.randn(O, generator=g)}
+
+
+SPLIT_DIM = {"fc1_w": 0, "fc1_b": 0, "fc2_w": 1}
+
+
+def tp_worker(case, rank, world, port, sock, job, out):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from flashckpt.torch import Checkpointer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    tp_degree = {"tp_save": 2, "tp_resume_tp1": 1, "tp_resume_tp2": 2}[case]
+    dp_degree = world // tp_degree
+    tp, dp = rank % tp_degree, rank // tp_degree
+    tp_groups = [dist.new_group([d * tp_degree + t for t in range(tp_degree)]) for d in range(dp_degree)]
+    dp_groups = [dist.new_group([d * tp_degree + t for d in range(dp_degree)]) for t in range(tp_degree)]
+    tp_group, dp_group = tp_groups[dp], dp_groups[tp]
+
+    class ReduceFromTp(torch.autograd.Function):
+        """Sums the row-parallel layer's partial outputs over the tp group; the gradient passes as is."""
+
+        @staticmethod
+        def forward(ctx, x):
+            y = x.clone()
+            if tp_degree > 1:
+                dist.all_reduce(y, group=tp_group)
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class TpMlp(torch.nn.Module):
+        def __init__(self, full):
+            super().__init__()
+            for name, t in full.items():
+                if name in SPLIT_DIM:
+                    t = t.chunk(tp_degree, dim=SPLIT_DIM[name])[tp]
+                setattr(self, name, torch.nn.Parameter(t.clone().contiguous()))
+
+        def forward(self, x):
+            h = torch.relu(x @ self.fc1_w.t() + self.fc1_b)
+            return ReduceFromTp.apply(h @ self.fc2_w.t()) + self.fc2_b
+
+    full = full_tensors()
+    if case != "tp_save":
+        full = {k: torch.zeros_like(v) for k, v in full.items()}  # resume must bring the weights back
+    model = TpMlp(full)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    specs = {name: (dim, tp, tp_degree) for name, dim in SPLIT_DIM.items()} if tp_degree > 1 else None
+    result = {"rank": rank, "tp": tp, "dp": dp}
+
+    def tensors():
+        """The rank's parameters and their AdamW moments, by parameter name."""
+        out = {}
+        for name, p in model.named_parameters():
+            out[name] = p.detach().clone()
+            for field in ("exp_avg", "exp_avg_sq"):
+                if field in optimizer.state.get(p, {}):
+                    out["%s.%s" % (field, name)] = optimizer.state[p][field].clone()
+        return out
+
+    with Checkpointer({"model": model, "optim": optimizer}, socket=sock, job=job, tp_rank=tp, tp_degree=tp_degree,
+                      shard_specs=specs) as ck:
+        if case == "tp_save":
+            g = torch.Generator().manual_seed(100 + dp)  # one batch per data-parallel rank
+            for step in range(1, 4):
+                optimizer.zero_grad()
+                model(torch.randn(6, D, generator=g)).pow(2).mean().backward()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= dp_degree
+                optimizer.step()
+            ck.save(3)
+            ck.wait_persisted(3, timeout=60)
+            state = tensors()
+        else:
+            result["step"] = ck.resume()
+            state = tensors()
+            # Training goes on from the restored state.
+            optimizer.zero_grad()
+            model(torch.randn(6, D, generator=torch.Generator().manual_seed(7))).pow(2).mean().backward()
+            optimizer.step()
+            result["after_step_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    torch.save(state, out + ".pt")
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 class DistributedResumeTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -123,15 +234,15 @@ class DistributedResumeTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.daemon.cleanup()
 
-    def run_pair(self, case, job):
+    def run_pair(self, case, job, world=2):
         port = free_port()
         procs, outs = [], []
-        for rank in range(2):
+        for rank in range(world):
             out = os.path.join(self.daemon.tmp, "%s.%s.%d.json" % (job, case, rank))
             env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
             with open(out + ".log", "wb") as log:
                 procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(rank),
-                                               str(port), self.daemon.socket, job, out],
+                                               str(world), str(port), self.daemon.socket, job, out],
                                               stdout=log, stderr=subprocess.STDOUT, env=env))
             outs.append(out)
         deadline = time.monotonic() + WORKER_DEADLINE
@@ -196,6 +307,43 @@ class DistributedResumeTest(unittest.TestCase):
             self.assertIsNotNone(r["error"], r)
             self.assertIn("rank 0: 2, rank 1: 4", r["error"][1])
 
+    def test_tensor_parallel_checkpoint_restores_into_other_splits(self):
+        import torch
+
+        job = self.daemon.job("tp")
+        saved, procs, outs = self.run_pair("tp_save", job, world=4)
+        self.assertEqual([p.returncode for p in procs], [0, 0, 0, 0], self.logs(outs))
+        parts = [torch.load(out + ".pt") for out in outs]
+        # The full tensors, from the tp ranks of data-parallel rank 0 (rank = tp + 2 * dp).
+        whole = {}
+        for name in parts[0]:
+            base = name.split(".")[-1]
+            whole[name] = (torch.cat([parts[0][name], parts[1][name]], dim=SPLIT_DIM[base])
+                           if base in SPLIT_DIM else parts[0][name])
+            self.assertTrue(torch.equal(parts[2][name], parts[0][name]), name)  # dp replicas agree
+            if base not in SPLIT_DIM:
+                self.assertTrue(torch.equal(parts[1][name], parts[0][name]), name)
+        self.assertIn("exp_avg.fc2_w", whole)
+
+        results, procs, outs = self.run_pair("tp_resume_tp1", job, world=2)  # tp 1 x dp 2
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        for r, out in zip(results, outs):
+            self.assertEqual(r["step"], 3)
+            self.assertTrue(r["after_step_finite"])
+            got = torch.load(out + ".pt")
+            self.assertEqual(sorted(got), sorted(whole))
+            for name, t in whole.items():
+                self.assertTrue(torch.equal(got[name], t), "tp 1: %s" % name)
+
+        results, procs, outs = self.run_pair("tp_resume_tp2", job, world=2)  # tp 2 x dp 1
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        for tp, (r, out) in enumerate(zip(results, outs)):
+            self.assertEqual(r["step"], 3)
+            got = torch.load(out + ".pt")
+            self.assertEqual(sorted(got), sorted(parts[tp]))
+            for name, t in parts[tp].items():
+                self.assertTrue(torch.equal(got[name], t), "tp 2, rank %d: %s" % (tp, name))
+
     def test_a_dead_peer_fails_resume_instead_of_hanging(self):
         job = self.daemon.job("distdead")
         _, procs, outs = self.run_pair("save", job)
@@ -210,7 +358,10 @@ class DistributedResumeTest(unittest.TestCase):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        _, _, case, rank, port, sock, job, out = sys.argv
-        worker(case, int(rank), int(port), sock, job, out)
+        _, _, case, rank, world, port, sock, job, out = sys.argv
+        if case.startswith("tp_"):
+            tp_worker(case, int(rank), int(world), int(port), sock, job, out)
+        else:
+            worker(case, int(rank), int(port), sock, job, out)
     else:
         unittest.main(verbosity=2)

@@ -8,6 +8,9 @@ tree with its type, so unflatten() gives back the same structure with the same P
     {"d": [[key, node], ...]}     dict (keys are str or int, kept as such; order kept)
     {"l": [node, ...]}            list
     {"u": [node, ...]}            tuple
+    {"t": name, "dtype", "shape", "global_shape"}
+                                  a tensor split by tensor parallelism (flashckpt.torch adds the
+                                  full shape, which structures are compared by)
     {"v": value}                  None, bool, int (64-bit), float (finite) or str
     {"i": "<decimal>"}            an int beyond 64 bits
     {"f": "nan" | "inf" | "-inf"} a non-finite float
@@ -137,6 +140,9 @@ def subtree(tree, path):
 
 def _what(node):
     if "t" in node:
+        if "global_shape" in node:
+            return "a tensor %s (part of %s)" % (_tensors.describe(node["dtype"], node["shape"]),
+                                                 _tensors.describe(node["dtype"], node["global_shape"]))
         return "a tensor %s" % _tensors.describe(node["dtype"], node["shape"])
     if "d" in node:
         return "a dict of %d" % len(node["d"])
@@ -162,7 +168,10 @@ def first_difference(saved, current, skip=(), path=()):
         return key, "the checkpoint has %s, the current state %s" % (_what(saved), _what(current))
     kind = kinds[0]
     if kind == "t":
-        if saved["dtype"] != current["dtype"] or list(saved["shape"]) != list(current["shape"]):
+        # A tensor split by tensor parallelism compares by its full shape: a checkpoint restores into
+        # another split of the same tensors.
+        whole = [list(n.get("global_shape", n["shape"])) for n in (saved, current)]
+        if saved["dtype"] != current["dtype"] or whole[0] != whole[1]:
             return key, "the checkpoint has %s, the current state %s" % (_what(saved), _what(current))
         return None
     if kind == "d":

@@ -118,6 +118,13 @@ class Checkpointer:
     pp_degree), i.e. data-parallel ranks are shards. rng=False leaves the RNG state out.
     process_group: the group whose ranks agree on the step resume() restores (default: the default
     group, when torch.distributed is initialised and has this Checkpointer's world_size ranks).
+    shard_specs: how tensor parallelism splits the model's tensors, a mapping (or a callable) from a
+    model state-dict key ("fc1.weight", without the "<key>." of the dict of states) to (dim, tp_rank,
+    tp_degree) or {"dim": .., "rank": .., "degree": ..}, or None for a tensor every tp rank holds
+    whole. The rank's tensor is then part tp_rank of tp_degree equal parts along dim of the full
+    tensor (as Megatron's column- and row-parallel layers split weights), and so is the optimizer
+    state of the same shape as its parameter. A checkpoint restores into any other split of the
+    same full tensors (another tp_degree, or none).
 
     Attributes: states (the dict of states), model and optimizer (the first nn.Module and optimizer
     among them, or None), extra (the `extra` of the resumed checkpoint), resumed_step, saves,
@@ -127,7 +134,7 @@ class Checkpointer:
 
     def __init__(self, model, optimizer=None, *, socket, job, rank=None, world_size=None, tp_rank=0, tp_degree=1,
                  pp_rank=0, pp_degree=1, shard_rank=None, shard_degree=None, rng=True, process_group=None,
-                 **client_options):
+                 shard_specs=None, **client_options):
         if isinstance(model, collections.abc.Mapping) and not _is_stateful(model):
             if optimizer is not None:
                 raise TypeError("pass the optimizer inside the dict of states (e.g. {'model': model, 'optim': "
@@ -144,6 +151,10 @@ class Checkpointer:
             if optimizer is not None:
                 self.states["optimizer"] = optimizer
         self._model_keys = [k for k, v in self.states.items() if k == "model" or isinstance(v, torch.nn.Module)]
+        if shard_specs is not None and not (callable(shard_specs) or isinstance(shard_specs, collections.abc.Mapping)):
+            raise TypeError("shard_specs must be a mapping or a callable from a model state-dict key to "
+                            "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
+        self._shard_specs = shard_specs
         self.model = next((self.states[k] for k in self._model_keys), None)
         self.optimizer = next((v for v in self.states.values() if _is_optimizer(v)), None)
         if rank is None or world_size is None:
@@ -176,7 +187,91 @@ class Checkpointer:
         state = {}
         for key, obj in self.states.items():
             state[key] = obj.state_dict() if _is_stateful(obj) else obj
-        return _state.flatten(state)
+        tree, tensors = _state.flatten(state)
+        if self._shard_specs is not None:
+            for leaf in _state.tensor_leaves(tree):
+                box = self._box(leaf["t"], tuple(leaf["shape"]))
+                if box:
+                    leaf["global_shape"] = box["global_shape"]
+        return tree, tensors
+
+    # --- tensor parallelism ----------------------------------------------------------------------
+
+    def _split(self, key, shape):
+        """(dim, rank, degree) of model state-dict key `key` (a tensor of local shape `shape`), or None."""
+        spec = self._shard_specs(key) if callable(self._shard_specs) else self._shard_specs.get(key)
+        if spec is None:
+            return None
+        if isinstance(spec, collections.abc.Mapping):
+            spec = (spec.get("dim"), spec.get("rank"), spec.get("degree"))
+        try:
+            dim, rank, degree = (int(v) for v in spec)
+        except (TypeError, ValueError):
+            raise ValueError("shard_specs['%s'] must be (dim, tp_rank, tp_degree) or {'dim', 'rank', 'degree'}, got %r"
+                             % (key, spec)) from None
+        if not (0 <= dim < len(shape)) or degree < 1 or not (0 <= rank < degree):
+            raise ValueError("shard_specs['%s'] = (dim %d, tp_rank %d, tp_degree %d) does not fit a tensor of shape %s"
+                             % (key, dim, rank, degree, list(shape)))
+        return dim, rank, degree
+
+    def _param_of(self, name):
+        """(model tensor name, local shape) of the parameter whose optimizer state `name` is
+        ("<optimizer key>.state.<i>.<field>"), or None."""
+        parts = name.split(".")
+        if len(parts) < 4 or parts[1] != "state" or not parts[2].isdigit():
+            return None
+        opt = self.states.get(parts[0])
+        if not _is_optimizer(opt):
+            return None
+        params = [p for g in opt.param_groups for p in g["params"]]
+        index = int(parts[2])
+        if index >= len(params):
+            return None
+        for key in self._model_keys:
+            module = self.states[key]
+            if isinstance(module, torch.nn.Module):
+                for pname, p in module.named_parameters():
+                    if p is params[index]:
+                        return "%s.%s" % (key, pname), tuple(p.shape)
+        return None
+
+    def _box(self, name, shape):
+        """The box spec (global_shape, box_offset, box_shape) of tensor `name` of local shape `shape`
+        under shard_specs, or None for a whole tensor."""
+        if self._shard_specs is None:
+            return None
+        if self._kind(name) != "model":
+            param = self._param_of(name)
+            if param is None or param[1] != tuple(shape):
+                return None  # optimizer state of another shape than its parameter (a step count): whole
+            name = param[0]
+        key = name.split(".", 1)[1] if "." in name else name
+        split = self._split(key, shape)
+        if split is None:
+            return None
+        dim, rank, degree = split
+        global_shape, offset = list(shape), [0] * len(shape)
+        global_shape[dim] *= degree
+        offset[dim] = rank * shape[dim]
+        return {"global_shape": global_shape, "box_offset": offset, "box_shape": list(shape)}
+
+    def _global_shape(self, name, shape):
+        box = self._box(name, tuple(shape))
+        return tuple(box["global_shape"]) if box else tuple(shape)
+
+    def _local_shape(self, name, whole):
+        """This rank's shape of a tensor it does not hold yet (a fresh optimizer's state) whose full
+        shape is `whole`: its parameter's, when that one is split and of the same full shape."""
+        if self._shard_specs is not None and self._kind(name) != "model":
+            param = self._param_of(name)
+            if param is not None and self._global_shape(param[0], param[1]) == whole:
+                return param[1]
+        return whole
+
+    def _spec(self, name, shape):
+        spec = {"kind": self._kind(name)}
+        spec.update(self._box(name, tuple(shape)) or {})
+        return spec
 
     def _kind(self, name):
         return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
@@ -184,7 +279,7 @@ class Checkpointer:
     def _register(self, tensors):
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
         if key != self._layout_key:
-            self.client.register(tensors, specs={n: {"kind": self._kind(n)} for n in tensors})
+            self.client.register(tensors, specs={n: self._spec(n, t.shape) for n, t in tensors.items()})
             self._layout_key = key
 
     # --- save ----------------------------------------------------------------------------------
@@ -275,7 +370,7 @@ class Checkpointer:
         tensor into scratch memory; (None, None) when there is none. The blob holds the saved tree."""
         first = next(iter(tensors))
         scratch = torch.empty_like(tensors[first])
-        self.client._register({first: scratch}, {first: {"kind": self._kind(first)}}, with_ema=False)
+        self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
         self._layout_key = None
         try:
             found, extra = self.client.restore({first: scratch}, step=step, timeout=timeout)
@@ -381,10 +476,11 @@ class Checkpointer:
         # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
         targets = {}
         for leaf in _state.tensor_leaves(saved):
-            name, shape, dtype = leaf["t"], tuple(leaf["shape"]), _TORCH_DTYPES[leaf["dtype"]]
+            name, dtype = leaf["t"], _TORCH_DTYPES[leaf["dtype"]]
+            whole = tuple(leaf.get("global_shape", leaf["shape"]))
             t = tensors.get(name)
-            if t is None or t.dtype != dtype or tuple(t.shape) != shape:
-                t = torch.empty(shape, dtype=dtype)
+            if t is None or t.dtype != dtype or self._global_shape(name, t.shape) != whole:
+                t = torch.empty(self._local_shape(name, whole), dtype=dtype)
             targets[name] = t
         self._register(targets)
         got, extra = self.client.restore(targets, step=found, timeout=timeout)
