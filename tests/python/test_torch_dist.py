@@ -7,6 +7,8 @@ Each case runs two real worker processes (this file, run with "worker") against 
 - rank 1's optimizer has another structure (SGD where AdamW was saved): rank 1 raises
   StructureMismatchError, and rank 0, whose own restore would have worked, raises
   FailedPreconditionError naming rank 1 and its reason, and loads nothing;
+- DDP + ZeroRedundancyOptimizer over 4 ranks: each parameter's AdamW state is in exactly one file;
+  2 processes resume it, each rank gets the state of its new partition bit for bit, and train on;
 - a hand-written tensor-parallel MLP (fc1 column-parallel, fc2 row-parallel over gloo), tp 2 x dp 2,
   saved with shard_specs, restores as tp 1 x dp 2 (every rank the full tensors) and as tp 2 x dp 1
   (each rank its part), parameters and AdamW moments equal bit for bit to the saved ones, into a
@@ -31,13 +33,19 @@ import harness  # noqa: E402
 WORKER_DEADLINE = 120  # seconds a pair of workers may take, whatever happens
 
 
+def safetensors_keys(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return sorted(k for k in json.loads(f.read(n)) if k != "__metadata__")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def worker(case, rank, port, sock, job, out):
+def worker(case, rank, world, port, sock, job, out):
     import datetime
 
     import torch
@@ -47,7 +55,7 @@ def worker(case, rank, port, sock, job, out):
     from flashckpt.torch import Checkpointer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
 
     def make(sgd=False, seed=0):
@@ -100,6 +108,35 @@ def worker(case, rank, port, sock, job, out):
                 result["error"] = None
             except ValueError as e:
                 result["error"] = [type(e).__name__, str(e)]
+    elif case in ("zero_save", "zero_resume"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        torch.manual_seed(0 if case == "zero_save" else 9)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+
+        def train(g, steps):
+            for _ in range(steps):
+                optimizer.zero_grad()
+                model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+                optimizer.step()
+
+        with Checkpointer({"model": model, "optim": optimizer}, socket=sock, job=job) as ck:
+            if case == "zero_save":
+                train(torch.Generator().manual_seed(rank), 3)
+                ck.save(3)
+                ck.wait_persisted(3, timeout=60)
+            else:
+                result["step"] = ck.resume()
+        index = optimizer._param_to_index
+        dump = {"param.%s" % n: p.detach().clone() for n, p in model.named_parameters()}
+        for p, fields in optimizer.optim.state.items():
+            for field, v in fields.items():
+                dump["state.%d.%s" % (index[p], field)] = v.clone()
+        torch.save(dump, out + ".pt")
+        if case == "zero_resume":
+            train(torch.Generator().manual_seed(50 + rank), 1)  # training goes on
+            result["after_step_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     elif case == "peer_dies":
         model, optimizer = make(seed=7)
         if rank == 1:
@@ -307,6 +344,46 @@ class DistributedResumeTest(unittest.TestCase):
             self.assertIsNotNone(r["error"], r)
             self.assertIn("rank 0: 2, rank 1: 4", r["error"][1])
 
+    def test_zero_optimizer_state_is_written_once_and_resumes_into_another_world_size(self):
+        import torch
+
+        job = self.daemon.job("zero")
+        _, procs, outs = self.run_pair("zero_save", job, world=4)
+        self.assertEqual([p.returncode for p in procs], [0, 0, 0, 0], self.logs(outs))
+        saved = [torch.load(out + ".pt") for out in outs]
+        full = {}
+        for part in saved:
+            for name, t in part.items():
+                if name.startswith("state."):
+                    self.assertNotIn(name, full, "two ranks hold the state of one parameter")
+                    full[name] = t
+        indices = {n.split(".")[1] for n in full}
+        self.assertEqual(len(indices), 6)  # every parameter has its state on exactly one rank
+
+        # Each optimizer state tensor is in exactly one file of the checkpoint: written once.
+        step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-3")
+        written = []
+        for f in sorted(os.listdir(step_dir)):
+            if f.startswith("optimizer.") and f.endswith(".safetensors"):
+                written += [k for k in safetensors_keys(os.path.join(step_dir, f)) if k.startswith("optim.state.")]
+        self.assertEqual(sorted(written), sorted("optim." + n for n in full))
+
+        results, procs, outs = self.run_pair("zero_resume", job, world=2)
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        resumed_states = {}
+        for r, out in zip(results, outs):
+            self.assertEqual(r["step"], 3)
+            self.assertTrue(r["after_step_finite"])
+            got = torch.load(out + ".pt")
+            for name, t in got.items():
+                if name.startswith("param."):
+                    self.assertTrue(torch.equal(t, saved[0][name]), name)
+                else:
+                    resumed_states[name] = t
+        self.assertEqual(sorted(resumed_states), sorted(full))  # the two new partitions cover every parameter
+        for name, t in full.items():
+            self.assertTrue(torch.equal(resumed_states[name], t), name)
+
     def test_tensor_parallel_checkpoint_restores_into_other_splits(self):
         import torch
 
@@ -362,6 +439,6 @@ if __name__ == "__main__":
         if case.startswith("tp_"):
             tp_worker(case, int(rank), int(world), int(port), sock, job, out)
         else:
-            worker(case, int(rank), int(port), sock, job, out)
+            worker(case, int(rank), int(world), int(port), sock, job, out)
     else:
         unittest.main(verbosity=2)

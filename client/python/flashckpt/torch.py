@@ -47,6 +47,10 @@ gets its state through optimizer.load_state_dict() (its fresh state may be empty
 whose structure differs from the current model/optimizer raises StructureMismatchError naming the
 first differing key, and leaves the model untouched when the difference is known before loading.
 
+A torch.distributed.optim.ZeroRedundancyOptimizer is saved without consolidating: each rank writes
+the state of its own partition (under the global parameter indices of ZeRO's consolidated
+state_dict), and a job of another world size resumes it, each rank taking its new partition's state.
+
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
 bounds the wait) and takes the newest step every rank sees complete. A rank that fails makes every
@@ -99,6 +103,34 @@ def _set_rng_state(state):
 
 def _is_stateful(obj):
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _is_zero(obj):
+    """torch.distributed.optim.ZeroRedundancyOptimizer: each rank holds the state of its partition."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return False
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:
+        return False
+    return isinstance(obj, ZeroRedundancyOptimizer)
+
+
+def _zero_state_dict(zero):
+    """What zero.state_dict() gives after consolidation, restricted to this rank's partition: the
+    state of the rank's parameters under their global indices, and every parameter group (hyper-
+    parameters, global indices). No collective: every rank writes only the state it holds."""
+    index = zero._param_to_index
+    state = {}
+    for param, fields in zero.optim.state.items():
+        state[index[param]] = dict(fields)
+    groups = []
+    for g in zero.param_groups:
+        group = {k: v for k, v in g.items() if k != "params"}
+        group["params"] = [index[p] for p in g["params"]]
+        groups.append(group)
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
 def _is_optimizer(obj):
@@ -186,8 +218,12 @@ class Checkpointer:
     def _state(self):
         state = {}
         for key, obj in self.states.items():
-            state[key] = obj.state_dict() if _is_stateful(obj) else obj
+            if _is_zero(obj):
+                state[key] = _zero_state_dict(obj)
+            else:
+                state[key] = obj.state_dict() if _is_stateful(obj) else obj
         tree, tensors = _state.flatten(state)
+        self._describe_partitions(tree)
         if self._shard_specs is not None:
             for leaf in _state.tensor_leaves(tree):
                 box = self._box(leaf["t"], tuple(leaf["shape"]))
@@ -453,6 +489,8 @@ class Checkpointer:
                                     lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
         if found is None:
             return None
+        if any(_is_zero(v) for v in self.states.values()):
+            stage("take its optimizer partition", lambda: self._take_partitions(blob))
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
         stage("match checkpoint-%d" % found, lambda: self._check_structure(found, blob, tree))
@@ -460,10 +498,67 @@ class Checkpointer:
         self.resumed_step = found
         return found
 
+    def _take_partitions(self, blob):
+        """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
+        rank holds now (the job may have another world size than the one that saved: every rank's
+        saved tree describes the state of every parameter, see _describe_partitions)."""
+        for key, zero in self.states.items():
+            if not _is_zero(zero):
+                continue
+            node = _state.subtree(blob["state"], (key, "state"))
+            saved = dict((i, n) for i, n in (node or {}).get("d", []))
+            mine = sorted(zero._param_to_index[p] for p, r in zero._param_to_rank.items() if r == zero.rank)
+            missing = [i for i in mine if i not in saved]
+            if saved and missing:
+                raise FailedPreconditionError(
+                    "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d, whose state the "
+                    "checkpoint does not describe" % (key, missing[0]))
+            if node is not None:
+                node["d"] = [[i, saved[i]] for i in mine if i in saved]
+
+    def _describe_partitions(self, tree):
+        """Adds to `tree` the state of the parameters other ranks' ZeroRedundancyOptimizer partitions
+        hold, as structure only (each rank writes the tensors of its own partition): the fields of
+        a parameter of the same group here, tensors of the parameter's shape taking the other's.
+        A rank of a later job with another world size then finds its partition's state in any
+        rank's tree."""
+        for key, zero in self.states.items():
+            if not _is_zero(zero):
+                continue
+            node = _state.subtree(tree, (key, "state"))
+            if node is None or not node.get("d"):
+                continue  # no state yet
+            own = dict((i, n) for i, n in node["d"])
+            index = zero._param_to_index
+            params = [p for g in zero.param_groups for p in g["params"]]
+            group_of = {index[p]: gi for gi, g in enumerate(zero.param_groups) for p in g["params"]}
+            example = {}  # group -> (its parameter's shape, its state node)
+            for i, n in own.items():
+                example.setdefault(group_of[i], (tuple(params[i].shape), n))
+            fallback = next(iter(example.values()))
+            entries = []
+            for i, p in enumerate(params):
+                if i in own:
+                    entries.append([i, own[i]])
+                    continue
+                shape, n = example.get(group_of[i], fallback)
+                fields = []
+                for field, leaf in n["d"]:
+                    leaf = dict(leaf)
+                    if "t" in leaf:
+                        leaf["t"] = "%s.state.%d.%s" % (key, i, field)
+                        if tuple(leaf["shape"]) == shape:
+                            leaf["shape"] = list(p.shape)
+                        leaf.pop("global_shape", None)
+                    fields.append([field, leaf])
+                entries.append([i, {"d": fields}])
+            node["d"] = entries
+
     def _check_structure(self, found, blob, tree):
         """Raises StructureMismatchError naming the first key where the saved states differ from the
         current ones. A fresh optimizer (no state yet) takes the checkpoint's state."""
-        skip = tuple((key, "state") for key, obj in self.states.items() if _is_optimizer(obj) and len(obj.state) == 0)
+        skip = tuple((key, "state") for key, obj in self.states.items()
+                     if _is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
         diff = _state.first_difference(blob["state"], tree, skip=skip)
         if diff:
             key, why = diff
