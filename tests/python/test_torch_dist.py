@@ -7,6 +7,9 @@ Each case runs two real worker processes (this file, run with "worker") against 
 - rank 1's optimizer has another structure (SGD where AdamW was saved): rank 1 raises
   StructureMismatchError, and rank 0, whose own restore would have worked, raises
   FailedPreconditionError naming rank 1 and its reason, and loads nothing;
+- DDP + AdamW over 4 ranks writes one copy of the state, each rank about a quarter (the bytes per
+  rank, from the files, are printed: largest share <= 1.25x the mean), whole tensors and flat
+  ranges of those that cross a share's end; 4 and then 2 fresh processes resume it bit for bit;
 - DDP + ZeroRedundancyOptimizer over 4 ranks: each parameter's AdamW state is in exactly one file;
   2 processes resume it, each rank gets the state of its new partition bit for bit, and train on;
 - a hand-written tensor-parallel MLP (fc1 column-parallel, fc2 row-parallel over gloo), tp 2 x dp 2,
@@ -37,6 +40,14 @@ def safetensors_keys(path):
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         return sorted(k for k in json.loads(f.read(n)) if k != "__metadata__")
+
+
+def tensor_bytes(path):
+    """The bytes of the tensors of a safetensors file, from its header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 
 
 def free_port():
@@ -108,6 +119,30 @@ def worker(case, rank, world, port, sock, job, out):
                 result["error"] = None
             except ValueError as e:
                 result["error"] = [type(e).__name__, str(e)]
+    elif case in ("ddp_save", "ddp_resume"):
+        torch.manual_seed(0 if case == "ddp_save" else 9)
+        # Tensors of very different sizes: the 64 x 64 weight and its moments are larger than a
+        # rank's share, so they are written as flat ranges by several ranks.
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
+            if case == "ddp_save":
+                g = torch.Generator().manual_seed(rank)
+                for step in range(1, 5):
+                    optimizer.zero_grad()
+                    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+                    optimizer.step()
+                    if step % 2 == 0:
+                        ck.save(step)
+                ck.wait_persisted(4, timeout=60)
+            else:
+                result["step"] = ck.resume()
+        dump = {"param.%s" % n: p.detach().clone() for n, p in model.named_parameters()}
+        for i, p in enumerate(model.parameters()):
+            for field, v in optimizer.state.get(p, {}).items():
+                dump["state.%d.%s" % (i, field)] = v.clone()
+        torch.save(dump, out + ".pt")
     elif case in ("zero_save", "zero_resume"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         torch.manual_seed(0 if case == "zero_save" else 9)
@@ -343,6 +378,40 @@ class DistributedResumeTest(unittest.TestCase):
         for r in results:
             self.assertIsNotNone(r["error"], r)
             self.assertIn("rank 0: 2, rank 1: 4", r["error"][1])
+
+    def test_ddp_job_writes_one_copy_spread_over_its_ranks(self):
+        import torch
+
+        job = self.daemon.job("ddp")
+        _, procs, outs = self.run_pair("ddp_save", job, world=4)
+        self.assertEqual([p.returncode for p in procs], [0, 0, 0, 0], self.logs(outs))
+        saved = [torch.load(out + ".pt") for out in outs]
+        for part in saved[1:]:
+            for name, t in part.items():
+                self.assertTrue(torch.equal(t, saved[0][name]), name)  # DDP keeps the replicas alike
+        one_copy = sum(t.numel() * t.element_size() for t in saved[0].values())
+
+        step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-4")
+        shares = []
+        for rank in range(4):
+            files = [f for f in os.listdir(step_dir)
+                     if f.endswith("_shard%02d.safetensors" % rank) and not f.startswith("ema")]
+            shares.append(sum(tensor_bytes(os.path.join(step_dir, f)) for f in files))
+        mean = sum(shares) / len(shares)
+        print("bytes persisted per rank: %s; one copy of the state: %d; largest share / mean: %.3f"
+              % (shares, one_copy, max(shares) / mean))
+        self.assertEqual(sum(shares), one_copy)
+        self.assertLessEqual(max(shares), 1.25 * mean)
+
+        for world in (4, 2):
+            results, procs, outs = self.run_pair("ddp_resume", job, world=world)
+            self.assertEqual([p.returncode for p in procs], [0] * world, self.logs(outs))
+            for r, out in zip(results, outs):
+                self.assertEqual(r["step"], 4)
+                got = torch.load(out + ".pt")
+                self.assertEqual(sorted(got), sorted(saved[0]))
+                for name, t in saved[0].items():
+                    self.assertTrue(torch.equal(got[name], t), "%d ranks: %s" % (world, name))
 
     def test_zero_optimizer_state_is_written_once_and_resumes_into_another_world_size(self):
         import torch

@@ -148,6 +148,12 @@ class Checkpointer:
     rank and world_size default to torch.distributed's when it is initialised, else 0 and 1; unless
     given, shard_degree = world_size / (tp_degree * pp_degree) and shard_rank = rank // (tp_degree *
     pp_degree), i.e. data-parallel ranks are shards. rng=False leaves the RNG state out.
+    replicated: whether the job's modules and optimizers (not a ZeroRedundancyOptimizer, whose
+    ranks hold different state) are alike on every rank of the process group, so that each of their
+    bytes is written by one rank: the ranks split them evenly, whole tensors and flat ranges of the
+    ones that cross a share's end. None (default): when a module is a DistributedDataParallel, the
+    job has no tensor or pipeline parallelism and no EMA. Every other state (a data position) is
+    written by every rank. Resume reads the tensors from whichever files hold them.
     process_group: the group whose ranks agree on the step resume() restores (default: the default
     group, when torch.distributed is initialised and has this Checkpointer's world_size ranks).
     shard_specs: how tensor parallelism splits the model's tensors, a mapping (or a callable) from a
@@ -166,7 +172,7 @@ class Checkpointer:
 
     def __init__(self, model, optimizer=None, *, socket, job, rank=None, world_size=None, tp_rank=0, tp_degree=1,
                  pp_rank=0, pp_degree=1, shard_rank=None, shard_degree=None, rng=True, process_group=None,
-                 shard_specs=None, **client_options):
+                 shard_specs=None, replicated=None, **client_options):
         if isinstance(model, collections.abc.Mapping) and not _is_stateful(model):
             if optimizer is not None:
                 raise TypeError("pass the optimizer inside the dict of states (e.g. {'model': model, 'optim': "
@@ -187,6 +193,12 @@ class Checkpointer:
             raise TypeError("shard_specs must be a mapping or a callable from a model state-dict key to "
                             "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
         self._shard_specs = shard_specs
+        if replicated and (client_options.get("ema_decay") is not None or shard_specs is not None
+                           or tp_degree * pp_degree != 1):
+            raise ValueError("replicated=True (each tensor written by one data-parallel rank) is for data-parallel "
+                             "jobs without tensor or pipeline parallelism and without the daemon's EMA")
+        self._replicated = replicated
+        self._model_parallel = tp_degree * pp_degree
         self.model = next((self.states[k] for k in self._model_keys), None)
         self.optimizer = next((v for v in self.states.values() if _is_optimizer(v)), None)
         if rank is None or world_size is None:
@@ -312,11 +324,68 @@ class Checkpointer:
     def _kind(self, name):
         return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
 
-    def _register(self, tensors):
+    def _register(self, tensors, specs=None):
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
         if key != self._layout_key:
-            self.client.register(tensors, specs={n: self._spec(n, t.shape) for n, t in tensors.items()})
+            all_specs = {n: self._spec(n, t.shape) for n, t in tensors.items()}
+            for n, extra in (specs or {}).items():
+                all_specs[n].update(extra)
+            self.client.register(tensors, specs=all_specs)
             self._layout_key = key
+
+    # --- data parallelism ------------------------------------------------------------------------
+
+    def _data_parallel(self):
+        """(rank, ranks) of this rank among the replicas that split the writing, or None."""
+        if self._replicated is False:
+            return None
+        group = self._group()
+        if group is None:
+            if self._replicated:
+                raise ValueError("replicated=True needs a torch.distributed process group of the job's world size")
+            return None
+        if self._replicated is None:
+            ddp = any(isinstance(v, torch.nn.parallel.DistributedDataParallel) for v in self.states.values())
+            if not ddp or self.ema_enabled or self._shard_specs is not None or self._model_parallel != 1:
+                return None
+        return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+    def _share(self, tensors):
+        """(tensors, specs): what this rank writes. The replicated tensors, in state order, are one
+        stream of bytes cut into equal shares, one per rank; an element belongs to the share its
+        first byte is in, so a tensor that crosses a cut is written as flat ranges by the ranks
+        whose shares it crosses. Every other tensor is written by this rank."""
+        dp = self._data_parallel()
+        if dp is None:
+            return tensors, {}
+        rank, ranks = dp
+        keys = {k for k, v in self.states.items()
+                if k in self._model_keys or (_is_optimizer(v) and not _is_zero(v))}
+        replicated = [n for n in tensors if n.split(".", 1)[0] in keys]
+        total = sum(tensors[n].numel() * tensors[n].element_size() for n in replicated)
+        lo, hi = total * rank // ranks, total * (rank + 1) // ranks
+        out, specs, pos = {}, {}, 0
+        replicated = set(replicated)
+        for name, t in tensors.items():
+            if name not in replicated:
+                out[name] = t
+                continue
+            size, numel = t.element_size(), t.numel()
+            if numel == 0:
+                if lo <= pos < hi or (pos == total and rank == ranks - 1):
+                    out[name] = t
+                continue
+            first = max(0, -(-(lo - pos) // size))
+            end = min(numel, -(-(hi - pos) // size))
+            pos += numel * size
+            if first >= end:
+                continue
+            if (first, end) == (0, numel) or not t.is_contiguous():
+                out[name] = t  # a non-contiguous tensor is refused by register(), naming it
+            else:
+                out[name] = t.view(-1)[first:end]
+                specs[name] = {"box_shape": list(t.shape), "flat_range": (first, end)}
+        return out, specs
 
     # --- save ----------------------------------------------------------------------------------
 
@@ -330,7 +399,8 @@ class Checkpointer:
         """
         started = time.perf_counter()
         tree, tensors = self._state()
-        self._register(tensors)
+        tensors, specs = self._share(tensors)
+        self._register(tensors, specs)
         payload = None
         if persist:
             payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra}
