@@ -322,6 +322,11 @@ class StatesTest(harness.DaemonTestCase):
                           job=self.daemon.job("bad4")) as ck:
             with self.assertRaisesRegex(TypeError, "fn.f"):
                 ck.save(1)
+        with Checkpointer(model, optimizer, socket=self.daemon.socket, job=self.daemon.job("bad5"),
+                          shard_specs={"module.0.weight": (0, 0, 2)}) as ck:
+            with self.assertRaisesRegex(ValueError, "shard_specs names 'module.0.weight', which is no model state-dict "
+                                                    "key \\(they are like '0.bias'\\)"):
+                ck.save(1)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ Each case runs two real worker processes (this file, run with "worker") against 
 - rank 1's optimizer has another structure (SGD where AdamW was saved): rank 1 raises
   StructureMismatchError, and rank 0, whose own restore would have worked, raises
   FailedPreconditionError naming rank 1 and its reason, and loads nothing;
-- DDP + AdamW over 4 ranks writes one copy of the state, each rank about a quarter (the bytes per
+- DDP (with a BatchNorm, whose statistics differ per rank: rank 0's are written, which DDP
+  broadcasts) + AdamW over 4 ranks writes one copy of the state, each rank about a quarter (the bytes per
   rank, from the files, are printed: largest share <= 1.25x the mean), whole tensors and flat
   ranges of those that cross a share's end; 4 and then 2 fresh processes resume it bit for bit;
-- DDP + ZeroRedundancyOptimizer over 4 ranks: each parameter's AdamW state is in exactly one file;
+- DDP + ZeroRedundancyOptimizer over 4 ranks, one parameter frozen: each trainable parameter's AdamW
+  state is in exactly one file;
   2 processes resume it, each rank gets the state of its new partition bit for bit, and train on;
 - a hand-written tensor-parallel MLP (fc1 column-parallel, fc2 row-parallel over gloo), tp 2 x dp 2,
   saved with shard_specs, restores as tp 1 x dp 2 (every rank the full tensors) and as tp 2 x dp 1
@@ -124,7 +126,8 @@ def worker(case, rank, world, port, sock, job, out):
         # Tensors of very different sizes: the 64 x 64 weight and its moments are larger than a
         # rank's share, so they are written as flat ranges by several ranks.
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-            torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+            torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+            torch.nn.Linear(64, 4)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
             if case == "ddp_save":
@@ -139,6 +142,7 @@ def worker(case, rank, world, port, sock, job, out):
             else:
                 result["step"] = ck.resume()
         dump = {"param.%s" % n: p.detach().clone() for n, p in model.named_parameters()}
+        dump.update({"buffer.%s" % n: b.clone() for n, b in model.named_buffers()})
         for i, p in enumerate(model.parameters()):
             for field, v in optimizer.state.get(p, {}).items():
                 dump["state.%d.%s" % (i, field)] = v.clone()
@@ -146,8 +150,10 @@ def worker(case, rank, world, port, sock, job, out):
     elif case in ("zero_save", "zero_resume"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         torch.manual_seed(0 if case == "zero_save" else 9)
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+        net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        net[0].bias.requires_grad_(False)  # a frozen parameter has no optimizer state
+        model = torch.nn.parallel.DistributedDataParallel(net)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
 
         def train(g, steps):
@@ -388,7 +394,8 @@ class DistributedResumeTest(unittest.TestCase):
         saved = [torch.load(out + ".pt") for out in outs]
         for part in saved[1:]:
             for name, t in part.items():
-                self.assertTrue(torch.equal(t, saved[0][name]), name)  # DDP keeps the replicas alike
+                if not name.startswith("buffer."):  # BatchNorm statistics differ per rank
+                    self.assertTrue(torch.equal(t, saved[0][name]), name)  # DDP keeps the replicas alike
         one_copy = sum(t.numel() * t.element_size() for t in saved[0].values())
 
         step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-4")
@@ -410,7 +417,7 @@ class DistributedResumeTest(unittest.TestCase):
                 self.assertEqual(r["step"], 4)
                 got = torch.load(out + ".pt")
                 self.assertEqual(sorted(got), sorted(saved[0]))
-                for name, t in saved[0].items():
+                for name, t in saved[0].items():  # buffers: rank 0's, which DDP broadcasts
                     self.assertTrue(torch.equal(got[name], t), "%d ranks: %s" % (world, name))
 
     def test_zero_optimizer_state_is_written_once_and_resumes_into_another_world_size(self):
@@ -427,7 +434,7 @@ class DistributedResumeTest(unittest.TestCase):
                     self.assertNotIn(name, full, "two ranks hold the state of one parameter")
                     full[name] = t
         indices = {n.split(".")[1] for n in full}
-        self.assertEqual(len(indices), 6)  # every parameter has its state on exactly one rank
+        self.assertEqual(len(indices), 5)  # every trainable parameter has its state on exactly one rank
 
         # Each optimizer state tensor is in exactly one file of the checkpoint: written once.
         step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-3")

@@ -49,7 +49,8 @@ first differing key, and leaves the model untouched when the difference is known
 
 A torch.distributed.optim.ZeroRedundancyOptimizer is saved without consolidating: each rank writes
 the state of its own partition (under the global parameter indices of ZeRO's consolidated
-state_dict), and a job of another world size resumes it, each rank taking its new partition's state.
+state_dict), and a job of as many or fewer ranks resumes it, each rank taking its new partition's
+state. (A job of more ranks cannot resume a checkpoint yet: its new ranks have no part of it.)
 
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
@@ -148,12 +149,13 @@ class Checkpointer:
     rank and world_size default to torch.distributed's when it is initialised, else 0 and 1; unless
     given, shard_degree = world_size / (tp_degree * pp_degree) and shard_rank = rank // (tp_degree *
     pp_degree), i.e. data-parallel ranks are shards. rng=False leaves the RNG state out.
-    replicated: whether the job's modules and optimizers (not a ZeroRedundancyOptimizer, whose
-    ranks hold different state) are alike on every rank of the process group, so that each of their
-    bytes is written by one rank: the ranks split them evenly, whole tensors and flat ranges of the
-    ones that cross a share's end. None (default): when a module is a DistributedDataParallel, the
-    job has no tensor or pipeline parallelism and no EMA. Every other state (a data position) is
-    written by every rank. Resume reads the tensors from whichever files hold them.
+    replicated: whether the parameters of the job's modules, and their optimizer state (not a
+    ZeroRedundancyOptimizer's, whose ranks hold different state), are alike on every rank of the
+    process group, so that each of their bytes is written by one rank: the ranks split them
+    evenly, whole tensors and flat ranges of the ones that cross a share's end. None (default): the
+    DistributedDataParallel modules' parameters and their optimizer state, when the job has no
+    tensor or pipeline parallelism and no EMA. Those modules' buffers are written by rank 0 (DDP
+    broadcasts rank 0's), every other tensor by every rank. Resume reads the tensors from whichever files hold them.
     process_group: the group whose ranks agree on the step resume() restores (default: the default
     group, when torch.distributed is initialised and has this Checkpointer's world_size ranks).
     shard_specs: how tensor parallelism splits the model's tensors, a mapping (or a callable) from a
@@ -193,6 +195,9 @@ class Checkpointer:
             raise TypeError("shard_specs must be a mapping or a callable from a model state-dict key to "
                             "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
         self._shard_specs = shard_specs
+        self._specs_checked = False
+        self._zero_status = {}
+        self._param_map = None
         if replicated and (client_options.get("ema_decay") is not None or shard_specs is not None
                            or tp_degree * pp_degree != 1):
             raise ValueError("replicated=True (each tensor written by one data-parallel rank) is for data-parallel "
@@ -235,7 +240,9 @@ class Checkpointer:
             else:
                 state[key] = obj.state_dict() if _is_stateful(obj) else obj
         tree, tensors = _state.flatten(state)
-        self._describe_partitions(tree)
+        self._param_map = None
+        self._check_shard_specs(tensors)
+        self._zero_status = self._describe_partitions(tree)
         if self._shard_specs is not None:
             for leaf in _state.tensor_leaves(tree):
                 box = self._box(leaf["t"], tuple(leaf["shape"]))
@@ -262,26 +269,43 @@ class Checkpointer:
                              % (key, dim, rank, degree, list(shape)))
         return dim, rank, degree
 
+    def _param_names(self):
+        """{(optimizer key, parameter index): (model tensor name, local shape)}, built once per layout."""
+        if self._param_map is None:
+            names = {}
+            for key in self._model_keys:
+                module = self.states[key]
+                if isinstance(module, torch.nn.Module):
+                    for pname, p in module.named_parameters():
+                        names.setdefault(id(p), ("%s.%s" % (key, pname), tuple(p.shape)))
+            self._param_map = {}
+            for okey, opt in self.states.items():
+                if _is_optimizer(opt):
+                    params = [p for g in opt.param_groups for p in g["params"]]
+                    for i, p in enumerate(params):
+                        if id(p) in names:
+                            self._param_map[(okey, i)] = names[id(p)]
+        return self._param_map
+
     def _param_of(self, name):
         """(model tensor name, local shape) of the parameter whose optimizer state `name` is
         ("<optimizer key>.state.<i>.<field>"), or None."""
         parts = name.split(".")
         if len(parts) < 4 or parts[1] != "state" or not parts[2].isdigit():
             return None
-        opt = self.states.get(parts[0])
-        if not _is_optimizer(opt):
-            return None
-        params = [p for g in opt.param_groups for p in g["params"]]
-        index = int(parts[2])
-        if index >= len(params):
-            return None
-        for key in self._model_keys:
-            module = self.states[key]
-            if isinstance(module, torch.nn.Module):
-                for pname, p in module.named_parameters():
-                    if p is params[index]:
-                        return "%s.%s" % (key, pname), tuple(p.shape)
-        return None
+        return self._param_names().get((parts[0], int(parts[2])))
+
+    def _check_shard_specs(self, tensors):
+        """A mapping that names no model tensor is a mistake (a DDP-wrapped model's keys start with
+        "module."): raise, naming the first such key."""
+        if self._shard_specs is None or callable(self._shard_specs) or self._specs_checked:
+            return
+        keys = {n.split(".", 1)[1] for n in tensors if "." in n and self._kind(n) == "model"}
+        unknown = [k for k in self._shard_specs if k not in keys]
+        if unknown:
+            raise ValueError("shard_specs names '%s', which is no model state-dict key (they are like '%s')"
+                             % (unknown[0], next(iter(sorted(keys)), "")))
+        self._specs_checked = True
 
     def _box(self, name, shape):
         """The box spec (global_shape, box_offset, box_shape) of tensor `name` of local shape `shape`
@@ -290,8 +314,15 @@ class Checkpointer:
             return None
         if self._kind(name) != "model":
             param = self._param_of(name)
-            if param is None or param[1] != tuple(shape):
-                return None  # optimizer state of another shape than its parameter (a step count): whole
+            if param is None:
+                return None
+            if param[1] != tuple(shape):
+                pkey = param[0].split(".", 1)[1]
+                if len(shape) > 0 and self._split(pkey, param[1]) is not None:
+                    raise ValueError("optimizer state '%s' of shape %s belongs to the split parameter '%s' of shape "
+                                     "%s: only state of the parameter's shape (split alike) or scalars are supported"
+                                     % (name, list(shape), param[0], list(param[1])))
+                return None  # a scalar (a step count): whole
             name = param[0]
         key = name.split(".", 1)[1] if "." in name else name
         split = self._split(key, shape)
@@ -325,7 +356,8 @@ class Checkpointer:
         return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
 
     def _register(self, tensors, specs=None):
-        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()),
+               tuple(sorted((n, repr(v)) for n, v in (specs or {}).items())))
         if key != self._layout_key:
             all_specs = {n: self._spec(n, t.shape) for n, t in tensors.items()}
             for n, extra in (specs or {}).items():
@@ -359,14 +391,36 @@ class Checkpointer:
         if dp is None:
             return tensors, {}
         rank, ranks = dp
-        keys = {k for k, v in self.states.items()
-                if k in self._model_keys or (_is_optimizer(v) and not _is_zero(v))}
-        replicated = [n for n in tensors if n.split(".", 1)[0] in keys]
+        # The parameters of the replicated modules (DDP's; every module with replicated=True) and
+        # the optimizer state of those parameters. Their buffers are rank 0's alone: DDP broadcasts
+        # rank 0's before each forward, which then updates them on each rank (BatchNorm statistics).
+        ddp = torch.nn.parallel.DistributedDataParallel
+        params, buffers = set(), set()
+        for key in self._model_keys:
+            module = self.states[key]
+            if isinstance(module, torch.nn.Module) and (self._replicated or isinstance(module, ddp)):
+                params.update("%s.%s" % (key, n) for n, _ in module.named_parameters())
+                buffers.update("%s.%s" % (key, n) for n, _ in module.named_buffers())
+
+        def alike(name):
+            if name in params:
+                return True
+            owner = self.states.get(name.split(".", 1)[0])
+            if not _is_optimizer(owner) or _is_zero(owner):
+                return False
+            param = self._param_of(name)
+            return param is not None and param[0] in params
+
+        replicated = [n for n in tensors if alike(n)]
         total = sum(tensors[n].numel() * tensors[n].element_size() for n in replicated)
         lo, hi = total * rank // ranks, total * (rank + 1) // ranks
         out, specs, pos = {}, {}, 0
         replicated = set(replicated)
         for name, t in tensors.items():
+            if name in buffers and name not in replicated:
+                if rank == 0:
+                    out[name] = t
+                continue
             if name not in replicated:
                 out[name] = t
                 continue
@@ -404,6 +458,8 @@ class Checkpointer:
         payload = None
         if persist:
             payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra}
+            if self._zero_status:
+                payload["zero"] = self._zero_status
             if self.rng:
                 payload["rng"] = _rng_state()
         snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload)
@@ -492,6 +548,10 @@ class Checkpointer:
             blob = json.loads(extra.decode("utf-8")) if extra else None
         except ValueError:
             blob = None
+        if not extra:
+            raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was saved "
+                                          "by fewer ranks (a job of more ranks cannot resume it yet) or not by "
+                                          "flashckpt.torch.Checkpointer" % (found, self.client.rank))
         if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
             raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
                                          "state has no state-dict structure); restore it with flashckpt.Client" % found)
@@ -570,59 +630,75 @@ class Checkpointer:
 
     def _take_partitions(self, blob):
         """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
-        rank holds now (the job may have another world size than the one that saved: every rank's
-        saved tree describes the state of every parameter, see _describe_partitions)."""
+        rank holds now (the job may have fewer ranks than the one that saved: every rank's saved tree
+        describes the state of every trainable parameter, see _describe_partitions)."""
         for key, zero in self.states.items():
             if not _is_zero(zero):
                 continue
             node = _state.subtree(blob["state"], (key, "state"))
             saved = dict((i, n) for i, n in (node or {}).get("d", []))
-            mine = sorted(zero._param_to_index[p] for p, r in zero._param_to_rank.items() if r == zero.rank)
+            mine = sorted(zero._param_to_index[p] for p, r in zero._param_to_rank.items()
+                          if r == zero.rank and p.requires_grad)
             missing = [i for i in mine if i not in saved]
-            if saved and missing:
+            status = blob.get("zero", {}).get(key, "described")
+            if missing and (saved or status != "fresh"):
+                why = ("its rank held no trainable parameter of that group when it saved; resume with the world size "
+                       "that saved it" if status != "described" else "a parameter without state when it was saved "
+                       "(no gradient yet)")
                 raise FailedPreconditionError(
-                    "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d, whose state the "
-                    "checkpoint does not describe" % (key, missing[0]))
+                    "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d, whose state this "
+                    "rank's part of the checkpoint does not describe: %s" % (key, missing[0], why))
             if node is not None:
                 node["d"] = [[i, saved[i]] for i in mine if i in saved]
 
     def _describe_partitions(self, tree):
-        """Adds to `tree` the state of the parameters other ranks' ZeroRedundancyOptimizer partitions
-        hold, as structure only (each rank writes the tensors of its own partition): the fields of
-        a parameter of the same group here, tensors of the parameter's shape taking the other's.
-        A rank of a later job with another world size then finds its partition's state in any
-        rank's tree."""
+        """Adds to `tree` the state of the trainable parameters that other ranks'
+        ZeroRedundancyOptimizer partitions hold, as structure only (each rank writes the tensors of
+        its own partition): the fields of a parameter of the same group here that is not a scalar,
+        tensors of that parameter's shape taking the other's. A rank of a later job with fewer ranks
+        then finds its partition's state in its own part of the checkpoint. Returns, per optimizer,
+        "fresh" (no state yet), "described" or "partial" (a group this rank holds no example of),
+        which save() records beside the tree."""
+        status = {}
         for key, zero in self.states.items():
             if not _is_zero(zero):
                 continue
             node = _state.subtree(tree, (key, "state"))
-            if node is None or not node.get("d"):
-                continue  # no state yet
-            own = dict((i, n) for i, n in node["d"])
+            own = dict((i, n) for i, n in (node or {}).get("d", []))
             index = zero._param_to_index
             params = [p for g in zero.param_groups for p in g["params"]]
             group_of = {index[p]: gi for gi, g in enumerate(zero.param_groups) for p in g["params"]}
-            example = {}  # group -> (its parameter's shape, its state node)
-            for i, n in own.items():
+            if not own:
+                held = [p for p, r in zero._param_to_rank.items() if r == zero.rank and p.requires_grad]
+                status[key] = "fresh" if held else "partial"
+                continue
+            example = {}  # group -> (its parameter's shape, its state node), a parameter of rank > 0 first
+            for i, n in sorted(own.items(), key=lambda item: params[item[0]].dim() == 0):
                 example.setdefault(group_of[i], (tuple(params[i].shape), n))
-            fallback = next(iter(example.values()))
+            status[key] = "described"
             entries = []
             for i, p in enumerate(params):
                 if i in own:
                     entries.append([i, own[i]])
                     continue
-                shape, n = example.get(group_of[i], fallback)
+                if not p.requires_grad:
+                    continue  # a frozen parameter has no state
+                if group_of[i] not in example or (len(example[group_of[i]][0]) == 0 and p.dim() > 0):
+                    status[key] = "partial"
+                    continue
+                shape, n = example[group_of[i]]
                 fields = []
                 for field, leaf in n["d"]:
                     leaf = dict(leaf)
                     if "t" in leaf:
                         leaf["t"] = "%s.state.%d.%s" % (key, i, field)
-                        if tuple(leaf["shape"]) == shape:
+                        if len(shape) > 0 and tuple(leaf["shape"]) == shape:
                             leaf["shape"] = list(p.shape)
                         leaf.pop("global_shape", None)
                     fields.append([field, leaf])
                 entries.append([i, {"d": fields}])
             node["d"] = entries
+        return status
 
     def _check_structure(self, found, blob, tree):
         """Raises StructureMismatchError naming the first key where the saved states differ from the
