@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the benchmarks in a Release build (build-release/, tests off), runs them (and, with
-# PyTorch installed, bench/torch_save_bench.py), then prints one table of their headline ratios.
+# PyTorch installed, bench/torch_save_bench.py and bench/torch_ddp_bench.py), then prints one table of their headline ratios.
 #
 #   scripts/bench.sh                              every benchmark, default sizes
 #   scripts/bench.sh -- --bytes 256MiB            every benchmark, these arguments to each
@@ -46,12 +46,15 @@ for name in "${names[@]}"; do
   "$BUILD/bin/$name" "${args[@]}" | tee -a "$LOG" | grep -v '^SUMMARY'
 done
 
-# Row 5, against peers: torch.save and a plain writer, with Debian's PyTorch (when it is there and
+# Row 5, against peers: torch.save and a plain writer, and a 4-process DDP job's save, with Debian's PyTorch (when it is there and
 # no benchmark was named).
 if [ ${#explicit[@]} -eq 0 ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   cmake --build "$BUILD" -j"$JOBS" --target flashckptd flashckpt_python >/dev/null
   section "bench/torch_save_bench.py"
   /usr/bin/python3 bench/torch_save_bench.py --bin-dir "$BUILD/bin" --python-dir "$BUILD/python" \
+    | tee -a "$LOG" | grep -v '^SUMMARY'
+  section "bench/torch_ddp_bench.py"
+  /usr/bin/python3 bench/torch_ddp_bench.py --bin-dir "$BUILD/bin" --python-dir "$BUILD/python" \
     | tee -a "$LOG" | grep -v '^SUMMARY'
 fi
 
