@@ -25,8 +25,6 @@ same directory (the disk). Medians over --repeats saves after one warm-up each.
 import argparse
 import json
 import os
-import shutil
-import signal
 import socket as socketlib
 import statistics
 import subprocess
@@ -37,7 +35,7 @@ import time
 sys.dont_write_bytecode = True
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(REPO, "bench"))
-from torch_save_bench import LAYER, fsync_path, ms, start_daemon  # noqa: E402
+from torch_save_bench import LAYER, fsync_path, ms, start_daemon, stop_daemon  # noqa: E402
 
 
 def worker(args):
@@ -204,17 +202,7 @@ def main():
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        for name in os.listdir("/dev/shm"):
-            if name.startswith("flashckpt.%s." % job):
-                os.unlink(os.path.join("/dev/shm", name))
-        shutil.rmtree(sock_dir, ignore_errors=True)
-        if not args.keep and not args.dir:
-            shutil.rmtree(work, ignore_errors=True)
+        stop_daemon(daemon, job, sock_dir, None if args.keep or args.dir else work)
 
     total = results[0]["total"]
     print("state: %.1f MiB per rank (%d layers of %dx%d: model + AdamW moments), %d DDP ranks (gloo), %d cores"

@@ -69,6 +69,21 @@ def start_daemon(bin_dir, socket, root, budget, log):
     return proc
 
 
+def stop_daemon(daemon, job, sock_dir, work=None):
+    """SIGTERM (SIGKILL after 60 s), then removes the job's segments, the socket directory and `work`."""
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("flashckpt.%s." % job):
+            os.unlink(os.path.join("/dev/shm", name))
+    shutil.rmtree(sock_dir, ignore_errors=True)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0, help="approximate state size in GiB (default 1)")
@@ -170,17 +185,7 @@ def main():
                     fc_block.append(blocked)
                     fc_durable.append(durable)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        for name in os.listdir("/dev/shm"):
-            if name.startswith("flashckpt.%s." % job):
-                os.unlink(os.path.join("/dev/shm", name))
-        shutil.rmtree(sock_dir, ignore_errors=True)
-        if not args.keep and not args.dir:
-            shutil.rmtree(work, ignore_errors=True)
+        stop_daemon(daemon, job, sock_dir, None if args.keep or args.dir else work)
 
     tb, td = statistics.median(ts_block), statistics.median(ts_durable)
     fb, fd = statistics.median(fc_block), statistics.median(fc_durable)

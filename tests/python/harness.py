@@ -13,8 +13,10 @@ import glob
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 sys.dont_write_bytecode = True  # keep the source tree clean
@@ -99,6 +101,20 @@ class Daemon:
     def __exit__(self, *exc):
         self.cleanup()
         return False
+
+
+def wait_all(procs, deadline):
+    """Waits for every process until time.monotonic() reaches `deadline`; if one is still running
+    then, kills them all and returns False."""
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.wait()
+            return False
+    return True
 
 
 class DaemonTestCase(unittest.TestCase):

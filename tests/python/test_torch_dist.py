@@ -85,18 +85,22 @@ def worker(case, rank, world, port, sock, job, out):
             tensors += [v for v in s.values() if torch.is_tensor(v)]
         return [t.double().sum().item() for t in tensors] + [t.flatten()[:4].tolist() for t in tensors]
 
+    def train_and_save(model, optimizer, ck):
+        """Four steps on this rank's batches, saving steps 2 and 4; returns once step 4 is complete."""
+        g = torch.Generator().manual_seed(rank)
+        for step in range(1, 5):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            optimizer.step()
+            if step % 2 == 0:
+                ck.save(step)
+        ck.wait_persisted(4, timeout=60)
+
     result = {"rank": rank}
     if case == "save":
         model, optimizer = make()
-        g = torch.Generator().manual_seed(rank)
         with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
-            for step in range(1, 5):
-                optimizer.zero_grad()
-                model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
-                optimizer.step()
-                if step % 2 == 0:
-                    ck.save(step)
-            ck.wait_persisted(4, timeout=60)
+            train_and_save(model, optimizer, ck)
         result["digest"] = digest(model, optimizer)
     elif case == "resume":
         model, optimizer = make(seed=7)
@@ -131,14 +135,7 @@ def worker(case, rank, world, port, sock, job, out):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
             if case == "ddp_save":
-                g = torch.Generator().manual_seed(rank)
-                for step in range(1, 5):
-                    optimizer.zero_grad()
-                    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
-                    optimizer.step()
-                    if step % 2 == 0:
-                        ck.save(step)
-                ck.wait_persisted(4, timeout=60)
+                train_and_save(model, optimizer, ck)
             else:
                 result["step"] = ck.resume()
         dump = {"param.%s" % n: p.detach().clone() for n, p in model.named_parameters()}
@@ -303,15 +300,7 @@ def tp_worker(case, rank, world, port, sock, job, out):
     dist.destroy_process_group()
 
 
-class DistributedResumeTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = harness.Daemon().__enter__()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.cleanup()
-
+class DistributedResumeTest(harness.DaemonTestCase):
     def run_pair(self, case, job, world=2):
         port = free_port()
         procs, outs = [], []
@@ -323,15 +312,8 @@ class DistributedResumeTest(unittest.TestCase):
                                                str(world), str(port), self.daemon.socket, job, out],
                                               stdout=log, stderr=subprocess.STDOUT, env=env))
             outs.append(out)
-        deadline = time.monotonic() + WORKER_DEADLINE
-        for p in procs:
-            try:
-                p.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                    q.wait()
-                self.fail("the %s workers did not finish within %d s:\n%s" % (case, WORKER_DEADLINE, self.logs(outs)))
+        if not harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE):
+            self.fail("the %s workers did not finish within %d s:\n%s" % (case, WORKER_DEADLINE, self.logs(outs)))
         results = []
         for out in outs:
             if os.path.exists(out):
@@ -340,6 +322,14 @@ class DistributedResumeTest(unittest.TestCase):
             else:
                 results.append(None)
         return results, procs, outs
+
+    def saved_group(self, case, job, world):
+        """Runs `case` in `world` workers, which must all succeed; the tensors each dumped."""
+        import torch
+
+        _, procs, outs = self.run_pair(case, job, world=world)
+        self.assertEqual([p.returncode for p in procs], [0] * world, self.logs(outs))
+        return [torch.load(out + ".pt") for out in outs]
 
     def logs(self, outs):
         text = []
@@ -389,9 +379,7 @@ class DistributedResumeTest(unittest.TestCase):
         import torch
 
         job = self.daemon.job("ddp")
-        _, procs, outs = self.run_pair("ddp_save", job, world=4)
-        self.assertEqual([p.returncode for p in procs], [0, 0, 0, 0], self.logs(outs))
-        saved = [torch.load(out + ".pt") for out in outs]
+        saved = self.saved_group("ddp_save", job, 4)
         for part in saved[1:]:
             for name, t in part.items():
                 if not name.startswith("buffer."):  # BatchNorm statistics differ per rank
@@ -424,9 +412,7 @@ class DistributedResumeTest(unittest.TestCase):
         import torch
 
         job = self.daemon.job("zero")
-        _, procs, outs = self.run_pair("zero_save", job, world=4)
-        self.assertEqual([p.returncode for p in procs], [0, 0, 0, 0], self.logs(outs))
-        saved = [torch.load(out + ".pt") for out in outs]
+        saved = self.saved_group("zero_save", job, 4)
         full = {}
         for part in saved:
             for name, t in part.items():
@@ -464,9 +450,7 @@ class DistributedResumeTest(unittest.TestCase):
         import torch
 
         job = self.daemon.job("tp")
-        saved, procs, outs = self.run_pair("tp_save", job, world=4)
-        self.assertEqual([p.returncode for p in procs], [0, 0, 0, 0], self.logs(outs))
-        parts = [torch.load(out + ".pt") for out in outs]
+        parts = self.saved_group("tp_save", job, 4)
         # The full tensors, from the tp ranks of data-parallel rank 0 (rank = tp + 2 * dp).
         whole = {}
         for name in parts[0]:

@@ -116,15 +116,7 @@ def read_losses(path):
     return losses, start
 
 
-class DistributedSigkillTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = harness.Daemon().__enter__()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.cleanup()
-
+class DistributedSigkillTest(harness.DaemonTestCase):
     def group(self, optim, mode, job, name, arg, expect_kill=False):
         port = free_port()
         procs, logs = [], []
@@ -144,14 +136,8 @@ class DistributedSigkillTest(unittest.TestCase):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        for p in procs:
-            try:
-                p.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                    q.wait()
-                self.fail("%s did not finish within %d s:\n%s" % (name, DEADLINE, self.tails(logs)))
+        if not harness.wait_all(procs, deadline):
+            self.fail("%s did not finish within %d s:\n%s" % (name, DEADLINE, self.tails(logs)))
         if expect_kill:
             self.assertEqual(procs[1].returncode, -signal.SIGKILL, self.tails(logs))
         else:
