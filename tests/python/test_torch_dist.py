@@ -11,8 +11,8 @@ Each case runs two real worker processes (this file, run with "worker") against 
   broadcasts) + AdamW over 4 ranks writes one copy of the state, each rank about a quarter (the bytes per
   rank, from the files, are printed: largest share <= 1.25x the mean), whole tensors and flat
   ranges of those that cross a share's end; 4 and then 2 fresh processes resume it bit for bit;
-- DDP + ZeroRedundancyOptimizer over 4 ranks, one parameter frozen: each trainable parameter's AdamW
-  state is in exactly one file;
+- DDP + ZeroRedundancyOptimizer over 4 ranks, one parameter frozen and one layer unused: each
+  trainable parameter's AdamW state is in exactly one file;
   2 processes resume it, each rank gets the state of its new partition bit for bit, and train on;
 - a hand-written tensor-parallel MLP (fc1 column-parallel, fc2 row-parallel over gloo), tp 2 x dp 2,
   saved with shard_specs, restores as tp 1 x dp 2 (every rank the full tensors) and as tp 2 x dp 1
@@ -147,10 +147,19 @@ def worker(case, rank, world, port, sock, job, out):
     elif case in ("zero_save", "zero_resume"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         torch.manual_seed(0 if case == "zero_save" else 9)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-        net[0].bias.requires_grad_(False)  # a frozen parameter has no optimizer state
-        model = torch.nn.parallel.DistributedDataParallel(net)
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+                self.unused = torch.nn.Linear(16, 16)  # no gradient reaches it: no optimizer state
+
+            def forward(self, x):
+                return self.body(x)
+
+        net = Net()
+        net.body[0].bias.requires_grad_(False)  # a frozen parameter has no optimizer state
+        model = torch.nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
 
         def train(g, steps):
@@ -420,7 +429,7 @@ class DistributedResumeTest(harness.DaemonTestCase):
                     self.assertNotIn(name, full, "two ranks hold the state of one parameter")
                     full[name] = t
         indices = {n.split(".")[1] for n in full}
-        self.assertEqual(len(indices), 5)  # every trainable parameter has its state on exactly one rank
+        self.assertEqual(len(indices), 5)  # every used trainable parameter has its state on exactly one rank
 
         # Each optimizer state tensor is in exactly one file of the checkpoint: written once.
         step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-3")

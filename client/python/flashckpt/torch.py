@@ -66,6 +66,7 @@ ValueError.
 import base64
 import collections.abc
 import json
+import sys
 import time
 
 import torch
@@ -108,14 +109,9 @@ def _is_stateful(obj):
 
 def _is_zero(obj):
     """torch.distributed.optim.ZeroRedundancyOptimizer: each rank holds the state of its partition."""
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available():
-        return False
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:
-        return False
-    return isinstance(obj, ZeroRedundancyOptimizer)
+    # Looked up, not imported: a job that made one has imported it, and importing it costs a save.
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(obj, module.ZeroRedundancyOptimizer)
 
 
 def _zero_state_dict(zero):
@@ -196,7 +192,7 @@ class Checkpointer:
                             "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
         self._shard_specs = shard_specs
         self._specs_checked = False
-        self._zero_status = {}
+        self._zero_records = {}
         self._param_map = None
         if replicated and (client_options.get("ema_decay") is not None or shard_specs is not None
                            or tp_degree * pp_degree != 1):
@@ -242,7 +238,7 @@ class Checkpointer:
         tree, tensors = _state.flatten(state)
         self._param_map = None
         self._check_shard_specs(tensors)
-        self._zero_status = self._describe_partitions(tree)
+        self._zero_records = self._describe_partitions(tree)
         if self._shard_specs is not None:
             for leaf in _state.tensor_leaves(tree):
                 box = self._box(leaf["t"], tuple(leaf["shape"]))
@@ -458,8 +454,8 @@ class Checkpointer:
         payload = None
         if persist:
             payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra}
-            if self._zero_status:
-                payload["zero"] = self._zero_status
+            if self._zero_records:
+                payload["zero"] = self._zero_records
             if self.rng:
                 payload["rng"] = _rng_state()
         snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload)
@@ -581,7 +577,7 @@ class Checkpointer:
             result, error = None, None
             try:
                 result = fn()
-            except Exception as e:  # reported to the other ranks, then raised here
+            except BaseException as e:  # reported to the other ranks (an interrupt too), then raised here
                 error = e
             self._agree(group, what, error)
             return result
@@ -619,37 +615,66 @@ class Checkpointer:
                                     lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
         if found is None:
             return None
-        if any(_is_zero(v) for v in self.states.values()):
-            stage("take its optimizer partition", lambda: self._take_partitions(blob))
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
         stage("match checkpoint-%d" % found, lambda: self._check_structure(found, blob, tree))
+        if any(_is_zero(v) for v in self.states.values()):
+            # What each rank of the saving job recorded of its partition (those of this group's ranks:
+            # one gather, on every rank alike), then this rank's new partition.
+            part = {"records": blob.get("zero"),
+                    "trees": {k: _state.subtree(blob["state"], (k, "state"))
+                              for k, v in self.states.items() if _is_zero(v)}}
+            records = [part]
+            if group is not None:
+                records = self._gather(group, part)
+            stage("take its optimizer partition", lambda: self._take_partitions(blob, records))
         stage("restore checkpoint-%d" % found, lambda: self._restore_found(found, blob, tensors, timeout))
         self.resumed_step = found
         return found
 
-    def _take_partitions(self, blob):
+    def _take_partitions(self, blob, records):
         """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
-        rank holds now (the job may have fewer ranks than the one that saved: every rank's saved tree
-        describes the state of every trainable parameter, see _describe_partitions)."""
+        rank holds now. The job may have fewer ranks than the one that saved: this rank's saved tree
+        describes the state of every trainable parameter it could (see _describe_partitions), and
+        `records`, the parts of the saving job's ranks that this group's ranks read (their
+        descriptions; the partition each held and which of its parameters had state), fill in what
+        this rank's part does not describe and say which parameters had no state."""
         for key, zero in self.states.items():
             if not _is_zero(zero):
                 continue
             node = _state.subtree(blob["state"], (key, "state"))
-            saved = dict((i, n) for i, n in (node or {}).get("d", []))
-            mine = sorted(zero._param_to_index[p] for p, r in zero._param_to_rank.items()
-                          if r == zero.rank and p.requires_grad)
-            missing = [i for i in mine if i not in saved]
-            status = blob.get("zero", {}).get(key, "described")
-            if missing and (saved or status != "fresh"):
-                why = ("its rank held no trainable parameter of that group when it saved; resume with the world size "
-                       "that saved it" if status != "described" else "a parameter without state when it was saved "
-                       "(no gradient yet)")
-                raise FailedPreconditionError(
-                    "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d, whose state this "
-                    "rank's part of the checkpoint does not describe: %s" % (key, missing[0], why))
+            saved = {}
+            stateless, known, described_all = set(), set(), False
+            for part in records:  # this rank's own first
+                for i, n in ((part.get("trees") or {}).get(key) or {}).get("d", []):
+                    saved.setdefault(i, n)
+                record = (part.get("records") or {}).get(key)
+                if isinstance(record, dict):
+                    held = set(record.get("held", ()))
+                    known |= held
+                    stateless |= held - set(record.get("stateful", ()))
+                    described_all = described_all or bool(record.get("describes_all"))
+            for i, n in (node or {}).get("d", []):
+                saved[i] = n
+            # The whole state is described: this tree is a plain optimizer's, or a rank of the saving
+            # job described every parameter with state.
+            complete = blob.get("zero") is None or described_all
+            index = zero._param_to_index
+            mine = sorted((index[p], p) for p, r in zero._param_to_rank.items() if r == zero.rank)
+            take = []
+            for i, p in mine:
+                if i in stateless or (not p.requires_grad and i not in saved):
+                    continue  # no state when it was saved (no gradient yet, or frozen): starts fresh, as in torch
+                if i in saved:
+                    take.append(i)
+                elif not complete:
+                    why = ("its state is in no part of the checkpoint this rank can read" if i not in known else
+                           "its owner had state for it but this rank's part does not describe it")
+                    raise FailedPreconditionError(
+                        "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d: %s (resume with "
+                        "the world size that saved checkpoint)" % (key, i, why))
             if node is not None:
-                node["d"] = [[i, saved[i]] for i in mine if i in saved]
+                node["d"] = [[i, saved[i]] for i in take]
 
     def _describe_partitions(self, tree):
         """Adds to `tree` the state of the trainable parameters that other ranks'
@@ -657,9 +682,11 @@ class Checkpointer:
         its own partition): the fields of a parameter of the same group here that is not a scalar,
         tensors of that parameter's shape taking the other's. A rank of a later job with fewer ranks
         then finds its partition's state in its own part of the checkpoint. Returns, per optimizer,
-        "fresh" (no state yet), "described" or "partial" (a group this rank holds no example of),
-        which save() records beside the tree."""
-        status = {}
+        this rank's partition ("held") and which of its parameters have state ("stateful"), which
+        save() records beside the tree: a described parameter that its owner held without state is
+        not read on resume. Another rank's parameter that no gradient reached (while gradients are
+        kept, i.e. not set to None before the save) is not described."""
+        records = {}
         for key, zero in self.states.items():
             if not _is_zero(zero):
                 continue
@@ -668,24 +695,30 @@ class Checkpointer:
             index = zero._param_to_index
             params = [p for g in zero.param_groups for p in g["params"]]
             group_of = {index[p]: gi for gi, g in enumerate(zero.param_groups) for p in g["params"]}
+            held = sorted(index[p] for p, r in zero._param_to_rank.items() if r == zero.rank)
+            records[key] = {"held": held, "stateful": sorted(own)}
             if not own:
-                held = [p for p, r in zero._param_to_rank.items() if r == zero.rank and p.requires_grad]
-                status[key] = "fresh" if held else "partial"
                 continue
             example = {}  # group -> (its parameter's shape, its state node), a parameter of rank > 0 first
             for i, n in sorted(own.items(), key=lambda item: params[item[0]].dim() == 0):
                 example.setdefault(group_of[i], (tuple(params[i].shape), n))
-            status[key] = "described"
+            mine = set(held)
+            # Gradients are visible on every rank (DDP reduces them everywhere): while they are kept,
+            # a parameter without one (unused by the forward) has no state on its owner either.
+            grads_kept = any(p.grad is not None for p in params)
+            # With gradients kept and an example of every group, every parameter with state is in
+            # this tree: one it does not describe has none.
+            records[key]["describes_all"] = grads_kept
             entries = []
             for i, p in enumerate(params):
                 if i in own:
                     entries.append([i, own[i]])
                     continue
-                if not p.requires_grad:
-                    continue  # a frozen parameter has no state
+                if i in mine or not p.requires_grad or (grads_kept and p.grad is None):
+                    continue  # without state: this rank's, a frozen one, or one no gradient reached
                 if group_of[i] not in example or (len(example[group_of[i]][0]) == 0 and p.dim() > 0):
-                    status[key] = "partial"
-                    continue
+                    records[key]["describes_all"] = False
+                    continue  # no example of its group here: resume raises if it needs one
                 shape, n = example[group_of[i]]
                 fields = []
                 for field, leaf in n["d"]:
@@ -698,7 +731,7 @@ class Checkpointer:
                     fields.append([field, leaf])
                 entries.append([i, {"d": fields}])
             node["d"] = entries
-        return status
+        return records
 
     def _check_structure(self, found, blob, tree):
         """Raises StructureMismatchError naming the first key where the saved states differ from the
