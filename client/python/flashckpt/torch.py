@@ -391,15 +391,18 @@ class Checkpointer:
         # the optimizer state of those parameters. Their buffers are rank 0's alone: DDP broadcasts
         # rank 0's before each forward, which then updates them on each rank (BatchNorm statistics).
         ddp = torch.nn.parallel.DistributedDataParallel
-        params, buffers = set(), set()
+        params, buffers, storage = set(), set(), set()
         for key in self._model_keys:
             module = self.states[key]
             if isinstance(module, torch.nn.Module) and (self._replicated or isinstance(module, ddp)):
-                params.update("%s.%s" % (key, n) for n, _ in module.named_parameters())
+                for n, p in module.named_parameters():
+                    params.add("%s.%s" % (key, n))
+                    storage.add((p.data_ptr(), tuple(p.shape)))
                 buffers.update("%s.%s" % (key, n) for n, _ in module.named_buffers())
 
         def alike(name):
-            if name in params:
+            t = tensors[name]
+            if name in params or (t.data_ptr(), tuple(t.shape)) in storage:  # a tied parameter's second name too
                 return True
             owner = self.states.get(name.split(".", 1)[0])
             if not _is_optimizer(owner) or _is_zero(owner):
