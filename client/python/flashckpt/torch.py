@@ -675,7 +675,7 @@ class Checkpointer:
                            "its owner had state for it but this rank's part does not describe it")
                     raise FailedPreconditionError(
                         "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d: %s (resume with "
-                        "the world size that saved checkpoint)" % (key, i, why))
+                        "the world size that saved the checkpoint)" % (key, i, why))
             if node is not None:
                 node["d"] = [[i, saved[i]] for i in take]
 
