@@ -23,6 +23,7 @@ same directory (the disk). Medians over --repeats saves after one warm-up each.
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import socket as socketlib
@@ -141,6 +142,7 @@ def main():
     args = p.parse_args()
     sys.path.insert(0, args.python_dir)
     if args.rank is not None:
+        faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
         return worker(args)
 
     work = args.dir or tempfile.mkdtemp(prefix="fc-bench.", dir="/var/tmp")

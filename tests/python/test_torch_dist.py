@@ -23,6 +23,7 @@ Each case runs two real worker processes (this file, run with "worker") against 
   test's deadline.
 """
 
+import faulthandler
 import json
 import os
 import socket
@@ -504,6 +505,7 @@ class DistributedResumeTest(harness.DaemonTestCase):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
         _, _, case, rank, world, port, sock, job, out = sys.argv
         if case.startswith("tp_"):
             tp_worker(case, int(rank), int(world), int(port), sock, job, out)

@@ -13,6 +13,7 @@ is not the standard: DDP rebuilds its gradient buckets after a restart, which by
 losses by an ulp.) The random kill step comes from FLASHCKPT_TEST_SEED when set (it is printed).
 """
 
+import faulthandler
 import json
 import os
 import random
@@ -187,6 +188,7 @@ class DistributedSigkillTest(harness.DaemonTestCase):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
         _, _, optim, mode, rank, port, sock, job, out, arg = sys.argv
         worker(optim, mode, int(rank), int(port), sock, job, out, int(arg))
     else:
