@@ -24,6 +24,7 @@ same directory (the disk). Medians over --repeats saves after one warm-up each.
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import socket as socketlib
@@ -143,7 +144,12 @@ def main():
     sys.path.insert(0, args.python_dir)
     if args.rank is not None:
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
-        return worker(args)
+        worker(args)
+        # Collect reference cycles while the interpreter is whole: one that keeps a tensor or the process
+        # group alive until Python's exit lets gloo's worker threads release tensors during finalization,
+        # which aborts the process (seen in the ZeRO worker: SIGABRT from ProcessGroupGloo::runLoop).
+        gc.collect()
+        return
 
     work = args.dir or tempfile.mkdtemp(prefix="fc-bench.", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)
