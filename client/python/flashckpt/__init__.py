@@ -16,7 +16,7 @@ from .errors import (CancelledError, CorruptionError, DaemonUnavailableError, De
                      FailedPreconditionError, FlashckptError, InvalidArgumentError, NotFoundError,
                      ResourceExhaustedError, StructureMismatchError)
 
-from ._flashckpt import __version__  # the project's one version string (common/base/version.h)
+from ._flashckpt import __version__ as __version__  # the project's one version string (common/base/version.h)
 
 __all__ = [
     "Client", "Snapshot", "export", "FlashckptError", "InvalidArgumentError", "NotFoundError", "FailedPreconditionError",

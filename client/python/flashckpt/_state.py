@@ -21,14 +21,22 @@ Subclasses of int and float (numpy.float64, IntEnum) come back as plain int and 
 The tree is plain JSON, so it travels in the checkpoint's extra.rankNNNNN.json.
 """
 
+from __future__ import annotations
+
 import base64
 import math
 import sys
+from typing import Any, Collection, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 from . import _tensors
 
+# A node of the tree: a JSON object as the module docstring describes.
+Node = Dict[str, Any]
+Key = Union[str, int]
+Path = Tuple[Key, ...]
 
-def _is_tensor(x):
+
+def _is_tensor(x: object) -> bool:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return True
@@ -41,15 +49,15 @@ def _is_tensor(x):
     return hasattr(x, "__dlpack__")
 
 
-def _key_text(path):
+def _key_text(path: Iterable[object]) -> str:
     return ".".join(str(p) for p in path)
 
 
-def flatten(state, prefix=()):
+def flatten(state: object, prefix: Iterable[Key] = ()) -> Tuple[Node, Dict[str, Any]]:
     """(tree, tensors): the JSON tree of `state` and an ordered dict name -> tensor."""
-    tensors = {}
+    tensors: Dict[str, Any] = {}
 
-    def walk(x, path):
+    def walk(x: object, path: Path) -> Node:
         if _is_tensor(x):
             name = _key_text(path)
             if not name:
@@ -91,7 +99,7 @@ def flatten(state, prefix=()):
     return walk(state, tuple(prefix)), tensors
 
 
-def unflatten(tree, tensors):
+def unflatten(tree: Node, tensors: Mapping[str, Any]) -> Any:
     """The state `tree` describes, with each tensor leaf taken from `tensors` (name -> tensor)."""
     if "t" in tree:
         return tensors[tree["t"]]
@@ -112,7 +120,7 @@ def unflatten(tree, tensors):
     raise ValueError("malformed state tree node with keys %s" % sorted(tree))
 
 
-def tensor_leaves(tree):
+def tensor_leaves(tree: Node) -> Iterator[Node]:
     """The tensor leaves of `tree`, in order."""
     if "t" in tree:
         yield tree
@@ -124,7 +132,7 @@ def tensor_leaves(tree):
             yield from tensor_leaves(c)
 
 
-def subtree(tree, path):
+def subtree(tree: Node, path: Iterable[Key]) -> Optional[Node]:
     """The node at `path` (a tuple of keys), or None."""
     for key in path:
         if "d" not in tree:
@@ -138,7 +146,7 @@ def subtree(tree, path):
     return tree
 
 
-def _what(node):
+def _what(node: Node) -> str:
     if "t" in node:
         if "global_shape" in node:
             return "a tensor %s (part of %s)" % (_tensors.describe(node["dtype"], node["shape"]),
@@ -153,7 +161,8 @@ def _what(node):
     return "a value"
 
 
-def first_difference(saved, current, skip=(), path=()):
+def first_difference(saved: Node, current: Node, skip: Collection[Path] = (),
+                     path: Path = ()) -> Optional[Tuple[str, str]]:
     """(key, explanation) of the first place where the structures differ, or None.
 
     Structure is: dict keys (in order), list/tuple lengths, tensor vs non-tensor, tensor dtype and

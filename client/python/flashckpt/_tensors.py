@@ -10,9 +10,18 @@ contiguous copy would cost a second copy on every save and break in-place restor
 how to fix it (``t.contiguous()``; for a parameter ``p.data = p.data.contiguous()``).
 """
 
+from __future__ import annotations
+
 import sys
+from types import ModuleType
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _flashckpt
+
+# What the package accepts as "tensors": a mapping name -> tensor, or (name, tensor) pairs. A tensor
+# is anything with __dlpack__ or the buffer protocol (numpy arrays, torch tensors), hence Any.
+Tensors = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
+Shape = Tuple[int, ...]
 
 # Safetensors dtype names, as the daemon stores them, and the name users know them by.
 DTYPE_NAMES = {
@@ -23,7 +32,7 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 
 SUPPORTED = ", ".join(DTYPE_NAMES.values())
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
-_torch_dtypes = None  # torch.dtype -> safetensors name, built on first use
+_torch_dtypes: Optional[Dict[Any, str]] = None  # torch.dtype -> safetensors name, built on first use
 
 
 class View:
@@ -31,7 +40,14 @@ class View:
 
     __slots__ = ("name", "address", "nbytes", "dtype", "shape", "keep")
 
-    def __init__(self, name, address, nbytes, dtype, shape, keep):
+    name: str
+    address: int
+    nbytes: int
+    dtype: str
+    shape: Shape
+    keep: object
+
+    def __init__(self, name: str, address: int, nbytes: int, dtype: str, shape: Shape, keep: object) -> None:
         self.name = name
         self.address = address
         self.nbytes = nbytes
@@ -39,23 +55,23 @@ class View:
         self.shape = shape
         self.keep = keep
 
-    def buffer(self):
+    def buffer(self) -> Tuple[str, int, int]:
         return (self.name, self.address, self.nbytes)
 
 
-def describe(dtype, shape):
+def describe(dtype: str, shape: Iterable[int]) -> str:
     """'float32 (64, 32)'"""
     return "%s %s" % (DTYPE_NAMES.get(dtype, dtype), tuple(shape))
 
 
-def _numel(shape):
+def _numel(shape: Iterable[int]) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
 
 
-def _is_row_major(shape, strides):
+def _is_row_major(shape: Sequence[int], strides: Optional[Sequence[int]]) -> bool:
     if strides is None or _numel(shape) == 0:
         return True
     expected = 1
@@ -66,19 +82,19 @@ def _is_row_major(shape, strides):
     return True
 
 
-def _unsupported_dtype(name, found):
+def _unsupported_dtype(name: str, found: str) -> TypeError:
     return TypeError("tensor '%s' has dtype %s, which flashckpt does not store; supported dtypes: %s"
                      % (name, found, SUPPORTED))
 
 
-def _not_contiguous(name, shape, strides):
+def _not_contiguous(name: str, shape: Iterable[int], strides: Iterable[int]) -> ValueError:
     return ValueError(
         "tensor '%s' is not contiguous (shape %s, strides %s): flashckpt copies each tensor as one block "
         "of bytes and makes no hidden copies; pass t.contiguous() instead (for a parameter: "
         "p.data = p.data.contiguous())" % (name, tuple(shape), tuple(strides)))
 
 
-def _not_host(name, where):
+def _not_host(name: str, where: str) -> ValueError:
     # The package copies host memory in every build; what the library was built with only changes
     # whether a C++ trainer could pass device memory (flashckpt/client.h).
     build = "libflashckpt has CUDA compiled in for C++ callers" if _flashckpt.WITH_CUDA else "built without CUDA"
@@ -87,14 +103,14 @@ def _not_host(name, where):
         "save a CPU copy of it instead" % (name, where, build))
 
 
-def _torch_dtype_names(torch):
+def _torch_dtype_names(torch: ModuleType) -> Dict[Any, str]:
     global _torch_dtypes
     if _torch_dtypes is None:
         _torch_dtypes = {getattr(torch, v): k for k, v in DTYPE_NAMES.items()}
     return _torch_dtypes
 
 
-def _torch_view(name, t, torch):
+def _torch_view(name: str, t: Any, torch: ModuleType) -> View:
     if t.layout != torch.strided:
         raise TypeError("tensor '%s' has layout %s; flashckpt stores dense (strided) tensors only" % (name, t.layout))
     dtype = _torch_dtype_names(torch).get(t.dtype)
@@ -108,7 +124,7 @@ def _torch_view(name, t, torch):
     return View(name, t.data_ptr(), t.numel() * t.element_size(), dtype, shape, t)
 
 
-def dtype_and_shape(name, obj):
+def dtype_and_shape(name: str, obj: Any) -> Tuple[str, Shape]:
     """(dtype, shape) of a tensor: cheap for torch tensors, whose other checks wait for view()."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
@@ -119,7 +135,7 @@ def dtype_and_shape(name, obj):
     return v.dtype, v.shape
 
 
-def view(name, obj, writable=False):
+def view(name: str, obj: Any, writable: bool = False) -> View:
     """The View of `obj`, or a ValueError/TypeError naming `name` and what is wrong with it."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
@@ -140,7 +156,7 @@ def view(name, obj, writable=False):
     return View(name, address, _numel(shape) * ITEMSIZE[dtype], dtype, tuple(shape), (obj, keep))
 
 
-def items(tensors):
+def items(tensors: Tensors) -> List[Tuple[str, Any]]:
     """(name, tensor) pairs of a mapping or an iterable of pairs, names checked to be strings."""
     pairs = list(tensors.items()) if hasattr(tensors, "items") else list(tensors)
     for pair in pairs:

@@ -24,13 +24,19 @@ deadline. A Client may be used from one thread at a time; the GIL is released wh
 waits.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import time
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Set, Tuple, TypeVar, Union, overload
 
 from . import _flashckpt
 from . import _tensors
+from ._tensors import Shape, Tensors
 from .errors import DaemonUnavailableError
+
+_TensorsT = TypeVar("_TensorsT", bound=Tensors)
 
 _KINDS = ("model", "optimizer", "master_weight")
 _SPEC_KEYS = ("kind", "param", "replica", "global_shape", "box_offset", "box_shape", "flat_range")
@@ -46,20 +52,24 @@ class Snapshot:
 
     __slots__ = ("step", "persist", "seconds")
 
-    def __init__(self, step, persist, seconds):
+    step: int
+    persist: bool
+    seconds: float
+
+    def __init__(self, step: int, persist: bool, seconds: float) -> None:
         self.step = step
         self.persist = persist
         self.seconds = seconds  # how long snapshot() blocked the caller
 
-    def wait_copied(self):
+    def wait_copied(self) -> None:
         """Returns once the snapshot's tensors may be modified (at once for host tensors)."""
         return None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "Snapshot(step=%d, persist=%s, blocked=%.3f ms)" % (self.step, self.persist, self.seconds * 1e3)
 
 
-def encode_extra(extra):
+def encode_extra(extra: object) -> bytes:
     """bytes for the daemon: None -> b"", bytes as is, str as UTF-8, anything else as JSON."""
     if extra is None:
         return b""
@@ -102,11 +112,13 @@ class Client:
     Raises DaemonUnavailableError (naming the socket) when no daemon answers within connect_timeout.
     """
 
-    def __init__(self, socket, job, rank=0, world_size=1, tp_rank=0, tp_degree=1, pp_rank=0, pp_degree=1,
-                 shard_rank=0, shard_degree=1, ema_decay=None, ema_interval=1, ema_init="first",
-                 ema_model_params="fp32", ema_loss_threshold=None, backpressure="wait", *,
-                 connect_timeout=10.0, rpc_timeout=30.0, slot_timeout=60.0, copy_threads=0,
-                 fatal_persist_errors=False, run_id=None, overwrite=False):
+    def __init__(self, socket: Union[str, os.PathLike[str]], job: str, rank: int = 0, world_size: int = 1,
+                 tp_rank: int = 0, tp_degree: int = 1, pp_rank: int = 0, pp_degree: int = 1, shard_rank: int = 0,
+                 shard_degree: int = 1, ema_decay: Optional[float] = None, ema_interval: int = 1,
+                 ema_init: str = "first", ema_model_params: str = "fp32", ema_loss_threshold: Optional[float] = None,
+                 backpressure: str = "wait", *, connect_timeout: float = 10.0, rpc_timeout: float = 30.0,
+                 slot_timeout: float = 60.0, copy_threads: int = 0, fatal_persist_errors: bool = False,
+                 run_id: Optional[str] = None, overwrite: bool = False) -> None:
         if ema_init not in ("first", "zeros"):
             raise ValueError("ema_init must be 'first' or 'zeros', got %r" % (ema_init,))
         if ema_model_params not in ("fp32", "all"):
@@ -120,17 +132,17 @@ class Client:
         self.socket = os.fspath(socket)
         self.job = job
         self.rank = int(rank)
-        self.topology = tuple(int(x) for x in (world_size, tp_rank, tp_degree, pp_rank, pp_degree,
-                                               shard_rank, shard_degree))
-        self._ema = None
+        self.topology: Tuple[int, ...] = tuple(int(x) for x in (world_size, tp_rank, tp_degree, pp_rank,
+                                                                pp_degree, shard_rank, shard_degree))
+        self._ema: Optional[Dict[str, object]] = None
         if ema_decay is not None:
             self._ema = {"decay": float(ema_decay), "interval": int(ema_interval), "init_zeros": ema_init == "zeros",
                          "all_float_params": ema_model_params == "all",
                          "loss_threshold": None if ema_loss_threshold is None else float(ema_loss_threshold)}
-        self._layout = None      # name -> (dtype, shape), as registered
-        self._replicas = set()
-        self._ema_shapes = {}    # EMA tensor name -> shape
-        self._impl = None
+        self._layout: Optional[Dict[str, Tuple[str, Shape]]] = None  # name -> (dtype, shape), as registered
+        self._replicas: Set[str] = set()
+        self._ema_shapes: Dict[str, Shape] = {}  # EMA tensor name -> shape
+        self._impl: Optional[_flashckpt.Client] = None
         started = time.monotonic()
         try:
             self._impl = _flashckpt.Client(self.socket, job, self.rank, float(rpc_timeout), float(connect_timeout),
@@ -146,7 +158,7 @@ class Client:
 
     # --- layout --------------------------------------------------------------------------------
 
-    def register(self, tensors, specs=None):
+    def register(self, tensors: Tensors, specs: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
         """Declares this rank's tensors (a mapping name -> tensor); the daemon creates their shared memory.
 
         `specs` optionally maps a name to its options: kind ("model" (default), "optimizer",
@@ -157,14 +169,17 @@ class Client:
         """
         self._register(tensors, specs, with_ema=True)
 
-    def _register(self, tensors, specs, with_ema):
+    def _register(self, tensors: Tensors, specs: Optional[Mapping[str, Mapping[str, Any]]], with_ema: bool) -> None:
         specs = specs or {}
         pairs = _tensors.items(tensors)
         names = {name for name, _ in pairs}
         for name in specs:
             if name not in names:
                 raise ValueError("specs names tensor '%s', which is not among the tensors registered" % name)
-        out, layout, replicas, ema_shapes = [], {}, set(), {}
+        out: List[_flashckpt.Spec] = []
+        layout: Dict[str, Tuple[str, Shape]] = {}
+        replicas: Set[str] = set()
+        ema_shapes: Dict[str, Shape] = {}
         for name, obj in pairs:
             v = _tensors.view(name, obj)
             opts = dict(specs.get(name, {}))
@@ -195,14 +210,15 @@ class Client:
         self._layout, self._replicas, self._ema_shapes = layout, replicas, ema_shapes
 
     @property
-    def registered(self):
+    def registered(self) -> Dict[str, Tuple[str, Shape]]:
         """name -> (dtype, shape) of the registered tensors (dtype as safetensors names it: F32, BF16, ...)."""
         return dict(self._layout or {})
 
-    def _buffers(self, tensors, writable, what, include_replicas):
+    def _buffers(self, tensors: Tensors, writable: bool, what: str, include_replicas: bool) -> List[_tensors.View]:
         if self._layout is None:
             raise ValueError("register() the rank's tensors before calling %s()" % what)
-        views, seen = [], set()
+        views: List[_tensors.View] = []
+        seen: Set[str] = set()
         for name, obj in _tensors.items(tensors):
             want = self._layout.get(name)
             if want is None:
@@ -224,7 +240,8 @@ class Client:
 
     # --- save ----------------------------------------------------------------------------------
 
-    def snapshot(self, step, tensors, persist=True, loss=None, extra=None):
+    def snapshot(self, step: int, tensors: Tensors, persist: bool = True, loss: Optional[float] = None,
+                 extra: object = None) -> Snapshot:
         """Copies `tensors` (every registered, non-replica tensor) into a free slot and commits it as `step`.
 
         Returns a Snapshot once the copy is done: the tensors may be modified right away. The daemon
@@ -239,14 +256,14 @@ class Client:
                               None if loss is None else float(loss), data)
         return Snapshot(int(step), bool(persist), time.perf_counter() - started)
 
-    def wait_persisted(self, step, timeout=600.0):
+    def wait_persisted(self, step: int, timeout: float = 600.0) -> None:
         """Blocks until this rank's files of `step` (or a later step) are durable.
 
         Raises DeadlineExceededError after `timeout` seconds, or the error of a failed save.
         """
         self._live().wait_persisted(int(step), float(timeout))
 
-    def wait_complete(self, step, timeout=600.0):
+    def wait_complete(self, step: int, timeout: float = 600.0) -> None:
         """Blocks until checkpoint `step` is complete: every rank's part durable, metadata.json written.
 
         Raises this rank's save error; FailedPreconditionError when the step can never complete (its
@@ -256,13 +273,15 @@ class Client:
         self._live().wait_complete(int(step), float(timeout))
 
     @property
-    def run_id(self):
+    def run_id(self) -> str:
         """The run this session belongs to (given, or the daemon's choice); "" before register()."""
         return self._live().run_id()
 
     # --- restore -------------------------------------------------------------------------------
 
-    def restore(self, tensors, step=None, timeout=600.0, convert_dtype=False, kinds=None, job=None):
+    def restore(self, tensors: Tensors, step: Optional[int] = None, timeout: float = 600.0,
+                convert_dtype: bool = False, kinds: Optional[Iterable[str]] = None,
+                job: Optional[str] = None) -> Tuple[Optional[int], Optional[bytes]]:
         """Restores checkpoint `step` (None: the latest complete one) into `tensors`, in place.
 
         `tensors` must hold every registered tensor (replicas included). Returns (step, extra): the
@@ -299,11 +318,17 @@ class Client:
     # --- EMA -----------------------------------------------------------------------------------
 
     @property
-    def ema_names(self):
+    def ema_names(self) -> List[str]:
         """Names of this rank's EMA tensors (each is float32 with the shape of the tensor it tracks)."""
         return list(self._live().ema_names())
 
-    def ema(self, tensors=None, timeout=60.0):
+    @overload
+    def ema(self, tensors: None = None, timeout: float = 60.0) -> Tuple[Optional[int], Dict[str, Any]]: ...
+
+    @overload
+    def ema(self, tensors: _TensorsT, timeout: float = 60.0) -> Tuple[Optional[int], _TensorsT]: ...
+
+    def ema(self, tensors: Optional[Tensors] = None, timeout: float = 60.0) -> Tuple[Optional[int], Tensors]:
         """Copies the daemon's current EMA into `tensors` (name -> float32 tensor, every EMA name).
 
         With tensors=None, numpy float32 arrays are allocated. The copy is as of the last snapshot
@@ -313,7 +338,7 @@ class Client:
         if tensors is None:
             import numpy as np
             tensors = {n: np.empty(self._ema_shapes[n], dtype=np.float32) for n in self.ema_names}
-        views = []
+        views: List[_tensors.View] = []
         for name, obj in _tensors.items(tensors):
             v = _tensors.view(name, obj, writable=True)
             if v.dtype != "F32" or (name in self._ema_shapes and v.shape != tuple(self._ema_shapes[name])):
@@ -325,27 +350,28 @@ class Client:
 
     # --- operators -----------------------------------------------------------------------------
 
-    def status(self):
+    def status(self) -> Dict[str, Any]:
         """The daemon's status as a dict (GetStatus in protobuf's JSON mapping: 64-bit integers are strings)."""
-        return json.loads(self._live().status_json())
+        status: Dict[str, Any] = json.loads(self._live().status_json())
+        return status
 
-    def close(self):
+    def close(self) -> None:
         """Closes the session; later calls raise CancelledError. Idempotent."""
         if self._impl is not None:
             self._impl.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
-    def _live(self):
+    def _live(self) -> _flashckpt.Client:
         if self._impl is None:
             raise RuntimeError("the client is not connected")
         return self._impl
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "flashckpt.Client(socket=%r, job=%r, rank=%d, tensors=%d)" % (
             self.socket, self.job, self.rank, len(self._layout or {}))

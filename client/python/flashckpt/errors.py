@@ -14,11 +14,15 @@ registered) raise the built-in ``ValueError`` / ``TypeError`` directly; a checkp
 does not match the state being resumed raises :class:`StructureMismatchError` (a ``ValueError``).
 """
 
+from __future__ import annotations
+
+from typing import Dict, Optional, Type
+
 
 class FlashckptError(RuntimeError):
     """A failed flashckpt operation. ``code`` is the status code name, ``message`` the text."""
 
-    def __init__(self, code, message):
+    def __init__(self, code: str, message: str) -> None:
         super().__init__("%s: %s" % (code, message))
         self.code = code
         self.message = message
@@ -59,12 +63,12 @@ class CancelledError(FlashckptError):
 class StructureMismatchError(FlashckptError, ValueError):
     """The checkpoint's state-dict structure differs from the state being resumed into."""
 
-    def __init__(self, message, key=None):
+    def __init__(self, message: str, key: Optional[str] = None) -> None:
         super().__init__("FAILED_PRECONDITION", message)
         self.key = key
 
 
-_BY_CODE = {
+_BY_CODE: Dict[str, Type[FlashckptError]] = {
     "INVALID_ARGUMENT": InvalidArgumentError,
     "NOT_FOUND": NotFoundError,
     "FAILED_PRECONDITION": FailedPreconditionError,
@@ -76,6 +80,6 @@ _BY_CODE = {
 }
 
 
-def from_status(code, message):
+def from_status(code: str, message: str) -> FlashckptError:
     """The exception for a non-ok status (used by the C++ bridge)."""
     return _BY_CODE.get(code, FlashckptError)(code, message)

@@ -1,11 +1,16 @@
 """Offline work on checkpoint directories (no daemon): flashckpt.export."""
 
+from __future__ import annotations
+
 import os
+from typing import Any, Dict, Optional, Union
 
 from . import _flashckpt
 
 
-def export(checkpoint_dir, out_dir, weights="model", dtype=None, max_shard_size="5GB", strip_prefix="", threads=4):
+def export(checkpoint_dir: Union[str, os.PathLike[str]], out_dir: Union[str, os.PathLike[str]], weights: str = "model",
+           dtype: Optional[str] = None, max_shard_size: Union[int, str] = "5GB", strip_prefix: str = "",
+           threads: int = 4) -> Dict[str, Any]:
     """Writes a checkpoint's weights as a Hugging Face style safetensors directory.
 
     checkpoint_dir: a complete checkpoint (<root>/<job>/checkpoint-<step>), in any parallel layout.

@@ -63,66 +63,82 @@ copies host memory only, with or without CUDA compiled into libflashckpt; CUDA t
 ValueError.
 """
 
+from __future__ import annotations
+
 import base64
 import collections.abc
 import json
+import os
 import sys
 import time
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Set,
+                    Tuple, TypeVar, Union, cast)
 
 import torch
 
 from . import _state
 from . import _tensors
-from .client import Client
+from ._state import Node
+from ._tensors import Shape
+from .client import Client, Snapshot
 from .errors import FailedPreconditionError, NotFoundError, StructureMismatchError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+_T = TypeVar("_T")
+# How tensor parallelism splits one model tensor: (dim, tp_rank, tp_degree), {"dim", "rank",
+# "degree"}, or None (whole); shard_specs maps a model state-dict key to one, or is a function.
+ShardSpec = Union[Sequence[int], Mapping[str, int], None]
+ShardSpecs = Union[Mapping[str, ShardSpec], Callable[[str], ShardSpec]]
 
 _FORMAT = "flashckpt.torch"
 _VERSION = 1
 _TORCH_DTYPES = {k: getattr(torch, v) for k, v in _tensors.DTYPE_NAMES.items()}
 
 
-def _distributed_rank_and_size():
+def _distributed_rank_and_size() -> Tuple[int, int]:
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _rng_state():
-    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")}
+def _rng_state() -> Dict[str, Any]:
+    state: Dict[str, Any] = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
     return state
 
 
-def _set_rng_state(state):
-    def tensor(text):
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    def tensor(text: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
     torch.set_rng_state(tensor(state["cpu"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
 
 
-def _is_stateful(obj):
+def _is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _is_zero(obj):
+def _is_zero(obj: object) -> bool:
     """torch.distributed.optim.ZeroRedundancyOptimizer: each rank holds the state of its partition."""
     # Looked up, not imported: a job that made one has imported it, and importing it costs a save.
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return module is not None and isinstance(obj, module.ZeroRedundancyOptimizer)
 
 
-def _zero_state_dict(zero):
+def _zero_state_dict(zero: Any) -> Dict[str, Any]:
     """What zero.state_dict() gives after consolidation, restricted to this rank's partition: the
     state of the rank's parameters under their global indices, and every parameter group (hyper-
     parameters, global indices). No collective: every rank writes only the state it holds."""
     index = zero._param_to_index
-    state = {}
+    state: Dict[int, Dict[str, Any]] = {}
     for param, fields in zero.optim.state.items():
         state[index[param]] = dict(fields)
-    groups = []
+    groups: List[Dict[str, Any]] = []
     for g in zero.param_groups:
         group = {k: v for k, v in g.items() if k != "params"}
         group["params"] = [index[p] for p in g["params"]]
@@ -130,7 +146,7 @@ def _zero_state_dict(zero):
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-def _is_optimizer(obj):
+def _is_optimizer(obj: object) -> bool:
     """An optimizer-like state: its state_dict has the per-parameter `state` that is empty until its first step."""
     return isinstance(obj, torch.optim.Optimizer) or (
         _is_stateful(obj) and hasattr(obj, "param_groups") and isinstance(getattr(obj, "state", None), dict))
@@ -168,9 +184,13 @@ class Checkpointer:
     last read).
     """
 
-    def __init__(self, model, optimizer=None, *, socket, job, rank=None, world_size=None, tp_rank=0, tp_degree=1,
-                 pp_rank=0, pp_degree=1, shard_rank=None, shard_degree=None, rng=True, process_group=None,
-                 shard_specs=None, replicated=None, **client_options):
+    def __init__(self, model: object, optimizer: Optional[object] = None, *, socket: Union[str, os.PathLike[str]],
+                 job: str, rank: Optional[int] = None, world_size: Optional[int] = None, tp_rank: int = 0,
+                 tp_degree: int = 1, pp_rank: int = 0, pp_degree: int = 1, shard_rank: Optional[int] = None,
+                 shard_degree: Optional[int] = None, rng: bool = True, process_group: Optional[ProcessGroup] = None,
+                 shard_specs: Optional[ShardSpecs] = None, replicated: Optional[bool] = None,
+                 **client_options: Any) -> None:
+        self.states: Dict[str, Any]
         if isinstance(model, collections.abc.Mapping) and not _is_stateful(model):
             if optimizer is not None:
                 raise TypeError("pass the optimizer inside the dict of states (e.g. {'model': model, 'optim': "
@@ -181,7 +201,7 @@ class Checkpointer:
                 if not isinstance(key, str) or not key or "." in key:
                     raise ValueError("the keys of the dict of states name its tensors ('<key>.<state-dict key>'): "
                                      "each must be a non-empty str without '.', got %r" % (key,))
-            self.states = model
+            self.states = cast(Dict[str, Any], model)  # the caller's own: resume() refills it
         else:
             self.states = {"model": model}
             if optimizer is not None:
@@ -192,16 +212,16 @@ class Checkpointer:
                             "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
         self._shard_specs = shard_specs
         self._specs_checked = False
-        self._zero_records = {}
-        self._param_map = None
+        self._zero_records: Dict[str, Dict[str, Any]] = {}
+        self._param_map: Optional[Dict[Tuple[str, int], Tuple[str, Shape]]] = None
         if replicated and (client_options.get("ema_decay") is not None or shard_specs is not None
                            or tp_degree * pp_degree != 1):
             raise ValueError("replicated=True (each tensor written by one data-parallel rank) is for data-parallel "
                              "jobs without tensor or pipeline parallelism and without the daemon's EMA")
         self._replicated = replicated
         self._model_parallel = tp_degree * pp_degree
-        self.model = next((self.states[k] for k in self._model_keys), None)
-        self.optimizer = next((v for v in self.states.values() if _is_optimizer(v)), None)
+        self.model: Any = next((self.states[k] for k in self._model_keys), None)
+        self.optimizer: Any = next((v for v in self.states.values() if _is_optimizer(v)), None)
         if rank is None or world_size is None:
             dist_rank, dist_size = _distributed_rank_and_size()
             rank = dist_rank if rank is None else rank
@@ -218,18 +238,18 @@ class Checkpointer:
         self._process_group = process_group
         self._world_size = world_size
         self.ema_enabled = client_options.get("ema_decay") is not None
-        self.extra = None
-        self.resumed_step = None
-        self.ema_step = None
+        self.extra: Any = None
+        self.resumed_step: Optional[int] = None
+        self.ema_step: Optional[int] = None
         self.saves = 0
         self.blocked_seconds = 0.0
-        self.last_snapshot = None
-        self._layout_key = None
+        self.last_snapshot: Optional[Snapshot] = None
+        self._layout_key: Optional[Tuple[object, ...]] = None
 
     # --- state ---------------------------------------------------------------------------------
 
-    def _state(self):
-        state = {}
+    def _state(self) -> Tuple[Node, Dict[str, Any]]:
+        state: Dict[str, Any] = {}
         for key, obj in self.states.items():
             if _is_zero(obj):
                 state[key] = _zero_state_dict(obj)
@@ -248,9 +268,10 @@ class Checkpointer:
 
     # --- tensor parallelism ----------------------------------------------------------------------
 
-    def _split(self, key, shape):
+    def _split(self, key: str, shape: Sequence[int]) -> Optional[Tuple[int, int, int]]:
         """(dim, rank, degree) of model state-dict key `key` (a tensor of local shape `shape`), or None."""
-        spec = self._shard_specs(key) if callable(self._shard_specs) else self._shard_specs.get(key)
+        specs = cast(ShardSpecs, self._shard_specs)  # set: _box() asks only then
+        spec: Any = specs(key) if callable(specs) else specs.get(key)
         if spec is None:
             return None
         if isinstance(spec, collections.abc.Mapping):
@@ -265,10 +286,10 @@ class Checkpointer:
                              % (key, dim, rank, degree, list(shape)))
         return dim, rank, degree
 
-    def _param_names(self):
+    def _param_names(self) -> Dict[Tuple[str, int], Tuple[str, Shape]]:
         """{(optimizer key, parameter index): (model tensor name, local shape)}, built once per layout."""
         if self._param_map is None:
-            names = {}
+            names: Dict[int, Tuple[str, Shape]] = {}
             for key in self._model_keys:
                 module = self.states[key]
                 if isinstance(module, torch.nn.Module):
@@ -283,7 +304,7 @@ class Checkpointer:
                             self._param_map[(okey, i)] = names[id(p)]
         return self._param_map
 
-    def _param_of(self, name):
+    def _param_of(self, name: str) -> Optional[Tuple[str, Shape]]:
         """(model tensor name, local shape) of the parameter whose optimizer state `name` is
         ("<optimizer key>.state.<i>.<field>"), or None."""
         parts = name.split(".")
@@ -291,7 +312,7 @@ class Checkpointer:
             return None
         return self._param_names().get((parts[0], int(parts[2])))
 
-    def _check_shard_specs(self, tensors):
+    def _check_shard_specs(self, tensors: Mapping[str, Any]) -> None:
         """A mapping that names no model tensor is a mistake (a DDP-wrapped model's keys start with
         "module."): raise, naming the first such key."""
         if self._shard_specs is None or callable(self._shard_specs) or self._specs_checked:
@@ -303,7 +324,7 @@ class Checkpointer:
                              % (unknown[0], next(iter(sorted(keys)), "")))
         self._specs_checked = True
 
-    def _box(self, name, shape):
+    def _box(self, name: str, shape: Sequence[int]) -> Optional[Dict[str, List[int]]]:
         """The box spec (global_shape, box_offset, box_shape) of tensor `name` of local shape `shape`
         under shard_specs, or None for a whole tensor."""
         if self._shard_specs is None:
@@ -330,11 +351,11 @@ class Checkpointer:
         offset[dim] = rank * shape[dim]
         return {"global_shape": global_shape, "box_offset": offset, "box_shape": list(shape)}
 
-    def _global_shape(self, name, shape):
+    def _global_shape(self, name: str, shape: Sequence[int]) -> Shape:
         box = self._box(name, tuple(shape))
         return tuple(box["global_shape"]) if box else tuple(shape)
 
-    def _local_shape(self, name, whole):
+    def _local_shape(self, name: str, whole: Shape) -> Shape:
         """This rank's shape of a tensor it does not hold yet (a fresh optimizer's state) whose full
         shape is `whole`: its parameter's, when that one is split and of the same full shape."""
         if self._shard_specs is not None and self._kind(name) != "model":
@@ -343,15 +364,15 @@ class Checkpointer:
                 return param[1]
         return whole
 
-    def _spec(self, name, shape):
-        spec = {"kind": self._kind(name)}
+    def _spec(self, name: str, shape: Sequence[int]) -> Dict[str, Any]:
+        spec: Dict[str, Any] = {"kind": self._kind(name)}
         spec.update(self._box(name, tuple(shape)) or {})
         return spec
 
-    def _kind(self, name):
+    def _kind(self, name: str) -> str:
         return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
 
-    def _register(self, tensors, specs=None):
+    def _register(self, tensors: Mapping[str, Any], specs: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
         key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()),
                tuple(sorted((n, repr(v)) for n, v in (specs or {}).items())))
         if key != self._layout_key:
@@ -363,7 +384,7 @@ class Checkpointer:
 
     # --- data parallelism ------------------------------------------------------------------------
 
-    def _data_parallel(self):
+    def _data_parallel(self) -> Optional[Tuple[int, int]]:
         """(rank, ranks) of this rank among the replicas that split the writing, or None."""
         if self._replicated is False:
             return None
@@ -378,7 +399,7 @@ class Checkpointer:
                 return None
         return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
-    def _share(self, tensors):
+    def _share(self, tensors: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
         """(tensors, specs): what this rank writes. The replicated tensors, in state order, are one
         stream of bytes cut into equal shares, one per rank; an element belongs to the share its
         first byte is in, so a tensor that crosses a cut is written as flat ranges by the ranks
@@ -391,7 +412,9 @@ class Checkpointer:
         # the optimizer state of those parameters. Their buffers are rank 0's alone: DDP broadcasts
         # rank 0's before each forward, which then updates them on each rank (BatchNorm statistics).
         ddp = torch.nn.parallel.DistributedDataParallel
-        params, buffers, storage = set(), set(), set()
+        params: Set[str] = set()
+        buffers: Set[str] = set()
+        storage: Set[Tuple[int, Shape]] = set()
         for key in self._model_keys:
             module = self.states[key]
             if isinstance(module, torch.nn.Module) and (self._replicated or isinstance(module, ddp)):
@@ -400,7 +423,7 @@ class Checkpointer:
                     storage.add((p.data_ptr(), tuple(p.shape)))
                 buffers.update("%s.%s" % (key, n) for n, _ in module.named_buffers())
 
-        def alike(name):
+        def alike(name: str) -> bool:
             t = tensors[name]
             if name in params or (t.data_ptr(), tuple(t.shape)) in storage:  # a tied parameter's second name too
                 return True
@@ -410,11 +433,13 @@ class Checkpointer:
             param = self._param_of(name)
             return param is not None and param[0] in params
 
-        replicated = [n for n in tensors if alike(n)]
-        total = sum(tensors[n].numel() * tensors[n].element_size() for n in replicated)
+        in_order = [n for n in tensors if alike(n)]
+        total = sum(tensors[n].numel() * tensors[n].element_size() for n in in_order)
         lo, hi = total * rank // ranks, total * (rank + 1) // ranks
-        out, specs, pos = {}, {}, 0
-        replicated = set(replicated)
+        out: Dict[str, Any] = {}
+        specs: Dict[str, Dict[str, Any]] = {}
+        pos = 0
+        replicated = set(in_order)
         for name, t in tensors.items():
             if name in buffers and name not in replicated:
                 if rank == 0:
@@ -442,7 +467,7 @@ class Checkpointer:
 
     # --- save ----------------------------------------------------------------------------------
 
-    def save(self, step, extra=None, loss=None, persist=True):
+    def save(self, step: int, extra: object = None, loss: Optional[float] = None, persist: bool = True) -> Snapshot:
         """Snapshots every state as `step`; returns once the copy is done (a Snapshot whose
         `seconds` is how long this call blocked).
 
@@ -454,7 +479,7 @@ class Checkpointer:
         tree, tensors = self._state()
         tensors, specs = self._share(tensors)
         self._register(tensors, specs)
-        payload = None
+        payload: Optional[Dict[str, Any]] = None
         if persist:
             payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra}
             if self._zero_records:
@@ -468,18 +493,18 @@ class Checkpointer:
         self.blocked_seconds += snap.seconds
         return snap
 
-    def wait_copied(self):
+    def wait_copied(self) -> None:
         """Returns once the last snapshot has left the tensors (call it before optimizer.step())."""
         if self.last_snapshot is not None:
             self.last_snapshot.wait_copied()
 
-    def wait_persisted(self, step, timeout=600.0):
+    def wait_persisted(self, step: int, timeout: float = 600.0) -> None:
         """Blocks until checkpoint `step` is complete: every rank's part of it durable (wait_complete)."""
         self.client.wait_complete(step, timeout)
 
     # --- resume --------------------------------------------------------------------------------
 
-    def _settle(self, timeout):
+    def _settle(self, timeout: float) -> None:
         """Waits until no rank of the job has a snapshot committed but not yet persisted.
 
         A restarted trainer must not pick the latest complete checkpoint while its predecessor's last
@@ -494,7 +519,7 @@ class Checkpointer:
                 return
             time.sleep(0.02)
 
-    def _group(self):
+    def _group(self) -> Optional[ProcessGroup]:
         """The process group whose ranks agree on the resumed step, or None (one process, or no group)."""
         dist = getattr(torch, "distributed", None)
         if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -508,14 +533,14 @@ class Checkpointer:
             return None
         return dist.group.WORLD
 
-    def _gather(self, group, value):
+    def _gather(self, group: ProcessGroup, value: object) -> List[Any]:
         """Every rank's `value`, in rank order. The process group's timeout (init_process_group(timeout=))
         bounds the wait for a rank that never gets here."""
-        out = [None] * torch.distributed.get_world_size(group)
+        out: List[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(out, value, group=group)
         return out
 
-    def _agree(self, group, what, error):
+    def _agree(self, group: ProcessGroup, what: str, error: Optional[BaseException]) -> None:
         """Raises on every rank when some rank failed `what` (`error`: this rank's exception or None)."""
         reports = self._gather(group, None if error is None else "%s: %s" % (type(error).__name__, error))
         if error is not None:
@@ -526,9 +551,10 @@ class Checkpointer:
             raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
                                           "(every rank raises): %s" % (rank, what, why))
 
-    def _probe(self, tensors, step, timeout):
+    def _probe(self, tensors: Mapping[str, Any], step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
         """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
-        tensor into scratch memory; (None, None) when there is none. The blob holds the saved tree."""
+        tensor into scratch memory; (None, None) when there is none. The blob (a dict parsed from
+        JSON) holds the saved tree."""
         first = next(iter(tensors))
         scratch = torch.empty_like(tensors[first])
         self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
@@ -556,7 +582,7 @@ class Checkpointer:
                                          "state has no state-dict structure); restore it with flashckpt.Client" % found)
         return found, blob
 
-    def resume(self, step=None, timeout=600.0):
+    def resume(self, step: Optional[int] = None, timeout: float = 600.0) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
 
         Loads every state (modules in place, the others through load_state_dict), the RNG state and
@@ -573,17 +599,18 @@ class Checkpointer:
         """
         group = self._group()
 
-        def stage(what, fn):
+        def stage(what: str, fn: Callable[[], _T]) -> _T:
             """fn()'s result; with a group, every rank learns whether fn failed on any rank, and raises then."""
             if group is None:
                 return fn()
-            result, error = None, None
+            result: Optional[_T] = None
+            error: Optional[BaseException] = None
             try:
                 result = fn()
             except BaseException as e:  # reported to the other ranks (an interrupt too), then raised here
                 error = e
             self._agree(group, what, error)
-            return result
+            return cast(_T, result)  # _agree() raised unless fn() returned
 
         if group is not None:
             asked = self._gather(group, step)
@@ -594,7 +621,7 @@ class Checkpointer:
 
         # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
         # on the step.
-        def probe():
+        def probe() -> Tuple[Node, Dict[str, Any], Optional[int], Any]:
             self._settle(min(timeout, 60.0))
             tree, tensors = self._state()
             if not tensors:
@@ -618,9 +645,10 @@ class Checkpointer:
                                     lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
         if found is None:
             return None
+        chosen: int = found  # for the closures below, which do not see `found` narrowed
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
-        stage("match checkpoint-%d" % found, lambda: self._check_structure(found, blob, tree))
+        stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree))
         if any(_is_zero(v) for v in self.states.values()):
             # What each rank of the saving job recorded of its partition (those of this group's ranks:
             # one gather, on every rank alike), then this rank's new partition.
@@ -631,11 +659,11 @@ class Checkpointer:
             if group is not None:
                 records = self._gather(group, part)
             stage("take its optimizer partition", lambda: self._take_partitions(blob, records))
-        stage("restore checkpoint-%d" % found, lambda: self._restore_found(found, blob, tensors, timeout))
-        self.resumed_step = found
-        return found
+        stage("restore checkpoint-%d" % chosen, lambda: self._restore_found(chosen, blob, tensors, timeout))
+        self.resumed_step = chosen
+        return chosen
 
-    def _take_partitions(self, blob, records):
+    def _take_partitions(self, blob: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
         """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
         rank holds now. The job may have fewer ranks than the one that saved: this rank's saved tree
         describes the state of every trainable parameter it could (see _describe_partitions), and
@@ -646,8 +674,10 @@ class Checkpointer:
             if not _is_zero(zero):
                 continue
             node = _state.subtree(blob["state"], (key, "state"))
-            saved = {}
-            stateless, known, described_all = set(), set(), False
+            saved: Dict[int, Node] = {}
+            stateless: Set[int] = set()
+            known: Set[int] = set()
+            described_all = False
             for part in records:  # this rank's own first
                 for i, n in ((part.get("trees") or {}).get(key) or {}).get("d", []):
                     saved.setdefault(i, n)
@@ -679,7 +709,7 @@ class Checkpointer:
             if node is not None:
                 node["d"] = [[i, saved[i]] for i in take]
 
-    def _describe_partitions(self, tree):
+    def _describe_partitions(self, tree: Node) -> Dict[str, Dict[str, Any]]:
         """Adds to `tree` the state of the trainable parameters that other ranks'
         ZeroRedundancyOptimizer partitions hold, as structure only (each rank writes the tensors of
         its own partition): the fields of a parameter of the same group here that is not a scalar,
@@ -689,7 +719,7 @@ class Checkpointer:
         save() records beside the tree: a described parameter that its owner held without state is
         not read on resume. Another rank's parameter that no gradient reached (while gradients are
         kept, i.e. not set to None before the save) is not described."""
-        records = {}
+        records: Dict[str, Dict[str, Any]] = {}
         for key, zero in self.states.items():
             if not _is_zero(zero):
                 continue
@@ -700,10 +730,11 @@ class Checkpointer:
             group_of = {index[p]: gi for gi, g in enumerate(zero.param_groups) for p in g["params"]}
             held = sorted(index[p] for p, r in zero._param_to_rank.items() if r == zero.rank)
             records[key] = {"held": held, "stateful": sorted(own)}
-            if not own:
+            if node is None or not own:
                 continue
-            example = {}  # group -> (its parameter's shape, its state node), a parameter of rank > 0 first
-            for i, n in sorted(own.items(), key=lambda item: params[item[0]].dim() == 0):
+            # group -> (its parameter's shape, its state node), a parameter of rank > 0 first
+            example: Dict[int, Tuple[Shape, Node]] = {}
+            for i, n in sorted(own.items(), key=lambda item: bool(params[item[0]].dim() == 0)):
                 example.setdefault(group_of[i], (tuple(params[i].shape), n))
             mine = set(held)
             # Gradients are visible on every rank (DDP reduces them everywhere): while they are kept,
@@ -736,7 +767,7 @@ class Checkpointer:
             node["d"] = entries
         return records
 
-    def _check_structure(self, found, blob, tree):
+    def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node) -> None:
         """Raises StructureMismatchError naming the first key where the saved states differ from the
         current ones. A fresh optimizer (no state yet) takes the checkpoint's state."""
         skip = tuple((key, "state") for key, obj in self.states.items()
@@ -747,11 +778,11 @@ class Checkpointer:
             raise StructureMismatchError("checkpoint-%d does not match the current state; first differing key '%s': %s"
                                          % (found, key, why), key=key)
 
-    def _restore_found(self, found, blob, tensors, timeout):
+    def _restore_found(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float) -> None:
         saved = blob["state"]
 
         # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
-        targets = {}
+        targets: Dict[str, torch.Tensor] = {}
         for leaf in _state.tensor_leaves(saved):
             name, dtype = leaf["t"], _TORCH_DTYPES[leaf["dtype"]]
             whole = tuple(leaf.get("global_shape", leaf["shape"]))
@@ -771,7 +802,7 @@ class Checkpointer:
             if key not in state:
                 continue
             if isinstance(obj, torch.nn.Module):
-                subtree = _state.subtree(saved, (key,))
+                subtree = cast(Node, _state.subtree(saved, (key,)))  # key is in state, so in saved
                 in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(subtree))
                 if not in_place or any("t" not in n for n in _leaves(subtree)):
                     obj.load_state_dict(state[key])
@@ -786,7 +817,8 @@ class Checkpointer:
             _set_rng_state(blob["rng"])
         self.extra = blob.get("user")
 
-    def load_pretrained(self, step=None, job=None, timeout=600.0):
+    def load_pretrained(self, step: Optional[int] = None, job: Optional[str] = None,
+                        timeout: float = 600.0) -> Optional[int]:
         """Loads the model weights only, in place, from checkpoint `step` (None: the latest complete
         one) of `job` (None: this Checkpointer's own); the optimizer is left as it is.
 
@@ -808,7 +840,7 @@ class Checkpointer:
 
     # --- EMA -----------------------------------------------------------------------------------
 
-    def ema_state_dict(self, timeout=60.0):
+    def ema_state_dict(self, timeout: float = 60.0) -> Dict[str, torch.Tensor]:
         """The daemon's current EMA as {model state-dict key: fp32 tensor}, as of the last save().
         With several modules among the states the keys keep their "<key>." prefix.
 
@@ -820,7 +852,7 @@ class Checkpointer:
             raise ValueError("no module among the states (nor a state named 'model'); the EMA covers model tensors")
         self._register(self._state()[1])
         shapes = self.client.registered
-        out = {}
+        out: Dict[str, torch.Tensor] = {}
         for name in self.client.ema_names:
             out[name] = torch.empty(shapes[name][1], dtype=torch.float32)
         step, _ = self.client.ema(out, timeout=timeout)
@@ -835,22 +867,22 @@ class Checkpointer:
 
     # --- misc ----------------------------------------------------------------------------------
 
-    def status(self):
+    def status(self) -> Dict[str, Any]:
         """The daemon's status (see flashckpt.Client.status)."""
         return self.client.status()
 
-    def close(self):
+    def close(self) -> None:
         self.client.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
 
-def _leaves(tree):
+def _leaves(tree: Optional[Node]) -> Iterator[Node]:
     """Every leaf node of `tree` (tensor or value)."""
     if tree is None:
         return
