@@ -72,6 +72,8 @@ setup(
     description="Python client and PyTorch Checkpointer of flashckpt, the per-node asynchronous checkpoint daemon",
     packages=["flashckpt"],
     package_dir={"flashckpt": "flashckpt"},
+    # The type stub of the extension and the PEP 561 marker: type checkers read the package's hints.
+    package_data={"flashckpt": ["py.typed", "_flashckpt.pyi"]},
     ext_modules=[
         Pybind11Extension(
             "flashckpt._flashckpt",

@@ -10,8 +10,9 @@
      saves a tensor and restores it bit for bit;
   4. the systemd unit and the documentation are in place, the unit naming the installed daemon;
   5. `pip install client/python` into a virtual environment builds the Python package against the
-     prefix's libflashckpt (FLASHCKPT_PREFIX, offline: --no-index), and that package, loading the
-     prefix's libflashckpt.so.1, saves an array through the installed daemon and restores it.
+     prefix's libflashckpt (FLASHCKPT_PREFIX, offline: --no-index), with its type hints (py.typed
+     and the extension's stub _flashckpt.pyi), and that package, loading the prefix's
+     libflashckpt.so.1, saves an array through the installed daemon and restores it.
 
     test_install.py --build-dir build --source-dir . [--keep]
 """
@@ -39,6 +40,9 @@ from flashckpt import _flashckpt
 sock, job, venv = sys.argv[1:4]
 assert os.path.realpath(flashckpt.__file__).startswith(os.path.realpath(venv)), flashckpt.__file__
 print("ext", _flashckpt.__file__)
+typing_files = [f for f in ("py.typed", "_flashckpt.pyi")
+                if not os.path.isfile(os.path.join(os.path.dirname(flashckpt.__file__), f))]
+assert not typing_files, "pip install left out %s" % typing_files
 w = np.arange(4096, dtype=np.float32)
 c = flashckpt.Client(sock, job, run_id="py-run")
 c.register({"w": w})
