@@ -9,6 +9,8 @@ PACKAGES=(
   libgtest-dev liburing-dev fio libsystemd-dev
   python3 python3-numpy python3-yaml
   python3-dev python3-torch python3-pybind11 pybind11-dev
+  # tests/python/test_typing.py: the package's type hints, checked as the package and as a user sees them.
+  mypy
   # tests/install: `pip install client/python` into a venv, offline; the Debian packages (dpkg-shlibdeps).
   python3-venv python3-pip python3-setuptools dpkg-dev
   # The fuzz pass (tests/fuzz): clang (/usr/bin/clang), its sanitizer and libFuzzer runtimes, and
