@@ -254,8 +254,14 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
 Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
                                         const SnapshotOptions& options) {
   RETURN_IF_ERROR(impl_->Usable());
-  // An EMA-only snapshot needs only the tensors the EMA reads; the rest of the slot is not used.
-  const Selection selection = options.persist ? Selection::kSaved : Selection::kEmaSources;
+  const bool memory = options.tier == Tier::kMemory;
+  if (memory && !options.persist) {
+    return InvalidArgument("a memory checkpoint (tier kMemory) holds every tensor: persist=false is for EMA-only "
+                           "snapshots");
+  }
+  // An EMA-only snapshot needs only the tensors the EMA reads; the rest of the slot is not used. A
+  // memory checkpoint holds every tensor, replicas included, as a restore hands them all back.
+  const Selection selection = memory ? Selection::kAll : options.persist ? Selection::kSaved : Selection::kEmaSources;
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, selection));
   // Device memory this process cannot copy is refused before a slot is taken.
   RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());
@@ -263,6 +269,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   v1::BeginSnapshotRequest begin;
   begin.set_step(step);
   begin.set_timeout_ms(static_cast<uint32_t>(impl_->options.slot_timeout.count()));
+  begin.set_tier(memory ? v1::TIER_MEMORY : v1::TIER_DISK);
   v1::BeginSnapshotResponse slot;
   RETURN_IF_ERROR(impl_->WithSession([&] {
     begin.set_session_id(impl_->session_id);
@@ -284,7 +291,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   commit.set_slot(slot.slot());
   commit.set_generation(slot.generation());
   commit.set_step(step);
-  commit.set_persist(options.persist);
+  commit.set_persist(options.persist && !memory);
   if (options.loss) {
     commit.set_has_loss(true);
     commit.set_loss(*options.loss);
@@ -446,6 +453,7 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   // The attempt this process's later saves belong to (weights of another job start none).
   if (options.source_job.empty()) impl_->resumed_from = resp.step();
   result.extra = resp.extra();
+  result.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory : Tier::kDisk;
   return result;
 }
 

@@ -226,6 +226,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   {
     MutexLock lock(&mu_);
     for (EmaJob& job : unreached) {
+      if (job.resident) continue;  // a memory checkpoint not yet checksummed: not kept, nothing to write
       job.segment->shm->KeepName();
       stop_abandoned_ += 1;
       NoteAbandonedLocked(job.job, job.rank, job.step);

@@ -122,6 +122,7 @@ struct RestoreOutcome {
   SlotTicket ticket;
   std::string extra;
   uint64_t bytes_read = 0;
+  SlotTier tier = SlotTier::kDisk;  // kMemory: handed over from a memory checkpoint, no file read
 };
 
 class Daemon {
@@ -149,7 +150,10 @@ class Daemon {
   // a failed persist is reported by WaitPersisted and status only and snapshots go on.
   // `registration`: checked by ParseRegistration (the edge's job); its layout is checked here.
   Result<RegisterReply> Register(const std::string& session_id, const Registration& registration) EXCLUDES(mu_);
-  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // tier kMemory: a memory checkpoint, kept in its slot once committed and never written
+  // (FAILED_PRECONDITION with fewer than 2 slots, or for a rank with EMA tensors).
+  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout,
+                                   SlotTier tier = SlotTier::kDisk) EXCLUDES(mu_);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                 std::optional<double> loss, std::string extra) EXCLUDES(mu_);
   Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
@@ -162,7 +166,10 @@ class Daemon {
   Status WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // step 0 means the latest complete checkpoint; found=false when there is none.
   // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout, as `want`
-  // says (RestoreWant).
+  // says (RestoreWant). The rank's own memory checkpoint of that step (0: its newest, for a job of
+  // one rank and when it is not older than the latest complete checkpoint) is handed over instead,
+  // in its own slot, once its checksums verify; one that fails them is dropped with every other
+  // memory checkpoint of the rank, logged, and the files are read.
   Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                  std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
@@ -307,6 +314,13 @@ class Daemon {
   // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
   // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the
   // wait in the timeout error.
+  // The memory path of Restore: the rank's memory checkpoint `step` (0: its newest, for a job of one
+  // rank, when not older than the latest complete checkpoint) verified and handed over in its own
+  // slot; found=false when there is none to hand over, or it failed its checksums (then the rank's
+  // memory checkpoints are dropped, with a warning).
+  Result<RestoreOutcome> RestoreFromMemory(const std::string& session_id, int64_t step,
+                                           std::chrono::steady_clock::time_point deadline,
+                                           std::chrono::milliseconds timeout) EXCLUDES(mu_);
   Result<LoadingSlot> AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step, bool need_ema,
                                          std::chrono::steady_clock::time_point deadline,
                                          std::chrono::milliseconds timeout, const char* purpose) EXCLUDES(mu_);

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -80,6 +81,10 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   // The job whose checkpoint is read: the session's own, or another one's (pretrained weights).
   const bool own = want.source_job.empty() || want.source_job == job;
   const std::string source = own ? job : want.source_job;
+  if (own && want.kinds.empty() && !want.convert_dtype) {
+    ASSIGN_OR_RETURN(RestoreOutcome memory, RestoreFromMemory(session_id, step, deadline, timeout));
+    if (memory.found) return memory;
+  }
   RestoreOutcome out;
   // Retention must not delete the checkpoint while it is read: mark the step in use first, then
   // check that it is (still) complete. Until the slot is filled, `in_use` keeps it.
@@ -168,12 +173,96 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
                           job, rank_id, step, FormatBytes(filled->bytes_needed), FormatBytes(filled->bytes_read),
                           filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
                           filled->reads, secs);
-  if (own) jobs_[job].ranks[rank_id].resumed_from = step;
+  if (own) {
+    jobs_[job].ranks[rank_id].resumed_from = step;
+    // Memory checkpoints after the restored step are of a timeline the job has left.
+    Slots(*segment).DropResidentsFrom(step + 1);
+  }
   out.found = true;
   out.step = step;
   out.ticket = ticket;
   out.extra = std::move(extra);
   out.bytes_read = filled->bytes_read;
+  return out;
+}
+
+Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, int64_t step,
+                                                 std::chrono::steady_clock::time_point deadline,
+                                                 std::chrono::milliseconds timeout) {
+  RestoreOutcome out;  // found = false: the caller reads the files
+  std::string job;
+  uint32_t rank_id = 0, world_size = 1;
+  std::vector<int64_t> held;
+  {
+    MutexLock lock(&mu_);
+    for (;;) {
+      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+      if (rank->segment->ema) return out;  // memory checkpoints are not taken with EMA (BeginSnapshot)
+      // The checksums of the last memory snapshot committed (by the trainer that died) first.
+      if (EmaPending(*rank->segment) == 0) break;
+      if (!cv_.WaitUntil(&lock, deadline)) {
+        return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
+                                std::to_string(timeout.count()) + " ms");
+      }
+    }
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    held = Slots(*rank->segment).ResidentSteps();
+    world_size = rank->topology.world_size;
+    job = sessions_[session_id].job;
+    rank_id = sessions_[session_id].rank;
+  }
+  if (held.empty()) return out;
+  int64_t chosen = -1;
+  if (step > 0) {
+    if (std::find(held.begin(), held.end(), step) != held.end()) chosen = step;
+  } else if (world_size == 1) {
+    // The newest checkpoint, in memory or on disk. (All ranks of a larger job must restore the same
+    // step: they ask for it by number.) Read without the lock.
+    ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
+    if (held.front() >= latest.value_or(-1)) chosen = held.front();
+  }
+  if (chosen < 0) return out;
+
+  LoadingSlot loading;
+  std::shared_ptr<const ResidentCheckpoint> resident;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    auto ticket = Slots(*rank->segment).AcquireResident(chosen);
+    if (!ticket) return out;  // no longer held (dropped meanwhile): the files
+    loading = LoadingSlot{rank->segment, *ticket};
+    resident = Slots(*rank->segment).ResidentIn(ticket->slot);
+    Slots(*rank->segment).SetLoading(ticket->slot, true);
+    Mirror(*rank->segment, ticket->slot);
+  }
+  // Verified off the lock, while the slot is RESTORING and loading: nobody else can take it.
+  const auto start = std::chrono::steady_clock::now();
+  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  Status verified = VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout,
+                                        resident->sums, &verifiers);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  MutexLock lock(&mu_);
+  if (!verified.ok()) {
+    // Never handed over. The rank's other memory checkpoints are dropped too: the memory that
+    // failed once is not trusted again, and the restore goes to the files.
+    const uint32_t dropped = Slots(*loading.segment).DropResidentsFrom(std::numeric_limits<int64_t>::min());
+    (void)FinishLoadingSlotLocked(session_id, loading, verified);  // frees the slot
+    Logger("restore")->warn("memory checkpoint failed its checksums, restoring from disk instead job={} rank={} "
+                            "step={} dropped={} error=\"{}\"",
+                            job, rank_id, chosen, dropped, verified.ToString());
+    return out;
+  }
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
+  Slots(*loading.segment).DropResidentsFrom(chosen + 1);
+  jobs_[job].ranks[rank_id].resumed_from = chosen;
+  Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify_secs={:.3f}", job, rank_id,
+                          chosen, FormatBytes(loading.segment->tensor_bytes), secs);
+  out.found = true;
+  out.step = chosen;
+  out.ticket = loading.ticket;
+  out.extra = resident->extra;
+  out.tier = SlotTier::kMemory;
   return out;
 }
 

@@ -32,7 +32,7 @@ void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
 }
 
 Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
-                                         std::chrono::milliseconds timeout) {
+                                         std::chrono::milliseconds timeout, SlotTier tier) {
   if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
   std::string job;
   std::map<int64_t, Topology> held;  // steps of an earlier layout to look at on disk
@@ -49,6 +49,16 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
                              std::to_string(rank->last_begun) + "; steps must increase");
     }
+    if (tier == SlotTier::kMemory) {
+      if (Slots(*rank->segment).size() < 2) {
+        return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
+                                  "while the next one is filled (this daemon runs with --slots " +
+                                  std::to_string(Slots(*rank->segment).size()) + ")");
+      }
+      if (rank->segment->ema) {
+        return FailedPrecondition("memory checkpoints are not supported yet for a rank with EMA tensors");
+      }
+    }
     ASSIGN_OR_RETURN(held, LayoutHoldLocked(job, *rank));
     topology = rank->topology;
     check_lineage = !rank->lineage_checked && rank->resumed_from == 0;
@@ -57,7 +67,8 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   }
   if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
   if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite));
-  ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+  // A memory checkpoint writes no file: no need to look at the disk on the trainer's path.
+  ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : catalog_.IsComplete(job, step));
   if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
                          "' is already complete; a complete checkpoint is never overwritten");
@@ -73,10 +84,16 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     }
   };
   MutexLock lock(&mu_);
+  {
+    // Memory checkpoints of this step or later belong to a timeline the job has left (it resumed
+    // from an earlier step): they are never restored.
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    Slots(*rank->segment).DropResidentsFrom(step);
+  }
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     if (rank->session_id != session_id) return Cancelled("the session was replaced");
-    if (auto ticket = Slots(*rank->segment).Acquire(SlotState::kFilling, step)) {
+    if (auto ticket = Slots(*rank->segment).Acquire(SlotState::kFilling, step, tier)) {
       HandOut(rank, *ticket, step);
       count_wait(true);
       return *ticket;
@@ -98,7 +115,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     waited = true;
     if (!cv_.WaitUntil(&lock, deadline)) {
       ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
-      if (auto ticket = Slots(*r->segment).Acquire(SlotState::kFilling, step)) {
+      if (auto ticket = Slots(*r->segment).Acquire(SlotState::kFilling, step, tier)) {
         HandOut(r, *ticket, step);
         count_wait(true);
         return *ticket;
@@ -154,6 +171,10 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
     const SlotInfo* slot = ticket.slot < Slots(*rank->segment).size() ? &Slots(*rank->segment).at(ticket.slot) : nullptr;
+    if (slot != nullptr && slot->generation == ticket.generation && slot->tier == SlotTier::kMemory && persist) {
+      return InvalidArgument("step " + std::to_string(step) + " was begun as a memory checkpoint: commit it with "
+                             "persist=false (a memory checkpoint is kept in its slot, not written)");
+    }
     if (slot != nullptr && slot->state == SlotState::kFilling && slot->generation == ticket.generation &&
         (persist || rank->segment->ema)) {
       segment_name = rank->segment->shm->name();
@@ -183,6 +204,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   }
   RankState* rank = *rank_or;
   const SessionInfo who = sessions_[session_id];
+  const bool memory = Slots(*rank->segment).at(ticket.slot).tier == SlotTier::kMemory;
   Mirror(*rank->segment, ticket.slot);
   rank->snapshots += 1;
   rank->last_committed = step;
@@ -195,7 +217,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     event.rank = who.rank;
     event.step = step;
     event.bytes = rank->segment->tensor_bytes;
-    event.reason = persist ? "persist" : "ema only";
+    event.reason = memory ? "memory" : persist ? "persist" : "ema only";
     Emit(std::move(event));
   }
 
@@ -208,6 +230,17 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.persist = persist;
   job.job = who.job;
   job.rank = who.rank;
+  if (memory) {
+    // Kept in its slot once the EMA stage has computed its checksums over the finished copies.
+    job.resident = std::make_shared<ResidentCheckpoint>();
+    job.resident->step = step;
+    job.resident->attempt = rank->attempt();
+    job.resident->world_size = rank->topology.world_size;
+    job.resident->extra = std::move(extra);
+    EmaPending(*segment) += 1;
+    ema_stage_->Submit(std::move(job));
+    return Status::OK();
+  }
   if (persist) {
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(),
@@ -224,6 +257,14 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
 
 Status Daemon::FinishCommittedLocked(EmaJob job) {
   RankSegment& segment = *job.segment;
+  if (job.resident) {
+    // A memory checkpoint whose trainer's copies failed is not kept (the EMA stage logged why).
+    Status kept = job.resident_ok ? Slots(segment).MakeResident(job.ticket, std::move(job.resident))
+                                  : Slots(segment).Release(job.ticket, SlotState::kCommitted);
+    Mirror(segment, job.ticket.slot);
+    cv_.NotifyAll();
+    return kept;
+  }
   if (!job.persist) {
     RETURN_IF_ERROR(Slots(segment).Release(job.ticket, SlotState::kCommitted));
     Mirror(segment, job.ticket.slot);
@@ -247,7 +288,7 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
 
 void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
-  if (!job.persist) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
+  if (!job.persist && !job.resident) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
   if (applied) {
     DaemonEvent event;
     event.kind = DaemonEvent::Kind::kEmaUpdated;

@@ -1,5 +1,6 @@
 #include "daemon/core/slots.h"
 
+#include <algorithm>
 #include <string>
 
 namespace flashckpt {
@@ -10,16 +11,87 @@ uint32_t SlotTable::CountIn(SlotState state) const {
   return n;
 }
 
-std::optional<SlotTicket> SlotTable::Acquire(SlotState purpose, int64_t step) {
+int SlotTable::Pick() const {
   for (uint32_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i].state != SlotState::kFree) continue;
-    slots_[i].state = purpose;
-    slots_[i].step = step;
-    slots_[i].generation += 1;
-    slots_[i].handed_out = std::chrono::steady_clock::now();
-    return SlotTicket{i, slots_[i].generation};
+    if (slots_[i].state == SlotState::kFree && slots_[i].resident == nullptr) return static_cast<int>(i);
+  }
+  // Every free slot holds a memory checkpoint. The newest one is kept unless a disk snapshot of a
+  // later step has committed (it is written, or adopted and written by the next daemon).
+  int newest = -1, oldest = -1;
+  int64_t newest_disk = -1;
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const SlotInfo& s = slots_[i];
+    if ((s.state == SlotState::kCommitted || s.state == SlotState::kPersisting) && s.tier == SlotTier::kDisk) {
+      newest_disk = std::max(newest_disk, s.step);
+    }
+    if (s.resident == nullptr) continue;
+    if (newest < 0 || s.resident->step > slots_[newest].resident->step) newest = static_cast<int>(i);
+  }
+  const bool keep_newest = newest >= 0 && slots_[newest].resident->step >= newest_disk;
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const SlotInfo& s = slots_[i];
+    if (s.state != SlotState::kFree || (keep_newest && static_cast<int>(i) == newest)) continue;
+    if (oldest < 0 || s.resident->step < slots_[oldest].resident->step) oldest = static_cast<int>(i);
+  }
+  return oldest;
+}
+
+SlotTicket SlotTable::HandOut(uint32_t slot, SlotState purpose, int64_t step, SlotTier tier) {
+  SlotInfo& s = slots_[slot];
+  s.state = purpose;
+  s.step = step;
+  s.tier = tier;
+  s.generation += 1;
+  s.handed_out = std::chrono::steady_clock::now();
+  return SlotTicket{slot, s.generation};
+}
+
+std::optional<SlotTicket> SlotTable::Acquire(SlotState purpose, int64_t step, SlotTier tier) {
+  const int slot = Pick();
+  if (slot < 0) return std::nullopt;
+  slots_[slot].resident.reset();
+  return HandOut(static_cast<uint32_t>(slot), purpose, step, tier);
+}
+
+std::optional<SlotTicket> SlotTable::AcquireResident(int64_t step) {
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const SlotInfo& s = slots_[i];
+    if (s.state == SlotState::kFree && s.resident != nullptr && s.resident->step == step) {
+      return HandOut(i, SlotState::kRestoring, step, SlotTier::kMemory);
+    }
   }
   return std::nullopt;
+}
+
+Status SlotTable::MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
+  RETURN_IF_ERROR(Check(ticket, SlotState::kCommitted, "keep"));
+  if (resident == nullptr || resident->step != slots_[ticket.slot].step) {
+    return Internal("keep: slot " + std::to_string(ticket.slot) + " holds step " +
+                    std::to_string(slots_[ticket.slot].step) + ", not the memory checkpoint given");
+  }
+  slots_[ticket.slot].state = SlotState::kFree;
+  slots_[ticket.slot].resident = std::move(resident);
+  return Status::OK();
+}
+
+uint32_t SlotTable::DropResidentsFrom(int64_t from) {
+  uint32_t n = 0;
+  for (auto& s : slots_) {
+    if (s.resident != nullptr && s.resident->step >= from) {
+      s.resident.reset();
+      ++n;
+    }
+  }
+  return n;
+}
+
+std::vector<int64_t> SlotTable::ResidentSteps() const {
+  std::vector<int64_t> steps;
+  for (const auto& s : slots_) {
+    if (s.resident != nullptr) steps.push_back(s.resident->step);
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
 }
 
 Status SlotTable::Check(const SlotTicket& ticket, SlotState expected, const char* action) const {
@@ -85,7 +157,9 @@ Status SlotTable::Adopt(const SlotTicket& ticket, int64_t step) {
   }
   s.state = SlotState::kCommitted;
   s.step = step;
+  s.tier = SlotTier::kDisk;
   s.generation = ticket.generation;
+  s.resident.reset();
   return Status::OK();
 }
 

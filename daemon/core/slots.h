@@ -4,6 +4,12 @@
 //   FREE --Acquire(kRestoring)--> RESTORING --Release--> FREE
 //   FILLING / RESTORING --Abandon (trainer gone or aborted)--> FREE
 //
+// Memory checkpoints (tier kMemory) are kept in FREE slots: COMMITTED --MakeResident--> FREE holding
+// it (`resident`), once its checksums are computed; AcquireResident hands it to a restore (RESTORING,
+// still holding it). Acquire takes slots that hold nothing first, then the one holding the oldest
+// memory checkpoint, and never the rank's newest one unless a newer disk snapshot is already
+// committed: a crash at any moment leaves the newest memory checkpoint intact.
+//
 // Every hand-out bumps the slot's generation; a commit or release must name the generation it was
 // given, so a stale or duplicated request cannot touch a slot that has since been reused.
 // Not thread-safe: the owner (the daemon's registry) guards it with its mutex.
@@ -11,10 +17,14 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/base/status.h"
+#include "common/format/signal.h"
+#include "common/format/slot_checksums.h"
 #include "common/io/shm.h"
 
 namespace flashckpt {
@@ -24,12 +34,29 @@ struct SlotTicket {
   uint64_t generation = 0;
 };
 
+// Where a snapshot goes: written to files (kDisk), or kept in its slot as a memory checkpoint.
+enum class SlotTier : uint8_t { kDisk, kMemory };
+
+// A memory checkpoint kept in a slot: what a restore from it hands over besides the tensors, and the
+// checksums computed after its commit.
+struct ResidentCheckpoint {
+  int64_t step = -1;
+  Attempt attempt;  // of the process that saved it
+  uint32_t world_size = 1;
+  std::string extra;
+  SlotChecksums sums;
+};
+
 struct SlotInfo {
   SlotState state = SlotState::kFree;
   int64_t step = -1;
   uint64_t generation = 0;
+  SlotTier tier = SlotTier::kDisk;  // of the snapshot it was last handed out for
   bool loading = false;  // RESTORING and the daemon is still filling it: not abandonable
   std::chrono::steady_clock::time_point handed_out{};  // when Acquire last gave it out
+  // The memory checkpoint the slot holds (FREE, or RESTORING while a restore hands it over); null:
+  // none. Kept through Release and AbandonInFlight; any other hand-out of the slot forgets it.
+  std::shared_ptr<const ResidentCheckpoint> resident;
 };
 
 class SlotTable {
@@ -40,8 +67,21 @@ class SlotTable {
   const SlotInfo& at(uint32_t slot) const { return slots_[slot]; }
   uint32_t CountIn(SlotState state) const;
 
-  // FREE -> `purpose` (kFilling or kRestoring); nullopt when no slot is free.
-  std::optional<SlotTicket> Acquire(SlotState purpose, int64_t step);
+  // FREE -> `purpose` (kFilling or kRestoring) for a snapshot of `tier`; nullopt when no slot may be
+  // taken. Slots that hold no memory checkpoint go first (lowest index), then the one holding the
+  // oldest; the newest memory checkpoint is never taken unless a disk snapshot of a later step is
+  // committed or being written.
+  std::optional<SlotTicket> Acquire(SlotState purpose, int64_t step, SlotTier tier = SlotTier::kDisk);
+  // The FREE slot holding memory checkpoint `step` -> RESTORING, still holding it; nullopt if none does.
+  std::optional<SlotTicket> AcquireResident(int64_t step);
+  // COMMITTED -> FREE holding `resident` (a memory snapshot whose checksums are computed).
+  Status MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident);
+  // Forgets every memory checkpoint of step >= `from`; returns how many.
+  uint32_t DropResidentsFrom(int64_t from);
+  // The steps of the memory checkpoints held, newest first.
+  std::vector<int64_t> ResidentSteps() const;
+  // The memory checkpoint held by `slot`, or null.
+  std::shared_ptr<const ResidentCheckpoint> ResidentIn(uint32_t slot) const { return slots_[slot].resident; }
   // FILLING -> COMMITTED for the ticket's slot and generation.
   Status Commit(const SlotTicket& ticket, int64_t step);
   // COMMITTED -> PERSISTING.
@@ -58,6 +98,9 @@ class SlotTable {
 
  private:
   Status Check(const SlotTicket& ticket, SlotState expected, const char* action) const;
+  // The slot Acquire may take, or -1.
+  int Pick() const;
+  SlotTicket HandOut(uint32_t slot, SlotState purpose, int64_t step, SlotTier tier);
   std::vector<SlotInfo> slots_;
 };
 

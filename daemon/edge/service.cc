@@ -92,7 +92,11 @@ grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1
   RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
   auto timeout = RequestTimeout(req->timeout_ms(), 60000);
   if (!timeout.ok()) return ToGrpc(timeout.status());
-  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, *timeout));
+  if (!v1::Tier_IsValid(req->tier())) {
+    return ToGrpc(InvalidArgument("tier " + std::to_string(req->tier()) + " is not TIER_DISK (0) or TIER_MEMORY (1)"));
+  }
+  auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, *timeout),
+                                       req->tier() == v1::TIER_MEMORY ? SlotTier::kMemory : SlotTier::kDisk);
   if (!ticket.ok()) return ToGrpc(ticket.status());
   resp->set_slot(ticket->slot);
   resp->set_generation(ticket->generation);
@@ -171,6 +175,7 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   resp->set_generation(r->ticket.generation);
   resp->set_extra(r->extra);
   resp->set_bytes_read(r->bytes_read);
+  resp->set_tier(r->tier == SlotTier::kMemory ? v1::TIER_MEMORY : v1::TIER_DISK);
   return grpc::Status::OK;
 }
 

@@ -67,9 +67,15 @@ void EmaStage::Run() {
       Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
                            copied.ToString());
     } else {
-      char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
-      applied = job.segment->ema->Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step, job.loss,
-                                        image, loop_.get(), job.replay);
+      if (job.segment->ema) {
+        char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
+        applied = job.segment->ema->Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step,
+                                          job.loss, image, loop_.get(), job.replay);
+      }
+      if (job.resident) {
+        job.resident->sums = ComputeSlotChecksums(job.segment->Slot(job.ticket.slot), job.segment->layout, loop_.get());
+        job.resident_ok = true;
+      }
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,

@@ -1,8 +1,11 @@
 // The EMA stage: one thread that applies committed snapshots to their rank's EMA (daemon/pipeline/ema.h),
-// in commit order, with a pool of helper threads for the arithmetic. What to do with a snapshot
-// once applied (hand it to the writer, free its slot) is the daemon's: the stage calls it back.
+// in commit order, with a pool of helper threads for the arithmetic, and computes the checksums of
+// memory checkpoints (daemon/core/slots.h) the same way, off the trainer's path. What to do with a
+// snapshot once done (hand it to the writer, keep it, free its slot) is the daemon's: the stage
+// calls it back.
 //
-//   Daemon::Commit --Submit--> [queue] --thread: wait for the slot's copies, RankEma::Apply--> done()
+//   Daemon::Commit --Submit--> [queue] --thread: wait for the slot's copies, RankEma::Apply (EMA
+//                                        ranks), ComputeSlotChecksums (memory checkpoints)--> done()
 #pragma once
 
 #include <chrono>
@@ -34,6 +37,10 @@ struct EmaJob {
   std::string job;
   uint32_t rank = 0;
   bool replay = false;  // adopted after a restart: the EMA may already have seen the step
+  // A memory checkpoint: the stage fills in its checksums and sets `resident_ok` once they are
+  // computed over the trainer's finished copies.
+  std::shared_ptr<ResidentCheckpoint> resident;
+  bool resident_ok = false;
 };
 
 class EmaStage {

@@ -440,6 +440,33 @@ void BadRequestsTest::SaveCases(const std::string& session) {
   Expect("BeginSnapshot timeout_ms 24 h + 1", Begin(session, 1, 24u * 3600 * 1000 + 1), kInvalid, "timeout_ms");
   Expect("BeginSnapshot session_id garbage", Begin("../../../etc/passwd", 1), kInvalid, "session_id");
   Expect("BeginSnapshot unknown session_id", Begin("fedcba9876543210", 1), Code::UNAVAILABLE, "session");
+  {
+    v1::BeginSnapshotRequest req;
+    req.set_session_id(session);
+    req.set_step(1);
+    req.set_timeout_ms(500);
+    req.set_tier(static_cast<v1::Tier>(7));
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    v1::BeginSnapshotResponse ignored;
+    Expect("BeginSnapshot tier 7", stub_->BeginSnapshot(&ctx, req, &ignored), kInvalid, "tier");
+  }
+  {
+    // A memory checkpoint's commit that asks for files is refused; the slot is aborted by the test below.
+    v1::BeginSnapshotRequest req;
+    req.set_session_id(session);
+    req.set_step(5);
+    req.set_timeout_ms(500);
+    req.set_tier(v1::TIER_MEMORY);
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    v1::BeginSnapshotResponse memory;
+    ASSERT_TRUE(stub_->BeginSnapshot(&ctx, req, &memory).ok());
+    Expect("Commit of a memory checkpoint with persist", Commit(CommitOf(session, memory, 5)), kInvalid, "memory");
+    v1::CommitRequest kept = CommitOf(session, memory, 5);
+    kept.set_persist(false);
+    Expect("Commit of a memory checkpoint", Commit(kept), Code::OK, "");
+  }
 
   v1::BeginSnapshotResponse ticket;
   ASSERT_TRUE(Begin(session, 10, 500, &ticket).ok());

@@ -1,5 +1,8 @@
 #include "daemon/core/slots.h"
 
+#include <memory>
+#include <vector>
+
 #include "testing.h"
 
 namespace flashckpt {
@@ -78,6 +81,118 @@ TEST(SlotTable, AbandonFreesFillingAndRestoringButNotPersistingOrLoading) {
   EXPECT_EQ(t.at(restoring->slot).state, SlotState::kFree);
   EXPECT_EQ(t.at(persisting->slot).state, SlotState::kPersisting);
   EXPECT_EQ(t.at(loading->slot).state, SlotState::kRestoring);
+}
+
+// A memory snapshot of `step`: filled, committed and kept (its checksums computed).
+SlotTicket KeepMemory(SlotTable& t, int64_t step) {
+  auto ticket = t.Acquire(SlotState::kFilling, step, SlotTier::kMemory);
+  EXPECT_TRUE(ticket.has_value()) << step;
+  EXPECT_OK(t.Commit(*ticket, step));
+  auto resident = std::make_shared<ResidentCheckpoint>();
+  resident->step = step;
+  EXPECT_OK(t.MakeResident(*ticket, resident));
+  return *ticket;
+}
+
+TEST(SlotTable, TheNewestMemoryCheckpointIsKeptUntilANewerOneIsKept) {
+  SlotTable t(2);
+  const SlotTicket one = KeepMemory(t, 1);
+  EXPECT_EQ(t.at(one.slot).state, SlotState::kFree);
+  EXPECT_EQ(t.ResidentSteps(), std::vector<int64_t>{1});
+  auto two = t.Acquire(SlotState::kFilling, 2, SlotTier::kMemory);
+  ASSERT_TRUE(two.has_value());
+  EXPECT_NE(two->slot, one.slot);
+  // Step 1 is the only memory checkpoint: no slot for step 3, not even once step 2 has committed.
+  EXPECT_FALSE(t.Acquire(SlotState::kFilling, 3, SlotTier::kMemory).has_value());
+  ASSERT_OK(t.Commit(*two, 2));
+  EXPECT_FALSE(t.Acquire(SlotState::kFilling, 3, SlotTier::kMemory).has_value());
+  auto kept = std::make_shared<ResidentCheckpoint>();
+  kept->step = 2;
+  ASSERT_OK(t.MakeResident(*two, kept));
+  EXPECT_EQ(t.ResidentSteps(), (std::vector<int64_t>{2, 1}));
+  // Now step 1's slot may go; step 2's stays.
+  auto three = t.Acquire(SlotState::kFilling, 3, SlotTier::kMemory);
+  ASSERT_TRUE(three.has_value());
+  EXPECT_EQ(three->slot, one.slot);
+  EXPECT_EQ(t.ResidentIn(one.slot), nullptr);
+  EXPECT_EQ(t.ResidentSteps(), std::vector<int64_t>{2});
+}
+
+TEST(SlotTable, ACommittedDiskSnapshotLetsTheNewestMemoryCheckpointGo) {
+  SlotTable t(2);
+  const SlotTicket one = KeepMemory(t, 1);
+  auto disk = t.Acquire(SlotState::kFilling, 2);
+  ASSERT_TRUE(disk.has_value());
+  EXPECT_FALSE(t.Acquire(SlotState::kFilling, 3, SlotTier::kMemory).has_value());  // step 2 may still fail
+  ASSERT_OK(t.Commit(*disk, 2));
+  ASSERT_OK(t.BeginPersist(*disk));
+  auto three = t.Acquire(SlotState::kFilling, 3, SlotTier::kMemory);
+  ASSERT_TRUE(three.has_value());
+  EXPECT_EQ(three->slot, one.slot);
+}
+
+TEST(SlotTable, SlotsHoldingNothingAreTakenFirst) {
+  SlotTable t(3);
+  const SlotTicket one = KeepMemory(t, 1);
+  EXPECT_EQ(one.slot, 0u);
+  const SlotTicket two = KeepMemory(t, 2);
+  EXPECT_EQ(two.slot, 1u);
+  auto disk = t.Acquire(SlotState::kFilling, 3);
+  ASSERT_TRUE(disk.has_value());
+  EXPECT_EQ(disk->slot, 2u);
+  ASSERT_OK(t.Release(*disk, SlotState::kFilling));
+  auto restore = t.Acquire(SlotState::kRestoring, 3);
+  ASSERT_TRUE(restore.has_value());
+  EXPECT_EQ(restore->slot, 2u);
+  EXPECT_EQ(t.ResidentSteps(), (std::vector<int64_t>{2, 1}));
+}
+
+TEST(SlotTable, ARestoreHandsOverTheResidentSlotAndKeepsIt) {
+  SlotTable t(2);
+  const SlotTicket kept = KeepMemory(t, 5);
+  EXPECT_FALSE(t.AcquireResident(4).has_value());
+  auto r = t.AcquireResident(5);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->slot, kept.slot);
+  EXPECT_GT(r->generation, kept.generation);
+  EXPECT_EQ(t.at(r->slot).state, SlotState::kRestoring);
+  EXPECT_FALSE(t.AcquireResident(5).has_value());  // handed out once
+  EXPECT_EQ(t.AbandonInFlight(), 1u);                 // the trainer died while copying out
+  EXPECT_EQ(t.ResidentSteps(), std::vector<int64_t>{5});
+  auto again = t.AcquireResident(5);
+  ASSERT_TRUE(again.has_value());
+  ASSERT_OK(t.Release(*again, SlotState::kRestoring));
+  EXPECT_EQ(t.ResidentSteps(), std::vector<int64_t>{5});
+  // The stale ticket of the first hand-out can do nothing.
+  EXPECT_EQ(t.Release(*r, SlotState::kRestoring).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(SlotTable, DroppingFromAStepForgetsItAndLaterOnes) {
+  SlotTable t(3);
+  KeepMemory(t, 1);
+  KeepMemory(t, 2);
+  auto three = t.Acquire(SlotState::kFilling, 3, SlotTier::kMemory);
+  ASSERT_TRUE(three.has_value());
+  ASSERT_OK(t.Commit(*three, 3));
+  auto kept = std::make_shared<ResidentCheckpoint>();
+  kept->step = 3;
+  ASSERT_OK(t.MakeResident(*three, kept));
+  EXPECT_EQ(t.DropResidentsFrom(2), 2u);
+  EXPECT_EQ(t.ResidentSteps(), std::vector<int64_t>{1});
+  EXPECT_EQ(t.CountIn(SlotState::kFree), 3u);
+}
+
+TEST(SlotTable, OnlyACommittedSlotOfTheSameStepIsKept) {
+  SlotTable t(2);
+  auto a = t.Acquire(SlotState::kFilling, 4, SlotTier::kMemory);
+  ASSERT_TRUE(a.has_value());
+  auto kept = std::make_shared<ResidentCheckpoint>();
+  kept->step = 4;
+  EXPECT_EQ(t.MakeResident(*a, kept).code(), StatusCode::kFailedPrecondition);  // not committed
+  ASSERT_OK(t.Commit(*a, 4));
+  kept->step = 3;
+  EXPECT_EQ(t.MakeResident(*a, kept).code(), StatusCode::kInternal);
+  EXPECT_TRUE(t.ResidentSteps().empty());
 }
 
 }  // namespace

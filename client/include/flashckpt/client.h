@@ -107,8 +107,16 @@ struct EmaResult {
   int64_t step = -1;         // step of the last update
 };
 
+// Where a snapshot goes. kDisk: written as checkpoint files in the background. kMemory: a memory
+// checkpoint, kept in the daemon's shared memory and never written; it outlives this process (not
+// the daemon's node) and a later Restore of its step, by this rank, is served from memory. The
+// daemon keeps the rank's newest memory checkpoint until a newer one is kept, so it needs at least
+// 2 slots; not yet for ranks with EMA.
+enum class Tier : uint8_t { kDisk, kMemory };
+
 struct SnapshotOptions {
   bool persist = true;           // false: hand to the daemon (e.g. for the EMA) but do not write files
+  Tier tier = Tier::kDisk;       // kMemory: every tensor, replicas included, kept in memory (persist must be true)
   std::optional<double> loss;    // passed to the daemon with the commit
   std::string extra;             // opaque trainer state (JSON or bytes), saved as extra.rankNNNNN.json
   // The cudaStream_t the caller computes the device tensors on (nullptr: the legacy default
@@ -169,6 +177,7 @@ struct RestoreResult {
   int64_t step = 0;
   std::string extra;   // this rank's extra state of that checkpoint
   uint64_t bytes = 0;  // bytes copied into the caller's buffers
+  Tier tier = Tier::kDisk;  // kMemory: from this rank's memory checkpoint of `step`, verified, no file read
 };
 
 class FLASHCKPT_API Client {
@@ -220,6 +229,9 @@ class FLASHCKPT_API Client {
 
   // Restores `step` (nullopt: the latest complete checkpoint) into `buffers`, which must name every
   // registered tensor. Checksums are verified by the daemon before any byte reaches the buffers.
+  // When this rank holds a memory checkpoint of `step` (nullopt, in a job of one rank: its newest,
+  // if not older than the latest complete checkpoint), that is restored instead (result.tier); one
+  // that fails its checksums is never handed over: the daemon drops it and reads the files.
   // The checkpoint may have been saved in another parallel layout: the daemon reads the parts of it
   // this rank's tensors cover.
   Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
