@@ -341,6 +341,13 @@ void Daemon::CloseSession(const std::string& session_id) {
     if (rank.segment) {
       abandoned = Slots(*rank.segment).AbandonInFlight();
       for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) Mirror(*rank.segment, i);
+      // A memory snapshot committed before its (streamed) copies finished never will be: the trainer
+      // is gone. It is dropped now rather than waited for until the copy timeout.
+      for (const auto& p : MemoryPending(*rank.segment)) {
+        const auto& header = *reinterpret_cast<const SlotHeader*>(rank.segment->Slot(p.slot));
+        const uint64_t until = header.copied_until.load(std::memory_order_acquire);
+        if (until != 0 && until < rank.segment->layout.slot_bytes) p.resident->dropped.store(true);
+      }
     }
   }
   Logger("rpc")->info("session closed job={} rank={} abandoned_slots={}", it->second.job, it->second.rank, abandoned);

@@ -310,10 +310,6 @@ class Daemon {
     std::shared_ptr<RankSegment> segment;
     SlotTicket ticket;
   };
-  // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
-  // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
-  // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the
-  // wait in the timeout error.
   // The memory path of Restore: the rank's memory checkpoint `step` (0: its newest, for a job of one
   // rank, when not older than the latest complete checkpoint) verified and handed over in its own
   // slot; found=false when there is none to hand over, or it failed its checksums (then the rank's
@@ -321,6 +317,10 @@ class Daemon {
   Result<RestoreOutcome> RestoreFromMemory(const std::string& session_id, int64_t step,
                                            std::chrono::steady_clock::time_point deadline,
                                            std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
+  // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
+  // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the
+  // wait in the timeout error.
   Result<LoadingSlot> AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step, bool need_ema,
                                          std::chrono::steady_clock::time_point deadline,
                                          std::chrono::milliseconds timeout, const char* purpose) EXCLUDES(mu_);
@@ -432,6 +432,16 @@ class Daemon {
   const SlotTable& Slots(const RankSegment& segment) const REQUIRES(mu_) { return segment.slots_; }
   uint32_t& EmaPending(RankSegment& segment) REQUIRES(mu_) { return segment.ema_pending_; }
   uint32_t EmaPending(const RankSegment& segment) const REQUIRES(mu_) { return segment.ema_pending_; }
+  std::vector<RankSegment::PendingMemory>& MemoryPending(RankSegment& segment) REQUIRES(mu_) {
+    return segment.memory_pending_;
+  }
+  // Snapshots queued for the EMA itself (not memory checkpoints queued for their checksums).
+  uint32_t EmaUpdatesPending(const RankSegment& segment) const REQUIRES(mu_) {
+    return segment.ema_pending_ - static_cast<uint32_t>(segment.memory_pending_.size());
+  }
+  // Forgets the rank's memory checkpoints of step >= `from`: those kept, and those still queued for
+  // their checksums (they are then not kept). Returns how many.
+  uint32_t DropMemoryFrom(RankSegment& segment, int64_t from) REQUIRES(mu_);
   // Copies the slot's state into its header page for inspection (and the next daemon).
   void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {
     segment.MirrorSlot(slot, segment.slots_.at(slot));

@@ -41,7 +41,7 @@ std::string Daemon::ReleaseBlocker(const JobState& job) const {
       return "rank " + std::to_string(r) + " has step " + std::to_string(slot.step) + " in slot " + std::to_string(i) +
              ", " + SlotStateText(slot.state);
     }
-    if (EmaPending(*rank.segment) > 0) return "rank " + std::to_string(r) + " has snapshots queued for its EMA";
+    if (EmaPending(*rank.segment) > 0) return "rank " + std::to_string(r) + " has snapshots queued for the EMA stage (EMA updates or memory checkpoint checksums)";
   }
   return "";
 }
@@ -55,6 +55,11 @@ std::vector<std::shared_ptr<RankSegment>> Daemon::DetachJobLocked(const std::str
     outcome->ranks += 1;
     if (!rank.segment) continue;
     outcome->bytes += rank.segment->accounted();
+    // Its memory checkpoints go with the segment: a trainer that comes back later restores from disk.
+    if (const auto held = Slots(*rank.segment).ResidentSteps(); !held.empty()) {
+      Logger("rpc")->warn("releasing job={} rank={} drops its memory checkpoints count={} newest_step={}", name, r,
+                          held.size(), held.front());
+    }
     segments.push_back(std::move(rank.segment));
   }
   jobs_.erase(it);

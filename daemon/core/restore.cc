@@ -176,7 +176,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   if (own) {
     jobs_[job].ranks[rank_id].resumed_from = step;
     // Memory checkpoints after the restored step are of a timeline the job has left.
-    Slots(*segment).DropResidentsFrom(step + 1);
+    DropMemoryFrom(*segment, step + 1);
   }
   out.found = true;
   out.step = step;
@@ -198,8 +198,17 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     for (;;) {
       ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
       if (rank->segment->ema) return out;  // memory checkpoints are not taken with EMA (BeginSnapshot)
-      // The checksums of the last memory snapshot committed (by the trainer that died) first.
-      if (EmaPending(*rank->segment) == 0) break;
+      // Step 0 of a job of several ranks is never served from memory: they must agree on a step.
+      if (step == 0 && rank->topology.world_size != 1) return out;
+      // The checksums of the memory snapshots still queued (the last ones of the trainer that died)
+      // first: all of them for the newest, the step's own for a step asked for. One whose copies
+      // never finished was dropped when its session closed.
+      const auto& pending = MemoryPending(*rank->segment);
+      if (std::none_of(pending.begin(), pending.end(), [&](const RankSegment::PendingMemory& p) {
+            return (step == 0 || p.resident->step == step) && !p.resident->dropped.load();
+          })) {
+        break;
+      }
       if (!cv_.WaitUntil(&lock, deadline)) {
         return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
@@ -246,7 +255,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   if (!verified.ok()) {
     // Never handed over. The rank's other memory checkpoints are dropped too: the memory that
     // failed once is not trusted again, and the restore goes to the files.
-    const uint32_t dropped = Slots(*loading.segment).DropResidentsFrom(std::numeric_limits<int64_t>::min());
+    const uint32_t dropped = DropMemoryFrom(*loading.segment, std::numeric_limits<int64_t>::min());
     (void)FinishLoadingSlotLocked(session_id, loading, verified);  // frees the slot
     Logger("restore")->warn("memory checkpoint failed its checksums, restoring from disk instead job={} rank={} "
                             "step={} dropped={} error=\"{}\"",
@@ -254,7 +263,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     return out;
   }
   RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
-  Slots(*loading.segment).DropResidentsFrom(chosen + 1);
+  DropMemoryFrom(*loading.segment, chosen + 1);
   jobs_[job].ranks[rank_id].resumed_from = chosen;
   Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify_secs={:.3f}", job, rank_id,
                           chosen, FormatBytes(loading.segment->tensor_bytes), secs);
@@ -277,7 +286,7 @@ Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& sessio
           "this rank has no EMA: the job registered without ema_decay, or all its "
           "weights are replicas persisted by another rank");
     }
-    if (EmaPending(*rank->segment) == 0) {
+    if (EmaUpdatesPending(*rank->segment) == 0) {
       if (auto t = Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
         LoadingSlot slot{rank->segment, *t};
         Slots(*slot.segment).SetLoading(t->slot, true);

@@ -1,5 +1,7 @@
 // The save path of the daemon: BeginSnapshot hands out a slot, Commit queues it for the writer,
 // OnPersisted frees it and wakes WaitPersisted.
+#include <algorithm>
+
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "daemon/core/daemon.h"
@@ -29,6 +31,14 @@ void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
   reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
   Mirror(*rank->segment, ticket.slot);
   rank->last_begun = step;
+}
+
+uint32_t Daemon::DropMemoryFrom(RankSegment& segment, int64_t from) {
+  uint32_t dropped = Slots(segment).DropResidentsFrom(from);
+  for (const auto& p : MemoryPending(segment)) {
+    if (p.resident->step >= from && !p.resident->dropped.exchange(true)) dropped += 1;
+  }
+  return dropped;
 }
 
 Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
@@ -88,7 +98,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     // Memory checkpoints of this step or later belong to a timeline the job has left (it resumed
     // from an earlier step): they are never restored.
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-    Slots(*rank->segment).DropResidentsFrom(step);
+    DropMemoryFrom(*rank->segment, step);
   }
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -237,6 +247,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     job.resident->attempt = rank->attempt();
     job.resident->world_size = rank->topology.world_size;
     job.resident->extra = std::move(extra);
+    MemoryPending(*segment).push_back({ticket.slot, job.resident});
     EmaPending(*segment) += 1;
     ema_stage_->Submit(std::move(job));
     return Status::OK();
@@ -258,9 +269,18 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
 Status Daemon::FinishCommittedLocked(EmaJob job) {
   RankSegment& segment = *job.segment;
   if (job.resident) {
-    // A memory checkpoint whose trainer's copies failed is not kept (the EMA stage logged why).
-    Status kept = job.resident_ok ? Slots(segment).MakeResident(job.ticket, std::move(job.resident))
-                                  : Slots(segment).Release(job.ticket, SlotState::kCommitted);
+    auto& pending = MemoryPending(segment);
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](const RankSegment::PendingMemory& p) { return p.resident == job.resident; }),
+                  pending.end());
+    // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped while queued.
+    const bool keep = job.resident_ok && !job.resident->dropped.load();
+    if (!keep) {
+      Logger("save")->info("memory checkpoint not kept job={} rank={} step={} reason={}", job.job, job.rank, job.step,
+                           job.resident->dropped.load() ? "dropped" : "copies failed");
+    }
+    Status kept = keep ? Slots(segment).MakeResident(job.ticket, std::move(job.resident))
+                       : Slots(segment).Release(job.ticket, SlotState::kCommitted);
     Mirror(segment, job.ticket.slot);
     cv_.NotifyAll();
     return kept;
@@ -298,6 +318,9 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
     event.seconds = seconds;
     Emit(std::move(event));
   }
+  // Released after the lock: when the job holds the last reference to a retired segment, unmapping
+  // and unlinking it must not happen under mu_.
+  std::shared_ptr<RankSegment> segment = job.segment;
   MutexLock lock(&mu_);
   EmaPending(*job.segment) -= 1;
   cv_.NotifyAll();

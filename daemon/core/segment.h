@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "common/format/layout.h"
 #include "common/io/shm.h"
@@ -48,6 +49,12 @@ class RankSegment {
 
   SlotTable slots_;           // Daemon::mu_
   uint32_t ema_pending_ = 0;  // Daemon::mu_: snapshots queued for the EMA stage
+  // Daemon::mu_: the memory snapshots among them (queued for their checksums), with their slots.
+  struct PendingMemory {
+    uint32_t slot = 0;
+    std::shared_ptr<ResidentCheckpoint> resident;
+  };
+  std::vector<PendingMemory> memory_pending_;
   std::atomic<uint64_t>* const used_;  // the daemon's host-memory counter
   const uint64_t accounted_;          // bytes counted in *used (segment + EMA segment)
   const StateDir* const state_;       // its records are removed with the segment's name

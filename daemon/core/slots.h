@@ -15,6 +15,7 @@
 // Not thread-safe: the owner (the daemon's registry) guards it with its mutex.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -45,6 +46,10 @@ struct ResidentCheckpoint {
   uint32_t world_size = 1;
   std::string extra;
   SlotChecksums sums;
+  // Set while it is still queued for its checksums, when it must not be kept after all: a later
+  // BeginSnapshot or restore left its step behind, or its trainer died before its copies finished.
+  // The EMA stage then skips it. Atomic: the stage's thread reads it without the daemon's lock.
+  std::atomic<bool> dropped{false};
 };
 
 struct SlotInfo {

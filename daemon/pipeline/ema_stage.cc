@@ -35,6 +35,11 @@ std::vector<EmaJob> EmaStage::Stop(std::chrono::steady_clock::time_point deadlin
   return left;
 }
 
+bool EmaStage::Stopping() {
+  MutexLock lock(&mu_);
+  return stopping_;
+}
+
 bool EmaStage::PastDeadline() {
   MutexLock lock(&mu_);
   return stopping_ && std::chrono::steady_clock::now() >= deadline_;
@@ -55,8 +60,17 @@ void EmaStage::Run() {
     bool applied = false;
     // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
     // they fail, the update is skipped (and the writer fails the save for the same reason).
+    // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
+    // while the daemon stops (it would not outlive the daemon).
+    auto skip_memory = [&] { return job.resident && !job.segment->ema && (job.resident->dropped.load() || Stopping()); };
     const auto& header = *reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot));
-    Status copied = WaitSlotCopied(header, job.segment->layout.slot_bytes, copy_timeout_, [this] { return PastDeadline(); });
+    Status copied = skip_memory() ? Status::OK()
+                                  : WaitSlotCopied(header, job.segment->layout.slot_bytes, copy_timeout_,
+                                                   [&] { return PastDeadline() || skip_memory(); });
+    if (copied.code() == StatusCode::kCancelled && !PastDeadline()) {
+      done_(std::move(job), false, 0.0);  // dropped while its copies were coming: not kept
+      continue;
+    }
     if (copied.code() == StatusCode::kCancelled) {
       // The stop deadline passed while the copies were still coming: Stop abandons it with the rest.
       MutexLock lock(&mu_);
@@ -72,7 +86,7 @@ void EmaStage::Run() {
         applied = job.segment->ema->Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step,
                                           job.loss, image, loop_.get(), job.replay);
       }
-      if (job.resident) {
+      if (job.resident && !skip_memory()) {
         job.resident->sums = ComputeSlotChecksums(job.segment->Slot(job.ticket.slot), job.segment->layout, loop_.get());
         job.resident_ok = true;
       }

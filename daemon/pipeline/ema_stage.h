@@ -70,6 +70,7 @@ class EmaStage {
  private:
   void Run() EXCLUDES(mu_);
   bool PastDeadline() EXCLUDES(mu_);
+  bool Stopping() EXCLUDES(mu_);
 
   const unsigned threads_;
   const std::chrono::milliseconds copy_timeout_;

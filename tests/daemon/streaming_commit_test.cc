@@ -76,10 +76,11 @@ class StreamingCommitTest : public ::testing::Test {
     for (const auto& p : reg_.placements()) std::memset(Slot(slot) + p.slot_offset(), byte, p.bytes());
   }
 
-  v1::BeginSnapshotResponse Begin(int64_t step) {
+  v1::BeginSnapshotResponse Begin(int64_t step, v1::Tier tier = v1::TIER_DISK) {
     v1::BeginSnapshotRequest req;
     req.set_session_id(session_->id());
     req.set_step(step);
+    req.set_tier(tier);
     req.set_timeout_ms(5000);
     v1::BeginSnapshotResponse resp;
     grpc::ClientContext ctx;
@@ -88,13 +89,13 @@ class StreamingCommitTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.error_message();
     return resp;
   }
-  grpc::Status Commit(const v1::BeginSnapshotResponse& slot, int64_t step) {
+  grpc::Status Commit(const v1::BeginSnapshotResponse& slot, int64_t step, bool persist = true) {
     v1::CommitRequest req;
     req.set_session_id(session_->id());
     req.set_slot(slot.slot());
     req.set_generation(slot.generation());
     req.set_step(step);
-    req.set_persist(true);
+    req.set_persist(persist);
     v1::CommitResponse resp;
     grpc::ClientContext ctx;
     RawDeadline(&ctx);
@@ -109,6 +110,46 @@ class StreamingCommitTest : public ::testing::Test {
     grpc::ClientContext ctx;
     RawDeadline(&ctx, 30s);
     return stub_->WaitPersisted(&ctx, req, &resp);
+  }
+  // Restores `step` (0: the latest) and gives the slot back at once.
+  grpc::Status Restore(int64_t step, std::chrono::milliseconds timeout, v1::RestoreResponse* resp) {
+    v1::RestoreRequest req;
+    req.set_session_id(session_->id());
+    req.set_step(step);
+    req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx, 30s);
+    grpc::Status s = stub_->Restore(&ctx, req, resp);
+    if (!s.ok() || !resp->found()) return s;
+    v1::ReleaseSlotRequest release;
+    release.set_session_id(session_->id());
+    release.set_slot(resp->slot());
+    release.set_generation(resp->generation());
+    v1::ReleaseSlotResponse released;
+    grpc::ClientContext release_ctx;
+    RawDeadline(&release_ctx);
+    return stub_->ReleaseSlot(&release_ctx, release, &released);
+  }
+  // The trainer process ends (its session with it) and a new one registers the same tensors.
+  void Restart() {
+    session_.reset();
+    session_ = std::make_unique<RawSession>(stub_.get(), "stream", 0);
+    ASSERT_FALSE(session_->id().empty()) << session_->status().error_message();
+    v1::RegisterRequest req = SmallRegistration(session_->id());
+    req.clear_tensors();
+    for (const char* name : {"w", "w.exp_avg"}) {
+      auto* t = req.add_tensors();
+      t->set_name(name);
+      t->set_kind(std::string(name) == "w" ? v1::TENSOR_KIND_MODEL : v1::TENSOR_KIND_OPTIMIZER);
+      t->set_dtype("F32");
+      t->add_shape(kElements);
+    }
+    v1::RegisterResponse again;
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    grpc::Status s = stub_->Register(&ctx, req, &again);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(again.segment_name(), reg_.segment_name()) << "the same layout keeps its segment";
   }
   // The last `bytes` bytes of a file: the data of its one tensor.
   std::string Tail(const std::string& path, uint64_t bytes) const {
@@ -200,6 +241,50 @@ TEST_F(StreamingCommitTest, StalledCopiesFailAfterTheCopyTimeout) {
     grpc::Status done = WaitPersisted(step, 10s);
     ASSERT_TRUE(done.ok()) << done.error_message();
   }
+}
+
+// A memory checkpoint committed before its copies finished, whose trainer then dies, is dropped at
+// once: the copies never come, and a restore does not wait for them (nor for the copy timeout).
+TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesNeverFinishGoesWithItsTrainer) {
+  Start(60s);
+  auto slot = Begin(1, v1::TIER_MEMORY);
+  Header(slot.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(slot, 1, /*persist=*/false).ok());
+  std::this_thread::sleep_for(200ms);  // the EMA stage waits for the copies, to checksum them
+  Restart();
+  const auto start = std::chrono::steady_clock::now();
+  v1::RestoreResponse resp;
+  grpc::Status s = Restore(0, 10s, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(resp.found()) << "step " << resp.step() << " handed over";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "the restore waited for copies that never come";
+}
+
+// A restore of step 1 leaves every later step behind, also a memory checkpoint still queued for its
+// checksums: it is not kept when its copies finish later, and the next restore takes step 1.
+TEST_F(StreamingCommitTest, AMemoryCheckpointOfATimelineLeftWhileQueuedIsNotKept) {
+  Start(60s);
+  auto disk = Begin(1);
+  Fill(disk.slot(), 'd');
+  ASSERT_TRUE(Commit(disk, 1).ok());
+  ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+  auto memory = Begin(5, v1::TIER_MEMORY);
+  Header(memory.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(memory, 5, /*persist=*/false).ok());
+  v1::RestoreResponse back;
+  grpc::Status s = Restore(1, 10s, &back);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(back.found());
+  EXPECT_EQ(back.tier(), v1::TIER_DISK);
+  Fill(memory.slot(), 'm');
+  Header(memory.slot())->copied_until.store(0);  // step 5's copies finish after all
+  Restart();
+  v1::RestoreResponse again;
+  s = Restore(0, 10s, &again);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(again.found());
+  EXPECT_EQ(again.step(), 1);
+  EXPECT_EQ(again.tier(), v1::TIER_DISK);
 }
 
 // A stop whose deadline passes while a trainer's copies stall (the trainer died mid-copy) does not
