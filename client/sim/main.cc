@@ -1,6 +1,7 @@
 // flashckpt-sim: a simulated trainer rank. It holds model and optimizer tensors laid out as a
 // (tp, pp, shard) rank of a job, sets them to values defined by the step and the global element
-// position, snapshots every K steps and, with --resume, restores and checks every element.
+// position, saves every K steps (and, with --memory-every M, takes a memory checkpoint every M
+// steps) and, with --resume, restores and checks every element.
 //
 // Value at step s of element (i, j) of layer l: v = ((l*7919 + i*H + j) % 1000) / 1024 + s, exact
 // in fp32 for s < 8192; exp_avg = v / 2, exp_avg_sq = v / 4.
@@ -27,6 +28,8 @@ struct Options {
   uint32_t rank = 0, world_size = 1, tp_degree = 1, pp_degree = 1, shard_degree = 1;
   uint32_t layers = 4, hidden = 256;
   int64_t steps = 100, save_every = 10;
+  std::optional<int64_t> memory_every;  // a memory checkpoint every M steps (not on save steps)
+  std::optional<int64_t> hold_after;    // after this step's snapshot, wait to be killed
   bool resume = false;
   std::optional<int64_t> resume_step;  // restore this step instead of the latest
   bool tolerate_restarts = false;  // a save lost to a daemon restart is reported and training goes on
@@ -176,6 +179,14 @@ bool IsDaemonLoss(const Status& s) {
   }
 }
 
+// --hold-after: the state of `step` is taken; wait to be killed (a test kills every rank at the same
+// step this way).
+[[noreturn]] void Hold(int64_t step) {
+  std::printf("holding step=%" PRId64 "\n", step);
+  std::fflush(stdout);
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
 int Fail(const char* what, const Status& s) {
   std::fprintf(stderr, "flashckpt-sim: %s: %s\n", what, s.ToString().c_str());
   return 1;
@@ -197,6 +208,12 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", o.hidden, "hidden size")->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "last step")->check(CLI::Range(int64_t{1}, int64_t{8191}));
   app.add_option("--save-every", o.save_every, "save every K steps")->check(CLI::PositiveNumber);
+  app.add_option("--memory-every", o.memory_every,
+                 "take a memory checkpoint (kept by the daemon, not written) every M steps that are not save steps")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--hold-after", o.hold_after,
+                 "after step S (and its snapshot, if any), print 'holding step=S' and wait to be killed")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--resume", o.resume, "restore the latest complete checkpoint first and verify it");
   app.add_option("--resume-step", o.resume_step, "restore this checkpoint instead of the latest (implies --resume)")
       ->check(CLI::PositiveNumber);
@@ -248,13 +265,13 @@ int main(int argc, char** argv) {
     auto restored = c.Restore(o.resume_step, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
     if (!restored.ok()) return Fail("restore", restored.status());
     if (!restored->found) {
-      std::printf("resumed step=0 verified_elements=0 (no complete checkpoint)\n");
+      std::printf("resumed step=0 from=none verified_elements=0 (no complete checkpoint)\n");
     } else {
       bool ok = false;
       uint64_t n = sim.Verify(restored->step, &ok);
       if (!ok) return Fail("verify", flashckpt::Corruption("restored state differs from the formula"));
-      std::printf("resumed step=%" PRId64 " verified_elements=%" PRIu64 " extra=%s\n", restored->step, n,
-                  restored->extra.c_str());
+      std::printf("resumed step=%" PRId64 " from=%s verified_elements=%" PRIu64 " extra=%s\n", restored->step,
+                  restored->tier == flashckpt::Tier::kMemory ? "memory" : "disk", n, restored->extra.c_str());
       first = restored->step + 1;
     }
     std::fflush(stdout);
@@ -267,12 +284,17 @@ int main(int argc, char** argv) {
     sim.Fill(step);
     if (o.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.step_ms));
     bool save = step % o.save_every == 0;
+    bool memory = !save && o.memory_every && step % *o.memory_every == 0;
     bool ema_step = o.ema_decay && step % o.ema_interval == 0;
-    if (!save && !ema_step) continue;
+    if (!save && !memory && !ema_step) {
+      if (o.hold_after && step == *o.hold_after) Hold(step);
+      continue;
+    }
     flashckpt::SnapshotOptions so;
-    so.persist = save;
+    so.persist = save || memory;
+    if (memory) so.tier = flashckpt::Tier::kMemory;
     so.loss = SimLoss(step);
-    if (save) so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
+    if (save || memory) so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
     auto t0 = Clock::now();
     auto snap = c.Snapshot(step, sim.buffers(), so);
     if (!snap.ok() && o.tolerate_restarts && IsDaemonLoss(snap.status())) {
@@ -291,11 +313,17 @@ int main(int argc, char** argv) {
       std::printf("committed step=%" PRId64 " persist=%d\n", step, save ? 1 : 0);
       std::fflush(stdout);
     }
+    if (memory) {
+      std::printf("memory step=%" PRId64 "\n", step);
+      std::fflush(stdout);
+    }
+    if (o.hold_after && step == *o.hold_after && !save) Hold(step);
     if (!save) continue;
     last_save = step;
     ++saves;
     std::printf("saved step=%" PRId64 "\n", step);
     std::fflush(stdout);
+    if (o.hold_after && step == *o.hold_after) Hold(step);
   }
   if (last_save > 0) {
     auto deadline = Clock::now() + std::chrono::seconds(o.wait_timeout_s);

@@ -54,7 +54,7 @@ SIM_TIMEOUT_S = 240
 COMMITTED = re.compile(r"^committed step=(\d+) persist=([01])$", re.M)
 LOST = re.compile(r"^lost step=(\d+) persist=([01]) uncertain=([01]) code=(\S+)$", re.M)
 DONE = re.compile(r"^done rank=(\d+) last_step=(\d+) saves=(\d+) ", re.M)
-RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)\b", re.M)
+RESUMED = re.compile(r"^resumed step=(\d+) from=\w+ verified_elements=(\d+)\b", re.M)
 EMA_LINE = re.compile(r"^ema step=(-?\d+) tensors=(\d+)$", re.M)
 RECOVERED = re.compile(r"recovered job=\S+ rank=\d+ step=(\d+)")
 SERVING = re.compile(r"serving socket=\S+ startup_secs=([0-9.]+) adopt_secs=([0-9.]+)")

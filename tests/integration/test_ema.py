@@ -60,7 +60,7 @@ SIM_TIMEOUT_S = 60
 WAIT_TIMEOUT_S = 60
 
 DONE = re.compile(r"^done rank=(\d+) last_step=(\d+) saves=(\d+) ", re.M)
-RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)\b", re.M)
+RESUMED = re.compile(r"^resumed step=(\d+) from=\w+ verified_elements=(\d+)\b", re.M)
 EMA_LINE = re.compile(r"^ema step=(-?\d+) tensors=(\d+)$", re.M)
 
 

@@ -44,7 +44,7 @@ CHECKSUM_CHUNK = 4096
 MAX_READ_RATIO = 1.1
 SAVED = (2, 2, 2)
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (1, 2, 4), (2, 1, 3), (3, 1, 1), (2, 2, 2)]
-RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)", re.M)
+RESUMED = re.compile(r"^resumed step=(\d+) from=\w+ verified_elements=(\d+)", re.M)
 
 
 def run_ranks(h, layout, resume, dump_root=None):

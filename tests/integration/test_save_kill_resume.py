@@ -49,7 +49,7 @@ VICTIM = 1                  # tp 1, shard 0: writes both a model_state and an op
 SIM_TIMEOUT_S = 120
 WAIT_TIMEOUT_S = 60
 
-RESUMED = re.compile(r"^resumed step=(\d+) verified_elements=(\d+)\b", re.M)
+RESUMED = re.compile(r"^resumed step=(\d+) from=\w+ verified_elements=(\d+)\b", re.M)
 DONE = re.compile(r"^done rank=(\d+) last_step=(\d+) saves=(\d+) blocked_in_save_ms=([0-9.]+)", re.M)
 
 
