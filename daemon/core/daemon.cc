@@ -598,6 +598,16 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
   }
+  // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
+  // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it,
+  // rather than give the segment, and the memory checkpoints in it, up.
+  const auto loading_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (rank->segment && Slots(*rank->segment).AnyLoading()) {
+    const bool woken = cv_.WaitUntil(&lock, loading_deadline);
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    job = &jobs_[who.job];
+    if (!woken) break;
+  }
   if (!SameDegrees(job->topology, topology)) {
     // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
     // in its slots. Sessions of the new layout that do not restore may not save until it is done

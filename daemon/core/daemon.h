@@ -116,6 +116,15 @@ struct ReleaseOutcome {
   uint64_t bytes = 0;   // shared memory freed (slot and EMA segments)
 };
 
+// How the ranks of a job resume (Daemon::ResumePlanFor).
+struct ResumePlan {
+  bool found = false;  // false: the job has no checkpoint to restore
+  int64_t step = 0;
+  SlotTier tier = SlotTier::kDisk;
+  std::set<uint32_t> taken;  // the ranks that restored by it
+  std::chrono::steady_clock::time_point made{};
+};
+
 struct RestoreOutcome {
   bool found = false;
   int64_t step = 0;
@@ -276,6 +285,10 @@ class Daemon {
     uint64_t split_attempts = 0;
     std::string split;
     std::set<std::string> overwritten_for;  // runs whose overwrite deleted the other runs' checkpoints
+    // The step every rank of the job restores when it asks for the latest (ResumePlanFor): made by
+    // the first rank's Restore, taken by each rank once, forgotten when all have taken it.
+    std::optional<ResumePlan> resume_plan;
+    bool planning = false;  // a rank is making the plan (off the lock): the others wait for it
   };
   struct SessionInfo {
     std::string job;
@@ -317,6 +330,21 @@ class Daemon {
   Result<RestoreOutcome> RestoreFromMemory(const std::string& session_id, int64_t step,
                                            std::chrono::steady_clock::time_point deadline,
                                            std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // The step the ranks of a job of several ranks restore when they ask for the latest: the newest
+  // memory checkpoint that every rank of the job holds in this daemon, verified on every rank, if
+  // it is not older than the latest complete checkpoint on disk; else that checkpoint. Made once
+  // (by the first rank to ask) and taken by each rank, so ranks that restore at different times
+  // (the early ones already saving again) still agree.
+  Result<ResumePlan> ResumePlanFor(const std::string& session_id, std::chrono::steady_clock::time_point deadline,
+                                   std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  Result<ResumePlan> MakeResumePlan(const std::string& job, uint32_t world_size,
+                                    std::chrono::steady_clock::time_point deadline,
+                                    std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // The job's plan chose memory checkpoint `step`, which this rank no longer holds or which failed
+  // its checksums: the plan is forgotten (the ranks' next restore makes another) and the error says
+  // to restore every rank again, since the others may already train from that step.
+  Status PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why)
+      REQUIRES(mu_);
   // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
   // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
   // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the

@@ -84,6 +84,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   if (own && want.kinds.empty() && !want.convert_dtype) {
     ASSIGN_OR_RETURN(RestoreOutcome memory, RestoreFromMemory(session_id, step, deadline, timeout));
     if (memory.found) return memory;
+    if (step == 0 && memory.step > 0) step = memory.step;  // the job's plan: this step from disk
   }
   RestoreOutcome out;
   // Retention must not delete the checkpoint while it is read: mark the step in use first, then
@@ -189,17 +190,30 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
 Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, int64_t step,
                                                  std::chrono::steady_clock::time_point deadline,
                                                  std::chrono::milliseconds timeout) {
-  RestoreOutcome out;  // found = false: the caller reads the files
+  RestoreOutcome out;  // found = false: the caller reads the files (out.step: that one)
   std::string job;
   uint32_t rank_id = 0, world_size = 1;
   std::vector<int64_t> held;
+  bool planned = false;  // the step is the job's plan: every other rank restores it too
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    planned = step == 0 && rank->topology.world_size != 1;
+  }
+  if (planned) {
+    // The ranks of a job must restore the same step: the job's plan says which, and where from.
+    ASSIGN_OR_RETURN(ResumePlan plan, ResumePlanFor(session_id, deadline, timeout));
+    if (!plan.found || plan.tier == SlotTier::kDisk) {
+      out.step = plan.step;  // 0 (none): the caller finds that there is none
+      return out;
+    }
+    step = plan.step;
+  }
   {
     MutexLock lock(&mu_);
     for (;;) {
       ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
       if (rank->segment->ema) return out;  // memory checkpoints are not taken with EMA (BeginSnapshot)
-      // Step 0 of a job of several ranks is never served from memory: they must agree on a step.
-      if (step == 0 && rank->topology.world_size != 1) return out;
       // The checksums of the memory snapshots still queued (the last ones of the trainer that died)
       // first: all of them for the newest, the step's own for a step asked for. One whose copies
       // never finished was dropped when its session closed.
@@ -220,6 +234,12 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     job = sessions_[session_id].job;
     rank_id = sessions_[session_id].rank;
   }
+  // The job's plan chose a memory checkpoint this rank held, verified, moments ago. If it is gone
+  // now, the other ranks may already train from it: this rank must not quietly restore another step.
+  if (planned && std::find(held.begin(), held.end(), step) == held.end()) {
+    MutexLock lock(&mu_);
+    return PlanLostLocked(job, step, StatusCode::kFailedPrecondition, "is no longer held");
+  }
   if (held.empty()) return out;
   int64_t chosen = -1;
   if (step > 0) {
@@ -238,6 +258,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     auto ticket = Slots(*rank->segment).AcquireResident(chosen);
+    if (!ticket && planned) return PlanLostLocked(job, step, StatusCode::kFailedPrecondition, "is no longer held");
     if (!ticket) return out;  // no longer held (dropped meanwhile): the files
     loading = LoadingSlot{rank->segment, *ticket};
     resident = Slots(*rank->segment).ResidentIn(ticket->slot);
@@ -260,6 +281,9 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     Logger("restore")->warn("memory checkpoint failed its checksums, restoring from disk instead job={} rank={} "
                             "step={} dropped={} error=\"{}\"",
                             job, rank_id, chosen, dropped, verified.ToString());
+    if (planned) {
+      return PlanLostLocked(job, step, StatusCode::kCorruption, "failed its checksums (" + verified.ToString() + ")");
+    }
     return out;
   }
   RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
@@ -273,6 +297,165 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   out.extra = resident->extra;
   out.tier = SlotTier::kMemory;
   return out;
+}
+
+Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chrono::steady_clock::time_point deadline,
+                                         std::chrono::milliseconds timeout) {
+  std::string job;
+  uint32_t rank_id = 0, world_size = 1;
+  {
+    MutexLock lock(&mu_);
+    for (;;) {
+      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+      job = sessions_[session_id].job;
+      rank_id = sessions_[session_id].rank;
+      world_size = rank->topology.world_size;
+      JobState& state = jobs_[job];
+      auto& plan = state.resume_plan;
+      // A plan this rank took already belongs to an earlier resume (the job failed again since);
+      // one nobody finished taking in 10 minutes to a resume that did not complete.
+      if (plan && (plan->taken.count(rank_id) != 0 ||
+                   std::chrono::steady_clock::now() - plan->made > std::chrono::minutes(10))) {
+        plan.reset();
+      }
+      if (plan) {
+        plan->taken.insert(rank_id);
+        ResumePlan mine = *plan;
+        if (plan->taken.size() >= world_size) plan.reset();
+        return mine;
+      }
+      // A job none of whose ranks holds a memory checkpoint here (kept or queued) needs no plan:
+      // each rank reads the latest complete checkpoint, as it always has.
+      bool memory = false;
+      for (const auto& [r, other] : state.ranks) {
+        memory = memory || (other.segment && (!Slots(*other.segment).ResidentSteps().empty() ||
+                                              !MemoryPending(*other.segment).empty()));
+      }
+      if (!memory && !state.planning) return ResumePlan{};
+      if (!state.planning) {
+        state.planning = true;
+        break;
+      }
+      if (!cv_.WaitUntil(&lock, deadline)) {
+        return DeadlineExceeded("another rank of job '" + job + "' did not finish choosing the step to restore within " +
+                                std::to_string(timeout.count()) + " ms");
+      }
+    }
+  }
+  Result<ResumePlan> made = MakeResumePlan(job, world_size, deadline, timeout);
+  MutexLock lock(&mu_);
+  auto it = jobs_.find(job);
+  if (it != jobs_.end()) it->second.planning = false;
+  cv_.NotifyAll();
+  if (!made.ok()) return made.status();
+  made->taken.insert(rank_id);
+  if (it != jobs_.end() && world_size > 1) it->second.resume_plan = *made;
+  Logger("restore")->info("resume plan job={} step={} from={} ranks={}", job, made->step,
+                          made->tier == SlotTier::kMemory ? "memory" : "disk", world_size);
+  return made;
+}
+
+Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world_size,
+                                          std::chrono::steady_clock::time_point deadline,
+                                          std::chrono::milliseconds timeout) {
+  ResumePlan plan;
+  plan.made = std::chrono::steady_clock::now();
+  // The newest complete checkpoint on disk (read without the lock): the plan when memory has nothing
+  // newer that every rank holds.
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
+  if (latest) {
+    plan.found = true;
+    plan.step = *latest;
+  }
+  // Memory only when every rank of the job has its segment here, without EMA, and their pending
+  // checksums are computed: then the steps all of them hold.
+  std::vector<std::shared_ptr<RankSegment>> segments;
+  std::vector<int64_t> common;
+  {
+    MutexLock lock(&mu_);
+    for (;;) {
+      segments.clear();
+      auto it = jobs_.find(job);
+      if (it == jobs_.end()) return plan;
+      bool pending = false;
+      for (uint32_t r = 0; r < world_size; ++r) {
+        auto rank = it->second.ranks.find(r);
+        if (rank == it->second.ranks.end() || !rank->second.segment || rank->second.segment->ema ||
+            rank->second.topology.world_size != world_size) {
+          return plan;
+        }
+        for (const auto& p : MemoryPending(*rank->second.segment)) pending = pending || !p.resident->dropped.load();
+        segments.push_back(rank->second.segment);
+      }
+      if (!pending) break;
+      if (!cv_.WaitUntil(&lock, deadline)) {
+        return DeadlineExceeded("the checksums of the job's last memory checkpoints were not computed within " +
+                                std::to_string(timeout.count()) + " ms");
+      }
+    }
+    for (uint32_t r = 0; r < world_size; ++r) {
+      std::vector<int64_t> held = Slots(*segments[r]).ResidentSteps();  // newest first
+      if (r == 0) {
+        common = held;
+        continue;
+      }
+      std::vector<int64_t> both;
+      for (int64_t s : common) {
+        if (std::find(held.begin(), held.end(), s) != held.end()) both.push_back(s);
+      }
+      common = std::move(both);
+    }
+  }
+  // Newest first, not older than the disk's: verified on every rank, one after the other, each slot
+  // pinned (RESTORING, loading) while its checksums are read without the lock.
+  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  for (int64_t step : common) {
+    if (latest && step < *latest) break;
+    bool everywhere = true;
+    for (uint32_t r = 0; r < world_size && everywhere; ++r) {
+      RankSegment& segment = *segments[r];
+      std::optional<SlotTicket> ticket;
+      std::shared_ptr<const ResidentCheckpoint> resident;
+      {
+        MutexLock lock(&mu_);
+        ticket = Slots(segment).AcquireResident(step);
+        if (!ticket) {
+          everywhere = false;  // taken or dropped meanwhile
+          break;
+        }
+        resident = Slots(segment).ResidentIn(ticket->slot);
+        Slots(segment).SetLoading(ticket->slot, true);
+        Mirror(segment, ticket->slot);
+      }
+      Status verified = VerifySlotChecksums(segment.Slot(ticket->slot), segment.layout, resident->sums, &verifiers);
+      MutexLock lock(&mu_);
+      Slots(segment).SetLoading(ticket->slot, false);
+      (void)Slots(segment).Release(*ticket, SlotState::kRestoring);  // still holding it
+      Mirror(segment, ticket->slot);
+      cv_.NotifyAll();
+      if (!verified.ok()) {
+        // Never handed over, and the rank's other memory checkpoints are not trusted either.
+        const uint32_t dropped = DropMemoryFrom(segment, std::numeric_limits<int64_t>::min());
+        Logger("restore")->warn("memory checkpoint failed its checksums, the job restores from disk instead job={} "
+                                "rank={} step={} dropped={} error=\"{}\"",
+                                job, r, step, dropped, verified.ToString());
+        return plan;
+      }
+    }
+    if (everywhere) {
+      plan.found = true;
+      plan.step = step;
+      plan.tier = SlotTier::kMemory;
+      return plan;
+    }
+  }
+  return plan;
+}
+
+Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why) {
+  if (auto it = jobs_.find(job); it != jobs_.end()) it->second.resume_plan.reset();
+  return Status(code, "memory checkpoint step " + std::to_string(step) + ", which the job's ranks restore, " + why +
+                          " on this rank; restart and restore every rank again (they then agree on another step)");
 }
 
 Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
@@ -308,6 +491,7 @@ Status Daemon::FinishLoadingSlotLocked(const std::string& session_id, const Load
   bool alive = live != sessions_.end() && jobs_[live->second.job].ranks[live->second.rank].session_id == session_id;
   if (failure.ok() && alive) {
     Mirror(segment, slot.ticket.slot);
+    cv_.NotifyAll();  // a Register waiting for the rank's slots to stop loading
     return Status::OK();
   }
   (void)Slots(segment).Release(slot.ticket, SlotState::kRestoring);  // nobody will read it

@@ -95,6 +95,12 @@ class SlotTable {
   Status Release(const SlotTicket& ticket, SlotState expected);
   // Marks a RESTORING slot as being filled by the daemon (or done being filled).
   void SetLoading(uint32_t slot, bool loading) { slots_[slot].loading = loading; }
+  bool AnyLoading() const {
+    for (const SlotInfo& s : slots_) {
+      if (s.loading) return true;
+    }
+    return false;
+  }
   // Every FILLING and RESTORING slot that is not loading -> FREE (the trainer is gone).
   uint32_t AbandonInFlight();
   // FREE -> COMMITTED with the given step and generation: a restarted daemon adopting a snapshot

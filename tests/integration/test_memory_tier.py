@@ -1,0 +1,237 @@
+#!/usr/bin/python3
+"""Memory checkpoints with real processes: a real flashckptd, four flashckpt-sim ranks (tp=2 x
+shard=2, so replicas are held too) killed with SIGKILL, resumed from the daemon's memory.
+
+  1. The ranks take a memory checkpoint every step and save to disk every 10
+     (--memory-every 1 --save-every 10) and stop at step 27 (--hold-after 27); all four are
+     SIGKILLed there. Checkpoint 20 is the newest on disk; 21..27 were never written.
+  2. All four resume: each prints `resumed step=27 from=memory` and checks every element of its
+     state against the formula of step 27; they run to step 30 and save it.
+  3. They resume again: step 30 on disk is newer than any step in memory (29), so every rank
+     resumes from disk at 30; they run on to 37 and are SIGKILLed there.
+  4. One data byte of rank 1's slot holding step 37 is flipped in shared memory. The resume finds it
+     by its checksums, never hands it over, and every rank resumes from disk at 30; the daemon's log
+     says why.
+  5. Every complete checkpoint is read back by the independent reader; SIGTERM stops the daemon.
+
+    test_memory_tier.py --bin-dir build/bin [--keep]
+"""
+
+import argparse
+import glob
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+sys.dont_write_bytecode = True  # keep the source tree clean
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import flashckpt_reader as reader  # noqa: E402
+from harness import (DaemonHarness, TestFailure, check, kill_processes, log, run_with_daemon_harness,  # noqa: E402
+                     wait_for)
+
+WORLD, TP, SHARD = 4, 2, 2
+LAYERS, HIDDEN = 4, 128
+SLOTS = 2
+SEGMENT_HEADER = 4096   # kSegmentHeaderBytes: the segment's header page, then the slots
+SLOT_HEADER = 4096      # each slot starts with its header page (state u32, reserved u32, step i64, ...)
+STATE_FREE = 0
+TIMEOUT_S = 120
+
+RESUMED = re.compile(r"^resumed step=(\d+) from=(\w+) verified_elements=(\d+)\b", re.M)
+DONE = re.compile(r"^done rank=(\d+) last_step=(\d+)", re.M)
+
+
+class Harness(DaemonHarness):
+    def __init__(self, bin_dir, tmp):
+        super().__init__(bin_dir, tmp)
+        self.job = "memtier-%d" % os.getpid()
+        self.job_dir = os.path.join(self.root, self.job)
+        self.sims = []
+
+    def start_sims(self, phase, steps, resume, hold_after=None):
+        procs = {}
+        for rank in range(WORLD):
+            cmd = [self.binary("flashckpt-sim"), "--socket", self.sock, "--job", self.job,
+                   "--rank", str(rank), "--world-size", str(WORLD), "--tp-degree", str(TP),
+                   "--shard-degree", str(SHARD), "--layers", str(LAYERS), "--hidden", str(HIDDEN),
+                   "--steps", str(steps), "--save-every", "10", "--memory-every", "1",
+                   "--run-id", "%s-%s" % (self.job, phase)]
+            if resume:
+                cmd.append("--resume")
+            if hold_after is not None:
+                cmd += ["--hold-after", str(hold_after)]
+            path = self.log_path(phase, rank)
+            self.logs.append(path)
+            with open(path, "wb") as out:
+                procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.sims.append(procs[rank])
+        log("%s: started %d ranks (steps=%d resume=%s hold_after=%s)" % (phase, WORLD, steps, resume, hold_after))
+        return procs
+
+    def log_path(self, phase, rank):
+        return os.path.join(self.tmp, "%s.rank%d.log" % (phase, rank))
+
+    def output(self, phase, rank):
+        with open(self.log_path(phase, rank), "r", errors="replace") as f:
+            return f.read()
+
+    def hold_and_kill(self, phase, procs, step):
+        """Waits until every rank printed `holding step=<step>`, then SIGKILLs them all."""
+        line = "holding step=%d" % step
+        for rank, p in procs.items():
+            wait_for(lambda: line in self.output(phase, rank) or p.poll() is not None, TIMEOUT_S,
+                     "%s: rank %d to hold at step %d" % (phase, rank, step))
+            check(p.poll() is None, "%s: rank %d exited with %s before holding:\n%s" %
+                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
+        for p in procs.values():
+            p.kill()
+        for rank, p in procs.items():
+            p.wait(timeout=TIMEOUT_S)
+            check(p.returncode == -signal.SIGKILL, "%s: rank %d exit status %s" % (phase, rank, p.returncode))
+        log("%s: all %d ranks held at step %d and were SIGKILLed" % (phase, WORLD, step))
+
+    def finish(self, phase, procs, last_step):
+        deadline = time.monotonic() + TIMEOUT_S
+        for rank, p in procs.items():
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TestFailure("%s: rank %d still running after %ds" % (phase, rank, TIMEOUT_S))
+            out = self.output(phase, rank)
+            check(p.returncode == 0, "%s: rank %d exited with %d:\n%s" % (phase, rank, p.returncode, out[-3000:]))
+            done = DONE.findall(out)
+            check(done == [(str(rank), str(last_step))], "%s: rank %d: done lines %s" % (phase, rank, done))
+
+    def wait_resumed(self, phase, procs):
+        """Every rank's `resumed` line, once all have printed it: {rank: (step, from)}."""
+        found = {}
+        for rank, p in procs.items():
+            wait_for(lambda: RESUMED.search(self.output(phase, rank)) or p.poll() is not None, TIMEOUT_S,
+                     "%s: rank %d to resume" % (phase, rank))
+            m = RESUMED.search(self.output(phase, rank))
+            check(m is not None, "%s: rank %d exited (%s) without resuming:\n%s" %
+                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
+            check(int(m.group(3)) > 0, "%s: rank %d verified no element" % (phase, rank))
+            found[rank] = (int(m.group(1)), m.group(2))
+        return found
+
+    def kill_all(self):
+        kill_processes(self.sims)
+
+    def complete_steps(self):
+        return reader.complete_steps(self.job_dir)
+
+    def segment(self, rank):
+        """The /dev/shm path of the rank's slot segment (the job has no EMA: its only one)."""
+        paths = glob.glob("/dev/shm/flashckpt.%s.%d.*" % (self.job, rank))
+        check(len(paths) == 1, "rank %d: segments %s" % (rank, paths))
+        return paths[0]
+
+
+def kept_slot(path, step):
+    """The offset of the FREE slot whose mirror says it holds `step`, once there is one."""
+    found = []
+
+    def look():
+        size = os.path.getsize(path)
+        stride = (size - SEGMENT_HEADER) // SLOTS
+        with open(path, "rb") as f:
+            for slot in range(SLOTS):
+                at = SEGMENT_HEADER + slot * stride
+                f.seek(at)
+                state, _, held = struct.unpack("<IIq", f.read(16))
+                if state == STATE_FREE and held == step:
+                    found.append(at)
+                    return True
+        return False
+
+    wait_for(look, TIMEOUT_S, "a free slot of %s holding step %d" % (path, step))
+    return found[0]
+
+
+def flip_tensor_byte(path, slot):
+    """Flips one bit of the first tensor of the slot's first file image (8-byte header length,
+    the JSON header, then the data)."""
+    with open(path, "r+b") as f:
+        image = slot + SLOT_HEADER
+        f.seek(image)
+        (header,) = struct.unpack("<Q", f.read(8))
+        at = image + 8 + header + 16
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def check_all_resumed(phase, found, step, source):
+    for rank, got in sorted(found.items()):
+        check(got == (step, source), "%s: rank %d resumed step=%d from=%s, expected step=%d from=%s" %
+              (phase, rank, got[0], got[1], step, source))
+    log("%s: all %d ranks resumed step=%d from=%s, every element checked" % (phase, WORLD, step, source))
+
+
+def run(h):
+    h.start_daemon(extra_args=["--slots", str(SLOTS)])
+
+    # --- 1. memory every step, disk every 10; all killed at 27 ----------------------------------
+    procs = h.start_sims("phase1", 100, resume=False, hold_after=27)
+    h.hold_and_kill("phase1", procs, 27)
+    wait_for(lambda: 20 in h.complete_steps(), TIMEOUT_S, "checkpoint-20 to complete")
+    check(h.complete_steps() == [10, 20], "phase1: complete checkpoints %s" % h.complete_steps())
+    check(not os.path.exists(os.path.join(h.job_dir, "checkpoint-27")), "phase1: step 27 was written")
+
+    # --- 2. resumed from memory at 27 ------------------------------------------------------------
+    procs = h.start_sims("phase2", 30, resume=True)
+    check_all_resumed("phase2", h.wait_resumed("phase2", procs), 27, "memory")
+    h.finish("phase2", procs, 30)
+    wait_for(lambda: 30 in h.complete_steps(), TIMEOUT_S, "checkpoint-30 to complete")
+
+    # --- 3. disk 30 is newer than memory 29: from disk; run to 37 and kill ---------------------
+    procs = h.start_sims("phase3", 100, resume=True, hold_after=37)
+    check_all_resumed("phase3", h.wait_resumed("phase3", procs), 30, "disk")
+    h.hold_and_kill("phase3", procs, 37)
+
+    # --- 4. a flipped byte in rank 1's memory checkpoint 37: everyone from disk at 30 ----------
+    path = h.segment(1)
+    slot = kept_slot(path, 37)
+    flip_tensor_byte(path, slot)
+    log("phase4: flipped one byte of rank 1's memory checkpoint 37 (%s, slot at %d)" % (path, slot))
+    procs = h.start_sims("phase4", 40, resume=True)
+    check_all_resumed("phase4", h.wait_resumed("phase4", procs), 30, "disk")
+    h.finish("phase4", procs, 40)
+    with open(h.daemon_log, "r", errors="replace") as f:
+        daemon_log = f.read()
+    check("memory checkpoint failed its checksums" in daemon_log and "step=37" in daemon_log,
+          "the daemon's log does not say why rank 1's memory checkpoint 37 was not used")
+    log("phase4: the daemon logged the checksum failure and the job resumed from disk")
+
+    # --- 5. the files ---------------------------------------------------------------------------
+    wait_for(lambda: 40 in h.complete_steps(), TIMEOUT_S, "checkpoint-40 to complete")
+    for step in h.complete_steps():
+        try:
+            s = reader.verify_checkpoint(os.path.join(h.job_dir, "checkpoint-%d" % step), layers=LAYERS,
+                                         hidden=HIDDEN)
+        except reader.CheckpointError as e:
+            raise TestFailure("independent reader rejects checkpoint-%d: %s" % (step, e))
+        check(s["step"] == step and s["world_size"] == WORLD, "checkpoint-%d: %s" % (step, s))
+    log("complete checkpoints %s verified by the independent reader" % h.complete_steps())
+    rc = h.stop_daemon()
+    check(rc == 0, "flashckptd exited with %s on SIGTERM" % rc)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin-dir", required=True, help="folder with flashckptd and flashckpt-sim")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = ap.parse_args()
+    return run_with_daemon_harness(run, "fc-mem.", lambda h: [h.job], args.bin_dir, args.keep,
+                                   errors=(TestFailure, reader.CheckpointError, subprocess.TimeoutExpired, OSError),
+                                   harness=Harness)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
