@@ -214,6 +214,11 @@ TEST_F(MemoryTierTest, BadCombinationsAreRefused) {
   Status s = ema->Snapshot(1, {{"w", w.data(), kFloats * 4}, {"w.exp_avg", m.data(), kFloats * 4}}, memory).status();
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(Contains(s.message(), "EMA")) << s.ToString();
+  // The EMA segment outlives a daemon by design; no daemon comes after this one.
+  const std::string ema_segment = d_.daemon()->EmaSegmentName("memtier-ema", 0);
+  ema.reset();
+  d_.Stop();
+  SharedSegment::Unlink(ema_segment);
 }
 
 }  // namespace
