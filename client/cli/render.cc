@@ -176,6 +176,7 @@ const char* EventKindText(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kPersistAbandoned: return "abandoned";
     case DaemonEvent::Kind::kJobReleased: return "released";
     case DaemonEvent::Kind::kSplitAttempt: return "split";
+    case DaemonEvent::Kind::kMemoryFallback: return "memory-fallback";
     default: return "unknown";
   }
 }
@@ -258,6 +259,9 @@ std::string EventText(const DaemonEvent& e) {
     case DaemonEvent::Kind::kCheckpointComplete: break;
     case DaemonEvent::Kind::kCheckpointDeleted: out += " reason=" + e.reason; break;
     case DaemonEvent::Kind::kSplitAttempt: out += " reason=\"" + e.reason + "\""; break;
+    case DaemonEvent::Kind::kMemoryFallback:
+      out += " rank=" + std::to_string(e.rank) + " reason=\"" + e.reason + "\"";
+      break;
     case DaemonEvent::Kind::kSnapshotCommitted:
       out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) + " for=" + e.reason;
       break;

@@ -389,6 +389,23 @@ Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
   });
 }
 
+Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(impl_->Usable());
+  v1::RestorableRequest req;
+  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
+  v1::RestorableResponse resp;
+  RETURN_IF_ERROR(impl_->WithSession([&] {
+    req.set_session_id(impl_->session_id);
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, timeout);
+    return FromGrpc(impl_->stub->Restorable(&ctx, req, &resp), "Restorable");
+  }));
+  RestorableSteps out;
+  out.memory_steps.assign(resp.memory_steps().begin(), resp.memory_steps().end());
+  if (resp.disk_step() > 0) out.disk_step = resp.disk_step();
+  return out;
+}
+
 Status Client::WaitComplete(int64_t step, std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(impl_->Usable());
   v1::WaitCompleteRequest req;

@@ -143,6 +143,7 @@ DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
     case v1::Event::PERSIST_ABANDONED: return DaemonEvent::Kind::kPersistAbandoned;
     case v1::Event::JOB_RELEASED: return DaemonEvent::Kind::kJobReleased;
     case v1::Event::SPLIT_ATTEMPT: return DaemonEvent::Kind::kSplitAttempt;
+    case v1::Event::MEMORY_FALLBACK: return DaemonEvent::Kind::kMemoryFallback;
     default: return DaemonEvent::Kind::kUnknown;
   }
 }

@@ -321,6 +321,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
     state.last_committed = -1;
     state.last_persisted = -1;
     state.failed.clear();
+    state.memory_steps.clear();
   }
   state.registered = false;
   state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
@@ -566,6 +567,17 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
   JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
+  // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
+  // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it
+  // (10 s at most, then the segment is replaced as it would be anyway), rather than give the
+  // segment, and the memory checkpoints in it, up. Before the conflict wait, whose deadline is short.
+  const auto loading_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (rank->segment && Slots(*rank->segment).AnyLoading()) {
+    const bool woken = cv_.WaitUntil(&lock, loading_deadline);
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    job = &jobs_[who.job];
+    if (!woken) break;
+  }
   // Every live rank of a job shares one layout, and one run when the request names it. Ranks of a
   // previous run that are exiting may still hold their sessions for a moment: wait a little for them.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -597,16 +609,6 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
           std::to_string(topology.pp_degree) + ", shard " + std::to_string(topology.shard_degree) + ")");
     }
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
-  }
-  // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
-  // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it,
-  // rather than give the segment, and the memory checkpoints in it, up.
-  const auto loading_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (rank->segment && Slots(*rank->segment).AnyLoading()) {
-    const bool woken = cv_.WaitUntil(&lock, loading_deadline);
-    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
-    job = &jobs_[who.job];
-    if (!woken) break;
   }
   if (!SameDegrees(job->topology, topology)) {
     // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps

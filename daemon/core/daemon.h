@@ -121,8 +121,22 @@ struct ResumePlan {
   bool found = false;  // false: the job has no checkpoint to restore
   int64_t step = 0;
   SlotTier tier = SlotTier::kDisk;
-  std::set<uint32_t> taken;  // the ranks that restored by it
+  // The ranks that restored by it, with their process (RankState::process): a retry of the same
+  // process gets the same plan; a new process of any of them means the job failed again, and the
+  // plan is stale.
+  std::map<uint32_t, uint64_t> taken;
+  // Set when a rank could not hand the planned memory checkpoint over: every later taker gets
+  // this error (the ranks that already restored train from a step this one cannot give).
+  Status lost;
+  uint32_t world_size = 0;  // of the ranks it was made for
+  std::string run_id;       // their run: a rank of another run does not take it
   std::chrono::steady_clock::time_point made{};
+};
+
+// What a rank can restore (Daemon::Restorable), for its job to agree on a step.
+struct RestoreCandidates {
+  std::vector<int64_t> memory_steps;  // its memory checkpoints here, verified, newest first
+  int64_t disk_step = 0;              // the job's newest complete checkpoint on disk; 0: none
 };
 
 struct RestoreOutcome {
@@ -181,6 +195,12 @@ class Daemon {
   // memory checkpoint of the rank, logged, and the files are read.
   Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                  std::chrono::milliseconds timeout) EXCLUDES(mu_);
+  // The rank's candidates for the step its job restores: the memory checkpoints it holds here
+  // (after the checksums still queued for them are computed, waiting until `timeout`), each
+  // verified, and the job's newest complete checkpoint on disk. One that fails its checksums is
+  // dropped with the rank's others (MEMORY_FALLBACK) and not listed. Needs no registration.
+  Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout)
+      EXCLUDES(mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   struct EmaCopy {
     bool initialized = false;
@@ -254,6 +274,9 @@ class Daemon {
     // Committed steps a stop left to the next daemon (not reached by the EMA stage or the writer
     // before its deadline), so WaitPersisted(step) says so instead of waiting for them.
     std::set<int64_t> abandoned;
+    // Recent steps this process committed as memory checkpoints (bounded), so WaitPersisted and
+    // WaitComplete of one say at once that it is never written.
+    std::set<int64_t> memory_steps;
     bool fatal_persist_errors = false;  // per registration (Register)
     Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
@@ -286,7 +309,8 @@ class Daemon {
     std::string split;
     std::set<std::string> overwritten_for;  // runs whose overwrite deleted the other runs' checkpoints
     // The step every rank of the job restores when it asks for the latest (ResumePlanFor): made by
-    // the first rank's Restore, taken by each rank once, forgotten when all have taken it.
+    // the first rank's Restore and taken by each rank; forgotten when it goes stale (a taker's new
+    // process, another run or world size, or 10 minutes).
     std::optional<ResumePlan> resume_plan;
     bool planning = false;  // a rank is making the plan (off the lock): the others wait for it
   };
@@ -341,10 +365,14 @@ class Daemon {
                                     std::chrono::steady_clock::time_point deadline,
                                     std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // The job's plan chose memory checkpoint `step`, which this rank no longer holds or which failed
-  // its checksums: the plan is forgotten (the ranks' next restore makes another) and the error says
-  // to restore every rank again, since the others may already train from that step.
+  // its checksums: the plan keeps the error for the ranks that take it later (until their new
+  // processes make another plan), and the error says to restore every rank again, since the
+  // others may already train from that step.
   Status PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why)
       REQUIRES(mu_);
+  // The plan belongs to an earlier resume: made more than 10 minutes ago, for another world size or
+  // run than `rank`'s, or a rank that took it runs another process since.
+  bool PlanStaleLocked(const JobState& job, const ResumePlan& plan, const RankState& rank) const REQUIRES(mu_);
   // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
   // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
   // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the
@@ -470,6 +498,17 @@ class Daemon {
   // Forgets the rank's memory checkpoints of step >= `from`: those kept, and those still queued for
   // their checksums (they are then not kept). Returns how many.
   uint32_t DropMemoryFrom(RankSegment& segment, int64_t from) REQUIRES(mu_);
+  // Memory checkpoint `step` of `job` rank `rank` failed its checksums (`error`): every memory
+  // checkpoint of the rank is dropped (memory that failed once is not trusted again), with a
+  // warning saying what the restore does `instead` and a MEMORY_FALLBACK event (the metric).
+  void MemoryFailedLocked(RankSegment& segment, const std::string& job, uint32_t rank, int64_t step,
+                          const Status& error, const char* instead) REQUIRES(mu_);
+  // Pins memory checkpoint `step` of the segment (RESTORING and loading: nobody else takes it),
+  // verifies its checksums without mu_ on `verifiers`, and lets it go again, still kept. kNotFound
+  // when the segment no longer holds it; a checksum failure goes through MemoryFailedLocked
+  // (`instead`) and is returned.
+  Status VerifyResident(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
+                        int64_t step, ParallelLoop* verifiers, const char* instead) EXCLUDES(mu_);
   // Copies the slot's state into its header page for inspection (and the next daemon).
   void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {
     segment.MirrorSlot(slot, segment.slots_.at(slot));

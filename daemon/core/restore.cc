@@ -213,7 +213,14 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     MutexLock lock(&mu_);
     for (;;) {
       ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-      if (rank->segment->ema) return out;  // memory checkpoints are not taken with EMA (BeginSnapshot)
+      if (rank->segment->ema) {  // memory checkpoints are not taken with EMA (BeginSnapshot)
+        // It registered again with EMA since the plan was made from its memory checkpoints.
+        if (planned) {
+          return PlanLostLocked(sessions_[session_id].job, step, StatusCode::kFailedPrecondition,
+                                "cannot be handed over to a rank with EMA");
+        }
+        return out;
+      }
       // The checksums of the memory snapshots still queued (the last ones of the trainer that died)
       // first: all of them for the newest, the step's own for a step asked for. One whose copies
       // never finished was dropped when its session closed.
@@ -274,13 +281,9 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
 
   MutexLock lock(&mu_);
   if (!verified.ok()) {
-    // Never handed over. The rank's other memory checkpoints are dropped too: the memory that
-    // failed once is not trusted again, and the restore goes to the files.
-    const uint32_t dropped = DropMemoryFrom(*loading.segment, std::numeric_limits<int64_t>::min());
+    // Never handed over, and the restore goes to the files.
+    MemoryFailedLocked(*loading.segment, job, rank_id, chosen, verified, "restoring from disk");
     (void)FinishLoadingSlotLocked(session_id, loading, verified);  // frees the slot
-    Logger("restore")->warn("memory checkpoint failed its checksums, restoring from disk instead job={} rank={} "
-                            "step={} dropped={} error=\"{}\"",
-                            job, rank_id, chosen, dropped, verified.ToString());
     if (planned) {
       return PlanLostLocked(job, step, StatusCode::kCorruption, "failed its checksums (" + verified.ToString() + ")");
     }
@@ -299,6 +302,48 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   return out;
 }
 
+Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  RestoreCandidates out;
+  std::string job;
+  uint32_t rank_id = 0;
+  std::shared_ptr<RankSegment> segment;
+  std::vector<int64_t> held;
+  {
+    MutexLock lock(&mu_);
+    for (;;) {
+      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+      job = sessions_[session_id].job;
+      rank_id = sessions_[session_id].rank;
+      segment = rank->segment;
+      if (!segment) break;
+      const auto& pending = MemoryPending(*segment);
+      if (std::none_of(pending.begin(), pending.end(),
+                       [](const RankSegment::PendingMemory& p) { return !p.resident->dropped.load(); })) {
+        held = Slots(*segment).ResidentSteps();
+        break;
+      }
+      if (!cv_.WaitUntil(&lock, deadline)) {
+        return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
+                                std::to_string(timeout.count()) + " ms");
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));  // without the lock
+  out.disk_step = latest.value_or(0);
+  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  for (int64_t step : held) {
+    Status verified =
+        VerifyResident(job, rank_id, segment, step, &verifiers, "offering none of the rank's memory checkpoints");
+    if (verified.ok()) out.memory_steps.push_back(step);
+    if (!verified.ok() && verified.code() != StatusCode::kNotFound) {
+      out.memory_steps.clear();  // all of them were dropped
+      break;
+    }
+  }
+  return out;
+}
+
 Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chrono::steady_clock::time_point deadline,
                                          std::chrono::milliseconds timeout) {
   std::string job;
@@ -312,17 +357,11 @@ Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chr
       world_size = rank->topology.world_size;
       JobState& state = jobs_[job];
       auto& plan = state.resume_plan;
-      // A plan this rank took already belongs to an earlier resume (the job failed again since);
-      // one nobody finished taking in 10 minutes to a resume that did not complete.
-      if (plan && (plan->taken.count(rank_id) != 0 ||
-                   std::chrono::steady_clock::now() - plan->made > std::chrono::minutes(10))) {
-        plan.reset();
-      }
+      if (plan && PlanStaleLocked(state, *plan, *rank)) plan.reset();
       if (plan) {
-        plan->taken.insert(rank_id);
-        ResumePlan mine = *plan;
-        if (plan->taken.size() >= world_size) plan.reset();
-        return mine;
+        if (!plan->lost.ok()) return plan->lost;
+        plan->taken[rank_id] = rank->process;  // a retry of the same process takes it again
+        return *plan;
       }
       // A job none of whose ranks holds a memory checkpoint here (kept or queued) needs no plan:
       // each rank reads the latest complete checkpoint, as it always has.
@@ -348,8 +387,13 @@ Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chr
   if (it != jobs_.end()) it->second.planning = false;
   cv_.NotifyAll();
   if (!made.ok()) return made.status();
-  made->taken.insert(rank_id);
-  if (it != jobs_.end() && world_size > 1) it->second.resume_plan = *made;
+  if (it == jobs_.end()) return made;
+  auto rank = it->second.ranks.find(rank_id);
+  if (rank == it->second.ranks.end()) return made;
+  made->taken[rank_id] = rank->second.process;
+  made->world_size = world_size;
+  made->run_id = rank->second.run_id;
+  if (world_size > 1) it->second.resume_plan = *made;
   Logger("restore")->info("resume plan job={} step={} from={} ranks={}", job, made->step,
                           made->tier == SlotTier::kMemory ? "memory" : "disk", world_size);
   return made;
@@ -413,34 +457,9 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
     if (latest && step < *latest) break;
     bool everywhere = true;
     for (uint32_t r = 0; r < world_size && everywhere; ++r) {
-      RankSegment& segment = *segments[r];
-      std::optional<SlotTicket> ticket;
-      std::shared_ptr<const ResidentCheckpoint> resident;
-      {
-        MutexLock lock(&mu_);
-        ticket = Slots(segment).AcquireResident(step);
-        if (!ticket) {
-          everywhere = false;  // taken or dropped meanwhile
-          break;
-        }
-        resident = Slots(segment).ResidentIn(ticket->slot);
-        Slots(segment).SetLoading(ticket->slot, true);
-        Mirror(segment, ticket->slot);
-      }
-      Status verified = VerifySlotChecksums(segment.Slot(ticket->slot), segment.layout, resident->sums, &verifiers);
-      MutexLock lock(&mu_);
-      Slots(segment).SetLoading(ticket->slot, false);
-      (void)Slots(segment).Release(*ticket, SlotState::kRestoring);  // still holding it
-      Mirror(segment, ticket->slot);
-      cv_.NotifyAll();
-      if (!verified.ok()) {
-        // Never handed over, and the rank's other memory checkpoints are not trusted either.
-        const uint32_t dropped = DropMemoryFrom(segment, std::numeric_limits<int64_t>::min());
-        Logger("restore")->warn("memory checkpoint failed its checksums, the job restores from disk instead job={} "
-                                "rank={} step={} dropped={} error=\"{}\"",
-                                job, r, step, dropped, verified.ToString());
-        return plan;
-      }
+      Status verified = VerifyResident(job, r, segments[r], step, &verifiers, "the job restores from disk");
+      if (verified.code() == StatusCode::kNotFound) everywhere = false;  // taken or dropped meanwhile
+      if (!verified.ok() && verified.code() != StatusCode::kNotFound) return plan;  // the disk's
     }
     if (everywhere) {
       plan.found = true;
@@ -452,10 +471,61 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
   return plan;
 }
 
+void Daemon::MemoryFailedLocked(RankSegment& segment, const std::string& job, uint32_t rank, int64_t step,
+                                const Status& error, const char* instead) {
+  const uint32_t dropped = DropMemoryFrom(segment, std::numeric_limits<int64_t>::min());
+  Logger("restore")->warn("memory checkpoint failed its checksums, {} instead job={} rank={} step={} dropped={} "
+                          "error=\"{}\"",
+                          instead, job, rank, step, dropped, error.ToString());
+  DaemonEvent event;
+  event.kind = DaemonEvent::Kind::kMemoryFallback;
+  event.job = job;
+  event.rank = rank;
+  event.step = step;
+  event.reason = error.ToString();
+  Emit(std::move(event));
+}
+
+Status Daemon::VerifyResident(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
+                              int64_t step, ParallelLoop* verifiers, const char* instead) {
+  std::optional<SlotTicket> ticket;
+  std::shared_ptr<const ResidentCheckpoint> resident;
+  {
+    MutexLock lock(&mu_);
+    ticket = Slots(*segment).AcquireResident(step);
+    if (!ticket) return NotFound("memory checkpoint step " + std::to_string(step) + " is no longer held");
+    resident = Slots(*segment).ResidentIn(ticket->slot);
+    Slots(*segment).SetLoading(ticket->slot, true);
+    Mirror(*segment, ticket->slot);
+  }
+  Status verified = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, resident->sums, verifiers);
+  MutexLock lock(&mu_);
+  Slots(*segment).SetLoading(ticket->slot, false);
+  (void)Slots(*segment).Release(*ticket, SlotState::kRestoring);  // still holding it
+  Mirror(*segment, ticket->slot);
+  cv_.NotifyAll();
+  if (!verified.ok()) MemoryFailedLocked(*segment, job, rank, step, verified, instead);
+  return verified;
+}
+
 Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why) {
-  if (auto it = jobs_.find(job); it != jobs_.end()) it->second.resume_plan.reset();
-  return Status(code, "memory checkpoint step " + std::to_string(step) + ", which the job's ranks restore, " + why +
-                          " on this rank; restart and restore every rank again (they then agree on another step)");
+  Status lost(code, "memory checkpoint step " + std::to_string(step) + ", which the job's ranks restore, " + why +
+                        " on this rank; restart and restore every rank again (they then agree on another step)");
+  if (auto it = jobs_.find(job); it != jobs_.end() && it->second.resume_plan) it->second.resume_plan->lost = lost;
+  Logger("restore")->error("resume plan lost job={} step={} error=\"{}\"", job, step, lost.ToString());
+  return lost;
+}
+
+bool Daemon::PlanStaleLocked(const JobState& job, const ResumePlan& plan, const RankState& rank) const {
+  if (std::chrono::steady_clock::now() - plan.made > std::chrono::minutes(10)) return true;
+  if (plan.world_size != rank.topology.world_size || plan.run_id != rank.run_id) return true;
+  for (const auto& [r, process] : plan.taken) {
+    // A rank that took it runs another process now: the job failed and restarts again. (Its own
+    // process may be asking again: a retry, which gets the same plan.)
+    auto other = job.ranks.find(r);
+    if (other == job.ranks.end() || other->second.process != process) return true;
+  }
+  return false;
 }
 
 Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,

@@ -11,6 +11,14 @@ namespace {
 
 constexpr size_t kMaxExtraBytes = 4u << 20;
 constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
+constexpr size_t kMaxMemorySteps = 64;  // memory checkpoint steps remembered per rank, likewise
+
+// WaitPersisted (and WaitComplete) of a step the rank committed as a memory checkpoint.
+Status MemoryStepNotWritten(int64_t step) {
+  return FailedPrecondition("step " + std::to_string(step) +
+                            " is a memory checkpoint of this rank (tier memory): the daemon keeps it in memory and "
+                            "never writes it, so it is never persisted or complete");
+}
 
 // What a trainer is told about a failed save of `step`: the writer's code (kResourceExhausted for a
 // full disk) and message (the call, the file, the errno text), and what happened and what to do.
@@ -219,6 +227,12 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   rank->snapshots += 1;
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
+  if (memory) {
+    rank->memory_steps.insert(step);
+    while (rank->memory_steps.size() > kMaxMemorySteps) rank->memory_steps.erase(rank->memory_steps.begin());
+  } else {
+    rank->memory_steps.erase(step);
+  }
   if (persist) NoteAttemptLocked(who.job, who.rank, session_id, step, rank->attempt());
   {
     DaemonEvent event;
@@ -438,6 +452,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
       // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
       return SaveFailed(job, step, failed->second, config_.root);
     }
+    if (rank->memory_steps.count(step) != 0) return MemoryStepNotWritten(step);
     if (rank->last_persisted >= step) {
       WaitResult r;
       r.persisted_step = rank->last_persisted;

@@ -179,6 +179,18 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   return grpc::Status::OK;
 }
 
+grpc::Status CheckpointService::Restorable(grpc::ServerContext* ctx, const v1::RestorableRequest* req,
+                                           v1::RestorableResponse* resp) {
+  RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
+  auto timeout = RequestTimeout(req->timeout_ms(), 60000);
+  if (!timeout.ok()) return ToGrpc(timeout.status());
+  auto r = daemon_->Restorable(req->session_id(), Bounded(ctx, *timeout));
+  if (!r.ok()) return ToGrpc(r.status());
+  for (int64_t step : r->memory_steps) resp->add_memory_steps(step);
+  resp->set_disk_step(r->disk_step);
+  return grpc::Status::OK;
+}
+
 grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req,
                                        v1::GetEmaResponse* resp) {
   RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));

@@ -79,6 +79,13 @@ grpc::Status TcpCheckpointService::Restore(grpc::ServerContext* ctx, const v1::R
   return local_->Restore(ctx, req, resp);
 }
 
+grpc::Status TcpCheckpointService::Restorable(grpc::ServerContext* ctx, const v1::RestorableRequest* req,
+                                              v1::RestorableResponse* resp) {
+  // It verifies memory checkpoints, and drops those that fail: a session's business, as Restore is.
+  if (!allow_writes_) return Denied(ctx, "Restorable");
+  return local_->Restorable(ctx, req, resp);
+}
+
 grpc::Status TcpCheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req,
                                           v1::GetEmaResponse* resp) {
   if (!allow_writes_) return Denied(ctx, "GetEma");

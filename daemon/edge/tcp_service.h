@@ -51,6 +51,8 @@ class TcpCheckpointService final : public v1::Checkpoint::Service {
   grpc::Status WaitComplete(grpc::ServerContext* ctx, const v1::WaitCompleteRequest* req,
                             v1::WaitCompleteResponse* resp) override;
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req, v1::RestoreResponse* resp) override;
+  grpc::Status Restorable(grpc::ServerContext* ctx, const v1::RestorableRequest* req,
+                          v1::RestorableResponse* resp) override;
   grpc::Status GetEma(grpc::ServerContext* ctx, const v1::GetEmaRequest* req, v1::GetEmaResponse* resp) override;
   grpc::Status ReleaseSlot(grpc::ServerContext* ctx, const v1::ReleaseSlotRequest* req,
                            v1::ReleaseSlotResponse* resp) override;

@@ -27,6 +27,7 @@ v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kPersistAbandoned: return v1::Event::PERSIST_ABANDONED;
     case DaemonEvent::Kind::kJobReleased: return v1::Event::JOB_RELEASED;
     case DaemonEvent::Kind::kSplitAttempt: return v1::Event::SPLIT_ATTEMPT;
+    case DaemonEvent::Kind::kMemoryFallback: return v1::Event::MEMORY_FALLBACK;
     case DaemonEvent::Kind::kUnknown: break;
   }
   return v1::Event::KIND_UNSPECIFIED;

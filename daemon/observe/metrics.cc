@@ -108,6 +108,7 @@ void Metrics::Observe(const DaemonEvent& event) {
     case DaemonEvent::Kind::kPersistAbandoned: s.abandoned += 1; break;
     case DaemonEvent::Kind::kJobReleased: s.released += 1; break;
     case DaemonEvent::Kind::kSplitAttempt: s.split_attempts += 1; break;
+    case DaemonEvent::Kind::kMemoryFallback: s.memory_fallbacks += 1; break;
     case DaemonEvent::Kind::kCheckpointComplete:
       s.completed += 1;
       s.last_complete_unix = std::max(s.last_complete_unix, event.unix_seconds);
@@ -172,6 +173,10 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
        "Steps the job's ranks saved in different attempts (a rank restored while the others went on): they never "
        "complete.",
        &JobSeries::split_attempts},
+      {"flashckpt_memory_fallbacks_total",
+       "Memory checkpoints that failed their checksums at a restore: dropped, never handed over, the files read "
+       "instead.",
+       &JobSeries::memory_fallbacks},
   };
   for (const auto& def : kCounters) {
     Header(&out, def.name, "counter", def.help);

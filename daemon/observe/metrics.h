@@ -56,6 +56,7 @@ class Metrics {
     uint64_t ema_updates = 0, persists = 0, persisted_bytes = 0, completed = 0, abandoned = 0;
     uint64_t released = 0;  // times the job's shared memory was given back
     uint64_t split_attempts = 0;  // steps saved by its ranks in different attempts (never complete)
+    uint64_t memory_fallbacks = 0;  // memory checkpoints that failed their checksums at a restore
     std::map<std::string, uint64_t> failures;  // by the error's code name
     std::map<std::string, uint64_t> deleted;   // by reason: retention, operator
     double last_complete_unix = 0;             // when this daemon last completed a checkpoint of the job

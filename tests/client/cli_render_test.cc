@@ -84,6 +84,11 @@ TEST(EventText, OneLinePerEventWithItsFields) {
             "2026-11-23T01:12:34.805Z failed      job=llama step=1200 rank=3 code=IO_ERROR "
             "error=\"write x: Input/output error (errno 5)\"");
   EXPECT_EQ(EventJson(e)["code"], "IO_ERROR");
+  e.kind = DaemonEvent::Kind::kMemoryFallback;
+  e.code.clear();
+  e.reason = "chunk 0 of w: checksum mismatch";
+  EXPECT_EQ(EventText(e), "2026-11-23T01:12:34.805Z memory-fallback job=llama step=1200 rank=3 "
+                          "reason=\"chunk 0 of w: checksum mismatch\"");
   DaemonEvent lost;
   lost.kind = DaemonEvent::Kind::kEventsLost;
   lost.unix_seconds = 1795396354.805;

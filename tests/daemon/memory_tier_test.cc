@@ -30,9 +30,9 @@ Status Memory(TestTrainer& t, int64_t step) {
   return t.client->Snapshot(step, t.bufs, o).status();
 }
 
-// The /dev/shm path of rank 0's slot segment of `job` (its only segment: no EMA).
-std::string SegmentPath(const std::string& job) {
-  const std::string prefix = "flashckpt." + job + ".0.";
+// The /dev/shm path of `rank`'s slot segment of `job` (its only segment: no EMA).
+std::string SegmentPath(const std::string& job, uint32_t rank = 0) {
+  const std::string prefix = "flashckpt." + job + "." + std::to_string(rank) + ".";
   std::string found;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
     const std::string name = entry.path().filename();
@@ -79,6 +79,28 @@ void FlipTensorByte(const std::string& path, uint64_t slot) {
   ASSERT_EQ(::pread(fd.get(), &c, 1, byte), 1);
   c ^= 0x10;
   ASSERT_EQ(::pwrite(fd.get(), &c, 1, byte), 1);
+}
+
+// Rank `rank` of a job of two tensor-parallel ranks, each holding half of w and of its moment.
+TestTrainer StartRank(const InProcessDaemon& d, const std::string& job, uint32_t rank) {
+  TestTrainer t;
+  t.client = d.Connect(job, rank);
+  if (!t.client) return t;
+  std::vector<TensorSpec> specs = ModelAndMomentSpecs(kFloats);
+  for (TensorSpec& spec : specs) {
+    spec.global_shape = {2 * kFloats};
+    spec.box_offset = {rank * kFloats};
+    spec.box_shape = {kFloats};
+  }
+  Topology topology;
+  topology.world_size = 2;
+  topology.tp_degree = 2;
+  topology.tp_rank = rank;
+  EXPECT_OK(t.client->Register(topology, specs));
+  t.w.resize(kFloats);
+  t.m.resize(kFloats);
+  t.bufs = {{"w", t.w.data(), kFloats * 4}, {"w.exp_avg", t.m.data(), kFloats * 4}};
+  return t;
 }
 
 class MemoryTierTest : public ::testing::Test {
@@ -148,6 +170,7 @@ TEST_F(MemoryTierTest, AFlippedByteIsNeverHandedOverAndTheDiskIsReadInstead) {
   ASSERT_NE(slot, 0u);
   t.client.reset();
   FlipTensorByte(segment, slot);
+  auto events = d_.daemon()->events().Subscribe("memtier-flip");
 
   TestTrainer next = d_.StartTrainer("memtier-flip", kFloats);
   ASSERT_TRUE(next.client);
@@ -158,6 +181,167 @@ TEST_F(MemoryTierTest, AFlippedByteIsNeverHandedOverAndTheDiskIsReadInstead) {
   EXPECT_TRUE(next.All(10));
   // The rank's other memory checkpoint went with it: step 11 is on neither tier.
   EXPECT_EQ(next.client->Restore(11, next.bufs, std::chrono::seconds(10)).status().code(), StatusCode::kNotFound);
+  // Operators see it: an event naming the rank and step, and the counter behind the alert.
+  DaemonEvent event;
+  bool seen = false;
+  while (!seen && events->Next(&event, std::chrono::steady_clock::now() + std::chrono::seconds(5)) ==
+                      EventHub::Wait::kEvent) {
+    if (event.kind != DaemonEvent::Kind::kMemoryFallback) continue;
+    seen = true;
+    EXPECT_EQ(event.step, 12);
+    EXPECT_EQ(event.rank, 0u);
+    EXPECT_TRUE(Contains(event.reason, "checksum")) << event.reason;
+  }
+  EXPECT_TRUE(seen) << "no memory-fallback event";
+  EXPECT_TRUE(Contains(d_.daemon()->RenderMetrics(), "flashckpt_memory_fallbacks_total{job=\"memtier-flip\"} 1"))
+      << d_.daemon()->RenderMetrics();
+}
+
+TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) {
+  TestTrainer t = d_.StartTrainer("memtier-list", kFloats);
+  ASSERT_TRUE(t.client);
+  {
+    auto none = t.client->Restorable(std::chrono::seconds(10));
+    ASSERT_OK(none.status());
+    EXPECT_TRUE(none->memory_steps.empty());
+    EXPECT_FALSE(none->disk_step.has_value());
+  }
+  ASSERT_OK(t.Save(10));
+  ASSERT_OK(Memory(t, 11));
+  ASSERT_OK(Memory(t, 12));
+  const std::string segment = SegmentPath("memtier-list");
+  ASSERT_FALSE(segment.empty());
+  const uint64_t slot = KeptSlotOffset(segment, 11);
+  ASSERT_NE(slot, 0u);
+  t.client.reset();
+
+  // A new process asks before it registers (its layout may not be known yet).
+  std::unique_ptr<Client> next = d_.Connect("memtier-list");
+  ASSERT_TRUE(next);
+  auto listed = next->Restorable(std::chrono::seconds(10));
+  ASSERT_OK(listed.status());
+  EXPECT_EQ(listed->memory_steps, (std::vector<int64_t>{12, 11}));
+  EXPECT_EQ(listed->disk_step, std::optional<int64_t>(10));
+
+  // A checkpoint that no longer matches its checksums is not offered, nor are the rank's others.
+  FlipTensorByte(segment, slot);
+  listed = next->Restorable(std::chrono::seconds(10));
+  ASSERT_OK(listed.status());
+  EXPECT_TRUE(listed->memory_steps.empty()) << listed->memory_steps.size();
+  EXPECT_EQ(listed->disk_step, std::optional<int64_t>(10));
+}
+
+TEST_F(MemoryTierTest, WaitingForAMemoryStepToBeWrittenFailsAtOnce) {
+  TestTrainer t = d_.StartTrainer("memtier-wait", kFloats);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(Memory(t, 3));
+  const auto begun = std::chrono::steady_clock::now();
+  Status s = t.client->WaitPersisted(3, std::chrono::seconds(30));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_TRUE(Contains(s.message(), "memory checkpoint")) << s.ToString();
+  s = t.client->WaitComplete(3, std::chrono::seconds(30));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - begun, std::chrono::seconds(10)) << "not a timeout";
+  // A disk save afterwards is waited for as any other.
+  ASSERT_OK(t.Save(4));
+}
+
+TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
+  const std::string job = "memtier-plan";
+  {
+    TestTrainer r0 = StartRank(d_, job, 0), r1 = StartRank(d_, job, 1);
+    ASSERT_TRUE(r0.client && r1.client);
+    for (int64_t step : {5, 6}) {
+      ASSERT_OK(Memory(r0, step));
+      ASSERT_OK(Memory(r1, step));
+    }
+  }  // both trainers die
+  TestTrainer r0 = StartRank(d_, job, 0), r1 = StartRank(d_, job, 1);
+  ASSERT_TRUE(r0.client && r1.client);
+  auto got = r0.client->Restore(std::nullopt, r0.bufs, std::chrono::seconds(10));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, 6);
+  EXPECT_EQ(got->tier, Tier::kMemory);
+  EXPECT_TRUE(r0.All(6));
+  // Rank 0 trains on before rank 1 restores: rank 1 still gets the step rank 0 took.
+  ASSERT_OK(Memory(r0, 7));
+  got = r1.client->Restore(std::nullopt, r1.bufs, std::chrono::seconds(10));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, 6);
+  EXPECT_EQ(got->tier, Tier::kMemory);
+  EXPECT_TRUE(r1.All(6));
+  // A retry of the same process (its first answer lost, say) gets the same step, though rank 0 has
+  // moved on so far that it no longer holds it (a new choice would be another step, or none).
+  ASSERT_OK(Memory(r0, 8));
+  std::fill(r1.w.begin(), r1.w.end(), 0.0f);
+  got = r1.client->Restore(std::nullopt, r1.bufs, std::chrono::seconds(10));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, 6);
+  EXPECT_TRUE(r1.All(6));
+  ASSERT_OK(Memory(r1, 7));
+  ASSERT_OK(Memory(r1, 8));
+
+  // Both fail again: their new processes make a new plan, from the newer step.
+  r0.client.reset();
+  r1.client.reset();
+  TestTrainer n0 = StartRank(d_, job, 0), n1 = StartRank(d_, job, 1);
+  ASSERT_TRUE(n0.client && n1.client);
+  for (TestTrainer* t : {&n1, &n0}) {
+    got = t->client->Restore(std::nullopt, t->bufs, std::chrono::seconds(10));
+    ASSERT_OK(got.status());
+    EXPECT_EQ(got->step, 8);
+    EXPECT_EQ(got->tier, Tier::kMemory);
+    EXPECT_TRUE(t->All(8));
+  }
+}
+
+TEST_F(MemoryTierTest, APlanThatALateRankCannotKeepFailsLoudlyUntilTheJobRestarts) {
+  const std::string job = "memtier-lost";
+  std::string segment1;
+  uint64_t slot6 = 0;
+  {
+    TestTrainer r0 = StartRank(d_, job, 0), r1 = StartRank(d_, job, 1);
+    ASSERT_TRUE(r0.client && r1.client);
+    ASSERT_OK(r0.Snapshot(4).status());
+    ASSERT_OK(r1.Save(4));
+    ASSERT_OK(r0.client->WaitComplete(4, std::chrono::seconds(30)));
+    for (int64_t step : {5, 6}) {
+      ASSERT_OK(Memory(r0, step));
+      ASSERT_OK(Memory(r1, step));
+    }
+    segment1 = SegmentPath(job, 1);
+    ASSERT_FALSE(segment1.empty());
+    slot6 = KeptSlotOffset(segment1, 6);
+    ASSERT_NE(slot6, 0u);
+  }
+  TestTrainer r0 = StartRank(d_, job, 0), r1 = StartRank(d_, job, 1);
+  ASSERT_TRUE(r0.client && r1.client);
+  auto got = r0.client->Restore(std::nullopt, r0.bufs, std::chrono::seconds(10));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, 6);
+  EXPECT_EQ(got->tier, Tier::kMemory);
+  // Rank 1's copy of step 6 goes bad after the plan verified it: rank 1 must not restore another
+  // step while rank 0 trains from 6.
+  FlipTensorByte(segment1, slot6);
+  for (int attempt = 0; attempt < 2; ++attempt) {  // and a retry is told the same
+    SCOPED_TRACE(attempt);
+    Status s = r1.client->Restore(std::nullopt, r1.bufs, std::chrono::seconds(10)).status();
+    EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+    EXPECT_TRUE(Contains(s.message(), "step 6")) << s.ToString();
+    EXPECT_TRUE(Contains(s.message(), "restore every rank again")) << s.ToString();
+  }
+  // Restarted, the ranks agree on what is left: rank 1's memory went with the bad copy, so disk 4.
+  r0.client.reset();
+  r1.client.reset();
+  TestTrainer n0 = StartRank(d_, job, 0), n1 = StartRank(d_, job, 1);
+  ASSERT_TRUE(n0.client && n1.client);
+  for (TestTrainer* t : {&n0, &n1}) {
+    got = t->client->Restore(std::nullopt, t->bufs, std::chrono::seconds(10));
+    ASSERT_OK(got.status());
+    EXPECT_EQ(got->step, 4);
+    EXPECT_EQ(got->tier, Tier::kDisk);
+    EXPECT_TRUE(t->All(4));
+  }
 }
 
 TEST_F(MemoryTierTest, TheNewestMemoryCheckpointIsKeptWhileTheNextIsTaken) {

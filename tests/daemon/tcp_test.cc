@@ -152,6 +152,12 @@ std::vector<std::pair<std::string, grpc::Status>> CallEveryWriteRpc(v1::Checkpoi
     v1::RestoreResponse r;
     return stub->Restore(c, q, &r);
   });
+  call("Restorable", [&](grpc::ClientContext* c) {
+    v1::RestorableRequest q;
+    q.set_session_id(session);
+    v1::RestorableResponse r;
+    return stub->Restorable(c, q, &r);
+  });
   call("GetEma", [&](grpc::ClientContext* c) {
     v1::GetEmaRequest q;
     q.set_session_id(session);
@@ -206,7 +212,8 @@ TEST(TcpListener, ServesStatusAndListAndRefusesEveryOtherRpcWithoutTheFlag) {
     EXPECT_NE(status.error_message().find(rpc), std::string::npos) << status.error_message();
     denied += status.error_code() == grpc::StatusCode::PERMISSION_DENIED;
   }
-  std::printf("rpcs refused over tcp without --tcp-allow-writes: %d of 9\n", denied);
+  std::printf("rpcs refused over tcp without --tcp-allow-writes: %d of 10\n", denied);
+  EXPECT_EQ(denied, 10);
 
   // Nothing of that reached the daemon: the trainer registers on the socket as usual.
   grpc::ClientContext ctx;

@@ -180,6 +180,12 @@ struct RestoreResult {
   Tier tier = Tier::kDisk;  // kMemory: from this rank's memory checkpoint of `step`, verified, no file read
 };
 
+// What this rank can restore (Client::Restorable), for the ranks of its job to agree on one step.
+struct RestorableSteps {
+  std::vector<int64_t> memory_steps;  // its memory checkpoints on this node, verified, newest first
+  std::optional<int64_t> disk_step;   // the job's newest complete checkpoint on disk, if any
+};
+
 class FLASHCKPT_API Client {
  public:
   // Connects to the daemon and opens this rank's session.
@@ -236,6 +242,13 @@ class FLASHCKPT_API Client {
   // this rank's tensors cover.
   Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
                                 std::chrono::milliseconds timeout, const RestoreOptions& options = {});
+
+  // This rank's candidates for the step its job restores: its memory checkpoints on this node (each
+  // verified now; one that fails is dropped and not listed) and the job's newest complete checkpoint
+  // on disk. The ranks of a job exchange these (e.g. through their process group), pick the newest
+  // step every rank has in memory, else the disk's, and each Restore()s that step. Works before
+  // Register(). `timeout` bounds the wait for the checksums of the last memory checkpoints.
+  Result<RestorableSteps> Restorable(std::chrono::milliseconds timeout);
 
   // The daemon's status as JSON: its version, memory budget and use, and every job and rank it knows
   // (slots, last steps, errors, EMA), i.e. the GetStatus RPC's StatusResponse in protobuf's JSON

@@ -109,6 +109,8 @@ struct DaemonEvent {
     kPersistAbandoned,    // the daemon stopped before writing it (reason); the next daemon does
     kJobReleased,         // the job's shared memory was given back (bytes); reason: "idle" or "release"
     kSplitAttempt,        // ranks saved `step` in different attempts, so it never completes (reason)
+    kMemoryFallback,      // the rank's memory checkpoint of `step` failed its checksums: dropped, the
+                          // files are read instead (reason: the error)
   };
   Kind kind = Kind::kUnknown;
   double unix_seconds = 0;
