@@ -8,7 +8,9 @@ continues from the latest complete checkpoint with the same weights, optimizer m
 (dropout) and data position, so its losses are bit-identical to a run that never stopped.
 
 Every --save-every steps the state is checkpointed (persisted by the daemon in the background);
-every --ema-every step in between it is handed to the daemon for the EMA only. At the end the script
+every --ema-every step in between it is handed to the daemon for the EMA only. With --no-ema
+--memory-every M, every M-th step in between is a memory checkpoint instead (kept by the daemon,
+never written): a trainer killed and restarted resumes from the newest one. At the end the script
 prints the eval loss of the final and the EMA weights, the time the loop was blocked in save() and
 what torch.save of the same state takes. --log writes one JSON line per step ({"step", "loss"} with
 the loss as float.hex), --summary a JSON summary; --step-delay slows the loop down so that a demo
@@ -97,6 +99,10 @@ def main():
     p.add_argument("--save-every", type=int, default=50, help="persist a checkpoint every N steps")
     p.add_argument("--ema-every", type=int, default=1, help="EMA-only snapshot every N steps in between")
     p.add_argument("--ema-decay", type=float, default=0.99)
+    p.add_argument("--no-ema", action="store_true", help="no EMA (memory checkpoints need a rank without one)")
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="a memory checkpoint (kept by the daemon, never written) every N steps between the "
+                        "saves; a restart resumes from the newest one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--log", help="append one JSON line per step here")
@@ -113,12 +119,13 @@ def main():
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job,
-                      ema_decay=args.ema_decay, ema_interval=args.ema_every, overwrite=args.fresh)
+                      ema_decay=None if args.no_ema else args.ema_decay, ema_interval=args.ema_every,
+                      overwrite=args.fresh)
 
     start = None if args.fresh else ck.resume()
     pos = ck.extra["data_pos"] if start is not None else 0
-    print("resumed step=%s" % start if start is not None else "fresh start: no checkpoint of job %r" % args.job,
-          flush=True)
+    print("resumed step=%s from=%s" % (start, ck.resumed_tier) if start is not None
+          else "fresh start: no checkpoint of job %r" % args.job, flush=True)
     log = open(args.log, "a") if args.log else None
     losses = {}
     persist_blocked = []
@@ -135,7 +142,9 @@ def main():
             snap = ck.save(step, extra={"data_pos": pos}, loss=loss.item())
             persist_blocked.append(snap.seconds)
             last_saved = step
-        elif step % args.ema_every == 0:
+        elif args.memory_every and step % args.memory_every == 0:
+            ck.save(step, extra={"data_pos": pos}, tier="memory")
+        elif step % args.ema_every == 0 and not args.no_ema:
             ck.save(step, persist=False, loss=loss.item())
         losses[step] = loss.item()
         if log:
@@ -148,9 +157,11 @@ def main():
     if last_saved is not None:
         ck.wait_persisted(last_saved, timeout=600)
 
-    ema = ck.ema_state_dict()
     ema_model = copy.deepcopy(model)
-    ema_model.load_state_dict(ema)
+    ema = {}
+    if not args.no_ema:
+        ema = ck.ema_state_dict()
+        ema_model.load_state_dict(ema)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     if args.torch_save_dir:
         torch_save = time_torch_save(state, args.torch_save_dir)
@@ -158,7 +169,7 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             torch_save = time_torch_save(state, d)
     summary = {
-        "job": args.job, "resumed_step": start, "last_step": args.steps,
+        "job": args.job, "resumed_step": start, "resumed_tier": ck.resumed_tier, "last_step": args.steps,
         "losses": {str(k): v.hex() for k, v in losses.items()},
         "eval_loss": eval_loss(model, held_out), "ema_eval_loss": eval_loss(ema_model, held_out),
         "ema_step": ck.ema_step, "saves": ck.saves, "persisted_saves": len(persist_blocked),

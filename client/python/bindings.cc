@@ -291,8 +291,10 @@ class PyClient {
   }
 
   int64_t Snapshot(int64_t step, const std::vector<PyBuffer>& buffers, bool persist, std::optional<double> loss,
-                   const py::bytes& extra) {
+                   const py::bytes& extra, const std::string& tier) {
     SnapshotOptions options;
+    if (tier == "memory") options.tier = Tier::kMemory;
+    else if (tier != "disk") Raise(InvalidArgument("snapshot tier must be 'disk' or 'memory', got '" + tier + "'"));
     options.persist = persist;
     options.loss = loss;
     options.extra = std::string(extra);
@@ -330,7 +332,7 @@ class PyClient {
 
   std::string RunId() { return Live()->RunId(); }
 
-  // -> (found, step, extra, bytes)
+  // -> (found, step, extra, bytes, tier: "memory" or "disk")
   py::tuple Restore(std::optional<int64_t> step, const std::vector<PyBuffer>& buffers, double timeout,
                     bool convert_dtype, const std::vector<std::string>& kinds, const std::string& source_job) {
     std::vector<TensorBuffer> b = Buffers(buffers);
@@ -350,7 +352,20 @@ class PyClient {
       restored = client->Restore(step, b, Millis(timeout), options);
     }
     RestoreResult r = Take(std::move(restored));
-    return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes);
+    return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes, r.tier == Tier::kMemory ? "memory" : "disk");
+  }
+
+  // -> (memory steps newest first, disk step or None, extra of extra_of)
+  py::tuple Restorable(double timeout, std::optional<int64_t> extra_of) {
+    Result<RestorableSteps> got = Status(StatusCode::kInternal, "not run");
+    Client* client = Live();  // raises, so it must run with the GIL held
+    {
+      py::gil_scoped_release release;
+      got = client->Restorable(Millis(timeout), extra_of);
+    }
+    RestorableSteps r = Take(std::move(got));
+    py::object disk = r.disk_step ? py::object(py::int_(*r.disk_step)) : py::object(py::none());
+    return py::make_tuple(r.memory_steps, disk, py::bytes(r.extra));
   }
 
   std::vector<std::string> EmaNames() { return Live()->EmaTensorNames(); }
@@ -456,13 +471,14 @@ PYBIND11_MODULE(_flashckpt, m) {
            py::arg("fatal_persist_errors") = false, py::arg("run_id") = "", py::arg("overwrite") = false)
       .def("register", &PyClient::Register, py::arg("topology"), py::arg("specs"), py::arg("ema"))
       .def("snapshot", &PyClient::Snapshot, py::arg("step"), py::arg("buffers"), py::arg("persist"),
-           py::arg("loss"), py::arg("extra"))
+           py::arg("loss"), py::arg("extra"), py::arg("tier") = std::string("disk"))
       .def("wait_persisted", &PyClient::WaitPersisted, py::arg("step"), py::arg("timeout"))
       .def("wait_complete", &PyClient::WaitComplete, py::arg("step"), py::arg("timeout"))
       .def("run_id", &PyClient::RunId)
       .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"),
            py::arg("convert_dtype") = false, py::arg("kinds") = std::vector<std::string>{},
            py::arg("source_job") = std::string())
+      .def("restorable", &PyClient::Restorable, py::arg("timeout"), py::arg("extra_of") = std::nullopt)
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))
       .def("status_json", &PyClient::StatusJson)

@@ -389,9 +389,11 @@ Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
   });
 }
 
-Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout) {
+Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of) {
   RETURN_IF_ERROR(impl_->Usable());
+  if (extra_of && *extra_of <= 0) return InvalidArgument("Restorable: extra_of must be a step (> 0)");
   v1::RestorableRequest req;
+  if (extra_of) req.set_extra_of(*extra_of);
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::RestorableResponse resp;
   RETURN_IF_ERROR(impl_->WithSession([&] {
@@ -403,6 +405,7 @@ Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout) {
   RestorableSteps out;
   out.memory_steps.assign(resp.memory_steps().begin(), resp.memory_steps().end());
   if (resp.disk_step() > 0) out.disk_step = resp.disk_step();
+  out.extra = resp.extra();
   return out;
 }
 

@@ -137,6 +137,7 @@ struct ResumePlan {
 struct RestoreCandidates {
   std::vector<int64_t> memory_steps;  // its memory checkpoints here, verified, newest first
   int64_t disk_step = 0;              // the job's newest complete checkpoint on disk; 0: none
+  std::string extra;                  // with extra_of: that memory step's extra state
 };
 
 struct RestoreOutcome {
@@ -199,8 +200,9 @@ class Daemon {
   // (after the checksums still queued for them are computed, waiting until `timeout`), each
   // verified, and the job's newest complete checkpoint on disk. One that fails its checksums is
   // dropped with the rank's others (MEMORY_FALLBACK) and not listed. Needs no registration.
-  Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout)
-      EXCLUDES(mu_);
+  // `extra_of` > 0: only that memory step is looked at, and its extra state is answered too.
+  Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
+                                       int64_t extra_of = 0) EXCLUDES(mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   struct EmaCopy {
     bool initialized = false;
@@ -506,9 +508,10 @@ class Daemon {
   // Pins memory checkpoint `step` of the segment (RESTORING and loading: nobody else takes it),
   // verifies its checksums without mu_ on `verifiers`, and lets it go again, still kept. kNotFound
   // when the segment no longer holds it; a checksum failure goes through MemoryFailedLocked
-  // (`instead`) and is returned.
+  // (`instead`) and is returned. `extra`, when given, receives the checkpoint's extra state.
   Status VerifyResident(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
-                        int64_t step, ParallelLoop* verifiers, const char* instead) EXCLUDES(mu_);
+                        int64_t step, ParallelLoop* verifiers, const char* instead, std::string* extra = nullptr)
+      EXCLUDES(mu_);
   // Copies the slot's state into its header page for inspection (and the next daemon).
   void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {
     segment.MirrorSlot(slot, segment.slots_.at(slot));

@@ -302,7 +302,8 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   return out;
 }
 
-Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std::chrono::milliseconds timeout) {
+Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
+                                             int64_t extra_of) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   RestoreCandidates out;
   std::string job;
@@ -332,9 +333,13 @@ Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std:
   ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));  // without the lock
   out.disk_step = latest.value_or(0);
   ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  if (extra_of > 0) {
+    const bool has = std::find(held.begin(), held.end(), extra_of) != held.end();
+    held.assign(has ? 1 : 0, extra_of);
+  }
   for (int64_t step : held) {
-    Status verified =
-        VerifyResident(job, rank_id, segment, step, &verifiers, "offering none of the rank's memory checkpoints");
+    Status verified = VerifyResident(job, rank_id, segment, step, &verifiers,
+                                     "offering none of the rank's memory checkpoints", extra_of > 0 ? &out.extra : nullptr);
     if (verified.ok()) out.memory_steps.push_back(step);
     if (!verified.ok() && verified.code() != StatusCode::kNotFound) {
       out.memory_steps.clear();  // all of them were dropped
@@ -487,7 +492,7 @@ void Daemon::MemoryFailedLocked(RankSegment& segment, const std::string& job, ui
 }
 
 Status Daemon::VerifyResident(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
-                              int64_t step, ParallelLoop* verifiers, const char* instead) {
+                              int64_t step, ParallelLoop* verifiers, const char* instead, std::string* extra) {
   std::optional<SlotTicket> ticket;
   std::shared_ptr<const ResidentCheckpoint> resident;
   {
@@ -505,6 +510,7 @@ Status Daemon::VerifyResident(const std::string& job, uint32_t rank, const std::
   Mirror(*segment, ticket->slot);
   cv_.NotifyAll();
   if (!verified.ok()) MemoryFailedLocked(*segment, job, rank, step, verified, instead);
+  if (verified.ok() && extra != nullptr) *extra = resident->extra;
   return verified;
 }
 

@@ -222,6 +222,17 @@ TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) 
   ASSERT_OK(listed.status());
   EXPECT_EQ(listed->memory_steps, (std::vector<int64_t>{12, 11}));
   EXPECT_EQ(listed->disk_step, std::optional<int64_t>(10));
+  EXPECT_TRUE(listed->extra.empty());
+  // One step with its extra state (what a trainer registers before restoring it); a step not held.
+  listed = next->Restorable(std::chrono::seconds(10), 11);
+  ASSERT_OK(listed.status());
+  EXPECT_EQ(listed->memory_steps, (std::vector<int64_t>{11}));
+  EXPECT_EQ(listed->extra, "{\"step\":11}");
+  listed = next->Restorable(std::chrono::seconds(10), 10);
+  ASSERT_OK(listed.status());
+  EXPECT_TRUE(listed->memory_steps.empty());
+  EXPECT_TRUE(listed->extra.empty());
+  EXPECT_EQ(next->Restorable(std::chrono::seconds(10), 0).status().code(), StatusCode::kInvalidArgument);
 
   // A checkpoint that no longer matches its checksums is not offered, nor are the rank's others.
   FlipTensorByte(segment, slot);

@@ -12,7 +12,9 @@
   wait_persisted() naming step, file and errno; by default snapshots go on, with
   fatal_persist_errors=True the next snapshot() raises that error;
 - run_id is recorded in metadata.json; a new run that does not restore may not save into a job with
-  another run's checkpoints unless overwrite=True; wait_complete() waits for the whole checkpoint.
+  another run's checkpoints unless overwrite=True; wait_complete() waits for the whole checkpoint;
+- tier="memory": a memory checkpoint outlives its trainer, restorable() and memory_extra() list it
+  before register(), restore() serves it (restored_tier "memory"), and a disk step newer than it wins.
 """
 
 import array
@@ -34,6 +36,35 @@ import flashckpt  # noqa: E402
 class ClientTest(harness.DaemonTestCase):
     def client(self, name, **kwargs):
         return flashckpt.Client(self.daemon.socket, self.daemon.job(name), **kwargs)
+
+    def test_memory_checkpoints_outlive_the_trainer(self):
+        job = self.daemon.job("memory")
+        w = np.zeros(1000, np.float32)
+        with flashckpt.Client(self.daemon.socket, job) as c:
+            c.register({"w": w})
+            with self.assertRaisesRegex(ValueError, "tier"):
+                c.snapshot(1, {"w": w}, tier="ram")
+            w[:] = 1
+            c.snapshot(1, {"w": w})
+            c.wait_persisted(1, timeout=30)
+            for step in (2, 3):
+                w[:] = step
+                snap = c.snapshot(step, {"w": w}, extra={"step": step}, tier="memory")
+                self.assertEqual(snap.tier, "memory")
+            with self.assertRaises(flashckpt.FailedPreconditionError):
+                c.wait_persisted(3, timeout=30)  # never written
+        self.assertFalse(os.path.exists(os.path.join(self.daemon.job_dir(job), "checkpoint-3")))
+        with flashckpt.Client(self.daemon.socket, job) as c:
+            self.assertEqual(c.restorable(timeout=30), ([3, 2], 1))  # before register()
+            self.assertEqual(c.memory_extra(2, timeout=30), b'{"step":2}')
+            self.assertIsNone(c.memory_extra(1, timeout=30))  # on disk only
+            out = np.zeros(1000, np.float32)
+            c.register({"w": out})
+            self.assertEqual(c.restore({"w": out}), (3, b'{"step":3}'))
+            self.assertEqual(c.restored_tier, "memory")
+            np.testing.assert_array_equal(out, np.full(1000, 3, np.float32))
+            self.assertEqual(c.restore({"w": out}, step=1)[0], 1)
+            self.assertEqual(c.restored_tier, "disk")
 
     def test_every_dtype_round_trips(self):
         rng = np.random.default_rng(1)

@@ -184,6 +184,7 @@ struct RestoreResult {
 struct RestorableSteps {
   std::vector<int64_t> memory_steps;  // its memory checkpoints on this node, verified, newest first
   std::optional<int64_t> disk_step;   // the job's newest complete checkpoint on disk, if any
+  std::string extra;                  // with `extra_of`: that memory step's extra state
 };
 
 class FLASHCKPT_API Client {
@@ -248,7 +249,9 @@ class FLASHCKPT_API Client {
   // on disk. The ranks of a job exchange these (e.g. through their process group), pick the newest
   // step every rank has in memory, else the disk's, and each Restore()s that step. Works before
   // Register(). `timeout` bounds the wait for the checksums of the last memory checkpoints.
-  Result<RestorableSteps> Restorable(std::chrono::milliseconds timeout);
+  // `extra_of`: only that memory step is looked at (listed when held and verified), and its extra
+  // state (SnapshotOptions::extra) is answered, e.g. to learn what to register before restoring it.
+  Result<RestorableSteps> Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of = std::nullopt);
 
   // The daemon's status as JSON: its version, memory budget and use, and every job and rank it knows
   // (slots, last steps, errors, EMA), i.e. the GetStatus RPC's StatusResponse in protobuf's JSON

@@ -50,23 +50,26 @@ class Snapshot:
     when the copies become asynchronous (CUDA).
     """
 
-    __slots__ = ("step", "persist", "seconds")
+    __slots__ = ("step", "persist", "seconds", "tier")
 
     step: int
     persist: bool
     seconds: float
+    tier: str
 
-    def __init__(self, step: int, persist: bool, seconds: float) -> None:
+    def __init__(self, step: int, persist: bool, seconds: float, tier: str = "disk") -> None:
         self.step = step
         self.persist = persist
         self.seconds = seconds  # how long snapshot() blocked the caller
+        self.tier = tier  # "disk" (written by the daemon) or "memory" (kept in its memory only)
 
     def wait_copied(self) -> None:
         """Returns once the snapshot's tensors may be modified (at once for host tensors)."""
         return None
 
     def __repr__(self) -> str:
-        return "Snapshot(step=%d, persist=%s, blocked=%.3f ms)" % (self.step, self.persist, self.seconds * 1e3)
+        return "Snapshot(step=%d, persist=%s, tier=%s, blocked=%.3f ms)" % (self.step, self.persist, self.tier,
+                                                                             self.seconds * 1e3)
 
 
 def encode_extra(extra: object) -> bytes:
@@ -143,6 +146,8 @@ class Client:
         self._replicas: Set[str] = set()
         self._ema_shapes: Dict[str, Shape] = {}  # EMA tensor name -> shape
         self._impl: Optional[_flashckpt.Client] = None
+        # Where the last restore() that found a checkpoint got it: "memory" or "disk" (None before).
+        self.restored_tier: Optional[str] = None
         started = time.monotonic()
         try:
             self._impl = _flashckpt.Client(self.socket, job, self.rank, float(rpc_timeout), float(connect_timeout),
@@ -241,20 +246,29 @@ class Client:
     # --- save ----------------------------------------------------------------------------------
 
     def snapshot(self, step: int, tensors: Tensors, persist: bool = True, loss: Optional[float] = None,
-                 extra: object = None) -> Snapshot:
+                 extra: object = None, tier: str = "disk") -> Snapshot:
         """Copies `tensors` (every registered, non-replica tensor) into a free slot and commits it as `step`.
 
         Returns a Snapshot once the copy is done: the tensors may be modified right away. The daemon
         persists it in the background (persist=False: EMA only, no files). `loss` feeds the EMA's loss
         gate; `extra` (bytes, str, or a JSON-serialisable object) is saved as extra.rankNNNNN.json
         (at most 4 MiB). Steps must increase within a session.
+
+        tier="memory": a memory checkpoint of every tensor (replicas included) that the daemon keeps
+        in its shared memory, checksummed in the background, and never writes; a later restore() of
+        this rank (a restarted trainer) is served from it (restored_tier says so). Needs the daemon's
+        --slots >= 2 and a rank without EMA.
         """
+        if tier not in ("disk", "memory"):
+            raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
+        if tier == "memory" and not persist:
+            raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
         started = time.perf_counter()
-        views = self._buffers(tensors, writable=False, what="snapshot", include_replicas=False)
+        views = self._buffers(tensors, writable=False, what="snapshot", include_replicas=tier == "memory")
         data = encode_extra(extra)
         self._live().snapshot(int(step), [v.buffer() for v in views], bool(persist),
-                              None if loss is None else float(loss), data)
-        return Snapshot(int(step), bool(persist), time.perf_counter() - started)
+                              None if loss is None else float(loss), data, tier)
+        return Snapshot(int(step), bool(persist), time.perf_counter() - started, tier)
 
     def wait_persisted(self, step: int, timeout: float = 600.0) -> None:
         """Blocks until this rank's files of `step` (or a later step) are durable.
@@ -308,12 +322,31 @@ class Client:
         if job is not None and kinds is None:
             raise ValueError("a restore from another job needs kinds (e.g. kinds=['model'])")
         views = self._buffers(tensors, writable=True, what="restore", include_replicas=True)
-        found, got, extra, _ = self._live().restore(None if step is None else int(step),
-                                                    [v.buffer() for v in views], float(timeout),
-                                                    bool(convert_dtype), kinds or [], "" if job is None else str(job))
+        found, got, extra, _, tier = self._live().restore(None if step is None else int(step),
+                                                          [v.buffer() for v in views], float(timeout),
+                                                          bool(convert_dtype), kinds or [],
+                                                          "" if job is None else str(job))
         if not found:
             return None, None
+        self.restored_tier = tier
         return got, (extra or None)
+
+    def restorable(self, timeout: float = 60.0) -> Tuple[List[int], Optional[int]]:
+        """(memory steps, disk step): this rank's memory checkpoints on its daemon, each verified now,
+        newest first, and the job's newest complete checkpoint on disk (None: none).
+
+        The ranks of a job exchange these, agree on a step (the newest every rank holds in memory,
+        unless the disk has a newer one) and restore() it. Works before register(). `timeout` bounds
+        the wait for the checksums of the last memory checkpoints.
+        """
+        steps, disk, _ = self._live().restorable(float(timeout))
+        return list(steps), disk
+
+    def memory_extra(self, step: int, timeout: float = 60.0) -> Optional[bytes]:
+        """The extra state of this rank's memory checkpoint `step` (verified), or None when it does not
+        hold it: what to register before restoring it. Works before register()."""
+        steps, _, extra = self._live().restorable(float(timeout), int(step))
+        return extra if int(step) in steps else None
 
     # --- EMA -----------------------------------------------------------------------------------
 

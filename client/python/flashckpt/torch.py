@@ -52,6 +52,15 @@ the state of its own partition (under the global parameter indices of ZeRO's con
 state_dict), and a job of as many or fewer ranks resumes it, each rank taking its new partition's
 state. (A job of more ranks cannot resume a checkpoint yet: its new ranks have no part of it.)
 
+Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's memory only
+(checksummed in the background, never written), so a trainer can save every step and write a disk
+checkpoint every few hundred. resume() of the latest first asks every rank's daemon which memory
+checkpoints the rank holds (Client.restorable(), verified) and restores the newest step every rank
+holds, unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk". A memory
+restore that fails on any rank (a checkpoint dropped meanwhile, for instance) falls back to the disk
+on every rank, with a warning. Not yet with a ZeroRedundancyOptimizer, nor with the data-parallel
+split of replicated tensors (replicated=False turns it off).
+
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
 bounds the wait) and takes the newest step every rank sees complete. A rank that fails makes every
@@ -71,6 +80,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Set,
                     Tuple, TypeVar, Union, cast)
 
@@ -81,7 +91,7 @@ from . import _tensors
 from ._state import Node
 from ._tensors import Shape
 from .client import Client, Snapshot
-from .errors import FailedPreconditionError, NotFoundError, StructureMismatchError
+from .errors import FailedPreconditionError, FlashckptError, NotFoundError, StructureMismatchError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -179,7 +189,8 @@ class Checkpointer:
     same full tensors (another tp_degree, or none).
 
     Attributes: states (the dict of states), model and optimizer (the first nn.Module and optimizer
-    among them, or None), extra (the `extra` of the resumed checkpoint), resumed_step, saves,
+    among them, or None), extra (the `extra` of the resumed checkpoint), resumed_step, resumed_tier
+    ("memory" or "disk": where resume() got it), saves,
     blocked_seconds (total time save() blocked the caller), last_snapshot, ema_step (step of the EMA
     last read).
     """
@@ -240,6 +251,7 @@ class Checkpointer:
         self.ema_enabled = client_options.get("ema_decay") is not None
         self.extra: Any = None
         self.resumed_step: Optional[int] = None
+        self.resumed_tier: Optional[str] = None
         self.ema_step: Optional[int] = None
         self.saves = 0
         self.blocked_seconds = 0.0
@@ -467,14 +479,24 @@ class Checkpointer:
 
     # --- save ----------------------------------------------------------------------------------
 
-    def save(self, step: int, extra: object = None, loss: Optional[float] = None, persist: bool = True) -> Snapshot:
+    def save(self, step: int, extra: object = None, loss: Optional[float] = None, persist: bool = True,
+             tier: str = "disk") -> Snapshot:
         """Snapshots every state as `step`; returns once the copy is done (a Snapshot whose
         `seconds` is how long this call blocked).
 
         persist=True: the daemon writes a checkpoint in the background (wait_persisted() waits for
         it); persist=False: EMA update only. `extra` (JSON-serialisable) comes back as ck.extra on
-        resume; `loss` feeds the EMA's loss gate.
+        resume; `loss` feeds the EMA's loss gate. tier="memory": a memory checkpoint, kept by the
+        daemon and never written (resume() of a restarted trainer prefers it when it is newest).
         """
+        if tier not in ("disk", "memory"):
+            raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
+        if tier == "memory" and not persist:
+            raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
+        if tier == "memory" and self._data_parallel() is not None:
+            raise ValueError("tier='memory' needs each rank to hold its whole state: this job splits the writing of "
+                             "replicated tensors over its data-parallel ranks (pass replicated=False for memory "
+                             "checkpoints)")
         started = time.perf_counter()
         tree, tensors = self._state()
         tensors, specs = self._share(tensors)
@@ -486,7 +508,7 @@ class Checkpointer:
                 payload["zero"] = self._zero_records
             if self.rng:
                 payload["rng"] = _rng_state()
-        snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload)
+        snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload, tier=tier)
         snap.seconds = time.perf_counter() - started  # all of save(), flattening included
         self.last_snapshot = snap
         self.saves += 1
@@ -619,6 +641,27 @@ class Checkpointer:
                                  "rank must ask for the same one" % ", ".join(
                                      "rank %d: %s" % (r, "latest" if s is None else s) for r, s in enumerate(asked)))
 
+        # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
+        # memory, unless a complete disk checkpoint is newer.
+        if step is None and not any(_is_zero(v) for v in self.states.values()) and self._data_parallel() is None:
+            self._settle(min(timeout, 60.0))  # the last disk save of the trainer that died counts too
+            memory = self._memory_step(group, timeout)
+            if memory is not None:
+                error: Optional[BaseException] = None
+                try:
+                    self._resume_memory(memory, timeout)
+                except FlashckptError as e:  # reported to the other ranks; all then read the disk
+                    error = e
+                failed = [(0, error)] if group is None else [
+                    (r, why) for r, why in enumerate(self._gather(group, None if error is None else
+                                                                  "%s: %s" % (type(error).__name__, error)))]
+                failed = [(r, why) for r, why in failed if why is not None]
+                if not failed:
+                    self.resumed_step = memory
+                    return memory
+                warnings.warn("resume from memory checkpoint step %d failed on rank %d (%s); every rank restores "
+                              "from disk instead" % (memory, failed[0][0], failed[0][1]), RuntimeWarning)
+
         # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
         # on the step.
         def probe() -> Tuple[Node, Dict[str, Any], Optional[int], Any]:
@@ -662,6 +705,50 @@ class Checkpointer:
         stage("restore checkpoint-%d" % chosen, lambda: self._restore_found(chosen, blob, tensors, timeout))
         self.resumed_step = chosen
         return chosen
+
+    def _memory_step(self, group: Optional[ProcessGroup], timeout: float) -> Optional[int]:
+        """The memory checkpoint every rank restores: the newest step all of them hold (verified by
+        their daemons), if no rank sees a newer complete checkpoint on disk; None: the disk path.
+        A rank whose daemon cannot tell (an older daemon, say) sends the others to the disk too."""
+        mine: Optional[Tuple[List[int], Optional[int]]] = None
+        try:
+            mine = self.client.restorable(min(timeout, 60.0))
+        except FlashckptError as e:
+            warnings.warn("rank %d cannot list its memory checkpoints (%s); resuming from disk"
+                          % (self.client.rank, e), RuntimeWarning)
+        views = [mine] if group is None else self._gather(group, mine)
+        if any(v is None for v in views):
+            return None
+        common: Set[int] = {int(s) for s in views[0][0]}
+        for held, _ in views[1:]:
+            common &= {int(s) for s in held}
+        disks = [int(disk) for _, disk in views if disk is not None]
+        if not common or (disks and max(common) < max(disks)):
+            return None
+        return max(common)
+
+    def _resume_memory(self, step: int, timeout: float) -> None:
+        """Restores this rank's memory checkpoint `step`: its structure from the extra state the
+        daemon keeps with it, then the tensors, registered as save() registered them (so the daemon
+        keeps the segment that holds it)."""
+        tree, tensors = self._state()
+        extra = self.client.memory_extra(step, timeout=min(timeout, 60.0))
+        if extra is None:
+            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d no longer holds memory checkpoint step %d"
+                                          % (self.client.rank, step))
+        try:
+            blob = json.loads(extra.decode("utf-8"))
+        except ValueError:
+            blob = None
+        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+            raise StructureMismatchError("memory checkpoint step %d was not taken by flashckpt.torch.Checkpointer"
+                                         % step)
+        self._check_structure(step, blob, tree)
+        self._restore_found(step, blob, tensors, timeout)
+        if self.client.restored_tier != "memory":
+            # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
+            warnings.warn("memory checkpoint step %d was gone; rank %d restored it from disk"
+                          % (step, self.client.rank), RuntimeWarning)
 
     def _take_partitions(self, blob: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
         """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
@@ -790,8 +877,11 @@ class Checkpointer:
             if t is None or t.dtype != dtype or self._global_shape(name, t.shape) != whole:
                 t = torch.empty(self._local_shape(name, whole), dtype=dtype)
             targets[name] = t
+        # Without data-parallel shares (which memory checkpoints do not use), this is the layout
+        # save() registers: the daemon keeps the segment, and the memory checkpoints in it.
         self._register(targets)
         got, extra = self.client.restore(targets, step=found, timeout=timeout)
+        self.resumed_tier = self.client.restored_tier
         if got != found:
             raise FailedPreconditionError("FAILED_PRECONDITION", "asked for checkpoint-%d, the daemon restored %s"
                                           % (found, got))
