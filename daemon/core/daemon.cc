@@ -241,6 +241,8 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
       Emit(std::move(event));
     }
   }
+  // The newest memory checkpoints not on disk yet join the writes (--persist-on-stop).
+  if (config_.persist_on_stop && writer_) PersistMemoryOnStop();
   // Finishes the writes in flight until the deadline; abandons the rest (OnPersisted, kCancelled).
   // Either way no half-written file is left behind under a final name.
   if (writer_) writer_->Stop(deadline);

@@ -70,6 +70,10 @@ struct DaemonConfig {
   // After SIGTERM, seconds until the daemon exits: writes in flight finish until then (less a
   // moment to close the listeners), the rest is abandoned for the next daemon (Stop).
   uint32_t stop_timeout_s = 60;
+  // At a stop, each job's newest memory checkpoint that every rank of it here holds is written
+  // (within the stop's deadline) when no complete checkpoint on disk is as new (--persist-on-stop):
+  // a preempted node loses nothing that reached memory.
+  bool persist_on_stop = true;
   // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
   IoEnv* io_env = IoEnv::Default();
   // The writes and removals of the state directory's records (the same terms): tests hold a
@@ -248,6 +252,10 @@ class Daemon {
   std::string RenderMetrics() const EXCLUDES(mu_);
 
  private:
+  // Stop's --persist-on-stop: hands the writer, for each job, its newest memory checkpoint held by
+  // every rank of it here, if newer than the job's latest complete checkpoint. Returns how many
+  // ranks' snapshots were queued.
+  uint32_t PersistMemoryOnStop() EXCLUDES(mu_);
   // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
   void FillJobsStatus(DaemonStatus* out) const EXCLUDES(mu_);
   struct RankState {

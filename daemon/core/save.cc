@@ -501,4 +501,70 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
   }
 }
 
+uint32_t Daemon::PersistMemoryOnStop() {
+  // Per job: the memory steps every rank of it here holds, newest first.
+  std::map<std::string, std::vector<int64_t>> common;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [name, job] : jobs_) {
+      bool first = true;
+      std::vector<int64_t> steps;
+      for (const auto& [r, rank] : job.ranks) {
+        if (!rank.segment) continue;
+        std::vector<int64_t> held = Slots(*rank.segment).ResidentSteps();  // newest first
+        if (first) {
+          steps = std::move(held);
+          first = false;
+          continue;
+        }
+        std::vector<int64_t> both;
+        for (int64_t s : steps) {
+          if (std::find(held.begin(), held.end(), s) != held.end()) both.push_back(s);
+        }
+        steps = std::move(both);
+      }
+      if (!steps.empty()) common[name] = std::move(steps);
+    }
+  }
+  uint32_t queued = 0;
+  for (const auto& [name, steps] : common) {
+    // Read without the lock. A root that cannot be read: the memory checkpoint is written anyway
+    // (a step already complete on disk is then written again, which is harmless).
+    Result<std::optional<int64_t>> latest = catalog_.LatestComplete(name);
+    const int64_t disk = latest.ok() ? latest->value_or(-1) : -1;
+    const int64_t step = steps.front();
+    if (step <= disk) {
+      Logger("writer")->info("persist on stop: job={} newest memory step={} is not newer than the disk's step={}",
+                             name, step, disk);
+      continue;
+    }
+    MutexLock lock(&mu_);
+    auto jit = jobs_.find(name);
+    if (jit == jobs_.end()) continue;
+    uint32_t ranks = 0;
+    for (auto& [r, rank] : jit->second.ranks) {
+      if (!rank.segment) continue;
+      std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
+      if (!ticket) continue;  // dropped meanwhile
+      std::shared_ptr<const ResidentCheckpoint> resident = Slots(*rank.segment).ResidentIn(ticket->slot);
+      Mirror(*rank.segment, ticket->slot);
+      // Signalled in the attempt of the process that took it, as its own disk saves are.
+      PersistRequest request = MakePersistRequest(name, r, rank.session_id, rank.process, resident->world_size,
+                                                  resident->attempt, rank.segment, *ticket, step, resident->extra);
+      if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
+        (void)Slots(*rank.segment).Release(*ticket, SlotState::kPersisting);
+        Mirror(*rank.segment, ticket->slot);
+        Logger("writer")->error("persist on stop not queued job={} step={} rank={} error=\"{}\"", name, step, r,
+                                submitted.ToString());
+        continue;
+      }
+      ranks += 1;
+    }
+    queued += ranks;
+    Logger("writer")->info("persist on stop: job={} memory step={} ranks={} (disk's latest: {})", name, step, ranks,
+                           disk < 0 ? std::string("none") : std::to_string(disk));
+  }
+  return queued;
+}
+
 }  // namespace flashckpt

@@ -63,6 +63,16 @@ std::optional<SlotTicket> SlotTable::AcquireResident(int64_t step) {
   return std::nullopt;
 }
 
+std::optional<SlotTicket> SlotTable::PersistResident(int64_t step) {
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const SlotInfo& s = slots_[i];
+    if (s.state == SlotState::kFree && s.resident != nullptr && s.resident->step == step) {
+      return HandOut(i, SlotState::kPersisting, step, SlotTier::kMemory);  // still holding it
+    }
+  }
+  return std::nullopt;
+}
+
 Status SlotTable::MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
   RETURN_IF_ERROR(Check(ticket, SlotState::kCommitted, "keep"));
   if (resident == nullptr || resident->step != slots_[ticket.slot].step) {

@@ -79,6 +79,9 @@ class SlotTable {
   std::optional<SlotTicket> Acquire(SlotState purpose, int64_t step, SlotTier tier = SlotTier::kDisk);
   // The FREE slot holding memory checkpoint `step` -> RESTORING, still holding it; nullopt if none does.
   std::optional<SlotTicket> AcquireResident(int64_t step);
+  // The FREE slot holding memory checkpoint `step` -> PERSISTING (written after all, as at a stop
+  // with --persist-on-stop); Release(kPersisting) frees it. nullopt if no slot holds it.
+  std::optional<SlotTicket> PersistResident(int64_t step);
   // COMMITTED -> FREE holding `resident` (a memory snapshot whose checksums are computed).
   Status MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident);
   // Forgets every memory checkpoint of step >= `from`; returns how many.

@@ -171,6 +171,7 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   line("checksum-chunk", SizeText(c.checksum_chunk));
   line("keep", std::to_string(c.keep));
   line("stop-timeout", std::to_string(c.stop_timeout_s));
+  line("persist-on-stop", c.persist_on_stop ? "true" : "false");
   line("idle-release", std::to_string(c.idle_release.count()));
   line("sweep-interval", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(c.sweep_interval).count()));
   line("lease-ttl", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(c.lease_ttl).count()));
@@ -247,6 +248,10 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "daemon to adopt")
       ->check(CLI::Range(1u, 86400u))
       ->capture_default_str();
+  app.add_flag("--persist-on-stop,!--no-persist-on-stop", config.persist_on_stop,
+               "At SIGTERM, also write (within --stop-timeout) each job's newest memory checkpoint that every rank "
+               "of it here holds, when the disk has no complete checkpoint as new (default: on; "
+               "--persist-on-stop=false or --no-persist-on-stop turns it off)");
   uint32_t idle_release_s = static_cast<uint32_t>(config.idle_release.count());
   app.add_option("--idle-release", idle_release_s,
                  "Seconds after the last rank of a job disconnected, with nothing of it left to write, until the "

@@ -86,6 +86,16 @@ TEST(DaemonConfig, StopTimeoutAndLogFile) {
   EXPECT_EQ(c->log_file, "/tmp/flashckptd-test.log");
   EXPECT_EQ(Parse({"--socket", "s", "--root", "r", "--stop-timeout", "0"}).status().code(),
             StatusCode::kInvalidArgument);
+  // --persist-on-stop: on unless turned off.
+  EXPECT_TRUE(d->persist_on_stop);
+  for (const char* off : {"--no-persist-on-stop", "--persist-on-stop=false"}) {
+    auto o = Parse({"--socket", "s", "--root", "r", off});
+    ASSERT_OK(o.status());
+    EXPECT_FALSE(o->persist_on_stop) << off;
+  }
+  auto on = Parse({"--socket", "s", "--root", "r", "--persist-on-stop"});
+  ASSERT_OK(on.status());
+  EXPECT_TRUE(on->persist_on_stop);
   auto level = Parse({"--socket", "s", "--root", "r", "--log-level", "chatty"});
   EXPECT_EQ(level.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(level.status().message().find("--log-level"), std::string::npos) << level.status().message();

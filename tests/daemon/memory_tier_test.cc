@@ -416,5 +416,50 @@ TEST_F(MemoryTierTest, BadCombinationsAreRefused) {
   SharedSegment::Unlink(ema_segment);
 }
 
+// --persist-on-stop: the newest memory checkpoint newer than the disk's is written at a stop.
+TEST(MemoryTierStop, AStopWritesTheNewestMemoryCheckpointThatTheDiskLacks) {
+  for (bool persist : {true, false}) {
+    SCOPED_TRACE(persist);
+    InProcessDaemon d("flashckpt-memory-test");
+    ASSERT_OK(d.Start([&](DaemonConfig& c) { c.persist_on_stop = persist; }));
+    TestTrainer t = d.StartTrainer("memtier-stop", kFloats);
+    ASSERT_TRUE(t.client);
+    ASSERT_OK(t.Save(10));
+    ASSERT_OK(Memory(t, 11));
+    ASSERT_OK(Memory(t, 12));
+    ASSERT_NE(KeptSlotOffset(SegmentPath("memtier-stop"), 12), 0u);  // checksummed: kept
+    t.client.reset();  // the trainer is gone (or still there: either way the daemon stops)
+    d.Stop();
+    EXPECT_EQ(std::filesystem::exists(d.StepDir("memtier-stop", 12) + "/metadata.json"), persist);
+    EXPECT_FALSE(std::filesystem::exists(d.StepDir("memtier-stop", 11)));  // only the newest
+    if (persist) {
+      // Complete and restorable by the next daemon, with its extra state.
+      ASSERT_OK(d.Start());
+      TestTrainer again = d.StartTrainer("memtier-stop", kFloats);
+      ASSERT_TRUE(again.client);
+      auto r = again.client->Restore(std::nullopt, again.bufs, std::chrono::seconds(10));
+      ASSERT_OK(r.status());
+      EXPECT_EQ(r->step, 12);
+      EXPECT_EQ(r->tier, Tier::kDisk);
+      EXPECT_EQ(r->extra, "{\"step\":12}");
+      EXPECT_TRUE(again.All(12));
+    }
+  }
+}
+
+TEST(MemoryTierStop, NothingIsWrittenWhenTheDiskIsNewer) {
+  InProcessDaemon d("flashckpt-memory-test");
+  ASSERT_OK(d.Start());
+  TestTrainer t = d.StartTrainer("memtier-stop-old", kFloats);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(Memory(t, 5));
+  ASSERT_NE(KeptSlotOffset(SegmentPath("memtier-stop-old"), 5), 0u);
+  ASSERT_OK(t.Save(6));
+  t.client.reset();
+  d.Stop();
+  EXPECT_FALSE(std::filesystem::exists(d.StepDir("memtier-stop-old", 5)));
+  EXPECT_TRUE(std::filesystem::exists(d.StepDir("memtier-stop-old", 6) + "/metadata.json"));
+}
+
 }  // namespace
 }  // namespace flashckpt

@@ -12,7 +12,10 @@ shard=2, so replicas are held too) killed with SIGKILL, resumed from the daemon'
   4. One data byte of rank 1's slot holding step 37 is flipped in shared memory. The resume finds it
      by its checksums, never hands it over, and every rank resumes from disk at 30; the daemon's log
      says why.
-  5. Every complete checkpoint is read back by the independent reader; SIGTERM stops the daemon.
+  5. Every complete checkpoint is read back by the independent reader.
+  6. The ranks resume (from disk at 40), run to 47 and are SIGKILLed there; SIGTERM stops the daemon,
+     which first writes the newest memory checkpoint (--persist-on-stop, the default): checkpoint-47
+     is complete on disk and the independent reader verifies it.
 
     test_memory_tier.py --bin-dir build/bin [--keep]
 """
@@ -219,8 +222,22 @@ def run(h):
             raise TestFailure("independent reader rejects checkpoint-%d: %s" % (step, e))
         check(s["step"] == step and s["world_size"] == WORLD, "checkpoint-%d: %s" % (step, s))
     log("complete checkpoints %s verified by the independent reader" % h.complete_steps())
+
+    # --- 6. killed at 47 with disk at 40: a SIGTERM writes memory step 47 ------------------------
+    procs = h.start_sims("phase6", 100, resume=True, hold_after=47)
+    check_all_resumed("phase6", h.wait_resumed("phase6", procs), 40, "disk")
+    h.hold_and_kill("phase6", procs, 47)
+    check(47 not in h.complete_steps(), "phase6: step 47 was written before the stop")
     rc = h.stop_daemon()
     check(rc == 0, "flashckptd exited with %s on SIGTERM" % rc)
+    check(47 in h.complete_steps(), "phase6: checkpoint-47 is not complete after the SIGTERM; complete: %s"
+          % h.complete_steps())
+    try:
+        s = reader.verify_checkpoint(os.path.join(h.job_dir, "checkpoint-47"), layers=LAYERS, hidden=HIDDEN)
+    except reader.CheckpointError as e:
+        raise TestFailure("independent reader rejects checkpoint-47: %s" % e)
+    check(s["step"] == 47 and s["world_size"] == WORLD, "checkpoint-47: %s" % s)
+    log("phase6: the SIGTERM wrote memory step 47 of all %d ranks; the independent reader verifies it" % WORLD)
 
 
 def main():
