@@ -367,6 +367,17 @@ std::string StatusText(const DaemonStatus& status) {
              " step(s) saved by its ranks in different attempts will never complete; newest: " + job.split + "\n";
     }
     out += "  ema " + EmaSummaryText(job) + "\n";
+    if (std::any_of(job.ranks.begin(), job.ranks.end(), [](const RankStatus& r) { return r.memory_checkpoints > 0; })) {
+      // Memory checkpoints: per rank, its newest step, how many are kept and the slots' bytes.
+      std::string kept;
+      for (const RankStatus& r : job.ranks) {
+        if (r.memory_checkpoints == 0) continue;
+        kept += std::string(kept.empty() ? "" : ", ") + "rank " + std::to_string(r.rank) + " step " +
+                std::to_string(r.memory_step) + " (" + std::to_string(r.memory_checkpoints) + " kept, " +
+                CompactBytes(r.memory_bytes) + ")";
+      }
+      out += "  memory checkpoints: " + kept + "\n";
+    }
     // OLDEST WRITE: how long the rank's oldest persist being written has been running.
     TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
                      "PERSISTS", "FAILURES", "SKIPPED", "LAST ERROR"},
@@ -429,6 +440,9 @@ ordered_json StatusJson(const DaemonStatus& status) {
       r["last_persisted_step"] = StepJson(rank.last_persisted_step);
       r["run_id"] = rank.run_id;
       r["resumed_from"] = rank.resumed_from;
+      r["memory_step"] = StepJson(rank.memory_step);
+      r["memory_checkpoints"] = rank.memory_checkpoints;
+      r["memory_bytes"] = rank.memory_bytes;
       ordered_json slots = ordered_json::array();
       for (const auto& s : rank.slots) {
         slots.push_back({{"index", s.index},

@@ -104,6 +104,9 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
       rank.last_persist_gbps = r.last_persist_gbps();
       rank.run_id = r.run_id();
       rank.resumed_from = r.resumed_from();
+      rank.memory_step = r.memory_checkpoints() > 0 ? r.memory_step() : -1;
+      rank.memory_checkpoints = r.memory_checkpoints();
+      rank.memory_bytes = r.memory_bytes();
       rank.ema_enabled = r.ema_enabled();
       rank.ema_decay = r.ema_decay();
       rank.ema_last_step = r.ema_last_step();

@@ -851,6 +851,12 @@ void Daemon::FillJobsStatus(DaemonStatus* out) const {
       rs->last_persist_gbps = rank.last_persist_gbps;
       rs->run_id = rank.run_id;
       rs->resumed_from = rank.resumed_from;
+      if (rank.segment) {
+        const std::vector<int64_t> kept = Slots(*rank.segment).ResidentSteps();  // newest first
+        rs->memory_step = kept.empty() ? -1 : kept.front();
+        rs->memory_checkpoints = static_cast<uint32_t>(kept.size());
+        rs->memory_bytes = kept.size() * rank.segment->layout.slot_bytes;
+      }
       double oldest = 0;  // seconds the rank's oldest persist being written has been running
       for (const WriteInFlight& w : writing) {
         if (w.job != name || w.rank != r) continue;

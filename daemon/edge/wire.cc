@@ -95,6 +95,9 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
       r->set_last_persist_gbps(rank.last_persist_gbps);
       r->set_run_id(rank.run_id);
       r->set_resumed_from(rank.resumed_from);
+      r->set_memory_step(rank.memory_step);
+      r->set_memory_checkpoints(rank.memory_checkpoints);
+      r->set_memory_bytes(rank.memory_bytes);
     }
   }
   return out;

@@ -1,7 +1,9 @@
 #include "daemon/observe/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 
 namespace flashckpt {
 namespace {
@@ -231,6 +233,19 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
     int64_t last = -1;
     for (const auto& rank : job.ranks) last = std::max(last, rank.last_committed_step);
     Sample(&out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
+  }
+  Header(&out, "flashckpt_memory_checkpoint_step", "gauge",
+         "The oldest of the newest memory checkpoints the job's ranks keep here (-1: a rank keeps none).");
+  for (const auto& job : status.jobs) {
+    int64_t common = job.ranks.empty() ? -1 : std::numeric_limits<int64_t>::max();
+    for (const auto& rank : job.ranks) common = std::min(common, rank.memory_step);
+    Sample(&out, "flashckpt_memory_checkpoint_step", JobLabel(job.job), static_cast<double>(std::max<int64_t>(common, -1)));
+  }
+  Header(&out, "flashckpt_memory_checkpoint_bytes", "gauge", "Bytes of the slots keeping the job's memory checkpoints.");
+  for (const auto& job : status.jobs) {
+    uint64_t bytes = 0;
+    for (const auto& rank : job.ranks) bytes += rank.memory_bytes;
+    Sample(&out, "flashckpt_memory_checkpoint_bytes", JobLabel(job.job), static_cast<double>(bytes));
   }
   Header(&out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
   for (const auto& job : status.jobs) {

@@ -56,6 +56,21 @@ TEST(StatusText, OneLinePerJobWithLagRateAndFailures) {
   EXPECT_DOUBLE_EQ(j["jobs"][0]["ranks"][1]["last_persist_gbps"].get<double>(), 2.5);
 }
 
+TEST(StatusText, ShowsEachRanksMemoryCheckpointsOnlyWhenKept) {
+  DaemonStatus s = TwoRankStatus();
+  EXPECT_EQ(StatusText(s).find("memory checkpoints"), std::string::npos) << StatusText(s);
+  EXPECT_TRUE(StatusJson(s)["jobs"][0]["ranks"][0]["memory_step"].is_null());
+  s.jobs[0].ranks[0].memory_step = 1249;
+  s.jobs[0].ranks[0].memory_checkpoints = 2;
+  s.jobs[0].ranks[0].memory_bytes = 3ull << 20;
+  const std::string text = StatusText(s);
+  EXPECT_NE(text.find("  memory checkpoints: rank 0 step 1249 (2 kept, 3.0MiB)\n"), std::string::npos) << text;
+  auto j = StatusJson(s);
+  EXPECT_EQ(j["jobs"][0]["ranks"][0]["memory_step"], 1249);
+  EXPECT_EQ(j["jobs"][0]["ranks"][0]["memory_checkpoints"], 2);
+  EXPECT_EQ(j["jobs"][0]["ranks"][0]["memory_bytes"], 3u << 20);
+}
+
 TEST(StatusText, JobLineBeforeAnyCommit) {
   DaemonStatus s = TwoRankStatus();
   s.jobs[0].last_complete_step = -1;

@@ -116,6 +116,21 @@ TEST_F(MemoryTierTest, AMemoryCheckpointOutlivesItsTrainerAndIsNeverWritten) {
   ASSERT_OK(Memory(t, 11));
   ASSERT_OK(Memory(t, 12));
   t.client.reset();  // the trainer dies: its session ends
+  // Status and metrics show what the rank keeps.
+  {
+    const DaemonStatus status = d_.daemon()->GetStatus();
+    ASSERT_EQ(status.jobs.size(), 1u);
+    ASSERT_EQ(status.jobs[0].ranks.size(), 1u);
+    const RankStatus& rank = status.jobs[0].ranks[0];
+    EXPECT_EQ(rank.memory_step, 12);
+    EXPECT_EQ(rank.memory_checkpoints, 2u);
+    EXPECT_GE(rank.memory_bytes, 2 * 2 * kFloats * 4);
+    const std::string metrics = d_.daemon()->RenderMetrics();
+    EXPECT_TRUE(Contains(metrics, "flashckpt_memory_checkpoint_step{job=\"memtier-mem\"} 12")) << metrics;
+    EXPECT_TRUE(Contains(metrics, "flashckpt_memory_checkpoint_bytes{job=\"memtier-mem\"} " +
+                                      std::to_string(rank.memory_bytes)))
+        << metrics;
+  }
   EXPECT_FALSE(std::filesystem::exists(d_.StepDir("memtier-mem", 11)));
   EXPECT_FALSE(std::filesystem::exists(d_.StepDir("memtier-mem", 12)));
 

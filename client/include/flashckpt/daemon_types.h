@@ -38,6 +38,9 @@ struct RankStatus {
   double last_persist_gbps = 0;     // rate of its last persist; 0: none yet
   std::string run_id;               // its session's run; empty: not registered
   int64_t resumed_from = 0;         // the step its process restored; 0: it started fresh
+  int64_t memory_step = -1;         // its newest memory checkpoint kept here; negative: none
+  uint32_t memory_checkpoints = 0;  // memory checkpoints its slots keep
+  uint64_t memory_bytes = 0;        // bytes of the slots that keep them
   // Its EMA (all zero when off).
   bool ema_enabled = false;
   double ema_decay = 0;
