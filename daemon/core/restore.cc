@@ -444,15 +444,7 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
     }
     for (uint32_t r = 0; r < world_size; ++r) {
       std::vector<int64_t> held = Slots(*segments[r]).ResidentSteps();  // newest first
-      if (r == 0) {
-        common = held;
-        continue;
-      }
-      std::vector<int64_t> both;
-      for (int64_t s : common) {
-        if (std::find(held.begin(), held.end(), s) != held.end()) both.push_back(s);
-      }
-      common = std::move(both);
+      common = r == 0 ? std::move(held) : StepsAlsoIn(common, held);
     }
   }
   // Newest first, not older than the disk's: verified on every rank, one after the other, each slot

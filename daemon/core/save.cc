@@ -512,16 +512,8 @@ uint32_t Daemon::PersistMemoryOnStop() {
       for (const auto& [r, rank] : job.ranks) {
         if (!rank.segment) continue;
         std::vector<int64_t> held = Slots(*rank.segment).ResidentSteps();  // newest first
-        if (first) {
-          steps = std::move(held);
-          first = false;
-          continue;
-        }
-        std::vector<int64_t> both;
-        for (int64_t s : steps) {
-          if (std::find(held.begin(), held.end(), s) != held.end()) both.push_back(s);
-        }
-        steps = std::move(both);
+        steps = first ? std::move(held) : StepsAlsoIn(steps, held);
+        first = false;
       }
       if (!steps.empty()) common[name] = std::move(steps);
     }

@@ -63,6 +63,14 @@ std::optional<SlotTicket> SlotTable::AcquireResident(int64_t step) {
   return std::nullopt;
 }
 
+std::vector<int64_t> StepsAlsoIn(const std::vector<int64_t>& steps, const std::vector<int64_t>& held) {
+  std::vector<int64_t> both;
+  for (int64_t s : steps) {
+    if (std::find(held.begin(), held.end(), s) != held.end()) both.push_back(s);
+  }
+  return both;
+}
+
 std::optional<SlotTicket> SlotTable::PersistResident(int64_t step) {
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     const SlotInfo& s = slots_[i];

@@ -64,6 +64,10 @@ struct SlotInfo {
   std::shared_ptr<const ResidentCheckpoint> resident;
 };
 
+// The steps of `steps` (newest first) that `held` also has, in the same order: the memory
+// checkpoints several ranks hold in common.
+std::vector<int64_t> StepsAlsoIn(const std::vector<int64_t>& steps, const std::vector<int64_t>& held);
+
 class SlotTable {
  public:
   explicit SlotTable(uint32_t count) : slots_(count) {}

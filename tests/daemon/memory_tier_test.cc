@@ -103,6 +103,15 @@ TestTrainer StartRank(const InProcessDaemon& d, const std::string& job, uint32_t
   return t;
 }
 
+// Restores the latest into `t` and expects `step` from `tier`, every element of it.
+void ExpectLatest(TestTrainer& t, int64_t step, Tier tier) {
+  auto got = t.client->Restore(std::nullopt, t.bufs, std::chrono::seconds(10));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, step);
+  EXPECT_EQ(got->tier, tier);
+  EXPECT_TRUE(t.All(static_cast<float>(step)));
+}
+
 class MemoryTierTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_OK(d_.Start()); }
@@ -312,13 +321,8 @@ TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
   r1.client.reset();
   TestTrainer n0 = StartRank(d_, job, 0), n1 = StartRank(d_, job, 1);
   ASSERT_TRUE(n0.client && n1.client);
-  for (TestTrainer* t : {&n1, &n0}) {
-    got = t->client->Restore(std::nullopt, t->bufs, std::chrono::seconds(10));
-    ASSERT_OK(got.status());
-    EXPECT_EQ(got->step, 8);
-    EXPECT_EQ(got->tier, Tier::kMemory);
-    EXPECT_TRUE(t->All(8));
-  }
+  ExpectLatest(n1, 8, Tier::kMemory);
+  ExpectLatest(n0, 8, Tier::kMemory);
 }
 
 TEST_F(MemoryTierTest, APlanThatALateRankCannotKeepFailsLoudlyUntilTheJobRestarts) {
@@ -361,13 +365,8 @@ TEST_F(MemoryTierTest, APlanThatALateRankCannotKeepFailsLoudlyUntilTheJobRestart
   r1.client.reset();
   TestTrainer n0 = StartRank(d_, job, 0), n1 = StartRank(d_, job, 1);
   ASSERT_TRUE(n0.client && n1.client);
-  for (TestTrainer* t : {&n0, &n1}) {
-    got = t->client->Restore(std::nullopt, t->bufs, std::chrono::seconds(10));
-    ASSERT_OK(got.status());
-    EXPECT_EQ(got->step, 4);
-    EXPECT_EQ(got->tier, Tier::kDisk);
-    EXPECT_TRUE(t->All(4));
-  }
+  ExpectLatest(n0, 4, Tier::kDisk);
+  ExpectLatest(n1, 4, Tier::kDisk);
 }
 
 TEST_F(MemoryTierTest, TheNewestMemoryCheckpointIsKeptWhileTheNextIsTaken) {

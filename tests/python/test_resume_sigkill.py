@@ -78,6 +78,18 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         with open(os.path.join(self.daemon.tmp, name + ".json")) as f:
             return json.load(f)
 
+    def check_identical(self, ref, ref_losses, killed_losses, resumed, resumed_log, keys):
+        """The killed and the resumed run logged exactly the reference's losses, and ended alike."""
+        start = resumed["resumed_step"]
+        resumed_losses = read_log(resumed_log)
+        self.assertEqual(sorted(resumed_losses), list(range(start + 1, STEPS + 1)))
+        for step, loss in sorted(killed_losses.items()):
+            self.assertEqual(loss, ref_losses[step], "killed run, step %d" % step)
+        for step, loss in sorted(resumed_losses.items()):
+            self.assertEqual(loss, ref_losses[step], "resumed run, step %d (resumed from %d)" % (step, start))
+        for key in keys:
+            self.assertEqual(resumed[key], ref[key], key)
+
     def test_sigkill_at_random_step_then_resume(self):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
         kill_after = random.Random(seed).randint(SAVE_EVERY + 1, STEPS - 25)
@@ -114,15 +126,8 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         self.assertIsNotNone(start)
         self.assertEqual(start % SAVE_EVERY, 0)
         self.assertTrue(SAVE_EVERY <= start <= killed_at, start)
-        resumed_losses = read_log(resumed_log)
-        self.assertEqual(sorted(resumed_losses), list(range(start + 1, STEPS + 1)))
-
-        for step, loss in sorted(killed_losses.items()):
-            self.assertEqual(loss, ref_losses[step], "killed run, step %d" % step)
-        for step, loss in sorted(resumed_losses.items()):
-            self.assertEqual(loss, ref_losses[step], "resumed run, step %d (resumed from %d)" % (step, start))
-        for key in ("params_sha256", "ema_sha256", "eval_loss", "ema_eval_loss", "ema_step"):
-            self.assertEqual(resumed[key], ref[key], key)
+        self.check_identical(ref, ref_losses, killed_losses, resumed, resumed_log,
+                             ("params_sha256", "ema_sha256", "eval_loss", "ema_eval_loss", "ema_step"))
 
 
     def test_sigkill_resumes_from_the_last_memory_checkpoint(self):
@@ -163,14 +168,7 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         self.assertGreaterEqual(start, killed_at)
         if start % MEMORY_SAVE_EVERY != 0:
             self.assertEqual(tier, "memory")
-        resumed_losses = read_log(resumed_log)
-        self.assertEqual(sorted(resumed_losses), list(range(start + 1, STEPS + 1)))
-        for step, loss in sorted(killed_losses.items()):
-            self.assertEqual(loss, ref_losses[step], "killed run, step %d" % step)
-        for step, loss in sorted(resumed_losses.items()):
-            self.assertEqual(loss, ref_losses[step], "resumed run, step %d (resumed from %d)" % (step, start))
-        for key in ("params_sha256", "eval_loss"):
-            self.assertEqual(resumed[key], ref[key], key)
+        self.check_identical(ref, ref_losses, killed_losses, resumed, resumed_log, ("params_sha256", "eval_loss"))
 
 
 if __name__ == "__main__":
