@@ -58,8 +58,9 @@ checkpoint every few hundred. resume() of the latest first asks every rank's dae
 checkpoints the rank holds (Client.restorable(), verified) and restores the newest step every rank
 holds, unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk". A memory
 restore that fails on any rank (a checkpoint dropped meanwhile, for instance) falls back to the disk
-on every rank, with a warning. Not yet with a ZeroRedundancyOptimizer, nor with the data-parallel
-split of replicated tensors (replicated=False turns it off).
+on every rank, with a warning. A job of several ranks needs a process group for this (without one
+its ranks could not agree on a step). Not yet with a ZeroRedundancyOptimizer, nor with the
+data-parallel split of replicated tensors (replicated=False turns it off).
 
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
@@ -709,7 +710,10 @@ class Checkpointer:
     def _memory_step(self, group: Optional[ProcessGroup], timeout: float) -> Optional[int]:
         """The memory checkpoint every rank restores: the newest step all of them hold (verified by
         their daemons), if no rank sees a newer complete checkpoint on disk; None: the disk path.
-        A rank whose daemon cannot tell (an older daemon, say) sends the others to the disk too."""
+        A rank whose daemon cannot tell (an older daemon, say) sends the others to the disk too.
+        A job of several ranks without a process group cannot agree on one: the disk path."""
+        if group is None and self._world_size > 1:
+            return None
         mine: Optional[Tuple[List[int], Optional[int]]] = None
         try:
             mine = self.client.restorable(min(timeout, 60.0))
