@@ -548,6 +548,17 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::st
   return created;
 }
 
+Result<Daemon::RankState*> Daemon::WaitSlotsLoadedLocked(const std::string& session_id, MutexLock* lock,
+                                                         std::chrono::steady_clock::time_point deadline) {
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  while (rank->segment && Slots(*rank->segment).AnyLoading()) {
+    const bool woken = cv_.WaitUntil(lock, deadline);
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    if (!woken) break;  // the segment is then replaced, as it would be anyway
+  }
+  return rank;
+}
+
 Result<RegisterReply> Daemon::Register(const std::string& session_id, const Registration& reg) {
   const Topology& topology = reg.topology;
   const EmaConfig& ema_config = reg.ema;
@@ -574,12 +585,8 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   // (10 s at most, then the segment is replaced as it would be anyway), rather than give the
   // segment, and the memory checkpoints in it, up. Before the conflict wait, whose deadline is short.
   const auto loading_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (rank->segment && Slots(*rank->segment).AnyLoading()) {
-    const bool woken = cv_.WaitUntil(&lock, loading_deadline);
-    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
-    job = &jobs_[who.job];
-    if (!woken) break;
-  }
+  ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(session_id, &lock, loading_deadline));
+  job = &jobs_[who.job];
   // Every live rank of a job shares one layout, and one run when the request names it. Ranks of a
   // previous run that are exiting may still hold their sessions for a moment: wait a little for them.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -612,6 +619,9 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
   }
+  // Again: the conflict wait let the lock go, and a resume plan may have pinned a slot meanwhile.
+  ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(session_id, &lock, loading_deadline));
+  job = &jobs_[who.job];
   if (!SameDegrees(job->topology, topology)) {
     // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
     // in its slots. Sessions of the new layout that do not restore may not save until it is done

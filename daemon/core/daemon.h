@@ -381,8 +381,13 @@ class Daemon {
   Status PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why)
       REQUIRES(mu_);
   // The plan belongs to an earlier resume: made more than 10 minutes ago, for another world size or
-  // run than `rank`'s, or a rank that took it runs another process since.
+  // run than `rank`'s, `rank` has saved a later step since, or a rank that took it runs another
+  // process since.
   bool PlanStaleLocked(const JobState& job, const ResumePlan& plan, const RankState& rank) const REQUIRES(mu_);
+  // Waits, until `deadline`, while the daemon reads a slot of the session's rank (a restore, or
+  // another rank's resume plan verifying it); returns the rank, looked up again.
+  Result<RankState*> WaitSlotsLoadedLocked(const std::string& session_id, MutexLock* lock,
+                                           std::chrono::steady_clock::time_point deadline) REQUIRES(mu_);
   // Waits until `deadline` for the rank's committed snapshots to have reached the EMA (so a load or
   // copy of the EMA is not overtaken by a stale update) and for a free slot, then takes it
   // RESTORING and loading. `step` nullopt: the rank's last committed step. `purpose` names the

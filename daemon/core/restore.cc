@@ -509,7 +509,12 @@ Status Daemon::VerifyResident(const std::string& job, uint32_t rank, const std::
 Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why) {
   Status lost(code, "memory checkpoint step " + std::to_string(step) + ", which the job's ranks restore, " + why +
                         " on this rank; restart and restore every rank again (they then agree on another step)");
-  if (auto it = jobs_.find(job); it != jobs_.end() && it->second.resume_plan) it->second.resume_plan->lost = lost;
+  // Only the plan that chose this step: a newer plan (made by restarted ranks meanwhile) stays good.
+  if (auto it = jobs_.find(job); it != jobs_.end() && it->second.resume_plan &&
+                                 it->second.resume_plan->step == step &&
+                                 it->second.resume_plan->tier == SlotTier::kMemory) {
+    it->second.resume_plan->lost = lost;
+  }
   Logger("restore")->error("resume plan lost job={} step={} error=\"{}\"", job, step, lost.ToString());
   return lost;
 }
@@ -517,6 +522,9 @@ Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode c
 bool Daemon::PlanStaleLocked(const JobState& job, const ResumePlan& plan, const RankState& rank) const {
   if (std::chrono::steady_clock::now() - plan.made > std::chrono::minutes(10)) return true;
   if (plan.world_size != rank.topology.world_size || plan.run_id != rank.run_id) return true;
+  // The asking rank has saved since: it trained on from the plan's step, so this is a new resume
+  // (a rollback, say), not a retry.
+  if (rank.last_begun > plan.step) return true;
   for (const auto& [r, process] : plan.taken) {
     // A rank that took it runs another process now: the job failed and restarts again. (Its own
     // process may be asking again: a retry, which gets the same plan.)

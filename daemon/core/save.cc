@@ -346,10 +346,17 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
                          const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
                          const Status& status, uint64_t bytes, double seconds) {
   if (status.code() == StatusCode::kCancelled) {
+    MutexLock lock(&mu_);
+    if (Slots(*segment).at(ticket.slot).tier == SlotTier::kMemory) {
+      // A memory checkpoint written at the stop (--persist-on-stop) has no commit record: nothing
+      // is left for the next daemon, and the write was only ever a bonus.
+      Logger("writer")->warn("persist on stop cut off at the stop timeout job={} step={} rank={}: not written ({})",
+                             job, step, rank_id, status.message());
+      return;
+    }
     // Abandoned at the stop timeout (its temporaries and partial files removed): as after a crash,
     // the commit record and the segment stay, and the slot stays PERSISTING in its mirror, so the
     // next daemon adopts it and writes it without passing it through the EMA stage again.
-    MutexLock lock(&mu_);
     segment->shm->KeepName();
     stop_abandoned_ += 1;
     NoteAbandonedLocked(job, rank_id, step);
@@ -530,27 +537,64 @@ uint32_t Daemon::PersistMemoryOnStop() {
                              name, step, disk);
       continue;
     }
-    MutexLock lock(&mu_);
-    auto jit = jobs_.find(name);
-    if (jit == jobs_.end()) continue;
-    uint32_t ranks = 0;
-    for (auto& [r, rank] : jit->second.ranks) {
-      if (!rank.segment) continue;
-      std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
-      if (!ticket) continue;  // dropped meanwhile
-      std::shared_ptr<const ResidentCheckpoint> resident = Slots(*rank.segment).ResidentIn(ticket->slot);
-      Mirror(*rank.segment, ticket->slot);
-      // Signalled in the attempt of the process that took it, as its own disk saves are.
-      PersistRequest request = MakePersistRequest(name, r, rank.session_id, rank.process, resident->world_size,
-                                                  resident->attempt, rank.segment, *ticket, step, resident->extra);
-      if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
-        (void)Slots(*rank.segment).Release(*ticket, SlotState::kPersisting);
+    // Each rank's slot goes PERSISTING (nobody else takes it) and is verified against the checksums
+    // taken after its commit, without the lock: memory that changed since is never written.
+    struct Pinned {
+      uint32_t rank;
+      std::shared_ptr<RankSegment> segment;
+      SlotTicket ticket;
+      std::shared_ptr<const ResidentCheckpoint> resident;
+      Status verified;
+    };
+    std::vector<Pinned> pinned;
+    {
+      MutexLock lock(&mu_);
+      auto jit = jobs_.find(name);
+      if (jit == jobs_.end()) continue;
+      for (auto& [r, rank] : jit->second.ranks) {
+        if (!rank.segment) continue;
+        std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
+        if (!ticket) continue;  // dropped meanwhile
         Mirror(*rank.segment, ticket->slot);
-        Logger("writer")->error("persist on stop not queued job={} step={} rank={} error=\"{}\"", name, step, r,
+        pinned.push_back({r, rank.segment, *ticket, Slots(*rank.segment).ResidentIn(ticket->slot), Status::OK()});
+      }
+    }
+    ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+    bool intact = true;
+    for (Pinned& p : pinned) {
+      p.verified = VerifySlotChecksums(p.segment->Slot(p.ticket.slot), p.segment->layout, p.resident->sums, &verifiers);
+      intact = intact && p.verified.ok();
+    }
+    MutexLock lock(&mu_);
+    uint32_t ranks = 0;
+    for (Pinned& p : pinned) {
+      RankState* rank = nullptr;
+      if (auto jit = jobs_.find(name); jit != jobs_.end()) {
+        if (auto rit = jit->second.ranks.find(p.rank); rit != jit->second.ranks.end()) rank = &rit->second;
+      }
+      if (!intact || rank == nullptr) {
+        (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+        Mirror(*p.segment, p.ticket.slot);
+        if (!p.verified.ok()) MemoryFailedLocked(*p.segment, name, p.rank, step, p.verified, "not writing it at the stop");
+        continue;
+      }
+      // Signalled in the attempt of the process that took it, as its own disk saves are.
+      PersistRequest request = MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
+                                                  p.resident->attempt, p.segment, p.ticket, step, p.resident->extra);
+      if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
+        (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+        Mirror(*p.segment, p.ticket.slot);
+        Logger("writer")->error("persist on stop not queued job={} step={} rank={} error=\"{}\"", name, step, p.rank,
                                 submitted.ToString());
         continue;
       }
       ranks += 1;
+    }
+    cv_.NotifyAll();
+    if (!intact) {
+      Logger("writer")->error("persist on stop: job={} memory step={} not written: a rank's copy failed its checksums",
+                              name, step);
+      continue;
     }
     queued += ranks;
     Logger("writer")->info("persist on stop: job={} memory step={} ranks={} (disk's latest: {})", name, step, ranks,

@@ -316,6 +316,9 @@ TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
   ASSERT_OK(Memory(r1, 7));
   ASSERT_OK(Memory(r1, 8));
 
+  // Rank 0 asks for the latest again after training on (a rollback): a new resume, not a retry.
+  ExpectLatest(r0, 8, Tier::kMemory);
+
   // Both fail again: their new processes make a new plan, from the newer step.
   r0.client.reset();
   r1.client.reset();
@@ -459,6 +462,26 @@ TEST(MemoryTierStop, AStopWritesTheNewestMemoryCheckpointThatTheDiskLacks) {
       EXPECT_TRUE(again.All(12));
     }
   }
+}
+
+TEST(MemoryTierStop, AMemoryCheckpointThatFailsItsChecksumsIsNotWrittenAtTheStop) {
+  InProcessDaemon d("flashckpt-memory-test");
+  ASSERT_OK(d.Start());
+  TestTrainer t = d.StartTrainer("memtier-stop-bad", kFloats);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(10));
+  ASSERT_OK(Memory(t, 11));
+  ASSERT_OK(Memory(t, 12));
+  const std::string segment = SegmentPath("memtier-stop-bad");
+  const uint64_t slot = KeptSlotOffset(segment, 12);
+  ASSERT_NE(slot, 0u);
+  t.client.reset();
+  FlipTensorByte(segment, slot);
+  d.Stop();
+  // Written, the flipped byte would have made a complete checkpoint with checksums of its own.
+  EXPECT_FALSE(std::filesystem::exists(d.StepDir("memtier-stop-bad", 12) + "/metadata.json"));
+  EXPECT_FALSE(std::filesystem::exists(d.StepDir("memtier-stop-bad", 11)));
+  EXPECT_TRUE(std::filesystem::exists(d.StepDir("memtier-stop-bad", 10) + "/metadata.json"));
 }
 
 TEST(MemoryTierStop, NothingIsWrittenWhenTheDiskIsNewer) {

@@ -644,24 +644,28 @@ class Checkpointer:
 
         # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
         # memory, unless a complete disk checkpoint is newer.
+        memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
         if step is None and not any(_is_zero(v) for v in self.states.values()) and self._data_parallel() is None:
-            self._settle(min(timeout, 60.0))  # the last disk save of the trainer that died counts too
             memory = self._memory_step(group, timeout)
             if memory is not None:
                 error: Optional[BaseException] = None
                 try:
                     self._resume_memory(memory, timeout)
-                except FlashckptError as e:  # reported to the other ranks; all then read the disk
+                except BaseException as e:  # reported to the other ranks before anything is raised
                     error = e
-                failed = [(0, error)] if group is None else [
-                    (r, why) for r, why in enumerate(self._gather(group, None if error is None else
-                                                                  "%s: %s" % (type(error).__name__, error)))]
-                failed = [(r, why) for r, why in failed if why is not None]
+                reports = self._reports(group, error)
+                if error is not None and not isinstance(error, FlashckptError):
+                    raise error
+                self._raise_fatal(reports, "restore memory checkpoint step %d" % memory)
+                failed = [(r, failure[1]) for r, (failure, _) in enumerate(reports) if failure is not None]
                 if not failed:
                     self.resumed_step = memory
                     return memory
-                warnings.warn("resume from memory checkpoint step %d failed on rank %d (%s); every rank restores "
-                              "from disk instead" % (memory, failed[0][0], failed[0][1]), RuntimeWarning)
+                # The daemon's errors (a checkpoint dropped meanwhile, say): every rank reads the disk,
+                # which overwrites whatever the others restored.
+                memory_failed = "the restore of memory checkpoint step %d failed on rank %d (%s)" % (
+                    memory, failed[0][0], failed[0][1])
+                warnings.warn("%s; every rank restores from disk instead" % memory_failed, RuntimeWarning)
 
         # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
         # on the step.
@@ -688,6 +692,11 @@ class Checkpointer:
                 found, blob = stage("read checkpoint-%d" % agreed,
                                     lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
         if found is None:
+            if memory_failed is not None:
+                # Some ranks may hold the memory checkpoint's state, others their own: no common start.
+                raise FailedPreconditionError("FAILED_PRECONDITION", "%s and job '%s' has no complete checkpoint on "
+                                              "disk to restore instead; restart every rank of the job"
+                                              % (memory_failed, self.client.job))
             return None
         chosen: int = found  # for the closures below, which do not see `found` narrowed
 
@@ -715,12 +724,20 @@ class Checkpointer:
         if group is None and self._world_size > 1:
             return None
         mine: Optional[Tuple[List[int], Optional[int]]] = None
+        error: Optional[BaseException] = None
         try:
+            self._settle(min(timeout, 60.0))  # the last disk save of the trainer that died counts too
             mine = self.client.restorable(min(timeout, 60.0))
         except FlashckptError as e:
             warnings.warn("rank %d cannot list its memory checkpoints (%s); resuming from disk"
                           % (self.client.rank, e), RuntimeWarning)
-        views = [mine] if group is None else self._gather(group, mine)
+        except BaseException as e:  # reported to the other ranks before it is raised
+            error = e
+        reports = self._reports(group, error, mine)
+        if error is not None:
+            raise error
+        self._raise_fatal(reports, "list its memory checkpoints")
+        views = [value for _, value in reports]
         if any(v is None for v in views):
             return None
         common: Set[int] = {int(s) for s in views[0][0]}
@@ -730,6 +747,23 @@ class Checkpointer:
         if not common or (disks and max(common) < max(disks)):
             return None
         return max(common)
+
+    def _reports(self, group: Optional[ProcessGroup], error: Optional[BaseException],
+                 value: object = None) -> List[Tuple[Optional[Tuple[bool, str]], Any]]:
+        """Every rank's (failure, value), in rank order (one gather, which every rank makes): failure is
+        None, or (fatal, text) where fatal means an error other than the daemon's."""
+        failure = None if error is None else (not isinstance(error, FlashckptError),
+                                              "%s: %s" % (type(error).__name__, error))
+        mine = (failure, value)
+        return [mine] if group is None else cast(List[Tuple[Optional[Tuple[bool, str]], Any]],
+                                                 self._gather(group, mine))
+
+    def _raise_fatal(self, reports: List[Tuple[Optional[Tuple[bool, str]], Any]], what: str) -> None:
+        """Raises, on every rank, when a rank failed `what` with an error other than the daemon's."""
+        for rank, (failure, _) in enumerate(reports):
+            if failure is not None and failure[0]:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
+                                              "(every rank raises): %s" % (rank, what, failure[1]))
 
     def _resume_memory(self, step: int, timeout: float) -> None:
         """Restores this rank's memory checkpoint `step`: its structure from the extra state the
