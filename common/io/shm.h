@@ -39,7 +39,10 @@ const char* SlotStateName(SlotState s);
 // Page 0 of each slot.
 struct SlotHeader {
   std::atomic<uint32_t> state;
-  uint32_t reserved;
+  // 1: the slot holds a memory checkpoint of step `step` (kept in a FREE slot, or being restored
+  // or written from it); 0: none. A restarted daemon adopts the memory checkpoint its state
+  // directory records for the slot only while this says so (daemon/core/recovery.cc).
+  std::atomic<uint32_t> resident;
   std::atomic<int64_t> step;
   std::atomic<uint64_t> generation;
   // How much of a committed slot is in place: a streaming commit (device copies still in flight)

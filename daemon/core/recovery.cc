@@ -7,6 +7,8 @@
 //     COMMITTED again and goes through the EMA stage (as a replay: a step the EMA has already seen
 //     is not applied twice) and the writer, unless its files were already durable (its signal is
 //     in place, or the checkpoint is complete), in which case only completion is checked;
+//   - every slot whose header still says it holds the memory checkpoint its memory record
+//     describes holds it again, with the recorded checksums (verified when a restore hands it over);
 //   - temporaries the dead writer left in the job's checkpoint directories are removed.
 // The trainers re-attach on their own (a new session, the same registration: the adopted segment
 // is reused, so the client's mapping stays valid).
@@ -133,6 +135,52 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     pending.push_back(std::move(p));
   }
 
+  // Memory checkpoints: each slot whose header still says it holds the recorded step holds it (the
+  // record is written before the header says so, and a slot reused or dropped says so no longer).
+  // Their bytes are verified against the recorded checksums when a restore hands them over.
+  std::vector<int64_t> memory_steps;
+  for (const v1::MemoryRecord& m : record.memory) {
+    std::string why;
+    const auto* mirror = m.slot() < rec.slot_count() ? reinterpret_cast<const SlotHeader*>(segment->Slot(m.slot()))
+                                                     : nullptr;
+    if (mirror == nullptr) {
+      why = "no such slot";
+    } else if (mirror->resident.load() != 1 || mirror->step.load() != m.step()) {
+      why = "the slot no longer holds it";
+    } else if (m.step() < 0 || m.world_size() != reg.topology.world_size || m.resumed_from() < 0 ||
+               (!m.run_id().empty() && !ValidateRunId(m.run_id()).ok()) || m.extra().size() > (4u << 20)) {
+      why = "the record is not valid";
+    } else if (m.checksum_chunk() != segment->layout.checksum_chunk ||
+               static_cast<size_t>(m.first_chunk_size()) != segment->layout.placements.size()) {
+      why = "its checksums were not computed for this layout";
+    }
+    auto resident = std::make_shared<ResidentCheckpoint>();
+    if (why.empty()) {
+      resident->step = m.step();
+      resident->attempt = Attempt{m.run_id(), m.resumed_from()};
+      resident->world_size = m.world_size();
+      resident->extra = m.extra();
+      resident->sums.chunk_bytes = m.checksum_chunk();
+      resident->sums.first.assign(m.first_chunk().begin(), m.first_chunk().end());
+      resident->sums.sums.assign(m.sums().begin(), m.sums().end());
+      const SlotTicket ticket{m.slot(), mirror->generation.load()};
+      if (Status s = UnpublishedSlots(*segment).AdoptResident(ticket, std::move(resident)); !s.ok()) why = s.message();
+    }
+    if (!why.empty()) {
+      Logger("shm")->info("memory checkpoint not adopted segment={} slot={} step={}: {}", rec.segment_name(), m.slot(),
+                          m.step(), why);
+      state_.RemoveMemory(rec.segment_name(), m.slot());
+      continue;
+    }
+    MirrorUnpublished(*segment, m.slot());
+    memory_steps.push_back(m.step());
+  }
+  // Slots the old daemon mirrored as holding a memory checkpoint without a record here: not held.
+  for (uint32_t i = 0; i < rec.slot_count(); ++i) {
+    const SlotInfo& slot = UnpublishedSlots(*segment).at(i);
+    if (slot.state == SlotState::kFree && slot.resident == nullptr) MirrorUnpublished(*segment, i);
+  }
+
   MutexLock lock(&mu_);
   JobState& job_state = jobs_[job];
   RankState& rank = job_state.ranks[rank_id];
@@ -143,6 +191,12 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     rank.policy = reg.policy;
     job_state.topology = reg.topology;
   }  // else another record of the rank was adopted first: this one lives until its snapshots are written
+  for (int64_t step : memory_steps) {
+    Logger("shm")->info("recovered job={} rank={} step={} tier=memory: kept before the restart", job, rank_id, step);
+    if (rank.segment != segment) continue;  // the rank's other segment is its own
+    rank.last_committed = std::max(rank.last_committed, step);
+    rank.memory_steps.insert(step);
+  }
   for (Pending& p : pending) {
     rank.last_committed = std::max(rank.last_committed, p.job.step);
     Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,

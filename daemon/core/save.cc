@@ -13,6 +13,21 @@ constexpr size_t kMaxExtraBytes = 4u << 20;
 constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
 constexpr size_t kMaxMemorySteps = 64;  // memory checkpoint steps remembered per rank, likewise
 
+// The state directory's record of a memory checkpoint kept in `slot`.
+v1::MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident) {
+  v1::MemoryRecord record;
+  record.set_slot(slot);
+  record.set_step(resident.step);
+  record.set_resumed_from(resident.attempt.resumed_from);
+  record.set_run_id(resident.attempt.run_id);
+  record.set_world_size(resident.world_size);
+  record.set_extra(resident.extra);
+  record.set_checksum_chunk(resident.sums.chunk_bytes);
+  *record.mutable_first_chunk() = {resident.sums.first.begin(), resident.sums.first.end()};
+  *record.mutable_sums() = {resident.sums.sums.begin(), resident.sums.sums.end()};
+  return record;
+}
+
 // WaitPersisted (and WaitComplete) of a step the rank committed as a memory checkpoint.
 Status MemoryStepNotWritten(int64_t step) {
   return FailedPrecondition("step " + std::to_string(step) +
@@ -46,6 +61,8 @@ uint32_t Daemon::DropMemoryFrom(RankSegment& segment, int64_t from) {
   for (const auto& p : MemoryPending(segment)) {
     if (p.resident->step >= from && !p.resident->dropped.exchange(true)) dropped += 1;
   }
+  // The mirrors no longer say those slots hold them: a restarted daemon does not adopt them.
+  for (uint32_t i = 0; i < Slots(segment).size(); ++i) Mirror(segment, i);
   return dropped;
 }
 
@@ -323,6 +340,16 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
 void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
   if (!job.persist && !job.resident) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
+  if (job.resident && job.resident_ok && !job.resident->dropped.load()) {
+    // Recorded before the slot's header says it holds the checkpoint (FinishCommittedLocked), so
+    // a restarted daemon finds the checksums of every memory checkpoint it may adopt.
+    Status saved = state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident));
+    if (!saved.ok()) {
+      Logger("save")->warn("memory checkpoint job={} rank={} step={} not recorded in the state directory: it is "
+                           "kept, but a restarted daemon will not adopt it: {}",
+                           job.job, job.rank, job.step, saved.ToString());
+    }
+  }
   if (applied) {
     DaemonEvent event;
     event.kind = DaemonEvent::Kind::kEmaUpdated;

@@ -35,6 +35,7 @@ void RankSegment::MirrorSlot(uint32_t i, const SlotInfo& s) const {
   auto* h = reinterpret_cast<SlotHeader*>(Slot(i));
   h->step.store(s.step, std::memory_order_relaxed);
   h->generation.store(s.generation, std::memory_order_relaxed);
+  h->resident.store(s.resident != nullptr ? 1 : 0, std::memory_order_relaxed);
   h->state.store(static_cast<uint32_t>(s.state), std::memory_order_release);
 }
 

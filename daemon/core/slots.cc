@@ -181,4 +181,21 @@ Status SlotTable::Adopt(const SlotTicket& ticket, int64_t step) {
   return Status::OK();
 }
 
+Status SlotTable::AdoptResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
+  if (ticket.slot >= slots_.size()) {
+    return InvalidArgument("slot " + std::to_string(ticket.slot) + " does not exist (" +
+                           std::to_string(slots_.size()) + " slots)");
+  }
+  SlotInfo& s = slots_[ticket.slot];
+  if (s.state != SlotState::kFree || s.resident != nullptr || resident == nullptr) {
+    return FailedPrecondition("slot " + std::to_string(ticket.slot) + " is " + SlotStateName(s.state) +
+                              ", cannot adopt a memory checkpoint into it");
+  }
+  s.step = resident->step;
+  s.tier = SlotTier::kMemory;
+  s.generation = ticket.generation;
+  s.resident = std::move(resident);
+  return Status::OK();
+}
+
 }  // namespace flashckpt

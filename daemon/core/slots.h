@@ -113,6 +113,9 @@ class SlotTable {
   // FREE -> COMMITTED with the given step and generation: a restarted daemon adopting a snapshot
   // its predecessor had acknowledged. Later hand-outs continue after `generation`.
   Status Adopt(const SlotTicket& ticket, int64_t step);
+  // FREE -> FREE holding `resident` at the given generation: a restarted daemon adopting a memory
+  // checkpoint its predecessor kept.
+  Status AdoptResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident);
 
  private:
   Status Check(const SlotTicket& ticket, SlotState expected, const char* action) const;

@@ -19,17 +19,33 @@ namespace {
 
 constexpr char kSegmentSuffix[] = ".reg";
 constexpr char kSlotInfix[] = ".slot";
+constexpr char kMemoryInfix[] = ".mem";
 constexpr char kTempSuffix[] = ".tmp";
 constexpr char kLockName[] = "daemon.lock";
 constexpr char kKeptEmaSuffix[] = ".kept";
 constexpr uint64_t kMaxSegmentRecordBytes = 1ull << 30;  // a million tensor specs fit
 constexpr uint64_t kMaxCommitRecordBytes = 8ull << 20;   // extra state is capped at 4 MiB
+// Extra state and 8 bytes per checksum chunk (4 MiB chunks by default: 2 KiB per GiB of slot).
+constexpr uint64_t kMaxMemoryRecordBytes = 256ull << 20;
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 std::string SlotName(const std::string& segment, uint32_t slot) { return segment + kSlotInfix + std::to_string(slot); }
+std::string MemoryName(const std::string& segment, uint32_t slot) {
+  return segment + kMemoryInfix + std::to_string(slot);
+}
+
+// The segment name of `<segment><infix><digits>`, or "" when `name` is not one.
+std::string RecordSegment(const std::string& name, const std::string& infix) {
+  const auto pos = name.rfind(infix);
+  if (pos == std::string::npos || pos == 0 || pos + infix.size() == name.size()) return "";
+  for (size_t i = pos + infix.size(); i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return "";
+  }
+  return name.substr(0, pos);
+}
 
 }  // namespace
 
@@ -80,13 +96,22 @@ void StateDir::RemoveCommit(const std::string& segment, uint32_t slot) const {
   Remove(SlotName(segment, slot));
 }
 
+Status StateDir::SaveMemory(const std::string& segment, const v1::MemoryRecord& record) const {
+  if (!enabled()) return Status::OK();
+  return Write(MemoryName(segment, record.slot()), record.SerializeAsString());
+}
+
+void StateDir::RemoveMemory(const std::string& segment, uint32_t slot) const {
+  if (!enabled()) return;
+  Remove(MemoryName(segment, slot));
+}
+
 void StateDir::RemoveSegment(const std::string& segment) const {
   if (!enabled()) return;
   auto names = ListDir(path_);
   if (!names.ok()) return;
-  const std::string slot_prefix = segment + kSlotInfix;
   for (const auto& n : *names) {
-    if (n.compare(0, slot_prefix.size(), slot_prefix) == 0) Remove(n);
+    if (RecordSegment(n, kSlotInfix) == segment || RecordSegment(n, kMemoryInfix) == segment) Remove(n);
   }
   Remove(segment + kSegmentSuffix);
 }
@@ -164,27 +189,40 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
     segments.emplace(segment, std::move(a));
   }
   for (const auto& n : *names) {
-    auto pos = n.rfind(kSlotInfix);
-    if (pos == std::string::npos || EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix) ||
-        EndsWith(n, kKeptEmaSuffix)) {
+    if (EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix) || EndsWith(n, kKeptEmaSuffix) || n == kLockName) {
       continue;
     }
-    auto it = segments.find(n.substr(0, pos));
+    const std::string slot_of = RecordSegment(n, kSlotInfix);
+    const std::string memory_of = RecordSegment(n, kMemoryInfix);
+    if (slot_of.empty() && memory_of.empty()) continue;
+    auto it = segments.find(slot_of.empty() ? memory_of : slot_of);
     if (it == segments.end()) {
       drop(n, "its segment has no record");
       continue;
     }
-    auto bytes = ReadSmallFile(path_ + "/" + n, kMaxCommitRecordBytes);
-    v1::CommitRecord c;
-    if (!bytes.ok() || !c.ParseFromString(*bytes) || n != SlotName(it->first, c.slot())) {
-      drop(n, "not a commit record of that slot");
-      continue;
+    if (!slot_of.empty()) {
+      auto bytes = ReadSmallFile(path_ + "/" + n, kMaxCommitRecordBytes);
+      v1::CommitRecord c;
+      if (!bytes.ok() || !c.ParseFromString(*bytes) || n != SlotName(it->first, c.slot())) {
+        drop(n, "not a commit record of that slot");
+        continue;
+      }
+      it->second.commits.push_back(std::move(c));
+    } else {
+      auto bytes = ReadSmallFile(path_ + "/" + n, kMaxMemoryRecordBytes);
+      v1::MemoryRecord m;
+      if (!bytes.ok() || !m.ParseFromString(*bytes) || n != MemoryName(it->first, m.slot())) {
+        drop(n, "not a memory record of that slot");
+        continue;
+      }
+      it->second.memory.push_back(std::move(m));
     }
-    it->second.commits.push_back(std::move(c));
   }
   for (auto& [name, a] : segments) {
     std::sort(a.commits.begin(), a.commits.end(),
               [](const v1::CommitRecord& x, const v1::CommitRecord& y) { return x.step() < y.step(); });
+    std::sort(a.memory.begin(), a.memory.end(),
+              [](const v1::MemoryRecord& x, const v1::MemoryRecord& y) { return x.step() < y.step(); });
     out.push_back(std::move(a));
   }
   return out;

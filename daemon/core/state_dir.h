@@ -6,6 +6,9 @@
 //   <segment name>.slot<N>    CommitRecord: slot N holds a committed snapshot that is not yet
 //                             persisted (or applied to the EMA); written before the Commit is
 //                             acknowledged, removed when the slot is free again
+//   <segment name>.mem<N>     MemoryRecord: slot N holds a memory checkpoint (its step, attempt,
+//                             extra state and checksums); adopted only while the slot's header
+//                             still says it holds that step, overwritten by the slot's next one
 //   <EMA segment name>.kept   the job's name: a daemon stopped while the job had no rank connected
 //                             left this EMA segment in /dev/shm; the next daemon hands it to the
 //                             job if it comes back, else unlinks it after --idle-release
@@ -43,7 +46,9 @@ class StateDir {
   Status SaveSegment(const v1::SegmentRecord& record) const;
   Status SaveCommit(const std::string& segment, const v1::CommitRecord& record) const;
   void RemoveCommit(const std::string& segment, uint32_t slot) const;
-  // Removes the segment's record and every commit record of it.
+  Status SaveMemory(const std::string& segment, const v1::MemoryRecord& record) const;
+  void RemoveMemory(const std::string& segment, uint32_t slot) const;
+  // Removes the segment's record and every commit and memory record of it.
   void RemoveSegment(const std::string& segment) const;
 
   // EMA segments a stopped daemon left for the next one, each with its job (see above).
@@ -61,8 +66,9 @@ class StateDir {
   struct Adoptable {
     v1::SegmentRecord segment;
     std::vector<v1::CommitRecord> commits;  // sorted by step
+    std::vector<v1::MemoryRecord> memory;   // sorted by step
   };
-  // Every readable segment record with its commit records. Unreadable records are logged and
+  // Every readable segment record with its commit and memory records. Unreadable records are logged and
   // removed (their segment cannot be adopted without them); stray temporaries are removed.
   std::vector<Adoptable> Load() const;
 

@@ -1,8 +1,12 @@
 #include "daemon/core/slots.h"
 
+#include <fstream>
 #include <memory>
 #include <vector>
 
+#include "common/io/fs.h"
+#include "daemon/core/state_dir.h"
+#include "common/test_util.h"
 #include "testing.h"
 
 namespace flashckpt {
@@ -193,6 +197,76 @@ TEST(SlotTable, OnlyACommittedSlotOfTheSameStepIsKept) {
   kept->step = 3;
   EXPECT_EQ(t.MakeResident(*a, kept).code(), StatusCode::kInternal);
   EXPECT_TRUE(t.ResidentSteps().empty());
+}
+
+TEST(SlotTable, AnAdoptedMemoryCheckpointIsHeldAtItsGenerationAndProtectedAsTheNewest) {
+  SlotTable t(2);
+  auto kept = std::make_shared<ResidentCheckpoint>();
+  kept->step = 44;
+  ASSERT_OK(t.AdoptResident(SlotTicket{1, 90}, kept));
+  EXPECT_EQ(t.ResidentSteps(), std::vector<int64_t>{44});
+  EXPECT_EQ(t.at(1).generation, 90u);
+  EXPECT_EQ(t.at(1).state, SlotState::kFree);
+  // A slot that holds one already, or one that does not exist, takes no other.
+  EXPECT_EQ(t.AdoptResident(SlotTicket{1, 91}, kept).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.AdoptResident(SlotTicket{2, 1}, kept).code(), StatusCode::kInvalidArgument);
+  // The next snapshots take slot 0 (it holds nothing), never the adopted newest one.
+  for (int64_t step = 45; step < 48; ++step) {
+    auto next = t.Acquire(SlotState::kFilling, step, SlotTier::kDisk);
+    ASSERT_TRUE(next.has_value());
+    EXPECT_EQ(next->slot, 0u);
+    ASSERT_OK(t.Release(*next, SlotState::kFilling));
+  }
+  auto filling = t.Acquire(SlotState::kFilling, 48, SlotTier::kMemory);
+  ASSERT_TRUE(filling.has_value());
+  EXPECT_FALSE(t.Acquire(SlotState::kFilling, 49, SlotTier::kMemory).has_value());  // 44 is the newest held
+  // A restore takes it at a later generation than the one adopted.
+  auto restore = t.AcquireResident(44);
+  ASSERT_TRUE(restore.has_value());
+  EXPECT_EQ(restore->slot, 1u);
+  EXPECT_EQ(restore->generation, 91u);
+}
+
+// The state directory's records of a segment: a memory record sits beside commit records, even for
+// a segment whose name contains ".slot"; a torn one is dropped; all go with the segment.
+TEST(StateDirRecords, MemoryRecordsAreLoadedWithTheirSegmentAndRemovedWithIt) {
+  testing::TempDir tmp;
+  ASSERT_TRUE(tmp.ok());
+  auto dir = StateDir::Open(tmp.File("state"));
+  ASSERT_OK(dir.status());
+  const std::string name = "flashckpt.a.slot1.0.tok";
+  v1::SegmentRecord seg;
+  seg.set_job("a.slot1");
+  seg.set_segment_name(name);
+  seg.set_slot_count(3);
+  ASSERT_OK(dir->SaveSegment(seg));
+  v1::CommitRecord commit;
+  commit.set_slot(0);
+  commit.set_step(30);
+  ASSERT_OK(dir->SaveCommit(name, commit));
+  for (int64_t step : {44, 43}) {
+    v1::MemoryRecord mem;
+    mem.set_slot(static_cast<uint32_t>(step - 42));
+    mem.set_step(step);
+    mem.add_sums(0x1234567890abcdefull);
+    ASSERT_OK(dir->SaveMemory(name, mem));
+  }
+  std::ofstream(tmp.File("state/" + name + ".mem7")) << "not a record";
+  auto loaded = dir->Load();
+  ASSERT_EQ(loaded.size(), 1u);
+  ASSERT_EQ(loaded[0].commits.size(), 1u);
+  EXPECT_EQ(loaded[0].commits[0].step(), 30);
+  ASSERT_EQ(loaded[0].memory.size(), 2u);
+  EXPECT_EQ(loaded[0].memory[0].step(), 43);  // sorted by step
+  EXPECT_EQ(loaded[0].memory[1].step(), 44);
+  EXPECT_EQ(loaded[0].memory[1].sums(0), 0x1234567890abcdefull);
+  EXPECT_FALSE(PathExists(tmp.File("state/" + name + ".mem7")));  // torn: dropped
+  dir->RemoveMemory(name, 1);
+  EXPECT_EQ(dir->Load()[0].memory.size(), 1u);
+  dir->RemoveSegment(name);
+  auto left = ListDir(tmp.File("state"));
+  ASSERT_OK(left.status());
+  EXPECT_TRUE(left->empty()) << left->front();
 }
 
 }  // namespace

@@ -13,9 +13,12 @@ shard=2, so replicas are held too) killed with SIGKILL, resumed from the daemon'
      by its checksums, never hands it over, and every rank resumes from disk at 30; the daemon's log
      says why.
   5. Every complete checkpoint is read back by the independent reader.
-  6. The ranks resume (from disk at 40), run to 47 and are SIGKILLed there; SIGTERM stops the daemon,
-     which first writes the newest memory checkpoint (--persist-on-stop, the default): checkpoint-47
-     is complete on disk and the independent reader verifies it.
+  6. The ranks resume (from disk at 40), run to 44 and are SIGKILLed there; then the daemon is
+     SIGKILLed too and a new one started on the same socket and state directory. It adopts the
+     memory checkpoints with the segments: every rank resumes at 44 from memory.
+  7. They run to 47 and are SIGKILLed there; SIGTERM stops the daemon, which first writes the newest
+     memory checkpoint (--persist-on-stop, the default): checkpoint-47 is complete on disk and the
+     independent reader verifies it.
 
     test_memory_tier.py --bin-dir build/bin [--keep]
 """
@@ -40,7 +43,7 @@ WORLD, TP, SHARD = 4, 2, 2
 LAYERS, HIDDEN = 4, 128
 SLOTS = 2
 SEGMENT_HEADER = 4096   # kSegmentHeaderBytes: the segment's header page, then the slots
-SLOT_HEADER = 4096      # each slot starts with its header page (state u32, reserved u32, step i64, ...)
+SLOT_HEADER = 4096      # each slot starts with its header page (state u32, resident u32, step i64, ...)
 STATE_FREE = 0
 TIMEOUT_S = 120
 
@@ -136,7 +139,7 @@ class Harness(DaemonHarness):
 
 
 def kept_slot(path, step):
-    """The offset of the FREE slot whose mirror says it holds `step`, once there is one."""
+    """The offset of the FREE slot whose mirror says it holds memory checkpoint `step`, once there is one."""
     found = []
 
     def look():
@@ -146,8 +149,8 @@ def kept_slot(path, step):
             for slot in range(SLOTS):
                 at = SEGMENT_HEADER + slot * stride
                 f.seek(at)
-                state, _, held = struct.unpack("<IIq", f.read(16))
-                if state == STATE_FREE and held == step:
+                state, resident, held = struct.unpack("<IIq", f.read(16))
+                if state == STATE_FREE and resident == 1 and held == step:
                     found.append(at)
                     return True
         return False
@@ -223,11 +226,28 @@ def run(h):
         check(s["step"] == step and s["world_size"] == WORLD, "checkpoint-%d: %s" % (step, s))
     log("complete checkpoints %s verified by the independent reader" % h.complete_steps())
 
-    # --- 6. killed at 47 with disk at 40: a SIGTERM writes memory step 47 ------------------------
-    procs = h.start_sims("phase6", 100, resume=True, hold_after=47)
+    # --- 6. killed at 44, the daemon SIGKILLed and restarted: from memory at 44 ------------------
+    procs = h.start_sims("phase6", 100, resume=True, hold_after=44)
     check_all_resumed("phase6", h.wait_resumed("phase6", procs), 40, "disk")
-    h.hold_and_kill("phase6", procs, 47)
-    check(47 not in h.complete_steps(), "phase6: step 47 was written before the stop")
+    h.hold_and_kill("phase6", procs, 44)
+    for rank in range(WORLD):
+        kept_slot(h.segment(rank), 44)  # every rank's memory checkpoint 44 is kept (checksummed) first
+    h.daemon.kill()
+    h.daemon.wait(timeout=TIMEOUT_S)
+    check(h.daemon.returncode == -signal.SIGKILL, "flashckptd exit status %s" % h.daemon.returncode)
+    log("phase6: flashckptd SIGKILLed with memory step 44 held by every rank (disk's newest: 40)")
+    h.daemon_log = os.path.join(h.tmp, "flashckptd.restarted.log")
+    h.start_daemon(extra_args=["--slots", str(SLOTS)])
+    procs = h.start_sims("phase7", 100, resume=True, hold_after=47)
+    check_all_resumed("phase7", h.wait_resumed("phase7", procs), 44, "memory")
+    with open(h.daemon_log, "r", errors="replace") as f:
+        adopted = f.read().count("step=44 tier=memory: kept before the restart")
+    check(adopted == WORLD, "phase7: the restarted daemon logged %d adopted memory checkpoints, expected %d" %
+          (adopted, WORLD))
+
+    # --- 7. killed at 47 with disk at 40: a SIGTERM writes memory step 47 ------------------------
+    h.hold_and_kill("phase7", procs, 47)
+    check(47 not in h.complete_steps(), "phase7: step 47 was written before the stop")
     rc = h.stop_daemon()
     check(rc == 0, "flashckptd exited with %s on SIGTERM" % rc)
     check(47 in h.complete_steps(), "phase6: checkpoint-47 is not complete after the SIGTERM; complete: %s"
@@ -237,7 +257,7 @@ def run(h):
     except reader.CheckpointError as e:
         raise TestFailure("independent reader rejects checkpoint-47: %s" % e)
     check(s["step"] == 47 and s["world_size"] == WORLD, "checkpoint-47: %s" % s)
-    log("phase6: the SIGTERM wrote memory step 47 of all %d ranks; the independent reader verifies it" % WORLD)
+    log("phase7: the SIGTERM wrote memory step 47 of all %d ranks; the independent reader verifies it" % WORLD)
 
 
 def main():
