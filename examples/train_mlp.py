@@ -120,7 +120,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job,
                       ema_decay=None if args.no_ema else args.ema_decay, ema_interval=args.ema_every,
-                      overwrite=args.fresh)
+                      overwrite=args.fresh, memory_checkpoints=bool(args.memory_every))
 
     start = None if args.fresh else ck.resume()
     pos = ck.extra["data_pos"] if start is not None else 0

@@ -230,7 +230,7 @@ class PyClient {
  public:
   PyClient(const std::string& socket, const std::string& job, uint32_t rank, double rpc_timeout, double connect_timeout,
            double slot_timeout, bool skip_when_busy, unsigned copy_threads, bool fatal_persist_errors,
-           const std::string& run_id, bool overwrite) {
+           const std::string& run_id, bool overwrite, bool memory_checkpoints) {
     ClientOptions options;
     options.socket_path = socket;
     options.job = job;
@@ -243,6 +243,7 @@ class PyClient {
     options.fatal_persist_errors = fatal_persist_errors;
     options.run_id = run_id;
     options.overwrite = overwrite;
+    options.memory_checkpoints = memory_checkpoints;
     Result<std::unique_ptr<Client>> connected = Status(StatusCode::kInternal, "not connected");
     {
       py::gil_scoped_release release;
@@ -465,10 +466,11 @@ PYBIND11_MODULE(_flashckpt, m) {
 
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, uint32_t, double, double, double, bool, unsigned, bool,
-                    const std::string&, bool>(),
+                    const std::string&, bool, bool>(),
            py::arg("socket"), py::arg("job"), py::arg("rank"), py::arg("rpc_timeout"), py::arg("connect_timeout"),
            py::arg("slot_timeout"), py::arg("skip_when_busy"), py::arg("copy_threads"),
-           py::arg("fatal_persist_errors") = false, py::arg("run_id") = "", py::arg("overwrite") = false)
+           py::arg("fatal_persist_errors") = false, py::arg("run_id") = "", py::arg("overwrite") = false,
+           py::arg("memory_checkpoints") = false)
       .def("register", &PyClient::Register, py::arg("topology"), py::arg("specs"), py::arg("ema"))
       .def("snapshot", &PyClient::Snapshot, py::arg("step"), py::arg("buffers"), py::arg("persist"),
            py::arg("loss"), py::arg("extra"), py::arg("tier") = std::string("disk"))

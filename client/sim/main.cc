@@ -250,6 +250,7 @@ int main(int argc, char** argv) {
   copts.rank = o.rank;
   copts.run_id = o.run_id;
   copts.overwrite = o.fresh;
+  copts.memory_checkpoints = o.memory_every.has_value();  // Register checks that the daemon can keep them
   auto client = flashckpt::Client::Connect(copts);
   if (!client.ok()) return Fail("connect", client.status());
   flashckpt::Client& c = **client;

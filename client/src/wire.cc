@@ -39,6 +39,7 @@ v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vecto
   req.set_fatal_persist_errors(options.fatal_persist_errors);
   req.set_run_id(options.run_id);
   req.set_overwrite(options.overwrite);
+  req.set_memory_checkpoints(options.memory_checkpoints);
   if (ema.decay) {
     auto* e = req.mutable_ema();
     e->set_enabled(true);

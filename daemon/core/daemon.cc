@@ -579,6 +579,18 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
+  if (reg.memory_checkpoints) {
+    Status fits = MemoryTierFits(config_.slots, ema_plan.has_value());
+    if (!fits.ok()) {
+      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                                " with memory checkpoints: " + fits.message());
+    }
+    if (config_.slots == 2) {
+      Logger("rpc")->warn("job={} rank={} takes memory checkpoints with --slots 2: while a disk snapshot of the rank "
+                          "is written, its next snapshot waits for it (--slots 3 lets memory checkpoints go on)",
+                          who.job, who.rank);
+    }
+  }
   JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
   // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
   // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it

@@ -510,6 +510,10 @@ class Daemon {
   uint32_t EmaUpdatesPending(const RankSegment& segment) const REQUIRES(mu_) {
     return segment.ema_pending_ - static_cast<uint32_t>(segment.memory_pending_.size());
   }
+  // Whether a rank with a segment of `slots` slots (with EMA tensors: `ema`) can take memory
+  // checkpoints: FAILED_PRECONDITION naming the reason when it cannot (checked at Register when the
+  // rank declares them, and at each memory BeginSnapshot).
+  static Status MemoryTierFits(uint32_t slots, bool ema);
   // Forgets the rank's memory checkpoints of step >= `from`: those kept, and those still queued for
   // their checksums (they are then not kept). Returns how many.
   uint32_t DropMemoryFrom(RankSegment& segment, int64_t from) REQUIRES(mu_);

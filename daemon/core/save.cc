@@ -56,6 +56,16 @@ void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
   rank->last_begun = step;
 }
 
+Status Daemon::MemoryTierFits(uint32_t slots, bool ema) {
+  if (slots < 2) {
+    return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
+                              "while the next one is filled (this daemon runs with --slots " +
+                              std::to_string(slots) + ")");
+  }
+  if (ema) return FailedPrecondition("memory checkpoints are not supported yet for a rank with EMA tensors");
+  return Status::OK();
+}
+
 uint32_t Daemon::DropMemoryFrom(RankSegment& segment, int64_t from) {
   uint32_t dropped = Slots(segment).DropResidentsFrom(from);
   for (const auto& p : MemoryPending(segment)) {
@@ -85,14 +95,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
                              std::to_string(rank->last_begun) + "; steps must increase");
     }
     if (tier == SlotTier::kMemory) {
-      if (Slots(*rank->segment).size() < 2) {
-        return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
-                                  "while the next one is filled (this daemon runs with --slots " +
-                                  std::to_string(Slots(*rank->segment).size()) + ")");
-      }
-      if (rank->segment->ema) {
-        return FailedPrecondition("memory checkpoints are not supported yet for a rank with EMA tensors");
-      }
+      RETURN_IF_ERROR(MemoryTierFits(Slots(*rank->segment).size(), rank->segment->ema != nullptr));
     }
     ASSIGN_OR_RETURN(held, LayoutHoldLocked(job, *rank));
     topology = rank->topology;

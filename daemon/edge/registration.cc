@@ -80,6 +80,7 @@ Result<Registration> ParseRegistration(const v1::RegisterRequest& req) {
   r.run_id = req.run_id();
   r.overwrite = req.overwrite();
   r.fatal_persist_errors = req.fatal_persist_errors();
+  r.memory_checkpoints = req.memory_checkpoints();
   return r;
 }
 

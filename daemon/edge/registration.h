@@ -25,6 +25,7 @@ struct Registration {
   std::string run_id;        // the trainer's run id (checked: ValidateRunId); empty: the daemon picks
   bool overwrite = false;    // a fresh start may replace the job's checkpoints of another run
   bool fatal_persist_errors = false;
+  bool memory_checkpoints = false;  // the rank takes memory checkpoints: checked against --slots at Register
 };
 
 // Converts and checks the request's fields; the layout itself is checked by BuildRankLayout.

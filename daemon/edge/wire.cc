@@ -137,6 +137,7 @@ v1::RegisterRequest RegistrationRecord(const Registration& registration) {
     }
   }
   out.set_fatal_persist_errors(registration.fatal_persist_errors);
+  out.set_memory_checkpoints(registration.memory_checkpoints);
   return out;
 }
 

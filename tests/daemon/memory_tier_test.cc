@@ -124,6 +124,10 @@ TEST_F(MemoryTierTest, AMemoryCheckpointOutlivesItsTrainerAndIsNeverWritten) {
   ASSERT_OK(t.Save(10));
   ASSERT_OK(Memory(t, 11));
   ASSERT_OK(Memory(t, 12));
+  // Kept once their checksums are computed in the background: Restorable waits for that.
+  auto held = t.client->Restorable(std::chrono::seconds(10));
+  ASSERT_OK(held.status());
+  EXPECT_EQ(held->memory_steps, (std::vector<int64_t>{12, 11}));
   t.client.reset();  // the trainer dies: its session ends
   // Status and metrics show what the rank keeps.
   {
@@ -404,6 +408,21 @@ TEST(MemoryTierLimits, MemoryCheckpointsNeedTwoSlots) {
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(Contains(s.message(), "--slots")) << s.ToString();
   ASSERT_OK(t.Save(2));  // a disk save still works
+
+  // A rank that declares memory checkpoints (ClientOptions::memory_checkpoints) is told at Register.
+  std::unique_ptr<Client> declared =
+      d.Connect("memtier-declared", 0, [](ClientOptions& o) { o.memory_checkpoints = true; });
+  ASSERT_TRUE(declared);
+  Status registered = declared->Register(Topology{}, ModelAndMomentSpecs(kFloats));
+  EXPECT_EQ(registered.code(), StatusCode::kFailedPrecondition) << registered.ToString();
+  EXPECT_TRUE(Contains(registered.message(), "with memory checkpoints: memory checkpoints need --slots >= 2"))
+      << registered.ToString();
+}
+
+TEST_F(MemoryTierTest, ARankDeclaringMemoryCheckpointsRegistersWhenTheSlotsFit) {
+  TestTrainer t = d_.StartTrainer("memtier-fits", kFloats, [](ClientOptions& o) { o.memory_checkpoints = true; });
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(Memory(t, 1));
 }
 
 TEST_F(MemoryTierTest, BadCombinationsAreRefused) {
@@ -426,6 +445,13 @@ TEST_F(MemoryTierTest, BadCombinationsAreRefused) {
   Status s = ema->Snapshot(1, {{"w", w.data(), kFloats * 4}, {"w.exp_avg", m.data(), kFloats * 4}}, memory).status();
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(Contains(s.message(), "EMA")) << s.ToString();
+  // Declared at Register: refused there.
+  std::unique_ptr<Client> declared =
+      d_.Connect("memtier-ema-declared", 0, [](ClientOptions& c) { c.memory_checkpoints = true; });
+  ASSERT_TRUE(declared);
+  Status registered = declared->Register(Topology{}, ModelAndMomentSpecs(kFloats), with_ema);
+  EXPECT_EQ(registered.code(), StatusCode::kFailedPrecondition) << registered.ToString();
+  EXPECT_TRUE(Contains(registered.message(), "EMA")) << registered.ToString();
   // The EMA segment outlives a daemon by design; no daemon comes after this one.
   const std::string ema_segment = d_.daemon()->EmaSegmentName("memtier-ema", 0);
   ema.reset();

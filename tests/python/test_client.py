@@ -14,7 +14,8 @@
 - run_id is recorded in metadata.json; a new run that does not restore may not save into a job with
   another run's checkpoints unless overwrite=True; wait_complete() waits for the whole checkpoint;
 - tier="memory": a memory checkpoint outlives its trainer, restorable() and memory_extra() list it
-  before register(), restore() serves it (restored_tier "memory"), and a disk step newer than it wins.
+  before register(), restore() serves it (restored_tier "memory"), and a disk step newer than it wins;
+  memory_checkpoints=True is refused at register() where the daemon cannot keep them (EMA tensors).
 """
 
 import array
@@ -65,6 +66,11 @@ class ClientTest(harness.DaemonTestCase):
             np.testing.assert_array_equal(out, np.full(1000, 3, np.float32))
             self.assertEqual(c.restore({"w": out}, step=1)[0], 1)
             self.assertEqual(c.restored_tier, "disk")
+        # A rank that declares memory checkpoints hears at register() that the daemon cannot keep them.
+        with flashckpt.Client(self.daemon.socket, self.daemon.job("memory-ema"), ema_decay=0.9,
+                              memory_checkpoints=True) as c:
+            with self.assertRaisesRegex(flashckpt.FailedPreconditionError, "memory checkpoints.*EMA"):
+                c.register({"w": w})
 
     def test_every_dtype_round_trips(self):
         rng = np.random.default_rng(1)

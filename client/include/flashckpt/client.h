@@ -73,6 +73,10 @@ struct ClientOptions {
   // this to start a new lineage, which makes the first Snapshot() delete the job's checkpoints that
   // are not this run's.
   bool overwrite = false;
+  // This rank takes memory checkpoints (SnapshotOptions::tier = kMemory). Sent with Register(), which
+  // then fails with kFailedPrecondition when the daemon cannot keep them (--slots below 2, or the
+  // rank has EMA tensors), rather than the first memory Snapshot() mid-run.
+  bool memory_checkpoints = false;
 };
 
 // Memory of one registered tensor: `bytes` must equal its registered size.

@@ -49,6 +49,7 @@ class Client:
         fatal_persist_errors: bool = False,
         run_id: str = "",
         overwrite: bool = False,
+        memory_checkpoints: bool = False,
     ) -> None: ...
     # topology: (world_size, tp_rank, tp_degree, pp_rank, pp_degree, shard_rank, shard_degree);
     # ema: decay, interval, init_zeros, all_float_params, loss_threshold (None: no gate).

@@ -109,6 +109,9 @@ class Client:
       overwrite: a run that does not restore may not save into a job with complete checkpoints of
         another run (FailedPreconditionError at the first snapshot); overwrite=True starts a new
         lineage instead: the first snapshot deletes the job's checkpoints of other runs.
+      memory_checkpoints: this rank takes memory checkpoints (snapshot(..., tier="memory")):
+        register() then raises FailedPreconditionError when the daemon cannot keep them (--slots
+        below 2, or EMA tensors), instead of the first memory snapshot failing mid-run.
       connect_timeout, rpc_timeout, slot_timeout: deadlines in seconds.
       copy_threads: threads copying large tensors (0: min(cores, 8)).
 
@@ -121,7 +124,7 @@ class Client:
                  ema_init: str = "first", ema_model_params: str = "fp32", ema_loss_threshold: Optional[float] = None,
                  backpressure: str = "wait", *, connect_timeout: float = 10.0, rpc_timeout: float = 30.0,
                  slot_timeout: float = 60.0, copy_threads: int = 0, fatal_persist_errors: bool = False,
-                 run_id: Optional[str] = None, overwrite: bool = False) -> None:
+                 run_id: Optional[str] = None, overwrite: bool = False, memory_checkpoints: bool = False) -> None:
         if ema_init not in ("first", "zeros"):
             raise ValueError("ema_init must be 'first' or 'zeros', got %r" % (ema_init,))
         if ema_model_params not in ("fp32", "all"):
@@ -153,7 +156,7 @@ class Client:
             self._impl = _flashckpt.Client(self.socket, job, self.rank, float(rpc_timeout), float(connect_timeout),
                                            float(slot_timeout), backpressure == "skip", int(copy_threads),
                                            bool(fatal_persist_errors), "" if run_id is None else str(run_id),
-                                           bool(overwrite))
+                                           bool(overwrite), bool(memory_checkpoints))
         except DaemonUnavailableError as e:
             hint = ("no socket file exists at %s" % self.socket if not os.path.exists(self.socket)
                     else "the socket %s exists but nothing answers on it" % self.socket)

@@ -168,7 +168,7 @@ class Checkpointer:
     nn.Module, or anything with state_dict/load_state_dict) and `optimizer`.
 
     Keyword arguments are those of flashckpt.Client (socket, job, ema_*, backpressure,
-    fatal_persist_errors, timeouts).
+    fatal_persist_errors, memory_checkpoints, timeouts).
     rank and world_size default to torch.distributed's when it is initialised, else 0 and 1; unless
     given, shard_degree = world_size / (tp_degree * pp_degree) and shard_rank = rank // (tp_degree *
     pp_degree), i.e. data-parallel ranks are shards. rng=False leaves the RNG state out.
