@@ -14,7 +14,10 @@
 //               chunks. Target: <= 1.1x. The warm-up's Snapshot, the first after Register, is shown
 //               apart: it also faults in the slot's fresh shared-memory pages. Beside it, a memory
 //               checkpoint of the same state (SnapshotOptions::tier = kMemory: kept in the daemon's
-//               memory, checksummed in the background, never written), against the same memcpy.
+//               memory, checksummed in the background, never written), against the same memcpy; and
+//               its restore (Client::Restore: the daemon verifies its checksums, the client copies it
+//               out), as a rate against a memcpy of the same bytes out of the shared-memory buffer.
+//               Target: >= 0.8x.
 //   2. persist  --bytes / (Snapshot start -> WaitPersisted return), against
 //               `dd if=/dev/zero of=<dir>/ddtest bs=16M count=N oflag=direct conv=fsync` of the same
 //               size in the same directory (a C++ O_DIRECT write of 16 MiB blocks where dd is missing
@@ -426,17 +429,18 @@ Result<double> StagingAndPersist(const Options& o, const Work& w, char* host, Wr
     std::memset(shm->data() + i * kBlock, 0, std::min<uint64_t>(kBlock, layout.slot_bytes - i * kBlock));
   });
   InitSlotImages(shm->data(), layout);
-  std::vector<CopyTask> tasks;
+  std::vector<CopyTask> tasks, back;  // into the slot-like buffer, and out of it into the state
   for (const TensorBuffer& b : rank.buffers) {
     int t = layout.Find(b.name);
     if (t < 0) return Internal("tensor " + b.name + " is missing from the layout");
     tasks.push_back({shm->data() + layout.placements[t].slot_offset, static_cast<const char*>(b.data), b.bytes});
+    back.push_back({static_cast<char*>(b.data), shm->data() + layout.placements[t].slot_offset, b.bytes});
   }
 
   ASSIGN_OR_RETURN(auto daemon, LocalDaemon::Start(Config(o, w)));
   ASSIGN_OR_RETURN(auto client, ConnectRank(o, w, job, 0, rank, Topology{}));
 
-  Samples memcpy_s, stamp_s, blocked_s, durable_s, limit_s, small_s, memory_s;
+  Samples memcpy_s, stamp_s, blocked_s, durable_s, limit_s, small_s, memory_s, copy_out_s, restore_s;
   double first_snapshot = 0;                              // the warm-up round's: the slot's pages are faulted in
   for (unsigned round = 0; round <= o.repeat; ++round) {  // round 0 warms up and is not counted
     RETURN_IF_ERROR(CheckInterrupted());
@@ -472,6 +476,18 @@ Result<double> StagingAndPersist(const Options& o, const Work& w, char* host, Wr
     ASSIGN_OR_RETURN(RestorableSteps held, client->Restorable(std::chrono::minutes(1)));
     if (held.memory_steps.empty() || held.memory_steps.front() != step + 1) {
       return Internal("memory checkpoint step " + std::to_string(step + 1) + " is not held after its Snapshot");
+    }
+    // Restoring it into the state: the daemon verifies its checksums, the client copies it out.
+    // Against a memcpy of the same bytes out of the slot-like buffer into the state.
+    start = Clock::now();
+    ParallelCopy(&loop, back);
+    if (counted) copy_out_s.v.push_back(Since(start));
+    start = Clock::now();
+    ASSIGN_OR_RETURN(RestoreResult restored, client->Restore(step + 1, rank.buffers, std::chrono::minutes(1)));
+    if (counted) restore_s.v.push_back(Since(start));
+    if (!restored.found || restored.step != step + 1 || restored.tier != Tier::kMemory) {
+      return Internal("the restore of memory checkpoint step " + std::to_string(step + 1) + " got step " +
+                      std::to_string(restored.step) + (restored.tier == Tier::kMemory ? " from memory" : " from disk"));
     }
 
     ASSIGN_OR_RETURN(double secs, limit->Run());
@@ -509,10 +525,19 @@ Result<double> StagingAndPersist(const Options& o, const Work& w, char* host, Wr
   PrintTarget(memory_ratio, true, 1.1);
   bench::SummaryRow("1. memory checkpoint: Snapshot(tier=memory) blocking vs memcpy into shm", memory_ratio, "<=",
                     1.1);
+  const double restore_ratio = copy_out_s.best() / restore_s.best();  // a rate ratio: >= is better
+  std::printf("   %-40s %9.1f %10.1f %8.2f %9.2fx\n", "memcpy out of shared memory (limit)", copy_out_s.best() * 1e3,
+              copy_out_s.median() * 1e3, Gbps(bytes, copy_out_s.best()), 1.0);
+  std::printf("   %-40s %9.1f %10.1f %8.2f %9.2fx", "Client::Restore of the memory checkpoint", restore_s.best() * 1e3,
+              restore_s.median() * 1e3, Gbps(bytes, restore_s.best()), restore_ratio);
+  PrintTarget(restore_ratio, false, 0.8);
+  bench::SummaryRow("1. memory restore: Client::Restore (checksums verified) rate vs memcpy out of shm", restore_ratio,
+                    ">=", 0.8);
   std::printf("   %-40s %9.1f %10s %8.2f %9.2fx  (warm-up, not in the ratio)\n", "first Snapshot after Register",
               first_snapshot * 1e3, "", Gbps(bytes, first_snapshot), first_snapshot / memcpy_s.best());
   std::printf(
-      "   (vs memcpy = best time / memcpy's best time; Snapshot adds the BeginSnapshot and Commit RPCs. The first\n"
+      "   (vs memcpy = best time / memcpy's best time, except for the restore: its rate / the memcpy's rate, i.e. the\n"
+      "   memcpy's time / its time; Snapshot adds the BeginSnapshot and Commit RPCs. The first\n"
       "   Snapshot also faults in the slot's fresh shared-memory pages, which the memcpy's buffer had before "
       "timing)\n\n");
 

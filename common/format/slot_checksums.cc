@@ -63,8 +63,7 @@ SlotChecksums ComputeSlotChecksums(const char* slot, const RankLayout& layout, P
   return out;
 }
 
-Status VerifySlotChecksums(const char* slot, const RankLayout& layout, const SlotChecksums& sums,
-                           ParallelLoop* loop) {
+Status CheckSlotChecksumsFit(const RankLayout& layout, const SlotChecksums& sums) {
   if (sums.chunk_bytes != layout.checksum_chunk || sums.first.size() != layout.placements.size()) {
     return Corruption("the memory checkpoint's checksums were not computed for this layout (" +
                       std::to_string(sums.first.size()) + " tensors in chunks of " + std::to_string(sums.chunk_bytes) +
@@ -77,6 +76,12 @@ Status VerifySlotChecksums(const char* slot, const RankLayout& layout, const Slo
       return Corruption("the memory checkpoint's checksums do not cover tensor '" + layout.tensors[t].name + "'");
     }
   }
+  return Status::OK();
+}
+
+Status VerifySlotChecksums(const char* slot, const RankLayout& layout, const SlotChecksums& sums,
+                           ParallelLoop* loop) {
+  RETURN_IF_ERROR(CheckSlotChecksumsFit(layout, sums));
   const std::vector<Task> tasks = Tasks(layout, sums.chunk_bytes);
   // Each task notes its first bad chunk in its own entry; the lowest task's is reported.
   std::vector<std::optional<std::pair<uint64_t, uint64_t>>> bad(tasks.size());  // (chunk, hash found)

@@ -25,6 +25,10 @@ struct SlotChecksums {
 // Hashes the slot's tensors on `loop`'s threads (nullptr: this thread), in tasks of whole chunks.
 SlotChecksums ComputeSlotChecksums(const char* slot, const RankLayout& layout, ParallelLoop* loop);
 
+// OK when `sums` has one value per chunk of every tensor of `layout` (read from a record, say);
+// CORRUPTION saying what does not fit otherwise. Hashes nothing.
+Status CheckSlotChecksumsFit(const RankLayout& layout, const SlotChecksums& sums);
+
 // OK when every chunk hashes to its recorded value; CORRUPTION naming the first tensor and chunk
 // that do not (and both values) otherwise, or when `sums` was not computed for this layout.
 Status VerifySlotChecksums(const char* slot, const RankLayout& layout, const SlotChecksums& sums,

@@ -1,5 +1,6 @@
 #include "daemon/core/daemon.h"
 
+#include <limits>
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -226,7 +227,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   {
     MutexLock lock(&mu_);
     for (EmaJob& job : unreached) {
-      if (job.resident) continue;  // a memory checkpoint not yet checksummed: not kept, nothing to write
+      if (job.resident && !job.persist) continue;  // a memory checkpoint not yet checksummed: not kept, nothing to write
       job.segment->shm->KeepName();
       stop_abandoned_ += 1;
       NoteAbandonedLocked(job.job, job.rank, job.step);
@@ -579,18 +580,6 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
-  if (reg.memory_checkpoints) {
-    Status fits = MemoryTierFits(config_.slots, ema_plan.has_value());
-    if (!fits.ok()) {
-      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
-                                " with memory checkpoints: " + fits.message());
-    }
-    if (config_.slots == 2) {
-      Logger("rpc")->warn("job={} rank={} takes memory checkpoints with --slots 2: while a disk snapshot of the rank "
-                          "is written, its next snapshot waits for it (--slots 3 lets memory checkpoints go on)",
-                          who.job, who.rank);
-    }
-  }
   JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
   // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
   // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it
@@ -657,12 +646,32 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
     for (auto& [r, other] : job->ranks) {
-      if (r != who.rank && other.session_id.empty()) other.segment.reset();  // a running persist keeps its own
+      if (r != who.rank && other.session_id.empty() && other.segment) {
+        // Its memory checkpoints go with it (a running persist keeps the segment, not them): the
+        // mirror says so, so that a daemon restarted meanwhile does not adopt them.
+        DropMemoryFrom(*other.segment, std::numeric_limits<int64_t>::min());
+        other.segment.reset();
+      }
     }
   }
   bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
                SameEma(rank->segment->ema.get(), ema_plan) && Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
                Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
+  if (reg.memory_checkpoints) {
+    // The slots of the segment the rank will use: a reused one (adopted after a restart, perhaps
+    // under another --slots) keeps its count.
+    const uint32_t slots = reuse ? Slots(*rank->segment).size() : config_.slots;
+    Status fits = MemoryTierFits(slots, ema_plan.has_value());
+    if (!fits.ok()) {
+      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                                " with memory checkpoints: " + fits.message());
+    }
+    if (slots == 2) {
+      Logger("rpc")->warn("job={} rank={} takes memory checkpoints with 2 slots: while a disk snapshot of the rank "
+                          "is written, its next snapshot waits for it (--slots 3 lets memory checkpoints go on)",
+                          who.job, who.rank);
+    }
+  }
   if (!reuse) {
     uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
     uint64_t need =
@@ -680,6 +689,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     // The old segment goes now (the writer keeps it alive if a persist is still running); the new
     // one is created without mu_: allocating and populating gigabytes must not hold up the other
     // ranks' snapshots, status or the watchdog. Its bytes are reserved meanwhile.
+    if (rank->segment) DropMemoryFrom(*rank->segment, std::numeric_limits<int64_t>::min());  // as above
     retired = std::move(rank->segment);
     registering_bytes_ += need;
     const uint64_t generation = ++rank->registrations;
@@ -708,6 +718,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   rank->policy = reg.policy;
   if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
   rank->fatal_persist_errors = reg.fatal_persist_errors;
+  rank->memory_checkpoints = reg.memory_checkpoints && DiskSnapshotsHoldEverything(*rank->segment);
   rank->registered = true;
   job->topology = topology;
 

@@ -288,6 +288,10 @@ class Daemon {
     // WaitComplete of one say at once that it is never written.
     std::set<int64_t> memory_steps;
     bool fatal_persist_errors = false;  // per registration (Register)
+    // Per registration: the rank takes memory checkpoints and its disk snapshots hold every tensor
+    // (DiskSnapshotsHoldEverything), so each of them is also checksummed and kept as its newest
+    // memory checkpoint once written.
+    bool memory_checkpoints = false;
     Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
     uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
     double last_persist_gbps = 0;
@@ -514,6 +518,10 @@ class Daemon {
   // checkpoints: FAILED_PRECONDITION naming the reason when it cannot (checked at Register when the
   // rank declares them, and at each memory BeginSnapshot).
   static Status MemoryTierFits(uint32_t slots, bool ema);
+  // Whether a disk snapshot of the segment's rank can double as a memory checkpoint: it has no EMA
+  // and holds no replica (a disk snapshot copies only the tensors the rank writes; a replica's bytes
+  // in its slot would be of an older step).
+  static bool DiskSnapshotsHoldEverything(const RankSegment& segment);
   // Forgets the rank's memory checkpoints of step >= `from`: those kept, and those still queued for
   // their checksums (they are then not kept). Returns how many.
   uint32_t DropMemoryFrom(RankSegment& segment, int64_t from) REQUIRES(mu_);

@@ -150,9 +150,6 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     } else if (m.step() < 0 || m.world_size() != reg.topology.world_size || m.resumed_from() < 0 ||
                (!m.run_id().empty() && !ValidateRunId(m.run_id()).ok()) || m.extra().size() > (4u << 20)) {
       why = "the record is not valid";
-    } else if (m.checksum_chunk() != segment->layout.checksum_chunk ||
-               static_cast<size_t>(m.first_chunk_size()) != segment->layout.placements.size()) {
-      why = "its checksums were not computed for this layout";
     }
     auto resident = std::make_shared<ResidentCheckpoint>();
     if (why.empty()) {
@@ -163,6 +160,9 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       resident->sums.chunk_bytes = m.checksum_chunk();
       resident->sums.first.assign(m.first_chunk().begin(), m.first_chunk().end());
       resident->sums.sums.assign(m.sums().begin(), m.sums().end());
+      if (Status fit = CheckSlotChecksumsFit(segment->layout, resident->sums); !fit.ok()) why = fit.message();
+    }
+    if (why.empty()) {
       const SlotTicket ticket{m.slot(), mirror->generation.load()};
       if (Status s = UnpublishedSlots(*segment).AdoptResident(ticket, std::move(resident)); !s.ok()) why = s.message();
     }
@@ -189,6 +189,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     rank.segment = segment;
     rank.topology = reg.topology;
     rank.policy = reg.policy;
+    rank.memory_checkpoints = reg.memory_checkpoints && DiskSnapshotsHoldEverything(*segment);
     job_state.topology = reg.topology;
   }  // else another record of the rank was adopted first: this one lives until its snapshots are written
   for (int64_t step : memory_steps) {

@@ -6,6 +6,7 @@
 //
 // The unlinking happens outside mu_. Meanwhile the job's name is in releasing_, and OpenSession
 // of that job waits for it, so no new registration can map a segment name about to disappear.
+#include <limits>
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -60,6 +61,7 @@ std::vector<std::shared_ptr<RankSegment>> Daemon::DetachJobLocked(const std::str
       Logger("rpc")->warn("releasing job={} rank={} drops its memory checkpoints count={} newest_step={}", name, r,
                           held.size(), held.front());
     }
+    DropMemoryFrom(*rank.segment, std::numeric_limits<int64_t>::min());  // and its mirror says so
     segments.push_back(std::move(rank.segment));
   }
   jobs_.erase(it);

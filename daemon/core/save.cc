@@ -59,11 +59,19 @@ void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
 Status Daemon::MemoryTierFits(uint32_t slots, bool ema) {
   if (slots < 2) {
     return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
-                              "while the next one is filled (this daemon runs with --slots " +
-                              std::to_string(slots) + ")");
+                              "while the next one is filled (the rank's segment has " + std::to_string(slots) +
+                              ")");
   }
   if (ema) return FailedPrecondition("memory checkpoints are not supported yet for a rank with EMA tensors");
   return Status::OK();
+}
+
+bool Daemon::DiskSnapshotsHoldEverything(const RankSegment& segment) {
+  if (segment.ema) return false;
+  for (const Placement& p : segment.layout.placements) {
+    if (p.file < 0) return false;
+  }
+  return true;
 }
 
 uint32_t Daemon::DropMemoryFrom(RankSegment& segment, int64_t from) {
@@ -286,12 +294,23 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     ema_stage_->Submit(std::move(job));
     return Status::OK();
   }
+  // A disk snapshot of a rank that takes memory checkpoints is also checksummed by the EMA stage,
+  // and kept as the rank's newest memory checkpoint once written (SlotTable::KeepOnceWritten).
+  const bool also_memory = persist && rank->memory_checkpoints && !segment->ema;
+  if (also_memory) {
+    job.resident = std::make_shared<ResidentCheckpoint>();
+    job.resident->step = step;
+    job.resident->attempt = rank->attempt();
+    job.resident->world_size = rank->topology.world_size;
+    job.resident->extra = extra;
+    MemoryPending(*segment).push_back({ticket.slot, job.resident});
+  }
   if (persist) {
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(),
                                      segment, ticket, step, std::move(extra));
   }
-  if (segment->ema) {
+  if (segment->ema || also_memory) {
     // The EMA stage applies it in commit order and then finishes it.
     EmaPending(*segment) += 1;
     ema_stage_->Submit(std::move(job));
@@ -302,12 +321,19 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
 
 Status Daemon::FinishCommittedLocked(EmaJob job) {
   RankSegment& segment = *job.segment;
+  std::shared_ptr<const ResidentCheckpoint> once_written;  // a disk snapshot that also stays in memory
   if (job.resident) {
     auto& pending = MemoryPending(segment);
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [&](const RankSegment::PendingMemory& p) { return p.resident == job.resident; }),
                   pending.end());
     // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped while queued.
+    const bool keep = job.resident_ok && !job.resident->dropped.load();
+    if (job.persist) {
+      if (keep) once_written = std::move(job.resident);
+    }
+  }
+  if (job.resident && !job.persist) {
     const bool keep = job.resident_ok && !job.resident->dropped.load();
     if (!keep) {
       Logger("save")->info("memory checkpoint not kept job={} rank={} step={} reason={}", job.job, job.rank, job.step,
@@ -326,6 +352,10 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
     return Status::OK();
   }
   RETURN_IF_ERROR(Slots(segment).BeginPersist(job.ticket));
+  if (once_written) {
+    Status kept = Slots(segment).KeepOnceWritten(job.ticket, std::move(once_written));
+    if (!kept.ok()) Logger("save")->error("disk snapshot not kept in memory: {}", kept.ToString());
+  }
   Mirror(segment, job.ticket.slot);
   Status submitted = writer_->Submit(std::move(job.request));
   if (!submitted.ok()) {
@@ -348,6 +378,7 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
     // a restarted daemon finds the checksums of every memory checkpoint it may adopt.
     Status saved = state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident));
     if (!saved.ok()) {
+      state_.RemoveMemory(job.segment->shm->name(), job.ticket.slot);  // an older record of the slot must not match
       Logger("save")->warn("memory checkpoint job={} rank={} step={} not recorded in the state directory: it is "
                            "kept, but a restarted daemon will not adopt it: {}",
                            job.job, job.rank, job.step, saved.ToString());
@@ -406,7 +437,9 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
   state_.RemoveCommit(segment->shm->name(), ticket.slot);
   MutexLock lock(&mu_);
   if (stopping_ && status.ok()) stop_finished_ += 1;
-  Status released = Slots(*segment).Release(ticket, SlotState::kPersisting);
+  // Written: the slot keeps it as a memory checkpoint when the rank takes them (KeepOnceWritten).
+  Status released = status.ok() ? Slots(*segment).ReleaseWritten(ticket)
+                                : Slots(*segment).Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
   Mirror(*segment, ticket.slot);
   auto jit = jobs_.find(job);

@@ -39,6 +39,7 @@ int SlotTable::Pick() const {
 SlotTicket SlotTable::HandOut(uint32_t slot, SlotState purpose, int64_t step, SlotTier tier) {
   SlotInfo& s = slots_[slot];
   s.state = purpose;
+  s.once_written.reset();
   s.step = step;
   s.tier = tier;
   s.generation += 1;
@@ -99,6 +100,10 @@ uint32_t SlotTable::DropResidentsFrom(int64_t from) {
       s.resident.reset();
       ++n;
     }
+    if (s.once_written != nullptr && s.once_written->step >= from) {
+      s.once_written.reset();
+      ++n;
+    }
   }
   return n;
 }
@@ -149,6 +154,26 @@ Status SlotTable::BeginPersist(const SlotTicket& ticket) {
 Status SlotTable::Release(const SlotTicket& ticket, SlotState expected) {
   RETURN_IF_ERROR(Check(ticket, expected, "release"));
   slots_[ticket.slot].state = SlotState::kFree;
+  slots_[ticket.slot].once_written.reset();
+  return Status::OK();
+}
+
+Status SlotTable::KeepOnceWritten(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
+  RETURN_IF_ERROR(Check(ticket, SlotState::kPersisting, "keep once written"));
+  if (resident == nullptr || resident->step != slots_[ticket.slot].step || slots_[ticket.slot].resident != nullptr) {
+    return Internal("keep once written: slot " + std::to_string(ticket.slot) + " holds step " +
+                    std::to_string(slots_[ticket.slot].step) + ", not the checkpoint given");
+  }
+  slots_[ticket.slot].once_written = std::move(resident);
+  return Status::OK();
+}
+
+Status SlotTable::ReleaseWritten(const SlotTicket& ticket) {
+  RETURN_IF_ERROR(Check(ticket, SlotState::kPersisting, "release"));
+  SlotInfo& s = slots_[ticket.slot];
+  s.state = SlotState::kFree;
+  if (s.once_written != nullptr && !s.once_written->dropped.load()) s.resident = std::move(s.once_written);
+  s.once_written.reset();
   return Status::OK();
 }
 

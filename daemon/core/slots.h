@@ -2,6 +2,8 @@
 //
 //   FREE --Acquire(kFilling)--> FILLING --Commit--> COMMITTED --BeginPersist--> PERSISTING --Release--> FREE
 //   FREE --Acquire(kRestoring)--> RESTORING --Release--> FREE
+//   PERSISTING --ReleaseWritten--> FREE, holding the snapshot as a memory checkpoint when it was to
+//   be kept once written (KeepOnceWritten: a disk checkpoint doubles as the newest memory one)
 //   FILLING / RESTORING --Abandon (trainer gone or aborted)--> FREE
 //
 // Memory checkpoints (tier kMemory) are kept in FREE slots: COMMITTED --MakeResident--> FREE holding
@@ -62,6 +64,9 @@ struct SlotInfo {
   // The memory checkpoint the slot holds (FREE, or RESTORING while a restore hands it over); null:
   // none. Kept through Release and AbandonInFlight; any other hand-out of the slot forgets it.
   std::shared_ptr<const ResidentCheckpoint> resident;
+  // A disk snapshot being written (PERSISTING) of a rank that takes memory checkpoints: the memory
+  // checkpoint it becomes once written (ReleaseWritten); forgotten if the write fails.
+  std::shared_ptr<const ResidentCheckpoint> once_written;
 };
 
 // The steps of `steps` (newest first) that `held` also has, in the same order: the memory
@@ -98,8 +103,13 @@ class SlotTable {
   Status Commit(const SlotTicket& ticket, int64_t step);
   // COMMITTED -> PERSISTING.
   Status BeginPersist(const SlotTicket& ticket);
-  // `expected` -> FREE.
+  // `expected` -> FREE (a PERSISTING slot forgets the checkpoint it was to keep once written).
   Status Release(const SlotTicket& ticket, SlotState expected);
+  // PERSISTING (the ticket's slot and its memory checkpoint's step): keep `resident` once written.
+  Status KeepOnceWritten(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident);
+  // PERSISTING -> FREE after a successful write, holding what KeepOnceWritten gave it (if anything,
+  // and not dropped since) as a memory checkpoint.
+  Status ReleaseWritten(const SlotTicket& ticket);
   // Marks a RESTORING slot as being filled by the daemon (or done being filled).
   void SetLoading(uint32_t slot, bool loading) { slots_[slot].loading = loading; }
   bool AnyLoading() const {

@@ -98,6 +98,10 @@ void StateDir::RemoveCommit(const std::string& segment, uint32_t slot) const {
 
 Status StateDir::SaveMemory(const std::string& segment, const v1::MemoryRecord& record) const {
   if (!enabled()) return Status::OK();
+  if (record.ByteSizeLong() > kMaxMemoryRecordBytes) {  // Load would not read it back
+    return ResourceExhausted("the memory record of " + std::to_string(record.sums_size()) + " checksums is larger than " +
+                             std::to_string(kMaxMemoryRecordBytes) + " bytes (raise --checksum-chunk)");
+  }
   return Write(MemoryName(segment, record.slot()), record.SerializeAsString());
 }
 

@@ -62,7 +62,10 @@ void EmaStage::Run() {
     // they fail, the update is skipped (and the writer fails the save for the same reason).
     // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
     // while the daemon stops (it would not outlive the daemon).
-    auto skip_memory = [&] { return job.resident && !job.segment->ema && (job.resident->dropped.load() || Stopping()); };
+    // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
+    // checksums: its copies are waited for as any other's.)
+    auto skip_sums = [&] { return job.resident && (job.resident->dropped.load() || Stopping()); };
+    auto skip_memory = [&] { return job.resident && !job.persist && !job.segment->ema && skip_sums(); };
     const auto& header = *reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot));
     Status copied = skip_memory() ? Status::OK()
                                   : WaitSlotCopied(header, job.segment->layout.slot_bytes, copy_timeout_,
@@ -86,7 +89,7 @@ void EmaStage::Run() {
         applied = job.segment->ema->Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step,
                                           job.loss, image, loop_.get(), job.replay);
       }
-      if (job.resident && !skip_memory()) {
+      if (job.resident && !skip_sums()) {
         job.resident->sums = ComputeSlotChecksums(job.segment->Slot(job.ticket.slot), job.segment->layout, loop_.get());
         job.resident_ok = true;
       }

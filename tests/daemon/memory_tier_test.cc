@@ -52,10 +52,11 @@ uint64_t KeptSlotOffset(const std::string& path, int64_t step) {
       const uint64_t slot_bytes = (static_cast<uint64_t>(st.st_size) - kSegmentHeaderBytes) / 2;
       for (uint64_t slot = 0; slot < 2; ++slot) {
         const uint64_t at = kSegmentHeaderBytes + slot * slot_bytes;
-        uint32_t state = 1;
+        uint32_t state = 1, resident = 0;
         int64_t held = -1;
         if (::pread(fd.get(), &state, 4, static_cast<off_t>(at)) == 4 &&
-            ::pread(fd.get(), &held, 8, static_cast<off_t>(at + 8)) == 8 && held == step &&
+            ::pread(fd.get(), &resident, 4, static_cast<off_t>(at + 4)) == 4 &&
+            ::pread(fd.get(), &held, 8, static_cast<off_t>(at + 8)) == 8 && held == step && resident == 1 &&
             state == static_cast<uint32_t>(SlotState::kFree)) {
           return at;
         }
@@ -169,6 +170,40 @@ TEST_F(MemoryTierTest, AMemoryCheckpointOutlivesItsTrainerAndIsNeverWritten) {
   EXPECT_EQ(r->tier, Tier::kDisk);
   EXPECT_TRUE(next.All(10));
   EXPECT_EQ(next.client->Restore(12, next.bufs, std::chrono::seconds(10)).status().code(), StatusCode::kNotFound);
+}
+
+// A disk checkpoint of a rank that declares memory checkpoints is also its newest memory checkpoint
+// once written; a rank that does not declare them keeps none of its disk checkpoints in memory.
+TEST_F(MemoryTierTest, ADiskCheckpointIsAlsoTheNewestMemoryCheckpointOfARankThatTakesThem) {
+  auto declare = [](ClientOptions& o) { o.memory_checkpoints = true; };
+  TestTrainer t = d_.StartTrainer("memtier-disk", kFloats, declare);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(Memory(t, 9));
+  ASSERT_OK(t.Save(10));
+  auto held = t.client->Restorable(std::chrono::seconds(10));
+  ASSERT_OK(held.status());
+  EXPECT_EQ(held->memory_steps, (std::vector<int64_t>{10, 9}));
+  EXPECT_EQ(held->disk_step, 10);
+  t.client.reset();
+  TestTrainer next = d_.StartTrainer("memtier-disk", kFloats, declare);
+  ASSERT_TRUE(next.client);
+  ExpectLatest(next, 10, Tier::kMemory);
+  // Its bytes are verified like any memory checkpoint's: a flipped one sends the restore to the files.
+  const uint64_t slot = KeptSlotOffset(SegmentPath("memtier-disk"), 10);
+  ASSERT_NE(slot, 0u);
+  FlipTensorByte(SegmentPath("memtier-disk"), slot);
+  auto r = next.client->Restore(10, next.bufs, std::chrono::seconds(10));
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->tier, Tier::kDisk);
+  EXPECT_TRUE(next.All(10));
+
+  TestTrainer plain = d_.StartTrainer("memtier-plain", kFloats);
+  ASSERT_TRUE(plain.client);
+  ASSERT_OK(Memory(plain, 9));
+  ASSERT_OK(plain.Save(10));
+  held = plain.client->Restorable(std::chrono::seconds(10));
+  ASSERT_OK(held.status());
+  EXPECT_EQ(held->memory_steps, std::vector<int64_t>{9});
 }
 
 TEST_F(MemoryTierTest, ANewerCheckpointOnDiskWinsOverAnOlderOneInMemory) {
