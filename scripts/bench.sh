@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the benchmarks in a Release build (build-release/, tests off), runs them (and, with
-# PyTorch installed, bench/torch_save_bench.py and bench/torch_ddp_bench.py), then prints one table of their headline ratios.
+# PyTorch installed, bench/torch_save_bench.py, bench/torch_ddp_bench.py and bench/torch_memory_bench.py), then prints one
+# table of their headline ratios.
 #
 #   scripts/bench.sh                              every benchmark, default sizes
 #   scripts/bench.sh -- --bytes 256MiB            every benchmark, these arguments to each
@@ -55,6 +56,9 @@ if [ ${#explicit[@]} -eq 0 ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; 
     | tee -a "$LOG" | grep -v '^SUMMARY'
   section "bench/torch_ddp_bench.py"
   /usr/bin/python3 bench/torch_ddp_bench.py --bin-dir "$BUILD/bin" --python-dir "$BUILD/python" \
+    | tee -a "$LOG" | grep -v '^SUMMARY'
+  section "bench/torch_memory_bench.py"
+  /usr/bin/python3 bench/torch_memory_bench.py --bin-dir "$BUILD/bin" --python-dir "$BUILD/python" \
     | tee -a "$LOG" | grep -v '^SUMMARY'
 fi
 
