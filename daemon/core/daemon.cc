@@ -580,6 +580,16 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
+  // Memory checkpoints the rank cannot have whatever segment it ends up with are refused before
+  // anything of the job changes (the exact check, with the segment it will use, is below).
+  auto memory_refused = [&](const Status& fits) {
+    return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                              " with memory checkpoints: " + fits.message());
+  };
+  if (reg.memory_checkpoints) {
+    const uint32_t most = std::max(config_.slots, rank->segment ? Slots(*rank->segment).size() : 0u);
+    if (Status fits = MemoryTierFits(most, ema_plan.has_value()); !fits.ok()) return memory_refused(fits);
+  }
   JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
   // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
   // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it
@@ -661,11 +671,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     // The slots of the segment the rank will use: a reused one (adopted after a restart, perhaps
     // under another --slots) keeps its count.
     const uint32_t slots = reuse ? Slots(*rank->segment).size() : config_.slots;
-    Status fits = MemoryTierFits(slots, ema_plan.has_value());
-    if (!fits.ok()) {
-      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
-                                " with memory checkpoints: " + fits.message());
-    }
+    if (Status fits = MemoryTierFits(slots, ema_plan.has_value()); !fits.ok()) return memory_refused(fits);
     if (slots == 2) {
       Logger("rpc")->warn("job={} rank={} takes memory checkpoints with 2 slots: while a disk snapshot of the rank "
                           "is written, its next snapshot waits for it (--slots 3 lets memory checkpoints go on)",

@@ -138,7 +138,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
   // Memory checkpoints: each slot whose header still says it holds the recorded step holds it (the
   // record is written before the header says so, and a slot reused or dropped says so no longer).
   // Their bytes are verified against the recorded checksums when a restore hands them over.
-  std::vector<int64_t> memory_steps;
+  std::vector<int64_t> memory_steps;  // memory-only steps: not the disk snapshots kept once written
   for (const v1::MemoryRecord& m : record.memory) {
     std::string why;
     const auto* mirror = m.slot() < rec.slot_count() ? reinterpret_cast<const SlotHeader*>(segment->Slot(m.slot()))
@@ -173,7 +173,9 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       continue;
     }
     MirrorUnpublished(*segment, m.slot());
-    memory_steps.push_back(m.step());
+    Logger("shm")->info("recovered job={} rank={} step={} tier=memory: kept before the restart{}", job, rank_id,
+                        m.step(), m.written() ? " (also on disk)" : "");
+    if (!m.written()) memory_steps.push_back(m.step());
   }
   // Slots the old daemon mirrored as holding a memory checkpoint without a record here: not held.
   for (uint32_t i = 0; i < rec.slot_count(); ++i) {
@@ -193,7 +195,6 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     job_state.topology = reg.topology;
   }  // else another record of the rank was adopted first: this one lives until its snapshots are written
   for (int64_t step : memory_steps) {
-    Logger("shm")->info("recovered job={} rank={} step={} tier=memory: kept before the restart", job, rank_id, step);
     if (rank.segment != segment) continue;  // the rank's other segment is its own
     rank.last_committed = std::max(rank.last_committed, step);
     rank.memory_steps.insert(step);

@@ -13,10 +13,12 @@ constexpr size_t kMaxExtraBytes = 4u << 20;
 constexpr size_t kMaxFailedSteps = 64;  // failed steps remembered per rank for WaitPersisted
 constexpr size_t kMaxMemorySteps = 64;  // memory checkpoint steps remembered per rank, likewise
 
-// The state directory's record of a memory checkpoint kept in `slot`.
-v1::MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident) {
+// The state directory's record of a memory checkpoint kept in `slot` (`written`: a disk snapshot,
+// kept once written).
+v1::MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident, bool written) {
   v1::MemoryRecord record;
   record.set_slot(slot);
+  record.set_written(written);
   record.set_step(resident.step);
   record.set_resumed_from(resident.attempt.resumed_from);
   record.set_run_id(resident.attempt.run_id);
@@ -376,7 +378,7 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   if (job.resident && job.resident_ok && !job.resident->dropped.load()) {
     // Recorded before the slot's header says it holds the checkpoint (FinishCommittedLocked), so
     // a restarted daemon finds the checksums of every memory checkpoint it may adopt.
-    Status saved = state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident));
+    Status saved = state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident, job.persist));
     if (!saved.ok()) {
       state_.RemoveMemory(job.segment->shm->name(), job.ticket.slot);  // an older record of the slot must not match
       Logger("save")->warn("memory checkpoint job={} rank={} step={} not recorded in the state directory: it is "

@@ -63,13 +63,16 @@ void EmaStage::Run() {
     // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
     // while the daemon stops (it would not outlive the daemon).
     // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
-    // checksums: its copies are waited for as any other's.)
+    // checksums.)
     auto skip_sums = [&] { return job.resident && (job.resident->dropped.load() || Stopping()); };
     auto skip_memory = [&] { return job.resident && !job.persist && !job.segment->ema && skip_sums(); };
     const auto& header = *reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot));
+    // A disk snapshot whose checksums are no longer wanted (its trainer died mid-copy, or the daemon
+    // stops) is handed on at once as well: the writer waits for its copies itself, and one dead
+    // trainer must not hold up every rank's snapshots here for the copy timeout.
     Status copied = skip_memory() ? Status::OK()
                                   : WaitSlotCopied(header, job.segment->layout.slot_bytes, copy_timeout_,
-                                                   [&] { return PastDeadline() || skip_memory(); });
+                                                   [&] { return PastDeadline() || skip_sums(); });
     if (copied.code() == StatusCode::kCancelled && !PastDeadline()) {
       done_(std::move(job), false, 0.0);  // dropped while its copies were coming: not kept
       continue;

@@ -26,6 +26,21 @@ using namespace std::chrono_literals;
 
 std::string JobName(const std::string& base) { return base + "-" + std::to_string(::getpid()); }
 
+// Waits (5 s at most) until no rank of `job` is connected: a client's session ends in the daemon
+// when its stream closes, a moment after the client is gone.
+void WaitDisconnected(const InProcessDaemon& d, const std::string& job) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    bool connected = false;
+    for (const auto& j : d.daemon()->GetStatus().jobs) {
+      for (const auto& r : j.ranks) connected = connected || (j.job == job && r.connected);
+    }
+    if (!connected) return;
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "a rank of " << job << " is still connected";
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 // The daemon draws the run id: what a trainer that gives none gets.
 void DrawnRun(ClientOptions& o) { o.run_id.clear(); }
 
@@ -114,6 +129,7 @@ TEST(RunTest, AnEmaSegmentKeptUnderTheUnscopedNameByThePredecessorIsAdopted) {
     ASSERT_TRUE(a.client);
     ASSERT_OK(a.Save(1, 1.f));
   }
+  WaitDisconnected(d, job);
   d.Stop();  // keeps the EMA segment, with a record, for its successor
   const std::string state = d.socket() + ".state";
   ASSERT_TRUE(std::filesystem::exists(state + "/" + scoped + ".kept"));

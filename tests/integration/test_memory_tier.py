@@ -19,6 +19,11 @@ shard=2, so replicas are held too) killed with SIGKILL, resumed from the daemon'
   7. They run to 47 and are SIGKILLed there; SIGTERM stops the daemon, which first writes the newest
      memory checkpoint (--persist-on-stop, the default): checkpoint-47 is complete on disk and the
      independent reader verifies it.
+  8. A rank of one (no replica: its disk checkpoints double as memory ones) saves step 10 to disk;
+     once the slot keeps it in memory the daemon is SIGKILLed and restarted while the rank still
+     trains. The new daemon adopts step 10 as a memory checkpoint that is also on disk, and the
+     rank's WaitPersisted(10), retried across the restart, succeeds (a memory-only step would be
+     refused as never written).
 
     test_memory_tier.py --bin-dir build/bin [--keep]
 """
@@ -55,6 +60,7 @@ class Harness(DaemonHarness):
     def __init__(self, bin_dir, tmp):
         super().__init__(bin_dir, tmp)
         self.job = "memtier-%d" % os.getpid()
+        self.single_job = "memtier1-%d" % os.getpid()
         self.job_dir = os.path.join(self.root, self.job)
         self.sims = []
 
@@ -131,9 +137,9 @@ class Harness(DaemonHarness):
     def complete_steps(self):
         return reader.complete_steps(self.job_dir)
 
-    def segment(self, rank):
+    def segment(self, rank, job=None):
         """The /dev/shm path of the rank's slot segment (the job has no EMA: its only one)."""
-        paths = glob.glob("/dev/shm/flashckpt.%s.%d.*" % (self.job, rank))
+        paths = glob.glob("/dev/shm/flashckpt.%s.%d.*" % (job or self.job, rank))
         check(len(paths) == 1, "rank %d: segments %s" % (rank, paths))
         return paths[0]
 
@@ -259,13 +265,46 @@ def run(h):
     check(s["step"] == 47 and s["world_size"] == WORLD, "checkpoint-47: %s" % s)
     log("phase7: the SIGTERM wrote memory step 47 of all %d ranks; the independent reader verifies it" % WORLD)
 
+    # --- 8. a disk step kept in memory, the daemon SIGKILLed: WaitPersisted of it still succeeds --
+    h.daemon_log = os.path.join(h.tmp, "flashckptd.phase8.log")
+    h.start_daemon(extra_args=["--slots", str(SLOTS)])
+    cmd = [h.binary("flashckpt-sim"), "--socket", h.sock, "--job", h.single_job, "--rank", "0", "--world-size", "1",
+           "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--steps", "16", "--save-every", "10",
+           "--memory-every", "1000", "--step-ms", "250", "--tolerate-daemon-restarts", "--run-id", h.single_job]
+    path = os.path.join(h.tmp, "phase8.rank0.log")
+    h.logs.append(path)
+    with open(path, "wb") as out:
+        sim = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    h.sims.append(sim)
+
+    def output():
+        with open(path, "r", errors="replace") as f:
+            return f.read()
+    wait_for(lambda: "saved step=10" in output() or sim.poll() is not None, TIMEOUT_S, "phase8: step 10 saved")
+    kept_slot(h.segment(0, h.single_job), 10)  # written, and kept by its slot as a memory checkpoint
+    check(sim.poll() is None and "done rank" not in output(), "phase8: the rank finished before the kill:\n"
+          + output()[-2000:])
+    h.daemon.kill()
+    h.daemon.wait(timeout=TIMEOUT_S)
+    h.daemon_log = os.path.join(h.tmp, "flashckptd.phase8.restarted.log")
+    h.start_daemon(extra_args=["--slots", str(SLOTS)])
+    log("phase8: flashckptd SIGKILLed with disk step 10 kept in memory, and restarted")
+    sim.wait(timeout=TIMEOUT_S)
+    check(sim.returncode == 0 and "done rank=0 last_step=16" in output(),
+          "phase8: the rank failed across the restart (exit %s):\n%s" % (sim.returncode, output()[-3000:]))
+    with open(h.daemon_log, "r", errors="replace") as f:
+        restarted = f.read()
+    check("step=10 tier=memory: kept before the restart (also on disk)" in restarted,
+          "phase8: the restarted daemon did not adopt step 10 as a memory checkpoint also on disk")
+    log("phase8: adopted as a memory checkpoint also on disk; the rank's WaitPersisted(10) succeeded")
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin-dir", required=True, help="folder with flashckptd and flashckpt-sim")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
-    return run_with_daemon_harness(run, "fc-mem.", lambda h: [h.job], args.bin_dir, args.keep,
+    return run_with_daemon_harness(run, "fc-mem.", lambda h: [h.job, h.single_job], args.bin_dir, args.keep,
                                    errors=(TestFailure, reader.CheckpointError, subprocess.TimeoutExpired, OSError),
                                    harness=Harness)
 
