@@ -108,11 +108,12 @@ Status SnapshotHandle::WaitCommitted() const {
   return progress_->WaitCommitted();
 }
 
-Status Client::Impl::ReleaseSlot(uint32_t slot, uint64_t generation) const {
+Status Client::Impl::ReleaseSlot(uint32_t slot, uint64_t generation, const std::string& corrupt) const {
   v1::ReleaseSlotRequest req;
   req.set_session_id(session_id);
   req.set_slot(slot);
   req.set_generation(generation);
+  req.set_corrupt(corrupt.substr(0, 1024));
   v1::ReleaseSlotResponse resp;
   grpc::ClientContext ctx;
   Deadline(&ctx);
@@ -167,6 +168,26 @@ Status Client::Impl::CopyOut(const std::vector<CopyTask>& tasks, const std::vect
   RETURN_IF_ERROR(done.back().Synchronize());
 #endif
   return Status::OK();
+}
+
+Status Client::Impl::CopyOutVerified(const Matched& matched, const char* base, const v1::RestoreResponse& resp) {
+  // The daemon's checksums per tensor, by where the tensor lies in the slot.
+  // (Keyed by both: an empty tensor lies at the offset of the tensor after it.)
+  std::map<std::pair<uint64_t, uint64_t>, const v1::TensorChunkSums*> by_offset;
+  for (const v1::TensorChunkSums& t : resp.chunk_sums()) by_offset[{t.slot_offset(), t.bytes()}] = &t;
+  std::vector<VerifiedCopyTask> tasks;
+  tasks.reserve(matched.size());
+  for (const auto& [buffer, mapped] : matched) {
+    auto it = by_offset.find({mapped->slot_offset, buffer->bytes});
+    if (it == by_offset.end()) {
+      return Internal("the daemon handed over a memory checkpoint without checksums for tensor '" + buffer->name + "'");
+    }
+    tasks.push_back({{buffer->data, base + mapped->slot_offset, buffer->bytes},
+                     it->second->sums().data(),
+                     static_cast<size_t>(it->second->sums_size()),
+                     buffer->name});
+  }
+  return ParallelVerifiedCopy(copier.get(), tasks, resp.chunk_bytes());
 }
 
 Result<Matched> Client::Impl::Match(const std::vector<TensorBuffer>& buffers, Selection selection) const {
@@ -445,36 +466,63 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     return options.kinds.empty() || std::find(options.kinds.begin(), options.kinds.end(), t.kind) != options.kinds.end();
   };
   req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
-  v1::RestoreResponse resp;
-  RETURN_IF_ERROR(impl_->WithSession([&] {
-    req.set_session_id(impl_->session_id);
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, timeout);
-    return FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore");
-  }));
-  RestoreResult result;
-  if (!resp.found()) return result;
-  if (resp.slot() >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
-  ASSIGN_OR_RETURN(matched, impl_->Match(buffers, Selection::kAll));  // a re-attach rebuilt the tensor table
-  auto on_device = DeviceMask(BuffersOf(matched));
-  const char* base = impl_->Slot(resp.slot());
-  std::vector<CopyTask> tasks;
-  for (const auto& [buffer, mapped] : matched) {
-    if (!wanted(*mapped)) continue;  // not read by the daemon: left as it is
-    tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
-    result.bytes += buffer->bytes;
+  // Host buffers: a memory checkpoint comes with its checksums, checked here as each chunk is copied.
+  {
+    auto mask = DeviceMask(BuffersOf(matched));
+    req.set_verify_in_client(mask.ok() && std::none_of(mask->begin(), mask->end(), [](bool d) { return d; }));
   }
-  Status copied = on_device.ok() ? impl_->CopyOut(tasks, *on_device, options.cuda_stream) : on_device.status();
-  Status released = impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation()));
-  RETURN_IF_ERROR(copied.WithContext("copying the restored tensors into the caller's buffers"));
-  RETURN_IF_ERROR(released);
-  result.found = true;
-  result.step = resp.step();
-  // The attempt this process's later saves belong to (weights of another job start none).
-  if (options.source_job.empty()) impl_->resumed_from = resp.step();
-  result.extra = resp.extra();
-  result.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory : Tier::kDisk;
-  return result;
+  // A memory checkpoint that fails the client's verification is reported, and the restore asked
+  // again: the daemon has dropped it, and reads the files (or fails the job's plan on that step).
+  std::string failed;  // what the first attempt's verification found: the buffers hold part of it
+  for (int attempt = 0;; ++attempt) {
+    v1::RestoreResponse resp;
+    Status asked = impl_->WithSession([&] {
+      req.set_session_id(impl_->session_id);
+      grpc::ClientContext ctx;
+      impl_->Deadline(&ctx, timeout);
+      return FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore");
+    });
+    if (!failed.empty() && (!asked.ok() || !resp.found())) {
+      // Nothing to fall back to: never found=false (a fresh start) over buffers that changed.
+      return Corruption(failed + "; the buffers hold part of that memory checkpoint and " +
+                        (asked.ok() ? std::string("no checkpoint on disk replaces it")
+                                    : "restoring again failed: " + asked.ToString()) +
+                        ": set them again before training");
+    }
+    RETURN_IF_ERROR(asked);
+    RestoreResult result;
+    if (!resp.found()) return result;
+    if (resp.slot() >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
+    ASSIGN_OR_RETURN(matched, impl_->Match(buffers, Selection::kAll));  // a re-attach rebuilt the tensor table
+    auto on_device = DeviceMask(BuffersOf(matched));
+    const char* base = impl_->Slot(resp.slot());
+    std::vector<CopyTask> tasks;
+    for (const auto& [buffer, mapped] : matched) {
+      if (!wanted(*mapped)) continue;  // not read by the daemon: left as it is
+      tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
+      result.bytes += buffer->bytes;
+    }
+    const bool verify_here = resp.tier() == v1::TIER_MEMORY && resp.chunk_bytes() > 0;
+    Status copied = !on_device.ok()  ? on_device.status()
+                    : verify_here    ? impl_->CopyOutVerified(matched, base, resp)
+                                     : impl_->CopyOut(tasks, *on_device, options.cuda_stream);
+    const bool corrupt = verify_here && copied.code() == StatusCode::kCorruption;
+    Status released =
+        impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation(), corrupt ? copied.message() : std::string()));
+    if (corrupt && released.ok() && attempt == 0) {
+      failed = copied.message();
+      continue;
+    }
+    RETURN_IF_ERROR(copied.WithContext("copying the restored tensors into the caller's buffers"));
+    RETURN_IF_ERROR(released);
+    result.found = true;
+    result.step = resp.step();
+    // The attempt this process's later saves belong to (weights of another job start none).
+    if (options.source_job.empty()) impl_->resumed_from = resp.step();
+    result.extra = resp.extra();
+    result.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory : Tier::kDisk;
+    return result;
+  }
 }
 
 Result<std::string> Client::StatusJson() {

@@ -102,7 +102,8 @@ struct Client::Impl {
   }
   char* Slot(uint32_t i) const { return segment->data() + slot_offset + slot_stride * i; }
   // Gives a slot the daemon lent for reading (restore, EMA) back.
-  Status ReleaseSlot(uint32_t slot, uint64_t generation) const;
+  // `corrupt`: what the client's verification of a memory checkpoint handed over in the slot found.
+  Status ReleaseSlot(uint32_t slot, uint64_t generation, const std::string& corrupt = "") const;
   Status Usable() {
     if (closed) return Cancelled("the client is closed");
     FinishPending();
@@ -130,6 +131,9 @@ struct Client::Impl {
   // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.
   // Returns once every byte is in place.
   Status CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device, void* cuda_stream);
+  // Copies a memory checkpoint handed over with its checksums (host buffers) into the caller's
+  // buffers, each chunk checked as it is copied (ParallelVerifiedCopy): CORRUPTION when one differs.
+  Status CopyOutVerified(const Matched& matched, const char* base, const v1::RestoreResponse& resp);
   // Opens the session stream and reads the session id, within the rpc timeout. `reattach`: this
   // process carrying on after its session broke (SessionRequest.reattach).
   Status OpenSession(bool reattach = false);

@@ -1,16 +1,63 @@
 #include "client/src/host_copy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <optional>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#include "common/format/checksum.h"
 
 namespace flashckpt {
+namespace {
 
-void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
+// memcpy with non-temporal stores (x86-64: SSE2, which every such CPU has): the destination is not
+// read back soon, and is not pulled into the cache only to be overwritten. Call StreamFence before
+// the bytes are handed on.
+void StreamCopy(char* dst, const char* src, size_t bytes) {
+#if defined(__x86_64__)
+  const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  size_t at = head;
+  for (; at + 64 <= bytes; at += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 48), d);
+  }
+  std::memcpy(dst + at, src + at, bytes - at);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+void StreamFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+uint64_t ChunksOf(uint64_t bytes, uint64_t chunk) { return (bytes + chunk - 1) / chunk; }
+
+}  // namespace
+
+namespace {
+
+void ParallelCopyWith(ParallelLoop* loop, const std::vector<CopyTask>& tasks, void (*copy)(char*, const char*, size_t)) {
   constexpr size_t kChunk = 16u << 20;
   size_t total = 0;
   for (const auto& t : tasks) total += t.bytes;
   if (loop->threads() == 1 || total < 2 * kChunk) {
-    for (const auto& t : tasks) std::memcpy(t.dst, t.src, t.bytes);
+    for (const auto& t : tasks) {
+      if (t.bytes > 0) copy(static_cast<char*>(t.dst), static_cast<const char*>(t.src), t.bytes);
+    }
     return;
   }
   std::vector<size_t> first_chunk(tasks.size() + 1, 0);  // prefix sums of chunks per task
@@ -19,8 +66,80 @@ void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
     size_t i = static_cast<size_t>(std::upper_bound(first_chunk.begin(), first_chunk.end(), c) - first_chunk.begin()) - 1;
     size_t offset = (c - first_chunk[i]) * kChunk;
     size_t n = std::min(kChunk, tasks[i].bytes - offset);
-    std::memcpy(static_cast<char*>(tasks[i].dst) + offset, static_cast<const char*>(tasks[i].src) + offset, n);
+    copy(static_cast<char*>(tasks[i].dst) + offset, static_cast<const char*>(tasks[i].src) + offset, n);
   });
+}
+
+}  // namespace
+
+void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
+  ParallelCopyWith(loop, tasks, [](char* dst, const char* src, size_t n) { std::memcpy(dst, src, n); });
+}
+
+void ParallelStreamCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) {
+  ParallelCopyWith(loop, tasks, [](char* dst, const char* src, size_t n) {
+    StreamCopy(dst, src, n);
+    StreamFence();
+  });
+}
+
+Status ParallelVerifiedCopy(ParallelLoop* loop, const std::vector<VerifiedCopyTask>& tasks, uint64_t chunk_bytes) {
+  if (chunk_bytes == 0) return InvalidArgument("the memory checkpoint's checksum chunk size is 0");
+  for (const VerifiedCopyTask& t : tasks) {
+    if ((t.sums == nullptr && t.sum_count > 0) || t.sum_count != ChunksOf(t.copy.bytes, chunk_bytes)) {
+      return InvalidArgument("the memory checkpoint's checksums do not cover tensor '" + t.name + "' (" +
+                             std::to_string(t.sum_count) + " for " + std::to_string(t.copy.bytes) + " bytes)");
+    }
+  }
+  // Units of whole chunks, about 16 MiB each, spread over the threads.
+  const uint64_t per_unit = std::max<uint64_t>(1, (16u << 20) / chunk_bytes);
+  struct Unit {
+    size_t task;
+    uint64_t first, count;
+  };
+  std::vector<Unit> units;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const uint64_t chunks = tasks[i].sum_count;
+    for (uint64_t c = 0; c < chunks; c += per_unit) units.push_back({i, c, std::min(per_unit, chunks - c)});
+  }
+  // Each unit notes its first bad chunk (chunk, hash found); the lowest unit's is reported. Once one
+  // is found the other units stop: the restore goes elsewhere.
+  std::vector<std::optional<std::pair<uint64_t, uint64_t>>> bad(units.size());
+  std::atomic<bool> failed{false};
+  auto body = [&](size_t u) {
+    const Unit& unit = units[u];
+    const VerifiedCopyTask& task = tasks[unit.task];
+    auto* dst = static_cast<char*>(task.copy.dst);
+    const auto* src = static_cast<const char*>(task.copy.src);
+    for (uint64_t c = unit.first; c < unit.first + unit.count; ++c) {
+      if (failed.load(std::memory_order_relaxed)) break;
+      const uint64_t from = c * chunk_bytes;
+      const uint64_t n = std::min<uint64_t>(chunk_bytes, task.copy.bytes - from);
+      const uint64_t got = Xxh3(src + from, n);
+      if (got != task.sums[c]) {
+        bad[u] = std::make_pair(c, got);
+        failed.store(true, std::memory_order_relaxed);
+        break;
+      }
+      StreamCopy(dst + from, src + from, n);
+    }
+    StreamFence();
+  };
+  if (loop->threads() == 1 || units.size() < 2) {
+    for (size_t u = 0; u < units.size(); ++u) body(u);
+  } else {
+    loop->Run(units.size(), body);
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!bad[u]) continue;
+    const VerifiedCopyTask& task = tasks[units[u].task];
+    const uint64_t c = bad[u]->first, from = c * chunk_bytes;
+    const uint64_t to = std::min<uint64_t>(from + chunk_bytes, task.copy.bytes);
+    return Corruption("memory checkpoint: chunk " + std::to_string(c) + " (bytes " + std::to_string(from) + "-" +
+                      std::to_string(to) + ") of tensor '" + task.name + "' has checksum " +
+                      ChecksumHex(bad[u]->second) + ", it was " + ChecksumHex(task.sums[c]) + " when committed");
+  }
+  return Status::OK();
 }
 
 }  // namespace flashckpt

@@ -4,8 +4,11 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
+#include "common/base/status.h"
 #include "common/base/thread_pool.h"
 
 namespace flashckpt {
@@ -18,5 +21,25 @@ struct CopyTask {
 
 // Copies the tasks, splitting large ones into 16 MiB chunks spread over the loop's threads.
 void ParallelCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks);
+// The same with non-temporal stores where the CPU has them (ParallelVerifiedCopy's copy, without the
+// hash): for benchmarks that compare against it.
+void ParallelStreamCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks);
+
+// A copy checked against the checksums recorded when its source was committed: chunk k of `src`
+// (chunk_bytes bytes counted from its first byte, the last one shorter) must hash (XXH3-64) to
+// sums[k]. `name` is the tensor's, for the error.
+struct VerifiedCopyTask {
+  CopyTask copy;
+  const uint64_t* sums = nullptr;
+  size_t sum_count = 0;
+  std::string name;
+};
+
+// Copies the tasks on the loop's threads, each chunk hashed right before it is copied, so that the
+// copy reads it from the CPU cache (one pass over the source from memory instead of two), and written
+// with non-temporal stores where the CPU has them. CORRUPTION names the first tensor and chunk that
+// does not match (both values); the destination then holds some of the bytes, and must not be used.
+// INVALID_ARGUMENT when a task's sums do not cover its bytes in chunks of `chunk_bytes`.
+Status ParallelVerifiedCopy(ParallelLoop* loop, const std::vector<VerifiedCopyTask>& tasks, uint64_t chunk_bytes);
 
 }  // namespace flashckpt

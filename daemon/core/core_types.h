@@ -31,6 +31,9 @@ struct RestoreWant {
   bool convert_dtype = false;
   std::vector<TensorKind> kinds;
   std::string source_job;
+  // The client checks a memory checkpoint's chunks itself while it copies them (RestoreOutcome's
+  // chunk sums), so the daemon hands it over without hashing the slot first.
+  bool verify_in_client = false;
 };
 
 // Register's answer: the rank's segment and its slots.

@@ -314,6 +314,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   state.session_id = token;
   state.last_begun = -1;
   state.resumed_from = 0;
+  state.client_verifying.reset();
   state.run_id.clear();
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a

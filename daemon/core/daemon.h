@@ -151,6 +151,15 @@ struct RestoreOutcome {
   std::string extra;
   uint64_t bytes_read = 0;
   SlotTier tier = SlotTier::kDisk;  // kMemory: handed over from a memory checkpoint, no file read
+  // A memory checkpoint handed over unverified (RestoreWant::verify_in_client): the checksum chunk
+  // size and, per tensor of the slot, where it lies and its chunks' checksums. Empty otherwise.
+  struct TensorSums {
+    uint64_t slot_offset = 0;
+    uint64_t bytes = 0;
+    std::vector<uint64_t> sums;
+  };
+  uint64_t chunk_bytes = 0;
+  std::vector<TensorSums> tensor_sums;
 };
 
 class Daemon {
@@ -214,7 +223,11 @@ class Daemon {
     SlotTicket ticket;
   };
   Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(mu_);
-  Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(mu_);
+  // `corrupt` non-empty: the client found a chunk of the memory checkpoint handed over in the slot
+  // not matching its checksum (what it found); the rank's memory checkpoints are dropped as when the
+  // daemon's own verification fails, and a resume plan on that step is lost.
+  Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket, const std::string& corrupt = "")
+      EXCLUDES(mu_);
 
   Result<std::vector<CheckpointInfo>> List(const std::string& job) const;
   // `flashckpt delete` (step > 0: that checkpoint; force allows the newest complete one) or
@@ -265,6 +278,15 @@ class Daemon {
     Backpressure policy = Backpressure::kWait;
     int64_t last_begun = -1;   // per session: steps must increase
     int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
+    // Per session: the memory checkpoint last handed over for the client to verify as it copies
+    // (RestoreWant::verify_in_client), until ReleaseSlot gives its slot back: resumed_from becomes
+    // its step then, or, with a reported mismatch, it fails as if the daemon had verified it.
+    struct ClientVerified {
+      SlotTicket ticket;
+      int64_t step = 0;
+      bool planned = false;  // the job's resume plan chose it
+    };
+    std::optional<ClientVerified> client_verifying;
     std::string run_id;        // per session: its run, set by Register (the attempt)
     bool overwrite = false;    // per registration: its first snapshot may start a new lineage
     bool lineage_checked = false;  // per process: the first BeginSnapshot's lineage check passed
@@ -364,8 +386,9 @@ class Daemon {
   // The memory path of Restore: the rank's memory checkpoint `step` (0: its newest, for a job of one
   // rank, when not older than the latest complete checkpoint) verified and handed over in its own
   // slot; found=false when there is none to hand over, or it failed its checksums (then the rank's
-  // memory checkpoints are dropped, with a warning).
-  Result<RestoreOutcome> RestoreFromMemory(const std::string& session_id, int64_t step,
+  // memory checkpoints are dropped, with a warning). With `verify_in_client` it is handed over with
+  // its chunk checksums for the client to check while it copies (ReleaseSlot reports a mismatch).
+  Result<RestoreOutcome> RestoreFromMemory(const std::string& session_id, int64_t step, bool verify_in_client,
                                            std::chrono::steady_clock::time_point deadline,
                                            std::chrono::milliseconds timeout) EXCLUDES(mu_);
   // The step the ranks of a job of several ranks restore when they ask for the latest: the newest

@@ -43,6 +43,10 @@ Status LoadEma(const std::string& dir, const CheckpointMetadata& meta, RankEma* 
 
 namespace {
 
+// The most chunk checksums a restore hands a client to verify (8 bytes each: 2 MiB, well inside the
+// 4 MiB a gRPC client receives by default). A larger memory checkpoint is verified by the daemon.
+constexpr size_t kMaxClientChunkSums = size_t{1} << 18;
+
 // extra.rankNNNNN.json of `rank` in the checkpoint `dir`, checked to be that job's, rank's and
 // step's. A checkpoint without one (none was saved) gives "" only while its metadata.json is
 // still there: a file missing because the checkpoint is being deleted fails the restore.
@@ -82,7 +86,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   const bool own = want.source_job.empty() || want.source_job == job;
   const std::string source = own ? job : want.source_job;
   if (own && want.kinds.empty() && !want.convert_dtype) {
-    ASSIGN_OR_RETURN(RestoreOutcome memory, RestoreFromMemory(session_id, step, deadline, timeout));
+    ASSIGN_OR_RETURN(RestoreOutcome memory, RestoreFromMemory(session_id, step, want.verify_in_client, deadline, timeout));
     if (memory.found) return memory;
     if (step == 0 && memory.step > 0) step = memory.step;  // the job's plan: this step from disk
   }
@@ -187,7 +191,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   return out;
 }
 
-Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, int64_t step,
+Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, int64_t step, bool verify_in_client,
                                                  std::chrono::steady_clock::time_point deadline,
                                                  std::chrono::milliseconds timeout) {
   RestoreOutcome out;  // found = false: the caller reads the files (out.step: that one)
@@ -272,11 +276,20 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     Slots(*rank->segment).SetLoading(ticket->slot, true);
     Mirror(*rank->segment, ticket->slot);
   }
-  // Verified off the lock, while the slot is RESTORING and loading: nobody else can take it.
+  // Verified off the lock, while the slot is RESTORING and loading: nobody else can take it. A client
+  // that checks each chunk as it copies it gets the checksums instead: one pass over the bytes, the
+  // hash reading each chunk right before the copy reads it from the cache.
   const auto start = std::chrono::steady_clock::now();
-  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
-  Status verified = VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout,
-                                        resident->sums, &verifiers);
+  // (Only while the checksums fit easily in a reply: kMaxClientChunkSums.)
+  verify_in_client = verify_in_client && resident->sums.sums.size() <= kMaxClientChunkSums;
+  Status verified = Status::OK();
+  if (!verify_in_client) {
+    ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+    verified = VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout, resident->sums,
+                                   &verifiers);
+  } else {
+    verified = CheckSlotChecksumsFit(loading.segment->layout, resident->sums);
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   MutexLock lock(&mu_);
@@ -291,9 +304,28 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   }
   RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
   DropMemoryFrom(*loading.segment, chosen + 1);
-  jobs_[job].ranks[rank_id].resumed_from = chosen;
-  Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify_secs={:.3f}", job, rank_id,
-                          chosen, FormatBytes(loading.segment->tensor_bytes), secs);
+  RankState& restored = jobs_[job].ranks[rank_id];
+  restored.client_verifying.reset();
+  if (!verify_in_client) {
+    restored.resumed_from = chosen;
+    Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify_secs={:.3f}", job, rank_id,
+                            chosen, FormatBytes(loading.segment->tensor_bytes), secs);
+  } else {
+    // Restored once the client has checked every chunk (ReleaseSlot).
+    restored.client_verifying = RankState::ClientVerified{loading.ticket, chosen, planned};
+    const RankLayout& layout = loading.segment->layout;
+    out.chunk_bytes = resident->sums.chunk_bytes;
+    out.tensor_sums.reserve(layout.placements.size());
+    for (size_t t = 0; t < layout.placements.size(); ++t) {
+      const uint64_t first = resident->sums.first[t];
+      const uint64_t end = t + 1 < layout.placements.size() ? resident->sums.first[t + 1] : resident->sums.sums.size();
+      out.tensor_sums.push_back({layout.placements[t].slot_offset, layout.placements[t].bytes,
+                                 std::vector<uint64_t>(resident->sums.sums.begin() + static_cast<ptrdiff_t>(first),
+                                                       resident->sums.sums.begin() + static_cast<ptrdiff_t>(end))});
+    }
+    Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify=client", job, rank_id, chosen,
+                            FormatBytes(loading.segment->tensor_bytes));
+  }
   out.found = true;
   out.step = chosen;
   out.ticket = loading.ticket;
@@ -591,12 +623,40 @@ Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chron
   return out;
 }
 
-Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket) {
+Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket, const std::string& corrupt) {
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
   RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kRestoring));
   Mirror(*rank->segment, ticket.slot);
   cv_.NotifyAll();
+  std::optional<RankState::ClientVerified> handed;
+  if (rank->client_verifying && rank->client_verifying->ticket.slot == ticket.slot &&
+      rank->client_verifying->ticket.generation == ticket.generation) {
+    handed = rank->client_verifying;
+    rank->client_verifying.reset();
+  }
+  const std::string& job = sessions_[session_id].job;
+  const uint32_t rank_id = sessions_[session_id].rank;
+  if (!handed) {
+    if (!corrupt.empty()) {
+      Logger("restore")->warn("ignored a checksum mismatch reported for slot {} of job={} rank={}: no memory "
+                              "checkpoint was handed over in it for the client to verify; report=\"{}\"",
+                              ticket.slot, job, rank_id, corrupt);
+    }
+    return Status::OK();
+  }
+  if (corrupt.empty()) {
+    rank->resumed_from = handed->step;  // every chunk checked: restored
+    return Status::OK();
+  }
+  // The client found a chunk that does not match: the same as when the daemon's own verification
+  // fails, and the restore never happened. (The checkpoint stays with its slot through Release.)
+  const Status found = Corruption(corrupt + " (found by the client while copying)");
+  MemoryFailedLocked(*rank->segment, job, rank_id, handed->step, found, "restoring from disk");
+  if (handed->planned) {
+    (void)PlanLostLocked(job, handed->step, StatusCode::kCorruption,
+                         "failed its checksums (" + found.ToString() + ")");
+  }
   return Status::OK();
 }
 

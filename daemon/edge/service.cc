@@ -1,5 +1,7 @@
 #include "daemon/edge/service.h"
 
+#include <algorithm>
+
 #include "common/base/dtype.h"
 #include "common/base/log.h"
 #include "common/base/names.h"
@@ -167,6 +169,7 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
     if (want.kinds.empty()) return ToGrpc(InvalidArgument("a restore from another job (source_job) must name its kinds"));
   }
   want.source_job = req->source_job();
+  want.verify_in_client = req->verify_in_client();
   auto r = daemon_->Restore(req->session_id(), req->step(), want, Bounded(ctx, *timeout));
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
@@ -176,6 +179,13 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   resp->set_extra(r->extra);
   resp->set_bytes_read(r->bytes_read);
   resp->set_tier(r->tier == SlotTier::kMemory ? v1::TIER_MEMORY : v1::TIER_DISK);
+  resp->set_chunk_bytes(r->chunk_bytes);
+  for (const RestoreOutcome::TensorSums& t : r->tensor_sums) {
+    v1::TensorChunkSums* sums = resp->add_chunk_sums();
+    sums->set_slot_offset(t.slot_offset);
+    sums->set_bytes(t.bytes);
+    sums->mutable_sums()->Add(t.sums.begin(), t.sums.end());
+  }
   return grpc::Status::OK;
 }
 
@@ -210,7 +220,13 @@ grpc::Status CheckpointService::GetEma(grpc::ServerContext* ctx, const v1::GetEm
 grpc::Status CheckpointService::ReleaseSlot(grpc::ServerContext*, const v1::ReleaseSlotRequest* req,
                                             v1::ReleaseSlotResponse*) {
   RETURN_GRPC_IF_ERROR(CheckSessionId(req->session_id()));
-  return ToGrpc(daemon_->ReleaseSlot(req->session_id(), SlotTicket{req->slot(), req->generation()}));
+  // A client's report goes into the daemon's log and events: its first 1024 bytes, anything but
+  // printable ASCII (and the quote and backslash that delimit logged values) made '?'. The slot is
+  // released either way.
+  std::string corrupt = req->corrupt().substr(0, 1024);
+  std::replace_if(
+      corrupt.begin(), corrupt.end(), [](char c) { return c < 0x20 || c > 0x7e || c == '"' || c == '\\'; }, '?');
+  return ToGrpc(daemon_->ReleaseSlot(req->session_id(), SlotTicket{req->slot(), req->generation()}, corrupt));
 }
 
 grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest* req,

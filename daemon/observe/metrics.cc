@@ -176,8 +176,8 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
        "complete.",
        &JobSeries::split_attempts},
       {"flashckpt_memory_fallbacks_total",
-       "Memory checkpoints that failed their checksums at a restore: dropped, never handed over, the files read "
-       "instead.",
+       "Memory checkpoints that failed their checksums at a restore (the daemon's check, or the client's as it "
+       "copied): dropped, never restored, the files read instead.",
        &JobSeries::memory_fallbacks},
   };
   for (const auto& def : kCounters) {

@@ -260,6 +260,61 @@ TEST_F(MemoryTierTest, AFlippedByteIsNeverHandedOverAndTheDiskIsReadInstead) {
       << d_.daemon()->RenderMetrics();
 }
 
+// The client checks each chunk as it copies it, so a chunk that fails may come after others were
+// copied. With no checkpoint on disk to read instead, the restore is an error, never found=false
+// (which tells a trainer its buffers are untouched and it starts afresh).
+TEST_F(MemoryTierTest, AFlippedByteWithNothingOnDiskIsAnErrorNotAFreshStart) {
+  TestTrainer t = d_.StartTrainer("memtier-nodisk", kFloats);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(Memory(t, 3));
+  const std::string segment = SegmentPath("memtier-nodisk");
+  ASSERT_FALSE(segment.empty());
+  const uint64_t slot = KeptSlotOffset(segment, 3);
+  ASSERT_NE(slot, 0u);
+  t.client.reset();
+  FlipTensorByte(segment, slot);
+
+  TestTrainer next = d_.StartTrainer("memtier-nodisk", kFloats);
+  ASSERT_TRUE(next.client);
+  auto r = next.client->Restore(std::nullopt, next.bufs, std::chrono::seconds(10));
+  ASSERT_FALSE(r.ok()) << "found=" << r->found << " step=" << r->step;
+  EXPECT_EQ(r.status().code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(r.status().message(), "no checkpoint on disk")) << r.status().ToString();
+  // The memory checkpoint is gone; asked again, the job has nothing: a fresh start.
+  r = next.client->Restore(std::nullopt, next.bufs, std::chrono::seconds(10));
+  ASSERT_OK(r.status());
+  EXPECT_FALSE(r->found);
+}
+
+// A tensor of no elements lies at the offset of the tensor after it: the checksums handed to the
+// client still match each tensor, and the restore from memory goes through.
+TEST_F(MemoryTierTest, ATensorOfNoElementsRestoresFromMemory) {
+  std::vector<TensorSpec> specs = ModelAndMomentSpecs(kFloats);
+  TensorSpec empty = specs[0];
+  empty.name = "a.empty";
+  empty.shape = {0};
+  specs.insert(specs.begin(), empty);
+  auto start = [&](TestTrainer& t) {
+    t.client = d_.Connect("memtier-empty", 0);
+    ASSERT_TRUE(t.client);
+    ASSERT_OK(t.client->Register(Topology{}, specs));
+    t.w.resize(kFloats);
+    t.m.resize(kFloats);
+    t.bufs = {{"a.empty", nullptr, 0}, {"w", t.w.data(), kFloats * 4}, {"w.exp_avg", t.m.data(), kFloats * 4}};
+  };
+  TestTrainer t;
+  start(t);
+  ASSERT_OK(Memory(t, 4));
+  t.client.reset();
+  TestTrainer next;
+  start(next);
+  auto r = next.client->Restore(std::nullopt, next.bufs, std::chrono::seconds(10));
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 4);
+  EXPECT_EQ(r->tier, Tier::kMemory);
+  EXPECT_TRUE(next.All(4));
+}
+
 TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) {
   TestTrainer t = d_.StartTrainer("memtier-list", kFloats);
   ASSERT_TRUE(t.client);

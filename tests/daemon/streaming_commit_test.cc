@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "common/format/checksum.h"
 #include "common/io/fs.h"
 #include "common/io/shm.h"
 #include "flashckpt.grpc.pb.h"
@@ -317,6 +318,149 @@ TEST_P(StreamingCommitStopTest, StopDoesNotWaitOutTheCopyTimeout) {
 
 INSTANTIATE_TEST_SUITE_P(WriterAndEmaStage, StreamingCommitStopTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Ema" : "NoEma"; });
+
+// A client that verifies a memory checkpoint itself (RestoreRequest.verify_in_client) gets it with the
+// checksums the daemon recorded at the commit, one per chunk of each tensor, and reports a chunk that
+// does not match in ReleaseSlot; a client that does not ask gets it verified by the daemon.
+class ClientVerificationTest : public StreamingCommitTest {
+ protected:
+  // Disk step 1 ('d' bytes) and memory step 2 ('m' bytes, checksummed), then a new trainer process.
+  void SetUpSteps() {
+    Start(60s);
+    auto disk = Begin(1);
+    Fill(disk.slot(), 'd');
+    ASSERT_TRUE(Commit(disk, 1).ok());
+    ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+    auto memory = Begin(2, v1::TIER_MEMORY);
+    memory_slot_ = memory.slot();
+    Fill(memory_slot_, 'm');
+    ASSERT_TRUE(Commit(memory, 2, /*persist=*/false).ok());
+    Restart();
+    v1::RestorableRequest req;  // waits for the checksums of the memory checkpoint
+    req.set_session_id(session_->id());
+    req.set_timeout_ms(10000);
+    v1::RestorableResponse held;
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx, 30s);
+    grpc::Status s = stub_->Restorable(&ctx, req, &held);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(held.memory_steps_size(), 1);
+    ASSERT_EQ(held.memory_steps(0), 2);
+  }
+  // Restores the latest and keeps the slot.
+  grpc::Status RestoreHeld(bool verify_in_client, v1::RestoreResponse* resp) {
+    v1::RestoreRequest req;
+    req.set_session_id(session_->id());
+    req.set_timeout_ms(10000);
+    req.set_verify_in_client(verify_in_client);
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx, 30s);
+    return stub_->Restore(&ctx, req, resp);
+  }
+  grpc::Status Release(const v1::RestoreResponse& resp, const std::string& corrupt) {
+    v1::ReleaseSlotRequest req;
+    req.set_session_id(session_->id());
+    req.set_slot(resp.slot());
+    req.set_generation(resp.generation());
+    req.set_corrupt(corrupt);
+    v1::ReleaseSlotResponse released;
+    grpc::ClientContext ctx;
+    RawDeadline(&ctx);
+    return stub_->ReleaseSlot(&ctx, req, &released);
+  }
+  uint32_t memory_slot_ = 0;
+};
+
+TEST_F(ClientVerificationTest, AClientThatVerifiesGetsEveryChunksChecksumAndAnOldClientAVerifiedSlot) {
+  SetUpSteps();
+  v1::RestoreResponse resp;
+  grpc::Status s = RestoreHeld(/*verify_in_client=*/true, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(resp.found());
+  EXPECT_EQ(resp.step(), 2);
+  EXPECT_EQ(resp.tier(), v1::TIER_MEMORY);
+  EXPECT_EQ(resp.slot(), memory_slot_);
+  const uint64_t chunk = resp.chunk_bytes();
+  ASSERT_GT(chunk, 0u);
+  ASSERT_EQ(resp.chunk_sums_size(), reg_.placements_size());
+  for (const v1::TensorChunkSums& t : resp.chunk_sums()) {
+    bool placed = false;
+    for (const auto& p : reg_.placements()) placed = placed || (p.slot_offset() == t.slot_offset() && p.bytes() == t.bytes());
+    EXPECT_TRUE(placed) << "checksums for bytes " << t.slot_offset() << "+" << t.bytes() << " of no tensor";
+    ASSERT_EQ(static_cast<uint64_t>(t.sums_size()), (t.bytes() + chunk - 1) / chunk);
+    ASSERT_GT(t.sums_size(), 1) << "each tensor spans several chunks";
+    for (int k = 0; k < t.sums_size(); ++k) {
+      const uint64_t from = static_cast<uint64_t>(k) * chunk;
+      EXPECT_EQ(t.sums(k), Xxh3(Slot(resp.slot()) + t.slot_offset() + from, std::min(chunk, t.bytes() - from)))
+          << "chunk " << k;
+    }
+  }
+  s = Release(resp, "");
+  ASSERT_TRUE(s.ok()) << s.error_message();
+
+  // A client that does not verify (an older one, or one restoring into device memory) gets the slot
+  // verified by the daemon, and no checksums.
+  v1::RestoreResponse plain;
+  s = RestoreHeld(/*verify_in_client=*/false, &plain);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(plain.found());
+  EXPECT_EQ(plain.tier(), v1::TIER_MEMORY);
+  EXPECT_EQ(plain.chunk_bytes(), 0u);
+  EXPECT_EQ(plain.chunk_sums_size(), 0);
+  // A mismatch reported for a slot the daemon verified itself is not the client's to report: ignored.
+  ASSERT_TRUE(Release(plain, "chunk 0 of tensor 'w' does not match").ok());
+  v1::RestoreResponse kept;
+  s = RestoreHeld(/*verify_in_client=*/true, &kept);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(kept.tier(), v1::TIER_MEMORY) << "a report about a daemon-verified slot dropped the checkpoint";
+  ASSERT_TRUE(Release(kept, "").ok());
+  // The daemon's verification still refuses a flipped byte: the restore reads the files instead.
+  Slot(memory_slot_)[Placement("w").slot_offset() + 5] ^= 0x01;
+  v1::RestoreResponse fallback;
+  s = RestoreHeld(/*verify_in_client=*/false, &fallback);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(fallback.found());
+  EXPECT_EQ(fallback.step(), 1);
+  EXPECT_EQ(fallback.tier(), v1::TIER_DISK);
+  EXPECT_EQ(fallback.chunk_sums_size(), 0);
+  ASSERT_TRUE(Release(fallback, "").ok());
+}
+
+TEST_F(ClientVerificationTest, AMismatchTheClientReportsDropsTheMemoryCheckpointAndTheNextRestoreReadsTheFiles) {
+  SetUpSteps();
+  auto events = d_.daemon()->events().Subscribe("stream");
+  v1::RestoreResponse resp;
+  grpc::Status s = RestoreHeld(/*verify_in_client=*/true, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(resp.tier(), v1::TIER_MEMORY);
+  // A report goes into the log and an event: its first 1024 bytes, with anything that could forge a
+  // log line or a logged value made '?'.
+  s = Release(resp, "chunk 1 of tensor 'w'\n\"forged\"=\\ " + std::string(2000, 'x'));
+  ASSERT_TRUE(s.ok()) << s.error_message();
+
+  DaemonEvent event;
+  bool seen = false;
+  while (!seen && events->Next(&event, std::chrono::steady_clock::now() + 5s) == EventHub::Wait::kEvent) {
+    if (event.kind != DaemonEvent::Kind::kMemoryFallback) continue;
+    seen = true;
+    EXPECT_EQ(event.step, 2);
+    EXPECT_NE(event.reason.find("found by the client"), std::string::npos) << event.reason;
+    EXPECT_NE(event.reason.find("chunk 1 of tensor 'w'??forged?=? xxx"), std::string::npos) << event.reason;
+    EXPECT_EQ(event.reason.find(std::string(1024, 'x')), std::string::npos) << "the report was not cut";
+  }
+  EXPECT_TRUE(seen) << "no memory-fallback event";
+  EXPECT_NE(d_.daemon()->RenderMetrics().find("flashckpt_memory_fallbacks_total{job=\"stream\"} 1"), std::string::npos)
+      << d_.daemon()->RenderMetrics();
+  v1::RestoreResponse again;
+  s = RestoreHeld(/*verify_in_client=*/true, &again);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(again.found());
+  EXPECT_EQ(again.step(), 1);
+  EXPECT_EQ(again.tier(), v1::TIER_DISK);
+  EXPECT_EQ(again.chunk_sums_size(), 0);
+  EXPECT_EQ(Slot(again.slot())[Placement("w").slot_offset()], 'd');
+  ASSERT_TRUE(Release(again, "").ok());
+}
 
 }  // namespace
 }  // namespace flashckpt

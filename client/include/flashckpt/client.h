@@ -239,10 +239,13 @@ class FLASHCKPT_API Client {
   Status WaitComplete(int64_t step, std::chrono::milliseconds timeout);
 
   // Restores `step` (nullopt: the latest complete checkpoint) into `buffers`, which must name every
-  // registered tensor. Checksums are verified by the daemon before any byte reaches the buffers.
-  // When this rank holds a memory checkpoint of `step` (nullopt, in a job of one rank: its newest,
-  // if not older than the latest complete checkpoint), that is restored instead (result.tier); one
-  // that fails its checksums is never handed over: the daemon drops it and reads the files.
+  // registered tensor. Checksums of a checkpoint read from files are verified by the daemon before
+  // any byte reaches the buffers. When this rank holds a memory checkpoint of `step` (nullopt, in a
+  // job of one rank: its newest, if not older than the latest complete checkpoint), that is
+  // restored instead (result.tier); into host buffers this client checks each chunk right before it
+  // copies it (device buffers: the daemon checks the whole slot first). One that fails its checksums
+  // is never restored: it is dropped and the files are read, overwriting whatever of it was copied;
+  // when there is no file to read, this fails with kCorruption instead of answering found=false.
   // The checkpoint may have been saved in another parallel layout: the daemon reads the parts of it
   // this rank's tensors cover.
   Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
