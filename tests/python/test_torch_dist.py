@@ -14,6 +14,10 @@ Each case runs two real worker processes (this file, run with "worker") against 
 - DDP + ZeroRedundancyOptimizer over 4 ranks, one parameter frozen and one layer unused: each
   trainable parameter's AdamW state is in exactly one file;
   2 processes resume it, each rank gets the state of its new partition bit for bit, and train on;
+- a job of more ranks than saved: DDP + AdamW and DDP + ZeroRedundancyOptimizer saved by 2
+  processes are resumed by 4; ranks 2 and 3, which have no part of the checkpoint, get rank 0's,
+  the DDP ranks all restore the parameters, buffers and AdamW state bit for bit, and the ZeRO
+  ranks each the state of their new partition, every parameter's state on exactly one rank;
 - a hand-written tensor-parallel MLP (fc1 column-parallel, fc2 row-parallel over gloo), tp 2 x dp 2,
   saved with shard_specs, restores as tp 1 x dp 2 (every rank the full tensors) and as tp 2 x dp 1
   (each rank its part), parameters and AdamW moments equal bit for bit to the saved ones, into a
@@ -454,6 +458,61 @@ class DistributedResumeTest(harness.DaemonTestCase):
                 else:
                     resumed_states[name] = t
         self.assertEqual(sorted(resumed_states), sorted(full))  # the two new partitions cover every parameter
+        for name, t in full.items():
+            self.assertTrue(torch.equal(resumed_states[name], t), name)
+
+    def test_a_job_of_more_ranks_resumes_a_ddp_checkpoint(self):
+        import torch
+
+        job = self.daemon.job("ddpmore")
+        saved = self.saved_group("ddp_save", job, 2)
+        for name, t in saved[1].items():
+            if not name.startswith("buffer."):  # BatchNorm statistics differ per rank
+                self.assertTrue(torch.equal(t, saved[0][name]), name)
+        step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-4")
+        self.assertEqual(sorted(f for f in os.listdir(step_dir) if f.startswith("extra.rank")),
+                         ["extra.rank00000.json", "extra.rank00001.json"])  # ranks 2 and 3 have no part
+
+        results, procs, outs = self.run_pair("ddp_resume", job, world=4)
+        self.assertEqual([p.returncode for p in procs], [0] * 4, self.logs(outs))
+        for rank, (r, out) in enumerate(zip(results, outs)):
+            self.assertEqual(r["step"], 4)
+            got = torch.load(out + ".pt")
+            self.assertEqual(sorted(got), sorted(saved[0]))
+            for name, t in saved[0].items():  # buffers: rank 0's, which DDP broadcasts
+                self.assertTrue(torch.equal(got[name], t), "rank %d of 4: %s" % (rank, name))
+
+    def test_a_job_of_more_ranks_resumes_a_zero_optimizer_checkpoint(self):
+        import torch
+
+        job = self.daemon.job("zeromore")
+        saved = self.saved_group("zero_save", job, 2)
+        full = {}
+        for part in saved:
+            for name, t in part.items():
+                if name.startswith("state."):
+                    self.assertNotIn(name, full, "two ranks hold the state of one parameter")
+                    full[name] = t
+        self.assertEqual(len({n.split(".")[1] for n in full}), 5)  # every used trainable parameter
+
+        results, procs, outs = self.run_pair("zero_resume", job, world=4)
+        self.assertEqual([p.returncode for p in procs], [0] * 4, self.logs(outs))
+        resumed_states = {}
+        new_ranks_states = 0
+        for rank, (r, out) in enumerate(zip(results, outs)):
+            self.assertEqual(r["step"], 3)
+            self.assertTrue(r["after_step_finite"])
+            got = torch.load(out + ".pt")
+            for name, t in got.items():
+                if name.startswith("param."):
+                    self.assertTrue(torch.equal(t, saved[0][name]), "rank %d of 4: %s" % (rank, name))
+                else:
+                    self.assertNotIn(name, resumed_states, "two ranks restored the state of one parameter")
+                    resumed_states[name] = t
+                    if rank >= 2:
+                        new_ranks_states += 1
+        self.assertGreater(new_ranks_states, 0, "ranks 2 and 3 hold no optimizer state: the case is not tested")
+        self.assertEqual(sorted(resumed_states), sorted(full))  # the four new partitions cover every parameter
         for name, t in full.items():
             self.assertTrue(torch.equal(resumed_states[name], t), name)
 

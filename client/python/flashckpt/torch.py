@@ -49,8 +49,8 @@ first differing key, and leaves the model untouched when the difference is known
 
 A torch.distributed.optim.ZeroRedundancyOptimizer is saved without consolidating: each rank writes
 the state of its own partition (under the global parameter indices of ZeRO's consolidated
-state_dict), and a job of as many or fewer ranks resumes it, each rank taking its new partition's
-state. (A job of more ranks cannot resume a checkpoint yet: its new ranks have no part of it.)
+state_dict), and a job of any number of ranks resumes it, each rank taking its new partition's
+state.
 
 Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's memory only
 (checksummed in the background, never written), so a trainer can save every step and write a disk
@@ -65,7 +65,10 @@ data-parallel split of replicated tensors (replicated=False turns it off).
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
 bounds the wait) and takes the newest step every rank sees complete. A rank that fails makes every
-rank raise, the others with a FailedPreconditionError naming it and its reason.
+rank raise, the others with a FailedPreconditionError naming it and its reason. A job of more ranks
+than the one that saved resumes it too: a rank whose number had no part in that job takes rank 0's
+part (the structure, the non-tensor values and `extra`; not the RNG state, which stays its own),
+handed on over the group, and restores every tensor it holds from whichever files hold them.
 
 Tensors must be contiguous CPU tensors of a supported dtype: a non-contiguous one raises a
 ValueError naming it (fix: p.data = p.data.contiguous()), never a silent copy. The Python package
@@ -577,7 +580,8 @@ class Checkpointer:
     def _probe(self, tensors: Mapping[str, Any], step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
         """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
         tensor into scratch memory; (None, None) when there is none. The blob (a dict parsed from
-        JSON) holds the saved tree."""
+        JSON) holds the saved tree; it is None when the checkpoint holds no extra state of this
+        rank (a rank number the job that saved it did not have: see _borrow_part)."""
         first = next(iter(tensors))
         scratch = torch.empty_like(tensors[first])
         self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
@@ -592,18 +596,48 @@ class Checkpointer:
                 % (first, e.message), key=first) from None
         if found is None:
             return None, None
+        if not extra:
+            return found, None
         try:
-            blob = json.loads(extra.decode("utf-8")) if extra else None
+            blob = json.loads(extra.decode("utf-8"))
         except ValueError:
             blob = None
-        if not extra:
-            raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was saved "
-                                          "by fewer ranks (a job of more ranks cannot resume it yet) or not by "
-                                          "flashckpt.torch.Checkpointer" % (found, self.client.rank))
         if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
             raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
                                          "state has no state-dict structure); restore it with flashckpt.Client" % found)
         return found, blob
+
+    def _borrow_part(self, group: ProcessGroup, found: int, blob: Any) -> Tuple[Dict[str, Any], bool]:
+        """(blob, borrowed): this rank's part of checkpoint `found` (`blob`, as _probe read it), or,
+        on a rank whose number the job that saved it did not have (`blob` is None), a copy of rank
+        0's part without its RNG state, handed on by the group's rank that read it (borrowed=True).
+        The ranks of a job that saved with Checkpointer are 0 .. n-1, each with its part; parts
+        missing otherwise raise on every rank. Every rank makes the same calls: one gather, and a
+        broadcast when some rank has no part."""
+        have = cast(List[Tuple[int, bool]], self._gather(group, (self.client.rank, blob is not None)))
+        if all(has for _, has in have):
+            return blob, False
+        holders = sorted(r for r, has in have if has)
+        missing = sorted(r for r, has in have if not has)
+        if not holders:
+            raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (it holds the "
+                                         "extra state of none of the %d ranks); restore it with flashckpt.Client"
+                                         % (found, len(have)))
+        if holders != list(range(len(holders))):
+            raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d but one of "
+                                          "rank %d: it was not written by the ranks 0 to n-1 of a "
+                                          "flashckpt.torch.Checkpointer job (every rank raises)"
+                                          % (found, missing[0], holders[-1]))
+        # Rank 0's part, from the group's rank that restores rank 0 (its tree describes the whole
+        # state of a data-parallel job, and, for a ZeroRedundancyOptimizer, its structure).
+        source = next(g for g, (r, _) in enumerate(have) if r == 0)
+        box: List[Any] = [blob if self.client.rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, source), group=group)
+        if blob is not None:
+            return blob, False
+        part = dict(cast(Dict[str, Any], box[0]))
+        part.pop("rng", None)  # rank 0's random streams: this rank keeps its own
+        return part, True
 
     def resume(self, step: Optional[int] = None, timeout: float = 600.0) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
@@ -619,6 +653,12 @@ class Checkpointer:
         same `step` (ranks that ask for different steps all raise ValueError). The gathers use the
         group's backend: with NCCL, set the rank's device (torch.cuda.set_device) first; with gloo a
         peer that died makes them fail at once, with NCCL only the group's timeout ends the wait.
+
+        The checkpoint may have been saved by fewer ranks: a rank whose number that job did not
+        have gets rank 0's part of it (structure, non-tensor values and self.extra; its RNG state
+        is left as it is) and restores everything it holds (the replicated model and optimizer, or
+        its new ZeroRedundancyOptimizer partition) from whichever files hold it. Its state must
+        have rank 0's structure (data and tensor parallelism; not another pipeline stage).
         """
         group = self._group()
 
@@ -674,7 +714,14 @@ class Checkpointer:
             tree, tensors = self._state()
             if not tensors:
                 raise ValueError("the states hold no tensors; there is nothing to resume")
-            return (tree, tensors) + self._probe(tensors, step, timeout)
+            probed = self._probe(tensors, step, timeout)
+            if probed[0] is not None and probed[1] is None and group is None:
+                # Without a group no other rank can hand its part on (_borrow_part).
+                raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was "
+                                              "saved by fewer ranks (a job of more ranks resumes it in a "
+                                              "torch.distributed process group, whose ranks hand rank 0's part on) "
+                                              "or not by flashckpt.torch.Checkpointer" % (probed[0], self.client.rank))
+            return (tree, tensors) + probed
 
         tree, tensors, found, blob = stage("read its checkpoint", probe)
         if group is not None:
@@ -699,15 +746,22 @@ class Checkpointer:
                                               % (memory_failed, self.client.job))
             return None
         chosen: int = found  # for the closures below, which do not see `found` narrowed
+        # A rank whose number the saving job did not have takes rank 0's part (a job of more ranks).
+        borrowed = False
+        if group is not None:
+            blob, borrowed = self._borrow_part(group, chosen, blob)
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
         stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree))
         if any(_is_zero(v) for v in self.states.values()):
             # What each rank of the saving job recorded of its partition (those of this group's ranks:
-            # one gather, on every rank alike), then this rank's new partition.
-            part = {"records": blob.get("zero"),
-                    "trees": {k: _state.subtree(blob["state"], (k, "state"))
-                              for k, v in self.states.items() if _is_zero(v)}}
+            # one gather, on every rank alike), then this rank's new partition. A rank that borrowed
+            # rank 0's part adds nothing: rank 0 sends it.
+            part: Dict[str, Any] = {"records": None, "trees": {}}
+            if not borrowed:
+                part = {"records": blob.get("zero"),
+                        "trees": {k: _state.subtree(blob["state"], (k, "state"))
+                                  for k, v in self.states.items() if _is_zero(v)}}
             records = [part]
             if group is not None:
                 records = self._gather(group, part)
@@ -790,11 +844,12 @@ class Checkpointer:
 
     def _take_partitions(self, blob: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
         """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
-        rank holds now. The job may have fewer ranks than the one that saved: this rank's saved tree
-        describes the state of every trainable parameter it could (see _describe_partitions), and
-        `records`, the parts of the saving job's ranks that this group's ranks read (their
-        descriptions; the partition each held and which of its parameters had state), fill in what
-        this rank's part does not describe and say which parameters had no state."""
+        rank holds now. The job may have fewer or more ranks than the one that saved: this rank's
+        saved tree (rank 0's on a rank the saving job did not have) describes the state of every
+        trainable parameter it could (see _describe_partitions), and `records`, the parts of the
+        saving job's ranks that this group's ranks read (their descriptions; the partition each
+        held and which of its parameters had state), fill in what this rank's tree does not
+        describe and say which parameters had no state."""
         for key, zero in self.states.items():
             if not _is_zero(zero):
                 continue
