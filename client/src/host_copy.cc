@@ -10,6 +10,8 @@
 #endif
 
 #include "common/format/checksum.h"
+#include "common/format/layout.h"
+#include "common/format/slot_checksums.h"
 
 namespace flashckpt {
 namespace {
@@ -43,12 +45,6 @@ void StreamFence() {
   _mm_sfence();
 #endif
 }
-
-uint64_t ChunksOf(uint64_t bytes, uint64_t chunk) { return (bytes + chunk - 1) / chunk; }
-
-}  // namespace
-
-namespace {
 
 void ParallelCopyWith(ParallelLoop* loop, const std::vector<CopyTask>& tasks, void (*copy)(char*, const char*, size_t)) {
   constexpr size_t kChunk = 16u << 20;
@@ -86,7 +82,7 @@ void ParallelStreamCopy(ParallelLoop* loop, const std::vector<CopyTask>& tasks) 
 Status ParallelVerifiedCopy(ParallelLoop* loop, const std::vector<VerifiedCopyTask>& tasks, uint64_t chunk_bytes) {
   if (chunk_bytes == 0) return InvalidArgument("the memory checkpoint's checksum chunk size is 0");
   for (const VerifiedCopyTask& t : tasks) {
-    if ((t.sums == nullptr && t.sum_count > 0) || t.sum_count != ChunksOf(t.copy.bytes, chunk_bytes)) {
+    if ((t.sums == nullptr && t.sum_count > 0) || t.sum_count != ChunkCount(t.copy.bytes, chunk_bytes)) {
       return InvalidArgument("the memory checkpoint's checksums do not cover tensor '" + t.name + "' (" +
                              std::to_string(t.sum_count) + " for " + std::to_string(t.copy.bytes) + " bytes)");
     }
@@ -133,11 +129,8 @@ Status ParallelVerifiedCopy(ParallelLoop* loop, const std::vector<VerifiedCopyTa
   for (size_t u = 0; u < units.size(); ++u) {
     if (!bad[u]) continue;
     const VerifiedCopyTask& task = tasks[units[u].task];
-    const uint64_t c = bad[u]->first, from = c * chunk_bytes;
-    const uint64_t to = std::min<uint64_t>(from + chunk_bytes, task.copy.bytes);
-    return Corruption("memory checkpoint: chunk " + std::to_string(c) + " (bytes " + std::to_string(from) + "-" +
-                      std::to_string(to) + ") of tensor '" + task.name + "' has checksum " +
-                      ChecksumHex(bad[u]->second) + ", it was " + ChecksumHex(task.sums[c]) + " when committed");
+    return ChunkMismatch(task.name, bad[u]->first, chunk_bytes, task.copy.bytes, bad[u]->second,
+                         task.sums[bad[u]->first]);
   }
   return Status::OK();
 }

@@ -63,6 +63,15 @@ SlotChecksums ComputeSlotChecksums(const char* slot, const RankLayout& layout, P
   return out;
 }
 
+Status ChunkMismatch(const std::string& tensor, uint64_t chunk, uint64_t chunk_bytes, uint64_t tensor_bytes,
+                     uint64_t found, uint64_t committed) {
+  const uint64_t from = chunk * chunk_bytes;
+  const uint64_t to = std::min(from + chunk_bytes, tensor_bytes);
+  return Corruption("memory checkpoint: chunk " + std::to_string(chunk) + " (bytes " + std::to_string(from) + "-" +
+                    std::to_string(to) + ") of tensor '" + tensor + "' has checksum " + ChecksumHex(found) +
+                    ", it was " + ChecksumHex(committed) + " when committed");
+}
+
 Status CheckSlotChecksumsFit(const RankLayout& layout, const SlotChecksums& sums) {
   if (sums.chunk_bytes != layout.checksum_chunk || sums.first.size() != layout.placements.size()) {
     return Corruption("the memory checkpoint's checksums were not computed for this layout (" +
@@ -98,12 +107,8 @@ Status VerifySlotChecksums(const char* slot, const RankLayout& layout, const Slo
   for (size_t k = 0; k < tasks.size(); ++k) {
     if (!bad[k]) continue;
     const size_t t = tasks[k].tensor;
-    const uint64_t c = bad[k]->first, from = c * sums.chunk_bytes;
-    const uint64_t to = std::min(from + sums.chunk_bytes, layout.placements[t].bytes);
-    return Corruption("memory checkpoint: chunk " + std::to_string(c) + " (bytes " + std::to_string(from) + "-" +
-                      std::to_string(to) + ") of tensor '" + layout.tensors[t].name + "' has checksum " +
-                      ChecksumHex(bad[k]->second) + ", it was " + ChecksumHex(sums.sums[sums.first[t] + c]) +
-                      " when committed");
+    return ChunkMismatch(layout.tensors[t].name, bad[k]->first, sums.chunk_bytes, layout.placements[t].bytes,
+                         bad[k]->second, sums.sums[sums.first[t] + bad[k]->first]);
   }
   return Status::OK();
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/base/status.h"
@@ -33,5 +34,10 @@ Status CheckSlotChecksumsFit(const RankLayout& layout, const SlotChecksums& sums
 // that do not (and both values) otherwise, or when `sums` was not computed for this layout.
 Status VerifySlotChecksums(const char* slot, const RankLayout& layout, const SlotChecksums& sums,
                            ParallelLoop* loop);
+
+// The CORRUPTION both verifiers (the daemon's VerifySlotChecksums, the client's verified copy) return
+// for chunk `chunk` of a tensor of `tensor_bytes` bytes that hashed to `found`, not `committed`.
+Status ChunkMismatch(const std::string& tensor, uint64_t chunk, uint64_t chunk_bytes, uint64_t tensor_bytes,
+                     uint64_t found, uint64_t committed);
 
 }  // namespace flashckpt

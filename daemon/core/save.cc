@@ -284,28 +284,23 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   job.persist = persist;
   job.job = who.job;
   job.rank = who.rank;
-  if (memory) {
-    // Kept in its slot once the EMA stage has computed its checksums over the finished copies.
+  // A memory checkpoint is kept in its slot once the EMA stage has computed its checksums over the
+  // finished copies. A disk snapshot of a rank that takes memory checkpoints is also checksummed by
+  // the EMA stage, and kept as the rank's newest memory checkpoint once written
+  // (SlotTable::KeepOnceWritten).
+  const bool also_memory = persist && rank->memory_checkpoints && !segment->ema;
+  if (memory || also_memory) {
     job.resident = std::make_shared<ResidentCheckpoint>();
     job.resident->step = step;
     job.resident->attempt = rank->attempt();
     job.resident->world_size = rank->topology.world_size;
-    job.resident->extra = std::move(extra);
+    job.resident->extra = memory ? std::move(extra) : extra;  // a disk snapshot's request takes the original
     MemoryPending(*segment).push_back({ticket.slot, job.resident});
+  }
+  if (memory) {
     EmaPending(*segment) += 1;
     ema_stage_->Submit(std::move(job));
     return Status::OK();
-  }
-  // A disk snapshot of a rank that takes memory checkpoints is also checksummed by the EMA stage,
-  // and kept as the rank's newest memory checkpoint once written (SlotTable::KeepOnceWritten).
-  const bool also_memory = persist && rank->memory_checkpoints && !segment->ema;
-  if (also_memory) {
-    job.resident = std::make_shared<ResidentCheckpoint>();
-    job.resident->step = step;
-    job.resident->attempt = rank->attempt();
-    job.resident->world_size = rank->topology.world_size;
-    job.resident->extra = extra;
-    MemoryPending(*segment).push_back({ticket.slot, job.resident});
   }
   if (persist) {
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
@@ -324,19 +319,16 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
 Status Daemon::FinishCommittedLocked(EmaJob job) {
   RankSegment& segment = *job.segment;
   std::shared_ptr<const ResidentCheckpoint> once_written;  // a disk snapshot that also stays in memory
+  // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped while queued.
+  const bool keep = job.resident && job.resident_ok && !job.resident->dropped.load();
   if (job.resident) {
     auto& pending = MemoryPending(segment);
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [&](const RankSegment::PendingMemory& p) { return p.resident == job.resident; }),
                   pending.end());
-    // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped while queued.
-    const bool keep = job.resident_ok && !job.resident->dropped.load();
-    if (job.persist) {
-      if (keep) once_written = std::move(job.resident);
-    }
+    if (job.persist && keep) once_written = std::move(job.resident);
   }
   if (job.resident && !job.persist) {
-    const bool keep = job.resident_ok && !job.resident->dropped.load();
     if (!keep) {
       Logger("save")->info("memory checkpoint not kept job={} rank={} step={} reason={}", job.job, job.rank, job.step,
                            job.resident->dropped.load() ? "dropped" : "copies failed");
