@@ -99,8 +99,9 @@ def worker(case, rank, world, port, sock, job, out):
             model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
             optimizer.step()
             if step % 2 == 0:
-                ck.save(step)
+                ck.save(step, extra={"rank": rank, "step": step})
         ck.wait_persisted(4, timeout=60)
+        result["draw"] = torch.rand(1).item()  # from the RNG state saved with step 4
 
     result = {"rank": rank}
     if case == "save":
@@ -113,6 +114,14 @@ def worker(case, rank, world, port, sock, job, out):
         with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
             result["step"] = ck.resume()
         result["digest"] = digest(model, optimizer)
+    elif case == "resume_error":
+        model, optimizer = make(seed=7)
+        with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
+            try:
+                result["step"] = ck.resume()
+                result["error"] = None
+            except flashckpt.FlashckptError as e:
+                result["error"] = [type(e).__name__, str(e)]
     elif case == "mismatch":
         model, optimizer = make(sgd=(rank == 1), seed=7)
         before = digest(model, optimizer)
@@ -143,7 +152,10 @@ def worker(case, rank, world, port, sock, job, out):
             if case == "ddp_save":
                 train_and_save(model, optimizer, ck)
             else:
+                torch.manual_seed(100 + rank)  # kept by a rank the saving job did not have
                 result["step"] = ck.resume()
+                result["extra"] = ck.extra
+                result["draw"] = torch.rand(1).item()
         dump = {"param.%s" % n: p.detach().clone() for n, p in model.named_parameters()}
         dump.update({"buffer.%s" % n: b.clone() for n, b in model.named_buffers()})
         for i, p in enumerate(model.parameters()):
@@ -342,7 +354,7 @@ class DistributedResumeTest(harness.DaemonTestCase):
         """Runs `case` in `world` workers, which must all succeed; the tensors each dumped."""
         import torch
 
-        _, procs, outs = self.run_pair(case, job, world=world)
+        self.last_results, procs, outs = self.run_pair(case, job, world=world)
         self.assertEqual([p.returncode for p in procs], [0] * world, self.logs(outs))
         return [torch.load(out + ".pt") for out in outs]
 
@@ -423,21 +435,21 @@ class DistributedResumeTest(harness.DaemonTestCase):
                 for name, t in saved[0].items():  # buffers: rank 0's, which DDP broadcasts
                     self.assertTrue(torch.equal(got[name], t), "%d ranks: %s" % (world, name))
 
-    def test_zero_optimizer_state_is_written_once_and_resumes_into_another_world_size(self):
+    def check_zero_resume(self, job, saved_world, resume_world):
+        """Saves a ZeroRedundancyOptimizer job of `saved_world` ranks (each optimizer state tensor in
+        exactly one file) and resumes it with `resume_world` ranks: the parameters equal, and the new
+        partitions together hold every saved state tensor once, bit for bit."""
         import torch
 
-        job = self.daemon.job("zero")
-        saved = self.saved_group("zero_save", job, 4)
+        saved = self.saved_group("zero_save", job, saved_world)
         full = {}
         for part in saved:
             for name, t in part.items():
                 if name.startswith("state."):
                     self.assertNotIn(name, full, "two ranks hold the state of one parameter")
                     full[name] = t
-        indices = {n.split(".")[1] for n in full}
-        self.assertEqual(len(indices), 5)  # every used trainable parameter has its state on exactly one rank
+        self.assertEqual(len({n.split(".")[1] for n in full}), 5)  # every used trainable parameter has its state
 
-        # Each optimizer state tensor is in exactly one file of the checkpoint: written once.
         step_dir = os.path.join(self.daemon.job_dir(job), "checkpoint-3")
         written = []
         for f in sorted(os.listdir(step_dir)):
@@ -445,27 +457,37 @@ class DistributedResumeTest(harness.DaemonTestCase):
                 written += [k for k in safetensors_keys(os.path.join(step_dir, f)) if k.startswith("optim.state.")]
         self.assertEqual(sorted(written), sorted("optim." + n for n in full))
 
-        results, procs, outs = self.run_pair("zero_resume", job, world=2)
-        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        results, procs, outs = self.run_pair("zero_resume", job, world=resume_world)
+        self.assertEqual([p.returncode for p in procs], [0] * resume_world, self.logs(outs))
         resumed_states = {}
-        for r, out in zip(results, outs):
+        new_ranks_states = 0
+        for rank, (r, out) in enumerate(zip(results, outs)):
             self.assertEqual(r["step"], 3)
             self.assertTrue(r["after_step_finite"])
             got = torch.load(out + ".pt")
             for name, t in got.items():
                 if name.startswith("param."):
-                    self.assertTrue(torch.equal(t, saved[0][name]), name)
+                    self.assertTrue(torch.equal(t, saved[0][name]), "rank %d of %d: %s" % (rank, resume_world, name))
                 else:
+                    self.assertNotIn(name, resumed_states, "two ranks restored the state of one parameter")
                     resumed_states[name] = t
-        self.assertEqual(sorted(resumed_states), sorted(full))  # the two new partitions cover every parameter
+                    new_ranks_states += rank >= saved_world
+        if resume_world > saved_world:
+            self.assertGreater(new_ranks_states, 0, "the ranks the saving job did not have hold no optimizer "
+                               "state: the case is not tested")
+        self.assertEqual(sorted(resumed_states), sorted(full))  # the new partitions cover every parameter
         for name, t in full.items():
             self.assertTrue(torch.equal(resumed_states[name], t), name)
+
+    def test_zero_optimizer_state_is_written_once_and_resumes_into_another_world_size(self):
+        self.check_zero_resume(self.daemon.job("zero"), 4, 2)
 
     def test_a_job_of_more_ranks_resumes_a_ddp_checkpoint(self):
         import torch
 
         job = self.daemon.job("ddpmore")
         saved = self.saved_group("ddp_save", job, 2)
+        draws = [r["draw"] for r in self.last_results]
         for name, t in saved[1].items():
             if not name.startswith("buffer."):  # BatchNorm statistics differ per rank
                 self.assertTrue(torch.equal(t, saved[0][name]), name)
@@ -477,44 +499,32 @@ class DistributedResumeTest(harness.DaemonTestCase):
         self.assertEqual([p.returncode for p in procs], [0] * 4, self.logs(outs))
         for rank, (r, out) in enumerate(zip(results, outs)):
             self.assertEqual(r["step"], 4)
+            # A rank the saving job did not have takes rank 0's extra but keeps its own RNG state.
+            self.assertEqual(r["extra"], {"rank": rank if rank < 2 else 0, "step": 4})
+            if rank < 2:
+                self.assertEqual(r["draw"], draws[rank])
+            else:
+                torch.manual_seed(100 + rank)
+                self.assertEqual(r["draw"], torch.rand(1).item())
             got = torch.load(out + ".pt")
             self.assertEqual(sorted(got), sorted(saved[0]))
             for name, t in saved[0].items():  # buffers: rank 0's, which DDP broadcasts
                 self.assertTrue(torch.equal(got[name], t), "rank %d of 4: %s" % (rank, name))
 
     def test_a_job_of_more_ranks_resumes_a_zero_optimizer_checkpoint(self):
-        import torch
+        self.check_zero_resume(self.daemon.job("zeromore"), 2, 4)
 
-        job = self.daemon.job("zeromore")
-        saved = self.saved_group("zero_save", job, 2)
-        full = {}
-        for part in saved:
-            for name, t in part.items():
-                if name.startswith("state."):
-                    self.assertNotIn(name, full, "two ranks hold the state of one parameter")
-                    full[name] = t
-        self.assertEqual(len({n.split(".")[1] for n in full}), 5)  # every used trainable parameter
-
-        results, procs, outs = self.run_pair("zero_resume", job, world=4)
-        self.assertEqual([p.returncode for p in procs], [0] * 4, self.logs(outs))
-        resumed_states = {}
-        new_ranks_states = 0
-        for rank, (r, out) in enumerate(zip(results, outs)):
-            self.assertEqual(r["step"], 3)
-            self.assertTrue(r["after_step_finite"])
-            got = torch.load(out + ".pt")
-            for name, t in got.items():
-                if name.startswith("param."):
-                    self.assertTrue(torch.equal(t, saved[0][name]), "rank %d of 4: %s" % (rank, name))
-                else:
-                    self.assertNotIn(name, resumed_states, "two ranks restored the state of one parameter")
-                    resumed_states[name] = t
-                    if rank >= 2:
-                        new_ranks_states += 1
-        self.assertGreater(new_ranks_states, 0, "ranks 2 and 3 hold no optimizer state: the case is not tested")
-        self.assertEqual(sorted(resumed_states), sorted(full))  # the four new partitions cover every parameter
-        for name, t in full.items():
-            self.assertTrue(torch.equal(resumed_states[name], t), name)
+    def test_a_checkpoint_missing_a_ranks_part_fails_every_rank(self):
+        job = self.daemon.job("distlost")
+        saved, procs, outs = self.run_pair("save", job)
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        os.unlink(os.path.join(self.daemon.job_dir(job), "checkpoint-4", "extra.rank00001.json"))
+        results, procs, outs = self.run_pair("resume_error", job)
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        for r in results:  # not rank 0's part handed to rank 1, as for a rank the saving job did not have
+            self.assertIsNotNone(r["error"], r)
+            self.assertEqual(r["error"][0], "FailedPreconditionError")
+            self.assertIn("saved by 2 ranks but holds no part of rank 1", r["error"][1])
 
     def test_tensor_parallel_checkpoint_restores_into_other_splits(self):
         import torch

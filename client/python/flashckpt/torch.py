@@ -507,7 +507,8 @@ class Checkpointer:
         self._register(tensors, specs)
         payload: Optional[Dict[str, Any]] = None
         if persist:
-            payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra}
+            payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra,
+                       "world_size": self._world_size}
             if self._zero_records:
                 payload["zero"] = self._zero_records
             if self.rng:
@@ -611,26 +612,37 @@ class Checkpointer:
         """(blob, borrowed): this rank's part of checkpoint `found` (`blob`, as _probe read it), or,
         on a rank whose number the job that saved it did not have (`blob` is None), a copy of rank
         0's part without its RNG state, handed on by the group's rank that read it (borrowed=True).
-        The ranks of a job that saved with Checkpointer are 0 .. n-1, each with its part; parts
-        missing otherwise raise on every rank. Every rank makes the same calls: one gather, and a
-        broadcast when some rank has no part."""
-        have = cast(List[Tuple[int, bool]], self._gather(group, (self.client.rank, blob is not None)))
-        if all(has for _, has in have):
+        Each part records the saving job's world size; the ranks below it must all have their part
+        (without that record, from before it was kept: the parts must be those of ranks 0 .. n-1),
+        else every rank raises. Every rank makes the same calls: one gather, and a broadcast when
+        some rank has no part."""
+        saved_world = blob.get("world_size") if isinstance(blob, dict) else None
+        have = cast(List[Tuple[int, bool, Optional[int]]],
+                    self._gather(group, (self.client.rank, blob is not None, saved_world)))
+        if all(has for _, has, _ in have):
             return blob, False
-        holders = sorted(r for r, has in have if has)
-        missing = sorted(r for r, has in have if not has)
+        holders = sorted(r for r, has, _ in have if has)
+        missing = sorted(r for r, has, _ in have if not has)
         if not holders:
             raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (it holds the "
                                          "extra state of none of the %d ranks); restore it with flashckpt.Client"
                                          % (found, len(have)))
-        if holders != list(range(len(holders))):
+        worlds = {w for _, has, w in have if has and isinstance(w, int)}
+        if worlds:
+            saved = max(worlds)
+            lost = [r for r in missing if r < saved]
+            if lost:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d was saved by %d ranks but holds "
+                                              "no part of rank %d (its extra.rank%05d.json is gone; every rank "
+                                              "raises)" % (found, saved, lost[0], lost[0]))
+        elif holders != list(range(len(holders))):
             raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d but one of "
                                           "rank %d: it was not written by the ranks 0 to n-1 of a "
                                           "flashckpt.torch.Checkpointer job (every rank raises)"
                                           % (found, missing[0], holders[-1]))
         # Rank 0's part, from the group's rank that restores rank 0 (its tree describes the whole
         # state of a data-parallel job, and, for a ZeroRedundancyOptimizer, its structure).
-        source = next(g for g, (r, _) in enumerate(have) if r == 0)
+        source = next(g for g, (r, _, _) in enumerate(have) if r == 0)
         box: List[Any] = [blob if self.client.rank == 0 else None]
         torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, source), group=group)
         if blob is not None:
@@ -752,7 +764,7 @@ class Checkpointer:
             blob, borrowed = self._borrow_part(group, chosen, blob)
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
-        stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree))
+        stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree, borrowed))
         if any(_is_zero(v) for v in self.states.values()):
             # What each rank of the saving job recorded of its partition (those of this group's ranks:
             # one gather, on every rank alike), then this rank's new partition. A rank that borrowed
@@ -947,14 +959,21 @@ class Checkpointer:
             node["d"] = entries
         return records
 
-    def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node) -> None:
+    def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node, borrowed: bool = False) -> None:
         """Raises StructureMismatchError naming the first key where the saved states differ from the
-        current ones. A fresh optimizer (no state yet) takes the checkpoint's state."""
+        current ones. A fresh optimizer (no state yet) takes the checkpoint's state. `borrowed`: the
+        saved states are rank 0's (_borrow_part), and the message says so."""
         skip = tuple((key, "state") for key, obj in self.states.items()
                      if _is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
         diff = _state.first_difference(blob["state"], tree, skip=skip)
         if diff:
             key, why = diff
+            if borrowed:
+                raise StructureMismatchError(
+                    "checkpoint-%d was saved by fewer ranks: rank %d has no part of it and takes rank 0's, whose "
+                    "state differs from this rank's (a rank must hold what rank 0 holds: data or tensor "
+                    "parallelism, not another pipeline stage); first differing key '%s': %s"
+                    % (found, self.client.rank, key, why), key=key)
             raise StructureMismatchError("checkpoint-%d does not match the current state; first differing key '%s': %s"
                                          % (found, key, why), key=key)
 
