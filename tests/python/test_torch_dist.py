@@ -30,7 +30,9 @@ Each case runs two real worker processes (this file, run with "worker") against 
 import faulthandler
 import gc
 import json
+import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,28 +142,48 @@ def worker(case, rank, world, port, sock, job, out):
                 result["error"] = None
             except ValueError as e:
                 result["error"] = [type(e).__name__, str(e)]
-    elif case in ("ddp_save", "ddp_resume"):
-        torch.manual_seed(0 if case == "ddp_save" else 9)
+    elif case in ("ddp_save", "ddp_resume", "ddp_memory_save", "ddp_memory_resume"):
+        torch.manual_seed(0 if case.endswith("save") else 9)
         # Tensors of very different sizes: the 64 x 64 weight and its moments are larger than a
         # rank's share, so they are written as flat ranges by several ranks.
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
             torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
             torch.nn.Linear(64, 4)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
-            if case == "ddp_save":
-                train_and_save(model, optimizer, ck)
-            else:
-                torch.manual_seed(100 + rank)  # kept by a rank the saving job did not have
-                result["step"] = ck.resume()
-                result["extra"] = ck.extra
-                result["draw"] = torch.rand(1).item()
+        memory = case.startswith("ddp_memory")
+        ck = Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=memory)
+        if case == "ddp_save":
+            train_and_save(model, optimizer, ck)
+        elif case == "ddp_memory_save":
+            # A memory checkpoint every step, disk at step 3; the ranks die right after step 5's.
+            g = torch.Generator().manual_seed(rank)
+            for step in range(1, 6):
+                optimizer.zero_grad()
+                model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+                optimizer.step()
+                ck.save(step, tier="disk" if step == 3 else "memory")
+                if step == 3:
+                    ck.wait_persisted(3, timeout=60)
+            full = list(model.state_dict().values()) + [v for f in optimizer.state.values() for v in f.values()]
+            result["full_numel"] = sum(t.numel() for t in full if torch.is_tensor(t))
+            result["registered_numel"] = sum(math.prod(shape) for _, shape in ck.client.registered.values())
+        else:
+            torch.manual_seed(100 + rank)  # kept by a rank the saving job did not have
+            result["step"] = ck.resume()
+            result["tier"] = ck.resumed_tier
+            result["extra"] = ck.extra
+            result["draw"] = torch.rand(1).item()
         dump = {"param.%s" % n: p.detach().clone() for n, p in model.named_parameters()}
         dump.update({"buffer.%s" % n: b.clone() for n, b in model.named_buffers()})
         for i, p in enumerate(model.parameters()):
             for field, v in optimizer.state.get(p, {}).items():
                 dump["state.%d.%s" % (i, field)] = v.clone()
         torch.save(dump, out + ".pt")
+        if case == "ddp_memory_save":
+            with open(out, "w") as f:
+                json.dump(result, f)
+            os.kill(os.getpid(), signal.SIGKILL)  # no close(): the daemon keeps the memory checkpoints
+        ck.close()
     elif case in ("zero_save", "zero_resume"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         torch.manual_seed(0 if case == "zero_save" else 9)
@@ -481,6 +503,24 @@ class DistributedResumeTest(harness.DaemonTestCase):
 
     def test_zero_optimizer_state_is_written_once_and_resumes_into_another_world_size(self):
         self.check_zero_resume(self.daemon.job("zero"), 4, 2)
+
+    def test_a_ddp_job_resumes_from_memory_each_rank_holding_its_share(self):
+        import torch
+
+        job = self.daemon.job("ddpmem")
+        saved, procs, outs = self.run_pair("ddp_memory_save", job, world=2)
+        self.assertEqual([p.returncode for p in procs], [-signal.SIGKILL] * 2, self.logs(outs))
+        for r in saved:  # each rank's memory checkpoints hold about half of the state: its share
+            self.assertLess(r["registered_numel"], 0.6 * r["full_numel"], r)
+        saved = [torch.load(out + ".pt") for out in outs]
+        results, procs, outs = self.run_pair("ddp_memory_resume", job, world=2)
+        self.assertEqual([p.returncode for p in procs], [0, 0], self.logs(outs))
+        for rank, (r, out) in enumerate(zip(results, outs)):
+            self.assertEqual((r["step"], r["tier"]), (5, "memory"), r)  # not step 3 from disk
+            got = torch.load(out + ".pt")
+            self.assertEqual(sorted(got), sorted(saved[0]))
+            for name, t in saved[0].items():  # buffers: rank 0's, which DDP broadcasts
+                self.assertTrue(torch.equal(got[name], t), "rank %d: %s" % (rank, name))
 
     def test_a_job_of_more_ranks_resumes_a_ddp_checkpoint(self):
         import torch

@@ -59,8 +59,10 @@ checkpoints the rank holds (Client.restorable(), verified) and restores the newe
 holds, unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk". A memory
 restore that fails on any rank (a checkpoint dropped meanwhile, for instance) falls back to the disk
 on every rank, with a warning. A job of several ranks needs a process group for this (without one
-its ranks could not agree on a step). Not yet with a ZeroRedundancyOptimizer, nor with the
-data-parallel split of replicated tensors (replicated=False turns it off).
+its ranks could not agree on a step). In a job that splits the writing of its replicated tensors
+over its data-parallel ranks, a rank's memory checkpoint holds its share of them: each rank restores
+its share from memory and the ranks broadcast theirs to each other. Not yet with a
+ZeroRedundancyOptimizer (save(tier="memory") raises ValueError).
 
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
@@ -80,6 +82,7 @@ from __future__ import annotations
 
 import base64
 import collections.abc
+import hashlib
 import json
 import os
 import sys
@@ -415,15 +418,53 @@ class Checkpointer:
                 return None
         return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
-    def _share(self, tensors: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-        """(tensors, specs): what this rank writes. The replicated tensors, in state order, are one
-        stream of bytes cut into equal shares, one per rank; an element belongs to the share its
-        first byte is in, so a tensor that crosses a cut is written as flat ranges by the ranks
-        whose shares it crosses. Every other tensor is written by this rank."""
+    def _share(self, tensors: Dict[str, Any],
+               of_rank: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+        """(tensors, specs): what this rank (or data-parallel rank `of_rank`) writes. The replicated
+        tensors, in state order, are one stream of bytes cut into equal shares, one per rank; an
+        element belongs to the share its first byte is in, so a tensor that crosses a cut is written
+        as flat ranges by the ranks whose shares it crosses. The buffers of replicated modules are
+        rank 0's; every other tensor is written by the rank that holds it."""
         dp = self._data_parallel()
         if dp is None:
             return tensors, {}
-        rank, ranks = dp
+        ranks = dp[1]
+        rank = dp[0] if of_rank is None else of_rank
+        in_order, buffers = self._replicated_names(tensors)
+        total = sum(tensors[n].numel() * tensors[n].element_size() for n in in_order)
+        lo, hi = total * rank // ranks, total * (rank + 1) // ranks
+        out: Dict[str, Any] = {}
+        specs: Dict[str, Dict[str, Any]] = {}
+        pos = 0
+        replicated = set(in_order)
+        for name, t in tensors.items():
+            if name in buffers:
+                if rank == 0:
+                    out[name] = t
+                continue
+            if name not in replicated:
+                out[name] = t
+                continue
+            size, numel = t.element_size(), t.numel()
+            if numel == 0:
+                if lo <= pos < hi or (pos == total and rank == ranks - 1):
+                    out[name] = t
+                continue
+            first = max(0, -(-(lo - pos) // size))
+            end = min(numel, -(-(hi - pos) // size))
+            pos += numel * size
+            if first >= end:
+                continue
+            if (first, end) == (0, numel) or not t.is_contiguous():
+                out[name] = t  # a non-contiguous tensor is refused by register(), naming it
+            else:
+                out[name] = t.view(-1)[first:end]
+                specs[name] = {"box_shape": list(t.shape), "flat_range": (first, end)}
+        return out, specs
+
+    def _replicated_names(self, tensors: Mapping[str, Any]) -> Tuple[List[str], Set[str]]:
+        """(replicated, buffers): the names of `tensors` alike on every data-parallel rank, in state
+        order, and those of the replicated modules' buffers (which are not among them)."""
         # The parameters of the replicated modules (DDP's; every module with replicated=True) and
         # the optimizer state of those parameters. Their buffers are rank 0's alone: DDP broadcasts
         # rank 0's before each forward, which then updates them on each rank (BatchNorm statistics).
@@ -450,36 +491,50 @@ class Checkpointer:
             return param is not None and param[0] in params
 
         in_order = [n for n in tensors if alike(n)]
-        total = sum(tensors[n].numel() * tensors[n].element_size() for n in in_order)
-        lo, hi = total * rank // ranks, total * (rank + 1) // ranks
-        out: Dict[str, Any] = {}
-        specs: Dict[str, Dict[str, Any]] = {}
-        pos = 0
-        replicated = set(in_order)
-        for name, t in tensors.items():
-            if name in buffers and name not in replicated:
-                if rank == 0:
-                    out[name] = t
-                continue
-            if name not in replicated:
-                out[name] = t
-                continue
-            size, numel = t.element_size(), t.numel()
-            if numel == 0:
-                if lo <= pos < hi or (pos == total and rank == ranks - 1):
-                    out[name] = t
-                continue
-            first = max(0, -(-(lo - pos) // size))
-            end = min(numel, -(-(hi - pos) // size))
-            pos += numel * size
-            if first >= end:
-                continue
-            if (first, end) == (0, numel) or not t.is_contiguous():
-                out[name] = t  # a non-contiguous tensor is refused by register(), naming it
-            else:
-                out[name] = t.view(-1)[first:end]
-                specs[name] = {"box_shape": list(t.shape), "flat_range": (first, end)}
-        return out, specs
+        return in_order, buffers - set(in_order)
+
+    def _spread_shares(self, group: ProcessGroup, targets: Dict[str, Any]) -> None:
+        """After each data-parallel rank restored its own share of `targets` (its memory checkpoint
+        holds no more), hands every share to every rank: each rank broadcasts its part of the
+        replicated tensors, and rank 0 the buffers. The other tensors are each rank's own. Every
+        rank of the group makes the same broadcasts, in the same order."""
+        dp = self._data_parallel()
+        if dp is None:
+            return
+        for r, tensors in enumerate(self._spread_plan(targets)):
+            source = torch.distributed.get_global_rank(group, r)
+            # One broadcast per dtype of rank r's share, through a flat buffer of that share's size.
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for dtype, ts in by_dtype.items():
+                if r == dp[0]:
+                    flat = torch.cat([t.reshape(-1) for t in ts])
+                else:
+                    flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype)
+                torch.distributed.broadcast(flat, src=source, group=group)
+                if r != dp[0]:
+                    at = 0
+                    for t in ts:
+                        t.copy_(flat[at:at + t.numel()].view_as(t))
+                        at += t.numel()
+
+    def _spread_plan(self, targets: Dict[str, Any]) -> List[List[torch.Tensor]]:
+        """Per data-parallel rank, the tensors (views of `targets`) that it broadcasts in
+        _spread_shares: its part of the replicated tensors, and for rank 0 also the buffers."""
+        dp = self._data_parallel()
+        if dp is None:
+            return []
+        in_order, buffers = self._replicated_names(targets)
+        spread = set(in_order) | buffers
+        return [[t for name, t in self._share(targets, of_rank=r)[0].items() if name in spread and t.numel() > 0]
+                for r in range(dp[1])]
+
+    def _spread_digest(self, targets: Dict[str, Any]) -> str:
+        """What _spread_shares will broadcast (dtypes and sizes, in order): every rank must compute the
+        same, else the broadcasts would not pair up."""
+        plan = [[(str(t.dtype), t.numel()) for t in tensors] for tensors in self._spread_plan(targets)]
+        return hashlib.sha256(repr(plan).encode("utf-8")).hexdigest()
 
     # --- save ----------------------------------------------------------------------------------
 
@@ -491,16 +546,17 @@ class Checkpointer:
         persist=True: the daemon writes a checkpoint in the background (wait_persisted() waits for
         it); persist=False: EMA update only. `extra` (JSON-serialisable) comes back as ck.extra on
         resume; `loss` feeds the EMA's loss gate. tier="memory": a memory checkpoint, kept by the
-        daemon and never written (resume() of a restarted trainer prefers it when it is newest).
+        daemon and never written (resume() of a restarted trainer prefers it when it is newest). In
+        a job that splits its replicated tensors, each rank's memory checkpoint holds its share, and
+        resume() hands the shares on; with a ZeroRedundancyOptimizer tier="memory" raises ValueError.
         """
         if tier not in ("disk", "memory"):
             raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
-        if tier == "memory" and self._data_parallel() is not None:
-            raise ValueError("tier='memory' needs each rank to hold its whole state: this job splits the writing of "
-                             "replicated tensors over its data-parallel ranks (pass replicated=False for memory "
-                             "checkpoints)")
+        if tier == "memory" and any(_is_zero(v) for v in self.states.values()):
+            raise ValueError("tier='memory' is not available with a ZeroRedundancyOptimizer (resume() could not hand "
+                             "each rank its partition from memory); save it with tier='disk'")
         started = time.perf_counter()
         tree, tensors = self._state()
         tensors, specs = self._share(tensors)
@@ -665,6 +721,10 @@ class Checkpointer:
         same `step` (ranks that ask for different steps all raise ValueError). The gathers use the
         group's backend: with NCCL, set the rank's device (torch.cuda.set_device) first; with gloo a
         peer that died makes them fail at once, with NCCL only the group's timeout ends the wait.
+        A memory checkpoint of a job that splits its replicated tensors is restored share by share:
+        once every rank has its own, the ranks broadcast theirs; a rank that fails in the middle of
+        those broadcasts leaves the others waiting until the group's timeout, and a failure after
+        them makes every rank raise (the state is then partly restored: resume again).
 
         The checkpoint may have been saved by fewer ranks: a rank whose number that job did not
         have gets rank 0's part of it (structure, non-tensor values and self.extra; its RNG state
@@ -697,20 +757,35 @@ class Checkpointer:
         # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
         # memory, unless a complete disk checkpoint is newer.
         memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
-        if step is None and not any(_is_zero(v) for v in self.states.values()) and self._data_parallel() is None:
+        if step is None and not any(_is_zero(v) for v in self.states.values()):
             memory = self._memory_step(group, timeout)
             if memory is not None:
                 error: Optional[BaseException] = None
+                restored: Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]] = None
+                digest: Optional[str] = None
                 try:
-                    self._resume_memory(memory, timeout)
+                    restored = self._resume_memory(memory, timeout)
+                    if restored is not None:
+                        digest = self._spread_digest(restored[1])
                 except BaseException as e:  # reported to the other ranks before anything is raised
                     error = e
-                reports = self._reports(group, error)
+                reports = self._reports(group, error, digest)
                 if error is not None and not isinstance(error, FlashckptError):
                     raise error
                 self._raise_fatal(reports, "restore memory checkpoint step %d" % memory)
                 failed = [(r, failure[1]) for r, (failure, _) in enumerate(reports) if failure is not None]
+                digests = [value for _, value in reports]
+                if not failed and len(set(digests)) > 1:
+                    first = next(r for r, d in enumerate(digests) if d != digests[0])
+                    failed = [(first, "its share of the replicated tensors does not pair up with rank 0's (the "
+                                      "ranks' replicated state differs)")]
                 if not failed:
+                    if group is not None and restored is not None:
+                        # Each data-parallel rank restored its own share: the ranks hand theirs on.
+                        mblob, targets, mtensors = restored
+                        self._spread_shares(group, targets)
+                        stage("load memory checkpoint step %d" % memory,
+                              lambda: self._hand_over(mblob, targets, mtensors))
                     self.resumed_step = memory
                     return memory
                 # The daemon's errors (a checkpoint dropped meanwhile, say): every rank reads the disk,
@@ -831,10 +906,13 @@ class Checkpointer:
                 raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
                                               "(every rank raises): %s" % (rank, what, failure[1]))
 
-    def _resume_memory(self, step: int, timeout: float) -> None:
+    def _resume_memory(self, step: int,
+                       timeout: float) -> Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]]:
         """Restores this rank's memory checkpoint `step`: its structure from the extra state the
         daemon keeps with it, then the tensors, registered as save() registered them (so the daemon
-        keeps the segment that holds it)."""
+        keeps the segment that holds it). A rank of a job that splits its replicated tensors holds
+        only its share of them: it returns (blob, targets, tensors) for _spread_shares and
+        _hand_over, which every rank calls once every rank has restored its share; None otherwise."""
         tree, tensors = self._state()
         extra = self.client.memory_extra(step, timeout=min(timeout, 60.0))
         if extra is None:
@@ -848,11 +926,22 @@ class Checkpointer:
             raise StructureMismatchError("memory checkpoint step %d was not taken by flashckpt.torch.Checkpointer"
                                          % step)
         self._check_structure(step, blob, tree)
-        self._restore_found(step, blob, tensors, timeout)
+        saved_world = blob.get("world_size", self._world_size)
+        if saved_world != self._world_size:
+            # Checked before anything is registered: a layout of other shares would replace the
+            # segment, and the memory checkpoints in it.
+            raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d was taken by a job of %s "
+                                          "ranks, this one has %d" % (step, saved_world, self._world_size))
+        shares = self._data_parallel() is not None
+        targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
         if self.client.restored_tier != "memory":
             # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
             warnings.warn("memory checkpoint step %d was gone; rank %d restored it from disk"
                           % (step, self.client.rank), RuntimeWarning)
+        if shares:
+            return blob, targets, tensors
+        self._hand_over(blob, targets, tensors)
+        return None
 
     def _take_partitions(self, blob: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
         """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
@@ -978,6 +1067,13 @@ class Checkpointer:
                                          % (found, key, why), key=key)
 
     def _restore_found(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float) -> None:
+        self._hand_over(blob, self._restore_tensors(found, blob, tensors, timeout), tensors)
+
+    def _restore_tensors(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float,
+                         shares: bool = False) -> Dict[str, torch.Tensor]:
+        """The tensors of checkpoint `found` (by name), restored in place where the tensor exists now.
+        shares=True: only this rank's data-parallel share is restored (_share), in the layout save()
+        registers, which is what its memory checkpoint holds; _spread_shares fills in the rest."""
         saved = blob["state"]
 
         # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
@@ -989,14 +1085,23 @@ class Checkpointer:
             if t is None or t.dtype != dtype or self._global_shape(name, t.shape) != whole:
                 t = torch.empty(self._local_shape(name, whole), dtype=dtype)
             targets[name] = t
-        # Without data-parallel shares (which memory checkpoints do not use), this is the layout
-        # save() registers: the daemon keeps the segment, and the memory checkpoints in it.
-        self._register(targets)
-        got, extra = self.client.restore(targets, step=found, timeout=timeout)
+        # With shares=True, or without data-parallel shares, this is the layout save() registers:
+        # the daemon keeps the segment, and the memory checkpoints in it.
+        wanted: Dict[str, Any] = dict(targets)
+        specs: Dict[str, Dict[str, Any]] = {}
+        if shares:
+            wanted, specs = self._share(wanted)
+        self._register(wanted, specs)
+        got, _ = self.client.restore(wanted, step=found, timeout=timeout)
         self.resumed_tier = self.client.restored_tier
         if got != found:
             raise FailedPreconditionError("FAILED_PRECONDITION", "asked for checkpoint-%d, the daemon restored %s"
                                           % (found, got))
+        return targets
+
+    def _hand_over(self, blob: Dict[str, Any], targets: Dict[str, torch.Tensor], tensors: Mapping[str, Any]) -> None:
+        """Hands each state its part of the restored `targets`, and sets the RNG state and self.extra."""
+        saved = blob["state"]
         state = _state.unflatten(saved, targets)
 
         # 4. Hand each state its part.
