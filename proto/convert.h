@@ -6,7 +6,10 @@
 
 #include <grpcpp/support/status.h>
 
+#include <string_view>
+
 #include "flashckpt.pb.h"
+#include "flashckpt/status.h"
 #include "flashckpt/tensor.h"
 
 namespace flashckpt {
@@ -17,5 +20,12 @@ void TensorSpecToProto(const TensorSpec& spec, v1::TensorSpec* out);
 // gRPC's name of a code: "FAILED_PRECONDITION", "PERMISSION_DENIED", ...; "UNRECOGNIZED" for a
 // value outside the enum.
 const char* GrpcCodeName(grpc::StatusCode code);
+
+// The flashckpt code of a gRPC status (kOk for an ok one), for every gRPC client of a daemon (the
+// trainer client, and a daemon calling its replica peers). gRPC codes without a flashckpt code
+// (PERMISSION_DENIED, UNIMPLEMENTED, UNKNOWN, ...) are kInternal.
+StatusCode CodeFromGrpc(const grpc::Status& s);
+// A failed call as a client reports it: "<rpc>: <the daemon's message>".
+Status FromGrpc(const grpc::Status& s, std::string_view rpc);
 
 }  // namespace flashckpt

@@ -7,30 +7,6 @@
 
 namespace flashckpt {
 
-StatusCode CodeFromGrpc(const grpc::Status& s) {
-  switch (s.error_code()) {
-    case grpc::StatusCode::OK: return StatusCode::kOk;
-    case grpc::StatusCode::INVALID_ARGUMENT: return StatusCode::kInvalidArgument;
-    case grpc::StatusCode::NOT_FOUND: return StatusCode::kNotFound;
-    case grpc::StatusCode::ALREADY_EXISTS: return StatusCode::kAlreadyExists;
-    case grpc::StatusCode::FAILED_PRECONDITION: return StatusCode::kFailedPrecondition;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return StatusCode::kResourceExhausted;
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return StatusCode::kDeadlineExceeded;
-    case grpc::StatusCode::UNAVAILABLE: return StatusCode::kUnavailable;
-    case grpc::StatusCode::DATA_LOSS: return StatusCode::kCorruption;
-    case grpc::StatusCode::CANCELLED: return StatusCode::kCancelled;
-    // The daemon sends IO_ERROR (a failed system call: a failing disk) as INTERNAL named in the details.
-    case grpc::StatusCode::INTERNAL:
-      return s.error_details() == "IO_ERROR" ? StatusCode::kIOError : StatusCode::kInternal;
-    default: return StatusCode::kInternal;
-  }
-}
-
-Status FromGrpc(const grpc::Status& s, std::string_view rpc) {
-  if (s.ok()) return Status::OK();
-  return Status(CodeFromGrpc(s), std::string(rpc) + ": " + s.error_message());
-}
-
 v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vector<TensorSpec>& tensors,
                                       const EmaOptions& ema, const ClientOptions& options) {
   v1::RegisterRequest req;

@@ -1,6 +1,6 @@
 // The client library's side of the wire: conversions between its public types (client.h,
-// admin.h) and the flashckpt.v1 protobuf messages, and the one mapping from gRPC status codes to
-// flashckpt's (status.h). The daemon's side of the mapping is daemon/edge/service.cc (ToGrpc): IO_ERROR,
+// admin.h) and the flashckpt.v1 protobuf messages. The mapping from gRPC status codes to flashckpt's
+// is proto/convert.h's (FromGrpc), the daemon's side of it daemon/edge/service.cc's (ToGrpc): IO_ERROR,
 // which gRPC has no code for, travels as INTERNAL with "IO_ERROR" in the status details.
 #pragma once
 
@@ -14,14 +14,9 @@
 #include "flashckpt/admin.h"
 #include "flashckpt/client.h"
 #include "flashckpt/status.h"
+#include "proto/convert.h"
 
 namespace flashckpt {
-
-// The flashckpt code of a gRPC status (kOk for an ok one). gRPC codes without a flashckpt code
-// (PERMISSION_DENIED, UNIMPLEMENTED, UNKNOWN, ...) are kInternal.
-StatusCode CodeFromGrpc(const grpc::Status& s);
-// A failed call as the trainer client reports it: "<rpc>: <the daemon's message>".
-Status FromGrpc(const grpc::Status& s, std::string_view rpc);
 
 // --- trainer client ---
 // Register's request (without the session id and resumed_from, which each attempt sets).

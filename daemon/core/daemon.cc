@@ -120,6 +120,20 @@ std::string Daemon::RenderMetrics() const {
 
 Daemon::~Daemon() { Stop(); }
 
+Status Daemon::ReserveHostMemory(uint64_t bytes, const std::string& what) {
+  MutexLock lock(&mu_);
+  const uint64_t used = host_memory_used_.load() + registering_bytes_;
+  if (bytes > config_.max_host_memory || used + bytes > config_.max_host_memory) {
+    return ResourceExhausted(what + " needs " + FormatBytes(bytes) + " of host memory, budget is " +
+                             FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
+                             " in use (--max-host-memory)");
+  }
+  host_memory_used_ += bytes;
+  return Status::OK();
+}
+
+void Daemon::ReleaseHostMemory(uint64_t bytes) { host_memory_used_ -= bytes; }
+
 Status Daemon::Start() {
   if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
   if (config_.max_host_memory == 0) return InvalidArgument("--max-host-memory must be positive");

@@ -82,6 +82,10 @@ struct DaemonConfig {
   // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
   // user in it can map them; unset: 0600, the daemon's user only. EMA segments stay segment_mode.
   std::optional<uint32_t> shm_group;
+  // Optional replica listener (daemon/replica/replica_server.h): empty `replica_listen` means none.
+  std::string replica_listen;
+  std::string replica_tls_cert, replica_tls_key, replica_tls_ca;
+  std::vector<std::string> replica_allow_names;
   // Optional TCP listener (daemon/edge/tcp_listener.h): empty `listen` means none. Read-only RPCs unless
   // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
   std::string listen;
@@ -170,6 +174,12 @@ class Daemon {
   // Creates the root directory, starts the writer, and adopts the slot segments a predecessor
   // left behind (daemon/core/recovery.cc): their committed snapshots are persisted again.
   Status Start() EXCLUDES(mu_);
+  // Memory outside the slot segments (the replicas held for peers, daemon/replica/replica_store.h),
+  // counted in --max-host-memory with them: Reserve fails with RESOURCE_EXHAUSTED, saying `what`
+  // needed the bytes, when they do not fit; Release gives back what Reserve took.
+  Status ReserveHostMemory(uint64_t bytes, const std::string& what) EXCLUDES(mu_);
+  void ReleaseHostMemory(uint64_t bytes);
+
   // Refuses new work (UNAVAILABLE, saying the daemon is stopping), wakes every waiter, and lets
   // the EMA stage and the writer finish what was committed until `deadline`. What is not written
   // by then is abandoned: the writes stop at their next piece and remove their temporaries and

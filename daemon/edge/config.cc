@@ -19,6 +19,7 @@
 #include "common/format/layout.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/replica/replica_server.h"
 
 namespace flashckpt {
 namespace {
@@ -120,6 +121,7 @@ Status Finish(DaemonConfig& config, const std::string& budget, const std::string
   if (!config.metrics_listen.empty()) {
     RETURN_IF_ERROR(ParseListenAddress(config.metrics_listen).status().WithContext("--metrics-listen"));
   }
+  RETURN_IF_ERROR(CheckReplicaConfig(ReplicaListenConfigOf(config)));
   return Status::OK();
 }
 
@@ -193,6 +195,15 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   optional("tls-cert", c.tls_cert);
   optional("tls-key", c.tls_key);
   optional("metrics-listen", c.metrics_listen);
+  optional("replica-listen", c.replica_listen);
+  optional("replica-tls-cert", c.replica_tls_cert);
+  optional("replica-tls-key", c.replica_tls_key);
+  optional("replica-tls-ca", c.replica_tls_ca);
+  if (!c.replica_allow_names.empty()) {
+    std::string names;
+    for (const auto& n : c.replica_allow_names) names += (names.empty() ? "\"" : ", \"") + n + "\"";
+    line("replica-allow-name", "[" + names + "]");
+  }
   line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));
   line("max-rank-bytes", c.max_rank_bytes == 0 ? "0" : SizeText(c.max_rank_bytes));
   return out.str();
@@ -299,6 +310,19 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "RESOURCE_EXHAUSTED (default 0: only --max-host-memory)");
   app.add_option("--metrics-listen", config.metrics_listen,
                  "Serve Prometheus metrics over HTTP at HOST:PORT/metrics (PORT alone: 127.0.0.1); off when unset");
+  app.add_option("--replica-listen", config.replica_listen,
+                 "Hold peers' replicas of their memory checkpoints, served on HOST:PORT (PORT alone: 127.0.0.1; "
+                 "another host's address needs the --replica-tls-* files); off when unset");
+  app.add_option("--replica-tls-cert", config.replica_tls_cert,
+                 "PEM certificate of this daemon on the replica channel (mutual TLS; with --replica-tls-key and "
+                 "--replica-tls-ca)");
+  app.add_option("--replica-tls-key", config.replica_tls_key, "PEM private key of --replica-tls-cert");
+  app.add_option("--replica-tls-ca", config.replica_tls_ca,
+                 "PEM certificate of the CA that signed the peers' replica certificates (a peer without one is "
+                 "refused)");
+  app.add_option("--replica-allow-name", config.replica_allow_names,
+                 "A certificate name (common name or subject alternative name) of a peer allowed on the replica "
+                 "channel (repeatable; needs --replica-tls-*)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

@@ -92,6 +92,15 @@ Status Server::Start() {
     tcp_ = std::make_unique<TcpListener>(&service_, daemon_->config());
     RETURN_IF_ERROR(tcp_->Start());
   }
+  if (!daemon_->config().replica_listen.empty()) {
+    Daemon* daemon = daemon_;
+    replica_store_ = std::make_unique<ReplicaStore>(
+        HostMemory{[daemon](uint64_t bytes, const std::string& what) { return daemon->ReserveHostMemory(bytes, what); },
+                   [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }},
+        daemon_->config().max_rank_bytes);
+    replica_ = std::make_unique<ReplicaServer>(replica_store_.get(), ReplicaListenConfigOf(daemon_->config()));
+    RETURN_IF_ERROR(replica_->Start());
+  }
   if (!daemon_->config().metrics_listen.empty()) {
     metrics_ = std::make_unique<MetricsHttpServer>(daemon_->config().metrics_listen,
                                                    [daemon = daemon_] { return daemon->RenderMetrics(); });
@@ -150,6 +159,8 @@ void Server::Shutdown(std::chrono::milliseconds grace) {
   // The TCP listener first: it forwards to service_.
   if (tcp_) tcp_->Shutdown(deadline);
   tcp_.reset();
+  if (replica_) replica_->Shutdown(deadline);
+  replica_.reset();
   if (!server_) return;
   stopping_ = true;
   if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);  // wakes the acceptor's poll at once

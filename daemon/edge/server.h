@@ -18,6 +18,7 @@
 #include "daemon/edge/request_log.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/replica/replica_server.h"
 #include "daemon/observe/metrics_http.h"
 
 namespace flashckpt {
@@ -45,6 +46,8 @@ class Server {
   void SetServing(bool serving);
 
   uint64_t refused_peers() const { return refused_.load(); }
+  // The replica listener's bound port, 0 without --replica-listen.
+  int replica_port() const { return replica_ ? replica_->port() : 0; }
   // The TCP listener's bound port, 0 without --listen.
   int tcp_port() const { return tcp_ ? tcp_->port() : 0; }
   // The metrics endpoint's bound port, 0 without --metrics-listen.
@@ -61,6 +64,8 @@ class Server {
   CheckpointService service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<TcpListener> tcp_;
+  std::unique_ptr<ReplicaStore> replica_store_;  // outlives replica_, which serves it
+  std::unique_ptr<ReplicaServer> replica_;
   std::unique_ptr<MetricsHttpServer> metrics_;
   int listen_fd_ = -1;
   std::thread acceptor_;

@@ -31,7 +31,13 @@ struct ListenAddress {
   // "127.0.0.1:9000", "[::1]:9000": what gRPC binds.
   std::string Target() const;
 };
-Result<ListenAddress> ParseListenAddress(std::string_view text);
+// `flag` names the flag in the message of a value it refuses.
+Result<ListenAddress> ParseListenAddress(std::string_view text, std::string_view flag = "--listen");
+
+// Reads a PEM file given by a TLS flag (`flag`, for the message), which must hold a line with
+// `marker` ("-----BEGIN CERTIFICATE-----", "PRIVATE KEY-----"): unreadable, oversized (1 MiB) or
+// marker-less files are refused here, by name, rather than as an opaque gRPC failure to bind.
+Result<std::string> ReadPem(const std::string& path, const char* flag, std::string_view marker, const char* what);
 
 class TcpListener {
  public:

@@ -1,0 +1,152 @@
+#include "daemon/replica/replica_client.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/format/checksum.h"
+#include "daemon/edge/tcp_listener.h"
+#include "proto/convert.h"
+#include "replica.grpc.pb.h"
+
+namespace flashckpt {
+
+Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
+  const int tls_files = !peer.tls_cert.empty() + !peer.tls_key.empty() + !peer.tls_ca.empty();
+  if (tls_files == 0) return grpc::CreateCustomChannel(peer.target, grpc::InsecureChannelCredentials(), args);
+  if (tls_files != 3) {
+    return InvalidArgument("a replica peer over TLS needs this daemon's certificate, its key and the peers' CA");
+  }
+  grpc::SslCredentialsOptions ssl;
+  ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                   ReadPem(peer.tls_cert, "--replica-tls-cert", "-----BEGIN CERTIFICATE-----", "certificate"));
+  ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(peer.tls_key, "--replica-tls-key", "PRIVATE KEY-----", "private key"));
+  ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                   ReadPem(peer.tls_ca, "--replica-tls-ca", "-----BEGIN CERTIFICATE-----", "CA certificate"));
+  if (!peer.server_name.empty()) args.SetSslTargetNameOverride(peer.server_name);
+  return grpc::CreateCustomChannel(peer.target, grpc::SslCredentials(ssl), args);
+}
+
+Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
+                   std::chrono::system_clock::time_point deadline) {
+  if (meta.part_bytes == 0) return InvalidArgument("a replica's parts must have bytes");
+  v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  v1::PushReplicaResponse response;
+  auto writer = stub.Push(&ctx, &response);
+  v1::ReplicaPart part;
+  v1::ReplicaHeader* h = part.mutable_header();
+  h->set_job(meta.job);
+  h->set_rank(meta.rank);
+  h->set_step(meta.step);
+  h->set_attempt(meta.attempt);
+  h->set_world_size(meta.world_size);
+  h->set_bytes(meta.bytes);
+  h->set_part_bytes(meta.part_bytes);
+  h->set_layout(meta.layout);
+  h->set_extra(meta.extra);
+  h->set_origin_node(meta.origin_node);
+  bool open = writer->Write(part);
+  for (uint64_t at = 0; open && at < meta.bytes; at += meta.part_bytes) {
+    const uint64_t n = std::min(meta.part_bytes, meta.bytes - at);
+    part.Clear();
+    part.set_data(data + at, n);
+    part.set_xxh3(Xxh3(data + at, n));
+    open = writer->Write(part);
+  }
+  if (open) writer->WritesDone();
+  return FromGrpc(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early
+}
+
+Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
+                                              std::chrono::system_clock::time_point deadline) {
+  v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  v1::ListReplicasRequest request;
+  request.set_job(job);
+  v1::ListReplicasResponse response;
+  RETURN_IF_ERROR(FromGrpc(stub.List(&ctx, request, &response), "replica List"));
+  std::vector<ReplicaMeta> out;
+  for (const auto& info : response.replicas()) {
+    ReplicaMeta m;
+    m.job = info.job();
+    m.rank = info.rank();
+    m.step = info.step();
+    m.attempt = info.attempt();
+    m.world_size = info.world_size();
+    m.bytes = info.bytes();
+    m.origin_node = info.origin_node();
+    m.from_peer = info.from_peer();
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
+                                 const std::function<Result<char*>(const ReplicaMeta&)>& into,
+                                 std::chrono::system_clock::time_point deadline) {
+  v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  v1::FetchReplicaRequest request;
+  request.set_job(job);
+  request.set_rank(rank);
+  request.set_step(step);
+  auto reader = stub.Fetch(&ctx, request);
+  v1::ReplicaPart part;
+  auto fail = [&](Status why) {
+    ctx.TryCancel();
+    (void)reader->Finish();
+    return why;
+  };
+  if (!reader->Read(&part)) return FromGrpc(reader->Finish(), "replica Fetch");
+  if (!part.has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
+  const v1::ReplicaHeader& h = part.header();
+  ReplicaMeta meta;
+  meta.job = h.job();
+  meta.rank = h.rank();
+  meta.step = h.step();
+  meta.attempt = h.attempt();
+  meta.world_size = h.world_size();
+  meta.bytes = h.bytes();
+  meta.part_bytes = h.part_bytes();
+  meta.layout = h.layout();
+  meta.extra = h.extra();
+  meta.origin_node = h.origin_node();
+  if (meta.job != job || meta.rank != rank || (step != 0 && meta.step != step)) {
+    return fail(Corruption("replica Fetch: asked for job '" + job + "' rank " + std::to_string(rank) +
+                           ", the peer sent job '" + meta.job + "' rank " + std::to_string(meta.rank) + " step " +
+                           std::to_string(meta.step)));
+  }
+  if (meta.part_bytes < kMinReplicaPartBytes || meta.part_bytes > kMaxReplicaPartBytes) {
+    return fail(Corruption("replica Fetch: parts of " + std::to_string(meta.part_bytes) + " bytes"));
+  }
+  auto dest = into(meta);
+  if (!dest.ok()) return fail(dest.status());
+  uint64_t at = 0;
+  for (uint64_t i = 0; reader->Read(&part); ++i) {
+    const uint64_t want = std::min(meta.part_bytes, meta.bytes - at);
+    if (part.has_header() || at >= meta.bytes || part.data().size() != want) {
+      return fail(Corruption("replica Fetch: part " + std::to_string(i) + " does not fit the header's " +
+                             std::to_string(meta.bytes) + " bytes in parts of " + std::to_string(meta.part_bytes)));
+    }
+    const uint64_t got = Xxh3(part.data().data(), want);
+    if (got != part.xxh3()) {
+      return fail(Corruption("replica Fetch: part " + std::to_string(i) + " of job '" + job + "' rank " +
+                             std::to_string(rank) + " step " + std::to_string(meta.step) + " has checksum " +
+                             ChecksumHex(got) + ", it was " + ChecksumHex(part.xxh3()) + " when sent"));
+    }
+    std::memcpy(*dest + at, part.data().data(), want);
+    at += want;
+  }
+  RETURN_IF_ERROR(FromGrpc(reader->Finish(), "replica Fetch"));
+  if (at != meta.bytes) {
+    return Corruption("replica Fetch: " + std::to_string(at) + " of " + std::to_string(meta.bytes) + " bytes arrived");
+  }
+  return meta;
+}
+
+}  // namespace flashckpt

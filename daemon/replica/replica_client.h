@@ -1,0 +1,43 @@
+// A daemon's calls to its replica peers (flashckpt.v1.Replica, daemon/replica/replica_server.h):
+// push a replica, list what a peer holds, fetch one back. Every part travels with its XXH3-64 and is
+// checked on both ends.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/base/status.h"
+#include "daemon/replica/replica_store.h"
+
+namespace flashckpt {
+
+// How to reach a peer: its HOST:PORT, and for mutual TLS this daemon's certificate and key and the
+// CA of the peers' certificates (all three, or none for a loopback peer). `server_name`: the name
+// the peer's certificate must carry, when it is not the host of `target`.
+struct ReplicaPeer {
+  std::string target;
+  std::string tls_cert, tls_key, tls_ca;
+  std::string server_name;
+};
+Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer);
+
+// Streams `data` (meta.bytes of it) to the peer in parts of meta.part_bytes.
+Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
+                   std::chrono::system_clock::time_point deadline);
+
+Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
+                                              std::chrono::system_clock::time_point deadline);
+
+// Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds). `into` is called
+// once with the replica's header and returns where its meta.bytes bytes go; every part is checked
+// against its checksum as it is copied there (CORRUPTION names the first that is not).
+Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
+                                 const std::function<Result<char*>(const ReplicaMeta&)>& into,
+                                 std::chrono::system_clock::time_point deadline);
+
+}  // namespace flashckpt

@@ -1,0 +1,242 @@
+#include "daemon/replica/replica_server.h"
+
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "daemon/edge/limits.h"
+#include "daemon/edge/service.h"
+#include "daemon/edge/tcp_listener.h"
+
+namespace flashckpt {
+namespace {
+
+ReplicaMeta MetaOf(const v1::ReplicaHeader& h) {
+  ReplicaMeta m;
+  m.job = h.job();
+  m.rank = h.rank();
+  m.step = h.step();
+  m.attempt = h.attempt();
+  m.world_size = h.world_size();
+  m.bytes = h.bytes();
+  m.part_bytes = h.part_bytes();
+  m.layout = h.layout();
+  m.extra = h.extra();
+  m.origin_node = h.origin_node();
+  return m;
+}
+
+void HeaderOf(const ReplicaMeta& m, v1::ReplicaHeader* h) {
+  h->set_job(m.job);
+  h->set_rank(m.rank);
+  h->set_step(m.step);
+  h->set_attempt(m.attempt);
+  h->set_world_size(m.world_size);
+  h->set_bytes(m.bytes);
+  h->set_part_bytes(m.part_bytes);
+  h->set_layout(m.layout);
+  h->set_extra(m.extra);
+  h->set_origin_node(m.origin_node);
+}
+
+}  // namespace
+
+ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config) {
+  ReplicaListenConfig c;
+  c.listen = config.replica_listen;
+  c.tls_cert = config.replica_tls_cert;
+  c.tls_key = config.replica_tls_key;
+  c.tls_ca = config.replica_tls_ca;
+  c.allow_names = config.replica_allow_names;
+  return c;
+}
+
+Status CheckReplicaConfig(const ReplicaListenConfig& c) {
+  const int tls_files = !c.tls_cert.empty() + !c.tls_key.empty() + !c.tls_ca.empty();
+  if (c.listen.empty()) {
+    if (tls_files > 0 || !c.allow_names.empty()) {
+      return InvalidArgument("--replica-tls-* and --replica-allow-name need --replica-listen");
+    }
+    return Status::OK();
+  }
+  ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(c.listen, "--replica-listen"));
+  if (tls_files != 0 && tls_files != 3) {
+    return InvalidArgument("--replica-tls-cert, --replica-tls-key and --replica-tls-ca go together: mutual TLS needs "
+                           "this daemon's certificate and key and the CA of its peers' certificates");
+  }
+  if (tls_files == 3 && c.allow_names.empty()) {
+    return InvalidArgument("--replica-tls-* needs at least one --replica-allow-name: the certificate names of the "
+                           "peers that may push and fetch replicas");
+  }
+  if (tls_files == 0 && !c.allow_names.empty()) {
+    return InvalidArgument("--replica-allow-name needs --replica-tls-cert, --replica-tls-key and --replica-tls-ca "
+                           "(names are those of the peers' certificates)");
+  }
+  if (tls_files == 0 && !address.loopback) {
+    return InvalidArgument("--replica-listen " + address.Target() + " is not a loopback address: between nodes the "
+                           "replica channel needs mutual TLS (--replica-tls-cert, --replica-tls-key, "
+                           "--replica-tls-ca, --replica-allow-name)");
+  }
+  return Status::OK();
+}
+
+ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names)
+    : store_(store), allow_names_(std::move(allow_names)) {}
+
+grpc::Status ReplicaService::Peer(grpc::ServerContext* ctx, std::string* name) {
+  name->clear();
+  if (allow_names_.empty()) return grpc::Status::OK;  // loopback without TLS (CheckReplicaConfig)
+  std::vector<std::string> presented;
+  auto auth = ctx->auth_context();
+  if (auth) {
+    for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
+      for (const auto& value : auth->FindPropertyValues(property)) presented.emplace_back(value.data(), value.size());
+    }
+  }
+  for (const auto& p : presented) {
+    if (std::find(allow_names_.begin(), allow_names_.end(), p) != allow_names_.end()) {
+      *name = p;
+      return grpc::Status::OK;
+    }
+  }
+  refused_.fetch_add(1);
+  std::string shown;
+  for (const auto& p : presented) shown += (shown.empty() ? "" : ", ") + Clip(p);
+  Logger("replica")->warn("replica call refused peer={} names=[{}]: not among --replica-allow-name", ctx->peer(),
+                          shown);
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      "the peer's certificate names [" + shown + "] are not among this daemon's --replica-allow-name");
+}
+
+grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
+                                  v1::PushReplicaResponse* response) {
+  std::string peer;
+  if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  v1::ReplicaPart part;
+  if (!reader->Read(&part) || !part.has_header()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
+  }
+  ReplicaMeta meta = MetaOf(part.header());
+  meta.from_peer = peer;
+  auto incoming = store_->Begin(std::move(meta));
+  if (!incoming.ok()) {
+    Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), incoming.status().ToString());
+    return ToGrpc(incoming.status());
+  }
+  while (reader->Read(&part)) {
+    if (part.has_header()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push has one header");
+    }
+    Status appended = (*incoming)->Append(part.data().data(), part.data().size(), part.xxh3());
+    if (!appended.ok()) {
+      Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), appended.ToString());
+      return ToGrpc(appended);
+    }
+  }
+  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the push was cancelled");
+  const int64_t step = (*incoming)->meta().step;
+  const uint64_t bytes = (*incoming)->meta().bytes;
+  if (Status held = store_->Finish(std::move(*incoming)); !held.ok()) return ToGrpc(held);
+  response->set_step(step);
+  response->set_bytes(bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status ReplicaService::List(grpc::ServerContext* ctx, const v1::ListReplicasRequest* request,
+                                  v1::ListReplicasResponse* response) {
+  std::string peer;
+  if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  for (const ReplicaMeta& m : store_->List(request->job())) {
+    v1::ReplicaInfo* info = response->add_replicas();
+    info->set_job(m.job);
+    info->set_rank(m.rank);
+    info->set_step(m.step);
+    info->set_attempt(m.attempt);
+    info->set_world_size(m.world_size);
+    info->set_bytes(m.bytes);
+    info->set_origin_node(m.origin_node);
+    info->set_from_peer(m.from_peer);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchReplicaRequest* request,
+                                   grpc::ServerWriter<v1::ReplicaPart>* writer) {
+  std::string peer;
+  if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  auto found = store_->Find(request->job(), request->rank(), request->step());
+  if (!found.ok()) return ToGrpc(found.status());
+  const Replica& replica = **found;
+  v1::ReplicaPart part;
+  HeaderOf(replica.meta(), part.mutable_header());
+  if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
+  part.Clear();
+  for (uint64_t i = 0; i < replica.parts(); ++i) {
+    auto bytes = replica.VerifiedPart(i);
+    if (!bytes.ok()) {
+      // Memory here no longer holds what arrived: the replica is of no use to anyone.
+      Logger("replica")->error("replica dropped job={} rank={} step={} error=\"{}\"", replica.meta().job,
+                               replica.meta().rank, replica.meta().step, bytes.status().ToString());
+      store_->Drop(replica.meta().job, replica.meta().rank, replica.meta().step);
+      return ToGrpc(bytes.status());
+    }
+    part.set_data(bytes->first, bytes->second);
+    part.set_xxh3(replica.part_sum(i));
+    if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
+  }
+  return grpc::Status::OK;
+}
+
+ReplicaServer::ReplicaServer(ReplicaStore* store, ReplicaListenConfig config)
+    : config_(std::move(config)), service_(store, config_.allow_names) {}
+
+ReplicaServer::~ReplicaServer() { Shutdown(std::chrono::system_clock::now()); }
+
+Status ReplicaServer::Start() {
+  RETURN_IF_ERROR(CheckReplicaConfig(config_));
+  ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(config_.listen, "--replica-listen"));
+  const bool tls = !config_.tls_cert.empty();
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (tls) {
+    grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+    ASSIGN_OR_RETURN(pair.cert_chain, ReadPem(config_.tls_cert, "--replica-tls-cert", "-----BEGIN CERTIFICATE-----",
+                                              "certificate"));
+    ASSIGN_OR_RETURN(pair.private_key, ReadPem(config_.tls_key, "--replica-tls-key", "PRIVATE KEY-----",
+                                               "private key"));
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(config_.tls_ca, "--replica-tls-ca", "-----BEGIN CERTIFICATE-----",
+                                                 "CA certificate"));
+    ssl.pem_key_cert_pairs.push_back(std::move(pair));
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use is an error, not shared
+  // A header with its layout and extra state, or one part: a little over the larger.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
+  builder.RegisterService(&service_);
+  builder.AddListeningPort(address.Target(), credentials, &port_);
+  server_ = builder.BuildAndStart();
+  if (!server_ || port_ == 0) {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now());
+    server_.reset();
+    return FailedPrecondition("--replica-listen " + address.Target() + ": could not listen there (is the port in " +
+                              "use or the address not one of this host's?" +
+                              (tls ? " do --replica-tls-cert and --replica-tls-key hold a matching certificate and key?"
+                                   : "") +
+                              ")");
+  }
+  ListenAddress bound = address;
+  bound.port = static_cast<uint16_t>(port_);
+  std::string allowed;
+  for (const auto& name : config_.allow_names) allowed += (allowed.empty() ? "" : ",") + name;
+  Logger("replica")->info("listening replica={} tls={} allow=[{}]", bound.Target(), tls ? "mutual" : "off", allowed);
+  return Status::OK();
+}
+
+void ReplicaServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  if (!server_) return;
+  server_->Shutdown(deadline);
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace flashckpt

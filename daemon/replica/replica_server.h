@@ -1,0 +1,80 @@
+// The replica listener of flashckptd (--replica-listen HOST:PORT): a grpc::Server of its own whose
+// only service is flashckpt.v1.Replica (proto/flashckpt/v1/replica.proto), over a ReplicaStore. A
+// peer can push and fetch replicas there, nothing else: no checkpoint, no slot, no other RPC.
+//
+// Between nodes the channel is mutual TLS: --replica-tls-cert/--replica-tls-key are this daemon's
+// certificate, --replica-tls-ca the CA that signed its peers' (a client without a certificate from
+// it fails the handshake), and every call's peer must present a certificate whose common name or a
+// subject alternative name is one of --replica-allow-name (PERMISSION_DENIED otherwise). Without
+// TLS the listener binds loopback addresses only (CheckReplicaConfig).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/base/status.h"
+#include "daemon/core/daemon.h"
+#include "daemon/replica/replica_store.h"
+#include "replica.grpc.pb.h"
+
+namespace flashckpt {
+
+struct ReplicaListenConfig {
+  std::string listen;  // HOST:PORT
+  std::string tls_cert, tls_key, tls_ca;
+  std::vector<std::string> allow_names;
+};
+
+// The --replica-* flags of `config`.
+ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config);
+
+// The flags' rules, for --check-config and Start: TLS files all three or none; TLS needs at least
+// one allowed name, and allowed names need TLS; without TLS, a loopback address only.
+Status CheckReplicaConfig(const ReplicaListenConfig& config);
+
+class ReplicaService final : public v1::Replica::Service {
+ public:
+  ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names);
+
+  grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
+                    v1::PushReplicaResponse* response) override;
+  grpc::Status List(grpc::ServerContext* ctx, const v1::ListReplicasRequest* request,
+                    v1::ListReplicasResponse* response) override;
+  grpc::Status Fetch(grpc::ServerContext* ctx, const v1::FetchReplicaRequest* request,
+                     grpc::ServerWriter<v1::ReplicaPart>* writer) override;
+
+  uint64_t refused_calls() const { return refused_.load(); }
+
+ private:
+  // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
+  grpc::Status Peer(grpc::ServerContext* ctx, std::string* name);
+
+  ReplicaStore* store_;
+  const std::vector<std::string> allow_names_;
+  std::atomic<uint64_t> refused_{0};
+};
+
+class ReplicaServer {
+ public:
+  ReplicaServer(ReplicaStore* store, ReplicaListenConfig config);
+  ~ReplicaServer();
+
+  // Checks the config, reads the TLS files, binds and starts serving.
+  Status Start();
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+  int port() const { return port_; }  // the bound port, after Start
+  const ReplicaService& service() const { return service_; }
+
+ private:
+  const ReplicaListenConfig config_;
+  ReplicaService service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,164 @@
+#include "daemon/replica/replica_store.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/format/checksum.h"
+
+namespace flashckpt {
+namespace {
+
+std::string Who(const ReplicaMeta& m) {
+  return "replica of job '" + m.job + "' rank " + std::to_string(m.rank) + " step " + std::to_string(m.step);
+}
+
+uint64_t PartsOf(const ReplicaMeta& m) { return m.bytes == 0 ? 0 : (m.bytes - 1) / m.part_bytes + 1; }
+
+}  // namespace
+
+Replica::Replica(ReplicaMeta meta, HostMemory* memory) : meta_(std::move(meta)), memory_(memory) {}
+
+Replica::~Replica() {
+  if (data_ != nullptr) ::munmap(data_, meta_.bytes);
+  if (reserved_) memory_->release(meta_.bytes);
+}
+
+Status Replica::Map() {
+  if (meta_.bytes == 0) return Status::OK();
+  void* p = ::mmap(nullptr, meta_.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return ErrnoStatus("mmap", Who(meta_));
+  data_ = static_cast<char*>(p);
+  return Status::OK();
+}
+
+Result<std::pair<const char*, uint64_t>> Replica::VerifiedPart(uint64_t i) const {
+  if (i >= sums_.size()) return InvalidArgument(Who(meta_) + " has no part " + std::to_string(i));
+  const uint64_t from = i * meta_.part_bytes;
+  const uint64_t n = std::min(meta_.part_bytes, meta_.bytes - from);
+  const uint64_t got = Xxh3(data_ + from, n);
+  if (got != sums_[i]) {
+    return Corruption(Who(meta_) + ": part " + std::to_string(i) + " (bytes " + std::to_string(from) + "-" +
+                      std::to_string(from + n) + ") has checksum " + ChecksumHex(got) + ", it arrived with " +
+                      ChecksumHex(sums_[i]));
+  }
+  return std::make_pair(static_cast<const char*>(data_ + from), n);
+}
+
+ReplicaStore::ReplicaStore(HostMemory memory, uint64_t max_replica_bytes)
+    : memory_(std::move(memory)), max_replica_bytes_(max_replica_bytes) {}
+
+Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta meta) {
+  RETURN_IF_ERROR(ValidateJobName(meta.job));
+  if (meta.world_size == 0 || meta.rank >= meta.world_size) {
+    return InvalidArgument("replica header: rank " + std::to_string(meta.rank) + " is not below world size " +
+                           std::to_string(meta.world_size));
+  }
+  if (meta.step <= 0) return InvalidArgument("replica header: step must be positive, got " + std::to_string(meta.step));
+  if (meta.part_bytes < kMinReplicaPartBytes || meta.part_bytes > kMaxReplicaPartBytes) {
+    return InvalidArgument("replica header: parts of " + std::to_string(meta.part_bytes) + " bytes (from " +
+                           FormatBytes(kMinReplicaPartBytes) + " to " + FormatBytes(kMaxReplicaPartBytes) + ")");
+  }
+  if (meta.layout.size() > kMaxReplicaMetaBytes || meta.extra.size() > kMaxReplicaMetaBytes) {
+    return InvalidArgument("replica header: layout or extra state over " + FormatBytes(kMaxReplicaMetaBytes));
+  }
+  if (!meta.origin_node.empty()) RETURN_IF_ERROR(ValidateNodeName(meta.origin_node));
+  if (max_replica_bytes_ > 0 && meta.bytes > max_replica_bytes_) {
+    return ResourceExhausted(Who(meta) + " has " + FormatBytes(meta.bytes) + ", over the " +
+                             FormatBytes(max_replica_bytes_) + " a rank may have here (--max-rank-bytes)");
+  }
+  auto replica = std::unique_ptr<Replica>(new Replica(std::move(meta), &memory_));
+  RETURN_IF_ERROR(memory_.reserve(replica->meta_.bytes, Who(replica->meta_)));
+  replica->reserved_ = true;
+  RETURN_IF_ERROR(replica->Map());
+  replica->sums_.reserve(PartsOf(replica->meta_));
+  return std::unique_ptr<Incoming>(new Incoming(std::move(replica)));
+}
+
+Status ReplicaStore::Incoming::Append(const char* data, uint64_t bytes, uint64_t xxh3) {
+  Replica& r = *replica_;
+  const uint64_t left = r.meta_.bytes - r.received_;
+  const uint64_t want = std::min(r.meta_.part_bytes, left);
+  if (left == 0) return InvalidArgument(Who(r.meta_) + ": more bytes than its header says (" +
+                                        std::to_string(r.meta_.bytes) + ")");
+  if (bytes != want) {
+    return InvalidArgument(Who(r.meta_) + ": part " + std::to_string(r.sums_.size()) + " has " +
+                           std::to_string(bytes) + " bytes, expected " + std::to_string(want));
+  }
+  const uint64_t got = Xxh3(data, bytes);
+  if (got != xxh3) {
+    return Corruption(Who(r.meta_) + ": part " + std::to_string(r.sums_.size()) + " arrived with checksum " +
+                      ChecksumHex(got) + ", the sender's is " + ChecksumHex(xxh3));
+  }
+  std::memcpy(r.data_ + r.received_, data, bytes);
+  r.received_ += bytes;
+  r.sums_.push_back(xxh3);
+  return Status::OK();
+}
+
+Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
+  std::shared_ptr<const Replica> replica(std::move(incoming->replica_));
+  const ReplicaMeta& m = replica->meta();
+  if (replica->received_ != m.bytes) {
+    return FailedPrecondition(Who(m) + ": " + std::to_string(replica->received_) + " of its " +
+                              std::to_string(m.bytes) + " bytes arrived");
+  }
+  std::shared_ptr<const Replica> replaced;  // freed after the lock is let go
+  {
+    MutexLock lock(&mu_);
+    auto& slot = held_[{m.job, m.rank}];
+    if (slot && std::make_pair(slot->meta().step, slot->meta().attempt) >= std::make_pair(m.step, m.attempt)) {
+      return AlreadyExists(Who(m) + ": step " + std::to_string(slot->meta().step) + " (attempt " +
+                           std::to_string(slot->meta().attempt) + ") is held already");
+    }
+    replaced = std::exchange(slot, replica);
+  }
+  Logger("replica")->info("replica held job={} rank={} step={} bytes={} from={} replaced_step={}", m.job, m.rank,
+                          m.step, m.bytes, m.from_peer.empty() ? m.origin_node : m.from_peer,
+                          replaced ? replaced->meta().step : 0);
+  return Status::OK();
+}
+
+Result<std::shared_ptr<const Replica>> ReplicaStore::Find(const std::string& job, uint32_t rank, int64_t step) const {
+  MutexLock lock(&mu_);
+  auto it = held_.find({job, rank});
+  if (it == held_.end()) {
+    return NotFound("no replica of job '" + job + "' rank " + std::to_string(rank) + " is held here");
+  }
+  if (step != 0 && it->second->meta().step != step) {
+    return NotFound("the replica of job '" + job + "' rank " + std::to_string(rank) + " held here is of step " +
+                    std::to_string(it->second->meta().step) + ", not " + std::to_string(step));
+  }
+  return it->second;
+}
+
+void ReplicaStore::Drop(const std::string& job, uint32_t rank, int64_t step) {
+  std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
+  MutexLock lock(&mu_);
+  auto it = held_.find({job, rank});
+  if (it != held_.end() && it->second->meta().step == step) {
+    dropped = std::move(it->second);
+    held_.erase(it);
+  }
+}
+
+std::vector<ReplicaMeta> ReplicaStore::List(const std::string& job) const {
+  std::vector<ReplicaMeta> out;
+  MutexLock lock(&mu_);
+  for (const auto& [key, replica] : held_) {
+    if (job.empty() || key.first == job) out.push_back(replica->meta());
+  }
+  return out;
+}
+
+uint64_t ReplicaStore::held_bytes() const {
+  uint64_t bytes = 0;
+  MutexLock lock(&mu_);
+  for (const auto& [key, replica] : held_) bytes += replica->meta().bytes;
+  return bytes;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,119 @@
+// The replicas a daemon holds for its peers (flashckptd --replica-listen): copies of other nodes'
+// ranks' memory checkpoints, the newest complete one per (job, rank), so that a rank whose node was
+// lost can fetch it from here. The bytes are the peer's (opaque: its slot image, layout and extra
+// state); what the store checks is that they arrived whole and unchanged: every part carries its
+// XXH3-64, checked on arrival and again whenever the replica is read.
+//
+// Memory: each replica takes its bytes from the daemon's --max-host-memory (HostMemory), from the
+// moment its header arrives (a push that would not fit is refused then, before any data) until the
+// replica is replaced or dropped. A push in progress never disturbs the replica it will replace:
+// both are held until the new one has fully arrived and verified.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+
+namespace flashckpt {
+
+// Where the store's bytes come from: Reserve(bytes, what) fails (RESOURCE_EXHAUSTED, saying `what`
+// needed them) when they do not fit the budget; Release gives back what Reserve took.
+struct HostMemory {
+  std::function<Status(uint64_t bytes, const std::string& what)> reserve;
+  std::function<void(uint64_t bytes)> release;
+};
+
+struct ReplicaMeta {
+  std::string job;
+  uint32_t rank = 0;
+  int64_t step = 0;
+  uint64_t attempt = 0;
+  uint32_t world_size = 0;
+  uint64_t bytes = 0;       // of the replica's image
+  uint64_t part_bytes = 0;  // every part but the last has this many bytes
+  std::string layout;       // the origin's description of the rank's layout (opaque here)
+  std::string extra;        // the checkpoint's extra state (opaque here)
+  std::string origin_node;  // the daemon that took it
+  std::string from_peer;    // the name in the pushing peer's certificate ("" without TLS)
+};
+
+// The limits of what a peer may send.
+constexpr uint64_t kMinReplicaPartBytes = 64u << 10;
+constexpr uint64_t kMaxReplicaPartBytes = 4u << 20;
+constexpr uint64_t kMaxReplicaMetaBytes = 16u << 20;  // layout and extra, each
+
+// A complete, verified replica. Immutable once held; a reader keeps it (and its memory) alive while
+// the store replaces it.
+class Replica {
+ public:
+  ~Replica();
+  Replica(const Replica&) = delete;
+  Replica& operator=(const Replica&) = delete;
+
+  const ReplicaMeta& meta() const { return meta_; }
+  uint64_t parts() const { return sums_.size(); }
+  // Part `i` (its bytes and where they start), checked against the XXH3-64 it arrived with:
+  // CORRUPTION naming the part when the memory no longer holds what arrived.
+  Result<std::pair<const char*, uint64_t>> VerifiedPart(uint64_t i) const;
+  uint64_t part_sum(uint64_t i) const { return sums_[i]; }
+
+ private:
+  friend class ReplicaStore;
+  Replica(ReplicaMeta meta, HostMemory* memory);
+  Status Map();
+
+  ReplicaMeta meta_;
+  HostMemory* memory_;   // released by the destructor, when reserved_
+  bool reserved_ = false;
+  char* data_ = nullptr;  // an anonymous private mapping of meta_.bytes bytes
+  std::vector<uint64_t> sums_;
+  uint64_t received_ = 0;  // bytes written, while it arrives
+};
+
+class ReplicaStore {
+ public:
+  // `max_replica_bytes`: the most one replica may have (0: only the budget bounds it).
+  ReplicaStore(HostMemory memory, uint64_t max_replica_bytes);
+
+  // A replica on its way in: Begin checks the header and reserves its bytes; Append takes the parts
+  // in order; Finish holds it, in place of an older one of the same (job, rank). Dropping an
+  // Incoming without Finish gives its memory back.
+  class Incoming {
+   public:
+    Status Append(const char* data, uint64_t bytes, uint64_t xxh3);
+    const ReplicaMeta& meta() const { return replica_->meta(); }
+
+   private:
+    friend class ReplicaStore;
+    explicit Incoming(std::unique_ptr<Replica> replica) : replica_(std::move(replica)) {}
+    std::unique_ptr<Replica> replica_;
+  };
+  Result<std::unique_ptr<Incoming>> Begin(ReplicaMeta meta);
+  // Holds the replica when it is newer (step, then attempt) than the one held of its (job, rank);
+  // FAILED_PRECONDITION when bytes are missing, ALREADY_EXISTS (and nothing changes) when it is not newer.
+  Status Finish(std::unique_ptr<Incoming> incoming);
+
+  // The replica of (job, rank): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.
+  Result<std::shared_ptr<const Replica>> Find(const std::string& job, uint32_t rank, int64_t step) const;
+  // Drops the replica of (job, rank) at `step` (one that failed its checksums, say).
+  void Drop(const std::string& job, uint32_t rank, int64_t step);
+  // What is held, of `job` ("" for every job), ordered by job and rank.
+  std::vector<ReplicaMeta> List(const std::string& job) const;
+  uint64_t held_bytes() const;
+
+ private:
+  HostMemory memory_;
+  const uint64_t max_replica_bytes_;
+  mutable Mutex mu_;
+  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,364 @@
+// The replica channel between daemons (daemon/replica/): the store of peers' replicas, its gRPC
+// service on a real loopback port, and mutual TLS with certificates made here by openssl (a CA, this
+// daemon's, an allowed peer's, a peer of a name not allowed, and one from another CA).
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <numeric>
+#include <vector>
+
+#include "common/format/checksum.h"
+#include "daemon/core/daemon.h"
+#include "daemon/edge/tcp_listener.h"
+#include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_server.h"
+#include "daemon/replica/replica_store.h"
+#include "in_process_daemon.h"
+
+namespace flashckpt {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kPart = 64u << 10;
+
+std::vector<char> Bytes(uint64_t n, int seed) {
+  std::vector<char> v(n);
+  for (uint64_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + static_cast<uint64_t>(seed) * 7) % 251);
+  return v;
+}
+
+ReplicaMeta Meta(const std::string& job, uint32_t rank, int64_t step, uint64_t bytes) {
+  ReplicaMeta m;
+  m.job = job;
+  m.rank = rank;
+  m.step = step;
+  m.attempt = 1;
+  m.world_size = 8;
+  m.bytes = bytes;
+  m.part_bytes = kPart;
+  m.layout = "layout-of-rank-" + std::to_string(rank);
+  m.extra = "{\"step\": " + std::to_string(step) + "}";
+  m.origin_node = "node-b";
+  return m;
+}
+
+// A budget the test can read: what the store holds must be given back.
+struct CountedMemory {
+  std::atomic<uint64_t> used{0};
+  uint64_t budget = 64u << 20;
+  HostMemory memory() {
+    return HostMemory{[this](uint64_t bytes, const std::string& what) -> Status {
+                        if (used.load() + bytes > budget) return ResourceExhausted(what + " does not fit");
+                        used += bytes;
+                        return Status::OK();
+                      },
+                      [this](uint64_t bytes) { used -= bytes; }};
+  }
+};
+
+Status Put(ReplicaStore* store, const ReplicaMeta& meta, const std::vector<char>& data) {
+  ASSIGN_OR_RETURN(auto incoming, store->Begin(meta));
+  for (uint64_t at = 0; at < meta.bytes; at += meta.part_bytes) {
+    const uint64_t n = std::min(meta.part_bytes, meta.bytes - at);
+    RETURN_IF_ERROR(incoming->Append(data.data() + at, n, Xxh3(data.data() + at, n)));
+  }
+  return store->Finish(std::move(incoming));
+}
+
+TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack) {
+  CountedMemory counted;
+  {
+    ReplicaStore store(counted.memory(), 0);
+    const auto five = Bytes(3 * kPart + 100, 5), six = Bytes(3 * kPart + 100, 6);
+    ASSERT_TRUE(Put(&store, Meta("job", 1, 5, five.size()), five).ok());
+    // A newer one on its way in does not disturb the one held; both are counted meanwhile.
+    auto incoming = store.Begin(Meta("job", 1, 6, six.size()));
+    ASSERT_TRUE(incoming.ok()) << incoming.status().ToString();
+    ASSERT_TRUE((*incoming)->Append(six.data(), kPart, Xxh3(six.data(), kPart)).ok());
+    EXPECT_EQ(counted.used.load(), 2 * five.size());
+    auto held = store.Find("job", 1, 0);
+    ASSERT_TRUE(held.ok());
+    EXPECT_EQ((*held)->meta().step, 5);
+    // Unfinished, it is not held.
+    Status early = store.Finish(std::move(*incoming));
+    EXPECT_EQ(early.code(), StatusCode::kFailedPrecondition) << early.ToString();
+    EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 5);
+    held = Result<std::shared_ptr<const Replica>>(NotFound("dropped by the test"));
+    EXPECT_EQ(counted.used.load(), five.size());
+
+    ASSERT_TRUE(Put(&store, Meta("job", 1, 6, six.size()), six).ok());
+    EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 6);
+    EXPECT_EQ(counted.used.load(), six.size());  // step 5's memory went back
+    // An older step does not replace a newer one.
+    Status older = Put(&store, Meta("job", 1, 5, five.size()), five);
+    EXPECT_EQ(older.code(), StatusCode::kAlreadyExists) << older.ToString();
+    EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 6);
+    EXPECT_EQ(store.Find("job", 1, 5).status().code(), StatusCode::kNotFound);
+    EXPECT_EQ(store.Find("job", 2, 0).status().code(), StatusCode::kNotFound);
+    ASSERT_TRUE(Put(&store, Meta("other", 0, 3, kPart), Bytes(kPart, 3)).ok());
+    EXPECT_EQ(store.List("").size(), 2u);
+    EXPECT_EQ(store.List("job").size(), 1u);
+    EXPECT_EQ(store.held_bytes(), six.size() + kPart);
+  }
+  EXPECT_EQ(counted.used.load(), 0u);
+}
+
+TEST(ReplicaStoreTest, RefusesWhatDoesNotFitOrDoesNotArriveWhole) {
+  CountedMemory counted;
+  counted.budget = 4 * kPart;
+  ReplicaStore store(counted.memory(), 0);
+  Status big = Put(&store, Meta("job", 0, 1, 5 * kPart), Bytes(5 * kPart, 1));
+  EXPECT_EQ(big.code(), StatusCode::kResourceExhausted) << big.ToString();
+  EXPECT_NE(big.message().find("replica of job 'job' rank 0 step 1"), std::string::npos) << big.ToString();
+  EXPECT_EQ(counted.used.load(), 0u);
+
+  ReplicaStore capped(counted.memory(), 2 * kPart);
+  Status over = Put(&capped, Meta("job", 0, 1, 3 * kPart), Bytes(3 * kPart, 1));
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
+
+  const auto data = Bytes(2 * kPart, 2);
+  auto incoming = store.Begin(Meta("job", 0, 2, data.size()));
+  ASSERT_TRUE(incoming.ok());
+  Status bad_sum = (*incoming)->Append(data.data(), kPart, Xxh3(data.data(), kPart) ^ 1);
+  EXPECT_EQ(bad_sum.code(), StatusCode::kCorruption) << bad_sum.ToString();
+  Status short_part = (*incoming)->Append(data.data(), kPart - 1, Xxh3(data.data(), kPart - 1));
+  EXPECT_EQ(short_part.code(), StatusCode::kInvalidArgument) << short_part.ToString();
+
+  for (auto [field, meta] : std::vector<std::pair<const char*, ReplicaMeta>>{
+           {"job", Meta("bad/job", 0, 1, kPart)}, {"rank", Meta("job", 8, 1, kPart)}, {"step", Meta("job", 0, 0, kPart)}}) {
+    EXPECT_EQ(store.Begin(meta).status().code(), StatusCode::kInvalidArgument) << field;
+  }
+  ReplicaMeta tiny = Meta("job", 0, 1, kPart);
+  tiny.part_bytes = 1024;
+  EXPECT_EQ(store.Begin(tiny).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A replica server over a store on a loopback port; TLS when `tls` is given.
+struct ServedStore {
+  CountedMemory counted;
+  ReplicaStore store{counted.memory(), 0};
+  std::unique_ptr<ReplicaServer> server;
+
+  Status Start(ReplicaListenConfig config) {
+    config.listen = "127.0.0.1:0";
+    server = std::make_unique<ReplicaServer>(&store, std::move(config));
+    return server->Start();
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(server->port()); }
+};
+
+std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + 20s; }
+
+TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
+  ServedStore served;
+  ASSERT_TRUE(served.Start({}).ok());
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_TRUE(channel.ok());
+  const auto data = Bytes(5 * kPart + 17, 9);
+  ASSERT_TRUE(PushReplica(channel->get(), Meta("job", 3, 27, data.size()), data.data(), Deadline()).ok());
+
+  auto listed = ListReplicas(channel->get(), "job", Deadline());
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].step, 27);
+  EXPECT_EQ((*listed)[0].bytes, data.size());
+  EXPECT_EQ((*listed)[0].origin_node, "node-b");
+
+  std::vector<char> back;
+  auto fetched = FetchReplica(
+      channel->get(), "job", 3, 0,
+      [&](const ReplicaMeta& m) -> Result<char*> {
+        back.resize(m.bytes);
+        return back.data();
+      },
+      Deadline());
+  ASSERT_TRUE(fetched.ok()) << fetched.status().ToString();
+  EXPECT_EQ(fetched->step, 27);
+  EXPECT_EQ(fetched->layout, "layout-of-rank-3");
+  EXPECT_EQ(fetched->extra, "{\"step\": 27}");
+  EXPECT_EQ(back, data);
+
+  auto missing = FetchReplica(channel->get(), "job", 4, 0, [&](const ReplicaMeta&) -> Result<char*> { return nullptr; },
+                              Deadline());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+}
+
+TEST(ReplicaServiceTest, AReplicaWithAFlippedByteIsRefusedAndDropped) {
+  ServedStore served;
+  ASSERT_TRUE(served.Start({}).ok());
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_TRUE(channel.ok());
+  const auto data = Bytes(3 * kPart, 4);
+  ASSERT_TRUE(PushReplica(channel->get(), Meta("job", 0, 12, data.size()), data.data(), Deadline()).ok());
+  {
+    auto held = served.store.Find("job", 0, 12);
+    ASSERT_TRUE(held.ok());
+    auto part = (*held)->VerifiedPart(1);
+    ASSERT_TRUE(part.ok());
+    const_cast<char*>(part->first)[100] ^= 0x10;  // memory of the peer goes bad after arrival
+  }
+  std::vector<char> back(data.size());
+  auto fetched = FetchReplica(channel->get(), "job", 0, 12, [&](const ReplicaMeta&) -> Result<char*> { return back.data(); },
+                              Deadline());
+  EXPECT_EQ(fetched.status().code(), StatusCode::kCorruption) << fetched.status().ToString();
+  EXPECT_NE(fetched.status().message().find("part 1"), std::string::npos) << fetched.status().ToString();
+  EXPECT_EQ(served.store.List("job").size(), 0u);  // dropped: no one gets it
+  EXPECT_EQ(served.counted.used.load(), 0u);
+}
+
+TEST(ReplicaServiceTest, APushThatDoesNotFitIsRefusedBeforeItsData) {
+  ServedStore served;
+  served.counted.budget = 2 * kPart;
+  ASSERT_TRUE(served.Start({}).ok());
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_TRUE(channel.ok());
+  const auto data = Bytes(3 * kPart, 1);
+  Status pushed = PushReplica(channel->get(), Meta("job", 0, 1, data.size()), data.data(), Deadline());
+  EXPECT_EQ(pushed.code(), StatusCode::kResourceExhausted) << pushed.ToString();
+  EXPECT_EQ(served.counted.used.load(), 0u);
+}
+
+TEST(ReplicaConfigTest, BetweenNodesTheChannelNeedsMutualTlsAndNames) {
+  auto check = [](ReplicaListenConfig c) { return CheckReplicaConfig(c); };
+  EXPECT_TRUE(check({"127.0.0.1:7000", "", "", "", {}}).ok());
+  Status open = check({"0.0.0.0:7000", "", "", "", {}});
+  EXPECT_EQ(open.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(open.message().find("needs mutual TLS"), std::string::npos) << open.ToString();
+  EXPECT_EQ(check({"10.0.0.1:7000", "c.pem", "k.pem", "", {"node-b"}}).code(), StatusCode::kInvalidArgument);
+  Status nameless = check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {}});
+  EXPECT_NE(nameless.message().find("--replica-allow-name"), std::string::npos) << nameless.ToString();
+  EXPECT_EQ(check({"127.0.0.1:7000", "", "", "", {"node-b"}}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(check({"", "c.pem", "k.pem", "ca.pem", {"node-b"}}).code(), StatusCode::kInvalidArgument);
+  Status port = check({"127.0.0.1:99999", "", "", "", {}});
+  EXPECT_NE(port.message().find("--replica-listen"), std::string::npos) << port.ToString();
+  EXPECT_TRUE(check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {"node-b"}}).ok());
+}
+
+// Certificates made by openssl in a temporary directory: a CA, a server certificate for
+// 127.0.0.1 (CN node-a), client certificates of CN node-b and intruder from the same CA, and one of
+// CN node-b from another CA.
+class Certificates {
+ public:
+  Certificates() {
+    char tmpl[] = "/tmp/flashckpt-replica-certs-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return;
+    dir_ = tmpl;
+    ok_ = Ca("ca") && Ca("other-ca") && Leaf("node-a", "ca", "subjectAltName=IP:127.0.0.1,DNS:node-a") &&
+          Leaf("node-b", "ca", "subjectAltName=DNS:node-b") && Leaf("intruder", "ca", "subjectAltName=DNS:intruder") &&
+          Leaf("node-b-elsewhere", "other-ca", "subjectAltName=DNS:node-b", "node-b");
+  }
+  ~Certificates() {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  bool ok() const { return ok_; }
+  std::string cert(const std::string& name) const { return dir_ + "/" + name + ".pem"; }
+  std::string key(const std::string& name) const { return dir_ + "/" + name + ".key"; }
+
+ private:
+  bool Run(const std::string& command) {
+    return std::system((command + " >" + dir_ + "/openssl.log 2>&1").c_str()) == 0;
+  }
+  bool Ca(const std::string& name) {
+    return Run("openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=" + name + "-root -keyout " + key(name) +
+               " -out " + cert(name));
+  }
+  bool Leaf(const std::string& name, const std::string& ca, const std::string& san, std::string cn = "") {
+    if (cn.empty()) cn = name;
+    const std::string ext = dir_ + "/" + name + ".ext";
+    return Run("printf '%s\\n' '" + san + "' > " + ext) &&
+           Run("openssl req -newkey rsa:2048 -nodes -subj /CN=" + cn + " -keyout " + key(name) + " -out " + dir_ +
+               "/" + name + ".csr") &&
+           Run("openssl x509 -req -days 2 -in " + dir_ + "/" + name + ".csr -CA " + cert(ca) + " -CAkey " + key(ca) +
+               " -CAcreateserial -extfile " + ext + " -out " + cert(name));
+  }
+
+  std::string dir_;
+  bool ok_ = false;
+};
+
+TEST(ReplicaTlsTest, OnlyAPeerWithACertificateOfAnAllowedNameGetsIn) {
+  if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  ServedStore served;
+  ReplicaListenConfig config;
+  config.tls_cert = certs.cert("node-a");
+  config.tls_key = certs.key("node-a");
+  config.tls_ca = certs.cert("ca");
+  config.allow_names = {"node-b"};
+  ASSERT_TRUE(served.Start(config).ok());
+  const auto data = Bytes(2 * kPart, 8);
+  auto push_as = [&](const std::string& who, const std::string& ca) {
+    ReplicaPeer peer{served.target(), who.empty() ? "" : certs.cert(who), who.empty() ? "" : certs.key(who),
+                     certs.cert(ca), "node-a"};
+    if (who.empty()) {  // TLS with the CA only: no client certificate
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = ReadPem(certs.cert(ca), "ca", "CERTIFICATE", "CA").value();
+      grpc::ChannelArguments args;
+      args.SetSslTargetNameOverride("node-a");
+      auto channel = grpc::CreateCustomChannel(peer.target, grpc::SslCredentials(ssl), args);
+      return PushReplica(channel.get(), Meta("job", 0, 1, data.size()), data.data(),
+                         std::chrono::system_clock::now() + 5s);
+    }
+    auto channel = ReplicaChannel(peer);
+    if (!channel.ok()) return channel.status();
+    return PushReplica(channel->get(), Meta("job", 0, 1, data.size()), data.data(),
+                       std::chrono::system_clock::now() + 5s);
+  };
+  Status allowed = push_as("node-b", "ca");
+  EXPECT_TRUE(allowed.ok()) << allowed.ToString();
+  auto held = served.store.Find("job", 0, 1);
+  ASSERT_TRUE(held.ok());
+  EXPECT_EQ((*held)->meta().from_peer, "node-b");
+
+  Status intruder = push_as("intruder", "ca");
+  EXPECT_FALSE(intruder.ok());
+  EXPECT_NE(intruder.message().find("not among this daemon's --replica-allow-name"), std::string::npos)
+      << intruder.ToString();
+  EXPECT_EQ(served.server->service().refused_calls(), 1u);
+
+  Status no_certificate = push_as("", "ca");
+  EXPECT_EQ(no_certificate.code(), StatusCode::kUnavailable) << no_certificate.ToString();
+  Status other_ca = push_as("node-b-elsewhere", "ca");
+  EXPECT_EQ(other_ca.code(), StatusCode::kUnavailable) << other_ca.ToString();
+  // Plain TCP to the TLS port gets nowhere either.
+  auto plain = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_TRUE(plain.ok());
+  Status in_clear = PushReplica(plain->get(), Meta("job", 0, 2, data.size()), data.data(),
+                                std::chrono::system_clock::now() + 5s);
+  EXPECT_EQ(in_clear.code(), StatusCode::kUnavailable) << in_clear.ToString();
+  EXPECT_EQ(served.store.List("").size(), 1u);  // only node-b's push was held
+}
+
+TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
+  InProcessDaemon d("flashckpt-replica-daemon");
+  ASSERT_TRUE(d.Start([](DaemonConfig& c) {
+                 c.max_host_memory = 1u << 20;
+                 c.replica_listen = "127.0.0.1:0";
+               }).ok());
+  ASSERT_GT(d.server()->replica_port(), 0);
+  auto channel = ReplicaChannel({"127.0.0.1:" + std::to_string(d.server()->replica_port()), "", "", "", ""});
+  ASSERT_TRUE(channel.ok());
+  const auto data = Bytes(12 * kPart, 1);
+  ASSERT_TRUE(PushReplica(channel->get(), Meta("job", 0, 1, data.size()), data.data(), Deadline()).ok());
+  EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, data.size());
+  const auto more = Bytes(8 * kPart, 2);
+  Status over = PushReplica(channel->get(), Meta("job", 1, 1, more.size()), more.data(), Deadline());
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
+  EXPECT_NE(over.message().find("--max-host-memory"), std::string::npos) << over.ToString();
+  EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, data.size());
+  // A newer step of rank 0 fits beside the one it replaces only if both do: 12 + 12 parts do not.
+  Status replacing = PushReplica(channel->get(), Meta("job", 0, 2, data.size()), data.data(), Deadline());
+  EXPECT_EQ(replacing.code(), StatusCode::kResourceExhausted) << replacing.ToString();
+  auto listed = ListReplicas(channel->get(), "", Deadline());
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].step, 1);
+}
+
+}  // namespace
+}  // namespace flashckpt
