@@ -199,9 +199,11 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   optional("replica-tls-cert", c.replica_tls_cert);
   optional("replica-tls-key", c.replica_tls_key);
   optional("replica-tls-ca", c.replica_tls_ca);
-  if (!c.replica_allow_names.empty()) {
+  if (c.replica_allow_names.empty()) {
+    out << "# replica-allow-name = (none)\n";
+  } else {
     std::string names;
-    for (const auto& n : c.replica_allow_names) names += (names.empty() ? "\"" : ", \"") + n + "\"";
+    for (const auto& n : c.replica_allow_names) names += (names.empty() ? "" : ", ") + ValueText(n);
     line("replica-allow-name", "[" + names + "]");
   }
   line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));

@@ -159,7 +159,7 @@ void Server::Shutdown(std::chrono::milliseconds grace) {
   // The TCP listener first: it forwards to service_.
   if (tcp_) tcp_->Shutdown(deadline);
   tcp_.reset();
-  if (replica_) replica_->Shutdown(deadline);
+  if (replica_) replica_->Shutdown(std::chrono::system_clock::now());  // peers push again; no grace taken
   replica_.reset();
   if (!server_) return;
   stopping_ = true;

@@ -141,7 +141,7 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
   Sample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
   Header(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
   Sample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
-  Header(&out, "flashckpt_host_memory_used_bytes", "gauge", "Shared memory held by registered ranks' segments.");
+  Header(&out, "flashckpt_host_memory_used_bytes", "gauge", "Host memory held by registered ranks' segments and by replicas held for peers (--replica-listen).");
   Sample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
   Header(&out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
   Sample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));

@@ -13,6 +13,8 @@ namespace flashckpt {
 Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);  // a peer that died mid-call fails the call
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
   const int tls_files = !peer.tls_cert.empty() + !peer.tls_key.empty() + !peer.tls_ca.empty();
   if (tls_files == 0) return grpc::CreateCustomChannel(peer.target, grpc::InsecureChannelCredentials(), args);
   if (tls_files != 3) {
@@ -86,7 +88,7 @@ Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std:
 }
 
 Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                                 const std::function<Result<char*>(const ReplicaMeta&)>& into,
+                                 uint64_t max_bytes, const std::function<Result<char*>(const ReplicaMeta&)>& into,
                                  std::chrono::system_clock::time_point deadline) {
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
@@ -123,6 +125,11 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job,
   }
   if (meta.part_bytes < kMinReplicaPartBytes || meta.part_bytes > kMaxReplicaPartBytes) {
     return fail(Corruption("replica Fetch: parts of " + std::to_string(meta.part_bytes) + " bytes"));
+  }
+  if (meta.bytes > max_bytes) {
+    return fail(ResourceExhausted("replica Fetch: the peer's replica of job '" + job + "' rank " + std::to_string(rank) +
+                                  " has " + std::to_string(meta.bytes) + " bytes, more than the " +
+                                  std::to_string(max_bytes) + " expected"));
   }
   auto dest = into(meta);
   if (!dest.ok()) return fail(dest.status());

@@ -33,11 +33,12 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
 Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
                                               std::chrono::system_clock::time_point deadline);
 
-// Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds). `into` is called
-// once with the replica's header and returns where its meta.bytes bytes go; every part is checked
+// Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds). A replica of more
+// than `max_bytes` is refused (RESOURCE_EXHAUSTED) before `into` is called; `into` is called once
+// with the replica's header and returns where its meta.bytes bytes go; every part is checked
 // against its checksum as it is copied there (CORRUPTION names the first that is not).
 Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                                 const std::function<Result<char*>(const ReplicaMeta&)>& into,
+                                 uint64_t max_bytes, const std::function<Result<char*>(const ReplicaMeta&)>& into,
                                  std::chrono::system_clock::time_point deadline);
 
 }  // namespace flashckpt

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/base/log.h"
+#include "common/base/names.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
@@ -67,6 +68,11 @@ Status CheckReplicaConfig(const ReplicaListenConfig& c) {
     return InvalidArgument("--replica-tls-* needs at least one --replica-allow-name: the certificate names of the "
                            "peers that may push and fetch replicas");
   }
+  for (const auto& name : c.allow_names) {
+    if (Status valid = ValidateNodeName(name); !valid.ok()) {
+      return InvalidArgument("--replica-allow-name '" + Clip(name) + "': " + valid.message());
+    }
+  }
   if (tls_files == 0 && !c.allow_names.empty()) {
     return InvalidArgument("--replica-allow-name needs --replica-tls-cert, --replica-tls-key and --replica-tls-ca "
                            "(names are those of the peers' certificates)");
@@ -111,6 +117,20 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
                                   v1::PushReplicaResponse* response) {
   std::string peer;
   if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  if (ctx->deadline() > std::chrono::system_clock::now() + kMaxReplicaCall) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "a replica push must carry a deadline, at most " + std::to_string(kMaxReplicaCall.count()) +
+                            " minutes away");
+  }
+  // Each push in flight holds its replica's bytes from its header on: a few at a time.
+  struct InFlight {
+    std::atomic<int>* n;
+    ~InFlight() { n->fetch_sub(1); }
+  } in_flight{&pushes_};
+  if (pushes_.fetch_add(1) >= kMaxPushesInFlight) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        std::to_string(kMaxPushesInFlight) + " replica pushes are in flight here; try again");
+  }
   v1::ReplicaPart part;
   if (!reader->Read(&part) || !part.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
@@ -163,6 +183,12 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
                                    grpc::ServerWriter<v1::ReplicaPart>* writer) {
   std::string peer;
   if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  if (ctx->deadline() > std::chrono::system_clock::now() + kMaxReplicaCall) {
+    // A fetch keeps its replica, and its memory, for as long as it runs.
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica fetch must carry a deadline, at most " +
+                                                                std::to_string(kMaxReplicaCall.count()) +
+                                                                " minutes away");
+  }
   auto found = store_->Find(request->job(), request->rank(), request->step());
   if (!found.ok()) return ToGrpc(found.status());
   const Replica& replica = **found;
@@ -176,7 +202,7 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
       // Memory here no longer holds what arrived: the replica is of no use to anyone.
       Logger("replica")->error("replica dropped job={} rank={} step={} error=\"{}\"", replica.meta().job,
                                replica.meta().rank, replica.meta().step, bytes.status().ToString());
-      store_->Drop(replica.meta().job, replica.meta().rank, replica.meta().step);
+      store_->Drop(&replica);
       return ToGrpc(bytes.status());
     }
     part.set_data(bytes->first, bytes->second);
@@ -210,6 +236,11 @@ Status ReplicaServer::Start() {
   }
   grpc::ServerBuilder builder;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use is an error, not shared
+  // A peer whose node died mid-push leaves a half-open connection: keepalive pings find it, and the
+  // push fails and gives its memory back.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   // A header with its layout and extra state, or one part: a little over the larger.
   builder.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
   builder.RegisterService(&service_);

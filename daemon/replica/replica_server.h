@@ -24,6 +24,10 @@
 
 namespace flashckpt {
 
+// The longest a replica push may last (its deadline must be nearer), and how many may be in flight.
+constexpr std::chrono::minutes kMaxReplicaCall{30};
+constexpr int kMaxPushesInFlight = 8;
+
 struct ReplicaListenConfig {
   std::string listen;  // HOST:PORT
   std::string tls_cert, tls_key, tls_ca;
@@ -57,6 +61,7 @@ class ReplicaService final : public v1::Replica::Service {
   ReplicaStore* store_;
   const std::vector<std::string> allow_names_;
   std::atomic<uint64_t> refused_{0};
+  std::atomic<int> pushes_{0};
 };
 
 class ReplicaServer {

@@ -24,7 +24,7 @@ Replica::Replica(ReplicaMeta meta, HostMemory* memory) : meta_(std::move(meta)),
 
 Replica::~Replica() {
   if (data_ != nullptr) ::munmap(data_, meta_.bytes);
-  if (reserved_) memory_->release(meta_.bytes);
+  if (reserved_) memory_->release(accounted());
 }
 
 Status Replica::Map() {
@@ -58,6 +58,7 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
                            std::to_string(meta.world_size));
   }
   if (meta.step <= 0) return InvalidArgument("replica header: step must be positive, got " + std::to_string(meta.step));
+  if (meta.bytes == 0) return InvalidArgument("replica header: a replica has bytes");
   if (meta.part_bytes < kMinReplicaPartBytes || meta.part_bytes > kMaxReplicaPartBytes) {
     return InvalidArgument("replica header: parts of " + std::to_string(meta.part_bytes) + " bytes (from " +
                            FormatBytes(kMinReplicaPartBytes) + " to " + FormatBytes(kMaxReplicaPartBytes) + ")");
@@ -71,7 +72,7 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
                              FormatBytes(max_replica_bytes_) + " a rank may have here (--max-rank-bytes)");
   }
   auto replica = std::unique_ptr<Replica>(new Replica(std::move(meta), &memory_));
-  RETURN_IF_ERROR(memory_.reserve(replica->meta_.bytes, Who(replica->meta_)));
+  RETURN_IF_ERROR(memory_.reserve(replica->accounted(), Who(replica->meta_)));
   replica->reserved_ = true;
   RETURN_IF_ERROR(replica->Map());
   replica->sums_.reserve(PartsOf(replica->meta_));
@@ -109,12 +110,25 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
   std::shared_ptr<const Replica> replaced;  // freed after the lock is let go
   {
     MutexLock lock(&mu_);
-    auto& slot = held_[{m.job, m.rank}];
-    if (slot && std::make_pair(slot->meta().step, slot->meta().attempt) >= std::make_pair(m.step, m.attempt)) {
-      return AlreadyExists(Who(m) + ": step " + std::to_string(slot->meta().step) + " (attempt " +
-                           std::to_string(slot->meta().attempt) + ") is held already");
+    auto it = held_.find({m.job, m.rank});
+    if (it == held_.end()) {
+      if (held_.size() >= kMaxReplicasHeld) {
+        return ResourceExhausted(Who(m) + ": " + std::to_string(kMaxReplicasHeld) + " ranks' replicas are held here");
+      }
+      it = held_.emplace(std::make_pair(m.job, m.rank), nullptr).first;
+    } else {
+      const ReplicaMeta& old = it->second->meta();
+      if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step)) {
+        return AlreadyExists(Who(m) + " (attempt " + std::to_string(m.attempt) + "): step " +
+                             std::to_string(old.step) + " of attempt " + std::to_string(old.attempt) +
+                             " is held already");
+      }
+      if (old.attempt == m.attempt && old.from_peer != m.from_peer) {
+        return FailedPrecondition(Who(m) + ": the held replica of attempt " + std::to_string(old.attempt) +
+                                  " came from peer '" + old.from_peer + "', not '" + m.from_peer + "'");
+      }
     }
-    replaced = std::exchange(slot, replica);
+    replaced = std::exchange(it->second, replica);
   }
   Logger("replica")->info("replica held job={} rank={} step={} bytes={} from={} replaced_step={}", m.job, m.rank,
                           m.step, m.bytes, m.from_peer.empty() ? m.origin_node : m.from_peer,
@@ -135,11 +149,11 @@ Result<std::shared_ptr<const Replica>> ReplicaStore::Find(const std::string& job
   return it->second;
 }
 
-void ReplicaStore::Drop(const std::string& job, uint32_t rank, int64_t step) {
+void ReplicaStore::Drop(const Replica* replica) {
   std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
-  auto it = held_.find({job, rank});
-  if (it != held_.end() && it->second->meta().step == step) {
+  auto it = held_.find({replica->meta().job, replica->meta().rank});
+  if (it != held_.end() && it->second.get() == replica) {
     dropped = std::move(it->second);
     held_.erase(it);
   }

@@ -4,10 +4,15 @@
 // state); what the store checks is that they arrived whole and unchanged: every part carries its
 // XXH3-64, checked on arrival and again whenever the replica is read.
 //
-// Memory: each replica takes its bytes from the daemon's --max-host-memory (HostMemory), from the
-// moment its header arrives (a push that would not fit is refused then, before any data) until the
-// replica is replaced or dropped. A push in progress never disturbs the replica it will replace:
-// both are held until the new one has fully arrived and verified.
+// Memory: each replica takes its bytes, layout and extra state from the daemon's --max-host-memory
+// (HostMemory), from the moment its header arrives (a push that would not fit is refused then,
+// before any data) until the replica is replaced or dropped; at most kMaxReplicasHeld are held. A
+// push in progress never disturbs the replica it will replace: both are held until the new one has
+// fully arrived and verified.
+//
+// Which one is newer: the later attempt of the job (a job restarted from an older step starts a new
+// attempt, whose replicas replace the old run's), then the later step. Within one attempt a rank
+// runs on one node: with TLS, only the peer that pushed the held replica may replace it.
 #pragma once
 
 #include <chrono>
@@ -49,6 +54,7 @@ struct ReplicaMeta {
 constexpr uint64_t kMinReplicaPartBytes = 64u << 10;
 constexpr uint64_t kMaxReplicaPartBytes = 4u << 20;
 constexpr uint64_t kMaxReplicaMetaBytes = 16u << 20;  // layout and extra, each
+constexpr size_t kMaxReplicasHeld = 4096;             // (job, rank) pairs
 
 // A complete, verified replica. Immutable once held; a reader keeps it (and its memory) alive while
 // the store replaces it.
@@ -71,6 +77,8 @@ class Replica {
   Status Map();
 
   ReplicaMeta meta_;
+  uint64_t accounted() const { return meta_.bytes + meta_.layout.size() + meta_.extra.size(); }
+
   HostMemory* memory_;   // released by the destructor, when reserved_
   bool reserved_ = false;
   char* data_ = nullptr;  // an anonymous private mapping of meta_.bytes bytes
@@ -97,14 +105,16 @@ class ReplicaStore {
     std::unique_ptr<Replica> replica_;
   };
   Result<std::unique_ptr<Incoming>> Begin(ReplicaMeta meta);
-  // Holds the replica when it is newer (step, then attempt) than the one held of its (job, rank);
-  // FAILED_PRECONDITION when bytes are missing, ALREADY_EXISTS (and nothing changes) when it is not newer.
+  // Holds the replica when it is newer (attempt, then step) than the one held of its (job, rank);
+  // FAILED_PRECONDITION when bytes are missing or another peer pushed the held one of the same
+  // attempt, ALREADY_EXISTS (and nothing changes) when it is not newer, RESOURCE_EXHAUSTED when
+  // kMaxReplicasHeld are held already.
   Status Finish(std::unique_ptr<Incoming> incoming);
 
   // The replica of (job, rank): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.
   Result<std::shared_ptr<const Replica>> Find(const std::string& job, uint32_t rank, int64_t step) const;
-  // Drops the replica of (job, rank) at `step` (one that failed its checksums, say).
-  void Drop(const std::string& job, uint32_t rank, int64_t step);
+  // Drops `replica` if it is still the one held of its (job, rank) (one that failed its checksums).
+  void Drop(const Replica* replica);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
   uint64_t held_bytes() const;

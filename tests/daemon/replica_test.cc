@@ -60,6 +60,9 @@ struct CountedMemory {
   }
 };
 
+// What a replica takes from the budget: its bytes, layout and extra state.
+uint64_t Accounted(const ReplicaMeta& m) { return m.bytes + m.layout.size() + m.extra.size(); }
+
 Status Put(ReplicaStore* store, const ReplicaMeta& meta, const std::vector<char>& data) {
   ASSIGN_OR_RETURN(auto incoming, store->Begin(meta));
   for (uint64_t at = 0; at < meta.bytes; at += meta.part_bytes) {
@@ -79,7 +82,7 @@ TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack
     auto incoming = store.Begin(Meta("job", 1, 6, six.size()));
     ASSERT_TRUE(incoming.ok()) << incoming.status().ToString();
     ASSERT_TRUE((*incoming)->Append(six.data(), kPart, Xxh3(six.data(), kPart)).ok());
-    EXPECT_EQ(counted.used.load(), 2 * five.size());
+    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 5, five.size())) + Accounted(Meta("job", 1, 6, six.size())));
     auto held = store.Find("job", 1, 0);
     ASSERT_TRUE(held.ok());
     EXPECT_EQ((*held)->meta().step, 5);
@@ -88,11 +91,11 @@ TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack
     EXPECT_EQ(early.code(), StatusCode::kFailedPrecondition) << early.ToString();
     EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 5);
     held = Result<std::shared_ptr<const Replica>>(NotFound("dropped by the test"));
-    EXPECT_EQ(counted.used.load(), five.size());
+    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 5, five.size())));
 
     ASSERT_TRUE(Put(&store, Meta("job", 1, 6, six.size()), six).ok());
     EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 6);
-    EXPECT_EQ(counted.used.load(), six.size());  // step 5's memory went back
+    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 6, six.size())));  // step 5's memory went back
     // An older step does not replace a newer one.
     Status older = Put(&store, Meta("job", 1, 5, five.size()), five);
     EXPECT_EQ(older.code(), StatusCode::kAlreadyExists) << older.ToString();
@@ -103,6 +106,19 @@ TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack
     EXPECT_EQ(store.List("").size(), 2u);
     EXPECT_EQ(store.List("job").size(), 1u);
     EXPECT_EQ(store.held_bytes(), six.size() + kPart);
+
+    // A later attempt (the job restarted from an older step) replaces a newer step of the old one.
+    ReplicaMeta restarted = Meta("job", 1, 2, kPart);
+    restarted.attempt = 2;
+    ASSERT_TRUE(Put(&store, restarted, Bytes(kPart, 2)).ok());
+    EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 2);
+    // Within that attempt another peer may not replace it.
+    ReplicaMeta elsewhere = Meta("job", 1, 3, kPart);
+    elsewhere.attempt = 2;
+    elsewhere.from_peer = "node-x";
+    Status other_peer = Put(&store, elsewhere, Bytes(kPart, 3));
+    EXPECT_EQ(other_peer.code(), StatusCode::kFailedPrecondition) << other_peer.ToString();
+    EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 2);
   }
   EXPECT_EQ(counted.used.load(), 0u);
 }
@@ -127,6 +143,8 @@ TEST(ReplicaStoreTest, RefusesWhatDoesNotFitOrDoesNotArriveWhole) {
   EXPECT_EQ(bad_sum.code(), StatusCode::kCorruption) << bad_sum.ToString();
   Status short_part = (*incoming)->Append(data.data(), kPart - 1, Xxh3(data.data(), kPart - 1));
   EXPECT_EQ(short_part.code(), StatusCode::kInvalidArgument) << short_part.ToString();
+  incoming->reset();  // dropped unfinished: its memory goes back
+  EXPECT_EQ(counted.used.load(), 0u);
 
   for (auto [field, meta] : std::vector<std::pair<const char*, ReplicaMeta>>{
            {"job", Meta("bad/job", 0, 1, kPart)}, {"rank", Meta("job", 8, 1, kPart)}, {"step", Meta("job", 0, 0, kPart)}}) {
@@ -135,6 +153,12 @@ TEST(ReplicaStoreTest, RefusesWhatDoesNotFitOrDoesNotArriveWhole) {
   ReplicaMeta tiny = Meta("job", 0, 1, kPart);
   tiny.part_bytes = 1024;
   EXPECT_EQ(store.Begin(tiny).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.Begin(Meta("job", 0, 1, 0)).status().code(), StatusCode::kInvalidArgument);
+  // Layout and extra state count too: a replica of few bytes and a large layout does not fit.
+  ReplicaMeta wide = Meta("job", 0, 1, kPart);
+  wide.layout.assign(4 * kPart, 'x');
+  EXPECT_EQ(store.Begin(wide).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(counted.used.load(), 0u);
 }
 
 // A replica server over a store on a loopback port; TLS when `tls` is given.
@@ -169,8 +193,11 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   EXPECT_EQ((*listed)[0].origin_node, "node-b");
 
   std::vector<char> back;
+  auto too_big = FetchReplica(channel->get(), "job", 3, 0, data.size() - 1,
+                              [&](const ReplicaMeta&) -> Result<char*> { return nullptr; }, Deadline());
+  EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted) << too_big.status().ToString();
   auto fetched = FetchReplica(
-      channel->get(), "job", 3, 0,
+      channel->get(), "job", 3, 0, data.size(),
       [&](const ReplicaMeta& m) -> Result<char*> {
         back.resize(m.bytes);
         return back.data();
@@ -182,7 +209,7 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   EXPECT_EQ(fetched->extra, "{\"step\": 27}");
   EXPECT_EQ(back, data);
 
-  auto missing = FetchReplica(channel->get(), "job", 4, 0, [&](const ReplicaMeta&) -> Result<char*> { return nullptr; },
+  auto missing = FetchReplica(channel->get(), "job", 4, 0, data.size(), [&](const ReplicaMeta&) -> Result<char*> { return nullptr; },
                               Deadline());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
 }
@@ -202,7 +229,7 @@ TEST(ReplicaServiceTest, AReplicaWithAFlippedByteIsRefusedAndDropped) {
     const_cast<char*>(part->first)[100] ^= 0x10;  // memory of the peer goes bad after arrival
   }
   std::vector<char> back(data.size());
-  auto fetched = FetchReplica(channel->get(), "job", 0, 12, [&](const ReplicaMeta&) -> Result<char*> { return back.data(); },
+  auto fetched = FetchReplica(channel->get(), "job", 0, 12, data.size(), [&](const ReplicaMeta&) -> Result<char*> { return back.data(); },
                               Deadline());
   EXPECT_EQ(fetched.status().code(), StatusCode::kCorruption) << fetched.status().ToString();
   EXPECT_NE(fetched.status().message().find("part 1"), std::string::npos) << fetched.status().ToString();
@@ -233,6 +260,8 @@ TEST(ReplicaConfigTest, BetweenNodesTheChannelNeedsMutualTlsAndNames) {
   EXPECT_NE(nameless.message().find("--replica-allow-name"), std::string::npos) << nameless.ToString();
   EXPECT_EQ(check({"127.0.0.1:7000", "", "", "", {"node-b"}}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(check({"", "c.pem", "k.pem", "ca.pem", {"node-b"}}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(check({"localhost:7000", "", "", "", {}}).ok());
+  EXPECT_EQ(check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {""}}).code(), StatusCode::kInvalidArgument);
   Status port = check({"127.0.0.1:99999", "", "", "", {}});
   EXPECT_NE(port.message().find("--replica-listen"), std::string::npos) << port.ToString();
   EXPECT_TRUE(check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {"node-b"}}).ok());
@@ -345,12 +374,13 @@ TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
   ASSERT_TRUE(channel.ok());
   const auto data = Bytes(12 * kPart, 1);
   ASSERT_TRUE(PushReplica(channel->get(), Meta("job", 0, 1, data.size()), data.data(), Deadline()).ok());
-  EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, data.size());
+  const uint64_t held = Accounted(Meta("job", 0, 1, data.size()));
+  EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, held);
   const auto more = Bytes(8 * kPart, 2);
   Status over = PushReplica(channel->get(), Meta("job", 1, 1, more.size()), more.data(), Deadline());
   EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
   EXPECT_NE(over.message().find("--max-host-memory"), std::string::npos) << over.ToString();
-  EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, data.size());
+  EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, held);
   // A newer step of rank 0 fits beside the one it replaces only if both do: 12 + 12 parts do not.
   Status replacing = PushReplica(channel->get(), Meta("job", 0, 2, data.size()), data.data(), Deadline());
   EXPECT_EQ(replacing.code(), StatusCode::kResourceExhausted) << replacing.ToString();

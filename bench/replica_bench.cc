@@ -1,0 +1,175 @@
+// replica_bench: pushing a replica to a peer daemon's replica listener (daemon/replica/) against a
+// plain TCP stream of the same bytes, over the same loopback interface, in the same run.
+//
+//   tcp stream (limit)   one connection; the sender writes the source in --part pieces, the
+//                        receiver reads each piece into a buffer and copies it into a mapping of
+//                        the whole size, as the replica store does with a part
+//   replica push         PushReplica into a ReplicaServer in this process (no TLS): every part
+//                        hashed by the sender, checked by the receiver, copied into the store's
+//                        mapping, the replica held at the end
+//
+// Rows alternate (limit, push, limit, push ...) for --repeat rounds; medians and best are printed,
+// the ratio is of medians. GB/s is replica bytes over the seconds from the first byte sent to the
+// receiver holding the last.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "bench/summary.h"
+#include "common/base/names.h"
+#include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_server.h"
+
+namespace flashckpt {
+namespace {
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// One plain TCP stream of `bytes` over loopback; seconds until the receiver has copied the last byte.
+// A negative value when a socket call failed.
+double TcpStream(const char* src, uint64_t bytes, uint64_t part, char* dst) {
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(listener, 1) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (listener >= 0) ::close(listener);
+    return -1;
+  }
+  bool received = false;
+  std::thread receiver([&] {
+    int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    std::vector<char> piece(part);
+    uint64_t at = 0;
+    while (at < bytes) {
+      const uint64_t want = std::min(part, bytes - at);
+      uint64_t got = 0;
+      while (got < want) {
+        ssize_t n = ::recv(fd, piece.data() + got, want - got, 0);
+        if (n <= 0) break;
+        got += static_cast<uint64_t>(n);
+      }
+      if (got < want) break;
+      std::memcpy(dst + at, piece.data(), want);
+      at += want;
+    }
+    received = at == bytes;
+    ::close(fd);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  bool sent = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  for (uint64_t at = 0; sent && at < bytes;) {
+    ssize_t n = ::send(fd, src + at, std::min(part, bytes - at), MSG_NOSIGNAL);
+    if (n <= 0) sent = false;
+    at += n > 0 ? static_cast<uint64_t>(n) : 0;
+  }
+  if (fd >= 0) ::close(fd);
+  receiver.join();
+  const double secs = Seconds(start);
+  ::close(listener);
+  return sent && received ? secs : -1;
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"replica_bench: a replica push to a peer daemon against a plain TCP stream of the same bytes"};
+  std::string size_text = "1GiB";
+  uint64_t part = 1u << 20;
+  int repeat = 5;
+  app.add_option("--bytes", size_text, "replica size, e.g. 1GiB")->capture_default_str();
+  app.add_option("--part", part, "bytes per part (64 KiB to 4 MiB)")->capture_default_str();
+  app.add_option("--repeat", repeat, "rounds (limit then push, each round)")->check(CLI::Range(1, 100))->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  const auto bytes = ParseByteSize(size_text);
+  if (!bytes || *bytes == 0) {
+    std::fprintf(stderr, "--bytes %s: not a positive size\n", size_text.c_str());
+    return 2;
+  }
+  if (part < kMinReplicaPartBytes || part > kMaxReplicaPartBytes) {
+    std::fprintf(stderr, "--part must be from 64 KiB to 4 MiB\n");
+    return 2;
+  }
+  // The source, written once (a slot a trainer filled), and the limit's destination, also touched once.
+  std::vector<char> src(*bytes);
+  for (uint64_t i = 0; i < src.size(); i += 4096) src[i] = static_cast<char>(i / 4096);
+  std::vector<char> dst(*bytes, 1);
+
+  ReplicaStore store(HostMemory{[](uint64_t, const std::string&) { return Status::OK(); }, [](uint64_t) {}}, 0);
+  ReplicaListenConfig config;
+  config.listen = "127.0.0.1:0";
+  ReplicaServer server(&store, config);
+  if (Status started = server.Start(); !started.ok()) {
+    std::fprintf(stderr, "replica listener: %s\n", started.ToString().c_str());
+    return 1;
+  }
+  auto channel = ReplicaChannel({"127.0.0.1:" + std::to_string(server.port()), "", "", "", ""});
+  if (!channel.ok()) return 1;
+
+  std::printf("replica_bench: %s in parts of %s, loopback, %d rounds\n", FormatBytes(*bytes).c_str(),
+              FormatBytes(part).c_str(), repeat);
+  std::vector<double> limit, push;
+  for (int round = 0; round < repeat; ++round) {
+    const double tcp = TcpStream(src.data(), *bytes, part, dst.data());
+    if (tcp <= 0) {
+      std::fprintf(stderr, "the plain TCP stream failed\n");
+      return 1;
+    }
+    limit.push_back(tcp);
+    ReplicaMeta meta;
+    meta.job = "bench";
+    meta.rank = 0;
+    meta.world_size = 1;
+    meta.step = round + 1;
+    meta.attempt = 1;
+    meta.bytes = *bytes;
+    meta.part_bytes = part;
+    const auto start = std::chrono::steady_clock::now();
+    Status pushed = PushReplica(channel->get(), meta, src.data(), std::chrono::system_clock::now() + std::chrono::minutes(10));
+    const double secs = Seconds(start);
+    if (!pushed.ok()) {
+      std::fprintf(stderr, "replica push: %s\n", pushed.ToString().c_str());
+      return 1;
+    }
+    push.push_back(secs);
+    std::printf("round %d: tcp stream %.3f s (%.2f GB/s), replica push %.3f s (%.2f GB/s)\n", round + 1, tcp,
+                *bytes / tcp / 1e9, secs, *bytes / secs / 1e9);
+  }
+  const double tcp_median = Median(limit), push_median = Median(push);
+  std::printf("\n%-28s %10s %10s %12s\n", "row", "median s", "best s", "median GB/s");
+  std::printf("%-28s %10.3f %10.3f %12.2f\n", "tcp stream (limit)", tcp_median,
+              *std::min_element(limit.begin(), limit.end()), *bytes / tcp_median / 1e9);
+  std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica push", push_median, *std::min_element(push.begin(), push.end()),
+              *bytes / push_median / 1e9);
+  const double ratio = tcp_median / push_median;
+  std::printf("\nRESULT replica_push_gbps=%.3f\nRESULT replica_limit_gbps=%.3f\n", *bytes / push_median / 1e9,
+              *bytes / tcp_median / 1e9);
+  bench::SummaryRow("replica push vs plain TCP stream (loopback)", ratio);
+  server.Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}
+
+}  // namespace
+}  // namespace flashckpt
+
+int main(int argc, char** argv) { return flashckpt::Main(argc, argv); }
