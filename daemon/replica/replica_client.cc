@@ -10,6 +10,34 @@
 
 namespace flashckpt {
 
+ReplicaMeta ReplicaMetaOf(const v1::ReplicaHeader& h) {
+  ReplicaMeta m;
+  m.job = h.job();
+  m.rank = h.rank();
+  m.step = h.step();
+  m.attempt = h.attempt();
+  m.world_size = h.world_size();
+  m.bytes = h.bytes();
+  m.part_bytes = h.part_bytes();
+  m.layout = h.layout();
+  m.extra = h.extra();
+  m.origin_node = h.origin_node();
+  return m;
+}
+
+void ReplicaHeaderOf(const ReplicaMeta& m, v1::ReplicaHeader* h) {
+  h->set_job(m.job);
+  h->set_rank(m.rank);
+  h->set_step(m.step);
+  h->set_attempt(m.attempt);
+  h->set_world_size(m.world_size);
+  h->set_bytes(m.bytes);
+  h->set_part_bytes(m.part_bytes);
+  h->set_layout(m.layout);
+  h->set_extra(m.extra);
+  h->set_origin_node(m.origin_node);
+}
+
 Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
@@ -39,17 +67,7 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
   v1::PushReplicaResponse response;
   auto writer = stub.Push(&ctx, &response);
   v1::ReplicaPart part;
-  v1::ReplicaHeader* h = part.mutable_header();
-  h->set_job(meta.job);
-  h->set_rank(meta.rank);
-  h->set_step(meta.step);
-  h->set_attempt(meta.attempt);
-  h->set_world_size(meta.world_size);
-  h->set_bytes(meta.bytes);
-  h->set_part_bytes(meta.part_bytes);
-  h->set_layout(meta.layout);
-  h->set_extra(meta.extra);
-  h->set_origin_node(meta.origin_node);
+  ReplicaHeaderOf(meta, part.mutable_header());
   bool open = writer->Write(part);
   for (uint64_t at = 0; open && at < meta.bytes; at += meta.part_bytes) {
     const uint64_t n = std::min(meta.part_bytes, meta.bytes - at);
@@ -106,18 +124,7 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job,
   };
   if (!reader->Read(&part)) return FromGrpc(reader->Finish(), "replica Fetch");
   if (!part.has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
-  const v1::ReplicaHeader& h = part.header();
-  ReplicaMeta meta;
-  meta.job = h.job();
-  meta.rank = h.rank();
-  meta.step = h.step();
-  meta.attempt = h.attempt();
-  meta.world_size = h.world_size();
-  meta.bytes = h.bytes();
-  meta.part_bytes = h.part_bytes();
-  meta.layout = h.layout();
-  meta.extra = h.extra();
-  meta.origin_node = h.origin_node();
+  const ReplicaMeta meta = ReplicaMetaOf(part.header());
   if (meta.job != job || meta.rank != rank || (step != 0 && meta.step != step)) {
     return fail(Corruption("replica Fetch: asked for job '" + job + "' rank " + std::to_string(rank) +
                            ", the peer sent job '" + meta.job + "' rank " + std::to_string(meta.rank) + " step " +

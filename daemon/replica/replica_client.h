@@ -13,8 +13,13 @@
 
 #include "common/base/status.h"
 #include "daemon/replica/replica_store.h"
+#include "replica.pb.h"
 
 namespace flashckpt {
+
+// A replica's header on the wire and back (both ends of Push and Fetch).
+ReplicaMeta ReplicaMetaOf(const v1::ReplicaHeader& header);
+void ReplicaHeaderOf(const ReplicaMeta& meta, v1::ReplicaHeader* header);
 
 // How to reach a peer: its HOST:PORT, and for mutual TLS this daemon's certificate and key and the
 // CA of the peers' certificates (all three, or none for a loopback peer). `server_name`: the name

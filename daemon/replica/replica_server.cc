@@ -7,40 +7,9 @@
 #include "daemon/edge/limits.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/replica/replica_client.h"
 
 namespace flashckpt {
-namespace {
-
-ReplicaMeta MetaOf(const v1::ReplicaHeader& h) {
-  ReplicaMeta m;
-  m.job = h.job();
-  m.rank = h.rank();
-  m.step = h.step();
-  m.attempt = h.attempt();
-  m.world_size = h.world_size();
-  m.bytes = h.bytes();
-  m.part_bytes = h.part_bytes();
-  m.layout = h.layout();
-  m.extra = h.extra();
-  m.origin_node = h.origin_node();
-  return m;
-}
-
-void HeaderOf(const ReplicaMeta& m, v1::ReplicaHeader* h) {
-  h->set_job(m.job);
-  h->set_rank(m.rank);
-  h->set_step(m.step);
-  h->set_attempt(m.attempt);
-  h->set_world_size(m.world_size);
-  h->set_bytes(m.bytes);
-  h->set_part_bytes(m.part_bytes);
-  h->set_layout(m.layout);
-  h->set_extra(m.extra);
-  h->set_origin_node(m.origin_node);
-}
-
-}  // namespace
-
 ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config) {
   ReplicaListenConfig c;
   c.listen = config.replica_listen;
@@ -135,7 +104,7 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
   if (!reader->Read(&part) || !part.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
   }
-  ReplicaMeta meta = MetaOf(part.header());
+  ReplicaMeta meta = ReplicaMetaOf(part.header());
   meta.from_peer = peer;
   auto incoming = store_->Begin(std::move(meta));
   if (!incoming.ok()) {
@@ -193,7 +162,7 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
   if (!found.ok()) return ToGrpc(found.status());
   const Replica& replica = **found;
   v1::ReplicaPart part;
-  HeaderOf(replica.meta(), part.mutable_header());
+  ReplicaHeaderOf(replica.meta(), part.mutable_header());
   if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
   part.Clear();
   for (uint64_t i = 0; i < replica.parts(); ++i) {
