@@ -102,8 +102,12 @@ Status Server::Start() {
     RETURN_IF_ERROR(replica_->Start());
   }
   if (!daemon_->config().metrics_listen.empty()) {
-    metrics_ = std::make_unique<MetricsHttpServer>(daemon_->config().metrics_listen,
-                                                   [daemon = daemon_] { return daemon->RenderMetrics(); });
+    // Stopped before the replica listener and its store go (Shutdown).
+    metrics_ = std::make_unique<MetricsHttpServer>(daemon_->config().metrics_listen, [this] {
+      std::string text = daemon_->RenderMetrics();
+      if (replica_) text += RenderReplicaMetrics(*replica_store_, replica_->service());
+      return text;
+    });
     RETURN_IF_ERROR(metrics_->Start());
   }
   return Status::OK();

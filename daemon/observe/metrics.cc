@@ -33,7 +33,11 @@ std::string Number(double v) {
   return buf;
 }
 
-void Header(std::string* out, const char* name, const char* type, const char* help) {
+std::string JobLabel(const std::string& job) { return "job=\"" + Escape(job) + "\""; }
+
+}  // namespace
+
+void MetricHeader(std::string* out, const char* name, const char* type, const char* help) {
   *out += "# HELP ";
   *out += name;
   *out += ' ';
@@ -45,15 +49,11 @@ void Header(std::string* out, const char* name, const char* type, const char* he
   *out += '\n';
 }
 
-void Sample(std::string* out, const std::string& name, const std::string& labels, double value) {
+void MetricSample(std::string* out, const std::string& name, const std::string& labels, double value) {
   *out += name;
   if (!labels.empty()) *out += "{" + labels + "}";
   *out += ' ' + Number(value) + '\n';
 }
-
-std::string JobLabel(const std::string& job) { return "job=\"" + Escape(job) + "\""; }
-
-}  // namespace
 
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
 
@@ -72,10 +72,10 @@ void Histogram::Render(const std::string& name, const std::string& labels, std::
   for (size_t i = 0; i <= bounds_.size(); ++i) {
     cumulative += counts_[i];
     std::string le = i < bounds_.size() ? Number(bounds_[i]) : "+Inf";
-    Sample(out, name + "_bucket", prefix + "le=\"" + le + "\"", static_cast<double>(cumulative));
+    MetricSample(out, name + "_bucket", prefix + "le=\"" + le + "\"", static_cast<double>(cumulative));
   }
-  Sample(out, name + "_sum", labels, sum_);
-  Sample(out, name + "_count", labels, static_cast<double>(count_));
+  MetricSample(out, name + "_sum", labels, sum_);
+  MetricSample(out, name + "_count", labels, static_cast<double>(count_));
 }
 
 Metrics::Metrics()
@@ -133,18 +133,18 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
   std::string out;
   out.reserve(8192);
 
-  Header(&out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
-  Sample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version) + "\"", 1);
-  Header(&out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
-  Sample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled ? 1 : 0);
-  Header(&out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
-  Sample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
-  Header(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
-  Sample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
-  Header(&out, "flashckpt_host_memory_used_bytes", "gauge", "Host memory held by registered ranks' segments and by replicas held for peers (--replica-listen).");
-  Sample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
-  Header(&out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
-  Sample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));
+  MetricHeader(&out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
+  MetricSample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version) + "\"", 1);
+  MetricHeader(&out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
+  MetricSample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled ? 1 : 0);
+  MetricHeader(&out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
+  MetricSample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
+  MetricHeader(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
+  MetricSample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
+  MetricHeader(&out, "flashckpt_host_memory_used_bytes", "gauge", "Host memory held by registered ranks' segments and by replicas held for peers (--replica-listen).");
+  MetricSample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
+  MetricHeader(&out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
+  MetricSample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));
 
   // Per-job counters; a counter is rendered for every job seen, zero or not, so rate() works from
   // the first scrape on.
@@ -181,29 +181,29 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
        &JobSeries::memory_fallbacks},
   };
   for (const auto& def : kCounters) {
-    Header(&out, def.name, "counter", def.help);
-    for (const auto& [job, s] : jobs_) Sample(&out, def.name, JobLabel(job), static_cast<double>(s.*def.field));
+    MetricHeader(&out, def.name, "counter", def.help);
+    for (const auto& [job, s] : jobs_) MetricSample(&out, def.name, JobLabel(job), static_cast<double>(s.*def.field));
   }
-  Header(&out, "flashckpt_persist_failures_total", "counter", "Failed persists, by the error's code.");
+  MetricHeader(&out, "flashckpt_persist_failures_total", "counter", "Failed persists, by the error's code.");
   for (const auto& [job, s] : jobs_) {
     for (const auto& [reason, n] : s.failures) {
-      Sample(&out, "flashckpt_persist_failures_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
+      MetricSample(&out, "flashckpt_persist_failures_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
              static_cast<double>(n));
     }
   }
-  Header(&out, "flashckpt_checkpoints_deleted_total", "counter", "Checkpoint directories deleted, by reason.");
+  MetricHeader(&out, "flashckpt_checkpoints_deleted_total", "counter", "Checkpoint directories deleted, by reason.");
   for (const auto& [job, s] : jobs_) {
     for (const auto& [reason, n] : s.deleted) {
-      Sample(&out, "flashckpt_checkpoints_deleted_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
+      MetricSample(&out, "flashckpt_checkpoints_deleted_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
              static_cast<double>(n));
     }
   }
 
-  Header(&out, "flashckpt_persist_duration_seconds", "histogram", "Time to write one rank's snapshot durably.");
+  MetricHeader(&out, "flashckpt_persist_duration_seconds", "histogram", "Time to write one rank's snapshot durably.");
   persist_seconds_.Render("flashckpt_persist_duration_seconds", "", &out);
-  Header(&out, "flashckpt_ema_update_duration_seconds", "histogram", "Time of one rank's EMA update.");
+  MetricHeader(&out, "flashckpt_ema_update_duration_seconds", "histogram", "Time of one rank's EMA update.");
   ema_seconds_.Render("flashckpt_ema_update_duration_seconds", "", &out);
-  Header(&out, "flashckpt_slot_wait_seconds", "histogram", "Time BeginSnapshot waited for a free slot.");
+  MetricHeader(&out, "flashckpt_slot_wait_seconds", "histogram", "Time BeginSnapshot waited for a free slot.");
   slot_wait_seconds_.Render("flashckpt_slot_wait_seconds", "", &out);
 
   // Gauges from the status snapshot.
@@ -211,10 +211,10 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
   for (const auto& job : status.jobs) {
     for (const auto& rank : job.ranks) oldest = std::max(oldest, rank.oldest_write_seconds);
   }
-  Header(&out, "flashckpt_oldest_write_seconds", "gauge",
+  MetricHeader(&out, "flashckpt_oldest_write_seconds", "gauge",
          "Age of the oldest persist being written (0: none); one that keeps growing means a slow or stuck disk.");
-  Sample(&out, "flashckpt_oldest_write_seconds", "", oldest);
-  Header(&out, "flashckpt_oldest_filling_seconds", "gauge",
+  MetricSample(&out, "flashckpt_oldest_write_seconds", "", oldest);
+  MetricHeader(&out, "flashckpt_oldest_filling_seconds", "gauge",
          "Per job, how long its oldest slot has been filling since BeginSnapshot (0: none); one that keeps growing "
          "is a trainer stopped between BeginSnapshot and Commit.");
   for (const auto& job : status.jobs) {
@@ -222,41 +222,41 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
     for (const auto& rank : job.ranks) {
       for (const auto& slot : rank.slots) filling = std::max(filling, slot.filling_seconds);
     }
-    Sample(&out, "flashckpt_oldest_filling_seconds", JobLabel(job.job), filling);
+    MetricSample(&out, "flashckpt_oldest_filling_seconds", JobLabel(job.job), filling);
   }
-  Header(&out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
+  MetricHeader(&out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
   for (const auto& job : status.jobs) {
-    Sample(&out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));
+    MetricSample(&out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));
   }
-  Header(&out, "flashckpt_last_committed_step", "gauge", "Newest step any rank of the job committed here (-1: none).");
+  MetricHeader(&out, "flashckpt_last_committed_step", "gauge", "Newest step any rank of the job committed here (-1: none).");
   for (const auto& job : status.jobs) {
     int64_t last = -1;
     for (const auto& rank : job.ranks) last = std::max(last, rank.last_committed_step);
-    Sample(&out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
+    MetricSample(&out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
   }
-  Header(&out, "flashckpt_memory_checkpoint_step", "gauge",
+  MetricHeader(&out, "flashckpt_memory_checkpoint_step", "gauge",
          "The oldest of the newest memory checkpoints the job's ranks keep here (-1: a rank keeps none).");
   for (const auto& job : status.jobs) {
     int64_t common = job.ranks.empty() ? -1 : std::numeric_limits<int64_t>::max();
     for (const auto& rank : job.ranks) common = std::min(common, rank.memory_step);
-    Sample(&out, "flashckpt_memory_checkpoint_step", JobLabel(job.job), static_cast<double>(std::max<int64_t>(common, -1)));
+    MetricSample(&out, "flashckpt_memory_checkpoint_step", JobLabel(job.job), static_cast<double>(std::max<int64_t>(common, -1)));
   }
-  Header(&out, "flashckpt_memory_checkpoint_bytes", "gauge", "Bytes of the slots keeping the job's memory checkpoints.");
+  MetricHeader(&out, "flashckpt_memory_checkpoint_bytes", "gauge", "Bytes of the slots keeping the job's memory checkpoints.");
   for (const auto& job : status.jobs) {
     uint64_t bytes = 0;
     for (const auto& rank : job.ranks) bytes += rank.memory_bytes;
-    Sample(&out, "flashckpt_memory_checkpoint_bytes", JobLabel(job.job), static_cast<double>(bytes));
+    MetricSample(&out, "flashckpt_memory_checkpoint_bytes", JobLabel(job.job), static_cast<double>(bytes));
   }
-  Header(&out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
+  MetricHeader(&out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
   for (const auto& job : status.jobs) {
-    Sample(&out, "flashckpt_last_durable_step", JobLabel(job.job), static_cast<double>(job.last_complete_step));
+    MetricSample(&out, "flashckpt_last_durable_step", JobLabel(job.job), static_cast<double>(job.last_complete_step));
   }
-  Header(&out, "flashckpt_last_complete_timestamp_seconds", "gauge",
+  MetricHeader(&out, "flashckpt_last_complete_timestamp_seconds", "gauge",
          "Unix time this daemon last completed a checkpoint of the job (0: not since it started).");
   for (const auto& [job, s] : jobs_)
-    Sample(&out, "flashckpt_last_complete_timestamp_seconds", JobLabel(job), s.last_complete_unix);
-  Header(&out, "flashckpt_watch_events_lost_total", "counter", "Events dropped for watchers that fell behind.");
-  Sample(&out, "flashckpt_watch_events_lost_total", "", static_cast<double>(watchers_lost));
+    MetricSample(&out, "flashckpt_last_complete_timestamp_seconds", JobLabel(job), s.last_complete_unix);
+  MetricHeader(&out, "flashckpt_watch_events_lost_total", "counter", "Events dropped for watchers that fell behind.");
+  MetricSample(&out, "flashckpt_watch_events_lost_total", "", static_cast<double>(watchers_lost));
   return out;
 }
 

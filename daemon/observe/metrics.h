@@ -19,6 +19,11 @@
 
 namespace flashckpt {
 
+// One metric's "# HELP" and "# TYPE" lines, and one sample line (`labels`: "" or `a="b"`), in the
+// text exposition format: for the daemon's own metrics and for the listeners that add theirs.
+void MetricHeader(std::string* out, const char* name, const char* type, const char* help);
+void MetricSample(std::string* out, const std::string& name, const std::string& labels, double value);
+
 // A cumulative histogram with fixed upper bounds (seconds).
 class Histogram {
  public:

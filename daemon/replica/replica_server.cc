@@ -7,6 +7,7 @@
 #include "daemon/edge/limits.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/observe/metrics.h"
 #include "daemon/replica/replica_client.h"
 
 namespace flashckpt {
@@ -109,6 +110,7 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
   auto incoming = store_->Begin(std::move(meta));
   if (!incoming.ok()) {
     Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), incoming.status().ToString());
+    refused_pushes_.fetch_add(1);
     return ToGrpc(incoming.status());
   }
   while (reader->Read(&part)) {
@@ -118,13 +120,19 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
     Status appended = (*incoming)->Append(part.data().data(), part.data().size(), part.xxh3());
     if (!appended.ok()) {
       Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), appended.ToString());
+      refused_pushes_.fetch_add(1);
       return ToGrpc(appended);
     }
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the push was cancelled");
   const int64_t step = (*incoming)->meta().step;
   const uint64_t bytes = (*incoming)->meta().bytes;
-  if (Status held = store_->Finish(std::move(*incoming)); !held.ok()) return ToGrpc(held);
+  if (Status held = store_->Finish(std::move(*incoming)); !held.ok()) {
+    Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), held.ToString());
+    refused_pushes_.fetch_add(1);
+    return ToGrpc(held);
+  }
+  received_.fetch_add(1);
   response->set_step(step);
   response->set_bytes(bytes);
   return grpc::Status::OK;
@@ -179,6 +187,23 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
     if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
   }
   return grpc::Status::OK;
+}
+
+std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service) {
+  std::string out;
+  MetricHeader(&out, "flashckpt_replicas_held", "gauge", "Ranks whose replica this daemon holds for its peers.");
+  MetricSample(&out, "flashckpt_replicas_held", "", static_cast<double>(store.List("").size()));
+  MetricHeader(&out, "flashckpt_replica_bytes_held", "gauge", "Bytes of the replicas held for peers.");
+  MetricSample(&out, "flashckpt_replica_bytes_held", "", static_cast<double>(store.held_bytes()));
+  MetricHeader(&out, "flashckpt_replicas_received_total", "counter", "Replica pushes received whole and held.");
+  MetricSample(&out, "flashckpt_replicas_received_total", "", static_cast<double>(service.received()));
+  MetricHeader(&out, "flashckpt_replica_pushes_failed_total", "counter",
+               "Replica pushes of allowed peers refused (bad header, no memory, bad part, not newer).");
+  MetricSample(&out, "flashckpt_replica_pushes_failed_total", "", static_cast<double>(service.refused_pushes()));
+  MetricHeader(&out, "flashckpt_replica_calls_refused_total", "counter",
+               "Replica calls refused because the peer's certificate name is not allowed.");
+  MetricSample(&out, "flashckpt_replica_calls_refused_total", "", static_cast<double>(service.refused_calls()));
+  return out;
 }
 
 ReplicaServer::ReplicaServer(ReplicaStore* store, ReplicaListenConfig config)

@@ -53,6 +53,8 @@ class ReplicaService final : public v1::Replica::Service {
                      grpc::ServerWriter<v1::ReplicaPart>* writer) override;
 
   uint64_t refused_calls() const { return refused_.load(); }
+  uint64_t received() const { return received_.load(); }  // pushes held
+  uint64_t refused_pushes() const { return refused_pushes_.load(); }  // pushes of allowed peers that failed
 
  private:
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
@@ -62,7 +64,14 @@ class ReplicaService final : public v1::Replica::Service {
   const std::vector<std::string> allow_names_;
   std::atomic<uint64_t> refused_{0};
   std::atomic<int> pushes_{0};
+  std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> refused_pushes_{0};
 };
+
+// The replica listener's metrics, in the text exposition format, for the daemon's /metrics:
+// flashckpt_replicas_held, flashckpt_replica_bytes_held, flashckpt_replicas_received_total,
+// flashckpt_replica_pushes_failed_total and flashckpt_replica_calls_refused_total.
+std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service);
 
 class ReplicaServer {
  public:

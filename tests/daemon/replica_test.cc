@@ -1,8 +1,11 @@
 // The replica channel between daemons (daemon/replica/): the store of peers' replicas, its gRPC
 // service on a real loopback port, and mutual TLS with certificates made here by openssl (a CA, this
 // daemon's, an allowed peer's, a peer of a name not allowed, and one from another CA).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -363,11 +366,32 @@ TEST(ReplicaTlsTest, OnlyAPeerWithACertificateOfAnAllowedNameGetsIn) {
   EXPECT_EQ(served.store.List("").size(), 1u);  // only node-b's push was held
 }
 
+// The body of GET /metrics from 127.0.0.1:`port` ("" when it cannot be read).
+std::string Scrape(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string text;
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) text.append(buf, static_cast<size_t>(n));
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  return text;
+}
+
 TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
   InProcessDaemon d("flashckpt-replica-daemon");
   ASSERT_TRUE(d.Start([](DaemonConfig& c) {
                  c.max_host_memory = 1u << 20;
                  c.replica_listen = "127.0.0.1:0";
+                 c.metrics_listen = "127.0.0.1:0";
                }).ok());
   ASSERT_GT(d.server()->replica_port(), 0);
   auto channel = ReplicaChannel({"127.0.0.1:" + std::to_string(d.server()->replica_port()), "", "", "", ""});
@@ -388,6 +412,15 @@ TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].step, 1);
+  const std::string metrics = Scrape(d.server()->metrics_port());
+  EXPECT_NE(metrics.find("\nflashckpt_replicas_held 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nflashckpt_replica_bytes_held " + std::to_string(data.size()) + "\n"), std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("\nflashckpt_replicas_received_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nflashckpt_replica_pushes_failed_total 2\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nflashckpt_replica_calls_refused_total 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nflashckpt_host_memory_used_bytes " + std::to_string(held) + "\n"), std::string::npos)
+      << metrics;
 }
 
 }  // namespace
