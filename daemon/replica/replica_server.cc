@@ -87,6 +87,14 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
                                   v1::PushReplicaResponse* response) {
   std::string peer;
   if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  // Every push of an allowed peer that is not held counts as failed, whatever the reason.
+  struct Outcome {
+    std::atomic<uint64_t>* failed;
+    bool held = false;
+    ~Outcome() {
+      if (!held) failed->fetch_add(1);
+    }
+  } outcome{&refused_pushes_};
   if (ctx->deadline() > std::chrono::system_clock::now() + kMaxReplicaCall) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "a replica push must carry a deadline, at most " + std::to_string(kMaxReplicaCall.count()) +
@@ -110,7 +118,6 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
   auto incoming = store_->Begin(std::move(meta));
   if (!incoming.ok()) {
     Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), incoming.status().ToString());
-    refused_pushes_.fetch_add(1);
     return ToGrpc(incoming.status());
   }
   while (reader->Read(&part)) {
@@ -120,7 +127,6 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
     Status appended = (*incoming)->Append(part.data().data(), part.data().size(), part.xxh3());
     if (!appended.ok()) {
       Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), appended.ToString());
-      refused_pushes_.fetch_add(1);
       return ToGrpc(appended);
     }
   }
@@ -129,9 +135,9 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
   const uint64_t bytes = (*incoming)->meta().bytes;
   if (Status held = store_->Finish(std::move(*incoming)); !held.ok()) {
     Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), held.ToString());
-    refused_pushes_.fetch_add(1);
     return ToGrpc(held);
   }
+  outcome.held = true;
   received_.fetch_add(1);
   response->set_step(step);
   response->set_bytes(bytes);
@@ -192,13 +198,15 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
 std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service) {
   std::string out;
   MetricHeader(&out, "flashckpt_replicas_held", "gauge", "Ranks whose replica this daemon holds for its peers.");
-  MetricSample(&out, "flashckpt_replicas_held", "", static_cast<double>(store.List("").size()));
-  MetricHeader(&out, "flashckpt_replica_bytes_held", "gauge", "Bytes of the replicas held for peers.");
-  MetricSample(&out, "flashckpt_replica_bytes_held", "", static_cast<double>(store.held_bytes()));
+  MetricSample(&out, "flashckpt_replicas_held", "", static_cast<double>(store.count()));
+  MetricHeader(&out, "flashckpt_replica_held_bytes", "gauge",
+               "Bytes of the replicas held for peers (their layout and extra state not counted).");
+  MetricSample(&out, "flashckpt_replica_held_bytes", "", static_cast<double>(store.held_bytes()));
   MetricHeader(&out, "flashckpt_replicas_received_total", "counter", "Replica pushes received whole and held.");
   MetricSample(&out, "flashckpt_replicas_received_total", "", static_cast<double>(service.received()));
   MetricHeader(&out, "flashckpt_replica_pushes_failed_total", "counter",
-               "Replica pushes of allowed peers refused (bad header, no memory, bad part, not newer).");
+               "Replica pushes of allowed peers not held: refused (no deadline, too many in flight, bad header, no "
+               "memory, bad part, not newer than the one held) or broken off.");
   MetricSample(&out, "flashckpt_replica_pushes_failed_total", "", static_cast<double>(service.refused_pushes()));
   MetricHeader(&out, "flashckpt_replica_calls_refused_total", "counter",
                "Replica calls refused because the peer's certificate name is not allowed.");

@@ -54,7 +54,7 @@ class ReplicaService final : public v1::Replica::Service {
 
   uint64_t refused_calls() const { return refused_.load(); }
   uint64_t received() const { return received_.load(); }  // pushes held
-  uint64_t refused_pushes() const { return refused_pushes_.load(); }  // pushes of allowed peers that failed
+  uint64_t refused_pushes() const { return refused_pushes_.load(); }  // pushes of allowed peers not held
 
  private:
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
@@ -69,7 +69,7 @@ class ReplicaService final : public v1::Replica::Service {
 };
 
 // The replica listener's metrics, in the text exposition format, for the daemon's /metrics:
-// flashckpt_replicas_held, flashckpt_replica_bytes_held, flashckpt_replicas_received_total,
+// flashckpt_replicas_held, flashckpt_replica_held_bytes, flashckpt_replicas_received_total,
 // flashckpt_replica_pushes_failed_total and flashckpt_replica_calls_refused_total.
 std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service);
 

@@ -168,6 +168,11 @@ std::vector<ReplicaMeta> ReplicaStore::List(const std::string& job) const {
   return out;
 }
 
+size_t ReplicaStore::count() const {
+  MutexLock lock(&mu_);
+  return held_.size();
+}
+
 uint64_t ReplicaStore::held_bytes() const {
   uint64_t bytes = 0;
   MutexLock lock(&mu_);

@@ -117,7 +117,8 @@ class ReplicaStore {
   void Drop(const Replica* replica);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
-  uint64_t held_bytes() const;
+  size_t count() const;       // ranks whose replica is held
+  uint64_t held_bytes() const;  // their bytes (not their layout and extra state)
 
  private:
   HostMemory memory_;

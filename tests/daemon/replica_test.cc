@@ -412,12 +412,25 @@ TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].step, 1);
+  // A push without a deadline counts too.
+  {
+    v1::Replica::Stub stub(*channel);
+    grpc::ClientContext ctx;
+    v1::PushReplicaResponse response;
+    auto writer = stub.Push(&ctx, &response);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  ASSERT_GT(d.server()->metrics_port(), 0);
   const std::string metrics = Scrape(d.server()->metrics_port());
+  EXPECT_EQ(metrics.rfind("HTTP/1.", 0), 0u) << metrics;
+  EXPECT_NE(metrics.find(" 200 "), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("# TYPE flashckpt_replica_pushes_failed_total counter"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("\nflashckpt_replicas_held 1\n"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("\nflashckpt_replica_bytes_held " + std::to_string(data.size()) + "\n"), std::string::npos)
+  EXPECT_NE(metrics.find("\nflashckpt_replica_held_bytes " + std::to_string(data.size()) + "\n"), std::string::npos)
       << metrics;
   EXPECT_NE(metrics.find("\nflashckpt_replicas_received_total 1\n"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("\nflashckpt_replica_pushes_failed_total 2\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nflashckpt_replica_pushes_failed_total 3\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("\nflashckpt_replica_calls_refused_total 0\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("\nflashckpt_host_memory_used_bytes " + std::to_string(held) + "\n"), std::string::npos)
       << metrics;
