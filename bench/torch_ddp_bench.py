@@ -145,11 +145,12 @@ def main():
     if args.rank is not None:
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
         worker(args)
-        # Collect reference cycles while the interpreter is whole: one that keeps a tensor or the process
-        # group alive until Python's exit lets gloo's worker threads release tensors during finalization,
-        # which aborts the process (seen in the ZeRO worker: SIGABRT from ProcessGroupGloo::runLoop).
+        # No Python finalization (tests/python/harness.py, end_worker): torch 1.13's gloo threads may
+        # release tensors after the main thread is done, and taking the GIL then aborts the process.
         gc.collect()
-        return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     work = args.dir or tempfile.mkdtemp(prefix="fc-bench.", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)

@@ -28,7 +28,6 @@ Each case runs two real worker processes (this file, run with "worker") against 
 """
 
 import faulthandler
-import gc
 import json
 import math
 import os
@@ -621,9 +620,6 @@ if __name__ == "__main__":
             tp_worker(case, int(rank), int(world), int(port), sock, job, out)
         else:
             worker(case, int(rank), int(world), int(port), sock, job, out)
-        # Collect reference cycles while the interpreter is whole: one that keeps a tensor or the process
-        # group alive until Python's exit lets gloo's worker threads release tensors during finalization,
-        # which aborts the process (seen in the ZeRO worker: SIGABRT from ProcessGroupGloo::runLoop).
-        gc.collect()
+        harness.end_worker()
     else:
         unittest.main(verbosity=2)

@@ -14,7 +14,6 @@ losses by an ulp.) The random kill step comes from FLASHCKPT_TEST_SEED when set 
 """
 
 import faulthandler
-import gc
 import json
 import os
 import random
@@ -192,9 +191,6 @@ if __name__ == "__main__":
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
         _, _, optim, mode, rank, port, sock, job, out, arg = sys.argv
         worker(optim, mode, int(rank), int(port), sock, job, out, int(arg))
-        # Collect reference cycles while the interpreter is whole: one that keeps a tensor or the process
-        # group alive until Python's exit lets gloo's worker threads release tensors during finalization,
-        # which aborts the process (seen in the ZeRO worker: SIGABRT from ProcessGroupGloo::runLoop).
-        gc.collect()
+        harness.end_worker()
     else:
         unittest.main(verbosity=2)
