@@ -334,6 +334,16 @@ std::string StatusText(const DaemonStatus& status) {
   out += "root    " + status.root + "\n";
   if (!status.node_name.empty()) out += "node    " + status.node_name + "\n";
   out += "cuda    " + CudaText(status) + "\n";
+  for (const ReplicaPeerStatus& peer : status.replica_peers) {
+    // One line per --replicate-to peer: how far behind its copies are, and whether pushes fail.
+    char gbps[32];
+    std::snprintf(gbps, sizeof gbps, "%.2f GB/s", peer.last_gbps);
+    out += "replica " + peer.target + "  lag " + std::to_string(peer.lag_steps) + " step(s), " +
+           std::to_string(peer.pushed) + " sent (" + FormatBytes(peer.bytes) + ", last at " + gbps + "), " +
+           std::to_string(peer.failed) + " failed, " + std::to_string(peer.queued) + " queued";
+    if (!peer.last_error.empty()) out += ", last error: " + peer.last_error;
+    out += "\n";
+  }
   if (status.jobs.empty()) {
     out += "jobs    none registered\n";
     return out;
@@ -420,6 +430,20 @@ ordered_json StatusJson(const DaemonStatus& status) {
   out["node_name"] = status.node_name;
   out["cuda_compiled"] = status.cuda_compiled;
   out["cuda_devices"] = status.cuda_devices;
+  ordered_json peers = ordered_json::array();
+  for (const ReplicaPeerStatus& peer : status.replica_peers) {
+    ordered_json p;
+    p["target"] = peer.target;
+    p["lag_steps"] = peer.lag_steps;
+    p["pushed"] = peer.pushed;
+    p["failed"] = peer.failed;
+    p["bytes"] = peer.bytes;
+    p["queued"] = peer.queued;
+    p["last_gbps"] = peer.last_gbps;
+    p["last_error"] = peer.last_error;
+    peers.push_back(std::move(p));
+  }
+  out["replica_peers"] = std::move(peers);
   ordered_json jobs = ordered_json::array();
   for (const auto& job : status.jobs) {
     ordered_json j;

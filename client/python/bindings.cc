@@ -353,7 +353,7 @@ class PyClient {
       restored = client->Restore(step, b, Millis(timeout), options);
     }
     RestoreResult r = Take(std::move(restored));
-    return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes, r.tier == Tier::kMemory ? "memory" : "disk");
+    return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes, r.tier == Tier::kMemory ? "memory" : r.tier == Tier::kPeer ? "peer" : "disk");
   }
 
   // -> (memory steps newest first, disk step or None, extra of extra_of)

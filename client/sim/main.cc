@@ -272,7 +272,10 @@ int main(int argc, char** argv) {
       uint64_t n = sim.Verify(restored->step, &ok);
       if (!ok) return Fail("verify", flashckpt::Corruption("restored state differs from the formula"));
       std::printf("resumed step=%" PRId64 " from=%s verified_elements=%" PRIu64 " extra=%s\n", restored->step,
-                  restored->tier == flashckpt::Tier::kMemory ? "memory" : "disk", n, restored->extra.c_str());
+                  restored->tier == flashckpt::Tier::kMemory ? "memory"
+                  : restored->tier == flashckpt::Tier::kPeer ? "peer"
+                                                             : "disk",
+                  n, restored->extra.c_str());
       first = restored->step + 1;
     }
     std::fflush(stdout);

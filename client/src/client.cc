@@ -502,7 +502,7 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
       tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
       result.bytes += buffer->bytes;
     }
-    const bool verify_here = resp.tier() == v1::TIER_MEMORY && resp.chunk_bytes() > 0;
+    const bool verify_here = resp.tier() != v1::TIER_DISK && resp.chunk_bytes() > 0;
     Status copied = !on_device.ok()  ? on_device.status()
                     : verify_here    ? impl_->CopyOutVerified(matched, base, resp)
                                      : impl_->CopyOut(tasks, *on_device, options.cuda_stream);
@@ -520,7 +520,9 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     // The attempt this process's later saves belong to (weights of another job start none).
     if (options.source_job.empty()) impl_->resumed_from = resp.step();
     result.extra = resp.extra();
-    result.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory : Tier::kDisk;
+    result.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory
+                  : resp.tier() == v1::TIER_PEER ? Tier::kPeer
+                                                 : Tier::kDisk;
     return result;
   }
 }

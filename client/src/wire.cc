@@ -52,6 +52,18 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
   out.node_name = status.node_name();
   out.cuda_compiled = status.cuda_compiled();
   out.cuda_devices = status.cuda_devices();
+  for (const v1::ReplicaPeerStatus& p : status.replica_peers()) {
+    ReplicaPeerStatus peer;
+    peer.target = p.target();
+    peer.pushed = p.pushed();
+    peer.failed = p.failed();
+    peer.bytes = p.bytes();
+    peer.queued = p.queued();
+    peer.lag_steps = p.lag_steps();
+    peer.last_gbps = p.last_gbps();
+    peer.last_error = p.last_error();
+    out.replica_peers.push_back(std::move(peer));
+  }
   out.jobs.reserve(static_cast<size_t>(status.jobs_size()));
   for (const v1::JobStatus& j : status.jobs()) {
     JobStatus job;

@@ -13,7 +13,9 @@
 #include "common/format/checksum.h"
 #include "common/format/image.h"
 #include "common/io/fs.h"
+#include "daemon/edge/tcp_listener.h"
 #include "daemon/edge/wire.h"
+#include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {
 namespace {
@@ -118,7 +120,10 @@ std::string Daemon::RenderMetrics() const {
   return metrics_.Render(status, events_.dropped());
 }
 
-Daemon::~Daemon() { Stop(); }
+Daemon::~Daemon() {
+  Stop();
+  sender_.reset();  // what it still holds goes before the segments' state directory
+}
 
 Status Daemon::ReserveHostMemory(uint64_t bytes, const std::string& what) {
   MutexLock lock(&mu_);
@@ -164,6 +169,18 @@ Status Daemon::Start() {
                                             OnEmaApplied(std::move(job), applied, seconds);
                                           });
   ema_stage_->Start();
+  if (!config_.replicate_to.empty()) {
+    ReplicaSender::Options options;
+    options.max_rate = config_.replicate_max_rate;
+    for (const std::string& text : config_.replicate_to) {
+      ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(text, "--replicate-to"));
+      options.peers.push_back(
+          {address.Target(), config_.replica_tls_cert, config_.replica_tls_key, config_.replica_tls_ca, ""});
+    }
+    ASSIGN_OR_RETURN(sender_, ReplicaSender::Start(std::move(options)));
+    Logger("replica")->info("replicating memory checkpoints to peers={} max_rate={}", config_.replicate_to.size(),
+                            config_.replicate_max_rate == 0 ? "none" : FormatBytes(config_.replicate_max_rate) + "/s");
+  }
   Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={} state_dir={}",
                       config_.root, config_.slots, FormatBytes(config_.max_host_memory), config_.writer_threads,
                       config_.keep, state_dir);
@@ -233,6 +250,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   idle_cv_.NotifyAll();
   if (idle_thread_.joinable()) idle_thread_.join();
   if (sweep_thread_.joinable()) sweep_thread_.join();
+  if (sender_) sender_->Stop();  // replicas are a bonus: the pushes in flight are cancelled
   // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
   // like a crash for the data, but tidy: their commit records and segments stay for the next
   // daemon, which replays them.
@@ -859,6 +877,7 @@ DaemonStatus Daemon::GetStatus() const {
   out.cuda_compiled = cuda.compiled;
   out.cuda_devices = cuda.devices;
   FillJobsStatus(&out);
+  if (sender_) out.replica_peers = sender_->PeerStatus();
   // The checkpoints on disk, read without the daemon's lock: a slow or failing filesystem must not
   // hold up the trainers' snapshots.
   for (JobStatus& j : out.jobs) {

@@ -41,6 +41,8 @@
 
 namespace flashckpt {
 
+class ReplicaSender;
+
 struct DaemonConfig {
   std::string socket_path;
   // Records for adopting slot segments after a crash (daemon/core/state_dir.h). Empty:
@@ -86,6 +88,11 @@ struct DaemonConfig {
   std::string replica_listen;
   std::string replica_tls_cert, replica_tls_key, replica_tls_ca;
   std::vector<std::string> replica_allow_names;
+  // Optional peers each kept memory checkpoint of a local rank is sent to (daemon/replica/
+  // replica_sender.h), at most `replicate_max_rate` bytes per second to each (0: no cap). Their TLS
+  // credentials are the replica_tls_* files.
+  std::vector<std::string> replicate_to;
+  uint64_t replicate_max_rate = 0;
   // Optional TCP listener (daemon/edge/tcp_listener.h): empty `listen` means none. Read-only RPCs unless
   // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
   std::string listen;
@@ -155,6 +162,7 @@ struct RestoreOutcome {
   std::string extra;
   uint64_t bytes_read = 0;
   SlotTier tier = SlotTier::kDisk;  // kMemory: handed over from a memory checkpoint, no file read
+  std::string from_peer;            // with kMemory: fetched from this peer's replica (HOST:PORT) first
   // A memory checkpoint handed over unverified (RestoreWant::verify_in_client): the checksum chunk
   // size and, per tensor of the slot, where it lies and its chunks' checksums. Empty otherwise.
   struct TensorSums {
@@ -305,6 +313,10 @@ class Daemon {
     // process is never answered by its predecessor's steps).
     uint64_t process = 0;
     Attempt attempt() const { return Attempt{run_id, resumed_from}; }
+    // The number its replicas carry for the attempt (ReplicaHeader.attempt): the wall-clock ms at
+    // which this daemon first kept a memory checkpoint of `numbered` (ReplicaAttemptLocked).
+    Attempt numbered;
+    uint64_t attempt_number = 0;
     std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
     uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
@@ -516,6 +528,19 @@ class Daemon {
   void RemoveStaleTemporaries(const std::string& job);
   // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
   Status FinishCommittedLocked(EmaJob job) REQUIRES(mu_);
+  // With --replicate-to, when a peer holds a replica of the rank newer than its newest memory
+  // checkpoint here (a rank restarted on a replacement node has none): fetches the newest one into a
+  // slot of the rank's, checks it (its layout against the rank's, every chunk against its checksum)
+  // and keeps it as a memory checkpoint of the rank (ResidentCheckpoint::from_peer), which the
+  // memory path then restores. A peer that cannot be asked, a replica that does not fit the rank's
+  // layout or fails its checksums are logged (the latter two with a MEMORY_FALLBACK event) and the
+  // restore goes on without it (peer_fetch.cc).
+  void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline)
+      EXCLUDES(mu_);
+  // With --replicate-to: queues the memory checkpoint that `slot` of the rank's segment now holds
+  // for the peers (ReplicaSender::Offer). Only one of the rank's current attempt is sent.
+  void OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
+                          uint32_t rank) REQUIRES(mu_);
   // Gives a FILLING slot to the rank (BeginSnapshot): resets its copy progress, mirrors it. Needs mu_.
   void HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) REQUIRES(mu_);
 
@@ -532,6 +557,7 @@ class Daemon {
   Leases leases_;
   std::unique_ptr<Writer> writer_;
   std::unique_ptr<EmaStage> ema_stage_;  // set once by Start
+  std::unique_ptr<ReplicaSender> sender_;  // set once by Start with --replicate-to; stopped by Stop
   std::atomic<uint64_t> host_memory_used_{0};
   uint64_t registering_bytes_ GUARDED_BY(mu_) = 0;  // reserved by registrations making their segments
 

@@ -15,6 +15,7 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "daemon/core/daemon.h"
+#include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {
 namespace {
@@ -71,6 +72,7 @@ std::vector<std::shared_ptr<RankSegment>> Daemon::DetachJobLocked(const std::str
 
 void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
                           const ReleaseOutcome& outcome, const std::string& reason) {
+  if (sender_) sender_->Forget(name);  // its queued replicas hold the segments too
   std::vector<std::weak_ptr<RankSegment>> going;
   for (std::shared_ptr<RankSegment>& segment : segments) {
     // The EMA segment outlives daemons by design (a restarted daemon adopts it); a released

@@ -203,7 +203,10 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     planned = step == 0 && rank->topology.world_size != 1;
+    job = sessions_[session_id].job;
+    rank_id = sessions_[session_id].rank;
   }
+  FetchPeerReplica(job, rank_id, deadline);  // a newer replica on a peer joins the rank's memory checkpoints
   if (planned) {
     // The ranks of a job must restore the same step: the job's plan says which, and where from.
     ASSIGN_OR_RETURN(ResumePlan plan, ResumePlanFor(session_id, deadline, timeout));
@@ -308,8 +311,9 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   restored.client_verifying.reset();
   if (!verify_in_client) {
     restored.resumed_from = chosen;
-    Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify_secs={:.3f}", job, rank_id,
-                            chosen, FormatBytes(loading.segment->tensor_bytes), secs);
+    Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
+                            chosen, resident->from_peer.empty() ? "memory" : "peer",
+                            FormatBytes(loading.segment->tensor_bytes), secs);
   } else {
     // Restored once the client has checked every chunk (ReleaseSlot).
     restored.client_verifying = RankState::ClientVerified{loading.ticket, chosen, planned};
@@ -323,14 +327,15 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
                                  std::vector<uint64_t>(resident->sums.sums.begin() + static_cast<ptrdiff_t>(first),
                                                        resident->sums.sums.begin() + static_cast<ptrdiff_t>(end))});
     }
-    Logger("restore")->info("restored job={} rank={} step={} tier=memory bytes={} verify=client", job, rank_id, chosen,
-                            FormatBytes(loading.segment->tensor_bytes));
+    Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify=client", job, rank_id, chosen,
+                            resident->from_peer.empty() ? "memory" : "peer", FormatBytes(loading.segment->tensor_bytes));
   }
   out.found = true;
   out.step = chosen;
   out.ticket = loading.ticket;
   out.extra = resident->extra;
   out.tier = SlotTier::kMemory;
+  out.from_peer = resident->from_peer;
   return out;
 }
 
@@ -342,6 +347,13 @@ Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std:
   uint32_t rank_id = 0;
   std::shared_ptr<RankSegment> segment;
   std::vector<int64_t> held;
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(RankOf(session_id, /*need_segment=*/false).status());
+    job = sessions_[session_id].job;
+    rank_id = sessions_[session_id].rank;
+  }
+  FetchPeerReplica(job, rank_id, deadline);  // a newer replica on a peer is a candidate too
   {
     MutexLock lock(&mu_);
     for (;;) {
@@ -448,6 +460,8 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
     plan.found = true;
     plan.step = *latest;
   }
+  // Newer replicas of the ranks on the peers join their memory checkpoints.
+  for (uint32_t r = 0; r < world_size; ++r) FetchPeerReplica(job, r, deadline);
   // Memory only when every rank of the job has its segment here, without EMA, and their pending
   // checksums are computed: then the steps all of them hold.
   std::vector<std::shared_ptr<RankSegment>> segments;

@@ -5,6 +5,8 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "daemon/core/daemon.h"
+#include "daemon/replica/replica_sender.h"
+#include "replica.pb.h"
 
 namespace flashckpt {
 namespace {
@@ -336,6 +338,7 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
     Status kept = keep ? Slots(segment).MakeResident(job.ticket, std::move(job.resident))
                        : Slots(segment).Release(job.ticket, SlotState::kCommitted);
     Mirror(segment, job.ticket.slot);
+    if (keep && kept.ok()) OfferReplicaLocked(job.segment, job.ticket.slot, job.job, job.rank);
     cv_.NotifyAll();
     return kept;
   }
@@ -362,6 +365,58 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
     return submitted;
   }
   return Status::OK();
+}
+
+void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
+                                uint32_t rank) {
+  if (!sender_) return;
+  std::shared_ptr<const ResidentCheckpoint> resident = Slots(*segment).ResidentIn(slot);
+  auto jit = jobs_.find(job);
+  if (!resident || jit == jobs_.end()) return;
+  auto rit = jit->second.ranks.find(rank);
+  if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
+  RankState& state = rit->second;
+  if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
+  if (state.attempt_number == 0 || state.numbered != resident->attempt) {
+    state.numbered = resident->attempt;
+    state.attempt_number = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                     std::chrono::system_clock::now().time_since_epoch())
+                                                     .count());
+  }
+  const RankLayout& layout = segment->layout;
+  v1::ReplicaLayout where;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    v1::ReplicaLayout::Tensor* t = where.add_tensors();
+    t->set_name(layout.tensors[i].name);
+    t->set_slot_offset(layout.placements[i].slot_offset);
+    t->set_bytes(layout.placements[i].bytes);
+  }
+  where.set_checksum_chunk(resident->sums.chunk_bytes);
+  *where.mutable_first_chunk() = {resident->sums.first.begin(), resident->sums.first.end()};
+  *where.mutable_sums() = {resident->sums.sums.begin(), resident->sums.sums.end()};
+  where.set_run_id(resident->attempt.run_id);
+  where.set_resumed_from(resident->attempt.resumed_from);
+  where.set_image_offset(kSlotImageOffset);
+
+  auto out = std::make_shared<OutgoingReplica>();
+  out->meta.job = job;
+  out->meta.rank = rank;
+  out->meta.step = resident->step;
+  out->meta.attempt = state.attempt_number;
+  out->meta.world_size = resident->world_size;
+  out->meta.bytes = layout.slot_bytes - kSlotImageOffset;
+  out->meta.layout = where.SerializeAsString();
+  out->meta.extra = resident->extra;
+  out->meta.origin_node = config_.node_name;
+  out->keep = segment;
+  out->data = segment->Slot(slot) + kSlotImageOffset;
+  // The push streams the slot while the rank goes on: the checkpoint is still the one sent as long
+  // as the slot holds it (a slot is reused only after it lets go of its memory checkpoint).
+  out->still_held = [this, segment, slot, resident] {
+    MutexLock lock(&mu_);
+    return Slots(*segment).ResidentIn(slot) == resident;
+  };
+  sender_->Offer(std::move(out));
 }
 
 void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
@@ -436,6 +491,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
                                 : Slots(*segment).Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
   Mirror(*segment, ticket.slot);
+  if (released.ok() && status.ok()) OfferReplicaLocked(segment, ticket.slot, job, rank_id);  // kept once written
   auto jit = jobs_.find(job);
   if (jit != jobs_.end()) {
     auto rit = jit->second.ranks.find(rank_id);

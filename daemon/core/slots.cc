@@ -93,6 +93,17 @@ Status SlotTable::MakeResident(const SlotTicket& ticket, std::shared_ptr<const R
   return Status::OK();
 }
 
+Status SlotTable::KeepFetched(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
+  RETURN_IF_ERROR(Check(ticket, SlotState::kRestoring, "keep fetched"));
+  if (resident == nullptr || resident->step != slots_[ticket.slot].step) {
+    return Internal("keep fetched: slot " + std::to_string(ticket.slot) + " was taken for step " +
+                    std::to_string(slots_[ticket.slot].step) + ", not the replica given");
+  }
+  slots_[ticket.slot].state = SlotState::kFree;
+  slots_[ticket.slot].resident = std::move(resident);
+  return Status::OK();
+}
+
 uint32_t SlotTable::DropResidentsFrom(int64_t from) {
   uint32_t n = 0;
   for (auto& s : slots_) {

@@ -48,6 +48,8 @@ struct ResidentCheckpoint {
   uint32_t world_size = 1;
   std::string extra;
   SlotChecksums sums;
+  // Fetched from this peer's replica (HOST:PORT, Daemon::FetchPeerReplica); empty: taken here.
+  std::string from_peer;
   // Set while it is still queued for its checksums, when it must not be kept after all: a later
   // BeginSnapshot or restore left its step behind, or its trainer died before its copies finished.
   // The EMA stage then skips it. Atomic: the stage's thread reads it without the daemon's lock.
@@ -93,6 +95,8 @@ class SlotTable {
   std::optional<SlotTicket> PersistResident(int64_t step);
   // COMMITTED -> FREE holding `resident` (a memory snapshot whose checksums are computed).
   Status MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident);
+  // RESTORING -> FREE holding `resident`: a peer's replica the daemon fetched into the slot and checked.
+  Status KeepFetched(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident);
   // Forgets every memory checkpoint of step >= `from`; returns how many.
   uint32_t DropResidentsFrom(int64_t from);
   // The steps of the memory checkpoints held, newest first.

@@ -206,6 +206,14 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
     for (const auto& n : c.replica_allow_names) names += (names.empty() ? "" : ", ") + ValueText(n);
     line("replica-allow-name", "[" + names + "]");
   }
+  if (c.replicate_to.empty()) {
+    out << "# replicate-to = (none)\n";
+  } else {
+    std::string peers;
+    for (const auto& p : c.replicate_to) peers += (peers.empty() ? "" : ", ") + ValueText(p);
+    line("replicate-to", "[" + peers + "]");
+  }
+  line("replicate-max-rate", c.replicate_max_rate == 0 ? "0" : SizeText(c.replicate_max_rate));
   line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));
   line("max-rank-bytes", c.max_rank_bytes == 0 ? "0" : SizeText(c.max_rank_bytes));
   return out.str();
@@ -325,6 +333,13 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--replica-allow-name", config.replica_allow_names,
                  "A certificate name (common name or subject alternative name) of a peer allowed on the replica "
                  "channel (repeatable; needs --replica-tls-*)");
+  app.add_option("--replicate-to", config.replicate_to,
+                 "Send each memory checkpoint of this node's ranks to the replica listener of the peer daemon at "
+                 "HOST:PORT (repeatable: one copy per peer; another host's address needs the --replica-tls-* "
+                 "files, whose certificate is then this daemon's client certificate)");
+  std::string max_rate;
+  app.add_option("--replicate-max-rate", max_rate,
+                 "Bytes per second each --replicate-to peer is sent at most, e.g. 500MiB (default 0: no cap)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -347,6 +362,14 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   config.idle_release = std::chrono::seconds(idle_release_s);
   config.sweep_interval = std::chrono::seconds(sweep_s);
   config.lease_ttl = std::chrono::seconds(lease_s);
+  if (!max_rate.empty()) {
+    auto bytes = ParseByteSize(max_rate);
+    if (!bytes) {
+      std::cerr << "flashckptd: --replicate-max-rate '" << max_rate << "' is not a size like 500MiB or 1000000\n";
+      return InvalidArgument("--replicate-max-rate '" + max_rate + "' is not a size like 500MiB or 1000000");
+    }
+    config.replicate_max_rate = *bytes;
+  }
   if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
     std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
     return s;

@@ -94,7 +94,7 @@ grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1
   RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
   auto timeout = RequestTimeout(req->timeout_ms(), 60000);
   if (!timeout.ok()) return ToGrpc(timeout.status());
-  if (!v1::Tier_IsValid(req->tier())) {
+  if (!v1::Tier_IsValid(req->tier()) || req->tier() == v1::TIER_PEER) {
     return ToGrpc(InvalidArgument("tier " + std::to_string(req->tier()) + " is not TIER_DISK (0) or TIER_MEMORY (1)"));
   }
   auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, *timeout),
@@ -178,7 +178,9 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   resp->set_generation(r->ticket.generation);
   resp->set_extra(r->extra);
   resp->set_bytes_read(r->bytes_read);
-  resp->set_tier(r->tier == SlotTier::kMemory ? v1::TIER_MEMORY : v1::TIER_DISK);
+  resp->set_tier(r->tier == SlotTier::kDisk      ? v1::TIER_DISK
+                 : r->from_peer.empty() ? v1::TIER_MEMORY
+                                        : v1::TIER_PEER);
   resp->set_chunk_bytes(r->chunk_bytes);
   for (const RestoreOutcome::TensorSums& t : r->tensor_sums) {
     v1::TensorChunkSums* sums = resp->add_chunk_sums();

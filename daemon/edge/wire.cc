@@ -58,6 +58,17 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
   out.set_node_name(status.node_name);
   out.set_cuda_compiled(status.cuda_compiled);
   out.set_cuda_devices(status.cuda_devices);
+  for (const ReplicaPeerStatus& peer : status.replica_peers) {
+    v1::ReplicaPeerStatus* p = out.add_replica_peers();
+    p->set_target(peer.target);
+    p->set_pushed(peer.pushed);
+    p->set_failed(peer.failed);
+    p->set_bytes(peer.bytes);
+    p->set_queued(peer.queued);
+    p->set_lag_steps(peer.lag_steps);
+    p->set_last_gbps(peer.last_gbps);
+    p->set_last_error(peer.last_error);
+  }
   for (const JobStatus& job : status.jobs) {
     v1::JobStatus* j = out.add_jobs();
     j->set_job(job.job);

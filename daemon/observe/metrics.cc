@@ -199,6 +199,37 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
     }
   }
 
+  // The --replicate-to peers: one series per peer of each.
+  struct PeerMetric {
+    const char* name;
+    const char* type;
+    const char* help;
+    double (*value)(const ReplicaPeerStatus&);
+  };
+  static const PeerMetric kPeerMetrics[] = {
+      {"flashckpt_replica_lag_steps", "gauge",
+       "Newest memory checkpoint step of this node's ranks minus the newest the peer acknowledged (most over the ranks).",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.lag_steps); }},
+      {"flashckpt_replicas_sent_total", "counter", "Replicas the peer acknowledged.",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.pushed); }},
+      {"flashckpt_replica_sent_bytes_total", "counter", "Bytes of the replicas the peer acknowledged.",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.bytes); }},
+      {"flashckpt_replica_sends_failed_total", "counter", "Pushes to the peer that failed or were cancelled.",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.failed); }},
+      {"flashckpt_replica_send_queue", "gauge", "Memory checkpoints waiting for the peer (at most one per rank).",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.queued); }},
+      {"flashckpt_replica_send_bytes_per_second", "gauge", "Rate of the last push the peer acknowledged.",
+       [](const ReplicaPeerStatus& p) { return p.last_gbps * 1e9; }},
+  };
+  if (!status.replica_peers.empty()) {
+    for (const PeerMetric& m : kPeerMetrics) {
+      MetricHeader(&out, m.name, m.type, m.help);
+      for (const ReplicaPeerStatus& peer : status.replica_peers) {
+        MetricSample(&out, m.name, "peer=\"" + Escape(peer.target) + "\"", m.value(peer));
+      }
+    }
+  }
+
   MetricHeader(&out, "flashckpt_persist_duration_seconds", "histogram", "Time to write one rank's snapshot durably.");
   persist_seconds_.Render("flashckpt_persist_duration_seconds", "", &out);
   MetricHeader(&out, "flashckpt_ema_update_duration_seconds", "histogram", "Time of one rank's EMA update.");

@@ -43,6 +43,9 @@ Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
   args.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);  // a peer that died mid-call fails the call
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  // A peer that comes back is reconnected to within seconds (gRPC's default waits up to 2 minutes).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   const int tls_files = !peer.tls_cert.empty() + !peer.tls_key.empty() + !peer.tls_ca.empty();
   if (tls_files == 0) return grpc::CreateCustomChannel(peer.target, grpc::InsecureChannelCredentials(), args);
   if (tls_files != 3) {
@@ -59,13 +62,25 @@ Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
 }
 
 Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
-                   std::chrono::system_clock::time_point deadline) {
+                   std::chrono::system_clock::time_point deadline, const PushHooks& hooks) {
   if (meta.part_bytes == 0) return InvalidArgument("a replica's parts must have bytes");
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
+  struct Published {
+    const PushHooks& hooks;
+    ~Published() {
+      if (hooks.context) hooks.context(nullptr);
+    }
+  } published{hooks};
+  if (hooks.context) hooks.context(&ctx);
   v1::PushReplicaResponse response;
   auto writer = stub.Push(&ctx, &response);
+  auto cancel = [&](Status why) {
+    ctx.TryCancel();
+    (void)writer->Finish();
+    return why;
+  };
   v1::ReplicaPart part;
   ReplicaHeaderOf(meta, part.mutable_header());
   bool open = writer->Write(part);
@@ -73,8 +88,16 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
     const uint64_t n = std::min(meta.part_bytes, meta.bytes - at);
     part.Clear();
     part.set_data(data + at, n);
-    part.set_xxh3(Xxh3(data + at, n));
+    part.set_xxh3(Xxh3(part.data().data(), n));
     open = writer->Write(part);
+    if (open && hooks.after_part) {
+      Status go_on = hooks.after_part(at + n);
+      if (!go_on.ok()) return cancel(std::move(go_on));
+    }
+  }
+  if (open && hooks.before_done) {
+    Status done = hooks.before_done();
+    if (!done.ok()) return cancel(std::move(done));
   }
   if (open) writer->WritesDone();
   return FromGrpc(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early

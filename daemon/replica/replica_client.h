@@ -31,9 +31,23 @@ struct ReplicaPeer {
 };
 Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer);
 
-// Streams `data` (meta.bytes of it) to the peer in parts of meta.part_bytes.
+// What a push asks its caller as it goes: after each part (with the bytes sent so far), and once
+// every part is sent, before the push is finished. An error from either cancels the push (the peer
+// keeps what it held before) and is returned.
+// `context` is called with the call's context when the push starts and with null before it ends:
+// TryCancel on it from another thread in between cancels the push (a push blocked on a slow peer
+// included).
+struct PushHooks {
+  std::function<Status(uint64_t sent)> after_part;
+  std::function<Status()> before_done;
+  std::function<void(grpc::ClientContext*)> context;
+};
+
+// Streams `data` (meta.bytes of it) to the peer in parts of meta.part_bytes. Each part is hashed
+// after it is copied out of `data`, so bytes that change under the push arrive with the checksum of
+// what was sent (whether they are still the checkpoint's is for `hooks` to say).
 Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
-                   std::chrono::system_clock::time_point deadline);
+                   std::chrono::system_clock::time_point deadline, const PushHooks& hooks = {});
 
 Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
                                               std::chrono::system_clock::time_point deadline);

@@ -18,21 +18,39 @@ ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config) {
   c.tls_key = config.replica_tls_key;
   c.tls_ca = config.replica_tls_ca;
   c.allow_names = config.replica_allow_names;
+  c.replicate_to = config.replicate_to;
+  c.max_rate = config.replicate_max_rate;
   return c;
 }
 
 Status CheckReplicaConfig(const ReplicaListenConfig& c) {
   const int tls_files = !c.tls_cert.empty() + !c.tls_key.empty() + !c.tls_ca.empty();
-  if (c.listen.empty()) {
-    if (tls_files > 0 || !c.allow_names.empty()) {
-      return InvalidArgument("--replica-tls-* and --replica-allow-name need --replica-listen");
-    }
-    return Status::OK();
-  }
-  ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(c.listen, "--replica-listen"));
   if (tls_files != 0 && tls_files != 3) {
     return InvalidArgument("--replica-tls-cert, --replica-tls-key and --replica-tls-ca go together: mutual TLS needs "
                            "this daemon's certificate and key and the CA of its peers' certificates");
+  }
+  if (c.listen.empty() && c.replicate_to.empty() && tls_files > 0) {
+    return InvalidArgument("--replica-tls-* need --replica-listen or --replicate-to");
+  }
+  if (c.listen.empty() && !c.allow_names.empty()) return InvalidArgument("--replica-allow-name needs --replica-listen");
+  if (c.replicate_to.empty() && c.max_rate > 0) return InvalidArgument("--replicate-max-rate needs --replicate-to");
+  std::vector<std::string> targets;
+  for (const auto& text : c.replicate_to) {
+    ASSIGN_OR_RETURN(ListenAddress peer, ParseListenAddress(text, "--replicate-to"));
+    if (std::find(targets.begin(), targets.end(), peer.Target()) != targets.end()) {
+      return InvalidArgument("--replicate-to " + peer.Target() + " is given twice");
+    }
+    targets.push_back(peer.Target());
+    if (tls_files == 0 && !peer.loopback) {
+      return InvalidArgument("--replicate-to " + peer.Target() + " is not a loopback address: between nodes the "
+                             "replica channel needs mutual TLS (--replica-tls-cert, --replica-tls-key, "
+                             "--replica-tls-ca)");
+    }
+  }
+  if (c.listen.empty()) return Status::OK();
+  ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(c.listen, "--replica-listen"));
+  if (address.port != 0 && std::find(targets.begin(), targets.end(), address.Target()) != targets.end()) {
+    return InvalidArgument("--replicate-to " + address.Target() + " is this daemon's own --replica-listen");
   }
   if (tls_files == 3 && c.allow_names.empty()) {
     return InvalidArgument("--replica-tls-* needs at least one --replica-allow-name: the certificate names of the "

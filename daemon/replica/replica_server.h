@@ -32,13 +32,17 @@ struct ReplicaListenConfig {
   std::string listen;  // HOST:PORT
   std::string tls_cert, tls_key, tls_ca;
   std::vector<std::string> allow_names;
+  std::vector<std::string> replicate_to;  // the peers this daemon sends to (HOST:PORT each)
+  uint64_t max_rate = 0;                  // bytes per second to each of them; 0: no cap
 };
 
-// The --replica-* flags of `config`.
+// The --replica-* and --replicate-* flags of `config`.
 ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config);
 
-// The flags' rules, for --check-config and Start: TLS files all three or none; TLS needs at least
-// one allowed name, and allowed names need TLS; without TLS, a loopback address only.
+// The flags' rules, for --check-config and Start: TLS files all three or none, for a listener or
+// peers to send to; a listener with TLS needs at least one allowed name, and allowed names need
+// it; without TLS, loopback addresses only (listening and sending); no peer twice, and not this
+// daemon's own listener; a rate cap needs a peer.
 Status CheckReplicaConfig(const ReplicaListenConfig& config);
 
 class ReplicaService final : public v1::Replica::Service {

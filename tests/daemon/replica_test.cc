@@ -1,6 +1,7 @@
 // The replica channel between daemons (daemon/replica/): the store of peers' replicas, its gRPC
 // service on a real loopback port, and mutual TLS with certificates made here by openssl (a CA, this
-// daemon's, an allowed peer's, a peer of a name not allowed, and one from another CA).
+// daemon's, an allowed peer's, a peer of a name not allowed, and one from another CA); and the
+// sending side, between two in-process daemons: a trainer's memory checkpoints reach the peer.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -8,9 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "common/format/checksum.h"
@@ -19,7 +24,10 @@
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
 #include "daemon/replica/replica_store.h"
+#include "daemon/replica/replica_sender.h"
 #include "in_process_daemon.h"
+#include "replica.pb.h"
+#include "testing.h"
 
 namespace flashckpt {
 namespace {
@@ -253,21 +261,48 @@ TEST(ReplicaServiceTest, APushThatDoesNotFitIsRefusedBeforeItsData) {
 }
 
 TEST(ReplicaConfigTest, BetweenNodesTheChannelNeedsMutualTlsAndNames) {
-  auto check = [](ReplicaListenConfig c) { return CheckReplicaConfig(c); };
-  EXPECT_TRUE(check({"127.0.0.1:7000", "", "", "", {}}).ok());
-  Status open = check({"0.0.0.0:7000", "", "", "", {}});
+  auto check = [](std::string listen, std::string cert, std::string key, std::string ca,
+                  std::vector<std::string> names) {
+    ReplicaListenConfig c;
+    c.listen = std::move(listen);
+    c.tls_cert = std::move(cert);
+    c.tls_key = std::move(key);
+    c.tls_ca = std::move(ca);
+    c.allow_names = std::move(names);
+    return CheckReplicaConfig(c);
+  };
+  EXPECT_TRUE(check("127.0.0.1:7000", "", "", "", {}).ok());
+  Status open = check("0.0.0.0:7000", "", "", "", {});
   EXPECT_EQ(open.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(open.message().find("needs mutual TLS"), std::string::npos) << open.ToString();
-  EXPECT_EQ(check({"10.0.0.1:7000", "c.pem", "k.pem", "", {"node-b"}}).code(), StatusCode::kInvalidArgument);
-  Status nameless = check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {}});
+  EXPECT_EQ(check("10.0.0.1:7000", "c.pem", "k.pem", "", {"node-b"}).code(), StatusCode::kInvalidArgument);
+  Status nameless = check("10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {});
   EXPECT_NE(nameless.message().find("--replica-allow-name"), std::string::npos) << nameless.ToString();
-  EXPECT_EQ(check({"127.0.0.1:7000", "", "", "", {"node-b"}}).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(check({"", "c.pem", "k.pem", "ca.pem", {"node-b"}}).code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(check({"localhost:7000", "", "", "", {}}).ok());
-  EXPECT_EQ(check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {""}}).code(), StatusCode::kInvalidArgument);
-  Status port = check({"127.0.0.1:99999", "", "", "", {}});
+  EXPECT_EQ(check("127.0.0.1:7000", "", "", "", {"node-b"}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(check("", "c.pem", "k.pem", "ca.pem", {"node-b"}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(check("localhost:7000", "", "", "", {}).ok());
+  EXPECT_EQ(check("10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {""}).code(), StatusCode::kInvalidArgument);
+  Status port = check("127.0.0.1:99999", "", "", "", {});
   EXPECT_NE(port.message().find("--replica-listen"), std::string::npos) << port.ToString();
-  EXPECT_TRUE(check({"10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {"node-b"}}).ok());
+  EXPECT_TRUE(check("10.0.0.1:7000", "c.pem", "k.pem", "ca.pem", {"node-b"}).ok());
+  // Sending (--replicate-to): loopback peers without TLS, others only with it; no peer twice, not
+  // this daemon's own listener; a rate cap needs a peer.
+  auto sending = [](std::vector<std::string> to, bool tls, uint64_t rate = 0, std::string listen = "") {
+    ReplicaListenConfig c;
+    c.listen = std::move(listen);
+    c.replicate_to = std::move(to);
+    if (tls) c.tls_cert = "c.pem", c.tls_key = "k.pem", c.tls_ca = "ca.pem";
+    c.max_rate = rate;
+    return CheckReplicaConfig(c);
+  };
+  EXPECT_TRUE(sending({"127.0.0.1:7001", "127.0.0.1:7002"}, false, 100u << 20).ok());
+  Status remote = sending({"10.0.0.2:7000"}, false);
+  EXPECT_NE(remote.message().find("needs mutual TLS"), std::string::npos) << remote.ToString();
+  EXPECT_TRUE(sending({"10.0.0.2:7000"}, true).ok());  // a sender alone needs no allowed names
+  EXPECT_NE(sending({"127.0.0.1:7001", "127.0.0.1:7001"}, false).message().find("twice"), std::string::npos);
+  EXPECT_NE(sending({"127.0.0.1:7001"}, false, 0, "127.0.0.1:7001").message().find("own"), std::string::npos);
+  EXPECT_NE(sending({}, false, 1u << 20).message().find("--replicate-max-rate needs"), std::string::npos);
+  EXPECT_EQ(sending({"127.0.0.1:99999"}, false).code(), StatusCode::kInvalidArgument);
 }
 
 // Certificates made by openssl in a temporary directory: a CA, a server certificate for
@@ -434,6 +469,240 @@ TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
   EXPECT_NE(metrics.find("\nflashckpt_replica_calls_refused_total 0\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("\nflashckpt_host_memory_used_bytes " + std::to_string(held) + "\n"), std::string::npos)
       << metrics;
+}
+
+// --- the sending side (flashckptd --replicate-to) --------------------------------------------------
+
+// A loopback port nothing listens on (bound, then closed), for a peer the test starts later.
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+// Whether `pred` holds within 30 s.
+bool Eventually(const std::function<bool()>& pred) {
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return pred();
+}
+
+// A memory checkpoint of `step`: the weight holds step, the moment -step.
+Status MemoryCheckpoint(TestTrainer& t, int64_t step) {
+  std::fill(t.w.begin(), t.w.end(), static_cast<float>(step));
+  std::fill(t.m.begin(), t.m.end(), static_cast<float>(-step));
+  SnapshotOptions o;
+  o.tier = Tier::kMemory;
+  o.extra = "{\"step\":" + std::to_string(step) + "}";
+  return t.client->Snapshot(step, t.bufs, o).status();
+}
+
+ReplicaPeerStatus PeerOf(const InProcessDaemon& d) {
+  const DaemonStatus status = d.daemon()->GetStatus();
+  return status.replica_peers.size() == 1 ? status.replica_peers[0] : ReplicaPeerStatus{};
+}
+
+// Fetches the peer's newest replica of (job, rank 0) and checks it against what the trainer saved at
+// `step`: each tensor's bytes in the image where its layout says, and every chunk's checksum.
+void ExpectReplicaOf(const std::string& peer, const std::string& job, int64_t step, uint64_t floats) {
+  auto channel = ReplicaChannel({peer, "", "", "", ""});
+  ASSERT_OK(channel.status());
+  std::vector<char> image;
+  auto got = FetchReplica(channel->get(), job, 0, 0, 1u << 30,
+                          [&](const ReplicaMeta& m) -> Result<char*> {
+                            image.resize(m.bytes);
+                            return image.data();
+                          },
+                          Deadline());
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, step);
+  EXPECT_EQ(got->world_size, 1u);
+  EXPECT_EQ(got->origin_node, "node-a");
+  EXPECT_EQ(got->extra, "{\"step\":" + std::to_string(step) + "}");
+  EXPECT_GT(got->attempt, 0u);
+  v1::ReplicaLayout layout;
+  ASSERT_TRUE(layout.ParseFromString(got->layout));
+  ASSERT_EQ(layout.tensors_size(), 2);
+  ASSERT_EQ(layout.first_chunk_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    const auto& t = layout.tensors(i);
+    ASSERT_EQ(t.bytes(), floats * 4) << t.name();
+    ASSERT_EQ(layout.image_offset(), kPageSize);
+    ASSERT_GE(t.slot_offset(), layout.image_offset()) << t.name();
+    const char* at = image.data() + (t.slot_offset() - layout.image_offset());
+    ASSERT_LE(t.slot_offset() - layout.image_offset() + t.bytes(), image.size()) << t.name();
+    std::vector<float> values(floats);
+    std::memcpy(values.data(), at, t.bytes());
+    const float want = t.name() == "w" ? static_cast<float>(step) : static_cast<float>(-step);
+    EXPECT_TRUE(std::all_of(values.begin(), values.end(), [&](float v) { return v == want; })) << t.name();
+    const uint64_t chunk = layout.checksum_chunk();
+    ASSERT_GT(chunk, 0u);
+    for (uint64_t c = 0; c * chunk < t.bytes(); ++c) {
+      const uint64_t n = std::min(chunk, t.bytes() - c * chunk);
+      EXPECT_EQ(layout.sums(static_cast<int>(layout.first_chunk(i) + c)),
+                Xxh3(at + c * chunk, n))
+          << t.name() << " chunk " << c;
+    }
+  }
+}
+
+// Every memory checkpoint a rank keeps reaches the peer, bit for bit with its chunk checksums; while
+// the peer is down the saves go on, the failures and the lag show in status and metrics, and once it
+// is up the newest checkpoint is tried again and gets there (the lag is gone), and so do the next.
+TEST(ReplicaSenderTest, MemoryCheckpointsReachThePeerAndADownPeerHoldsUpNoSave) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon origin("flashckpt-replica-origin");
+  ASSERT_OK(origin.Start([&](DaemonConfig& c) {
+    c.node_name = "node-a";
+    c.replicate_to = {peer};
+  }));
+  TestTrainer t = origin.StartTrainer("repl", kFloats);
+  ASSERT_NE(t.client, nullptr);
+  for (int64_t step = 1; step <= 4; ++step) ASSERT_OK(MemoryCheckpoint(t, step));  // nobody listens there
+  // (Each is offered once its checksums are computed, after the commit.)
+  ASSERT_TRUE(Eventually([&] { return PeerOf(origin).failed >= 1 && PeerOf(origin).lag_steps == 4; }));
+  ReplicaPeerStatus down = PeerOf(origin);
+  EXPECT_EQ(down.target, peer);
+  EXPECT_EQ(down.pushed, 0u);
+  EXPECT_EQ(down.lag_steps, 4);
+  EXPECT_LE(down.queued, 1u);  // the newest, waiting to be tried again
+  EXPECT_FALSE(down.last_error.empty());
+  const std::string metrics = origin.daemon()->RenderMetrics();
+  EXPECT_NE(metrics.find("\nflashckpt_replica_lag_steps{peer=\"" + peer + "\"} 4\n"), std::string::npos) << metrics;
+
+  InProcessDaemon receiver("flashckpt-replica-peer");
+  ASSERT_OK(receiver.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  // The newest checkpoint is tried again until the peer takes it: the lag recovers with no new save.
+  ASSERT_TRUE(Eventually([&] { return PeerOf(origin).lag_steps == 0; })) << PeerOf(origin).last_error;
+  ExpectReplicaOf(peer, "repl", 4, kFloats);
+  ASSERT_OK(MemoryCheckpoint(t, 5));
+  ASSERT_TRUE(Eventually([&] { return PeerOf(origin).lag_steps == 0 && PeerOf(origin).pushed == 2; }))
+      << PeerOf(origin).last_error;
+  ReplicaPeerStatus up = PeerOf(origin);
+  EXPECT_GT(up.bytes, 2 * 2 * kFloats * 4);
+  EXPECT_EQ(up.queued, 0u);
+  EXPECT_TRUE(up.last_error.empty()) << up.last_error;
+  ExpectReplicaOf(peer, "repl", 5, kFloats);
+  EXPECT_NE(origin.daemon()->RenderMetrics().find("\nflashckpt_replicas_sent_total{peer=\"" + peer + "\"} 2\n"),
+            std::string::npos);
+
+  // The peer holds it in memory counted in its budget (the image, its layout and extra state).
+  const uint64_t held = receiver.daemon()->GetStatus().host_memory_used;
+  EXPECT_GE(held, up.bytes / 2);
+  EXPECT_LT(held, up.bytes / 2 + (64u << 10));
+}
+
+// --replicate-max-rate: no push goes faster than the cap.
+TEST(ReplicaSenderTest, TheRateCapHoldsEachPush) {
+  constexpr uint64_t kFloats = 1u << 20;  // 4 MiB a tensor: 8 parts of 1 MiB a push
+  constexpr uint64_t kRate = 16u << 20;
+  InProcessDaemon receiver("flashckpt-replica-peer");
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  ASSERT_OK(receiver.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  InProcessDaemon origin("flashckpt-replica-origin");
+  ASSERT_OK(origin.Start([&](DaemonConfig& c) {
+    c.node_name = "node-a";
+    c.replicate_to = {peer};
+    c.replicate_max_rate = kRate;
+  }));
+  TestTrainer t = origin.StartTrainer("capped", kFloats);
+  ASSERT_NE(t.client, nullptr);
+  ASSERT_OK(MemoryCheckpoint(t, 1));
+  ASSERT_TRUE(Eventually([&] { return PeerOf(origin).pushed == 1; })) << PeerOf(origin).last_error;
+  const ReplicaPeerStatus sent = PeerOf(origin);
+  EXPECT_GT(sent.bytes, 2 * kFloats * 4);
+  EXPECT_LE(sent.last_gbps * 1e9, static_cast<double>(kRate)) << "bytes " << sent.bytes;
+  EXPECT_GT(sent.last_gbps, 0);
+  ExpectReplicaOf(peer, "capped", 1, kFloats);
+}
+
+// A rank whose node is lost resumes on a fresh node from the peer's replica (tier peer), bit for bit;
+// a replica whose bytes no longer match its chunk checksums is refused there and the next option,
+// the disk checkpoint on the shared root, is used.
+TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon holder("flashckpt-replica-peer");
+  ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  const std::string root = holder.dir() + "/shared-root";  // the job's shared file system
+  auto node = [&](const std::string& name) {
+    return [=](DaemonConfig& c) {
+      c.node_name = name;
+      c.replicate_to = {peer};
+      c.root = root;
+      c.persist_on_stop = false;  // a lost node writes nothing more
+    };
+  };
+  {
+    InProcessDaemon lost("flashckpt-replica-lost");
+    ASSERT_OK(lost.Start(node("node-a")));
+    TestTrainer t = lost.StartTrainer("moved", kFloats);
+    ASSERT_NE(t.client, nullptr);
+    ASSERT_OK(MemoryCheckpoint(t, 1));
+    ASSERT_OK(t.Save(2));
+    ASSERT_OK(MemoryCheckpoint(t, 3));
+    ASSERT_TRUE(Eventually([&] { return PeerOf(lost).lag_steps == 0; })) << PeerOf(lost).last_error;
+  }  // the node is gone: its daemon, its shared memory
+
+  {
+    InProcessDaemon fresh("flashckpt-replica-fresh");
+    ASSERT_OK(fresh.Start(node("node-c")));
+    TestTrainer t = fresh.StartTrainer("moved", kFloats);
+    ASSERT_NE(t.client, nullptr);
+    auto candidates = t.client->Restorable(10s);
+    ASSERT_OK(candidates.status());
+    EXPECT_EQ(candidates->memory_steps, std::vector<int64_t>{3});
+    EXPECT_EQ(candidates->disk_step, 2);
+    auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+    ASSERT_OK(r.status());
+    EXPECT_EQ(r->step, 3);
+    EXPECT_EQ(r->tier, Tier::kPeer);
+    EXPECT_EQ(r->extra, "{\"step\":3}");
+    EXPECT_TRUE(t.All(3));
+  }
+
+  // The peer's replica changes under it: a byte of a tensor flipped, the parts' own checksums made
+  // to match (what arrives whole but is not what the rank saved), pushed as a newer step.
+  auto channel = ReplicaChannel({peer, "", "", "", ""});
+  ASSERT_OK(channel.status());
+  std::vector<char> image;
+  auto held = FetchReplica(channel->get(), "moved", 0, 3, 1u << 30,
+                           [&](const ReplicaMeta& m) -> Result<char*> {
+                             image.resize(m.bytes);
+                             return image.data();
+                           },
+                           Deadline());
+  ASSERT_OK(held.status());
+  v1::ReplicaLayout layout;
+  ASSERT_TRUE(layout.ParseFromString(held->layout));
+  image[layout.tensors(0).slot_offset() - layout.image_offset() + 100] ^= 0x10;
+  ReplicaMeta bad = *held;
+  bad.step = 4;
+  bad.part_bytes = kPart;
+  ASSERT_OK(PushReplica(channel->get(), bad, image.data(), Deadline()));
+
+  InProcessDaemon fresh("flashckpt-replica-fresh");
+  ASSERT_OK(fresh.Start(node("node-d")));
+  TestTrainer t = fresh.StartTrainer("moved", kFloats);
+  ASSERT_NE(t.client, nullptr);
+  auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 2);
+  EXPECT_EQ(r->tier, Tier::kDisk);
+  EXPECT_TRUE(t.All(2));
 }
 
 }  // namespace

@@ -116,7 +116,9 @@ struct EmaResult {
 // the daemon's node) and a later Restore of its step, by this rank, is served from memory. The
 // daemon keeps the rank's newest memory checkpoint until a newer one is kept, so it needs at least
 // 2 slots; not yet for ranks with EMA.
-enum class Tier : uint8_t { kDisk, kMemory };
+// kPeer only says where a restore came from (RestoreResult::tier): a replica of the rank's memory
+// checkpoint that its daemon fetched from a peer daemon (flashckptd --replicate-to).
+enum class Tier : uint8_t { kDisk, kMemory, kPeer };
 
 struct SnapshotOptions {
   bool persist = true;           // false: hand to the daemon (e.g. for the EMA) but do not write files
@@ -181,7 +183,8 @@ struct RestoreResult {
   int64_t step = 0;
   std::string extra;   // this rank's extra state of that checkpoint
   uint64_t bytes = 0;  // bytes copied into the caller's buffers
-  Tier tier = Tier::kDisk;  // kMemory: from this rank's memory checkpoint of `step`, verified, no file read
+  Tier tier = Tier::kDisk;  // kMemory: from this rank's memory checkpoint of `step`, verified, no file read;
+                            // kPeer: the same, from a replica its daemon fetched from a peer
 };
 
 // What this rank can restore (Client::Restorable), for the ranks of its job to agree on one step.

@@ -63,6 +63,21 @@ struct JobStatus {
 };
 
 // The daemon, its memory and every job and rank it knows.
+// A peer daemon this one sends its ranks' memory checkpoints to (flashckptd --replicate-to).
+struct ReplicaPeerStatus {
+  std::string target;   // HOST:PORT
+  uint64_t pushed = 0;  // replicas the peer acknowledged
+  uint64_t failed = 0;  // pushes that failed or were cancelled
+  uint64_t bytes = 0;   // bytes of the acknowledged ones
+  uint32_t queued = 0;  // checkpoints waiting for this peer now (at most one per rank)
+  // The most, over this node's ranks, of the rank's newest memory checkpoint step minus the newest
+  // step of its that the peer acknowledged (the whole step while the peer acknowledged none of the
+  // rank's current attempt).
+  int64_t lag_steps = 0;
+  double last_gbps = 0;    // of the last acknowledged push
+  std::string last_error;  // of the last failed push; cleared by the next acknowledged one
+};
+
 struct DaemonStatus {
   std::string version;
   double uptime_seconds = 0;
@@ -73,6 +88,7 @@ struct DaemonStatus {
   bool cuda_compiled = false;  // the daemon's build has CUDA
   int32_t cuda_devices = 0;    // the devices the daemon sees (the trainers' are theirs)
   std::vector<JobStatus> jobs;
+  std::vector<ReplicaPeerStatus> replica_peers;  // --replicate-to, in the order given
 };
 
 // A rank whose saved_signal is in a checkpoint directory, and the node whose daemon wrote it

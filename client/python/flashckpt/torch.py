@@ -56,7 +56,9 @@ Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's
 (checksummed in the background, never written), so a trainer can save every step and write a disk
 checkpoint every few hundred. resume() of the latest first asks every rank's daemon which memory
 checkpoints the rank holds (Client.restorable(), verified) and restores the newest step every rank
-holds, unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk". A memory
+holds, unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk" ("peer" when
+the rank's daemon fetched the memory checkpoint from a peer daemon's replica: flashckptd
+--replicate-to). A memory
 restore that fails on any rank (a checkpoint dropped meanwhile, for instance) falls back to the disk
 on every rank, with a warning. A job of several ranks needs a process group for this (without one
 its ranks could not agree on a step). In a job that splits the writing of its replicated tensors
@@ -934,7 +936,7 @@ class Checkpointer:
                                           "ranks, this one has %d" % (step, saved_world, self._world_size))
         shares = self._data_parallel() is not None
         targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
-        if self.client.restored_tier != "memory":
+        if self.client.restored_tier not in ("memory", "peer"):
             # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
             warnings.warn("memory checkpoint step %d was gone; rank %d restored it from disk"
                           % (step, self.client.rank), RuntimeWarning)

@@ -1,0 +1,171 @@
+// Restore from a peer's replica (flashckptd --replicate-to): a rank whose memory checkpoints died
+// with its node gets its newest one back from the peers it replicates to, the same peers the rank's
+// old node replicated to when the replacement node is configured like the node it replaces.
+//
+// The replica is fetched into a free slot of the rank, checked, and kept there as one of the rank's
+// memory checkpoints (marked as fetched from the peer), so everything after it is the memory path:
+// the candidates a job agrees on, the resume plan, the verification and hand-over of Restore.
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/format/slot_checksums.h"
+#include "daemon/core/daemon.h"
+#include "daemon/replica/replica_sender.h"
+#include "replica.pb.h"
+
+namespace flashckpt {
+namespace {
+
+// How long the look at the peers (List) may take: a peer that is down must not hold up a restore.
+constexpr std::chrono::seconds kPeerListTimeout{5};
+
+std::chrono::system_clock::time_point SystemDeadline(std::chrono::steady_clock::time_point deadline) {
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - std::chrono::steady_clock::now());
+}
+
+// The replica's own description of where its tensors lie, checked against the rank's layout, and
+// its chunk checksums. FAILED_PRECONDITION when the layouts differ (the job was reshaped: the
+// files serve it), CORRUPTION when the description does not hold together.
+Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankLayout& layout) {
+  v1::ReplicaLayout where;
+  if (!where.ParseFromString(meta.layout)) return Corruption("its layout does not parse");
+  if (where.image_offset() != kSlotImageOffset || meta.bytes != layout.slot_bytes - kSlotImageOffset) {
+    return FailedPrecondition("it has " + std::to_string(meta.bytes) + " bytes from slot offset " +
+                              std::to_string(where.image_offset()) + ", this rank's slot " +
+                              std::to_string(layout.slot_bytes - kSlotImageOffset) + " from " +
+                              std::to_string(kSlotImageOffset));
+  }
+  if (static_cast<size_t>(where.tensors_size()) != layout.tensors.size()) {
+    return FailedPrecondition("it holds " + std::to_string(where.tensors_size()) + " tensors, this rank " +
+                              std::to_string(layout.tensors.size()));
+  }
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const auto& t = where.tensors(static_cast<int>(i));
+    if (t.name() != layout.tensors[i].name || t.slot_offset() != layout.placements[i].slot_offset ||
+        t.bytes() != layout.placements[i].bytes) {
+      return FailedPrecondition("its tensor " + std::to_string(i) + " is '" + t.name() + "' (" +
+                                std::to_string(t.bytes()) + " bytes at " + std::to_string(t.slot_offset()) +
+                                "), this rank's '" + layout.tensors[i].name + "'");
+    }
+  }
+  SlotChecksums sums;
+  sums.chunk_bytes = where.checksum_chunk();
+  sums.first.assign(where.first_chunk().begin(), where.first_chunk().end());
+  sums.sums.assign(where.sums().begin(), where.sums().end());
+  RETURN_IF_ERROR(CheckSlotChecksumsFit(layout, sums));
+  return sums;
+}
+
+}  // namespace
+
+void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline) {
+  if (!sender_) return;
+  std::shared_ptr<RankSegment> segment;
+  uint32_t world_size = 0;
+  int64_t newest_here = 0;
+  {
+    MutexLock lock(&mu_);
+    auto jit = jobs_.find(job);
+    if (jit == jobs_.end()) return;
+    auto rit = jit->second.ranks.find(rank_id);
+    if (rit == jit->second.ranks.end() || !rit->second.segment || rit->second.segment->ema) return;
+    segment = rit->second.segment;
+    world_size = rit->second.topology.world_size;
+    const std::vector<int64_t> held = Slots(*segment).ResidentSteps();
+    if (!held.empty()) newest_here = held.front();
+    for (const auto& p : MemoryPending(*segment)) newest_here = std::max(newest_here, p.resident->step);
+  }
+
+  // The newest replica of the rank among the peers: the later attempt, then the later step.
+  struct Found {
+    const ReplicaSender::PeerChannel* peer = nullptr;
+    ReplicaMeta meta;
+  } best;
+  const auto list_by = std::min(deadline, std::chrono::steady_clock::now() + kPeerListTimeout);
+  for (const ReplicaSender::PeerChannel& peer : sender_->channels()) {
+    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(list_by));
+    if (!listed.ok()) {
+      Logger("restore")->warn("replica peer={} not asked job={} rank={}: {}", peer.target, job, rank_id,
+                              listed.status().ToString());
+      continue;
+    }
+    for (ReplicaMeta& m : *listed) {
+      if (m.rank != rank_id || m.world_size != world_size) continue;
+      if (best.peer == nullptr || std::make_pair(m.attempt, m.step) > std::make_pair(best.meta.attempt, best.meta.step)) {
+        best = Found{&peer, std::move(m)};
+      }
+    }
+  }
+  if (best.peer == nullptr || best.meta.step <= newest_here) return;
+  const int64_t step = best.meta.step;
+
+  std::optional<SlotTicket> ticket;
+  {
+    MutexLock lock(&mu_);
+    ticket = Slots(*segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
+    if (!ticket) {
+      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not fetched: no free slot", job, rank_id,
+                              step, best.peer->target);
+      return;
+    }
+    Slots(*segment).SetLoading(ticket->slot, true);
+    Mirror(*segment, ticket->slot);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
+  SlotChecksums sums;
+  auto fetched = FetchReplica(
+      best.peer->channel.get(), job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
+      [&](const ReplicaMeta& meta) -> Result<char*> {
+        ASSIGN_OR_RETURN(sums, ReplicaSums(meta, segment->layout));
+        return into;
+      },
+      SystemDeadline(deadline));
+  Status checked = fetched.status();
+  if (checked.ok()) {
+    ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+    checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, sums, &verifiers);
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+
+  MutexLock lock(&mu_);
+  Slots(*segment).SetLoading(ticket->slot, false);
+  if (!checked.ok()) {
+    (void)Slots(*segment).Release(*ticket, SlotState::kRestoring);
+    Mirror(*segment, ticket->slot);
+    cv_.NotifyAll();
+    Logger("restore")->warn("replica of job={} rank={} step={} from peer={} refused: {}", job, rank_id, step,
+                            best.peer->target, checked.ToString());
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kMemoryFallback;
+    event.job = job;
+    event.rank = rank_id;
+    event.step = step;
+    event.reason = "replica from " + best.peer->target + ": " + checked.ToString();
+    Emit(std::move(event));
+    return;
+  }
+  v1::ReplicaLayout where;
+  (void)where.ParseFromString(fetched->layout);  // parsed once already (ReplicaSums)
+  auto resident = std::make_shared<ResidentCheckpoint>();
+  resident->step = step;
+  resident->attempt = Attempt{where.run_id(), where.resumed_from()};
+  resident->world_size = fetched->world_size;
+  resident->extra = fetched->extra;
+  resident->sums = std::move(sums);
+  resident->from_peer = best.peer->target;
+  Status kept = Slots(*segment).KeepFetched(*ticket, std::move(resident));
+  Mirror(*segment, ticket->slot);
+  cv_.NotifyAll();
+  if (!kept.ok()) {
+    Logger("restore")->error("replica of job={} rank={} step={} fetched but not kept: {}", job, rank_id, step,
+                             kept.ToString());
+    return;
+  }
+  Logger("restore")->info("replica fetched job={} rank={} step={} from peer={} origin={} bytes={} secs={:.3f}", job,
+                          rank_id, step, best.peer->target, fetched->origin_node, FormatBytes(fetched->bytes), secs);
+}
+
+}  // namespace flashckpt

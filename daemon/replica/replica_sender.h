@@ -1,0 +1,122 @@
+// The sending side of peer replication (flashckptd --replicate-to): each memory checkpoint that a
+// local rank keeps is streamed to every peer daemon (flashckpt.v1.Replica Push), off the trainers'
+// path, so that a rank whose node is lost can get it back from a peer.
+//
+// One thread per peer. Each peer has its own queue holding at most one checkpoint per (job, rank):
+// a newer one offered while an older one still waits takes its place (the newest wins when a peer
+// is slow or down), so the queue is bounded by the ranks of the node. A push streams the slot image
+// straight from shared memory; after every part and before it finishes it asks whether the slot
+// still holds that checkpoint (the rank may reuse it once a newer one is kept), and cancels the
+// push when it does not: the peer then keeps the replica it held before. A push that fails for
+// another reason (the peer down, say) is tried again, after 1 s, then twice as long each time up to
+// 30 s, unless a newer checkpoint of the rank has been queued meanwhile; a push the peer
+// acknowledges resets the wait. --replicate-max-rate caps each peer's stream.
+//
+// Offer never blocks and takes only the sender's own lock, so the daemon calls it under its lock;
+// what a queue lets go of is released by the peer's thread, never by Offer (the last reference to
+// a slot segment unmaps it, which must not happen under the daemon's lock).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+#include "common/format/layout.h"
+#include "flashckpt/daemon_types.h"
+#include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_store.h"
+
+namespace flashckpt {
+
+// Where a replica's bytes start in a slot: after the slot's header page (daemon bookkeeping that
+// the trainer and the daemon write: never sent).
+inline constexpr uint64_t kSlotImageOffset = kPageSize;
+
+// One rank's kept memory checkpoint, on its way to the peers.
+struct OutgoingReplica {
+  ReplicaMeta meta;                  // its header: meta.bytes bytes at `data`
+  std::shared_ptr<const void> keep;  // keeps `data` mapped while this is queued or sent
+  const char* data = nullptr;
+  // Whether the slot still holds this checkpoint. Called by the peers' threads without the
+  // sender's lock; false cancels the push.
+  std::function<bool()> still_held;
+};
+
+class ReplicaSender {
+ public:
+  struct Options {
+    std::vector<ReplicaPeer> peers;
+    uint64_t max_rate = 0;  // bytes per second to each peer; 0: no cap
+    uint64_t part_bytes = 1u << 20;
+  };
+  // Makes each peer's channel (reading the TLS files) and starts its thread.
+  static Result<std::unique_ptr<ReplicaSender>> Start(Options options);
+  ~ReplicaSender();
+  ReplicaSender(const ReplicaSender&) = delete;
+  ReplicaSender& operator=(const ReplicaSender&) = delete;
+
+  // Queues `replica` for every peer, in place of a queued one of the same (job, rank). Never blocks.
+  void Offer(std::shared_ptr<const OutgoingReplica> replica) EXCLUDES(mu_);
+  // Forgets a job's queued checkpoints and its steps (a released job).
+  void Forget(const std::string& job) EXCLUDES(mu_);
+  // Cancels the pushes in flight, stops the threads and lets go of every queued checkpoint. Idempotent.
+  void Stop() EXCLUDES(mu_);
+
+  std::vector<ReplicaPeerStatus> PeerStatus() const EXCLUDES(mu_);
+
+  // The peers' channels, in the order given, also for fetching replicas back (set by Start).
+  struct PeerChannel {
+    std::string target;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  const std::vector<PeerChannel>& channels() const { return channels_; }
+
+ private:
+  using Key = std::pair<std::string, uint32_t>;  // (job, rank)
+  using Version = std::pair<uint64_t, int64_t>;   // (attempt, step) of a checkpoint
+  struct Peer {
+    ReplicaPeer address;
+    std::shared_ptr<grpc::Channel> channel;
+    struct Queued {
+      std::shared_ptr<const OutgoingReplica> replica;
+      uint64_t turn = 0;  // served oldest offer first, among those due
+      std::chrono::steady_clock::time_point due{};  // a retry waits until then
+    };
+    std::map<Key, Queued> queue;
+    uint64_t next_turn = 0;
+    std::chrono::milliseconds retry_wait{0};  // before the next retry; 0 after an acknowledged push
+    std::map<Key, Version> acked;  // the last checkpoint acknowledged, per rank
+    ReplicaPeerStatus status;
+    grpc::ClientContext* in_flight = nullptr;  // the push under way (Stop cancels it)
+    // What the queue let go of, for the peer's thread to release off the lock.
+    std::vector<std::shared_ptr<const OutgoingReplica>> released;
+    std::thread thread;
+  };
+  // A Peer's fields other than `address`, `channel` and `thread` are guarded by mu_.
+  explicit ReplicaSender(Options options) : options_(std::move(options)) {}
+  void Run(Peer* peer) EXCLUDES(mu_);
+  // Streams one checkpoint to the peer: OK once the peer holds it.
+  Status Push(Peer* peer, const OutgoingReplica& replica) EXCLUDES(mu_);
+
+  const Options options_;
+  mutable Mutex mu_;
+  CondVar cv_;  // an offer, or the stop
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::map<Key, Version> offered_ GUARDED_BY(mu_);  // the last checkpoint offered, per rank
+  std::vector<std::shared_ptr<const OutgoingReplica>> after_stop_ GUARDED_BY(mu_);  // released by the destructor
+  // Set up by Start before the threads run; their queues and status are guarded by mu_.
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<PeerChannel> channels_;  // set by Start
+};
+
+}  // namespace flashckpt
