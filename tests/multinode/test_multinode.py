@@ -68,10 +68,12 @@ def die_with_parent():
 
 
 class Node:
-    """A simulated node: a mount + PID namespace with a private /dev/shm, running one flashckptd."""
+    """A simulated node: a mount + PID namespace with a private /dev/shm, running one flashckptd.
+    With net=True also a network namespace of its own (only its loopback until the test gives it an
+    interface: test_replicas.py)."""
 
-    def __init__(self, name, tmp, root, bin_dir):
-        self.name, self.root, self.bin_dir = name, root, bin_dir
+    def __init__(self, name, tmp, root, bin_dir, net=False):
+        self.name, self.root, self.bin_dir, self.net = name, root, bin_dir, net
         self.dir = os.path.join(tmp, name)
         os.makedirs(self.dir, exist_ok=True)
         self.sock = os.path.join(self.dir, "flashckptd.sock")
@@ -79,7 +81,8 @@ class Node:
         # PID 1 of the node: mounts the node's own /dev/shm, then waits (sleep is killed with the node).
         # If the harness dies (a ctest timeout), unshare dies with it and takes the node's PID 1 along.
         self.init = subprocess.Popen(
-            ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private", "--", "/bin/sh",
+            ["unshare", "--mount", "--pid"] + (["--net"] if net else []) +
+            ["--fork", "--kill-child", "--propagation", "private", "--", "/bin/sh",
              "-c", "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && echo ready && exec sleep 86400"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         said = []
@@ -113,12 +116,17 @@ class Node:
         raise TestFailure("no child of unshare %d" % pid)
 
     def run(self, cmd, log_name):
-        """Starts `cmd` inside the node (its mount and PID namespaces)."""
+        """Starts `cmd` inside the node (its mount and PID namespaces, and its network one)."""
         path = os.path.join(self.dir, log_name)
         self.logs.append(path)
-        return subprocess.Popen(["nsenter", "--target", str(self.pid1), "--mount", "--pid", "--"] + cmd,
+        return subprocess.Popen(self.enter() + cmd,
                                 stdout=open(path, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=NODE_ENV)
+
+    def enter(self, pid=True):
+        """The nsenter command line that runs a command inside the node."""
+        return (["nsenter", "--target", str(self.pid1), "--mount"] + (["--pid"] if pid else []) +
+                (["--net"] if self.net else []) + ["--"])
 
     def start_daemon(self, *extra):
         self.starts += 1
