@@ -314,8 +314,10 @@ class Daemon {
     uint64_t process = 0;
     Attempt attempt() const { return Attempt{run_id, resumed_from}; }
     // The number its replicas carry for the attempt (ReplicaHeader.attempt): the wall-clock ms at
-    // which this daemon first kept a memory checkpoint of `numbered` (ReplicaAttemptLocked).
+    // which this daemon first kept a memory checkpoint of attempt `numbered` in this process
+    // (`numbered_process`, OfferReplicaLocked).
     Attempt numbered;
+    uint64_t numbered_process = 0;
     uint64_t attempt_number = 0;
     std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
@@ -532,9 +534,9 @@ class Daemon {
   // checkpoint here (a rank restarted on a replacement node has none): fetches the newest one into a
   // slot of the rank's, checks it (its layout against the rank's, every chunk against its checksum)
   // and keeps it as a memory checkpoint of the rank (ResidentCheckpoint::from_peer), which the
-  // memory path then restores. A peer that cannot be asked, a replica that does not fit the rank's
-  // layout or fails its checksums are logged (the latter two with a MEMORY_FALLBACK event) and the
-  // restore goes on without it (peer_fetch.cc).
+  // memory path then restores. A peer that cannot be asked and a replica of another layout are
+  // logged, one that fails its checksums also with a MEMORY_FALLBACK event, and the restore goes on
+  // without it (peer_fetch.cc). The fetch takes at most half the time left to `deadline`.
   void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline)
       EXCLUDES(mu_);
   // With --replicate-to: queues the memory checkpoint that `slot` of the rank's segment now holds

@@ -31,6 +31,10 @@ std::chrono::system_clock::time_point SystemDeadline(std::chrono::steady_clock::
 Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankLayout& layout) {
   v1::ReplicaLayout where;
   if (!where.ParseFromString(meta.layout)) return Corruption("its layout does not parse");
+  if (where.layout_fingerprint() != ReplicaLayoutFingerprint(layout)) {
+    return FailedPrecondition("it was taken in another layout (its tensors, their shapes or places, or the "
+                              "parallel layout differ from this rank's)");
+  }
   if (where.image_offset() != kSlotImageOffset || meta.bytes != layout.slot_bytes - kSlotImageOffset) {
     return FailedPrecondition("it has " + std::to_string(meta.bytes) + " bytes from slot offset " +
                               std::to_string(where.image_offset()) + ", this rank's slot " +
@@ -47,7 +51,9 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankLayout& lay
         t.bytes() != layout.placements[i].bytes) {
       return FailedPrecondition("its tensor " + std::to_string(i) + " is '" + t.name() + "' (" +
                                 std::to_string(t.bytes()) + " bytes at " + std::to_string(t.slot_offset()) +
-                                "), this rank's '" + layout.tensors[i].name + "'");
+                                "), this rank's '" + layout.tensors[i].name + "' (" +
+                                std::to_string(layout.placements[i].bytes) + " bytes at " +
+                                std::to_string(layout.placements[i].slot_offset) + ")");
     }
   }
   SlotChecksums sums;
@@ -116,13 +122,15 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   const auto started = std::chrono::steady_clock::now();
   char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
   SlotChecksums sums;
+  // Half the time left at most: the files must still be readable in time when the peer is slow.
+  const auto fetch_by = std::chrono::steady_clock::now() + (deadline - std::chrono::steady_clock::now()) / 2;
   auto fetched = FetchReplica(
       best.peer->channel.get(), job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
       [&](const ReplicaMeta& meta) -> Result<char*> {
         ASSIGN_OR_RETURN(sums, ReplicaSums(meta, segment->layout));
         return into;
       },
-      SystemDeadline(deadline));
+      SystemDeadline(fetch_by));
   Status checked = fetched.status();
   if (checked.ok()) {
     ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
@@ -136,6 +144,12 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     (void)Slots(*segment).Release(*ticket, SlotState::kRestoring);
     Mirror(*segment, ticket->slot);
     cv_.NotifyAll();
+    if (checked.code() != StatusCode::kCorruption) {
+      // Not fetched (the peer went away, too slow) or of another layout: nothing was wrong with it.
+      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not used: {}", job, rank_id, step,
+                              best.peer->target, checked.ToString());
+      return;
+    }
     Logger("restore")->warn("replica of job={} rank={} step={} from peer={} refused: {}", job, rank_id, step,
                             best.peer->target, checked.ToString());
     DaemonEvent event;

@@ -377,8 +377,11 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
   RankState& state = rit->second;
   if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
-  if (state.attempt_number == 0 || state.numbered != resident->attempt) {
+  // A new number for each attempt and each process of the rank: whatever a peer holds from before
+  // is older.
+  if (state.attempt_number == 0 || state.numbered != resident->attempt || state.numbered_process != state.process) {
     state.numbered = resident->attempt;
+    state.numbered_process = state.process;
     state.attempt_number = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                                      std::chrono::system_clock::now().time_since_epoch())
                                                      .count());
@@ -397,6 +400,7 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   where.set_run_id(resident->attempt.run_id);
   where.set_resumed_from(resident->attempt.resumed_from);
   where.set_image_offset(kSlotImageOffset);
+  where.set_layout_fingerprint(ReplicaLayoutFingerprint(layout));
 
   auto out = std::make_shared<OutgoingReplica>();
   out->meta.job = job;

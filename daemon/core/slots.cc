@@ -82,10 +82,11 @@ std::optional<SlotTicket> SlotTable::PersistResident(int64_t step) {
   return std::nullopt;
 }
 
-Status SlotTable::MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
-  RETURN_IF_ERROR(Check(ticket, SlotState::kCommitted, "keep"));
+Status SlotTable::Keep(const SlotTicket& ticket, SlotState expected, std::shared_ptr<const ResidentCheckpoint> resident,
+                       const char* action) {
+  RETURN_IF_ERROR(Check(ticket, expected, action));
   if (resident == nullptr || resident->step != slots_[ticket.slot].step) {
-    return Internal("keep: slot " + std::to_string(ticket.slot) + " holds step " +
+    return Internal(std::string(action) + ": slot " + std::to_string(ticket.slot) + " holds step " +
                     std::to_string(slots_[ticket.slot].step) + ", not the memory checkpoint given");
   }
   slots_[ticket.slot].state = SlotState::kFree;
@@ -93,15 +94,12 @@ Status SlotTable::MakeResident(const SlotTicket& ticket, std::shared_ptr<const R
   return Status::OK();
 }
 
+Status SlotTable::MakeResident(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
+  return Keep(ticket, SlotState::kCommitted, std::move(resident), "keep");
+}
+
 Status SlotTable::KeepFetched(const SlotTicket& ticket, std::shared_ptr<const ResidentCheckpoint> resident) {
-  RETURN_IF_ERROR(Check(ticket, SlotState::kRestoring, "keep fetched"));
-  if (resident == nullptr || resident->step != slots_[ticket.slot].step) {
-    return Internal("keep fetched: slot " + std::to_string(ticket.slot) + " was taken for step " +
-                    std::to_string(slots_[ticket.slot].step) + ", not the replica given");
-  }
-  slots_[ticket.slot].state = SlotState::kFree;
-  slots_[ticket.slot].resident = std::move(resident);
-  return Status::OK();
+  return Keep(ticket, SlotState::kRestoring, std::move(resident), "keep fetched");
 }
 
 uint32_t SlotTable::DropResidentsFrom(int64_t from) {

@@ -133,6 +133,9 @@ class SlotTable {
 
  private:
   Status Check(const SlotTicket& ticket, SlotState expected, const char* action) const;
+  // `expected` -> FREE holding `resident` (of the step the slot was handed out for).
+  Status Keep(const SlotTicket& ticket, SlotState expected, std::shared_ptr<const ResidentCheckpoint> resident,
+              const char* action);
   // The slot Acquire may take, or -1.
   int Pick() const;
   SlotTicket HandOut(uint32_t slot, SlotState purpose, int64_t step, SlotTier tier);

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/base/log.h"
+#include "common/format/checksum.h"
 #include "daemon/replica/replica_server.h"
 
 namespace flashckpt {
@@ -17,11 +18,71 @@ std::chrono::system_clock::time_point PushDeadline(uint64_t bytes, uint64_t max_
   return std::chrono::system_clock::now() + std::min<std::chrono::seconds>(transfer, most);
 }
 
+// Failures worth another try: the peer down, slow, short of room, or a part damaged on the way. Not:
+// a refusal of what was sent (bad header, another peer's rank), or a push cancelled on purpose.
+bool Retryable(StatusCode code) {
+  switch (code) {
+    case StatusCode::kUnavailable:
+    case StatusCode::kDeadlineExceeded:
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kCorruption:
+    case StatusCode::kInternal:
+    case StatusCode::kIOError:
+      return true;
+    default:
+      return false;
+  }
+}
+
 std::string Describe(const ReplicaMeta& meta) {
   return "job=" + meta.job + " rank=" + std::to_string(meta.rank) + " step=" + std::to_string(meta.step);
 }
 
 }  // namespace
+
+uint64_t ReplicaLayoutFingerprint(const RankLayout& layout) {
+  std::string text;
+  auto add = [&](uint64_t v) { text.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  auto add_text = [&](const std::string& s) {
+    add(s.size());
+    text += s;
+  };
+  auto add_list = [&](const std::vector<uint64_t>& v) {
+    add(v.size());
+    for (uint64_t x : v) add(x);
+  };
+  const Topology& t = layout.topology;
+  for (uint64_t v : {uint64_t{t.world_size}, uint64_t{t.tp_rank}, uint64_t{t.tp_degree}, uint64_t{t.pp_rank},
+                     uint64_t{t.pp_degree}, uint64_t{t.shard_rank}, uint64_t{t.shard_degree}, layout.slot_bytes,
+                     layout.checksum_chunk}) {
+    add(v);
+  }
+  add(layout.files.size());
+  for (const FileImage& f : layout.files) {
+    add_text(f.stem);
+    add(f.slot_offset);
+    add_text(f.header);
+  }
+  add(layout.tensors.size());
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorSpec& s = layout.tensors[i];
+    add_text(s.name);
+    add_text(s.param);
+    add(static_cast<uint64_t>(s.kind));
+    add(static_cast<uint64_t>(s.dtype));
+    add_list(s.shape);
+    add_list(s.global_shape);
+    add_list(s.box_offset);
+    add_list(s.box_shape);
+    add(s.flat_range ? 1 : 0);
+    add(s.flat_range ? s.flat_range->begin : 0);
+    add(s.flat_range ? s.flat_range->end : 0);
+    add(s.replica ? 1 : 0);
+    add(layout.placements[i].slot_offset);
+    add(layout.placements[i].bytes);
+  }
+  return Xxh3(text.data(), text.size());
+}
 
 Result<std::unique_ptr<ReplicaSender>> ReplicaSender::Start(Options options) {
   if (options.peers.empty()) return InvalidArgument("replication needs a peer (--replicate-to)");
@@ -61,7 +122,16 @@ void ReplicaSender::Offer(std::shared_ptr<const OutgoingReplica> replica) {
     return;
   }
   const Key key{replica->meta.job, replica->meta.rank};
-  offered_[key] = {replica->meta.attempt, replica->meta.step};  // the newest, also of a new attempt
+  const Version version{replica->meta.attempt, replica->meta.step};
+  auto offered = offered_.find(key);
+  if (offered != offered_.end() && version <= offered->second) {
+    // Older than one offered already (a disk snapshot kept once written after later memory ones):
+    // let go of by a peer's thread.
+    peers_.front()->released.push_back(std::move(replica));
+    cv_.NotifyAll();
+    return;
+  }
+  offered_[key] = version;
   for (auto& peer : peers_) {
     auto& queued = peer->queue[key];
     if (queued.replica) peer->released.push_back(std::move(queued.replica));  // the newest wins
@@ -86,6 +156,8 @@ void ReplicaSender::Forget(const std::string& job) {
     }
     std::erase_if(peer->acked, of_job);
     peer->status.queued = static_cast<uint32_t>(peer->queue.size());
+    // A push of the job under way holds its segment until it ends: it ends now.
+    if (peer->in_flight != nullptr && peer->in_flight_job == job) peer->in_flight->TryCancel();
   }
   cv_.NotifyAll();
 }
@@ -126,7 +198,8 @@ void ReplicaSender::Run(Peer* peer) {
   std::vector<std::shared_ptr<const OutgoingReplica>> released;
   MutexLock lock(&mu_);
   for (;;) {
-    released.swap(peer->released);
+    for (auto& r : peer->released) released.push_back(std::move(r));
+    peer->released.clear();
     if (!released.empty()) {
       lock.Unlock();
       released.clear();  // the last reference to a slot segment unmaps it: off the lock
@@ -156,15 +229,27 @@ void ReplicaSender::Run(Peer* peer) {
     peer->status.queued = static_cast<uint32_t>(peer->queue.size());
     lock.Unlock();
 
+    // A checkpoint its slot no longer holds (a newer one is kept, or the rank's memory checkpoints
+    // were dropped) is of no use to the peer: let go of, not sent.
+    if (!replica->still_held()) {
+      lock.Lock();
+      released.push_back(std::move(replica));
+      continue;
+    }
     const auto started = std::chrono::steady_clock::now();
     Status pushed = Push(peer, *replica);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    if (pushed.ok()) {
-      Logger("replica")->debug("replica sent to={} {} bytes={} seconds={:.3f}", peer->address.target,
-                               Describe(replica->meta), replica->meta.bytes, seconds);
+    // The peer holds one as new or newer already (its acknowledgement of this one was lost, say).
+    const bool held = pushed.ok() || pushed.code() == StatusCode::kAlreadyExists;
+    // Off the sender's lock: still_held takes the daemon's, which is taken before this one.
+    const bool retry = !held && Retryable(pushed.code()) && replica->still_held();
+    if (held) {
+      Logger("replica")->debug("replica sent to={} {} bytes={} seconds={:.3f}{}", peer->address.target,
+                               Describe(replica->meta), replica->meta.bytes, seconds,
+                               pushed.ok() ? "" : " (the peer held it already)");
     }
     lock.Lock();
-    if (pushed.ok()) {
+    if (held) {
       peer->acked[key] = {replica->meta.attempt, replica->meta.step};  // pushed in offer order: the newest
       peer->status.pushed += 1;
       peer->status.bytes += replica->meta.bytes;
@@ -175,12 +260,12 @@ void ReplicaSender::Run(Peer* peer) {
       peer->status.failed += 1;
       const std::string error = pushed.ToString();
       if (error != peer->status.last_error && !stopping_) {  // one line per change, not per step of a down peer
-        Logger("replica")->warn("replica not sent to={} {} error=\"{}\"", peer->address.target,
-                                Describe(replica->meta), error);
+        Logger("replica")->warn("replica not sent to={} {} error=\"{}\"{}", peer->address.target,
+                                Describe(replica->meta), error, retry ? " (tried again later)" : "");
       }
       peer->status.last_error = error;
-      // Tried again later unless it is gone from its slot, the daemon stops, or a newer one waits.
-      if (pushed.code() != StatusCode::kCancelled && !stopping_ && peer->queue.count(key) == 0) {
+      // Tried again later unless the daemon stops or a newer one of the rank waits.
+      if (retry && !stopping_ && peer->queue.count(key) == 0) {
         peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
                                       std::chrono::milliseconds(30000));
         peer->queue[key] = Peer::Queued{std::move(replica), peer->next_turn++,
@@ -223,6 +308,7 @@ Status ReplicaSender::Push(Peer* peer, const OutgoingReplica& replica) {
   hooks.context = [&](grpc::ClientContext* ctx) {
     MutexLock lock(&mu_);
     peer->in_flight = ctx;
+    peer->in_flight_job = ctx != nullptr ? meta.job : std::string();
     if (ctx != nullptr && stopping_) ctx->TryCancel();
   };
   return PushReplica(peer->channel.get(), meta, replica.data, PushDeadline(meta.bytes, options_.max_rate), hooks);

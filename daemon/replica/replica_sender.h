@@ -7,10 +7,11 @@
 // is slow or down), so the queue is bounded by the ranks of the node. A push streams the slot image
 // straight from shared memory; after every part and before it finishes it asks whether the slot
 // still holds that checkpoint (the rank may reuse it once a newer one is kept), and cancels the
-// push when it does not: the peer then keeps the replica it held before. A push that fails for
-// another reason (the peer down, say) is tried again, after 1 s, then twice as long each time up to
-// 30 s, unless a newer checkpoint of the rank has been queued meanwhile; a push the peer
-// acknowledges resets the wait. --replicate-max-rate caps each peer's stream.
+// push when it does not: the peer then keeps the replica it held before. A push that fails for a
+// passing reason (the peer down or short of room) is tried again, after 1 s, then twice as long
+// each time up to 30 s, unless a newer checkpoint of the rank has been queued meanwhile or its slot
+// no longer holds it; a push the peer acknowledges resets the wait. An offer older than one offered
+// before for the same rank is ignored. --replicate-max-rate caps each peer's stream.
 //
 // Offer never blocks and takes only the sender's own lock, so the daemon calls it under its lock;
 // what a queue lets go of is released by the peer's thread, never by Offer (the last reference to
@@ -41,6 +42,10 @@ namespace flashckpt {
 // Where a replica's bytes start in a slot: after the slot's header page (daemon bookkeeping that
 // the trainer and the daemon write: never sent).
 inline constexpr uint64_t kSlotImageOffset = kPageSize;
+
+// XXH3-64 of what makes a rank's layout (its topology, slot size, file images and every tensor's
+// spec and place): a replica restores only into a rank whose layout has the same.
+uint64_t ReplicaLayoutFingerprint(const RankLayout& layout);
 
 // One rank's kept memory checkpoint, on its way to the peers.
 struct OutgoingReplica {
@@ -98,6 +103,7 @@ class ReplicaSender {
     std::map<Key, Version> acked;  // the last checkpoint acknowledged, per rank
     ReplicaPeerStatus status;
     grpc::ClientContext* in_flight = nullptr;  // the push under way (Stop cancels it)
+    std::string in_flight_job;                 // its job (Forget cancels it)
     // What the queue let go of, for the peer's thread to release off the lock.
     std::vector<std::shared_ptr<const OutgoingReplica>> released;
     std::thread thread;

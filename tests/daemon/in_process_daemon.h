@@ -42,6 +42,15 @@ struct TestTrainer {
     std::fill(m.begin(), m.end(), static_cast<float>(-step));
     return client->Snapshot(step, bufs, {});
   }
+  // A memory checkpoint of `step` (SnapshotOptions::tier kMemory), its extra state naming the step.
+  Status Memory(int64_t step) {
+    std::fill(w.begin(), w.end(), static_cast<float>(step));
+    std::fill(m.begin(), m.end(), static_cast<float>(-step));
+    SnapshotOptions o;
+    o.tier = Tier::kMemory;
+    o.extra = "{\"step\":" + std::to_string(step) + "}";
+    return client->Snapshot(step, bufs, o).status();
+  }
   // Snapshot and wait until it is durable.
   Status Save(int64_t step) {
     auto snap = Snapshot(step);

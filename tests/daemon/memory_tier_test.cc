@@ -20,16 +20,6 @@ namespace {
 
 constexpr uint64_t kFloats = 4096;  // 16 KiB per tensor: several 4 KiB pages, one checksum chunk
 
-// A memory checkpoint of `step`: the trainer's tensors hold step / -step, its extra state names it.
-Status Memory(TestTrainer& t, int64_t step) {
-  std::fill(t.w.begin(), t.w.end(), static_cast<float>(step));
-  std::fill(t.m.begin(), t.m.end(), static_cast<float>(-step));
-  SnapshotOptions o;
-  o.tier = Tier::kMemory;
-  o.extra = "{\"step\":" + std::to_string(step) + "}";
-  return t.client->Snapshot(step, t.bufs, o).status();
-}
-
 // The /dev/shm path of `rank`'s slot segment of `job` (its only segment: no EMA).
 std::string SegmentPath(const std::string& job, uint32_t rank = 0) {
   const std::string prefix = "flashckpt." + job + "." + std::to_string(rank) + ".";
@@ -123,8 +113,8 @@ TEST_F(MemoryTierTest, AMemoryCheckpointOutlivesItsTrainerAndIsNeverWritten) {
   TestTrainer t = d_.StartTrainer("memtier-mem", kFloats);
   ASSERT_TRUE(t.client);
   ASSERT_OK(t.Save(10));
-  ASSERT_OK(Memory(t, 11));
-  ASSERT_OK(Memory(t, 12));
+  ASSERT_OK(t.Memory(11));
+  ASSERT_OK(t.Memory(12));
   // Kept once their checksums are computed in the background: Restorable waits for that.
   auto held = t.client->Restorable(std::chrono::seconds(10));
   ASSERT_OK(held.status());
@@ -178,7 +168,7 @@ TEST_F(MemoryTierTest, ADiskCheckpointIsAlsoTheNewestMemoryCheckpointOfARankThat
   auto declare = [](ClientOptions& o) { o.memory_checkpoints = true; };
   TestTrainer t = d_.StartTrainer("memtier-disk", kFloats, declare);
   ASSERT_TRUE(t.client);
-  ASSERT_OK(Memory(t, 9));
+  ASSERT_OK(t.Memory(9));
   ASSERT_OK(t.Save(10));
   auto held = t.client->Restorable(std::chrono::seconds(10));
   ASSERT_OK(held.status());
@@ -199,7 +189,7 @@ TEST_F(MemoryTierTest, ADiskCheckpointIsAlsoTheNewestMemoryCheckpointOfARankThat
 
   TestTrainer plain = d_.StartTrainer("memtier-plain", kFloats);
   ASSERT_TRUE(plain.client);
-  ASSERT_OK(Memory(plain, 9));
+  ASSERT_OK(plain.Memory(9));
   ASSERT_OK(plain.Save(10));
   held = plain.client->Restorable(std::chrono::seconds(10));
   ASSERT_OK(held.status());
@@ -209,7 +199,7 @@ TEST_F(MemoryTierTest, ADiskCheckpointIsAlsoTheNewestMemoryCheckpointOfARankThat
 TEST_F(MemoryTierTest, ANewerCheckpointOnDiskWinsOverAnOlderOneInMemory) {
   TestTrainer t = d_.StartTrainer("memtier-newer", kFloats);
   ASSERT_TRUE(t.client);
-  ASSERT_OK(Memory(t, 5));
+  ASSERT_OK(t.Memory(5));
   ASSERT_OK(t.Save(6));
   t.client.reset();
   TestTrainer next = d_.StartTrainer("memtier-newer", kFloats);
@@ -225,8 +215,8 @@ TEST_F(MemoryTierTest, AFlippedByteIsNeverHandedOverAndTheDiskIsReadInstead) {
   TestTrainer t = d_.StartTrainer("memtier-flip", kFloats);
   ASSERT_TRUE(t.client);
   ASSERT_OK(t.Save(10));
-  ASSERT_OK(Memory(t, 11));
-  ASSERT_OK(Memory(t, 12));
+  ASSERT_OK(t.Memory(11));
+  ASSERT_OK(t.Memory(12));
   const std::string segment = SegmentPath("memtier-flip");
   ASSERT_FALSE(segment.empty());
   const uint64_t slot = KeptSlotOffset(segment, 12);  // checksummed before the byte flips
@@ -266,7 +256,7 @@ TEST_F(MemoryTierTest, AFlippedByteIsNeverHandedOverAndTheDiskIsReadInstead) {
 TEST_F(MemoryTierTest, AFlippedByteWithNothingOnDiskIsAnErrorNotAFreshStart) {
   TestTrainer t = d_.StartTrainer("memtier-nodisk", kFloats);
   ASSERT_TRUE(t.client);
-  ASSERT_OK(Memory(t, 3));
+  ASSERT_OK(t.Memory(3));
   const std::string segment = SegmentPath("memtier-nodisk");
   ASSERT_FALSE(segment.empty());
   const uint64_t slot = KeptSlotOffset(segment, 3);
@@ -304,7 +294,7 @@ TEST_F(MemoryTierTest, ATensorOfNoElementsRestoresFromMemory) {
   };
   TestTrainer t;
   start(t);
-  ASSERT_OK(Memory(t, 4));
+  ASSERT_OK(t.Memory(4));
   t.client.reset();
   TestTrainer next;
   start(next);
@@ -325,8 +315,8 @@ TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) 
     EXPECT_FALSE(none->disk_step.has_value());
   }
   ASSERT_OK(t.Save(10));
-  ASSERT_OK(Memory(t, 11));
-  ASSERT_OK(Memory(t, 12));
+  ASSERT_OK(t.Memory(11));
+  ASSERT_OK(t.Memory(12));
   const std::string segment = SegmentPath("memtier-list");
   ASSERT_FALSE(segment.empty());
   const uint64_t slot = KeptSlotOffset(segment, 11);
@@ -363,7 +353,7 @@ TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) 
 TEST_F(MemoryTierTest, WaitingForAMemoryStepToBeWrittenFailsAtOnce) {
   TestTrainer t = d_.StartTrainer("memtier-wait", kFloats);
   ASSERT_TRUE(t.client);
-  ASSERT_OK(Memory(t, 3));
+  ASSERT_OK(t.Memory(3));
   const auto begun = std::chrono::steady_clock::now();
   Status s = t.client->WaitPersisted(3, std::chrono::seconds(30));
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
@@ -381,8 +371,8 @@ TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
     TestTrainer r0 = StartRank(d_, job, 0), r1 = StartRank(d_, job, 1);
     ASSERT_TRUE(r0.client && r1.client);
     for (int64_t step : {5, 6}) {
-      ASSERT_OK(Memory(r0, step));
-      ASSERT_OK(Memory(r1, step));
+      ASSERT_OK(r0.Memory(step));
+      ASSERT_OK(r1.Memory(step));
     }
   }  // both trainers die
   TestTrainer r0 = StartRank(d_, job, 0), r1 = StartRank(d_, job, 1);
@@ -393,7 +383,7 @@ TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
   EXPECT_EQ(got->tier, Tier::kMemory);
   EXPECT_TRUE(r0.All(6));
   // Rank 0 trains on before rank 1 restores: rank 1 still gets the step rank 0 took.
-  ASSERT_OK(Memory(r0, 7));
+  ASSERT_OK(r0.Memory(7));
   got = r1.client->Restore(std::nullopt, r1.bufs, std::chrono::seconds(10));
   ASSERT_OK(got.status());
   EXPECT_EQ(got->step, 6);
@@ -401,14 +391,14 @@ TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
   EXPECT_TRUE(r1.All(6));
   // A retry of the same process (its first answer lost, say) gets the same step, though rank 0 has
   // moved on so far that it no longer holds it (a new choice would be another step, or none).
-  ASSERT_OK(Memory(r0, 8));
+  ASSERT_OK(r0.Memory(8));
   std::fill(r1.w.begin(), r1.w.end(), 0.0f);
   got = r1.client->Restore(std::nullopt, r1.bufs, std::chrono::seconds(10));
   ASSERT_OK(got.status());
   EXPECT_EQ(got->step, 6);
   EXPECT_TRUE(r1.All(6));
-  ASSERT_OK(Memory(r1, 7));
-  ASSERT_OK(Memory(r1, 8));
+  ASSERT_OK(r1.Memory(7));
+  ASSERT_OK(r1.Memory(8));
 
   // Rank 0 asks for the latest again after training on (a rollback): a new resume, not a retry.
   ExpectLatest(r0, 8, Tier::kMemory);
@@ -433,8 +423,8 @@ TEST_F(MemoryTierTest, APlanThatALateRankCannotKeepFailsLoudlyUntilTheJobRestart
     ASSERT_OK(r1.Save(4));
     ASSERT_OK(r0.client->WaitComplete(4, std::chrono::seconds(30)));
     for (int64_t step : {5, 6}) {
-      ASSERT_OK(Memory(r0, step));
-      ASSERT_OK(Memory(r1, step));
+      ASSERT_OK(r0.Memory(step));
+      ASSERT_OK(r1.Memory(step));
     }
     segment1 = SegmentPath(job, 1);
     ASSERT_FALSE(segment1.empty());
@@ -471,7 +461,7 @@ TEST_F(MemoryTierTest, TheNewestMemoryCheckpointIsKeptWhileTheNextIsTaken) {
   ASSERT_TRUE(t.client);
   for (int64_t step = 1; step <= 20; ++step) {
     SCOPED_TRACE(step);
-    ASSERT_OK(Memory(t, step));
+    ASSERT_OK(t.Memory(step));
   }
   t.client.reset();
   TestTrainer next = d_.StartTrainer("memtier-keep", kFloats);
@@ -494,7 +484,7 @@ TEST(MemoryTierLimits, MemoryCheckpointsNeedTwoSlots) {
   ASSERT_OK(d.Start([](DaemonConfig& c) { c.slots = 1; }));
   TestTrainer t = d.StartTrainer("memtier-one", kFloats);
   ASSERT_TRUE(t.client);
-  Status s = Memory(t, 1);
+  Status s = t.Memory(1);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(Contains(s.message(), "--slots")) << s.ToString();
   ASSERT_OK(t.Save(2));  // a disk save still works
@@ -512,7 +502,7 @@ TEST(MemoryTierLimits, MemoryCheckpointsNeedTwoSlots) {
 TEST_F(MemoryTierTest, ARankDeclaringMemoryCheckpointsRegistersWhenTheSlotsFit) {
   TestTrainer t = d_.StartTrainer("memtier-fits", kFloats, [](ClientOptions& o) { o.memory_checkpoints = true; });
   ASSERT_TRUE(t.client);
-  ASSERT_OK(Memory(t, 1));
+  ASSERT_OK(t.Memory(1));
 }
 
 TEST_F(MemoryTierTest, BadCombinationsAreRefused) {
@@ -558,8 +548,8 @@ TEST(MemoryTierStop, AStopWritesTheNewestMemoryCheckpointThatTheDiskLacks) {
     TestTrainer t = d.StartTrainer("memtier-stop", kFloats);
     ASSERT_TRUE(t.client);
     ASSERT_OK(t.Save(10));
-    ASSERT_OK(Memory(t, 11));
-    ASSERT_OK(Memory(t, 12));
+    ASSERT_OK(t.Memory(11));
+    ASSERT_OK(t.Memory(12));
     ASSERT_NE(KeptSlotOffset(SegmentPath("memtier-stop"), 12), 0u);  // checksummed: kept
     t.client.reset();  // the trainer is gone (or still there: either way the daemon stops)
     d.Stop();
@@ -586,8 +576,8 @@ TEST(MemoryTierStop, AMemoryCheckpointThatFailsItsChecksumsIsNotWrittenAtTheStop
   TestTrainer t = d.StartTrainer("memtier-stop-bad", kFloats);
   ASSERT_TRUE(t.client);
   ASSERT_OK(t.Save(10));
-  ASSERT_OK(Memory(t, 11));
-  ASSERT_OK(Memory(t, 12));
+  ASSERT_OK(t.Memory(11));
+  ASSERT_OK(t.Memory(12));
   const std::string segment = SegmentPath("memtier-stop-bad");
   const uint64_t slot = KeptSlotOffset(segment, 12);
   ASSERT_NE(slot, 0u);
@@ -605,7 +595,7 @@ TEST(MemoryTierStop, NothingIsWrittenWhenTheDiskIsNewer) {
   ASSERT_OK(d.Start());
   TestTrainer t = d.StartTrainer("memtier-stop-old", kFloats);
   ASSERT_TRUE(t.client);
-  ASSERT_OK(Memory(t, 5));
+  ASSERT_OK(t.Memory(5));
   ASSERT_NE(KeptSlotOffset(SegmentPath("memtier-stop-old"), 5), 0u);
   ASSERT_OK(t.Save(6));
   t.client.reset();

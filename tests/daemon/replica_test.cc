@@ -499,16 +499,6 @@ bool Eventually(const std::function<bool()>& pred) {
   return pred();
 }
 
-// A memory checkpoint of `step`: the weight holds step, the moment -step.
-Status MemoryCheckpoint(TestTrainer& t, int64_t step) {
-  std::fill(t.w.begin(), t.w.end(), static_cast<float>(step));
-  std::fill(t.m.begin(), t.m.end(), static_cast<float>(-step));
-  SnapshotOptions o;
-  o.tier = Tier::kMemory;
-  o.extra = "{\"step\":" + std::to_string(step) + "}";
-  return t.client->Snapshot(step, t.bufs, o).status();
-}
-
 ReplicaPeerStatus PeerOf(const InProcessDaemon& d) {
   const DaemonStatus status = d.daemon()->GetStatus();
   return status.replica_peers.size() == 1 ? status.replica_peers[0] : ReplicaPeerStatus{};
@@ -571,7 +561,7 @@ TEST(ReplicaSenderTest, MemoryCheckpointsReachThePeerAndADownPeerHoldsUpNoSave) 
   }));
   TestTrainer t = origin.StartTrainer("repl", kFloats);
   ASSERT_NE(t.client, nullptr);
-  for (int64_t step = 1; step <= 4; ++step) ASSERT_OK(MemoryCheckpoint(t, step));  // nobody listens there
+  for (int64_t step = 1; step <= 4; ++step) ASSERT_OK(t.Memory(step));  // nobody listens there
   // (Each is offered once its checksums are computed, after the commit.)
   ASSERT_TRUE(Eventually([&] { return PeerOf(origin).failed >= 1 && PeerOf(origin).lag_steps == 4; }));
   ReplicaPeerStatus down = PeerOf(origin);
@@ -588,7 +578,7 @@ TEST(ReplicaSenderTest, MemoryCheckpointsReachThePeerAndADownPeerHoldsUpNoSave) 
   // The newest checkpoint is tried again until the peer takes it: the lag recovers with no new save.
   ASSERT_TRUE(Eventually([&] { return PeerOf(origin).lag_steps == 0; })) << PeerOf(origin).last_error;
   ExpectReplicaOf(peer, "repl", 4, kFloats);
-  ASSERT_OK(MemoryCheckpoint(t, 5));
+  ASSERT_OK(t.Memory(5));
   ASSERT_TRUE(Eventually([&] { return PeerOf(origin).lag_steps == 0 && PeerOf(origin).pushed == 2; }))
       << PeerOf(origin).last_error;
   ReplicaPeerStatus up = PeerOf(origin);
@@ -620,7 +610,7 @@ TEST(ReplicaSenderTest, TheRateCapHoldsEachPush) {
   }));
   TestTrainer t = origin.StartTrainer("capped", kFloats);
   ASSERT_NE(t.client, nullptr);
-  ASSERT_OK(MemoryCheckpoint(t, 1));
+  ASSERT_OK(t.Memory(1));
   ASSERT_TRUE(Eventually([&] { return PeerOf(origin).pushed == 1; })) << PeerOf(origin).last_error;
   const ReplicaPeerStatus sent = PeerOf(origin);
   EXPECT_GT(sent.bytes, 2 * kFloats * 4);
@@ -651,9 +641,9 @@ TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
     ASSERT_OK(lost.Start(node("node-a")));
     TestTrainer t = lost.StartTrainer("moved", kFloats);
     ASSERT_NE(t.client, nullptr);
-    ASSERT_OK(MemoryCheckpoint(t, 1));
+    ASSERT_OK(t.Memory(1));
     ASSERT_OK(t.Save(2));
-    ASSERT_OK(MemoryCheckpoint(t, 3));
+    ASSERT_OK(t.Memory(3));
     ASSERT_TRUE(Eventually([&] { return PeerOf(lost).lag_steps == 0; })) << PeerOf(lost).last_error;
   }  // the node is gone: its daemon, its shared memory
 
@@ -672,6 +662,22 @@ TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
     EXPECT_EQ(r->tier, Tier::kPeer);
     EXPECT_EQ(r->extra, "{\"step\":3}");
     EXPECT_TRUE(t.All(3));
+  }
+
+  {
+    // A rank of another layout (the same tensors, the same bytes, another shape): the replica is not
+    // fetched for it, its candidates are the disk's only.
+    InProcessDaemon other("flashckpt-replica-other");
+    ASSERT_OK(other.Start(node("node-e")));
+    auto client = other.Connect("moved", 0);
+    ASSERT_NE(client, nullptr);
+    std::vector<TensorSpec> specs = ModelAndMomentSpecs(kFloats);
+    specs[0].shape = {kFloats / 2, 2};
+    ASSERT_OK(client->Register(Topology{}, specs));
+    auto candidates = client->Restorable(10s);
+    ASSERT_OK(candidates.status());
+    EXPECT_TRUE(candidates->memory_steps.empty());
+    EXPECT_EQ(candidates->disk_step, 2);
   }
 
   // The peer's replica changes under it: a byte of a tensor flipped, the parts' own checksums made

@@ -202,6 +202,17 @@ class Node:
             self.init.wait(timeout=30)
 
 
+def print_failure(error, tmp):
+    """The failure, then the tail of every log of every node under tmp."""
+    print("FAILED: %s" % error, flush=True)
+    for name in sorted(os.listdir(tmp)):
+        d = os.path.join(tmp, name)
+        if os.path.isdir(d) and name.startswith("node"):
+            for f in sorted(os.listdir(d)):
+                if f.endswith(".log"):
+                    print("---- %s/%s\n%s" % (name, f, tail(os.path.join(d, f))))
+
+
 def kill_rank(p):
     """SIGKILL of a rank started with Node.run: the process inside the node (nsenter's child), then nsenter."""
     try:
@@ -460,13 +471,7 @@ def main():
     try:
         run(tmp, os.path.abspath(args.bin_dir))
     except (TestFailure, flashckpt_reader.CheckpointError, subprocess.TimeoutExpired) as e:
-        print("FAILED: %s" % e, flush=True)
-        for name in sorted(os.listdir(tmp)):
-            d = os.path.join(tmp, name)
-            if os.path.isdir(d) and name.startswith("node"):
-                for f in sorted(os.listdir(d)):
-                    if f.endswith(".log"):
-                        print("---- %s/%s\n%s" % (name, f, tail(os.path.join(d, f))))
+        print_failure(e, tmp)
         return 1
     finally:
         if not args.keep:

@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integration"))
 from harness import TestFailure, check, log, tail  # noqa: E402
-from test_multinode import SKIP, Node, kill_rank  # noqa: E402
+from test_multinode import SKIP, Node, kill_rank, print_failure  # noqa: E402
 
 NODES, PER_NODE, TP = 4, 2, 2
 WORLD = NODES * PER_NODE
@@ -264,13 +264,7 @@ def main():
         ring = Ring(tmp, os.path.abspath(args.bin_dir))
         run(ring)
     except (TestFailure, subprocess.TimeoutExpired) as e:
-        print("FAILED: %s" % e, flush=True)
-        for name in sorted(os.listdir(tmp)):
-            d = os.path.join(tmp, name)
-            if os.path.isdir(d) and name.startswith("node"):
-                for f in sorted(os.listdir(d)):
-                    if f.endswith(".log"):
-                        print("---- %s/%s\n%s" % (name, f, tail(os.path.join(d, f))))
+        print_failure(e, tmp)
         return 1
     finally:
         if ring is not None:
