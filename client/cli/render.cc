@@ -334,6 +334,10 @@ std::string StatusText(const DaemonStatus& status) {
   out += "root    " + status.root + "\n";
   if (!status.node_name.empty()) out += "node    " + status.node_name + "\n";
   out += "cuda    " + CudaText(status) + "\n";
+  if (status.replica_listening) {
+    out += "held    " + std::to_string(status.replicas_held) + " replica(s) of other nodes' ranks (" +
+           FormatBytes(status.replica_held_bytes) + ")\n";
+  }
   for (const ReplicaPeerStatus& peer : status.replica_peers) {
     // One line per --replicate-to peer: how far behind its copies are, and whether pushes fail.
     char gbps[32];
@@ -444,6 +448,9 @@ ordered_json StatusJson(const DaemonStatus& status) {
     peers.push_back(std::move(p));
   }
   out["replica_peers"] = std::move(peers);
+  out["replica_listening"] = status.replica_listening;
+  out["replicas_held"] = status.replicas_held;
+  out["replica_held_bytes"] = status.replica_held_bytes;
   ordered_json jobs = ordered_json::array();
   for (const auto& job : status.jobs) {
     ordered_json j;

@@ -52,6 +52,9 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
   out.node_name = status.node_name();
   out.cuda_compiled = status.cuda_compiled();
   out.cuda_devices = status.cuda_devices();
+  out.replica_listening = status.replica_listening();
+  out.replicas_held = status.replicas_held();
+  out.replica_held_bytes = status.replica_held_bytes();
   for (const v1::ReplicaPeerStatus& p : status.replica_peers()) {
     ReplicaPeerStatus peer;
     peer.target = p.target();

@@ -74,6 +74,15 @@ Status Server::Start() {
   if (::chmod(path.c_str(), 0660) != 0) return ErrnoStatus("chmod", path);
   if (::listen(fd.get(), 128) != 0) return ErrnoStatus("listen", path);
 
+  if (!daemon_->config().replica_listen.empty()) {
+    // Made before the first GetStatus can come in, which reports what it holds.
+    Daemon* daemon = daemon_;
+    replica_store_ = std::make_unique<ReplicaStore>(
+        HostMemory{[daemon](uint64_t bytes, const std::string& what) { return daemon->ReserveHostMemory(bytes, what); },
+                   [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }},
+        daemon_->config().max_rank_bytes);
+    service_.set_replica_store(replica_store_.get());
+  }
   // For every server built from here on (the TCP listener's too): grpc.health.v1.Health, SERVING.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -92,12 +101,7 @@ Status Server::Start() {
     tcp_ = std::make_unique<TcpListener>(&service_, daemon_->config());
     RETURN_IF_ERROR(tcp_->Start());
   }
-  if (!daemon_->config().replica_listen.empty()) {
-    Daemon* daemon = daemon_;
-    replica_store_ = std::make_unique<ReplicaStore>(
-        HostMemory{[daemon](uint64_t bytes, const std::string& what) { return daemon->ReserveHostMemory(bytes, what); },
-                   [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }},
-        daemon_->config().max_rank_bytes);
+  if (replica_store_) {
     replica_ = std::make_unique<ReplicaServer>(replica_store_.get(), ReplicaListenConfigOf(daemon_->config()));
     RETURN_IF_ERROR(replica_->Start());
   }

@@ -255,7 +255,13 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::
 }
 
 grpc::Status CheckpointService::GetStatus(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
-  *resp = ToProto(daemon_->GetStatus());
+  DaemonStatus status = daemon_->GetStatus();
+  if (replicas_ != nullptr) {
+    status.replica_listening = true;
+    status.replicas_held = static_cast<uint32_t>(replicas_->count());
+    status.replica_held_bytes = replicas_->held_bytes();
+  }
+  *resp = ToProto(status);
   return grpc::Status::OK;
 }
 

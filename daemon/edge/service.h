@@ -8,6 +8,7 @@
 #include <string>
 
 #include "daemon/core/daemon.h"
+#include "daemon/replica/replica_store.h"
 #include "flashckpt.grpc.pb.h"
 
 namespace flashckpt {
@@ -17,6 +18,8 @@ grpc::Status ToGrpc(const Status& status);
 class CheckpointService final : public v1::Checkpoint::Service {
  public:
   explicit CheckpointService(Daemon* daemon) : daemon_(daemon) {}
+  // With --replica-listen: the replicas held for peers, which GetStatus reports (set before serving).
+  void set_replica_store(const ReplicaStore* store) { replicas_ = store; }
 
   grpc::Status Session(grpc::ServerContext* ctx,
                        grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) override;
@@ -50,6 +53,7 @@ class CheckpointService final : public v1::Checkpoint::Service {
 
  private:
   Daemon* daemon_;
+  const ReplicaStore* replicas_ = nullptr;
 };
 
 }  // namespace flashckpt

@@ -58,6 +58,9 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
   out.set_node_name(status.node_name);
   out.set_cuda_compiled(status.cuda_compiled);
   out.set_cuda_devices(status.cuda_devices);
+  out.set_replica_listening(status.replica_listening);
+  out.set_replicas_held(status.replicas_held);
+  out.set_replica_held_bytes(status.replica_held_bytes);
   for (const ReplicaPeerStatus& peer : status.replica_peers) {
     v1::ReplicaPeerStatus* p = out.add_replica_peers();
     p->set_target(peer.target);

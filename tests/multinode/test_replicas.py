@@ -157,7 +157,13 @@ class Ring:
                               stdout=subprocess.PIPE, timeout=60).stdout.decode(errors="replace")
         lines = [l for l in text.splitlines() if l.startswith("replica ")]
         check(len(lines) == 1 and " lag 0 step(s)" in lines[0], "node0's status: %s" % text)
-        log("step %d replicated on every node; node0: %s" % (step, lines[0]))
+        held = [l for l in text.splitlines() if l.startswith("held ")]
+        check(len(held) == 1 and held[0].split()[1] == str(PER_NODE), "node0's status: %s" % text)
+        for i in range(NODES):  # each node holds its predecessor's ranks
+            s = self.status(i)
+            check(s["replica_listening"] and s["replicas_held"] == PER_NODE and s["replica_held_bytes"] > 0,
+                  "node%d holds %s replicas (%s bytes)" % (i, s["replicas_held"], s["replica_held_bytes"]))
+        log("step %d replicated on every node; node0: %s; %s" % (step, lines[0], held[0]))
 
     def kill_all_ranks(self):
         for p in self.sims:

@@ -89,6 +89,10 @@ struct DaemonStatus {
   int32_t cuda_devices = 0;    // the devices the daemon sees (the trainers' are theirs)
   std::vector<JobStatus> jobs;
   std::vector<ReplicaPeerStatus> replica_peers;  // --replicate-to, in the order given
+  // --replica-listen: the ranks of other nodes whose replica this daemon holds, and their bytes.
+  bool replica_listening = false;
+  uint32_t replicas_held = 0;
+  uint64_t replica_held_bytes = 0;
 };
 
 // A rank whose saved_signal is in a checkpoint directory, and the node whose daemon wrote it
