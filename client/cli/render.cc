@@ -177,6 +177,8 @@ const char* EventKindText(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kJobReleased: return "released";
     case DaemonEvent::Kind::kSplitAttempt: return "split";
     case DaemonEvent::Kind::kMemoryFallback: return "memory-fallback";
+    case DaemonEvent::Kind::kReplicaSent: return "replica-sent";
+    case DaemonEvent::Kind::kReplicaFailed: return "replica-failed";
     default: return "unknown";
   }
 }
@@ -262,6 +264,13 @@ std::string EventText(const DaemonEvent& e) {
     case DaemonEvent::Kind::kMemoryFallback:
       out += " rank=" + std::to_string(e.rank) + " reason=\"" + e.reason + "\"";
       break;
+    case DaemonEvent::Kind::kReplicaSent:
+      out += " rank=" + std::to_string(e.rank) + " peer=" + e.peer + " bytes=" + CompactBytes(e.bytes) +
+             " secs=" + Fixed(e.seconds, 3) + " gbps=" + Fixed(Gbps(e.bytes, e.seconds), 2);
+      break;
+    case DaemonEvent::Kind::kReplicaFailed:
+      out += " rank=" + std::to_string(e.rank) + " peer=" + e.peer + " error=\"" + e.reason + "\"";
+      break;
     case DaemonEvent::Kind::kSnapshotCommitted:
       out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) + " for=" + e.reason;
       break;
@@ -296,7 +305,10 @@ ordered_json EventJson(const DaemonEvent& e) {
   j["rank"] = e.rank;
   j["bytes"] = e.bytes;
   j["seconds"] = e.seconds;
-  if (e.kind == DaemonEvent::Kind::kPersisted) j["gbps"] = Gbps(e.bytes, e.seconds);
+  if (e.kind == DaemonEvent::Kind::kPersisted || e.kind == DaemonEvent::Kind::kReplicaSent) {
+    j["gbps"] = Gbps(e.bytes, e.seconds);
+  }
+  if (!e.peer.empty()) j["peer"] = e.peer;
   if (!e.code.empty()) j["code"] = e.code;
   if (!e.reason.empty()) j["reason"] = e.reason;
   return j;

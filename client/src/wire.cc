@@ -139,6 +139,8 @@ DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
     case v1::Event::JOB_RELEASED: return DaemonEvent::Kind::kJobReleased;
     case v1::Event::SPLIT_ATTEMPT: return DaemonEvent::Kind::kSplitAttempt;
     case v1::Event::MEMORY_FALLBACK: return DaemonEvent::Kind::kMemoryFallback;
+    case v1::Event::REPLICA_SENT: return DaemonEvent::Kind::kReplicaSent;
+    case v1::Event::REPLICA_FAILED: return DaemonEvent::Kind::kReplicaFailed;
     default: return DaemonEvent::Kind::kUnknown;
   }
 }
@@ -157,6 +159,7 @@ DaemonEvent EventFromProto(const v1::Event& event) {
   out.reason = event.reason();
   out.lost = event.lost();
   out.code = event.code();
+  out.peer = event.peer();
   return out;
 }
 

@@ -172,6 +172,7 @@ Status Daemon::Start() {
   if (!config_.replicate_to.empty()) {
     ReplicaSender::Options options;
     options.max_rate = config_.replicate_max_rate;
+    options.on_event = [this](DaemonEvent event) { Emit(std::move(event)); };
     for (const std::string& text : config_.replicate_to) {
       ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(text, "--replicate-to"));
       options.peers.push_back(

@@ -28,6 +28,8 @@ v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kJobReleased: return v1::Event::JOB_RELEASED;
     case DaemonEvent::Kind::kSplitAttempt: return v1::Event::SPLIT_ATTEMPT;
     case DaemonEvent::Kind::kMemoryFallback: return v1::Event::MEMORY_FALLBACK;
+    case DaemonEvent::Kind::kReplicaSent: return v1::Event::REPLICA_SENT;
+    case DaemonEvent::Kind::kReplicaFailed: return v1::Event::REPLICA_FAILED;
     case DaemonEvent::Kind::kUnknown: break;
   }
   return v1::Event::KIND_UNSPECIFIED;
@@ -129,6 +131,7 @@ v1::Event ToProto(const DaemonEvent& event) {
   out.set_reason(event.reason);
   out.set_lost(event.lost);
   out.set_code(event.code);
+  out.set_peer(event.peer);
   return out;
 }
 

@@ -249,7 +249,15 @@ void ReplicaSender::Run(Peer* peer) {
                                pushed.ok() ? "" : " (the peer held it already)");
     }
     lock.Lock();
+    DaemonEvent event;
+    event.job = replica->meta.job;
+    event.rank = replica->meta.rank;
+    event.step = replica->meta.step;
+    event.peer = peer->address.target;
     if (held) {
+      event.kind = DaemonEvent::Kind::kReplicaSent;
+      event.bytes = replica->meta.bytes;
+      event.seconds = seconds;
       peer->acked[key] = {replica->meta.attempt, replica->meta.step};  // pushed in offer order: the newest
       peer->status.pushed += 1;
       peer->status.bytes += replica->meta.bytes;
@@ -262,6 +270,8 @@ void ReplicaSender::Run(Peer* peer) {
       if (error != peer->status.last_error && !stopping_) {  // one line per change, not per step of a down peer
         Logger("replica")->warn("replica not sent to={} {} error=\"{}\"{}", peer->address.target,
                                 Describe(replica->meta), error, retry ? " (tried again later)" : "");
+        event.kind = DaemonEvent::Kind::kReplicaFailed;
+        event.reason = error;
       }
       peer->status.last_error = error;
       // Tried again later unless the daemon stops or a newer one of the rank waits.
@@ -274,6 +284,11 @@ void ReplicaSender::Run(Peer* peer) {
       }
     }
     if (replica) released.push_back(std::move(replica));
+    if (event.kind != DaemonEvent::Kind::kUnknown && options_.on_event) {
+      lock.Unlock();
+      options_.on_event(std::move(event));
+      lock.Lock();
+    }
   }
   // Stopping: the queue is let go of off the lock.
   for (auto& [key, queued] : peer->queue) released.push_back(std::move(queued.replica));

@@ -559,6 +559,7 @@ TEST(ReplicaSenderTest, MemoryCheckpointsReachThePeerAndADownPeerHoldsUpNoSave) 
     c.node_name = "node-a";
     c.replicate_to = {peer};
   }));
+  auto events = origin.daemon()->events().Subscribe("repl");
   TestTrainer t = origin.StartTrainer("repl", kFloats);
   ASSERT_NE(t.client, nullptr);
   for (int64_t step = 1; step <= 4; ++step) ASSERT_OK(t.Memory(step));  // nobody listens there
@@ -581,6 +582,28 @@ TEST(ReplicaSenderTest, MemoryCheckpointsReachThePeerAndADownPeerHoldsUpNoSave) 
   ASSERT_OK(t.Memory(5));
   ASSERT_TRUE(Eventually([&] { return PeerOf(origin).lag_steps == 0 && PeerOf(origin).pushed == 2; }))
       << PeerOf(origin).last_error;
+  // `flashckpt watch` sees the first failure (once, not per retry) and each push the peer took.
+  std::vector<DaemonEvent> seen;
+  DaemonEvent event;
+  while (events->Next(&event, std::chrono::steady_clock::now() + 100ms) == EventHub::Wait::kEvent) {
+    if (event.kind == DaemonEvent::Kind::kReplicaSent || event.kind == DaemonEvent::Kind::kReplicaFailed) {
+      seen.push_back(event);
+    }
+  }
+  ASSERT_GE(seen.size(), 3u);
+  EXPECT_EQ(seen[0].kind, DaemonEvent::Kind::kReplicaFailed);
+  EXPECT_EQ(seen[0].peer, peer);
+  EXPECT_NE(seen[0].reason.find("UNAVAILABLE"), std::string::npos) << seen[0].reason;
+  // (One failure per change of the peer's error: its wording may change once while it is down.)
+  EXPECT_LE(seen.size(), 4u);
+  std::vector<int64_t> sent;
+  for (const DaemonEvent& e : seen) {
+    if (e.kind != DaemonEvent::Kind::kReplicaSent) continue;
+    sent.push_back(e.step);
+    EXPECT_GT(e.bytes, 2 * kFloats * 4);
+    EXPECT_EQ(e.peer, peer);
+  }
+  EXPECT_EQ(sent, (std::vector<int64_t>{4, 5}));
   ReplicaPeerStatus up = PeerOf(origin);
   EXPECT_GT(up.bytes, 2 * 2 * kFloats * 4);
   EXPECT_EQ(up.queued, 0u);

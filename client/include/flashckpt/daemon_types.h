@@ -134,6 +134,9 @@ struct DaemonEvent {
     kSplitAttempt,        // ranks saved `step` in different attempts, so it never completes (reason)
     kMemoryFallback,      // the rank's memory checkpoint of `step` failed its checksums: dropped, the
                           // files are read instead (reason: the error)
+    kReplicaSent,         // a peer acknowledged the rank's memory checkpoint of `step` (peer, bytes, seconds)
+    kReplicaFailed,       // a push to a peer failed (peer; reason: the error); once per change of the
+                          // peer's error, not per retry
   };
   Kind kind = Kind::kUnknown;
   double unix_seconds = 0;
@@ -145,6 +148,7 @@ struct DaemonEvent {
   std::string reason;
   uint64_t lost = 0;
   std::string code;
+  std::string peer;  // replica events: the peer daemon (HOST:PORT)
 };
 
 struct SkippedCheckpoint {
