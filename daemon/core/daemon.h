@@ -318,7 +318,16 @@ class Daemon {
     // (`numbered_process`, OfferReplicaLocked).
     Attempt numbered;
     uint64_t numbered_process = 0;
-    uint64_t attempt_number = 0;
+    uint64_t attempt_number = 0;  // 0: numbered afresh at the next kept checkpoint
+    // The highest attempt number seen for the rank, its own or a peer's replica's (FetchPeerReplica):
+    // the next number is above it, whatever the wall clock says.
+    uint64_t attempt_floor = 0;
+    // A restore of `step` completed: the rank's later checkpoints are of a new timeline, with a new
+    // attempt number (also when it restores the same step again in the same process).
+    void Restored(int64_t step) {
+      resumed_from = step;
+      attempt_number = 0;
+    }
     std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
     uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken

@@ -104,6 +104,17 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
       }
     }
   }
+  if (best.peer != nullptr) {
+    // The rank's next attempt number goes above what its peers hold.
+    MutexLock lock(&mu_);
+    auto jit = jobs_.find(job);
+    if (jit != jobs_.end()) {
+      auto rit = jit->second.ranks.find(rank_id);
+      if (rit != jit->second.ranks.end()) {
+        rit->second.attempt_floor = std::max(rit->second.attempt_floor, best.meta.attempt);
+      }
+    }
+  }
   if (best.peer == nullptr || best.meta.step <= newest_here) return;
   const int64_t step = best.meta.step;
 

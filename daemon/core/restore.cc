@@ -179,7 +179,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
                           filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
                           filled->reads, secs);
   if (own) {
-    jobs_[job].ranks[rank_id].resumed_from = step;
+    jobs_[job].ranks[rank_id].Restored(step);
     // Memory checkpoints after the restored step are of a timeline the job has left.
     DropMemoryFrom(*segment, step + 1);
   }
@@ -310,7 +310,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   RankState& restored = jobs_[job].ranks[rank_id];
   restored.client_verifying.reset();
   if (!verify_in_client) {
-    restored.resumed_from = chosen;
+    restored.Restored(chosen);
     Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
                             chosen, resident->from_peer.empty() ? "memory" : "peer",
                             FormatBytes(loading.segment->tensor_bytes), secs);
@@ -660,7 +660,7 @@ Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& tick
     return Status::OK();
   }
   if (corrupt.empty()) {
-    rank->resumed_from = handed->step;  // every chunk checked: restored
+    rank->Restored(handed->step);  // every chunk checked: restored
     return Status::OK();
   }
   // The client found a chunk that does not match: the same as when the daemon's own verification

@@ -377,14 +377,17 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
   RankState& state = rit->second;
   if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
-  // A new number for each attempt and each process of the rank: whatever a peer holds from before
-  // is older.
+  // A new number for each attempt, restore and process of the rank: whatever a peer holds from
+  // before is older. The wall clock, but above every number seen for the rank (a clock set back, or
+  // a replacement node whose clock is behind the old one's).
   if (state.attempt_number == 0 || state.numbered != resident->attempt || state.numbered_process != state.process) {
     state.numbered = resident->attempt;
     state.numbered_process = state.process;
-    state.attempt_number = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                     std::chrono::system_clock::now().time_since_epoch())
-                                                     .count());
+    const auto now_ms = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count());
+    state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
+    state.attempt_floor = state.attempt_number;
   }
   const RankLayout& layout = segment->layout;
   v1::ReplicaLayout where;

@@ -142,6 +142,7 @@ void ReplicaSender::Offer(std::shared_ptr<const OutgoingReplica> replica) {
 }
 
 void ReplicaSender::Forget(const std::string& job) {
+  std::vector<std::shared_ptr<const OutgoingReplica>> going;  // released here, after the lock
   MutexLock lock(&mu_);
   auto of_job = [&](const auto& entry) { return entry.first.first == job; };
   std::erase_if(offered_, of_job);
@@ -151,7 +152,7 @@ void ReplicaSender::Forget(const std::string& job) {
         ++it;
         continue;
       }
-      peer->released.push_back(std::move(it->second.replica));
+      going.push_back(std::move(it->second.replica));
       it = peer->queue.erase(it);
     }
     std::erase_if(peer->acked, of_job);
@@ -160,6 +161,8 @@ void ReplicaSender::Forget(const std::string& job) {
     if (peer->in_flight != nullptr && peer->in_flight_job == job) peer->in_flight->TryCancel();
   }
   cv_.NotifyAll();
+  lock.Unlock();
+  going.clear();  // Forget is called without the daemon's lock: the segments may go here
 }
 
 void ReplicaSender::Stop() {
@@ -249,6 +252,8 @@ void ReplicaSender::Run(Peer* peer) {
                                pushed.ok() ? "" : " (the peer held it already)");
     }
     lock.Lock();
+    // Its job released meanwhile (Forget): nothing of it is recorded or queued again.
+    const bool forgotten = offered_.count(key) == 0;
     DaemonEvent event;
     event.job = replica->meta.job;
     event.rank = replica->meta.rank;
@@ -258,24 +263,28 @@ void ReplicaSender::Run(Peer* peer) {
       event.kind = DaemonEvent::Kind::kReplicaSent;
       event.bytes = replica->meta.bytes;
       event.seconds = seconds;
-      peer->acked[key] = {replica->meta.attempt, replica->meta.step};  // pushed in offer order: the newest
+      if (!forgotten) peer->acked[key] = {replica->meta.attempt, replica->meta.step};  // in offer order: the newest
       peer->status.pushed += 1;
       peer->status.bytes += replica->meta.bytes;
       peer->status.last_gbps = seconds > 0 ? static_cast<double>(replica->meta.bytes) / seconds / 1e9 : 0;
       peer->status.last_error.clear();
+      peer->last_error_code = StatusCode::kOk;
       peer->retry_wait = std::chrono::milliseconds(0);
     } else {
       peer->status.failed += 1;
       const std::string error = pushed.ToString();
-      if (error != peer->status.last_error && !stopping_) {  // one line per change, not per step of a down peer
+      // One line and event per change of the error's code, not per step or retry (the messages
+      // name the step).
+      if (pushed.code() != peer->last_error_code && !stopping_) {
         Logger("replica")->warn("replica not sent to={} {} error=\"{}\"{}", peer->address.target,
                                 Describe(replica->meta), error, retry ? " (tried again later)" : "");
         event.kind = DaemonEvent::Kind::kReplicaFailed;
         event.reason = error;
       }
       peer->status.last_error = error;
-      // Tried again later unless the daemon stops or a newer one of the rank waits.
-      if (retry && !stopping_ && peer->queue.count(key) == 0) {
+      peer->last_error_code = pushed.code();
+      // Tried again later unless the daemon stops, its job was released or a newer one of the rank waits.
+      if (retry && !stopping_ && !forgotten && peer->queue.count(key) == 0) {
         peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
                                       std::chrono::milliseconds(30000));
         peer->queue[key] = Peer::Queued{std::move(replica), peer->next_turn++,

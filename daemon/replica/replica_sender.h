@@ -103,6 +103,7 @@ class ReplicaSender {
     std::map<Key, Queued> queue;
     uint64_t next_turn = 0;
     std::chrono::milliseconds retry_wait{0};  // before the next retry; 0 after an acknowledged push
+    StatusCode last_error_code = StatusCode::kOk;  // of the last push; failures are told once per change
     std::map<Key, Version> acked;  // the last checkpoint acknowledged, per rank
     ReplicaPeerStatus status;
     grpc::ClientContext* in_flight = nullptr;  // the push under way (Stop cancels it)
