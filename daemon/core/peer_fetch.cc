@@ -28,10 +28,11 @@ std::chrono::system_clock::time_point SystemDeadline(std::chrono::steady_clock::
 // The replica's own description of where its tensors lie, checked against the rank's layout, and
 // its chunk checksums. FAILED_PRECONDITION when the layouts differ (the job was reshaped: the
 // files serve it), CORRUPTION when the description does not hold together.
-Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankLayout& layout) {
+Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& segment) {
+  const RankLayout& layout = segment.layout;
   v1::ReplicaLayout where;
   if (!where.ParseFromString(meta.layout)) return Corruption("its layout does not parse");
-  if (where.layout_fingerprint() != ReplicaLayoutFingerprint(layout)) {
+  if (where.layout_fingerprint() != segment.layout_fingerprint) {
     return FailedPrecondition("it was taken in another layout (its tensors, their shapes or places, or the "
                               "parallel layout differ from this rank's)");
   }
@@ -138,7 +139,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   auto fetched = FetchReplica(
       best.peer->channel.get(), job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
       [&](const ReplicaMeta& meta) -> Result<char*> {
-        ASSIGN_OR_RETURN(sums, ReplicaSums(meta, segment->layout));
+        ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
         return into;
       },
       SystemDeadline(fetch_by));

@@ -403,7 +403,7 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   where.set_run_id(resident->attempt.run_id);
   where.set_resumed_from(resident->attempt.resumed_from);
   where.set_image_offset(kSlotImageOffset);
-  where.set_layout_fingerprint(ReplicaLayoutFingerprint(layout));
+  where.set_layout_fingerprint(segment->layout_fingerprint);
 
   auto out = std::make_shared<OutgoingReplica>();
   out->meta.job = job;

@@ -2,6 +2,7 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
+#include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {
 
@@ -9,6 +10,7 @@ RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_
                          uint64_t stride, uint64_t ema_offset, std::atomic<uint64_t>* counter,
                          const StateDir* state_dir)
     : layout(std::move(l)),
+      layout_fingerprint(ReplicaLayoutFingerprint(layout)),
       shm(std::move(s)),
       ema(std::move(e)),
       slot_stride(stride),

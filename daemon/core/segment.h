@@ -34,6 +34,8 @@ class RankSegment {
   char* SlotEmaBase(uint32_t i) const { return Slot(i) + ema_area - ema->plan().layout.files[0].slot_offset; }
 
   const RankLayout layout;
+  // ReplicaLayoutFingerprint(layout): what the rank's replicas carry, and what a fetched one must match.
+  const uint64_t layout_fingerprint;
   const std::unique_ptr<SharedSegment> shm;
   const std::unique_ptr<RankEma> ema;  // null when the job has no EMA (or this rank no EMA tensors)
   uint64_t tensor_bytes = 0;           // the rank's tensors in one slot (replicas included)
