@@ -10,7 +10,8 @@
 //
 // Rows alternate (limit, push, limit, push ...) for --repeat rounds; medians and best are printed,
 // the ratio is of medians. GB/s is replica bytes over the seconds from the first byte sent to the
-// receiver holding the last.
+// receiver holding the last. The allocator is set as flashckptd sets it (KeepMessageBuffersInHeap,
+// common/base/allocator.h) unless --malloc-defaults.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "bench/summary.h"
+#include "common/base/allocator.h"
 #include "common/base/names.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
@@ -97,10 +99,17 @@ int Main(int argc, char** argv) {
   std::string size_text = "1GiB";
   uint64_t part = 1u << 20;
   int repeat = 5;
+  bool malloc_defaults = false;
   app.add_option("--bytes", size_text, "replica size, e.g. 1GiB")->capture_default_str();
   app.add_option("--part", part, "bytes per part (64 KiB to 4 MiB)")->capture_default_str();
   app.add_option("--repeat", repeat, "rounds (limit then push, each round)")->check(CLI::Range(1, 100))->capture_default_str();
+  app.add_flag("--malloc-defaults", malloc_defaults,
+               "keep glibc's allocator defaults instead of flashckptd's KeepMessageBuffersInHeap");
   CLI11_PARSE(app, argc, argv);
+  if (!malloc_defaults && !KeepMessageBuffersInHeap()) {
+    std::fprintf(stderr, "the allocator refused KeepMessageBuffersInHeap's settings\n");
+    return 1;
+  }
   const auto bytes = ParseByteSize(size_text);
   if (!bytes || *bytes == 0) {
     std::fprintf(stderr, "--bytes %s: not a positive size\n", size_text.c_str());

@@ -3,6 +3,7 @@
 #include <csignal>
 #include <cstdio>
 
+#include "common/base/allocator.h"
 #include "common/base/log.h"
 #include "daemon/edge/config.h"
 #include "daemon/edge/server.h"
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started below
+  if (!KeepMessageBuffersInHeap()) Logger("rpc")->warn("the allocator refused its settings for large messages");
 
   SystemdNotifier systemd;
   // A second daemon on a live daemon's socket must not adopt, release or delete anything of it:
