@@ -540,14 +540,15 @@ class Daemon {
   // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
   Status FinishCommittedLocked(EmaJob job) REQUIRES(mu_);
   // With --replicate-to, when a peer holds a replica of the rank newer than its newest memory
-  // checkpoint here (a rank restarted on a replacement node has none): fetches the newest one into a
+  // checkpoint here (a rank restarted on a replacement node has none), or, with `step` > 0, a replica
+  // of that step when this daemon does not hold it: fetches it into a
   // slot of the rank's, checks it (its layout against the rank's, every chunk against its checksum)
   // and keeps it as a memory checkpoint of the rank (ResidentCheckpoint::from_peer), which the
   // memory path then restores. A peer that cannot be asked and a replica of another layout are
   // logged, one that fails its checksums also with a MEMORY_FALLBACK event, and the restore goes on
   // without it (peer_fetch.cc). The fetch takes at most half the time left to `deadline`.
-  void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline)
-      EXCLUDES(mu_);
+  void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline,
+                        int64_t step = 0) EXCLUDES(mu_);
   // With --replicate-to: queues the memory checkpoint that `slot` of the rank's segment now holds
   // for the peers (ReplicaSender::Offer). Only one of the rank's current attempt is sent.
   void OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,

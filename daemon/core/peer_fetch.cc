@@ -67,11 +67,13 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& se
 
 }  // namespace
 
-void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline) {
+void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
+                              int64_t wanted) {
   if (!sender_) return;
   std::shared_ptr<RankSegment> segment;
   uint32_t world_size = 0;
   int64_t newest_here = 0;
+  bool wanted_here = false;
   {
     MutexLock lock(&mu_);
     auto jit = jobs_.find(job);
@@ -82,14 +84,20 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     world_size = rit->second.topology.world_size;
     const std::vector<int64_t> held = Slots(*segment).ResidentSteps();
     if (!held.empty()) newest_here = held.front();
-    for (const auto& p : MemoryPending(*segment)) newest_here = std::max(newest_here, p.resident->step);
+    wanted_here = std::find(held.begin(), held.end(), wanted) != held.end();
+    for (const auto& p : MemoryPending(*segment)) {
+      newest_here = std::max(newest_here, p.resident->step);
+      wanted_here = wanted_here || p.resident->step == wanted;
+    }
   }
 
-  // The newest replica of the rank among the peers: the later attempt, then the later step.
+  // The newest replica of the rank among the peers (the later attempt, then the later step), or of
+  // the step asked for (of the later attempt).
   struct Found {
     const ReplicaSender::PeerChannel* peer = nullptr;
     ReplicaMeta meta;
   } best;
+  uint64_t highest_attempt = 0;  // of the rank's replicas on the peers, any step
   const auto list_by = std::min(deadline, std::chrono::steady_clock::now() + kPeerListTimeout);
   for (const ReplicaSender::PeerChannel& peer : sender_->channels()) {
     auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(list_by));
@@ -100,23 +108,26 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     }
     for (ReplicaMeta& m : *listed) {
       if (m.rank != rank_id || m.world_size != world_size) continue;
+      highest_attempt = std::max(highest_attempt, m.attempt);
+      if (wanted > 0 && m.step != wanted) continue;
       if (best.peer == nullptr || std::make_pair(m.attempt, m.step) > std::make_pair(best.meta.attempt, best.meta.step)) {
         best = Found{&peer, std::move(m)};
       }
     }
   }
-  if (best.peer != nullptr) {
-    // The rank's next attempt number goes above what its peers hold.
+  if (highest_attempt > 0) {
+    // The rank's next attempt number goes above what its peers hold (a step asked for by number
+    // that is here too: the restore renumbers the attempt all the same).
     MutexLock lock(&mu_);
     auto jit = jobs_.find(job);
     if (jit != jobs_.end()) {
       auto rit = jit->second.ranks.find(rank_id);
       if (rit != jit->second.ranks.end()) {
-        rit->second.attempt_floor = std::max(rit->second.attempt_floor, best.meta.attempt);
+        rit->second.attempt_floor = std::max(rit->second.attempt_floor, highest_attempt);
       }
     }
   }
-  if (best.peer == nullptr || best.meta.step <= newest_here) return;
+  if (best.peer == nullptr || (wanted == 0 ? best.meta.step <= newest_here : wanted_here)) return;
   const int64_t step = best.meta.step;
 
   std::optional<SlotTicket> ticket;

@@ -206,7 +206,8 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     job = sessions_[session_id].job;
     rank_id = sessions_[session_id].rank;
   }
-  FetchPeerReplica(job, rank_id, deadline);  // a newer replica on a peer joins the rank's memory checkpoints
+  // A newer replica on a peer (or one of the step asked for) joins the rank's memory checkpoints.
+  FetchPeerReplica(job, rank_id, deadline, planned ? 0 : step);
   if (planned) {
     // The ranks of a job must restore the same step: the job's plan says which, and where from.
     ASSIGN_OR_RETURN(ResumePlan plan, ResumePlanFor(session_id, deadline, timeout));
