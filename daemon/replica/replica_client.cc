@@ -9,6 +9,25 @@
 #include "replica.grpc.pb.h"
 
 namespace flashckpt {
+namespace {
+
+// A peer's answer as a Status. A refusal of this daemon (its certificate's name not allowed there:
+// PERMISSION_DENIED, UNAUTHENTICATED) or of the call (a server that serves no replicas:
+// UNIMPLEMENTED) is FAILED_PRECONDITION, named in the message: the peer's configuration must change
+// before a call can succeed, so it is not tried again (ReplicaSender) as a peer that is down is.
+Status PeerStatus(const grpc::Status& s, std::string_view rpc) {
+  switch (s.error_code()) {
+    case grpc::StatusCode::PERMISSION_DENIED:
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return FailedPrecondition(std::string(rpc) + ": the peer answered " + GrpcCodeName(s.error_code()) + ": " +
+                                s.error_message());
+    default:
+      return FromGrpc(s, rpc);
+  }
+}
+
+}  // namespace
 
 ReplicaMeta ReplicaMetaOf(const v1::ReplicaHeader& h) {
   ReplicaMeta m;
@@ -100,7 +119,7 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
     if (!done.ok()) return cancel(std::move(done));
   }
   if (open) writer->WritesDone();
-  return FromGrpc(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early
+  return PeerStatus(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early
 }
 
 Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
@@ -111,7 +130,7 @@ Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std:
   v1::ListReplicasRequest request;
   request.set_job(job);
   v1::ListReplicasResponse response;
-  RETURN_IF_ERROR(FromGrpc(stub.List(&ctx, request, &response), "replica List"));
+  RETURN_IF_ERROR(PeerStatus(stub.List(&ctx, request, &response), "replica List"));
   std::vector<ReplicaMeta> out;
   for (const auto& info : response.replicas()) {
     ReplicaMeta m;
@@ -145,7 +164,7 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job,
     (void)reader->Finish();
     return why;
   };
-  if (!reader->Read(&part)) return FromGrpc(reader->Finish(), "replica Fetch");
+  if (!reader->Read(&part)) return PeerStatus(reader->Finish(), "replica Fetch");
   if (!part.has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
   const ReplicaMeta meta = ReplicaMetaOf(part.header());
   if (meta.job != job || meta.rank != rank || (step != 0 && meta.step != step)) {
@@ -179,7 +198,7 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job,
     std::memcpy(*dest + at, part.data().data(), want);
     at += want;
   }
-  RETURN_IF_ERROR(FromGrpc(reader->Finish(), "replica Fetch"));
+  RETURN_IF_ERROR(PeerStatus(reader->Finish(), "replica Fetch"));
   if (at != meta.bytes) {
     return Corruption("replica Fetch: " + std::to_string(at) + " of " + std::to_string(meta.bytes) + " bytes arrived");
   }
