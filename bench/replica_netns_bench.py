@@ -191,7 +191,7 @@ def run(b, args):
             os.unlink(os.path.join("/dev/shm", seg))
 
     def recover(step, tier_wanted):
-        # The disk's daemon asks no peer: it would fetch the peer's newest first.
+        # The disk's daemon asks no peer: the figure of a node without replicas.
         _, fresh = b.daemon(NS_A, sender if tier_wanted == "peer" else [])
         r = flashckpt.Client(fresh, JOB)
         got = {"w": numpy.empty(floats, dtype=numpy.float32)}
