@@ -106,9 +106,11 @@ int Main(int argc, char** argv) {
   app.add_flag("--malloc-defaults", malloc_defaults,
                "keep glibc's allocator defaults instead of flashckptd's KeepMessageBuffersInHeap");
   CLI11_PARSE(app, argc, argv);
-  if (!malloc_defaults && !KeepMessageBuffersInHeap()) {
-    std::fprintf(stderr, "the allocator refused KeepMessageBuffersInHeap's settings\n");
-    return 1;
+  if (!malloc_defaults) {
+    const AllocatorSetting a = KeepMessageBuffersInHeap();
+    std::printf("allocator: flashckptd's thresholds for large messages %s\n", AllocatorSettingName(a));
+  } else {
+    std::printf("allocator: glibc's defaults (--malloc-defaults)\n");
   }
   const auto bytes = ParseByteSize(size_text);
   if (!bytes || *bytes == 0) {

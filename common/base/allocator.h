@@ -17,7 +17,18 @@ constexpr size_t kHeapBlockBytes = 8u << 20;
 // Per arena: a few messages in flight.
 constexpr size_t kKeptFreeBytes = 16u << 20;
 
-// Call once, at the start of main, before threads start. Returns false if glibc refused a setting.
-bool KeepMessageBuffersInHeap();
+// The heap keeps what the busiest moment needed, up to kHeapBlockBytes a block: freed blocks are
+// reused by the next messages, and each arena gives its top back beyond kKeptFreeBytes.
+
+enum class AllocatorSetting {
+  kSet,        // both thresholds set
+  kOperator,   // left alone: MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES set one
+  kSanitizer,  // left alone: a sanitizer's allocator, which ignores them
+  kRefused,    // mallopt refused one
+};
+
+// Call once, at the start of main, before threads start.
+AllocatorSetting KeepMessageBuffersInHeap();
+const char* AllocatorSettingName(AllocatorSetting s);
 
 }  // namespace flashckpt

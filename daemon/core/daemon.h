@@ -549,6 +549,12 @@ class Daemon {
   // without it (peer_fetch.cc). The fetch takes at most half the time left to `deadline`.
   void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline,
                         int64_t step = 0) EXCLUDES(mu_);
+  // The rank's number for its current attempt on the replica channel (ReplicaMeta::attempt):
+  // numbered afresh after a restore and in a new process. Requires mu_.
+  uint64_t ReplicaAttemptNumber(RankState& state) REQUIRES(mu_);
+  // The rank restored `step` (RankState::Restored); with --replicate-to its peers are told
+  // (ReplicaSender::Retract). Requires mu_.
+  void RestoredLocked(const std::string& job, uint32_t rank, RankState& state, int64_t step) REQUIRES(mu_);
   // With --replicate-to: queues the memory checkpoint that `slot` of the rank's segment now holds
   // for the peers (ReplicaSender::Offer). Only one of the rank's current attempt is sent.
   void OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,

@@ -86,6 +86,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     if (!held.empty()) newest_here = held.front();
     wanted_here = std::find(held.begin(), held.end(), wanted) != held.end();
     for (const auto& p : MemoryPending(*segment)) {
+      if (p.resident->dropped.load()) continue;  // its copies never finished
       newest_here = std::max(newest_here, p.resident->step);
       wanted_here = wanted_here || p.resident->step == wanted;
     }
@@ -128,6 +129,15 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     }
   }
   if (best.peer == nullptr || (wanted == 0 ? best.meta.step <= newest_here : wanted_here)) return;
+  // A step asked for by number: only of the rank's latest attempt among the peers. An older
+  // attempt's copy of the step is of a timeline the job left when it restored an earlier step (a
+  // peer that missed the later pushes and the retraction still holds it); the files serve that step.
+  if (wanted > 0 && best.meta.attempt != highest_attempt) {
+    Logger("restore")->info("replica of job={} rank={} step={} on peer={} not used: its attempt {} is older than "
+                            "the rank's latest on the peers ({})",
+                            job, rank_id, wanted, best.peer->target, best.meta.attempt, highest_attempt);
+    return;
+  }
   const int64_t step = best.meta.step;
 
   std::optional<SlotTicket> ticket;

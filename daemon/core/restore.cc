@@ -179,7 +179,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
                           filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
                           filled->reads, secs);
   if (own) {
-    jobs_[job].ranks[rank_id].Restored(step);
+    RestoredLocked(job, rank_id, jobs_[job].ranks[rank_id], step);
     // Memory checkpoints after the restored step are of a timeline the job has left.
     DropMemoryFrom(*segment, step + 1);
   }
@@ -311,7 +311,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   RankState& restored = jobs_[job].ranks[rank_id];
   restored.client_verifying.reset();
   if (!verify_in_client) {
-    restored.Restored(chosen);
+    RestoredLocked(job, rank_id, restored, chosen);
     Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
                             chosen, resident->from_peer.empty() ? "memory" : "peer",
                             FormatBytes(loading.segment->tensor_bytes), secs);
@@ -354,7 +354,8 @@ Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std:
     job = sessions_[session_id].job;
     rank_id = sessions_[session_id].rank;
   }
-  FetchPeerReplica(job, rank_id, deadline);  // a newer replica on a peer is a candidate too
+  // A newer replica on a peer is a candidate too (or the one of the step whose extra state is asked for).
+  FetchPeerReplica(job, rank_id, deadline, extra_of > 0 ? extra_of : 0);
   {
     MutexLock lock(&mu_);
     for (;;) {
@@ -661,7 +662,7 @@ Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& tick
     return Status::OK();
   }
   if (corrupt.empty()) {
-    rank->Restored(handed->step);  // every chunk checked: restored
+    RestoredLocked(job, rank_id, *rank, handed->step);  // every chunk checked: restored
     return Status::OK();
   }
   // The client found a chunk that does not match: the same as when the daemon's own verification

@@ -367,6 +367,28 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
   return Status::OK();
 }
 
+uint64_t Daemon::ReplicaAttemptNumber(RankState& state) {
+  // A new number for each attempt, restore and process of the rank: whatever a peer holds from
+  // before is older. The wall clock, but above every number seen for the rank (a clock set back, or
+  // a replacement node whose clock is behind the old one's).
+  if (state.attempt_number == 0 || state.numbered != state.attempt() || state.numbered_process != state.process) {
+    state.numbered = state.attempt();
+    state.numbered_process = state.process;
+    const auto now_ms = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count());
+    state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
+    state.attempt_floor = state.attempt_number;
+  }
+  return state.attempt_number;
+}
+
+void Daemon::RestoredLocked(const std::string& job, uint32_t rank, RankState& state, int64_t step) {
+  state.Restored(step);
+  // The peers let go of what they hold of a later step of the attempt the rank leaves (a rollback).
+  if (sender_) sender_->Retract(job, rank, step, ReplicaAttemptNumber(state));
+}
+
 void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                                 uint32_t rank) {
   if (!sender_) return;
@@ -377,18 +399,7 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
   RankState& state = rit->second;
   if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
-  // A new number for each attempt, restore and process of the rank: whatever a peer holds from
-  // before is older. The wall clock, but above every number seen for the rank (a clock set back, or
-  // a replacement node whose clock is behind the old one's).
-  if (state.attempt_number == 0 || state.numbered != resident->attempt || state.numbered_process != state.process) {
-    state.numbered = resident->attempt;
-    state.numbered_process = state.process;
-    const auto now_ms = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-            .count());
-    state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
-    state.attempt_floor = state.attempt_number;
-  }
+  const uint64_t attempt_number = ReplicaAttemptNumber(state);
   const RankLayout& layout = segment->layout;
   v1::ReplicaLayout where;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
@@ -409,7 +420,7 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   out->meta.job = job;
   out->meta.rank = rank;
   out->meta.step = resident->step;
-  out->meta.attempt = state.attempt_number;
+  out->meta.attempt = attempt_number;
   out->meta.world_size = resident->world_size;
   out->meta.bytes = layout.slot_bytes - kSlotImageOffset;
   out->meta.layout = where.SerializeAsString();

@@ -39,7 +39,12 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started below
-  if (!KeepMessageBuffersInHeap()) Logger("rpc")->warn("the allocator refused its settings for large messages");
+  if (const AllocatorSetting a = KeepMessageBuffersInHeap(); a != AllocatorSetting::kSet) {
+    // (Replica pushes and fetches are slower without it: docs/PERFORMANCE.md.)
+    auto log = Logger("rpc");
+    log->log(a == AllocatorSetting::kRefused ? spdlog::level::warn : spdlog::level::info,
+             "allocator thresholds for large messages {}", AllocatorSettingName(a));
+  }
 
   SystemdNotifier systemd;
   // A second daemon on a live daemon's socket must not adopt, release or delete anything of it:

@@ -122,6 +122,21 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
   return PeerStatus(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early
 }
 
+Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
+                               uint64_t attempt, std::chrono::system_clock::time_point deadline) {
+  v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  v1::RetractReplicaRequest request;
+  request.set_job(job);
+  request.set_rank(rank);
+  request.set_step(step);
+  request.set_attempt(attempt);
+  v1::RetractReplicaResponse response;
+  RETURN_IF_ERROR(PeerStatus(stub.Retract(&ctx, request, &response), "replica Retract"));
+  return response.dropped_step();
+}
+
 Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
                                               std::chrono::system_clock::time_point deadline) {
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));

@@ -52,6 +52,11 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
 Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
                                               std::chrono::system_clock::time_point deadline);
 
+// Tells the peer that the rank was restored to `step` in attempt `attempt` (Replica.Retract):
+// returns the step of the replica it dropped, 0 when it held none of an older attempt and later step.
+Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
+                               uint64_t attempt, std::chrono::system_clock::time_point deadline);
+
 // Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds). A replica of more
 // than `max_bytes` is refused (RESOURCE_EXHAUSTED) before `into` is called; `into` is called once
 // with the replica's header and returns where its meta.bytes bytes go; every part is checked

@@ -18,6 +18,9 @@ std::chrono::system_clock::time_point PushDeadline(uint64_t bytes, uint64_t max_
   return std::chrono::system_clock::now() + std::min<std::chrono::seconds>(transfer, most);
 }
 
+// A retraction is one small call: a peer that does not answer in this time is tried again later.
+constexpr std::chrono::seconds kRetractTimeout{10};
+
 // Failures worth another try: the peer down, slow, short of room, or a part damaged on the way. Not:
 // a refusal of what was sent (bad header, another peer's rank), or a push cancelled on purpose.
 bool Retryable(StatusCode code) {
@@ -141,6 +144,13 @@ void ReplicaSender::Offer(std::shared_ptr<const OutgoingReplica> replica) {
   cv_.NotifyAll();
 }
 
+void ReplicaSender::Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) {
+  MutexLock lock(&mu_);
+  if (stopping_) return;
+  for (auto& peer : peers_) peer->retracts[{job, rank}] = Peer::Retraction{step, attempt, {}};
+  cv_.NotifyAll();
+}
+
 void ReplicaSender::Forget(const std::string& job) {
   std::vector<std::shared_ptr<const OutgoingReplica>> going;  // released here, after the lock
   MutexLock lock(&mu_);
@@ -156,6 +166,7 @@ void ReplicaSender::Forget(const std::string& job) {
       it = peer->queue.erase(it);
     }
     std::erase_if(peer->acked, of_job);
+    std::erase_if(peer->retracts, of_job);
     peer->status.queued = static_cast<uint32_t>(peer->queue.size());
     // A push of the job under way holds its segment until it ends: it ends now.
     if (peer->in_flight != nullptr && peer->in_flight_job == job) peer->in_flight->TryCancel();
@@ -210,14 +221,57 @@ void ReplicaSender::Run(Peer* peer) {
       continue;
     }
     if (stopping_) break;
-    if (peer->queue.empty()) {
+    if (peer->queue.empty() && peer->retracts.empty()) {
       cv_.Wait(&lock);
       continue;
     }
-    // The oldest offer among those due; else wait for the first to become due (or an offer).
     const auto now = std::chrono::steady_clock::now();
-    auto next = peer->queue.end();
     auto first_due = std::chrono::steady_clock::time_point::max();
+    // A retraction first: the peer must let go of an abandoned timeline's replica before anything else.
+    auto retract = std::find_if(peer->retracts.begin(), peer->retracts.end(),
+                                [&](const auto& entry) { return entry.second.due <= now; });
+    if (retract != peer->retracts.end()) {
+      const Key key = retract->first;
+      const Peer::Retraction told = retract->second;
+      lock.Unlock();
+      auto dropped = RetractReplica(peer->channel.get(), key.first, key.second, told.step, told.attempt,
+                                    std::chrono::system_clock::now() + kRetractTimeout);
+      const std::string what = "job=" + key.first + " rank=" + std::to_string(key.second) +
+                               " restored to step=" + std::to_string(told.step);
+      if (dropped.ok() && *dropped > 0) {
+        Logger("replica")->info("replica retracted at={} {}: the peer dropped step={}", peer->address.target, what,
+                                *dropped);
+      }
+      lock.Lock();
+      auto now_there = peer->retracts.find(key);
+      const bool same = now_there != peer->retracts.end() && now_there->second.attempt == told.attempt &&
+                        now_there->second.step == told.step;
+      const bool retry = !dropped.ok() && Retryable(dropped.status().code());
+      if (!dropped.ok()) {
+        const std::string error = dropped.status().ToString();
+        if (dropped.status().code() != peer->last_error_code && !stopping_) {
+          Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}\"{}", peer->address.target, what,
+                                  error, retry ? " (tried again later)" : "");
+        }
+        peer->status.last_error = error;
+        peer->last_error_code = dropped.status().code();
+      }
+      if (same && retry) {
+        peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
+                                      std::chrono::milliseconds(30000));
+        now_there->second.due = std::chrono::steady_clock::now() + peer->retry_wait;
+      } else if (same) {
+        peer->retracts.erase(now_there);
+      }
+      continue;
+    }
+    for (const auto& [key, r] : peer->retracts) first_due = std::min(first_due, r.due);
+    if (peer->queue.empty()) {
+      cv_.WaitUntil(&lock, first_due);
+      continue;
+    }
+    // The oldest offer among those due; else wait for the first to become due (or an offer).
+    auto next = peer->queue.end();
     for (auto it = peer->queue.begin(); it != peer->queue.end(); ++it) {
       first_due = std::min(first_due, it->second.due);
       if (it->second.due <= now && (next == peer->queue.end() || it->second.turn < next->second.turn)) next = it;
@@ -299,9 +353,10 @@ void ReplicaSender::Run(Peer* peer) {
       lock.Lock();
     }
   }
-  // Stopping: the queue is let go of off the lock.
+  // Stopping: the queue is let go of off the lock (retractions not sent are dropped).
   for (auto& [key, queued] : peer->queue) released.push_back(std::move(queued.replica));
   peer->queue.clear();
+  peer->retracts.clear();
   peer->status.queued = 0;
   lock.Unlock();
   released.clear();

@@ -75,7 +75,12 @@ class ReplicaSender {
 
   // Queues `replica` for every peer, in place of a queued one of the same (job, rank). Never blocks.
   void Offer(std::shared_ptr<const OutgoingReplica> replica) EXCLUDES(mu_);
-  // Forgets a job's queued checkpoints and its steps (a released job).
+  // The rank was restored to `step` and its new attempt numbered `attempt` (a rollback, or a
+  // restart): every peer is told (Replica.Retract), so that none keeps a replica of a later step of
+  // the attempt the rank left, for a replacement node to fetch. One per (job, rank) and peer, the
+  // latest; sent before the peer's next push and tried again as a push is. Never blocks.
+  void Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) EXCLUDES(mu_);
+  // Forgets a job's queued checkpoints and retractions and its steps (a released job).
   void Forget(const std::string& job) EXCLUDES(mu_);
   // Cancels the pushes in flight, stops the threads and lets go of every queued checkpoint. Idempotent.
   void Stop() EXCLUDES(mu_);
@@ -101,6 +106,12 @@ class ReplicaSender {
       std::chrono::steady_clock::time_point due{};  // a retry waits until then
     };
     std::map<Key, Queued> queue;
+    struct Retraction {
+      int64_t step = 0;
+      uint64_t attempt = 0;
+      std::chrono::steady_clock::time_point due{};
+    };
+    std::map<Key, Retraction> retracts;  // sent before the queue's pushes
     uint64_t next_turn = 0;
     std::chrono::milliseconds retry_wait{0};  // before the next retry; 0 after an acknowledged push
     StatusCode last_error_code = StatusCode::kOk;  // of the last push; failures are told once per change

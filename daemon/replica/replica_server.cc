@@ -213,6 +213,20 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
   return grpc::Status::OK;
 }
 
+grpc::Status ReplicaService::Retract(grpc::ServerContext* ctx, const v1::RetractReplicaRequest* request,
+                                     v1::RetractReplicaResponse* response) {
+  std::string peer;
+  if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
+  auto dropped = store_->Retract(request->job(), request->rank(), request->step(), request->attempt());
+  if (!dropped.ok()) return ToGrpc(dropped.status());
+  if (*dropped > 0) {
+    Logger("replica")->info("replica retracted job={} rank={} step={}: the rank was restored to step={} by={}",
+                            request->job(), request->rank(), *dropped, request->step(), peer.empty() ? ctx->peer() : peer);
+  }
+  response->set_dropped_step(*dropped);
+  return grpc::Status::OK;
+}
+
 std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service) {
   std::string out;
   MetricHeader(&out, "flashckpt_replicas_held", "gauge", "Ranks whose replica this daemon holds for its peers.");

@@ -55,6 +55,8 @@ class ReplicaService final : public v1::Replica::Service {
                     v1::ListReplicasResponse* response) override;
   grpc::Status Fetch(grpc::ServerContext* ctx, const v1::FetchReplicaRequest* request,
                      grpc::ServerWriter<v1::ReplicaPart>* writer) override;
+  grpc::Status Retract(grpc::ServerContext* ctx, const v1::RetractReplicaRequest* request,
+                       v1::RetractReplicaResponse* response) override;
 
   uint64_t refused_calls() const { return refused_.load(); }
   uint64_t received() const { return received_.load(); }  // pushes held

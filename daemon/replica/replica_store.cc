@@ -159,6 +159,24 @@ void ReplicaStore::Drop(const Replica* replica) {
   }
 }
 
+Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (step <= 0 || attempt == 0) {
+    return InvalidArgument("replica retraction: step and attempt must be positive, got step " + std::to_string(step) +
+                           " attempt " + std::to_string(attempt));
+  }
+  std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
+  MutexLock lock(&mu_);
+  auto it = held_.find({job, rank});
+  if (it == held_.end()) return int64_t{0};
+  const ReplicaMeta& held = it->second->meta();
+  if (held.attempt >= attempt || held.step <= step) return int64_t{0};
+  const int64_t gone = held.step;
+  dropped = std::move(it->second);
+  held_.erase(it);
+  return gone;
+}
+
 std::vector<ReplicaMeta> ReplicaStore::List(const std::string& job) const {
   std::vector<ReplicaMeta> out;
   MutexLock lock(&mu_);

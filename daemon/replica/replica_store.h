@@ -115,6 +115,10 @@ class ReplicaStore {
   Result<std::shared_ptr<const Replica>> Find(const std::string& job, uint32_t rank, int64_t step) const;
   // Drops `replica` if it is still the one held of its (job, rank) (one that failed its checksums).
   void Drop(const Replica* replica);
+  // The rank was restored to `step` in a new attempt numbered `attempt`: drops the held replica of
+  // (job, rank) when it is of an older attempt and a later step. Returns its step, or 0 when none
+  // was dropped; INVALID_ARGUMENT for a bad job name, a step or attempt that is not positive.
+  Result<int64_t> Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
   size_t count() const;       // ranks whose replica is held

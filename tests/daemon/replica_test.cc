@@ -225,6 +225,42 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
 }
 
+// Retract drops only a replica of an older attempt and a later step than the one restored; its
+// memory goes back to the budget; bad requests are refused.
+TEST(ReplicaServiceTest, ARetractionDropsOnlyALaterStepOfAnOlderAttempt) {
+  ServedStore served;
+  ASSERT_TRUE(served.Start({}).ok());
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_TRUE(channel.ok());
+  const auto data = Bytes(2 * kPart, 3);
+  ASSERT_OK(PushReplica(channel->get(), Meta("job", 0, 27, data.size()), data.data(), Deadline()));  // attempt 1
+  ASSERT_OK(PushReplica(channel->get(), Meta("job", 1, 20, data.size()), data.data(), Deadline()));
+  const uint64_t held = served.counted.used.load();
+
+  auto same_attempt = RetractReplica(channel->get(), "job", 0, 20, 1, Deadline());
+  ASSERT_OK(same_attempt.status());
+  EXPECT_EQ(*same_attempt, 0);  // of the same attempt: not abandoned
+  auto same_step = RetractReplica(channel->get(), "job", 1, 20, 2, Deadline());
+  ASSERT_OK(same_step.status());
+  EXPECT_EQ(*same_step, 0);  // the step restored is the new attempt's state too
+  auto rolled_back = RetractReplica(channel->get(), "job", 0, 20, 2, Deadline());
+  ASSERT_OK(rolled_back.status());
+  EXPECT_EQ(*rolled_back, 27);
+  auto listed = ListReplicas(channel->get(), "job", Deadline());
+  ASSERT_OK(listed.status());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].rank, 1u);
+  EXPECT_LT(served.counted.used.load(), held);
+  auto none = RetractReplica(channel->get(), "job", 0, 20, 3, Deadline());
+  ASSERT_OK(none.status());
+  EXPECT_EQ(*none, 0);
+
+  EXPECT_EQ(RetractReplica(channel->get(), "../job", 0, 20, 2, Deadline()).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(RetractReplica(channel->get(), "job", 0, 0, 2, Deadline()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RetractReplica(channel->get(), "job", 0, 20, 0, Deadline()).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ReplicaServiceTest, AReplicaWithAFlippedByteIsRefusedAndDropped) {
   ServedStore served;
   ASSERT_TRUE(served.Start({}).ok());
@@ -795,6 +831,42 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
   ASSERT_OK(d.status());
   EXPECT_EQ(d->tier, Tier::kDisk);
   EXPECT_TRUE(t.All(2));
+}
+
+// A rollback reaches the peers: a rank that restores an older step here has the peer drop its
+// replica of the later step (of the attempt the rank left), so a replacement node does not resume
+// the abandoned timeline from it; the rank's next memory checkpoint is held there again.
+TEST(ReplicaSenderTest, ARollbackIsToldToThePeers) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon holder("flashckpt-replica-peer");
+  ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  InProcessDaemon origin("flashckpt-replica-origin");
+  ASSERT_OK(origin.Start([&](DaemonConfig& c) {
+    c.node_name = "node-a";
+    c.replicate_to = {peer};
+  }));
+  TestTrainer t = origin.StartTrainer("rolled", kFloats);
+  ASSERT_NE(t.client, nullptr);
+  ASSERT_OK(t.Memory(2));
+  ASSERT_OK(t.Memory(3));
+  ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "rolled", 3); })) << PeerOf(origin).last_error;
+
+  auto r = t.client->Restore(int64_t{2}, t.bufs, 10s);  // from this node's memory
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 2);
+  EXPECT_EQ(r->tier, Tier::kMemory);
+  ASSERT_TRUE(Eventually([&] {
+    auto channel = ReplicaChannel({peer, "", "", "", ""});
+    if (!channel.ok()) return false;
+    auto listed = ListReplicas(channel->get(), "rolled", std::chrono::system_clock::now() + 5s);
+    return listed.ok() && listed->empty();
+  })) << PeerOf(origin).last_error;
+
+  // The new timeline's checkpoints reach the peer as before (the session's steps go on increasing).
+  ASSERT_OK(t.Memory(4));
+  ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "rolled", 4); })) << PeerOf(origin).last_error;
+  ExpectReplicaOf(peer, "rolled", 4, kFloats);
 }
 
 }  // namespace
