@@ -314,11 +314,12 @@ class Daemon {
     uint64_t process = 0;
     Attempt attempt() const { return Attempt{run_id, resumed_from}; }
     // The number its replicas carry for the attempt (ReplicaHeader.attempt): the wall-clock ms at
-    // which this daemon first kept a memory checkpoint of attempt `numbered` in this process
-    // (`numbered_process`, OfferReplicaLocked).
+    // which this daemon numbered attempt `numbered` in this process (`numbered_process`): at the
+    // restore that began it (RestoredLocked, with --replicate-to), else at the first memory
+    // checkpoint of it offered to the peers (ReplicaAttemptNumber).
     Attempt numbered;
     uint64_t numbered_process = 0;
-    uint64_t attempt_number = 0;  // 0: numbered afresh at the next kept checkpoint
+    uint64_t attempt_number = 0;  // 0: numbered afresh when next needed
     // The highest attempt number seen for the rank, its own or a peer's replica's (FetchPeerReplica):
     // the next number is above it, whatever the wall clock says.
     uint64_t attempt_floor = 0;

@@ -123,10 +123,18 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
 }
 
 Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                               uint64_t attempt, std::chrono::system_clock::time_point deadline) {
+                               uint64_t attempt, std::chrono::system_clock::time_point deadline,
+                               const std::function<void(grpc::ClientContext*)>& context) {
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
+  struct Published {
+    const std::function<void(grpc::ClientContext*)>& context;
+    ~Published() {
+      if (context) context(nullptr);
+    }
+  } published{context};
+  if (context) context(&ctx);
   v1::RetractReplicaRequest request;
   request.set_job(job);
   request.set_rank(rank);

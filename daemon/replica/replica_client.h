@@ -54,8 +54,11 @@ Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std:
 
 // Tells the peer that the rank was restored to `step` in attempt `attempt` (Replica.Retract):
 // returns the step of the replica it dropped, 0 when it held none of an older attempt and later step.
+// `context`, when set, is called with the call's context before it starts and with nullptr when it
+// ended (to cancel it meanwhile, as PushHooks::context).
 Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                               uint64_t attempt, std::chrono::system_clock::time_point deadline);
+                               uint64_t attempt, std::chrono::system_clock::time_point deadline,
+                               const std::function<void(grpc::ClientContext*)>& context = {});
 
 // Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds). A replica of more
 // than `max_bytes` is refused (RESOURCE_EXHAUSTED) before `into` is called; `into` is called once

@@ -235,7 +235,13 @@ void ReplicaSender::Run(Peer* peer) {
       const Peer::Retraction told = retract->second;
       lock.Unlock();
       auto dropped = RetractReplica(peer->channel.get(), key.first, key.second, told.step, told.attempt,
-                                    std::chrono::system_clock::now() + kRetractTimeout);
+                                    std::chrono::system_clock::now() + kRetractTimeout,
+                                    [&](grpc::ClientContext* ctx) {
+                                      MutexLock in(&mu_);
+                                      peer->in_flight = ctx;
+                                      peer->in_flight_job = ctx != nullptr ? key.first : std::string();
+                                      if (ctx != nullptr && stopping_) ctx->TryCancel();
+                                    });
       const std::string what = "job=" + key.first + " rank=" + std::to_string(key.second) +
                                " restored to step=" + std::to_string(told.step);
       if (dropped.ok() && *dropped > 0) {
@@ -247,19 +253,17 @@ void ReplicaSender::Run(Peer* peer) {
       const bool same = now_there != peer->retracts.end() && now_there->second.attempt == told.attempt &&
                         now_there->second.step == told.step;
       const bool retry = !dropped.ok() && Retryable(dropped.status().code());
-      if (!dropped.ok()) {
-        const std::string error = dropped.status().ToString();
-        if (dropped.status().code() != peer->last_error_code && !stopping_) {
-          Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}\"{}", peer->address.target, what,
-                                  error, retry ? " (tried again later)" : "");
-        }
-        peer->status.last_error = error;
-        peer->last_error_code = dropped.status().code();
+      // Its own error and wait: a push's failures are told apart from it (REPLICA_FAILED, status).
+      if (!dropped.ok() && dropped.status().code() != peer->last_retract_code && !stopping_) {
+        Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}\"{}", peer->address.target, what,
+                                dropped.status().ToString(), retry ? " (tried again later)" : "");
       }
-      if (same && retry) {
-        peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
-                                      std::chrono::milliseconds(30000));
-        now_there->second.due = std::chrono::steady_clock::now() + peer->retry_wait;
+      peer->last_retract_code = dropped.status().code();
+      if (dropped.ok()) peer->retract_wait = std::chrono::milliseconds(0);
+      if (same && retry && !stopping_) {
+        peer->retract_wait = std::clamp(peer->retract_wait * 2, std::chrono::milliseconds(1000),
+                                        std::chrono::milliseconds(30000));
+        now_there->second.due = std::chrono::steady_clock::now() + peer->retract_wait;
       } else if (same) {
         peer->retracts.erase(now_there);
       }

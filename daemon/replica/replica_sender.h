@@ -78,7 +78,8 @@ class ReplicaSender {
   // The rank was restored to `step` and its new attempt numbered `attempt` (a rollback, or a
   // restart): every peer is told (Replica.Retract), so that none keeps a replica of a later step of
   // the attempt the rank left, for a replacement node to fetch. One per (job, rank) and peer, the
-  // latest; sent before the peer's next push and tried again as a push is. Never blocks.
+  // latest; sent ahead of the peer's pushes when due, tried again (1 s doubling to 30 s) after a
+  // passing failure, cancelled by Stop and Forget. Never blocks.
   void Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) EXCLUDES(mu_);
   // Forgets a job's queued checkpoints and retractions and its steps (a released job).
   void Forget(const std::string& job) EXCLUDES(mu_);
@@ -111,13 +112,15 @@ class ReplicaSender {
       uint64_t attempt = 0;
       std::chrono::steady_clock::time_point due{};
     };
-    std::map<Key, Retraction> retracts;  // sent before the queue's pushes
+    std::map<Key, Retraction> retracts;  // sent first when due
+    std::chrono::milliseconds retract_wait{0};  // before the next retraction retry; 0 after one answered
+    StatusCode last_retract_code = StatusCode::kOk;  // retraction failures are logged once per change
     uint64_t next_turn = 0;
     std::chrono::milliseconds retry_wait{0};  // before the next retry; 0 after an acknowledged push
     StatusCode last_error_code = StatusCode::kOk;  // of the last push; failures are told once per change
     std::map<Key, Version> acked;  // the last checkpoint acknowledged, per rank
     ReplicaPeerStatus status;
-    grpc::ClientContext* in_flight = nullptr;  // the push under way (Stop cancels it)
+    grpc::ClientContext* in_flight = nullptr;  // the push or retraction under way (Stop cancels it)
     std::string in_flight_job;                 // its job (Forget cancels it)
     // What the queue let go of, for the peer's thread to release off the lock.
     std::vector<std::shared_ptr<const OutgoingReplica>> released;

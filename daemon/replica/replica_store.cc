@@ -110,6 +110,12 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
   std::shared_ptr<const Replica> replaced;  // freed after the lock is let go
   {
     MutexLock lock(&mu_);
+    auto retracted = retracted_.find({m.job, m.rank});
+    if (retracted != retracted_.end() && m.attempt < retracted->second.first && m.step > retracted->second.second) {
+      return FailedPrecondition(Who(m) + " (attempt " + std::to_string(m.attempt) + ") is of a timeline the rank left: it was restored to step " +
+                                std::to_string(retracted->second.second) + " in attempt " +
+                                std::to_string(retracted->second.first));
+    }
     auto it = held_.find({m.job, m.rank});
     if (it == held_.end()) {
       if (held_.size() >= kMaxReplicasHeld) {
@@ -129,6 +135,8 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
       }
     }
     replaced = std::exchange(it->second, replica);
+    // Held from the restored attempt on: the order of attempts refuses the old one's from now on.
+    if (retracted != retracted_.end() && m.attempt >= retracted->second.first) retracted_.erase(retracted);
   }
   Logger("replica")->info("replica held job={} rank={} step={} bytes={} from={} replaced_step={}", m.job, m.rank,
                           m.step, m.bytes, m.from_peer.empty() ? m.origin_node : m.from_peer,
@@ -161,12 +169,19 @@ void ReplicaStore::Drop(const Replica* replica) {
 
 Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) {
   RETURN_IF_ERROR(ValidateJobName(job));
-  if (step <= 0 || attempt == 0) {
-    return InvalidArgument("replica retraction: step and attempt must be positive, got step " + std::to_string(step) +
-                           " attempt " + std::to_string(attempt));
+  if (step < 0 || attempt == 0) {
+    return InvalidArgument("replica retraction: the step must not be negative and the attempt must be positive, got "
+                           "step " + std::to_string(step) + " attempt " + std::to_string(attempt));
   }
   std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
+  auto told = retracted_.find({job, rank});
+  if (told == retracted_.end()) {
+    if (retracted_.size() >= kMaxReplicasHeld) retracted_.erase(retracted_.begin());
+    retracted_[{job, rank}] = {attempt, step};
+  } else if (attempt >= told->second.first) {
+    told->second = {attempt, step};
+  }
   auto it = held_.find({job, rank});
   if (it == held_.end()) return int64_t{0};
   const ReplicaMeta& held = it->second->meta();

@@ -116,8 +116,10 @@ class ReplicaStore {
   // Drops `replica` if it is still the one held of its (job, rank) (one that failed its checksums).
   void Drop(const Replica* replica);
   // The rank was restored to `step` in a new attempt numbered `attempt`: drops the held replica of
-  // (job, rank) when it is of an older attempt and a later step. Returns its step, or 0 when none
-  // was dropped; INVALID_ARGUMENT for a bad job name, a step or attempt that is not positive.
+  // (job, rank) when it is of an older attempt and a later step, and from then on refuses such a
+  // push (FAILED_PRECONDITION: one of the old attempt still on its way, or from a node that lost
+  // the rank) until one of `attempt` or a later one is held. Returns the step dropped, or 0 when
+  // none was; INVALID_ARGUMENT for a bad job name, a negative step or an attempt of 0.
   Result<int64_t> Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
@@ -129,6 +131,9 @@ class ReplicaStore {
   const uint64_t max_replica_bytes_;
   mutable Mutex mu_;
   std::map<std::pair<std::string, uint32_t>, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
+  // Per (job, rank), the latest retraction not yet followed by a replica of its attempt: (attempt,
+  // restored step). At most kMaxReplicasHeld.
+  std::map<std::pair<std::string, uint32_t>, std::pair<uint64_t, int64_t>> retracted_ GUARDED_BY(mu_);
 };
 
 }  // namespace flashckpt

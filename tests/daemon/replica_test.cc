@@ -255,9 +255,27 @@ TEST(ReplicaServiceTest, ARetractionDropsOnlyALaterStepOfAnOlderAttempt) {
   ASSERT_OK(none.status());
   EXPECT_EQ(*none, 0);
 
+  // A push of the timeline left (an older attempt, a later step) is refused from then on; one of
+  // the restored step itself is the same state and is held; once a replica of the new attempt is
+  // held, the order of attempts refuses the old one's (ALREADY_EXISTS).
+  const Status late = PushReplica(channel->get(), Meta("job", 0, 27, data.size()), data.data(), Deadline());
+  EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition) << late.ToString();
+  EXPECT_NE(late.message().find("timeline the rank left"), std::string::npos) << late.ToString();
+  ReplicaMeta same_state = Meta("job", 0, 20, data.size());  // the restored step itself: still the same state
+  ASSERT_OK(PushReplica(channel->get(), same_state, data.data(), Deadline()));
+  ReplicaMeta next = Meta("job", 0, 21, data.size());
+  next.attempt = 3;
+  ASSERT_OK(PushReplica(channel->get(), next, data.data(), Deadline()));
+  const Status older = PushReplica(channel->get(), Meta("job", 0, 30, data.size()), data.data(), Deadline());
+  EXPECT_EQ(older.code(), StatusCode::kAlreadyExists) << older.ToString();
+
+  // Step 0 is a step a rank can restore; a negative one, attempt 0 and a bad job name are refused.
+  auto at_zero = RetractReplica(channel->get(), "other", 0, 0, 2, Deadline());
+  ASSERT_OK(at_zero.status());
+  EXPECT_EQ(*at_zero, 0);
   EXPECT_EQ(RetractReplica(channel->get(), "../job", 0, 20, 2, Deadline()).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(RetractReplica(channel->get(), "job", 0, 0, 2, Deadline()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RetractReplica(channel->get(), "job", 0, -1, 2, Deadline()).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(RetractReplica(channel->get(), "job", 0, 20, 0, Deadline()).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -768,6 +786,8 @@ TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
   image[layout.tensors(0).slot_offset() - layout.image_offset() + 100] ^= 0x10;
   ReplicaMeta bad = *held;
   bad.step = 4;
+  // Of a later attempt: node-c's restore of step 3 told the peer to refuse the attempt it left.
+  bad.attempt = held->attempt + 3600 * 1000;  // an hour later (numbers are ms)
   bad.part_bytes = kPart;
   ASSERT_OK(PushReplica(channel->get(), bad, image.data(), Deadline()));
 
