@@ -9,25 +9,18 @@
 //   pwrite, N threads        N writes in flight from N threads (ParallelLoop)
 //   io_uring, depth N        N writes in flight from one thread (liburing)
 //   writer path              WriteImagesDurably as the daemon's writer calls it, on a real rank layout
-//                            of --tensor-bytes fp32 tensors: 2N threads of which N write at once,
-//                            each 16 MiB piece's checksum chunks stamped (StampPieceChecksums)
-//                            before its pages are written, the next pieces hashed during the writes,
+//                            of --tensor-bytes fp32 tensors: N threads, each 16 MiB piece's checksum
+//                            chunks stamped (StampPieceChecksums) right before its pages are written,
 //                            the whole-tensor checksums derived from the chunks' at the end
 //                            (StampDerivedChecksums), header last, then fdatasync + rename + fsync(dir)
-//   writer path, no hash     the same writes without checksums, on N threads (nothing to hash
-//                            ahead): what the checksums cost
-//   writer path, hash then   the writer as it was before it hashed ahead: N threads, each hashing
-//     write                  its piece and then writing it
-//   hashing only             the writer path's checksums without any I/O, on N threads
+//   writer path, no hash     the same without checksums: what the checksums cost
+//   hashing only             the writer path's checksums without any I/O, on the same threads
 //
 // The rows run in --repeat rounds, each round every row once in turn (dd first), so the limit and
 // the rows see the same conditions; the best and the median of each row are printed, and ratios are
-// of medians. The three writer-path rows run side by side, their order turned by one each round;
-// a ratio of two of them is taken per round, then as the geometric mean over each three
-// neighbouring rounds (in which each row ran once first, second and third, so the place a row ran
-// in does not count), then as the median of those. The checksum cost needs --repeat 3 or more and
-// is printed on a fixed line for scripts:
-//   RESULT checksum_cost=<writer path time with checksums / without, as above>
+// of medians. The two writer-path rows run side by side in alternating order, and the checksum cost
+// is the median of their per-round ratio, printed on a fixed line for scripts:
+//   RESULT checksum_cost=<writer path time with checksums / without, median over the rounds>
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/mman.h>
@@ -38,9 +31,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <array>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -182,9 +173,8 @@ Result<WriterSetup> MakeWriterSetup(uint64_t bytes, uint64_t tensor) {
 }
 
 // The daemon writer's path (daemon/pipeline/writer.cc) on the images of `setup`, with or without
-// its checksums; `cap` writes in flight at most (WriteImagesDurably's max_writes_in_flight: the
-// daemon's writer has twice as many threads as that, so the others hash the next pieces).
-Result<double> WriterPath(const std::string& dir, WriterSetup& setup, ParallelLoop* loop, unsigned cap, bool hash) {
+// its checksums.
+Result<double> WriterPath(const std::string& dir, WriterSetup& setup, ParallelLoop* loop, bool hash) {
   const RankLayout& layout = setup.layout;
   char* slot = setup.slot.get();
   const uint64_t chunk = layout.checksum_chunk, piece = std::max(chunk, (kWritePiece / chunk) * chunk);
@@ -200,7 +190,6 @@ Result<double> WriterPath(const std::string& dir, WriterSetup& setup, ParallelLo
     images.push_back(std::move(w));
   }
   ImageWriteHooks hooks;
-  hooks.max_writes_in_flight = cap;
   if (hash) {
     hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
       const uint64_t start = images[i].cuts[r];
@@ -285,8 +274,6 @@ int Main(int argc, char** argv) {
               depth, ::sysconf(_SC_NPROCESSORS_ONLN), repeat);
 
   ParallelLoop loop(depth - 1);
-  // The daemon writer's: `depth` threads write while as many hash the next pieces.
-  ParallelLoop writer_loop(2 * depth - 1);
   auto setup = MakeWriterSetup(n, *tensor);
   if (!setup.ok()) {
     std::fprintf(stderr, "write_bench: %s\n", setup.status().ToString().c_str());
@@ -308,25 +295,17 @@ int Main(int argc, char** argv) {
       {"pwrite, " + std::to_string(depth) + " threads", [&] { return PwriteThreads(path, data, n, *chunk, &loop); },
        n, {}},
       {"io_uring, depth " + std::to_string(depth), [&] { return IoUring(path, data, n, *chunk, depth); }, n, {}},
-      {"writer path", [&] { return WriterPath(root, *setup, &writer_loop, depth, true); }, images, {}},
-      {"writer path, no hash", [&] { return WriterPath(root, *setup, &loop, 0, false); }, images, {}},
-      {"writer path, hash then write", [&] { return WriterPath(root, *setup, &loop, 0, true); }, images, {}},
+      {"writer path", [&] { return WriterPath(root, *setup, &loop, true); }, images, {}},
+      {"writer path, no hash", [&] { return WriterPath(root, *setup, &loop, false); }, images, {}},
       {"hashing only (no I/O)", [&] { return HashOnly(*setup, &loop); }, images, {}},
   };
   int rc = 0;
-  // The three writer-path rows run next to each other, their order turned by one each round (A B C,
-  // B C A, C A B, ...): the row that runs first of them can be slower only for that (on a virtual
-  // disk here, by 10-25%), and over any three neighbouring rounds each row runs once in each place.
-  constexpr size_t kWriter = 4, kNoHash = 5, kHashThenWrite = 6, kTurned = 3;
-  std::vector<std::array<size_t, kTurned>> places;  // per round: the writer rows in the order they ran
   for (unsigned round = 0; round < repeat && rc == 0; ++round) {
-    std::array<size_t, kTurned> turned{};
-    for (size_t k = 0; k < kTurned; ++k) turned[k] = kWriter + (k + round) % kTurned;
-    places.push_back(turned);
+    // The two writer-path rows run next to each other, in alternating order (A B, B A, ...), so a
+    // drift of the disk between rounds affects both alike; their ratio is taken per round.
     std::vector<Row*> order;
-    for (size_t k = 0; k < kWriter; ++k) order.push_back(&rows[k]);
-    for (size_t k : turned) order.push_back(&rows[k]);
-    for (size_t k = kWriter + kTurned; k < rows.size(); ++k) order.push_back(&rows[k]);
+    for (Row& row : rows) order.push_back(&row);
+    if (round % 2 == 1) std::swap(order[4], order[5]);
     for (Row* r : order) {
       Row& row = *r;
       ::unlink(path.c_str());
@@ -341,60 +320,23 @@ int Main(int argc, char** argv) {
     }
   }
   if (rc == 0) {
-    std::printf("%-30s %10s %10s %10s %10s\n", "row", "best s", "median s", "GB/s", "vs dd");
+    std::printf("%-26s %10s %10s %10s %10s\n", "row", "best s", "median s", "GB/s", "vs dd");
     const double limit = rows[0].bytes / Median(rows[0].secs) / 1e9;
     for (const Row& row : rows) {
       const double median = Median(row.secs), rate = row.bytes / median / 1e9;
-      std::printf("%-30s %10.3f %10.3f %10.2f %9.2fx\n", row.name.c_str(),
+      std::printf("%-26s %10.3f %10.3f %10.2f %9.2fx\n", row.name.c_str(),
                   *std::min_element(row.secs.begin(), row.secs.end()), median, rate, rate / limit);
     }
-    const double writer = Median(rows[kWriter].secs);
+    const double writer = Median(rows[4].secs);
+    std::vector<double> cost;  // per round: writer path time with checksums / without
+    for (size_t k = 0; k < rows[4].secs.size(); ++k) cost.push_back(rows[4].secs[k] / rows[5].secs[k]);
+    const double checksum_cost = Median(cost);
+    std::printf("\nchecksum cost per round:");
+    for (double c : cost) std::printf(" %.3f", c);
+    std::printf("\nRESULT checksum_cost=%.3f\n", checksum_cost);
     bench::SummaryRow("2. writer path (checksums fused) vs dd oflag=direct", images / writer / 1e9 / limit, ">=",
                       0.9);
-    if (repeat < kTurned) {
-      std::printf("\nchecksum cost: not computed, it needs --repeat %zu or more (each writer row once in each place)\n",
-                  kTurned);
-    } else {
-      // Row a's time over row b's, per round; then, over each three neighbouring rounds, the
-      // geometric mean of those ratios, which cancels the places' effect; the median of those.
-      auto ratio = [&](size_t a, size_t b, std::vector<double>* per_round) {
-        std::vector<double> windows;
-        for (size_t k = 0; k < rows[a].secs.size(); ++k) per_round->push_back(rows[a].secs[k] / rows[b].secs[k]);
-        for (size_t k = 0; k + kTurned <= per_round->size(); ++k) {
-          double product = 1;
-          for (size_t j = k; j < k + kTurned; ++j) product *= (*per_round)[j];
-          windows.push_back(std::cbrt(product));
-        }
-        return windows;
-      };
-      std::vector<double> cost_rounds, previous_rounds;
-      const std::vector<double> cost = ratio(kWriter, kNoHash, &cost_rounds);
-      const std::vector<double> previous = ratio(kHashThenWrite, kWriter, &previous_rounds);
-      // Each place's own effect: a row's time there over the geometric mean of the three rows'
-      // times in that round, averaged (geometrically) over the rounds.
-      std::array<double, kTurned> place_effect{};
-      for (size_t p = 0; p < kTurned; ++p) {
-        double product = 1;
-        for (size_t k = 0; k < places.size(); ++k) {
-          const double mean = std::cbrt(rows[kWriter].secs[k] * rows[kNoHash].secs[k] * rows[kHashThenWrite].secs[k]);
-          product *= rows[places[k][p]].secs[k] / mean;
-        }
-        place_effect[p] = std::pow(product, 1.0 / static_cast<double>(places.size()));
-      }
-      std::printf("\nwriter rows by the place they ran in (time / the round's mean): first %.3f, second %.3f, "
-                  "third %.3f\n",
-                  place_effect[0], place_effect[1], place_effect[2]);
-      std::printf("checksum cost (writer path / no hash) per round:");
-      for (double c : cost_rounds) std::printf(" %.3f", c);
-      std::printf("\n  over each three neighbouring rounds:");
-      for (double c : cost) std::printf(" %.3f", c);
-      std::printf("\nhash then write / writer path (hashing ahead), over each three rounds:");
-      for (double c : previous) std::printf(" %.3f", c);
-      std::printf("; median %.3f\n", Median(previous));
-      const double checksum_cost = Median(cost);
-      std::printf("RESULT checksum_cost=%.3f\n", checksum_cost);
-      bench::SummaryRow("2. checksum cost: writer path with / without hashing", checksum_cost, "<=", 1.05);
-    }
+    bench::SummaryRow("2. checksum cost: writer path with / without hashing", checksum_cost, "<=", 1.05);
   }
   ::munmap(mem, n);
   (void)RemoveTree(root);
