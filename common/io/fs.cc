@@ -317,6 +317,11 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     if (first_error.ok()) first_error = s;
     failed.store(true, std::memory_order_relaxed);
   };
+  // Writes in flight, when capped: a thread past the cap waits here after its prepare.
+  Mutex slots_mu;
+  CondVar slot_free;
+  unsigned writing = 0;  // guarded by slots_mu
+  const unsigned cap = hooks.max_writes_in_flight;
   auto run = [&](size_t count, const std::function<void(size_t)>& body) {
     if (loop != nullptr) {
       loop->Run(count, body);
@@ -339,10 +344,21 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     const uint64_t begin = down(p.from),
                    end = p.to == hi && last_region ? (im.bytes + kAlign - 1) / kAlign * kAlign : down(p.to);
     if (hooks.prepare) hooks.prepare(p.image, p.region, p.from, p.to);
-    if (end > begin) {
-      Status s = PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp, io);
-      if (!s.ok()) fail(s);
+    if (end <= begin) return;
+    if (cap > 0) {
+      MutexLock lock(&slots_mu);
+      while (writing >= cap) slot_free.Wait(&lock);
+      ++writing;
     }
+    Status s = failed.load(std::memory_order_relaxed)
+                   ? Status::OK()
+                   : PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp, io);
+    if (cap > 0) {
+      MutexLock lock(&slots_mu);
+      --writing;
+      slot_free.NotifyOne();
+    }
+    if (!s.ok()) fail(s);
   });
   if (!first_error.ok()) return cleanup(first_error);
 

@@ -110,8 +110,8 @@ struct ImageWrite {
 // Writes images durably with several writes in flight. Every piece of every region is one task of
 // `loop` (nullptr: the caller's thread): it calls `prepare(image, region, from, to)` for the piece's
 // bytes [from, to), then writes the 4 KiB pages that end within it (O_DIRECT; the page holding the
-// next piece's first byte is left to that piece), so a piece is written while `prepare` (e.g. a
-// checksum) left it in cache. When all are done, `finish(image)` runs and
+// next piece's first byte is left to that piece), so nothing is written before `prepare` (e.g. a
+// checksum) has seen it. When all are done, `finish(image)` runs and
 // the image's head is written, its tail cut to `bytes`, the file fdatasync'ed (one task per image)
 // and renamed into place, then the directory fsync'ed once. On a file system without O_DIRECT
 // (tmpfs) the same writes are buffered. On failure every temporary is removed; `renamed` (if given)
@@ -119,10 +119,15 @@ struct ImageWrite {
 // Images whose bytes are still arriving (a streaming commit): `wait(image, to)`, when set, runs
 // before a piece's `prepare` and returns once the image's bytes before `to` are in place; an error
 // it returns fails the write as an I/O error does.
+// `max_writes_in_flight` (0: one per thread of the loop) caps the pieces' writes at once: with a
+// loop of more threads than that, the threads past the cap run the next pieces' `prepare` while the
+// writes are in flight, so a prepare that takes time (a checksum) does not leave the disk with fewer
+// writes queued.
 struct ImageWriteHooks {
   std::function<Status(size_t image, uint64_t to)> wait;
   std::function<void(size_t image, size_t region, uint64_t from, uint64_t to)> prepare;
   std::function<void(size_t image)> finish;
+  unsigned max_writes_in_flight = 0;
 };
 Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
                           const ImageWriteHooks& hooks, std::vector<std::string>* renamed,

@@ -70,7 +70,9 @@ std::vector<WriteInFlight> Writer::InFlight() const {
 }
 
 void Writer::Run() {
-  ParallelLoop io(io_threads_ - 1);  // this thread's writes in flight
+  // This thread's writes: io_threads_ of them in flight, and as many threads again that hash the
+  // next pieces meanwhile (WriteImagesDurably's max_writes_in_flight).
+  ParallelLoop io(2 * io_threads_ - 1);
   for (;;) {
     PersistRequest req;
     uint64_t id;
@@ -170,10 +172,11 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   signal.world_size = req.world_size;
 
   // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
-  // chunks) of each tensor is a task that hashes its chunks and writes its pages right after, while
-  // they are in cache; the whole-tensor checksums of multi-chunk tensors are computed from their
-  // chunk checksums at the end. The headers, which hold the step and the checksums, are written last. The EMA
-  // image was stamped by the EMA stage; its tensors are only written.
+  // chunks) of each tensor is a task that hashes its chunks and then writes its pages; while
+  // io_threads_ pieces are being written, other threads hash the next ones. The whole-tensor
+  // checksums of multi-chunk tensors are computed from their chunk checksums at the end. The
+  // headers, which hold the step and the checksums, are written last. The EMA image was stamped by
+  // the EMA stage; its tensors are only written.
   struct Source {
     const RankLayout* layout;
     char* base;  // what the layout's offsets are relative to
@@ -211,6 +214,7 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     const uint64_t start = images[i].cuts[r];
     StampPieceChecksums(s.base, *s.layout, t, from - start, to - start);
   };
+  hooks.max_writes_in_flight = io_threads_;
   // A streaming commit: nothing is hashed or written before the trainer's copies have put it in
   // place. Only the images of the rank layout come from the trainer; the EMA image is the daemon's.
   auto copied = [&](uint64_t slot_end) {

@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "common/base/thread_pool.h"
+#include "common/io/io_env.h"
 #include "test_util.h"
 #include "testing.h"
 
@@ -122,6 +126,74 @@ void WriteImagesAndReadBack(const std::string& base) {
 TEST(WriteImagesDurably, DirectIoOnADiskFileSystem) { WriteImagesAndReadBack("/var/tmp"); }
 
 TEST(WriteImagesDurably, BufferedFallbackOnTmpfs) { WriteImagesAndReadBack("/dev/shm"); }
+
+// Counts the pieces' writes in flight (each takes 20 ms) and can fail the n-th with ENOSPC.
+class InFlightIo : public ForwardingIoEnv {
+ public:
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override {
+    const int now = ++in_flight_;
+    for (int seen = most_.load(); now > seen && !most_.compare_exchange_weak(seen, now);) {
+    }
+    ::usleep(20 * 1000);
+    const bool fail = ++calls_ == fail_call_;
+    --in_flight_;
+    if (fail) {
+      errno = ENOSPC;
+      return -1;
+    }
+    return ForwardingIoEnv::Pwrite(fd, buf, bytes, offset);
+  }
+  int in_flight() const { return in_flight_.load(); }
+  int most() const { return most_.load(); }
+  void FailCall(int n) { fail_call_ = n; }
+
+ private:
+  std::atomic<int> in_flight_{0}, most_{0}, calls_{0};
+  std::atomic<int> fail_call_{0};
+};
+
+// A loop of 6 threads with max_writes_in_flight 2: never more than 2 writes at once, the other
+// threads prepare the next pieces meanwhile, and the file is whole. A failed write under the cap
+// fails the call and leaves no temporary, with no thread left waiting for a write slot.
+TEST(WriteImagesDurably, TheCapOnWritesInFlightHoldsAndOtherThreadsPrepareAhead) {
+  char tmpl[] = "/var/tmp/flashckpt-fs-test-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const uint64_t bytes = (12u << 20) + 4096;  // a 4 KiB head and 12 pieces of 1 MiB
+  void* mem = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  auto* data = static_cast<char*>(mem);
+  for (uint64_t k = 0; k < bytes; ++k) data[k] = static_cast<char>((k * 131 + 7) >> 3);
+  std::vector<ImageWrite> images(1);
+  images[0] = ImageWrite{"image", data, bytes, 4096, {4096}, 1u << 20};
+  InFlightIo io;
+  std::atomic<int> prepared_during_writes{0};
+  ImageWriteHooks hooks;
+  hooks.max_writes_in_flight = 2;
+  hooks.prepare = [&](size_t, size_t, uint64_t, uint64_t) {
+    if (io.in_flight() > 0) ++prepared_during_writes;
+  };
+  ParallelLoop loop(5);
+  ASSERT_OK(WriteImagesDurably(dir, images, &loop, hooks, nullptr, &io));
+  EXPECT_EQ(io.most(), 2) << "the cap is reached and held with 6 threads";
+  EXPECT_GT(prepared_during_writes.load(), 0) << "pieces are prepared while others are written";
+  auto back = ReadSmallFile(dir + "/image", 1ull << 30);
+  ASSERT_OK(back.status());
+  ASSERT_EQ(back->size(), bytes);
+  EXPECT_EQ(std::memcmp(back->data(), data, bytes), 0);
+
+  InFlightIo failing;
+  failing.FailCall(3);
+  Status s = WriteImagesDurably(dir, {ImageWrite{"image2", data, bytes, 4096, {4096}, 1u << 20}}, &loop, hooks,
+                                nullptr, &failing);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_LE(failing.most(), 2);
+  size_t entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) entries += e.is_regular_file();
+  EXPECT_EQ(entries, 1u) << "only the first image; the failed one's temporary is gone";
+  ::munmap(mem, bytes);
+  std::filesystem::remove_all(dir);
+}
 
 TEST(WriteImagesDurably, RemovesItsTemporariesOnFailure) {
   char tmpl[] = "/dev/shm/flashckpt-fs-test-XXXXXX";
