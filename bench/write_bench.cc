@@ -14,16 +14,20 @@
 //                            before its pages are written, the next pieces hashed during the writes,
 //                            the whole-tensor checksums derived from the chunks' at the end
 //                            (StampDerivedChecksums), header last, then fdatasync + rename + fsync(dir)
-//   writer path, no hash     the same without checksums: what the checksums cost
-//   hashing only             the writer path's checksums without any I/O, on the same threads
+//   writer path, no hash     the same writes without checksums, on N threads (nothing to hash
+//                            ahead): what the checksums cost
+//   writer path, hash then   the writer as it was before it hashed ahead: N threads, each hashing
+//     write                  its piece and then writing it
+//   hashing only             the writer path's checksums without any I/O, on N threads
 //
 // The rows run in --repeat rounds, each round every row once in turn (dd first), so the limit and
 // the rows see the same conditions; the best and the median of each row are printed, and ratios are
-// of medians. The two writer-path rows run side by side in alternating order; the checksum cost is
-// their per-round ratio, taken as the median over each two neighbouring rounds (one of each order)
-// of the geometric mean of their ratios, so that running first or second does not count as the
-// hash's cost. It is printed on a fixed line for scripts:
-//   RESULT checksum_cost=<writer path time with checksums / without, median over pairs of rounds>
+// of medians. The three writer-path rows run side by side, their order turned by one each round;
+// a ratio of two of them is taken per round, then as the geometric mean over each three
+// neighbouring rounds (in which each row ran once first, second and third, so the place a row ran
+// in does not count), then as the median of those. The checksum cost needs --repeat 3 or more and
+// is printed on a fixed line for scripts:
+//   RESULT checksum_cost=<writer path time with checksums / without, as above>
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/mman.h>
@@ -34,6 +38,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -241,7 +246,6 @@ double Median(std::vector<double> v) {
 int Main(int argc, char** argv) {
   std::string dir = "/var/tmp", size = "2GiB", chunk_text = "16MiB", tensor_text = "256MiB";
   unsigned depth = 4, repeat = 5;
-  bool no_hash_ahead = false;
   CLI::App app{"write_bench: O_DIRECT writes with threads and with io_uring against dd"};
   app.add_option("--dir", dir, "Directory on the disk to measure")->capture_default_str();
   app.add_option("--bytes", size, "Bytes per write test")->capture_default_str();
@@ -253,8 +257,6 @@ int Main(int argc, char** argv) {
   app.add_option("--repeat", repeat, "Rounds (each runs every row once; best and median printed)")
       ->check(CLI::Range(1, 50))
       ->capture_default_str();
-  app.add_flag("--no-hash-ahead", no_hash_ahead,
-               "Writer path as before hashing ran ahead: N threads, each hashing then writing its piece");
   CLI11_PARSE(app, argc, argv);
   auto bytes = ParseByteSize(size), chunk = ParseByteSize(chunk_text), tensor = ParseByteSize(tensor_text);
   if (!bytes || !chunk || !tensor || *chunk % 4096 != 0 || *bytes < *chunk || *tensor == 0) {
@@ -278,17 +280,13 @@ int Main(int argc, char** argv) {
   for (uint64_t i = 0; i < n; i += 8) std::memcpy(data + i, &i, 8);
   struct statfs fs {};
   ::statfs(root.c_str(), &fs);
-  std::printf(
-      "write_bench: %s per row into %s (statfs type 0x%lx), %s writes, %u in flight, %ld cores, %u rounds; "
-      "writer path: %s\n\n",
-      FormatBytes(n).c_str(), dir.c_str(), static_cast<unsigned long>(fs.f_type), FormatBytes(*chunk).c_str(), depth,
-      ::sysconf(_SC_NPROCESSORS_ONLN), repeat,
-      no_hash_ahead ? "each thread hashes then writes its piece (--no-hash-ahead)" : "the next pieces hashed during the writes");
+  std::printf("write_bench: %s per row into %s (statfs type 0x%lx), %s writes, %u in flight, %ld cores, %u rounds\n\n",
+              FormatBytes(n).c_str(), dir.c_str(), static_cast<unsigned long>(fs.f_type), FormatBytes(*chunk).c_str(),
+              depth, ::sysconf(_SC_NPROCESSORS_ONLN), repeat);
 
   ParallelLoop loop(depth - 1);
   // The daemon writer's: `depth` threads write while as many hash the next pieces.
-  ParallelLoop writer_loop(no_hash_ahead ? depth - 1 : 2 * depth - 1);
-  const unsigned writer_cap = no_hash_ahead ? 0 : depth;
+  ParallelLoop writer_loop(2 * depth - 1);
   auto setup = MakeWriterSetup(n, *tensor);
   if (!setup.ok()) {
     std::fprintf(stderr, "write_bench: %s\n", setup.status().ToString().c_str());
@@ -310,17 +308,25 @@ int Main(int argc, char** argv) {
       {"pwrite, " + std::to_string(depth) + " threads", [&] { return PwriteThreads(path, data, n, *chunk, &loop); },
        n, {}},
       {"io_uring, depth " + std::to_string(depth), [&] { return IoUring(path, data, n, *chunk, depth); }, n, {}},
-      {"writer path", [&] { return WriterPath(root, *setup, &writer_loop, writer_cap, true); }, images, {}},
-      {"writer path, no hash", [&] { return WriterPath(root, *setup, &writer_loop, writer_cap, false); }, images, {}},
+      {"writer path", [&] { return WriterPath(root, *setup, &writer_loop, depth, true); }, images, {}},
+      {"writer path, no hash", [&] { return WriterPath(root, *setup, &loop, 0, false); }, images, {}},
+      {"writer path, hash then write", [&] { return WriterPath(root, *setup, &loop, 0, true); }, images, {}},
       {"hashing only (no I/O)", [&] { return HashOnly(*setup, &loop); }, images, {}},
   };
   int rc = 0;
+  // The three writer-path rows run next to each other, their order turned by one each round (A B C,
+  // B C A, C A B, ...): the row that runs first of them can be slower only for that (on a virtual
+  // disk here, by 10-25%), and over any three neighbouring rounds each row runs once in each place.
+  constexpr size_t kWriter = 4, kNoHash = 5, kHashThenWrite = 6, kTurned = 3;
+  std::vector<std::array<size_t, kTurned>> places;  // per round: the writer rows in the order they ran
   for (unsigned round = 0; round < repeat && rc == 0; ++round) {
-    // The two writer-path rows run next to each other, in alternating order (A B, B A, ...), so a
-    // drift of the disk between rounds affects both alike; their ratio is taken per round.
+    std::array<size_t, kTurned> turned{};
+    for (size_t k = 0; k < kTurned; ++k) turned[k] = kWriter + (k + round) % kTurned;
+    places.push_back(turned);
     std::vector<Row*> order;
-    for (Row& row : rows) order.push_back(&row);
-    if (round % 2 == 1) std::swap(order[4], order[5]);
+    for (size_t k = 0; k < kWriter; ++k) order.push_back(&rows[k]);
+    for (size_t k : turned) order.push_back(&rows[k]);
+    for (size_t k = kWriter + kTurned; k < rows.size(); ++k) order.push_back(&rows[k]);
     for (Row* r : order) {
       Row& row = *r;
       ::unlink(path.c_str());
@@ -335,37 +341,60 @@ int Main(int argc, char** argv) {
     }
   }
   if (rc == 0) {
-    std::printf("%-26s %10s %10s %10s %10s\n", "row", "best s", "median s", "GB/s", "vs dd");
+    std::printf("%-30s %10s %10s %10s %10s\n", "row", "best s", "median s", "GB/s", "vs dd");
     const double limit = rows[0].bytes / Median(rows[0].secs) / 1e9;
     for (const Row& row : rows) {
       const double median = Median(row.secs), rate = row.bytes / median / 1e9;
-      std::printf("%-26s %10.3f %10.3f %10.2f %9.2fx\n", row.name.c_str(),
+      std::printf("%-30s %10.3f %10.3f %10.2f %9.2fx\n", row.name.c_str(),
                   *std::min_element(row.secs.begin(), row.secs.end()), median, rate, rate / limit);
     }
-    const double writer = Median(rows[4].secs);
-    std::vector<double> cost;  // per round: writer path time with checksums / without
-    for (size_t k = 0; k < rows[4].secs.size(); ++k) cost.push_back(rows[4].secs[k] / rows[5].secs[k]);
-    // The first of the two rows in a round can be slower only for running first (on a virtual
-    // disk here, by 10-25%), and the order alternates, so that bias pushes the ratios of even and
-    // odd rounds opposite ways and a plain median lands on whichever order ran more often. Two
-    // neighbouring rounds hold one of each order: the geometric mean of their ratios cancels the
-    // order's share, and the cost is the median of those means.
-    std::vector<double> paired;
-    for (size_t k = 0; k + 1 < cost.size(); ++k) paired.push_back(std::sqrt(cost[k] * cost[k + 1]));
-    if (paired.empty()) paired = cost;
-    double first = 1;  // the order's own effect: geometric mean of (first row's time / second's)
-    for (size_t k = 0; k < cost.size(); ++k) first *= k % 2 == 0 ? cost[k] : 1 / cost[k];
-    first = std::pow(first, 1.0 / static_cast<double>(cost.size()));
-    const double checksum_cost = Median(paired);
-    std::printf("\nchecksum cost per round (with / without; with runs first in rounds 1, 3, ...):");
-    for (double c : cost) std::printf(" %.3f", c);
-    std::printf("\nper pair of neighbouring rounds (geometric mean):");
-    for (double c : paired) std::printf(" %.3f", c);
-    std::printf("\nrunning first of the two: %.3fx the time (geometric mean over the rounds)\n", first);
-    std::printf("RESULT checksum_cost=%.3f\n", checksum_cost);
+    const double writer = Median(rows[kWriter].secs);
     bench::SummaryRow("2. writer path (checksums fused) vs dd oflag=direct", images / writer / 1e9 / limit, ">=",
                       0.9);
-    bench::SummaryRow("2. checksum cost: writer path with / without hashing", checksum_cost, "<=", 1.05);
+    if (repeat < kTurned) {
+      std::printf("\nchecksum cost: not computed, it needs --repeat %zu or more (each writer row once in each place)\n",
+                  kTurned);
+    } else {
+      // Row a's time over row b's, per round; then, over each three neighbouring rounds, the
+      // geometric mean of those ratios, which cancels the places' effect; the median of those.
+      auto ratio = [&](size_t a, size_t b, std::vector<double>* per_round) {
+        std::vector<double> windows;
+        for (size_t k = 0; k < rows[a].secs.size(); ++k) per_round->push_back(rows[a].secs[k] / rows[b].secs[k]);
+        for (size_t k = 0; k + kTurned <= per_round->size(); ++k) {
+          double product = 1;
+          for (size_t j = k; j < k + kTurned; ++j) product *= (*per_round)[j];
+          windows.push_back(std::cbrt(product));
+        }
+        return windows;
+      };
+      std::vector<double> cost_rounds, previous_rounds;
+      const std::vector<double> cost = ratio(kWriter, kNoHash, &cost_rounds);
+      const std::vector<double> previous = ratio(kHashThenWrite, kWriter, &previous_rounds);
+      // Each place's own effect: a row's time there over the geometric mean of the three rows'
+      // times in that round, averaged (geometrically) over the rounds.
+      std::array<double, kTurned> place_effect{};
+      for (size_t p = 0; p < kTurned; ++p) {
+        double product = 1;
+        for (size_t k = 0; k < places.size(); ++k) {
+          const double mean = std::cbrt(rows[kWriter].secs[k] * rows[kNoHash].secs[k] * rows[kHashThenWrite].secs[k]);
+          product *= rows[places[k][p]].secs[k] / mean;
+        }
+        place_effect[p] = std::pow(product, 1.0 / static_cast<double>(places.size()));
+      }
+      std::printf("\nwriter rows by the place they ran in (time / the round's mean): first %.3f, second %.3f, "
+                  "third %.3f\n",
+                  place_effect[0], place_effect[1], place_effect[2]);
+      std::printf("checksum cost (writer path / no hash) per round:");
+      for (double c : cost_rounds) std::printf(" %.3f", c);
+      std::printf("\n  over each three neighbouring rounds:");
+      for (double c : cost) std::printf(" %.3f", c);
+      std::printf("\nhash then write / writer path (hashing ahead), over each three rounds:");
+      for (double c : previous) std::printf(" %.3f", c);
+      std::printf("; median %.3f\n", Median(previous));
+      const double checksum_cost = Median(cost);
+      std::printf("RESULT checksum_cost=%.3f\n", checksum_cost);
+      bench::SummaryRow("2. checksum cost: writer path with / without hashing", checksum_cost, "<=", 1.05);
+    }
   }
   ::munmap(mem, n);
   (void)RemoveTree(root);

@@ -353,12 +353,12 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
     Status s = failed.load(std::memory_order_relaxed)
                    ? Status::OK()
                    : PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp, io);
+    if (!s.ok()) fail(s);  // before the slot is freed: the thread that takes it sees the failure
     if (cap > 0) {
       MutexLock lock(&slots_mu);
       --writing;
       slot_free.NotifyOne();
     }
-    if (!s.ok()) fail(s);
   });
   if (!first_error.ok()) return cleanup(first_error);
 
