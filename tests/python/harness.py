@@ -104,13 +104,31 @@ class Daemon:
         return False
 
 
+def native_stacks(pid):
+    """Every thread's native stack of process `pid` (gdb, when installed), for a test that gives up
+    on a process: where C++ code (gloo, the gRPC client) waits, which a Python traceback cannot show."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb to show the native stacks of pid %d)" % pid
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=60)
+        return out.stdout.decode(errors="replace")[-20000:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return "(gdb on pid %d failed: %s)" % (pid, e)
+
+
 def wait_all(procs, deadline):
     """Waits for every process until time.monotonic() reaches `deadline`; if one is still running
-    then, kills them all and returns False."""
+    then, prints the native stacks of those still running, kills them all and returns False."""
     for p in procs:
         try:
             p.wait(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    sys.stderr.write("native stacks of pid %d, still running at the deadline:\n%s\n"
+                                     % (q.pid, native_stacks(q.pid)))
             for q in procs:
                 q.kill()
                 q.wait()
