@@ -615,9 +615,9 @@ class DistributedResumeTest(harness.DaemonTestCase):
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
-        # A worker still running shortly before the test gives up on it prints every thread's stack
-        # into its log and exits, so the failure shows where it waited.
-        faulthandler.dump_traceback_later(WORKER_DEADLINE - 15, exit=True)
+        # A worker still running shortly before the test gives up on it prints every thread's Python
+        # stack into its log and goes on, so that the test can also print its native stacks.
+        faulthandler.dump_traceback_later(WORKER_DEADLINE - 15)
         _, _, case, rank, world, port, sock, job, out = sys.argv
         if case.startswith("tp_"):
             tp_worker(case, int(rank), int(world), int(port), sock, job, out)
