@@ -24,7 +24,6 @@ same directory (the disk). Medians over --repeats saves after one warm-up each.
 
 import argparse
 import faulthandler
-import gc
 import json
 import os
 import socket as socketlib
@@ -123,7 +122,12 @@ def worker(args):
         out["dcp"] = timed(dcp_save)
     with open(args.out, "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
+    # Ends here, with the state and the process group still held, and without Python's finalization
+    # (tests/python/harness.py, end_worker): torch 1.13 frees a gloo process group while holding the
+    # GIL and waits for gloo's threads, which may need the GIL to release a tensor.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main():
@@ -144,13 +148,7 @@ def main():
     sys.path.insert(0, args.python_dir)
     if args.rank is not None:
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
-        worker(args)
-        # No Python finalization (tests/python/harness.py, end_worker): torch 1.13's gloo threads may
-        # release tensors after the main thread is done, and taking the GIL then aborts the process.
-        gc.collect()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        worker(args)  # does not return
 
     work = args.dir or tempfile.mkdtemp(prefix="fc-bench.", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)

@@ -9,7 +9,6 @@ FLASHCKPT_BIN_DIR names the directory of flashckptd (ctest sets it; default buil
 checkout), and FLASHCKPT_TEST_KEEP=1 keeps the temp dir for a look after a failure.
 """
 
-import gc
 import glob
 import importlib.util
 import os
@@ -137,14 +136,19 @@ def wait_all(procs, deadline):
 
 
 def end_worker():
-    """Ends a torch.distributed worker process that has written its results, skipping Python's
-    finalization. torch 1.13's gloo worker threads may drop their last reference to a finished
-    operation's tensors after the main thread is done; during finalization that takes the GIL, which
-    ends the thread with a forced unwind through a noexcept frame: std::terminate ("terminate called
-    without an active exception", SIGABRT from ProcessGroupGloo::runLoop; seen in CI in a ZeRO worker
-    even after collecting reference cycles). Nothing is lost: the worker's results are in closed
-    files, and a worker that raised never gets here (it exits 1 with its traceback)."""
-    gc.collect()
+    """Ends a torch.distributed worker process that has written its results, at once: no
+    destroy_process_group(), no freeing of the caller's locals, no Python finalization. Call it from
+    the function that holds the model, the optimizer and the process groups, after its results are in
+    closed files; it does not return.
+
+    Freeing a DistributedDataParallel model or a gloo process group on the main thread runs
+    torch 1.13's ~ProcessGroupGloo with the GIL held, and it waits for gloo's worker threads. A
+    worker thread that drops the last reference to a finished operation's tensor needs the GIL to
+    free its Python object, so the two can wait for each other: the likely cause of pairs of workers
+    seen in CI never to finish, their main thread on the line that called the worker function (whose
+    locals were being freed). During finalization the same race ends the thread with a forced unwind
+    through a noexcept frame ("terminate called without an active exception", SIGABRT from
+    ProcessGroupGloo::runLoop). A worker that raised never gets here: it exits 1 with its traceback."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -237,8 +237,7 @@ def worker(case, rank, world, port, sock, job, out):
         result["seconds"] = time.monotonic() - started
     with open(out, "w") as f:
         json.dump(result, f)
-    if case != "peer_dies":
-        dist.destroy_process_group()
+    harness.end_worker()  # with the model and the process group still held: see end_worker
 
 
 # --- tensor parallelism ----------------------------------------------------------------------------
@@ -345,7 +344,7 @@ def tp_worker(case, rank, world, port, sock, job, out):
     torch.save(state, out + ".pt")
     with open(out, "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    harness.end_worker()  # with the model and the process groups still held: see end_worker
 
 
 class DistributedResumeTest(harness.DaemonTestCase):
@@ -623,6 +622,5 @@ if __name__ == "__main__":
             tp_worker(case, int(rank), int(world), int(port), sock, job, out)
         else:
             worker(case, int(rank), int(world), int(port), sock, job, out)
-        harness.end_worker()
     else:
         unittest.main(verbosity=2)

@@ -101,7 +101,7 @@ def worker(optim, mode, rank, port, sock, job, out, arg):
         if ck.saves:
             ck.wait_persisted(ck.last_snapshot.step, timeout=60)
         ck.close()
-    dist.destroy_process_group()
+    harness.end_worker()  # with the model and the process group still held: see end_worker
 
 
 def read_losses(path):
@@ -191,6 +191,5 @@ if __name__ == "__main__":
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
         _, _, optim, mode, rank, port, sock, job, out, arg = sys.argv
         worker(optim, mode, int(rank), int(port), sock, job, out, int(arg))
-        harness.end_worker()
     else:
         unittest.main(verbosity=2)
