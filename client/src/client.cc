@@ -497,15 +497,18 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     auto on_device = DeviceMask(BuffersOf(matched));
     const char* base = impl_->Slot(resp.slot());
     std::vector<CopyTask> tasks;
-    for (const auto& [buffer, mapped] : matched) {
+    std::vector<bool> task_on_device;  // one flag per task, as CopyOut reads them
+    for (size_t i = 0; i < matched.size(); ++i) {
+      const auto& [buffer, mapped] = matched[i];
       if (!wanted(*mapped)) continue;  // not read by the daemon: left as it is
       tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
+      task_on_device.push_back(on_device.ok() && (*on_device)[i]);
       result.bytes += buffer->bytes;
     }
     const bool verify_here = resp.tier() != v1::TIER_DISK && resp.chunk_bytes() > 0;
     Status copied = !on_device.ok()  ? on_device.status()
                     : verify_here    ? impl_->CopyOutVerified(matched, base, resp)
-                                     : impl_->CopyOut(tasks, *on_device, options.cuda_stream);
+                                     : impl_->CopyOut(tasks, task_on_device, options.cuda_stream);
     const bool corrupt = verify_here && copied.code() == StatusCode::kCorruption;
     Status released =
         impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation(), corrupt ? copied.message() : std::string()));
