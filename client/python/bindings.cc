@@ -1,6 +1,6 @@
 // _flashckpt: the pybind11 bridge between the flashckpt Python package and libflashckpt.
 //
-// Deliberately thin. Tensors arrive as (name, address, bytes) triples that the Python layer
+// Deliberately thin. Tensors arrive as (name, address, bytes, on_device) tuples that the Python layer
 // (flashckpt/_tensors.py) has already checked for dtype, shape, device and contiguity, so this file
 // converts types, releases the GIL around everything that blocks or copies, and turns a non-ok
 // Status into the exception class that flashckpt.errors maps its code to. The one piece of tensor
@@ -8,7 +8,8 @@
 // cannot do without copying.
 //
 // Lifetime: the addresses stay valid because the Python caller holds the tensors (and, for
-// inspect(), the keep-alive object it returns) for the whole call.
+// inspect(), the keep-alive object it returns) for the whole call, and, for a snapshot of device
+// tensors, until its copies are complete (flashckpt/client.py keeps them with the Snapshot).
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -188,16 +189,45 @@ py::tuple Inspect(const py::object& obj) {
 // --- the client --------------------------------------------------------------------------------
 
 // (name, address, bytes), as flashckpt/_tensors.py builds them.
-using PyBuffer = std::tuple<std::string, uintptr_t, uint64_t>;
+// (name, address, bytes, on_device): on_device says the address is CUDA device memory.
+using PyBuffer = std::tuple<std::string, uintptr_t, uint64_t, bool>;
 
 std::vector<TensorBuffer> Buffers(const std::vector<PyBuffer>& in) {
   std::vector<TensorBuffer> out;
   out.reserve(in.size());
-  for (const auto& [name, address, bytes] : in) {
-    out.push_back(TensorBuffer{name, reinterpret_cast<void*>(address), bytes});
+  for (const auto& [name, address, bytes, on_device] : in) {
+    out.push_back(TensorBuffer{name, reinterpret_cast<void*>(address), bytes, on_device});
   }
   return out;
 }
+
+// A snapshot in flight (SnapshotHandle): with device tensors, Snapshot() returns once the copies are
+// queued, and these waits tell when they are done and when the daemon answered the commit.
+class PySnapshot {
+ public:
+  explicit PySnapshot(SnapshotHandle handle) : handle_(std::move(handle)) {}
+
+  void WaitCopied() const {
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = handle_.WaitCopied();
+    }
+    Check(status);
+  }
+
+  void WaitCommitted() const {
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = handle_.WaitCommitted();
+    }
+    Check(status);
+  }
+
+ private:
+  SnapshotHandle handle_;
+};
 
 TensorKind KindOf(const std::string& kind) {
   if (kind == "model") return TensorKind::kModel;
@@ -291,9 +321,12 @@ class PyClient {
     Check(status);
   }
 
-  int64_t Snapshot(int64_t step, const std::vector<PyBuffer>& buffers, bool persist, std::optional<double> loss,
-                   const py::bytes& extra, const std::string& tier) {
+  // Returns once the copies of host tensors are done and the commit answered, or once the copies of
+  // device tensors are queued on the client's copy stream, after the work queued on `cuda_stream`.
+  PySnapshot Snapshot(int64_t step, const std::vector<PyBuffer>& buffers, bool persist, std::optional<double> loss,
+                      const py::bytes& extra, const std::string& tier, uintptr_t cuda_stream) {
     SnapshotOptions options;
+    options.cuda_stream = reinterpret_cast<void*>(cuda_stream);
     if (tier == "memory") options.tier = Tier::kMemory;
     else if (tier != "disk") Raise(InvalidArgument("snapshot tier must be 'disk' or 'memory', got '" + tier + "'"));
     options.persist = persist;
@@ -306,9 +339,7 @@ class PyClient {
       py::gil_scoped_release release;
       handle = client->Snapshot(step, b, options);
     }
-    SnapshotHandle h = Take(std::move(handle));
-    Check(h.WaitCopied());
-    return h.step();
+    return PySnapshot(Take(std::move(handle)));
   }
 
   void WaitPersisted(int64_t step, double timeout) {
@@ -335,9 +366,11 @@ class PyClient {
 
   // -> (found, step, extra, bytes, tier: "memory" or "disk")
   py::tuple Restore(std::optional<int64_t> step, const std::vector<PyBuffer>& buffers, double timeout,
-                    bool convert_dtype, const std::vector<std::string>& kinds, const std::string& source_job) {
+                    bool convert_dtype, const std::vector<std::string>& kinds, const std::string& source_job,
+                    uintptr_t cuda_stream) {
     std::vector<TensorBuffer> b = Buffers(buffers);
     RestoreOptions options;
+    options.cuda_stream = reinterpret_cast<void*>(cuda_stream);
     options.convert_dtype = convert_dtype;
     options.source_job = source_job;
     for (const std::string& kind : kinds) {
@@ -417,8 +450,8 @@ PYBIND11_MODULE(_flashckpt, m) {
   using flashckpt::PyClient;
   using flashckpt::PySpec;
   m.doc() = "Bridge between the flashckpt Python package and libflashckpt; use flashckpt.Client instead.";
-  // Whether libflashckpt was built with CUDA, as `flashckpt --version` says (the Python package
-  // itself hands the library host tensors only).
+  // Whether libflashckpt was built with CUDA, as `flashckpt --version` says: whether it can copy
+  // CUDA tensors.
   m.attr("WITH_CUDA") = flashckpt::LibraryHasCuda();
   m.attr("__version__") = flashckpt::LibraryVersion();
   m.def(
@@ -464,6 +497,10 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def_readwrite("replica", &PySpec::replica)
       .def_readwrite("param", &PySpec::param);
 
+  py::class_<flashckpt::PySnapshot>(m, "Snapshot")
+      .def("wait_copied", &flashckpt::PySnapshot::WaitCopied)
+      .def("wait_committed", &flashckpt::PySnapshot::WaitCommitted);
+
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, uint32_t, double, double, double, bool, unsigned, bool,
                     const std::string&, bool, bool>(),
@@ -473,13 +510,13 @@ PYBIND11_MODULE(_flashckpt, m) {
            py::arg("memory_checkpoints") = false)
       .def("register", &PyClient::Register, py::arg("topology"), py::arg("specs"), py::arg("ema"))
       .def("snapshot", &PyClient::Snapshot, py::arg("step"), py::arg("buffers"), py::arg("persist"),
-           py::arg("loss"), py::arg("extra"), py::arg("tier") = std::string("disk"))
+           py::arg("loss"), py::arg("extra"), py::arg("tier") = std::string("disk"), py::arg("cuda_stream") = 0)
       .def("wait_persisted", &PyClient::WaitPersisted, py::arg("step"), py::arg("timeout"))
       .def("wait_complete", &PyClient::WaitComplete, py::arg("step"), py::arg("timeout"))
       .def("run_id", &PyClient::RunId)
       .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"),
            py::arg("convert_dtype") = false, py::arg("kinds") = std::vector<std::string>{},
-           py::arg("source_job") = std::string())
+           py::arg("source_job") = std::string(), py::arg("cuda_stream") = 0)
       .def("restorable", &PyClient::Restorable, py::arg("timeout"), py::arg("extra_of") = std::nullopt)
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))

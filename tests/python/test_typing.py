@@ -223,10 +223,13 @@ class TypingTest(unittest.TestCase):
             if isinstance(node, ast.FunctionDef):
                 functions[node.name] = (node, getattr(_flashckpt, node.name))
             elif isinstance(node, ast.ClassDef):
+                cls = getattr(_flashckpt, node.name)
                 for member in node.body:
-                    if isinstance(member, ast.FunctionDef):
-                        functions["%s.%s" % (node.name, member.name)] = (
-                            member, getattr(getattr(_flashckpt, node.name), member.name))
+                    if not isinstance(member, ast.FunctionDef):
+                        continue
+                    if member.name == "__init__" and not (cls.__init__.__doc__ or "").startswith("__init__("):
+                        continue  # no py::init in bindings.cc: pybind11's own, which raises
+                    functions["%s.%s" % (node.name, member.name)] = (member, getattr(cls, member.name))
         self.assertIn("Client.restore", functions)
         for name, (node, obj) in functions.items():
             runtime = pybind_parameters(obj.__doc__)

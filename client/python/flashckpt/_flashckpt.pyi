@@ -4,8 +4,8 @@
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-# (name, address, bytes) of one tensor, as flashckpt/_tensors.py builds them.
-_Buffer = Tuple[str, int, int]
+# (name, address, bytes, on_device) of one tensor, as flashckpt/_tensors.py builds them.
+_Buffer = Tuple[str, int, int, bool]
 
 WITH_CUDA: bool
 __version__: str
@@ -35,6 +35,12 @@ class Spec:
     param: str
     def __init__(self) -> None: ...
 
+# Returned by Client.snapshot; it has no constructor of its own (pybind11's default raises).
+class Snapshot:
+    def __init__(self, *args: object, **kwargs: object) -> None: ...
+    def wait_copied(self) -> None: ...
+    def wait_committed(self) -> None: ...
+
 class Client:
     def __init__(
         self,
@@ -54,11 +60,12 @@ class Client:
     # topology: (world_size, tp_rank, tp_degree, pp_rank, pp_degree, shard_rank, shard_degree);
     # ema: decay, interval, init_zeros, all_float_params, loss_threshold (None: no gate).
     def register(self, topology: Sequence[int], specs: Sequence[Spec], ema: Optional[Dict[str, object]]) -> None: ...
-    # -> the step
+    # cuda_stream: the cudaStream_t (as an int; 0: the legacy default stream) the device tensors are
+    # computed on.
     def snapshot(
         self, step: int, buffers: Sequence[_Buffer], persist: bool, loss: Optional[float], extra: bytes,
-        tier: str = "disk",
-    ) -> int: ...
+        tier: str = "disk", cuda_stream: int = 0,
+    ) -> Snapshot: ...
     def wait_persisted(self, step: int, timeout: float) -> None: ...
     def wait_complete(self, step: int, timeout: float) -> None: ...
     def run_id(self) -> str: ...
@@ -71,6 +78,7 @@ class Client:
         convert_dtype: bool = False,
         kinds: Sequence[str] = [],
         source_job: str = "",
+        cuda_stream: int = 0,
     ) -> Tuple[bool, int, bytes, int, str]: ...
     # -> (memory steps newest first, newest disk step or None, extra state of extra_of)
     def restorable(self, timeout: float, extra_of: Optional[int] = None) -> Tuple[List[int], Optional[int], bytes]: ...

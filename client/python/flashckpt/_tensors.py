@@ -4,6 +4,10 @@ A tensor is anything with ``__dlpack__`` or the Python buffer protocol (numpy ar
 array.array, ...). torch tensors are read through their own attributes (fast, and torch 1.13 does
 not export bool tensors through DLPack); everything else goes through ``_flashckpt.inspect``.
 
+A tensor is host memory or, where libflashckpt has CUDA compiled in (``_flashckpt.WITH_CUDA``), CUDA
+device memory: its View says which device (``device``, -1 for host memory), and the C++ client copies
+it with cudaMemcpyAsync (flashckpt/client.h). Other devices are refused.
+
 Non-contiguous tensors are refused, never copied behind the caller's back: flashckpt copies each
 tensor as one block of bytes straight into shared memory (and restores in place), so a hidden
 contiguous copy would cost a second copy on every save and break in-place restore. The error says
@@ -36,9 +40,10 @@ _torch_dtypes: Optional[Dict[Any, str]] = None  # torch.dtype -> safetensors nam
 
 
 class View:
-    """One tensor as the C++ client needs it. ``keep`` holds whatever keeps ``address`` valid."""
+    """One tensor as the C++ client needs it. ``keep`` holds whatever keeps ``address`` valid;
+    ``device`` is the CUDA device the memory is on, -1 for host memory."""
 
-    __slots__ = ("name", "address", "nbytes", "dtype", "shape", "keep")
+    __slots__ = ("name", "address", "nbytes", "dtype", "shape", "keep", "device")
 
     name: str
     address: int
@@ -46,17 +51,20 @@ class View:
     dtype: str
     shape: Shape
     keep: object
+    device: int
 
-    def __init__(self, name: str, address: int, nbytes: int, dtype: str, shape: Shape, keep: object) -> None:
+    def __init__(self, name: str, address: int, nbytes: int, dtype: str, shape: Shape, keep: object,
+                 device: int = -1) -> None:
         self.name = name
         self.address = address
         self.nbytes = nbytes
         self.dtype = dtype
         self.shape = shape
         self.keep = keep
+        self.device = device
 
-    def buffer(self) -> Tuple[str, int, int]:
-        return (self.name, self.address, self.nbytes)
+    def buffer(self) -> Tuple[str, int, int, bool]:
+        return (self.name, self.address, self.nbytes, self.device >= 0)
 
 
 def describe(dtype: str, shape: Iterable[int]) -> str:
@@ -94,13 +102,20 @@ def _not_contiguous(name: str, shape: Iterable[int], strides: Iterable[int]) -> 
         "p.data = p.data.contiguous())" % (name, tuple(shape), tuple(strides)))
 
 
-def _not_host(name: str, where: str) -> ValueError:
-    # The package copies host memory in every build; what the library was built with only changes
-    # whether a C++ trainer could pass device memory (flashckpt/client.h).
-    build = "libflashckpt has CUDA compiled in for C++ callers" if _flashckpt.WITH_CUDA else "built without CUDA"
-    return ValueError(
-        "tensor '%s' is on %s, but the flashckpt Python package copies host memory only (%s); "
-        "save a CPU copy of it instead" % (name, where, build))
+def _not_copyable(name: str, where: str) -> ValueError:
+    if where.startswith("cuda"):
+        return ValueError("tensor '%s' is on %s, but libflashckpt was built without CUDA and copies host memory "
+                          "only; build it with CUDA (-DFLASHCKPT_WITH_CUDA=ON) or save a CPU copy" % (name, where))
+    return ValueError("tensor '%s' is on %s; flashckpt copies host memory and CUDA device memory only" % (name, where))
+
+
+def _device_of(name: str, where: str, cuda_index: Optional[int]) -> int:
+    """The View.device of a tensor on `where` ("cpu", "cuda:N", ...): -1 for host memory."""
+    if where == "cpu":
+        return -1
+    if cuda_index is None or not _flashckpt.WITH_CUDA:
+        raise _not_copyable(name, where)
+    return cuda_index
 
 
 def _torch_dtype_names(torch: ModuleType) -> Dict[Any, str]:
@@ -116,12 +131,12 @@ def _torch_view(name: str, t: Any, torch: ModuleType) -> View:
     dtype = _torch_dtype_names(torch).get(t.dtype)
     if dtype is None:
         raise _unsupported_dtype(name, str(t.dtype).replace("torch.", ""))
-    if t.device.type != "cpu":
-        raise _not_host(name, str(t.device))
+    device = t.device
+    on = _device_of(name, str(device), None if device.type != "cuda" else (device.index or 0))
     if not t.is_contiguous():
         raise _not_contiguous(name, t.shape, t.stride())
     shape = tuple(t.shape)
-    return View(name, t.data_ptr(), t.numel() * t.element_size(), dtype, shape, t)
+    return View(name, t.data_ptr(), t.numel() * t.element_size(), dtype, shape, t, on)
 
 
 def dtype_and_shape(name: str, obj: Any) -> Tuple[str, Shape]:
@@ -146,14 +161,17 @@ def view(name: str, obj: Any, writable: bool = False) -> View:
         raise TypeError("tensor '%s': %s" % (name, e)) from None
     if dtype.startswith("?"):
         raise _unsupported_dtype(name, dtype[1:])
-    if device_type not in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
-        where = "cuda:%d" % device_id if device_type == _DLPACK_CUDA else "DLPack device type %d" % device_type
-        raise _not_host(name, where)
+    if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+        on = -1
+    elif device_type == _DLPACK_CUDA:
+        on = _device_of(name, "cuda:%d" % device_id, device_id)
+    else:
+        raise _not_copyable(name, "DLPack device type %d" % device_type)
     if strides is not None and not _is_row_major(shape, strides):
         raise _not_contiguous(name, shape, strides)
     if writable and readonly:
         raise ValueError("tensor '%s' is read-only; flashckpt restores into tensors in place" % name)
-    return View(name, address, _numel(shape) * ITEMSIZE[dtype], dtype, tuple(shape), (obj, keep))
+    return View(name, address, _numel(shape) * ITEMSIZE[dtype], dtype, tuple(shape), (obj, keep), on)
 
 
 def items(tensors: Tensors) -> List[Tuple[str, Any]]:

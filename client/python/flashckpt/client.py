@@ -15,7 +15,16 @@ the buffer protocol (numpy arrays, torch tensors). snapshot() copies each tensor
 the daemon's shared memory, and returns when the copy is done, so the caller may modify the tensors
 as soon as it returns. There is no other copy.
 
-Tensors must be contiguous (C order) host tensors of a supported dtype (float64, float32, float16,
+CUDA tensors (where libflashckpt has CUDA compiled in: _flashckpt.WITH_CUDA) are copied by the
+library's device path: snapshot() returns once the device-to-host copies are queued, after the work
+queued so far on the stream the tensors are computed on (`cuda_stream`; by default torch's current
+stream of their device for torch tensors, else the legacy default stream), and the returned Snapshot's
+wait_copied() waits for them: call it before anything writes the tensors (the optimizer step, a
+forward pass that updates buffers such as BatchNorm's running statistics). restore()
+and ema() copy into device memory and return once the copies are complete. A snapshot's device
+tensors must all be on one device; host and device tensors may be mixed.
+
+Tensors must be contiguous (C order) tensors of a supported dtype (float64, float32, float16,
 bfloat16, int64, int32, int16, int8, uint8, bool). A non-contiguous tensor is refused with a
 ValueError that names it, not copied silently; an unsupported dtype is a TypeError.
 
@@ -26,10 +35,13 @@ waits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
-from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Set, Tuple, TypeVar, Union, overload
+from typing import (Any, ContextManager, Dict, Iterable, List, Literal, Mapping, Optional, Set, Tuple, TypeVar, Union,
+                    overload)
 
 from . import _flashckpt
 from . import _tensors
@@ -45,31 +57,70 @@ _SPEC_KEYS = ("kind", "param", "replica", "global_shape", "box_offset", "box_sha
 class Snapshot:
     """A snapshot handed to the daemon by Client.snapshot().
 
-    For host tensors the copy is complete when snapshot() returns, so wait_copied() returns at once;
-    it is the call to make before mutating the tensors (the optimizer step) so that code stays right
-    when the copies become asynchronous (CUDA).
+    For host tensors the copy is complete and the commit answered when snapshot() returns, so both
+    waits return at once. With CUDA tensors the device-to-host copies may still be in flight:
+    wait_copied() is the call to make before mutating the tensors (the optimizer step). Until then
+    the Snapshot holds the tensors, so that their memory is not reused under the copies.
     """
 
-    __slots__ = ("step", "persist", "seconds", "tier")
+    __slots__ = ("step", "persist", "seconds", "tier", "on_device", "_handle", "_keep", "_answered")
 
     step: int
     persist: bool
     seconds: float
     tier: str
+    on_device: bool
 
-    def __init__(self, step: int, persist: bool, seconds: float, tier: str = "disk") -> None:
+    def __init__(self, step: int, persist: bool, seconds: float, tier: str = "disk",
+                 handle: Optional[_flashckpt.Snapshot] = None, keep: Optional[List[object]] = None,
+                 on_device: bool = False) -> None:
         self.step = step
         self.persist = persist
         self.seconds = seconds  # how long snapshot() blocked the caller
         self.tier = tier  # "disk" (written by the daemon) or "memory" (kept in its memory only)
+        self.on_device = on_device  # some of its tensors are CUDA device memory
+        self._handle = handle
+        self._keep = keep
+        self._answered = handle is None or not on_device  # the commit's answer was raised or seen
 
     def wait_copied(self) -> None:
-        """Returns once the snapshot's tensors may be modified (at once for host tensors)."""
-        return None
+        """Returns once the snapshot's tensors may be modified (at once for host tensors); raises
+        the copies' error (the save then fails too)."""
+        if self._handle is not None:
+            self._handle.wait_copied()
+        self._keep = None
+
+    def wait_committed(self) -> None:
+        """Returns once the daemon has accepted the commit (at once for host tensors); raises its
+        refusal. It does not wait for the files (Client.wait_persisted does). A refusal not seen
+        through it is raised by the client's next snapshot()."""
+        self._answered = True
+        if self._handle is not None:
+            self._handle.wait_committed()
 
     def __repr__(self) -> str:
         return "Snapshot(step=%d, persist=%s, tier=%s, blocked=%.3f ms)" % (self.step, self.persist, self.tier,
                                                                              self.seconds * 1e3)
+
+
+def _on_device(views: List[_tensors.View], what: str, cuda_stream: Optional[int]) -> Tuple[int, ContextManager[Any]]:
+    """(cuda_stream, context) for a call with `views`: the stream the device tensors are computed on
+    (`cuda_stream` if given; for torch tensors torch's current stream of their device; else 0, the
+    legacy default stream) and a context that makes their device the current one. (0, a null context)
+    without device tensors."""
+    devices = sorted({v.device for v in views if v.device >= 0})
+    if not devices:
+        return 0, contextlib.nullcontext()
+    if len(devices) > 1:
+        raise ValueError("the tensors given to %s() are on CUDA devices %s; one call takes the tensors of one device "
+                         "(and host tensors)" % (what, ", ".join("cuda:%d" % d for d in devices)))
+    torch = sys.modules.get("torch")
+    if torch is None or not any(isinstance(v.keep, torch.Tensor) for v in views if v.device >= 0):
+        return (cuda_stream or 0), contextlib.nullcontext()
+    device = torch.device("cuda", devices[0])
+    if cuda_stream is None:
+        cuda_stream = int(torch.cuda.current_stream(device).cuda_stream)
+    return cuda_stream, torch.cuda.device(device)
 
 
 def encode_extra(extra: object) -> bytes:
@@ -149,6 +200,9 @@ class Client:
         self._replicas: Set[str] = set()
         self._ema_shapes: Dict[str, Shape] = {}  # EMA tensor name -> shape
         self._impl: Optional[_flashckpt.Client] = None
+        # The last snapshot: it holds its device tensors until its copies are done, which the next
+        # call waits for (the C++ client's calls wait for the previous snapshot's copies first).
+        self._last: Optional[Snapshot] = None
         # Where the last restore() that found a checkpoint got it: "memory" or "disk" (None before).
         self.restored_tier: Optional[str] = None
         started = time.monotonic()
@@ -249,10 +303,15 @@ class Client:
     # --- save ----------------------------------------------------------------------------------
 
     def snapshot(self, step: int, tensors: Tensors, persist: bool = True, loss: Optional[float] = None,
-                 extra: object = None, tier: str = "disk") -> Snapshot:
+                 extra: object = None, tier: str = "disk", cuda_stream: Optional[int] = None) -> Snapshot:
         """Copies `tensors` (every registered, non-replica tensor) into a free slot and commits it as `step`.
 
-        Returns a Snapshot once the copy is done: the tensors may be modified right away. The daemon
+        Returns a Snapshot once the copy is done: the tensors may be modified right away. With CUDA
+        tensors it returns once the copies are queued; call its wait_copied() before anything writes
+        them (the optimizer step, and a forward pass that updates buffers such as BatchNorm's running
+        statistics). cuda_stream: the cudaStream_t (an int) the device tensors are computed on;
+        default: torch's current stream of their device for torch tensors, else the legacy default
+        stream. Device tensors that are not torch's must be on the current device. The daemon
         persists it in the background (persist=False: EMA only, no files). `loss` feeds the EMA's loss
         gate; `extra` (bytes, str, or a JSON-serialisable object) is saved as extra.rankNNNNN.json
         (at most 4 MiB). Steps must increase within a session.
@@ -269,9 +328,18 @@ class Client:
         started = time.perf_counter()
         views = self._buffers(tensors, writable=False, what="snapshot", include_replicas=tier == "memory")
         data = encode_extra(extra)
-        self._live().snapshot(int(step), [v.buffer() for v in views], bool(persist),
-                              None if loss is None else float(loss), data, tier)
-        return Snapshot(int(step), bool(persist), time.perf_counter() - started, tier)
+        stream, device = _on_device(views, "snapshot", cuda_stream)
+        last = self._last
+        if last is not None and not last._answered:
+            last.wait_committed()  # a refusal of the last device snapshot is raised, not lost
+        with device:
+            handle = self._live().snapshot(int(step), [v.buffer() for v in views], bool(persist),
+                                           None if loss is None else float(loss), data, tier, stream)
+        on_device = any(v.device >= 0 for v in views)
+        snap = Snapshot(int(step), bool(persist), time.perf_counter() - started, tier, handle,
+                        [v.keep for v in views if v.device >= 0] if on_device else None, on_device)
+        self._last = snap
+        return snap
 
     def wait_persisted(self, step: int, timeout: float = 600.0) -> None:
         """Blocks until this rank's files of `step` (or a later step) are durable.
@@ -298,7 +366,7 @@ class Client:
 
     def restore(self, tensors: Tensors, step: Optional[int] = None, timeout: float = 600.0,
                 convert_dtype: bool = False, kinds: Optional[Iterable[str]] = None,
-                job: Optional[str] = None) -> Tuple[Optional[int], Optional[bytes]]:
+                job: Optional[str] = None, cuda_stream: Optional[int] = None) -> Tuple[Optional[int], Optional[bytes]]:
         """Restores checkpoint `step` (None: the latest complete one) into `tensors`, in place.
 
         `tensors` must hold every registered tensor (replicas included). Returns (step, extra): the
@@ -315,6 +383,8 @@ class Client:
         kind the checkpoint holds no tensor of raises FailedPreconditionError naming it.
         job: read the checkpoint of this job (under the same daemon root) instead of this client's
         own, e.g. one made by `flashckpt import`; needs kinds. It starts no attempt of this job.
+        CUDA tensors are filled after the work queued so far on their stream (torch's current
+        stream, or `cuda_stream`), and the copies are complete when restore() returns.
         """
         if kinds is not None:
             kinds = [str(k) for k in kinds]
@@ -325,10 +395,13 @@ class Client:
         if job is not None and kinds is None:
             raise ValueError("a restore from another job needs kinds (e.g. kinds=['model'])")
         views = self._buffers(tensors, writable=True, what="restore", include_replicas=True)
-        found, got, extra, _, tier = self._live().restore(None if step is None else int(step),
-                                                          [v.buffer() for v in views], float(timeout),
-                                                          bool(convert_dtype), kinds or [],
-                                                          "" if job is None else str(job))
+        stream, device = _on_device(views, "restore", cuda_stream)
+        with device:
+            found, got, extra, _, tier = self._live().restore(None if step is None else int(step),
+                                                              [v.buffer() for v in views], float(timeout),
+                                                              bool(convert_dtype), kinds or [],
+                                                              "" if job is None else str(job), stream)
+        self._last = None  # the C++ client waited for the last snapshot's copies first
         if not found:
             return None, None
         self.restored_tier = tier
@@ -369,7 +442,9 @@ class Client:
 
         With tensors=None, numpy float32 arrays are allocated. The copy is as of the last snapshot
         committed. Returns (step, tensors): step is that of the last EMA update, None (tensors
-        untouched) when no update has been applied yet.
+        untouched) when no update has been applied yet. CUDA tensors are written once the work
+        queued on torch's current stream is done (it is synchronised first), and the copies are
+        complete when ema() returns.
         """
         if tensors is None:
             import numpy as np
@@ -381,7 +456,14 @@ class Client:
                 raise ValueError("EMA tensor '%s' needs a float32 tensor of shape %s, got %s"
                                  % (name, tuple(self._ema_shapes.get(name, ())), _tensors.describe(v.dtype, v.shape)))
             views.append(v)
-        initialized, step = self._live().ema([v.buffer() for v in views], float(timeout))
+        _, device = _on_device(views, "ema", None)
+        torch = sys.modules.get("torch")
+        with device:
+            if torch is not None and any(v.device >= 0 and isinstance(v.keep, torch.Tensor) for v in views):
+                # The library copies on the legacy default stream, which does not wait for torch's
+                # non-blocking streams: work still queued there may be using this memory.
+                torch.cuda.current_stream().synchronize()
+            initialized, step = self._live().ema([v.buffer() for v in views], float(timeout))
         return (step if initialized else None), tensors
 
     # --- operators -----------------------------------------------------------------------------
@@ -395,6 +477,7 @@ class Client:
         """Closes the session; later calls raise CancelledError. Idempotent."""
         if self._impl is not None:
             self._impl.close()
+        self._last = None
 
     def __enter__(self) -> Client:
         return self

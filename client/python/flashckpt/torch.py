@@ -74,10 +74,17 @@ than the one that saved resumes it too: a rank whose number had no part in that 
 part (the structure, the non-tensor values and `extra`; not the RNG state, which stays its own),
 handed on over the group, and restores every tensor it holds from whichever files hold them.
 
-Tensors must be contiguous CPU tensors of a supported dtype: a non-contiguous one raises a
-ValueError naming it (fix: p.data = p.data.contiguous()), never a silent copy. The Python package
-copies host memory only, with or without CUDA compiled into libflashckpt; CUDA tensors raise a
-ValueError.
+Tensors must be contiguous tensors of a supported dtype: a non-contiguous one raises a ValueError
+naming it (fix: p.data = p.data.contiguous()), never a silent copy.
+
+CUDA tensors (where libflashckpt has CUDA compiled in; else they raise a ValueError) go through the
+library's device path: save() queues their device-to-host copies after the work queued so far on
+torch.cuda.current_stream() and returns; wait_copied() waits for them. Call it before anything
+writes the saved tensors: optimizer.step(), and a forward pass that updates buffers (BatchNorm's
+running statistics, DDP's broadcast_buffers), which would otherwise race with the copies.
+resume() and ema_state_dict() copy into device memory after the work queued on the current stream
+and return once the copies are complete. CPU and CUDA tensors may be mixed; the CUDA ones on one
+device. Without a device, CPU tensors work as they always do.
 """
 
 from __future__ import annotations
@@ -503,17 +510,21 @@ class Checkpointer:
         dp = self._data_parallel()
         if dp is None:
             return
+        staging = (torch.device("cuda", torch.cuda.current_device())
+                   if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
         for r, tensors in enumerate(self._spread_plan(targets)):
             source = torch.distributed.get_global_rank(group, r)
-            # One broadcast per dtype of rank r's share, through a flat buffer of that share's size.
+            # One broadcast per dtype of rank r's share, through a flat buffer of that share's size,
+            # on the device the group's backend communicates from (the tensors may be on the CPU
+            # and a GPU both: Adam keeps its step counts on the CPU).
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
             for t in tensors:
                 by_dtype.setdefault(t.dtype, []).append(t)
             for dtype, ts in by_dtype.items():
                 if r == dp[0]:
-                    flat = torch.cat([t.reshape(-1) for t in ts])
+                    flat = torch.cat([t.reshape(-1).to(staging) for t in ts])
                 else:
-                    flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype)
+                    flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=staging)
                 torch.distributed.broadcast(flat, src=source, group=group)
                 if r != dp[0]:
                     at = 0
@@ -542,8 +553,9 @@ class Checkpointer:
 
     def save(self, step: int, extra: object = None, loss: Optional[float] = None, persist: bool = True,
              tier: str = "disk") -> Snapshot:
-        """Snapshots every state as `step`; returns once the copy is done (a Snapshot whose
-        `seconds` is how long this call blocked).
+        """Snapshots every state as `step`; returns once the copy is done, or for CUDA tensors once
+        it is queued (a Snapshot whose `seconds` is how long this call blocked; call wait_copied()
+        before changing the tensors).
 
         persist=True: the daemon writes a checkpoint in the background (wait_persisted() waits for
         it); persist=False: EMA update only. `extra` (JSON-serialisable) comes back as ck.extra on
@@ -579,9 +591,12 @@ class Checkpointer:
         return snap
 
     def wait_copied(self) -> None:
-        """Returns once the last snapshot has left the tensors (call it before optimizer.step())."""
+        """Returns once the last snapshot has left the tensors (call it before optimizer.step(), and
+        before a forward pass that updates buffers such as BatchNorm's running statistics); at once
+        for CPU tensors. Raises the device copies' error, or the daemon's refusal of the commit."""
         if self.last_snapshot is not None:
             self.last_snapshot.wait_copied()
+            self.last_snapshot.wait_committed()
 
     def wait_persisted(self, step: int, timeout: float = 600.0) -> None:
         """Blocks until checkpoint `step` is complete: every rank's part of it durable (wait_complete)."""
@@ -642,7 +657,7 @@ class Checkpointer:
         JSON) holds the saved tree; it is None when the checkpoint holds no extra state of this
         rank (a rank number the job that saved it did not have: see _borrow_part)."""
         first = next(iter(tensors))
-        scratch = torch.empty_like(tensors[first])
+        scratch = torch.empty(tuple(tensors[first].shape), dtype=tensors[first].dtype)  # host memory, wherever it is
         self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
         self._layout_key = None
         try:
@@ -1159,11 +1174,14 @@ class Checkpointer:
             raise ValueError("this Checkpointer was created without ema_decay; there is no EMA")
         if not self._model_keys:
             raise ValueError("no module among the states (nor a state named 'model'); the EMA covers model tensors")
-        self._register(self._state()[1])
+        tensors = self._state()[1]
+        self._register(tensors)
         shapes = self.client.registered
         out: Dict[str, torch.Tensor] = {}
         for name in self.client.ema_names:
-            out[name] = torch.empty(shapes[name][1], dtype=torch.float32)
+            tracked = tensors.get(name)  # each EMA tensor has the name of the tensor it tracks
+            device = tracked.device if isinstance(tracked, torch.Tensor) else None
+            out[name] = torch.empty(shapes[name][1], dtype=torch.float32, device=device)
         step, _ = self.client.ema(out, timeout=timeout)
         if step is None:
             raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
