@@ -200,8 +200,9 @@ class Client:
         self._replicas: Set[str] = set()
         self._ema_shapes: Dict[str, Shape] = {}  # EMA tensor name -> shape
         self._impl: Optional[_flashckpt.Client] = None
-        # The last snapshot: it holds its device tensors until its copies are done, which the next
-        # call waits for (the C++ client's calls wait for the previous snapshot's copies first).
+        # The last snapshot: it holds its device tensors until its copies are done (the C++ client's
+        # next call waits for them), and the next snapshot() raises its commit's refusal if nothing
+        # has asked for it (wait_committed).
         self._last: Optional[Snapshot] = None
         # Where the last restore() that found a checkpoint got it: "memory" or "disk" (None before).
         self.restored_tier: Optional[str] = None
@@ -335,9 +336,8 @@ class Client:
         with device:
             handle = self._live().snapshot(int(step), [v.buffer() for v in views], bool(persist),
                                            None if loss is None else float(loss), data, tier, stream)
-        on_device = any(v.device >= 0 for v in views)
-        snap = Snapshot(int(step), bool(persist), time.perf_counter() - started, tier, handle,
-                        [v.keep for v in views if v.device >= 0] if on_device else None, on_device)
+        keep = [v.keep for v in views if v.device >= 0]
+        snap = Snapshot(int(step), bool(persist), time.perf_counter() - started, tier, handle, keep or None, bool(keep))
         self._last = snap
         return snap
 
@@ -401,7 +401,6 @@ class Client:
                                                               [v.buffer() for v in views], float(timeout),
                                                               bool(convert_dtype), kinds or [],
                                                               "" if job is None else str(job), stream)
-        self._last = None  # the C++ client waited for the last snapshot's copies first
         if not found:
             return None, None
         self.restored_tier = tier
