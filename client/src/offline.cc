@@ -24,6 +24,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -40,6 +41,7 @@
 #include "common/format/safetensors.h"
 #include "common/format/signal.h"
 #include "common/io/fs.h"
+#include "common/io/shm.h"
 #include "common/read/checkpoint_read.h"
 #include "common/read/header_check.h"
 
@@ -114,11 +116,54 @@ struct OutTensor {
   uint64_t begin = 0;  // in its file's data
 };
 
-Status PrepareOutDir(const std::string& dir) {
-  ASSIGN_OR_RETURN(auto names, ListDirIfExists(dir));
-  if (!names) return MakeDirs(dir);
-  if (!names->empty()) return AlreadyExists(dir + " is not empty: the export needs a new or empty directory");
-  return Status::OK();
+// model.safetensors, or model-0000K-of-0000N.safetensors when there are several.
+std::string ExportFileName(size_t i, size_t n_files) {
+  if (n_files == 1) return "model.safetensors";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", i + 1, n_files);
+  return buf;
+}
+
+// True when `inner` is `outer` or lies under it (both absolute and normal, symlinks resolved as far
+// as they exist).
+bool Within(const std::filesystem::path& inner, const std::filesystem::path& outer) {
+  auto o = outer.begin(), i = inner.begin();
+  for (; o != outer.end(); ++o, ++i) {
+    if (o->empty()) continue;  // a trailing separator
+    if (i == inner.end() || *i != *o) return false;
+  }
+  return true;
+}
+
+// Where an export writes until it is complete: a new folder beside `out_dir`, renamed onto it at the
+// end (rename(2) replaces an empty directory), so a failed export leaves `out_dir` as it was. Refuses
+// an `out_dir` that is not empty, or that lies inside the checkpoint being read or inside any
+// checkpoint folder (checkpoint-<step>: retention, delete and gc remove those, with what is in them).
+Result<std::string> StagingDirFor(const std::string& checkpoint_dir, const std::string& out_dir) {
+  std::error_code ec;
+  const std::filesystem::path out = std::filesystem::weakly_canonical(std::filesystem::absolute(out_dir), ec);
+  if (ec) return InvalidArgument("export destination " + out_dir + ": " + ec.message());
+  const std::filesystem::path ckpt = std::filesystem::weakly_canonical(std::filesystem::absolute(checkpoint_dir), ec);
+  if (ec) return InvalidArgument("checkpoint " + checkpoint_dir + ": " + ec.message());
+  std::string inside;
+  if (Within(out, ckpt)) inside = "the checkpoint " + checkpoint_dir;
+  for (const auto& part : out) {
+    if (inside.empty() && ParseCheckpointDirName(part.string())) inside = "a checkpoint folder (" + part.string() + ")";
+  }
+  if (!inside.empty()) {
+    return InvalidArgument("export destination " + out_dir + " is inside " + inside +
+                           ": export to a folder outside every checkpoint folder (retention, flashckpt delete and gc "
+                           "remove a checkpoint folder with everything in it)");
+  }
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(out.string()));
+  if (names && !names->empty()) {
+    return AlreadyExists(out_dir + " is not empty: the export needs a new or empty directory");
+  }
+  RETURN_IF_ERROR(MakeDirs(out.parent_path().string()));
+  ASSIGN_OR_RETURN(std::string token, RandomToken());
+  const std::string staging = (out.parent_path() / ("." + out.filename().string() + ".export-" + token)).string();
+  if (::mkdir(staging.c_str(), 0755) != 0) return ErrnoStatus("mkdir", staging);
+  return staging;
 }
 
 // Reads tensor `t` in full, verified, into `slot` (reused between calls, grown as needed) and
@@ -217,6 +262,74 @@ constexpr uint64_t kCopyPiece = 16ull << 20;
 
 void PutDigits(std::string* head, uint64_t at, const std::string& digits) {
   head->replace(at, digits.size(), digits);
+}
+
+// Writes the export's files into out_dir (the staging folder) and, for several files, the index.
+Status WriteExport(const std::string& dir, const CheckpointMetadata& meta, const std::vector<OutTensor>& tensors,
+                   const std::vector<uint64_t>& file_bytes, uint64_t total, TensorKind kind,
+                   const ExportOptions& options, const std::string& out_dir, ExportReport* report) {
+  const size_t n_files = file_bytes.size();
+  auto file_name = [&](size_t i) { return ExportFileName(i, n_files); };
+  ParallelLoop loop(options.threads - 1);
+  std::unique_ptr<char, FreeDeleter> slot;
+  uint64_t slot_bytes = 0;
+  std::vector<float> widened;
+  std::vector<char> narrowed;
+  uint64_t done = 0;
+  size_t next = 0;
+  for (size_t f = 0; f < n_files; ++f) {
+    SafetensorsHeaderBuilder builder;
+    builder.AddMetadata("format", "pt");
+    builder.AddMetadata("flashckpt_job", meta.job);
+    builder.AddMetadata("flashckpt_step", std::to_string(meta.step));
+    builder.AddMetadata("flashckpt_weights", options.weights);
+    size_t end = next;
+    while (end < tensors.size() && tensors[end].file == f) {
+      const OutTensor& t = tensors[end];
+      builder.AddTensor(t.name, t.out, t.shape, t.begin, t.begin + t.out_bytes);
+      ++end;
+    }
+    ASSIGN_OR_RETURN(auto header, builder.Build());
+    ASSIGN_OR_RETURN(FileWriter writer, FileWriter::Open(out_dir, file_name(f), header.bytes));
+    for (; next < end; ++next) {
+      const OutTensor& t = tensors[next];
+      DType got = t.saved;
+      ASSIGN_OR_RETURN(const char* data, ReadTensor(dir, meta, t, kind, &loop, &slot, &slot_bytes, &got));
+      const char* bytes = data;
+      if (got != t.out) {  // a 16-bit dtype to fp32, or to the other 16-bit dtype
+        widened.resize(t.elements);
+        WidenToF32(data, got, t.elements, widened.data());
+        bytes = reinterpret_cast<const char*>(widened.data());
+        if (t.out != DType::kF32) {
+          narrowed.resize(t.out_bytes);
+          NarrowF32(widened.data(), t.elements, t.out, narrowed.data());
+          bytes = narrowed.data();
+        }
+      }
+      RETURN_IF_ERROR(writer.Append(bytes, t.out_bytes));
+      done += t.out_bytes;
+      ++report->tensors;
+      if (options.progress) options.progress(done, total);
+    }
+    RETURN_IF_ERROR(writer.Commit());
+    report->files.push_back(file_name(f));
+    // Large buffers are not kept past the tensor that needed them.
+    std::vector<float>().swap(widened);
+    std::vector<char>().swap(narrowed);
+  }
+  report->bytes = done;
+  if (n_files > 1) {
+    nlohmann::ordered_json index;
+    index["metadata"] = {{"total_size", total}};
+    nlohmann::ordered_json map = nlohmann::ordered_json::object();
+    for (const OutTensor& t : tensors) map[t.name] = file_name(t.file);
+    index["weight_map"] = std::move(map);
+    RETURN_IF_ERROR(WriteFileDurably(out_dir, "model.safetensors.index.json", index.dump(2) + "\n"));
+    report->index = true;
+  } else {
+    RETURN_IF_ERROR(FsyncDir(out_dir));
+  }
+  return Status::OK();
 }
 
 }  // namespace
@@ -417,75 +530,24 @@ Status ExportCheckpoint(const std::string& dir, const std::string& out_dir, cons
     file_bytes.back() += t.out_bytes;
     total += t.out_bytes;
   }
-  const size_t n_files = file_bytes.size();
-  auto file_name = [&](size_t i) {
-    if (n_files == 1) return std::string("model.safetensors");
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", i + 1, n_files);
-    return std::string(buf);
-  };
 
-  RETURN_IF_ERROR(PrepareOutDir(out_dir));
-  ParallelLoop loop(options.threads - 1);
-  std::unique_ptr<char, FreeDeleter> slot;
-  uint64_t slot_bytes = 0;
-  std::vector<float> widened;
-  std::vector<char> narrowed;
-  uint64_t done = 0;
-  size_t next = 0;
-  for (size_t f = 0; f < n_files; ++f) {
-    SafetensorsHeaderBuilder builder;
-    builder.AddMetadata("format", "pt");
-    builder.AddMetadata("flashckpt_job", meta.job);
-    builder.AddMetadata("flashckpt_step", std::to_string(meta.step));
-    builder.AddMetadata("flashckpt_weights", options.weights);
-    size_t end = next;
-    while (end < tensors.size() && tensors[end].file == f) {
-      const OutTensor& t = tensors[end];
-      builder.AddTensor(t.name, t.out, t.shape, t.begin, t.begin + t.out_bytes);
-      ++end;
+  ASSIGN_OR_RETURN(const std::string staging, StagingDirFor(dir, out_dir));
+  Status written = WriteExport(dir, meta, tensors, file_bytes, total, kind, options, staging, report);
+  if (written.ok()) {
+    // Onto out_dir, absent or empty: it appears whole or not at all.
+    if (::rename(staging.c_str(), out_dir.c_str()) != 0) {
+      written = ErrnoStatus("rename " + staging + " to", out_dir);
+    } else {
+      written = FsyncDir(std::filesystem::path(std::filesystem::absolute(out_dir)).parent_path().string());
+      if (!written.ok()) return written;  // renamed: the export is there, its parent's sync failed
     }
-    ASSIGN_OR_RETURN(auto header, builder.Build());
-    ASSIGN_OR_RETURN(FileWriter writer, FileWriter::Open(out_dir, file_name(f), header.bytes));
-    for (; next < end; ++next) {
-      const OutTensor& t = tensors[next];
-      DType got = t.saved;
-      ASSIGN_OR_RETURN(const char* data, ReadTensor(dir, meta, t, kind, &loop, &slot, &slot_bytes, &got));
-      const char* bytes = data;
-      if (got != t.out) {  // a 16-bit dtype to fp32, or to the other 16-bit dtype
-        widened.resize(t.elements);
-        WidenToF32(data, got, t.elements, widened.data());
-        bytes = reinterpret_cast<const char*>(widened.data());
-        if (t.out != DType::kF32) {
-          narrowed.resize(t.out_bytes);
-          NarrowF32(widened.data(), t.elements, t.out, narrowed.data());
-          bytes = narrowed.data();
-        }
-      }
-      RETURN_IF_ERROR(writer.Append(bytes, t.out_bytes));
-      done += t.out_bytes;
-      ++report->tensors;
-      if (options.progress) options.progress(done, total);
-    }
-    RETURN_IF_ERROR(writer.Commit());
-    report->files.push_back(file_name(f));
-    // Large buffers are not kept past the tensor that needed them.
-    std::vector<float>().swap(widened);
-    std::vector<char>().swap(narrowed);
   }
-  report->bytes = done;
-  if (n_files > 1) {
-    nlohmann::ordered_json index;
-    index["metadata"] = {{"total_size", total}};
-    nlohmann::ordered_json map = nlohmann::ordered_json::object();
-    for (const OutTensor& t : tensors) map[t.name] = file_name(t.file);
-    index["weight_map"] = std::move(map);
-    RETURN_IF_ERROR(WriteFileDurably(out_dir, "model.safetensors.index.json", index.dump(2) + "\n"));
-    report->index = true;
-  } else {
-    RETURN_IF_ERROR(FsyncDir(out_dir));
+  if (!written.ok()) {
+    (void)RemoveTree(staging);  // the error says what failed; what it wrote goes
+    report->files.clear();
+    report->index = false;
   }
-  return Status::OK();
+  return written;
 }
 
 }  // namespace flashckpt

@@ -29,6 +29,9 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& name) {
   if (auto existing = spdlog::get(name)) return existing;
   auto logger = std::make_shared<spdlog::logger>(name, SinkLocked());
   logger->set_level(g_level);
+  // Every line reaches the sink's file as it is logged (a daemon killed a moment later leaves it
+  // there): the daemon logs events, not per-byte traces, so a write per line costs nothing.
+  logger->flush_on(spdlog::level::trace);
   spdlog::register_logger(logger);
   return logger;
 }

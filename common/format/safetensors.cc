@@ -159,7 +159,10 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
     }
     h.entries.push_back(std::move(e));
   }
-  std::sort(h.entries.begin(), h.entries.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
+  // By offset, and an empty tensor before a tensor that starts where it does (the safetensors library
+  // places a 0-byte tensor at the offset of the next one): it overlaps nothing.
+  std::sort(h.entries.begin(), h.entries.end(),
+            [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   uint64_t expected = 0;
   for (const auto& e : h.entries) {
     if (e.begin < expected) return Corruption("entry '" + e.name + "' overlaps the tensor before it");

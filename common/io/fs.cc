@@ -34,9 +34,22 @@ void UniqueFd::Reset() {
 }
 
 Result<UniqueFd> OpenForRead(const std::string& path, IoEnv* io) {
-  int fd = io->Open(path, O_RDONLY | O_CLOEXEC, 0);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever. Anything but a
+  // regular file is refused before a byte is read; for a regular file the flag changes nothing.
+  int fd = io->Open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
   if (fd < 0) return ErrnoStatus("open", path);
-  return UniqueFd(fd);
+  UniqueFd owned(fd);
+  struct stat st {};
+  if (::fstat(owned.get(), &st) != 0) return ErrnoStatus("fstat", path);
+  if (!S_ISREG(st.st_mode)) {
+    const char* what = S_ISFIFO(st.st_mode)  ? "a FIFO"
+                       : S_ISDIR(st.st_mode) ? "a directory"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                    : "not a regular file";
+    return InvalidArgument(path + " is " + what + ", not a regular file: only regular files are read");
+  }
+  return owned;
 }
 
 Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path, IoEnv* io) {

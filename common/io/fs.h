@@ -50,6 +50,8 @@ class UniqueFd {
   int fd_ = -1;
 };
 
+// Opens a regular file for reading. Anything else (a FIFO, a device, a socket, a directory) is
+// refused with INVALID_ARGUMENT, without blocking: paths read here may come from untrusted input.
 Result<UniqueFd> OpenForRead(const std::string& path, IoEnv* io = IoEnv::Default());
 Status PreadFull(int fd, void* buf, size_t bytes, uint64_t offset, const std::string& path,
                  IoEnv* io = IoEnv::Default());

@@ -6,6 +6,7 @@
 #include "common/base/allocator.h"
 #include "common/base/log.h"
 #include "daemon/edge/config.h"
+#include "daemon/edge/grpc_log.h"
 #include "daemon/edge/server.h"
 #include "daemon/observe/systemd_notify.h"
 
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   SetLogLevel(config->log_level);  // checked by ParseDaemonFlags
+  RouteGrpcLogsToDaemonLog();
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);

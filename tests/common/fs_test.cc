@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -297,6 +298,38 @@ TEST(RemoveStaleTemporaries, RemovesATemporaryWhosePidAnotherProgramHolds) {
   EXPECT_FALSE(PathExists(dir.File(name)));
   ::kill(child, SIGKILL);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+}
+
+// Paths read from a checkpoint or an import directory are untrusted: a FIFO (which would block an
+// open for reading until a writer came), a directory or a device is refused at once, by name.
+TEST(OpenForRead, RefusesAnythingButARegularFileWithoutBlocking) {
+  testing::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const std::string fifo = dir.File("model.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  auto opened = OpenForRead(fifo);  // without O_NONBLOCK this waits for a writer forever
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), StatusCode::kInvalidArgument) << opened.status().ToString();
+  EXPECT_NE(opened.status().message().find("a FIFO, not a regular file"), std::string::npos)
+      << opened.status().ToString();
+  auto small = ReadSmallFile(fifo, 100);
+  EXPECT_FALSE(small.ok());
+  auto folder = OpenForRead(dir.path());
+  ASSERT_FALSE(folder.ok());
+  EXPECT_NE(folder.status().message().find("a directory"), std::string::npos) << folder.status().ToString();
+  auto device = OpenForRead("/dev/zero");
+  ASSERT_FALSE(device.ok());
+  EXPECT_NE(device.status().message().find("a device"), std::string::npos) << device.status().ToString();
+  const std::string plain = dir.File("plain");
+  {
+    FILE* f = std::fopen(plain.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("bytes", f);
+    std::fclose(f);
+  }
+  auto read = ReadSmallFile(plain, 100);
+  ASSERT_OK(read.status());
+  EXPECT_EQ(*read, "bytes");
 }
 
 }  // namespace

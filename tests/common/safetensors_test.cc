@@ -242,6 +242,24 @@ TEST(ParseSafetensorsHeader, AcceptsAHeaderWithoutTensors) {
   EXPECT_EQ(h->metadata.at("k"), "v");
 }
 
+// The safetensors library writes a 0-byte tensor at the offset of the tensor after it, whatever the
+// names' order: it overlaps nothing.
+TEST(ParseSafetensorsHeader, AcceptsAnEmptyTensorAtTheOffsetOfTheNextOne) {
+  const std::string json =
+      R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+      R"("c":{"dtype":"F32","shape":[2,0],"data_offsets":[3,3]}})";
+  auto h = ParseSafetensorsHeader(json, 8 + json.size() + 3);
+  ASSERT_OK(h.status());
+  ASSERT_EQ(h->entries.size(), 3u);
+  EXPECT_EQ(h->entries[0].name, "b");
+  EXPECT_EQ(h->entries[1].name, "a");
+  EXPECT_EQ(h->entries[2].name, "c");
+  // An empty tensor inside another's bytes is still an overlap.
+  const std::string inside =
+      R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[0],"data_offsets":[1,1]}})";
+  EXPECT_FALSE(ParseSafetensorsHeader(inside, 8 + inside.size() + 3).ok());
+}
+
 TEST(ParseSafetensorsHeader, SortsEntriesByOffset) {
   const std::string json =
       R"({"z":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})";

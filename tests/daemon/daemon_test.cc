@@ -16,10 +16,13 @@
 
 #include "common/base/log.h"
 #include "common/format/metadata.h"
+#include "common/format/safetensors.h"
 #include "common/io/fs.h"
+#include "common/read/verify.h"
 #include "daemon/edge/server.h"
 #include "flashckpt.grpc.pb.h"
 #include "flashckpt/client.h"
+#include "flashckpt/offline.h"
 #include "in_process_daemon.h"
 #include "raw_rpc.h"
 #include "testing.h"
@@ -122,6 +125,58 @@ TEST_F(DaemonTest, SaveWaitAndRestoreRoundTrip) {
     ASSERT_EQ(w[i], static_cast<float>(i));
     ASSERT_EQ(m[i], static_cast<float>(-i));
   }
+}
+
+// An empty tensor (a dimension of 0) is a tensor like any other: its rank saves, persists and
+// restores, the files are valid safetensors (a 0-byte tensor sits at the offset of the next one), and
+// export and import carry it.
+TEST_F(DaemonTest, EmptyTensorsSaveRestoreExportAndImport) {
+  auto c = Connect("empty1", 0);
+  ASSERT_TRUE(c);
+  TensorSpec a;
+  a.name = "a";
+  a.dtype = DType::kU8;
+  a.shape = {3};
+  TensorSpec b;
+  b.name = "b";
+  b.dtype = DType::kF32;
+  b.shape = {0};
+  TensorSpec e;
+  e.name = "e";
+  e.dtype = DType::kF32;
+  e.shape = {4, 0};
+  ASSERT_OK(c->Register(Topology{}, {a, b, e}));
+  uint8_t bytes[3] = {7, 8, 9};
+  float none = 0;
+  std::vector<TensorBuffer> bufs = {{"a", bytes, 3}, {"b", &none, 0}, {"e", &none, 0}};
+  for (int64_t step : {1, 2}) {
+    auto snap = c->Snapshot(step, bufs, SnapshotOptions{});
+    ASSERT_OK(snap.status());
+    ASSERT_OK(snap->WaitCopied());
+    ASSERT_OK(c->WaitPersisted(step, 10s));
+  }
+  const std::string ckpt = root() + "/empty1/checkpoint-2";
+  ASSERT_TRUE(PathExists(ckpt + "/metadata.json"));
+  VerifyReport verified;
+  ASSERT_OK(VerifyCheckpointDir(ckpt, &verified));
+  std::fill(std::begin(bytes), std::end(bytes), 0);
+  auto r = c->Restore(std::nullopt, bufs, 10s);
+  ASSERT_OK(r.status());
+  ASSERT_TRUE(r->found);
+  EXPECT_EQ(r->step, 2);
+  EXPECT_EQ(bytes[0], 7);
+  EXPECT_EQ(bytes[2], 9);
+
+  const std::string hf = d_.dir() + "/hf-empty";
+  ASSERT_OK(ExportCheckpoint(ckpt, hf, ExportOptions{}, nullptr));
+  auto header = ReadSafetensorsHeader(hf + "/model.safetensors");
+  ASSERT_OK(header.status());
+  EXPECT_EQ(header->entries.size(), 3u);
+  ImportOptions io;
+  io.root = root();
+  io.job = "empty1-imported";
+  ASSERT_OK(ImportCheckpoint(hf, io, nullptr));
+  ASSERT_OK(VerifyCheckpointDir(root() + "/empty1-imported/checkpoint-0", &verified));
 }
 
 TEST_F(DaemonTest, LargeTensorsAreCopiedInChunksOnSeveralThreadsBitExact) {

@@ -13,8 +13,10 @@ of flashckpt's):
   3. `--dtype bf16`: every value bit for bit what torch's .to(torch.bfloat16) makes of the fp32 one;
   4. `--strip-prefix layers.`: the names lose it;
   5. flashckpt.export (Python) writes the same bytes as the command;
-  6. a flipped byte in a model file: exit 1 naming the file, and no model.safetensors appears; a
-     non-empty destination: exit 3.
+  6. a flipped byte in a model file: exit 1 naming the file, and the destination is left as it was
+     (absent stays absent; an empty one stays empty when the export is sharded and files before the
+     bad one were complete), nothing is left beside it, and the retry into it is taken; a non-empty
+     destination: exit 3; a destination inside the checkpoint or another checkpoint folder: exit 3.
 
     test_export.py --bin-dir build/bin [--python-dir build/python] [--keep]
 """
@@ -179,7 +181,7 @@ def main():
             log("flashckpt.export: %s, the same bytes" % p.stdout.decode().strip())
 
         # 6. A corrupt checkpoint and a used destination.
-        bad = os.path.join(h.tmp, "corrupt", "checkpoint-%d" % STEPS)
+        bad = os.path.join(h.tmp, "corrupt", JOB, "checkpoint-%d" % STEPS)
         shutil.copytree(ckpt, bad)
         bad_file = "model_state.tp01_pp01_shard00.safetensors"
         st = reader.read_safetensors(os.path.join(bad, bad_file))
@@ -193,12 +195,34 @@ def main():
         rc, out, err = h.cli("export", bad, bad_out)
         check(rc == 1 and bad_file in err, "export of a corrupt checkpoint: exit %d, expected 1 naming %s:\n%s%s"
               % (rc, bad_file, out, err))
-        check(not os.path.exists(os.path.join(bad_out, "model.safetensors")),
-              "an export that failed left model.safetensors")
-        check(not [f for f in os.listdir(bad_out) if ".tmp." in f], "a failed export left a temporary")
+        check(not os.path.exists(bad_out), "an export that failed left its destination %s: %s"
+              % (bad_out, os.listdir(bad_out) if os.path.isdir(bad_out) else "a file"))
+        # Sharded, one tensor a file: the files before the corrupt tensor's are complete when it fails;
+        # the (empty) destination is left as it was, with nothing beside it, and a retry is not refused.
+        sharded_out = os.path.join(h.tmp, "sharded-out")
+        os.mkdir(sharded_out)
+        rc, out, err = h.cli("export", bad, sharded_out, "--max-shard-size", str(HIDDEN * HIDDEN * 4))
+        check(rc == 1 and bad_file in err, "sharded export of a corrupt checkpoint: exit %d:\n%s%s" % (rc, out, err))
+        check(os.listdir(sharded_out) == [], "a failed sharded export left %s in its destination"
+              % sorted(os.listdir(sharded_out)))
+        check(not [f for f in os.listdir(h.tmp) if ".export-" in f], "a failed export left its staging folder: %s"
+              % sorted(os.listdir(h.tmp)))
+        with open(st.path, "r+b") as f:  # repaired: the same destination takes the retry
+            f.seek(t.begin + 5)
+            f.write(bytes([b]))
+        log(export(h, bad, sharded_out, "--max-shard-size", str(HIDDEN * HIDDEN * 4)).strip())
+        tensors, files = read_export(sharded_out)
+        check(len(files) == LAYERS and sorted(tensors) == names, "the retried export: %s %s" % (files, sorted(tensors)))
         rc, out, err = h.cli("export", ckpt, model_dir)
         check(rc == 3 and "not empty" in err, "export into a non-empty directory: exit %d:\n%s" % (rc, err))
-        log("a flipped byte: exit 1 naming %s, nothing written; a used destination: exit 3" % bad_file)
+        # Destinations retention would delete: inside the checkpoint, or inside another checkpoint folder.
+        for inside in (os.path.join(ckpt, "inside"), os.path.join(h.root, JOB, "checkpoint-2", "exported")):
+            rc, out, err = h.cli("export", ckpt, inside)
+            check(rc == 3 and "is inside" in err, "export into %s: exit %d, expected 3 (is inside):\n%s%s"
+                  % (inside, rc, out, err))
+            check(not os.path.exists(inside), "a refused export made %s" % inside)
+        log("a flipped byte: exit 1 naming %s, the destination left as it was (also sharded); a used "
+            "destination: exit 3; a destination inside a checkpoint folder: exit 3" % bad_file)
 
     return run_with_daemon_harness(run, "fcexp", [JOB], args.bin_dir, keep=args.keep)
 

@@ -16,8 +16,9 @@ in two files plus model.safetensors.index.json. Then:
      its own step 1;
   4. malformed input is refused with exit 1 naming the file and tensor, and leaves nothing behind:
      a header that is not JSON, offsets past the end of the data, an index naming a missing file, a
-     tensor in a file the index does not place it in, an unknown dtype; importing into a job that
-     has checkpoints is exit 3.
+     tensor in a file the index does not place it in, an unknown dtype; a FIFO in place of the file or
+     of the index is refused at once (only regular files are opened, never blocking); importing into
+     a job that has checkpoints is exit 3.
 
     test_import.py --bin-dir build/bin [--python-dir build/python] [--keep]
 """
@@ -279,6 +280,18 @@ print("Checkpointer.load_pretrained: weights bit for bit, fresh optimizer; its o
         refused("missing-file", missing_file, ["model-00001-of-00002.safetensors", "embed.weight"])
         refused("misplaced", misplaced, ["model-00002-of-00002.safetensors", "norm.weight"])
         refused("unknown-dtype", unknown_dtype, ["model.safetensors", "norm.weight"])
+        # Only regular files are read, and nothing blocks: a FIFO in place of a file (an open for
+        # reading would wait for a writer forever) is refused at once, by name.
+        for fifo_name in ("model.safetensors", "model.safetensors.index.json"):
+            d = os.path.join(h.tmp, "fifo-" + fifo_name.replace(".", "-"))
+            os.makedirs(d)
+            os.mkfifo(os.path.join(d, fifo_name))
+            job = "bad-fifo-%d-%d" % (len(fifo_name), os.getpid())
+            rc, out, err = h.cli("import", d, "--root", h.root, "--job", job, timeout=30)
+            check(rc != 0 and "a FIFO, not a regular file" in err and fifo_name in err,
+                  "a FIFO as %s: exit %d: %s%s" % (fifo_name, rc, out, err))
+            check(not os.path.exists(os.path.join(h.root, job, "checkpoint-0")), "a FIFO import left a checkpoint")
+            log("a FIFO as %s: refused at once (exit %d)" % (fifo_name, rc))
         rc, out, err = h.cli("import", hf, "--root", h.root, "--job", JOB)
         check(rc == 3 and "already has checkpoints" in err, "import into a used job: exit %d: %s" % (rc, err))
         log("a used job: exit 3")

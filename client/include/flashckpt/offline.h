@@ -41,11 +41,13 @@ struct ExportReport {
 // tensor, every byte read verified against the checkpoint's checksums. Writes model.safetensors,
 // or model-0000K-of-0000N.safetensors plus model.safetensors.index.json ("metadata":
 // {"total_size"}, "weight_map"), tensors in name order, "format": "pt" in every file's
-// __metadata__. Each file appears by an atomic rename once complete, the index last. Memory: one
-// tensor at a time.
+// __metadata__. The files are written into a new folder beside `out_dir` and renamed onto it once
+// every one is complete and synced: a failed export leaves `out_dir` as it found it (absent or
+// empty). Memory: one tensor at a time.
 // Errors: kNotFound for a missing directory or an incomplete checkpoint (no metadata.json);
 // kCorruption for a checksum or header mismatch; kInvalidArgument for a bad option, a checkpoint
-// without tensors of that kind, or two names that strip_prefix makes equal; kAlreadyExists for a
+// without tensors of that kind, two names that strip_prefix makes equal, or an `out_dir` inside the
+// checkpoint or any checkpoint-<step> folder (retention deletes those whole); kAlreadyExists for a
 // non-empty `out_dir`; I/O errors name the file.
 FLASHCKPT_API Status ExportCheckpoint(const std::string& checkpoint_dir, const std::string& out_dir,
                                       const ExportOptions& options, ExportReport* report);
