@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -431,8 +432,25 @@ int RunInspect(const std::string& dir, bool json) {
         return kExitFailed;
       }
       for (const auto& n : *names) signals += n.rfind("saved_signal_", 0) == 0 ? 1 : 0;
-      std::cerr << "flashckpt: inspect " << dir << ": the checkpoint is incomplete: no metadata.json (" << signals
-                << " saved_signal file(s) present); a save in flight, or one that failed or was abandoned\n";
+      // What its signals say: the runs its ranks saved it in, and whether it is split (never completes).
+      const std::filesystem::path path = std::filesystem::path(dir).lexically_normal();
+      const std::filesystem::path leaf = path.filename().empty() ? path.parent_path() : path;
+      const auto step = ParseCheckpointDirName(leaf.filename().string());
+      std::optional<CheckpointInfo> info;
+      if (step) {
+        if (auto entry = DescribeCheckpointDir(leaf.parent_path().filename().string(), *step, dir); entry.ok()) {
+          info = *entry;
+        }
+      }
+      if (info && IsSplit(*info)) {
+        std::cerr << "flashckpt: inspect " << dir << ": the checkpoint is incomplete and split: every rank saved it ("
+                  << signals << " saved_signal files), in different attempts (" << RunsText(info->signalled)
+                  << "), so it never completes; restart every rank of the job from one checkpoint\n";
+      } else {
+        std::cerr << "flashckpt: inspect " << dir << ": the checkpoint is incomplete: no metadata.json (" << signals
+                  << " saved_signal file(s) present" << (info && !info->signalled.empty() ? ", run " + RunsText(info->signalled) : "")
+                  << "); a save in flight, or one that failed or was abandoned\n";
+      }
     } else {
       std::cerr << "flashckpt: inspect " << dir
                 << ": metadata.json is unreadable or corrupt: " << meta.status().ToString() << "\n";
@@ -471,20 +489,36 @@ int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, ui
   return kExitOk;
 }
 
-int RunRelease(const Endpoint& endpoint, const std::string& job, bool json) {
+int RunRelease(const Endpoint& endpoint, const std::string& job, bool force, bool json) {
   auto admin = OpenAdmin(endpoint);
   if (!admin) return kExitRpcFailed;
-  auto result = admin->Release(job);
+  auto result = admin->Release(job, force);
   if (!result.ok()) return ReportRpcError(result.status(), endpoint);
+  auto step_or_null = [](int64_t step) { return step >= 0 ? ordered_json(step) : ordered_json(nullptr); };
   if (json) {
     ordered_json j;
     j["job"] = job;
     j["ranks"] = result->ranks;
     j["bytes"] = result->bytes;
+    j["disk_step"] = step_or_null(result->disk_step);
+    j["written_step"] = step_or_null(result->written_step);
+    j["dropped_steps"] = result->dropped_steps;
     PrintJson(j);
   } else {
     std::cout << "released job " << job << ": " << result->ranks << (result->ranks == 1 ? " rank, " : " ranks, ")
-              << FormatBytes(result->bytes) << " of shared memory given back\n";
+              << FormatBytes(result->bytes) << " of shared memory given back";
+    const std::string disk = result->disk_step >= 0 ? "step " + std::to_string(result->disk_step) : "none";
+    if (result->written_step >= 0) {
+      std::cout << "; memory checkpoint step " << result->written_step << " (newer than the disk's " << disk
+                << ") was written first";
+    } else if (!result->dropped_steps.empty()) {
+      std::cout << "; DROPPED memory checkpoint step(s)";
+      for (size_t i = 0; i < result->dropped_steps.size(); ++i) std::cout << (i ? "," : " ") << result->dropped_steps[i];
+      std::cout << " (newer than the disk's " << disk << ", --force)";
+    } else {
+      std::cout << "; nothing in memory was newer than the disk";
+    }
+    std::cout << "\n";
   }
   return kExitOk;
 }

@@ -71,6 +71,6 @@ int RunInspect(const std::string& dir, bool json);
 int RunDelete(const Endpoint& endpoint, const std::string& job, int64_t step, uint32_t keep, bool force, bool dry_run,
               bool json);
 // ReleaseJob through the daemon (`flashckpt release --job J`): its shared memory given back.
-int RunRelease(const Endpoint& endpoint, const std::string& job, bool json);
+int RunRelease(const Endpoint& endpoint, const std::string& job, bool force, bool json);
 
 }  // namespace flashckpt::cli

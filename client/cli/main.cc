@@ -151,6 +151,9 @@ int main(int argc, char** argv) {
   CLI::App* release = app.add_subcommand(
       "release", "Give back the shared memory of a job whose ranks have all gone (as flashckptd --idle-release does)");
   release->add_option("--job", owner, "The job")->required();
+  release->add_flag("--force", force,
+                    "Drop the job's memory checkpoints even when they are newer than its newest complete checkpoint "
+                    "on disk (without it they are written first, or the job is kept)");
   release->add_flag("--json", json, "Print JSON");
 
   CLI11_PARSE(app, argc, argv);
@@ -169,7 +172,7 @@ int main(int argc, char** argv) {
   if (*inspect) return flashckpt::cli::RunInspect(dir, json);
   if (*del) return flashckpt::cli::RunDelete(endpoint, owner, step, 0, force, dry_run, json);
   if (*gc) return flashckpt::cli::RunDelete(endpoint, owner, 0, keep, false, dry_run, json);
-  if (*release) return flashckpt::cli::RunRelease(endpoint, owner, json);
+  if (*release) return flashckpt::cli::RunRelease(endpoint, owner, force, json);
 
   if (*status) return flashckpt::cli::RunStatus(endpoint, json);
   if (*health) return flashckpt::cli::RunHealth(endpoint);

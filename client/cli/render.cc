@@ -175,7 +175,7 @@ const char* EventKindText(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kEventsLost: return "lost";
     case DaemonEvent::Kind::kPersistAbandoned: return "abandoned";
     case DaemonEvent::Kind::kJobReleased: return "released";
-    case DaemonEvent::Kind::kSplitAttempt: return "split";
+    case DaemonEvent::Kind::kSplitAttempt: return "split-attempt";
     case DaemonEvent::Kind::kMemoryFallback: return "memory-fallback";
     case DaemonEvent::Kind::kReplicaSent: return "replica-sent";
     case DaemonEvent::Kind::kReplicaFailed: return "replica-failed";
@@ -254,7 +254,11 @@ std::string EventText(const DaemonEvent& e) {
     return out + " " + std::to_string(e.lost) + " event(s) dropped: this watcher fell behind";
   }
   if (e.kind == DaemonEvent::Kind::kJobReleased) {
-    return out + " job=" + e.job + " bytes=" + CompactBytes(e.bytes) + " reason=" + e.reason;
+    // The memory checkpoint newer than disk it wrote first, or the newest one it dropped (--force).
+    std::string memory;
+    if (e.code == "written") memory = " written_step=" + std::to_string(e.step);
+    if (e.code == "dropped") memory = " dropped_step=" + std::to_string(e.step);
+    return out + " job=" + e.job + " bytes=" + CompactBytes(e.bytes) + " reason=" + e.reason + memory;
   }
   out += " job=" + e.job + " step=" + std::to_string(e.step);
   switch (e.kind) {
@@ -582,20 +586,74 @@ std::string MissingText(const std::vector<MissingRank>& missing, uint64_t count)
   return out;
 }
 
+// "0-3,6": a sorted list of ranks as ranges.
+std::string RankRangesText(const std::vector<uint32_t>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ",") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<StepRun> RunsOf(const std::vector<SignalledRank>& signalled) {
+  std::vector<StepRun> runs;
+  for (const SignalledRank& s : signalled) {
+    auto it = std::find_if(runs.begin(), runs.end(), [&](const StepRun& r) {
+      return r.run_id == s.run_id && r.resumed_from == s.resumed_from;
+    });
+    if (it == runs.end()) it = runs.insert(runs.end(), StepRun{s.run_id, s.resumed_from, {}});
+    it->ranks.push_back(s.rank);
+  }
+  for (StepRun& r : runs) std::sort(r.ranks.begin(), r.ranks.end());
+  return runs;
+}
+
+bool IsSplit(const CheckpointInfo& c) {
+  return !c.complete && c.world_size > 0 && c.signalled.size() == c.world_size && RunsOf(c.signalled).size() > 1;
+}
+
+std::string StepRunText(const StepRun& run) {
+  return (run.run_id.empty() ? std::string("(no run id)") : run.run_id) +
+         (run.resumed_from > 0 ? " (resumed from " + std::to_string(run.resumed_from) + ")" : " (fresh)");
+}
+
+std::string RunsText(const std::vector<SignalledRank>& signalled) {
+  const std::vector<StepRun> runs = RunsOf(signalled);
+  if (runs.empty()) return "-";
+  if (runs.size() == 1) return StepRunText(runs[0]);
+  std::string out;
+  for (const StepRun& r : runs) out += (out.empty() ? "" : "; ") + StepRunText(r) + " ranks " + RankRangesText(r.ranks);
+  return out;
+}
 
 std::string ListText(const std::vector<CheckpointInfo>& list) {
   if (list.empty()) return "no checkpoints\n";
-  TextTable table({"JOB", "STEP", "COMPLETE", "SIGNALS", "MISSING", "NODES", "BYTES", "LATEST", "PATH"},
-                  {false, true, false, true, false, false, true, false, false});
+  TextTable table({"JOB", "STEP", "COMPLETE", "SIGNALS", "MISSING", "NODES", "BYTES", "LATEST", "PATH", "RUN"},
+                  {false, true, false, true, false, false, true, false, false, false});
   for (const auto& c : list) {
     std::string signals = std::to_string(c.signals) + "/" + (c.world_size ? std::to_string(c.world_size) : "?");
     uint64_t count = 0;
     const std::vector<MissingRank> missing = MissingRanks(c, list, &count);
-    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : "no", signals, MissingText(missing, count),
-                  NodesText(c), FormatBytes(c.bytes), c.latest ? "*" : "", c.path});
+    // A split step (every rank signalled, in different attempts) never completes: said as such.
+    const bool split = IsSplit(c);
+    table.AddRow({c.job, std::to_string(c.step), c.complete ? "yes" : split ? "no (split)" : "no", signals,
+                  MissingText(missing, count), NodesText(c), FormatBytes(c.bytes), c.latest ? "*" : "", c.path,
+                  (split ? "split: " : "") + RunsText(c.signalled)});
   }
   return table.Render("");
+}
+
+ordered_json RunsJson(const std::vector<SignalledRank>& signalled) {
+  ordered_json runs = ordered_json::array();
+  for (const StepRun& r : RunsOf(signalled)) {
+    runs.push_back({{"run_id", r.run_id}, {"resumed_from", r.resumed_from}, {"ranks", r.ranks}});
+  }
+  return runs;
 }
 
 ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
@@ -620,7 +678,9 @@ ordered_json ListJson(const std::vector<CheckpointInfo>& list) {
                    {"path", c.path},
                    {"signalled", signalled},
                    {"missing", missing},  // the first 64
-                   {"missing_count", count}});
+                   {"missing_count", count},
+                   {"split", IsSplit(c)},
+                   {"runs", RunsJson(c.signalled)}});
   }
   return out;
 }
@@ -689,6 +749,8 @@ std::string InspectText(const std::string& dir, const CheckpointMetadata& meta,
   out += "size        " + std::to_string(meta.files.size()) + " files, " + FormatBytes(FileBytes(meta)) + "; " +
          std::to_string(tensors.size()) + " tensors in " + std::to_string(meta.pieces.size()) + " pieces\n";
   out += "nodes       " + NodesByRankText(signalled) + "\n";
+  out += "run         " +
+         StepRunText(StepRun{meta.run_id, meta.resumed_from, {}}) + "\n";
 
   out += "\n";
   TextTable files({"FILE", "RANK", "TP", "PP", "SHARD", "NODE", "BYTES"}, {false, true, true, true, true, false, true});
@@ -722,6 +784,7 @@ ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta,
   out["step"] = meta.step;
   out["complete"] = true;
   out["created"] = meta.created;
+  out["run"] = {{"run_id", meta.run_id}, {"resumed_from", meta.resumed_from}};
   out["format_version"] = meta.format_version;
   out["topology"] = {{"world_size", t.world_size},
                      {"tp_degree", t.tp_degree},

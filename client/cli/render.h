@@ -32,6 +32,21 @@ std::string EventText(const DaemonEvent& event);
 nlohmann::ordered_json EventJson(const DaemonEvent& event);
 
 // The checkpoint list: one row per checkpoint directory.
+// The attempts the ranks of one step saved it in: a run and the step its processes restored, with
+// the ranks of each (sorted).
+struct StepRun {
+  std::string run_id;
+  int64_t resumed_from = 0;
+  std::vector<uint32_t> ranks;
+};
+std::vector<StepRun> RunsOf(const std::vector<SignalledRank>& signalled);
+// Incomplete, though every rank has signalled: in different attempts, so it never completes.
+bool IsSplit(const CheckpointInfo& c);
+// "a1b2 (fresh)", "a1b2 (resumed from 20)".
+std::string StepRunText(const StepRun& run);
+// The step's run, or each of its runs with its ranks ("a1 (fresh) ranks 0-1; b2 (fresh) ranks 2-3").
+std::string RunsText(const std::vector<SignalledRank>& signalled);
+nlohmann::ordered_json RunsJson(const std::vector<SignalledRank>& signalled);
 std::string ListText(const std::vector<CheckpointInfo>& list);
 nlohmann::ordered_json ListJson(const std::vector<CheckpointInfo>& list);
 

@@ -38,6 +38,7 @@ struct Options {
   int64_t first_step = 1;
   std::string run_id;
   bool fresh = false;
+  bool wait_complete = true;  // at the end, wait for the last save's checkpoint to be complete
   std::optional<double> ema_decay;
   uint32_t ema_interval = 1;
   std::string ema_init = "first";
@@ -224,6 +225,9 @@ int main(int argc, char** argv) {
   app.add_option("--wait-timeout", o.wait_timeout_s, "seconds to wait for the last save to be durable");
   app.add_option("--first-step", o.first_step, "first step when not resuming (to carry on after a daemon restart)")
       ->check(CLI::PositiveNumber);
+  app.add_flag("!--no-wait-complete", o.wait_complete,
+               "end once this rank's last save is durable, without waiting for the whole checkpoint to complete "
+               "(for ranks whose peers are meant not to finish)");
   app.add_option("--run-id", o.run_id, "this run's id (the same on every rank; default: the daemon picks)");
   app.add_flag("--fresh", o.fresh,
                "start a new lineage of a job that has checkpoints of another run (they are deleted at the first "
@@ -310,6 +314,10 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       continue;
     }
+    if (!snap.ok() && snap.status().message().find("is split") != std::string::npos) {
+      std::printf("split step=%" PRId64 ": %s\n", step, snap.status().message().c_str());
+      std::fflush(stdout);
+    }
     if (!snap.ok()) return Fail("snapshot", snap.status());
     if (Status s = snap->WaitCopied(); !s.ok()) return Fail("copy", s);
     blocked += Clock::now() - t0;
@@ -336,7 +344,24 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s));
     }
+    if (!s.ok() && s.message().find("is split") != std::string::npos) {
+      std::printf("split step=%" PRId64 ": %s\n", last_save, s.message().c_str());
+      std::fflush(stdout);
+    }
     if (!s.ok()) return Fail("wait persisted", s);
+    // The rank's part is durable; the checkpoint is complete once every rank's is, in one attempt.
+    // A step that never can complete (ranks in different runs: a split) fails the rank, loudly.
+    if (o.wait_complete) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      s = c.WaitComplete(last_save, std::max(left, std::chrono::milliseconds(1000)));
+      if (!s.ok() && s.message().find("is split") != std::string::npos) {
+        std::printf("split step=%" PRId64 ": %s\n", last_save, s.message().c_str());
+        std::fflush(stdout);
+        return Fail("wait complete (split)", s);
+      }
+      if (!s.ok()) return Fail("wait complete", s);
+      std::printf("complete step=%" PRId64 "\n", last_save);
+    }
   }
   if (!o.dump_ema.empty() && c.EmaTensorNames().empty()) {
     // A rank whose weights are all replicas (shard rank > 0) holds no EMA: nothing to dump.

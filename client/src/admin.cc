@@ -190,17 +190,21 @@ Result<DeleteResult> AdminClient::Gc(const std::string& job, uint32_t keep, bool
   return impl_->Delete(req);
 }
 
-Result<ReleaseResult> AdminClient::Release(const std::string& job) {
+Result<ReleaseResult> AdminClient::Release(const std::string& job, bool force) {
   grpc::ClientContext ctx;
-  Impl::SetDeadline(&ctx, impl_->options.rpc_timeout);
+  Impl::SetDeadline(&ctx, impl_->options.delete_timeout);
   v1::ReleaseJobRequest req;
   req.set_job(job);
+  req.set_force(force);
   v1::ReleaseJobResponse resp;
   grpc::Status s = impl_->stub->ReleaseJob(&ctx, req, &resp);
-  if (!s.ok()) return impl_->Failed(s, "ReleaseJob", impl_->options.rpc_timeout);
+  if (!s.ok()) return impl_->Failed(s, "ReleaseJob", impl_->options.delete_timeout);
   ReleaseResult out;
   out.ranks = resp.ranks();
   out.bytes = resp.bytes();
+  out.disk_step = resp.disk_step();
+  out.written_step = resp.written_step();
+  out.dropped_steps.assign(resp.dropped_steps().begin(), resp.dropped_steps().end());
   return out;
 }
 

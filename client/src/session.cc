@@ -36,10 +36,13 @@ Status SessionRefused(const grpc::Status& s) {
 // gave it back between the two, which only a stop does (it unlinks the segments no abandoned
 // snapshot is left in). That is the daemon going away, UNAVAILABLE, so the caller re-attaches to
 // the next daemon and registers again instead of failing the trainer.
-// The run id the environment gives every rank of one attempt alike, for a client that names none:
-// FLASHCKPT_RUN_ID; torchrun's TORCHELASTIC_RUN_ID (unless "none", its default) and restart count;
-// Slurm's SLURM_JOB_ID and restart count. Characters outside [A-Za-z0-9._:-] become '-'; cut to 64.
-// Empty when none is set: the daemon picks (the run of the job's live ranks on it, or a new one).
+// The run id the environment gives every rank of one attempt alike, for a client that names none,
+// first found of: FLASHCKPT_RUN_ID; torchrun's TORCHELASTIC_RUN_ID (unless "none", its default) and
+// restart count; Slurm's SLURM_JOB_ID and restart count; PMIx's PMIX_NAMESPACE (Open MPI 5, PRRTE:
+// one per launch); Open MPI 4's job id (OMPI_MCA_orte_ess_jobid, OMPI_MCA_ess_base_jobid); a
+// Kubernetes JobSet's JOBSET_NAME and JOBSET_RESTART_ATTEMPT (from the pod's labels through the
+// downward API). Characters outside [A-Za-z0-9._:-] become '-'; cut to 64. Empty when none is set:
+// the daemon picks (the run of the job's live ranks on it, or one agreed through the shared root).
 std::string RunIdFromEnvironment() {
   auto env = [](const char* name) {
     const char* v = std::getenv(name);
@@ -53,6 +56,14 @@ std::string RunIdFromEnvironment() {
   if (id.empty() && !env("SLURM_JOB_ID").empty()) {
     const std::string restarts = env("SLURM_RESTART_COUNT");
     id = "slurm-" + env("SLURM_JOB_ID") + "." + (restarts.empty() ? "0" : restarts);
+  }
+  if (id.empty() && !env("PMIX_NAMESPACE").empty()) id = "pmix-" + env("PMIX_NAMESPACE");
+  for (const char* name : {"OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid"}) {
+    if (id.empty() && !env(name).empty()) id = "ompi-" + env(name);
+  }
+  if (id.empty() && !env("JOBSET_NAME").empty()) {
+    const std::string restarts = env("JOBSET_RESTART_ATTEMPT");
+    id = "jobset-" + env("JOBSET_NAME") + "." + (restarts.empty() ? "0" : restarts);
   }
   for (char& c : id) {
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||

@@ -117,7 +117,9 @@ std::vector<CheckpointInfo> CheckpointsFromProto(const v1::ListCheckpointsRespon
   out.reserve(static_cast<size_t>(list.checkpoints_size()));
   for (const v1::CheckpointInfo& c : list.checkpoints()) {
     CheckpointInfo info{c.job(), c.step(), c.complete(), c.signals(), c.world_size(), c.bytes(), c.path(), c.latest(), {}};
-    for (const v1::SignalledRank& r : c.signalled()) info.signalled.push_back({r.rank(), r.node()});
+    for (const v1::SignalledRank& r : c.signalled()) {
+      info.signalled.push_back({r.rank(), r.node(), r.run_id(), r.resumed_from()});
+    }
     out.push_back(std::move(info));
   }
   return out;

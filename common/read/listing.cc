@@ -32,7 +32,7 @@ Result<std::optional<CheckpointInfo>> DescribeCheckpointDir(const std::string& j
     // The listing shows what is there: a signal that cannot be read is counted, without a node.
     auto signal = ReadSignal(path + "/" + f, io);
     if (!signal.ok() || SignalFileName(signal->rank) != f || signal->step != step) continue;
-    e.signalled.push_back({signal->rank, signal->node});
+    e.signalled.push_back({signal->rank, signal->node, signal->run_id, signal->resumed_from});
     if (e.world_size == 0) e.world_size = signal->world_size;
   }
   std::sort(e.signalled.begin(), e.signalled.end(),

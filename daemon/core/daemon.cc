@@ -96,6 +96,7 @@ Daemon::Daemon(DaemonConfig config)
     : config_(WithDefaultNodeName(std::move(config))),
       started_(std::chrono::steady_clock::now()),
       catalog_(config_.root, config_.keep, RootIo()),
+      launches_(config_.root, config_.launch_join_window),
       leases_(config_.root, config_.node_name, config_.lease_ttl) {
   catalog_.SetLeases(&leases_);
   catalog_.SetListener([this](CatalogChange change, const std::string& job, int64_t step, std::string_view reason) {
@@ -349,6 +350,10 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   state.resumed_from = 0;
   state.client_verifying.reset();
   state.run_id.clear();
+  state.pending_run.clear();
+  state.run_agreed = false;
+  state.run_unagreed = Status::OK();
+  state.split_error = Status::OK();
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by
@@ -601,6 +606,37 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   // after it): a segment's destructor removes its records and unlinks its memory.
   std::shared_ptr<RankSegment> retired, created;
   ASSIGN_OR_RETURN(const std::string drawn_run, RandomToken());  // the run, if this one starts it
+  // A rank that names no run, of a job whose live ranks here named none either, joins its launch
+  // through the root (file I/O: before mu_), so that the ranks of one launch on every daemon of the
+  // root share a run, and a new launch is a new run.
+  std::string agreed_run;
+  Status unagreed;
+  if (reg.run_id.empty()) {
+    bool ask = false;
+    std::set<std::string> live_runs;
+    std::string job_name;
+    uint32_t rank_id = 0;
+    {
+      MutexLock lock(&mu_);
+      ASSIGN_OR_RETURN(const RankState* rank, RankOf(session_id, /*need_segment=*/false));
+      job_name = sessions_[session_id].job;
+      rank_id = sessions_[session_id].rank;
+      ask = rank->run_id.empty() && rank->pending_run.empty() && !NamedLiveRunLocked(jobs_[job_name], rank_id);
+      for (const auto& [r, other] : jobs_[job_name].ranks) {
+        if (r != rank_id && !other.session_id.empty() && other.registered) live_runs.insert(other.run_id);
+      }
+    }
+    if (ask) {
+      Result<LaunchChoice> joined = launches_.Join(job_name, rank_id, reg.topology.world_size, drawn_run, live_runs);
+      if (joined.ok()) {
+        agreed_run = joined->run_id;
+      } else {
+        unagreed = joined.status();
+        Logger("rpc")->error("run not agreed job={} rank={} error=\"{}\": its first snapshot is refused", job_name,
+                             rank_id, unagreed.ToString());
+      }
+    }
+  }
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
@@ -638,21 +674,33 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   for (;;) {
     const RankState* conflict = nullptr;
     uint32_t conflict_rank = 0;
+    std::string conflict_run;
+    const std::string& wanted = reg.run_id.empty() ? agreed_run : reg.run_id;  // a run this rank must have
     for (const auto& [r, other] : job->ranks) {
-      if (r == who.rank || other.session_id.empty() || !other.registered) continue;
-      if (!SameDegrees(other.topology, topology) || (!reg.run_id.empty() && other.run_id != reg.run_id)) {
+      if (r == who.rank || other.session_id.empty()) continue;
+      // A rank still registering (its segment being made) has chosen its run but not its layout yet.
+      const std::string& other_run = other.registered ? other.run_id : other.pending_run;
+      if (!other.registered && other_run.empty()) continue;
+      if ((other.registered && !SameDegrees(other.topology, topology)) ||
+          (!wanted.empty() && other_run != wanted)) {
         conflict = &other;
         conflict_rank = r;
+        conflict_run = other_run;
         break;
       }
     }
     if (conflict == nullptr) break;
     if (!cv_.WaitUntil(&lock, deadline)) {
       ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));  // not stopping: `conflict` is valid
-      if (SameDegrees(conflict->topology, topology)) {
-        return FailedPrecondition("job '" + who.job + "' is running as run " + conflict->run_id + " (live rank " +
-                                  std::to_string(conflict_rank) + "); this rank asks for run " + reg.run_id +
-                                  ": the ranks of a job share one run id (or leave it empty to join the live run)");
+      if (!conflict->registered || SameDegrees(conflict->topology, topology)) {
+        return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                                  " refused: the job is running as run " + conflict_run + " (live rank " +
+                                  std::to_string(conflict_rank) + "); this rank " +
+                                  (reg.run_id.empty() ? "joined run " + wanted + " (a new launch, agreed "
+                                                        "through the root)"
+                                                      : "asks for run " + wanted) +
+                                  ": two runs of one job cannot save at once; the ranks of a job share one run id "
+                                  "(or leave it empty to join the live run)");
       }
       return FailedPrecondition(
           "job '" + who.job + "' is registered with world size " + std::to_string(conflict->topology.world_size) +
@@ -664,6 +712,10 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
   }
+  // The run is chosen now, in the hold of mu_ that found no conflict: ranks registering from here on
+  // join it (or, naming another, meet it as a conflict) while this one waits and makes its segment.
+  rank->pending_run = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);
+  rank->run_agreed = reg.run_id.empty() && !agreed_run.empty() && rank->pending_run == agreed_run;
   // Again: the conflict wait let the lock go, and a resume plan may have pinned a slot meanwhile.
   ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(session_id, &lock, loading_deadline));
   job = &jobs_[who.job];
@@ -733,7 +785,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     retired = std::move(rank->segment);
     registering_bytes_ += need;
     const uint64_t generation = ++rank->registrations;
-    const std::string run_id = ChooseRunLocked(*job, who.rank, *rank, reg, drawn_run);  // chosen again below
+    const std::string run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);  // chosen again below
     lock.Unlock();
     retired.reset();
     auto made =
@@ -752,7 +804,10 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
     }
     rank->segment = std::move(created);
   }
-  rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, drawn_run);
+  rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);
+  rank->pending_run.clear();
+  rank->run_agreed = reg.run_id.empty() && !agreed_run.empty() && rank->run_id == agreed_run;
+  if (!unagreed.ok() && !rank->run_agreed) rank->run_unagreed = unagreed;
   rank->overwrite = reg.overwrite;
   rank->topology = topology;
   rank->policy = reg.policy;
@@ -943,6 +998,12 @@ void Daemon::FillJobsStatus(DaemonStatus* out) const {
           s->index = i;
           s->state = SlotStateName(Slots(*rank.segment).at(i).state);
           s->step = Slots(*rank.segment).at(i).step;
+          // A FREE slot may hold a memory checkpoint (it is given up only for a newer snapshot).
+          if (const auto held = Slots(*rank.segment).ResidentIn(i);
+              held && Slots(*rank.segment).at(i).state == SlotState::kFree) {
+            s->state = "memory";
+            s->step = held->step;
+          }
           if (Slots(*rank.segment).at(i).state == SlotState::kFilling) {
             s->filling_seconds = std::chrono::duration<double>(now - Slots(*rank.segment).at(i).handed_out).count();
           }

@@ -36,6 +36,7 @@
 #include "daemon/pipeline/catalog.h"
 #include "daemon/pipeline/ema.h"
 #include "daemon/pipeline/ema_stage.h"
+#include "daemon/pipeline/launches.h"
 #include "daemon/pipeline/writer.h"
 #include "flashckpt.pb.h"
 
@@ -110,6 +111,10 @@ struct DaemonConfig {
   // A job none of whose ranks has been connected for this long, with nothing of it left to write,
   // gives its shared memory back (ReleaseJob); 0 never does.
   std::chrono::seconds idle_release{300};
+  // A rank that names no run joins the newest launch of its job in the root (daemon/pipeline/
+  // launches.h) only if that launch has no process of the rank yet and began less than this long ago
+  // (or a rank of its run is live here).
+  std::chrono::seconds launch_join_window{300};
   // How often the daemon re-checks the newest incomplete steps of its jobs and completes those whose
   // signals are all there (Catalog::CompleteSignalledSteps: signals written by daemons of other
   // nodes on a shared root); also once at start. 0: never.
@@ -129,6 +134,11 @@ struct WaitResult {
 struct ReleaseOutcome {
   uint32_t ranks = 0;   // ranks the daemon knew of the job
   uint64_t bytes = 0;   // shared memory freed (slot and EMA segments)
+  // Memory checkpoints newer than the newest complete checkpoint on disk (`disk_step`, -1: none):
+  // the newest one was written first (`written_step`), or with force they went (`dropped_steps`).
+  int64_t disk_step = -1;
+  int64_t written_step = -1;
+  std::vector<int64_t> dropped_steps;  // newest first
 };
 
 // How the ranks of a job resume (Daemon::ResumePlanFor).
@@ -259,7 +269,10 @@ class Daemon {
   // hold. `reason` is the event's ("release": an operator; "idle": --idle-release). NOT_FOUND for
   // a job the daemon does not hold; FAILED_PRECONDITION, naming why, while a rank is connected or
   // a snapshot of it is still on its way to disk.
-  Result<ReleaseOutcome> ReleaseJob(const std::string& job, const std::string& reason = "release") EXCLUDES(mu_);
+  // A job's memory checkpoint newer than its newest complete one on disk is written first (the call
+  // waits up to `timeout` for it), and the job is kept if it cannot be; `force` drops it instead.
+  Result<ReleaseOutcome> ReleaseJob(const std::string& job, const std::string& reason = "release", bool force = false,
+                                    std::chrono::milliseconds timeout = std::chrono::seconds(120)) EXCLUDES(mu_);
 
   // Jobs, ranks and connected ranks, from memory (takes mu_ and nothing else: no file I/O).
   struct Counts {
@@ -287,6 +300,12 @@ class Daemon {
   // every rank of it here, if newer than the job's latest complete checkpoint. Returns how many
   // ranks' snapshots were queued.
   uint32_t PersistMemoryOnStop() EXCLUDES(mu_);
+  // Hands the writer memory checkpoint `step` of every rank of `name` here that holds it, each
+  // verified against its checksums first (`disk`: the newest complete step, for the log; `why`:
+  // "on stop", "before release"). Returns how many ranks' writes were queued; an error when a copy
+  // failed its checksums (nothing is written then) or a write could not be queued.
+  Result<uint32_t> PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why)
+      EXCLUDES(mu_);
   // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
   void FillJobsStatus(DaemonStatus* out) const EXCLUDES(mu_);
   struct RankState {
@@ -306,6 +325,17 @@ class Daemon {
     };
     std::optional<ClientVerified> client_verifying;
     std::string run_id;        // per session: its run, set by Register (the attempt)
+    // Per session: the run a registration in progress has chosen, before it is registered (it lets
+    // mu_ go while it makes the segment). Ranks that register meanwhile join it, as they would
+    // join a registered rank's run, so concurrent registrations without a run id draw one run.
+    std::string pending_run;
+    // Per session: its run was agreed through the root's launches (the rank named none), and the
+    // error when that failed (the session's first snapshot is then refused, naming the fix).
+    bool run_agreed = false;
+    Status run_unagreed;
+    // Per session: a step this rank saved is split (its job's ranks saved it in different attempts),
+    // so no checkpoint of this attempt mix completes: its next snapshot and wait fail with this.
+    Status split_error;
     bool overwrite = false;    // per registration: its first snapshot may start a new lineage
     bool lineage_checked = false;  // per process: the first BeginSnapshot's lineage check passed
     // The trainer process: counts sessions that were not re-attachments. A persist reports to
@@ -353,6 +383,12 @@ class Daemon {
     double last_persist_gbps = 0;
   };
   struct JobState {
+    // Idle release: the memory step it last had written first (newer than the disk), and whether a
+    // failure to write it was told (the job is kept then, until a trainer comes back or an operator
+    // releases it with --force).
+    int64_t release_write_step = -1;
+    int64_t release_disk_step = -1;  // the disk's newest complete step when it was queued
+    bool release_kept_told = false;
     Topology topology;  // degrees and world size of the current registration
     std::map<uint32_t, RankState> ranks;
     // Steps of an earlier layout that may still be in progress when a registration changed the
@@ -391,6 +427,16 @@ class Daemon {
 
   // Why the job's memory cannot be given back now, or "" when it can: a connected rank, or a
   // snapshot still in a slot on its way through the EMA stage or the writer.
+  // The memory steps every rank of `job` here holds, newest first.
+  std::vector<int64_t> CommonMemoryStepsLocked(const JobState& job) const REQUIRES(mu_);
+  // Whether every rank of `job` here holding memory step `step` has written it (this process).
+  bool MemoryStepWrittenLocked(const JobState& job, int64_t step) const REQUIRES(mu_);
+  // ReleaseJob's first part: has memory step `step` of `name` written and waits for it (until
+  // `deadline`). An error, naming the step and the disk's, when it could not be written.
+  Status WriteMemoryBeforeRelease(const std::string& name, int64_t step, int64_t disk,
+                                  std::chrono::steady_clock::time_point deadline) EXCLUDES(mu_);
+  // NOT_FOUND, UNAVAILABLE or FAILED_PRECONDITION (naming why) when `name` cannot be released now.
+  Status ReleasableLocked(const std::string& name) const REQUIRES(mu_);
   std::string ReleaseBlocker(const JobState& job) const REQUIRES(mu_);
   // Takes the job out of jobs_ (into releasing_ until DropReleased is done with it).
   std::vector<std::shared_ptr<RankSegment>> DetachJobLocked(const std::string& name, ReleaseOutcome* outcome)
@@ -470,11 +516,17 @@ class Daemon {
   // without metadata.json; the steps found complete or gone are dropped from the hold.
   Status CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held)
       EXCLUDES(mu_);
-  // The run a registration joins: this session's earlier one, else the request's, else the run of
-  // the job's live registered ranks, else `drawn`. Chosen in the same hold of mu_ that marks the rank
-  // registered, so ranks registering at once agree.
+  // The run a registration joins: this session's earlier one, else the request's, else the one this
+  // registration chose before it let mu_ go (pending_run), else the run a live registered rank of the
+  // job named, else `agreed` (the launch it joined in the root, when it asked), else the run of the
+  // job's live registered ranks, else the run a live rank's registration in progress chose, else
+  // `drawn`. Register chooses it (pending_run) in the hold of mu_ that found no conflicting rank, so
+  // ranks registering at once agree, and again in the hold that marks the rank registered.
   std::string ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state, const Registration& reg,
-                              const std::string& drawn) const REQUIRES(mu_);
+                              const std::string& agreed, const std::string& drawn) const REQUIRES(mu_);
+  // Whether a live rank of `job` other than `rank` is in (or registering into) a run that was named
+  // (by the request or the environment), not agreed through the root: a rank naming none joins it.
+  bool NamedLiveRunLocked(const JobState& job, uint32_t rank) const REQUIRES(mu_);
   // A session's run never changes: an error when `reg` names another than the session's.
   static Status CheckRunKept(const RankState& state, const Registration& reg);
   // The first BeginSnapshot of a session that did not restore: refused while the job's newest
@@ -571,6 +623,8 @@ class Daemon {
   EventHub events_;
   Metrics metrics_;
   Catalog catalog_;
+  // The launches of each job in the root: the run a rank that names none joins (Register).
+  Launches launches_;
   // Leases on the steps this daemon reads or writes, in the root (lease_ttl; written with the real
   // file system, not io_env: they are bookkeeping, not checkpoint data).
   Leases leases_;

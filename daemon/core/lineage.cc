@@ -37,12 +37,37 @@ Status Daemon::CheckRunKept(const RankState& state, const Registration& reg) {
                          reg.run_id + " (a new run is a new process)");
 }
 
+bool Daemon::NamedLiveRunLocked(const JobState& job, uint32_t rank) const {
+  for (const auto& [r, other] : job.ranks) {
+    if (r == rank || other.session_id.empty()) continue;
+    if (other.registered && !other.run_id.empty() && !other.run_agreed) return true;
+    if (!other.registered && !other.pending_run.empty() && !other.run_agreed) return true;
+  }
+  return false;
+}
+
 std::string Daemon::ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state,
-                                    const Registration& reg, const std::string& drawn) const {
+                                    const Registration& reg, const std::string& agreed,
+                                    const std::string& drawn) const {
   if (!state.run_id.empty()) return state.run_id;  // this session registered before: its run is fixed
   if (!reg.run_id.empty()) return reg.run_id;
+  if (!state.pending_run.empty()) return state.pending_run;  // chosen by this registration before it waited
+  // A run the launcher or user named, live here: it is the job's run.
   for (const auto& [r, other] : job.ranks) {
-    if (r != rank && !other.session_id.empty() && other.registered && !other.run_id.empty()) return other.run_id;
+    if (r != rank && !other.session_id.empty() && other.registered && !other.run_id.empty() && !other.run_agreed) {
+      return other.run_id;
+    }
+  }
+  if (!agreed.empty()) return agreed;  // the launch the root says this rank is part of
+  for (const auto& [r, other] : job.ranks) {
+    if (r == rank || other.session_id.empty()) continue;
+    if (other.registered && !other.run_id.empty()) return other.run_id;
+  }
+  // No live rank is registered: join a registration in progress, else start the run.
+  for (const auto& [r, other] : job.ranks) {
+    if (r != rank && !other.session_id.empty() && !other.registered && !other.pending_run.empty()) {
+      return other.pending_run;
+    }
   }
   return drawn;
 }
@@ -134,6 +159,15 @@ void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t ste
   while (job.split_steps.size() > kSplitSteps) job.split_steps.erase(job.split_steps.begin());
   job.split_attempts += 1;
   job.split = text;
+  // Every live rank of the job hears it at its next snapshot or wait: none of its later steps can
+  // complete either, in this mix of attempts.
+  const Status error = FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + name +
+                                          "' is split: its ranks saved it in different attempts (" + text +
+                                          "), so it and every later step of these processes can never complete; "
+                                          "restart every rank of the job from one checkpoint");
+  for (auto& [r, state] : job.ranks) {
+    if (!state.session_id.empty() && state.split_error.ok()) state.split_error = error;
+  }
   Logger("rpc")->error("split attempt job={} {}: this step never completes; restart every rank of the job from one "
                        "checkpoint",
                        name, text);
@@ -187,8 +221,8 @@ Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::ch
       if (jit != jobs_.end()) {
         if (const JobState::Split* split = LiveSplitLocked(jit->second, step)) {
           return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
-                                    "' can never complete: its ranks saved it in different attempts (" + split->text +
-                                    "); restart every rank of the job from one checkpoint");
+                                    "' is split: its ranks saved it in different attempts (" + split->text +
+                                    "), so it can never complete; restart every rank of the job from one checkpoint");
         }
       }
       // Completion by another daemon sharing the root is seen on the next look at the disk.

@@ -4,6 +4,11 @@
 // their records are removed, the EMA segments too (the checkpoints hold the EMA), and status no
 // longer lists it. A trainer of the job that comes back later registers afresh.
 //
+// Nothing newer than the disk is dropped in silence: a memory checkpoint held by every rank of the
+// job here, newer than the newest complete checkpoint, is written first (as --persist-on-stop does
+// at a stop); if it cannot be, the job is kept. `flashckpt release --force` drops it, and says which
+// steps went. The event, the log line and the metrics name the step written or dropped.
+//
 // The unlinking happens outside mu_. Meanwhile the job's name is in releasing_, and OpenSession
 // of that job waits for it, so no new registration can map a segment name about to disappear.
 #include <limits>
@@ -70,6 +75,75 @@ std::vector<std::shared_ptr<RankSegment>> Daemon::DetachJobLocked(const std::str
   return segments;
 }
 
+std::vector<int64_t> Daemon::CommonMemoryStepsLocked(const JobState& job) const {
+  bool first = true;
+  std::vector<int64_t> steps;
+  for (const auto& [r, rank] : job.ranks) {
+    if (!rank.segment) continue;
+    std::vector<int64_t> held = Slots(*rank.segment).ResidentSteps();  // newest first
+    steps = first ? std::move(held) : StepsAlsoIn(steps, held);
+    first = false;
+  }
+  return steps;
+}
+
+bool Daemon::MemoryStepWrittenLocked(const JobState& job, int64_t step) const {
+  for (const auto& [r, rank] : job.ranks) {
+    if (!rank.segment) continue;
+    const std::vector<int64_t> held = Slots(*rank.segment).ResidentSteps();
+    if (std::find(held.begin(), held.end(), step) == held.end()) continue;
+    if (rank.last_persisted < step) return false;
+  }
+  return true;
+}
+
+Status Daemon::ReleasableLocked(const std::string& name) const {
+  if (stopping_) return Unavailable("the daemon is stopping; its segments are left for the next daemon");
+  auto it = jobs_.find(name);
+  if (it == jobs_.end()) {
+    return NotFound("flashckptd holds no job '" + name + "'" +
+                    (releasing_.count(name) != 0 ? " (it is being released)" : " (see flashckpt status)"));
+  }
+  const std::string blocker = ReleaseBlocker(it->second);
+  if (!blocker.empty()) {
+    Logger("rpc")->warn("release refused job={}: {}", name, blocker);
+    return FailedPrecondition("job '" + name + "' is not released: " + blocker +
+                              "; a job is released once all its ranks have gone and its snapshots are written");
+  }
+  return Status::OK();
+}
+
+Status Daemon::WriteMemoryBeforeRelease(const std::string& name, int64_t step, int64_t disk,
+                                        std::chrono::steady_clock::time_point deadline) {
+  const std::string what = "memory checkpoint step " + std::to_string(step) + " of job '" + name +
+                           "' (newer than the disk's " + (disk < 0 ? std::string("none") : "step " + std::to_string(disk)) +
+                           ")";
+  auto kept = [&](const Status& why) {
+    return FailedPrecondition("job '" + name + "' is kept: its " + what + " could not be written (" + why.ToString() +
+                              "); release it with --force to drop it");
+  };
+  Result<uint32_t> queued = PersistMemoryStep(name, step, disk, "before release");
+  if (!queued.ok()) return kept(queued.status());
+  MutexLock lock(&mu_);
+  for (;;) {
+    auto it = jobs_.find(name);
+    if (it == jobs_.end()) return NotFound("job '" + name + "' went while its " + what + " was written");
+    bool writing = false;
+    for (const auto& [r, rank] : it->second.ranks) {
+      if (auto failed = rank.failed.find(step); failed != rank.failed.end()) return kept(failed->second);
+      if (rank.segment && Slots(*rank.segment).CountIn(SlotState::kPersisting) > 0) writing = true;
+    }
+    if (!writing) {
+      if (!MemoryStepWrittenLocked(it->second, step)) return kept(Internal("a rank's copy was not written"));
+      return Status::OK();
+    }
+    if (!cv_.WaitUntil(&lock, deadline)) {
+      return DeadlineExceeded("job '" + name + "' is kept: its " + what + " is still being written; release again "
+                              "once it is");
+    }
+  }
+}
+
 void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
                           const ReleaseOutcome& outcome, const std::string& reason) {
   if (sender_) sender_->Forget(name);  // its queued replicas hold the segments too
@@ -93,37 +167,67 @@ void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<R
       Logger("rpc")->warn("released job={}: a segment is still in use after 10 s; it goes when its user lets go", name);
     }
   }
-  Logger("rpc")->info("released job={} ranks={} bytes={} reason={}", name, outcome.ranks, FormatBytes(outcome.bytes),
-                      reason);
+  std::string memory = "memory_newer_than_disk=none";
+  if (outcome.written_step >= 0) memory = "written_step=" + std::to_string(outcome.written_step);
+  if (!outcome.dropped_steps.empty()) {
+    memory = "dropped_steps=";
+    for (size_t i = 0; i < outcome.dropped_steps.size(); ++i) {
+      memory += (i ? "," : "") + std::to_string(outcome.dropped_steps[i]);
+    }
+  }
+  auto level = outcome.dropped_steps.empty() ? spdlog::level::info : spdlog::level::warn;
+  Logger("rpc")->log(level, "released job={} ranks={} bytes={} reason={} {} disk_step={}", name, outcome.ranks,
+                     FormatBytes(outcome.bytes), reason, memory, outcome.disk_step);
   DaemonEvent event;
   event.kind = DaemonEvent::Kind::kJobReleased;
   event.job = name;
   event.bytes = outcome.bytes;
   event.reason = reason;
+  // The step written first, or the newest dropped (code says which); -1: nothing newer than disk.
+  event.step = outcome.written_step >= 0 ? outcome.written_step
+                                         : outcome.dropped_steps.empty() ? -1 : outcome.dropped_steps.front();
+  event.code = outcome.written_step >= 0 ? "written" : outcome.dropped_steps.empty() ? "" : "dropped";
   Emit(std::move(event));
   MutexLock lock(&mu_);
   releasing_.erase(name);
   cv_.NotifyAll();
 }
 
-Result<ReleaseOutcome> Daemon::ReleaseJob(const std::string& job, const std::string& reason) {
+Result<ReleaseOutcome> Daemon::ReleaseJob(const std::string& job, const std::string& reason, bool force,
+                                          std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(ValidateJobName(job));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   ReleaseOutcome outcome;
+  std::vector<int64_t> memory;
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(ReleasableLocked(job));
+    memory = CommonMemoryStepsLocked(jobs_.at(job));
+  }
+  if (!memory.empty()) {
+    // Read without the lock. A root that cannot be read keeps the job: what is newer is unknown.
+    Result<std::optional<int64_t>> latest = catalog_.LatestComplete(job);
+    if (!latest.ok()) {
+      return FailedPrecondition("job '" + job + "' is kept: the newest complete checkpoint on disk cannot be read (" +
+                                latest.status().ToString() + ") to tell whether its memory checkpoints are newer" +
+                                (force ? "" : "; release it with --force to drop them"));
+    }
+    outcome.disk_step = latest->value_or(-1);
+    if (memory.front() > outcome.disk_step) {
+      if (force) {
+        for (int64_t step : memory) {
+          if (step > outcome.disk_step) outcome.dropped_steps.push_back(step);
+        }
+      } else {
+        RETURN_IF_ERROR(WriteMemoryBeforeRelease(job, memory.front(), outcome.disk_step, deadline));
+        outcome.written_step = memory.front();
+      }
+    }
+  }
   std::vector<std::shared_ptr<RankSegment>> segments;
   {
     MutexLock lock(&mu_);
-    if (stopping_) return Unavailable("the daemon is stopping; its segments are left for the next daemon");
-    auto it = jobs_.find(job);
-    if (it == jobs_.end()) {
-      return NotFound("flashckptd holds no job '" + job + "'" +
-                      (releasing_.count(job) != 0 ? " (it is being released)" : " (see flashckpt status)"));
-    }
-    const std::string blocker = ReleaseBlocker(it->second);
-    if (!blocker.empty()) {
-      Logger("rpc")->warn("release refused job={}: {}", job, blocker);
-      return FailedPrecondition("job '" + job + "' is not released: " + blocker +
-                                "; a job is released once all its ranks have gone and its snapshots are written");
-    }
+    RETURN_IF_ERROR(ReleasableLocked(job));  // again: a trainer may have come back meanwhile
     segments = DetachJobLocked(job, &outcome);
   }
   DropReleased(job, std::move(segments), outcome, reason);
@@ -201,6 +305,47 @@ void Daemon::IdleReleaseLoop() {
       auto it = jobs_.find(name);
       if (it == jobs_.end() || !IdleDueLocked(it->second)) continue;
       ReleaseOutcome outcome;
+      // A memory checkpoint newer than the disk is written first, on one pass, and the job released
+      // on a later one once it is; a job whose memory step cannot be written is kept.
+      const std::vector<int64_t> memory = CommonMemoryStepsLocked(it->second);
+      if (!memory.empty()) {
+        const int64_t step = memory.front();
+        lock.Unlock();
+        Result<std::optional<int64_t>> latest = catalog_.LatestComplete(name);
+        lock.Lock();
+        if (stopping_) break;
+        it = jobs_.find(name);
+        if (it == jobs_.end() || !IdleDueLocked(it->second)) continue;
+        JobState& job = it->second;
+        outcome.disk_step = latest.ok() ? latest->value_or(-1) : -1;
+        if (job.release_write_step == step && MemoryStepWrittenLocked(job, step)) {
+          outcome.written_step = step;  // written on an earlier pass (its checkpoint may be complete now)
+          outcome.disk_step = job.release_disk_step;
+        } else if (step > outcome.disk_step || !latest.ok()) {
+          if (job.release_write_step == step) {
+            if (!job.release_kept_told) {
+              job.release_kept_told = true;
+              Logger("rpc")->error("idle release kept job={}: its memory checkpoint step={} (newer than the disk's "
+                                   "step={}) could not be written; `flashckpt release --job {} --force` drops it",
+                                   name, step, outcome.disk_step, name);
+            }
+            continue;
+          } else {
+            job.release_write_step = step;
+            job.release_disk_step = outcome.disk_step;
+            job.release_kept_told = false;
+            lock.Unlock();
+            Result<uint32_t> queued = PersistMemoryStep(name, step, outcome.disk_step, "before idle release");
+            if (!queued.ok()) {
+              Logger("rpc")->error("idle release job={}: memory step={} not written: {}", name, step,
+                                   queued.status().ToString());
+            }
+            lock.Lock();
+            if (stopping_) break;
+            continue;  // released on a later pass, once written
+          }
+        }
+      }
       std::vector<std::shared_ptr<RankSegment>> segments = DetachJobLocked(name, &outcome);
       lock.Unlock();
       DropReleased(name, std::move(segments), outcome, "idle");

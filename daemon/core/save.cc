@@ -102,6 +102,16 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
     job = sessions_[session_id].job;
     if (!rank->fatal_error.ok()) return rank->fatal_error;
+    if (!rank->split_error.ok()) return rank->split_error;
+    if (!rank->run_unagreed.ok() && rank->topology.world_size > 1) {
+      // Its ranks on other daemons could be in another run: its checkpoints might never complete.
+      return FailedPrecondition(
+          "job '" + job + "' rank " + std::to_string(sessions_[session_id].rank) +
+          " has no run shared with the job's other ranks: none was named, and agreeing on one through the root "
+          "failed (" + rank->run_unagreed.ToString() + "); give every rank of a launch one run id "
+          "(ClientOptions::run_id, run_id= in Python, or FLASHCKPT_RUN_ID, e.g. the scheduler's job id with its "
+          "restart count), or make the root writable");
+    }
     if (step <= rank->last_begun) {
       return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
                              std::to_string(rank->last_begun) + "; steps must increase");
@@ -586,6 +596,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     bool final = false;
     ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
     job = sessions_.at(session_id).job;
+    if (!rank->split_error.ok()) return rank->split_error;
     if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
       // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
       return SaveFailed(job, step, failed->second, config_.root);
@@ -639,20 +650,82 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
   }
 }
 
+Result<uint32_t> Daemon::PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why) {
+  // Each rank's slot goes PERSISTING (nobody else takes it) and is verified against the checksums
+  // taken after its commit, without the lock: memory that changed since is never written.
+  struct Pinned {
+    uint32_t rank;
+    std::shared_ptr<RankSegment> segment;
+    SlotTicket ticket;
+    std::shared_ptr<const ResidentCheckpoint> resident;
+    Status verified;
+  };
+  std::vector<Pinned> pinned;
+  {
+    MutexLock lock(&mu_);
+    auto jit = jobs_.find(name);
+    if (jit == jobs_.end()) return NotFound("job '" + name + "' is no longer held");
+    for (auto& [r, rank] : jit->second.ranks) {
+      if (!rank.segment) continue;
+      std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
+      if (!ticket) continue;  // dropped meanwhile
+      Mirror(*rank.segment, ticket->slot);
+      pinned.push_back({r, rank.segment, *ticket, Slots(*rank.segment).ResidentIn(ticket->slot), Status::OK()});
+    }
+  }
+  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  Status intact;
+  for (Pinned& p : pinned) {
+    p.verified = VerifySlotChecksums(p.segment->Slot(p.ticket.slot), p.segment->layout, p.resident->sums, &verifiers);
+    if (intact.ok() && !p.verified.ok()) intact = p.verified;
+  }
+  MutexLock lock(&mu_);
+  uint32_t ranks = 0;
+  Status submit_error;
+  for (Pinned& p : pinned) {
+    RankState* rank = nullptr;
+    if (auto jit = jobs_.find(name); jit != jobs_.end()) {
+      if (auto rit = jit->second.ranks.find(p.rank); rit != jit->second.ranks.end()) rank = &rit->second;
+    }
+    if (!intact.ok() || rank == nullptr) {
+      (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+      Mirror(*p.segment, p.ticket.slot);
+      const std::string instead = std::string("not writing it ") + why;
+      if (!p.verified.ok()) MemoryFailedLocked(*p.segment, name, p.rank, step, p.verified, instead.c_str());
+      continue;
+    }
+    // Signalled in the attempt of the process that took it, as its own disk saves are.
+    PersistRequest request = MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
+                                                p.resident->attempt, p.segment, p.ticket, step, p.resident->extra);
+    if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
+      (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+      Mirror(*p.segment, p.ticket.slot);
+      Logger("writer")->error("persist {} not queued job={} step={} rank={} error=\"{}\"", why, name, step, p.rank,
+                              submitted.ToString());
+      if (submit_error.ok()) submit_error = submitted;
+      continue;
+    }
+    ranks += 1;
+  }
+  cv_.NotifyAll();
+  if (!intact.ok()) {
+    Logger("writer")->error("persist {}: job={} memory step={} not written: a rank's copy failed its checksums", why,
+                            name, step);
+    return intact.WithContext("memory step " + std::to_string(step) + " of job '" + name + "'");
+  }
+  if (!submit_error.ok()) return submit_error;
+  Logger("writer")->info("persist {}: job={} memory step={} ranks={} (disk's latest: {})", why, name, step, ranks,
+                         disk < 0 ? std::string("none") : std::to_string(disk));
+  return ranks;
+}
+
 uint32_t Daemon::PersistMemoryOnStop() {
   // Per job: the memory steps every rank of it here holds, newest first.
   std::map<std::string, std::vector<int64_t>> common;
   {
     MutexLock lock(&mu_);
     for (const auto& [name, job] : jobs_) {
-      bool first = true;
-      std::vector<int64_t> steps;
-      for (const auto& [r, rank] : job.ranks) {
-        if (!rank.segment) continue;
-        std::vector<int64_t> held = Slots(*rank.segment).ResidentSteps();  // newest first
-        steps = first ? std::move(held) : StepsAlsoIn(steps, held);
-        first = false;
-      }
+      std::vector<int64_t> steps = CommonMemoryStepsLocked(job);
       if (!steps.empty()) common[name] = std::move(steps);
     }
   }
@@ -668,68 +741,8 @@ uint32_t Daemon::PersistMemoryOnStop() {
                              name, step, disk);
       continue;
     }
-    // Each rank's slot goes PERSISTING (nobody else takes it) and is verified against the checksums
-    // taken after its commit, without the lock: memory that changed since is never written.
-    struct Pinned {
-      uint32_t rank;
-      std::shared_ptr<RankSegment> segment;
-      SlotTicket ticket;
-      std::shared_ptr<const ResidentCheckpoint> resident;
-      Status verified;
-    };
-    std::vector<Pinned> pinned;
-    {
-      MutexLock lock(&mu_);
-      auto jit = jobs_.find(name);
-      if (jit == jobs_.end()) continue;
-      for (auto& [r, rank] : jit->second.ranks) {
-        if (!rank.segment) continue;
-        std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
-        if (!ticket) continue;  // dropped meanwhile
-        Mirror(*rank.segment, ticket->slot);
-        pinned.push_back({r, rank.segment, *ticket, Slots(*rank.segment).ResidentIn(ticket->slot), Status::OK()});
-      }
-    }
-    ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
-    bool intact = true;
-    for (Pinned& p : pinned) {
-      p.verified = VerifySlotChecksums(p.segment->Slot(p.ticket.slot), p.segment->layout, p.resident->sums, &verifiers);
-      intact = intact && p.verified.ok();
-    }
-    MutexLock lock(&mu_);
-    uint32_t ranks = 0;
-    for (Pinned& p : pinned) {
-      RankState* rank = nullptr;
-      if (auto jit = jobs_.find(name); jit != jobs_.end()) {
-        if (auto rit = jit->second.ranks.find(p.rank); rit != jit->second.ranks.end()) rank = &rit->second;
-      }
-      if (!intact || rank == nullptr) {
-        (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
-        Mirror(*p.segment, p.ticket.slot);
-        if (!p.verified.ok()) MemoryFailedLocked(*p.segment, name, p.rank, step, p.verified, "not writing it at the stop");
-        continue;
-      }
-      // Signalled in the attempt of the process that took it, as its own disk saves are.
-      PersistRequest request = MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
-                                                  p.resident->attempt, p.segment, p.ticket, step, p.resident->extra);
-      if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
-        (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
-        Mirror(*p.segment, p.ticket.slot);
-        Logger("writer")->error("persist on stop not queued job={} step={} rank={} error=\"{}\"", name, step, p.rank,
-                                submitted.ToString());
-        continue;
-      }
-      ranks += 1;
-    }
-    cv_.NotifyAll();
-    if (!intact) {
-      Logger("writer")->error("persist on stop: job={} memory step={} not written: a rank's copy failed its checksums",
-                              name, step);
-      continue;
-    }
-    queued += ranks;
-    Logger("writer")->info("persist on stop: job={} memory step={} ranks={} (disk's latest: {})", name, step, ranks,
-                           disk < 0 ? std::string("none") : std::to_string(disk));
+    Result<uint32_t> ranks = PersistMemoryStep(name, step, disk, "on stop");
+    if (ranks.ok()) queued += *ranks;
   }
   return queued;
 }

@@ -249,6 +249,8 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*, const v1::
       auto* out = c->add_signalled();
       out->set_rank(r.rank);
       out->set_node(r.node);
+      out->set_run_id(r.run_id);
+      out->set_resumed_from(r.resumed_from);
     }
   }
   return grpc::Status::OK;
@@ -309,10 +311,13 @@ grpc::Status CheckpointService::DeleteCheckpoints(grpc::ServerContext*, const v1
 grpc::Status CheckpointService::ReleaseJob(grpc::ServerContext*, const v1::ReleaseJobRequest* req,
                                            v1::ReleaseJobResponse* resp) {
   RETURN_GRPC_IF_ERROR(ValidateJobName(req->job()));
-  auto outcome = daemon_->ReleaseJob(req->job());
+  auto outcome = daemon_->ReleaseJob(req->job(), "release", req->force());
   if (!outcome.ok()) return ToGrpc(outcome.status());
   resp->set_ranks(outcome->ranks);
   resp->set_bytes(outcome->bytes);
+  resp->set_disk_step(outcome->disk_step);
+  resp->set_written_step(outcome->written_step);
+  for (int64_t step : outcome->dropped_steps) resp->add_dropped_steps(step);
   return grpc::Status::OK;
 }
 

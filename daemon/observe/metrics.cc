@@ -108,7 +108,11 @@ void Metrics::Observe(const DaemonEvent& event) {
       break;
     case DaemonEvent::Kind::kPersistFailed: s.failures[event.code.empty() ? "UNKNOWN" : event.code] += 1; break;
     case DaemonEvent::Kind::kPersistAbandoned: s.abandoned += 1; break;
-    case DaemonEvent::Kind::kJobReleased: s.released += 1; break;
+    case DaemonEvent::Kind::kJobReleased:
+      s.released += 1;
+      if (event.code == "written") s.release_written += 1;
+      if (event.code == "dropped") s.release_dropped += 1;
+      break;
     case DaemonEvent::Kind::kSplitAttempt: s.split_attempts += 1; break;
     case DaemonEvent::Kind::kMemoryFallback: s.memory_fallbacks += 1; break;
     case DaemonEvent::Kind::kCheckpointComplete:
@@ -171,9 +175,17 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
       {"flashckpt_jobs_released_total",
        "Times the job's shared memory was given back (idle for --idle-release, or flashckpt release).",
        &JobSeries::released},
-      {"flashckpt_split_attempts_total",
-       "Steps the job's ranks saved in different attempts (a rank restored while the others went on): they never "
-       "complete.",
+      {"flashckpt_release_memory_written_total",
+       "Releases (idle or flashckpt release) that first wrote the job's memory checkpoint newer than its newest "
+       "complete checkpoint on disk.",
+       &JobSeries::release_written},
+      {"flashckpt_release_memory_dropped_total",
+       "Releases (flashckpt release --force) that dropped memory checkpoints newer than the job's newest complete "
+       "checkpoint on disk.",
+       &JobSeries::release_dropped},
+      {"flashckpt_split_steps_total",
+       "Steps the job's ranks saved in different attempts (a rank restored while the others went on, or ranks "
+       "launched apart with different runs): they never complete.",
        &JobSeries::split_attempts},
       {"flashckpt_memory_fallbacks_total",
        "Memory checkpoints that failed their checksums at a restore (the daemon's check, or the client's as it "

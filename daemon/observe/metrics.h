@@ -60,6 +60,8 @@ class Metrics {
     uint64_t snapshots = 0, skipped = 0, slot_waits = 0, slot_wait_timeouts = 0;
     uint64_t ema_updates = 0, persists = 0, persisted_bytes = 0, completed = 0, abandoned = 0;
     uint64_t released = 0;  // times the job's shared memory was given back
+    uint64_t release_written = 0;  // releases that first wrote a memory checkpoint newer than disk
+    uint64_t release_dropped = 0;  // releases (--force) that dropped memory checkpoints newer than disk
     uint64_t split_attempts = 0;  // steps saved by its ranks in different attempts (never complete)
     uint64_t memory_fallbacks = 0;  // memory checkpoints that failed their checksums at a restore
     std::map<std::string, uint64_t> failures;  // by the error's code name

@@ -270,11 +270,11 @@ TEST(ListText, NamesTheMissingRanksAndTheirLastNodes) {
   list[0].latest = true;
   list[0].world_size = 3;
   list[0].signals = 3;
-  list[0].signalled = {{0, "gpu-a"}, {1, "gpu-a"}, {2, "gpu-b"}};
+  list[0].signalled = {{0, "gpu-a", "r1", 0}, {1, "gpu-a", "r1", 0}, {2, "gpu-b", "r1", 0}};
   list[1].step = 20;
   list[1].world_size = 3;
   list[1].signals = 1;
-  list[1].signalled = {{1, "gpu-a"}};
+  list[1].signalled = {{1, "gpu-a", "r1", 0}};
   const std::string text = ListText(list);
   std::string row10, row20;
   for (size_t at = 0, end; at < text.size(); at = end + 1) {
@@ -291,12 +291,45 @@ TEST(ListText, NamesTheMissingRanksAndTheirLastNodes) {
   EXPECT_EQ(j[1]["missing"][1]["rank"], 2);
   EXPECT_EQ(j[1]["missing"][1]["last_node"], "gpu-b");
   EXPECT_TRUE(j[0]["missing"].empty());
+  EXPECT_NE(row10.find("r1 (fresh)"), std::string::npos) << text;
+  EXPECT_FALSE(j[0]["split"].get<bool>());
+}
+
+// A step every rank signalled, in different attempts, is split: it never completes, and the list
+// says so with the runs and their ranks.
+TEST(ListText, NamesASplitStepWithItsRunsAndRanks) {
+  std::vector<CheckpointInfo> list(1);
+  list[0].job = "llama";
+  list[0].step = 30;
+  list[0].world_size = 3;
+  list[0].signals = 3;
+  list[0].signalled = {{0, "gpu-a", "a1", 0}, {1, "gpu-a", "a1", 0}, {2, "gpu-b", "b2", 20}};
+  const std::string text = ListText(list);
+  EXPECT_NE(text.find("no (split)"), std::string::npos) << text;
+  EXPECT_NE(text.find("split: a1 (fresh) ranks 0-1; b2 (resumed from 20) ranks 2"), std::string::npos) << text;
+  auto j = ListJson(list);
+  EXPECT_TRUE(j[0]["split"].get<bool>());
+  ASSERT_EQ(j[0]["runs"].size(), 2u);
+  EXPECT_EQ(j[0]["runs"][1]["run_id"], "b2");
+  EXPECT_EQ(j[0]["runs"][1]["resumed_from"], 20);
+  EXPECT_EQ(j[0]["runs"][0]["ranks"], nlohmann::ordered_json({0, 1}));
+  // Not every rank yet: not a split (the rest may still be saving it in the same attempt).
+  list[0].signalled.pop_back();
+  list[0].signals = 2;
+  EXPECT_EQ(ListText(list).find("split"), std::string::npos) << ListText(list);
 }
 
 TEST(InspectText, ShowsTopologyEmaFilesAndOneRowPerTensorAndKind) {
-  std::string text = InspectText("/ck/llama/checkpoint-1200", TwoRankMetadata(), {{0, "gpu-a"}, {1, "gpu-b"}});
+  std::string text = InspectText("/ck/llama/checkpoint-1200", TwoRankMetadata(), {{0, "gpu-a", "r1", 0}, {1, "gpu-b", "r1", 0}});
   EXPECT_NE(text.find("nodes       gpu-a (rank 0), gpu-b (rank 1)\n"), std::string::npos) << text;
   EXPECT_NE(text.find("topology    world size 2: tp 2 x pp 1 x shard 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("run         (no run id) (fresh)\n"), std::string::npos) << text;
+  CheckpointMetadata resumed = TwoRankMetadata();
+  resumed.run_id = "r7";
+  resumed.resumed_from = 100;
+  const std::string text2 = InspectText("/ck/llama/checkpoint-1200", resumed, {});
+  EXPECT_NE(text2.find("run         r7 (resumed from 100)\n"), std::string::npos) << text2;
+  EXPECT_EQ(InspectJson("d", resumed, {})["run"]["run_id"], "r7");
   EXPECT_NE(text.find("ema         decay 0.9999, interval 10, init first, model params all; 120 updates applied, 0 "
                       "skipped, last at step 1200\n"),
             std::string::npos)
@@ -321,7 +354,7 @@ TEST(InspectText, FlagsPiecesThatDisagreeOnDtype) {
 }
 
 TEST(InspectJson, CountsTensorsPiecesAndBytes) {
-  auto j = InspectJson("d", TwoRankMetadata(), {{0, "gpu-a"}, {1, ""}});
+  auto j = InspectJson("d", TwoRankMetadata(), {{0, "gpu-a", "r1", 0}, {1, "", "r1", 0}});
   EXPECT_EQ(j["signalled"][0]["node"], "gpu-a");
   EXPECT_TRUE(j["signalled"][1]["node"].is_null());
   EXPECT_EQ(j["topology"]["world_size"], 2);

@@ -89,8 +89,8 @@ class DaemonThreadsTest : public ::testing::Test {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
 
-  Status Join(uint32_t rank, Trainer* t) {
-    ASSIGN_OR_RETURN(t->session, daemon_->OpenSession(job_, rank));
+  Status Join(uint32_t rank, Trainer* t, const std::string& job = "", const std::string& run_id = "") {
+    ASSIGN_OR_RETURN(t->session, daemon_->OpenSession(job.empty() ? job_ : job, rank));
     // RankSpecs(rank) as the request a client sends: tp across kRanks, EMA with decay 0.5.
     v1::RegisterRequest req;
     auto* topology = req.mutable_topology();
@@ -108,6 +108,7 @@ class DaemonThreadsTest : public ::testing::Test {
       for (auto d : spec.global_shape) p->add_global_shape(d);
       for (auto d : spec.box_offset) p->add_box_offset(d);
     }
+    req.set_run_id(run_id);
     req.mutable_ema()->set_enabled(true);
     req.mutable_ema()->set_decay(0.5);
     req.mutable_ema()->set_interval(1);
@@ -193,6 +194,59 @@ TEST_F(DaemonThreadsTest, RanksSaveRestoreAndReadTheEmaConcurrentlyWhileStatusIs
   done = true;
   observer.join();
   for (uint32_t r = 0; r < kRanks; ++r) EXPECT_OK(results[r]);
+}
+
+// Ranks of one job launched together with no run id register at the same moment, each while the
+// others make their segments (mu_ let go): they always end in one run. Ranks naming two runs at once
+// are not both accepted: one run is refused, and its error names both.
+TEST_F(DaemonThreadsTest, RanksRegisteringAtOnceWithoutARunIdShareOneRunAndTwoNamedRunsAreRefused) {
+  constexpr int kLaunches = 30;
+  for (int launch = 0; launch < kLaunches; ++launch) {
+    const std::string job = job_ + "-l" + std::to_string(launch);
+    std::vector<Trainer> trainers(kRanks);
+    std::vector<Status> results(kRanks);
+    std::atomic<uint32_t> ready{0};
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        ready.fetch_add(1);
+        while (ready.load() < kRanks) {
+        }
+        results[r] = Join(r, &trainers[r], job);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (uint32_t r = 0; r < kRanks; ++r) ASSERT_TRUE(results[r].ok()) << "launch " << launch << ": " << results[r].ToString();
+    for (uint32_t r = 1; r < kRanks; ++r) {
+      ASSERT_EQ(trainers[r].reg.run_id(), trainers[0].reg.run_id()) << "launch " << launch << ": two runs";
+    }
+    for (uint32_t r = 0; r < kRanks; ++r) daemon_->CloseSession(trainers[r].session);
+    UnlinkEmaSegments(job);
+  }
+  // Two named runs at once: rank 0 in run A, rank 1 in run B.
+  const std::string job = job_ + "-two";
+  std::vector<Trainer> trainers(kRanks);
+  std::vector<Status> results(kRanks);
+  std::atomic<uint32_t> ready{0};
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      ready.fetch_add(1);
+      while (ready.load() < kRanks) {
+      }
+      results[r] = Join(r, &trainers[r], job, r == 0 ? "run-A" : "run-B");
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_NE(results[0].ok(), results[1].ok()) << results[0].ToString() << " / " << results[1].ToString();
+  const Status& refused = results[0].ok() ? results[1] : results[0];
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+  EXPECT_NE(refused.message().find("run-A"), std::string::npos) << refused.ToString();
+  EXPECT_NE(refused.message().find("run-B"), std::string::npos) << refused.ToString();
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    if (!trainers[r].session.empty()) daemon_->CloseSession(trainers[r].session);
+  }
+  UnlinkEmaSegments(job);
 }
 
 // A trainer that dies with a slot FILLING while its other snapshots are written: the session ends

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -129,6 +130,11 @@ TEST_F(MemoryTierTest, AMemoryCheckpointOutlivesItsTrainerAndIsNeverWritten) {
     EXPECT_EQ(rank.memory_step, 12);
     EXPECT_EQ(rank.memory_checkpoints, 2u);
     EXPECT_GE(rank.memory_bytes, 2 * 2 * kFloats * 4);
+    // The slots holding them are named as such, with their steps, not as free.
+    std::set<std::string> held_slots;
+    for (const SlotStatus& slot : rank.slots) held_slots.insert(slot.state + "@" + std::to_string(slot.step));
+    EXPECT_TRUE(held_slots.count("memory@11") && held_slots.count("memory@12"))
+        << ::testing::PrintToString(held_slots);
     const std::string metrics = d_.daemon()->RenderMetrics();
     EXPECT_TRUE(Contains(metrics, "flashckpt_memory_checkpoint_step{job=\"memtier-mem\"} 12")) << metrics;
     EXPECT_TRUE(Contains(metrics, "flashckpt_memory_checkpoint_bytes{job=\"memtier-mem\"} " +

@@ -525,6 +525,17 @@ TEST(RunTest, TheRunIdComesFromTheEnvironmentWhenTheTrainerGivesNone) {
   for (const char* name : {"SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"}) {
     ::unsetenv(name);
   }
+  // Open MPI and PMIx launchers, and a Kubernetes JobSet (its labels through the downward API).
+  ::setenv("JOBSET_NAME", "llama", 1);
+  ::setenv("JOBSET_RESTART_ATTEMPT", "1", 1);
+  EXPECT_EQ(run_of(0), "jobset-llama.1");
+  ::setenv("OMPI_MCA_orte_ess_jobid", "31457", 1);
+  EXPECT_EQ(run_of(0), "ompi-31457");
+  ::setenv("PMIX_NAMESPACE", "prterun-node1-4242@1", 1);
+  EXPECT_EQ(run_of(0), "pmix-prterun-node1-4242-1");
+  for (const char* name : {"JOBSET_NAME", "JOBSET_RESTART_ATTEMPT", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE"}) {
+    ::unsetenv(name);
+  }
   EXPECT_EQ(run_of(0).size(), 16u) << "drawn by the daemon";
 }
 
@@ -544,8 +555,15 @@ TEST(RunTest, AStepSavedInDifferentAttemptsIsAnErrorEveryoneSees) {
   ASSERT_OK(restored.status());
   ASSERT_EQ(restored->step, 5);
   for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(two.ranks[r]->Snapshot(10, two.Bufs(r), {}).status());
-  // Each rank's own part is durable: WaitPersisted has nothing to report.
-  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(two.ranks[r]->WaitPersisted(10, 10s));
+  // Each rank's own part is written, but the wait says the step is split (known at the second commit).
+  for (uint32_t r = 0; r < 2; ++r) {
+    const std::string signal = d.StepDir(job, 10) + "/saved_signal_" + std::to_string(r);
+    for (int i = 0; i < 1000 && !std::filesystem::exists(signal); ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_TRUE(std::filesystem::exists(signal)) << signal;
+    Status waited = two.ranks[r]->WaitPersisted(10, 10s);
+    EXPECT_EQ(waited.code(), StatusCode::kFailedPrecondition) << waited.ToString();
+    EXPECT_TRUE(Contains(waited.message(), "is split")) << waited.ToString();
+  }
   EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, 10) + "/metadata.json"));
 
   // The wait for the checkpoint says at once that it never completes, and why.
@@ -554,7 +572,7 @@ TEST(RunTest, AStepSavedInDifferentAttemptsIsAnErrorEveryoneSees) {
     Status split = two.ranks[r]->WaitComplete(10, 30s);
     EXPECT_EQ(split.code(), StatusCode::kFailedPrecondition) << split.ToString();
     EXPECT_LT(std::chrono::steady_clock::now() - begun, 10s) << "not a timeout";
-    for (const char* word : {"checkpoint-10", "can never complete", "rank 0 in run", "(fresh)", "rank 1 in run",
+    for (const char* word : {"checkpoint-10", "is split", "can never complete", "rank 0 in run", "(fresh)", "rank 1 in run",
                              "resumed from step 5"}) {
       EXPECT_TRUE(Contains(split.message(), word)) << "'" << word << "' in " << split.ToString();
     }
@@ -567,7 +585,7 @@ TEST(RunTest, AStepSavedInDifferentAttemptsIsAnErrorEveryoneSees) {
   EXPECT_EQ(status.jobs[0].ranks[1].resumed_from, 5);
   EXPECT_EQ(status.jobs[0].ranks[0].resumed_from, 0);
   EXPECT_TRUE(Contains(cli::StatusText(status), "SPLIT ATTEMPT: 1 step(s)")) << cli::StatusText(status);
-  EXPECT_TRUE(Contains(d.daemon()->RenderMetrics(), "flashckpt_split_attempts_total{job=\"" + job + "\"} 1"))
+  EXPECT_TRUE(Contains(d.daemon()->RenderMetrics(), "flashckpt_split_steps_total{job=\"" + job + "\"} 1"))
       << d.daemon()->RenderMetrics();
   bool seen = false;
   DaemonEvent event;
@@ -576,9 +594,15 @@ TEST(RunTest, AStepSavedInDifferentAttemptsIsAnErrorEveryoneSees) {
     seen = true;
     EXPECT_EQ(event.step, 10);
     EXPECT_TRUE(Contains(event.reason, "resumed from step 5")) << event.reason;
-    EXPECT_TRUE(Contains(cli::EventText(event), "split")) << cli::EventText(event);
+    EXPECT_TRUE(Contains(cli::EventText(event), "split-attempt")) << cli::EventText(event);
   }
   EXPECT_TRUE(seen) << "no split event";
+  // Every later save of these processes fails, saying why (the Python Checkpointer raises it).
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto next = two.ranks[r]->Snapshot(15, two.Bufs(r), {});
+    EXPECT_EQ(next.status().code(), StatusCode::kFailedPrecondition) << next.status().ToString();
+    EXPECT_TRUE(Contains(next.status().message(), "is split")) << next.status().ToString();
+  }
 }
 
 }  // namespace

@@ -170,7 +170,8 @@ class Harness(DaemonHarness):
     def dump_dir(self, sc, rank):
         return os.path.join(self.tmp, "dump", sc.job, "rank%d" % rank)
 
-    def start_sims(self, sc, phase, steps, resume=False, first_step=None, step_ms=None, order=None, dump=False):
+    def start_sims(self, sc, phase, steps, resume=False, first_step=None, step_ms=None, order=None, dump=False,
+                   wait_complete=True):
         if sc.job not in self.jobs:
             self.jobs.append(sc.job)
         procs = {}
@@ -187,6 +188,8 @@ class Harness(DaemonHarness):
                 cmd += ["--first-step", str(first_step)]
             if step_ms is not None:
                 cmd += ["--step-ms", str(step_ms)]
+            if not wait_complete:  # a rank is killed: the survivors' last step never completes
+                cmd.append("--no-wait-complete")
             if dump:
                 d = self.dump_dir(sc, rank)
                 shutil.rmtree(d, ignore_errors=True)
@@ -404,7 +407,7 @@ def run_basic(h, sc):
 def run_kill(h, sc):
     ref = Reference(sc, KILL_STEPS)
     victim = 1  # tp 1, shard 0: holds an EMA
-    procs = h.start_sims(sc, "run", KILL_STEPS, step_ms=KILL_STEP_MS)
+    procs = h.start_sims(sc, "run", KILL_STEPS, step_ms=KILL_STEP_MS, wait_complete=False)
     wait_for(lambda: os.path.isfile(os.path.join(h.ckpt(sc, KILL_AFTER_STEP), "metadata.json")), WAIT_TIMEOUT_S,
              "%s: checkpoint-%d to complete" % (sc.name, KILL_AFTER_STEP))
     check(procs[victim].poll() is None, "%s: rank %d already exited (%s) before the kill" %

@@ -7,7 +7,11 @@
   2. Many short jobs with an EMA, one after another, under flashckptd --idle-release 2: each
      job's slot and EMA segments leave /dev/shm within a few seconds of its trainer's exit, and at
      the end the status lists none of them and the memory in use is 0. Their checkpoints stay.
-  3. A job left behind by a daemon killed with SIGKILL is adopted by the next daemon and released
+  3. Memory checkpoints newer than the disk (steps 6 and 7 after disk step 5, trainer SIGKILLed)
+     are never dropped in silence: `flashckpt release` writes step 7 first and says so, and the
+     returning trainer resumes 7; `release --force` drops them and names them; idle release
+     writes step 7 first and its log line names it.
+  4. A job left behind by a daemon killed with SIGKILL is adopted by the next daemon and released
      by it once idle, EMA segment included. A daemon stopped with SIGTERM keeps only the EMA segment
      of a job with no rank connected (for a trainer that carries on), with a record; the next
      daemon unlinks it once idle.
@@ -94,6 +98,80 @@ def operator_release(h):
     log("release after the exit: %s" % stdout.strip())
 
 
+def held_trainer(h, job, resume=False, steps=7):
+    """A trainer that saves step 5 to disk, keeps 6 and 7 as memory checkpoints and waits at step 7
+    to be killed; with resume, one that resumes and ends at `steps`."""
+    out = os.path.join(h.tmp, "%s%s.log" % (job, "-resume" if resume else ""))
+    h.logs.append(out)
+    cmd = [h.binary("flashckpt-sim"), "--socket", h.sock, "--job", job, "--rank", "0", "--world-size", "1",
+           "--layers", "1", "--hidden", "64", "--steps", str(steps), "--save-every", "5", "--memory-every", "1",
+           "--wait-timeout", "60"]
+    cmd += ["--resume"] if resume else ["--hold-after", "7"]
+    with open(out, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    h.procs.append(p)
+    if not resume:
+        wait_for(lambda: "holding step=7" in open(out, errors="replace").read(), 60, job + " to hold at step 7")
+        p.kill()
+        p.wait(timeout=10)
+    return p, out
+
+
+def complete(h, job, step):
+    return os.path.exists(os.path.join(h.root, job, "checkpoint-%d" % step, "metadata.json"))
+
+
+def release_when_gone(h, job, *extra):
+    """flashckpt release, again while the daemon has not yet seen the killed trainer's session end."""
+    deadline = time.monotonic() + 10
+    while True:
+        rc, stdout, err = h.cli("--socket", h.sock, "release", "--job", job, *extra)
+        if rc == 0 or "is connected" not in err or time.monotonic() > deadline:
+            return rc, stdout, err
+        time.sleep(0.05)
+
+
+def memory_newer_than_disk_operator(h):
+    """`flashckpt release` writes a memory checkpoint newer than the disk first; --force drops it."""
+    job = PREFIX + "-memop"
+    held_trainer(h, job)
+    rc, stdout, err = release_when_gone(h, job)
+    check(rc == 0, "release of %s: exit %d: %s" % (job, rc, err))
+    check("memory checkpoint step 7 (newer than the disk's step 5) was written first" in stdout,
+          "release does not say it wrote step 7 first: %r" % stdout)
+    check(complete(h, job, 7), "checkpoint-7 of %s is not complete after the release" % job)
+    p, out = held_trainer(h, job, resume=True, steps=8)
+    finish(p, out, "the returning trainer of " + job)
+    check("resumed step=7 " in open(out).read(), "the returning trainer did not resume step 7:\n" + tail(out))
+    log("release: %s" % stdout.strip())
+
+    job = PREFIX + "-memforce"
+    held_trainer(h, job)
+    rc, stdout, err = release_when_gone(h, job, "--force", "--json")
+    check(rc == 0, "release --force of %s: exit %d: %s" % (job, rc, err))
+    got = json.loads(stdout)
+    check(got["dropped_steps"] == [7, 6] and got["disk_step"] == 5 and got["written_step"] is None,
+          "release --force --json: %s" % got)
+    check(not complete(h, job, 7) and not os.path.exists(os.path.join(h.root, job, "checkpoint-7")),
+          "release --force wrote checkpoint-7")
+    log("release --force: dropped %s (disk step %d)" % (got["dropped_steps"], got["disk_step"]))
+
+
+def memory_newer_than_disk_idle(h):
+    """Idle release writes the memory checkpoint newer than the disk first, and says so."""
+    job = PREFIX + "-memidle"
+    held_trainer(h, job)
+    wait_for(lambda: not listed(h, job), IDLE_S + 20, job + " to be released once idle")
+    check(complete(h, job, 7), "idle release of %s dropped memory step 7: checkpoint-7 is not complete" % job)
+    line = [l for l in open(h.daemon_log, errors="replace") if "released job=%s " % job in l]
+    check(line and "written_step=7" in line[-1] and "disk_step=5" in line[-1],
+          "the release's log line does not name the step written: %s" % line)
+    p, out = held_trainer(h, job, resume=True, steps=8)
+    finish(p, out, "the returning trainer of " + job)
+    check("resumed step=7 " in open(out).read(), "the returning trainer did not resume step 7:\n" + tail(out))
+    log("idle release wrote memory step 7 first: %s" % line[-1].strip())
+
+
 def idle_jobs(h, count):
     jobs = ["%s-%d" % (PREFIX, i) for i in range(count)]
     start = time.monotonic()
@@ -153,8 +231,10 @@ def run(h, count):
     h.procs = []
     h.start_daemon(["--idle-release", "0"])
     operator_release(h)
+    memory_newer_than_disk_operator(h)
     h.stop_daemon()
     h.start_daemon(["--idle-release", str(IDLE_S)])
+    memory_newer_than_disk_idle(h)
     idle_jobs(h, count)
     after_restarts(h)
 
@@ -172,7 +252,8 @@ def main():
     args = ap.parse_args()
 
     def jobs(h):
-        return [PREFIX + "-op", PREFIX + "-crash", PREFIX + "-term"] + ["%s-%d" % (PREFIX, i) for i in range(args.jobs)]
+        return ([PREFIX + "-op", PREFIX + "-crash", PREFIX + "-term", PREFIX + "-memop", PREFIX + "-memforce",
+                 PREFIX + "-memidle"] + ["%s-%d" % (PREFIX, i) for i in range(args.jobs)])
 
     return run_with_daemon_harness(lambda h: run(h, args.jobs), "fcidle", jobs, args.bin_dir, keep=args.keep,
                                    harness=Harness)

@@ -52,6 +52,11 @@ struct AdminOptions {
 struct ReleaseResult {
   uint32_t ranks = 0;  // ranks the daemon knew of the job
   uint64_t bytes = 0;  // shared memory freed (slot and EMA segments)
+  // Memory checkpoints newer than the newest complete one on disk (`disk_step`, -1: none): the
+  // newest was written before the release (`written_step`, -1: none), or with force dropped.
+  int64_t disk_step = -1;
+  int64_t written_step = -1;
+  std::vector<int64_t> dropped_steps;  // newest first
 };
 
 // grpc.health.v1 serving states; the names are gRPC's.
@@ -106,7 +111,9 @@ class FLASHCKPT_API AdminClient {
   // --idle-release does once the job has been idle that long. kFailedPrecondition while a rank of
   // the job is connected or a snapshot of it is still to be written; kNotFound when the daemon
   // holds no such job.
-  Result<ReleaseResult> Release(const std::string& job);
+  // Writes the job's memory checkpoint newer than the disk first (FAILED_PRECONDITION, the job
+  // kept, when it cannot); `force` drops it instead. Deadline: delete_timeout (it may write).
+  Result<ReleaseResult> Release(const std::string& job, bool force = false);
   // grpc.health.v1.Health/Check of the daemon as a whole: kServing, or kNotServing while it stops.
   Result<HealthState> Health();
 

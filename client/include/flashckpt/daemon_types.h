@@ -14,7 +14,8 @@ namespace flashckpt {
 // One slot of a rank's segment.
 struct SlotStatus {
   uint32_t index = 0;
-  std::string state;  // "free", "filling", "committed", "persisting", "restoring"
+  std::string state;  // "free", "memory" (free, holding a memory checkpoint of `step`), "filling", "committed",
+                      // "persisting", "restoring"
   int64_t step = 0;   // negative: none
   // "filling": seconds since BeginSnapshot handed it out (a trainer that stops between
   // BeginSnapshot and Commit keeps it filling); 0 in any other state.
@@ -100,6 +101,10 @@ struct DaemonStatus {
 struct SignalledRank {
   uint32_t rank = 0;
   std::string node;
+  // The attempt its signal records: the run, and the step its process restored (0: fresh). Ranks of
+  // one step in different attempts never complete it (a split).
+  std::string run_id;
+  int64_t resumed_from = 0;
 };
 
 // One checkpoint directory under a root.
