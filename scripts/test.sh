@@ -21,6 +21,15 @@ section() { printf '\n==== %s (%ds elapsed)\n' "$*" "$SECONDS"; }
 section "dependencies"
 ./scripts/deps.sh
 
+# Every compiler call goes through ccache, keyed on paths relative to the checkout and not on the
+# build folder's name: a fresh clone elsewhere on this machine reuses what earlier builds compiled.
+# What is compiled and every flag stay the same (warnings are errors still: a failing compile is
+# never cached). FLASHCKPT_NO_CCACHE=1 turns it off.
+if [ "${FLASHCKPT_NO_CCACHE:-0}" != "1" ] && command -v ccache >/dev/null; then
+  export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+  export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-20G}"
+fi
+
 section "build-make/ : the default generator (Unix Makefiles) configures and builds the protocol"
 # The passes below use Ninja; users often do not. Protocol generation is where the generators differ.
 cmake -S . -B build-make -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCKPT_WITH_CUDA=OFF >/dev/null
