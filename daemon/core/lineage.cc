@@ -94,15 +94,17 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
       }
     }
   } else {
-    ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
+    // Every complete checkpoint on disk counts, not only the one LATEST names (LATEST may be missing,
+    // torn or behind): a fresh start never carries on after another run's checkpoint.
+    ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.NewestOfAnotherRun(job, run_id));
     if (latest && latest->run_id.empty()) {
       // Written before runs had ids: a job that was running when the daemon was upgraded carries on.
-      Logger("rpc")->warn("lineage job={} run={}: the newest checkpoint (step {}) has no run id; not checked", job,
+      Logger("rpc")->warn("lineage job={} run={}: a complete checkpoint (step {}) has no run id; not checked", job,
                           run_id, latest->step);
     } else if (latest && latest->run_id != run_id) {
       return FailedPrecondition(
-          "job '" + job + "' already has complete checkpoints (the newest is step " + std::to_string(latest->step) +
-          ", of run " + latest->run_id + ") and this run (" +
+          "job '" + job + "' already has complete checkpoints of another run (the newest is step " +
+          std::to_string(latest->step) + ", of run " + latest->run_id + ") and this run (" +
           run_id + ") started fresh instead of restoring: restore to continue that run, use another job name, or "
           "register with overwrite (ClientOptions::overwrite, overwrite=True in Python, --fresh) to start a new "
           "lineage, which deletes the job's checkpoints of other runs");

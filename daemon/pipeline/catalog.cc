@@ -116,6 +116,29 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::LatestRun(const std::stri
   return std::optional<RunCheckpoint>{RunCheckpoint{step, meta->run_id}};
 }
 
+Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestOfAnotherRun(const std::string& job,
+                                                                          const std::string& run_id) const {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
+  for (int64_t step : steps.complete) {  // newest first
+    const std::string dir = CheckpointDir(job, step);
+    std::string run;
+    auto signal = ReadSignal(dir + "/" + SignalFileName(0), io_);
+    if (signal.ok() && signal->step == step) {
+      run = signal->run_id;
+    } else {
+      auto meta = ReadMetadataFile(dir, io_);
+      if (!meta.ok()) {
+        if (meta.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
+        return meta.status();
+      }
+      run = meta->run_id;
+    }
+    if (run != run_id) return std::optional<RunCheckpoint>{RunCheckpoint{step, run}};
+  }
+  return std::optional<RunCheckpoint>();
+}
+
 Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const std::string& run_id,
                                                  const std::set<int64_t>& busy) {
   RETURN_IF_ERROR(ValidateJobName(job));

@@ -344,6 +344,38 @@ TEST(RunTest, AFreshStartIntoAJobWithAnotherRunsCheckpointsIsRefusedUnlessItOver
   EXPECT_EQ(ReadJson(d.StepDir(job, 5) + "/metadata.json")["run_id"], "new-run");
 }
 
+// The lineage is what is on disk, not what LATEST says: with LATEST gone (or naming an older step),
+// a fresh run is still refused while another run's complete checkpoint exists, so it can never
+// save steps that a later sweep would rank below the other run's, nor resume them.
+TEST(RunTest, AFreshStartIsRefusedByAnotherRunsCheckpointEvenWithoutLatest) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("nolatest");
+  {
+    TestTrainer a = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "run-a"; });
+    ASSERT_TRUE(a.client);
+    ASSERT_OK(a.Save(100));
+    ASSERT_OK(a.Save(200));
+  }
+  ASSERT_TRUE(std::filesystem::remove(d.JobDir(job) + "/LATEST"));
+  TestTrainer b = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "run-b"; });
+  ASSERT_TRUE(b.client);
+  auto refused = b.Snapshot(10);
+  ASSERT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  for (const char* word : {"already has complete checkpoints", "step 200", "run-a"}) {
+    EXPECT_TRUE(Contains(refused.status().message(), word)) << "'" << word << "' in " << refused.status().ToString();
+  }
+  EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, 10)));
+  b.client.reset();
+  // LATEST naming an older step than another run's newest checkpoint changes nothing either.
+  ASSERT_OK(WriteFileDurably(d.JobDir(job), "LATEST", "100\n"));
+  TestTrainer c = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "run-c"; });
+  ASSERT_TRUE(c.client);
+  auto again = c.Snapshot(10);
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition) << again.status().ToString();
+  EXPECT_TRUE(Contains(again.status().message(), "step 200")) << again.status().ToString();
+}
+
 TEST(RunTest, RanksThatGiveNoRunJoinTheLiveRunAndAnotherNamedRunIsRefused) {
   InProcessDaemon d("flashckpt-run");
   ASSERT_OK(d.Start());
@@ -467,6 +499,74 @@ TwoRanks RegisterTwoRanks(const InProcessDaemon& d, const std::string& job, uint
     two.halves.emplace_back(n, static_cast<float>(r + 1));
   }
   return two;
+}
+
+// Rank `r` of a 2-rank tp job connected with no run id, registered.
+std::unique_ptr<Client> UnnamedRank(const InProcessDaemon& d, const std::string& job, uint32_t r) {
+  auto c = d.Connect(job, r, DrawnRun);
+  if (!c) return nullptr;
+  TensorSpec w;
+  w.name = "w";
+  w.shape = {16};
+  w.global_shape = {32};
+  w.box_offset = {r * 16};
+  w.box_shape = {16};
+  Topology t;
+  t.world_size = 2;
+  t.tp_degree = 2;
+  t.tp_rank = r;
+  Status registered = c->Register(t, {w});
+  EXPECT_OK(registered);
+  return registered.ok() ? std::move(c) : nullptr;
+}
+
+// Two daemons on one root, one rank of a job on each, neither naming a run: they agree on the run
+// through the root's launches, and a relaunch is a new run, again the same on both.
+TEST(RunTest, RanksOnTwoDaemonsThatNameNoRunShareTheLaunchsRun) {
+  InProcessDaemon d1("flashckpt-run"), d2("flashckpt-run");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  const std::string job = JobName("launch");
+  std::string first;
+  for (int launch = 0; launch < 3; ++launch) {
+    auto a = UnnamedRank(d1, job, 0);
+    auto b = UnnamedRank(d2, job, 1);
+    ASSERT_TRUE(a && b);
+    EXPECT_EQ(a->RunId(), b->RunId()) << "launch " << launch;
+    if (launch == 0) first = a->RunId();
+    if (launch > 0) {
+      EXPECT_NE(a->RunId(), first) << "a relaunch joined the first launch's run";
+    }
+    std::vector<float> wa(16, 1.f), wb(16, 2.f);
+    const int64_t step = 10 * (launch + 1);
+    if (launch > 0) {  // a relaunch resumes (a fresh start would be refused by the lineage)
+      ASSERT_OK(a->Restore(std::nullopt, {{"w", wa.data(), 64}}, 10s).status());
+      ASSERT_OK(b->Restore(std::nullopt, {{"w", wb.data(), 64}}, 10s).status());
+    }
+    ASSERT_OK(a->Snapshot(step, {{"w", wa.data(), 64}}, {}).status());
+    ASSERT_OK(b->Snapshot(step, {{"w", wb.data(), 64}}, {}).status());
+    ASSERT_OK(a->WaitComplete(step, 10s));
+    ASSERT_OK(b->WaitComplete(step, 10s));
+  }
+}
+
+// A rank that names no run and cannot agree on one through the root (here its launches folder is a
+// file) registers, but its first snapshot is refused, naming the fix: never a run that might not
+// be its job's other ranks'.
+TEST(RunTest, ARankThatCannotAgreeOnARunIsRefusedAtItsFirstSnapshot) {
+  InProcessDaemon d("flashckpt-run");
+  ASSERT_OK(d.Start());
+  const std::string job = JobName("noagree");
+  ASSERT_OK(MakeDirs(d.JobDir(job)));
+  ASSERT_OK(WriteFileDurably(d.JobDir(job), ".launches", "not a folder\n"));
+  auto a = UnnamedRank(d, job, 0);
+  ASSERT_TRUE(a);
+  std::vector<float> w(16, 1.f);
+  auto refused = a->Snapshot(1, {{"w", w.data(), 64}}, {});
+  ASSERT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  for (const char* word : {"no run shared", "FLASHCKPT_RUN_ID", ".launches"}) {
+    EXPECT_TRUE(Contains(refused.status().message(), word)) << "'" << word << "' in " << refused.status().ToString();
+  }
 }
 
 TEST(RunTest, WaitCompleteWaitsForEveryRankAndNamesTheMissingOnes) {

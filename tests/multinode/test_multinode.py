@@ -8,6 +8,8 @@ process of the node, and its /dev/shm goes with the last of them.
   1. 4 nodes x 2 ranks (world 8, tp 2, shard 4) save every step for 30 steps: every step is
      complete, `flashckpt verify` passes on each, the independent reader checks the last against
      the simulator's formula, and each rank's signal names its node.
+     The same with no run id anywhere (no --run-id, no launcher variables): every step completes,
+     and a relaunch that resumes is one new run.
   2. The job resumes bit-exact on 3 nodes x 2 ranks (tp 2, shard 3) and on 2 nodes x 4 ranks (tp 4,
      shard 2): every rank restores the newest step and checks every element it holds.
   3. A node is killed in the middle of a run that saves every step: LATEST stays on a complete step;
@@ -48,11 +50,17 @@ PR_SET_PDEATHSIG = 1
 # encountered a fatal error"): in a sanitized build, processes on a simulated node run without leak
 # checks (the other sanitized tests check leaks; address and undefined-behaviour checks stay on).
 NODE_ENV = dict(os.environ, ASAN_OPTIONS=":".join(o for o in (os.environ.get("ASAN_OPTIONS", ""), "detect_leaks=0") if o))
+# What names a run for ranks that give none (step 1b runs without): none of it reaches a node.
+for _name in list(NODE_ENV):
+    if _name in ("FLASHCKPT_RUN_ID", "PMIX_NAMESPACE", "JOBSET_NAME") or _name.startswith(("TORCHELASTIC_", "SLURM_",
+                                                                                        "OMPI_")):
+        del NODE_ENV[_name]
 LAYERS, HIDDEN = 2, 64
 JOB = "multinode-%d" % os.getpid()
 # Step 4: a model large enough that a restore lasts a few milliseconds (27 MiB for one rank holding
 # all of it), so that the harness sees its lease in the root and stops its daemon in the middle.
 KEEP_JOB, KEEP_LAYERS, KEEP_HIDDEN = JOB + "-keep", 4, 768
+NORUN_JOB = JOB + "-norun"  # ranks that name no run
 # Far longer than the savers' steps while a restoring daemon is stopped (it cannot refresh its lease;
 # seconds under AddressSanitizer on a loaded machine); the test waits it out once, for the expiry.
 LEASE_TTL_S = 30
@@ -235,12 +243,12 @@ def run_ranks(nodes, ranks_per_node, tp, steps, run_id, resume=False, step_ms=0,
         cmd = [os.path.join(node.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", job, "--rank", str(rank),
                "--world-size", str(world), "--tp-degree", str(tp), "--shard-degree", str(world // tp),
                "--layers", str(layers), "--hidden", str(hidden), "--steps", str(steps), "--save-every", "1",
-               "--run-id", run_id, "--wait-timeout", "60"]
+               "--wait-timeout", "60"] + (["--run-id", run_id] if run_id else [])
         if resume:
             cmd.append("--resume")
         if step_ms:
             cmd += ["--step-ms", str(step_ms)]
-        procs.append((rank, node, node.run(cmd, "sim-%s-rank%d.log" % (run_id, rank))))
+        procs.append((rank, node, node.run(cmd, "sim-%s-%s-rank%d.log" % (job, run_id or "norun", rank))))
     if not wait:
         return procs
     out = {}
@@ -252,7 +260,8 @@ def run_ranks(nodes, ranks_per_node, tp, steps, run_id, resume=False, step_ms=0,
             for _, _, q in procs:
                 kill_rank(q)
             raise TestFailure("rank %d on %s did not finish within 180 s" % (rank, node.name))
-        text = open(os.path.join(node.dir, "sim-%s-rank%d.log" % (run_id, rank)), errors="replace").read()
+        text = open(os.path.join(node.dir, "sim-%s-%s-rank%d.log" % (job, run_id or "norun", rank)),
+                    errors="replace").read()
         check(rc == 0, "rank %d on %s exited %d:\n%s" % (rank, node.name, rc, text[-3000:]))
         out[rank] = text
     return out
@@ -355,6 +364,23 @@ def run(tmp, bin_dir):
                   "saved_signal_%d: %s" % (rank, sig))
         check(latest(root) == 30, "LATEST is %d" % latest(root))
         log("4 nodes x 2 ranks: 30 steps complete, verified; each signal names its node")
+
+        # 1b. The same with no run id anywhere (no --run-id, no launcher variables): the daemons agree
+        # on the launch through the root, so every step completes; a relaunch that resumes is a new run.
+        for launch, (first, last) in enumerate(((1, 20), (21, 30))):
+            done = run_ranks(nodes, 2, tp=2, steps=last, run_id=None, job=NORUN_JOB, resume=launch > 0)
+            if launch:
+                check_resumed(done, first - 1)
+            runs = set()
+            for step in range(first, last + 1):
+                d = os.path.join(job_dir(root, NORUN_JOB), "checkpoint-%d" % step)
+                check(os.path.exists(os.path.join(d, "metadata.json")),
+                      "no run id, launch %d: checkpoint-%d is not complete (%s)" % (launch, step, os.listdir(d)))
+                with open(os.path.join(d, "metadata.json")) as f:
+                    runs.add(json.load(f).get("run_id"))
+            check(len(runs) == 1, "no run id, launch %d: its steps are of several runs: %s" % (launch, runs))
+            log("no run id, launch %d: 4 nodes x 2 ranks, steps %d-%d all complete in run %s"
+                % (launch, first, last, runs.pop()))
 
         # 2. Other node counts and layouts.
         done = check_resumed(run_ranks(nodes[:3], 2, tp=2, steps=30, run_id="mn-3x2", resume=True), 30)

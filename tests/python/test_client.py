@@ -321,6 +321,35 @@ class ClientTest(harness.DaemonTestCase):
         with self.assertRaises(flashckpt.FlashckptError):
             self.client("bad-run", run_id="not a run id").register({"w": w})
 
+    def test_a_split_step_is_raised_at_the_next_save_and_wait(self):
+        # Two tp ranks of one run save step 5; rank 1 restores it and both save step 10 again: the
+        # step's ranks are in different attempts, it never completes, and both hear it.
+        job = self.daemon.job("split")
+        halves = [np.full(4, float(r + 1), np.float32) for r in range(2)]
+        spec = lambda r: {"w": {"global_shape": [8], "box_offset": [4 * r]}}  # noqa: E731
+        clients = [flashckpt.Client(self.daemon.socket, job, rank=r, world_size=2, tp_rank=r, tp_degree=2,
+                                    run_id="split-run") for r in range(2)]
+        try:
+            for r, c in enumerate(clients):
+                c.register({"w": halves[r]}, spec(r))
+            for r, c in enumerate(clients):
+                c.snapshot(5, {"w": halves[r]})
+            for c in clients:
+                c.wait_complete(5, timeout=30)
+            clients[1].restore({"w": halves[1]})
+            for r, c in enumerate(clients):
+                c.snapshot(10, {"w": halves[r]})
+            for c in clients:
+                with self.assertRaises(flashckpt.FailedPreconditionError) as cm:
+                    c.wait_persisted(10, timeout=30)
+                self.assertIn("is split", cm.exception.message)
+                with self.assertRaises(flashckpt.FailedPreconditionError) as cm:
+                    c.snapshot(15, {"w": halves[0]})
+                self.assertIn("checkpoint-10 of job '%s' is split" % job, cm.exception.message)
+        finally:
+            for c in clients:
+                c.close()
+
     def test_status_and_close(self):
         c = self.client("status")
         c.register({"w": np.zeros(4, np.float32)})
