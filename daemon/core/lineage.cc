@@ -94,9 +94,13 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
       }
     }
   } else {
-    // Every complete checkpoint on disk counts, not only the one LATEST names (LATEST may be missing,
-    // torn or behind): a fresh start never carries on after another run's checkpoint.
-    ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.NewestOfAnotherRun(job, run_id));
+    // The checkpoint LATEST names (two small reads); where there is none (LATEST missing, torn, or
+    // naming a step that is gone) the job's complete checkpoints on disk are looked at instead, so a
+    // fresh start never carries on after another run's checkpoint that LATEST no longer names.
+    ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
+    if (!latest) {
+      ASSIGN_OR_RETURN(latest, catalog_.NewestOfAnotherRun(job, run_id));
+    }
     if (latest && latest->run_id.empty()) {
       // Written before runs had ids: a job that was running when the daemon was upgraded carries on.
       Logger("rpc")->warn("lineage job={} run={}: a complete checkpoint (step {}) has no run id; not checked", job,

@@ -344,7 +344,7 @@ TEST(RunTest, AFreshStartIntoAJobWithAnotherRunsCheckpointsIsRefusedUnlessItOver
   EXPECT_EQ(ReadJson(d.StepDir(job, 5) + "/metadata.json")["run_id"], "new-run");
 }
 
-// The lineage is what is on disk, not what LATEST says: with LATEST gone (or naming an older step),
+// The lineage is what is on disk, not what LATEST says: with LATEST gone (or naming no checkpoint),
 // a fresh run is still refused while another run's complete checkpoint exists, so it can never
 // save steps that a later sweep would rank below the other run's, nor resume them.
 TEST(RunTest, AFreshStartIsRefusedByAnotherRunsCheckpointEvenWithoutLatest) {
@@ -367,8 +367,8 @@ TEST(RunTest, AFreshStartIsRefusedByAnotherRunsCheckpointEvenWithoutLatest) {
   }
   EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, 10)));
   b.client.reset();
-  // LATEST naming an older step than another run's newest checkpoint changes nothing either.
-  ASSERT_OK(WriteFileDurably(d.JobDir(job), "LATEST", "100\n"));
+  // LATEST naming a step that is gone changes nothing either.
+  ASSERT_OK(WriteFileDurably(d.JobDir(job), "LATEST", "150\n"));
   TestTrainer c = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "run-c"; });
   ASSERT_TRUE(c.client);
   auto again = c.Snapshot(10);
