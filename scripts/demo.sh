@@ -50,7 +50,13 @@ if [ -z "${FLASHCKPT_BIN_DIR:-}" ]; then
   heading "Building flashckpt (build/, RelWithDebInfo)"
   ./scripts/deps.sh
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build build -j"$(nproc)"
+  # Only what the demo runs (the daemon, the simulated trainer, the operator command and, for the
+  # PyTorch demo, the Python package): not the tests and benchmarks that `cmake --build build` adds.
+  targets=(flashckptd flashckpt-sim flashckpt_cli)
+  if [ "$MODE" = torch ] && grep -q '^FLASHCKPT_WITH_PYTHON:BOOL=ON' build/CMakeCache.txt; then
+    targets+=(flashckpt_python)
+  fi
+  cmake --build build -j"$(nproc)" --target "${targets[@]}"
 fi
 for b in flashckptd flashckpt-sim flashckpt; do
   [ -x "$BIN/$b" ] || die "$BIN/$b was not built"
