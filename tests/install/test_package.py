@@ -42,7 +42,10 @@ def main():
     source = os.path.abspath(args.source_dir)
     scratch = tempfile.mkdtemp(prefix="fcpkg")
     try:
-        out = run_cmd([os.path.join(source, "scripts/package.sh")], "scripts/package.sh", cwd=source)
+        # Configured with the warnings-as-errors of scripts/test.sh's builds: with the compiler cache that
+        # script sets up, every object of the package is then one compiled already.
+        env = dict(os.environ, FLASHCKPT_PACKAGE_CMAKE_ARGS="-DFLASHCKPT_WERROR=ON")
+        out = run_cmd([os.path.join(source, "scripts/package.sh")], "scripts/package.sh", cwd=source, env=env)
         debs = {re.sub(r"_.*", "", os.path.basename(p)): p for p in out.split() if p.endswith(".deb")}
         check(set(debs) == {"flashckptd", "libflashckpt1", "libflashckpt-dev"}, "packages built: %s" % sorted(debs))
         log("built %s" % ", ".join(os.path.basename(p) for p in sorted(debs.values())))
