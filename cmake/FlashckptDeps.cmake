@@ -2,6 +2,7 @@
 find_package(Threads REQUIRED)
 find_package(Protobuf REQUIRED)          # module mode: Debian ships no protobuf CMake config
 find_package(gRPC CONFIG REQUIRED)
+find_package(OpenSSL REQUIRED)          # the daemon's checks of TLS certificates (libssl-dev, as gRPC's)
 find_package(Boost 1.74 REQUIRED)        # header-only: Boost.Interprocess, Boost.Beast (metrics)
 find_package(spdlog CONFIG REQUIRED)
 find_package(nlohmann_json CONFIG REQUIRED)

@@ -52,6 +52,12 @@ std::string DisconnectedText(uint64_t bytes) {
          "`flashckpt release --job JOB`";
 }
 
+// The budget refusal's note on memory that replicas held for peers take (ReserveHostMemory).
+std::string ReplicaText(uint64_t bytes) {
+  if (bytes == 0) return "";
+  return "; " + FormatBytes(bytes) + " of it holds replicas of peers' ranks (--replica-listen)";
+}
+
 uint64_t PageAlign(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
 
 // The EMA image header embeds the EMA configuration: equal headers mean the same EMA.
@@ -132,13 +138,17 @@ Status Daemon::ReserveHostMemory(uint64_t bytes, const std::string& what) {
   if (bytes > config_.max_host_memory || used + bytes > config_.max_host_memory) {
     return ResourceExhausted(what + " needs " + FormatBytes(bytes) + " of host memory, budget is " +
                              FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
-                             " in use (--max-host-memory)");
+                             " in use (--max-host-memory)" + ReplicaText(replica_memory_used_.load()));
   }
   host_memory_used_ += bytes;
+  replica_memory_used_ += bytes;
   return Status::OK();
 }
 
-void Daemon::ReleaseHostMemory(uint64_t bytes) { host_memory_used_ -= bytes; }
+void Daemon::ReleaseHostMemory(uint64_t bytes) {
+  replica_memory_used_ -= bytes;
+  host_memory_used_ -= bytes;
+}
 
 Status Daemon::Start() {
   if (config_.slots == 0 || config_.slots > 64) return InvalidArgument("--slots must be between 1 and 64");
@@ -776,7 +786,8 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
                                FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
                                FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
                                "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
-                               " in use (--max-host-memory)" + DisconnectedText(DisconnectedBytesLocked()));
+                               " in use (--max-host-memory)" + DisconnectedText(DisconnectedBytesLocked()) +
+                               ReplicaText(replica_memory_used_.load()));
     }
     // The old segment goes now (the writer keeps it alive if a persist is still running); the new
     // one is created without mu_: allocating and populating gigabytes must not hold up the other

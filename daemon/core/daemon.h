@@ -89,6 +89,9 @@ struct DaemonConfig {
   std::string replica_listen;
   std::string replica_tls_cert, replica_tls_key, replica_tls_ca;
   std::vector<std::string> replica_allow_names;
+  // The most bytes one peer's replicas may take (its oldest evicted to make room); 0: no cap but
+  // max_host_memory. At most kMaxReplicasPerOrigin replicas per peer in any case.
+  uint64_t replica_max_bytes_per_peer = 0;
   // Optional peers each kept memory checkpoint of a local rank is sent to (daemon/replica/
   // replica_sender.h), at most `replicate_max_rate` bytes per second to each (0: no cap). Their TLS
   // credentials are the replica_tls_* files.
@@ -632,6 +635,7 @@ class Daemon {
   std::unique_ptr<EmaStage> ema_stage_;  // set once by Start
   std::unique_ptr<ReplicaSender> sender_;  // set once by Start with --replicate-to; stopped by Stop
   std::atomic<uint64_t> host_memory_used_{0};
+  std::atomic<uint64_t> replica_memory_used_{0};  // the part of it that ReserveHostMemory took
   uint64_t registering_bytes_ GUARDED_BY(mu_) = 0;  // reserved by registrations making their segments
 
   // The segment's slot table and EMA count are guarded by mu_ too: these reach them.

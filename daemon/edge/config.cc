@@ -17,6 +17,7 @@
 #include "common/base/names.h"
 #include "common/base/version.h"
 #include "common/format/layout.h"
+#include "daemon/edge/certificates.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/tcp_listener.h"
 #include "daemon/replica/replica_server.h"
@@ -122,6 +123,15 @@ Status Finish(DaemonConfig& config, const std::string& budget, const std::string
     RETURN_IF_ERROR(ParseListenAddress(config.metrics_listen).status().WithContext("--metrics-listen"));
   }
   RETURN_IF_ERROR(CheckReplicaConfig(ReplicaListenConfigOf(config)));
+  if (config.replica_max_bytes_per_peer > 0 && config.replica_listen.empty()) {
+    return InvalidArgument("--replica-max-bytes-per-peer needs --replica-listen");
+  }
+  if (!config.replica_tls_cert.empty()) {
+    // An expired certificate, a key of another certificate or a CA that does not sign it: refused
+    // now, by --check-config too, instead of every push and fetch failing with "Socket closed".
+    RETURN_IF_ERROR(CheckCertificateFiles(config.replica_tls_cert, config.replica_tls_key, config.replica_tls_ca,
+                                          "--replica-tls"));
+  }
   return Status::OK();
 }
 
@@ -214,6 +224,7 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
     line("replicate-to", "[" + peers + "]");
   }
   line("replicate-max-rate", c.replicate_max_rate == 0 ? "0" : SizeText(c.replicate_max_rate));
+  line("replica-max-bytes-per-peer", c.replica_max_bytes_per_peer == 0 ? "0" : SizeText(c.replica_max_bytes_per_peer));
   line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));
   line("max-rank-bytes", c.max_rank_bytes == 0 ? "0" : SizeText(c.max_rank_bytes));
   return out.str();
@@ -340,6 +351,11 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   std::string max_rate;
   app.add_option("--replicate-max-rate", max_rate,
                  "Bytes per second each --replicate-to peer is sent at most, e.g. 500MiB (default 0: no cap)");
+  std::string per_peer;
+  app.add_option("--replica-max-bytes-per-peer", per_peer,
+                 "Most bytes the replicas of one peer (one certificate name; without TLS one node name) may take "
+                 "under --replica-listen, e.g. 16GiB; a push over it evicts that peer's oldest replica (default 0: "
+                 "only --max-host-memory bounds them)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -362,14 +378,20 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   config.idle_release = std::chrono::seconds(idle_release_s);
   config.sweep_interval = std::chrono::seconds(sweep_s);
   config.lease_ttl = std::chrono::seconds(lease_s);
-  if (!max_rate.empty()) {
-    auto bytes = ParseByteSize(max_rate);
+  // A size flag other than those Finish reads (an empty text leaves `out` as it is).
+  auto size_flag = [](const std::string& text, const std::string& flag, const char* example, uint64_t* out) {
+    if (text.empty()) return Status::OK();
+    auto bytes = ParseByteSize(text);
     if (!bytes) {
-      std::cerr << "flashckptd: --replicate-max-rate '" << max_rate << "' is not a size like 500MiB or 1000000\n";
-      return InvalidArgument("--replicate-max-rate '" + max_rate + "' is not a size like 500MiB or 1000000");
+      const std::string message = flag + " '" + text + "' is not a size like " + example + " or 1000000";
+      std::cerr << "flashckptd: " << message << "\n";
+      return InvalidArgument(message);
     }
-    config.replicate_max_rate = *bytes;
-  }
+    *out = *bytes;
+    return Status::OK();
+  };
+  RETURN_IF_ERROR(size_flag(max_rate, "--replicate-max-rate", "500MiB", &config.replicate_max_rate));
+  RETURN_IF_ERROR(size_flag(per_peer, "--replica-max-bytes-per-peer", "16GiB", &config.replica_max_bytes_per_peer));
   if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
     std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
     return s;

@@ -1,6 +1,7 @@
 // gRPC's own messages (handshake failures, transport errors) go to the daemon's log, under the
 // logger "grpc", instead of straight to stderr: with --log-file they land in the file beside the
-// daemon's lines.
+// daemon's lines. A failed TLS handshake is one warning per reason, `tls handshake failed
+// reason="..."` (gRPC's own line comes on every connection attempt).
 #pragma once
 
 namespace flashckpt {

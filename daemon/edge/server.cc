@@ -80,7 +80,8 @@ Status Server::Start() {
     replica_store_ = std::make_unique<ReplicaStore>(
         HostMemory{[daemon](uint64_t bytes, const std::string& what) { return daemon->ReserveHostMemory(bytes, what); },
                    [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }},
-        daemon_->config().max_rank_bytes);
+        daemon_->config().max_rank_bytes,
+        ReplicaLimits{kMaxReplicasPerOrigin, daemon_->config().replica_max_bytes_per_peer});
     service_.set_replica_store(replica_store_.get());
   }
   // For every server built from here on (the TCP listener's too): grpc.health.v1.Health, SERVING.

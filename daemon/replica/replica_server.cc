@@ -4,6 +4,7 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
+#include "daemon/edge/certificates.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
@@ -34,6 +35,11 @@ Status CheckReplicaConfig(const ReplicaListenConfig& c) {
   }
   if (c.listen.empty() && !c.allow_names.empty()) return InvalidArgument("--replica-allow-name needs --replica-listen");
   if (c.replicate_to.empty() && c.max_rate > 0) return InvalidArgument("--replicate-max-rate needs --replicate-to");
+  if (c.max_rate > 0 && c.max_rate < kMinReplicateRate) {
+    return InvalidArgument("--replicate-max-rate " + FormatBytes(c.max_rate) + " per second is under " +
+                           FormatBytes(kMinReplicateRate) + ": a peer cancels a push that sends no part (1 MiB) for " +
+                           std::to_string(kReplicaStallTimeout.count()) + " s");
+  }
   std::vector<std::string> targets;
   for (const auto& text : c.replicate_to) {
     ASSIGN_OR_RETURN(ListenAddress peer, ParseListenAddress(text, "--replicate-to"));
@@ -73,8 +79,43 @@ Status CheckReplicaConfig(const ReplicaListenConfig& c) {
   return Status::OK();
 }
 
-ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names)
-    : store_(store), allow_names_(std::move(allow_names)) {}
+ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names,
+                               std::chrono::milliseconds stall_timeout)
+    : store_(store), allow_names_(std::move(allow_names)), stall_timeout_(stall_timeout) {
+  watchdog_ = std::thread([this] { Watchdog(); });
+}
+
+ReplicaService::~ReplicaService() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  cv_.NotifyAll();
+  watchdog_.join();
+}
+
+namespace {
+// progress_'s mark of a push the watchdog cancelled.
+constexpr std::chrono::steady_clock::time_point kStalled = std::chrono::steady_clock::time_point::max();
+}  // namespace
+
+void ReplicaService::Watchdog() {
+  // Looks a few times per stall time: a stalled push is cancelled within 1.25 times of it.
+  const auto every = std::max<std::chrono::milliseconds>(stall_timeout_ / 4, std::chrono::milliseconds(10));
+  MutexLock lock(&mu_);
+  while (!stopping_) {
+    cv_.WaitFor(&lock, every);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& [ctx, last] : progress_) {
+      if (last == kStalled || now - last < stall_timeout_) continue;
+      last = kStalled;  // once per push
+      stalled_.fetch_add(1);
+      Logger("replica")->warn("replica push from={} cancelled: nothing arrived for {} ms; its memory is given back",
+                              ctx->peer(), stall_timeout_.count());
+      ctx->TryCancel();
+    }
+  }
+}
 
 grpc::Status ReplicaService::Peer(grpc::ServerContext* ctx, std::string* name) {
   name->clear();
@@ -127,10 +168,37 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         std::to_string(kMaxPushesInFlight) + " replica pushes are in flight here; try again");
   }
+  // Watched from here to the return: a push that stops sending is cancelled (Watchdog).
+  struct Watched {
+    ReplicaService* service;
+    grpc::ServerContext* ctx;
+    Watched(ReplicaService* s, grpc::ServerContext* c) : service(s), ctx(c) { Progress(); }
+    void Progress() {
+      MutexLock lock(&service->mu_);
+      auto [it, added] = service->progress_.try_emplace(ctx, std::chrono::steady_clock::now());
+      if (!added && it->second != kStalled) it->second = std::chrono::steady_clock::now();
+    }
+    bool Stalled() {
+      MutexLock lock(&service->mu_);
+      auto it = service->progress_.find(ctx);
+      return it != service->progress_.end() && it->second == kStalled;
+    }
+    ~Watched() {
+      MutexLock lock(&service->mu_);
+      service->progress_.erase(ctx);
+    }
+  } watched(this, ctx);
+  const auto stalled = [&] {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        "the push was cancelled: nothing arrived for " + std::to_string(stall_timeout_.count()) +
+                            " ms (a stalled push holds no memory here)");
+  };
   v1::ReplicaPart part;
   if (!reader->Read(&part) || !part.has_header()) {
+    if (watched.Stalled()) return stalled();
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
   }
+  watched.Progress();
   ReplicaMeta meta = ReplicaMetaOf(part.header());
   meta.from_peer = peer;
   auto incoming = store_->Begin(std::move(meta));
@@ -139,6 +207,7 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
     return ToGrpc(incoming.status());
   }
   while (reader->Read(&part)) {
+    watched.Progress();
     if (part.has_header()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push has one header");
     }
@@ -148,6 +217,7 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
       return ToGrpc(appended);
     }
   }
+  if (watched.Stalled()) return stalled();
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the push was cancelled");
   const int64_t step = (*incoming)->meta().step;
   const uint64_t bytes = (*incoming)->meta().bytes;
@@ -240,6 +310,12 @@ std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService
                "Replica pushes of allowed peers not held: refused (no deadline, too many in flight, bad header, no "
                "memory, bad part, not newer than the one held) or broken off.");
   MetricSample(&out, "flashckpt_replica_pushes_failed_total", "", static_cast<double>(service.refused_pushes()));
+  MetricHeader(&out, "flashckpt_replica_pushes_stalled_total", "counter",
+               "Replica pushes cancelled because nothing arrived for the stall timeout (their memory given back).");
+  MetricSample(&out, "flashckpt_replica_pushes_stalled_total", "", static_cast<double>(service.stalled_pushes()));
+  MetricHeader(&out, "flashckpt_replicas_evicted_total", "counter",
+               "Replicas evicted to keep one peer within its share (count and bytes) or the store within its size.");
+  MetricSample(&out, "flashckpt_replicas_evicted_total", "", static_cast<double>(store.evicted()));
   MetricHeader(&out, "flashckpt_replica_calls_refused_total", "counter",
                "Replica calls refused because the peer's certificate name is not allowed.");
   MetricSample(&out, "flashckpt_replica_calls_refused_total", "", static_cast<double>(service.refused_calls()));
@@ -247,7 +323,7 @@ std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService
 }
 
 ReplicaServer::ReplicaServer(ReplicaStore* store, ReplicaListenConfig config)
-    : config_(std::move(config)), service_(store, config_.allow_names) {}
+    : config_(std::move(config)), service_(store, config_.allow_names, config_.stall_timeout) {}
 
 ReplicaServer::~ReplicaServer() { Shutdown(std::chrono::system_clock::now()); }
 
@@ -255,6 +331,7 @@ Status ReplicaServer::Start() {
   RETURN_IF_ERROR(CheckReplicaConfig(config_));
   ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(config_.listen, "--replica-listen"));
   const bool tls = !config_.tls_cert.empty();
+  if (tls) RETURN_IF_ERROR(CheckCertificateFiles(config_.tls_cert, config_.tls_key, config_.tls_ca, "--replica-tls"));
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (tls) {
     grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);

@@ -13,10 +13,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "common/base/mutex.h"
 #include "common/base/status.h"
 #include "daemon/core/daemon.h"
 #include "daemon/replica/replica_store.h"
@@ -27,6 +30,12 @@ namespace flashckpt {
 // The longest a replica push may last (its deadline must be nearer), and how many may be in flight.
 constexpr std::chrono::minutes kMaxReplicaCall{30};
 constexpr int kMaxPushesInFlight = 8;
+// A push whose header or next part has not arrived for this long is cancelled, and the memory it
+// reserved given back: a peer that stalls holds no budget (a part is at most kMaxReplicaPartBytes;
+// a peer that cannot send 4 MiB in this time is of no use as a replica's origin anyway).
+constexpr std::chrono::seconds kReplicaStallTimeout{10};
+// The slowest --replicate-max-rate: a part (ReplicaSender's, 1 MiB) well within the stall timeout.
+constexpr uint64_t kMinReplicateRate = 1u << 20;
 
 struct ReplicaListenConfig {
   std::string listen;  // HOST:PORT
@@ -34,6 +43,7 @@ struct ReplicaListenConfig {
   std::vector<std::string> allow_names;
   std::vector<std::string> replicate_to;  // the peers this daemon sends to (HOST:PORT each)
   uint64_t max_rate = 0;                  // bytes per second to each of them; 0: no cap
+  std::chrono::milliseconds stall_timeout = kReplicaStallTimeout;  // tests set it short
 };
 
 // The --replica-* and --replicate-* flags of `config`.
@@ -47,7 +57,12 @@ Status CheckReplicaConfig(const ReplicaListenConfig& config);
 
 class ReplicaService final : public v1::Replica::Service {
  public:
-  ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names);
+  // Starts the watchdog that cancels stalled pushes (`stall_timeout`); the destructor stops it.
+  ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names,
+                 std::chrono::milliseconds stall_timeout = kReplicaStallTimeout);
+  ~ReplicaService() override;
+  ReplicaService(const ReplicaService&) = delete;
+  ReplicaService& operator=(const ReplicaService&) = delete;
 
   grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
                     v1::PushReplicaResponse* response) override;
@@ -61,8 +76,11 @@ class ReplicaService final : public v1::Replica::Service {
   uint64_t refused_calls() const { return refused_.load(); }
   uint64_t received() const { return received_.load(); }  // pushes held
   uint64_t refused_pushes() const { return refused_pushes_.load(); }  // pushes of allowed peers not held
+  uint64_t stalled_pushes() const { return stalled_.load(); }  // cancelled by the watchdog
 
  private:
+  void Watchdog() EXCLUDES(mu_);
+
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
   grpc::Status Peer(grpc::ServerContext* ctx, std::string* name);
 
@@ -72,11 +90,22 @@ class ReplicaService final : public v1::Replica::Service {
   std::atomic<int> pushes_{0};
   std::atomic<uint64_t> received_{0};
   std::atomic<uint64_t> refused_pushes_{0};
+  std::atomic<uint64_t> stalled_{0};
+
+  const std::chrono::milliseconds stall_timeout_;
+  Mutex mu_;
+  CondVar cv_;  // the stop
+  bool stopping_ GUARDED_BY(mu_) = false;
+  // The pushes under way and when each last made progress; an entry lives exactly as long as its
+  // Push call, so the watchdog may cancel its context under mu_.
+  std::map<grpc::ServerContext*, std::chrono::steady_clock::time_point> progress_ GUARDED_BY(mu_);
+  std::thread watchdog_;
 };
 
 // The replica listener's metrics, in the text exposition format, for the daemon's /metrics:
 // flashckpt_replicas_held, flashckpt_replica_held_bytes, flashckpt_replicas_received_total,
-// flashckpt_replica_pushes_failed_total and flashckpt_replica_calls_refused_total.
+// flashckpt_replica_pushes_failed_total, flashckpt_replica_pushes_stalled_total,
+// flashckpt_replicas_evicted_total and flashckpt_replica_calls_refused_total.
 std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service);
 
 class ReplicaServer {

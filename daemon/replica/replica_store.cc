@@ -18,7 +18,25 @@ std::string Who(const ReplicaMeta& m) {
 
 uint64_t PartsOf(const ReplicaMeta& m) { return m.bytes == 0 ? 0 : (m.bytes - 1) / m.part_bytes + 1; }
 
+// Attempts are numbered in wall-clock ms by the daemon that numbers them (ReplicaHeader.attempt).
+Status CheckAttempt(uint64_t attempt, const char* what) {
+  const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch()).count();
+  const uint64_t most = static_cast<uint64_t>(now_ms) +
+                        static_cast<uint64_t>(std::chrono::milliseconds(kMaxAttemptAhead).count());
+  if (attempt > most) {
+    return InvalidArgument(std::string(what) + ": attempt " + std::to_string(attempt) + " is more than " +
+                           std::to_string(kMaxAttemptAhead.count()) + " minutes ahead of this host's clock (" +
+                           std::to_string(now_ms) + " ms; attempts are numbered in wall-clock ms)");
+  }
+  return Status::OK();
+}
+
 }  // namespace
+
+const std::string& OriginOf(const ReplicaMeta& meta) {
+  return meta.from_peer.empty() ? meta.origin_node : meta.from_peer;
+}
 
 Replica::Replica(ReplicaMeta meta, HostMemory* memory) : meta_(std::move(meta)), memory_(memory) {}
 
@@ -48,8 +66,62 @@ Result<std::pair<const char*, uint64_t>> Replica::VerifiedPart(uint64_t i) const
   return std::make_pair(static_cast<const char*>(data_ + from), n);
 }
 
-ReplicaStore::ReplicaStore(HostMemory memory, uint64_t max_replica_bytes)
-    : memory_(std::move(memory)), max_replica_bytes_(max_replica_bytes) {}
+ReplicaStore::ReplicaStore(HostMemory memory, uint64_t max_replica_bytes, ReplicaLimits limits)
+    : memory_(std::move(memory)), max_replica_bytes_(max_replica_bytes), limits_(limits) {}
+
+bool ReplicaStore::EvictOldestLocked(const std::string& origin, const Key& spare, const char* why,
+                                     std::vector<std::shared_ptr<const Replica>>* evicted) {
+  auto oldest = held_.end();
+  for (auto it = held_.begin(); it != held_.end(); ++it) {
+    if (it->first == spare || OriginOf(it->second->meta()) != origin) continue;
+    if (oldest == held_.end() || it->second->arrival_ < oldest->second->arrival_) oldest = it;
+  }
+  if (oldest == held_.end()) return false;
+  const ReplicaMeta& m = oldest->second->meta();
+  Logger("replica")->warn("replica evicted job={} rank={} step={} origin={} bytes={}: {}", m.job, m.rank, m.step,
+                          OriginOf(m), m.bytes, why);
+  evicted->push_back(std::move(oldest->second));
+  held_.erase(oldest);
+  evicted_.fetch_add(1);
+  return true;
+}
+
+Status ReplicaStore::MakeRoomLocked(const std::string& origin, const Key& key, uint64_t bytes,
+                                    std::vector<std::shared_ptr<const Replica>>* evicted) {
+  if (limits_.max_bytes_per_origin > 0 && bytes > limits_.max_bytes_per_origin) {
+    return ResourceExhausted("a replica of " + FormatBytes(bytes) + " is over the " +
+                             FormatBytes(limits_.max_bytes_per_origin) + " one peer's replicas may take here");
+  }
+  for (;;) {
+    size_t count = 0;
+    uint64_t taken = 0;
+    for (const auto& [k, replica] : held_) {
+      if (k == key || OriginOf(replica->meta()) != origin) continue;
+      ++count;
+      taken += replica->accounted();
+    }
+    if (count + 1 > limits_.max_per_origin) {
+      if (EvictOldestLocked(origin, key, "its origin holds as many replicas as one peer may", evicted)) continue;
+    } else if (limits_.max_bytes_per_origin > 0 && taken + bytes > limits_.max_bytes_per_origin) {
+      if (EvictOldestLocked(origin, key, "its origin holds as many bytes as one peer may", evicted)) continue;
+    } else if (held_.size() >= kMaxReplicasHeld && held_.find(key) == held_.end()) {
+      std::map<std::string, size_t> per_origin;
+      for (const auto& [k, replica] : held_) ++per_origin[OriginOf(replica->meta())];
+      std::string largest;
+      size_t most = 0;
+      for (const auto& [o, n] : per_origin) {
+        if (n > most) most = n, largest = o;
+      }
+      if (most > 0 && EvictOldestLocked(largest, key, "the store is full and its origin holds the most", evicted)) continue;
+      return ResourceExhausted(std::to_string(kMaxReplicasHeld) + " ranks' replicas are held here");
+    } else {
+      return Status::OK();
+    }
+    return ResourceExhausted("peer '" + origin + "' holds as many replicas here as one peer may (" +
+                             std::to_string(limits_.max_per_origin) + ", " +
+                             FormatBytes(limits_.max_bytes_per_origin) + ")");
+  }
+}
 
 Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta meta) {
   RETURN_IF_ERROR(ValidateJobName(meta.job));
@@ -57,7 +129,11 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
     return InvalidArgument("replica header: rank " + std::to_string(meta.rank) + " is not below world size " +
                            std::to_string(meta.world_size));
   }
-  if (meta.step <= 0) return InvalidArgument("replica header: step must be positive, got " + std::to_string(meta.step));
+  if (meta.step <= 0 || meta.step > kMaxStep) {
+    return InvalidArgument("replica header: step must be from 1 to " + std::to_string(kMaxStep) + ", got " +
+                           std::to_string(meta.step));
+  }
+  RETURN_IF_ERROR(CheckAttempt(meta.attempt, "replica header"));
   if (meta.bytes == 0) return InvalidArgument("replica header: a replica has bytes");
   if (meta.part_bytes < kMinReplicaPartBytes || meta.part_bytes > kMaxReplicaPartBytes) {
     return InvalidArgument("replica header: parts of " + std::to_string(meta.part_bytes) + " bytes (from " +
@@ -72,6 +148,13 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
                              FormatBytes(max_replica_bytes_) + " a rank may have here (--max-rank-bytes)");
   }
   auto replica = std::unique_ptr<Replica>(new Replica(std::move(meta), &memory_));
+  std::vector<std::shared_ptr<const Replica>> evicted;  // freed (their memory given back) before the reservation
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(MakeRoomLocked(OriginOf(replica->meta_), {replica->meta_.job, replica->meta_.rank},
+                                   replica->accounted(), &evicted));
+  }
+  evicted.clear();
   RETURN_IF_ERROR(memory_.reserve(replica->accounted(), Who(replica->meta_)));
   replica->reserved_ = true;
   RETURN_IF_ERROR(replica->Map());
@@ -101,6 +184,7 @@ Status ReplicaStore::Incoming::Append(const char* data, uint64_t bytes, uint64_t
 }
 
 Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
+  incoming->replica_->arrival_ = arrivals_.fetch_add(1) + 1;
   std::shared_ptr<const Replica> replica(std::move(incoming->replica_));
   const ReplicaMeta& m = replica->meta();
   if (replica->received_ != m.bytes) {
@@ -108,6 +192,7 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
                               std::to_string(m.bytes) + " bytes arrived");
   }
   std::shared_ptr<const Replica> replaced;  // freed after the lock is let go
+  std::vector<std::shared_ptr<const Replica>> evicted;  // as well
   {
     MutexLock lock(&mu_);
     auto retracted = retracted_.find({m.job, m.rank});
@@ -118,8 +203,9 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
     }
     auto it = held_.find({m.job, m.rank});
     if (it == held_.end()) {
-      if (held_.size() >= kMaxReplicasHeld) {
-        return ResourceExhausted(Who(m) + ": " + std::to_string(kMaxReplicasHeld) + " ranks' replicas are held here");
+      // Pushes that began together may have passed Begin's bound together: it is kept here.
+      if (Status room = MakeRoomLocked(OriginOf(m), {m.job, m.rank}, 0, &evicted); !room.ok()) {
+        return Status(room.code(), Who(m) + ": " + room.message());
       }
       it = held_.emplace(std::make_pair(m.job, m.rank), nullptr).first;
     } else {
@@ -169,10 +255,12 @@ void ReplicaStore::Drop(const Replica* replica) {
 
 Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) {
   RETURN_IF_ERROR(ValidateJobName(job));
-  if (step < 0 || attempt == 0) {
-    return InvalidArgument("replica retraction: the step must not be negative and the attempt must be positive, got "
-                           "step " + std::to_string(step) + " attempt " + std::to_string(attempt));
+  if (step < 0 || step > kMaxStep || attempt == 0) {
+    return InvalidArgument("replica retraction: the step must be from 0 to " + std::to_string(kMaxStep) +
+                           " and the attempt positive, got step " + std::to_string(step) + " attempt " +
+                           std::to_string(attempt));
   }
+  RETURN_IF_ERROR(CheckAttempt(attempt, "replica retraction"));
   std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
   auto told = retracted_.find({job, rank});

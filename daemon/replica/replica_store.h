@@ -6,15 +6,23 @@
 //
 // Memory: each replica takes its bytes, layout and extra state from the daemon's --max-host-memory
 // (HostMemory), from the moment its header arrives (a push that would not fit is refused then,
-// before any data) until the replica is replaced or dropped; at most kMaxReplicasHeld are held. A
-// push in progress never disturbs the replica it will replace: both are held until the new one has
-// fully arrived and verified.
+// before any data) until the replica is replaced, dropped or evicted. A push in progress never
+// disturbs the replica it will replace: both are held until the new one has fully arrived and
+// verified.
+//
+// Bounds, so that no peer can take the room of the others: each origin (the name its certificate
+// proves, or the node name it gives without TLS) holds at most ReplicaLimits::max_per_origin
+// replicas and max_bytes_per_origin bytes; a push over either evicts that origin's oldest replica
+// (the one that arrived first). At most kMaxReplicasHeld are held in all; a push beyond that evicts
+// the oldest replica of the origin that holds the most. Steps are at most kMaxStep, attempts at most
+// kMaxAttemptAhead ahead of this host's clock (attempts are numbered in wall-clock ms).
 //
 // Which one is newer: the later attempt of the job (a job restarted from an older step starts a new
 // attempt, whose replicas replace the old run's), then the later step. Within one attempt a rank
 // runs on one node: with TLS, only the peer that pushed the held replica may replace it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -54,7 +62,18 @@ struct ReplicaMeta {
 constexpr uint64_t kMinReplicaPartBytes = 64u << 10;
 constexpr uint64_t kMaxReplicaPartBytes = 4u << 20;
 constexpr uint64_t kMaxReplicaMetaBytes = 16u << 20;  // layout and extra, each
-constexpr size_t kMaxReplicasHeld = 4096;             // (job, rank) pairs
+constexpr size_t kMaxReplicasHeld = 4096;             // (job, rank) pairs, of every origin
+constexpr size_t kMaxReplicasPerOrigin = 1024;        // the default of ReplicaLimits::max_per_origin
+constexpr std::chrono::minutes kMaxAttemptAhead{10};  // clock skew between nodes, and then some
+
+struct ReplicaLimits {
+  size_t max_per_origin = kMaxReplicasPerOrigin;
+  uint64_t max_bytes_per_origin = 0;  // bytes, layout and extra state; 0: only the memory budget bounds it
+};
+
+// Who made a replica, for the bounds: the certificate name of the peer that pushed it, or without
+// TLS the node name its header gives.
+const std::string& OriginOf(const ReplicaMeta& meta);
 
 // A complete, verified replica. Immutable once held; a reader keeps it (and its memory) alive while
 // the store replaces it.
@@ -78,6 +97,7 @@ class Replica {
 
   ReplicaMeta meta_;
   uint64_t accounted() const { return meta_.bytes + meta_.layout.size() + meta_.extra.size(); }
+  uint64_t arrival_ = 0;  // the store's count of replicas held when this one was (the oldest: lowest)
 
   HostMemory* memory_;   // released by the destructor, when reserved_
   bool reserved_ = false;
@@ -89,7 +109,7 @@ class Replica {
 class ReplicaStore {
  public:
   // `max_replica_bytes`: the most one replica may have (0: only the budget bounds it).
-  ReplicaStore(HostMemory memory, uint64_t max_replica_bytes);
+  ReplicaStore(HostMemory memory, uint64_t max_replica_bytes, ReplicaLimits limits = {});
 
   // A replica on its way in: Begin checks the header and reserves its bytes; Append takes the parts
   // in order; Finish holds it, in place of an older one of the same (job, rank). Dropping an
@@ -107,8 +127,8 @@ class ReplicaStore {
   Result<std::unique_ptr<Incoming>> Begin(ReplicaMeta meta);
   // Holds the replica when it is newer (attempt, then step) than the one held of its (job, rank);
   // FAILED_PRECONDITION when bytes are missing or another peer pushed the held one of the same
-  // attempt, ALREADY_EXISTS (and nothing changes) when it is not newer, RESOURCE_EXHAUSTED when
-  // kMaxReplicasHeld are held already.
+  // attempt, ALREADY_EXISTS (and nothing changes) when it is not newer. Evicts what the bounds
+  // above ask for.
   Status Finish(std::unique_ptr<Incoming> incoming);
 
   // The replica of (job, rank): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.
@@ -119,16 +139,33 @@ class ReplicaStore {
   // (job, rank) when it is of an older attempt and a later step, and from then on refuses such a
   // push (FAILED_PRECONDITION: one of the old attempt still on its way, or from a node that lost
   // the rank) until one of `attempt` or a later one is held. Returns the step dropped, or 0 when
-  // none was; INVALID_ARGUMENT for a bad job name, a negative step or an attempt of 0.
+  // none was; INVALID_ARGUMENT for a bad job name, a step outside 0..kMaxStep or an attempt of 0 or
+  // more than kMaxAttemptAhead ahead of this host's clock.
   Result<int64_t> Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
   size_t count() const;       // ranks whose replica is held
   uint64_t held_bytes() const;  // their bytes (not their layout and extra state)
+  uint64_t evicted() const { return evicted_.load(); }  // replicas evicted by the bounds, so far
 
  private:
+  using Key = std::pair<std::string, uint32_t>;  // (job, rank)
+  // Evicts replicas (into `evicted`, freed by the caller after the lock is let go) until `origin`
+  // may hold one more (unless it holds `key` already, which the new one replaces) of `bytes`, and
+  // the store one more: `origin`'s own oldest first, then, when the store is full, the oldest of
+  // the origin that holds the most. RESOURCE_EXHAUSTED when `bytes` alone are over the origin's
+  // bytes, or nothing is left to evict.
+  Status MakeRoomLocked(const std::string& origin, const Key& key, uint64_t bytes,
+                        std::vector<std::shared_ptr<const Replica>>* evicted) REQUIRES(mu_);
+  // Evicts the oldest replica of `origin` other than `spare`'s into `evicted`; false when none is.
+  bool EvictOldestLocked(const std::string& origin, const Key& spare, const char* why,
+                         std::vector<std::shared_ptr<const Replica>>* evicted) REQUIRES(mu_);
+
   HostMemory memory_;
   const uint64_t max_replica_bytes_;
+  const ReplicaLimits limits_;
+  std::atomic<uint64_t> arrivals_{0};
+  std::atomic<uint64_t> evicted_{0};
   mutable Mutex mu_;
   std::map<std::pair<std::string, uint32_t>, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
   // Per (job, rank), the latest retraction not yet followed by a replica of its attempt: (attempt,

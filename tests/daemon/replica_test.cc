@@ -13,13 +13,19 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <thread>
 #include <vector>
 
+#include "common/base/log.h"
+#include "common/base/names.h"
 #include "common/format/checksum.h"
 #include "daemon/core/daemon.h"
+#include "daemon/edge/config.h"
+#include "daemon/edge/grpc_log.h"
 #include "daemon/edge/tcp_listener.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
@@ -172,14 +178,120 @@ TEST(ReplicaStoreTest, RefusesWhatDoesNotFitOrDoesNotArriveWhole) {
   EXPECT_EQ(counted.used.load(), 0u);
 }
 
+// Steps and attempts are bounded as everywhere else: a step past kMaxStep, or an attempt far ahead
+// of this host's clock (attempts are numbered in wall-clock ms), is refused in a push and in a
+// retraction, so that no retraction can use an attempt number that no real one ever passes.
+TEST(ReplicaStoreTest, StepsAndAttemptsAreBounded) {
+  CountedMemory counted;
+  ReplicaStore store(counted.memory(), 0);
+  const auto data = Bytes(kPart, 1);
+  Status far_step = Put(&store, Meta("job", 0, std::numeric_limits<int64_t>::max(), kPart), data);
+  EXPECT_EQ(far_step.code(), StatusCode::kInvalidArgument) << far_step.ToString();
+  ReplicaMeta ahead = Meta("job", 0, 5, kPart);
+  ahead.attempt = std::numeric_limits<uint64_t>::max();
+  Status far_attempt = Put(&store, ahead, data);
+  EXPECT_EQ(far_attempt.code(), StatusCode::kInvalidArgument) << far_attempt.ToString();
+  EXPECT_NE(far_attempt.message().find("ahead of this host's clock"), std::string::npos) << far_attempt.ToString();
+  EXPECT_EQ(counted.used.load(), 0u);
+
+  ASSERT_OK(Put(&store, Meta("job", 0, 5, kPart), data));
+  auto hostile = store.Retract("job", 0, 0, std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(hostile.status().code(), StatusCode::kInvalidArgument) << hostile.status().ToString();
+  EXPECT_EQ(store.Retract("job", 0, kMaxStep + 1, 2).status().code(), StatusCode::kInvalidArgument);
+  auto held = store.Find("job", 0, 0);
+  ASSERT_OK(held.status());
+  EXPECT_EQ((*held)->meta().step, 5);  // not dropped
+  ASSERT_OK(Put(&store, Meta("job", 0, 6, kPart), data));  // and the rank's next push is held
+  EXPECT_EQ((*store.Find("job", 0, 0))->meta().step, 6);
+}
+
+// One peer cannot take the room of the others: past its share of replicas (kMaxReplicasPerOrigin)
+// its own oldest go, so thousands of tiny pushes to new job names leave every other peer's replicas
+// and room in place; a full store evicts from the peer that holds the most.
+TEST(ReplicaStoreTest, OnePeerCannotFillTheStore) {
+  CountedMemory counted;
+  counted.budget = 1u << 30;
+  const std::vector<char> one_byte(1, 'x');
+  auto tiny = [](const std::string& job, const std::string& peer) {
+    ReplicaMeta m = Meta(job, 0, 1, 1);
+    m.layout.clear();
+    m.extra.clear();
+    m.from_peer = peer;  // as the name a certificate proves
+    return m;
+  };
+  {
+    ReplicaStore store(counted.memory(), 0);
+    ASSERT_OK(Put(&store, tiny("alice-job", "alice"), one_byte));
+    for (int i = 0; i < 4094; ++i) ASSERT_OK(Put(&store, tiny("m" + std::to_string(i), "mallory"), one_byte));
+    EXPECT_EQ(store.count(), 1 + kMaxReplicasPerOrigin);
+    EXPECT_EQ(store.evicted(), 4094 - kMaxReplicasPerOrigin);
+    EXPECT_TRUE(store.Find("alice-job", 0, 0).ok());
+    EXPECT_FALSE(store.Find("m0", 0, 0).ok());  // mallory's oldest went
+    EXPECT_TRUE(store.Find("m4093", 0, 0).ok());
+    ASSERT_OK(Put(&store, tiny("bob-job", "bob"), one_byte));  // a new job of another peer still fits
+    // Without TLS the origin is the node name the push gives.
+    ReplicaMeta loopback = tiny("carol-job", "");
+    loopback.origin_node = "carol";
+    ASSERT_OK(Put(&store, loopback, one_byte));
+    EXPECT_EQ(store.List("").size(), 3 + kMaxReplicasPerOrigin);
+  }
+  EXPECT_EQ(counted.used.load(), 0u);
+  {
+    // Where one peer may hold as many as the store, a full store evicts that peer's oldest.
+    ReplicaStore store(counted.memory(), 0, ReplicaLimits{kMaxReplicasHeld, 0});
+    ASSERT_OK(Put(&store, tiny("alice-job", "alice"), one_byte));
+    for (size_t i = 0; i + 1 < kMaxReplicasHeld; ++i) {
+      ASSERT_OK(Put(&store, tiny("m" + std::to_string(i), "mallory"), one_byte));
+    }
+    EXPECT_EQ(store.count(), kMaxReplicasHeld);
+    ASSERT_OK(Put(&store, tiny("bob-job", "bob"), one_byte));
+    EXPECT_EQ(store.count(), kMaxReplicasHeld);
+    EXPECT_TRUE(store.Find("alice-job", 0, 0).ok());
+    EXPECT_TRUE(store.Find("bob-job", 0, 0).ok());
+    EXPECT_FALSE(store.Find("m0", 0, 0).ok());
+  }
+  EXPECT_EQ(counted.used.load(), 0u);
+}
+
+// --replica-max-bytes-per-peer: a peer over its bytes loses its oldest replica, never another
+// peer's; one replica over the share alone is refused before its data.
+TEST(ReplicaStoreTest, APeerOverItsBytesLosesItsOldestReplica) {
+  CountedMemory counted;
+  const uint64_t each = Accounted(Meta("a0", 0, 1, kPart));
+  ReplicaStore store(counted.memory(), 0, ReplicaLimits{kMaxReplicasPerOrigin, 3 * each});
+  const auto data = Bytes(kPart, 4);
+  auto of = [](const std::string& job, const std::string& peer) {
+    ReplicaMeta m = Meta(job, 0, 1, kPart);
+    m.from_peer = peer;
+    return m;
+  };
+  ASSERT_OK(Put(&store, of("b0", "b"), data));
+  for (int i = 0; i < 3; ++i) ASSERT_OK(Put(&store, of("a" + std::to_string(i), "a"), data));
+  EXPECT_EQ(store.count(), 4u);
+  ASSERT_OK(Put(&store, of("a3", "a"), data));
+  EXPECT_FALSE(store.Find("a0", 0, 0).ok());
+  EXPECT_TRUE(store.Find("a1", 0, 0).ok());
+  EXPECT_TRUE(store.Find("b0", 0, 0).ok());
+  EXPECT_EQ(counted.used.load(), 4 * each);
+  EXPECT_EQ(store.evicted(), 1u);
+  ReplicaMeta big = of("a9", "a");
+  big.bytes = 4 * kPart;
+  Status over = store.Begin(big).status();
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
+  EXPECT_EQ(store.count(), 4u);
+  EXPECT_EQ(counted.used.load(), 4 * each);
+}
+
 // A replica server over a store on a loopback port; TLS when `tls` is given.
 struct ServedStore {
   CountedMemory counted;
   ReplicaStore store{counted.memory(), 0};
   std::unique_ptr<ReplicaServer> server;
+  std::chrono::milliseconds stall_timeout = kReplicaStallTimeout;
 
   Status Start(ReplicaListenConfig config) {
     config.listen = "127.0.0.1:0";
+    if (config.stall_timeout == kReplicaStallTimeout) config.stall_timeout = stall_timeout;
     server = std::make_unique<ReplicaServer>(&store, std::move(config));
     return server->Start();
   }
@@ -223,6 +335,54 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   auto missing = FetchReplica(channel->get(), "job", 4, 0, data.size(), [&](const ReplicaMeta&) -> Result<char*> { return nullptr; },
                               Deadline());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+}
+
+// A push that sends its header and then nothing holds the memory its header reserved only until
+// the stall timeout: then it is cancelled, counted and its reservation given back.
+TEST(ReplicaServiceTest, AStalledPushIsCancelledAndGivesItsMemoryBack) {
+  ServedStore served;
+  served.stall_timeout = 300ms;
+  ASSERT_OK(served.Start({}));
+  // (A rate cap so low that a sender's parts would look stalled is refused up front.)
+  ReplicaListenConfig crawling;
+  crawling.replicate_to = {"127.0.0.1:9"};
+  crawling.max_rate = 512u << 10;
+  EXPECT_EQ(CheckReplicaConfig(crawling).code(), StatusCode::kInvalidArgument);
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_OK(channel.status());
+  v1::Replica::Stub stub(*channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  v1::PushReplicaResponse response;
+  auto writer = stub.Push(&ctx, &response);
+  v1::ReplicaPart header;
+  ReplicaHeaderOf(Meta("job", 0, 1, 8 * kPart), header.mutable_header());
+  ASSERT_TRUE(writer->Write(header));
+  const ReplicaMeta reserved = Meta("job", 0, 1, 8 * kPart);
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (served.counted.used.load() != Accounted(reserved) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(served.counted.used.load(), Accounted(reserved));  // the header reserved its bytes
+  // Then nothing more arrives: well before the push's own deadline, the memory is back.
+  while (served.counted.used.load() != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(served.counted.used.load(), 0u);
+  EXPECT_EQ(served.server->service().stalled_pushes(), 1u);
+  writer->WritesDone();
+  grpc::Status done = writer->Finish();
+  EXPECT_FALSE(done.ok());
+  EXPECT_EQ(served.store.count(), 0u);
+  // A push that keeps sending is not disturbed, however long it takes in all.
+  const auto data = Bytes(6 * kPart, 3);
+  PushHooks slow;
+  slow.after_part = [](uint64_t) {
+    std::this_thread::sleep_for(100ms);
+    return Status::OK();
+  };
+  ASSERT_OK(PushReplica(channel->get(), Meta("job", 0, 2, data.size()), data.data(), Deadline(), slow));
+  EXPECT_EQ(served.server->service().stalled_pushes(), 1u);
 }
 
 // Retract drops only a replica of an older attempt and a later step than the one restored; its
@@ -370,7 +530,8 @@ class Certificates {
     dir_ = tmpl;
     ok_ = Ca("ca") && Ca("other-ca") && Leaf("node-a", "ca", "subjectAltName=IP:127.0.0.1,DNS:node-a") &&
           Leaf("node-b", "ca", "subjectAltName=DNS:node-b") && Leaf("intruder", "ca", "subjectAltName=DNS:intruder") &&
-          Leaf("node-b-elsewhere", "other-ca", "subjectAltName=DNS:node-b", "node-b");
+          Leaf("node-b-elsewhere", "other-ca", "subjectAltName=DNS:node-b", "node-b") &&
+          Leaf("node-a-expired", "ca", "subjectAltName=IP:127.0.0.1,DNS:node-a", "node-a", -1);
   }
   ~Certificates() {
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
@@ -387,13 +548,15 @@ class Certificates {
     return Run("openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=" + name + "-root -keyout " + key(name) +
                " -out " + cert(name));
   }
-  bool Leaf(const std::string& name, const std::string& ca, const std::string& san, std::string cn = "") {
+  // `days` -1: a certificate that expired a day ago.
+  bool Leaf(const std::string& name, const std::string& ca, const std::string& san, std::string cn = "", int days = 2) {
     if (cn.empty()) cn = name;
     const std::string ext = dir_ + "/" + name + ".ext";
     return Run("printf '%s\\n' '" + san + "' > " + ext) &&
            Run("openssl req -newkey rsa:2048 -nodes -subj /CN=" + cn + " -keyout " + key(name) + " -out " + dir_ +
                "/" + name + ".csr") &&
-           Run("openssl x509 -req -days 2 -in " + dir_ + "/" + name + ".csr -CA " + cert(ca) + " -CAkey " + key(ca) +
+           Run("openssl x509 -req -days " + std::to_string(days) + " -in " + dir_ + "/" + name + ".csr -CA " + cert(ca) +
+               " -CAkey " + key(ca) +
                " -CAcreateserial -extfile " + ext + " -out " + cert(name));
   }
 
@@ -457,6 +620,97 @@ TEST(ReplicaTlsTest, OnlyAPeerWithACertificateOfAnAllowedNameGetsIn) {
   EXPECT_EQ(served.store.List("").size(), 1u);  // only node-b's push was held
 }
 
+// A failed handshake reaches the daemon's log with its reason, once per reason however often the
+// peer tries: a plaintext client on the TLS port, a client certificate of another CA.
+TEST(ReplicaTlsTest, AFailedHandshakeIsLoggedOnceWithItsReason) {
+  if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  const std::string log = "/tmp/flashckpt-handshake-" + std::to_string(::getpid()) + ".log";
+  ASSERT_EQ(SetLogFile(log), "");
+  RouteGrpcLogsToDaemonLog();
+  {
+    ServedStore served;
+    ReplicaListenConfig config;
+    config.tls_cert = certs.cert("node-a");
+    config.tls_key = certs.key("node-a");
+    config.tls_ca = certs.cert("ca");
+    config.allow_names = {"node-b"};
+    ASSERT_OK(served.Start(config));
+    const auto data = Bytes(kPart, 8);
+    for (int i = 0; i < 3; ++i) {
+      auto plain = ReplicaChannel({served.target(), "", "", "", ""});
+      ASSERT_OK(plain.status());
+      EXPECT_EQ(PushReplica(plain->get(), Meta("job", 0, 1, data.size()), data.data(),
+                            std::chrono::system_clock::now() + 5s)
+                    .code(),
+                StatusCode::kUnavailable);
+      auto elsewhere = ReplicaChannel({served.target(), certs.cert("node-b-elsewhere"), certs.key("node-b-elsewhere"),
+                                       certs.cert("ca"), "node-a"});
+      ASSERT_OK(elsewhere.status());
+      EXPECT_EQ(PushReplica(elsewhere->get(), Meta("job", 0, 1, data.size()), data.data(),
+                            std::chrono::system_clock::now() + 5s)
+                    .code(),
+                StatusCode::kUnavailable);
+    }
+  }
+  ASSERT_EQ(SetLogFile(""), "");
+  std::ifstream in(log);
+  std::vector<std::string> failures;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("tls handshake failed reason=") != std::string::npos) failures.push_back(line);
+  }
+  ::unlink(log.c_str());
+  std::string all;
+  for (const auto& f : failures) all += f + "\n";
+  // One line per reason: the plaintext client's and the other CA's, however many attempts.
+  EXPECT_GE(failures.size(), 2u) << all;
+  EXPECT_LE(failures.size(), 4u) << all;
+  EXPECT_NE(all.find("certificate verify failed"), std::string::npos) << all;
+}
+
+// A certificate that cannot work is refused when the flags are read (--check-config, and so the
+// start), by name and reason, and by a replica listener started without them: expired, a key of
+// another certificate, a CA that does not sign it. Before, each passed and every handshake failed.
+TEST(ReplicaTlsTest, ACertificateThatCannotWorkIsRefusedUpFront) {
+  if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  auto check = [&](const std::string& cert, const std::string& key, const std::string& ca) {
+    std::vector<std::string> args = {"flashckptd", "--socket", "/tmp/flashckpt-check.sock", "--root", "/tmp/r",
+                                     "--replica-listen", "127.0.0.1:0", "--replica-tls-cert", cert,
+                                     "--replica-tls-key", key, "--replica-tls-ca", ca, "--replica-allow-name",
+                                     "node-b", "--check-config"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    return ParseDaemonFlags(static_cast<int>(argv.size()), argv.data()).status();
+  };
+  Status good = check(certs.cert("node-a"), certs.key("node-a"), certs.cert("ca"));
+  EXPECT_EQ(good.code(), StatusCode::kCancelled) << good.ToString();  // "config checked": accepted
+  Status expired = check(certs.cert("node-a-expired"), certs.key("node-a-expired"), certs.cert("ca"));
+  EXPECT_EQ(expired.code(), StatusCode::kInvalidArgument) << expired.ToString();
+  EXPECT_NE(expired.message().find("--replica-tls-cert " + certs.cert("node-a-expired") + " expired on"),
+            std::string::npos)
+      << expired.ToString();
+  Status other_key = check(certs.cert("node-a"), certs.key("node-b"), certs.cert("ca"));
+  EXPECT_EQ(other_key.code(), StatusCode::kInvalidArgument) << other_key.ToString();
+  EXPECT_NE(other_key.message().find("is not the key of the certificate"), std::string::npos) << other_key.ToString();
+  Status other_ca = check(certs.cert("node-b-elsewhere"), certs.key("node-b-elsewhere"), certs.cert("ca"));
+  EXPECT_EQ(other_ca.code(), StatusCode::kInvalidArgument) << other_ca.ToString();
+  EXPECT_NE(other_ca.message().find("is not signed by the CA in --replica-tls-ca"), std::string::npos)
+      << other_ca.ToString();
+
+  ServedStore served;
+  ReplicaListenConfig config;
+  config.tls_cert = certs.cert("node-a-expired");
+  config.tls_key = certs.key("node-a-expired");
+  config.tls_ca = certs.cert("ca");
+  config.allow_names = {"node-b"};
+  Status started = served.Start(config);
+  EXPECT_EQ(started.code(), StatusCode::kInvalidArgument) << started.ToString();
+  EXPECT_NE(started.message().find("expired on"), std::string::npos) << started.ToString();
+}
+
 // The body of GET /metrics from 127.0.0.1:`port` ("" when it cannot be read).
 std::string Scrape(int port) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -491,6 +745,15 @@ TEST(ReplicaDaemonTest, FlashckptdServesReplicasCountedInItsHostMemoryBudget) {
   ASSERT_TRUE(PushReplica(channel->get(), Meta("job", 0, 1, data.size()), data.data(), Deadline()).ok());
   const uint64_t held = Accounted(Meta("job", 0, 1, data.size()));
   EXPECT_EQ(d.daemon()->GetStatus().host_memory_used, held);
+  // A trainer's registration that does not fit is told how much of the budget replicas hold.
+  {
+    auto local = d.Connect("local");
+    ASSERT_NE(local, nullptr);
+    Status refused = local->Register(Topology{}, ModelAndMomentSpecs(64u << 10));
+    EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+    EXPECT_NE(refused.message().find(FormatBytes(held) + " of it holds replicas of peers' ranks"), std::string::npos)
+        << refused.ToString();
+  }
   const auto more = Bytes(8 * kPart, 2);
   Status over = PushReplica(channel->get(), Meta("job", 1, 1, more.size()), more.data(), Deadline());
   EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over.ToString();
@@ -787,7 +1050,7 @@ TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
   ReplicaMeta bad = *held;
   bad.step = 4;
   // Of a later attempt: node-c's restore of step 3 told the peer to refuse the attempt it left.
-  bad.attempt = held->attempt + 3600 * 1000;  // an hour later (numbers are ms)
+  bad.attempt = held->attempt + 60 * 1000;  // a minute later (numbers are ms)
   bad.part_bytes = kPart;
   ASSERT_OK(PushReplica(channel->get(), bad, image.data(), Deadline()));
 
