@@ -46,6 +46,8 @@ run_tests() {
 }
 summary() {
   local rc=$?
+  # What follows must not end the script early (a `head` closing its pipe is not a failure).
+  set +e +o pipefail
   printf '\n==== where the time went\n'
   printf '%-12s %8s %8s\n' pass build_s test_s
   awk '{ if (!($1 in seen)) { seen[$1] = 1; order[n++] = $1 } t[$1 " " $2] += $3 }

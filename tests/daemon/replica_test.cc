@@ -539,6 +539,15 @@ class Certificates {
   bool ok() const { return ok_; }
   std::string cert(const std::string& name) const { return dir_ + "/" + name + ".pem"; }
   std::string key(const std::string& name) const { return dir_ + "/" + name + ".key"; }
+  // A TLS listener with certificate `name` (of "ca") that allows node-b.
+  ReplicaListenConfig Listener(const std::string& name) const {
+    ReplicaListenConfig config;
+    config.tls_cert = cert(name);
+    config.tls_key = key(name);
+    config.tls_ca = cert("ca");
+    config.allow_names = {"node-b"};
+    return config;
+  }
 
  private:
   bool Run(const std::string& command) {
@@ -569,12 +578,7 @@ TEST(ReplicaTlsTest, OnlyAPeerWithACertificateOfAnAllowedNameGetsIn) {
   Certificates certs;
   ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
   ServedStore served;
-  ReplicaListenConfig config;
-  config.tls_cert = certs.cert("node-a");
-  config.tls_key = certs.key("node-a");
-  config.tls_ca = certs.cert("ca");
-  config.allow_names = {"node-b"};
-  ASSERT_TRUE(served.Start(config).ok());
+  ASSERT_OK(served.Start(certs.Listener("node-a")));
   const auto data = Bytes(2 * kPart, 8);
   auto push_as = [&](const std::string& who, const std::string& ca) {
     ReplicaPeer peer{served.target(), who.empty() ? "" : certs.cert(who), who.empty() ? "" : certs.key(who),
@@ -631,12 +635,7 @@ TEST(ReplicaTlsTest, AFailedHandshakeIsLoggedOnceWithItsReason) {
   RouteGrpcLogsToDaemonLog();
   {
     ServedStore served;
-    ReplicaListenConfig config;
-    config.tls_cert = certs.cert("node-a");
-    config.tls_key = certs.key("node-a");
-    config.tls_ca = certs.cert("ca");
-    config.allow_names = {"node-b"};
-    ASSERT_OK(served.Start(config));
+    ASSERT_OK(served.Start(certs.Listener("node-a")));
     const auto data = Bytes(kPart, 8);
     for (int i = 0; i < 3; ++i) {
       auto plain = ReplicaChannel({served.target(), "", "", "", ""});
@@ -701,12 +700,7 @@ TEST(ReplicaTlsTest, ACertificateThatCannotWorkIsRefusedUpFront) {
       << other_ca.ToString();
 
   ServedStore served;
-  ReplicaListenConfig config;
-  config.tls_cert = certs.cert("node-a-expired");
-  config.tls_key = certs.key("node-a-expired");
-  config.tls_ca = certs.cert("ca");
-  config.allow_names = {"node-b"};
-  Status started = served.Start(config);
+  Status started = served.Start(certs.Listener("node-a-expired"));
   EXPECT_EQ(started.code(), StatusCode::kInvalidArgument) << started.ToString();
   EXPECT_NE(started.message().find("expired on"), std::string::npos) << started.ToString();
 }
