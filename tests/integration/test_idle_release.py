@@ -163,8 +163,10 @@ def memory_newer_than_disk_idle(h):
     held_trainer(h, job)
     wait_for(lambda: not listed(h, job), IDLE_S + 20, job + " to be released once idle")
     check(complete(h, job, 7), "idle release of %s dropped memory step 7: checkpoint-7 is not complete" % job)
-    line = [l for l in open(h.daemon_log, errors="replace") if "released job=%s " % job in l]
-    check(line and "written_step=7" in line[-1] and "disk_step=5" in line[-1],
+    # The job leaves the listing before its release is logged: the line may come a moment later.
+    line = wait_for(lambda: [l for l in open(h.daemon_log, errors="replace") if "released job=%s " % job in l],
+                    20, "the release's log line of " + job)
+    check("written_step=7" in line[-1] and "disk_step=5" in line[-1],
           "the release's log line does not name the step written: %s" % line)
     p, out = held_trainer(h, job, resume=True, steps=8)
     finish(p, out, "the returning trainer of " + job)
