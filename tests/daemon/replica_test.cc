@@ -1084,9 +1084,11 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
   }
   // The replacement node takes memory checkpoints 4 and 5 before it is asked for step 3. Its pushes
   // are held to 2 KiB/s: a replica of ~33 KiB takes ~16 s, and the peer keeps step 3 until a newer
-  // one has arrived whole.
+  // one has arrived whole. Three slots: 4 and 5 stay (the push in flight holds one of them, and the
+  // newest is kept), and step 3 is fetched into the third.
   InProcessDaemon fresh("flashckpt-replica-fresh");
   ASSERT_OK(fresh.Start([&](DaemonConfig& c) {
+    c.slots = 3;
     c.node_name = "node-c";
     c.replicate_to = {peer};
     c.replicate_max_rate = 2048;
