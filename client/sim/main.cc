@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
                "training goes on; each acknowledged one is reported as 'committed step=S persist=0|1'");
   app.add_option("--step-ms", o.step_ms, "sleep per step, to stand in for compute");
   app.add_option("--wait-timeout", o.wait_timeout_s, "seconds to wait for the last save to be durable");
-  app.add_option("--first-step", o.first_step, "first step when not resuming (to carry on after a daemon restart)")
+  app.add_option("--first-step", o.first_step, "first step when not resuming (a fresh start)")
       ->check(CLI::PositiveNumber);
   app.add_flag("!--no-wait-complete", o.wait_complete,
                "end once this rank's last save is durable, without waiting for the whole checkpoint to complete "

@@ -364,6 +364,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   state.run_agreed = false;
   state.run_unagreed = Status::OK();
   state.split_error = Status::OK();
+  state.reattached = reattach;
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by

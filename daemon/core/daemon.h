@@ -341,6 +341,10 @@ class Daemon {
     Status split_error;
     bool overwrite = false;    // per registration: its first snapshot may start a new lineage
     bool lineage_checked = false;  // per process: the first BeginSnapshot's lineage check passed
+    // Per session: it re-attached a session of the same trainer process (the client says so after a
+    // broken stream or a daemon restart). Only such a session may carry on its run's checkpoints
+    // without restoring; a new process reusing a run id is a fresh start (CheckLineage).
+    bool reattached = false;
     // The trainer process: counts sessions that were not re-attachments. A persist reports to
     // last_persisted and `failed` only while its process is the rank's (WaitPersisted of a new
     // process is never answered by its predecessor's steps).
@@ -534,9 +538,11 @@ class Daemon {
   static Status CheckRunKept(const RankState& state, const Registration& reg);
   // The first BeginSnapshot of a session that did not restore: refused while the job's newest
   // complete checkpoint is another run's, unless the session registered with overwrite, which then
-  // deletes the checkpoints that are not its run's (once per run). File I/O: without mu_.
+  // deletes the checkpoints that are not its run's (once per run). A `new_process` (not a
+  // re-attachment) is refused by its own run's complete checkpoints too, overwrite or not: reusing
+  // a run id without restoring is a fresh start. File I/O: without mu_.
   Status CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
-                      bool overwrite) EXCLUDES(mu_);
+                      bool overwrite, bool new_process) EXCLUDES(mu_);
   // Steps a slot of the job is filling, has committed or is persisting: never deleted.
   std::set<int64_t> BusyStepsLocked(const std::string& job) const REQUIRES(mu_);
   // Records that `rank`'s session committed `step` in `attempt`; when another live session of the

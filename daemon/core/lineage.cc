@@ -73,7 +73,26 @@ std::string Daemon::ChooseRunLocked(const JobState& job, uint32_t rank, const Ra
 }
 
 Status Daemon::CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
-                            bool overwrite) {
+                            bool overwrite, bool new_process) {
+  // The newest complete checkpoint the session would carry on from: the one LATEST names (two small
+  // reads), or where there is none (LATEST missing, torn, or naming a step that is gone) the newest
+  // on disk, so that a fresh start never carries on after a checkpoint LATEST no longer names. A new
+  // process looks at every run's, its own included: its run's checkpoints were written by an earlier
+  // process, and one that did not restore is a fresh start, whatever id it reuses.
+  ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
+  if (!latest) {
+    ASSIGN_OR_RETURN(latest, catalog_.NewestComplete(job, new_process ? std::string() : run_id));
+  }
+  const std::string fix = "restore to continue it, use another job name, or register a new run (another run id, "
+                          "or none: the daemon draws one) with overwrite (ClientOptions::overwrite, overwrite=True "
+                          "in Python, --fresh) to start a new lineage, which deletes the job's checkpoints of other "
+                          "runs";
+  if (latest && !latest->run_id.empty() && latest->run_id == run_id && new_process) {
+    return FailedPrecondition("job '" + job + "' already has complete checkpoints of run " + run_id +
+                              " (the newest is step " + std::to_string(latest->step) +
+                              "), written by an earlier process of that run, and this process started fresh "
+                              "instead of restoring (a reused run id does not make it the same run): " + fix);
+  }
   if (overwrite) {
     std::set<int64_t> busy;
     {
@@ -93,26 +112,14 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
                                   "); try again when it is no longer in use");
       }
     }
-  } else {
-    // The checkpoint LATEST names (two small reads); where there is none (LATEST missing, torn, or
-    // naming a step that is gone) the job's complete checkpoints on disk are looked at instead, so a
-    // fresh start never carries on after another run's checkpoint that LATEST no longer names.
-    ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
-    if (!latest) {
-      ASSIGN_OR_RETURN(latest, catalog_.NewestOfAnotherRun(job, run_id));
-    }
-    if (latest && latest->run_id.empty()) {
-      // Written before runs had ids: a job that was running when the daemon was upgraded carries on.
-      Logger("rpc")->warn("lineage job={} run={}: a complete checkpoint (step {}) has no run id; not checked", job,
-                          run_id, latest->step);
-    } else if (latest && latest->run_id != run_id) {
-      return FailedPrecondition(
-          "job '" + job + "' already has complete checkpoints of another run (the newest is step " +
-          std::to_string(latest->step) + ", of run " + latest->run_id + ") and this run (" +
-          run_id + ") started fresh instead of restoring: restore to continue that run, use another job name, or "
-          "register with overwrite (ClientOptions::overwrite, overwrite=True in Python, --fresh) to start a new "
-          "lineage, which deletes the job's checkpoints of other runs");
-    }
+  } else if (latest && latest->run_id.empty()) {
+    // Written before runs had ids: a job that was running when the daemon was upgraded carries on.
+    Logger("rpc")->warn("lineage job={} run={}: a complete checkpoint (step {}) has no run id; not checked", job,
+                        run_id, latest->step);
+  } else if (latest && latest->run_id != run_id) {
+    return FailedPrecondition("job '" + job + "' already has complete checkpoints of another run (the newest is step " +
+                              std::to_string(latest->step) + ", of run " + latest->run_id + ") and this run (" +
+                              run_id + ") started fresh instead of restoring: " + fix);
   }
   MutexLock lock(&mu_);
   if (overwrite) jobs_[job].overwritten_for.insert(run_id);

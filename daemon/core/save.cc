@@ -97,6 +97,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   bool check_lineage = false;
   std::string run_id;
   bool overwrite = false;
+  bool new_process = true;
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -124,9 +125,10 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     check_lineage = !rank->lineage_checked && rank->resumed_from == 0;
     run_id = rank->run_id;
     overwrite = rank->overwrite;
+    new_process = !rank->reattached;
   }
   if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
-  if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite));
+  if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite, new_process));
   // A memory checkpoint writes no file: no need to look at the disk on the trainer's path.
   ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : catalog_.IsComplete(job, step));
   if (complete) {

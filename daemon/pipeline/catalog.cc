@@ -116,8 +116,8 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::LatestRun(const std::stri
   return std::optional<RunCheckpoint>{RunCheckpoint{step, meta->run_id}};
 }
 
-Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestOfAnotherRun(const std::string& job,
-                                                                          const std::string& run_id) const {
+Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestComplete(const std::string& job,
+                                                                      const std::string& skip_run) const {
   RETURN_IF_ERROR(ValidateJobName(job));
   ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
   for (int64_t step : steps.complete) {  // newest first
@@ -134,7 +134,7 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestOfAnotherRun(const 
       }
       run = meta->run_id;
     }
-    if (run != run_id) return std::optional<RunCheckpoint>{RunCheckpoint{step, run}};
+    if (skip_run.empty() || run != skip_run) return std::optional<RunCheckpoint>{RunCheckpoint{step, run}};
   }
   return std::optional<RunCheckpoint>();
 }

@@ -158,11 +158,12 @@ class Catalog {
   };
   Result<std::optional<RunCheckpoint>> LatestRun(const std::string& job) const;
   // The newest complete checkpoint of the job on disk (not LATEST: a directory with metadata.json)
-  // that another run than `run_id` wrote, by its saved_signal_0 (metadata.json's run_id when that
-  // cannot be read); nullopt when every complete checkpoint is `run_id`'s. One listing of the job's
-  // directory and a small read per complete checkpoint, newest first, until one of another run.
-  // A checkpoint written before runs had ids (no run id) is returned too, with an empty run_id.
-  Result<std::optional<RunCheckpoint>> NewestOfAnotherRun(const std::string& job, const std::string& run_id) const;
+  // with the run that wrote it, by its saved_signal_0 (metadata.json's run_id when that cannot be
+  // read), passing over those of run `skip_run` (empty: none passed over); nullopt when there is no
+  // other. One listing of the job's directory and a small read per complete checkpoint, newest
+  // first, until one is found. A checkpoint written before runs had ids is returned with an empty
+  // run_id (never passed over).
+  Result<std::optional<RunCheckpoint>> NewestComplete(const std::string& job, const std::string& skip_run) const;
   // A run that starts a new lineage of the job (ClientOptions::overwrite): deletes every checkpoint
   // directory that is another run's (complete ones it wrote, incomplete ones holding its signals and
   // none of `run_id`), except steps in use (Use, or `busy`), which are skipped.

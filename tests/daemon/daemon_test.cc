@@ -444,6 +444,7 @@ TEST_F(DaemonTest, ACompleteCheckpointIsNeverOverwritten) {
   auto again = Connect("once", 0);
   ASSERT_TRUE(again);
   ASSERT_OK(again->Register(Topology{}, Specs(10)));
+  ASSERT_OK(again->Restore(std::nullopt, bufs, 10s).status());  // a new process carries on by restoring
   auto s = again->Snapshot(3, bufs, {});
   EXPECT_EQ(s.status().code(), StatusCode::kAlreadyExists) << s.status().ToString();
 }
@@ -529,8 +530,16 @@ TEST_F(DaemonTest, ANewLayoutSavesOnlyAfterARestoreWhileTheOldLayoutsCheckpointI
   auto c = Connect("relayout", 0);
   ASSERT_TRUE(c);
   ASSERT_OK(c->Register(Topology{}, {whole}));
-  EXPECT_EQ(c->Snapshot(30, bufs, {}).status().code(), StatusCode::kFailedPrecondition);
+  auto held = c->Snapshot(30, bufs, {});
+  EXPECT_EQ(held.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Contains(held.status().message(), "checkpoint-10")) << held.status().ToString();
   ASSERT_OK(d_.daemon()->DeleteCheckpoints("relayout", 10, 0, /*force=*/true, /*dry_run=*/false).status());
+  // The layout no longer holds it; as a new process it still carries on the run only by restoring.
+  auto fresh = c->Snapshot(30, bufs, {});
+  EXPECT_EQ(fresh.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(Contains(fresh.status().message(), "checkpoint-10")) << fresh.status().ToString();
+  EXPECT_TRUE(Contains(fresh.status().message(), "earlier process")) << fresh.status().ToString();
+  ASSERT_OK(c->Restore(std::nullopt, bufs, 10s).status());
   ASSERT_OK(c->Snapshot(30, bufs, {}).status());
   ASSERT_OK(c->WaitPersisted(30, 10s));
 }

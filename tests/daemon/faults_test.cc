@@ -555,10 +555,11 @@ TEST_F(FaultsTest, FatalPersistErrorsStopTheSnapshotsAfterAFailedSave) {
   for (const auto& slot : rank.slots()) EXPECT_EQ(slot.state(), "free") << "slot " << slot.index();
   EXPECT_OK(VerifyCheckpointDir(StepDir("fatal", 1), nullptr));
 
-  // A restarted trainer (a new session) saves again.
+  // A restarted trainer (a new session) resumes and saves again.
   t.client->Close();
   Trainer again = StartTrainer("fatal", 1000, [](ClientOptions& o) { o.fatal_persist_errors = true; });
   ASSERT_TRUE(again.client);
+  ASSERT_OK(again.client->Restore(std::nullopt, again.bufs, 10s).status());
   ASSERT_OK(again.Save(5));
 }
 

@@ -95,8 +95,9 @@ TEST(ReleaseTest, OperatorReleaseIsRefusedWhileARankIsConnectedThenFreesEverySeg
   EXPECT_EQ(d.daemon()->ReleaseJob(job).status().code(), StatusCode::kNotFound) << "released once";
   // The checkpoint stays; the job comes back by registering again.
   EXPECT_TRUE(std::filesystem::exists(d.StepDir(job, 1) + "/metadata.json"));
-  TestTrainer again = d.StartTrainer(job, 256);
+  TestTrainer again = d.StartTrainer(job, 1024);  // the layout SavedTrainerWithEma saved
   ASSERT_TRUE(again.client);
+  ASSERT_OK(again.client->Restore(std::nullopt, again.bufs, 10s).status());
   EXPECT_OK(again.Save(2));
 }
 

@@ -236,6 +236,7 @@ TEST_F(ReadFaultsTest, ASlowListingHoldsUpNoSnapshotAndNoWatchdogPing) {
   }));
   t = StartTrainer("slow", 1024);
   ASSERT_TRUE(t.client);
+  ASSERT_OK(t.client->Restore(std::nullopt, t.bufs, 10s).status());  // a new process carries on by restoring
   gate.Close();
   std::thread status([&] { (void)d_.daemon()->GetStatus(); });
   OpenAndJoinAtExit at_exit(&gate, &status);

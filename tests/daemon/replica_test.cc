@@ -1078,7 +1078,8 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
     }));
     TestTrainer t = lost.StartTrainer("asked", kFloats);
     ASSERT_NE(t.client, nullptr);
-    ASSERT_OK(t.Save(2));
+    // Memory checkpoints only: the replacement's trainer, a new process, may save before it
+    // restores only while the job has no complete checkpoint on disk.
     ASSERT_OK(t.Memory(3));
     ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "asked", 3); })) << PeerOf(lost).last_error;
   }
@@ -1105,11 +1106,6 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
   EXPECT_EQ(r->tier, Tier::kPeer);
   EXPECT_EQ(r->extra, "{\"step\":3}");
   EXPECT_TRUE(t.All(3));
-  // Step 2, on disk, is not on the peer: read from the files, nothing fetched.
-  auto d = t.client->Restore(int64_t{2}, t.bufs, 10s);
-  ASSERT_OK(d.status());
-  EXPECT_EQ(d->tier, Tier::kDisk);
-  EXPECT_TRUE(t.All(2));
 }
 
 // A rollback reaches the peers: a rank that restores an older step here has the peer drop its

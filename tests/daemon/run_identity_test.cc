@@ -55,6 +55,14 @@ struct EmaRank {
     if (!snap.ok()) return snap.status();
     return client->WaitPersisted(step, 10s);
   }
+  // A snapshot for the EMA alone (persist=false): no checkpoint, so a later process of the run
+  // may carry on without restoring (with a complete checkpoint it would be a fresh start).
+  Status Update(int64_t step, float value) {
+    std::fill(w.begin(), w.end(), value);
+    SnapshotOptions only_ema;
+    only_ema.persist = false;
+    return client->Snapshot(step, {{"w", w.data(), w.size() * 4}}, only_ema).status();
+  }
   // The daemon's EMA, element 0 (all elements are equal here).
   Result<float> Ema() {
     std::vector<float> got(w.size(), -1.f);
@@ -127,7 +135,7 @@ TEST(RunTest, AnEmaSegmentKeptUnderTheUnscopedNameByThePredecessorIsAdopted) {
   {
     EmaRank a = StartEmaRank(d, job, same_run);
     ASSERT_TRUE(a.client);
-    ASSERT_OK(a.Save(1, 1.f));
+    ASSERT_OK(a.Update(1, 1.f));
   }
   WaitDisconnected(d, job);
   d.Stop();  // keeps the EMA segment, with a record, for its successor
@@ -165,7 +173,7 @@ TEST(RunTest, AnUnscopedEmaSegmentOfTheRegisteringRunIsAdoptedAndRenamed) {
   {
     EmaRank a = StartEmaRank(d, job, same_run);
     ASSERT_TRUE(a.client);
-    ASSERT_OK(a.Save(1, 1.f));
+    ASSERT_OK(a.Update(1, 1.f));
     d.Stop();  // the trainer is still connected: no kept-EMA record
   }
   const std::string state = d.socket() + ".state";
@@ -304,13 +312,29 @@ TEST(RunTest, AFreshStartIntoAJobWithAnotherRunsCheckpointsIsRefusedUnlessItOver
     ASSERT_TRUE(old.client);
     ASSERT_OK(old.Save(10));
     ASSERT_OK(old.Save(20));
+    // The same process carries on across a daemon restart: its client re-attaches, and the new
+    // daemon's first snapshot of the session finds the run's own checkpoints.
+    d.Stop();
+    ASSERT_OK(d.Start());
+    ASSERT_OK(old.Save(30));
   }
-  // A process of the same run carries on.
-  {
-    TestTrainer same = d.StartTrainer(job, 256, [](ClientOptions& o) { o.run_id = "old-run"; });
-    ASSERT_TRUE(same.client);
-    ASSERT_OK(same.Save(30));
+  // A new process that reuses the run id without restoring is a fresh start: refused, naming the
+  // run's checkpoint and the ways out; overwrite does not change that (it deletes other runs only).
+  for (bool overwrite : {false, true}) {
+    TestTrainer again = d.StartTrainer(job, 256, [&](ClientOptions& o) {
+      o.run_id = "old-run";
+      o.overwrite = overwrite;
+    });
+    ASSERT_TRUE(again.client);
+    auto reused = again.Snapshot(40);
+    ASSERT_EQ(reused.status().code(), StatusCode::kFailedPrecondition) << reused.status().ToString();
+    for (const char* word : {"already has complete checkpoints of run old-run", "step 30", "earlier process",
+                             "restore", "overwrite"}) {
+      EXPECT_TRUE(Contains(reused.status().message(), word)) << "'" << word << "' in " << reused.status().ToString();
+    }
+    EXPECT_FALSE(std::filesystem::exists(d.StepDir(job, 40)));
   }
+  for (int64_t step : {10, 20, 30}) EXPECT_TRUE(std::filesystem::exists(d.StepDir(job, step))) << step;
   // A fresh run is refused at its first snapshot, with the ways out named.
   TestTrainer fresh = d.StartTrainer(job, 256, DrawnRun);
   ASSERT_TRUE(fresh.client);

@@ -17,7 +17,8 @@ project code) and must match the reference to a relative error of 1e-6, element 
      and run to step 40. Every checkpoint's EMA, the final one included, equals the uninterrupted
      reference over steps 1..40 (the resume reloads the EMA of the checkpoint it resumes from).
   3. Daemon restart: ranks run to step 15, the daemon is stopped with SIGTERM, a new one adopts the
-     EMA segments in /dev/shm, and the ranks carry on with --first-step 16 to step 30.
+     EMA segments in /dev/shm (and logs it), and new rank processes resume from checkpoint-10 (a new
+     process carries on a run only by restoring) to step 30; the restore reloads checkpoint-10's EMA.
   4. `flashckpt verify` accepts every final checkpoint (with its EMA files) and rejects a copy with
      one flipped byte in an EMA file, naming it; flashckptd exits 0 on SIGTERM.
 
@@ -182,7 +183,7 @@ class Harness(DaemonHarness):
                    "--steps", str(steps), "--save-every", str(SAVE_EVERY), "--wait-timeout", "30"] + sc.sim_args()
             if resume:
                 cmd.append("--resume")
-            # One run per scenario: ranks that carry on in new processes (--first-step) keep its EMA.
+            # One run per scenario: its launches are told apart by the steps they resume from.
             cmd += ["--run-id", sc.job + "-run"]
             if first_step is not None:
                 cmd += ["--first-step", str(first_step)]
@@ -472,9 +473,9 @@ def run_restart(h, sc):
           (sc.name, got, sc.job, sorted(sc.ema_ranks())))
     h.start_daemon()
 
-    procs = h.start_sims(sc, "after", STEPS, first_step=RESTART_AT_STEP + 1, dump=True)
+    procs = h.start_sims(sc, "after", STEPS, resume=True, dump=True)
     results = h.wait_sims(sc, "after", procs)
-    check_finished(sc, "after", results, STEPS, saves_between(RESTART_AT_STEP, STEPS))
+    check_finished(sc, "after", results, STEPS, saves_between(SAVE_EVERY, STEPS))
     with open(h.daemon_log, "r", errors="replace") as f:
         daemon_text = f.read()
     for seg in got:
