@@ -137,8 +137,10 @@ bool Within(const std::filesystem::path& inner, const std::filesystem::path& out
 
 // Where an export writes until it is complete: a new folder beside `out_dir`, renamed onto it at the
 // end (rename(2) replaces an empty directory), so a failed export leaves `out_dir` as it was. Refuses
-// an `out_dir` that is not empty, or that lies inside the checkpoint being read or inside any
-// checkpoint folder (checkpoint-<step>: retention, delete and gc remove those, with what is in them).
+// an `out_dir` that is not empty, or that lies inside the checkpoint being read, inside any
+// checkpoint folder (checkpoint-<step>: retention, delete and gc remove those, with what is in them),
+// or inside the checkpoint's root (<root>/<job>/checkpoint-<step>: the daemon's --root, whose folders
+// are jobs to it).
 Result<std::string> StagingDirFor(const std::string& checkpoint_dir, const std::string& out_dir) {
   std::error_code ec;
   const std::filesystem::path out = std::filesystem::weakly_canonical(std::filesystem::absolute(out_dir), ec);
@@ -150,10 +152,16 @@ Result<std::string> StagingDirFor(const std::string& checkpoint_dir, const std::
   for (const auto& part : out) {
     if (inside.empty() && ParseCheckpointDirName(part.string())) inside = "a checkpoint folder (" + part.string() + ")";
   }
+  if (inside.empty() && ParseCheckpointDirName(ckpt.filename().string())) {
+    const std::filesystem::path root = ckpt.parent_path().parent_path();
+    if (!root.empty() && root != root.root_path() && Within(out, root)) {
+      inside = "the checkpoint's root " + root.string() + " (the daemon's --root: each folder in it is a job)";
+    }
+  }
   if (!inside.empty()) {
     return InvalidArgument("export destination " + out_dir + " is inside " + inside +
-                           ": export to a folder outside every checkpoint folder (retention, flashckpt delete and gc "
-                           "remove a checkpoint folder with everything in it)");
+                           ": export to a folder outside the root and its checkpoint folders (retention, flashckpt "
+                           "delete and gc remove a checkpoint folder with everything in it)");
   }
   ASSIGN_OR_RETURN(auto names, ListDirIfExists(out.string()));
   if (names && !names->empty()) {

@@ -19,6 +19,7 @@ std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes
   if (!s.run_id.empty()) j["run_id"] = s.run_id;
   if (!s.node.empty()) j["node"] = s.node;
   if (s.world_size != 0) j["world_size"] = s.world_size;
+  if (s.committed_ms > 0) j["committed_ms"] = s.committed_ms;
   return j.dump() + "\n";
 }
 
@@ -59,6 +60,12 @@ Result<Signal> ParseSignal(std::string_view text) {
       return Corruption("not a flashckpt signal: world_size is not a count of ranks above the signal's rank");
     }
     s.world_size = static_cast<uint32_t>(world->get<uint64_t>());
+  }
+  if (auto committed = j.find("committed_ms"); committed != j.end()) {
+    if (!committed->is_number_unsigned() || committed->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return Corruption("not a flashckpt signal: committed_ms is not a time in ms since the epoch");
+    }
+    s.committed_ms = static_cast<int64_t>(committed->get<uint64_t>());
   }
   for (const auto& f : *files) {
     if (!f.is_string()) return Corruption("not a flashckpt signal: a files entry is not a string");

@@ -34,6 +34,10 @@ struct Signal {
   std::string run_id;  // optional in the file (signals written before runs had ids): empty
   std::string node;    // the node whose daemon wrote it (--node-name); optional in the file: empty
   uint32_t world_size = 0;  // the ranks of the rank's layout; optional in the file: 0 (unknown)
+  // When the writing daemon accepted the trainer's commit of the step (wall clock, ms since the
+  // epoch): the rank's process was alive then. Optional in the file: 0 (unknown). A daemon that finds
+  // a step's signals of several attempts tells a live split from an old attempt's leftovers by it.
+  int64_t committed_ms = 0;
   std::vector<std::string> files;
   Attempt attempt() const { return Attempt{run_id, resumed_from}; }
 };

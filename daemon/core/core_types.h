@@ -4,6 +4,7 @@
 // builds a protobuf message, except the state directory's records, which are a file format.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,6 +13,12 @@
 #include "flashckpt/tensor.h"
 
 namespace flashckpt {
+
+// The wall clock in ms since the epoch: what the daemon records for times other nodes compare.
+inline int64_t WallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 // Where one tensor lies in a slot of the rank's segment.
 struct TensorLocation {

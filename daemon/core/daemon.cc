@@ -363,8 +363,11 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   state.pending_run.clear();
   state.run_agreed = false;
   state.run_unagreed = Status::OK();
+  state.agreed_launch = 0;
+  state.launch_checked = false;
   state.split_error = Status::OK();
   state.reattached = reattach;
+  if (!reattach || state.attempt_began_ms == 0) state.attempt_began_ms = WallMs();
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by
@@ -621,6 +624,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   // through the root (file I/O: before mu_), so that the ranks of one launch on every daemon of the
   // root share a run, and a new launch is a new run.
   std::string agreed_run;
+  uint64_t agreed_launch = 0;
   Status unagreed;
   if (reg.run_id.empty()) {
     bool ask = false;
@@ -641,6 +645,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
       Result<LaunchChoice> joined = launches_.Join(job_name, rank_id, reg.topology.world_size, drawn_run, live_runs);
       if (joined.ok()) {
         agreed_run = joined->run_id;
+        agreed_launch = joined->launch;
       } else {
         unagreed = joined.status();
         Logger("rpc")->error("run not agreed job={} rank={} error=\"{}\": its first snapshot is refused", job_name,
@@ -819,6 +824,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);
   rank->pending_run.clear();
   rank->run_agreed = reg.run_id.empty() && !agreed_run.empty() && rank->run_id == agreed_run;
+  if (rank->run_agreed) rank->agreed_launch = agreed_launch;
   if (!unagreed.ok() && !rank->run_agreed) rank->run_unagreed = unagreed;
   rank->overwrite = reg.overwrite;
   rank->topology = topology;

@@ -336,6 +336,8 @@ class Daemon {
     // error when that failed (the session's first snapshot is then refused, naming the fix).
     bool run_agreed = false;
     Status run_unagreed;
+    uint64_t agreed_launch = 0;  // the launch it joined, when run_agreed
+    bool launch_checked = false;  // per session: its first snapshot found no newer launch
     // Per session: a step this rank saved is split (its job's ranks saved it in different attempts),
     // so no checkpoint of this attempt mix completes: its next snapshot and wait fail with this.
     Status split_error;
@@ -365,7 +367,11 @@ class Daemon {
     void Restored(int64_t step) {
       resumed_from = step;
       attempt_number = 0;
+      attempt_began_ms = WallMs();
     }
+    // When the session's current attempt began here (wall clock, ms): its process's session opened,
+    // or its last restore. A signal of another attempt committed after it was alive at the same time.
+    int64_t attempt_began_ms = 0;
     std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
     bool registered = false;   // per session: Register succeeded (its topology is current)
     uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
@@ -543,12 +549,24 @@ class Daemon {
   // a run id without restoring is a fresh start. File I/O: without mu_.
   Status CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
                       bool overwrite, bool new_process) EXCLUDES(mu_);
+  // The first BeginSnapshot of a session whose run was agreed through the root's launches: refused
+  // when a newer launch than the one it joined has begun since (Launches::Newest), so a rank of a
+  // relaunch that took a free place in an older, partial launch never saves in that launch's run.
+  // File I/O: without mu_.
+  Status CheckLaunchCurrent(const std::string& session_id, const std::string& job, const std::string& run_id,
+                            uint64_t launch) EXCLUDES(mu_);
   // Steps a slot of the job is filling, has committed or is persisting: never deleted.
   std::set<int64_t> BusyStepsLocked(const std::string& job) const REQUIRES(mu_);
   // Records that `rank`'s session committed `step` in `attempt`; when another live session of the
   // job committed the same step in another attempt, the step is split: counted, logged, an event.
   void NoteAttemptLocked(const std::string& job, uint32_t rank, const std::string& session_id, int64_t step,
                          const Attempt& attempt) REQUIRES(mu_);
+  // The writer found all signals of `step` present, this session's last, but of several attempts
+  // (another daemon's ranks wrote some): a split when one of the other attempts committed its part
+  // after this session's attempt began (both were alive), else an older attempt's leftovers, which
+  // its ranks overwrite when they save the step again.
+  void OnMixedStep(const std::string& job, uint32_t rank, const std::string& session_id, int64_t step,
+                   const std::map<uint32_t, Signal>& signals) EXCLUDES(mu_);
   // Counts a split step (once) with its description and sessions: status, metrics, an event, the log.
   void NoteSplitLocked(const std::string& job, uint32_t rank, int64_t step, JobState::Split split) REQUIRES(mu_);
   // The split of `step` while every session that took part in it is still the rank's, else null.

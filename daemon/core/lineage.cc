@@ -29,6 +29,38 @@ std::string RanksText(const std::vector<uint32_t>& ranks) {
   return out;
 }
 
+// "0-3,6" for ranks 0,1,2,3,6 (sorted): a step of a thousand ranks is described in a line.
+std::string RangesText(const std::vector<uint32_t>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ",") + std::to_string(ranks[i]);
+    if (j > i) out += "-" + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+// "step 30: ranks 0-3 in run a (fresh); ranks 4-7 in run b (fresh)": the step's signals by attempt.
+std::string MixedText(int64_t step, const std::map<uint32_t, Signal>& signals) {
+  std::vector<std::pair<Attempt, std::vector<uint32_t>>> groups;
+  for (const auto& [rank, signal] : signals) {
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& x) { return x.first == signal.attempt(); });
+    if (g == groups.end()) {
+      groups.push_back({signal.attempt(), {}});
+      g = groups.end() - 1;
+    }
+    g->second.push_back(rank);
+  }
+  std::string out = "step " + std::to_string(step) + ":";
+  for (size_t i = 0; i < groups.size(); ++i) {
+    out += std::string(i == 0 ? " " : "; ") + (groups[i].second.size() == 1 ? "rank " : "ranks ") +
+           RangesText(groups[i].second) + " in " + AttemptText(groups[i].first);
+  }
+  return out;
+}
+
 }  // namespace
 
 Status Daemon::CheckRunKept(const RankState& state, const Registration& reg) {
@@ -131,6 +163,28 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
   return Status::OK();
 }
 
+Status Daemon::CheckLaunchCurrent(const std::string& session_id, const std::string& job, const std::string& run_id,
+                                  uint64_t launch) {
+  ASSIGN_OR_RETURN(uint64_t newest, launches_.Newest(job));
+  if (newest > launch) {
+    return FailedPrecondition(
+        "job '" + job + "': this rank joined launch " + std::to_string(launch) + " (run " + run_id +
+        ") through the root, but launch " + std::to_string(newest) +
+        " has begun since (ranks that found their places in launch " + std::to_string(launch) +
+        " taken: a relaunch), so this rank is not in its launch's run and their checkpoints could never "
+        "complete; restart every rank of the job together, or give every rank of a launch one run id "
+        "(ClientOptions::run_id, run_id= in Python, or FLASHCKPT_RUN_ID, e.g. the scheduler's job id with its "
+        "restart count)");
+  }
+  MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it != sessions_.end()) {
+    RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
+    if (rank.session_id == session_id) rank.launch_checked = true;
+  }
+  return Status::OK();
+}
+
 void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
                                const Attempt& attempt) {
   JobState& job = jobs_[name];
@@ -152,6 +206,43 @@ void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std
   while (job.committed_attempts.size() > kTrackedSteps) job.committed_attempts.erase(job.committed_attempts.begin());
   if (!differ || LiveSplitLocked(job, step) != nullptr) return;
   split.text = SplitText(step, live);
+  NoteSplitLocked(name, rank, step, std::move(split));
+}
+
+void Daemon::OnMixedStep(const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
+                         const std::map<uint32_t, Signal>& signals) {
+  auto own = signals.find(rank);
+  if (own == signals.end()) return;
+  MutexLock lock(&mu_);
+  auto jit = jobs_.find(name);
+  if (jit == jobs_.end() || LiveSplitLocked(jit->second, step) != nullptr) return;  // known already
+  JobState& job = jit->second;
+  auto rit = job.ranks.find(rank);
+  if (rit == job.ranks.end() || session_id.empty() || rit->second.session_id != session_id) return;  // gone
+  const int64_t began = rit->second.attempt_began_ms;
+  // A part of another attempt committed after this one began was saved by a live process while
+  // this one ran: no rank of either will save the step again in the other's attempt. One committed
+  // before is an earlier attempt's, left by a process that has since stopped or restored; its rank
+  // overwrites it when it reaches the step in this attempt (WaitComplete names it at its deadline
+  // if it never does). Parts that do not say when they were committed are not counted.
+  uint32_t live_other = 0;
+  for (const auto& [r, signal] : signals) {
+    if (signal.attempt() != own->second.attempt() && began > 0 && signal.committed_ms > began) ++live_other;
+  }
+  if (live_other == 0) {
+    Logger("rpc")->info("mixed step job={} {}: parts of an earlier attempt, left before this one began (rank {}); "
+                        "they are saved again",
+                        name, MixedText(step, signals), rank);
+    return;
+  }
+  JobState::Split split;
+  split.text = MixedText(step, signals);
+  for (const auto& [r, signal] : signals) {
+    auto lit = job.ranks.find(r);
+    if (lit != job.ranks.end() && !lit->second.session_id.empty() && lit->second.attempt() == signal.attempt()) {
+      split.sessions[r] = lit->second.session_id;  // the ranks of this daemon that took part, still live
+    }
+  }
   NoteSplitLocked(name, rank, step, std::move(split));
 }
 

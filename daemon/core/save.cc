@@ -98,6 +98,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   std::string run_id;
   bool overwrite = false;
   bool new_process = true;
+  uint64_t check_launch = 0;  // the launch this session joined, to compare with the newest
   {
     MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
@@ -126,9 +127,11 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     run_id = rank->run_id;
     overwrite = rank->overwrite;
     new_process = !rank->reattached;
+    if (rank->run_agreed && !rank->launch_checked) check_launch = rank->agreed_launch;
   }
   if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
   if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite, new_process));
+  if (check_launch > 0) RETURN_IF_ERROR(CheckLaunchCurrent(session_id, job, run_id, check_launch));
   // A memory checkpoint writes no file: no need to look at the disk on the trainer's path.
   ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : catalog_.IsComplete(job, step));
   if (complete) {
@@ -211,6 +214,9 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   req.keep_alive = segment;
   req.header = reinterpret_cast<const SlotHeader*>(segment->Slot(ticket.slot));
   req.copy_timeout = config_.copy_timeout;
+  req.mixed = [this, job, rank, session_id, step](const std::map<uint32_t, Signal>& signals) {
+    OnMixedStep(job, rank, session_id, step, signals);
+  };
   req.done = [this, job, rank, session_id, process, segment, ticket, step](const Status& s, uint64_t bytes,
                                                                           double secs) {
     OnPersisted(job, rank, session_id, process, segment, ticket, step, s, bytes, secs);
@@ -320,6 +326,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(),
                                      segment, ticket, step, std::move(extra));
+    job.request.committed_ms = WallMs();
   }
   if (segment->ema || also_memory) {
     // The EMA stage applies it in commit order and then finishes it.
@@ -386,9 +393,7 @@ uint64_t Daemon::ReplicaAttemptNumber(RankState& state) {
   if (state.attempt_number == 0 || state.numbered != state.attempt() || state.numbered_process != state.process) {
     state.numbered = state.attempt();
     state.numbered_process = state.process;
-    const auto now_ms = static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-            .count());
+    const auto now_ms = static_cast<uint64_t>(WallMs());
     state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
     state.attempt_floor = state.attempt_number;
   }

@@ -179,20 +179,33 @@ Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const s
   return DeleteStepsLocked(job, victims, busy, /*dry_run=*/false, "overwrite");
 }
 
-Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt) {
+Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
+                                    std::map<uint32_t, Signal>* mixed) {
   MutexLock lock(&JobMutex(job));
   std::string dir = CheckpointDir(job, step);
   ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
   if (complete) return true;
   std::vector<std::string> files;
+  std::map<uint32_t, Signal> all;
+  bool one_attempt = true;
   for (uint32_t r = 0; r < world_size; ++r) {
     auto signal = ReadSignal(dir + "/" + SignalFileName(r), io_);
     if (!signal.ok()) {
       if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
       return signal.status();  // unreadable or torn: an error, never "not complete"
     }
-    if (signal->step != step || signal->attempt() != attempt || signal->rank != r) return false;
+    if (signal->step != step || signal->rank != r) return false;
+    if (signal->attempt() != attempt) {
+      // Another attempt's: the rest are still read, for `mixed` (no more reads than a completion).
+      if (mixed == nullptr) return false;
+      one_attempt = false;
+    }
+    if (mixed != nullptr) all.emplace(r, *signal);
     for (auto& f : signal->files) files.push_back(std::move(f));
+  }
+  if (!one_attempt) {
+    *mixed = std::move(all);
+    return false;
   }
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_));
   meta.run_id = attempt.run_id;

@@ -75,6 +75,18 @@ Result<bool> Claim(const std::string& folder, uint32_t rank) {
 Launches::Launches(std::string root, std::chrono::seconds join_window)
     : root_(std::move(root)), join_window_(join_window) {}
 
+Result<uint64_t> Launches::Newest(const std::string& job) const {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  ASSIGN_OR_RETURN(auto names, ListDirIfExists(root_ + "/" + job + "/" + kFolder));
+  uint64_t newest = 0;
+  if (names) {
+    for (const std::string& name : *names) {
+      if (auto n = LaunchNumber(name)) newest = std::max(newest, *n);
+    }
+  }
+  return newest;
+}
+
 Result<LaunchChoice> Launches::Join(const std::string& job, uint32_t rank, uint32_t world_size,
                                     const std::string& drawn, const std::set<std::string>& live_runs) const {
   RETURN_IF_ERROR(ValidateJobName(job));

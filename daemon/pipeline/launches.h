@@ -50,6 +50,11 @@ class Launches {
   Result<LaunchChoice> Join(const std::string& job, uint32_t rank, uint32_t world_size, const std::string& drawn,
                             const std::set<std::string>& live_runs = {}) const;
 
+  // The newest launch of `job` (0: none yet): one listing of its launches folder. A rank that joined
+  // launch N finds at its first snapshot whether a newer one began since (a relaunch whose ranks
+  // found their places in N taken): then it is not in its launch's run.
+  Result<uint64_t> Newest(const std::string& job) const;
+
   // How many launches of a job are kept (the newest); older ones are removed when a new one begins.
   static constexpr uint64_t kKept = 4;
   static constexpr const char* kFolder = ".launches";

@@ -134,14 +134,16 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
   uint64_t bytes = 0;
   Status wrote;
   Result<bool> complete = false;
+  std::map<uint32_t, Signal> mixed;
   {
     // Retention leaves the directory alone while this rank writes into it and until it has tried
     // to complete it: another step's completion would otherwise count it as an incomplete
     // directory older than the newest complete one, and delete it in between.
     StepInUse in_use = catalog_->Use(req.job, req.step);
     wrote = WriteRankFiles(req, dir, io, &written, &bytes);
-    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt);
+    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt, &mixed);
   }
+  if (complete.ok() && !*complete && !mixed.empty() && req.mixed) req.mixed(mixed);
   if (!wrote.ok()) {
     RemoveAttemptFiles(req, dir, written, &env_);
     // Only a failure the cancellation caused is an abandoned write (kept for the next daemon); a
@@ -170,6 +172,7 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   signal.run_id = req.attempt.run_id;
   signal.node = req.node;
   signal.world_size = req.world_size;
+  signal.committed_ms = req.committed_ms;
 
   // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
   // chunks) of each tensor is a task that hashes its chunks and then writes its pages; while

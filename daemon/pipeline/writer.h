@@ -36,6 +36,7 @@ struct PersistRequest {
   std::string node;  // the daemon's --node-name, recorded in the signal
   int64_t step = 0;
   Attempt attempt;                         // the run and the step this rank's session resumed from
+  int64_t committed_ms = 0;                // when the trainer committed it (wall clock; 0: not known)
   const RankLayout* layout = nullptr;      // kept alive by `keep_alive`
   char* slot = nullptr;                    // the slot's first byte
   const RankLayout* ema_layout = nullptr;  // with EMA: its image, already stamped, lies at
@@ -47,6 +48,9 @@ struct PersistRequest {
   // waiting at most `copy_timeout` for each. Null: the slot is complete.
   const SlotHeader* header = nullptr;
   std::chrono::milliseconds copy_timeout{120000};
+  // Called on a writer thread, before `done`, when this rank's signal was the step's last one
+  // missing but the signals are of several attempts (Catalog::MaybeComplete's `mixed`).
+  std::function<void(const std::map<uint32_t, Signal>& signals)> mixed;
   // Called on a writer thread with the outcome and the bytes written.
   std::function<void(const Status&, uint64_t bytes, double seconds)> done;
 };

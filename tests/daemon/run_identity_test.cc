@@ -526,8 +526,9 @@ TwoRanks RegisterTwoRanks(const InProcessDaemon& d, const std::string& job, uint
 }
 
 // Rank `r` of a 2-rank tp job connected with no run id, registered.
-std::unique_ptr<Client> UnnamedRank(const InProcessDaemon& d, const std::string& job, uint32_t r) {
-  auto c = d.Connect(job, r, DrawnRun);
+std::unique_ptr<Client> UnnamedRank(const InProcessDaemon& d, const std::string& job, uint32_t r,
+                                    const std::string& run = "") {
+  auto c = d.Connect(job, r, [&](ClientOptions& o) { o.run_id = run; });
   if (!c) return nullptr;
   TensorSpec w;
   w.name = "w";
@@ -572,6 +573,124 @@ TEST(RunTest, RanksOnTwoDaemonsThatNameNoRunShareTheLaunchsRun) {
     ASSERT_OK(a->WaitComplete(step, 10s));
     ASSERT_OK(b->WaitComplete(step, 10s));
   }
+}
+
+// The job's split events on `d` within `wait` (0: none seen).
+std::vector<DaemonEvent> SplitEvents(EventHub::Subscription& events, std::chrono::milliseconds wait) {
+  std::vector<DaemonEvent> out;
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  DaemonEvent event;
+  while (events.Next(&event, deadline) == EventHub::Wait::kEvent) {
+    if (event.kind == DaemonEvent::Kind::kSplitAttempt) out.push_back(event);
+  }
+  return out;
+}
+
+// Two runs of one job on two daemons (each sees only its own rank, so neither can refuse the other
+// at registration): the daemon that writes a step's last part finds the parts of different
+// attempts, both committed while both ran, and says so at once: the event, the counter, and its
+// rank's wait and next snapshot fail naming the split (before: the wait ran to its deadline).
+TEST(RunTest, ASplitAcrossDaemonsIsFoundByTheDaemonThatWritesTheLastPart) {
+  InProcessDaemon d1("flashckpt-run"), d2("flashckpt-run");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  const std::string job = JobName("xsplit");
+  auto events = d2.daemon()->events().Subscribe(job);
+  ASSERT_OK(events.status());
+  auto a = UnnamedRank(d1, job, 0, "run-a");
+  auto b = UnnamedRank(d2, job, 1, "run-b");
+  ASSERT_TRUE(a && b);
+  std::this_thread::sleep_for(5ms);  // both attempts began before either commits (a ms clock)
+  std::vector<float> wa(16, 1.f), wb(16, 2.f);
+  ASSERT_OK(a->Snapshot(10, {{"w", wa.data(), 64}}, {}).status());
+  ASSERT_OK(a->WaitPersisted(10, 10s));
+  ASSERT_OK(b->Snapshot(10, {{"w", wb.data(), 64}}, {}).status());
+  // Known before the write is reported: the wait for it already names the split.
+  Status persisted = b->WaitPersisted(10, 10s);
+  EXPECT_EQ(persisted.code(), StatusCode::kFailedPrecondition) << persisted.ToString();
+  EXPECT_TRUE(Contains(persisted.message(), "split")) << persisted.ToString();
+  const auto split = SplitEvents(*events, 5s);
+  ASSERT_EQ(split.size(), 1u) << "the daemon that wrote the last part said nothing";
+  EXPECT_EQ(split[0].step, 10);
+  for (const char* word : {"step 10", "rank 0 in run run-a", "rank 1 in run run-b"}) {
+    EXPECT_TRUE(Contains(split[0].reason, word)) << "'" << word << "' in " << split[0].reason;
+  }
+  EXPECT_TRUE(Contains(d2.daemon()->RenderMetrics(), "flashckpt_split_steps_total{job=\"" + job + "\"} 1"))
+      << d2.daemon()->RenderMetrics();
+  const auto begun = std::chrono::steady_clock::now();
+  Status waited = b->WaitComplete(10, 20s);
+  EXPECT_EQ(waited.code(), StatusCode::kFailedPrecondition) << waited.ToString();
+  EXPECT_TRUE(Contains(waited.message(), "split")) << waited.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - begun, 10s) << "the wait ran on towards its deadline";
+  auto next = b->Snapshot(20, {{"w", wb.data(), 64}}, {});
+  EXPECT_EQ(next.status().code(), StatusCode::kFailedPrecondition) << next.status().ToString();
+  EXPECT_TRUE(Contains(next.status().message(), "split")) << next.status().ToString();
+}
+
+// The other case of a step with parts of two attempts: an earlier attempt's part, left by a rank
+// that stopped before the relaunch began. The relaunch's rank on the other daemon writes its part
+// next to it; that is no split (the relaunch's rank 0 saves the step again), and the step completes.
+TEST(RunTest, AnEarlierAttemptsPartOnAnotherDaemonIsNoSplit) {
+  InProcessDaemon d1("flashckpt-run"), d2("flashckpt-run");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  const std::string job = JobName("xleft");
+  auto events = d2.daemon()->events().Subscribe(job);
+  ASSERT_OK(events.status());
+  std::vector<float> wa(16, 1.f), wb(16, 2.f);
+  {
+    auto a = UnnamedRank(d1, job, 0, "old-run");
+    auto b = UnnamedRank(d2, job, 1, "old-run");
+    ASSERT_TRUE(a && b);
+    ASSERT_OK(a->Snapshot(10, {{"w", wa.data(), 64}}, {}).status());
+    ASSERT_OK(b->Snapshot(10, {{"w", wb.data(), 64}}, {}).status());
+    ASSERT_OK(a->WaitComplete(10, 10s));
+    ASSERT_OK(a->Snapshot(20, {{"w", wa.data(), 64}}, {}).status());  // rank 1 stops before step 20
+    ASSERT_OK(a->WaitPersisted(20, 10s));
+  }
+  std::this_thread::sleep_for(5ms);  // the relaunch begins after (a ms clock)
+  auto a = UnnamedRank(d1, job, 0, "new-run");
+  auto b = UnnamedRank(d2, job, 1, "new-run");
+  ASSERT_TRUE(a && b);
+  ASSERT_OK(a->Restore(std::nullopt, {{"w", wa.data(), 64}}, 10s).status());
+  ASSERT_OK(b->Restore(std::nullopt, {{"w", wb.data(), 64}}, 10s).status());
+  ASSERT_OK(b->Snapshot(20, {{"w", wb.data(), 64}}, {}).status());
+  ASSERT_OK(b->WaitPersisted(20, 10s));  // beside rank 0's part of the old run: every part present
+  ASSERT_OK(a->Snapshot(20, {{"w", wa.data(), 64}}, {}).status());
+  ASSERT_OK(a->WaitComplete(20, 10s));
+  ASSERT_OK(b->WaitComplete(20, 10s));
+  EXPECT_TRUE(SplitEvents(*events, 200ms).empty());
+  EXPECT_FALSE(Contains(d2.daemon()->RenderMetrics(), "flashckpt_split_steps_total{job=\"" + job + "\"} 1"));
+  ASSERT_OK(b->Snapshot(30, {{"w", wb.data(), 64}}, {}).status());
+}
+
+// A partial launch (rank 1 never came) and a relaunch within the join window whose rank 1 starts
+// first: it takes the free place in the old launch, and rank 0, finding its place there taken,
+// begins a new launch. Rank 1 is then in no run with its job's other ranks: its first snapshot is
+// refused, naming the newer launch and the fix (before, it saved, and no step ever completed).
+TEST(RunTest, ARankThatJoinedAPartialLaunchOvertakenByARelaunchIsRefusedAtItsFirstSnapshot) {
+  InProcessDaemon d1("flashckpt-run"), d2("flashckpt-run");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  const std::string job = JobName("partial");
+  {
+    auto a = UnnamedRank(d1, job, 0);  // launch 1, whose rank 1 never comes; the process stops
+    ASSERT_TRUE(a);
+  }
+  WaitDisconnected(d1, job);
+  auto b = UnnamedRank(d2, job, 1);  // the relaunch's rank 1: launch 1's free place
+  auto a = UnnamedRank(d1, job, 0);  // its place in launch 1 is taken: launch 2
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(a->RunId(), b->RunId());
+  std::vector<float> w(16, 1.f);
+  auto refused = b->Snapshot(10, {{"w", w.data(), 64}}, {});
+  ASSERT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  for (const char* word : {"joined launch 1", "launch 2 has begun since", "restart every rank", "FLASHCKPT_RUN_ID"}) {
+    EXPECT_TRUE(Contains(refused.status().message(), word)) << "'" << word << "' in " << refused.status().ToString();
+  }
+  EXPECT_FALSE(std::filesystem::exists(d1.StepDir(job, 10)));
+  // The rank of the newest launch is not held back by it.
+  ASSERT_OK(a->Snapshot(10, {{"w", w.data(), 64}}, {}).status());
 }
 
 // A rank that names no run and cannot agree on one through the root (here its launches folder is a

@@ -16,7 +16,7 @@ of flashckpt's):
   6. a flipped byte in a model file: exit 1 naming the file, and the destination is left as it was
      (absent stays absent; an empty one stays empty when the export is sharded and files before the
      bad one were complete), nothing is left beside it, and the retry into it is taken; a non-empty
-     destination: exit 3; a destination inside the checkpoint or another checkpoint folder: exit 3.
+     destination: exit 3; a destination inside the checkpoint, another checkpoint folder or the root: exit 3.
 
     test_export.py --bin-dir build/bin [--python-dir build/python] [--keep]
 """
@@ -215,14 +215,16 @@ def main():
         check(len(files) == LAYERS and sorted(tensors) == names, "the retried export: %s %s" % (files, sorted(tensors)))
         rc, out, err = h.cli("export", ckpt, model_dir)
         check(rc == 3 and "not empty" in err, "export into a non-empty directory: exit %d:\n%s" % (rc, err))
-        # Destinations retention would delete: inside the checkpoint, or inside another checkpoint folder.
-        for inside in (os.path.join(ckpt, "inside"), os.path.join(h.root, JOB, "checkpoint-2", "exported")):
+        # Destinations retention would delete (inside the checkpoint, or inside another checkpoint
+        # folder) and any inside the checkpoint's root, whose folders the daemon takes for jobs.
+        for inside in (os.path.join(ckpt, "inside"), os.path.join(h.root, JOB, "checkpoint-2", "exported"),
+                       os.path.join(h.root, "exports", "model"), os.path.join(h.root, JOB, "hf")):
             rc, out, err = h.cli("export", ckpt, inside)
             check(rc == 3 and "is inside" in err, "export into %s: exit %d, expected 3 (is inside):\n%s%s"
                   % (inside, rc, out, err))
             check(not os.path.exists(inside), "a refused export made %s" % inside)
         log("a flipped byte: exit 1 naming %s, the destination left as it was (also sharded); a used "
-            "destination: exit 3; a destination inside a checkpoint folder: exit 3" % bad_file)
+            "destination: exit 3; a destination inside a checkpoint folder or the root: exit 3" % bad_file)
 
     return run_with_daemon_harness(run, "fcexp", [JOB], args.bin_dir, keep=args.keep)
 
