@@ -93,7 +93,8 @@ int Main(int argc, char** argv) {
   cli = cli.substr(0, cli.rfind('/')) + "/flashckpt";
 
   const std::string work = dir + "/export-bench-" + std::to_string(::getpid());
-  const std::string ckpt = work + "/checkpoint-100", copied = work + "/copied", out = work + "/exported";
+  // As a daemon lays it out (<root>/<job>/checkpoint-<step>): the export goes outside the root.
+  const std::string ckpt = work + "/root/bench/checkpoint-100", copied = work + "/copied", out = work + "/exported";
   if (Status s = MakeDirs(ckpt); !s.ok()) {
     std::fprintf(stderr, "export_bench: %s\n", s.ToString().c_str());
     return 1;

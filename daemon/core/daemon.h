@@ -43,6 +43,7 @@
 namespace flashckpt {
 
 class ReplicaSender;
+struct ReplicaMeta;
 
 struct DaemonConfig {
   std::string socket_path;
@@ -627,8 +628,22 @@ class Daemon {
   // memory path then restores. A peer that cannot be asked and a replica of another layout are
   // logged, one that fails its checksums also with a MEMORY_FALLBACK event, and the restore goes on
   // without it (peer_fetch.cc). The fetch takes at most half the time left to `deadline`.
+  // Only a replica that continues the job's lineage here is used (ContinuesLineage); one that does
+  // not is logged with a MEMORY_FALLBACK event "replica ... not used: <why>". A replica never
+  // beats a step held here, in memory or as the newest complete checkpoint on disk.
   void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline,
                         int64_t step = 0) EXCLUDES(mu_);
+  // The lineage a job is on at this daemon, for FetchPeerReplica: the run of its newest complete
+  // checkpoint on disk (and that step), and the runs of the rank's memory checkpoints here.
+  struct Lineage {
+    std::set<std::string> runs;
+    std::string disk_run;
+    int64_t disk_step = 0;
+  };
+  // Whether replica `m` continues `lineage`: of one of its runs, or of an attempt that restored a
+  // complete checkpoint of the job here (its resumed_from step is complete on disk). Any replica
+  // does where nothing is held here. FAILED_PRECONDITION saying why not. Reads the disk.
+  Status ContinuesLineage(const std::string& job, const ReplicaMeta& m, const Lineage& lineage) EXCLUDES(mu_);
   // The rank's number for its current attempt on the replica channel (ReplicaMeta::attempt):
   // numbered afresh after a restore and in a new process. Requires mu_.
   uint64_t ReplicaAttemptNumber(RankState& state) REQUIRES(mu_);

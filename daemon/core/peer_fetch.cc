@@ -67,6 +67,28 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& se
 
 }  // namespace
 
+Status Daemon::ContinuesLineage(const std::string& job, const ReplicaMeta& m, const Lineage& lineage) {
+  if (lineage.runs.empty()) return Status::OK();  // nothing here to continue: no checkpoint on disk or in memory
+  const Attempt attempt{m.run_id, m.resumed_from};
+  if (m.run_id.empty()) return FailedPrecondition("it does not say which run took it");
+  if (lineage.runs.count(m.run_id) != 0) return Status::OK();
+  // A later attempt that restored a complete checkpoint of this job (a relaunch under a new run id).
+  if (m.resumed_from > 0) {
+    auto complete = catalog_.IsComplete(job, m.resumed_from);
+    if (complete.ok() && *complete) return Status::OK();
+  }
+  std::string here;
+  if (!lineage.disk_run.empty()) {
+    here = "run " + lineage.disk_run + ", step " + std::to_string(lineage.disk_step) + " on disk";
+  }
+  for (const std::string& run : lineage.runs) {
+    if (run != lineage.disk_run) here += std::string(here.empty() ? "" : "; ") + "run " + run + " in memory";
+  }
+  return FailedPrecondition("it was taken by " + AttemptText(attempt) +
+                            ", which does not continue this job's lineage here (" + here +
+                            "): another job of the same name, or a timeline this job left");
+}
+
 void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
                               int64_t wanted) {
   if (!sender_) return;
@@ -74,6 +96,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   uint32_t world_size = 0;
   int64_t newest_here = 0;
   bool wanted_here = false;
+  std::set<std::string> runs_here;  // of the rank's memory checkpoints here
   {
     MutexLock lock(&mu_);
     auto jit = jobs_.find(job);
@@ -89,6 +112,28 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
       if (p.resident->dropped.load()) continue;  // its copies never finished
       newest_here = std::max(newest_here, p.resident->step);
       wanted_here = wanted_here || p.resident->step == wanted;
+      runs_here.insert(p.resident->attempt.run_id);
+    }
+    for (uint32_t i = 0; i < Slots(*segment).size(); ++i) {
+      if (auto r = Slots(*segment).ResidentIn(i)) runs_here.insert(r->attempt.run_id);
+    }
+  }
+  // The lineage the job is on here: the run of its newest complete checkpoint on disk and the runs
+  // of the rank's memory checkpoints. A replica is used only when it continues it (ContinuesLineage).
+  Lineage lineage;
+  lineage.runs = std::move(runs_here);
+  {
+    auto latest = catalog_.LatestRun(job);
+    if (latest.ok() && !*latest) latest = catalog_.NewestComplete(job, "");
+    if (!latest.ok()) {
+      Logger("restore")->warn("replicas of job={} rank={} not used: the job's checkpoints here cannot be read ({})",
+                              job, rank_id, latest.status().ToString());
+      return;
+    }
+    if (*latest) {
+      lineage.disk_step = (*latest)->step;
+      lineage.disk_run = (*latest)->run_id;
+      lineage.runs.insert((*latest)->run_id);
     }
   }
 
@@ -109,6 +154,20 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     }
     for (ReplicaMeta& m : *listed) {
       if (m.rank != rank_id || m.world_size != world_size) continue;
+      if (Status continues = ContinuesLineage(job, m, lineage); !continues.ok()) {
+        const std::string why = "replica of job=" + job + " rank=" + std::to_string(rank_id) + " step=" +
+                                std::to_string(m.step) + " on peer=" + peer.target + " origin=" + m.origin_node +
+                                " not used: " + continues.message();
+        Logger("restore")->warn("{}", why);
+        DaemonEvent event;
+        event.kind = DaemonEvent::Kind::kMemoryFallback;
+        event.job = job;
+        event.rank = rank_id;
+        event.step = m.step;
+        event.reason = why;
+        Emit(std::move(event));
+        continue;
+      }
       highest_attempt = std::max(highest_attempt, m.attempt);
       if (wanted > 0 && m.step != wanted) continue;
       if (best.peer == nullptr || std::make_pair(m.attempt, m.step) > std::make_pair(best.meta.attempt, best.meta.step)) {
@@ -128,7 +187,9 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
       }
     }
   }
-  if (best.peer == nullptr || (wanted == 0 ? best.meta.step <= newest_here : wanted_here)) return;
+  if (best.peer == nullptr || (wanted == 0 ? best.meta.step <= std::max(newest_here, lineage.disk_step) : wanted_here)) {
+    return;  // a replica never beats a step of the lineage held here (the files or memory serve it)
+  }
   // A step asked for by number: only of the rank's latest attempt among the peers. An older
   // attempt's copy of the step is of a timeline the job left when it restored an earlier step (a
   // peer that missed the later pushes and the retraction still holds it); the files serve that step.

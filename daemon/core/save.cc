@@ -443,6 +443,8 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   out->meta.layout = where.SerializeAsString();
   out->meta.extra = resident->extra;
   out->meta.origin_node = config_.node_name;
+  out->meta.run_id = resident->attempt.run_id;
+  out->meta.resumed_from = resident->attempt.resumed_from;
   out->keep = segment;
   out->data = segment->Slot(slot) + kSlotImageOffset;
   // The push streams the slot while the rank goes on: the checkpoint is still the one sent as long

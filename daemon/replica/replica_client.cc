@@ -41,6 +41,8 @@ ReplicaMeta ReplicaMetaOf(const v1::ReplicaHeader& h) {
   m.layout = h.layout();
   m.extra = h.extra();
   m.origin_node = h.origin_node();
+  m.run_id = h.run_id();
+  m.resumed_from = h.resumed_from();
   return m;
 }
 
@@ -55,6 +57,8 @@ void ReplicaHeaderOf(const ReplicaMeta& m, v1::ReplicaHeader* h) {
   h->set_layout(m.layout);
   h->set_extra(m.extra);
   h->set_origin_node(m.origin_node);
+  h->set_run_id(m.run_id);
+  h->set_resumed_from(m.resumed_from);
 }
 
 Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
@@ -165,6 +169,8 @@ Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std:
     m.bytes = info.bytes();
     m.origin_node = info.origin_node();
     m.from_peer = info.from_peer();
+    m.run_id = info.run_id();
+    m.resumed_from = info.resumed_from();
     out.push_back(std::move(m));
   }
   return out;

@@ -246,6 +246,8 @@ grpc::Status ReplicaService::List(grpc::ServerContext* ctx, const v1::ListReplic
     info->set_bytes(m.bytes);
     info->set_origin_node(m.origin_node);
     info->set_from_peer(m.from_peer);
+    info->set_run_id(m.run_id);
+    info->set_resumed_from(m.resumed_from);
   }
   return grpc::Status::OK;
 }

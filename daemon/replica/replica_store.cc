@@ -143,6 +143,11 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
     return InvalidArgument("replica header: layout or extra state over " + FormatBytes(kMaxReplicaMetaBytes));
   }
   if (!meta.origin_node.empty()) RETURN_IF_ERROR(ValidateNodeName(meta.origin_node));
+  if (!meta.run_id.empty()) RETURN_IF_ERROR(ValidateRunId(meta.run_id));
+  if (meta.resumed_from < 0 || meta.resumed_from > kMaxStep) {
+    return InvalidArgument("replica resumed_from " + std::to_string(meta.resumed_from) + " is outside 0.." +
+                           std::to_string(kMaxStep));
+  }
   if (max_replica_bytes_ > 0 && meta.bytes > max_replica_bytes_) {
     return ResourceExhausted(Who(meta) + " has " + FormatBytes(meta.bytes) + ", over the " +
                              FormatBytes(max_replica_bytes_) + " a rank may have here (--max-rank-bytes)");
@@ -210,6 +215,14 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
       it = held_.emplace(std::make_pair(m.job, m.rank), nullptr).first;
     } else {
       const ReplicaMeta& old = it->second->meta();
+      if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step) &&
+          (OriginOf(old) != OriginOf(m) || old.run_id != m.run_id)) {
+        // Not this origin's copy: the sender must not count it as held (ALREADY_EXISTS would).
+        return FailedPrecondition(Who(m) + " of '" + OriginOf(m) + "' (run " + m.run_id + ", attempt " +
+                                  std::to_string(m.attempt) + "): the replica held of this job and rank is '" +
+                                  OriginOf(old) + "'s (run " + old.run_id + ", step " + std::to_string(old.step) +
+                                  ", a later attempt " + std::to_string(old.attempt) + ")");
+      }
       if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step)) {
         return AlreadyExists(Who(m) + " (attempt " + std::to_string(m.attempt) + "): step " +
                              std::to_string(old.step) + " of attempt " + std::to_string(old.attempt) +

@@ -56,6 +56,8 @@ struct ReplicaMeta {
   std::string extra;        // the checkpoint's extra state (opaque here)
   std::string origin_node;  // the daemon that took it
   std::string from_peer;    // the name in the pushing peer's certificate ("" without TLS)
+  std::string run_id;       // the attempt that took it (empty: a sender that did not say)
+  int64_t resumed_from = 0;
 };
 
 // The limits of what a peer may send.

@@ -1108,6 +1108,78 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
   EXPECT_TRUE(t.All(3));
 }
 
+// Two unrelated jobs of one name (their own roots and runs, the same layout) on nodes A and B
+// replicate to one peer. The peer holds B's replica (its attempt is the later one) and refuses A's
+// later push as another origin's copy, which A counts as failed, not sent; A's replacement node
+// (A's root: checkpoint-10 of A's run on disk) does not resume B's step 30: the replica is not used,
+// said in an event, and the restore takes A's own step 10 (before: "resumed step=30 from=peer").
+TEST(ReplicaSenderTest, AnotherJobOfTheSameNameIsNeverRestoredFromAPeer) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon holder("flashckpt-replica-peer");
+  ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  const std::string root_a = holder.dir() + "/root-a", root_b = holder.dir() + "/root-b";
+  auto run = [](const char* id) { return [id](ClientOptions& o) { o.run_id = id; }; };
+  InProcessDaemon a("flashckpt-replica-a");
+  ASSERT_OK(a.Start([&](DaemonConfig& c) {
+    c.node_name = "node-a";
+    c.replicate_to = {peer};
+    c.root = root_a;
+    c.persist_on_stop = false;
+  }));
+  TestTrainer ta = a.StartTrainer("samename", kFloats, run("run-a"));
+  ASSERT_NE(ta.client, nullptr);
+  ASSERT_OK(ta.Save(10));
+  ASSERT_OK(ta.Memory(17));
+  ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "samename", 17); })) << PeerOf(a).last_error;
+  {
+    InProcessDaemon b("flashckpt-replica-b");
+    ASSERT_OK(b.Start([&](DaemonConfig& c) {
+      c.node_name = "node-b";
+      c.replicate_to = {peer};
+      c.root = root_b;
+      c.persist_on_stop = false;
+    }));
+    TestTrainer tb = b.StartTrainer("samename", kFloats, run("run-b"));
+    ASSERT_NE(tb.client, nullptr);
+    ASSERT_OK(tb.Memory(30));
+    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "samename", 30); })) << PeerOf(b).last_error;
+  }
+  // A's next push meets B's copy: refused, and A says so (its count of sent replicas stays at 1).
+  ASSERT_OK(ta.Memory(18));
+  ASSERT_TRUE(Eventually([&] { return PeerOf(a).failed >= 1; })) << PeerOf(a).last_error;
+  EXPECT_EQ(PeerOf(a).pushed, 1u);
+  EXPECT_TRUE(Contains(PeerOf(a).last_error, "node-b")) << PeerOf(a).last_error;
+  ta.client.reset();
+  a.Stop();
+
+  InProcessDaemon replacement("flashckpt-replica-a2");
+  ASSERT_OK(replacement.Start([&](DaemonConfig& c) {
+    c.node_name = "node-a2";
+    c.replicate_to = {peer};
+    c.root = root_a;
+    c.persist_on_stop = false;
+  }));
+  auto events = replacement.daemon()->events().Subscribe("samename");
+  ASSERT_OK(events.status());
+  TestTrainer t = replacement.StartTrainer("samename", kFloats, run("run-a"));
+  ASSERT_NE(t.client, nullptr);
+  auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 10) << "restored another job's step";
+  EXPECT_EQ(r->tier, Tier::kDisk);
+  EXPECT_TRUE(t.All(10));
+  bool said = false;
+  DaemonEvent event;
+  while (!said && events->Next(&event, std::chrono::steady_clock::now() + 2s) == EventHub::Wait::kEvent) {
+    said = event.kind == DaemonEvent::Kind::kMemoryFallback && Contains(event.reason, "not used") &&
+           Contains(event.reason, "run run-b") && Contains(event.reason, "run run-a, step 10 on disk");
+    if (!said) continue;
+    EXPECT_EQ(event.step, 30);
+  }
+  EXPECT_TRUE(said) << "no event said why the peer's replica was not used";
+}
+
 // A rollback reaches the peers: a rank that restores an older step here has the peer drop its
 // replica of the later step (of the attempt the rank left), so a replacement node does not resume
 // the abandoned timeline from it; the rank's next memory checkpoint is held there again.
