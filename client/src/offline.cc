@@ -139,8 +139,8 @@ bool Within(const std::filesystem::path& inner, const std::filesystem::path& out
 // end (rename(2) replaces an empty directory), so a failed export leaves `out_dir` as it was. Refuses
 // an `out_dir` that is not empty, or that lies inside the checkpoint being read, inside any
 // checkpoint folder (checkpoint-<step>: retention, delete and gc remove those, with what is in them),
-// or inside the checkpoint's root (<root>/<job>/checkpoint-<step>: the daemon's --root, whose folders
-// are jobs to it).
+// or inside the checkpoint's root (<root>/<job>/checkpoint-<step> where <job> holds LATEST: the
+// daemon's --root, whose folders are jobs to it).
 Result<std::string> StagingDirFor(const std::string& checkpoint_dir, const std::string& out_dir) {
   std::error_code ec;
   const std::filesystem::path out = std::filesystem::weakly_canonical(std::filesystem::absolute(out_dir), ec);
@@ -152,7 +152,11 @@ Result<std::string> StagingDirFor(const std::string& checkpoint_dir, const std::
   for (const auto& part : out) {
     if (inside.empty() && ParseCheckpointDirName(part.string())) inside = "a checkpoint folder (" + part.string() + ")";
   }
-  if (inside.empty() && ParseCheckpointDirName(ckpt.filename().string())) {
+  // A checkpoint in a daemon's root: <root>/<job>/checkpoint-<step>, its job folder holding LATEST (a
+  // checkpoint folder copied elsewhere, without its job's LATEST, has no root).
+  std::error_code latest_ec;
+  if (inside.empty() && ParseCheckpointDirName(ckpt.filename().string()) &&
+      std::filesystem::exists(ckpt.parent_path() / "LATEST", latest_ec)) {
     const std::filesystem::path root = ckpt.parent_path().parent_path();
     if (!root.empty() && root != root.root_path() && Within(out, root)) {
       inside = "the checkpoint's root " + root.string() + " (the daemon's --root: each folder in it is a job)";

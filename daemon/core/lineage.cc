@@ -11,6 +11,10 @@ namespace {
 
 constexpr size_t kTrackedSteps = 64;  // recent steps whose committed attempts are compared, per job
 constexpr size_t kSplitSteps = 64;    // split steps remembered per job for WaitComplete
+// A part of another attempt counts as committed while this attempt ran only when it was committed
+// this long after the attempt began: the commits of ranks that restore together (a rollback of the
+// whole job) and modest skew between the nodes' clocks are not taken for a split.
+constexpr int64_t kConcurrentMarginMs = 1000;
 
 // "step 30: rank 0 in run a1 (fresh), rank 1 in run a1 resumed from step 20"
 std::string SplitText(int64_t step, const std::map<uint32_t, Attempt>& by_rank) {
@@ -220,14 +224,16 @@ void Daemon::OnMixedStep(const std::string& name, uint32_t rank, const std::stri
   auto rit = job.ranks.find(rank);
   if (rit == job.ranks.end() || session_id.empty() || rit->second.session_id != session_id) return;  // gone
   const int64_t began = rit->second.attempt_began_ms;
-  // A part of another attempt committed after this one began was saved by a live process while
-  // this one ran: no rank of either will save the step again in the other's attempt. One committed
+  // A part of another attempt committed after this one began (by more than kConcurrentMarginMs) was
+  // saved by a live process while this one ran: no rank of either will save the step again in the other's attempt. One committed
   // before is an earlier attempt's, left by a process that has since stopped or restored; its rank
   // overwrites it when it reaches the step in this attempt (WaitComplete names it at its deadline
   // if it never does). Parts that do not say when they were committed are not counted.
   uint32_t live_other = 0;
   for (const auto& [r, signal] : signals) {
-    if (signal.attempt() != own->second.attempt() && began > 0 && signal.committed_ms > began) ++live_other;
+    if (signal.attempt() != own->second.attempt() && began > 0 && signal.committed_ms > began + kConcurrentMarginMs) {
+      ++live_other;
+    }
   }
   if (live_other == 0) {
     Logger("rpc")->info("mixed step job={} {}: parts of an earlier attempt, left before this one began (rank {}); "

@@ -68,12 +68,18 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& se
 }  // namespace
 
 Status Daemon::ContinuesLineage(const std::string& job, const ReplicaMeta& m, const Lineage& lineage) {
+  // What the peer listed is untrusted: a run id and step as everywhere else.
+  if ((!m.run_id.empty() && !ValidateRunId(m.run_id).ok()) || m.resumed_from < 0 || m.resumed_from > kMaxStep) {
+    return FailedPrecondition("its run id or restored step is malformed");
+  }
   if (lineage.runs.empty()) return Status::OK();  // nothing here to continue: no checkpoint on disk or in memory
   const Attempt attempt{m.run_id, m.resumed_from};
-  if (m.run_id.empty()) return FailedPrecondition("it does not say which run took it");
+  if (m.run_id.empty()) return FailedPrecondition("it does not say which run took it (a peer of an older release)");
   if (lineage.runs.count(m.run_id) != 0) return Status::OK();
-  // A later attempt that restored a complete checkpoint of this job (a relaunch under a new run id).
+  // A later attempt that restored a checkpoint of this job: a complete one here (a relaunch under a
+  // new run id), or one at or past the newest complete one here (restored from memory or a peer).
   if (m.resumed_from > 0) {
+    if (m.resumed_from >= lineage.disk_step && lineage.disk_step > 0) return Status::OK();
     auto complete = catalog_.IsComplete(job, m.resumed_from);
     if (complete.ok() && *complete) return Status::OK();
   }
@@ -126,14 +132,14 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     auto latest = catalog_.LatestRun(job);
     if (latest.ok() && !*latest) latest = catalog_.NewestComplete(job, "");
     if (!latest.ok()) {
-      Logger("restore")->warn("replicas of job={} rank={} not used: the job's checkpoints here cannot be read ({})",
+      // The files may be what failed: the memory checkpoints' runs alone say the lineage then.
+      Logger("restore")->warn("replicas of job={} rank={}: the job's checkpoints here cannot be read ({}); the "
+                              "lineage is taken from the memory checkpoints alone",
                               job, rank_id, latest.status().ToString());
-      return;
-    }
-    if (*latest) {
+    } else if (*latest) {
       lineage.disk_step = (*latest)->step;
       lineage.disk_run = (*latest)->run_id;
-      lineage.runs.insert((*latest)->run_id);
+      if (!(*latest)->run_id.empty()) lineage.runs.insert((*latest)->run_id);  // else written before run ids
     }
   }
 
@@ -187,8 +193,9 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
       }
     }
   }
-  if (best.peer == nullptr || (wanted == 0 ? best.meta.step <= std::max(newest_here, lineage.disk_step) : wanted_here)) {
-    return;  // a replica never beats a step of the lineage held here (the files or memory serve it)
+  if (best.peer == nullptr ||
+      (wanted == 0 ? best.meta.step <= newest_here || best.meta.step < lineage.disk_step : wanted_here)) {
+    return;  // a replica never beats a newer step of the lineage held here (the files or memory serve it)
   }
   // A step asked for by number: only of the rank's latest attempt among the peers. An older
   // attempt's copy of the step is of a timeline the job left when it restored an earlier step (a
@@ -221,6 +228,11 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   auto fetched = FetchReplica(
       best.peer->channel.get(), job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
       [&](const ReplicaMeta& meta) -> Result<char*> {
+        // The one listed (and checked against the lineage), not one the peer holds in its place now.
+        if (meta.run_id != best.meta.run_id || meta.resumed_from != best.meta.resumed_from ||
+            meta.attempt != best.meta.attempt || meta.origin_node != best.meta.origin_node) {
+          return FailedPrecondition("the peer's replica changed after it was listed");
+        }
         ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
         return into;
       },

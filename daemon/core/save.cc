@@ -130,8 +130,9 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     if (rank->run_agreed && !rank->launch_checked) check_launch = rank->agreed_launch;
   }
   if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
-  if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite, new_process));
+  // The launch first: it deletes nothing, and a rank of a stale launch must not start a lineage.
   if (check_launch > 0) RETURN_IF_ERROR(CheckLaunchCurrent(session_id, job, run_id, check_launch));
+  if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite, new_process));
   // A memory checkpoint writes no file: no need to look at the disk on the trainer's path.
   ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : catalog_.IsComplete(job, step));
   if (complete) {

@@ -221,7 +221,7 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
         return FailedPrecondition(Who(m) + " of '" + OriginOf(m) + "' (run " + m.run_id + ", attempt " +
                                   std::to_string(m.attempt) + "): the replica held of this job and rank is '" +
                                   OriginOf(old) + "'s (run " + old.run_id + ", step " + std::to_string(old.step) +
-                                  ", a later attempt " + std::to_string(old.attempt) + ")");
+                                  ", attempt " + std::to_string(old.attempt) + ", not older)");
       }
       if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step)) {
         return AlreadyExists(Who(m) + " (attempt " + std::to_string(m.attempt) + "): step " +

@@ -128,9 +128,10 @@ class ReplicaStore {
   };
   Result<std::unique_ptr<Incoming>> Begin(ReplicaMeta meta);
   // Holds the replica when it is newer (attempt, then step) than the one held of its (job, rank);
-  // FAILED_PRECONDITION when bytes are missing or another peer pushed the held one of the same
-  // attempt, ALREADY_EXISTS (and nothing changes) when it is not newer. Evicts what the bounds
-  // above ask for.
+  // FAILED_PRECONDITION when bytes are missing, another peer pushed the held one of the same
+  // attempt, or it is not newer and the held one is another origin's or run's (naming it);
+  // ALREADY_EXISTS (and nothing changes) when it is not newer than the same origin's copy of the
+  // same run. Evicts what the bounds above ask for.
   Status Finish(std::unique_ptr<Incoming> incoming);
 
   // The replica of (job, rank): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.

@@ -600,7 +600,9 @@ TEST(RunTest, ASplitAcrossDaemonsIsFoundByTheDaemonThatWritesTheLastPart) {
   auto a = UnnamedRank(d1, job, 0, "run-a");
   auto b = UnnamedRank(d2, job, 1, "run-b");
   ASSERT_TRUE(a && b);
-  std::this_thread::sleep_for(5ms);  // both attempts began before either commits (a ms clock)
+  // Both attempts began well before either commits (a part counts as committed while the other
+  // attempt ran only when it came over a second after that attempt began).
+  std::this_thread::sleep_for(1100ms);
   std::vector<float> wa(16, 1.f), wb(16, 2.f);
   ASSERT_OK(a->Snapshot(10, {{"w", wa.data(), 64}}, {}).status());
   ASSERT_OK(a->WaitPersisted(10, 10s));

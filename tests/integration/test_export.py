@@ -223,6 +223,13 @@ def main():
             check(rc == 3 and "is inside" in err, "export into %s: exit %d, expected 3 (is inside):\n%s%s"
                   % (inside, rc, out, err))
             check(not os.path.exists(inside), "a refused export made %s" % inside)
+        # A checkpoint folder copied out of the root (no LATEST beside it) has no root: an export next
+        # to it is taken.
+        copied_ckpt = os.path.join(h.tmp, "copies", os.path.basename(ckpt))
+        shutil.copytree(ckpt, copied_ckpt)
+        export(h, copied_ckpt, os.path.join(h.tmp, "copies-out"))
+        tensors, files = read_export(os.path.join(h.tmp, "copies-out"))
+        check(sorted(tensors) == names, "the export of a copied checkpoint: %s" % sorted(tensors))
         log("a flipped byte: exit 1 naming %s, the destination left as it was (also sharded); a used "
             "destination: exit 3; a destination inside a checkpoint folder or the root: exit 3" % bad_file)
 

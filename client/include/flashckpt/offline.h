@@ -47,7 +47,8 @@ struct ExportReport {
 // Errors: kNotFound for a missing directory or an incomplete checkpoint (no metadata.json);
 // kCorruption for a checksum or header mismatch; kInvalidArgument for a bad option, a checkpoint
 // without tensors of that kind, two names that strip_prefix makes equal, or an `out_dir` inside the
-// checkpoint or any checkpoint-<step> folder (retention deletes those whole); kAlreadyExists for a
+// checkpoint, any checkpoint-<step> folder (retention deletes those whole) or the checkpoint's root
+// (<root>/<job>/checkpoint-<step> whose <job> holds LATEST); kAlreadyExists for a
 // non-empty `out_dir`; I/O errors name the file.
 FLASHCKPT_API Status ExportCheckpoint(const std::string& checkpoint_dir, const std::string& out_dir,
                                       const ExportOptions& options, ExportReport* report);
