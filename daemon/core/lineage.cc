@@ -50,9 +50,10 @@ std::string RangesText(const std::vector<uint32_t>& ranks) {
 std::string MixedText(int64_t step, const std::map<uint32_t, Signal>& signals) {
   std::vector<std::pair<Attempt, std::vector<uint32_t>>> groups;
   for (const auto& [rank, signal] : signals) {
-    auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& x) { return x.first == signal.attempt(); });
+    const Attempt attempt = signal.attempt();
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& x) { return x.first == attempt; });
     if (g == groups.end()) {
-      groups.push_back({signal.attempt(), {}});
+      groups.push_back({attempt, {}});
       g = groups.end() - 1;
     }
     g->second.push_back(rank);
