@@ -236,7 +236,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
         ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
         return into;
       },
-      SystemDeadline(fetch_by));
+      SystemDeadline(fetch_by), OriginOf(best.meta));
   Status checked = fetched.status();
   if (checked.ok()) {
     ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);

@@ -178,7 +178,7 @@ Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std:
 
 Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
                                  uint64_t max_bytes, const std::function<Result<char*>(const ReplicaMeta&)>& into,
-                                 std::chrono::system_clock::time_point deadline) {
+                                 std::chrono::system_clock::time_point deadline, const std::string& origin) {
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
@@ -186,6 +186,7 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job,
   request.set_job(job);
   request.set_rank(rank);
   request.set_step(step);
+  request.set_origin(origin);
   auto reader = stub.Fetch(&ctx, request);
   v1::ReplicaPart part;
   auto fail = [&](Status why) {

@@ -60,12 +60,13 @@ Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, u
                                uint64_t attempt, std::chrono::system_clock::time_point deadline,
                                const std::function<void(grpc::ClientContext*)>& context = {});
 
-// Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds). A replica of more
+// Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds), of `origin`'s copy
+// (OriginOf of what List gave; empty: the newest of any origin's). A replica of more
 // than `max_bytes` is refused (RESOURCE_EXHAUSTED) before `into` is called; `into` is called once
 // with the replica's header and returns where its meta.bytes bytes go; every part is checked
 // against its checksum as it is copied there (CORRUPTION names the first that is not).
 Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
                                  uint64_t max_bytes, const std::function<Result<char*>(const ReplicaMeta&)>& into,
-                                 std::chrono::system_clock::time_point deadline);
+                                 std::chrono::system_clock::time_point deadline, const std::string& origin = "");
 
 }  // namespace flashckpt

@@ -262,7 +262,7 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
                                                                 std::to_string(kMaxReplicaCall.count()) +
                                                                 " minutes away");
   }
-  auto found = store_->Find(request->job(), request->rank(), request->step());
+  auto found = store_->Find(request->job(), request->rank(), request->step(), request->origin());
   if (!found.ok()) return ToGrpc(found.status());
   const Replica& replica = **found;
   v1::ReplicaPart part;

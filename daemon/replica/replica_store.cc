@@ -156,8 +156,7 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
   std::vector<std::shared_ptr<const Replica>> evicted;  // freed (their memory given back) before the reservation
   {
     MutexLock lock(&mu_);
-    RETURN_IF_ERROR(MakeRoomLocked(OriginOf(replica->meta_), {replica->meta_.job, replica->meta_.rank},
-                                   replica->accounted(), &evicted));
+    RETURN_IF_ERROR(MakeRoomLocked(OriginOf(replica->meta_), KeyOf(replica->meta_), replica->accounted(), &evicted));
   }
   evicted.clear();
   RETURN_IF_ERROR(memory_.reserve(replica->accounted(), Who(replica->meta_)));
@@ -206,31 +205,27 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
                                 std::to_string(retracted->second.second) + " in attempt " +
                                 std::to_string(retracted->second.first));
     }
-    auto it = held_.find({m.job, m.rank});
+    // Only the origin's own copy is compared with (and replaced): another origin's is kept apart.
+    auto it = held_.find(KeyOf(m));
     if (it == held_.end()) {
       // Pushes that began together may have passed Begin's bound together: it is kept here.
-      if (Status room = MakeRoomLocked(OriginOf(m), {m.job, m.rank}, 0, &evicted); !room.ok()) {
+      if (Status room = MakeRoomLocked(OriginOf(m), KeyOf(m), 0, &evicted); !room.ok()) {
         return Status(room.code(), Who(m) + ": " + room.message());
       }
-      it = held_.emplace(std::make_pair(m.job, m.rank), nullptr).first;
+      it = held_.emplace(KeyOf(m), nullptr).first;
     } else {
       const ReplicaMeta& old = it->second->meta();
-      if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step) &&
-          (OriginOf(old) != OriginOf(m) || old.run_id != m.run_id)) {
-        // Not this origin's copy: the sender must not count it as held (ALREADY_EXISTS would).
+      if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step) && old.run_id != m.run_id) {
+        // Not the copy of this run: the sender must not count it as held (ALREADY_EXISTS would).
         return FailedPrecondition(Who(m) + " of '" + OriginOf(m) + "' (run " + m.run_id + ", attempt " +
-                                  std::to_string(m.attempt) + "): the replica held of this job and rank is '" +
-                                  OriginOf(old) + "'s (run " + old.run_id + ", step " + std::to_string(old.step) +
-                                  ", attempt " + std::to_string(old.attempt) + ", not older)");
+                                  std::to_string(m.attempt) + "): its copy held here is of run " + old.run_id +
+                                  " (step " + std::to_string(old.step) + ", attempt " + std::to_string(old.attempt) +
+                                  ", not older)");
       }
       if (std::make_pair(old.attempt, old.step) >= std::make_pair(m.attempt, m.step)) {
         return AlreadyExists(Who(m) + " (attempt " + std::to_string(m.attempt) + "): step " +
                              std::to_string(old.step) + " of attempt " + std::to_string(old.attempt) +
                              " is held already");
-      }
-      if (old.attempt == m.attempt && old.from_peer != m.from_peer) {
-        return FailedPrecondition(Who(m) + ": the held replica of attempt " + std::to_string(old.attempt) +
-                                  " came from peer '" + old.from_peer + "', not '" + m.from_peer + "'");
       }
     }
     replaced = std::exchange(it->second, replica);
@@ -243,23 +238,36 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
   return Status::OK();
 }
 
-Result<std::shared_ptr<const Replica>> ReplicaStore::Find(const std::string& job, uint32_t rank, int64_t step) const {
+Result<std::shared_ptr<const Replica>> ReplicaStore::Find(const std::string& job, uint32_t rank, int64_t step,
+                                                          const std::string& origin) const {
+  const std::string whose = origin.empty() ? std::string() : " of '" + origin + "'";
   MutexLock lock(&mu_);
-  auto it = held_.find({job, rank});
-  if (it == held_.end()) {
-    return NotFound("no replica of job '" + job + "' rank " + std::to_string(rank) + " is held here");
+  std::shared_ptr<const Replica> best;
+  int64_t other_step = 0;
+  for (auto it = held_.lower_bound(Key{job, rank, origin}); it != held_.end(); ++it) {
+    if (std::get<0>(it->first) != job || std::get<1>(it->first) != rank) break;
+    if (!origin.empty() && std::get<2>(it->first) != origin) break;
+    const ReplicaMeta& m = it->second->meta();
+    if (step != 0 && m.step != step) {
+      other_step = m.step;
+      continue;
+    }
+    if (!best || std::make_pair(m.attempt, m.step) > std::make_pair(best->meta().attempt, best->meta().step)) {
+      best = it->second;
+    }
   }
-  if (step != 0 && it->second->meta().step != step) {
-    return NotFound("the replica of job '" + job + "' rank " + std::to_string(rank) + " held here is of step " +
-                    std::to_string(it->second->meta().step) + ", not " + std::to_string(step));
+  if (best) return best;
+  if (other_step != 0) {
+    return NotFound("the replica of job '" + job + "' rank " + std::to_string(rank) + whose +
+                    " held here is of step " + std::to_string(other_step) + ", not " + std::to_string(step));
   }
-  return it->second;
+  return NotFound("no replica of job '" + job + "' rank " + std::to_string(rank) + whose + " is held here");
 }
 
 void ReplicaStore::Drop(const Replica* replica) {
   std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
-  auto it = held_.find({replica->meta().job, replica->meta().rank});
+  auto it = held_.find(KeyOf(replica->meta()));
   if (it != held_.end() && it->second.get() == replica) {
     dropped = std::move(it->second);
     held_.erase(it);
@@ -274,7 +282,7 @@ Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int
                            std::to_string(attempt));
   }
   RETURN_IF_ERROR(CheckAttempt(attempt, "replica retraction"));
-  std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
+  std::vector<std::shared_ptr<const Replica>> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
   auto told = retracted_.find({job, rank});
   if (told == retracted_.end()) {
@@ -283,13 +291,18 @@ Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int
   } else if (attempt >= told->second.first) {
     told->second = {attempt, step};
   }
-  auto it = held_.find({job, rank});
-  if (it == held_.end()) return int64_t{0};
-  const ReplicaMeta& held = it->second->meta();
-  if (held.attempt >= attempt || held.step <= step) return int64_t{0};
-  const int64_t gone = held.step;
-  dropped = std::move(it->second);
-  held_.erase(it);
+  int64_t gone = 0;
+  for (auto it = held_.lower_bound(Key{job, rank, ""}); it != held_.end();) {
+    if (std::get<0>(it->first) != job || std::get<1>(it->first) != rank) break;
+    const ReplicaMeta& held = it->second->meta();
+    if (held.attempt >= attempt || held.step <= step) {
+      ++it;
+      continue;
+    }
+    gone = std::max(gone, held.step);
+    dropped.push_back(std::move(it->second));
+    it = held_.erase(it);
+  }
   return gone;
 }
 
@@ -297,7 +310,7 @@ std::vector<ReplicaMeta> ReplicaStore::List(const std::string& job) const {
   std::vector<ReplicaMeta> out;
   MutexLock lock(&mu_);
   for (const auto& [key, replica] : held_) {
-    if (job.empty() || key.first == job) out.push_back(replica->meta());
+    if (job.empty() || std::get<0>(key) == job) out.push_back(replica->meta());
   }
   return out;
 }

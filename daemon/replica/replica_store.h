@@ -1,6 +1,8 @@
 // The replicas a daemon holds for its peers (flashckptd --replica-listen): copies of other nodes'
-// ranks' memory checkpoints, the newest complete one per (job, rank), so that a rank whose node was
-// lost can fetch it from here. The bytes are the peer's (opaque: its slot image, layout and extra
+// ranks' memory checkpoints, the newest complete one per (job, rank, origin), so that a rank whose
+// node was lost can fetch it from here. Copies of different origins (two unrelated jobs of one name
+// on two nodes, or a peer that pushes a rank it does not run) are kept apart: a push replaces only
+// its own origin's copy, and the fetching daemon chooses among them by its job's lineage. The bytes are the peer's (opaque: its slot image, layout and extra
 // state); what the store checks is that they arrived whole and unchanged: every part carries its
 // XXH3-64, checked on arrival and again whenever the replica is read.
 //
@@ -17,9 +19,8 @@
 // the oldest replica of the origin that holds the most. Steps are at most kMaxStep, attempts at most
 // kMaxAttemptAhead ahead of this host's clock (attempts are numbered in wall-clock ms).
 //
-// Which one is newer: the later attempt of the job (a job restarted from an older step starts a new
-// attempt, whose replicas replace the old run's), then the later step. Within one attempt a rank
-// runs on one node: with TLS, only the peer that pushed the held replica may replace it.
+// Which one is newer, within an origin's copies: the later attempt of the job (a job restarted from
+// an older step starts a new attempt, whose replicas replace the old run's), then the later step.
 #pragma once
 
 #include <atomic>
@@ -29,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -64,7 +66,7 @@ struct ReplicaMeta {
 constexpr uint64_t kMinReplicaPartBytes = 64u << 10;
 constexpr uint64_t kMaxReplicaPartBytes = 4u << 20;
 constexpr uint64_t kMaxReplicaMetaBytes = 16u << 20;  // layout and extra, each
-constexpr size_t kMaxReplicasHeld = 4096;             // (job, rank) pairs, of every origin
+constexpr size_t kMaxReplicasHeld = 4096;             // (job, rank, origin) copies, of every origin
 constexpr size_t kMaxReplicasPerOrigin = 1024;        // the default of ReplicaLimits::max_per_origin
 constexpr std::chrono::minutes kMaxAttemptAhead{10};  // clock skew between nodes, and then some
 
@@ -127,32 +129,34 @@ class ReplicaStore {
     std::unique_ptr<Replica> replica_;
   };
   Result<std::unique_ptr<Incoming>> Begin(ReplicaMeta meta);
-  // Holds the replica when it is newer (attempt, then step) than the one held of its (job, rank);
-  // FAILED_PRECONDITION when bytes are missing, another peer pushed the held one of the same
-  // attempt, or it is not newer and the held one is another origin's or run's (naming it);
-  // ALREADY_EXISTS (and nothing changes) when it is not newer than the same origin's copy of the
-  // same run. Evicts what the bounds above ask for.
+  // Holds the replica when it is newer (attempt, then step) than its origin's copy of its (job,
+  // rank), or when the origin holds none; FAILED_PRECONDITION when bytes are missing, or it is not
+  // newer and the held copy is of another run (naming it); ALREADY_EXISTS (and nothing changes)
+  // when it is not newer than the origin's copy of the same run. Evicts what the bounds above ask for.
   Status Finish(std::unique_ptr<Incoming> incoming);
 
-  // The replica of (job, rank): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.
-  Result<std::shared_ptr<const Replica>> Find(const std::string& job, uint32_t rank, int64_t step) const;
-  // Drops `replica` if it is still the one held of its (job, rank) (one that failed its checksums).
+  // The replica of (job, rank) of `origin` (OriginOf; empty: of any origin, the newest by attempt,
+  // then step): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.
+  Result<std::shared_ptr<const Replica>> Find(const std::string& job, uint32_t rank, int64_t step,
+                                              const std::string& origin = "") const;
+  // Drops `replica` if it is still the one held of its (job, rank, origin) (one that failed its checksums).
   void Drop(const Replica* replica);
-  // The rank was restored to `step` in a new attempt numbered `attempt`: drops the held replica of
-  // (job, rank) when it is of an older attempt and a later step, and from then on refuses such a
+  // The rank was restored to `step` in a new attempt numbered `attempt`: drops the held replicas of
+  // (job, rank), of every origin, that are of an older attempt and a later step, and from then on refuses such a
   // push (FAILED_PRECONDITION: one of the old attempt still on its way, or from a node that lost
   // the rank) until one of `attempt` or a later one is held. Returns the step dropped, or 0 when
-  // none was; INVALID_ARGUMENT for a bad job name, a step outside 0..kMaxStep or an attempt of 0 or
+  // none was (the newest of them when several were); INVALID_ARGUMENT for a bad job name, a step outside 0..kMaxStep or an attempt of 0 or
   // more than kMaxAttemptAhead ahead of this host's clock.
   Result<int64_t> Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
-  size_t count() const;       // ranks whose replica is held
+  size_t count() const;       // copies held (one per job, rank and origin)
   uint64_t held_bytes() const;  // their bytes (not their layout and extra state)
   uint64_t evicted() const { return evicted_.load(); }  // replicas evicted by the bounds, so far
 
  private:
-  using Key = std::pair<std::string, uint32_t>;  // (job, rank)
+  using Key = std::tuple<std::string, uint32_t, std::string>;  // (job, rank, origin)
+  static Key KeyOf(const ReplicaMeta& m) { return {m.job, m.rank, OriginOf(m)}; }
   // Evicts replicas (into `evicted`, freed by the caller after the lock is let go) until `origin`
   // may hold one more (unless it holds `key` already, which the new one replaces) of `bytes`, and
   // the store one more: `origin`'s own oldest first, then, when the store is full, the oldest of
@@ -170,7 +174,7 @@ class ReplicaStore {
   std::atomic<uint64_t> arrivals_{0};
   std::atomic<uint64_t> evicted_{0};
   mutable Mutex mu_;
-  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
+  std::map<Key, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
   // Per (job, rank), the latest retraction not yet followed by a replica of its attempt: (attempt,
   // restored step). At most kMaxReplicasHeld.
   std::map<std::pair<std::string, uint32_t>, std::pair<uint64_t, int64_t>> retracted_ GUARDED_BY(mu_);
