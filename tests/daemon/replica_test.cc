@@ -1190,6 +1190,57 @@ TEST(ReplicaSenderTest, AnotherJobOfTheSameNameIsNeverRestoredFromAPeer) {
   EXPECT_TRUE(said) << "no event said why the peer's replica was not used";
 }
 
+// The flash path across two lost nodes: node A (run-a: disk step 10, memory step 17) is lost; its
+// replacement resumes step 17 from the peer under a new run id (run-s) and takes memory step 20, and
+// is lost too. The next replacement (disk: run-a's step 10) takes step 20: its attempt restored a
+// step past the newest on disk, so it continues the job's lineage (run-s is not run-a).
+TEST(ReplicaSenderTest, AReplicaOfARelaunchThatResumedFromMemoryContinuesTheLineage) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon holder("flashckpt-replica-peer");
+  ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  const std::string root = holder.dir() + "/shared-root";
+  auto node = [&](InProcessDaemon& d, const char* name) {
+    return d.Start([&](DaemonConfig& c) {
+      c.node_name = name;
+      c.replicate_to = {peer};
+      c.root = root;
+      c.persist_on_stop = false;
+    });
+  };
+  auto run = [](const char* id) { return [id](ClientOptions& o) { o.run_id = id; }; };
+  {
+    InProcessDaemon a("flashckpt-replica-a");
+    ASSERT_OK(node(a, "node-a"));
+    TestTrainer t = a.StartTrainer("relaunched", kFloats, run("run-a"));
+    ASSERT_NE(t.client, nullptr);
+    ASSERT_OK(t.Save(10));
+    ASSERT_OK(t.Memory(17));
+    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "relaunched", 17); })) << PeerOf(a).last_error;
+  }
+  {
+    InProcessDaemon a2("flashckpt-replica-a2");
+    ASSERT_OK(node(a2, "node-a2"));
+    TestTrainer t = a2.StartTrainer("relaunched", kFloats, run("run-s"));
+    ASSERT_NE(t.client, nullptr);
+    auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+    ASSERT_OK(r.status());
+    ASSERT_EQ(r->step, 17);
+    ASSERT_EQ(r->tier, Tier::kPeer);
+    ASSERT_OK(t.Memory(20));
+    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "relaunched", 20); })) << PeerOf(a2).last_error;
+  }
+  InProcessDaemon a3("flashckpt-replica-a3");
+  ASSERT_OK(node(a3, "node-a3"));
+  TestTrainer t = a3.StartTrainer("relaunched", kFloats, run("run-t"));
+  ASSERT_NE(t.client, nullptr);
+  auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 20) << "the relaunch's replica was not taken for the job's lineage";
+  EXPECT_EQ(r->tier, Tier::kPeer);
+  EXPECT_TRUE(t.All(20));
+}
+
 // A rollback reaches the peers: a rank that restores an older step here has the peer drop its
 // replica of the later step (of the attempt the rank left), so a replacement node does not resume
 // the abandoned timeline from it; the rank's next memory checkpoint is held there again.
