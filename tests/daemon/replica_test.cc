@@ -1117,6 +1117,22 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
   EXPECT_TRUE(t.All(3));
 }
 
+// Starts `d` as a node named `name` that replicates to `peer`, its checkpoints under `root`.
+Status StartReplicatingNode(InProcessDaemon& d, const std::string& name, const std::string& peer,
+                            const std::string& root) {
+  return d.Start([&](DaemonConfig& c) {
+    c.node_name = name;
+    c.replicate_to = {peer};
+    c.root = root;
+    c.persist_on_stop = false;
+  });
+}
+
+// A trainer option: the run id.
+std::function<void(ClientOptions&)> InRun(const std::string& id) {
+  return [id](ClientOptions& o) { o.run_id = id; };
+}
+
 // Two unrelated jobs of one name (their own roots and runs, the same layout) on nodes A and B
 // replicate to one peer. The peer keeps each origin's copy apart, so A's later push is held (before:
 // ALREADY_EXISTS against B's, counted as sent); A's replacement node (A's root: checkpoint-10 of A's
@@ -1128,28 +1144,17 @@ TEST(ReplicaSenderTest, AnotherJobOfTheSameNameIsNeverRestoredFromAPeer) {
   InProcessDaemon holder("flashckpt-replica-peer");
   ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
   const std::string root_a = holder.dir() + "/root-a", root_b = holder.dir() + "/root-b";
-  auto run = [](const char* id) { return [id](ClientOptions& o) { o.run_id = id; }; };
   InProcessDaemon a("flashckpt-replica-a");
-  ASSERT_OK(a.Start([&](DaemonConfig& c) {
-    c.node_name = "node-a";
-    c.replicate_to = {peer};
-    c.root = root_a;
-    c.persist_on_stop = false;
-  }));
-  TestTrainer ta = a.StartTrainer("samename", kFloats, run("run-a"));
+  ASSERT_OK(StartReplicatingNode(a, "node-a", peer, root_a));
+  TestTrainer ta = a.StartTrainer("samename", kFloats, InRun("run-a"));
   ASSERT_NE(ta.client, nullptr);
   ASSERT_OK(ta.Save(10));
   ASSERT_OK(ta.Memory(17));
   ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "samename", 17); })) << PeerOf(a).last_error;
   {
     InProcessDaemon b("flashckpt-replica-b");
-    ASSERT_OK(b.Start([&](DaemonConfig& c) {
-      c.node_name = "node-b";
-      c.replicate_to = {peer};
-      c.root = root_b;
-      c.persist_on_stop = false;
-    }));
-    TestTrainer tb = b.StartTrainer("samename", kFloats, run("run-b"));
+    ASSERT_OK(StartReplicatingNode(b, "node-b", peer, root_b));
+    TestTrainer tb = b.StartTrainer("samename", kFloats, InRun("run-b"));
     ASSERT_NE(tb.client, nullptr);
     ASSERT_OK(tb.Memory(30));
     ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "samename", 30); })) << PeerOf(b).last_error;
@@ -1164,15 +1169,10 @@ TEST(ReplicaSenderTest, AnotherJobOfTheSameNameIsNeverRestoredFromAPeer) {
   a.Stop();
 
   InProcessDaemon replacement("flashckpt-replica-a2");
-  ASSERT_OK(replacement.Start([&](DaemonConfig& c) {
-    c.node_name = "node-a2";
-    c.replicate_to = {peer};
-    c.root = root_a;
-    c.persist_on_stop = false;
-  }));
+  ASSERT_OK(StartReplicatingNode(replacement, "node-a2", peer, root_a));
   auto events = replacement.daemon()->events().Subscribe("samename");
   ASSERT_OK(events.status());
-  TestTrainer t = replacement.StartTrainer("samename", kFloats, run("run-a"));
+  TestTrainer t = replacement.StartTrainer("samename", kFloats, InRun("run-a"));
   ASSERT_NE(t.client, nullptr);
   auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
   ASSERT_OK(r.status());
@@ -1200,19 +1200,10 @@ TEST(ReplicaSenderTest, AReplicaOfARelaunchThatResumedFromMemoryContinuesTheLine
   InProcessDaemon holder("flashckpt-replica-peer");
   ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
   const std::string root = holder.dir() + "/shared-root";
-  auto node = [&](InProcessDaemon& d, const char* name) {
-    return d.Start([&](DaemonConfig& c) {
-      c.node_name = name;
-      c.replicate_to = {peer};
-      c.root = root;
-      c.persist_on_stop = false;
-    });
-  };
-  auto run = [](const char* id) { return [id](ClientOptions& o) { o.run_id = id; }; };
   {
     InProcessDaemon a("flashckpt-replica-a");
-    ASSERT_OK(node(a, "node-a"));
-    TestTrainer t = a.StartTrainer("relaunched", kFloats, run("run-a"));
+    ASSERT_OK(StartReplicatingNode(a, "node-a", peer, root));
+    TestTrainer t = a.StartTrainer("relaunched", kFloats, InRun("run-a"));
     ASSERT_NE(t.client, nullptr);
     ASSERT_OK(t.Save(10));
     ASSERT_OK(t.Memory(17));
@@ -1220,8 +1211,8 @@ TEST(ReplicaSenderTest, AReplicaOfARelaunchThatResumedFromMemoryContinuesTheLine
   }
   {
     InProcessDaemon a2("flashckpt-replica-a2");
-    ASSERT_OK(node(a2, "node-a2"));
-    TestTrainer t = a2.StartTrainer("relaunched", kFloats, run("run-s"));
+    ASSERT_OK(StartReplicatingNode(a2, "node-a2", peer, root));
+    TestTrainer t = a2.StartTrainer("relaunched", kFloats, InRun("run-s"));
     ASSERT_NE(t.client, nullptr);
     auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
     ASSERT_OK(r.status());
@@ -1231,8 +1222,8 @@ TEST(ReplicaSenderTest, AReplicaOfARelaunchThatResumedFromMemoryContinuesTheLine
     ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "relaunched", 20); })) << PeerOf(a2).last_error;
   }
   InProcessDaemon a3("flashckpt-replica-a3");
-  ASSERT_OK(node(a3, "node-a3"));
-  TestTrainer t = a3.StartTrainer("relaunched", kFloats, run("run-t"));
+  ASSERT_OK(StartReplicatingNode(a3, "node-a3", peer, root));
+  TestTrainer t = a3.StartTrainer("relaunched", kFloats, InRun("run-t"));
   ASSERT_NE(t.client, nullptr);
   auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
   ASSERT_OK(r.status());

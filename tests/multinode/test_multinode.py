@@ -198,13 +198,21 @@ class Node:
     def kill(self):
         """The node dies: SIGKILL of its PID 1 takes every process of the node, and its /dev/shm."""
         if self.init.poll() is None:
+            if self.paused:
+                # A stopped daemon is killed first, directly: SIGKILL ends a stopped process without
+                # any of its code running. Left to the namespace's teardown, which comes after PID 1's
+                # death, it could be continued below first and finish what it was stopped in (a
+                # restore that drops its lease).
+                try:
+                    os.kill(self.daemon_pid(), signal.SIGKILL)
+                except (OSError, IndexError, ValueError):
+                    pass
             try:
                 os.kill(self.pid1, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             if self.paused:
-                # A stopped daemon takes its SIGKILL (before any of its code runs) once continued, and
-                # its stopped parent must go on to reap it, or the node's PID namespace never empties.
+                # Its stopped parent must go on to reap it, or the node's PID namespace never empties.
                 self._continue()
                 self.paused = False
             self.init.wait(timeout=30)
