@@ -200,8 +200,9 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
       if (mixed == nullptr) return false;
       one_attempt = false;
     }
-    if (mixed != nullptr) all.emplace(r, *signal);
     for (auto& f : signal->files) files.push_back(std::move(f));
+    signal->files.clear();
+    if (mixed != nullptr) all.emplace(r, std::move(*signal));  // its file list is in `files`
   }
   if (!one_attempt) {
     *mixed = std::move(all);
