@@ -183,6 +183,7 @@ Status Daemon::Start() {
   if (!config_.replicate_to.empty()) {
     ReplicaSender::Options options;
     options.max_rate = config_.replicate_max_rate;
+    options.node_name = config_.node_name;
     options.on_event = [this](DaemonEvent event) { Emit(std::move(event)); };
     for (const std::string& text : config_.replicate_to) {
       ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(text, "--replicate-to"));

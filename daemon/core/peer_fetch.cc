@@ -226,7 +226,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   // Half the time left at most: the files must still be readable in time when the peer is slow.
   const auto fetch_by = std::chrono::steady_clock::now() + (deadline - std::chrono::steady_clock::now()) / 2;
   auto fetched = FetchReplica(
-      best.peer->channel.get(), job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
+      best.peer->channel.get(), config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
       [&](const ReplicaMeta& meta) -> Result<char*> {
         // The one listed (and checked against the lineage), not one the peer holds in its place now.
         if (meta.run_id != best.meta.run_id || meta.resumed_from != best.meta.resumed_from ||

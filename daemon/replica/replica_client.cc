@@ -126,8 +126,8 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
   return PeerStatus(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early
 }
 
-Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                               uint64_t attempt, std::chrono::system_clock::time_point deadline,
+Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& node, const std::string& job, uint32_t rank,
+                               int64_t step, uint64_t attempt, std::chrono::system_clock::time_point deadline,
                                const std::function<void(grpc::ClientContext*)>& context) {
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
@@ -144,6 +144,7 @@ Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, u
   request.set_rank(rank);
   request.set_step(step);
   request.set_attempt(attempt);
+  request.set_node(node);
   v1::RetractReplicaResponse response;
   RETURN_IF_ERROR(PeerStatus(stub.Retract(&ctx, request, &response), "replica Retract"));
   return response.dropped_step();
@@ -176,8 +177,9 @@ Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std:
   return out;
 }
 
-Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                                 uint64_t max_bytes, const std::function<Result<char*>(const ReplicaMeta&)>& into,
+Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node, const std::string& job, uint32_t rank,
+                                 int64_t step, uint64_t max_bytes,
+                                 const std::function<Result<char*>(const ReplicaMeta&)>& into,
                                  std::chrono::system_clock::time_point deadline, const std::string& origin) {
   v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
@@ -187,6 +189,7 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job,
   request.set_rank(rank);
   request.set_step(step);
   request.set_origin(origin);
+  request.set_node(node);
   auto reader = stub.Fetch(&ctx, request);
   v1::ReplicaPart part;
   auto fail = [&](Status why) {

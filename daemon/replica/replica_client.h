@@ -52,21 +52,25 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
 Result<std::vector<ReplicaMeta>> ListReplicas(grpc::Channel* channel, const std::string& job,
                                               std::chrono::system_clock::time_point deadline);
 
-// Tells the peer that the rank was restored to `step` in attempt `attempt` (Replica.Retract):
+// Tells the peer that the rank was restored to `step` in attempt `attempt` (Replica.Retract), as
+// the daemon `node` (its --node-name; a peer with TLS takes the certificate's name instead):
 // returns the step of the replica it dropped, 0 when it held none of an older attempt and later step.
+// The peer drops `node`'s own copies, and another origin's only when `node` fetched that one here.
 // `context`, when set, is called with the call's context before it starts and with nullptr when it
 // ended (to cancel it meanwhile, as PushHooks::context).
-Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                               uint64_t attempt, std::chrono::system_clock::time_point deadline,
+Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& node, const std::string& job, uint32_t rank,
+                               int64_t step, uint64_t attempt, std::chrono::system_clock::time_point deadline,
                                const std::function<void(grpc::ClientContext*)>& context = {});
 
-// Fetches the peer's replica of (job, rank) at `step` (0: the newest it holds), of `origin`'s copy
-// (OriginOf of what List gave; empty: the newest of any origin's). A replica of more
-// than `max_bytes` is refused (RESOURCE_EXHAUSTED) before `into` is called; `into` is called once
-// with the replica's header and returns where its meta.bytes bytes go; every part is checked
-// against its checksum as it is copied there (CORRUPTION names the first that is not).
-Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step,
-                                 uint64_t max_bytes, const std::function<Result<char*>(const ReplicaMeta&)>& into,
+// Fetches, as the daemon `node` (as RetractReplica), the peer's replica of (job, rank) at `step` (0:
+// the newest it holds), of `origin`'s copy (OriginOf of what List gave; empty: the newest of any
+// origin's). A replica of more than `max_bytes` is refused (RESOURCE_EXHAUSTED) before `into` is
+// called; `into` is called once with the replica's header and returns where its meta.bytes bytes
+// go; every part is checked against its checksum as it is copied there (CORRUPTION names the first
+// that is not).
+Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node, const std::string& job, uint32_t rank,
+                                 int64_t step, uint64_t max_bytes,
+                                 const std::function<Result<char*>(const ReplicaMeta&)>& into,
                                  std::chrono::system_clock::time_point deadline, const std::string& origin = "");
 
 }  // namespace flashckpt

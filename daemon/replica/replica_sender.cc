@@ -234,7 +234,8 @@ void ReplicaSender::Run(Peer* peer) {
       const Key key = retract->first;
       const Peer::Retraction told = retract->second;
       lock.Unlock();
-      auto dropped = RetractReplica(peer->channel.get(), key.first, key.second, told.step, told.attempt,
+      auto dropped = RetractReplica(peer->channel.get(), options_.node_name, key.first, key.second, told.step,
+                                    told.attempt,
                                     std::chrono::system_clock::now() + kRetractTimeout,
                                     [&](grpc::ClientContext* ctx) {
                                       MutexLock in(&mu_);

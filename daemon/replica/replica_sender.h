@@ -63,6 +63,7 @@ class ReplicaSender {
     std::vector<ReplicaPeer> peers;
     uint64_t max_rate = 0;  // bytes per second to each peer; 0: no cap
     uint64_t part_bytes = 1u << 20;
+    std::string node_name;  // --node-name: who retracts, for a peer without TLS (RetractReplica)
     // Told of each acknowledged push and of each new error of a peer (REPLICA_SENT, REPLICA_FAILED),
     // from the peer's thread without the sender's lock. May be empty.
     std::function<void(DaemonEvent)> on_event;

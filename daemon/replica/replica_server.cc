@@ -142,6 +142,19 @@ grpc::Status ReplicaService::Peer(grpc::ServerContext* ctx, std::string* name) {
                       "the peer's certificate names [" + shown + "] are not among this daemon's --replica-allow-name");
 }
 
+grpc::Status ReplicaService::Actor(const std::string& peer, const std::string& node, std::string* actor) {
+  if (!peer.empty()) {
+    *actor = peer;  // what its certificate proves, whatever it says
+    return grpc::Status::OK;
+  }
+  if (!node.empty() && !ValidateNodeName(node).ok()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the request's node name '" + Clip(node) +
+                                                                "' is not a node name");
+  }
+  *actor = node;
+  return grpc::Status::OK;
+}
+
 grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
                                   v1::PushReplicaResponse* response) {
   std::string peer;
@@ -262,6 +275,8 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
                                                                 std::to_string(kMaxReplicaCall.count()) +
                                                                 " minutes away");
   }
+  std::string actor;
+  if (grpc::Status named = Actor(peer, request->node(), &actor); !named.ok()) return named;
   auto found = store_->Find(request->job(), request->rank(), request->step(), request->origin());
   if (!found.ok()) return ToGrpc(found.status());
   const Replica& replica = **found;
@@ -282,6 +297,7 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
     part.set_xxh3(replica.part_sum(i));
     if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
   }
+  store_->NoteFetched(replica.meta().job, replica.meta().rank, actor, OriginOf(replica.meta()));
   return grpc::Status::OK;
 }
 
@@ -289,11 +305,13 @@ grpc::Status ReplicaService::Retract(grpc::ServerContext* ctx, const v1::Retract
                                      v1::RetractReplicaResponse* response) {
   std::string peer;
   if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
-  auto dropped = store_->Retract(request->job(), request->rank(), request->step(), request->attempt());
+  std::string actor;
+  if (grpc::Status named = Actor(peer, request->node(), &actor); !named.ok()) return named;
+  auto dropped = store_->Retract(request->job(), request->rank(), request->step(), request->attempt(), actor);
   if (!dropped.ok()) return ToGrpc(dropped.status());
   if (*dropped > 0) {
     Logger("replica")->info("replica retracted job={} rank={} step={}: the rank was restored to step={} by={}",
-                            request->job(), request->rank(), *dropped, request->step(), peer.empty() ? ctx->peer() : peer);
+                            request->job(), request->rank(), *dropped, request->step(), actor);
   }
   response->set_dropped_step(*dropped);
   return grpc::Status::OK;

@@ -83,6 +83,9 @@ class ReplicaService final : public v1::Replica::Service {
 
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
   grpc::Status Peer(grpc::ServerContext* ctx, std::string* name);
+  // Who makes a fetch or a retraction, for the store's rules: the certificate name `peer` (Peer),
+  // or without TLS the node name the request gives. INVALID_ARGUMENT for a malformed name.
+  static grpc::Status Actor(const std::string& peer, const std::string& node, std::string* actor);
 
   ReplicaStore* store_;
   const std::vector<std::string> allow_names_;

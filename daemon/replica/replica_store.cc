@@ -156,6 +156,7 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
   std::vector<std::shared_ptr<const Replica>> evicted;  // freed (their memory given back) before the reservation
   {
     MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckRunOwnerLocked(replica->meta_));
     RETURN_IF_ERROR(MakeRoomLocked(OriginOf(replica->meta_), KeyOf(replica->meta_), replica->accounted(), &evicted));
   }
   evicted.clear();
@@ -199,7 +200,8 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
   std::vector<std::shared_ptr<const Replica>> evicted;  // as well
   {
     MutexLock lock(&mu_);
-    auto retracted = retracted_.find({m.job, m.rank});
+    RETURN_IF_ERROR(CheckRunOwnerLocked(m));
+    auto retracted = retracted_.find(KeyOf(m));
     if (retracted != retracted_.end() && m.attempt < retracted->second.first && m.step > retracted->second.second) {
       return FailedPrecondition(Who(m) + " (attempt " + std::to_string(m.attempt) + ") is of a timeline the rank left: it was restored to step " +
                                 std::to_string(retracted->second.second) + " in attempt " +
@@ -231,6 +233,13 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
     replaced = std::exchange(it->second, replica);
     // Held from the restored attempt on: the order of attempts refuses the old one's from now on.
     if (retracted != retracted_.end() && m.attempt >= retracted->second.first) retracted_.erase(retracted);
+    if (!m.run_id.empty() && run_owner_.emplace(RunKey{m.job, m.rank, m.run_id}, OriginOf(m)).second) {
+      run_owner_order_.emplace_back(m.job, m.rank, m.run_id);
+      if (run_owner_order_.size() > kMaxRunOwners) {
+        run_owner_.erase(run_owner_order_.front());
+        run_owner_order_.pop_front();
+      }
+    }
   }
   Logger("replica")->info("replica held job={} rank={} step={} bytes={} from={} replaced_step={}", m.job, m.rank,
                           m.step, m.bytes, m.from_peer.empty() ? m.origin_node : m.from_peer,
@@ -264,6 +273,29 @@ Result<std::shared_ptr<const Replica>> ReplicaStore::Find(const std::string& job
   return NotFound("no replica of job '" + job + "' rank " + std::to_string(rank) + whose + " is held here");
 }
 
+Status ReplicaStore::CheckRunOwnerLocked(const ReplicaMeta& m) const {
+  if (m.run_id.empty()) return Status::OK();  // a sender of an older release: kept apart by origin alone
+  auto owner = run_owner_.find(RunKey{m.job, m.rank, m.run_id});
+  if (owner == run_owner_.end() || owner->second == OriginOf(m)) return Status::OK();
+  return FailedPrecondition(Who(m) + " from '" + OriginOf(m) + "': run " + m.run_id +
+                            " of the rank is replicated here by '" + owner->second +
+                            "'; only that node pushes the run's replicas (a relaunch on another "
+                            "node takes a new run id, as the launchers' restart counts give)");
+}
+
+void ReplicaStore::NoteFetched(const std::string& job, uint32_t rank, const std::string& node,
+                               const std::string& origin) {
+  if (node == origin) return;  // its own copies it may retract anyway
+  MutexLock lock(&mu_);
+  FetchKey key{job, rank, node, origin};
+  if (!fetched_.insert(key).second) return;
+  fetched_order_.push_back(std::move(key));
+  if (fetched_order_.size() > kMaxReplicasHeld) {
+    fetched_.erase(fetched_order_.front());
+    fetched_order_.pop_front();
+  }
+}
+
 void ReplicaStore::Drop(const Replica* replica) {
   std::shared_ptr<const Replica> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
@@ -274,7 +306,8 @@ void ReplicaStore::Drop(const Replica* replica) {
   }
 }
 
-Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) {
+Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt,
+                                      const std::string& node) {
   RETURN_IF_ERROR(ValidateJobName(job));
   if (step < 0 || step > kMaxStep || attempt == 0) {
     return InvalidArgument("replica retraction: the step must be from 0 to " + std::to_string(kMaxStep) +
@@ -284,10 +317,10 @@ Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int
   RETURN_IF_ERROR(CheckAttempt(attempt, "replica retraction"));
   std::vector<std::shared_ptr<const Replica>> dropped;  // destroyed (unmapped) after the lock is let go
   MutexLock lock(&mu_);
-  auto told = retracted_.find({job, rank});
+  auto told = retracted_.find(Key{job, rank, node});
   if (told == retracted_.end()) {
     if (retracted_.size() >= kMaxReplicasHeld) retracted_.erase(retracted_.begin());
-    retracted_[{job, rank}] = {attempt, step};
+    retracted_[Key{job, rank, node}] = {attempt, step};
   } else if (attempt >= told->second.first) {
     told->second = {attempt, step};
   }
@@ -295,7 +328,9 @@ Result<int64_t> ReplicaStore::Retract(const std::string& job, uint32_t rank, int
   for (auto it = held_.lower_bound(Key{job, rank, ""}); it != held_.end();) {
     if (std::get<0>(it->first) != job || std::get<1>(it->first) != rank) break;
     const ReplicaMeta& held = it->second->meta();
-    if (held.attempt >= attempt || held.step <= step) {
+    const std::string& origin = std::get<2>(it->first);
+    const bool may = origin == node || fetched_.count(FetchKey{job, rank, node, origin}) != 0;
+    if (!may || held.attempt >= attempt || held.step <= step) {
       ++it;
       continue;
     }

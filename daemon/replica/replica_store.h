@@ -21,14 +21,23 @@
 //
 // Which one is newer, within an origin's copies: the later attempt of the job (a job restarted from
 // an older step starts a new attempt, whose replicas replace the old run's), then the later step.
+//
+// Who may act on a rank's copies: a run's replicas of a rank belong to the origin that first pushed
+// one here; another origin's push of that run is refused (FAILED_PRECONDITION), so an allowed peer
+// cannot put a copy of its own making under a run of another node's. A retraction (a rank restored
+// to an earlier step) drops the retracting origin's own copies, and another origin's only when the
+// retracting one fetched that origin's copy of the rank here (it restored the rank from here).
+// Nothing a peer says about itself is believed beyond that: a replica's bytes are the origin's.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -132,22 +141,30 @@ class ReplicaStore {
   // Holds the replica when it is newer (attempt, then step) than its origin's copy of its (job,
   // rank), or when the origin holds none; FAILED_PRECONDITION when bytes are missing, or it is not
   // newer and the held copy is of another run (naming it); ALREADY_EXISTS (and nothing changes)
-  // when it is not newer than the origin's copy of the same run. Evicts what the bounds above ask for.
+  // when it is not newer than the origin's copy of the same run. FAILED_PRECONDITION too when its
+  // run of the rank is another origin's here (Begin says so already, before any data). Evicts what
+  // the bounds above ask for.
   Status Finish(std::unique_ptr<Incoming> incoming);
 
+  // `node` (the name its certificate proves, or without TLS the node name it gives) was sent the
+  // whole of `origin`'s replica of (job, rank): it may retract that origin's copies of the rank from
+  // now on. The newest kMaxReplicasHeld such records are kept.
+  void NoteFetched(const std::string& job, uint32_t rank, const std::string& node, const std::string& origin);
   // The replica of (job, rank) of `origin` (OriginOf; empty: of any origin, the newest by attempt,
   // then step): at `step`, or the newest held when step is 0; NOT_FOUND otherwise.
   Result<std::shared_ptr<const Replica>> Find(const std::string& job, uint32_t rank, int64_t step,
                                               const std::string& origin = "") const;
   // Drops `replica` if it is still the one held of its (job, rank, origin) (one that failed its checksums).
   void Drop(const Replica* replica);
-  // The rank was restored to `step` in a new attempt numbered `attempt`: drops the held replicas of
-  // (job, rank), of every origin, that are of an older attempt and a later step, and from then on refuses such a
-  // push (FAILED_PRECONDITION: one of the old attempt still on its way, or from a node that lost
-  // the rank) until one of `attempt` or a later one is held. Returns the step dropped, or 0 when
-  // none was (the newest of them when several were); INVALID_ARGUMENT for a bad job name, a step outside 0..kMaxStep or an attempt of 0 or
-  // more than kMaxAttemptAhead ahead of this host's clock.
-  Result<int64_t> Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt);
+  // `node` (as NoteFetched) restored the rank to `step` in a new attempt numbered `attempt`: drops
+  // the held replicas of (job, rank) that are of an older attempt and a later step, of `node`'s own
+  // origin and of the origins whose copy of the rank `node` fetched here, and from then on refuses
+  // such a push of `node` (FAILED_PRECONDITION: one of the old attempt still on its way) until one
+  // of `attempt` or a later one is held. Returns the step dropped, or 0 when none was (the newest
+  // of them when several were); INVALID_ARGUMENT for a bad job name, a step outside 0..kMaxStep or
+  // an attempt of 0 or more than kMaxAttemptAhead ahead of this host's clock.
+  Result<int64_t> Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt,
+                          const std::string& node);
   // What is held, of `job` ("" for every job), ordered by job and rank.
   std::vector<ReplicaMeta> List(const std::string& job) const;
   size_t count() const;       // copies held (one per job, rank and origin)
@@ -164,6 +181,8 @@ class ReplicaStore {
   // bytes, or nothing is left to evict.
   Status MakeRoomLocked(const std::string& origin, const Key& key, uint64_t bytes,
                         std::vector<std::shared_ptr<const Replica>>* evicted) REQUIRES(mu_);
+  // FAILED_PRECONDITION when `m`'s run of its rank belongs here to another origin than `m`'s.
+  Status CheckRunOwnerLocked(const ReplicaMeta& m) const REQUIRES(mu_);
   // Evicts the oldest replica of `origin` other than `spare`'s into `evicted`; false when none is.
   bool EvictOldestLocked(const std::string& origin, const Key& spare, const char* why,
                          std::vector<std::shared_ptr<const Replica>>* evicted) REQUIRES(mu_);
@@ -175,9 +194,19 @@ class ReplicaStore {
   std::atomic<uint64_t> evicted_{0};
   mutable Mutex mu_;
   std::map<Key, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
-  // Per (job, rank), the latest retraction not yet followed by a replica of its attempt: (attempt,
-  // restored step). At most kMaxReplicasHeld.
-  std::map<std::pair<std::string, uint32_t>, std::pair<uint64_t, int64_t>> retracted_ GUARDED_BY(mu_);
+  // Per (job, rank, origin), the origin's latest retraction not yet followed by a replica of its
+  // attempt: (attempt, restored step). At most kMaxReplicasHeld.
+  std::map<Key, std::pair<uint64_t, int64_t>> retracted_ GUARDED_BY(mu_);
+  // Per (job, rank, run), the origin whose replicas of the run are held here (the first to push
+  // one); the oldest record is forgotten beyond kMaxRunOwners.
+  using RunKey = std::tuple<std::string, uint32_t, std::string>;
+  static constexpr size_t kMaxRunOwners = 4 * kMaxReplicasHeld;
+  std::map<RunKey, std::string> run_owner_ GUARDED_BY(mu_);
+  std::deque<RunKey> run_owner_order_ GUARDED_BY(mu_);
+  // (job, rank, node, origin): `node` fetched `origin`'s copy of the rank (NoteFetched), oldest first.
+  using FetchKey = std::tuple<std::string, uint32_t, std::string, std::string>;
+  std::set<FetchKey> fetched_ GUARDED_BY(mu_);
+  std::deque<FetchKey> fetched_order_ GUARDED_BY(mu_);
 };
 
 }  // namespace flashckpt

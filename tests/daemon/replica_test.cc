@@ -204,14 +204,68 @@ TEST(ReplicaStoreTest, StepsAndAttemptsAreBounded) {
   EXPECT_EQ(counted.used.load(), 0u);
 
   ASSERT_OK(Put(&store, Meta("job", 0, 5, kPart), data));
-  auto hostile = store.Retract("job", 0, 0, std::numeric_limits<uint64_t>::max());
+  auto hostile = store.Retract("job", 0, 0, std::numeric_limits<uint64_t>::max(), "node-b");
   EXPECT_EQ(hostile.status().code(), StatusCode::kInvalidArgument) << hostile.status().ToString();
-  EXPECT_EQ(store.Retract("job", 0, kMaxStep + 1, 2).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.Retract("job", 0, kMaxStep + 1, 2, "node-b").status().code(), StatusCode::kInvalidArgument);
   auto held = store.Find("job", 0, 0);
   ASSERT_OK(held.status());
   EXPECT_EQ((*held)->meta().step, 5);  // not dropped
   ASSERT_OK(Put(&store, Meta("job", 0, 6, kPart), data));  // and the rank's next push is held
   EXPECT_EQ((*store.Find("job", 0, 0))->meta().step, 6);
+}
+
+// A run's replicas of a rank are its origin's: another allowed peer cannot push a copy of that run
+// (a forged one that would win by its attempt number), nor drop the origin's copies by a
+// retraction; only a node that fetched the origin's copy here (it restored the rank from here) may
+// retract it, and that does not block the origin's later pushes.
+TEST(ReplicaStoreTest, ARunsReplicasAreItsOrigins) {
+  CountedMemory counted;
+  ReplicaStore store(counted.memory(), 0);
+  auto of = [](const std::string& peer, const std::string& run, int64_t step, uint64_t attempt) {
+    ReplicaMeta m = Meta("job", 0, step, kPart);
+    m.from_peer = peer;  // as the name a certificate proves
+    m.run_id = run;
+    m.attempt = attempt;
+    return m;
+  };
+  ASSERT_OK(Put(&store, of("alice", "run-a", 17, 5), Bytes(kPart, 17)));
+  const uint64_t held = counted.used.load();
+
+  // A forged copy of alice's run, with a later attempt and alice's node name in its header.
+  ReplicaMeta forged = of("mallory", "run-a", 17, 6);
+  forged.origin_node = "alice";
+  Status begun = store.Begin(forged).status();
+  EXPECT_EQ(begun.code(), StatusCode::kFailedPrecondition) << begun.ToString();
+  EXPECT_NE(begun.message().find("run run-a of the rank is replicated here by 'alice'"), std::string::npos)
+      << begun.ToString();
+  EXPECT_EQ(counted.used.load(), held);  // refused before any memory was reserved
+  ReplicaMeta later = of("mallory", "run-a", 18, 6);
+  EXPECT_EQ(Put(&store, later, Bytes(kPart, 7)).code(), StatusCode::kFailedPrecondition);
+  ASSERT_EQ(store.List("job").size(), 1u);
+  EXPECT_EQ(store.List("job")[0].from_peer, "alice");
+  // Its own run is kept apart, under its own name (the restoring daemon chooses by its lineage).
+  ASSERT_OK(Put(&store, of("mallory", "run-m", 30, 6), Bytes(kPart, 30)));
+  EXPECT_EQ((*store.Find("job", 0, 0, "alice"))->meta().step, 17);
+  EXPECT_EQ((*store.Find("job", 0, 0, "mallory"))->meta().step, 30);
+
+  // A retraction by a peer that never fetched alice's copy drops only the peer's own.
+  auto hostile = store.Retract("job", 0, 0, 7, "mallory");
+  ASSERT_OK(hostile.status());
+  EXPECT_EQ(*hostile, 30);
+  ASSERT_EQ(store.List("job").size(), 1u);
+  EXPECT_EQ(store.List("job")[0].from_peer, "alice");
+  ASSERT_OK(Put(&store, of("alice", "run-a", 18, 5), Bytes(kPart, 18)));  // alice's pushes go on
+
+  // A node that restored the rank from here (it fetched alice's copy) retracts alice's later steps;
+  // alice's later pushes are not blocked by it (a replica of the newer attempt wins by its number).
+  store.NoteFetched("job", 0, "bob", "alice");
+  auto restored = store.Retract("job", 0, 17, 8, "bob");
+  ASSERT_OK(restored.status());
+  EXPECT_EQ(*restored, 18);
+  EXPECT_EQ(store.List("job").size(), 0u);
+  ASSERT_OK(Put(&store, of("alice", "run-a", 19, 5), Bytes(kPart, 19)));
+  ASSERT_OK(Put(&store, of("bob", "run-b", 20, 8), Bytes(kPart, 20)));
+  EXPECT_EQ((*store.Find("job", 0, 0))->meta().from_peer, "bob");  // of the newest attempt
 }
 
 // One peer cannot take the room of the others: past its share of replicas (kMaxReplicasPerOrigin)
@@ -325,11 +379,11 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   EXPECT_EQ((*listed)[0].origin_node, "node-b");
 
   std::vector<char> back;
-  auto too_big = FetchReplica(channel->get(), "job", 3, 0, data.size() - 1,
+  auto too_big = FetchReplica(channel->get(), "node-c", "job", 3, 0, data.size() - 1,
                               [&](const ReplicaMeta&) -> Result<char*> { return nullptr; }, Deadline());
   EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted) << too_big.status().ToString();
   auto fetched = FetchReplica(
-      channel->get(), "job", 3, 0, data.size(),
+      channel->get(), "node-c", "job", 3, 0, data.size(),
       [&](const ReplicaMeta& m) -> Result<char*> {
         back.resize(m.bytes);
         return back.data();
@@ -341,8 +395,8 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   EXPECT_EQ(fetched->extra, "{\"step\": 27}");
   EXPECT_EQ(back, data);
 
-  auto missing = FetchReplica(channel->get(), "job", 4, 0, data.size(), [&](const ReplicaMeta&) -> Result<char*> { return nullptr; },
-                              Deadline());
+  auto missing = FetchReplica(channel->get(), "node-c", "job", 4, 0, data.size(),
+                              [&](const ReplicaMeta&) -> Result<char*> { return nullptr; }, Deadline());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
 }
 
@@ -406,13 +460,13 @@ TEST(ReplicaServiceTest, ARetractionDropsOnlyALaterStepOfAnOlderAttempt) {
   ASSERT_OK(PushReplica(channel->get(), Meta("job", 1, 20, data.size()), data.data(), Deadline()));
   const uint64_t held = served.counted.used.load();
 
-  auto same_attempt = RetractReplica(channel->get(), "job", 0, 20, 1, Deadline());
+  auto same_attempt = RetractReplica(channel->get(), "node-b", "job", 0, 20, 1, Deadline());
   ASSERT_OK(same_attempt.status());
   EXPECT_EQ(*same_attempt, 0);  // of the same attempt: not abandoned
-  auto same_step = RetractReplica(channel->get(), "job", 1, 20, 2, Deadline());
+  auto same_step = RetractReplica(channel->get(), "node-b", "job", 1, 20, 2, Deadline());
   ASSERT_OK(same_step.status());
   EXPECT_EQ(*same_step, 0);  // the step restored is the new attempt's state too
-  auto rolled_back = RetractReplica(channel->get(), "job", 0, 20, 2, Deadline());
+  auto rolled_back = RetractReplica(channel->get(), "node-b", "job", 0, 20, 2, Deadline());
   ASSERT_OK(rolled_back.status());
   EXPECT_EQ(*rolled_back, 27);
   auto listed = ListReplicas(channel->get(), "job", Deadline());
@@ -420,7 +474,7 @@ TEST(ReplicaServiceTest, ARetractionDropsOnlyALaterStepOfAnOlderAttempt) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].rank, 1u);
   EXPECT_LT(served.counted.used.load(), held);
-  auto none = RetractReplica(channel->get(), "job", 0, 20, 3, Deadline());
+  auto none = RetractReplica(channel->get(), "node-b", "job", 0, 20, 3, Deadline());
   ASSERT_OK(none.status());
   EXPECT_EQ(*none, 0);
 
@@ -439,13 +493,13 @@ TEST(ReplicaServiceTest, ARetractionDropsOnlyALaterStepOfAnOlderAttempt) {
   EXPECT_EQ(older.code(), StatusCode::kAlreadyExists) << older.ToString();
 
   // Step 0 is a step a rank can restore; a negative one, attempt 0 and a bad job name are refused.
-  auto at_zero = RetractReplica(channel->get(), "other", 0, 0, 2, Deadline());
+  auto at_zero = RetractReplica(channel->get(), "node-b", "other", 0, 0, 2, Deadline());
   ASSERT_OK(at_zero.status());
   EXPECT_EQ(*at_zero, 0);
-  EXPECT_EQ(RetractReplica(channel->get(), "../job", 0, 20, 2, Deadline()).status().code(),
+  EXPECT_EQ(RetractReplica(channel->get(), "node-b", "../job", 0, 20, 2, Deadline()).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(RetractReplica(channel->get(), "job", 0, -1, 2, Deadline()).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(RetractReplica(channel->get(), "job", 0, 20, 0, Deadline()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RetractReplica(channel->get(), "node-b", "job", 0, -1, 2, Deadline()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RetractReplica(channel->get(), "node-b", "job", 0, 20, 0, Deadline()).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ReplicaServiceTest, AReplicaWithAFlippedByteIsRefusedAndDropped) {
@@ -463,8 +517,8 @@ TEST(ReplicaServiceTest, AReplicaWithAFlippedByteIsRefusedAndDropped) {
     const_cast<char*>(part->first)[100] ^= 0x10;  // memory of the peer goes bad after arrival
   }
   std::vector<char> back(data.size());
-  auto fetched = FetchReplica(channel->get(), "job", 0, 12, data.size(), [&](const ReplicaMeta&) -> Result<char*> { return back.data(); },
-                              Deadline());
+  auto fetched = FetchReplica(channel->get(), "node-c", "job", 0, 12, data.size(),
+                              [&](const ReplicaMeta&) -> Result<char*> { return back.data(); }, Deadline());
   EXPECT_EQ(fetched.status().code(), StatusCode::kCorruption) << fetched.status().ToString();
   EXPECT_NE(fetched.status().message().find("part 1"), std::string::npos) << fetched.status().ToString();
   EXPECT_EQ(served.store.List("job").size(), 0u);  // dropped: no one gets it
@@ -631,6 +685,72 @@ TEST(ReplicaTlsTest, OnlyAPeerWithACertificateOfAnAllowedNameGetsIn) {
                                 std::chrono::system_clock::now() + 5s);
   EXPECT_EQ(in_clear.code(), StatusCode::kUnavailable) << in_clear.ToString();
   EXPECT_EQ(served.store.List("").size(), 1u);  // only node-b's push was held
+}
+
+// An allowed peer with a CA-signed certificate of its own name cannot replace another node's
+// replica: it reads node-b's copy, sets every float to 777 and pushes it back as node-b's run with
+// a later attempt and node-b's node name in the header: refused; nor does a retraction in node-b's
+// name drop node-b's copy.
+TEST(ReplicaTlsTest, AnAllowedPeerCannotForgeAnotherNodesReplica) {
+  if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  ServedStore served;
+  ReplicaListenConfig listener = certs.Listener("node-a");
+  listener.allow_names = {"node-b", "intruder"};
+  ASSERT_OK(served.Start(listener));
+  auto channel_of = [&](const std::string& who) {
+    return ReplicaChannel({served.target(), certs.cert(who), certs.key(who), certs.cert("ca"), "node-a"});
+  };
+  auto node_b = channel_of("node-b");
+  auto intruder = channel_of("intruder");
+  ASSERT_OK(node_b.status());
+  ASSERT_OK(intruder.status());
+  std::vector<char> data(2 * kPart);
+  for (size_t i = 0; i < data.size() / sizeof(float); ++i) {
+    const float v = static_cast<float>(i);
+    std::memcpy(data.data() + i * sizeof(float), &v, sizeof(float));
+  }
+  ReplicaMeta real = Meta("job", 0, 17, data.size());
+  real.run_id = "run-b";
+  real.attempt = 5;
+  ASSERT_OK(PushReplica(node_b->get(), real, data.data(), Deadline()));
+  // A retraction in a name it gives itself: the certificate's name is what counts, and it fetched
+  // nothing here (a node that restored the rank from here may retract: ReplicaStoreTest).
+  auto retracted = RetractReplica(intruder->get(), "node-b", "job", 0, 0, real.attempt + 1, Deadline());
+  ASSERT_OK(retracted.status());
+  EXPECT_EQ(*retracted, 0);
+  ASSERT_EQ(served.store.List("job").size(), 1u);
+
+  std::vector<char> copy;
+  auto fetched = FetchReplica(
+      intruder->get(), "intruder", "job", 0, 0, 1u << 30,
+      [&](const ReplicaMeta& m) -> Result<char*> {
+        copy.resize(m.bytes);
+        return copy.data();
+      },
+      Deadline());
+  ASSERT_OK(fetched.status());
+  const float forged_value = 777.0f;
+  for (size_t i = 0; i < copy.size() / sizeof(float); ++i) {
+    std::memcpy(copy.data() + i * sizeof(float), &forged_value, sizeof(float));
+  }
+  ReplicaMeta forged = *fetched;  // node-b's header: its run and node name
+  forged.attempt += 1;
+  const Status pushed = PushReplica(intruder->get(), forged, copy.data(), Deadline());
+  EXPECT_EQ(pushed.code(), StatusCode::kFailedPrecondition) << pushed.ToString();
+  EXPECT_NE(pushed.message().find("replicated here by 'node-b'"), std::string::npos) << pushed.ToString();
+
+  ASSERT_EQ(served.store.List("job").size(), 1u);
+  auto held = served.store.Find("job", 0, 0);
+  ASSERT_OK(held.status());
+  EXPECT_EQ((*held)->meta().from_peer, "node-b");
+  EXPECT_EQ((*held)->meta().attempt, 5u);
+  std::vector<char> back(data.size());
+  auto again = FetchReplica(node_b->get(), "node-b", "job", 0, 0, 1u << 30,
+                            [&](const ReplicaMeta&) -> Result<char*> { return back.data(); }, Deadline());
+  ASSERT_OK(again.status());
+  EXPECT_EQ(back, data);  // not a float of 777 in it
 }
 
 // A failed handshake reaches the daemon's log with its reason, once per reason however often the
@@ -842,7 +962,7 @@ void ExpectReplicaOf(const std::string& peer, const std::string& job, int64_t st
   auto channel = ReplicaChannel({peer, "", "", "", ""});
   ASSERT_OK(channel.status());
   std::vector<char> image;
-  auto got = FetchReplica(channel->get(), job, 0, 0, 1u << 30,
+  auto got = FetchReplica(channel->get(), "node-c", job, 0, 0, 1u << 30,
                           [&](const ReplicaMeta& m) -> Result<char*> {
                             image.resize(m.bytes);
                             return image.data();
@@ -1040,7 +1160,7 @@ TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
   auto channel = ReplicaChannel({peer, "", "", "", ""});
   ASSERT_OK(channel.status());
   std::vector<char> image;
-  auto held = FetchReplica(channel->get(), "moved", 0, 3, 1u << 30,
+  auto held = FetchReplica(channel->get(), "node-c", "moved", 0, 3, 1u << 30,
                            [&](const ReplicaMeta& m) -> Result<char*> {
                              image.resize(m.bytes);
                              return image.data();
@@ -1096,10 +1216,12 @@ TEST(ReplicaSenderTest, AStepAskedForByNumberIsFetchedFromThePeer) {
   // are held to 2 KiB/s: a replica of ~33 KiB takes ~16 s, and the peer keeps step 3 until a newer
   // one has arrived whole. Three slots: 4 and 5 stay (the push in flight holds one of them, and the
   // newest is kept), and step 3 is fetched into the third.
+  // It is configured as the node it replaces (its node name too): the trainer's run goes on, and only
+  // the run's origin pushes its replicas.
   InProcessDaemon fresh("flashckpt-replica-fresh");
   ASSERT_OK(fresh.Start([&](DaemonConfig& c) {
     c.slots = 3;
-    c.node_name = "node-c";
+    c.node_name = "node-a";
     c.replicate_to = {peer};
     c.replicate_max_rate = 2048;
     c.root = root;
