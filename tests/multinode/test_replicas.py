@@ -17,6 +17,10 @@ certificates made here by openssl (a CA; one certificate per node, its name and 
   3. Nodes 1 and 2 die together (node 2 held node 1's replicas, node 3 holds node 2's): node 1's
      ranks have no copy of a memory step anywhere, so the job falls back to the newest complete
      checkpoint on disk, 30, on every rank.
+  4. Two unrelated jobs of one name: node 0 and node 1 each run a job named TWIN (their own roots and
+     run ids, the same layout), both replicating to node 2. Node 0's job is on disk at 10 and in
+     memory at 17, node 1's in memory at 30. Node 0 dies; its replacement (node 0's root) resumes
+     its own 17 from the peer, never node 1's 30.
 
 Needs root (namespaces, mounts, a bridge): otherwise it prints why and exits 77 (ctest: skipped).
 
@@ -89,11 +93,12 @@ class Ring:
         self.starts = 0
         self.sims = []
 
-    def start_node(self, i):
-        """Node i: a fresh namespace joined to the bridge at address(i), and its daemon."""
+    def start_node(self, i, root=None, replicate_to=None):
+        """Node i: a fresh namespace joined to the bridge at address(i), and its daemon, with the ring's
+        root and next node as its peer unless `root` and `replicate_to` (a node's index) say otherwise."""
         self.starts += 1
         name = "node%d" % i if self.nodes[i] is None else "node%d.%d" % (i, self.starts)  # a fresh one: its own logs
-        node = Node(name, self.tmp, self.root, self.bin_dir, net=True)
+        node = Node(name, self.tmp, root or self.root, self.bin_dir, net=True)
         self.nodes[i] = node
         host_end, node_end = "fch%s%d" % (TAG, self.starts), "fcn%s%d" % (TAG, self.starts)
         sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
@@ -104,15 +109,16 @@ class Ring:
         sh(*inside, "ip", "link", "set", "lo", "up")
         sh(*inside, "ip", "addr", "add", address(i) + "/24", "dev", node_end)
         sh(*inside, "ip", "link", "set", node_end, "up")
+        peer = (i + 1) % NODES if replicate_to is None else replicate_to
         flags = ["--replica-listen", "%s:%d" % (address(i), PORT),
-                 "--replicate-to", "%s:%d" % (address((i + 1) % NODES), PORT),
+                 "--replicate-to", "%s:%d" % (address(peer), PORT),
                  "--replica-tls-cert", os.path.join(self.certs, "node%d.pem" % i),
                  "--replica-tls-key", os.path.join(self.certs, "node%d.key" % i),
                  "--replica-tls-ca", os.path.join(self.certs, "ca.pem")]
         for j in range(NODES):
             flags += ["--replica-allow-name", "node%d" % j]
         node.start_daemon(*flags)
-        log("%s up at %s (its daemon replicates to %s)" % (name, address(i), address((i + 1) % NODES)))
+        log("%s up at %s (its daemon replicates to %s)" % (name, address(i), address(peer)))
 
     def kill_node(self, i):
         self.nodes[i].kill()  # its veth pair goes with its network namespace
@@ -248,6 +254,62 @@ def run(ring):
     for rank, (node, p, path) in procs.items():
         check(p.wait(timeout=120) == 0, "rank %d on %s exited %s:\n%s" % (rank, node.name, p.returncode, tail(path)))
     log("nodes 1 and 2 lost together: all %d ranks resumed from the disk's step 30" % WORLD)
+
+    # --- 4. two unrelated jobs of one name on nodes 0 and 1, one peer: each resumes its own --------
+    roots = [os.path.join(ring.tmp, "twin-root-%d" % i) for i in range(2)]
+    for i in range(2):
+        ring.kill_node(i)
+        ring.start_node(i, root=roots[i], replicate_to=2)
+    twins = [twin_run(ring, 0, "twin-a", ["--steps", "100", "--save-every", "10", "--hold-after", "17"]),
+             twin_run(ring, 1, "twin-b", ["--steps", "100", "--save-every", "1000", "--hold-after", "30"])]
+    for (node, p, path), step in zip(twins, (17, 30)):
+        wait_holding({0: (node, p, path)}, step)
+    for i, step in ((0, 17), (1, 30)):
+        wait_twin_replicated(ring, i, step)
+    for node, p, path in twins:
+        kill_rank(p)
+    ring.kill_node(0)
+    ring.start_node(0, root=roots[0], replicate_to=2)
+    daemon_log = ring.nodes[0].logs[-1]
+    node, p, path = twin_run(ring, 0, "twin-a2", ["--steps", "18", "--resume"])
+    got = resumed({0: (node, p, path)})[0]
+    check(got == (17, "peer"), "node 0's replacement resumed step=%d from=%s, expected its own 17 from the peer "
+          "(node 1's unrelated job of the same name is at 30)" % got)
+    check(p.wait(timeout=120) == 0, "the resumed rank exited %s:\n%s" % (p.returncode, tail(path)))
+    check(re.search(r"replica of job=%s rank=0 step=30 .* not used: it was taken by run twin-b" % TWIN,
+                    open(daemon_log, errors="replace").read()),
+          "node 0's daemon did not say why node 1's replica was not used:\n%s" % tail(daemon_log))
+    log("two jobs named %s on nodes 0 and 1, one peer: node 0's replacement resumed its own step 17 from the peer, "
+        "not node 1's 30" % TWIN)
+
+
+TWIN = "twin-%d" % os.getpid()
+
+
+def twin_run(ring, i, run_id, extra):
+    """One rank (world 1) of job TWIN on node i: (node, process, log)."""
+    node = ring.nodes[i]
+    cmd = [os.path.join(ring.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", TWIN, "--rank", "0",
+           "--world-size", "1", "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--memory-every", "1",
+           "--run-id", run_id, "--wait-timeout", "60"] + extra
+    name = "sim-%s.log" % run_id
+    p = node.run(cmd, name)
+    ring.sims.append(p)
+    return node, p, os.path.join(node.dir, name)
+
+
+def wait_twin_replicated(ring, i, step):
+    """Until node i's rank of TWIN holds `step` in memory and its peer has it."""
+    deadline = time.monotonic() + 120
+    while True:
+        s = ring.status(i)
+        ranks = [r for j in s["jobs"] if j["job"] == TWIN for r in j["ranks"]]
+        peers = s["replica_peers"]
+        if ranks and ranks[0]["memory_step"] == step and len(peers) == 1 and peers[0]["lag_steps"] == 0:
+            return
+        check(time.monotonic() < deadline, "node%d: step %d of %s not replicated: ranks %s, peers %s" %
+              (i, step, TWIN, [(r["rank"], r["memory_step"]) for r in ranks], peers))
+        time.sleep(0.1)
 
 
 def main():
