@@ -29,6 +29,23 @@ Status PeerStatus(const grpc::Status& s, std::string_view rpc) {
 
 }  // namespace
 
+std::string ConnectionHint(const ReplicaPeer& peer, const Status& status) {
+  if (status.code() != StatusCode::kUnavailable) return "";
+  const std::string& m = status.message();
+  const bool closed = m.find("Socket closed") != std::string::npos || m.find("Connection reset") != std::string::npos;
+  const bool handshake = m.find("andshake") != std::string::npos || m.find("SSL") != std::string::npos;
+  if (peer.tls_cert.empty() && closed) {
+    return " (a peer that listens with TLS closes a plaintext connection at once like this: give this daemon "
+           "--replica-tls-cert, --replica-tls-key and --replica-tls-ca as well)";
+  }
+  if (!peer.tls_cert.empty() && (closed || handshake)) {
+    return " (the TLS handshake failed or the peer closed the connection in it: each daemon's certificate must be "
+           "valid now and signed by the other's --replica-tls-ca, and the peer must listen with TLS; the reason is "
+           "logged as 'tls handshake failed' by the daemon that refused)";
+  }
+  return "";
+}
+
 ReplicaMeta ReplicaMetaOf(const v1::ReplicaHeader& h) {
   ReplicaMeta m;
   m.job = h.job();

@@ -30,6 +30,10 @@ struct ReplicaPeer {
   std::string server_name;
 };
 Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer);
+// What a failed call to `peer` likely means when gRPC's message does not say it: a connection the
+// peer closed at once (a plaintext daemon to a TLS listener, or a certificate the peer does not
+// trust), a failed handshake. "" when there is nothing to add; else " (...)" to append.
+std::string ConnectionHint(const ReplicaPeer& peer, const Status& status);
 
 // What a push asks its caller as it goes: after each part (with the bytes sent so far), and once
 // every part is sent, before the push is finished. An error from either cancels the push (the peer

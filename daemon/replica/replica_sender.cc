@@ -256,8 +256,9 @@ void ReplicaSender::Run(Peer* peer) {
       const bool retry = !dropped.ok() && Retryable(dropped.status().code());
       // Its own error and wait: a push's failures are told apart from it (REPLICA_FAILED, status).
       if (!dropped.ok() && dropped.status().code() != peer->last_retract_code && !stopping_) {
-        Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}\"{}", peer->address.target, what,
-                                dropped.status().ToString(), retry ? " (tried again later)" : "");
+        Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}{}\"{}", peer->address.target, what,
+                                dropped.status().ToString(), ConnectionHint(peer->address, dropped.status()),
+                                retry ? " (tried again later)" : "");
       }
       peer->last_retract_code = dropped.status().code();
       if (dropped.ok()) peer->retract_wait = std::chrono::milliseconds(0);
@@ -331,7 +332,7 @@ void ReplicaSender::Run(Peer* peer) {
       peer->retry_wait = std::chrono::milliseconds(0);
     } else {
       peer->status.failed += 1;
-      const std::string error = pushed.ToString();
+      const std::string error = pushed.ToString() + ConnectionHint(peer->address, pushed);
       // One line and event per change of the error's code, not per step or retry (the messages
       // name the step).
       if (pushed.code() != peer->last_error_code && !stopping_) {

@@ -1000,6 +1000,46 @@ void ExpectReplicaOf(const std::string& peer, const std::string& job, int64_t st
   }
 }
 
+// A daemon that replicates in plaintext to a peer that listens with TLS is told so in its status
+// and log (the peer closes the connection at once, which says nothing by itself); one whose TLS
+// handshake fails is told where the reason is.
+TEST(ReplicaTlsTest, APlaintextSenderToATlsPeerIsToldWhy) {
+  if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  ServedStore served;
+  ASSERT_OK(served.Start(certs.Listener("node-a")));
+  InProcessDaemon origin("flashckpt-replica-plain");
+  ASSERT_OK(origin.Start([&](DaemonConfig& c) {
+    c.node_name = "node-b";
+    c.replicate_to = {served.target()};
+  }));
+  TestTrainer t = origin.StartTrainer("plain", 4096);
+  ASSERT_NE(t.client, nullptr);
+  ASSERT_OK(t.Memory(1));
+  ASSERT_TRUE(Eventually([&] { return PeerOf(origin).failed >= 1; }));
+  const std::string error = PeerOf(origin).last_error;
+  EXPECT_NE(error.find("UNAVAILABLE"), std::string::npos) << error;
+  EXPECT_NE(error.find("a peer that listens with TLS closes a plaintext connection"), std::string::npos) << error;
+
+  // With TLS, but of a CA neither side trusts: the handshake fails, and the status says where to look.
+  InProcessDaemon foreign("flashckpt-replica-foreign");
+  ASSERT_OK(foreign.Start([&](DaemonConfig& c) {
+    c.node_name = "node-b";
+    c.replicate_to = {served.target()};
+    c.replica_tls_cert = certs.cert("node-b-elsewhere");
+    c.replica_tls_key = certs.key("node-b-elsewhere");
+    c.replica_tls_ca = certs.cert("other-ca");
+  }));
+  TestTrainer f = foreign.StartTrainer("plain", 4096);
+  ASSERT_NE(f.client, nullptr);
+  ASSERT_OK(f.Memory(1));
+  ASSERT_TRUE(Eventually([&] { return PeerOf(foreign).failed >= 1; }));
+  const std::string refused = PeerOf(foreign).last_error;
+  EXPECT_NE(refused.find("the TLS handshake failed"), std::string::npos) << refused;
+  EXPECT_EQ(served.store.count(), 0u);
+}
+
 // Every memory checkpoint a rank keeps reaches the peer, bit for bit with its chunk checksums; while
 // the peer is down the saves go on, the failures and the lag show in status and metrics, and once it
 // is up the newest checkpoint is tried again and gets there (the lag is gone), and so do the next.
