@@ -1,7 +1,7 @@
 // File-system primitives with Status errors that name the path: owned fds, full reads and writes,
 // and the durable-write sequence every flashckpt file goes through. The writing calls take an IoEnv
 // (common/io/io_env.h; the real OS by default) through which their pwrite, ftruncate, fdatasync,
-// rename and directory fsync go, so that tests can inject faults (common/io/fault_injecting_io.h).
+// rename and directory fsync go, so that tests can inject faults (tests/support/fault_injecting_io.h).
 #pragma once
 
 #include <cstddef>

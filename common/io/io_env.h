@@ -1,6 +1,6 @@
 // The system calls a daemon makes on its checkpoint root behind a small interface (LevelDB `Env`), so
 // that tests can make a write fail with ENOSPC on the 3rd chunk, a listing fail with ESTALE, a read
-// with EIO, or any of them take 200 ms (common/io/fault_injecting_io.h) while the code under test stays
+// with EIO, or any of them take 200 ms (tests/support/fault_injecting_io.h) while the code under test stays
 // the code that runs in production.
 //
 // The durable write path (pwrite, ftruncate, fdatasync, fsync of a directory, rename) and the read

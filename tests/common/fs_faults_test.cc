@@ -1,4 +1,4 @@
-// The durable writes under injected faults (common/io/fault_injecting_io.h): a write that fails with
+// The durable writes under injected faults (tests/support/fault_injecting_io.h): a write that fails with
 // ENOSPC or EIO on any one of its calls, writes that come back short or make no progress, and a
 // failing fdatasync, rename or directory fsync. What a caller relies on: the error's code tells a
 // full disk from a failing one and its message names the call, the file and the errno text; no
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "common/base/thread_pool.h"
-#include "common/io/fault_injecting_io.h"
+#include "support/fault_injecting_io.h"
 #include "common/io/fs.h"
 #include "testing.h"
 

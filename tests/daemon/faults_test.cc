@@ -1,4 +1,4 @@
-// Saves under injected file-system faults (common/io/fault_injecting_io.h, given to the daemon through
+// Saves under injected file-system faults (tests/support/fault_injecting_io.h, given to the daemon through
 // DaemonConfig::io_env): a real daemon behind its gRPC service on a temporary socket, driven by the
 // real client library. What trainers and operators rely on:
 // - a save whose Nth write (or fdatasync, rename, fsync of the directory) fails leaves no complete
@@ -23,7 +23,7 @@
 #include "client/cli/render.h"
 #include "common/format/layout.h"
 #include "common/format/metadata.h"
-#include "common/io/fault_injecting_io.h"
+#include "support/fault_injecting_io.h"
 #include "common/io/fs.h"
 #include "common/io/shm.h"
 #include "common/read/verify.h"

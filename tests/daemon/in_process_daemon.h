@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/io/fault_injecting_io.h"
+#include "support/fault_injecting_io.h"
 #include "daemon/edge/server.h"
 #include "flashckpt/client.h"
 #include "testing.h"

@@ -1,5 +1,5 @@
 // The read side and the catalog's own writes under injected file-system faults (the same IoEnv seam
-// as the durable writes: common/io/fault_injecting_io.h through DaemonConfig::io_env). What a trainer
+// as the durable writes: tests/support/fault_injecting_io.h through DaemonConfig::io_env). What a trainer
 // relies on when a shared filesystem misbehaves:
 // - EIO or ESTALE while listing the job, stat'ing a checkpoint or reading metadata.json is an error
 //   it gets (never "no checkpoint", never the step before);
@@ -14,7 +14,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "common/io/fault_injecting_io.h"
+#include "support/fault_injecting_io.h"
 #include "common/io/fs.h"
 #include "common/read/verify.h"
 #include "flashckpt.pb.h"

@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "common/io/fault_injecting_io.h"
+#include "support/fault_injecting_io.h"
 #include "common/io/fs.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"

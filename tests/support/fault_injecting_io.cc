@@ -1,4 +1,4 @@
-#include "common/io/fault_injecting_io.h"
+#include "support/fault_injecting_io.h"
 
 #include <fcntl.h>
 

@@ -9,7 +9,7 @@
 //   WriteFileDurably(dir, "x", spans, nullptr, &io);          // -> RESOURCE_EXHAUSTED naming x.tmp.*
 //
 // Thread-safe: faults may be set while writes run on other threads; a sleep holds no lock. It lives
-// in common/ so that common and daemon tests share it; production code never creates one.
+// with the tests (the flashckpt_testing library of every test binary), not in the shipped library.
 #pragma once
 
 #include <array>
