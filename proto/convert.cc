@@ -90,4 +90,27 @@ Status FromGrpc(const grpc::Status& s, std::string_view rpc) {
   return Status(CodeFromGrpc(s), std::string(rpc) + ": " + s.error_message());
 }
 
+grpc::Status ToGrpc(const Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  // gRPC has no code for a failed system call: IO_ERROR travels as INTERNAL with its own name in the
+  // status details, so the client can tell a failing disk from a bug in the daemon.
+  if (s.code() == StatusCode::kIOError) return grpc::Status(grpc::StatusCode::INTERNAL, s.message(), "IO_ERROR");
+  grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
+  switch (s.code()) {
+    case StatusCode::kOk: code = grpc::StatusCode::OK; break;
+    case StatusCode::kInvalidArgument: code = grpc::StatusCode::INVALID_ARGUMENT; break;
+    case StatusCode::kNotFound: code = grpc::StatusCode::NOT_FOUND; break;
+    case StatusCode::kAlreadyExists: code = grpc::StatusCode::ALREADY_EXISTS; break;
+    case StatusCode::kFailedPrecondition: code = grpc::StatusCode::FAILED_PRECONDITION; break;
+    case StatusCode::kResourceExhausted: code = grpc::StatusCode::RESOURCE_EXHAUSTED; break;
+    case StatusCode::kDeadlineExceeded: code = grpc::StatusCode::DEADLINE_EXCEEDED; break;
+    case StatusCode::kUnavailable: code = grpc::StatusCode::UNAVAILABLE; break;
+    case StatusCode::kCorruption: code = grpc::StatusCode::DATA_LOSS; break;
+    case StatusCode::kIOError: code = grpc::StatusCode::INTERNAL; break;
+    case StatusCode::kInternal: code = grpc::StatusCode::INTERNAL; break;
+    case StatusCode::kCancelled: code = grpc::StatusCode::CANCELLED; break;
+  }
+  return grpc::Status(code, s.message());
+}
+
 }  // namespace flashckpt

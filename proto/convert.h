@@ -27,5 +27,8 @@ const char* GrpcCodeName(grpc::StatusCode code);
 StatusCode CodeFromGrpc(const grpc::Status& s);
 // A failed call as a client reports it: "<rpc>: <the daemon's message>".
 Status FromGrpc(const grpc::Status& s, std::string_view rpc);
+// The gRPC status a daemon's service answers with for `s` (IO_ERROR travels as INTERNAL with
+// "IO_ERROR" in its details; CORRUPTION as DATA_LOSS).
+grpc::Status ToGrpc(const Status& s);
 
 }  // namespace flashckpt

@@ -144,4 +144,9 @@ std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
+std::string Clip(std::string_view text, size_t max) {
+  if (text.size() <= max) return std::string(text);
+  return std::string(text.substr(0, max)) + "...(" + std::to_string(text.size()) + " bytes)";
+}
+
 }  // namespace flashckpt

@@ -52,4 +52,7 @@ std::optional<uint64_t> ParseByteSize(std::string_view text);
 // "38.2 GiB"
 std::string FormatBytes(uint64_t bytes);
 
+// An untrusted string for an error message: at most `max` bytes, marked when cut.
+std::string Clip(std::string_view text, size_t max = 64);
+
 }  // namespace flashckpt

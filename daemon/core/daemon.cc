@@ -13,7 +13,7 @@
 #include "common/format/checksum.h"
 #include "common/format/image.h"
 #include "common/io/fs.h"
-#include "daemon/edge/tcp_listener.h"
+#include "common/io/net.h"
 #include "daemon/edge/wire.h"
 #include "daemon/replica/replica_sender.h"
 

@@ -26,11 +26,10 @@
 #include "common/io/io_env.h"
 #include "common/io/shm.h"
 #include "daemon/core/core_types.h"
+#include "daemon/core/registration.h"
 #include "daemon/core/segment.h"
 #include "daemon/core/slots.h"
 #include "daemon/core/state_dir.h"
-#include "daemon/edge/limits.h"
-#include "daemon/edge/registration.h"
 #include "daemon/observe/events.h"
 #include "daemon/observe/metrics.h"
 #include "daemon/pipeline/catalog.h"
@@ -38,7 +37,6 @@
 #include "daemon/pipeline/ema_stage.h"
 #include "daemon/pipeline/launches.h"
 #include "daemon/pipeline/writer.h"
-#include "flashckpt.pb.h"
 
 namespace flashckpt {
 
@@ -98,7 +96,7 @@ struct DaemonConfig {
   // credentials are the replica_tls_* files.
   std::vector<std::string> replicate_to;
   uint64_t replicate_max_rate = 0;
-  // Optional TCP listener (daemon/edge/tcp_listener.h): empty `listen` means none. Read-only RPCs unless
+  // Optional TCP listener (daemon/edge/tcp_listener.h, its address common/io/net.h): empty `listen` means none. Read-only RPCs unless
   // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
   std::string listen;
   bool tcp_allow_writes = false;

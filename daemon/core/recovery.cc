@@ -18,6 +18,7 @@
 #include "common/base/names.h"
 #include "common/io/fs.h"
 #include "daemon/core/daemon.h"
+#include "daemon/edge/registration.h"  // ParseRegistration of the state directory's records
 
 namespace flashckpt {
 

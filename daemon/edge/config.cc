@@ -17,9 +17,9 @@
 #include "common/base/names.h"
 #include "common/base/version.h"
 #include "common/format/layout.h"
-#include "daemon/edge/certificates.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/replica/certificates.h"
 #include "daemon/replica/replica_server.h"
 
 namespace flashckpt {
@@ -228,6 +228,18 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
   line("max-tensors-per-rank", std::to_string(c.max_tensors_per_rank));
   line("max-rank-bytes", c.max_rank_bytes == 0 ? "0" : SizeText(c.max_rank_bytes));
   return out.str();
+}
+
+ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config) {
+  ReplicaListenConfig c;
+  c.listen = config.replica_listen;
+  c.tls_cert = config.replica_tls_cert;
+  c.tls_key = config.replica_tls_key;
+  c.tls_ca = config.replica_tls_ca;
+  c.allow_names = config.replica_allow_names;
+  c.replicate_to = config.replicate_to;
+  c.max_rate = config.replicate_max_rate;
+  return c;
 }
 
 Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {

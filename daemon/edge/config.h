@@ -5,6 +5,7 @@
 
 #include "common/base/status.h"
 #include "daemon/core/daemon.h"
+#include "daemon/replica/replica_server.h"
 
 namespace flashckpt {
 
@@ -15,6 +16,9 @@ namespace flashckpt {
 // With --check-config it prints "config ok" and FormatDaemonConfig on stdout and returns kCancelled
 // (exit 0) when all is valid, the error as above otherwise; nothing is started either way.
 Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv);
+
+// The --replica-* and --replicate-* flags of `config`, as the replica listener takes them.
+ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config);
 
 // The effective settings, one `key = value` line per flag in the --config file's syntax (unset
 // optional ones as comments), so that the text read back as a config file gives the same settings.

@@ -4,11 +4,6 @@
 
 namespace flashckpt {
 
-std::string Clip(std::string_view text, size_t max) {
-  if (text.size() <= max) return std::string(text);
-  return std::string(text.substr(0, max)) + "...(" + std::to_string(text.size()) + " bytes)";
-}
-
 Status CheckSessionId(std::string_view id) {
   bool ok = id.size() == 16;
   for (char c : id) ok = ok && ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
@@ -39,20 +34,6 @@ Status CheckTensorCount(uint64_t count, uint32_t limit) {
   if (count <= limit) return Status::OK();
   return InvalidArgument("tensors: " + std::to_string(count) + " tensors in one registration, above the limit of " +
                          std::to_string(limit) + " per rank (--max-tensors-per-rank)");
-}
-
-Status CheckRankBytes(const RankLayout& layout, uint64_t limit) {
-  if (limit == 0) return Status::OK();
-  uint64_t total = 0;
-  for (const Placement& p : layout.placements) {
-    // BuildRankLayout bounds each tensor and their sum (kMaxSlotBytes): this cannot overflow.
-    total += p.bytes;
-  }
-  if (total <= limit) return Status::OK();
-  return ResourceExhausted("tensors: job '" + layout.job + "' rank " + std::to_string(layout.rank) + " registers " +
-                           FormatBytes(total) + " (" + std::to_string(total) + " bytes) in " +
-                           std::to_string(layout.tensors.size()) + " tensors, above the per-rank cap of " +
-                           FormatBytes(limit) + " (--max-rank-bytes)");
 }
 
 }  // namespace flashckpt

@@ -2,7 +2,8 @@
 // a peer the daemon does not trust to be well-formed: these limits keep its arithmetic far from
 // overflow and its memory and waits finite. Each refusal names the request field, and the flag
 // where a flag sets the limit. The gRPC edge (daemon/edge/service.cc) checks them before it converts a
-// request; the per-rank byte cap needs the built layout and is checked by Daemon::Register.
+// request; the per-rank byte cap needs the built layout and is checked by Daemon::Register
+// (CheckRankBytes, daemon/core/registration.h).
 #pragma once
 
 #include <chrono>
@@ -12,13 +13,9 @@
 
 #include "common/base/status.h"
 #include "common/format/layout.h"
+#include "daemon/core/registration.h"  // kDefaultMaxTensorsPerRank, CheckRankBytes
 
 namespace flashckpt {
-
-// Default of --max-tensors-per-rank. A rank of a 70B dense model registers about 3,000 tensors
-// (weights, two Adam moments, master weights); 65,536 leaves room for unfused MoE experts.
-// kMaxTensorsPerRank (common/format/layout.h) is the highest value the flag takes.
-inline constexpr uint32_t kDefaultMaxTensorsPerRank = 1u << 16;
 
 // The longest wait a request may ask for (timeout_ms): a day. 0 asks for the RPC's default.
 inline constexpr uint32_t kMaxRequestTimeoutMs = 24u * 3600 * 1000;
@@ -38,11 +35,5 @@ Status CheckStep(int64_t step, std::string_view field = "step");
 Result<std::chrono::milliseconds> RequestTimeout(uint32_t timeout_ms, uint32_t default_ms);
 // The number of tensors of a registration against --max-tensors-per-rank.
 Status CheckTensorCount(uint64_t count, uint32_t limit);
-// The bytes of all of a rank's registered tensors (replicas included) against --max-rank-bytes;
-// 0 means no cap (only --max-host-memory). kResourceExhausted, naming job, rank and sizes.
-Status CheckRankBytes(const RankLayout& layout, uint64_t limit);
-
-// An untrusted string for an error message: at most `max` bytes, marked when cut.
-std::string Clip(std::string_view text, size_t max = 64);
 
 }  // namespace flashckpt

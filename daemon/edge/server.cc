@@ -15,6 +15,7 @@
 
 #include "common/base/log.h"
 #include "common/io/fs.h"
+#include "daemon/edge/config.h"
 #include "daemon/edge/limits.h"
 
 namespace flashckpt {

@@ -9,11 +9,10 @@
 
 #include "daemon/core/daemon.h"
 #include "daemon/replica/replica_store.h"
+#include "proto/convert.h"
 #include "flashckpt.grpc.pb.h"
 
 namespace flashckpt {
-
-grpc::Status ToGrpc(const Status& status);
 
 class CheckpointService final : public v1::Checkpoint::Service {
  public:

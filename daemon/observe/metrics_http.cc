@@ -6,7 +6,7 @@
 #include <chrono>
 
 #include "common/base/log.h"
-#include "daemon/edge/tcp_listener.h"
+#include "common/io/net.h"
 
 namespace flashckpt {
 namespace {

@@ -19,7 +19,7 @@ namespace flashckpt {
 class MetricsHttpServer {
  public:
   static constexpr int kMaxConnections = 64;
-  // `address` as --listen takes it (daemon/edge/tcp_listener.h: "9100" is 127.0.0.1:9100, port 0 lets
+  // `address` as --listen takes it (common/io/net.h: "9100" is 127.0.0.1:9100, port 0 lets
   // the kernel choose). `render` is called on the server's thread for each scrape.
   MetricsHttpServer(std::string address, std::function<std::string()> render);
   ~MetricsHttpServer();  // Stop()

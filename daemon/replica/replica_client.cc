@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "common/format/checksum.h"
-#include "daemon/edge/tcp_listener.h"
+#include "common/io/net.h"
 #include "proto/convert.h"
 #include "replica.grpc.pb.h"
 

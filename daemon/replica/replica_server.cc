@@ -4,25 +4,13 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
-#include "daemon/edge/certificates.h"
-#include "daemon/edge/limits.h"
-#include "daemon/edge/service.h"
-#include "daemon/edge/tcp_listener.h"
+#include "common/io/net.h"
 #include "daemon/observe/metrics.h"
+#include "daemon/replica/certificates.h"
 #include "daemon/replica/replica_client.h"
+#include "proto/convert.h"
 
 namespace flashckpt {
-ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config) {
-  ReplicaListenConfig c;
-  c.listen = config.replica_listen;
-  c.tls_cert = config.replica_tls_cert;
-  c.tls_key = config.replica_tls_key;
-  c.tls_ca = config.replica_tls_ca;
-  c.allow_names = config.replica_allow_names;
-  c.replicate_to = config.replicate_to;
-  c.max_rate = config.replicate_max_rate;
-  return c;
-}
 
 Status CheckReplicaConfig(const ReplicaListenConfig& c) {
   const int tls_files = !c.tls_cert.empty() + !c.tls_key.empty() + !c.tls_ca.empty();

@@ -21,7 +21,6 @@
 
 #include "common/base/mutex.h"
 #include "common/base/status.h"
-#include "daemon/core/daemon.h"
 #include "daemon/replica/replica_store.h"
 #include "replica.grpc.pb.h"
 
@@ -45,9 +44,6 @@ struct ReplicaListenConfig {
   uint64_t max_rate = 0;                  // bytes per second to each of them; 0: no cap
   std::chrono::milliseconds stall_timeout = kReplicaStallTimeout;  // tests set it short
 };
-
-// The --replica-* and --replicate-* flags of `config`.
-ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config);
 
 // The flags' rules, for --check-config and Start: TLS files all three or none, for a listener or
 // peers to send to; a listener with TLS needs at least one allowed name, and allowed names need

@@ -1,4 +1,4 @@
-#include "daemon/edge/certificates.h"
+#include "daemon/replica/certificates.h"
 
 #include <openssl/bio.h>
 #include <openssl/err.h>
@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "daemon/edge/tcp_listener.h"
+#include "common/io/net.h"
 
 namespace flashckpt {
 namespace {
