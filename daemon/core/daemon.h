@@ -3,9 +3,10 @@
 //
 // Threads: gRPC handler threads call in concurrently; writer threads call back on completion.
 // One mutex (mu_) guards the session table, the job table, every rank's slot table and counters;
-// it is never held across file I/O. It may be held while taking the writer's own lock (Submit,
-// InFlight), never the other way round. cv_ is signalled whenever a slot is freed, a persist finishes
-// or a session ends, and every wait on it has a deadline.
+// it is not held across file I/O but for one unlink of a state-directory record on two failure
+// paths (a commit the slots refuse, a submit the writer refuses). It may be held while taking the
+// writer's own lock (Submit, InFlight), never the other way round. cv_ is signalled whenever a slot
+// is freed, a persist finishes or a session ends, and every wait on it has a deadline.
 #pragma once
 
 #include <atomic>
@@ -101,7 +102,7 @@ struct DaemonConfig {
   std::string listen;
   bool tcp_allow_writes = false;
   std::string tls_cert, tls_key;
-  // Request limits (daemon/edge/limits.h): tensors of one registration, and bytes of one rank's tensors
+  // Request limits (daemon/edge/limits.h, daemon/core/registration.h): tensors of one registration, and bytes of one rank's tensors
   // (0: only max_host_memory bounds them).
   uint32_t max_tensors_per_rank = kDefaultMaxTensorsPerRank;
   uint64_t max_rank_bytes = 0;
