@@ -65,8 +65,8 @@ NORUN_JOB = JOB + "-norun"  # ranks that name no run
 # seconds under AddressSanitizer on a loaded machine); the test waits it out once, for the expiry.
 LEASE_TTL_S = 30
 # The node that dies while restoring (step 4's end): its lease need only outlive one save of two
-# ranks, and the test waits it out, so it is short.
-DEAD_LEASE_TTL_S = 10
+# ranks (about 0.2 s here), and the test waits it out, so it is short.
+DEAD_LEASE_TTL_S = 5
 
 
 LIBC = ctypes.CDLL(None, use_errno=True)
