@@ -94,16 +94,16 @@ import collections.abc
 import hashlib
 import json
 import os
-import sys
 import time
 import warnings
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Set,
-                    Tuple, TypeVar, Union, cast)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple,
+                    TypeVar, Union, cast)
 
 import torch
 
 from . import _state
 from . import _tensors
+from . import _torch_zero
 from ._state import Node
 from ._tensors import Shape
 from .client import Client, Snapshot
@@ -147,29 +147,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 def _is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _is_zero(obj: object) -> bool:
-    """torch.distributed.optim.ZeroRedundancyOptimizer: each rank holds the state of its partition."""
-    # Looked up, not imported: a job that made one has imported it, and importing it costs a save.
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    return module is not None and isinstance(obj, module.ZeroRedundancyOptimizer)
-
-
-def _zero_state_dict(zero: Any) -> Dict[str, Any]:
-    """What zero.state_dict() gives after consolidation, restricted to this rank's partition: the
-    state of the rank's parameters under their global indices, and every parameter group (hyper-
-    parameters, global indices). No collective: every rank writes only the state it holds."""
-    index = zero._param_to_index
-    state: Dict[int, Dict[str, Any]] = {}
-    for param, fields in zero.optim.state.items():
-        state[index[param]] = dict(fields)
-    groups: List[Dict[str, Any]] = []
-    for g in zero.param_groups:
-        group = {k: v for k, v in g.items() if k != "params"}
-        group["params"] = [index[p] for p in g["params"]]
-        groups.append(group)
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
 def _is_optimizer(obj: object) -> bool:
@@ -279,14 +256,14 @@ class Checkpointer:
     def _state(self) -> Tuple[Node, Dict[str, Any]]:
         state: Dict[str, Any] = {}
         for key, obj in self.states.items():
-            if _is_zero(obj):
-                state[key] = _zero_state_dict(obj)
+            if _torch_zero.is_zero(obj):
+                state[key] = _torch_zero.state_dict(obj)
             else:
                 state[key] = obj.state_dict() if _is_stateful(obj) else obj
         tree, tensors = _state.flatten(state)
         self._param_map = None
         self._check_shard_specs(tensors)
-        self._zero_records = self._describe_partitions(tree)
+        self._zero_records = _torch_zero.describe_partitions(self.states, tree)
         if self._shard_specs is not None:
             for leaf in _state.tensor_leaves(tree):
                 box = self._box(leaf["t"], tuple(leaf["shape"]))
@@ -494,7 +471,7 @@ class Checkpointer:
             if name in params or (t.data_ptr(), tuple(t.shape)) in storage:  # a tied parameter's second name too
                 return True
             owner = self.states.get(name.split(".", 1)[0])
-            if not _is_optimizer(owner) or _is_zero(owner):
+            if not _is_optimizer(owner) or _torch_zero.is_zero(owner):
                 return False
             param = self._param_of(name)
             return param is not None and param[0] in params
@@ -568,7 +545,7 @@ class Checkpointer:
             raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
-        if tier == "memory" and any(_is_zero(v) for v in self.states.values()):
+        if tier == "memory" and _torch_zero.any_zero(self.states):
             raise ValueError("tier='memory' is not available with a ZeroRedundancyOptimizer (resume() could not hand "
                              "each rank its partition from memory); save it with tier='disk'")
         started = time.perf_counter()
@@ -774,7 +751,7 @@ class Checkpointer:
         # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
         # memory, unless a complete disk checkpoint is newer.
         memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
-        if step is None and not any(_is_zero(v) for v in self.states.values()):
+        if step is None and not _torch_zero.any_zero(self.states):
             memory = self._memory_step(group, timeout)
             if memory is not None:
                 error: Optional[BaseException] = None
@@ -857,19 +834,13 @@ class Checkpointer:
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
         stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree, borrowed))
-        if any(_is_zero(v) for v in self.states.values()):
+        if _torch_zero.any_zero(self.states):
             # What each rank of the saving job recorded of its partition (those of this group's ranks:
-            # one gather, on every rank alike), then this rank's new partition. A rank that borrowed
-            # rank 0's part adds nothing: rank 0 sends it.
-            part: Dict[str, Any] = {"records": None, "trees": {}}
-            if not borrowed:
-                part = {"records": blob.get("zero"),
-                        "trees": {k: _state.subtree(blob["state"], (k, "state"))
-                                  for k, v in self.states.items() if _is_zero(v)}}
-            records = [part]
+            # one gather, on every rank alike), then this rank's new partition.
+            records = [_torch_zero.resume_part(self.states, blob, borrowed)]
             if group is not None:
-                records = self._gather(group, part)
-            stage("take its optimizer partition", lambda: self._take_partitions(blob, records))
+                records = self._gather(group, records[0])
+            stage("take its optimizer partition", lambda: _torch_zero.take_partitions(self.states, blob, records))
         stage("restore checkpoint-%d" % chosen, lambda: self._restore_found(chosen, blob, tensors, timeout))
         self.resumed_step = chosen
         return chosen
@@ -960,117 +931,12 @@ class Checkpointer:
         self._hand_over(blob, targets, tensors)
         return None
 
-    def _take_partitions(self, blob: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
-        """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
-        rank holds now. The job may have fewer or more ranks than the one that saved: this rank's
-        saved tree (rank 0's on a rank the saving job did not have) describes the state of every
-        trainable parameter it could (see _describe_partitions), and `records`, the parts of the
-        saving job's ranks that this group's ranks read (their descriptions; the partition each
-        held and which of its parameters had state), fill in what this rank's tree does not
-        describe and say which parameters had no state."""
-        for key, zero in self.states.items():
-            if not _is_zero(zero):
-                continue
-            node = _state.subtree(blob["state"], (key, "state"))
-            saved: Dict[int, Node] = {}
-            stateless: Set[int] = set()
-            known: Set[int] = set()
-            described_all = False
-            for part in records:  # this rank's own first
-                for i, n in ((part.get("trees") or {}).get(key) or {}).get("d", []):
-                    saved.setdefault(i, n)
-                record = (part.get("records") or {}).get(key)
-                if isinstance(record, dict):
-                    held = set(record.get("held", ()))
-                    known |= held
-                    stateless |= held - set(record.get("stateful", ()))
-                    described_all = described_all or bool(record.get("describes_all"))
-            for i, n in (node or {}).get("d", []):
-                saved[i] = n
-            # The whole state is described: this tree is a plain optimizer's, or a rank of the saving
-            # job described every parameter with state.
-            complete = blob.get("zero") is None or described_all
-            index = zero._param_to_index
-            mine = sorted((index[p], p) for p, r in zero._param_to_rank.items() if r == zero.rank)
-            take = []
-            for i, p in mine:
-                if i in stateless or (not p.requires_grad and i not in saved):
-                    continue  # no state when it was saved (no gradient yet, or frozen): starts fresh, as in torch
-                if i in saved:
-                    take.append(i)
-                elif not complete:
-                    why = ("its state is in no part of the checkpoint this rank can read" if i not in known else
-                           "its owner had state for it but this rank's part does not describe it")
-                    raise FailedPreconditionError(
-                        "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d: %s (resume with "
-                        "the world size that saved the checkpoint)" % (key, i, why))
-            if node is not None:
-                node["d"] = [[i, saved[i]] for i in take]
-
-    def _describe_partitions(self, tree: Node) -> Dict[str, Dict[str, Any]]:
-        """Adds to `tree` the state of the trainable parameters that other ranks'
-        ZeroRedundancyOptimizer partitions hold, as structure only (each rank writes the tensors of
-        its own partition): the fields of a parameter of the same group here that is not a scalar,
-        tensors of that parameter's shape taking the other's. A rank of a later job with fewer ranks
-        then finds its partition's state in its own part of the checkpoint. Returns, per optimizer,
-        this rank's partition ("held") and which of its parameters have state ("stateful"), which
-        save() records beside the tree: a described parameter that its owner held without state is
-        not read on resume. Another rank's parameter that no gradient reached (while gradients are
-        kept, i.e. not set to None before the save) is not described."""
-        records: Dict[str, Dict[str, Any]] = {}
-        for key, zero in self.states.items():
-            if not _is_zero(zero):
-                continue
-            node = _state.subtree(tree, (key, "state"))
-            own = dict((i, n) for i, n in (node or {}).get("d", []))
-            index = zero._param_to_index
-            params = [p for g in zero.param_groups for p in g["params"]]
-            group_of = {index[p]: gi for gi, g in enumerate(zero.param_groups) for p in g["params"]}
-            held = sorted(index[p] for p, r in zero._param_to_rank.items() if r == zero.rank)
-            records[key] = {"held": held, "stateful": sorted(own)}
-            if node is None or not own:
-                continue
-            # group -> (its parameter's shape, its state node), a parameter of rank > 0 first
-            example: Dict[int, Tuple[Shape, Node]] = {}
-            for i, n in sorted(own.items(), key=lambda item: bool(params[item[0]].dim() == 0)):
-                example.setdefault(group_of[i], (tuple(params[i].shape), n))
-            mine = set(held)
-            # Gradients are visible on every rank (DDP reduces them everywhere): while they are kept,
-            # a parameter without one (unused by the forward) has no state on its owner either.
-            grads_kept = any(p.grad is not None for p in params)
-            # With gradients kept and an example of every group, every parameter with state is in
-            # this tree: one it does not describe has none.
-            records[key]["describes_all"] = grads_kept
-            entries = []
-            for i, p in enumerate(params):
-                if i in own:
-                    entries.append([i, own[i]])
-                    continue
-                if i in mine or not p.requires_grad or (grads_kept and p.grad is None):
-                    continue  # without state: this rank's, a frozen one, or one no gradient reached
-                if group_of[i] not in example or (len(example[group_of[i]][0]) == 0 and p.dim() > 0):
-                    records[key]["describes_all"] = False
-                    continue  # no example of its group here: resume raises if it needs one
-                shape, n = example[group_of[i]]
-                fields = []
-                for field, leaf in n["d"]:
-                    leaf = dict(leaf)
-                    if "t" in leaf:
-                        leaf["t"] = "%s.state.%d.%s" % (key, i, field)
-                        if len(shape) > 0 and tuple(leaf["shape"]) == shape:
-                            leaf["shape"] = list(p.shape)
-                        leaf.pop("global_shape", None)
-                    fields.append([field, leaf])
-                entries.append([i, {"d": fields}])
-            node["d"] = entries
-        return records
-
     def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node, borrowed: bool = False) -> None:
         """Raises StructureMismatchError naming the first key where the saved states differ from the
         current ones. A fresh optimizer (no state yet) takes the checkpoint's state. `borrowed`: the
         saved states are rank 0's (_borrow_part), and the message says so."""
         skip = tuple((key, "state") for key, obj in self.states.items()
-                     if _is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
+                     if _torch_zero.is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
         diff = _state.first_difference(blob["state"], tree, skip=skip)
         if diff:
             key, why = diff
@@ -1128,7 +994,7 @@ class Checkpointer:
             if isinstance(obj, torch.nn.Module):
                 subtree = cast(Node, _state.subtree(saved, (key,)))  # key is in state, so in saved
                 in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(subtree))
-                if not in_place or any("t" not in n for n in _leaves(subtree)):
+                if not in_place or any("t" not in n for n in _state.leaves(subtree)):
                     obj.load_state_dict(state[key])
             elif _is_stateful(obj):
                 obj.load_state_dict(state[key])
@@ -1208,14 +1074,3 @@ class Checkpointer:
         self.close()
         return False
 
-
-def _leaves(tree: Optional[Node]) -> Iterator[Node]:
-    """Every leaf node of `tree` (tensor or value)."""
-    if tree is None:
-        return
-    for kind in ("d", "l", "u"):
-        if kind in tree:
-            for c in tree[kind]:
-                yield from _leaves(c[1] if kind == "d" else c)
-            return
-    yield tree
