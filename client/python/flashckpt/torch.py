@@ -97,12 +97,13 @@ import os
 import time
 import warnings
 from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple,
-                    TypeVar, Union, cast)
+                    Union, cast)
 
 import torch
 
 from . import _state
 from . import _tensors
+from . import _torch_agree
 from . import _torch_zero
 from ._state import Node
 from ._tensors import Shape
@@ -112,7 +113,6 @@ from .errors import FailedPreconditionError, FlashckptError, NotFoundError, Stru
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-_T = TypeVar("_T")
 # How tensor parallelism splits one model tensor: (dim, tp_rank, tp_degree), {"dim", "rank",
 # "degree"}, or None (whole); shard_specs maps a model state-dict key to one, or is a function.
 ShardSpec = Union[Sequence[int], Mapping[str, int], None]
@@ -121,13 +121,6 @@ ShardSpecs = Union[Mapping[str, ShardSpec], Callable[[str], ShardSpec]]
 _FORMAT = "flashckpt.torch"
 _VERSION = 1
 _TORCH_DTYPES = {k: getattr(torch, v) for k, v in _tensors.DTYPE_NAMES.items()}
-
-
-def _distributed_rank_and_size() -> Tuple[int, int]:
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -227,7 +220,7 @@ class Checkpointer:
         self.model: Any = next((self.states[k] for k in self._model_keys), None)
         self.optimizer: Any = next((v for v in self.states.values() if _is_optimizer(v)), None)
         if rank is None or world_size is None:
-            dist_rank, dist_size = _distributed_rank_and_size()
+            dist_rank, dist_size = _torch_agree.rank_and_size()
             rank = dist_rank if rank is None else rank
             world_size = dist_size if world_size is None else world_size
         group = tp_degree * pp_degree
@@ -598,41 +591,13 @@ class Checkpointer:
 
     def _group(self) -> Optional[ProcessGroup]:
         """The process group whose ranks agree on the resumed step, or None (one process, or no group)."""
-        dist = getattr(torch, "distributed", None)
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return None
-        if self._process_group is not None:
-            if dist.get_world_size(self._process_group) != self._world_size:
-                raise ValueError("process_group has %d ranks, this Checkpointer's job has world_size %d"
-                                 % (dist.get_world_size(self._process_group), self._world_size))
-            return self._process_group
-        if self._world_size == 1 or dist.get_world_size() != self._world_size:
-            return None
-        return dist.group.WORLD
-
-    def _gather(self, group: ProcessGroup, value: object) -> List[Any]:
-        """Every rank's `value`, in rank order. The process group's timeout (init_process_group(timeout=))
-        bounds the wait for a rank that never gets here."""
-        out: List[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(out, value, group=group)
-        return out
-
-    def _agree(self, group: ProcessGroup, what: str, error: Optional[BaseException]) -> None:
-        """Raises on every rank when some rank failed `what` (`error`: this rank's exception or None)."""
-        reports = self._gather(group, None if error is None else "%s: %s" % (type(error).__name__, error))
-        if error is not None:
-            raise error
-        failed = [(r, why) for r, why in enumerate(reports) if why is not None]
-        if failed:
-            rank, why = failed[0]
-            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
-                                          "(every rank raises): %s" % (rank, what, why))
+        return _torch_agree.process_group(self._process_group, self._world_size)
 
     def _probe(self, tensors: Mapping[str, Any], step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
         """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
         tensor into scratch memory; (None, None) when there is none. The blob (a dict parsed from
         JSON) holds the saved tree; it is None when the checkpoint holds no extra state of this
-        rank (a rank number the job that saved it did not have: see _borrow_part)."""
+        rank (a rank number the job that saved it did not have: see _torch_agree.borrow_part)."""
         first = next(iter(tensors))
         scratch = torch.empty(tuple(tensors[first].shape), dtype=tensors[first].dtype)  # host memory, wherever it is
         self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
@@ -657,49 +622,6 @@ class Checkpointer:
             raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
                                          "state has no state-dict structure); restore it with flashckpt.Client" % found)
         return found, blob
-
-    def _borrow_part(self, group: ProcessGroup, found: int, blob: Any) -> Tuple[Dict[str, Any], bool]:
-        """(blob, borrowed): this rank's part of checkpoint `found` (`blob`, as _probe read it), or,
-        on a rank whose number the job that saved it did not have (`blob` is None), a copy of rank
-        0's part without its RNG state, handed on by the group's rank that read it (borrowed=True).
-        Each part records the saving job's world size; the ranks below it must all have their part
-        (without that record, from before it was kept: the parts must be those of ranks 0 .. n-1),
-        else every rank raises. Every rank makes the same calls: one gather, and a broadcast when
-        some rank has no part."""
-        saved_world = blob.get("world_size") if isinstance(blob, dict) else None
-        have = cast(List[Tuple[int, bool, Optional[int]]],
-                    self._gather(group, (self.client.rank, blob is not None, saved_world)))
-        if all(has for _, has, _ in have):
-            return blob, False
-        holders = sorted(r for r, has, _ in have if has)
-        missing = sorted(r for r, has, _ in have if not has)
-        if not holders:
-            raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (it holds the "
-                                         "extra state of none of the %d ranks); restore it with flashckpt.Client"
-                                         % (found, len(have)))
-        worlds = {w for _, has, w in have if has and isinstance(w, int)}
-        if worlds:
-            saved = max(worlds)
-            lost = [r for r in missing if r < saved]
-            if lost:
-                raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d was saved by %d ranks but holds "
-                                              "no part of rank %d (its extra.rank%05d.json is gone; every rank "
-                                              "raises)" % (found, saved, lost[0], lost[0]))
-        elif holders != list(range(len(holders))):
-            raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d but one of "
-                                          "rank %d: it was not written by the ranks 0 to n-1 of a "
-                                          "flashckpt.torch.Checkpointer job (every rank raises)"
-                                          % (found, missing[0], holders[-1]))
-        # Rank 0's part, from the group's rank that restores rank 0 (its tree describes the whole
-        # state of a data-parallel job, and, for a ZeroRedundancyOptimizer, its structure).
-        source = next(g for g, (r, _, _) in enumerate(have) if r == 0)
-        box: List[Any] = [blob if self.client.rank == 0 else None]
-        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, source), group=group)
-        if blob is not None:
-            return blob, False
-        part = dict(cast(Dict[str, Any], box[0]))
-        part.pop("rng", None)  # rank 0's random streams: this rank keeps its own
-        return part, True
 
     def resume(self, step: Optional[int] = None, timeout: float = 600.0) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
@@ -727,26 +649,8 @@ class Checkpointer:
         have rank 0's structure (data and tensor parallelism; not another pipeline stage).
         """
         group = self._group()
-
-        def stage(what: str, fn: Callable[[], _T]) -> _T:
-            """fn()'s result; with a group, every rank learns whether fn failed on any rank, and raises then."""
-            if group is None:
-                return fn()
-            result: Optional[_T] = None
-            error: Optional[BaseException] = None
-            try:
-                result = fn()
-            except BaseException as e:  # reported to the other ranks (an interrupt too), then raised here
-                error = e
-            self._agree(group, what, error)
-            return cast(_T, result)  # _agree() raised unless fn() returned
-
         if group is not None:
-            asked = self._gather(group, step)
-            if len(set(asked)) != 1:
-                raise ValueError("the ranks of the process group asked resume() for different steps (%s); every "
-                                 "rank must ask for the same one" % ", ".join(
-                                     "rank %d: %s" % (r, "latest" if s is None else s) for r, s in enumerate(asked)))
+            _torch_agree.same_step(group, step)
 
         # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
         # memory, unless a complete disk checkpoint is newer.
@@ -763,29 +667,20 @@ class Checkpointer:
                         digest = self._spread_digest(restored[1])
                 except BaseException as e:  # reported to the other ranks before anything is raised
                     error = e
-                reports = self._reports(group, error, digest)
-                if error is not None and not isinstance(error, FlashckptError):
-                    raise error
-                self._raise_fatal(reports, "restore memory checkpoint step %d" % memory)
-                failed = [(r, failure[1]) for r, (failure, _) in enumerate(reports) if failure is not None]
-                digests = [value for _, value in reports]
-                if not failed and len(set(digests)) > 1:
-                    first = next(r for r, d in enumerate(digests) if d != digests[0])
-                    failed = [(first, "its share of the replicated tensors does not pair up with rank 0's (the "
-                                      "ranks' replicated state differs)")]
-                if not failed:
+                failed = _torch_agree.memory_failure(group, memory, error, digest)
+                if failed is None:
                     if group is not None and restored is not None:
                         # Each data-parallel rank restored its own share: the ranks hand theirs on.
                         mblob, targets, mtensors = restored
                         self._spread_shares(group, targets)
-                        stage("load memory checkpoint step %d" % memory,
-                              lambda: self._hand_over(mblob, targets, mtensors))
+                        _torch_agree.stage(group, "load memory checkpoint step %d" % memory,
+                                           lambda: self._hand_over(mblob, targets, mtensors))
                     self.resumed_step = memory
                     return memory
                 # The daemon's errors (a checkpoint dropped meanwhile, say): every rank reads the disk,
                 # which overwrites whatever the others restored.
                 memory_failed = "the restore of memory checkpoint step %d failed on rank %d (%s)" % (
-                    memory, failed[0][0], failed[0][1])
+                    memory, failed[0], failed[1])
                 warnings.warn("%s; every rank restores from disk instead" % memory_failed, RuntimeWarning)
 
         # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
@@ -797,28 +692,21 @@ class Checkpointer:
                 raise ValueError("the states hold no tensors; there is nothing to resume")
             probed = self._probe(tensors, step, timeout)
             if probed[0] is not None and probed[1] is None and group is None:
-                # Without a group no other rank can hand its part on (_borrow_part).
+                # Without a group no other rank can hand its part on (_torch_agree.borrow_part).
                 raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was "
                                               "saved by fewer ranks (a job of more ranks resumes it in a "
                                               "torch.distributed process group, whose ranks hand rank 0's part on) "
                                               "or not by flashckpt.torch.Checkpointer" % (probed[0], self.client.rank))
             return (tree, tensors) + probed
 
-        tree, tensors, found, blob = stage("read its checkpoint", probe)
+        tree, tensors, found, blob = _torch_agree.stage(group, "read its checkpoint", probe)
         if group is not None:
-            steps = self._gather(group, found)
-            if any(s is None for s in steps) and any(s is not None for s in steps):
-                rank = steps.index(None)
-                have = next(s for s in steps if s is not None)
-                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group finds no "
-                                              "complete checkpoint of job '%s' while another rank finds step %d "
-                                              "(every rank raises)" % (rank, self.client.job, have))
-            if found is not None:
-                # The oldest step found: a newer one that completed while the ranks looked is not yet
-                # seen by all. Every rank takes part in this stage, also those that found it already.
-                agreed = min(steps)
-                found, blob = stage("read checkpoint-%d" % agreed,
-                                    lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
+            agreed = _torch_agree.common_step(group, found, self.client.job)
+            if agreed is not None:
+                # Every rank takes part in this stage, also those that found it already.
+                found, blob = _torch_agree.stage(
+                    group, "read checkpoint-%d" % agreed,
+                    lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
         if found is None:
             if memory_failed is not None:
                 # Some ranks may hold the memory checkpoint's state, others their own: no common start.
@@ -830,18 +718,21 @@ class Checkpointer:
         # A rank whose number the saving job did not have takes rank 0's part (a job of more ranks).
         borrowed = False
         if group is not None:
-            blob, borrowed = self._borrow_part(group, chosen, blob)
+            blob, borrowed = _torch_agree.borrow_part(group, self.client.rank, chosen, blob)
 
         # 2. Compare structures on every rank before any rank loads anything, then restore.
-        stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree, borrowed))
+        _torch_agree.stage(group, "match checkpoint-%d" % chosen,
+                           lambda: self._check_structure(chosen, blob, tree, borrowed))
         if _torch_zero.any_zero(self.states):
             # What each rank of the saving job recorded of its partition (those of this group's ranks:
             # one gather, on every rank alike), then this rank's new partition.
             records = [_torch_zero.resume_part(self.states, blob, borrowed)]
             if group is not None:
-                records = self._gather(group, records[0])
-            stage("take its optimizer partition", lambda: _torch_zero.take_partitions(self.states, blob, records))
-        stage("restore checkpoint-%d" % chosen, lambda: self._restore_found(chosen, blob, tensors, timeout))
+                records = _torch_agree.gather(group, records[0])
+            _torch_agree.stage(group, "take its optimizer partition",
+                               lambda: _torch_zero.take_partitions(self.states, blob, records))
+        _torch_agree.stage(group, "restore checkpoint-%d" % chosen,
+                           lambda: self._restore_found(chosen, blob, tensors, timeout))
         self.resumed_step = chosen
         return chosen
 
@@ -862,37 +753,7 @@ class Checkpointer:
                           % (self.client.rank, e), RuntimeWarning)
         except BaseException as e:  # reported to the other ranks before it is raised
             error = e
-        reports = self._reports(group, error, mine)
-        if error is not None:
-            raise error
-        self._raise_fatal(reports, "list its memory checkpoints")
-        views = [value for _, value in reports]
-        if any(v is None for v in views):
-            return None
-        common: Set[int] = {int(s) for s in views[0][0]}
-        for held, _ in views[1:]:
-            common &= {int(s) for s in held}
-        disks = [int(disk) for _, disk in views if disk is not None]
-        if not common or (disks and max(common) < max(disks)):
-            return None
-        return max(common)
-
-    def _reports(self, group: Optional[ProcessGroup], error: Optional[BaseException],
-                 value: object = None) -> List[Tuple[Optional[Tuple[bool, str]], Any]]:
-        """Every rank's (failure, value), in rank order (one gather, which every rank makes): failure is
-        None, or (fatal, text) where fatal means an error other than the daemon's."""
-        failure = None if error is None else (not isinstance(error, FlashckptError),
-                                              "%s: %s" % (type(error).__name__, error))
-        mine = (failure, value)
-        return [mine] if group is None else cast(List[Tuple[Optional[Tuple[bool, str]], Any]],
-                                                 self._gather(group, mine))
-
-    def _raise_fatal(self, reports: List[Tuple[Optional[Tuple[bool, str]], Any]], what: str) -> None:
-        """Raises, on every rank, when a rank failed `what` with an error other than the daemon's."""
-        for rank, (failure, _) in enumerate(reports):
-            if failure is not None and failure[0]:
-                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
-                                              "(every rank raises): %s" % (rank, what, failure[1]))
+        return _torch_agree.memory_step(group, error, mine)
 
     def _resume_memory(self, step: int,
                        timeout: float) -> Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]]:
@@ -934,7 +795,7 @@ class Checkpointer:
     def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node, borrowed: bool = False) -> None:
         """Raises StructureMismatchError naming the first key where the saved states differ from the
         current ones. A fresh optimizer (no state yet) takes the checkpoint's state. `borrowed`: the
-        saved states are rank 0's (_borrow_part), and the message says so."""
+        saved states are rank 0's (_torch_agree.borrow_part), and the message says so."""
         skip = tuple((key, "state") for key, obj in self.states.items()
                      if _torch_zero.is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
         diff = _state.first_difference(blob["state"], tree, skip=skip)
