@@ -89,21 +89,17 @@ device. Without a device, CPU tensors work as they always do.
 
 from __future__ import annotations
 
-import base64
-import collections.abc
 import hashlib
-import json
 import os
 import time
 import warnings
-from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Set, Tuple,
-                    Union, cast)
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
 from . import _state
-from . import _tensors
 from . import _torch_agree
+from . import _torch_state
 from . import _torch_zero
 from ._state import Node
 from ._tensors import Shape
@@ -115,37 +111,8 @@ if TYPE_CHECKING:
 
 # How tensor parallelism splits one model tensor: (dim, tp_rank, tp_degree), {"dim", "rank",
 # "degree"}, or None (whole); shard_specs maps a model state-dict key to one, or is a function.
-ShardSpec = Union[Sequence[int], Mapping[str, int], None]
-ShardSpecs = Union[Mapping[str, ShardSpec], Callable[[str], ShardSpec]]
-
-_FORMAT = "flashckpt.torch"
-_VERSION = 1
-_TORCH_DTYPES = {k: getattr(torch, v) for k, v in _tensors.DTYPE_NAMES.items()}
-
-
-def _rng_state() -> Dict[str, Any]:
-    state: Dict[str, Any] = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-    torch.set_rng_state(tensor(state["cpu"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
-
-
-def _is_stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _is_optimizer(obj: object) -> bool:
-    """An optimizer-like state: its state_dict has the per-parameter `state` that is empty until its first step."""
-    return isinstance(obj, torch.optim.Optimizer) or (
-        _is_stateful(obj) and hasattr(obj, "param_groups") and isinstance(getattr(obj, "state", None), dict))
+ShardSpec = _torch_state.ShardSpec
+ShardSpecs = _torch_state.ShardSpecs
 
 
 class Checkpointer:
@@ -187,38 +154,15 @@ class Checkpointer:
                  shard_degree: Optional[int] = None, rng: bool = True, process_group: Optional[ProcessGroup] = None,
                  shard_specs: Optional[ShardSpecs] = None, replicated: Optional[bool] = None,
                  **client_options: Any) -> None:
-        self.states: Dict[str, Any]
-        if isinstance(model, collections.abc.Mapping) and not _is_stateful(model):
-            if optimizer is not None:
-                raise TypeError("pass the optimizer inside the dict of states (e.g. {'model': model, 'optim': "
-                                "optimizer}), not as a second argument")
-            if not model:
-                raise ValueError("the dict of states is empty; there is nothing to checkpoint")
-            for key in model:
-                if not isinstance(key, str) or not key or "." in key:
-                    raise ValueError("the keys of the dict of states name its tensors ('<key>.<state-dict key>'): "
-                                     "each must be a non-empty str without '.', got %r" % (key,))
-            self.states = cast(Dict[str, Any], model)  # the caller's own: resume() refills it
-        else:
-            self.states = {"model": model}
-            if optimizer is not None:
-                self.states["optimizer"] = optimizer
-        self._model_keys = [k for k, v in self.states.items() if k == "model" or isinstance(v, torch.nn.Module)]
-        if shard_specs is not None and not (callable(shard_specs) or isinstance(shard_specs, collections.abc.Mapping)):
-            raise TypeError("shard_specs must be a mapping or a callable from a model state-dict key to "
-                            "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
-        self._shard_specs = shard_specs
-        self._specs_checked = False
-        self._zero_records: Dict[str, Dict[str, Any]] = {}
-        self._param_map: Optional[Dict[Tuple[str, int], Tuple[str, Shape]]] = None
+        self._layout = _torch_state.Layout(_torch_state.states_of(model, optimizer), shard_specs)
         if replicated and (client_options.get("ema_decay") is not None or shard_specs is not None
                            or tp_degree * pp_degree != 1):
             raise ValueError("replicated=True (each tensor written by one data-parallel rank) is for data-parallel "
                              "jobs without tensor or pipeline parallelism and without the daemon's EMA")
         self._replicated = replicated
         self._model_parallel = tp_degree * pp_degree
-        self.model: Any = next((self.states[k] for k in self._model_keys), None)
-        self.optimizer: Any = next((v for v in self.states.values() if _is_optimizer(v)), None)
+        self.model: Any = next((self.states[k] for k in self._layout.model_keys), None)
+        self.optimizer: Any = next((v for v in self.states.values() if _torch_state.is_optimizer(v)), None)
         if rank is None or world_size is None:
             dist_rank, dist_size = _torch_agree.rank_and_size()
             rank = dist_rank if rank is None else rank
@@ -242,143 +186,15 @@ class Checkpointer:
         self.saves = 0
         self.blocked_seconds = 0.0
         self.last_snapshot: Optional[Snapshot] = None
-        self._layout_key: Optional[Tuple[object, ...]] = None
 
-    # --- state ---------------------------------------------------------------------------------
+    @property
+    def states(self) -> Dict[str, Any]:
+        """The dict of states: the one given, else {"model": model}, with "optimizer" when one is given."""
+        return self._layout.states
 
-    def _state(self) -> Tuple[Node, Dict[str, Any]]:
-        state: Dict[str, Any] = {}
-        for key, obj in self.states.items():
-            if _torch_zero.is_zero(obj):
-                state[key] = _torch_zero.state_dict(obj)
-            else:
-                state[key] = obj.state_dict() if _is_stateful(obj) else obj
-        tree, tensors = _state.flatten(state)
-        self._param_map = None
-        self._check_shard_specs(tensors)
-        self._zero_records = _torch_zero.describe_partitions(self.states, tree)
-        if self._shard_specs is not None:
-            for leaf in _state.tensor_leaves(tree):
-                box = self._box(leaf["t"], tuple(leaf["shape"]))
-                if box:
-                    leaf["global_shape"] = box["global_shape"]
-        return tree, tensors
-
-    # --- tensor parallelism ----------------------------------------------------------------------
-
-    def _split(self, key: str, shape: Sequence[int]) -> Optional[Tuple[int, int, int]]:
-        """(dim, rank, degree) of model state-dict key `key` (a tensor of local shape `shape`), or None."""
-        specs = cast(ShardSpecs, self._shard_specs)  # set: _box() asks only then
-        spec: Any = specs(key) if callable(specs) else specs.get(key)
-        if spec is None:
-            return None
-        if isinstance(spec, collections.abc.Mapping):
-            spec = (spec.get("dim"), spec.get("rank"), spec.get("degree"))
-        try:
-            dim, rank, degree = (int(v) for v in spec)
-        except (TypeError, ValueError):
-            raise ValueError("shard_specs['%s'] must be (dim, tp_rank, tp_degree) or {'dim', 'rank', 'degree'}, got %r"
-                             % (key, spec)) from None
-        if not (0 <= dim < len(shape)) or degree < 1 or not (0 <= rank < degree):
-            raise ValueError("shard_specs['%s'] = (dim %d, tp_rank %d, tp_degree %d) does not fit a tensor of shape %s"
-                             % (key, dim, rank, degree, list(shape)))
-        return dim, rank, degree
-
-    def _param_names(self) -> Dict[Tuple[str, int], Tuple[str, Shape]]:
-        """{(optimizer key, parameter index): (model tensor name, local shape)}, built once per layout."""
-        if self._param_map is None:
-            names: Dict[int, Tuple[str, Shape]] = {}
-            for key in self._model_keys:
-                module = self.states[key]
-                if isinstance(module, torch.nn.Module):
-                    for pname, p in module.named_parameters():
-                        names.setdefault(id(p), ("%s.%s" % (key, pname), tuple(p.shape)))
-            self._param_map = {}
-            for okey, opt in self.states.items():
-                if _is_optimizer(opt):
-                    params = [p for g in opt.param_groups for p in g["params"]]
-                    for i, p in enumerate(params):
-                        if id(p) in names:
-                            self._param_map[(okey, i)] = names[id(p)]
-        return self._param_map
-
-    def _param_of(self, name: str) -> Optional[Tuple[str, Shape]]:
-        """(model tensor name, local shape) of the parameter whose optimizer state `name` is
-        ("<optimizer key>.state.<i>.<field>"), or None."""
-        parts = name.split(".")
-        if len(parts) < 4 or parts[1] != "state" or not parts[2].isdigit():
-            return None
-        return self._param_names().get((parts[0], int(parts[2])))
-
-    def _check_shard_specs(self, tensors: Mapping[str, Any]) -> None:
-        """A mapping that names no model tensor is a mistake (a DDP-wrapped model's keys start with
-        "module."): raise, naming the first such key."""
-        if self._shard_specs is None or callable(self._shard_specs) or self._specs_checked:
-            return
-        keys = {n.split(".", 1)[1] for n in tensors if "." in n and self._kind(n) == "model"}
-        unknown = [k for k in self._shard_specs if k not in keys]
-        if unknown:
-            raise ValueError("shard_specs names '%s', which is no model state-dict key (they are like '%s')"
-                             % (unknown[0], next(iter(sorted(keys)), "")))
-        self._specs_checked = True
-
-    def _box(self, name: str, shape: Sequence[int]) -> Optional[Dict[str, List[int]]]:
-        """The box spec (global_shape, box_offset, box_shape) of tensor `name` of local shape `shape`
-        under shard_specs, or None for a whole tensor."""
-        if self._shard_specs is None:
-            return None
-        if self._kind(name) != "model":
-            param = self._param_of(name)
-            if param is None:
-                return None
-            if param[1] != tuple(shape):
-                pkey = param[0].split(".", 1)[1]
-                if len(shape) > 0 and self._split(pkey, param[1]) is not None:
-                    raise ValueError("optimizer state '%s' of shape %s belongs to the split parameter '%s' of shape "
-                                     "%s: only state of the parameter's shape (split alike) or scalars are supported"
-                                     % (name, list(shape), param[0], list(param[1])))
-                return None  # a scalar (a step count): whole
-            name = param[0]
-        key = name.split(".", 1)[1] if "." in name else name
-        split = self._split(key, shape)
-        if split is None:
-            return None
-        dim, rank, degree = split
-        global_shape, offset = list(shape), [0] * len(shape)
-        global_shape[dim] *= degree
-        offset[dim] = rank * shape[dim]
-        return {"global_shape": global_shape, "box_offset": offset, "box_shape": list(shape)}
-
-    def _global_shape(self, name: str, shape: Sequence[int]) -> Shape:
-        box = self._box(name, tuple(shape))
-        return tuple(box["global_shape"]) if box else tuple(shape)
-
-    def _local_shape(self, name: str, whole: Shape) -> Shape:
-        """This rank's shape of a tensor it does not hold yet (a fresh optimizer's state) whose full
-        shape is `whole`: its parameter's, when that one is split and of the same full shape."""
-        if self._shard_specs is not None and self._kind(name) != "model":
-            param = self._param_of(name)
-            if param is not None and self._global_shape(param[0], param[1]) == whole:
-                return param[1]
-        return whole
-
-    def _spec(self, name: str, shape: Sequence[int]) -> Dict[str, Any]:
-        spec: Dict[str, Any] = {"kind": self._kind(name)}
-        spec.update(self._box(name, tuple(shape)) or {})
-        return spec
-
-    def _kind(self, name: str) -> str:
-        return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
-
-    def _register(self, tensors: Mapping[str, Any], specs: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
-        key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()),
-               tuple(sorted((n, repr(v)) for n, v in (specs or {}).items())))
-        if key != self._layout_key:
-            all_specs = {n: self._spec(n, t.shape) for n, t in tensors.items()}
-            for n, extra in (specs or {}).items():
-                all_specs[n].update(extra)
-            self.client.register(tensors, specs=all_specs)
-            self._layout_key = key
+    @states.setter
+    def states(self, states: Dict[str, Any]) -> None:
+        self._layout.states = states
 
     # --- data parallelism ------------------------------------------------------------------------
 
@@ -393,7 +209,7 @@ class Checkpointer:
             return None
         if self._replicated is None:
             ddp = any(isinstance(v, torch.nn.parallel.DistributedDataParallel) for v in self.states.values())
-            if not ddp or self.ema_enabled or self._shard_specs is not None or self._model_parallel != 1:
+            if not ddp or self.ema_enabled or self._layout.shard_specs is not None or self._model_parallel != 1:
                 return None
         return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
@@ -451,7 +267,7 @@ class Checkpointer:
         params: Set[str] = set()
         buffers: Set[str] = set()
         storage: Set[Tuple[int, Shape]] = set()
-        for key in self._model_keys:
+        for key in self._layout.model_keys:
             module = self.states[key]
             if isinstance(module, torch.nn.Module) and (self._replicated or isinstance(module, ddp)):
                 for n, p in module.named_parameters():
@@ -464,9 +280,9 @@ class Checkpointer:
             if name in params or (t.data_ptr(), tuple(t.shape)) in storage:  # a tied parameter's second name too
                 return True
             owner = self.states.get(name.split(".", 1)[0])
-            if not _is_optimizer(owner) or _torch_zero.is_zero(owner):
+            if not _torch_state.is_optimizer(owner) or _torch_zero.is_zero(owner):
                 return False
-            param = self._param_of(name)
+            param = self._layout.param_of(name)
             return param is not None and param[0] in params
 
         in_order = [n for n in tensors if alike(n)]
@@ -538,21 +354,21 @@ class Checkpointer:
             raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
-        if tier == "memory" and _torch_zero.any_zero(self.states):
+        if tier == "memory" and self._layout.has_zero():
             raise ValueError("tier='memory' is not available with a ZeroRedundancyOptimizer (resume() could not hand "
                              "each rank its partition from memory); save it with tier='disk'")
         started = time.perf_counter()
-        tree, tensors = self._state()
+        tree, tensors = self._layout.flatten()
         tensors, specs = self._share(tensors)
-        self._register(tensors, specs)
+        self._layout.register(self.client, tensors, specs)
         payload: Optional[Dict[str, Any]] = None
         if persist:
-            payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra,
+            payload = {"format": _torch_state.FORMAT, "version": _torch_state.VERSION, "state": tree, "user": extra,
                        "world_size": self._world_size}
-            if self._zero_records:
-                payload["zero"] = self._zero_records
+            if self._layout.zero_records:
+                payload["zero"] = self._layout.zero_records
             if self.rng:
-                payload["rng"] = _rng_state()
+                payload["rng"] = _torch_state.rng_state()
         snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload, tier=tier)
         snap.seconds = time.perf_counter() - started  # all of save(), flattening included
         self.last_snapshot = snap
@@ -600,8 +416,8 @@ class Checkpointer:
         rank (a rank number the job that saved it did not have: see _torch_agree.borrow_part)."""
         first = next(iter(tensors))
         scratch = torch.empty(tuple(tensors[first].shape), dtype=tensors[first].dtype)  # host memory, wherever it is
-        self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
-        self._layout_key = None
+        self.client._register({first: scratch}, {first: self._layout.spec(first, scratch.shape)}, with_ema=False)
+        self._layout.forget_registered()
         try:
             found, extra = self.client.restore({first: scratch}, step=step, timeout=timeout)
         except (NotFoundError, FailedPreconditionError) as e:
@@ -614,11 +430,8 @@ class Checkpointer:
             return None, None
         if not extra:
             return found, None
-        try:
-            blob = json.loads(extra.decode("utf-8"))
-        except ValueError:
-            blob = None
-        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+        blob = _torch_state.read_blob(extra)
+        if blob is None:
             raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
                                          "state has no state-dict structure); restore it with flashckpt.Client" % found)
         return found, blob
@@ -655,7 +468,7 @@ class Checkpointer:
         # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
         # memory, unless a complete disk checkpoint is newer.
         memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
-        if step is None and not _torch_zero.any_zero(self.states):
+        if step is None and not self._layout.has_zero():
             memory = self._memory_step(group, timeout)
             if memory is not None:
                 error: Optional[BaseException] = None
@@ -687,7 +500,7 @@ class Checkpointer:
         # on the step.
         def probe() -> Tuple[Node, Dict[str, Any], Optional[int], Any]:
             self._settle(min(timeout, 60.0))
-            tree, tensors = self._state()
+            tree, tensors = self._layout.flatten()
             if not tensors:
                 raise ValueError("the states hold no tensors; there is nothing to resume")
             probed = self._probe(tensors, step, timeout)
@@ -723,7 +536,7 @@ class Checkpointer:
         # 2. Compare structures on every rank before any rank loads anything, then restore.
         _torch_agree.stage(group, "match checkpoint-%d" % chosen,
                            lambda: self._check_structure(chosen, blob, tree, borrowed))
-        if _torch_zero.any_zero(self.states):
+        if self._layout.has_zero():
             # What each rank of the saving job recorded of its partition (those of this group's ranks:
             # one gather, on every rank alike), then this rank's new partition.
             records = [_torch_zero.resume_part(self.states, blob, borrowed)]
@@ -762,16 +575,13 @@ class Checkpointer:
         keeps the segment that holds it). A rank of a job that splits its replicated tensors holds
         only its share of them: it returns (blob, targets, tensors) for _spread_shares and
         _hand_over, which every rank calls once every rank has restored its share; None otherwise."""
-        tree, tensors = self._state()
+        tree, tensors = self._layout.flatten()
         extra = self.client.memory_extra(step, timeout=min(timeout, 60.0))
         if extra is None:
             raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d no longer holds memory checkpoint step %d"
                                           % (self.client.rank, step))
-        try:
-            blob = json.loads(extra.decode("utf-8"))
-        except ValueError:
-            blob = None
-        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+        blob = _torch_state.read_blob(extra)
+        if blob is None:
             raise StructureMismatchError("memory checkpoint step %d was not taken by flashckpt.torch.Checkpointer"
                                          % step)
         self._check_structure(step, blob, tree)
@@ -797,7 +607,7 @@ class Checkpointer:
         current ones. A fresh optimizer (no state yet) takes the checkpoint's state. `borrowed`: the
         saved states are rank 0's (_torch_agree.borrow_part), and the message says so."""
         skip = tuple((key, "state") for key, obj in self.states.items()
-                     if _torch_zero.is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
+                     if _torch_zero.is_zero(obj) or (_torch_state.is_optimizer(obj) and len(obj.state) == 0))
         diff = _state.first_difference(blob["state"], tree, skip=skip)
         if diff:
             key, why = diff
@@ -823,11 +633,11 @@ class Checkpointer:
         # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
         targets: Dict[str, torch.Tensor] = {}
         for leaf in _state.tensor_leaves(saved):
-            name, dtype = leaf["t"], _TORCH_DTYPES[leaf["dtype"]]
+            name, dtype = leaf["t"], _torch_state.TORCH_DTYPES[leaf["dtype"]]
             whole = tuple(leaf.get("global_shape", leaf["shape"]))
             t = tensors.get(name)
-            if t is None or t.dtype != dtype or self._global_shape(name, t.shape) != whole:
-                t = torch.empty(self._local_shape(name, whole), dtype=dtype)
+            if t is None or t.dtype != dtype or self._layout.global_shape(name, t.shape) != whole:
+                t = torch.empty(self._layout.local_shape(name, whole), dtype=dtype)
             targets[name] = t
         # With shares=True, or without data-parallel shares, this is the layout save() registers:
         # the daemon keeps the segment, and the memory checkpoints in it.
@@ -835,7 +645,7 @@ class Checkpointer:
         specs: Dict[str, Dict[str, Any]] = {}
         if shares:
             wanted, specs = self._share(wanted)
-        self._register(wanted, specs)
+        self._layout.register(self.client, wanted, specs)
         got, _ = self.client.restore(wanted, step=found, timeout=timeout)
         self.resumed_tier = self.client.restored_tier
         if got != found:
@@ -845,27 +655,10 @@ class Checkpointer:
 
     def _hand_over(self, blob: Dict[str, Any], targets: Dict[str, torch.Tensor], tensors: Mapping[str, Any]) -> None:
         """Hands each state its part of the restored `targets`, and sets the RNG state and self.extra."""
-        saved = blob["state"]
-        state = _state.unflatten(saved, targets)
-
         # 4. Hand each state its part.
-        for key, obj in self.states.items():
-            if key not in state:
-                continue
-            if isinstance(obj, torch.nn.Module):
-                subtree = cast(Node, _state.subtree(saved, (key,)))  # key is in state, so in saved
-                in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(subtree))
-                if not in_place or any("t" not in n for n in _state.leaves(subtree)):
-                    obj.load_state_dict(state[key])
-            elif _is_stateful(obj):
-                obj.load_state_dict(state[key])
-            elif isinstance(obj, dict) and isinstance(state[key], dict):
-                obj.clear()
-                obj.update(state[key])
-            else:
-                self.states[key] = state[key]
+        self._layout.load(blob["state"], targets, tensors)
         if self.rng and "rng" in blob:
-            _set_rng_state(blob["rng"])
+            _torch_state.set_rng_state(blob["rng"])
         self.extra = blob.get("user")
 
     def load_pretrained(self, step: Optional[int] = None, job: Optional[str] = None,
@@ -881,10 +674,10 @@ class Checkpointer:
         another job starts no attempt of this one: the next save() is that of a fresh start.
         Returns the step loaded, or None when the job has no complete checkpoint.
         """
-        _, tensors = self._state()
-        if not any(self._kind(n) == "model" for n in tensors):
+        _, tensors = self._layout.flatten()
+        if not any(self._layout.kind(n) == "model" for n in tensors):
             raise ValueError("the model holds no tensors; there is nothing to load")
-        self._register(tensors)
+        self._layout.register(self.client, tensors)
         source = None if job is None or job == self.client.job else job
         got, _ = self.client.restore(tensors, step=step, timeout=timeout, kinds=["model"], job=source)
         return got
@@ -899,10 +692,10 @@ class Checkpointer:
         """
         if not self.ema_enabled:
             raise ValueError("this Checkpointer was created without ema_decay; there is no EMA")
-        if not self._model_keys:
+        if not self._layout.model_keys:
             raise ValueError("no module among the states (nor a state named 'model'); the EMA covers model tensors")
-        tensors = self._state()[1]
-        self._register(tensors)
+        tensors = self._layout.flatten()[1]
+        self._layout.register(self.client, tensors)
         shapes = self.client.registered
         out: Dict[str, torch.Tensor] = {}
         for name in self.client.ema_names:
@@ -914,9 +707,9 @@ class Checkpointer:
             raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
                                           "multiple of ema_interval first")
         self.ema_step = step
-        if len(self._model_keys) != 1:
+        if len(self._layout.model_keys) != 1:
             return out
-        prefix = self._model_keys[0] + "."
+        prefix = self._layout.model_keys[0] + "."
         return {name[len(prefix):] if name.startswith(prefix) else name: t for name, t in out.items()}
 
     # --- misc ----------------------------------------------------------------------------------
