@@ -89,20 +89,19 @@ device. Without a device, CPU tensors work as they always do.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 
 from . import _state
 from . import _torch_agree
+from . import _torch_shares
 from . import _torch_state
 from . import _torch_zero
 from ._state import Node
-from ._tensors import Shape
 from .client import Client, Snapshot
 from .errors import FailedPreconditionError, FlashckptError, NotFoundError, StructureMismatchError
 
@@ -159,8 +158,6 @@ class Checkpointer:
                            or tp_degree * pp_degree != 1):
             raise ValueError("replicated=True (each tensor written by one data-parallel rank) is for data-parallel "
                              "jobs without tensor or pipeline parallelism and without the daemon's EMA")
-        self._replicated = replicated
-        self._model_parallel = tp_degree * pp_degree
         self.model: Any = next((self.states[k] for k in self._layout.model_keys), None)
         self.optimizer: Any = next((v for v in self.states.values() if _torch_state.is_optimizer(v)), None)
         if rank is None or world_size is None:
@@ -179,6 +176,8 @@ class Checkpointer:
         self._process_group = process_group
         self._world_size = world_size
         self.ema_enabled = client_options.get("ema_decay") is not None
+        self._shares = _torch_shares.Shares(self._layout, replicated, self.ema_enabled, tp_degree * pp_degree,
+                                            process_group, world_size)
         self.extra: Any = None
         self.resumed_step: Optional[int] = None
         self.resumed_tier: Optional[str] = None
@@ -195,145 +194,6 @@ class Checkpointer:
     @states.setter
     def states(self, states: Dict[str, Any]) -> None:
         self._layout.states = states
-
-    # --- data parallelism ------------------------------------------------------------------------
-
-    def _data_parallel(self) -> Optional[Tuple[int, int]]:
-        """(rank, ranks) of this rank among the replicas that split the writing, or None."""
-        if self._replicated is False:
-            return None
-        group = self._group()
-        if group is None:
-            if self._replicated:
-                raise ValueError("replicated=True needs a torch.distributed process group of the job's world size")
-            return None
-        if self._replicated is None:
-            ddp = any(isinstance(v, torch.nn.parallel.DistributedDataParallel) for v in self.states.values())
-            if not ddp or self.ema_enabled or self._layout.shard_specs is not None or self._model_parallel != 1:
-                return None
-        return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-
-    def _share(self, tensors: Dict[str, Any],
-               of_rank: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-        """(tensors, specs): what this rank (or data-parallel rank `of_rank`) writes. The replicated
-        tensors, in state order, are one stream of bytes cut into equal shares, one per rank; an
-        element belongs to the share its first byte is in, so a tensor that crosses a cut is written
-        as flat ranges by the ranks whose shares it crosses. The buffers of replicated modules are
-        rank 0's; every other tensor is written by the rank that holds it."""
-        dp = self._data_parallel()
-        if dp is None:
-            return tensors, {}
-        ranks = dp[1]
-        rank = dp[0] if of_rank is None else of_rank
-        in_order, buffers = self._replicated_names(tensors)
-        total = sum(tensors[n].numel() * tensors[n].element_size() for n in in_order)
-        lo, hi = total * rank // ranks, total * (rank + 1) // ranks
-        out: Dict[str, Any] = {}
-        specs: Dict[str, Dict[str, Any]] = {}
-        pos = 0
-        replicated = set(in_order)
-        for name, t in tensors.items():
-            if name in buffers:
-                if rank == 0:
-                    out[name] = t
-                continue
-            if name not in replicated:
-                out[name] = t
-                continue
-            size, numel = t.element_size(), t.numel()
-            if numel == 0:
-                if lo <= pos < hi or (pos == total and rank == ranks - 1):
-                    out[name] = t
-                continue
-            first = max(0, -(-(lo - pos) // size))
-            end = min(numel, -(-(hi - pos) // size))
-            pos += numel * size
-            if first >= end:
-                continue
-            if (first, end) == (0, numel) or not t.is_contiguous():
-                out[name] = t  # a non-contiguous tensor is refused by register(), naming it
-            else:
-                out[name] = t.view(-1)[first:end]
-                specs[name] = {"box_shape": list(t.shape), "flat_range": (first, end)}
-        return out, specs
-
-    def _replicated_names(self, tensors: Mapping[str, Any]) -> Tuple[List[str], Set[str]]:
-        """(replicated, buffers): the names of `tensors` alike on every data-parallel rank, in state
-        order, and those of the replicated modules' buffers (which are not among them)."""
-        # The parameters of the replicated modules (DDP's; every module with replicated=True) and
-        # the optimizer state of those parameters. Their buffers are rank 0's alone: DDP broadcasts
-        # rank 0's before each forward, which then updates them on each rank (BatchNorm statistics).
-        ddp = torch.nn.parallel.DistributedDataParallel
-        params: Set[str] = set()
-        buffers: Set[str] = set()
-        storage: Set[Tuple[int, Shape]] = set()
-        for key in self._layout.model_keys:
-            module = self.states[key]
-            if isinstance(module, torch.nn.Module) and (self._replicated or isinstance(module, ddp)):
-                for n, p in module.named_parameters():
-                    params.add("%s.%s" % (key, n))
-                    storage.add((p.data_ptr(), tuple(p.shape)))
-                buffers.update("%s.%s" % (key, n) for n, _ in module.named_buffers())
-
-        def alike(name: str) -> bool:
-            t = tensors[name]
-            if name in params or (t.data_ptr(), tuple(t.shape)) in storage:  # a tied parameter's second name too
-                return True
-            owner = self.states.get(name.split(".", 1)[0])
-            if not _torch_state.is_optimizer(owner) or _torch_zero.is_zero(owner):
-                return False
-            param = self._layout.param_of(name)
-            return param is not None and param[0] in params
-
-        in_order = [n for n in tensors if alike(n)]
-        return in_order, buffers - set(in_order)
-
-    def _spread_shares(self, group: ProcessGroup, targets: Dict[str, Any]) -> None:
-        """After each data-parallel rank restored its own share of `targets` (its memory checkpoint
-        holds no more), hands every share to every rank: each rank broadcasts its part of the
-        replicated tensors, and rank 0 the buffers. The other tensors are each rank's own. Every
-        rank of the group makes the same broadcasts, in the same order."""
-        dp = self._data_parallel()
-        if dp is None:
-            return
-        staging = (torch.device("cuda", torch.cuda.current_device())
-                   if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
-        for r, tensors in enumerate(self._spread_plan(targets)):
-            source = torch.distributed.get_global_rank(group, r)
-            # One broadcast per dtype of rank r's share, through a flat buffer of that share's size,
-            # on the device the group's backend communicates from (the tensors may be on the CPU
-            # and a GPU both: Adam keeps its step counts on the CPU).
-            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for t in tensors:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for dtype, ts in by_dtype.items():
-                if r == dp[0]:
-                    flat = torch.cat([t.reshape(-1).to(staging) for t in ts])
-                else:
-                    flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=staging)
-                torch.distributed.broadcast(flat, src=source, group=group)
-                if r != dp[0]:
-                    at = 0
-                    for t in ts:
-                        t.copy_(flat[at:at + t.numel()].view_as(t))
-                        at += t.numel()
-
-    def _spread_plan(self, targets: Dict[str, Any]) -> List[List[torch.Tensor]]:
-        """Per data-parallel rank, the tensors (views of `targets`) that it broadcasts in
-        _spread_shares: its part of the replicated tensors, and for rank 0 also the buffers."""
-        dp = self._data_parallel()
-        if dp is None:
-            return []
-        in_order, buffers = self._replicated_names(targets)
-        spread = set(in_order) | buffers
-        return [[t for name, t in self._share(targets, of_rank=r)[0].items() if name in spread and t.numel() > 0]
-                for r in range(dp[1])]
-
-    def _spread_digest(self, targets: Dict[str, Any]) -> str:
-        """What _spread_shares will broadcast (dtypes and sizes, in order): every rank must compute the
-        same, else the broadcasts would not pair up."""
-        plan = [[(str(t.dtype), t.numel()) for t in tensors] for tensors in self._spread_plan(targets)]
-        return hashlib.sha256(repr(plan).encode("utf-8")).hexdigest()
 
     # --- save ----------------------------------------------------------------------------------
 
@@ -359,7 +219,7 @@ class Checkpointer:
                              "each rank its partition from memory); save it with tier='disk'")
         started = time.perf_counter()
         tree, tensors = self._layout.flatten()
-        tensors, specs = self._share(tensors)
+        tensors, specs = self._shares.split(tensors)
         self._layout.register(self.client, tensors, specs)
         payload: Optional[Dict[str, Any]] = None
         if persist:
@@ -477,7 +337,7 @@ class Checkpointer:
                 try:
                     restored = self._resume_memory(memory, timeout)
                     if restored is not None:
-                        digest = self._spread_digest(restored[1])
+                        digest = self._shares.digest(restored[1])
                 except BaseException as e:  # reported to the other ranks before anything is raised
                     error = e
                 failed = _torch_agree.memory_failure(group, memory, error, digest)
@@ -485,7 +345,7 @@ class Checkpointer:
                     if group is not None and restored is not None:
                         # Each data-parallel rank restored its own share: the ranks hand theirs on.
                         mblob, targets, mtensors = restored
-                        self._spread_shares(group, targets)
+                        self._shares.spread(group, targets)
                         _torch_agree.stage(group, "load memory checkpoint step %d" % memory,
                                            lambda: self._hand_over(mblob, targets, mtensors))
                     self.resumed_step = memory
@@ -573,7 +433,7 @@ class Checkpointer:
         """Restores this rank's memory checkpoint `step`: its structure from the extra state the
         daemon keeps with it, then the tensors, registered as save() registered them (so the daemon
         keeps the segment that holds it). A rank of a job that splits its replicated tensors holds
-        only its share of them: it returns (blob, targets, tensors) for _spread_shares and
+        only its share of them: it returns (blob, targets, tensors) for Shares.spread and
         _hand_over, which every rank calls once every rank has restored its share; None otherwise."""
         tree, tensors = self._layout.flatten()
         extra = self.client.memory_extra(step, timeout=min(timeout, 60.0))
@@ -591,7 +451,7 @@ class Checkpointer:
             # segment, and the memory checkpoints in it.
             raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d was taken by a job of %s "
                                           "ranks, this one has %d" % (step, saved_world, self._world_size))
-        shares = self._data_parallel() is not None
+        shares = self._shares.ranks() is not None
         targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
         if self.client.restored_tier not in ("memory", "peer"):
             # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
@@ -626,8 +486,8 @@ class Checkpointer:
     def _restore_tensors(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float,
                          shares: bool = False) -> Dict[str, torch.Tensor]:
         """The tensors of checkpoint `found` (by name), restored in place where the tensor exists now.
-        shares=True: only this rank's data-parallel share is restored (_share), in the layout save()
-        registers, which is what its memory checkpoint holds; _spread_shares fills in the rest."""
+        shares=True: only this rank's data-parallel share is restored (Shares.split), in the layout
+        save() registers, which is what its memory checkpoint holds; Shares.spread fills in the rest."""
         saved = blob["state"]
 
         # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
@@ -644,7 +504,7 @@ class Checkpointer:
         wanted: Dict[str, Any] = dict(targets)
         specs: Dict[str, Dict[str, Any]] = {}
         if shares:
-            wanted, specs = self._share(wanted)
+            wanted, specs = self._shares.split(wanted)
         self._layout.register(self.client, wanted, specs)
         got, _ = self.client.restore(wanted, step=found, timeout=timeout)
         self.resumed_tier = self.client.restored_tier
