@@ -91,19 +91,16 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Union
 
 import torch
 
-from . import _state
 from . import _torch_agree
+from . import _torch_resume
 from . import _torch_shares
 from . import _torch_state
-from . import _torch_zero
-from ._state import Node
 from .client import Client, Snapshot
-from .errors import FailedPreconditionError, FlashckptError, NotFoundError, StructureMismatchError
+from .errors import FailedPreconditionError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -250,52 +247,6 @@ class Checkpointer:
 
     # --- resume --------------------------------------------------------------------------------
 
-    def _settle(self, timeout: float) -> None:
-        """Waits until no rank of the job has a snapshot committed but not yet persisted.
-
-        A restarted trainer must not pick the latest complete checkpoint while its predecessor's last
-        save is still being written: that one would complete later and refuse to be saved again.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            jobs = [j for j in self.client.status().get("jobs", []) if j.get("job") == self.client.job]
-            busy = any(s.get("state") in ("committed", "persisting")
-                       for j in jobs for r in j.get("ranks", []) for s in r.get("slots", []))
-            if not busy or time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
-
-    def _group(self) -> Optional[ProcessGroup]:
-        """The process group whose ranks agree on the resumed step, or None (one process, or no group)."""
-        return _torch_agree.process_group(self._process_group, self._world_size)
-
-    def _probe(self, tensors: Mapping[str, Any], step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
-        """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
-        tensor into scratch memory; (None, None) when there is none. The blob (a dict parsed from
-        JSON) holds the saved tree; it is None when the checkpoint holds no extra state of this
-        rank (a rank number the job that saved it did not have: see _torch_agree.borrow_part)."""
-        first = next(iter(tensors))
-        scratch = torch.empty(tuple(tensors[first].shape), dtype=tensors[first].dtype)  # host memory, wherever it is
-        self.client._register({first: scratch}, {first: self._layout.spec(first, scratch.shape)}, with_ema=False)
-        self._layout.forget_registered()
-        try:
-            found, extra = self.client.restore({first: scratch}, step=step, timeout=timeout)
-        except (NotFoundError, FailedPreconditionError) as e:
-            if "'%s'" % first not in e.message:
-                raise
-            raise StructureMismatchError(
-                "the checkpoint does not match the current state; first differing key '%s': %s"
-                % (first, e.message), key=first) from None
-        if found is None:
-            return None, None
-        if not extra:
-            return found, None
-        blob = _torch_state.read_blob(extra)
-        if blob is None:
-            raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
-                                         "state has no state-dict structure); restore it with flashckpt.Client" % found)
-        return found, blob
-
     def resume(self, step: Optional[int] = None, timeout: float = 600.0) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
 
@@ -321,205 +272,16 @@ class Checkpointer:
         its new ZeroRedundancyOptimizer partition) from whichever files hold it. Its state must
         have rank 0's structure (data and tensor parallelism; not another pipeline stage).
         """
-        group = self._group()
-        if group is not None:
-            _torch_agree.same_step(group, step)
-
-        # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
-        # memory, unless a complete disk checkpoint is newer.
-        memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
-        if step is None and not self._layout.has_zero():
-            memory = self._memory_step(group, timeout)
-            if memory is not None:
-                error: Optional[BaseException] = None
-                restored: Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]] = None
-                digest: Optional[str] = None
-                try:
-                    restored = self._resume_memory(memory, timeout)
-                    if restored is not None:
-                        digest = self._shares.digest(restored[1])
-                except BaseException as e:  # reported to the other ranks before anything is raised
-                    error = e
-                failed = _torch_agree.memory_failure(group, memory, error, digest)
-                if failed is None:
-                    if group is not None and restored is not None:
-                        # Each data-parallel rank restored its own share: the ranks hand theirs on.
-                        mblob, targets, mtensors = restored
-                        self._shares.spread(group, targets)
-                        _torch_agree.stage(group, "load memory checkpoint step %d" % memory,
-                                           lambda: self._hand_over(mblob, targets, mtensors))
-                    self.resumed_step = memory
-                    return memory
-                # The daemon's errors (a checkpoint dropped meanwhile, say): every rank reads the disk,
-                # which overwrites whatever the others restored.
-                memory_failed = "the restore of memory checkpoint step %d failed on rank %d (%s)" % (
-                    memory, failed[0], failed[1])
-                warnings.warn("%s; every rank restores from disk instead" % memory_failed, RuntimeWarning)
-
-        # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
-        # on the step.
-        def probe() -> Tuple[Node, Dict[str, Any], Optional[int], Any]:
-            self._settle(min(timeout, 60.0))
-            tree, tensors = self._layout.flatten()
-            if not tensors:
-                raise ValueError("the states hold no tensors; there is nothing to resume")
-            probed = self._probe(tensors, step, timeout)
-            if probed[0] is not None and probed[1] is None and group is None:
-                # Without a group no other rank can hand its part on (_torch_agree.borrow_part).
-                raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was "
-                                              "saved by fewer ranks (a job of more ranks resumes it in a "
-                                              "torch.distributed process group, whose ranks hand rank 0's part on) "
-                                              "or not by flashckpt.torch.Checkpointer" % (probed[0], self.client.rank))
-            return (tree, tensors) + probed
-
-        tree, tensors, found, blob = _torch_agree.stage(group, "read its checkpoint", probe)
-        if group is not None:
-            agreed = _torch_agree.common_step(group, found, self.client.job)
-            if agreed is not None:
-                # Every rank takes part in this stage, also those that found it already.
-                found, blob = _torch_agree.stage(
-                    group, "read checkpoint-%d" % agreed,
-                    lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
-        if found is None:
-            if memory_failed is not None:
-                # Some ranks may hold the memory checkpoint's state, others their own: no common start.
-                raise FailedPreconditionError("FAILED_PRECONDITION", "%s and job '%s' has no complete checkpoint on "
-                                              "disk to restore instead; restart every rank of the job"
-                                              % (memory_failed, self.client.job))
-            return None
-        chosen: int = found  # for the closures below, which do not see `found` narrowed
-        # A rank whose number the saving job did not have takes rank 0's part (a job of more ranks).
-        borrowed = False
-        if group is not None:
-            blob, borrowed = _torch_agree.borrow_part(group, self.client.rank, chosen, blob)
-
-        # 2. Compare structures on every rank before any rank loads anything, then restore.
-        _torch_agree.stage(group, "match checkpoint-%d" % chosen,
-                           lambda: self._check_structure(chosen, blob, tree, borrowed))
-        if self._layout.has_zero():
-            # What each rank of the saving job recorded of its partition (those of this group's ranks:
-            # one gather, on every rank alike), then this rank's new partition.
-            records = [_torch_zero.resume_part(self.states, blob, borrowed)]
-            if group is not None:
-                records = _torch_agree.gather(group, records[0])
-            _torch_agree.stage(group, "take its optimizer partition",
-                               lambda: _torch_zero.take_partitions(self.states, blob, records))
-        _torch_agree.stage(group, "restore checkpoint-%d" % chosen,
-                           lambda: self._restore_found(chosen, blob, tensors, timeout))
-        self.resumed_step = chosen
-        return chosen
-
-    def _memory_step(self, group: Optional[ProcessGroup], timeout: float) -> Optional[int]:
-        """The memory checkpoint every rank restores: the newest step all of them hold (verified by
-        their daemons), if no rank sees a newer complete checkpoint on disk; None: the disk path.
-        A rank whose daemon cannot tell (an older daemon, say) sends the others to the disk too.
-        A job of several ranks without a process group cannot agree on one: the disk path."""
-        if group is None and self._world_size > 1:
-            return None
-        mine: Optional[Tuple[List[int], Optional[int]]] = None
-        error: Optional[BaseException] = None
+        resume = _torch_resume.Resume(self.client, self._layout, self._shares, self._world_size, self.rng,
+                                      self.extra, self.resumed_tier)
         try:
-            self._settle(min(timeout, 60.0))  # the last disk save of the trainer that died counts too
-            mine = self.client.restorable(min(timeout, 60.0))
-        except FlashckptError as e:
-            warnings.warn("rank %d cannot list its memory checkpoints (%s); resuming from disk"
-                          % (self.client.rank, e), RuntimeWarning)
-        except BaseException as e:  # reported to the other ranks before it is raised
-            error = e
-        return _torch_agree.memory_step(group, error, mine)
-
-    def _resume_memory(self, step: int,
-                       timeout: float) -> Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]]:
-        """Restores this rank's memory checkpoint `step`: its structure from the extra state the
-        daemon keeps with it, then the tensors, registered as save() registered them (so the daemon
-        keeps the segment that holds it). A rank of a job that splits its replicated tensors holds
-        only its share of them: it returns (blob, targets, tensors) for Shares.spread and
-        _hand_over, which every rank calls once every rank has restored its share; None otherwise."""
-        tree, tensors = self._layout.flatten()
-        extra = self.client.memory_extra(step, timeout=min(timeout, 60.0))
-        if extra is None:
-            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d no longer holds memory checkpoint step %d"
-                                          % (self.client.rank, step))
-        blob = _torch_state.read_blob(extra)
-        if blob is None:
-            raise StructureMismatchError("memory checkpoint step %d was not taken by flashckpt.torch.Checkpointer"
-                                         % step)
-        self._check_structure(step, blob, tree)
-        saved_world = blob.get("world_size", self._world_size)
-        if saved_world != self._world_size:
-            # Checked before anything is registered: a layout of other shares would replace the
-            # segment, and the memory checkpoints in it.
-            raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d was taken by a job of %s "
-                                          "ranks, this one has %d" % (step, saved_world, self._world_size))
-        shares = self._shares.ranks() is not None
-        targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
-        if self.client.restored_tier not in ("memory", "peer"):
-            # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
-            warnings.warn("memory checkpoint step %d was gone; rank %d restored it from disk"
-                          % (step, self.client.rank), RuntimeWarning)
-        if shares:
-            return blob, targets, tensors
-        self._hand_over(blob, targets, tensors)
-        return None
-
-    def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node, borrowed: bool = False) -> None:
-        """Raises StructureMismatchError naming the first key where the saved states differ from the
-        current ones. A fresh optimizer (no state yet) takes the checkpoint's state. `borrowed`: the
-        saved states are rank 0's (_torch_agree.borrow_part), and the message says so."""
-        skip = tuple((key, "state") for key, obj in self.states.items()
-                     if _torch_zero.is_zero(obj) or (_torch_state.is_optimizer(obj) and len(obj.state) == 0))
-        diff = _state.first_difference(blob["state"], tree, skip=skip)
-        if diff:
-            key, why = diff
-            if borrowed:
-                raise StructureMismatchError(
-                    "checkpoint-%d was saved by fewer ranks: rank %d has no part of it and takes rank 0's, whose "
-                    "state differs from this rank's (a rank must hold what rank 0 holds: data or tensor "
-                    "parallelism, not another pipeline stage); first differing key '%s': %s"
-                    % (found, self.client.rank, key, why), key=key)
-            raise StructureMismatchError("checkpoint-%d does not match the current state; first differing key '%s': %s"
-                                         % (found, key, why), key=key)
-
-    def _restore_found(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float) -> None:
-        self._hand_over(blob, self._restore_tensors(found, blob, tensors, timeout), tensors)
-
-    def _restore_tensors(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float,
-                         shares: bool = False) -> Dict[str, torch.Tensor]:
-        """The tensors of checkpoint `found` (by name), restored in place where the tensor exists now.
-        shares=True: only this rank's data-parallel share is restored (Shares.split), in the layout
-        save() registers, which is what its memory checkpoint holds; Shares.spread fills in the rest."""
-        saved = blob["state"]
-
-        # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
-        targets: Dict[str, torch.Tensor] = {}
-        for leaf in _state.tensor_leaves(saved):
-            name, dtype = leaf["t"], _torch_state.TORCH_DTYPES[leaf["dtype"]]
-            whole = tuple(leaf.get("global_shape", leaf["shape"]))
-            t = tensors.get(name)
-            if t is None or t.dtype != dtype or self._layout.global_shape(name, t.shape) != whole:
-                t = torch.empty(self._layout.local_shape(name, whole), dtype=dtype)
-            targets[name] = t
-        # With shares=True, or without data-parallel shares, this is the layout save() registers:
-        # the daemon keeps the segment, and the memory checkpoints in it.
-        wanted: Dict[str, Any] = dict(targets)
-        specs: Dict[str, Dict[str, Any]] = {}
-        if shares:
-            wanted, specs = self._shares.split(wanted)
-        self._layout.register(self.client, wanted, specs)
-        got, _ = self.client.restore(wanted, step=found, timeout=timeout)
-        self.resumed_tier = self.client.restored_tier
-        if got != found:
-            raise FailedPreconditionError("FAILED_PRECONDITION", "asked for checkpoint-%d, the daemon restored %s"
-                                          % (found, got))
-        return targets
-
-    def _hand_over(self, blob: Dict[str, Any], targets: Dict[str, torch.Tensor], tensors: Mapping[str, Any]) -> None:
-        """Hands each state its part of the restored `targets`, and sets the RNG state and self.extra."""
-        # 4. Hand each state its part.
-        self._layout.load(blob["state"], targets, tensors)
-        if self.rng and "rng" in blob:
-            _torch_state.set_rng_state(blob["rng"])
-        self.extra = blob.get("user")
+            found = resume.run(_torch_agree.process_group(self._process_group, self._world_size), step, timeout)
+        finally:
+            # `extra` and the tier as far as it got, also when it raised part way (states partly restored).
+            self.extra, self.resumed_tier = resume.extra, resume.tier
+        if found is not None:
+            self.resumed_step = found
+        return found
 
     def load_pretrained(self, step: Optional[int] = None, job: Optional[str] = None,
                         timeout: float = 600.0) -> Optional[int]:
@@ -552,7 +314,8 @@ class Checkpointer:
         """
         if not self.ema_enabled:
             raise ValueError("this Checkpointer was created without ema_decay; there is no EMA")
-        if not self._layout.model_keys:
+        model_keys = self._layout.model_keys
+        if not model_keys:
             raise ValueError("no module among the states (nor a state named 'model'); the EMA covers model tensors")
         tensors = self._layout.flatten()[1]
         self._layout.register(self.client, tensors)
@@ -567,9 +330,9 @@ class Checkpointer:
             raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
                                           "multiple of ema_interval first")
         self.ema_step = step
-        if len(self._layout.model_keys) != 1:
+        if len(model_keys) != 1:
             return out
-        prefix = self._layout.model_keys[0] + "."
+        prefix = model_keys[0] + "."
         return {name[len(prefix):] if name.startswith(prefix) else name: t for name, t in out.items()}
 
     # --- misc ----------------------------------------------------------------------------------
@@ -587,4 +350,3 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
-
