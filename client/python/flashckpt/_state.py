@@ -132,6 +132,18 @@ def tensor_leaves(tree: Node) -> Iterator[Node]:
             yield from tensor_leaves(c)
 
 
+def leaves(tree: Optional[Node]) -> Iterator[Node]:
+    """Every leaf node of `tree` (tensor or value), in order; none of None."""
+    if tree is None:
+        return
+    for kind in ("d", "l", "u"):
+        if kind in tree:
+            for c in tree[kind]:
+                yield from leaves(c[1] if kind == "d" else c)
+            return
+    yield tree
+
+
 def subtree(tree: Node, path: Iterable[Key]) -> Optional[Node]:
     """The node at `path` (a tuple of keys), or None."""
     for key in path:

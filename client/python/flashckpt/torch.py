@@ -89,93 +89,26 @@ device. Without a device, CPU tensors work as they always do.
 
 from __future__ import annotations
 
-import base64
-import collections.abc
-import hashlib
-import json
 import os
-import sys
 import time
-import warnings
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Set,
-                    Tuple, TypeVar, Union, cast)
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Union
 
 import torch
 
-from . import _state
-from . import _tensors
-from ._state import Node
-from ._tensors import Shape
+from . import _torch_agree
+from . import _torch_resume
+from . import _torch_shares
+from . import _torch_state
 from .client import Client, Snapshot
-from .errors import FailedPreconditionError, FlashckptError, NotFoundError, StructureMismatchError
+from .errors import FailedPreconditionError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-_T = TypeVar("_T")
 # How tensor parallelism splits one model tensor: (dim, tp_rank, tp_degree), {"dim", "rank",
 # "degree"}, or None (whole); shard_specs maps a model state-dict key to one, or is a function.
-ShardSpec = Union[Sequence[int], Mapping[str, int], None]
-ShardSpecs = Union[Mapping[str, ShardSpec], Callable[[str], ShardSpec]]
-
-_FORMAT = "flashckpt.torch"
-_VERSION = 1
-_TORCH_DTYPES = {k: getattr(torch, v) for k, v in _tensors.DTYPE_NAMES.items()}
-
-
-def _distributed_rank_and_size() -> Tuple[int, int]:
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _rng_state() -> Dict[str, Any]:
-    state: Dict[str, Any] = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-    torch.set_rng_state(tensor(state["cpu"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
-
-
-def _is_stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _is_zero(obj: object) -> bool:
-    """torch.distributed.optim.ZeroRedundancyOptimizer: each rank holds the state of its partition."""
-    # Looked up, not imported: a job that made one has imported it, and importing it costs a save.
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    return module is not None and isinstance(obj, module.ZeroRedundancyOptimizer)
-
-
-def _zero_state_dict(zero: Any) -> Dict[str, Any]:
-    """What zero.state_dict() gives after consolidation, restricted to this rank's partition: the
-    state of the rank's parameters under their global indices, and every parameter group (hyper-
-    parameters, global indices). No collective: every rank writes only the state it holds."""
-    index = zero._param_to_index
-    state: Dict[int, Dict[str, Any]] = {}
-    for param, fields in zero.optim.state.items():
-        state[index[param]] = dict(fields)
-    groups: List[Dict[str, Any]] = []
-    for g in zero.param_groups:
-        group = {k: v for k, v in g.items() if k != "params"}
-        group["params"] = [index[p] for p in g["params"]]
-        groups.append(group)
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def _is_optimizer(obj: object) -> bool:
-    """An optimizer-like state: its state_dict has the per-parameter `state` that is empty until its first step."""
-    return isinstance(obj, torch.optim.Optimizer) or (
-        _is_stateful(obj) and hasattr(obj, "param_groups") and isinstance(getattr(obj, "state", None), dict))
+ShardSpec = _torch_state.ShardSpec
+ShardSpecs = _torch_state.ShardSpecs
 
 
 class Checkpointer:
@@ -217,40 +150,15 @@ class Checkpointer:
                  shard_degree: Optional[int] = None, rng: bool = True, process_group: Optional[ProcessGroup] = None,
                  shard_specs: Optional[ShardSpecs] = None, replicated: Optional[bool] = None,
                  **client_options: Any) -> None:
-        self.states: Dict[str, Any]
-        if isinstance(model, collections.abc.Mapping) and not _is_stateful(model):
-            if optimizer is not None:
-                raise TypeError("pass the optimizer inside the dict of states (e.g. {'model': model, 'optim': "
-                                "optimizer}), not as a second argument")
-            if not model:
-                raise ValueError("the dict of states is empty; there is nothing to checkpoint")
-            for key in model:
-                if not isinstance(key, str) or not key or "." in key:
-                    raise ValueError("the keys of the dict of states name its tensors ('<key>.<state-dict key>'): "
-                                     "each must be a non-empty str without '.', got %r" % (key,))
-            self.states = cast(Dict[str, Any], model)  # the caller's own: resume() refills it
-        else:
-            self.states = {"model": model}
-            if optimizer is not None:
-                self.states["optimizer"] = optimizer
-        self._model_keys = [k for k, v in self.states.items() if k == "model" or isinstance(v, torch.nn.Module)]
-        if shard_specs is not None and not (callable(shard_specs) or isinstance(shard_specs, collections.abc.Mapping)):
-            raise TypeError("shard_specs must be a mapping or a callable from a model state-dict key to "
-                            "(dim, tp_rank, tp_degree), got %s" % type(shard_specs).__name__)
-        self._shard_specs = shard_specs
-        self._specs_checked = False
-        self._zero_records: Dict[str, Dict[str, Any]] = {}
-        self._param_map: Optional[Dict[Tuple[str, int], Tuple[str, Shape]]] = None
+        self._layout = _torch_state.Layout(_torch_state.states_of(model, optimizer), shard_specs)
         if replicated and (client_options.get("ema_decay") is not None or shard_specs is not None
                            or tp_degree * pp_degree != 1):
             raise ValueError("replicated=True (each tensor written by one data-parallel rank) is for data-parallel "
                              "jobs without tensor or pipeline parallelism and without the daemon's EMA")
-        self._replicated = replicated
-        self._model_parallel = tp_degree * pp_degree
-        self.model: Any = next((self.states[k] for k in self._model_keys), None)
-        self.optimizer: Any = next((v for v in self.states.values() if _is_optimizer(v)), None)
+        self.model: Any = next((self.states[k] for k in self._layout.model_keys), None)
+        self.optimizer: Any = next((v for v in self.states.values() if _torch_state.is_optimizer(v)), None)
         if rank is None or world_size is None:
-            dist_rank, dist_size = _distributed_rank_and_size()
+            dist_rank, dist_size = _torch_agree.rank_and_size()
             rank = dist_rank if rank is None else rank
             world_size = dist_size if world_size is None else world_size
         group = tp_degree * pp_degree
@@ -265,6 +173,8 @@ class Checkpointer:
         self._process_group = process_group
         self._world_size = world_size
         self.ema_enabled = client_options.get("ema_decay") is not None
+        self._shares = _torch_shares.Shares(self._layout, replicated, self.ema_enabled, tp_degree * pp_degree,
+                                            process_group, world_size)
         self.extra: Any = None
         self.resumed_step: Optional[int] = None
         self.resumed_tier: Optional[str] = None
@@ -272,282 +182,15 @@ class Checkpointer:
         self.saves = 0
         self.blocked_seconds = 0.0
         self.last_snapshot: Optional[Snapshot] = None
-        self._layout_key: Optional[Tuple[object, ...]] = None
 
-    # --- state ---------------------------------------------------------------------------------
+    @property
+    def states(self) -> Dict[str, Any]:
+        """The dict of states: the one given, else {"model": model}, with "optimizer" when one is given."""
+        return self._layout.states
 
-    def _state(self) -> Tuple[Node, Dict[str, Any]]:
-        state: Dict[str, Any] = {}
-        for key, obj in self.states.items():
-            if _is_zero(obj):
-                state[key] = _zero_state_dict(obj)
-            else:
-                state[key] = obj.state_dict() if _is_stateful(obj) else obj
-        tree, tensors = _state.flatten(state)
-        self._param_map = None
-        self._check_shard_specs(tensors)
-        self._zero_records = self._describe_partitions(tree)
-        if self._shard_specs is not None:
-            for leaf in _state.tensor_leaves(tree):
-                box = self._box(leaf["t"], tuple(leaf["shape"]))
-                if box:
-                    leaf["global_shape"] = box["global_shape"]
-        return tree, tensors
-
-    # --- tensor parallelism ----------------------------------------------------------------------
-
-    def _split(self, key: str, shape: Sequence[int]) -> Optional[Tuple[int, int, int]]:
-        """(dim, rank, degree) of model state-dict key `key` (a tensor of local shape `shape`), or None."""
-        specs = cast(ShardSpecs, self._shard_specs)  # set: _box() asks only then
-        spec: Any = specs(key) if callable(specs) else specs.get(key)
-        if spec is None:
-            return None
-        if isinstance(spec, collections.abc.Mapping):
-            spec = (spec.get("dim"), spec.get("rank"), spec.get("degree"))
-        try:
-            dim, rank, degree = (int(v) for v in spec)
-        except (TypeError, ValueError):
-            raise ValueError("shard_specs['%s'] must be (dim, tp_rank, tp_degree) or {'dim', 'rank', 'degree'}, got %r"
-                             % (key, spec)) from None
-        if not (0 <= dim < len(shape)) or degree < 1 or not (0 <= rank < degree):
-            raise ValueError("shard_specs['%s'] = (dim %d, tp_rank %d, tp_degree %d) does not fit a tensor of shape %s"
-                             % (key, dim, rank, degree, list(shape)))
-        return dim, rank, degree
-
-    def _param_names(self) -> Dict[Tuple[str, int], Tuple[str, Shape]]:
-        """{(optimizer key, parameter index): (model tensor name, local shape)}, built once per layout."""
-        if self._param_map is None:
-            names: Dict[int, Tuple[str, Shape]] = {}
-            for key in self._model_keys:
-                module = self.states[key]
-                if isinstance(module, torch.nn.Module):
-                    for pname, p in module.named_parameters():
-                        names.setdefault(id(p), ("%s.%s" % (key, pname), tuple(p.shape)))
-            self._param_map = {}
-            for okey, opt in self.states.items():
-                if _is_optimizer(opt):
-                    params = [p for g in opt.param_groups for p in g["params"]]
-                    for i, p in enumerate(params):
-                        if id(p) in names:
-                            self._param_map[(okey, i)] = names[id(p)]
-        return self._param_map
-
-    def _param_of(self, name: str) -> Optional[Tuple[str, Shape]]:
-        """(model tensor name, local shape) of the parameter whose optimizer state `name` is
-        ("<optimizer key>.state.<i>.<field>"), or None."""
-        parts = name.split(".")
-        if len(parts) < 4 or parts[1] != "state" or not parts[2].isdigit():
-            return None
-        return self._param_names().get((parts[0], int(parts[2])))
-
-    def _check_shard_specs(self, tensors: Mapping[str, Any]) -> None:
-        """A mapping that names no model tensor is a mistake (a DDP-wrapped model's keys start with
-        "module."): raise, naming the first such key."""
-        if self._shard_specs is None or callable(self._shard_specs) or self._specs_checked:
-            return
-        keys = {n.split(".", 1)[1] for n in tensors if "." in n and self._kind(n) == "model"}
-        unknown = [k for k in self._shard_specs if k not in keys]
-        if unknown:
-            raise ValueError("shard_specs names '%s', which is no model state-dict key (they are like '%s')"
-                             % (unknown[0], next(iter(sorted(keys)), "")))
-        self._specs_checked = True
-
-    def _box(self, name: str, shape: Sequence[int]) -> Optional[Dict[str, List[int]]]:
-        """The box spec (global_shape, box_offset, box_shape) of tensor `name` of local shape `shape`
-        under shard_specs, or None for a whole tensor."""
-        if self._shard_specs is None:
-            return None
-        if self._kind(name) != "model":
-            param = self._param_of(name)
-            if param is None:
-                return None
-            if param[1] != tuple(shape):
-                pkey = param[0].split(".", 1)[1]
-                if len(shape) > 0 and self._split(pkey, param[1]) is not None:
-                    raise ValueError("optimizer state '%s' of shape %s belongs to the split parameter '%s' of shape "
-                                     "%s: only state of the parameter's shape (split alike) or scalars are supported"
-                                     % (name, list(shape), param[0], list(param[1])))
-                return None  # a scalar (a step count): whole
-            name = param[0]
-        key = name.split(".", 1)[1] if "." in name else name
-        split = self._split(key, shape)
-        if split is None:
-            return None
-        dim, rank, degree = split
-        global_shape, offset = list(shape), [0] * len(shape)
-        global_shape[dim] *= degree
-        offset[dim] = rank * shape[dim]
-        return {"global_shape": global_shape, "box_offset": offset, "box_shape": list(shape)}
-
-    def _global_shape(self, name: str, shape: Sequence[int]) -> Shape:
-        box = self._box(name, tuple(shape))
-        return tuple(box["global_shape"]) if box else tuple(shape)
-
-    def _local_shape(self, name: str, whole: Shape) -> Shape:
-        """This rank's shape of a tensor it does not hold yet (a fresh optimizer's state) whose full
-        shape is `whole`: its parameter's, when that one is split and of the same full shape."""
-        if self._shard_specs is not None and self._kind(name) != "model":
-            param = self._param_of(name)
-            if param is not None and self._global_shape(param[0], param[1]) == whole:
-                return param[1]
-        return whole
-
-    def _spec(self, name: str, shape: Sequence[int]) -> Dict[str, Any]:
-        spec: Dict[str, Any] = {"kind": self._kind(name)}
-        spec.update(self._box(name, tuple(shape)) or {})
-        return spec
-
-    def _kind(self, name: str) -> str:
-        return "model" if name.split(".", 1)[0] in self._model_keys else "optimizer"
-
-    def _register(self, tensors: Mapping[str, Any], specs: Optional[Mapping[str, Mapping[str, Any]]] = None) -> None:
-        key = (tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()),
-               tuple(sorted((n, repr(v)) for n, v in (specs or {}).items())))
-        if key != self._layout_key:
-            all_specs = {n: self._spec(n, t.shape) for n, t in tensors.items()}
-            for n, extra in (specs or {}).items():
-                all_specs[n].update(extra)
-            self.client.register(tensors, specs=all_specs)
-            self._layout_key = key
-
-    # --- data parallelism ------------------------------------------------------------------------
-
-    def _data_parallel(self) -> Optional[Tuple[int, int]]:
-        """(rank, ranks) of this rank among the replicas that split the writing, or None."""
-        if self._replicated is False:
-            return None
-        group = self._group()
-        if group is None:
-            if self._replicated:
-                raise ValueError("replicated=True needs a torch.distributed process group of the job's world size")
-            return None
-        if self._replicated is None:
-            ddp = any(isinstance(v, torch.nn.parallel.DistributedDataParallel) for v in self.states.values())
-            if not ddp or self.ema_enabled or self._shard_specs is not None or self._model_parallel != 1:
-                return None
-        return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-
-    def _share(self, tensors: Dict[str, Any],
-               of_rank: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-        """(tensors, specs): what this rank (or data-parallel rank `of_rank`) writes. The replicated
-        tensors, in state order, are one stream of bytes cut into equal shares, one per rank; an
-        element belongs to the share its first byte is in, so a tensor that crosses a cut is written
-        as flat ranges by the ranks whose shares it crosses. The buffers of replicated modules are
-        rank 0's; every other tensor is written by the rank that holds it."""
-        dp = self._data_parallel()
-        if dp is None:
-            return tensors, {}
-        ranks = dp[1]
-        rank = dp[0] if of_rank is None else of_rank
-        in_order, buffers = self._replicated_names(tensors)
-        total = sum(tensors[n].numel() * tensors[n].element_size() for n in in_order)
-        lo, hi = total * rank // ranks, total * (rank + 1) // ranks
-        out: Dict[str, Any] = {}
-        specs: Dict[str, Dict[str, Any]] = {}
-        pos = 0
-        replicated = set(in_order)
-        for name, t in tensors.items():
-            if name in buffers:
-                if rank == 0:
-                    out[name] = t
-                continue
-            if name not in replicated:
-                out[name] = t
-                continue
-            size, numel = t.element_size(), t.numel()
-            if numel == 0:
-                if lo <= pos < hi or (pos == total and rank == ranks - 1):
-                    out[name] = t
-                continue
-            first = max(0, -(-(lo - pos) // size))
-            end = min(numel, -(-(hi - pos) // size))
-            pos += numel * size
-            if first >= end:
-                continue
-            if (first, end) == (0, numel) or not t.is_contiguous():
-                out[name] = t  # a non-contiguous tensor is refused by register(), naming it
-            else:
-                out[name] = t.view(-1)[first:end]
-                specs[name] = {"box_shape": list(t.shape), "flat_range": (first, end)}
-        return out, specs
-
-    def _replicated_names(self, tensors: Mapping[str, Any]) -> Tuple[List[str], Set[str]]:
-        """(replicated, buffers): the names of `tensors` alike on every data-parallel rank, in state
-        order, and those of the replicated modules' buffers (which are not among them)."""
-        # The parameters of the replicated modules (DDP's; every module with replicated=True) and
-        # the optimizer state of those parameters. Their buffers are rank 0's alone: DDP broadcasts
-        # rank 0's before each forward, which then updates them on each rank (BatchNorm statistics).
-        ddp = torch.nn.parallel.DistributedDataParallel
-        params: Set[str] = set()
-        buffers: Set[str] = set()
-        storage: Set[Tuple[int, Shape]] = set()
-        for key in self._model_keys:
-            module = self.states[key]
-            if isinstance(module, torch.nn.Module) and (self._replicated or isinstance(module, ddp)):
-                for n, p in module.named_parameters():
-                    params.add("%s.%s" % (key, n))
-                    storage.add((p.data_ptr(), tuple(p.shape)))
-                buffers.update("%s.%s" % (key, n) for n, _ in module.named_buffers())
-
-        def alike(name: str) -> bool:
-            t = tensors[name]
-            if name in params or (t.data_ptr(), tuple(t.shape)) in storage:  # a tied parameter's second name too
-                return True
-            owner = self.states.get(name.split(".", 1)[0])
-            if not _is_optimizer(owner) or _is_zero(owner):
-                return False
-            param = self._param_of(name)
-            return param is not None and param[0] in params
-
-        in_order = [n for n in tensors if alike(n)]
-        return in_order, buffers - set(in_order)
-
-    def _spread_shares(self, group: ProcessGroup, targets: Dict[str, Any]) -> None:
-        """After each data-parallel rank restored its own share of `targets` (its memory checkpoint
-        holds no more), hands every share to every rank: each rank broadcasts its part of the
-        replicated tensors, and rank 0 the buffers. The other tensors are each rank's own. Every
-        rank of the group makes the same broadcasts, in the same order."""
-        dp = self._data_parallel()
-        if dp is None:
-            return
-        staging = (torch.device("cuda", torch.cuda.current_device())
-                   if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
-        for r, tensors in enumerate(self._spread_plan(targets)):
-            source = torch.distributed.get_global_rank(group, r)
-            # One broadcast per dtype of rank r's share, through a flat buffer of that share's size,
-            # on the device the group's backend communicates from (the tensors may be on the CPU
-            # and a GPU both: Adam keeps its step counts on the CPU).
-            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for t in tensors:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for dtype, ts in by_dtype.items():
-                if r == dp[0]:
-                    flat = torch.cat([t.reshape(-1).to(staging) for t in ts])
-                else:
-                    flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=staging)
-                torch.distributed.broadcast(flat, src=source, group=group)
-                if r != dp[0]:
-                    at = 0
-                    for t in ts:
-                        t.copy_(flat[at:at + t.numel()].view_as(t))
-                        at += t.numel()
-
-    def _spread_plan(self, targets: Dict[str, Any]) -> List[List[torch.Tensor]]:
-        """Per data-parallel rank, the tensors (views of `targets`) that it broadcasts in
-        _spread_shares: its part of the replicated tensors, and for rank 0 also the buffers."""
-        dp = self._data_parallel()
-        if dp is None:
-            return []
-        in_order, buffers = self._replicated_names(targets)
-        spread = set(in_order) | buffers
-        return [[t for name, t in self._share(targets, of_rank=r)[0].items() if name in spread and t.numel() > 0]
-                for r in range(dp[1])]
-
-    def _spread_digest(self, targets: Dict[str, Any]) -> str:
-        """What _spread_shares will broadcast (dtypes and sizes, in order): every rank must compute the
-        same, else the broadcasts would not pair up."""
-        plan = [[(str(t.dtype), t.numel()) for t in tensors] for tensors in self._spread_plan(targets)]
-        return hashlib.sha256(repr(plan).encode("utf-8")).hexdigest()
+    @states.setter
+    def states(self, states: Dict[str, Any]) -> None:
+        self._layout.states = states
 
     # --- save ----------------------------------------------------------------------------------
 
@@ -568,21 +211,21 @@ class Checkpointer:
             raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
-        if tier == "memory" and any(_is_zero(v) for v in self.states.values()):
+        if tier == "memory" and self._layout.has_zero():
             raise ValueError("tier='memory' is not available with a ZeroRedundancyOptimizer (resume() could not hand "
                              "each rank its partition from memory); save it with tier='disk'")
         started = time.perf_counter()
-        tree, tensors = self._state()
-        tensors, specs = self._share(tensors)
-        self._register(tensors, specs)
+        tree, tensors = self._layout.flatten()
+        tensors, specs = self._shares.split(tensors)
+        self._layout.register(self.client, tensors, specs)
         payload: Optional[Dict[str, Any]] = None
         if persist:
-            payload = {"format": _FORMAT, "version": _VERSION, "state": tree, "user": extra,
+            payload = {"format": _torch_state.FORMAT, "version": _torch_state.VERSION, "state": tree, "user": extra,
                        "world_size": self._world_size}
-            if self._zero_records:
-                payload["zero"] = self._zero_records
+            if self._layout.zero_records:
+                payload["zero"] = self._layout.zero_records
             if self.rng:
-                payload["rng"] = _rng_state()
+                payload["rng"] = _torch_state.rng_state()
         snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload, tier=tier)
         snap.seconds = time.perf_counter() - started  # all of save(), flattening included
         self.last_snapshot = snap
@@ -603,126 +246,6 @@ class Checkpointer:
         self.client.wait_complete(step, timeout)
 
     # --- resume --------------------------------------------------------------------------------
-
-    def _settle(self, timeout: float) -> None:
-        """Waits until no rank of the job has a snapshot committed but not yet persisted.
-
-        A restarted trainer must not pick the latest complete checkpoint while its predecessor's last
-        save is still being written: that one would complete later and refuse to be saved again.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            jobs = [j for j in self.client.status().get("jobs", []) if j.get("job") == self.client.job]
-            busy = any(s.get("state") in ("committed", "persisting")
-                       for j in jobs for r in j.get("ranks", []) for s in r.get("slots", []))
-            if not busy or time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
-
-    def _group(self) -> Optional[ProcessGroup]:
-        """The process group whose ranks agree on the resumed step, or None (one process, or no group)."""
-        dist = getattr(torch, "distributed", None)
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return None
-        if self._process_group is not None:
-            if dist.get_world_size(self._process_group) != self._world_size:
-                raise ValueError("process_group has %d ranks, this Checkpointer's job has world_size %d"
-                                 % (dist.get_world_size(self._process_group), self._world_size))
-            return self._process_group
-        if self._world_size == 1 or dist.get_world_size() != self._world_size:
-            return None
-        return dist.group.WORLD
-
-    def _gather(self, group: ProcessGroup, value: object) -> List[Any]:
-        """Every rank's `value`, in rank order. The process group's timeout (init_process_group(timeout=))
-        bounds the wait for a rank that never gets here."""
-        out: List[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(out, value, group=group)
-        return out
-
-    def _agree(self, group: ProcessGroup, what: str, error: Optional[BaseException]) -> None:
-        """Raises on every rank when some rank failed `what` (`error`: this rank's exception or None)."""
-        reports = self._gather(group, None if error is None else "%s: %s" % (type(error).__name__, error))
-        if error is not None:
-            raise error
-        failed = [(r, why) for r, why in enumerate(reports) if why is not None]
-        if failed:
-            rank, why = failed[0]
-            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
-                                          "(every rank raises): %s" % (rank, what, why))
-
-    def _probe(self, tensors: Mapping[str, Any], step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
-        """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
-        tensor into scratch memory; (None, None) when there is none. The blob (a dict parsed from
-        JSON) holds the saved tree; it is None when the checkpoint holds no extra state of this
-        rank (a rank number the job that saved it did not have: see _borrow_part)."""
-        first = next(iter(tensors))
-        scratch = torch.empty(tuple(tensors[first].shape), dtype=tensors[first].dtype)  # host memory, wherever it is
-        self.client._register({first: scratch}, {first: self._spec(first, scratch.shape)}, with_ema=False)
-        self._layout_key = None
-        try:
-            found, extra = self.client.restore({first: scratch}, step=step, timeout=timeout)
-        except (NotFoundError, FailedPreconditionError) as e:
-            if "'%s'" % first not in e.message:
-                raise
-            raise StructureMismatchError(
-                "the checkpoint does not match the current state; first differing key '%s': %s"
-                % (first, e.message), key=first) from None
-        if found is None:
-            return None, None
-        if not extra:
-            return found, None
-        try:
-            blob = json.loads(extra.decode("utf-8"))
-        except ValueError:
-            blob = None
-        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
-            raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (its extra "
-                                         "state has no state-dict structure); restore it with flashckpt.Client" % found)
-        return found, blob
-
-    def _borrow_part(self, group: ProcessGroup, found: int, blob: Any) -> Tuple[Dict[str, Any], bool]:
-        """(blob, borrowed): this rank's part of checkpoint `found` (`blob`, as _probe read it), or,
-        on a rank whose number the job that saved it did not have (`blob` is None), a copy of rank
-        0's part without its RNG state, handed on by the group's rank that read it (borrowed=True).
-        Each part records the saving job's world size; the ranks below it must all have their part
-        (without that record, from before it was kept: the parts must be those of ranks 0 .. n-1),
-        else every rank raises. Every rank makes the same calls: one gather, and a broadcast when
-        some rank has no part."""
-        saved_world = blob.get("world_size") if isinstance(blob, dict) else None
-        have = cast(List[Tuple[int, bool, Optional[int]]],
-                    self._gather(group, (self.client.rank, blob is not None, saved_world)))
-        if all(has for _, has, _ in have):
-            return blob, False
-        holders = sorted(r for r, has, _ in have if has)
-        missing = sorted(r for r, has, _ in have if not has)
-        if not holders:
-            raise StructureMismatchError("checkpoint-%d was not written by flashckpt.torch.Checkpointer (it holds the "
-                                         "extra state of none of the %d ranks); restore it with flashckpt.Client"
-                                         % (found, len(have)))
-        worlds = {w for _, has, w in have if has and isinstance(w, int)}
-        if worlds:
-            saved = max(worlds)
-            lost = [r for r in missing if r < saved]
-            if lost:
-                raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d was saved by %d ranks but holds "
-                                              "no part of rank %d (its extra.rank%05d.json is gone; every rank "
-                                              "raises)" % (found, saved, lost[0], lost[0]))
-        elif holders != list(range(len(holders))):
-            raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d but one of "
-                                          "rank %d: it was not written by the ranks 0 to n-1 of a "
-                                          "flashckpt.torch.Checkpointer job (every rank raises)"
-                                          % (found, missing[0], holders[-1]))
-        # Rank 0's part, from the group's rank that restores rank 0 (its tree describes the whole
-        # state of a data-parallel job, and, for a ZeroRedundancyOptimizer, its structure).
-        source = next(g for g, (r, _, _) in enumerate(have) if r == 0)
-        box: List[Any] = [blob if self.client.rank == 0 else None]
-        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, source), group=group)
-        if blob is not None:
-            return blob, False
-        part = dict(cast(Dict[str, Any], box[0]))
-        part.pop("rng", None)  # rank 0's random streams: this rank keeps its own
-        return part, True
 
     def resume(self, step: Optional[int] = None, timeout: float = 600.0) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one); returns its step, or None if there is none.
@@ -749,397 +272,16 @@ class Checkpointer:
         its new ZeroRedundancyOptimizer partition) from whichever files hold it. Its state must
         have rank 0's structure (data and tensor parallelism; not another pipeline stage).
         """
-        group = self._group()
-
-        def stage(what: str, fn: Callable[[], _T]) -> _T:
-            """fn()'s result; with a group, every rank learns whether fn failed on any rank, and raises then."""
-            if group is None:
-                return fn()
-            result: Optional[_T] = None
-            error: Optional[BaseException] = None
-            try:
-                result = fn()
-            except BaseException as e:  # reported to the other ranks (an interrupt too), then raised here
-                error = e
-            self._agree(group, what, error)
-            return cast(_T, result)  # _agree() raised unless fn() returned
-
-        if group is not None:
-            asked = self._gather(group, step)
-            if len(set(asked)) != 1:
-                raise ValueError("the ranks of the process group asked resume() for different steps (%s); every "
-                                 "rank must ask for the same one" % ", ".join(
-                                     "rank %d: %s" % (r, "latest" if s is None else s) for r, s in enumerate(asked)))
-
-        # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
-        # memory, unless a complete disk checkpoint is newer.
-        memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
-        if step is None and not any(_is_zero(v) for v in self.states.values()):
-            memory = self._memory_step(group, timeout)
-            if memory is not None:
-                error: Optional[BaseException] = None
-                restored: Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]] = None
-                digest: Optional[str] = None
-                try:
-                    restored = self._resume_memory(memory, timeout)
-                    if restored is not None:
-                        digest = self._spread_digest(restored[1])
-                except BaseException as e:  # reported to the other ranks before anything is raised
-                    error = e
-                reports = self._reports(group, error, digest)
-                if error is not None and not isinstance(error, FlashckptError):
-                    raise error
-                self._raise_fatal(reports, "restore memory checkpoint step %d" % memory)
-                failed = [(r, failure[1]) for r, (failure, _) in enumerate(reports) if failure is not None]
-                digests = [value for _, value in reports]
-                if not failed and len(set(digests)) > 1:
-                    first = next(r for r, d in enumerate(digests) if d != digests[0])
-                    failed = [(first, "its share of the replicated tensors does not pair up with rank 0's (the "
-                                      "ranks' replicated state differs)")]
-                if not failed:
-                    if group is not None and restored is not None:
-                        # Each data-parallel rank restored its own share: the ranks hand theirs on.
-                        mblob, targets, mtensors = restored
-                        self._spread_shares(group, targets)
-                        stage("load memory checkpoint step %d" % memory,
-                              lambda: self._hand_over(mblob, targets, mtensors))
-                    self.resumed_step = memory
-                    return memory
-                # The daemon's errors (a checkpoint dropped meanwhile, say): every rank reads the disk,
-                # which overwrites whatever the others restored.
-                memory_failed = "the restore of memory checkpoint step %d failed on rank %d (%s)" % (
-                    memory, failed[0][0], failed[0][1])
-                warnings.warn("%s; every rank restores from disk instead" % memory_failed, RuntimeWarning)
-
-        # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
-        # on the step.
-        def probe() -> Tuple[Node, Dict[str, Any], Optional[int], Any]:
-            self._settle(min(timeout, 60.0))
-            tree, tensors = self._state()
-            if not tensors:
-                raise ValueError("the states hold no tensors; there is nothing to resume")
-            probed = self._probe(tensors, step, timeout)
-            if probed[0] is not None and probed[1] is None and group is None:
-                # Without a group no other rank can hand its part on (_borrow_part).
-                raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was "
-                                              "saved by fewer ranks (a job of more ranks resumes it in a "
-                                              "torch.distributed process group, whose ranks hand rank 0's part on) "
-                                              "or not by flashckpt.torch.Checkpointer" % (probed[0], self.client.rank))
-            return (tree, tensors) + probed
-
-        tree, tensors, found, blob = stage("read its checkpoint", probe)
-        if group is not None:
-            steps = self._gather(group, found)
-            if any(s is None for s in steps) and any(s is not None for s in steps):
-                rank = steps.index(None)
-                have = next(s for s in steps if s is not None)
-                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group finds no "
-                                              "complete checkpoint of job '%s' while another rank finds step %d "
-                                              "(every rank raises)" % (rank, self.client.job, have))
-            if found is not None:
-                # The oldest step found: a newer one that completed while the ranks looked is not yet
-                # seen by all. Every rank takes part in this stage, also those that found it already.
-                agreed = min(steps)
-                found, blob = stage("read checkpoint-%d" % agreed,
-                                    lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
-        if found is None:
-            if memory_failed is not None:
-                # Some ranks may hold the memory checkpoint's state, others their own: no common start.
-                raise FailedPreconditionError("FAILED_PRECONDITION", "%s and job '%s' has no complete checkpoint on "
-                                              "disk to restore instead; restart every rank of the job"
-                                              % (memory_failed, self.client.job))
-            return None
-        chosen: int = found  # for the closures below, which do not see `found` narrowed
-        # A rank whose number the saving job did not have takes rank 0's part (a job of more ranks).
-        borrowed = False
-        if group is not None:
-            blob, borrowed = self._borrow_part(group, chosen, blob)
-
-        # 2. Compare structures on every rank before any rank loads anything, then restore.
-        stage("match checkpoint-%d" % chosen, lambda: self._check_structure(chosen, blob, tree, borrowed))
-        if any(_is_zero(v) for v in self.states.values()):
-            # What each rank of the saving job recorded of its partition (those of this group's ranks:
-            # one gather, on every rank alike), then this rank's new partition. A rank that borrowed
-            # rank 0's part adds nothing: rank 0 sends it.
-            part: Dict[str, Any] = {"records": None, "trees": {}}
-            if not borrowed:
-                part = {"records": blob.get("zero"),
-                        "trees": {k: _state.subtree(blob["state"], (k, "state"))
-                                  for k, v in self.states.items() if _is_zero(v)}}
-            records = [part]
-            if group is not None:
-                records = self._gather(group, part)
-            stage("take its optimizer partition", lambda: self._take_partitions(blob, records))
-        stage("restore checkpoint-%d" % chosen, lambda: self._restore_found(chosen, blob, tensors, timeout))
-        self.resumed_step = chosen
-        return chosen
-
-    def _memory_step(self, group: Optional[ProcessGroup], timeout: float) -> Optional[int]:
-        """The memory checkpoint every rank restores: the newest step all of them hold (verified by
-        their daemons), if no rank sees a newer complete checkpoint on disk; None: the disk path.
-        A rank whose daemon cannot tell (an older daemon, say) sends the others to the disk too.
-        A job of several ranks without a process group cannot agree on one: the disk path."""
-        if group is None and self._world_size > 1:
-            return None
-        mine: Optional[Tuple[List[int], Optional[int]]] = None
-        error: Optional[BaseException] = None
+        resume = _torch_resume.Resume(self.client, self._layout, self._shares, self._world_size, self.rng,
+                                      self.extra, self.resumed_tier)
         try:
-            self._settle(min(timeout, 60.0))  # the last disk save of the trainer that died counts too
-            mine = self.client.restorable(min(timeout, 60.0))
-        except FlashckptError as e:
-            warnings.warn("rank %d cannot list its memory checkpoints (%s); resuming from disk"
-                          % (self.client.rank, e), RuntimeWarning)
-        except BaseException as e:  # reported to the other ranks before it is raised
-            error = e
-        reports = self._reports(group, error, mine)
-        if error is not None:
-            raise error
-        self._raise_fatal(reports, "list its memory checkpoints")
-        views = [value for _, value in reports]
-        if any(v is None for v in views):
-            return None
-        common: Set[int] = {int(s) for s in views[0][0]}
-        for held, _ in views[1:]:
-            common &= {int(s) for s in held}
-        disks = [int(disk) for _, disk in views if disk is not None]
-        if not common or (disks and max(common) < max(disks)):
-            return None
-        return max(common)
-
-    def _reports(self, group: Optional[ProcessGroup], error: Optional[BaseException],
-                 value: object = None) -> List[Tuple[Optional[Tuple[bool, str]], Any]]:
-        """Every rank's (failure, value), in rank order (one gather, which every rank makes): failure is
-        None, or (fatal, text) where fatal means an error other than the daemon's."""
-        failure = None if error is None else (not isinstance(error, FlashckptError),
-                                              "%s: %s" % (type(error).__name__, error))
-        mine = (failure, value)
-        return [mine] if group is None else cast(List[Tuple[Optional[Tuple[bool, str]], Any]],
-                                                 self._gather(group, mine))
-
-    def _raise_fatal(self, reports: List[Tuple[Optional[Tuple[bool, str]], Any]], what: str) -> None:
-        """Raises, on every rank, when a rank failed `what` with an error other than the daemon's."""
-        for rank, (failure, _) in enumerate(reports):
-            if failure is not None and failure[0]:
-                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d of the process group could not %s "
-                                              "(every rank raises): %s" % (rank, what, failure[1]))
-
-    def _resume_memory(self, step: int,
-                       timeout: float) -> Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, Any]]]:
-        """Restores this rank's memory checkpoint `step`: its structure from the extra state the
-        daemon keeps with it, then the tensors, registered as save() registered them (so the daemon
-        keeps the segment that holds it). A rank of a job that splits its replicated tensors holds
-        only its share of them: it returns (blob, targets, tensors) for _spread_shares and
-        _hand_over, which every rank calls once every rank has restored its share; None otherwise."""
-        tree, tensors = self._state()
-        extra = self.client.memory_extra(step, timeout=min(timeout, 60.0))
-        if extra is None:
-            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d no longer holds memory checkpoint step %d"
-                                          % (self.client.rank, step))
-        try:
-            blob = json.loads(extra.decode("utf-8"))
-        except ValueError:
-            blob = None
-        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
-            raise StructureMismatchError("memory checkpoint step %d was not taken by flashckpt.torch.Checkpointer"
-                                         % step)
-        self._check_structure(step, blob, tree)
-        saved_world = blob.get("world_size", self._world_size)
-        if saved_world != self._world_size:
-            # Checked before anything is registered: a layout of other shares would replace the
-            # segment, and the memory checkpoints in it.
-            raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d was taken by a job of %s "
-                                          "ranks, this one has %d" % (step, saved_world, self._world_size))
-        shares = self._data_parallel() is not None
-        targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
-        if self.client.restored_tier not in ("memory", "peer"):
-            # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
-            warnings.warn("memory checkpoint step %d was gone; rank %d restored it from disk"
-                          % (step, self.client.rank), RuntimeWarning)
-        if shares:
-            return blob, targets, tensors
-        self._hand_over(blob, targets, tensors)
-        return None
-
-    def _take_partitions(self, blob: Dict[str, Any], records: List[Dict[str, Any]]) -> None:
-        """Cuts the saved state of each ZeroRedundancyOptimizer in `blob` down to the parameters this
-        rank holds now. The job may have fewer or more ranks than the one that saved: this rank's
-        saved tree (rank 0's on a rank the saving job did not have) describes the state of every
-        trainable parameter it could (see _describe_partitions), and `records`, the parts of the
-        saving job's ranks that this group's ranks read (their descriptions; the partition each
-        held and which of its parameters had state), fill in what this rank's tree does not
-        describe and say which parameters had no state."""
-        for key, zero in self.states.items():
-            if not _is_zero(zero):
-                continue
-            node = _state.subtree(blob["state"], (key, "state"))
-            saved: Dict[int, Node] = {}
-            stateless: Set[int] = set()
-            known: Set[int] = set()
-            described_all = False
-            for part in records:  # this rank's own first
-                for i, n in ((part.get("trees") or {}).get(key) or {}).get("d", []):
-                    saved.setdefault(i, n)
-                record = (part.get("records") or {}).get(key)
-                if isinstance(record, dict):
-                    held = set(record.get("held", ()))
-                    known |= held
-                    stateless |= held - set(record.get("stateful", ()))
-                    described_all = described_all or bool(record.get("describes_all"))
-            for i, n in (node or {}).get("d", []):
-                saved[i] = n
-            # The whole state is described: this tree is a plain optimizer's, or a rank of the saving
-            # job described every parameter with state.
-            complete = blob.get("zero") is None or described_all
-            index = zero._param_to_index
-            mine = sorted((index[p], p) for p, r in zero._param_to_rank.items() if r == zero.rank)
-            take = []
-            for i, p in mine:
-                if i in stateless or (not p.requires_grad and i not in saved):
-                    continue  # no state when it was saved (no gradient yet, or frozen): starts fresh, as in torch
-                if i in saved:
-                    take.append(i)
-                elif not complete:
-                    why = ("its state is in no part of the checkpoint this rank can read" if i not in known else
-                           "its owner had state for it but this rank's part does not describe it")
-                    raise FailedPreconditionError(
-                        "FAILED_PRECONDITION", "the optimizer '%s' of this rank holds parameter %d: %s (resume with "
-                        "the world size that saved the checkpoint)" % (key, i, why))
-            if node is not None:
-                node["d"] = [[i, saved[i]] for i in take]
-
-    def _describe_partitions(self, tree: Node) -> Dict[str, Dict[str, Any]]:
-        """Adds to `tree` the state of the trainable parameters that other ranks'
-        ZeroRedundancyOptimizer partitions hold, as structure only (each rank writes the tensors of
-        its own partition): the fields of a parameter of the same group here that is not a scalar,
-        tensors of that parameter's shape taking the other's. A rank of a later job with fewer ranks
-        then finds its partition's state in its own part of the checkpoint. Returns, per optimizer,
-        this rank's partition ("held") and which of its parameters have state ("stateful"), which
-        save() records beside the tree: a described parameter that its owner held without state is
-        not read on resume. Another rank's parameter that no gradient reached (while gradients are
-        kept, i.e. not set to None before the save) is not described."""
-        records: Dict[str, Dict[str, Any]] = {}
-        for key, zero in self.states.items():
-            if not _is_zero(zero):
-                continue
-            node = _state.subtree(tree, (key, "state"))
-            own = dict((i, n) for i, n in (node or {}).get("d", []))
-            index = zero._param_to_index
-            params = [p for g in zero.param_groups for p in g["params"]]
-            group_of = {index[p]: gi for gi, g in enumerate(zero.param_groups) for p in g["params"]}
-            held = sorted(index[p] for p, r in zero._param_to_rank.items() if r == zero.rank)
-            records[key] = {"held": held, "stateful": sorted(own)}
-            if node is None or not own:
-                continue
-            # group -> (its parameter's shape, its state node), a parameter of rank > 0 first
-            example: Dict[int, Tuple[Shape, Node]] = {}
-            for i, n in sorted(own.items(), key=lambda item: bool(params[item[0]].dim() == 0)):
-                example.setdefault(group_of[i], (tuple(params[i].shape), n))
-            mine = set(held)
-            # Gradients are visible on every rank (DDP reduces them everywhere): while they are kept,
-            # a parameter without one (unused by the forward) has no state on its owner either.
-            grads_kept = any(p.grad is not None for p in params)
-            # With gradients kept and an example of every group, every parameter with state is in
-            # this tree: one it does not describe has none.
-            records[key]["describes_all"] = grads_kept
-            entries = []
-            for i, p in enumerate(params):
-                if i in own:
-                    entries.append([i, own[i]])
-                    continue
-                if i in mine or not p.requires_grad or (grads_kept and p.grad is None):
-                    continue  # without state: this rank's, a frozen one, or one no gradient reached
-                if group_of[i] not in example or (len(example[group_of[i]][0]) == 0 and p.dim() > 0):
-                    records[key]["describes_all"] = False
-                    continue  # no example of its group here: resume raises if it needs one
-                shape, n = example[group_of[i]]
-                fields = []
-                for field, leaf in n["d"]:
-                    leaf = dict(leaf)
-                    if "t" in leaf:
-                        leaf["t"] = "%s.state.%d.%s" % (key, i, field)
-                        if len(shape) > 0 and tuple(leaf["shape"]) == shape:
-                            leaf["shape"] = list(p.shape)
-                        leaf.pop("global_shape", None)
-                    fields.append([field, leaf])
-                entries.append([i, {"d": fields}])
-            node["d"] = entries
-        return records
-
-    def _check_structure(self, found: int, blob: Dict[str, Any], tree: Node, borrowed: bool = False) -> None:
-        """Raises StructureMismatchError naming the first key where the saved states differ from the
-        current ones. A fresh optimizer (no state yet) takes the checkpoint's state. `borrowed`: the
-        saved states are rank 0's (_borrow_part), and the message says so."""
-        skip = tuple((key, "state") for key, obj in self.states.items()
-                     if _is_zero(obj) or (_is_optimizer(obj) and len(obj.state) == 0))
-        diff = _state.first_difference(blob["state"], tree, skip=skip)
-        if diff:
-            key, why = diff
-            if borrowed:
-                raise StructureMismatchError(
-                    "checkpoint-%d was saved by fewer ranks: rank %d has no part of it and takes rank 0's, whose "
-                    "state differs from this rank's (a rank must hold what rank 0 holds: data or tensor "
-                    "parallelism, not another pipeline stage); first differing key '%s': %s"
-                    % (found, self.client.rank, key, why), key=key)
-            raise StructureMismatchError("checkpoint-%d does not match the current state; first differing key '%s': %s"
-                                         % (found, key, why), key=key)
-
-    def _restore_found(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float) -> None:
-        self._hand_over(blob, self._restore_tensors(found, blob, tensors, timeout), tensors)
-
-    def _restore_tensors(self, found: int, blob: Dict[str, Any], tensors: Mapping[str, Any], timeout: float,
-                         shares: bool = False) -> Dict[str, torch.Tensor]:
-        """The tensors of checkpoint `found` (by name), restored in place where the tensor exists now.
-        shares=True: only this rank's data-parallel share is restored (_share), in the layout save()
-        registers, which is what its memory checkpoint holds; _spread_shares fills in the rest."""
-        saved = blob["state"]
-
-        # 3. Register the checkpoint's layout and restore: in place where the tensor exists now.
-        targets: Dict[str, torch.Tensor] = {}
-        for leaf in _state.tensor_leaves(saved):
-            name, dtype = leaf["t"], _TORCH_DTYPES[leaf["dtype"]]
-            whole = tuple(leaf.get("global_shape", leaf["shape"]))
-            t = tensors.get(name)
-            if t is None or t.dtype != dtype or self._global_shape(name, t.shape) != whole:
-                t = torch.empty(self._local_shape(name, whole), dtype=dtype)
-            targets[name] = t
-        # With shares=True, or without data-parallel shares, this is the layout save() registers:
-        # the daemon keeps the segment, and the memory checkpoints in it.
-        wanted: Dict[str, Any] = dict(targets)
-        specs: Dict[str, Dict[str, Any]] = {}
-        if shares:
-            wanted, specs = self._share(wanted)
-        self._register(wanted, specs)
-        got, _ = self.client.restore(wanted, step=found, timeout=timeout)
-        self.resumed_tier = self.client.restored_tier
-        if got != found:
-            raise FailedPreconditionError("FAILED_PRECONDITION", "asked for checkpoint-%d, the daemon restored %s"
-                                          % (found, got))
-        return targets
-
-    def _hand_over(self, blob: Dict[str, Any], targets: Dict[str, torch.Tensor], tensors: Mapping[str, Any]) -> None:
-        """Hands each state its part of the restored `targets`, and sets the RNG state and self.extra."""
-        saved = blob["state"]
-        state = _state.unflatten(saved, targets)
-
-        # 4. Hand each state its part.
-        for key, obj in self.states.items():
-            if key not in state:
-                continue
-            if isinstance(obj, torch.nn.Module):
-                subtree = cast(Node, _state.subtree(saved, (key,)))  # key is in state, so in saved
-                in_place = all(leaf["t"] in tensors for leaf in _state.tensor_leaves(subtree))
-                if not in_place or any("t" not in n for n in _leaves(subtree)):
-                    obj.load_state_dict(state[key])
-            elif _is_stateful(obj):
-                obj.load_state_dict(state[key])
-            elif isinstance(obj, dict) and isinstance(state[key], dict):
-                obj.clear()
-                obj.update(state[key])
-            else:
-                self.states[key] = state[key]
-        if self.rng and "rng" in blob:
-            _set_rng_state(blob["rng"])
-        self.extra = blob.get("user")
+            found = resume.run(_torch_agree.process_group(self._process_group, self._world_size), step, timeout)
+        finally:
+            # `extra` and the tier as far as it got, also when it raised part way (states partly restored).
+            self.extra, self.resumed_tier = resume.extra, resume.tier
+        if found is not None:
+            self.resumed_step = found
+        return found
 
     def load_pretrained(self, step: Optional[int] = None, job: Optional[str] = None,
                         timeout: float = 600.0) -> Optional[int]:
@@ -1154,10 +296,10 @@ class Checkpointer:
         another job starts no attempt of this one: the next save() is that of a fresh start.
         Returns the step loaded, or None when the job has no complete checkpoint.
         """
-        _, tensors = self._state()
-        if not any(self._kind(n) == "model" for n in tensors):
+        _, tensors = self._layout.flatten()
+        if not any(self._layout.kind(n) == "model" for n in tensors):
             raise ValueError("the model holds no tensors; there is nothing to load")
-        self._register(tensors)
+        self._layout.register(self.client, tensors)
         source = None if job is None or job == self.client.job else job
         got, _ = self.client.restore(tensors, step=step, timeout=timeout, kinds=["model"], job=source)
         return got
@@ -1172,10 +314,11 @@ class Checkpointer:
         """
         if not self.ema_enabled:
             raise ValueError("this Checkpointer was created without ema_decay; there is no EMA")
-        if not self._model_keys:
+        model_keys = self._layout.model_keys
+        if not model_keys:
             raise ValueError("no module among the states (nor a state named 'model'); the EMA covers model tensors")
-        tensors = self._state()[1]
-        self._register(tensors)
+        tensors = self._layout.flatten()[1]
+        self._layout.register(self.client, tensors)
         shapes = self.client.registered
         out: Dict[str, torch.Tensor] = {}
         for name in self.client.ema_names:
@@ -1187,9 +330,9 @@ class Checkpointer:
             raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
                                           "multiple of ema_interval first")
         self.ema_step = step
-        if len(self._model_keys) != 1:
+        if len(model_keys) != 1:
             return out
-        prefix = self._model_keys[0] + "."
+        prefix = model_keys[0] + "."
         return {name[len(prefix):] if name.startswith(prefix) else name: t for name, t in out.items()}
 
     # --- misc ----------------------------------------------------------------------------------
@@ -1207,15 +350,3 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
-
-
-def _leaves(tree: Optional[Node]) -> Iterator[Node]:
-    """Every leaf node of `tree` (tensor or value)."""
-    if tree is None:
-        return
-    for kind in ("d", "l", "u"):
-        if kind in tree:
-            for c in tree[kind]:
-                yield from _leaves(c[1] if kind == "d" else c)
-            return
-    yield tree
