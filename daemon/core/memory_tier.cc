@@ -1,0 +1,208 @@
+// The memory tier's side of a save: whether memory checkpoints fit the slots, which ones a new
+// snapshot may drop, the replica offered to the peers for each one kept, and a memory step written
+// to disk on request (release, stop).
+
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "daemon/core/daemon.h"
+#include "daemon/replica/replica_sender.h"
+#include "replica.pb.h"
+
+namespace flashckpt {
+
+Status Daemon::MemoryTierFits(uint32_t slots, bool ema) {
+  if (slots < 2) {
+    return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
+                              "while the next one is filled (the rank's segment has " + std::to_string(slots) +
+                              ")");
+  }
+  if (ema) return FailedPrecondition("memory checkpoints are not supported yet for a rank with EMA tensors");
+  return Status::OK();
+}
+
+bool Daemon::DiskSnapshotsHoldEverything(const RankSegment& segment) {
+  if (segment.ema) return false;
+  for (const Placement& p : segment.layout.placements) {
+    if (p.file < 0) return false;
+  }
+  return true;
+}
+
+uint32_t Daemon::DropMemoryFrom(RankSegment& segment, int64_t from) {
+  uint32_t dropped = Slots(segment).DropResidentsFrom(from);
+  for (const auto& p : MemoryPending(segment)) {
+    if (p.resident->step >= from && !p.resident->dropped.exchange(true)) dropped += 1;
+  }
+  // The mirrors no longer say those slots hold them: a restarted daemon does not adopt them.
+  for (uint32_t i = 0; i < Slots(segment).size(); ++i) Mirror(segment, i);
+  return dropped;
+}
+
+uint64_t Daemon::ReplicaAttemptNumber(RankState& state) {
+  // A new number for each attempt, restore and process of the rank: whatever a peer holds from
+  // before is older. The wall clock, but above every number seen for the rank (a clock set back, or
+  // a replacement node whose clock is behind the old one's).
+  if (state.attempt_number == 0 || state.numbered != state.attempt() || state.numbered_process != state.process) {
+    state.numbered = state.attempt();
+    state.numbered_process = state.process;
+    const auto now_ms = static_cast<uint64_t>(WallMs());
+    state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
+    state.attempt_floor = state.attempt_number;
+  }
+  return state.attempt_number;
+}
+
+void Daemon::RestoredLocked(const std::string& job, uint32_t rank, RankState& state, int64_t step) {
+  state.Restored(step);
+  // The peers let go of what they hold of a later step of the attempt the rank leaves (a rollback).
+  if (sender_) sender_->Retract(job, rank, step, ReplicaAttemptNumber(state));
+}
+
+void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
+                                uint32_t rank) {
+  if (!sender_) return;
+  std::shared_ptr<const ResidentCheckpoint> resident = Slots(*segment).ResidentIn(slot);
+  auto jit = jobs_.find(job);
+  if (!resident || jit == jobs_.end()) return;
+  auto rit = jit->second.ranks.find(rank);
+  if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
+  RankState& state = rit->second;
+  if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
+  const uint64_t attempt_number = ReplicaAttemptNumber(state);
+  const RankLayout& layout = segment->layout;
+  v1::ReplicaLayout where;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    v1::ReplicaLayout::Tensor* t = where.add_tensors();
+    t->set_name(layout.tensors[i].name);
+    t->set_slot_offset(layout.placements[i].slot_offset);
+    t->set_bytes(layout.placements[i].bytes);
+  }
+  where.set_checksum_chunk(resident->sums.chunk_bytes);
+  *where.mutable_first_chunk() = {resident->sums.first.begin(), resident->sums.first.end()};
+  *where.mutable_sums() = {resident->sums.sums.begin(), resident->sums.sums.end()};
+  where.set_run_id(resident->attempt.run_id);
+  where.set_resumed_from(resident->attempt.resumed_from);
+  where.set_image_offset(kSlotImageOffset);
+  where.set_layout_fingerprint(segment->layout_fingerprint);
+
+  auto out = std::make_shared<OutgoingReplica>();
+  out->meta.job = job;
+  out->meta.rank = rank;
+  out->meta.step = resident->step;
+  out->meta.attempt = attempt_number;
+  out->meta.world_size = resident->world_size;
+  out->meta.bytes = layout.slot_bytes - kSlotImageOffset;
+  out->meta.layout = where.SerializeAsString();
+  out->meta.extra = resident->extra;
+  out->meta.origin_node = config_.node_name;
+  out->meta.run_id = resident->attempt.run_id;
+  out->meta.resumed_from = resident->attempt.resumed_from;
+  out->keep = segment;
+  out->data = segment->Slot(slot) + kSlotImageOffset;
+  // The push streams the slot while the rank goes on: the checkpoint is still the one sent as long
+  // as the slot holds it (a slot is reused only after it lets go of its memory checkpoint).
+  out->still_held = [this, segment, slot, resident] {
+    MutexLock lock(&mu_);
+    return Slots(*segment).ResidentIn(slot) == resident;
+  };
+  sender_->Offer(std::move(out));
+}
+
+Result<uint32_t> Daemon::PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why) {
+  // Each rank's slot goes PERSISTING (nobody else takes it) and is verified against the checksums
+  // taken after its commit, without the lock: memory that changed since is never written.
+  struct Pinned {
+    uint32_t rank;
+    std::shared_ptr<RankSegment> segment;
+    SlotTicket ticket;
+    std::shared_ptr<const ResidentCheckpoint> resident;
+    Status verified;
+  };
+  std::vector<Pinned> pinned;
+  {
+    MutexLock lock(&mu_);
+    auto jit = jobs_.find(name);
+    if (jit == jobs_.end()) return NotFound("job '" + name + "' is no longer held");
+    for (auto& [r, rank] : jit->second.ranks) {
+      if (!rank.segment) continue;
+      std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
+      if (!ticket) continue;  // dropped meanwhile
+      Mirror(*rank.segment, ticket->slot);
+      pinned.push_back({r, rank.segment, *ticket, Slots(*rank.segment).ResidentIn(ticket->slot), Status::OK()});
+    }
+  }
+  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  Status intact;
+  for (Pinned& p : pinned) {
+    p.verified = VerifySlotChecksums(p.segment->Slot(p.ticket.slot), p.segment->layout, p.resident->sums, &verifiers);
+    if (intact.ok() && !p.verified.ok()) intact = p.verified;
+  }
+  MutexLock lock(&mu_);
+  uint32_t ranks = 0;
+  Status submit_error;
+  for (Pinned& p : pinned) {
+    RankState* rank = nullptr;
+    if (auto jit = jobs_.find(name); jit != jobs_.end()) {
+      if (auto rit = jit->second.ranks.find(p.rank); rit != jit->second.ranks.end()) rank = &rit->second;
+    }
+    if (!intact.ok() || rank == nullptr) {
+      (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+      Mirror(*p.segment, p.ticket.slot);
+      const std::string instead = std::string("not writing it ") + why;
+      if (!p.verified.ok()) MemoryFailedLocked(*p.segment, name, p.rank, step, p.verified, instead.c_str());
+      continue;
+    }
+    // Signalled in the attempt of the process that took it, as its own disk saves are.
+    PersistRequest request = MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
+                                                p.resident->attempt, p.segment, p.ticket, step, p.resident->extra);
+    if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
+      (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+      Mirror(*p.segment, p.ticket.slot);
+      Logger("writer")->error("persist {} not queued job={} step={} rank={} error=\"{}\"", why, name, step, p.rank,
+                              submitted.ToString());
+      if (submit_error.ok()) submit_error = submitted;
+      continue;
+    }
+    ranks += 1;
+  }
+  cv_.NotifyAll();
+  if (!intact.ok()) {
+    Logger("writer")->error("persist {}: job={} memory step={} not written: a rank's copy failed its checksums", why,
+                            name, step);
+    return intact.WithContext("memory step " + std::to_string(step) + " of job '" + name + "'");
+  }
+  if (!submit_error.ok()) return submit_error;
+  Logger("writer")->info("persist {}: job={} memory step={} ranks={} (disk's latest: {})", why, name, step, ranks,
+                         disk < 0 ? std::string("none") : std::to_string(disk));
+  return ranks;
+}
+
+uint32_t Daemon::PersistMemoryOnStop() {
+  // Per job: the memory steps every rank of it here holds, newest first.
+  std::map<std::string, std::vector<int64_t>> common;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [name, job] : jobs_) {
+      std::vector<int64_t> steps = CommonMemoryStepsLocked(job);
+      if (!steps.empty()) common[name] = std::move(steps);
+    }
+  }
+  uint32_t queued = 0;
+  for (const auto& [name, steps] : common) {
+    // Read without the lock. A root that cannot be read: the memory checkpoint is written anyway
+    // (a step already complete on disk is then written again, which is harmless).
+    Result<std::optional<int64_t>> latest = catalog_.LatestComplete(name);
+    const int64_t disk = latest.ok() ? latest->value_or(-1) : -1;
+    const int64_t step = steps.front();
+    if (step <= disk) {
+      Logger("writer")->info("persist on stop: job={} newest memory step={} is not newer than the disk's step={}",
+                             name, step, disk);
+      continue;
+    }
+    Result<uint32_t> ranks = PersistMemoryStep(name, step, disk, "on stop");
+    if (ranks.ok()) queued += *ranks;
+  }
+  return queued;
+}
+}  // namespace flashckpt
