@@ -1,6 +1,6 @@
 // The client library's side of the wire: conversions between its public types (client.h,
 // admin.h) and the flashckpt.v1 protobuf messages. The mapping from gRPC status codes to flashckpt's
-// is proto/convert.h's (FromGrpc), the daemon's side of it daemon/edge/service.cc's (ToGrpc): IO_ERROR,
+// is proto/convert.h's (FromGrpc), and so is the daemon's side of it (ToGrpc): IO_ERROR,
 // which gRPC has no code for, travels as INTERNAL with "IO_ERROR" in the status details.
 #pragma once
 
