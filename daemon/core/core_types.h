@@ -14,12 +14,6 @@
 
 namespace flashckpt {
 
-// The wall clock in ms since the epoch: what the daemon records for times other nodes compare.
-inline int64_t WallMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 // Where one tensor lies in a slot of the rank's segment.
 struct TensorLocation {
   std::string name;

@@ -26,11 +26,30 @@ DaemonConfig WithDefaultNodeName(DaemonConfig config) {
   return config;
 }
 
+WriterOptions WriterOptionsOf(const DaemonConfig& config, const Clock& clock) {
+  WriterOptions options;
+  options.threads = config.writer_threads;
+  options.io_threads = config.io_threads;
+  options.env = config.io_env != nullptr ? config.io_env : IoEnv::Default();
+  options.clock = &clock;
+  return options;
+}
+
+EmaStageOptions EmaStageOptionsOf(const DaemonConfig& config, const Clock& clock) {
+  EmaStageOptions options;
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  options.threads = config.ema_threads != 0 ? config.ema_threads : std::min(hw, 8u);
+  options.copy_timeout = config.copy_timeout;
+  options.clock = &clock;
+  return options;
+}
+
 }  // namespace
 
 Daemon::Daemon(DaemonConfig config)
     : config_(WithDefaultNodeName(std::move(config))),
-      started_(std::chrono::steady_clock::now()),
+      clock_(config_.clock != nullptr ? *config_.clock : Clock::Real()),
+      started_(clock_.Now()),
       catalog_(config_.root, config_.keep, RootIo()),
       launches_(config_.root, config_.launch_join_window),
       leases_(config_.root, config_.node_name, config_.lease_ttl) {
@@ -101,26 +120,25 @@ Status Daemon::Start() {
     const std::string& key = ec ? where : canonical;
     ema_scope_ = ChecksumHex(Xxh3(key.data(), key.size()));
   }
-  writer_ = std::make_unique<Writer>(&catalog_, config_.writer_threads, /*queue_capacity=*/4096, config_.io_threads,
-                                     config_.io_env != nullptr ? config_.io_env : IoEnv::Default());
-  unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  unsigned ema_threads = config_.ema_threads != 0 ? config_.ema_threads : std::min(hw, 8u);
-  ema_stage_ = std::make_unique<EmaStage>(ema_threads, config_.copy_timeout,
-                                          [this](EmaJob job, bool applied, double seconds) {
-                                            OnEmaApplied(std::move(job), applied, seconds);
-                                          });
-  ema_stage_->Start();
+  writer_ = std::make_unique<Writer>(&catalog_, WriterOptionsOf(config_, clock_));
+  RETURN_IF_ERROR(writer_->Start());
+  ema_stage_ = std::make_unique<EmaStage>(EmaStageOptionsOf(config_, clock_), [this](EmaJob job, bool applied, double seconds) {
+    OnEmaApplied(std::move(job), applied, seconds);
+  });
+  RETURN_IF_ERROR(ema_stage_->Start());
   if (!config_.replicate_to.empty()) {
     ReplicaSender::Options options;
     options.max_rate = config_.replicate_max_rate;
     options.node_name = config_.node_name;
+    options.clock = &clock_;
     options.on_event = [this](DaemonEvent event) { Emit(std::move(event)); };
     for (const std::string& text : config_.replicate_to) {
       ASSIGN_OR_RETURN(ListenAddress address, ParseListenAddress(text, "--replicate-to"));
       options.peers.push_back(
           {address.Target(), config_.replica_tls_cert, config_.replica_tls_key, config_.replica_tls_ca, ""});
     }
-    ASSIGN_OR_RETURN(sender_, ReplicaSender::Start(std::move(options)));
+    sender_ = std::make_unique<ReplicaSender>(std::move(options));
+    RETURN_IF_ERROR(sender_->Start());
     Logger("replica")->info("replicating memory checkpoints to peers={} max_rate={}", config_.replicate_to.size(),
                             config_.replicate_max_rate == 0 ? "none" : FormatBytes(config_.replicate_max_rate) + "/s");
   }
@@ -132,27 +150,30 @@ Status Daemon::Start() {
     std::vector<StateDir::KeptEma> kept = state_.LoadKeptEmas();
     MutexLock lock(&mu_);
     for (StateDir::KeptEma& k : kept) {
-      kept_emas_[k.segment] = KeptEma{std::move(k.job), std::chrono::steady_clock::now()};
+      kept_emas_[k.segment] = KeptEma{std::move(k.job), clock_.Now()};
     }
   }
-  if (config_.idle_release.count() > 0) idle_thread_ = std::thread([this] { IdleReleaseLoop(); });
-  if (config_.sweep_interval.count() > 0) sweep_thread_ = std::thread([this] { SweepLoop(); });
-  return Status::OK();
+  HousekeeperOptions housekeeping;
+  if (const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(config_.idle_release); idle.count() > 0) {
+    // Checked a few times per idle period, at least every 10 s: a job goes at most that late.
+    const auto period = std::clamp(idle / 4, std::chrono::milliseconds(100), std::chrono::milliseconds(10000));
+    housekeeping.chores.push_back({period, /*at_start=*/false, [this] { ReleaseIdleJobs(); }});
+  }
+  housekeeping.chores.push_back({config_.sweep_interval, /*at_start=*/true, [this] { SweepSignalledSteps(); }});
+  housekeeper_ = std::make_unique<Housekeeper>(std::move(housekeeping));
+  return housekeeper_->Start();
 }
 
-void Daemon::SweepLoop() {
+void Daemon::SweepSignalledSteps() {
   // The newest step directories of a job each sweep looks at: one listing of the job directory and
   // at most this many stats (and signal reads of incomplete ones), however long the run.
   constexpr size_t kSweepSteps = 16;
-  MutexLock lock(&mu_);
-  for (bool first = true; !stopping_; first = false) {
-    if (!first) {
-      idle_cv_.WaitFor(&lock, config_.sweep_interval);
-      if (stopping_) break;
-    }
-    // Each job with its ranks' current attempts (also of ranks that have exited since their last
-    // save): only their steps are completed, never one of an attempt that a rank has left.
-    std::vector<std::pair<std::string, std::vector<Attempt>>> jobs;
+  // Each job with its ranks' current attempts (also of ranks that have exited since their last
+  // save): only their steps are completed, never one of an attempt that a rank has left.
+  std::vector<std::pair<std::string, std::vector<Attempt>>> jobs;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
     for (const auto& [name, job] : jobs_) {
       std::vector<Attempt> attempts;
       for (const auto& [r, rank] : job.ranks) {
@@ -162,38 +183,34 @@ void Daemon::SweepLoop() {
       }
       if (!attempts.empty()) jobs.emplace_back(name, std::move(attempts));
     }
-    lock.Unlock();
-    for (const auto& [job, attempts] : jobs) {
-      {
-        MutexLock check(&mu_);  // a stop does not wait for the rest of a sweep of a slow root
-        if (stopping_) break;
-      }
-      auto completed = catalog_.CompleteSignalledSteps(job, attempts, kSweepSteps);
-      if (!completed.ok()) {
-        Logger("catalog")->warn("sweep job={} error=\"{}\"", job, completed.status().ToString());
-        continue;
-      }
-      for (int64_t step : *completed) {
-        Logger("catalog")->info("sweep found job={} step={} complete: its signals were all there (written by more "
-                                "than one daemon, or seen late)", job, step);
-      }
+  }
+  for (const auto& [job, attempts] : jobs) {
+    {
+      MutexLock check(&mu_);  // a stop does not wait for the rest of a sweep of a slow root
+      if (stopping_) break;
     }
-    lock.Lock();
+    auto completed = catalog_.CompleteSignalledSteps(job, attempts, kSweepSteps);
+    if (!completed.ok()) {
+      Logger("catalog")->warn("sweep job={} error=\"{}\"", job, completed.status().ToString());
+      continue;
+    }
+    for (int64_t step : *completed) {
+      Logger("catalog")->info("sweep found job={} step={} complete: its signals were all there (written by more "
+                              "than one daemon, or seen late)", job, step);
+    }
   }
 }
 
 void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
-  const auto begun = std::chrono::steady_clock::now();
+  const auto begun = clock_.Now();
   {
     MutexLock lock(&mu_);
     if (stopping_ && !writer_) return;
     stopping_ = true;
   }
   cv_.NotifyAll();
-  idle_cv_.NotifyAll();
-  if (idle_thread_.joinable()) idle_thread_.join();
-  if (sweep_thread_.joinable()) sweep_thread_.join();
-  if (sender_) sender_->Stop();  // replicas are a bonus: the pushes in flight are cancelled
+  if (housekeeper_) housekeeper_->Stop(deadline);
+  if (sender_) sender_->Stop(deadline);  // replicas are a bonus: the pushes in flight are cancelled
   // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
   // like a crash for the data, but tidy: their commit records and segments stay for the next
   // daemon, which replays them.
@@ -229,7 +246,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
     MutexLock lock(&mu_);
     if (writer_) {
       Logger("rpc")->info("stopped finished={} abandoned={} secs={:.3f}", stop_finished_, stop_abandoned_,
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count());
+                          std::chrono::duration<double>(clock_.Now() - begun).count());
     }
     for (const auto& [name, job] : jobs_) {
       const bool connected = std::any_of(job.ranks.begin(), job.ranks.end(),
@@ -316,7 +333,7 @@ std::string Daemon::EmaSegmentName(const std::string& job, uint32_t rank) const 
 DaemonStatus Daemon::GetStatus() const {
   DaemonStatus out;
   out.version = kVersion;
-  out.uptime_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  out.uptime_seconds = std::chrono::duration<double>(clock_.Now() - started_).count();
   out.host_memory_used = host_memory_used_.load();
   out.host_memory_budget = config_.max_host_memory;
   out.root = config_.root;
@@ -338,7 +355,7 @@ DaemonStatus Daemon::GetStatus() const {
 
 void Daemon::FillJobsStatus(DaemonStatus* out) const {
   MutexLock lock(&mu_);
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = clock_.Now();
   const std::vector<WriteInFlight> writing = writer_ ? writer_->InFlight() : std::vector<WriteInFlight>{};
   for (const auto& [name, job] : jobs_) {
     JobStatus* j = &out->jobs.emplace_back();

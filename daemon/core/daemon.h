@@ -27,6 +27,10 @@
 #include "common/io/io_env.h"
 #include "common/io/shm.h"
 #include "daemon/core/core_types.h"
+#include "daemon/core/daemon_config.h"
+#include "daemon/core/housekeeper.h"
+#include "daemon/core/job_state.h"
+#include "daemon/core/outcomes.h"
 #include "daemon/core/registration.h"
 #include "daemon/core/segment.h"
 #include "daemon/core/slots.h"
@@ -41,151 +45,11 @@
 
 namespace flashckpt {
 
+struct AdoptedCommit;  // recovery.cc
 class ReplicaSender;
 struct ReplicaMeta;
 
-struct DaemonConfig {
-  std::string socket_path;
-  // Records for adopting slot segments after a crash (daemon/core/state_dir.h). Empty:
-  // "<socket_path>.state"; no records at all when socket_path is empty too.
-  std::string state_dir;
-  std::string root;
-  // The node this daemon runs on, recorded in every signal it writes and shown by status, list and
-  // inspect ([A-Za-z0-9._:-]{1,253}); empty: the host name (DefaultNodeName).
-  std::string node_name;
-  uint32_t slots = 2;
-  uint64_t max_host_memory = 0;  // bytes of shared memory all segments together may use
-  unsigned writer_threads = 2;
-  unsigned ema_threads = 0;                         // 0: min(hardware threads, 8)
-  unsigned restore_threads = 4;                     // reader threads of one restore
-  unsigned io_threads = 4;                          // writes in flight per writer thread
-  uint64_t checksum_chunk = kDefaultChecksumChunk;  // per-chunk checksums of saved tensors (layout.h)
-  unsigned segment_mode = 0600;
-  // Retention: after a checkpoint completes, keep the newest `keep` complete checkpoints of its job
-  // and delete older ones (and incomplete directories older than those). 0 keeps everything.
-  uint32_t keep = 0;
-  // Peers allowed on the socket (SO_PEERCRED): these uids, members of these gids, the daemon's own
-  // uid and root.
-  std::vector<uint32_t> allow_uids;
-  std::vector<uint32_t> allow_gids;
-  std::string log_level = "info";
-  std::string log_file;  // empty: stderr (common/base/log.h)
-  // After SIGTERM, seconds until the daemon exits: writes in flight finish until then (less a
-  // moment to close the listeners), the rest is abandoned for the next daemon (Stop).
-  uint32_t stop_timeout_s = 60;
-  // At a stop, each job's newest memory checkpoint that every rank of it here holds is written
-  // (within the stop's deadline) when no complete checkpoint on disk is as new (--persist-on-stop):
-  // a preempted node loses nothing that reached memory.
-  bool persist_on_stop = true;
-  // The writer's file-system calls (not owned; must outlive the daemon). Tests inject faults here.
-  IoEnv* io_env = IoEnv::Default();
-  // The writes and removals of the state directory's records (the same terms): tests hold a
-  // registration or fail it there, apart from the root's calls.
-  IoEnv* state_io_env = IoEnv::Default();
-  // Slot segments are created 0660 and given to this group (--shm-group), so trainers of another
-  // user in it can map them; unset: 0600, the daemon's user only. EMA segments stay segment_mode.
-  std::optional<uint32_t> shm_group;
-  // Optional replica listener (daemon/replica/replica_server.h): empty `replica_listen` means none.
-  std::string replica_listen;
-  std::string replica_tls_cert, replica_tls_key, replica_tls_ca;
-  std::vector<std::string> replica_allow_names;
-  // The most bytes one peer's replicas may take (its oldest evicted to make room); 0: no cap but
-  // max_host_memory. At most kMaxReplicasPerOrigin replicas per peer in any case.
-  uint64_t replica_max_bytes_per_peer = 0;
-  // Optional peers each kept memory checkpoint of a local rank is sent to (daemon/replica/
-  // replica_sender.h), at most `replicate_max_rate` bytes per second to each (0: no cap). Their TLS
-  // credentials are the replica_tls_* files.
-  std::vector<std::string> replicate_to;
-  uint64_t replicate_max_rate = 0;
-  // Optional TCP listener (daemon/edge/tcp_listener.h, its address common/io/net.h): empty `listen` means none. Read-only RPCs unless
-  // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
-  std::string listen;
-  bool tcp_allow_writes = false;
-  std::string tls_cert, tls_key;
-  // Request limits (daemon/edge/limits.h, daemon/core/registration.h): tensors of one registration, and bytes of one rank's tensors
-  // (0: only max_host_memory bounds them).
-  uint32_t max_tensors_per_rank = kDefaultMaxTensorsPerRank;
-  uint64_t max_rank_bytes = 0;
-  // Prometheus scrape endpoint (daemon/observe/metrics_http.h): empty means none.
-  std::string metrics_listen;
-  // How long the writer and the EMA stage wait for a trainer's device copies into a slot whose
-  // commit it sent before they completed (a streaming commit): then the save fails.
-  std::chrono::milliseconds copy_timeout{120000};
-  // A job none of whose ranks has been connected for this long, with nothing of it left to write,
-  // gives its shared memory back (ReleaseJob); 0 never does.
-  std::chrono::seconds idle_release{300};
-  // A rank that names no run joins the newest launch of its job in the root (daemon/pipeline/
-  // launches.h) only if that launch has no process of the rank yet and began less than this long ago
-  // (or a rank of its run is live here).
-  std::chrono::seconds launch_join_window{300};
-  // How often the daemon re-checks the newest incomplete steps of its jobs and completes those whose
-  // signals are all there (Catalog::CompleteSignalledSteps: signals written by daemons of other
-  // nodes on a shared root); also once at start. 0: never.
-  std::chrono::milliseconds sweep_interval{10000};
-  // A step this daemon reads (a restore) or writes holds a lease in the root for as long, refreshed
-  // every third of this; every deletion of every daemon on the root skips a step with a live lease,
-  // and a lease of a daemon that died expires after this (daemon/pipeline/lease.h). 0: no leases.
-  std::chrono::milliseconds lease_ttl{60000};
-};
 
-struct WaitResult {
-  int64_t persisted_step = -1;
-  bool checkpoint_complete = false;
-};
-
-// What ReleaseJob gave back.
-struct ReleaseOutcome {
-  uint32_t ranks = 0;   // ranks the daemon knew of the job
-  uint64_t bytes = 0;   // shared memory freed (slot and EMA segments)
-  // Memory checkpoints newer than the newest complete checkpoint on disk (`disk_step`, -1: none):
-  // the newest one was written first (`written_step`), or with force they went (`dropped_steps`).
-  int64_t disk_step = -1;
-  int64_t written_step = -1;
-  std::vector<int64_t> dropped_steps;  // newest first
-};
-
-// How the ranks of a job resume (Daemon::ResumePlanFor).
-struct ResumePlan {
-  bool found = false;  // false: the job has no checkpoint to restore
-  int64_t step = 0;
-  SlotTier tier = SlotTier::kDisk;
-  // The ranks that restored by it, with their process (RankState::process): a retry of the same
-  // process gets the same plan; a new process of any of them means the job failed again, and the
-  // plan is stale.
-  std::map<uint32_t, uint64_t> taken;
-  // Set when a rank could not hand the planned memory checkpoint over: every later taker gets
-  // this error (the ranks that already restored train from a step this one cannot give).
-  Status lost;
-  uint32_t world_size = 0;  // of the ranks it was made for
-  std::string run_id;       // their run: a rank of another run does not take it
-  std::chrono::steady_clock::time_point made{};
-};
-
-// What a rank can restore (Daemon::Restorable), for its job to agree on a step.
-struct RestoreCandidates {
-  std::vector<int64_t> memory_steps;  // its memory checkpoints here, verified, newest first
-  int64_t disk_step = 0;              // the job's newest complete checkpoint on disk; 0: none
-  std::string extra;                  // with extra_of: that memory step's extra state
-};
-
-struct RestoreOutcome {
-  bool found = false;
-  int64_t step = 0;
-  SlotTicket ticket;
-  std::string extra;
-  uint64_t bytes_read = 0;
-  SlotTier tier = SlotTier::kDisk;  // kMemory: handed over from a memory checkpoint, no file read
-  std::string from_peer;            // with kMemory: fetched from this peer's replica (HOST:PORT) first
-  // A memory checkpoint handed over unverified (RestoreWant::verify_in_client): the checksum chunk
-  // size and, per tensor of the slot, where it lies and its chunks' checksums. Empty otherwise.
-  struct TensorSums {
-    uint64_t slot_offset = 0;
-    uint64_t bytes = 0;
-    std::vector<uint64_t> sums;
-  };
-  uint64_t chunk_bytes = 0;
-  std::vector<TensorSums> tensor_sums;
-};
 
 class Daemon {
  public:
@@ -311,132 +175,6 @@ class Daemon {
       EXCLUDES(mu_);
   // The jobs and ranks part of GetStatus, from memory: takes mu_ (and the writer's lock).
   void FillJobsStatus(DaemonStatus* out) const EXCLUDES(mu_);
-  struct RankState {
-    std::shared_ptr<RankSegment> segment;
-    std::string session_id;  // empty when the trainer is gone
-    Topology topology;
-    Backpressure policy = Backpressure::kWait;
-    int64_t last_begun = -1;   // per session: steps must increase
-    int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
-    // Per session: the memory checkpoint last handed over for the client to verify as it copies
-    // (RestoreWant::verify_in_client), until ReleaseSlot gives its slot back: resumed_from becomes
-    // its step then, or, with a reported mismatch, it fails as if the daemon had verified it.
-    struct ClientVerified {
-      SlotTicket ticket;
-      int64_t step = 0;
-      bool planned = false;  // the job's resume plan chose it
-    };
-    std::optional<ClientVerified> client_verifying;
-    std::string run_id;        // per session: its run, set by Register (the attempt)
-    // Per session: the run a registration in progress has chosen, before it is registered (it lets
-    // mu_ go while it makes the segment). Ranks that register meanwhile join it, as they would
-    // join a registered rank's run, so concurrent registrations without a run id draw one run.
-    std::string pending_run;
-    // Per session: its run was agreed through the root's launches (the rank named none), and the
-    // error when that failed (the session's first snapshot is then refused, naming the fix).
-    bool run_agreed = false;
-    Status run_unagreed;
-    uint64_t agreed_launch = 0;  // the launch it joined, when run_agreed
-    bool launch_checked = false;  // per session: its first snapshot found no newer launch
-    // Per session: a step this rank saved is split (its job's ranks saved it in different attempts),
-    // so no checkpoint of this attempt mix completes: its next snapshot and wait fail with this.
-    Status split_error;
-    bool overwrite = false;    // per registration: its first snapshot may start a new lineage
-    bool lineage_checked = false;  // per process: the first BeginSnapshot's lineage check passed
-    // Per session: it re-attached a session of the same trainer process (the client says so after a
-    // broken stream or a daemon restart). Only such a session may carry on its run's checkpoints
-    // without restoring; a new process reusing a run id is a fresh start (CheckLineage).
-    bool reattached = false;
-    // The trainer process: counts sessions that were not re-attachments. A persist reports to
-    // last_persisted and `failed` only while its process is the rank's (WaitPersisted of a new
-    // process is never answered by its predecessor's steps).
-    uint64_t process = 0;
-    Attempt attempt() const { return Attempt{run_id, resumed_from}; }
-    // The number its replicas carry for the attempt (ReplicaHeader.attempt): the wall-clock ms at
-    // which this daemon numbered attempt `numbered` in this process (`numbered_process`): at the
-    // restore that began it (RestoredLocked, with --replicate-to), else at the first memory
-    // checkpoint of it offered to the peers (ReplicaAttemptNumber).
-    Attempt numbered;
-    uint64_t numbered_process = 0;
-    uint64_t attempt_number = 0;  // 0: numbered afresh when next needed
-    // The highest attempt number seen for the rank, its own or a peer's replica's (FetchPeerReplica):
-    // the next number is above it, whatever the wall clock says.
-    uint64_t attempt_floor = 0;
-    // A restore of `step` completed: the rank's later checkpoints are of a new timeline, with a new
-    // attempt number (also when it restores the same step again in the same process).
-    void Restored(int64_t step) {
-      resumed_from = step;
-      attempt_number = 0;
-      attempt_began_ms = WallMs();
-    }
-    // When the session's current attempt began here (wall clock, ms): its process's session opened,
-    // or its last restore. A signal of another attempt committed after it was alive at the same time.
-    int64_t attempt_began_ms = 0;
-    std::chrono::steady_clock::time_point gone_since{};  // when its last session ended (or was adopted)
-    bool registered = false;   // per session: Register succeeded (its topology is current)
-    uint64_t registrations = 0;  // Register calls that made a segment: tells a call it was overtaken
-    int64_t last_committed = -1;
-    int64_t last_persisted = -1;
-    std::string last_error;
-    // Recent failed persists by step (bounded), so WaitPersisted(step) reports each one's error.
-    std::map<int64_t, Status> failed;
-    // Committed steps a stop left to the next daemon (not reached by the EMA stage or the writer
-    // before its deadline), so WaitPersisted(step) says so instead of waiting for them.
-    std::set<int64_t> abandoned;
-    // Recent steps this process committed as memory checkpoints (bounded), so WaitPersisted and
-    // WaitComplete of one say at once that it is never written.
-    std::set<int64_t> memory_steps;
-    bool fatal_persist_errors = false;  // per registration (Register)
-    // Per registration: the rank takes memory checkpoints and its disk snapshots hold every tensor
-    // (DiskSnapshotsHoldEverything), so each of them is also checksummed and kept as its newest
-    // memory checkpoint once written.
-    bool memory_checkpoints = false;
-    Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
-    uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
-    double last_persist_gbps = 0;
-  };
-  struct JobState {
-    // Idle release: the memory step it last had written first (newer than the disk), and whether a
-    // failure to write it was told (the job is kept then, until a trainer comes back or an operator
-    // releases it with --force).
-    int64_t release_write_step = -1;
-    int64_t release_disk_step = -1;  // the disk's newest complete step when it was queued
-    bool release_kept_told = false;
-    Topology topology;  // degrees and world size of the current registration
-    std::map<uint32_t, RankState> ranks;
-    // Steps of an earlier layout that may still be in progress when a registration changed the
-    // job's layout (world size or degrees), with that layout: the newest step the job's ranks
-    // persisted here, and the steps in their slots then. While one of them is still in progress
-    // (LayoutHoldLocked, CheckLayoutHold), a session that has not restored a checkpoint may not
-    // save: its signals would land beside the other layout's in a checkpoint that never completes.
-    std::map<int64_t, Topology> held_steps;
-    int64_t newest_persisted = -1;  // the newest step any rank of the job persisted here
-    // Split attempts: for recent steps, the attempt in which each rank's session committed it (with
-    // the session, so that a gone session's commits never count); the steps found saved in
-    // different attempts, with their description; how many; the newest one's description.
-    struct Committed {
-      std::string session_id;
-      Attempt attempt;
-    };
-    std::map<int64_t, std::map<uint32_t, Committed>> committed_attempts;
-    struct Split {
-      std::string text;                            // the step, the ranks and their attempts
-      std::map<uint32_t, std::string> sessions;  // the sessions that committed it, by rank
-    };
-    std::map<int64_t, Split> split_steps;
-    uint64_t split_attempts = 0;
-    std::string split;
-    std::set<std::string> overwritten_for;  // runs whose overwrite deleted the other runs' checkpoints
-    // The step every rank of the job restores when it asks for the latest (ResumePlanFor): made by
-    // the first rank's Restore and taken by each rank; forgotten when it goes stale (a taker's new
-    // process, another run or world size, or 10 minutes).
-    std::optional<ResumePlan> resume_plan;
-    bool planning = false;  // a rank is making the plan (off the lock): the others wait for it
-  };
-  struct SessionInfo {
-    std::string job;
-    uint32_t rank = 0;
-  };
 
   // Why the job's memory cannot be given back now, or "" when it can: a connected rank, or a
   // snapshot still in a slot on its way through the EMA stage or the writer.
@@ -459,11 +197,12 @@ class Daemon {
                     const ReleaseOutcome& outcome, const std::string& reason) EXCLUDES(mu_);
   // No rank connected, nothing left to write, and the last rank gone for config_.idle_release.
   bool IdleDueLocked(const JobState& job) const REQUIRES(mu_);
-  // The --idle-release thread: releases jobs idle for config_.idle_release until Stop.
-  void IdleReleaseLoop() EXCLUDES(mu_);
-  // Every sweep_interval (and once at start): Catalog::CompleteSignalledSteps for each job the
-  // daemon knows, without mu_ while it reads the root.
-  void SweepLoop() EXCLUDES(mu_);
+  // The housekeeper's chores (housekeeper.h), one pass each. Idle release: releases the jobs idle for
+  // config_.idle_release, and the kept EMA segments of jobs that did not come back.
+  void ReleaseIdleJobs() EXCLUDES(mu_);
+  // The sweep: Catalog::CompleteSignalledSteps for each job the daemon knows, without mu_ while it
+  // reads the root.
+  void SweepSignalledSteps() EXCLUDES(mu_);
   // Takes the kept EMA segments (kept_emas_) idle for config_.idle_release out of the table, their
   // jobs into releasing_: (segment, job) pairs for DropKeptEmas, which unlinks them without mu_.
   std::vector<std::pair<std::string, std::string>> TakeIdleKeptEmasLocked() REQUIRES(mu_);
@@ -529,6 +268,43 @@ class Daemon {
   // without metadata.json; the steps found complete or gone are dropped from the hold.
   Status CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held)
       EXCLUDES(mu_);
+  // Register's steps (registration.cc). The run a rank that names none joins through the root's
+  // launches (file I/O: without mu_); empty when the rank names one, or a live rank here decides it.
+  struct AgreedRun {
+    std::string run;
+    uint64_t launch = 0;
+    Status error;  // the launches could not be read or written: the first snapshot is refused
+  };
+  Result<AgreedRun> AgreeRunThroughRoot(const std::string& session_id, const Registration& reg,
+                                        const std::string& drawn_run) EXCLUDES(mu_);
+  // Waits (5 s at most) while a live rank of the job holds another layout or another run than
+  // `wanted`, then refuses naming it; returns the rank, looked up again.
+  Result<RankState*> AwaitNoConflictLocked(const std::string& session_id, const Registration& reg,
+                                           const std::string& wanted, MutexLock* lock) REQUIRES(mu_);
+  // The job changes its layout to `topology`: the steps of the old one still in progress are held
+  // (JobState::held_steps), and the segments of its gone ranks dropped.
+  void HoldPreviousLayoutLocked(const std::string& name, JobState* job, uint32_t rank, const Topology& topology)
+      REQUIRES(mu_);
+  // A new segment for a registration: the budget checked, the rank's segment retired (into the
+  // caller's `retired`, which goes after mu_) and the bytes reserved; the segment is then made
+  // without mu_ (CreateRecordedSegment) and published, unless another registration of the rank
+  // overtook this one (`created` is the caller's, so that it goes after mu_ then).
+  struct SegmentReservation {
+    uint64_t bytes = 0;       // counted in registering_bytes_ until published
+    uint64_t generation = 0;  // RankState::registrations when reserved
+  };
+  Result<SegmentReservation> ReserveSegmentLocked(const std::string& session_id, const RankLayout& layout,
+                                                  const std::optional<EmaPlan>& ema_plan,
+                                                  std::shared_ptr<RankSegment>* retired) REQUIRES(mu_);
+  Result<RankState*> PublishSegmentLocked(const std::string& session_id, const SegmentReservation& reserved,
+                                          Result<std::shared_ptr<RankSegment>> made,
+                                          std::shared_ptr<RankSegment>* created) REQUIRES(mu_);
+  // The rank's EMA continues only `run_id`'s average: another run's updates still queued are applied
+  // first (30 s at most), then the average starts afresh.
+  Status StartEmaRun(const std::shared_ptr<RankSegment>& segment, const std::string& job, uint32_t rank,
+                     const std::string& run_id) EXCLUDES(mu_);
+  // MemoryTierFits as a registration's refusal; `warn`: says what 2 slots cost.
+  Status MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool ema, bool warn) const;
   // The run a registration joins: this session's earlier one, else the request's, else the one this
   // registration chose before it let mu_ go (pending_run), else the run a live registered rank of the
   // job named, else `agreed` (the launch it joined in the root, when it asked), else the run of the
@@ -614,6 +390,16 @@ class Daemon {
   // Crash recovery (daemon/core/recovery.cc).
   Status AdoptSegments() EXCLUDES(mu_);
   Status AdoptSegment(const StateDir::Adoptable& record) EXCLUDES(mu_);
+  // AdoptSegment's steps, on a segment not yet published: its commit records (the snapshots to
+  // replay; those already durable are released), its memory records (the memory-only steps held),
+  // then the segment published in the job table with its snapshots queued.
+  Result<std::vector<AdoptedCommit>> AdoptCommits(const StateDir::Adoptable& record, const Registration& reg,
+                                                  const std::shared_ptr<RankSegment>& segment);
+  std::vector<int64_t> AdoptMemoryRecords(const StateDir::Adoptable& record, const Registration& reg,
+                                          const std::shared_ptr<RankSegment>& segment);
+  void PublishAdopted(const StateDir::Adoptable& record, const Registration& reg,
+                      const std::shared_ptr<RankSegment>& segment, std::vector<AdoptedCommit> pending,
+                      const std::vector<int64_t>& memory_steps) EXCLUDES(mu_);
   // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by writers that
   // are gone (a zombie or a pid another program reuses counts as gone: IsTemporaryWriterAlive).
   void RemoveStaleTemporaries(const std::string& job);
@@ -657,6 +443,7 @@ class Daemon {
   void HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) REQUIRES(mu_);
 
   const DaemonConfig config_;
+  const Clock& clock_;  // config_.clock: every time the core reads, and every deadline it waits for
   const std::chrono::steady_clock::time_point started_;
   StateDir state_;           // set once by Start
   std::string ema_scope_;    // set once by Start, before any segment (EmaSegmentName)
@@ -743,9 +530,7 @@ class Daemon {
     std::chrono::steady_clock::time_point since;
   };
   std::map<std::string, KeptEma> kept_emas_ GUARDED_BY(mu_);
-  CondVar idle_cv_;          // wakes the idle-release and sweep threads at Stop
-  std::thread idle_thread_;  // started by Start with idle_release > 0, joined by Stop
-  std::thread sweep_thread_;  // started by Start with sweep_interval > 0, joined by Stop
+  std::unique_ptr<Housekeeper> housekeeper_;  // set once by Start, stopped by Stop
 };
 
 }  // namespace flashckpt

@@ -253,7 +253,7 @@ void Daemon::OnMixedStep(const std::string& name, uint32_t rank, const std::stri
   NoteSplitLocked(name, rank, step, std::move(split));
 }
 
-const Daemon::JobState::Split* Daemon::LiveSplitLocked(const JobState& job, int64_t step) const {
+const JobState::Split* Daemon::LiveSplitLocked(const JobState& job, int64_t step) const {
   auto it = job.split_steps.find(step);
   if (it == job.split_steps.end()) return nullptr;
   for (const auto& [r, session] : it->second.sessions) {
@@ -293,7 +293,7 @@ void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t ste
 }
 
 Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = clock_.Now() + timeout;
   ASSIGN_OR_RETURN(WaitResult own, WaitPersisted(session_id, step, timeout));
   if (own.checkpoint_complete) return Status::OK();
   std::string job;
@@ -337,12 +337,12 @@ Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::ch
         }
       }
       // Completion by another daemon sharing the root is seen on the next look at the disk.
-      const auto next = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
-      if (std::chrono::steady_clock::now() < deadline) (void)cv_.WaitUntil(&lock, next);
+      const auto next = std::min(deadline, clock_.Now() + std::chrono::milliseconds(200));
+      if (clock_.Now() < deadline) (void)clock_.WaitUntil(&cv_, &lock, next);
     }
     ASSIGN_OR_RETURN(complete, catalog_.IsComplete(job, step));
     if (complete) return Status::OK();
-    if (std::chrono::steady_clock::now() >= deadline) break;
+    if (clock_.Now() >= deadline) break;
   }
   // The deadline: what the step's signals say about why it is not complete. A signal of another
   // attempt may be a rank that has not reached the step yet in this one (its old signal is still

@@ -46,7 +46,7 @@ uint64_t Daemon::ReplicaAttemptNumber(RankState& state) {
   if (state.attempt_number == 0 || state.numbered != state.attempt() || state.numbered_process != state.process) {
     state.numbered = state.attempt();
     state.numbered_process = state.process;
-    const auto now_ms = static_cast<uint64_t>(WallMs());
+    const auto now_ms = static_cast<uint64_t>(clock_.WallMs());
     state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
     state.attempt_floor = state.attempt_number;
   }
@@ -54,7 +54,7 @@ uint64_t Daemon::ReplicaAttemptNumber(RankState& state) {
 }
 
 void Daemon::RestoredLocked(const std::string& job, uint32_t rank, RankState& state, int64_t step) {
-  state.Restored(step);
+  state.Restored(step, clock_.WallMs());
   // The peers let go of what they hold of a later step of the attempt the rank leaves (a rollback).
   if (sender_) sender_->Retract(job, rank, step, ReplicaAttemptNumber(state));
 }

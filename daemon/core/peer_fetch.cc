@@ -20,9 +20,10 @@ namespace {
 // How long the look at the peers (List) may take: a peer that is down must not hold up a restore.
 constexpr std::chrono::seconds kPeerListTimeout{5};
 
-std::chrono::system_clock::time_point SystemDeadline(std::chrono::steady_clock::time_point deadline) {
+// gRPC's deadline (the system clock) for a deadline of `clock`.
+std::chrono::system_clock::time_point SystemDeadline(const Clock& clock, std::chrono::steady_clock::time_point deadline) {
   return std::chrono::system_clock::now() +
-         std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - std::chrono::steady_clock::now());
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - clock.Now());
 }
 
 // The replica's own description of where its tensors lie, checked against the rank's layout, and
@@ -150,9 +151,9 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     ReplicaMeta meta;
   } best;
   uint64_t highest_attempt = 0;  // of the rank's replicas on the peers, any step
-  const auto list_by = std::min(deadline, std::chrono::steady_clock::now() + kPeerListTimeout);
+  const auto list_by = std::min(deadline, clock_.Now() + kPeerListTimeout);
   for (const ReplicaSender::PeerChannel& peer : sender_->channels()) {
-    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(list_by));
+    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(clock_, list_by));
     if (!listed.ok()) {
       Logger("restore")->warn("replica peer={} not asked job={} rank={}: {}", peer.target, job, rank_id,
                               listed.status().ToString());
@@ -220,11 +221,11 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     Slots(*segment).SetLoading(ticket->slot, true);
     Mirror(*segment, ticket->slot);
   }
-  const auto started = std::chrono::steady_clock::now();
+  const auto started = clock_.Now();
   char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
   SlotChecksums sums;
   // Half the time left at most: the files must still be readable in time when the peer is slow.
-  const auto fetch_by = std::chrono::steady_clock::now() + (deadline - std::chrono::steady_clock::now()) / 2;
+  const auto fetch_by = clock_.Now() + (deadline - clock_.Now()) / 2;
   auto fetched = FetchReplica(
       best.peer->channel.get(), config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
       [&](const ReplicaMeta& meta) -> Result<char*> {
@@ -236,13 +237,13 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
         ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
         return into;
       },
-      SystemDeadline(fetch_by), OriginOf(best.meta));
+      SystemDeadline(clock_, fetch_by), OriginOf(best.meta));
   Status checked = fetched.status();
   if (checked.ok()) {
     ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
     checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, sums, &verifiers);
   }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const double secs = std::chrono::duration<double>(clock_.Now() - started).count();
 
   MutexLock lock(&mu_);
   Slots(*segment).SetLoading(ticket->slot, false);

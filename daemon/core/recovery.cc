@@ -50,6 +50,12 @@ Status Daemon::AdoptSegments() {
   return Status::OK();
 }
 
+// A committed snapshot of an adopted segment, to be replayed: through the EMA stage, or to the writer.
+struct AdoptedCommit {
+  EmaJob job;
+  bool ema_done = false;  // the old daemon's EMA stage had finished with it (mirrored PERSISTING)
+};
+
 Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
   const v1::SegmentRecord& rec = record.segment;
   const std::string& job = rec.job();
@@ -77,11 +83,22 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
                    CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
                                  rec.segment_name(), /*adopt=*/true));
 
-  struct Pending {
-    EmaJob job;
-    bool ema_done = false;  // the old daemon's EMA stage had finished with it (mirrored PERSISTING)
-  };
-  std::vector<Pending> pending;
+  ASSIGN_OR_RETURN(std::vector<AdoptedCommit> pending, AdoptCommits(record, reg, segment));
+  // Memory checkpoints: each slot whose header still says it holds the recorded step holds it (the
+  // record is written before the header says so, and a slot reused or dropped says so no longer).
+  // Their bytes are verified against the recorded checksums when a restore hands them over.
+  const std::vector<int64_t> memory_steps = AdoptMemoryRecords(record, reg, segment);
+  PublishAdopted(record, reg, segment, std::move(pending), memory_steps);
+  return Status::OK();
+}
+
+Result<std::vector<AdoptedCommit>> Daemon::AdoptCommits(const StateDir::Adoptable& record, const Registration& reg,
+                                                        const std::shared_ptr<RankSegment>& segment) {
+  const v1::SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job();
+  const uint32_t rank_id = rec.rank();
+  std::vector<AdoptedCommit> adopted;
+  std::vector<AdoptedCommit>* pending = &adopted;
   for (const v1::CommitRecord& c : record.commits) {
     const SlotTicket ticket{c.slot(), c.generation()};
     if (c.step() < 0 || c.world_size() != reg.topology.world_size || c.resumed_from() < 0 ||
@@ -93,7 +110,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     }
     RETURN_IF_ERROR(UnpublishedSlots(*segment).Adopt(ticket, c.step()));
     const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot()));
-    Pending p;
+    AdoptedCommit p;
     p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
                  mirror->step.load() == c.step() && mirror->generation.load() == c.generation();
     MirrorUnpublished(*segment, c.slot());
@@ -133,12 +150,17 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
       j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", /*process=*/0, c.world_size(), attempt, segment,
                                      ticket, c.step(), c.extra());
     }
-    pending.push_back(std::move(p));
+    pending->push_back(std::move(p));
   }
 
-  // Memory checkpoints: each slot whose header still says it holds the recorded step holds it (the
-  // record is written before the header says so, and a slot reused or dropped says so no longer).
-  // Their bytes are verified against the recorded checksums when a restore hands them over.
+  return adopted;
+}
+
+std::vector<int64_t> Daemon::AdoptMemoryRecords(const StateDir::Adoptable& record, const Registration& reg,
+                                                const std::shared_ptr<RankSegment>& segment) {
+  const v1::SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job();
+  const uint32_t rank_id = rec.rank();
   std::vector<int64_t> memory_steps;  // memory-only steps: not the disk snapshots kept once written
   for (const v1::MemoryRecord& m : record.memory) {
     std::string why;
@@ -184,10 +206,19 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     if (slot.state == SlotState::kFree && slot.resident == nullptr) MirrorUnpublished(*segment, i);
   }
 
+  return memory_steps;
+}
+
+void Daemon::PublishAdopted(const StateDir::Adoptable& record, const Registration& reg,
+                            const std::shared_ptr<RankSegment>& segment, std::vector<AdoptedCommit> pending,
+                            const std::vector<int64_t>& memory_steps) {
+  const v1::SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job();
+  const uint32_t rank_id = rec.rank();
   MutexLock lock(&mu_);
   JobState& job_state = jobs_[job];
   RankState& rank = job_state.ranks[rank_id];
-  if (rank.session_id.empty()) rank.gone_since = std::chrono::steady_clock::now();  // idle from here
+  if (rank.session_id.empty()) rank.gone_since = clock_.Now();  // idle from here
   if (!rank.segment) {
     rank.segment = segment;
     rank.topology = reg.topology;
@@ -200,7 +231,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     rank.last_committed = std::max(rank.last_committed, step);
     rank.memory_steps.insert(step);
   }
-  for (Pending& p : pending) {
+  for (AdoptedCommit& p : pending) {
     rank.last_committed = std::max(rank.last_committed, p.job.step);
     Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,
                         p.job.step, p.job.persist);
@@ -219,7 +250,6 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     }
   }
   cv_.NotifyAll();
-  return Status::OK();
 }
 
 void Daemon::RemoveStaleTemporaries(const std::string& job) {

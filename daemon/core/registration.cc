@@ -61,6 +61,80 @@ Status LayoutHeld(const std::string& job, int64_t step, const Topology& before, 
       job + " --step " + std::to_string(step) + " --force`)");
 }
 
+// What Register answers: the rank's segment and where each tensor (and EMA tensor) lies in a slot.
+RegisterReply ReplyOf(const RankSegment& seg, uint32_t slot_count, const std::string& run_id) {
+  RegisterReply reply;
+  reply.run_id = run_id;
+  reply.segment_name = seg.shm->name();
+  reply.segment_bytes = seg.shm->size();
+  reply.slot_count = slot_count;
+  reply.slot_offset = kSegmentHeaderBytes;
+  reply.slot_stride = seg.slot_stride;
+  for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
+    TensorLocation& p = reply.placements.emplace_back();
+    p.name = seg.layout.tensors[i].name;
+    int f = seg.layout.placements[i].file;
+    p.file = f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem;
+    p.slot_offset = seg.layout.placements[i].slot_offset;
+    p.bytes = seg.layout.placements[i].bytes;
+    p.kind = seg.layout.tensors[i].kind;
+    if (seg.ema) {
+      const auto& sources = seg.ema->plan().source;
+      p.ema_source = std::find(sources.begin(), sources.end(), i) != sources.end();
+    }
+  }
+  if (seg.ema) {
+    const RankLayout& el = seg.ema->plan().layout;
+    for (size_t i = 0; i < el.tensors.size(); ++i) {
+      TensorLocation& p = reply.ema_placements.emplace_back();
+      p.name = el.tensors[i].name;
+      p.file = el.files[0].stem;
+      p.slot_offset = seg.ema_area - el.files[0].slot_offset + el.placements[i].slot_offset;
+      p.bytes = el.placements[i].bytes;
+    }
+  }
+  return reply;
+}
+
+// Why a registration is refused when a live rank of the job holds another run or another layout.
+Status ConflictRefusal(const std::string& job, uint32_t rank, const Registration& reg, const std::string& wanted,
+                       uint32_t conflict_rank, const RankState& conflict, const std::string& conflict_run) {
+  const Topology& topology = reg.topology;
+  if (!conflict.registered || SameDegrees(conflict.topology, topology)) {
+    return FailedPrecondition("registration of job '" + job + "' rank " + std::to_string(rank) +
+                              " refused: the job is running as run " + conflict_run + " (live rank " +
+                              std::to_string(conflict_rank) + "); this rank " +
+                              (reg.run_id.empty() ? "joined run " + wanted + " (a new launch, agreed "
+                                                    "through the root)"
+                                                  : "asks for run " + wanted) +
+                              ": two runs of one job cannot save at once; the ranks of a job share one run id "
+                              "(or leave it empty to join the live run)");
+  }
+  return FailedPrecondition(
+      "job '" + job + "' is registered with world size " + std::to_string(conflict.topology.world_size) + " (tp " +
+      std::to_string(conflict.topology.tp_degree) + ", pp " + std::to_string(conflict.topology.pp_degree) +
+      ", shard " + std::to_string(conflict.topology.shard_degree) + ") by live rank " +
+      std::to_string(conflict_rank) + "; this rank asks for world size " + std::to_string(topology.world_size) +
+      " (tp " + std::to_string(topology.tp_degree) + ", pp " + std::to_string(topology.pp_degree) + ", shard " +
+      std::to_string(topology.shard_degree) + ")");
+}
+
+// What a registration sets in the rank's record once its run (rank->run_id) is chosen: `agreed_*`,
+// the launch it joined through the root, if it asked.
+void ApplyRegistration(const Registration& reg, const std::string& agreed_run, uint64_t agreed_launch,
+                       const Status& agreed_error, RankState* rank) {
+  rank->pending_run.clear();
+  rank->run_agreed = reg.run_id.empty() && !agreed_run.empty() && rank->run_id == agreed_run;
+  if (rank->run_agreed) rank->agreed_launch = agreed_launch;
+  if (!agreed_error.ok() && !rank->run_agreed) rank->run_unagreed = agreed_error;
+  rank->overwrite = reg.overwrite;
+  rank->topology = reg.topology;
+  rank->policy = reg.policy;
+  if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
+  rank->fatal_persist_errors = reg.fatal_persist_errors;
+  rank->registered = true;
+}
+
 }  // namespace
 
 Status CheckRankBytes(const RankLayout& layout, uint64_t limit) {
@@ -217,20 +291,185 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::st
   return created;
 }
 
-Result<Daemon::RankState*> Daemon::WaitSlotsLoadedLocked(const std::string& session_id, MutexLock* lock,
+Result<RankState*> Daemon::WaitSlotsLoadedLocked(const std::string& session_id, MutexLock* lock,
                                                          std::chrono::steady_clock::time_point deadline) {
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   while (rank->segment && Slots(*rank->segment).AnyLoading()) {
-    const bool woken = cv_.WaitUntil(lock, deadline);
+    const bool woken = clock_.WaitUntil(&cv_, lock, deadline);
     ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
     if (!woken) break;  // the segment is then replaced, as it would be anyway
   }
   return rank;
 }
 
+Result<Daemon::AgreedRun> Daemon::AgreeRunThroughRoot(const std::string& session_id, const Registration& reg,
+                                                     const std::string& drawn_run) {
+  AgreedRun agreed;
+  if (!reg.run_id.empty()) return agreed;
+  bool ask = false;
+  std::set<std::string> live_runs;
+  std::string job_name;
+  uint32_t rank_id = 0;
+  {
+    MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(const RankState* rank, RankOf(session_id, /*need_segment=*/false));
+    job_name = sessions_[session_id].job;
+    rank_id = sessions_[session_id].rank;
+    ask = rank->run_id.empty() && rank->pending_run.empty() && !NamedLiveRunLocked(jobs_[job_name], rank_id);
+    for (const auto& [r, other] : jobs_[job_name].ranks) {
+      if (r != rank_id && !other.session_id.empty() && other.registered) live_runs.insert(other.run_id);
+    }
+  }
+  if (!ask) return agreed;
+  Result<LaunchChoice> joined = launches_.Join(job_name, rank_id, reg.topology.world_size, drawn_run, live_runs);
+  if (joined.ok()) {
+    agreed.run = joined->run_id;
+    agreed.launch = joined->launch;
+  } else {
+    agreed.error = joined.status();
+    Logger("rpc")->error("run not agreed job={} rank={} error=\"{}\": its first snapshot is refused", job_name, rank_id,
+                         agreed.error.ToString());
+  }
+  return agreed;
+}
+
+Result<RankState*> Daemon::AwaitNoConflictLocked(const std::string& session_id, const Registration& reg,
+                                                 const std::string& wanted, MutexLock* lock) {
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo who = sessions_[session_id];
+  const auto deadline = clock_.Now() + std::chrono::seconds(5);
+  for (;;) {
+    const JobState& job = jobs_[who.job];
+    const RankState* conflict = nullptr;
+    uint32_t conflict_rank = 0;
+    std::string conflict_run;
+    for (const auto& [r, other] : job.ranks) {
+      if (r == who.rank || other.session_id.empty()) continue;
+      // A rank still registering (its segment being made) has chosen its run but not its layout yet.
+      const std::string& other_run = other.registered ? other.run_id : other.pending_run;
+      if (!other.registered && other_run.empty()) continue;
+      if ((other.registered && !SameDegrees(other.topology, reg.topology)) ||
+          (!wanted.empty() && other_run != wanted)) {
+        conflict = &other;
+        conflict_rank = r;
+        conflict_run = other_run;
+        break;
+      }
+    }
+    if (conflict == nullptr) return rank;
+    if (!clock_.WaitUntil(&cv_, lock, deadline)) {
+      ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));  // not stopping: `conflict` is valid
+      return ConflictRefusal(who.job, who.rank, reg, wanted, conflict_rank, *conflict, conflict_run);
+    }
+    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+  }
+}
+
+void Daemon::HoldPreviousLayoutLocked(const std::string& name, JobState* job, uint32_t rank, const Topology& topology) {
+  // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
+  // in its slots. Sessions of the new layout that do not restore may not save until it is done
+  // (BeginSnapshot): their signals would be counted with the old layout's.
+  const int64_t newest = job->newest_persisted;
+  for (const auto& [r, other] : job->ranks) {
+    if (!other.segment) continue;
+    for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
+      const SlotInfo& slot = Slots(*other.segment).at(i);
+      if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
+          slot.state == SlotState::kPersisting) {
+        job->held_steps.emplace(slot.step, job->topology);
+      }
+    }
+  }
+  if (newest >= 0) job->held_steps.emplace(newest, job->topology);
+  if (!job->held_steps.empty()) {
+    Logger("rpc")->info("layout changed job={} from=\"{}\" to=\"{}\" held_steps={}: ranks that do not restore "
+                        "save only once these are complete or deleted",
+                        name, LayoutText(job->topology), LayoutText(topology), job->held_steps.size());
+  }
+  // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
+  for (auto& [r, other] : job->ranks) {
+    if (r != rank && other.session_id.empty() && other.segment) {
+      // Its memory checkpoints go with it (a running persist keeps the segment, not them): the
+      // mirror says so, so that a daemon restarted meanwhile does not adopt them.
+      DropMemoryFrom(*other.segment, std::numeric_limits<int64_t>::min());
+      other.segment.reset();
+    }
+  }
+}
+
+Result<Daemon::SegmentReservation> Daemon::ReserveSegmentLocked(const std::string& session_id, const RankLayout& layout,
+                                                               const std::optional<EmaPlan>& ema_plan,
+                                                               std::shared_ptr<RankSegment>* retired) {
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo who = sessions_[session_id];
+  const uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
+  const uint64_t need =
+      SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
+  const uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted() : 0;
+  // Registrations creating their segments right now count with what they will take.
+  const uint64_t used = host_memory_used_.load() + registering_bytes_ - releasable;
+  if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
+    return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
+                             FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
+                             FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
+                             "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
+                             " in use (--max-host-memory)" + DisconnectedText(DisconnectedBytesLocked()) +
+                             ReplicaText(replica_memory_used_.load()));
+  }
+  // The old segment goes now (the writer keeps it alive if a persist is still running); the new
+  // one is created without mu_: allocating and populating gigabytes must not hold up the other
+  // ranks' snapshots, status or the watchdog. Its bytes are reserved meanwhile.
+  if (rank->segment) DropMemoryFrom(*rank->segment, std::numeric_limits<int64_t>::min());  // as above
+  *retired = std::move(rank->segment);
+  registering_bytes_ += need;
+  return SegmentReservation{need, ++rank->registrations};
+}
+
+Result<RankState*> Daemon::PublishSegmentLocked(const std::string& session_id, const SegmentReservation& reserved,
+                                                Result<std::shared_ptr<RankSegment>> made,
+                                                std::shared_ptr<RankSegment>* created) {
+  registering_bytes_ -= reserved.bytes;
+  if (!made.ok()) return made.status();
+  *created = std::move(made).value();
+  // The session may have ended, or registered again, while the segment was made: then it is not
+  // this call's to publish (it is released, with its records, after mu_).
+  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  if (rank->registrations != reserved.generation || rank->segment) {
+    const SessionInfo who = sessions_[session_id];
+    return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                              " was overtaken by another registration of the rank; register again");
+  }
+  rank->segment = std::move(*created);
+  return rank;
+}
+
+Status Daemon::StartEmaRun(const std::shared_ptr<RankSegment>& segment, const std::string& job, uint32_t rank,
+                           const std::string& run_id) {
+  // The EMA continues only its own run's average (one adopted by job name may be another run's).
+  // Another run's snapshots still queued for it (a predecessor's commits, a restarted daemon's
+  // replays) are applied first, so that none of them lands in the new average; the check and the
+  // reset take the EMA's lock, not mu_, as an update in progress holds it.
+  if (!segment->ema) return Status::OK();
+  if (segment->ema->run_id() != run_id) {
+    MutexLock lock(&mu_);
+    const auto drained = clock_.Now() + std::chrono::seconds(30);
+    while (EmaPending(*segment) > 0 && clock_.WaitUntil(&cv_, &lock, drained)) {
+    }
+    if (const uint32_t pending = EmaPending(*segment); pending > 0) {
+      return Unavailable("registration of job '" + job + "' rank " + std::to_string(rank) + ": " +
+                         std::to_string(pending) + " snapshot(s) of the previous run are still on their way to its "
+                         "EMA after 30 s; register again");
+    }
+  }
+  if (segment->ema->StartRun(run_id)) {
+    Logger("ema")->info("fresh EMA job={} rank={} run={}: the average in its segment was another run's", job, rank,
+                        run_id);
+  }
+  return Status::OK();
+}
+
 Result<RegisterReply> Daemon::Register(const std::string& session_id, const Registration& reg) {
   const Topology& topology = reg.topology;
-  const EmaConfig& ema_config = reg.ema;
   // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
   // after it): a segment's destructor removes its records and unlinks its memory.
   std::shared_ptr<RankSegment> retired, created;
@@ -238,36 +477,7 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   // A rank that names no run, of a job whose live ranks here named none either, joins its launch
   // through the root (file I/O: before mu_), so that the ranks of one launch on every daemon of the
   // root share a run, and a new launch is a new run.
-  std::string agreed_run;
-  uint64_t agreed_launch = 0;
-  Status unagreed;
-  if (reg.run_id.empty()) {
-    bool ask = false;
-    std::set<std::string> live_runs;
-    std::string job_name;
-    uint32_t rank_id = 0;
-    {
-      MutexLock lock(&mu_);
-      ASSIGN_OR_RETURN(const RankState* rank, RankOf(session_id, /*need_segment=*/false));
-      job_name = sessions_[session_id].job;
-      rank_id = sessions_[session_id].rank;
-      ask = rank->run_id.empty() && rank->pending_run.empty() && !NamedLiveRunLocked(jobs_[job_name], rank_id);
-      for (const auto& [r, other] : jobs_[job_name].ranks) {
-        if (r != rank_id && !other.session_id.empty() && other.registered) live_runs.insert(other.run_id);
-      }
-    }
-    if (ask) {
-      Result<LaunchChoice> joined = launches_.Join(job_name, rank_id, reg.topology.world_size, drawn_run, live_runs);
-      if (joined.ok()) {
-        agreed_run = joined->run_id;
-        agreed_launch = joined->launch;
-      } else {
-        unagreed = joined.status();
-        Logger("rpc")->error("run not agreed job={} rank={} error=\"{}\": its first snapshot is refused", job_name,
-                             rank_id, unagreed.ToString());
-      }
-    }
-  }
+  ASSIGN_OR_RETURN(const AgreedRun agreed, AgreeRunThroughRoot(session_id, reg, drawn_run));
   MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
   const SessionInfo who = sessions_[session_id];
@@ -277,237 +487,81 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, reg.tensors, extras));
   RETURN_IF_ERROR(CheckRankBytes(layout, config_.max_rank_bytes));
   std::optional<EmaPlan> ema_plan;
-  if (ema_config.enabled) {
-    ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, ema_config));
+  if (reg.ema.enabled) {
+    ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, reg.ema));
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
   // Memory checkpoints the rank cannot have whatever segment it ends up with are refused before
   // anything of the job changes (the exact check, with the segment it will use, is below).
-  auto memory_refused = [&](const Status& fits) {
-    return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
-                              " with memory checkpoints: " + fits.message());
-  };
   if (reg.memory_checkpoints) {
     const uint32_t most = std::max(config_.slots, rank->segment ? Slots(*rank->segment).size() : 0u);
-    if (Status fits = MemoryTierFits(most, ema_plan.has_value()); !fits.ok()) return memory_refused(fits);
+    RETURN_IF_ERROR(MemoryCheckpointsFit(who, most, ema_plan.has_value(), /*warn=*/false));
   }
-  JobState* job = &jobs_[who.job];  // looked up again after mu_ was let go
   // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
   // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it
   // (10 s at most, then the segment is replaced as it would be anyway), rather than give the
   // segment, and the memory checkpoints in it, up. Before the conflict wait, whose deadline is short.
-  const auto loading_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(session_id, &lock, loading_deadline));
-  job = &jobs_[who.job];
+  const auto loading_deadline = clock_.Now() + std::chrono::seconds(10);
+  RETURN_IF_ERROR(WaitSlotsLoadedLocked(session_id, &lock, loading_deadline).status());
   // Every live rank of a job shares one layout, and one run when the request names it. Ranks of a
   // previous run that are exiting may still hold their sessions for a moment: wait a little for them.
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  for (;;) {
-    const RankState* conflict = nullptr;
-    uint32_t conflict_rank = 0;
-    std::string conflict_run;
-    const std::string& wanted = reg.run_id.empty() ? agreed_run : reg.run_id;  // a run this rank must have
-    for (const auto& [r, other] : job->ranks) {
-      if (r == who.rank || other.session_id.empty()) continue;
-      // A rank still registering (its segment being made) has chosen its run but not its layout yet.
-      const std::string& other_run = other.registered ? other.run_id : other.pending_run;
-      if (!other.registered && other_run.empty()) continue;
-      if ((other.registered && !SameDegrees(other.topology, topology)) ||
-          (!wanted.empty() && other_run != wanted)) {
-        conflict = &other;
-        conflict_rank = r;
-        conflict_run = other_run;
-        break;
-      }
-    }
-    if (conflict == nullptr) break;
-    if (!cv_.WaitUntil(&lock, deadline)) {
-      ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));  // not stopping: `conflict` is valid
-      if (!conflict->registered || SameDegrees(conflict->topology, topology)) {
-        return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
-                                  " refused: the job is running as run " + conflict_run + " (live rank " +
-                                  std::to_string(conflict_rank) + "); this rank " +
-                                  (reg.run_id.empty() ? "joined run " + wanted + " (a new launch, agreed "
-                                                        "through the root)"
-                                                      : "asks for run " + wanted) +
-                                  ": two runs of one job cannot save at once; the ranks of a job share one run id "
-                                  "(or leave it empty to join the live run)");
-      }
-      return FailedPrecondition(
-          "job '" + who.job + "' is registered with world size " + std::to_string(conflict->topology.world_size) +
-          " (tp " + std::to_string(conflict->topology.tp_degree) + ", pp " +
-          std::to_string(conflict->topology.pp_degree) + ", shard " + std::to_string(conflict->topology.shard_degree) +
-          ") by live rank " + std::to_string(conflict_rank) + "; this rank asks for world size " +
-          std::to_string(topology.world_size) + " (tp " + std::to_string(topology.tp_degree) + ", pp " +
-          std::to_string(topology.pp_degree) + ", shard " + std::to_string(topology.shard_degree) + ")");
-    }
-    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
-  }
+  const std::string& wanted = reg.run_id.empty() ? agreed.run : reg.run_id;  // a run this rank must have
+  ASSIGN_OR_RETURN(rank, AwaitNoConflictLocked(session_id, reg, wanted, &lock));
   // The run is chosen now, in the hold of mu_ that found no conflict: ranks registering from here on
   // join it (or, naming another, meet it as a conflict) while this one waits and makes its segment.
-  rank->pending_run = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);
-  rank->run_agreed = reg.run_id.empty() && !agreed_run.empty() && rank->pending_run == agreed_run;
+  rank->pending_run = ChooseRunLocked(jobs_[who.job], who.rank, *rank, reg, agreed.run, drawn_run);
+  rank->run_agreed = reg.run_id.empty() && !agreed.run.empty() && rank->pending_run == agreed.run;
   // Again: the conflict wait let the lock go, and a resume plan may have pinned a slot meanwhile.
   ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(session_id, &lock, loading_deadline));
-  job = &jobs_[who.job];
-  if (!SameDegrees(job->topology, topology)) {
-    // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
-    // in its slots. Sessions of the new layout that do not restore may not save until it is done
-    // (BeginSnapshot): their signals would be counted with the old layout's.
-    const int64_t newest = job->newest_persisted;
-    for (const auto& [r, other] : job->ranks) {
-      if (!other.segment) continue;
-      for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
-        const SlotInfo& slot = Slots(*other.segment).at(i);
-        if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
-            slot.state == SlotState::kPersisting) {
-          job->held_steps.emplace(slot.step, job->topology);
-        }
-      }
-    }
-    if (newest >= 0) job->held_steps.emplace(newest, job->topology);
-    if (!job->held_steps.empty()) {
-      Logger("rpc")->info("layout changed job={} from=\"{}\" to=\"{}\" held_steps={}: ranks that do not restore "
-                          "save only once these are complete or deleted",
-                          who.job, LayoutText(job->topology), LayoutText(topology), job->held_steps.size());
-    }
-    // The job runs in a new layout: segments of its gone ranks from the old one only hold memory.
-    for (auto& [r, other] : job->ranks) {
-      if (r != who.rank && other.session_id.empty() && other.segment) {
-        // Its memory checkpoints go with it (a running persist keeps the segment, not them): the
-        // mirror says so, so that a daemon restarted meanwhile does not adopt them.
-        DropMemoryFrom(*other.segment, std::numeric_limits<int64_t>::min());
-        other.segment.reset();
-      }
-    }
-  }
-  bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
-               SameEma(rank->segment->ema.get(), ema_plan) && Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
-               Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
+  JobState* job = &jobs_[who.job];
+  if (!SameDegrees(job->topology, topology)) HoldPreviousLayoutLocked(who.job, job, who.rank, topology);
+  const bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
+                     SameEma(rank->segment->ema.get(), ema_plan) &&
+                     Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
+                     Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
   if (reg.memory_checkpoints) {
     // The slots of the segment the rank will use: a reused one (adopted after a restart, perhaps
     // under another --slots) keeps its count.
     const uint32_t slots = reuse ? Slots(*rank->segment).size() : config_.slots;
-    if (Status fits = MemoryTierFits(slots, ema_plan.has_value()); !fits.ok()) return memory_refused(fits);
-    if (slots == 2) {
-      Logger("rpc")->warn("job={} rank={} takes memory checkpoints with 2 slots: while a disk snapshot of the rank "
-                          "is written, its next snapshot waits for it (--slots 3 lets memory checkpoints go on)",
-                          who.job, who.rank);
-    }
+    RETURN_IF_ERROR(MemoryCheckpointsFit(who, slots, ema_plan.has_value(), /*warn=*/true));
   }
   if (!reuse) {
-    uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
-    uint64_t need =
-        SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
-    uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted() : 0;
-    // Registrations creating their segments right now count with what they will take.
-    uint64_t used = host_memory_used_.load() + registering_bytes_ - releasable;
-    if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
-      return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
-                               FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
-                               FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
-                               "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
-                               " in use (--max-host-memory)" + DisconnectedText(DisconnectedBytesLocked()) +
-                               ReplicaText(replica_memory_used_.load()));
-    }
-    // The old segment goes now (the writer keeps it alive if a persist is still running); the new
-    // one is created without mu_: allocating and populating gigabytes must not hold up the other
-    // ranks' snapshots, status or the watchdog. Its bytes are reserved meanwhile.
-    if (rank->segment) DropMemoryFrom(*rank->segment, std::numeric_limits<int64_t>::min());  // as above
-    retired = std::move(rank->segment);
-    registering_bytes_ += need;
-    const uint64_t generation = ++rank->registrations;
-    const std::string run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);  // chosen again below
+    const std::string run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed.run, drawn_run);  // and again below
+    ASSIGN_OR_RETURN(const SegmentReservation reserved, ReserveSegmentLocked(session_id, layout, ema_plan, &retired));
     lock.Unlock();
     retired.reset();
-    auto made =
-        CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), ema_config, reg, run_id);
+    auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), reg.ema, reg, run_id);
     lock.Lock();
-    registering_bytes_ -= need;
-    if (!made.ok()) return made.status();
-    created = std::move(made).value();
-    // The session may have ended, or registered again, while the segment was made: then it is not
-    // this call's to publish (it is released, with its records, after mu_).
-    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    ASSIGN_OR_RETURN(rank, PublishSegmentLocked(session_id, reserved, std::move(made), &created));
     job = &jobs_[who.job];
-    if (rank->registrations != generation || rank->segment) {
-      return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
-                                " was overtaken by another registration of the rank; register again");
-    }
-    rank->segment = std::move(created);
   }
-  rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed_run, drawn_run);
-  rank->pending_run.clear();
-  rank->run_agreed = reg.run_id.empty() && !agreed_run.empty() && rank->run_id == agreed_run;
-  if (rank->run_agreed) rank->agreed_launch = agreed_launch;
-  if (!unagreed.ok() && !rank->run_agreed) rank->run_unagreed = unagreed;
-  rank->overwrite = reg.overwrite;
-  rank->topology = topology;
-  rank->policy = reg.policy;
-  if (reg.resumed_from > 0) rank->resumed_from = reg.resumed_from;
-  rank->fatal_persist_errors = reg.fatal_persist_errors;
+  rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed.run, drawn_run);
+  ApplyRegistration(reg, agreed.run, agreed.launch, agreed.error, rank);
   rank->memory_checkpoints = reg.memory_checkpoints && DiskSnapshotsHoldEverything(*rank->segment);
-  rank->registered = true;
   job->topology = topology;
-
   const RankSegment& seg = *rank->segment;
-  RegisterReply reply;
-  reply.run_id = rank->run_id;
-  reply.segment_name = seg.shm->name();
-  reply.segment_bytes = seg.shm->size();
-  reply.slot_count = Slots(seg).size();
-  reply.slot_offset = kSegmentHeaderBytes;
-  reply.slot_stride = seg.slot_stride;
-  for (size_t i = 0; i < seg.layout.tensors.size(); ++i) {
-    TensorLocation& p = reply.placements.emplace_back();
-    p.name = seg.layout.tensors[i].name;
-    int f = seg.layout.placements[i].file;
-    p.file = f < 0 ? "" : seg.layout.files[static_cast<size_t>(f)].stem;
-    p.slot_offset = seg.layout.placements[i].slot_offset;
-    p.bytes = seg.layout.placements[i].bytes;
-    p.kind = seg.layout.tensors[i].kind;
-    if (seg.ema) {
-      const auto& sources = seg.ema->plan().source;
-      p.ema_source = std::find(sources.begin(), sources.end(), i) != sources.end();
-    }
-  }
-  if (seg.ema) {
-    const RankLayout& el = seg.ema->plan().layout;
-    for (size_t i = 0; i < el.tensors.size(); ++i) {
-      TensorLocation& p = reply.ema_placements.emplace_back();
-      p.name = el.tensors[i].name;
-      p.file = el.files[0].stem;
-      p.slot_offset = seg.ema_area - el.files[0].slot_offset + el.placements[i].slot_offset;
-      p.bytes = el.placements[i].bytes;
-    }
-  }
+  RegisterReply reply = ReplyOf(seg, Slots(seg).size(), rank->run_id);
   Logger("rpc")->info("registered job={} rank={} run={} resumed_from={} tensors={} slot_bytes={} ema_tensors={} "
                       "reused={}",
                       who.job, who.rank, rank->run_id, rank->resumed_from, seg.layout.tensors.size(),
                       FormatBytes(seg.slot_stride), seg.ema ? seg.ema->plan().layout.tensors.size() : 0, reuse);
-  // The EMA continues only its own run's average (one adopted by job name may be another run's).
-  // Another run's snapshots still queued for it (a predecessor's commits, a restarted daemon's
-  // replays) are applied first, so that none of them lands in the new average; the check and the
-  // reset take the EMA's lock, not mu_, as an update in progress holds it.
   std::shared_ptr<RankSegment> segment = rank->segment;
   lock.Unlock();
-  if (segment->ema && segment->ema->run_id() != reply.run_id) {
-    lock.Lock();
-    const auto drained = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (EmaPending(*segment) > 0 && cv_.WaitUntil(&lock, drained)) {
-    }
-    const uint32_t pending = EmaPending(*segment);
-    lock.Unlock();
-    if (pending > 0) {
-      return Unavailable("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + ": " +
-                         std::to_string(pending) + " snapshot(s) of the previous run are still on their way to its "
-                         "EMA after 30 s; register again");
-    }
-  }
-  if (segment->ema && segment->ema->StartRun(reply.run_id)) {
-    Logger("ema")->info("fresh EMA job={} rank={} run={}: the average in its segment was another run's", who.job,
-                        who.rank, reply.run_id);
-  }
+  RETURN_IF_ERROR(StartEmaRun(segment, who.job, who.rank, reply.run_id));
   return reply;
 }
+
+Status Daemon::MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool ema, bool warn) const {
+  if (Status fits = MemoryTierFits(slots, ema); !fits.ok()) {
+    return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
+                              " with memory checkpoints: " + fits.message());
+  }
+  if (warn && slots == 2) {
+    Logger("rpc")->warn("job={} rank={} takes memory checkpoints with 2 slots: while a disk snapshot of the rank "
+                        "is written, its next snapshot waits for it (--slots 3 lets memory checkpoints go on)",
+                        who.job, who.rank);
+  }
+  return Status::OK();
+}
+
 }  // namespace flashckpt

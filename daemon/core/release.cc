@@ -137,7 +137,7 @@ Status Daemon::WriteMemoryBeforeRelease(const std::string& name, int64_t step, i
       if (!MemoryStepWrittenLocked(it->second, step)) return kept(Internal("a rank's copy was not written"));
       return Status::OK();
     }
-    if (!cv_.WaitUntil(&lock, deadline)) {
+    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
       return DeadlineExceeded("job '" + name + "' is kept: its " + what + " is still being written; release again "
                               "once it is");
     }
@@ -158,9 +158,9 @@ void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<R
   // A writer thread may still hold a segment for a moment after its last persist reported (the
   // request that kept it alive is destroyed after its callback): the release is done, and said to
   // be, once the memory is really given back.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto deadline = clock_.Now() + std::chrono::seconds(10);
   for (const auto& segment : going) {
-    while (!segment.expired() && std::chrono::steady_clock::now() < deadline) {
+    while (!segment.expired() && clock_.Now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     if (!segment.expired()) {
@@ -196,7 +196,7 @@ void Daemon::DropReleased(const std::string& name, std::vector<std::shared_ptr<R
 Result<ReleaseOutcome> Daemon::ReleaseJob(const std::string& job, const std::string& reason, bool force,
                                           std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(ValidateJobName(job));
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = clock_.Now() + timeout;
   ReleaseOutcome outcome;
   std::vector<int64_t> memory;
   {
@@ -249,11 +249,11 @@ bool Daemon::IdleDueLocked(const JobState& job) const {
   if (!ReleaseBlocker(job).empty()) return false;
   std::chrono::steady_clock::time_point last_gone{};
   for (const auto& [r, rank] : job.ranks) last_gone = std::max(last_gone, rank.gone_since);
-  return std::chrono::steady_clock::now() - last_gone >= config_.idle_release;
+  return clock_.Now() - last_gone >= config_.idle_release;
 }
 
 std::vector<std::pair<std::string, std::string>> Daemon::TakeIdleKeptEmasLocked() {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = clock_.Now();
   std::vector<std::pair<std::string, std::string>> due;  // segment, job
   for (auto& [segment, kept] : kept_emas_) {
     if (jobs_.count(kept.job) != 0 || releasing_.count(kept.job) != 0) {
@@ -281,77 +281,71 @@ void Daemon::DropKeptEmas(const std::vector<std::pair<std::string, std::string>>
   cv_.NotifyAll();
 }
 
-void Daemon::IdleReleaseLoop() {
-  const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(config_.idle_release);
-  // Checked a few times per idle period, at least every 10 s: a job goes at most that late.
-  const auto period = std::clamp(idle / 4, std::chrono::milliseconds(100), std::chrono::milliseconds(10000));
+void Daemon::ReleaseIdleJobs() {
+  std::vector<std::pair<std::string, std::string>> kept;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    kept = TakeIdleKeptEmasLocked();
+  }
+  if (!kept.empty()) DropKeptEmas(kept);
   MutexLock lock(&mu_);
-  while (!stopping_) {
-    idle_cv_.WaitFor(&lock, period);
-    if (stopping_) break;
-    std::vector<std::pair<std::string, std::string>> kept = TakeIdleKeptEmasLocked();
-    if (!kept.empty()) {
+  if (stopping_) return;
+  std::vector<std::string> names;
+  for (const auto& [name, job] : jobs_) {
+    if (IdleDueLocked(job)) names.push_back(name);
+  }
+  for (const std::string& name : names) {
+    // mu_ was let go for the previous job: a trainer may have come back since.
+    auto it = jobs_.find(name);
+    if (it == jobs_.end() || !IdleDueLocked(it->second)) continue;
+    ReleaseOutcome outcome;
+    // A memory checkpoint newer than the disk is written first, on one pass, and the job released
+    // on a later one once it is; a job whose memory step cannot be written is kept.
+    const std::vector<int64_t> memory = CommonMemoryStepsLocked(it->second);
+    if (!memory.empty()) {
+      const int64_t step = memory.front();
       lock.Unlock();
-      DropKeptEmas(kept);
+      Result<std::optional<int64_t>> latest = catalog_.LatestComplete(name);
       lock.Lock();
-      if (stopping_) break;
-    }
-    std::vector<std::string> names;
-    for (const auto& [name, job] : jobs_) {
-      if (IdleDueLocked(job)) names.push_back(name);
-    }
-    for (const std::string& name : names) {
-      // mu_ was let go for the previous job: a trainer may have come back since.
-      auto it = jobs_.find(name);
+      if (stopping_) return;
+      it = jobs_.find(name);
       if (it == jobs_.end() || !IdleDueLocked(it->second)) continue;
-      ReleaseOutcome outcome;
-      // A memory checkpoint newer than the disk is written first, on one pass, and the job released
-      // on a later one once it is; a job whose memory step cannot be written is kept.
-      const std::vector<int64_t> memory = CommonMemoryStepsLocked(it->second);
-      if (!memory.empty()) {
-        const int64_t step = memory.front();
-        lock.Unlock();
-        Result<std::optional<int64_t>> latest = catalog_.LatestComplete(name);
-        lock.Lock();
-        if (stopping_) break;
-        it = jobs_.find(name);
-        if (it == jobs_.end() || !IdleDueLocked(it->second)) continue;
-        JobState& job = it->second;
-        outcome.disk_step = latest.ok() ? latest->value_or(-1) : -1;
-        if (job.release_write_step == step && MemoryStepWrittenLocked(job, step)) {
-          outcome.written_step = step;  // written on an earlier pass (its checkpoint may be complete now)
-          outcome.disk_step = job.release_disk_step;
-        } else if (step > outcome.disk_step || !latest.ok()) {
-          if (job.release_write_step == step) {
-            if (!job.release_kept_told) {
-              job.release_kept_told = true;
-              Logger("rpc")->error("idle release kept job={}: its memory checkpoint step={} (newer than the disk's "
-                                   "step={}) could not be written; `flashckpt release --job {} --force` drops it",
-                                   name, step, outcome.disk_step, name);
-            }
-            continue;
-          } else {
-            job.release_write_step = step;
-            job.release_disk_step = outcome.disk_step;
-            job.release_kept_told = false;
-            lock.Unlock();
-            Result<uint32_t> queued = PersistMemoryStep(name, step, outcome.disk_step, "before idle release");
-            if (!queued.ok()) {
-              Logger("rpc")->error("idle release job={}: memory step={} not written: {}", name, step,
-                                   queued.status().ToString());
-            }
-            lock.Lock();
-            if (stopping_) break;
-            continue;  // released on a later pass, once written
+      JobState& job = it->second;
+      outcome.disk_step = latest.ok() ? latest->value_or(-1) : -1;
+      if (job.release_write_step == step && MemoryStepWrittenLocked(job, step)) {
+        outcome.written_step = step;  // written on an earlier pass (its checkpoint may be complete now)
+        outcome.disk_step = job.release_disk_step;
+      } else if (step > outcome.disk_step || !latest.ok()) {
+        if (job.release_write_step == step) {
+          if (!job.release_kept_told) {
+            job.release_kept_told = true;
+            Logger("rpc")->error("idle release kept job={}: its memory checkpoint step={} (newer than the disk's "
+                                 "step={}) could not be written; `flashckpt release --job {} --force` drops it",
+                                 name, step, outcome.disk_step, name);
           }
+          continue;
+        } else {
+          job.release_write_step = step;
+          job.release_disk_step = outcome.disk_step;
+          job.release_kept_told = false;
+          lock.Unlock();
+          Result<uint32_t> queued = PersistMemoryStep(name, step, outcome.disk_step, "before idle release");
+          if (!queued.ok()) {
+            Logger("rpc")->error("idle release job={}: memory step={} not written: {}", name, step,
+                                 queued.status().ToString());
+          }
+          lock.Lock();
+          if (stopping_) return;
+          continue;  // released on a later pass, once written
         }
       }
-      std::vector<std::shared_ptr<RankSegment>> segments = DetachJobLocked(name, &outcome);
-      lock.Unlock();
-      DropReleased(name, std::move(segments), outcome, "idle");
-      lock.Lock();
-      if (stopping_) break;
     }
+    std::vector<std::shared_ptr<RankSegment>> segments = DetachJobLocked(name, &outcome);
+    lock.Unlock();
+    DropReleased(name, std::move(segments), outcome, "idle");
+    lock.Lock();
+    if (stopping_) return;
   }
 }
 

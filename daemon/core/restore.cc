@@ -70,7 +70,7 @@ Status ReadRestoreExtra(const std::string& dir, const std::string& job, uint32_t
 Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                        std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("restore step must be non-negative (0 = latest)");
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto deadline = clock_.Now() + timeout;
   std::string job;
   uint32_t rank_id = 0;
   {
@@ -140,7 +140,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   const std::shared_ptr<RankSegment>& segment = loading.segment;
   const SlotTicket ticket = loading.ticket;
 
-  auto start = std::chrono::steady_clock::now();
+  auto start = clock_.Now();
   // The rank's extra state is part of what it restores: read and checked before any tensor, so
   // that a checkpoint deleted under the restore (by another daemon's retention on a shared root)
   // fails it rather than hand over tensors without their extra state.
@@ -163,7 +163,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     Status loaded = LoadEma(dir, meta, segment->ema.get(), ema_options);
     if (!loaded.ok()) filled = loaded;
   }
-  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double secs = std::chrono::duration<double>(clock_.Now() - start).count();
 
   MutexLock lock(&mu_);
   Status failure = filled.status();
@@ -236,7 +236,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
           })) {
         break;
       }
-      if (!cv_.WaitUntil(&lock, deadline)) {
+      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
         return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
       }
@@ -281,7 +281,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   // Verified off the lock, while the slot is RESTORING and loading: nobody else can take it. A client
   // that checks each chunk as it copies it gets the checksums instead: one pass over the bytes, the
   // hash reading each chunk right before the copy reads it from the cache.
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = clock_.Now();
   // (Only while the checksums fit easily in a reply: kMaxClientChunkSums.)
   verify_in_client = verify_in_client && resident->sums.sums.size() <= kMaxClientChunkSums;
   Status verified = Status::OK();
@@ -292,7 +292,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   } else {
     verified = CheckSlotChecksumsFit(loading.segment->layout, resident->sums);
   }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double secs = std::chrono::duration<double>(clock_.Now() - start).count();
 
   MutexLock lock(&mu_);
   if (!verified.ok()) {
@@ -340,7 +340,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
 
 Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
                                              int64_t extra_of) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = clock_.Now() + timeout;
   RestoreCandidates out;
   std::string job;
   uint32_t rank_id = 0;
@@ -368,7 +368,7 @@ Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std:
         held = Slots(*segment).ResidentSteps();
         break;
       }
-      if (!cv_.WaitUntil(&lock, deadline)) {
+      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
         return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
       }
@@ -450,7 +450,7 @@ Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& sessio
         return slot;
       }
     }
-    if (!cv_.WaitUntil(&lock, deadline)) {
+    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
       return DeadlineExceeded(std::string("no slot became free for ") + purpose + " within " +
                               std::to_string(timeout.count()) + " ms");
     }
@@ -474,7 +474,7 @@ Status Daemon::FinishLoadingSlotLocked(const std::string& session_id, const Load
 }
 
 Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto deadline = clock_.Now() + timeout;
   // The copy is as of the last commit: AcquireLoadingSlot waits for committed snapshots to reach the EMA.
   ASSIGN_OR_RETURN(LoadingSlot loading,
                    AcquireLoadingSlot(session_id, std::nullopt, /*need_ema=*/true, deadline, timeout, "the EMA copy"));

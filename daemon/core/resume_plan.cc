@@ -37,7 +37,7 @@ Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chr
         state.planning = true;
         break;
       }
-      if (!cv_.WaitUntil(&lock, deadline)) {
+      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
         return DeadlineExceeded("another rank of job '" + job + "' did not finish choosing the step to restore within " +
                                 std::to_string(timeout.count()) + " ms");
       }
@@ -65,7 +65,7 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
                                           std::chrono::steady_clock::time_point deadline,
                                           std::chrono::milliseconds timeout) {
   ResumePlan plan;
-  plan.made = std::chrono::steady_clock::now();
+  plan.made = clock_.Now();
   // The newest complete checkpoint on disk (read without the lock): the plan when memory has nothing
   // newer that every rank holds.
   ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
@@ -96,7 +96,7 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
         segments.push_back(rank->second.segment);
       }
       if (!pending) break;
-      if (!cv_.WaitUntil(&lock, deadline)) {
+      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
         return DeadlineExceeded("the checksums of the job's last memory checkpoints were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
       }
@@ -141,7 +141,7 @@ Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode c
 }
 
 bool Daemon::PlanStaleLocked(const JobState& job, const ResumePlan& plan, const RankState& rank) const {
-  if (std::chrono::steady_clock::now() - plan.made > std::chrono::minutes(10)) return true;
+  if (clock_.Now() - plan.made > std::chrono::minutes(10)) return true;
   if (plan.world_size != rank.topology.world_size || plan.run_id != rank.run_id) return true;
   // The asking rank has saved since: it trained on from the plan's step, so this is a new resume
   // (a rollback, say), not a retry.

@@ -55,6 +55,7 @@ Status SaveFailed(const std::string& job, int64_t step, const Status& cause, con
 // ahead of its copies lowers it before committing.
 void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
   reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
+  Slots(*rank->segment).SetHandedOut(ticket.slot, clock_.Now());
   Mirror(*rank->segment, ticket.slot);
   rank->last_begun = step;
 }
@@ -110,13 +111,13 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
                          "' is already complete; a complete checkpoint is never overwritten");
   }
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = clock_.Now();
   const auto deadline = start + timeout;
   bool waited = false;
   // A wait for a slot shows in the metrics whichever way it ends.
   auto count_wait = [&](bool got_slot) {
     if (waited) {
-      metrics_.ObserveSlotWait(job, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+      metrics_.ObserveSlotWait(job, std::chrono::duration<double>(clock_.Now() - start).count(),
                                got_slot);
     }
   };
@@ -150,7 +151,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
       return skipped;
     }
     waited = true;
-    if (!cv_.WaitUntil(&lock, deadline)) {
+    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
       ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
       if (auto ticket = Slots(*r->segment).Acquire(SlotState::kFilling, step, tier)) {
         HandOut(r, *ticket, step);
@@ -298,7 +299,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(),
                                      segment, ticket, step, std::move(extra));
-    job.request.committed_ms = WallMs();
+    job.request.committed_ms = clock_.WallMs();
   }
   if (segment->ema || also_memory) {
     // The EMA stage applies it in commit order and then finishes it.
@@ -499,7 +500,7 @@ Status Daemon::AbortSnapshot(const std::string& session_id, const SlotTicket& ti
 // wakes after that reads what the stop left of its rank (stopped_ranks_).
 Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t step,
                                          std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto deadline = clock_.Now() + timeout;
   std::string job;
   bool timed_out = false;
   MutexLock lock(&mu_);
@@ -557,7 +558,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
                               " ms (last persisted: " + std::to_string(rank->last_persisted) + ")");
     }
     // Looked at once more after the deadline: the rank may be gone from the job table by then.
-    timed_out = !cv_.WaitUntil(&lock, deadline);
+    timed_out = !clock_.WaitUntil(&cv_, &lock, deadline);
   }
 }
 

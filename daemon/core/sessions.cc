@@ -14,11 +14,11 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   MutexLock lock(&mu_);
   if (stopping_) return Unavailable(kStoppingMessage);
   // A restarted trainer may connect before the daemon has seen its predecessor's stream break.
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  auto deadline = clock_.Now() + std::chrono::seconds(3);
   for (;;) {
     if (stopping_) return Unavailable(kStoppingMessage);
     if (releasing_.count(job) != 0) {  // its segments are being unlinked: a moment
-      if (!cv_.WaitUntil(&lock, deadline)) {
+      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
         return Unavailable("job '" + job + "' is being released (its shared memory given back); connect again");
       }
       continue;
@@ -27,7 +27,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
     if (jit == jobs_.end()) break;
     auto rit = jit->second.ranks.find(rank);
     if (rit == jit->second.ranks.end() || rit->second.session_id.empty()) break;
-    if (!cv_.WaitUntil(&lock, deadline)) {
+    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
       return FailedPrecondition("rank " + std::to_string(rank) + " of job '" + job +
                                 "' already has a live session; one process per rank");
     }
@@ -45,7 +45,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   state.launch_checked = false;
   state.split_error = Status::OK();
   state.reattached = reattach;
-  if (!reattach || state.attempt_began_ms == 0) state.attempt_began_ms = WallMs();
+  if (!reattach || state.attempt_began_ms == 0) state.attempt_began_ms = clock_.WallMs();
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by
@@ -72,7 +72,7 @@ void Daemon::CloseSession(const std::string& session_id) {
   uint32_t abandoned = 0;
   if (rank.session_id == session_id) {
     rank.session_id.clear();
-    rank.gone_since = std::chrono::steady_clock::now();
+    rank.gone_since = clock_.Now();
     if (rank.segment) {
       abandoned = Slots(*rank.segment).AbandonInFlight();
       for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) Mirror(*rank.segment, i);
@@ -90,7 +90,7 @@ void Daemon::CloseSession(const std::string& session_id) {
   cv_.NotifyAll();
 }
 
-Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
+Result<RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
   if (stopping_) return Unavailable(kStoppingMessage);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
@@ -106,7 +106,7 @@ Result<Daemon::RankState*> Daemon::RankOf(const std::string& session_id, bool ne
   return &rank;
 }
 
-Result<const Daemon::RankState*> Daemon::WaitedRank(const std::string& session_id, bool* final) const {
+Result<const RankState*> Daemon::WaitedRank(const std::string& session_id, bool* final) const {
   *final = false;
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {

@@ -43,7 +43,6 @@ SlotTicket SlotTable::HandOut(uint32_t slot, SlotState purpose, int64_t step, Sl
   s.step = step;
   s.tier = tier;
   s.generation += 1;
-  s.handed_out = std::chrono::steady_clock::now();
   return SlotTicket{slot, s.generation};
 }
 

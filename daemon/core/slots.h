@@ -62,7 +62,7 @@ struct SlotInfo {
   uint64_t generation = 0;
   SlotTier tier = SlotTier::kDisk;  // of the snapshot it was last handed out for
   bool loading = false;  // RESTORING and the daemon is still filling it: not abandonable
-  std::chrono::steady_clock::time_point handed_out{};  // when Acquire last gave it out
+  std::chrono::steady_clock::time_point handed_out{};  // when the daemon last gave it out for a snapshot (HandOut)
   // The memory checkpoint the slot holds (FREE, or RESTORING while a restore hands it over); null:
   // none. Kept through Release and AbandonInFlight; any other hand-out of the slot forgets it.
   std::shared_ptr<const ResidentCheckpoint> resident;
@@ -82,6 +82,8 @@ class SlotTable {
   uint32_t size() const { return static_cast<uint32_t>(slots_.size()); }
   const SlotInfo& at(uint32_t slot) const { return slots_[slot]; }
   uint32_t CountIn(SlotState state) const;
+  // When the daemon gave `slot` out for a snapshot (status: how long it has been filling).
+  void SetHandedOut(uint32_t slot, std::chrono::steady_clock::time_point when) { slots_[slot].handed_out = when; }
 
   // FREE -> `purpose` (kFilling or kRestoring) for a snapshot of `tier`; nullopt when no slot may be
   // taken. Slots that hold no memory checkpoint go first (lowest index), then the one holding the

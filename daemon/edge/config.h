@@ -4,7 +4,7 @@
 #include <string>
 
 #include "common/base/status.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/daemon_config.h"
 #include "daemon/replica/replica_server.h"
 
 namespace flashckpt {

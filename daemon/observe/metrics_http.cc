@@ -146,7 +146,7 @@ Status MetricsHttpServer::Start() {
   return Status::OK();
 }
 
-void MetricsHttpServer::Stop() {
+void MetricsHttpServer::Stop(Clock::TimePoint /*deadline*/) {
   if (!impl_) return;
   asio::post(impl_->io, [this] {
     beast::error_code ignored;

@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "common/base/clock.h"
 #include "common/base/status.h"
 
 namespace flashckpt {
@@ -26,8 +27,9 @@ class MetricsHttpServer {
 
   // Binds (an address in use is an error), logs "metrics listening http=HOST:PORT", and serves.
   Status Start();
-  // Closes the listener and every connection, and joins the thread. Idempotent.
-  void Stop();
+  // Closes the listener and every connection at once, whatever `deadline` (a scrape in progress is
+  // cut; the scraper tries again), and joins the thread. Idempotent.
+  void Stop(Clock::TimePoint deadline = Clock::TimePoint::max());
   int port() const { return port_; }
 
  private:

@@ -5,14 +5,19 @@
 
 namespace flashckpt {
 
-EmaStage::EmaStage(unsigned threads, std::chrono::milliseconds copy_timeout, Done done)
-    : threads_(std::max(1u, threads)), copy_timeout_(copy_timeout), done_(std::move(done)) {}
+EmaStage::EmaStage(EmaStageOptions options, Done done)
+    : threads_(std::max(1u, options.threads)),
+      copy_timeout_(options.copy_timeout),
+      clock_(options.clock != nullptr ? *options.clock : Clock::Real()),
+      done_(std::move(done)) {}
 
 EmaStage::~EmaStage() { Stop(); }
 
-void EmaStage::Start() {
+Status EmaStage::Start() {
+  if (thread_.joinable()) return Status::OK();
   loop_ = std::make_unique<ParallelLoop>(threads_ - 1);
   thread_ = std::thread([this] { Run(); });
+  return Status::OK();
 }
 
 void EmaStage::Submit(EmaJob job) {
@@ -42,7 +47,7 @@ bool EmaStage::Stopping() {
 
 bool EmaStage::PastDeadline() {
   MutexLock lock(&mu_);
-  return stopping_ && std::chrono::steady_clock::now() >= deadline_;
+  return stopping_ && clock_.Now() >= deadline_;
 }
 
 void EmaStage::Run() {
@@ -52,11 +57,11 @@ void EmaStage::Run() {
       MutexLock lock(&mu_);
       while (!stopping_ && queue_.empty()) cv_.Wait(&lock);
       if (queue_.empty()) return;  // stopping, and everything committed has been applied
-      if (stopping_ && std::chrono::steady_clock::now() >= deadline_) return;  // Stop abandons the rest
+      if (stopping_ && clock_.Now() >= deadline_) return;  // Stop abandons the rest
       job = std::move(queue_.front());
       queue_.pop_front();
     }
-    const auto start = std::chrono::steady_clock::now();
+    const auto start = clock_.Now();
     bool applied = false;
     // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
     // they fail, the update is skipped (and the writer fails the save for the same reason).
@@ -97,7 +102,7 @@ void EmaStage::Run() {
         job.resident_ok = true;
       }
     }
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double secs = std::chrono::duration<double>(clock_.Now() - start).count();
     Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
                          secs);
     done_(std::move(job), applied, secs);

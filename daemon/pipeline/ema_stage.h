@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/base/clock.h"
 #include "common/base/mutex.h"
 #include "common/base/thread_pool.h"
 #include "daemon/core/segment.h"
@@ -43,6 +44,15 @@ struct EmaJob {
   bool resident_ok = false;
 };
 
+// The EMA stage's part of DaemonConfig.
+struct EmaStageOptions {
+  // Threads in all that work on one update (the stage's thread and threads - 1 helpers).
+  unsigned threads = 1;
+  // How long a streaming commit's copies may keep the stage waiting.
+  std::chrono::milliseconds copy_timeout{120000};
+  const Clock* clock = &Clock::Real();  // the stop's deadline is of this clock
+};
+
 class EmaStage {
  public:
   // Called on the stage's thread with no lock of the stage held, once per job, in order:
@@ -50,14 +60,13 @@ class EmaStage {
   // copies into the slot failed, which is logged), `seconds` how long the job took.
   using Done = std::function<void(EmaJob job, bool applied, double seconds)>;
 
-  // `threads` in all work on one update (the stage's thread and threads - 1 helpers);
-  // `copy_timeout`: how long a streaming commit's copies may keep the stage waiting.
-  EmaStage(unsigned threads, std::chrono::milliseconds copy_timeout, Done done);
+  EmaStage(EmaStageOptions options, Done done);
   ~EmaStage();  // Stop()
   EmaStage(const EmaStage&) = delete;
   EmaStage& operator=(const EmaStage&) = delete;
 
-  void Start();
+  // Starts the stage's thread and its helpers.
+  Status Start();
   // Queues a job behind those already committed. Never blocks: the queue is bounded by the slots
   // in COMMITTED. Requires Start; jobs submitted after Stop are returned by no one (callers stop
   // submitting first).
@@ -74,6 +83,7 @@ class EmaStage {
 
   const unsigned threads_;
   const std::chrono::milliseconds copy_timeout_;
+  const Clock& clock_;
   const Done done_;
   std::unique_ptr<ParallelLoop> loop_;  // used by the stage's thread only
   std::thread thread_;

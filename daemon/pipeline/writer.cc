@@ -14,9 +14,21 @@
 #include "common/io/fs.h"
 
 namespace flashckpt {
-Writer::Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads, IoEnv* env)
-    : catalog_(catalog), capacity_(queue_capacity), io_threads_(std::max(1u, io_threads)), env_(env) {
-  for (unsigned i = 0; i < std::max(1u, threads); ++i) threads_.emplace_back([this] { Run(); });
+
+Writer::Writer(Catalog* catalog, WriterOptions options)
+    : catalog_(catalog),
+      threads_count_(std::max(1u, options.threads)),
+      capacity_(options.queue_capacity),
+      io_threads_(std::max(1u, options.io_threads)),
+      clock_(options.clock != nullptr ? *options.clock : Clock::Real()),
+      env_(options.env != nullptr ? options.env : IoEnv::Default()) {}
+
+Status Writer::Start() {
+  MutexLock lock(&mu_);
+  if (stopping_) return Unavailable("the writer is stopping; the daemon is shutting down");
+  if (!threads_.empty()) return Status::OK();
+  for (unsigned i = 0; i < threads_count_; ++i) threads_.emplace_back([this] { Run(); });
+  return Status::OK();
 }
 
 Writer::~Writer() { Stop(); }
@@ -39,7 +51,7 @@ void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
     stopping_ = true;
     cv_.NotifyAll();
     bool idle = queue_.empty() && in_flight_.empty();
-    while (!idle && idle_cv_.WaitUntil(&lock, deadline)) idle = queue_.empty() && in_flight_.empty();
+    while (!idle && clock_.WaitUntil(&idle_cv_, &lock, deadline)) idle = queue_.empty() && in_flight_.empty();
     if (!(queue_.empty() && in_flight_.empty())) {
       // Out of time: the writes running now fail at their next call into env_ and clean up.
       env_.Cancel();
@@ -47,7 +59,7 @@ void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
       for (const auto& [id, w] : in_flight_) {
         Logger("writer")->warn("abandoning job={} step={} rank={} secs={:.1f}: the stop timeout ran out", w.job, w.step,
                                w.rank,
-                               std::chrono::duration<double>(std::chrono::steady_clock::now() - w.started).count());
+                               std::chrono::duration<double>(clock_.Now() - w.started).count());
       }
     }
   }
@@ -83,12 +95,12 @@ void Writer::Run() {
       if (queue_.empty()) return;  // stopping and drained
       req = std::move(queue_.front());
       queue_.pop_front();
-      start = std::chrono::steady_clock::now();
+      start = clock_.Now();
       id = taken_++;
       in_flight_[id] = WriteInFlight{req.job, req.rank, req.step, start};
     }
     auto written = Persist(req, &io);
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double secs = std::chrono::duration<double>(clock_.Now() - start).count();
     {
       MutexLock lock(&mu_);
       in_flight_.erase(id);

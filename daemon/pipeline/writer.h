@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/base/clock.h"
 #include "common/base/mutex.h"
 #include "common/base/status.h"
 #include "common/base/thread_pool.h"
@@ -63,14 +64,24 @@ struct WriteInFlight {
   std::chrono::steady_clock::time_point started;
 };
 
+// The writer's part of DaemonConfig.
+struct WriterOptions {
+  unsigned threads = 2;          // each persists one request at a time
+  size_t queue_capacity = 4096;  // requests queued, not yet taken by a thread
+  unsigned io_threads = 4;       // writes in flight per thread
+  IoEnv* env = IoEnv::Default();  // the file-system calls (not owned; must outlive the writer)
+  const Clock* clock = &Clock::Real();  // the stop's deadline is of this clock
+};
+
 class Writer {
  public:
-  // Each of `threads` persists one request at a time with `io_threads` writes in flight, through
-  // `env` (not owned; must outlive the writer).
-  Writer(Catalog* catalog, unsigned threads, size_t queue_capacity, unsigned io_threads = 4,
-         IoEnv* env = IoEnv::Default());
+  Writer(Catalog* catalog, WriterOptions options);
   ~Writer();  // Stop()
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
 
+  // Starts the threads. Submit queues before Start; Persist works without it.
+  Status Start();
   // Queues a request; kResourceExhausted when the queue is full, kUnavailable once stopped.
   Status Submit(PersistRequest request) EXCLUDES(mu_);
   // Finishes every queued request, then joins the threads. Idempotent.
@@ -99,8 +110,10 @@ class Writer {
                         std::vector<std::string>* written, uint64_t* bytes);
 
   Catalog* catalog_;
-  size_t capacity_;
-  unsigned io_threads_;
+  const unsigned threads_count_;
+  const size_t capacity_;
+  const unsigned io_threads_;
+  const Clock& clock_;
   CancellableIo env_;  // the IoEnv given, until the stop timeout cancels it
   mutable Mutex mu_;
   CondVar cv_;                                                 // work queued, or stopping

@@ -87,25 +87,33 @@ uint64_t ReplicaLayoutFingerprint(const RankLayout& layout) {
   return Xxh3(text.data(), text.size());
 }
 
-Result<std::unique_ptr<ReplicaSender>> ReplicaSender::Start(Options options) {
-  if (options.peers.empty()) return InvalidArgument("replication needs a peer (--replicate-to)");
-  if (options.part_bytes < kMinReplicaPartBytes || options.part_bytes > kMaxReplicaPartBytes) {
-    return InvalidArgument("replica parts of " + std::to_string(options.part_bytes) + " bytes");
+ReplicaSender::ReplicaSender(Options options)
+    : options_(std::move(options)), clock_(options_.clock != nullptr ? *options_.clock : Clock::Real()) {}
+
+Status ReplicaSender::Start() {
+  if (options_.peers.empty()) return InvalidArgument("replication needs a peer (--replicate-to)");
+  if (options_.part_bytes < kMinReplicaPartBytes || options_.part_bytes > kMaxReplicaPartBytes) {
+    return InvalidArgument("replica parts of " + std::to_string(options_.part_bytes) + " bytes");
   }
-  std::unique_ptr<ReplicaSender> sender(new ReplicaSender(std::move(options)));
-  for (const ReplicaPeer& address : sender->options_.peers) {
+  if (!peers_.empty()) return Status::OK();
+  std::vector<std::unique_ptr<Peer>> peers;
+  for (const ReplicaPeer& address : options_.peers) {
     auto peer = std::make_unique<Peer>();
     peer->address = address;
     ASSIGN_OR_RETURN(peer->channel, ReplicaChannel(address));
     peer->status.target = address.target;
-    sender->channels_.push_back({address.target, peer->channel});
-    sender->peers_.push_back(std::move(peer));
+    peers.push_back(std::move(peer));
   }
-  for (auto& peer : sender->peers_) {
+  MutexLock lock(&mu_);
+  for (auto& peer : peers) {
+    channels_.push_back({peer->address.target, peer->channel});
+    peers_.push_back(std::move(peer));
+  }
+  for (auto& peer : peers_) {
     Peer* p = peer.get();
-    p->thread = std::thread([s = sender.get(), p] { s->Run(p); });
+    p->thread = std::thread([this, p] { Run(p); });
   }
-  return sender;
+  return Status::OK();
 }
 
 ReplicaSender::~ReplicaSender() {
@@ -176,7 +184,7 @@ void ReplicaSender::Forget(const std::string& job) {
   going.clear();  // Forget is called without the daemon's lock: the segments may go here
 }
 
-void ReplicaSender::Stop() {
+void ReplicaSender::Stop(Clock::TimePoint /*deadline*/) {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
@@ -225,7 +233,7 @@ void ReplicaSender::Run(Peer* peer) {
       cv_.Wait(&lock);
       continue;
     }
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = clock_.Now();
     auto first_due = std::chrono::steady_clock::time_point::max();
     // A retraction first: the peer must let go of an abandoned timeline's replica before anything else.
     auto retract = std::find_if(peer->retracts.begin(), peer->retracts.end(),
@@ -265,7 +273,7 @@ void ReplicaSender::Run(Peer* peer) {
       if (same && retry && !stopping_) {
         peer->retract_wait = std::clamp(peer->retract_wait * 2, std::chrono::milliseconds(1000),
                                         std::chrono::milliseconds(30000));
-        now_there->second.due = std::chrono::steady_clock::now() + peer->retract_wait;
+        now_there->second.due = clock_.Now() + peer->retract_wait;
       } else if (same) {
         peer->retracts.erase(now_there);
       }
@@ -273,7 +281,7 @@ void ReplicaSender::Run(Peer* peer) {
     }
     for (const auto& [key, r] : peer->retracts) first_due = std::min(first_due, r.due);
     if (peer->queue.empty()) {
-      cv_.WaitUntil(&lock, first_due);
+      clock_.WaitUntil(&cv_, &lock, first_due);
       continue;
     }
     // The oldest offer among those due; else wait for the first to become due (or an offer).
@@ -283,7 +291,7 @@ void ReplicaSender::Run(Peer* peer) {
       if (it->second.due <= now && (next == peer->queue.end() || it->second.turn < next->second.turn)) next = it;
     }
     if (next == peer->queue.end()) {
-      cv_.WaitUntil(&lock, first_due);
+      clock_.WaitUntil(&cv_, &lock, first_due);
       continue;
     }
     const Key key = next->first;
@@ -299,9 +307,9 @@ void ReplicaSender::Run(Peer* peer) {
       released.push_back(std::move(replica));
       continue;
     }
-    const auto started = std::chrono::steady_clock::now();
+    const auto started = clock_.Now();
     Status pushed = Push(peer, *replica);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const double seconds = std::chrono::duration<double>(clock_.Now() - started).count();
     // The peer holds one as new or newer already (its acknowledgement of this one was lost, say).
     const bool held = pushed.ok() || pushed.code() == StatusCode::kAlreadyExists;
     // Off the sender's lock: still_held takes the daemon's, which is taken before this one.
@@ -348,7 +356,7 @@ void ReplicaSender::Run(Peer* peer) {
         peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
                                       std::chrono::milliseconds(30000));
         peer->queue[key] = Peer::Queued{std::move(replica), peer->next_turn++,
-                                        std::chrono::steady_clock::now() + peer->retry_wait};
+                                        clock_.Now() + peer->retry_wait};
         peer->status.queued = static_cast<uint32_t>(peer->queue.size());
       }
     }
@@ -371,7 +379,7 @@ void ReplicaSender::Run(Peer* peer) {
 Status ReplicaSender::Push(Peer* peer, const OutgoingReplica& replica) {
   ReplicaMeta meta = replica.meta;
   meta.part_bytes = options_.part_bytes;
-  const auto started = std::chrono::steady_clock::now();
+  const auto started = clock_.Now();
   auto held = [&]() -> Status {
     if (replica.still_held()) return Status::OK();
     return Cancelled("the rank reused the slot of " + Describe(meta) + " before it was sent");
@@ -384,7 +392,7 @@ Status ReplicaSender::Push(Peer* peer, const OutgoingReplica& replica) {
       const auto due = started + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                      std::chrono::duration<double>(static_cast<double>(sent) /
                                                                    static_cast<double>(options_.max_rate)));
-      while (!stopping_ && std::chrono::steady_clock::now() < due) cv_.WaitUntil(&lock, due);
+      while (!stopping_ && clock_.Now() < due) clock_.WaitUntil(&cv_, &lock, due);
     }
     if (stopping_) return Cancelled("the daemon is stopping");
     return Status::OK();

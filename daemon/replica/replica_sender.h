@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/base/clock.h"
 #include "common/base/mutex.h"
 #include "common/base/status.h"
 #include "common/format/layout.h"
@@ -67,9 +68,12 @@ class ReplicaSender {
     // Told of each acknowledged push and of each new error of a peer (REPLICA_SENT, REPLICA_FAILED),
     // from the peer's thread without the sender's lock. May be empty.
     std::function<void(DaemonEvent)> on_event;
+    const Clock* clock = &Clock::Real();  // retries, rate and timings
   };
-  // Makes each peer's channel (reading the TLS files) and starts its thread.
-  static Result<std::unique_ptr<ReplicaSender>> Start(Options options);
+  explicit ReplicaSender(Options options);
+  // Makes each peer's channel (reading the TLS files) and starts its thread. Offers and retractions
+  // before Start reach no peer.
+  Status Start();
   ~ReplicaSender();
   ReplicaSender(const ReplicaSender&) = delete;
   ReplicaSender& operator=(const ReplicaSender&) = delete;
@@ -84,8 +88,9 @@ class ReplicaSender {
   void Retract(const std::string& job, uint32_t rank, int64_t step, uint64_t attempt) EXCLUDES(mu_);
   // Forgets a job's queued checkpoints and retractions and its steps (a released job).
   void Forget(const std::string& job) EXCLUDES(mu_);
-  // Cancels the pushes in flight, stops the threads and lets go of every queued checkpoint. Idempotent.
-  void Stop() EXCLUDES(mu_);
+  // Cancels the pushes in flight at once, whatever `deadline` (replicas are a bonus; a stop does not
+  // wait for them), stops the threads and lets go of every queued checkpoint. Idempotent.
+  void Stop(Clock::TimePoint deadline = Clock::TimePoint::max()) EXCLUDES(mu_);
 
   std::vector<ReplicaPeerStatus> PeerStatus() const EXCLUDES(mu_);
 
@@ -128,12 +133,12 @@ class ReplicaSender {
     std::thread thread;
   };
   // A Peer's fields other than `address`, `channel` and `thread` are guarded by mu_.
-  explicit ReplicaSender(Options options) : options_(std::move(options)) {}
   void Run(Peer* peer) EXCLUDES(mu_);
   // Streams one checkpoint to the peer: OK once the peer holds it.
   Status Push(Peer* peer, const OutgoingReplica& replica) EXCLUDES(mu_);
 
   const Options options_;
+  const Clock& clock_;  // options_.clock
   mutable Mutex mu_;
   CondVar cv_;  // an offer, or the stop
   bool stopping_ GUARDED_BY(mu_) = false;

@@ -13,6 +13,7 @@
 #include "client/cli/render.h"
 #include "in_process_daemon.h"
 #include "raw_rpc.h"
+#include "support/offset_clock.h"
 
 namespace flashckpt {
 namespace {
@@ -127,6 +128,29 @@ TEST(ReleaseTest, AJobIdleForIdleReleaseGivesItsMemoryBack) {
   EXPECT_TRUE(Listed(*d.daemon(), busy));
   EXPECT_EQ(ShmOf(busy).size(), 1u);
   EXPECT_OK(live.Save(2));
+}
+
+// The idle release reads the daemon's clock (DaemonConfig::clock): moved an hour ahead, a job idle
+// for a few seconds of real time is past a 10-minute --idle-release, and the housekeeper's next pass
+// (at most 10 s later) releases it.
+TEST(ReleaseTest, TheIdleReleaseGoesByTheDaemonsClock) {
+  OffsetClock clock;
+  InProcessDaemon d("flashckpt-release");
+  ASSERT_OK(d.Start([&](DaemonConfig& c) {
+    c.idle_release = 10min;
+    c.clock = &clock;
+  }));
+  const std::string idle = JobName("idle");
+  {
+    TestTrainer t = d.StartTrainer(idle, 1024);
+    ASSERT_TRUE(t.client);
+    ASSERT_OK(t.Save(1));
+  }
+  ASSERT_TRUE(Listed(*d.daemon(), idle));
+  clock.Advance(1h);
+  const auto moved = std::chrono::steady_clock::now();
+  while (Listed(*d.daemon(), idle) && std::chrono::steady_clock::now() - moved < 30s) std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(Listed(*d.daemon(), idle)) << "not released 30 s after the clock passed --idle-release";
 }
 
 TEST(ReleaseTest, ABudgetRefusalSaysHowMuchDisconnectedJobsHold) {
