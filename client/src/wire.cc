@@ -19,16 +19,7 @@ v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vecto
   req.set_overwrite(options.overwrite);
   req.set_memory_checkpoints(options.memory_checkpoints);
   if (ema.decay) {
-    auto* e = req.mutable_ema();
-    e->set_enabled(true);
-    e->set_decay(*ema.decay);
-    e->set_interval(ema.interval);
-    e->set_init(ema.init_zeros ? "zeros" : "first");
-    e->set_model_params(ema.all_float_params ? "all" : "fp32");
-    if (ema.loss_threshold) {
-      e->set_has_loss_threshold(true);
-      e->set_loss_threshold(*ema.loss_threshold);
-    }
+    EmaToProto(*ema.decay, ema.interval, ema.init_zeros, ema.all_float_params, ema.loss_threshold, req.mutable_ema());
   }
   for (const TensorSpec& spec : tensors) TensorSpecToProto(spec, req.add_tensors());
   return req;
