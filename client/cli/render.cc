@@ -808,16 +808,7 @@ ordered_json InspectJson(const std::string& dir, const CheckpointMetadata& meta,
     ranks.push_back({{"rank", r.rank}, {"node", r.node.empty() ? ordered_json(nullptr) : ordered_json(r.node)}});
   }
   out["signalled"] = ranks;
-  ordered_json files = ordered_json::array();
-  for (const auto& f : meta.files) {
-    files.push_back({{"name", f.name},
-                     {"rank", f.rank},
-                     {"tp_rank", f.tp_rank},
-                     {"pp_rank", f.pp_rank},
-                     {"shard_rank", f.shard_rank},
-                     {"bytes", f.bytes}});
-  }
-  out["files"] = std::move(files);
+  out["files"] = SavedFilesJson(meta.files);
   ordered_json list = ordered_json::array();
   uint64_t tensor_bytes = 0;
   for (const auto& x : tensors) {
