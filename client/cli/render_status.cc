@@ -103,9 +103,9 @@ std::string CudaText(const DaemonStatus& status) {
          (status.cuda_devices == 1 ? " device" : " devices");
 }
 
-}  // namespace
-
-std::string StatusText(const DaemonStatus& status) {
+// The daemon's own lines: version and uptime, memory, root, node, CUDA, the replicas it holds, and
+// one line per --replicate-to peer.
+std::string DaemonText(const DaemonStatus& status) {
   std::string out;
   out += "daemon  flashckptd " + status.version + ", up " + FormatDuration(status.uptime_seconds) + "\n";
   out += "memory  " + FormatBytes(status.host_memory_used) + " used of " + FormatBytes(status.host_memory_budget) +
@@ -135,11 +135,11 @@ std::string StatusText(const DaemonStatus& status) {
     if (!peer.last_error.empty()) out += ", last error: " + peer.last_error;
     out += "\n";
   }
-  if (status.jobs.empty()) {
-    out += "jobs    none registered\n";
-    return out;
-  }
-  // At a glance: is each job being checkpointed, and how far behind is the disk?
+  return out;
+}
+
+// At a glance: is each job being checkpointed, and how far behind is the disk?
+std::string JobsTableText(const DaemonStatus& status) {
   TextTable jobs({"JOB", "RANKS", "COMMITTED", "DURABLE", "LAG", "PERSIST GB/s", "EMA", "FAILURES"},
                  {false, true, true, true, true, true, false, true});
   for (const auto& job : status.jobs) {
@@ -156,71 +156,75 @@ std::string StatusText(const DaemonStatus& status) {
                  StepText(committed), StepText(durable), lag, JobGbpsText(job), ema ? "on" : "off",
                  std::to_string(failures)});
   }
-  out += "\n" + jobs.Render("");
-  for (const auto& job : status.jobs) {
-    out += "\njob " + job.job + "  world size " + std::to_string(job.world_size) + ", " +
-           std::to_string(job.ranks.size()) + " rank(s) here, last complete step " +
-           StepText(job.last_complete_step) + "\n";
-    if (!job.catalog_error.empty()) out += "  checkpoints cannot be read: " + job.catalog_error + "\n";
-    out += "  run " + RunsText(job) + "\n";
-    if (job.split_attempts > 0) {
-      out += "  SPLIT ATTEMPT: " + std::to_string(job.split_attempts) +
-             " step(s) saved by its ranks in different attempts will never complete; newest: " + job.split + "\n";
-    }
-    out += "  ema " + EmaSummaryText(job) + "\n";
-    if (std::any_of(job.ranks.begin(), job.ranks.end(), [](const RankStatus& r) { return r.memory_checkpoints > 0; })) {
-      // Memory checkpoints: per rank, its newest step, how many are kept and the slots' bytes.
-      std::string kept;
-      for (const RankStatus& r : job.ranks) {
-        if (r.memory_checkpoints == 0) continue;
-        kept += std::string(kept.empty() ? "" : ", ") + "rank " + std::to_string(r.rank) + " step " +
-                std::to_string(r.memory_step) + " (" + std::to_string(r.memory_checkpoints) + " kept, " +
-                CompactBytes(r.memory_bytes) + ")";
-      }
-      out += "  memory checkpoints: " + kept + "\n";
-    }
-    // OLDEST WRITE: how long the rank's oldest persist being written has been running.
-    TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
-                     "PERSISTS", "FAILURES", "SKIPPED", "LAST ERROR"},
-                    {true, false, true, true, true, false, true, true, true, true, true, false});
-    for (const auto& rank : job.ranks) {
-      table.AddRow({std::to_string(rank.rank), rank.connected ? "yes" : "no", FormatBytes(rank.segment_bytes),
-                    StepText(rank.last_committed_step), StepText(rank.last_persisted_step), SlotsText(rank),
-                    OldestWriteText(rank.oldest_write_seconds), std::to_string(rank.snapshots),
-                    std::to_string(rank.persists), std::to_string(rank.failures), std::to_string(rank.skipped),
-                    rank.last_error.empty() ? "-" : rank.last_error});
-    }
-    out += table.Render("  ");
-    bool any_ema = std::any_of(job.ranks.begin(), job.ranks.end(), [](const auto& r) { return r.ema_enabled; });
-    if (!any_ema) continue;
-    // EMA STEP is the step of the last update applied; APPLIED and SKIPPED count updates (SKIPPED:
-    // refused by the loss threshold); EMA SIZE is the size of the rank's ema.*.safetensors image.
-    TextTable ema({"RANK", "EMA", "DECAY", "EMA STEP", "APPLIED", "SKIPPED", "EMA SIZE"},
-                  {true, false, true, true, true, true, true});
-    for (const auto& rank : job.ranks) {
-      if (!rank.ema_enabled) {
-        ema.AddRow({std::to_string(rank.rank), "off", "-", "-", "-", "-", "-"});
-        continue;
-      }
-      ema.AddRow({std::to_string(rank.rank), "on", DecayText(rank.ema_decay), StepText(rank.ema_last_step),
-                  std::to_string(rank.ema_updates_applied), std::to_string(rank.ema_updates_skipped),
-                  FormatBytes(rank.ema_bytes)});
-    }
-    out += "\n" + ema.Render("  ");
+  return jobs.Render("");
+}
+
+// OLDEST WRITE: how long the rank's oldest persist being written has been running.
+std::string RanksTableText(const JobStatus& job) {
+  TextTable table({"RANK", "CONNECTED", "MEMORY", "COMMITTED", "PERSISTED", "SLOTS", "OLDEST WRITE", "SNAPSHOTS",
+                   "PERSISTS", "FAILURES", "SKIPPED", "LAST ERROR"},
+                  {true, false, true, true, true, false, true, true, true, true, true, false});
+  for (const auto& rank : job.ranks) {
+    table.AddRow({std::to_string(rank.rank), rank.connected ? "yes" : "no", FormatBytes(rank.segment_bytes),
+                  StepText(rank.last_committed_step), StepText(rank.last_persisted_step), SlotsText(rank),
+                  OldestWriteText(rank.oldest_write_seconds), std::to_string(rank.snapshots),
+                  std::to_string(rank.persists), std::to_string(rank.failures), std::to_string(rank.skipped),
+                  rank.last_error.empty() ? "-" : rank.last_error});
   }
+  return table.Render("  ");
+}
+
+// EMA STEP is the step of the last update applied; APPLIED and SKIPPED count updates (SKIPPED:
+// refused by the loss threshold); EMA SIZE is the size of the rank's ema.*.safetensors image.
+std::string EmaTableText(const JobStatus& job) {
+  TextTable ema({"RANK", "EMA", "DECAY", "EMA STEP", "APPLIED", "SKIPPED", "EMA SIZE"},
+                {true, false, true, true, true, true, true});
+  for (const auto& rank : job.ranks) {
+    if (!rank.ema_enabled) {
+      ema.AddRow({std::to_string(rank.rank), "off", "-", "-", "-", "-", "-"});
+      continue;
+    }
+    ema.AddRow({std::to_string(rank.rank), "on", DecayText(rank.ema_decay), StepText(rank.ema_last_step),
+                std::to_string(rank.ema_updates_applied), std::to_string(rank.ema_updates_skipped),
+                FormatBytes(rank.ema_bytes)});
+  }
+  return ema.Render("  ");
+}
+
+// One job's section: its header lines (runs, split attempts, EMA, memory checkpoints), the table
+// of its ranks and, when any rank keeps an EMA, the table of their EMA.
+std::string JobText(const JobStatus& job) {
+  std::string out;
+  out += "\njob " + job.job + "  world size " + std::to_string(job.world_size) + ", " +
+         std::to_string(job.ranks.size()) + " rank(s) here, last complete step " +
+         StepText(job.last_complete_step) + "\n";
+  if (!job.catalog_error.empty()) out += "  checkpoints cannot be read: " + job.catalog_error + "\n";
+  out += "  run " + RunsText(job) + "\n";
+  if (job.split_attempts > 0) {
+    out += "  SPLIT ATTEMPT: " + std::to_string(job.split_attempts) +
+           " step(s) saved by its ranks in different attempts will never complete; newest: " + job.split + "\n";
+  }
+  out += "  ema " + EmaSummaryText(job) + "\n";
+  if (std::any_of(job.ranks.begin(), job.ranks.end(), [](const RankStatus& r) { return r.memory_checkpoints > 0; })) {
+    // Memory checkpoints: per rank, its newest step, how many are kept and the slots' bytes.
+    std::string kept;
+    for (const RankStatus& r : job.ranks) {
+      if (r.memory_checkpoints == 0) continue;
+      kept += std::string(kept.empty() ? "" : ", ") + "rank " + std::to_string(r.rank) + " step " +
+              std::to_string(r.memory_step) + " (" + std::to_string(r.memory_checkpoints) + " kept, " +
+              CompactBytes(r.memory_bytes) + ")";
+    }
+    out += "  memory checkpoints: " + kept + "\n";
+  }
+  out += RanksTableText(job);
+  bool any_ema = std::any_of(job.ranks.begin(), job.ranks.end(), [](const auto& r) { return r.ema_enabled; });
+  if (!any_ema) return out;
+  out += "\n" + EmaTableText(job);
   return out;
 }
 
-ordered_json StatusJson(const DaemonStatus& status) {
-  ordered_json out;
-  out["version"] = status.version;
-  out["uptime_seconds"] = status.uptime_seconds;
-  out["host_memory_used"] = status.host_memory_used;
-  out["host_memory_budget"] = status.host_memory_budget;
-  out["root"] = status.root;
-  out["node_name"] = status.node_name;
-  out["cuda_compiled"] = status.cuda_compiled;
-  out["cuda_devices"] = status.cuda_devices;
+// StatusJson's parts: the --replicate-to peers, a rank, a job with its ranks.
+ordered_json ReplicaPeersJson(const DaemonStatus& status) {
   ordered_json peers = ordered_json::array();
   for (const ReplicaPeerStatus& peer : status.replica_peers) {
     ordered_json p;
@@ -234,61 +238,91 @@ ordered_json StatusJson(const DaemonStatus& status) {
     p["last_error"] = peer.last_error;
     peers.push_back(std::move(p));
   }
-  out["replica_peers"] = std::move(peers);
+  return peers;
+}
+
+ordered_json RankJson(const RankStatus& rank) {
+  ordered_json r;
+  r["rank"] = rank.rank;
+  r["connected"] = rank.connected;
+  r["segment_bytes"] = rank.segment_bytes;
+  r["last_committed_step"] = StepJson(rank.last_committed_step);
+  r["last_persisted_step"] = StepJson(rank.last_persisted_step);
+  r["run_id"] = rank.run_id;
+  r["resumed_from"] = rank.resumed_from;
+  r["memory_step"] = StepJson(rank.memory_step);
+  r["memory_checkpoints"] = rank.memory_checkpoints;
+  r["memory_bytes"] = rank.memory_bytes;
+  ordered_json slots = ordered_json::array();
+  for (const auto& s : rank.slots) {
+    slots.push_back({{"index", s.index},
+                     {"state", s.state},
+                     {"step", StepJson(s.step)},
+                     {"filling_seconds", s.filling_seconds}});
+  }
+  r["slots"] = std::move(slots);
+  r["oldest_write_seconds"] = rank.oldest_write_seconds;  // 0: nothing being written
+  r["last_persist_gbps"] = rank.last_persist_gbps;        // 0: none yet
+  r["snapshots"] = rank.snapshots;
+  r["persists"] = rank.persists;
+  r["failures"] = rank.failures;
+  r["skipped"] = rank.skipped;
+  r["last_error"] = rank.last_error;
+  // Same keys whether EMA is on or off, so scripts need not test for their presence.
+  const bool on = rank.ema_enabled;
+  r["ema"] = {{"enabled", on},
+              {"decay", on ? ordered_json(rank.ema_decay) : ordered_json(nullptr)},
+              {"last_step", on ? StepJson(rank.ema_last_step) : ordered_json(nullptr)},
+              {"updates_applied", rank.ema_updates_applied},
+              {"updates_skipped", rank.ema_updates_skipped},
+              {"bytes", rank.ema_bytes}};
+  return r;
+}
+
+ordered_json JobJson(const JobStatus& job) {
+  ordered_json j;
+  j["job"] = job.job;
+  j["world_size"] = job.world_size;
+  j["last_complete_step"] = StepJson(job.last_complete_step);
+  if (!job.catalog_error.empty()) j["catalog_error"] = job.catalog_error;
+  j["split_attempts"] = job.split_attempts;
+  j["split"] = job.split;
+  j["last_committed_step"] = StepJson(JobLastCommitted(job));
+  ordered_json ranks = ordered_json::array();
+  for (const auto& rank : job.ranks) ranks.push_back(RankJson(rank));
+  j["ranks"] = std::move(ranks);
+  return j;
+}
+
+}  // namespace
+
+std::string StatusText(const DaemonStatus& status) {
+  std::string out = DaemonText(status);
+  if (status.jobs.empty()) {
+    out += "jobs    none registered\n";
+    return out;
+  }
+  out += "\n" + JobsTableText(status);
+  for (const auto& job : status.jobs) out += JobText(job);
+  return out;
+}
+
+ordered_json StatusJson(const DaemonStatus& status) {
+  ordered_json out;
+  out["version"] = status.version;
+  out["uptime_seconds"] = status.uptime_seconds;
+  out["host_memory_used"] = status.host_memory_used;
+  out["host_memory_budget"] = status.host_memory_budget;
+  out["root"] = status.root;
+  out["node_name"] = status.node_name;
+  out["cuda_compiled"] = status.cuda_compiled;
+  out["cuda_devices"] = status.cuda_devices;
+  out["replica_peers"] = ReplicaPeersJson(status);
   out["replica_listening"] = status.replica_listening;
   out["replicas_held"] = status.replicas_held;
   out["replica_held_bytes"] = status.replica_held_bytes;
   ordered_json jobs = ordered_json::array();
-  for (const auto& job : status.jobs) {
-    ordered_json j;
-    j["job"] = job.job;
-    j["world_size"] = job.world_size;
-    j["last_complete_step"] = StepJson(job.last_complete_step);
-    if (!job.catalog_error.empty()) j["catalog_error"] = job.catalog_error;
-    j["split_attempts"] = job.split_attempts;
-    j["split"] = job.split;
-    j["last_committed_step"] = StepJson(JobLastCommitted(job));
-    ordered_json ranks = ordered_json::array();
-    for (const auto& rank : job.ranks) {
-      ordered_json r;
-      r["rank"] = rank.rank;
-      r["connected"] = rank.connected;
-      r["segment_bytes"] = rank.segment_bytes;
-      r["last_committed_step"] = StepJson(rank.last_committed_step);
-      r["last_persisted_step"] = StepJson(rank.last_persisted_step);
-      r["run_id"] = rank.run_id;
-      r["resumed_from"] = rank.resumed_from;
-      r["memory_step"] = StepJson(rank.memory_step);
-      r["memory_checkpoints"] = rank.memory_checkpoints;
-      r["memory_bytes"] = rank.memory_bytes;
-      ordered_json slots = ordered_json::array();
-      for (const auto& s : rank.slots) {
-        slots.push_back({{"index", s.index},
-                         {"state", s.state},
-                         {"step", StepJson(s.step)},
-                         {"filling_seconds", s.filling_seconds}});
-      }
-      r["slots"] = std::move(slots);
-      r["oldest_write_seconds"] = rank.oldest_write_seconds;  // 0: nothing being written
-      r["last_persist_gbps"] = rank.last_persist_gbps;        // 0: none yet
-      r["snapshots"] = rank.snapshots;
-      r["persists"] = rank.persists;
-      r["failures"] = rank.failures;
-      r["skipped"] = rank.skipped;
-      r["last_error"] = rank.last_error;
-      // Same keys whether EMA is on or off, so scripts need not test for their presence.
-      const bool on = rank.ema_enabled;
-      r["ema"] = {{"enabled", on},
-                  {"decay", on ? ordered_json(rank.ema_decay) : ordered_json(nullptr)},
-                  {"last_step", on ? StepJson(rank.ema_last_step) : ordered_json(nullptr)},
-                  {"updates_applied", rank.ema_updates_applied},
-                  {"updates_skipped", rank.ema_updates_skipped},
-                  {"bytes", rank.ema_bytes}};
-      ranks.push_back(std::move(r));
-    }
-    j["ranks"] = std::move(ranks);
-    jobs.push_back(std::move(j));
-  }
+  for (const auto& job : status.jobs) jobs.push_back(JobJson(job));
   out["jobs"] = std::move(jobs);
   return out;
 }
