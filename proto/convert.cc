@@ -43,6 +43,19 @@ void TensorSpecToProto(const TensorSpec& spec, v1::TensorSpec* out) {
   out->set_param(spec.param);
 }
 
+void EmaToProto(double decay, uint32_t interval, bool init_zeros, bool all_float_params,
+                std::optional<double> loss_threshold, v1::EmaOptions* out) {
+  out->set_enabled(true);
+  out->set_decay(decay);
+  out->set_interval(interval);
+  out->set_init(init_zeros ? "zeros" : "first");
+  out->set_model_params(all_float_params ? "all" : "fp32");
+  if (loss_threshold) {
+    out->set_has_loss_threshold(true);
+    out->set_loss_threshold(*loss_threshold);
+  }
+}
+
 const char* GrpcCodeName(grpc::StatusCode code) {
   switch (code) {
     case grpc::StatusCode::OK: return "OK";

@@ -6,6 +6,8 @@
 
 #include <grpcpp/support/status.h>
 
+#include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "flashckpt.pb.h"
@@ -17,6 +19,11 @@ namespace flashckpt {
 v1::TensorKind TensorKindToProto(TensorKind kind);  // kEma (the daemon's own) has no message kind
 void TopologyToProto(const Topology& topology, v1::Topology* out);
 void TensorSpecToProto(const TensorSpec& spec, v1::TensorSpec* out);
+// An enabled EMA as RegisterRequest.ema carries it, from the fields that the client's EmaOptions
+// (client.h) and the daemon's EmaConfig (daemon/pipeline/ema.h) share: what the client asks for
+// and what the daemon records of a registration are encoded alike.
+void EmaToProto(double decay, uint32_t interval, bool init_zeros, bool all_float_params,
+                std::optional<double> loss_threshold, v1::EmaOptions* out);
 // gRPC's name of a code: "FAILED_PRECONDITION", "PERMISSION_DENIED", ...; "UNRECOGNIZED" for a
 // value outside the enum.
 const char* GrpcCodeName(grpc::StatusCode code);

@@ -108,37 +108,28 @@ Status SnapshotHandle::WaitCommitted() const {
   return progress_->WaitCommitted();
 }
 
-Status Client::Impl::ReleaseSlot(uint32_t slot, uint64_t generation, const std::string& corrupt) const {
-  v1::ReleaseSlotRequest req;
-  req.set_session_id(session_id);
-  req.set_slot(slot);
-  req.set_generation(generation);
-  req.set_corrupt(corrupt.substr(0, 1024));
+Status Client::Impl::ReleaseSlot(const SlotLoan& slot, const std::string& corrupt) const {
   v1::ReleaseSlotResponse resp;
   grpc::ClientContext ctx;
   Deadline(&ctx);
-  return FromGrpc(stub->ReleaseSlot(&ctx, req, &resp), "ReleaseSlot");
+  return FromGrpc(stub->ReleaseSlot(&ctx, ReleaseSlotRequestOf(session_id, slot, corrupt), &resp), "ReleaseSlot");
 }
 
-Status Client::Impl::SendCommit(const v1::CommitRequest& commit) const {
+Status Client::Impl::SendCommit(const SlotCommit& commit) const {
   v1::CommitResponse committed;
   grpc::ClientContext ctx;
   Deadline(&ctx);
   // Not retried: the slot belongs to the session that began the snapshot.
-  Status status = FromGrpc(stub->Commit(&ctx, commit, &committed), "Commit");
-  if (!status.ok()) AbortSlot(commit.session_id(), commit.slot(), commit.generation());
+  Status status = FromGrpc(stub->Commit(&ctx, CommitRequestOf(commit), &committed), "Commit");
+  if (!status.ok()) AbortSlot(commit.session_id, commit.slot);
   return status;
 }
 
-void Client::Impl::AbortSlot(const std::string& session_of_slot, uint32_t slot, uint64_t generation) const {
-  v1::AbortSnapshotRequest abort;
-  abort.set_session_id(session_of_slot);
-  abort.set_slot(slot);
-  abort.set_generation(generation);
+void Client::Impl::AbortSlot(const std::string& session_of_slot, const SlotLoan& slot) const {
   v1::AbortSnapshotResponse aborted;
   grpc::ClientContext ctx;
   Deadline(&ctx);
-  (void)stub->AbortSnapshot(&ctx, abort, &aborted);
+  (void)stub->AbortSnapshot(&ctx, AbortSnapshotRequestOf(session_of_slot, slot), &aborted);
 }
 
 Status Client::Impl::CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device,
@@ -170,11 +161,11 @@ Status Client::Impl::CopyOut(const std::vector<CopyTask>& tasks, const std::vect
   return Status::OK();
 }
 
-Status Client::Impl::CopyOutVerified(const Matched& matched, const char* base, const v1::RestoreResponse& resp) {
+Status Client::Impl::CopyOutVerified(const Matched& matched, const char* base, const RestoreHandover& restored) {
   // The daemon's checksums per tensor, by where the tensor lies in the slot.
   // (Keyed by both: an empty tensor lies at the offset of the tensor after it.)
-  std::map<std::pair<uint64_t, uint64_t>, const v1::TensorChunkSums*> by_offset;
-  for (const v1::TensorChunkSums& t : resp.chunk_sums()) by_offset[{t.slot_offset(), t.bytes()}] = &t;
+  std::map<std::pair<uint64_t, uint64_t>, const TensorChunkSums*> by_offset;
+  for (const TensorChunkSums& t : restored.chunk_sums) by_offset[{t.slot_offset, t.bytes}] = &t;
   std::vector<VerifiedCopyTask> tasks;
   tasks.reserve(matched.size());
   for (const auto& [buffer, mapped] : matched) {
@@ -183,11 +174,33 @@ Status Client::Impl::CopyOutVerified(const Matched& matched, const char* base, c
       return Internal("the daemon handed over a memory checkpoint without checksums for tensor '" + buffer->name + "'");
     }
     tasks.push_back({{buffer->data, base + mapped->slot_offset, buffer->bytes},
-                     it->second->sums().data(),
-                     static_cast<size_t>(it->second->sums_size()),
+                     it->second->sums.data(),
+                     it->second->sums.size(),
                      buffer->name});
   }
-  return ParallelVerifiedCopy(copier.get(), tasks, resp.chunk_bytes());
+  return ParallelVerifiedCopy(copier.get(), tasks, restored.chunk_bytes);
+}
+
+Status Client::Impl::CopyRestored(const Matched& matched, const RestoreHandover& restored,
+                                  const RestoreOptions& restore, uint64_t* bytes) {
+  auto wanted = [&](const MappedTensor& t) {
+    const auto& kinds = restore.kinds;
+    return kinds.empty() || std::find(kinds.begin(), kinds.end(), t.kind) != kinds.end();
+  };
+  auto on_device = DeviceMask(BuffersOf(matched));
+  const char* base = Slot(restored.slot.slot);
+  std::vector<CopyTask> tasks;
+  std::vector<bool> task_on_device;  // one flag per task, as CopyOut reads them
+  for (size_t i = 0; i < matched.size(); ++i) {
+    const auto& [buffer, mapped] = matched[i];
+    if (!wanted(*mapped)) continue;  // not read by the daemon: left as it is
+    tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
+    task_on_device.push_back(on_device.ok() && (*on_device)[i]);
+    *bytes += buffer->bytes;
+  }
+  return !on_device.ok()             ? on_device.status()
+         : restored.verify_in_client ? CopyOutVerified(matched, base, restored)
+                                     : CopyOut(tasks, task_on_device, restore.cuda_stream);
 }
 
 Result<Matched> Client::Impl::Match(const std::vector<TensorBuffer>& buffers, Selection selection) const {
@@ -247,30 +260,82 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
   std::vector<const TensorBuffer*> pointers;
   for (const auto& b : buffers) pointers.push_back(&b);
   ASSIGN_OR_RETURN(std::vector<bool> on_device, DeviceMask(pointers));
-  v1::GetEmaRequest req;
-  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::GetEmaResponse resp;
   RETURN_IF_ERROR(impl_->WithSession([&] {
-    req.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
-    return FromGrpc(impl_->stub->GetEma(&ctx, req, &resp), "GetEma");
+    return FromGrpc(impl_->stub->GetEma(&ctx, GetEmaRequestOf(impl_->session_id, timeout), &resp), "GetEma");
   }));
-  if (resp.slot() >= impl_->slot_count) return Internal("the daemon copied the EMA into a slot that does not exist");
+  const EmaHandover ema = EmaHandoverOf(resp);
+  if (ema.slot.slot >= impl_->slot_count) return Internal("the daemon copied the EMA into a slot that does not exist");
   EmaResult result;
-  result.initialized = resp.initialized();
-  result.step = resp.step();
-  const char* base = impl_->Slot(resp.slot());
+  result.initialized = ema.initialized;
+  result.step = ema.step;
+  const char* base = impl_->Slot(ema.slot.slot);
   Status copied;
   if (result.initialized) {
     for (const auto& b : buffers) tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
     copied = impl_->CopyOut(tasks, on_device, nullptr);
   }
-  Status released = impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation()));
+  Status released = impl_->Note(impl_->ReleaseSlot(ema.slot));
   RETURN_IF_ERROR(copied.WithContext("copying the EMA into the caller's buffers"));
   RETURN_IF_ERROR(released);
   return result;
 }
+
+#if FLASHCKPT_HAVE_CUDA
+Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopying(SlotCommit commit, char* base,
+                                                                                   std::vector<DeviceCopy> from_device,
+                                                                                   void* cuda_stream) {
+  // A streaming commit. The device-to-host copies are queued behind the caller's stream in slot
+  // order, in chunks; the commit goes at once (from this client's thread), and the slot header's
+  // copied_until tells the daemon how far the copies have come, so that it hashes and writes the
+  // first chunks while the next are in flight.
+  std::sort(from_device.begin(), from_device.end(),
+            [](const DeviceCopy& a, const DeviceCopy& b) { return a.dst < b.dst; });
+  std::vector<DeviceCopy> chunks;
+  for (const DeviceCopy& c : from_device) {
+    for (uint64_t off = 0; off < c.bytes; off += kDeviceCopyChunk) {
+      chunks.push_back({static_cast<char*>(c.dst) + off, static_cast<const char*>(c.src) + off,
+                        std::min<uint64_t>(kDeviceCopyChunk, c.bytes - off)});
+    }
+  }
+  std::vector<uint64_t> until(chunks.size(), 0);  // copied_until once chunk k is done; 0: all
+  for (size_t k = 0; k + 1 < chunks.size(); ++k) until[k] = static_cast<char*>(chunks[k + 1].dst) - base;
+  auto* header = reinterpret_cast<SlotHeader*>(base);
+  // The host tensors are in place; the device ones from the first chunk on are not.
+  header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
+                             std::memory_order_release);
+  Status pinned = device.PinSlots(Slot(0), slot_stride, slot_count);
+  Result<std::vector<CudaEvent>> events =
+      pinned.ok() ? device.CopyAfter(static_cast<cudaStream_t>(cuda_stream), chunks, /*event_each=*/true)
+                  : Result<std::vector<CudaEvent>>(pinned);
+  if (!events.ok()) {
+    AbortSlot(commit.session_id, commit.slot);
+    return events.status().WithContext("copying the device tensors of step " + std::to_string(commit.step));
+  }
+  auto progress = std::make_shared<detail::SnapshotProgress>();
+  pending = progress;
+  committer = std::thread([impl = this, progress, header, until = std::move(until), events = std::move(events).value(),
+                           commit = std::move(commit)] {
+    progress->SetCommitted(impl->SendCommit(commit));
+    // Every chunk is waited for, also after a failed commit: the slot must not be reused while
+    // the device still writes into it.
+    Status copied;
+    for (size_t k = 0; k < events.size(); ++k) {
+      copied = events[k].Synchronize();
+      if (!copied.ok()) {
+        header->copied_until.store(kSlotCopyFailed, std::memory_order_release);
+        copied = copied.WithContext("copying the device tensors of step " + std::to_string(commit.step));
+        break;
+      }
+      header->copied_until.store(until[k], std::memory_order_release);
+    }
+    progress->SetCopied(copied);
+  });
+  return progress;
+}
+#endif
 
 Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
                                         const SnapshotOptions& options) {
@@ -287,39 +352,25 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   // Device memory this process cannot copy is refused before a slot is taken.
   RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());
 
-  v1::BeginSnapshotRequest begin;
-  begin.set_step(step);
-  begin.set_timeout_ms(static_cast<uint32_t>(impl_->options.slot_timeout.count()));
-  begin.set_tier(memory ? v1::TIER_MEMORY : v1::TIER_DISK);
-  v1::BeginSnapshotResponse slot;
+  v1::BeginSnapshotResponse begun;
   RETURN_IF_ERROR(impl_->WithSession([&] {
-    begin.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, impl_->options.slot_timeout);
-    return FromGrpc(impl_->stub->BeginSnapshot(&ctx, begin, &slot), "BeginSnapshot");
+    const auto begin = BeginSnapshotRequestOf(impl_->session_id, step, impl_->options.slot_timeout, options.tier);
+    return FromGrpc(impl_->stub->BeginSnapshot(&ctx, begin, &begun), "BeginSnapshot");
   }));
-  if (slot.slot() >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
+  const SlotLoan slot = SlotLoanOf(begun);
+  if (slot.slot >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
   // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
   ASSIGN_OR_RETURN(matched, impl_->Match(buffers, selection));
   Result<std::vector<bool>> on_device = DeviceMask(BuffersOf(matched));
   if (!on_device.ok()) {
-    impl_->AbortSlot(impl_->session_id, slot.slot(), slot.generation());
+    impl_->AbortSlot(impl_->session_id, slot);
     return on_device.status();
   }
+  SlotCommit commit{impl_->session_id, slot, step, options.persist && !memory, options.loss, options.extra};
 
-  v1::CommitRequest commit;
-  commit.set_session_id(impl_->session_id);
-  commit.set_slot(slot.slot());
-  commit.set_generation(slot.generation());
-  commit.set_step(step);
-  commit.set_persist(options.persist && !memory);
-  if (options.loss) {
-    commit.set_has_loss(true);
-    commit.set_loss(*options.loss);
-  }
-  commit.set_extra(options.extra);
-
-  char* base = impl_->Slot(slot.slot());
+  char* base = impl_->Slot(slot.slot);
   std::vector<CopyTask> tasks;
   tasks.reserve(matched.size());
 #if FLASHCKPT_HAVE_CUDA
@@ -341,54 +392,8 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   handle.step_ = step;
 #if FLASHCKPT_HAVE_CUDA
   if (!from_device.empty()) {
-    // A streaming commit. The device-to-host copies are queued behind the caller's stream in slot
-    // order, in chunks; the commit goes at once (from this client's thread), and the slot header's
-    // copied_until tells the daemon how far the copies have come, so that it hashes and writes the
-    // first chunks while the next are in flight.
-    std::sort(from_device.begin(), from_device.end(),
-              [](const DeviceCopy& a, const DeviceCopy& b) { return a.dst < b.dst; });
-    std::vector<DeviceCopy> chunks;
-    for (const DeviceCopy& c : from_device) {
-      for (uint64_t off = 0; off < c.bytes; off += kDeviceCopyChunk) {
-        chunks.push_back({static_cast<char*>(c.dst) + off, static_cast<const char*>(c.src) + off,
-                          std::min<uint64_t>(kDeviceCopyChunk, c.bytes - off)});
-      }
-    }
-    std::vector<uint64_t> until(chunks.size(), 0);  // copied_until once chunk k is done; 0: all
-    for (size_t k = 0; k + 1 < chunks.size(); ++k) until[k] = static_cast<char*>(chunks[k + 1].dst) - base;
-    auto* header = reinterpret_cast<SlotHeader*>(base);
-    // The host tensors are in place; the device ones from the first chunk on are not.
-    header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
-                               std::memory_order_release);
-    Status pinned = impl_->device.PinSlots(impl_->Slot(0), impl_->slot_stride, impl_->slot_count);
-    Result<std::vector<CudaEvent>> events =
-        pinned.ok() ? impl_->device.CopyAfter(static_cast<cudaStream_t>(options.cuda_stream), chunks,
-                                              /*event_each=*/true)
-                    : Result<std::vector<CudaEvent>>(pinned);
-    if (!events.ok()) {
-      impl_->AbortSlot(commit.session_id(), commit.slot(), commit.generation());
-      return events.status().WithContext("copying the device tensors of step " + std::to_string(step));
-    }
-    auto progress = std::make_shared<detail::SnapshotProgress>();
-    impl_->pending = progress;
-    impl_->committer = std::thread([impl = impl_.get(), progress, header, until = std::move(until),
-                                    events = std::move(events).value(), commit = std::move(commit)] {
-      progress->SetCommitted(impl->SendCommit(commit));
-      // Every chunk is waited for, also after a failed commit: the slot must not be reused while
-      // the device still writes into it.
-      Status copied;
-      for (size_t k = 0; k < events.size(); ++k) {
-        copied = events[k].Synchronize();
-        if (!copied.ok()) {
-          header->copied_until.store(kSlotCopyFailed, std::memory_order_release);
-          copied = copied.WithContext("copying the device tensors of step " + std::to_string(commit.step()));
-          break;
-        }
-        header->copied_until.store(until[k], std::memory_order_release);
-      }
-      progress->SetCopied(copied);
-    });
-    handle.progress_ = std::move(progress);
+    ASSIGN_OR_RETURN(handle.progress_,
+                     impl_->CommitWhileCopying(std::move(commit), base, std::move(from_device), options.cuda_stream));
     return handle;
   }
 #endif
@@ -398,14 +403,11 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
 
 Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(impl_->Usable());
-  v1::WaitPersistedRequest req;
-  req.set_step(step);
-  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::WaitPersistedResponse resp;
   return impl_->WithSession([&] {
-    req.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
+    const auto req = WaitPersistedRequestOf(impl_->session_id, step, timeout);
     return FromGrpc(impl_->stub->WaitPersisted(&ctx, req, &resp), "WaitPersisted");
   });
 }
@@ -413,33 +415,23 @@ Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
 Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of) {
   RETURN_IF_ERROR(impl_->Usable());
   if (extra_of && *extra_of <= 0) return InvalidArgument("Restorable: extra_of must be a step (> 0)");
-  v1::RestorableRequest req;
-  if (extra_of) req.set_extra_of(*extra_of);
-  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::RestorableResponse resp;
   RETURN_IF_ERROR(impl_->WithSession([&] {
-    req.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
+    const auto req = RestorableRequestOf(impl_->session_id, extra_of, timeout);
     return FromGrpc(impl_->stub->Restorable(&ctx, req, &resp), "Restorable");
   }));
-  RestorableSteps out;
-  out.memory_steps.assign(resp.memory_steps().begin(), resp.memory_steps().end());
-  if (resp.disk_step() > 0) out.disk_step = resp.disk_step();
-  out.extra = resp.extra();
-  return out;
+  return RestorableStepsOf(resp);
 }
 
 Status Client::WaitComplete(int64_t step, std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(impl_->Usable());
-  v1::WaitCompleteRequest req;
-  req.set_step(step);
-  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   v1::WaitCompleteResponse resp;
   return impl_->WithSession([&] {
-    req.set_session_id(impl_->session_id);
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
+    const auto req = WaitCompleteRequestOf(impl_->session_id, step, timeout);
     return FromGrpc(impl_->stub->WaitComplete(&ctx, req, &resp), "WaitComplete");
   });
 }
@@ -454,35 +446,25 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     return InvalidArgument("a restore from another job (source_job '" + options.source_job +
                            "') must name the tensor kinds it wants");
   }
-  v1::RestoreRequest req;
-  req.set_step(step.value_or(0));
-  req.set_convert_dtype(options.convert_dtype);
   for (TensorKind kind : options.kinds) {
     if (kind == TensorKind::kEma) return InvalidArgument("restore kinds are model, optimizer and master_weight");
-    req.add_kinds(TensorKindToProto(kind));
   }
-  req.set_source_job(options.source_job);
-  auto wanted = [&](const MappedTensor& t) {
-    return options.kinds.empty() || std::find(options.kinds.begin(), options.kinds.end(), t.kind) != options.kinds.end();
-  };
-  req.set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(1, timeout.count())));
   // Host buffers: a memory checkpoint comes with its checksums, checked here as each chunk is copied.
-  {
-    auto mask = DeviceMask(BuffersOf(matched));
-    req.set_verify_in_client(mask.ok() && std::none_of(mask->begin(), mask->end(), [](bool d) { return d; }));
-  }
+  const auto mask = DeviceMask(BuffersOf(matched));
+  const bool verify_in_client = mask.ok() && std::none_of(mask->begin(), mask->end(), [](bool d) { return d; });
   // A memory checkpoint that fails the client's verification is reported, and the restore asked
   // again: the daemon has dropped it, and reads the files (or fails the job's plan on that step).
   std::string failed;  // what the first attempt's verification found: the buffers hold part of it
   for (int attempt = 0;; ++attempt) {
     v1::RestoreResponse resp;
     Status asked = impl_->WithSession([&] {
-      req.set_session_id(impl_->session_id);
       grpc::ClientContext ctx;
       impl_->Deadline(&ctx, timeout);
+      const auto req = RestoreRequestOf(impl_->session_id, step, options, timeout, verify_in_client);
       return FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore");
     });
-    if (!failed.empty() && (!asked.ok() || !resp.found())) {
+    RestoreHandover restored = RestoreHandoverOf(resp);
+    if (!failed.empty() && (!asked.ok() || !restored.found)) {
       // Nothing to fall back to: never found=false (a fresh start) over buffers that changed.
       return Corruption(failed + "; the buffers hold part of that memory checkpoint and " +
                         (asked.ok() ? std::string("no checkpoint on disk replaces it")
@@ -491,27 +473,12 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     }
     RETURN_IF_ERROR(asked);
     RestoreResult result;
-    if (!resp.found()) return result;
-    if (resp.slot() >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
+    if (!restored.found) return result;
+    if (restored.slot.slot >= impl_->slot_count) return Internal("the daemon restored into a slot that does not exist");
     ASSIGN_OR_RETURN(matched, impl_->Match(buffers, Selection::kAll));  // a re-attach rebuilt the tensor table
-    auto on_device = DeviceMask(BuffersOf(matched));
-    const char* base = impl_->Slot(resp.slot());
-    std::vector<CopyTask> tasks;
-    std::vector<bool> task_on_device;  // one flag per task, as CopyOut reads them
-    for (size_t i = 0; i < matched.size(); ++i) {
-      const auto& [buffer, mapped] = matched[i];
-      if (!wanted(*mapped)) continue;  // not read by the daemon: left as it is
-      tasks.push_back({buffer->data, base + mapped->slot_offset, buffer->bytes});
-      task_on_device.push_back(on_device.ok() && (*on_device)[i]);
-      result.bytes += buffer->bytes;
-    }
-    const bool verify_here = resp.tier() != v1::TIER_DISK && resp.chunk_bytes() > 0;
-    Status copied = !on_device.ok()  ? on_device.status()
-                    : verify_here    ? impl_->CopyOutVerified(matched, base, resp)
-                                     : impl_->CopyOut(tasks, task_on_device, options.cuda_stream);
-    const bool corrupt = verify_here && copied.code() == StatusCode::kCorruption;
-    Status released =
-        impl_->Note(impl_->ReleaseSlot(resp.slot(), resp.generation(), corrupt ? copied.message() : std::string()));
+    Status copied = impl_->CopyRestored(matched, restored, options, &result.bytes);
+    const bool corrupt = restored.verify_in_client && copied.code() == StatusCode::kCorruption;
+    Status released = impl_->Note(impl_->ReleaseSlot(restored.slot, corrupt ? copied.message() : std::string()));
     if (corrupt && released.ok() && attempt == 0) {
       failed = copied.message();
       continue;
@@ -519,13 +486,11 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
     RETURN_IF_ERROR(copied.WithContext("copying the restored tensors into the caller's buffers"));
     RETURN_IF_ERROR(released);
     result.found = true;
-    result.step = resp.step();
+    result.step = restored.step;
     // The attempt this process's later saves belong to (weights of another job start none).
-    if (options.source_job.empty()) impl_->resumed_from = resp.step();
-    result.extra = resp.extra();
-    result.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory
-                  : resp.tier() == v1::TIER_PEER ? Tier::kPeer
-                                                 : Tier::kDisk;
+    if (options.source_job.empty()) impl_->resumed_from = restored.step;
+    result.extra = std::move(restored.extra);
+    result.tier = restored.tier;
     return result;
   }
 }

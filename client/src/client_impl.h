@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "client/src/host_copy.h"
+#include "client/src/wire.h"
 #include "common/base/mutex.h"
 #include "common/base/thread_pool.h"
 #include "common/io/shm.h"
@@ -103,7 +104,7 @@ struct Client::Impl {
   char* Slot(uint32_t i) const { return segment->data() + slot_offset + slot_stride * i; }
   // Gives a slot the daemon lent for reading (restore, EMA) back.
   // `corrupt`: what the client's verification of a memory checkpoint handed over in the slot found.
-  Status ReleaseSlot(uint32_t slot, uint64_t generation, const std::string& corrupt = "") const;
+  Status ReleaseSlot(const SlotLoan& slot, const std::string& corrupt = "") const;
   Status Usable() {
     if (closed) return Cancelled("the client is closed");
     FinishPending();
@@ -124,16 +125,30 @@ struct Client::Impl {
   }
   // Sends the commit of a filled slot; on failure gives the slot back. Reads only `stub` and
   // `options`, so the commit thread may call it.
-  Status SendCommit(const v1::CommitRequest& commit) const;
+  Status SendCommit(const SlotCommit& commit) const;
   // Gives a slot being filled back, so a failed snapshot does not hold it until the session ends.
-  void AbortSlot(const std::string& session_of_slot, uint32_t slot, uint64_t generation) const;
+  void AbortSlot(const std::string& session_of_slot, const SlotLoan& slot) const;
+#if FLASHCKPT_HAVE_CUDA
+  // A streaming commit of a slot whose device tensors (`from_device`, into the slot at `base`) are
+  // still to be copied: the copies are queued behind `cuda_stream` and the commit sent from the
+  // commit thread (`committer`) at once, the slot header telling the daemon how far the copies have
+  // come. On failure to queue the copies the slot is given back.
+  Result<std::shared_ptr<detail::SnapshotProgress>> CommitWhileCopying(SlotCommit commit, char* base,
+                                                                       std::vector<DeviceCopy> from_device,
+                                                                       void* cuda_stream);
+#endif
   // Copies the slot's bytes into the caller's buffers (restore, EMA): memcpy for host buffers,
   // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.
   // Returns once every byte is in place.
   Status CopyOut(const std::vector<CopyTask>& tasks, const std::vector<bool>& on_device, void* cuda_stream);
   // Copies a memory checkpoint handed over with its checksums (host buffers) into the caller's
   // buffers, each chunk checked as it is copied (ParallelVerifiedCopy): CORRUPTION when one differs.
-  Status CopyOutVerified(const Matched& matched, const char* base, const v1::RestoreResponse& resp);
+  Status CopyOutVerified(const Matched& matched, const char* base, const RestoreHandover& restored);
+  // Copies the tensors of `matched` that a restore with the options `restore` reads out of the slot
+  // it handed over (CopyOutVerified when the client verifies it, else CopyOut); `bytes` grows by
+  // their size.
+  Status CopyRestored(const Matched& matched, const RestoreHandover& restored, const RestoreOptions& restore,
+                      uint64_t* bytes);
   // Opens the session stream and reads the session id, within the rpc timeout. `reattach`: this
   // process carrying on after its session broke (SessionRequest.reattach).
   Status OpenSession(bool reattach = false);

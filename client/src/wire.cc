@@ -2,6 +2,8 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
+
 #include "common/base/dtype.h"
 #include "proto/convert.h"
 
@@ -17,16 +19,7 @@ v1::RegisterRequest RegisterRequestOf(const Topology& topology, const std::vecto
   req.set_overwrite(options.overwrite);
   req.set_memory_checkpoints(options.memory_checkpoints);
   if (ema.decay) {
-    auto* e = req.mutable_ema();
-    e->set_enabled(true);
-    e->set_decay(*ema.decay);
-    e->set_interval(ema.interval);
-    e->set_init(ema.init_zeros ? "zeros" : "first");
-    e->set_model_params(ema.all_float_params ? "all" : "fp32");
-    if (ema.loss_threshold) {
-      e->set_has_loss_threshold(true);
-      e->set_loss_threshold(*ema.loss_threshold);
-    }
+    EmaToProto(*ema.decay, ema.interval, ema.init_zeros, ema.all_float_params, ema.loss_threshold, req.mutable_ema());
   }
   for (const TensorSpec& spec : tensors) TensorSpecToProto(spec, req.add_tensors());
   return req;
@@ -40,6 +33,138 @@ Result<std::string> StatusResponseJson(const v1::StatusResponse& status) {
   auto converted = google::protobuf::util::MessageToJsonString(status, &json, options);
   if (!converted.ok()) return Internal("cannot render the daemon status as JSON: " + converted.ToString());
   return json;
+}
+
+namespace {
+
+// A wait the daemon bounds (never 0: that is no time at all).
+uint32_t TimeoutMs(std::chrono::milliseconds timeout) {
+  return static_cast<uint32_t>(std::max<int64_t>(1, timeout.count()));
+}
+
+}  // namespace
+
+v1::BeginSnapshotRequest BeginSnapshotRequestOf(const std::string& session_id, int64_t step,
+                                                std::chrono::milliseconds slot_timeout, Tier tier) {
+  v1::BeginSnapshotRequest req;
+  req.set_session_id(session_id);
+  req.set_step(step);
+  req.set_timeout_ms(static_cast<uint32_t>(slot_timeout.count()));
+  req.set_tier(tier == Tier::kMemory ? v1::TIER_MEMORY : v1::TIER_DISK);
+  return req;
+}
+
+SlotLoan SlotLoanOf(const v1::BeginSnapshotResponse& resp) { return {resp.slot(), resp.generation()}; }
+
+v1::CommitRequest CommitRequestOf(const SlotCommit& commit) {
+  v1::CommitRequest req;
+  req.set_session_id(commit.session_id);
+  req.set_slot(commit.slot.slot);
+  req.set_generation(commit.slot.generation);
+  req.set_step(commit.step);
+  req.set_persist(commit.persist);
+  if (commit.loss) {
+    req.set_has_loss(true);
+    req.set_loss(*commit.loss);
+  }
+  req.set_extra(commit.extra);
+  return req;
+}
+
+v1::AbortSnapshotRequest AbortSnapshotRequestOf(const std::string& session_id, const SlotLoan& slot) {
+  v1::AbortSnapshotRequest req;
+  req.set_session_id(session_id);
+  req.set_slot(slot.slot);
+  req.set_generation(slot.generation);
+  return req;
+}
+
+v1::ReleaseSlotRequest ReleaseSlotRequestOf(const std::string& session_id, const SlotLoan& slot,
+                                            const std::string& corrupt) {
+  v1::ReleaseSlotRequest req;
+  req.set_session_id(session_id);
+  req.set_slot(slot.slot);
+  req.set_generation(slot.generation);
+  req.set_corrupt(corrupt.substr(0, 1024));
+  return req;
+}
+
+v1::WaitPersistedRequest WaitPersistedRequestOf(const std::string& session_id, int64_t step,
+                                                std::chrono::milliseconds timeout) {
+  v1::WaitPersistedRequest req;
+  req.set_session_id(session_id);
+  req.set_step(step);
+  req.set_timeout_ms(TimeoutMs(timeout));
+  return req;
+}
+
+v1::WaitCompleteRequest WaitCompleteRequestOf(const std::string& session_id, int64_t step,
+                                              std::chrono::milliseconds timeout) {
+  v1::WaitCompleteRequest req;
+  req.set_session_id(session_id);
+  req.set_step(step);
+  req.set_timeout_ms(TimeoutMs(timeout));
+  return req;
+}
+
+v1::RestorableRequest RestorableRequestOf(const std::string& session_id, std::optional<int64_t> extra_of,
+                                          std::chrono::milliseconds timeout) {
+  v1::RestorableRequest req;
+  req.set_session_id(session_id);
+  if (extra_of) req.set_extra_of(*extra_of);
+  req.set_timeout_ms(TimeoutMs(timeout));
+  return req;
+}
+
+RestorableSteps RestorableStepsOf(const v1::RestorableResponse& resp) {
+  RestorableSteps out;
+  out.memory_steps.assign(resp.memory_steps().begin(), resp.memory_steps().end());
+  if (resp.disk_step() > 0) out.disk_step = resp.disk_step();
+  out.extra = resp.extra();
+  return out;
+}
+
+v1::GetEmaRequest GetEmaRequestOf(const std::string& session_id, std::chrono::milliseconds timeout) {
+  v1::GetEmaRequest req;
+  req.set_session_id(session_id);
+  req.set_timeout_ms(TimeoutMs(timeout));
+  return req;
+}
+
+EmaHandover EmaHandoverOf(const v1::GetEmaResponse& resp) {
+  return {{resp.slot(), resp.generation()}, resp.initialized(), resp.step()};
+}
+
+v1::RestoreRequest RestoreRequestOf(const std::string& session_id, std::optional<int64_t> step,
+                                    const RestoreOptions& options, std::chrono::milliseconds timeout,
+                                    bool verify_in_client) {
+  v1::RestoreRequest req;
+  req.set_session_id(session_id);
+  req.set_step(step.value_or(0));
+  req.set_convert_dtype(options.convert_dtype);
+  for (TensorKind kind : options.kinds) req.add_kinds(TensorKindToProto(kind));
+  req.set_source_job(options.source_job);
+  req.set_timeout_ms(TimeoutMs(timeout));
+  req.set_verify_in_client(verify_in_client);
+  return req;
+}
+
+RestoreHandover RestoreHandoverOf(const v1::RestoreResponse& resp) {
+  RestoreHandover out;
+  out.found = resp.found();
+  out.step = resp.step();
+  out.slot = {resp.slot(), resp.generation()};
+  out.extra = resp.extra();
+  out.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory
+             : resp.tier() == v1::TIER_PEER ? Tier::kPeer
+                                            : Tier::kDisk;
+  out.verify_in_client = resp.tier() != v1::TIER_DISK && resp.chunk_bytes() > 0;
+  out.chunk_bytes = resp.chunk_bytes();
+  out.chunk_sums.reserve(static_cast<size_t>(resp.chunk_sums_size()));
+  for (const v1::TensorChunkSums& t : resp.chunk_sums()) {
+    out.chunk_sums.push_back({t.slot_offset(), t.bytes(), {t.sums().begin(), t.sums().end()}});
+  }
+  return out;
 }
 
 DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {

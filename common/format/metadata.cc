@@ -359,16 +359,7 @@ std::string MetadataToJson(const CheckpointMetadata& meta) {
                    {"tp_degree", meta.topology.tp_degree},
                    {"pp_degree", meta.topology.pp_degree},
                    {"shard_degree", meta.topology.shard_degree}};
-  json files = json::array();
-  for (const auto& f : meta.files) {
-    files.push_back({{"name", f.name},
-                     {"rank", f.rank},
-                     {"tp_rank", f.tp_rank},
-                     {"pp_rank", f.pp_rank},
-                     {"shard_rank", f.shard_rank},
-                     {"bytes", f.bytes}});
-  }
-  j["files"] = std::move(files);
+  j["files"] = json(SavedFilesJson(meta.files));
   json tensors = json::object();
   for (const auto& p : meta.pieces) {
     json piece = {{"file", p.file},
@@ -403,6 +394,19 @@ std::string MetadataToJson(const CheckpointMetadata& meta) {
     if (e.loss_threshold) j["ema"]["loss_threshold"] = *e.loss_threshold;
   }
   return j.dump(1, ' ', false, json::error_handler_t::replace);
+}
+
+nlohmann::ordered_json SavedFilesJson(const std::vector<SavedFile>& files) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const auto& f : files) {
+    out.push_back({{"name", f.name},
+                   {"rank", f.rank},
+                   {"tp_rank", f.tp_rank},
+                   {"pp_rank", f.pp_rank},
+                   {"shard_rank", f.shard_rank},
+                   {"bytes", f.bytes}});
+  }
+  return out;
 }
 
 Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -100,6 +101,9 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
                                                   IoEnv* io = IoEnv::Default());
 
 std::string MetadataToJson(const CheckpointMetadata& meta);
+// The "files" list of metadata.json (and of `flashckpt inspect --json`): per file its name, rank,
+// tp_rank, pp_rank, shard_rank and bytes, in that key order.
+nlohmann::ordered_json SavedFilesJson(const std::vector<SavedFile>& files);
 // Parses metadata.json; the input is untrusted and every field is checked.
 Result<CheckpointMetadata> ParseMetadataJson(std::string_view json);
 Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir, IoEnv* io = IoEnv::Default());

@@ -142,16 +142,7 @@ v1::RegisterRequest RegistrationRecord(const Registration& registration) {
   out.set_backpressure(registration.policy == Backpressure::kSkip ? v1::BACKPRESSURE_SKIP : v1::BACKPRESSURE_WAIT);
   const EmaConfig& ema = registration.ema;
   if (ema.enabled) {
-    v1::EmaOptions* e = out.mutable_ema();
-    e->set_enabled(true);
-    e->set_decay(ema.decay);
-    e->set_interval(ema.interval);
-    e->set_init(ema.init_zeros ? "zeros" : "first");
-    e->set_model_params(ema.all_float_params ? "all" : "fp32");
-    if (ema.loss_threshold) {
-      e->set_has_loss_threshold(true);
-      e->set_loss_threshold(*ema.loss_threshold);
-    }
+    EmaToProto(ema.decay, ema.interval, ema.init_zeros, ema.all_float_params, ema.loss_threshold, out.mutable_ema());
   }
   out.set_fatal_persist_errors(registration.fatal_persist_errors);
   out.set_memory_checkpoints(registration.memory_checkpoints);
