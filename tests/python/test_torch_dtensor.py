@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Checkpointer with DTensor states (torch 2): FSDP2 and tensor parallelism, 2 processes, gloo on the CPU.
+"""Checkpointer with DTensor states (torch 2): FSDP2, tensor parallelism and both, gloo on the CPU.
 
 Runs in the torch 2 environment (scripts/deps.sh; ctest runs it with FLASHCKPT_TORCH2_PYTHON); with
 a Python whose torch has no DTensor it prints why and exits 77 (ctest: skipped). Each case runs real
@@ -15,7 +15,13 @@ worker processes (this file, run with "worker") against one real flashckptd:
   column-wise, the second row-wise, whose bias is replicated) on 2 processes and into a plain model
   in one process: every parameter and moment equal the saved full tensors;
 - the tensor-parallel job saves in turn: its replicated bias (and the moments of it) is written by
-  one rank only, and the FSDP2 job resumes that checkpoint with the tensor-parallel job's values.
+  one rank only, and the FSDP2 job resumes that checkpoint with the tensor-parallel job's values;
+- 4 processes on a 2 x 2 mesh (tensor parallelism inside, FSDP2 across) save once through
+  flashckpt and once through torch.distributed.checkpoint (DCP, the reference); flashckpt's
+  checkpoint resumes on 2 x 2 with the uninterrupted run's losses, and on 4 x 1 (FSDP2 alone, one
+  rank's shard of a layer empty) and 1 x 4 (tensor parallelism alone) with every tensor equal to the
+  saved one and the next steps' losses equal, bit for bit, to those after DCP's load of its own
+  checkpoint into the same mesh.
 """
 
 import json
@@ -61,11 +67,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def worker(case, rank, world, port, sock, job, out):
+def worker(case, layout, rank, world, port, sock, job, out):
+    """One rank of `case` ("save", "resume" or "dcp_resume": the same resume through
+    torch.distributed.checkpoint) on mesh `layout`, "DxT": FSDP2 over D ranks, tensor parallelism
+    over T ("1x1": a plain model in one process)."""
     import datetime
+    import warnings
+
+    # Not ours: torch's deprecation notes (DCP's use of TypedStorage, the pynvml that dlrover brings).
+    warnings.filterwarnings("ignore", message=".*(TypedStorage|pynvml).*")
 
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -74,23 +89,27 @@ def worker(case, rank, world, port, sock, job, out):
     from flashckpt.torch import Checkpointer
 
     torch.set_num_threads(1)
+    dp, tp = (int(x) for x in layout.split("x"))
+    assert dp * tp == world, (layout, world)
     if world > 1:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-    parallel = case.split("_")[0]  # fsdp, tp or plain
-    torch.manual_seed(0 if case.endswith("save") else 7)  # a resume starts from other weights
-    # 6 rows and columns split evenly over 2 ranks (as torch's tensor parallelism needs); FSDP2's
-    # shards of the second layer's 3 rows do not (2 and 1).
-    model = torch.nn.Sequential(torch.nn.Linear(7, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-    if parallel == "fsdp":
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    elif parallel == "tp":
-        parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0 if case == "save" else 7)  # a resume starts from other weights
+    # 8 rows and columns split evenly over 2 and 4 tensor-parallel ranks (as torch's tensor
+    # parallelism needs); FSDP2's shards of the second layer's 3 rows do not (2 + 1 on 2 ranks,
+    # 1 + 1 + 1 + 0 on 4: one rank holds an empty shard).
+    model = torch.nn.Sequential(torch.nn.Linear(7, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if dp > 1:
+        fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp_rank = rank // tp
 
     def batch(step):
-        # FSDP2 ranks train on batches of their own; tensor-parallel ranks all see the same one.
-        g = torch.Generator().manual_seed(1000 * step + (rank if parallel == "fsdp" else 0))
+        # Each data-parallel rank trains on batches of its own; its tensor-parallel ranks see the same.
+        g = torch.Generator().manual_seed(1000 * step + dp_rank)
         return torch.randn(4, 7, generator=g)
 
     def train(steps):
@@ -117,47 +136,77 @@ def worker(case, rank, world, port, sock, job, out):
                 kinds["state.%s.%s" % (name, field)] = [type(v).__name__, [repr(x) for x in getattr(v, "placements", ())]]
         return tensors, kinds
 
+    dcp_dir = os.path.join(os.path.dirname(out), job + ".dcp")  # the reference: DCP's checkpoint of the same step
     result = {"rank": rank}
-    with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
-        if case.endswith("save"):
-            train(range(1, STEPS_BEFORE + 1))
-            ck.save(STEPS_BEFORE, extra={"parallel": parallel})
-            ck.wait_persisted(STEPS_BEFORE, timeout=60)
-            # Whether this rank holds each tensor as a replica (written by another rank).
-            result["replica"] = {n: bool(ck._layout.spec(n, shape).get("replica"))
-                                 for n, (_, shape) in ck.client.registered.items()}
-        else:
-            result["step"] = ck.resume()
-            result["extra"] = ck.extra
+    if case == "dcp_resume":
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # gives the fresh optimizer its state
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=dcp_dir)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
+            if case == "save":
+                train(range(1, STEPS_BEFORE + 1))
+                ck.save(STEPS_BEFORE, extra={"layout": layout})
+                ck.wait_persisted(STEPS_BEFORE, timeout=60)
+                # Whether this rank holds each tensor as a replica (written by another rank).
+                result["replica"] = {n: bool(ck._layout.spec(n, shape).get("replica"))
+                                     for n, (_, shape) in ck.client.registered.items()}
+                if world > 1:
+                    model_sd, optim_sd = get_state_dict(model, optimizer)
+                    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=dcp_dir)
+            else:
+                result["step"] = ck.resume()
+                result["extra"] = ck.extra
     tensors, result["kinds"] = dump()
     if rank == 0:
         torch.save(tensors, out + ".pt")
-    if parallel == "fsdp" or world == 1:
-        result["losses"] = train(range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1))
+    result["losses"] = train(range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1))
     with open(out, "w") as f:
         json.dump(result, f)
     harness.end_worker()
 
 
 class DTensorTest(harness.DaemonTestCase):
-    def run_case(self, case, job, world):
-        """Runs `world` workers of `case`; returns their results (rank order) and rank 0's tensors."""
+    def run_case(self, case, layout, job):
+        """Runs the workers of `case` on mesh `layout` ("DxT"); returns their results (rank order)
+        and rank 0's full tensors."""
         import torch
+        dp, tp = (int(x) for x in layout.split("x"))
+        world = dp * tp
         port = free_port()
-        outs = [os.path.join(self.daemon.tmp, "%s-%s-%d.json" % (job, case, r)) for r in range(world)]
+        outs = [os.path.join(self.daemon.tmp, "%s-%s-%s-%d.json" % (job, case, layout, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(r), str(world),
-                                   str(port), self.daemon.socket, job, outs[r]], env=env)
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, layout, str(r),
+                                   str(world), str(port), self.daemon.socket, job, outs[r]], env=env)
                  for r in range(world)]
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
-                        "%s workers still running after %d s" % (case, WORKER_DEADLINE))
+                        "%s %s workers still running after %d s" % (case, layout, WORKER_DEADLINE))
         for r, p in enumerate(procs):
-            self.assertEqual(p.returncode, 0, "%s rank %d exited %d" % (case, r, p.returncode))
+            self.assertEqual(p.returncode, 0, "%s %s rank %d exited %d" % (case, layout, r, p.returncode))
         results = []
         for path in outs:
             with open(path) as f:
                 results.append(json.load(f))
         return results, torch.load(outs[0] + ".pt")
+
+    def save(self, layout, job):
+        """Runs the save on `layout`; checks the files hold every global element once; returns
+        (results, full tensors)."""
+        import flashckpt_reader as reader
+        saved, want = self.run_case("save", layout, job)
+        ckpt = os.path.join(self.daemon.job_dir(job), "checkpoint-%d" % STEPS_BEFORE)
+        summary = reader.verify_checkpoint(ckpt, formula=False)  # raises for an element saved twice
+        self.assertEqual(summary["elements"], sum(t.numel() for t in want.values()))
+        return saved, want
+
+    def resume(self, layout, job, want, case="resume"):
+        resumed, got = self.run_case(case, layout, job)
+        if case == "resume":
+            for r in resumed:
+                self.assertEqual(r["step"], STEPS_BEFORE)
+        self.assert_tensors_equal(got, want, "%s on %s" % (case, layout))
+        return resumed
 
     def assert_tensors_equal(self, got, want, what):
         import torch
@@ -167,52 +216,55 @@ class DTensorTest(harness.DaemonTestCase):
             self.assertTrue(torch.equal(got[name], t), "%s: %s differs" % (what, name))
 
     def test_fsdp2_saves_once_and_resumes_on_fsdp2_tp_and_one_process(self):
-        import flashckpt_reader as reader
         job = self.daemon.job("fsdp")
-        saved, want = self.run_case("fsdp_save", job, 2)
-        ckpt = os.path.join(self.daemon.job_dir(job), "checkpoint-%d" % STEPS_BEFORE)
-        summary = reader.verify_checkpoint(ckpt, formula=False)  # every global element exactly once
-        self.assertEqual(summary["elements"], sum(t.numel() for t in want.values()))
+        saved, want = self.save("2x1", job)
         for kinds in (r["kinds"] for r in saved):
             self.assertEqual(kinds["param.0.weight"], ["DTensor", ["Shard(dim=0)"]])
             self.assertEqual(kinds["state.2.weight.exp_avg"], ["DTensor", ["Shard(dim=0)"]])
+        # AdamW's step counts, alike on both ranks, are each written by one.
+        self.assertEqual(sorted(r["replica"]["optimizer.state.0.step"] for r in saved), [False, True])
 
-        resumed, got = self.run_case("fsdp_resume", job, 2)
+        resumed = self.resume("2x1", job, want)
         for r in resumed:
-            self.assertEqual((r["step"], r["extra"]), (STEPS_BEFORE, {"parallel": "fsdp"}))
+            self.assertEqual(r["extra"], {"layout": "2x1"})
             self.assertEqual(r["kinds"], saved[r["rank"]]["kinds"])  # DTensors, placed as before
             self.assertEqual(r["losses"], saved[r["rank"]]["losses"], "rank %d's losses after the resume" % r["rank"])
-        self.assert_tensors_equal(got, want, "FSDP2 -> FSDP2")
 
-        resumed, got = self.run_case("tp_resume", job, 2)
-        self.assertEqual([r["step"] for r in resumed], [STEPS_BEFORE] * 2)
+        resumed = self.resume("1x2", job, want)
         self.assertEqual(resumed[0]["kinds"]["param.2.bias"], ["DTensor", ["Replicate()"]])
-        self.assert_tensors_equal(got, want, "FSDP2 -> tensor parallel")
-
-        resumed, got = self.run_case("plain_resume", job, 1)
-        self.assertEqual(resumed[0]["step"], STEPS_BEFORE)
+        resumed = self.resume("1x1", job, want)
         self.assertEqual(resumed[0]["kinds"]["param.0.weight"], ["Parameter", []])
-        self.assert_tensors_equal(got, want, "FSDP2 -> one process")
 
     def test_tp_writes_replicated_boxes_once_and_resumes_on_fsdp2(self):
-        import flashckpt_reader as reader
         job = self.daemon.job("tp")
-        saved, want = self.run_case("tp_save", job, 2)
-        ckpt = os.path.join(self.daemon.job_dir(job), "checkpoint-%d" % STEPS_BEFORE)
-        summary = reader.verify_checkpoint(ckpt, formula=False)
-        self.assertEqual(summary["elements"], sum(t.numel() for t in want.values()))
+        saved, want = self.save("1x2", job)
         # The replicated bias and its moments: each written by one of the two ranks.
         for name in ("model.2.bias", "optimizer.state.3.exp_avg", "optimizer.state.3.exp_avg_sq"):
             self.assertEqual(sorted(r["replica"][name] for r in saved), [False, True], name)
+        self.resume("2x1", job, want)
 
-        resumed, got = self.run_case("fsdp_resume", job, 2)
-        self.assertEqual([r["step"] for r in resumed], [STEPS_BEFORE] * 2)
-        self.assert_tensors_equal(got, want, "tensor parallel -> FSDP2")
+    def test_2d_mesh_resumes_on_other_meshes_as_dcp_does(self):
+        # FSDP2 over tensor parallelism on a 2 x 2 mesh, saved at once by flashckpt and by DCP.
+        job = self.daemon.job("mesh2d")
+        saved, want = self.save("2x2", job)
+        resumed = self.resume("2x2", job, want)
+        for r in resumed:
+            self.assertEqual(r["kinds"], saved[r["rank"]]["kinds"])
+            self.assertEqual(r["losses"], saved[r["rank"]]["losses"], "rank %d's losses after the resume" % r["rank"])
+        # On another mesh the losses differ from the uninterrupted run's (other reductions): they must
+        # equal those of the same resume done with torch.distributed.checkpoint, bit for bit.
+        for layout in ("4x1", "1x4"):
+            ours = self.resume(layout, job, want)
+            reference = self.resume(layout, job, want, case="dcp_resume")
+            for r, ref in zip(ours, reference):
+                self.assertEqual(r["losses"], ref["losses"], "%s rank %d: losses after flashckpt's resume and DCP's"
+                                 % (layout, r["rank"]))
+                self.assertEqual(r["kinds"], ref["kinds"], "%s rank %d" % (layout, r["rank"]))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        case, rank, world, port, sock, job, out = sys.argv[2:9]
-        worker(case, int(rank), int(world), int(port), sock, job, out)
+        case, layout, rank, world, port, sock, job, out = sys.argv[2:10]
+        worker(case, layout, int(rank), int(world), int(port), sock, job, out)
     else:
         unittest.main(verbosity=2)
