@@ -21,11 +21,14 @@ worker processes (this file, run with "worker") against one real flashckptd:
   checkpoint resumes on 2 x 2 with the uninterrupted run's losses, and on 4 x 1 (FSDP2 alone, one
   rank's shard of a layer empty) and 1 x 4 (tensor parallelism alone) with every tensor equal to the
   saved one and the next steps' losses equal, bit for bit, to those after DCP's load of its own
-  checkpoint into the same mesh.
+  checkpoint into the same mesh;
+- an FSDP2 job that takes memory checkpoints (the disk's at step 2) and is SIGKILLed after step 3's
+  resumes step 3 from the daemon's memory on both ranks, with the uninterrupted run's losses.
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,8 +72,9 @@ def free_port():
 
 def worker(case, layout, rank, world, port, sock, job, out):
     """One rank of `case` ("save", "resume" or "dcp_resume": the same resume through
-    torch.distributed.checkpoint) on mesh `layout`, "DxT": FSDP2 over D ranks, tensor parallelism
-    over T ("1x1": a plain model in one process)."""
+    torch.distributed.checkpoint; "memory_save": memory checkpoints, the last kept in the daemon as
+    the process dies, and "memory_resume") on mesh `layout`, "DxT": FSDP2 over D ranks, tensor
+    parallelism over T ("1x1": a plain model in one process)."""
     import datetime
     import warnings
 
@@ -95,7 +99,7 @@ def worker(case, layout, rank, world, port, sock, job, out):
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0 if case == "save" else 7)  # a resume starts from other weights
+    torch.manual_seed(0 if case.endswith("save") else 7)  # a resume starts from other weights
     # 8 rows and columns split evenly over 2 and 4 tensor-parallel ranks (as torch's tensor
     # parallelism needs); FSDP2's shards of the second layer's 3 rows do not (2 + 1 on 2 ranks,
     # 1 + 1 + 1 + 0 on 4: one rank holds an empty shard).
@@ -143,8 +147,17 @@ def worker(case, layout, rank, world, port, sock, job, out):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=dcp_dir)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    elif case == "memory_save":
+        # Memory checkpoints every step but the disk's step 2; the process dies after step 3's, so
+        # that the daemon keeps it.
+        ck = Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=True)
+        for step in range(1, STEPS_BEFORE + 1):
+            train([step])
+            ck.save(step, extra={"layout": layout}, tier="disk" if step == 2 else "memory")
+            if step == 2:
+                ck.wait_persisted(2, timeout=60)
     else:
-        with Checkpointer(model, optimizer, socket=sock, job=job) as ck:
+        with Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=case.startswith("memory")) as ck:
             if case == "save":
                 train(range(1, STEPS_BEFORE + 1))
                 ck.save(STEPS_BEFORE, extra={"layout": layout})
@@ -158,12 +171,15 @@ def worker(case, layout, rank, world, port, sock, job, out):
             else:
                 result["step"] = ck.resume()
                 result["extra"] = ck.extra
+                result["tier"] = ck.resumed_tier
     tensors, result["kinds"] = dump()
     if rank == 0:
         torch.save(tensors, out + ".pt")
     result["losses"] = train(range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1))
     with open(out, "w") as f:
         json.dump(result, f)
+    if case == "memory_save":
+        os.kill(os.getpid(), signal.SIGKILL)  # no close(): the daemon keeps the memory checkpoints
     harness.end_worker()
 
 
@@ -183,7 +199,8 @@ class DTensorTest(harness.DaemonTestCase):
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
                         "%s %s workers still running after %d s" % (case, layout, WORKER_DEADLINE))
         for r, p in enumerate(procs):
-            self.assertEqual(p.returncode, 0, "%s %s rank %d exited %d" % (case, layout, r, p.returncode))
+            want_rc = -signal.SIGKILL if case == "memory_save" else 0
+            self.assertEqual(p.returncode, want_rc, "%s %s rank %d exited %d" % (case, layout, r, p.returncode))
         results = []
         for path in outs:
             with open(path) as f:
@@ -202,7 +219,7 @@ class DTensorTest(harness.DaemonTestCase):
 
     def resume(self, layout, job, want, case="resume"):
         resumed, got = self.run_case(case, layout, job)
-        if case == "resume":
+        if case != "dcp_resume":
             for r in resumed:
                 self.assertEqual(r["step"], STEPS_BEFORE)
         self.assert_tensors_equal(got, want, "%s on %s" % (case, layout))
@@ -242,6 +259,16 @@ class DTensorTest(harness.DaemonTestCase):
         for name in ("model.2.bias", "optimizer.state.3.exp_avg", "optimizer.state.3.exp_avg_sq"):
             self.assertEqual(sorted(r["replica"][name] for r in saved), [False, True], name)
         self.resume("2x1", job, want)
+
+    def test_memory_checkpoint_of_fsdp2(self):
+        # Each rank's memory checkpoint holds its shards (and the step counts it does not write): the
+        # ranks agree on the newest step all hold, newer than the disk's, and restore it from memory.
+        job = self.daemon.job("memory")
+        saved, want = self.run_case("memory_save", "2x1", job)
+        resumed = self.resume("2x1", job, want, case="memory_resume")
+        for r in resumed:
+            self.assertEqual((r["tier"], r["extra"]), ("memory", {"layout": "2x1"}))
+            self.assertEqual(r["losses"], saved[r["rank"]]["losses"], "rank %d's losses after the resume" % r["rank"])
 
     def test_2d_mesh_resumes_on_other_meshes_as_dcp_does(self):
         # FSDP2 over tensor parallelism on a 2 x 2 mesh, saved at once by flashckpt and by DCP.

@@ -59,8 +59,10 @@ torch.chunk splits, so last shards may be smaller or empty); a box that several 
 job's other tensors (step counts, buffers: alike on every rank). A checkpoint resumes on another
 mesh or parallelism, or into a plain model. resume() first gives an optimizer of DTensor parameters
 that has no state yet its state, as DTensors (one step with zero gradients and a learning rate of
-0, as torch.distributed.checkpoint does), and restores into it in place. Not yet checked with
-DTensors: the EMA and memory checkpoints.
+0, as torch.distributed.checkpoint does), and restores into it in place. Memory checkpoints work
+as for other jobs (each rank's holds its boxes, the replicas too). Not yet with DTensors: the EMA
+(the daemon averages the boxes each rank writes, and ema_state_dict() returns this rank's local
+ones).
 
 Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's memory only
 (checksummed in the background, never written), so a trainer can save every step and write a disk
