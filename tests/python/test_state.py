@@ -122,7 +122,10 @@ class FlattenTest(unittest.TestCase):
     def test_sgd_without_momentum_keeps_none(self):
         _, optimizer, tensors, back = self.roundtrip("sgd0")
         self.assertNotIn("optimizer.state.0.momentum_buffer", tensors)
-        self.assertIsNone(back["optimizer"]["state"][0]["momentum_buffer"])
+        if optimizer.state_dict()["state"]:  # torch 1.13 keeps a None buffer per parameter
+            self.assertIsNone(back["optimizer"]["state"][0]["momentum_buffer"])
+        else:  # torch 2 keeps no state at all for them
+            self.assertEqual(back["optimizer"]["state"], {})
         self.assertIsNone(back["optimizer"]["param_groups"][0]["foreach"])
 
     def test_odd_leaves(self):

@@ -2,7 +2,8 @@
 """flashckpt.torch.Checkpointer against a real flashckptd, in one process.
 
 - the EMA returned by ema_state_dict() equals an EMA computed here over the same steps (numpy,
-  fp32, the daemon's formula), bit for bit, with persisted and EMA-only saves and an interval;
+  fp32, the daemon's formula), bit for bit, with persisted and EMA-only saves and an interval; it
+  also comes back for a model with an empty floating buffer (no address) and a 0-d parameter;
 - parameters and optimizer moments modified right after save() returns do not change the saved
   checkpoint (the copy is done when save returns for CPU tensors);
 - the layout is re-registered when Adam's state appears, and resume() into a fresh optimizer
@@ -83,6 +84,20 @@ class CheckpointerTest(harness.DaemonTestCase):
         for k, v in ema.items():
             self.assertEqual(v.dtype, torch.float32)
             np.testing.assert_array_equal(v.numpy(), ref[k], err_msg=k)
+
+    def test_ema_of_a_model_with_empty_and_0d_tensors(self):
+        # An empty floating buffer has an EMA tensor of 0 bytes (torch gives it no address) and a 0-d
+        # parameter one of 4: ema_state_dict() returns both, with the values of the other tensors.
+        model = mlp()
+        model.register_buffer("nothing", torch.zeros(0, 3))
+        model.register_parameter("scale", torch.nn.Parameter(torch.tensor(0.25)))
+        with self.checkpointer(model, None, self.daemon.job("emaempty"), ema_decay=0.5) as ck:
+            ck.save(1)
+            ema = ck.ema_state_dict()
+        self.assertEqual(sorted(ema), sorted(model.state_dict()))
+        self.assertEqual(tuple(ema["nothing"].shape), (0, 3))
+        for k, v in model.state_dict().items():
+            self.assertTrue(torch.equal(ema[k], v), k)  # the first update copies the weights
 
     def test_wait_persisted_waits_for_every_rank(self):
         # Two ranks of one job (each holding the whole model, as data-parallel ranks do today):

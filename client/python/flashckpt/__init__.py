@@ -3,6 +3,7 @@
     flashckpt.Client             one rank's session: register, snapshot, wait_persisted, restore, ema
     flashckpt.torch.Checkpointer PyTorch model + optimizer: save, resume (exactly), ema_state_dict
     flashckpt.export             a checkpoint's model or EMA weights as Hugging Face safetensors (offline)
+    flashckpt.dcp                torch.distributed.checkpoint's storage writer and reader (torch 2)
 
 Tensors are copied once, straight into the daemon's shared memory; the daemon persists them as
 safetensors files in the background and keeps an fp32 EMA of the weights. Tensors must be

@@ -2,8 +2,9 @@
 
 Layout wraps the dict of states: it flattens them into named tensors plus the JSON tree of
 everything else (flatten), says which tensors are model state and which training state (kind),
-maps an optimizer's state to the parameter it belongs to (param_of), turns shard_specs into the box
-of each tensor in its full tensor (tensor parallelism: spec, global_shape, local_shape), registers
+maps an optimizer's state to the parameter it belongs to (param_of), turns shard_specs, or a
+DTensor's placements (_torch_dtensor), into the box of each tensor in its full tensor (tensor
+parallelism, FSDP2: spec, global_shape, local_shape), registers
 the tensors with the daemon when their layout changes (register), and hands restored tensors back
 to each state (load). The RNG state and the JSON blob saved beside the tensors are here too.
 """
@@ -19,6 +20,7 @@ import torch
 
 from . import _state
 from . import _tensors
+from . import _torch_dtensor
 from . import _torch_zero
 from ._state import Node
 from ._tensors import Shape
@@ -95,7 +97,8 @@ class Layout:
     """The dict of states of a Checkpointer and what it holds. `model_keys` are the keys of the
     model states (nn.Module values, and the one named "model"): their tensors are kind "model", all
     others "optimizer". With `shard_specs` (see Checkpointer), a model tensor, and the optimizer
-    state of its parameter's shape, is a box in a full tensor larger than this rank's."""
+    state of its parameter's shape, is a box in a full tensor larger than this rank's; so is a
+    DTensor, by its placements."""
 
     def __init__(self, states: Dict[str, Any], shard_specs: Optional[ShardSpecs]) -> None:
         self.states = states
@@ -109,6 +112,12 @@ class Layout:
         self.zero_records: Dict[str, Dict[str, Any]] = {}
         self._param_map: Optional[Dict[Tuple[str, int], Tuple[str, Shape]]] = None
         self._layout_key: Optional[Tuple[object, ...]] = None
+        # The DTensors of the last flatten(), by tensor name (their local tensors are in its tensors),
+        # and, in a job that has them, the order of the other tensors (see spec()).
+        self.dtensors: Dict[str, _torch_dtensor.Piece] = {}
+        self._others: Dict[str, int] = {}
+        # This rank and the job's world size (the Checkpointer's).
+        self.rank, self.world_size = 0, 1
 
     def has_zero(self) -> bool:
         """Whether a ZeroRedundancyOptimizer is among the states."""
@@ -116,7 +125,8 @@ class Layout:
 
     def flatten(self) -> Tuple[Node, Dict[str, Any]]:
         """(tree, tensors) of every state (see flashckpt._state.flatten), each through its
-        state_dict() where it has one; a tensor split by shard_specs carries its full shape."""
+        state_dict() where it has one; a tensor split by shard_specs carries its full shape, and a
+        DTensor is its local tensor, with its full shape."""
         state: Dict[str, Any] = {}
         for key, obj in self.states.items():
             if _torch_zero.is_zero(obj):
@@ -125,10 +135,18 @@ class Layout:
                 state[key] = obj.state_dict() if is_stateful(obj) else obj
         tree, tensors = _state.flatten(state)
         self._param_map = None
+        self.dtensors = _torch_dtensor.pieces(tensors)
+        self._others = {n: i for i, n in enumerate(n for n in tensors if n not in self.dtensors)} if self.dtensors else {}
+        if self.dtensors and self.shard_specs is not None:
+            raise ValueError("shard_specs and DTensors ('%s') do not go together: a DTensor's placements say how it "
+                             "is split" % next(iter(self.dtensors)))
         self._check_shard_specs(tensors)
         self.zero_records = _torch_zero.describe_partitions(self.states, tree)
-        if self.shard_specs is not None:
+        if self.shard_specs is not None or self.dtensors:
             for leaf in _state.tensor_leaves(tree):
+                piece = self.dtensors.get(leaf["t"])
+                if piece is not None:
+                    leaf["shape"] = list(piece.box_shape)
                 box = self._box(leaf["t"], tuple(leaf["shape"]))
                 if box:
                     leaf["global_shape"] = box["global_shape"]
@@ -197,7 +215,9 @@ class Layout:
 
     def _box(self, name: str, shape: Sequence[int]) -> Optional[Dict[str, List[int]]]:
         """The box spec (global_shape, box_offset, box_shape) of tensor `name` of local shape `shape`
-        under shard_specs, or None for a whole tensor."""
+        under shard_specs or its DTensor's placements, or None for a whole tensor."""
+        if name in self.dtensors:
+            return _torch_dtensor.box(self.dtensors[name])
         if self.shard_specs is None:
             return None
         if self.kind(name) != "model":
@@ -229,6 +249,8 @@ class Layout:
     def local_shape(self, name: str, whole: Shape) -> Shape:
         """This rank's shape of a tensor it does not hold yet (a fresh optimizer's state) whose full
         shape is `whole`: its parameter's, when that one is split and of the same full shape."""
+        if name in self.dtensors:
+            return _torch_dtensor.local_shape(self.dtensors[name], whole) or whole
         if self.shard_specs is not None and self.kind(name) != "model":
             param = self.param_of(name)
             if param is not None and self.global_shape(param[0], param[1]) == whole:
@@ -237,7 +259,15 @@ class Layout:
 
     def spec(self, name: str, shape: Sequence[int]) -> Dict[str, Any]:
         spec: Dict[str, Any] = {"kind": self.kind(name)}
-        spec.update(self._box(name, tuple(shape)) or {})
+        piece = self.dtensors.get(name)
+        if piece is not None and tuple(piece.box_shape) == tuple(shape):
+            spec.update(piece.spec())
+        else:
+            spec.update(self._box(name, tuple(shape)) or {})
+        if name in self._others and self._others[name] % self.world_size != self.rank:
+            # In a job of DTensors the other tensors (step counts, buffers) are alike on every rank,
+            # as the SPMD program makes them: each is written by one rank, the ranks taking turns.
+            spec["replica"] = True
         return spec
 
     # --- the daemon's view -----------------------------------------------------------------------
@@ -262,7 +292,9 @@ class Layout:
         """Hands each state its part of the saved tree `saved`, with its tensors from `targets` (the
         restored tensors, by name): a module whose every leaf is one of its `tensors` was restored in
         place; other modules and stateful values get load_state_dict(); a dict is refilled in place;
-        any other value is replaced."""
+        any other value is replaced. A DTensor's restored local tensor goes back as that DTensor."""
+        if self.dtensors:
+            targets = {n: self.dtensors[n].wrap(t) if n in self.dtensors else t for n, t in targets.items()}
         state = _state.unflatten(saved, targets)
         for key, obj in self.states.items():
             if key not in state:

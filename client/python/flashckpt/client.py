@@ -36,6 +36,7 @@ waits.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -52,6 +53,8 @@ _TensorsT = TypeVar("_TensorsT", bound=Tensors)
 
 _KINDS = ("model", "optimizer", "master_weight")
 _SPEC_KEYS = ("kind", "param", "replica", "global_shape", "box_offset", "box_shape", "flat_range")
+# A host byte never read nor written: the address ema() gives for an empty tensor that has none.
+_NO_BYTES = ctypes.create_string_buffer(1)
 
 
 class Snapshot:
@@ -462,7 +465,13 @@ class Client:
                 # The library copies on the legacy default stream, which does not wait for torch's
                 # non-blocking streams: work still queued there may be using this memory.
                 torch.cuda.current_stream().synchronize()
-            initialized, step = self._live().ema([v.buffer() for v in views], float(timeout))
+            buffers = [v.buffer() for v in views]
+            # An empty tensor may have no address (torch's have none), and the library takes no
+            # null address for an EMA tensor, even one of 0 bytes: it copies nothing there, so the
+            # address of a byte of ours does.
+            buffers = [(n, ctypes.addressof(_NO_BYTES) if a == 0 and nbytes == 0 and not dev else a, nbytes, dev)
+                       for n, a, nbytes, dev in buffers]
+            initialized, step = self._live().ema(buffers, float(timeout))
         return (step if initialized else None), tensors
 
     # --- operators -----------------------------------------------------------------------------

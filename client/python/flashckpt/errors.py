@@ -16,7 +16,7 @@ does not match the state being resumed raises :class:`StructureMismatchError` (a
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 
 class FlashckptError(RuntimeError):
@@ -26,6 +26,11 @@ class FlashckptError(RuntimeError):
         super().__init__("%s: %s" % (code, message))
         self.code = code
         self.message = message
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        # Pickled with its own arguments (the text alone would not call __init__ right): the
+        # exceptions cross processes, e.g. in torch.distributed.checkpoint's gather of failures.
+        return type(self), (self.code, self.message)
 
 
 class InvalidArgumentError(FlashckptError, ValueError):
@@ -66,6 +71,9 @@ class StructureMismatchError(FlashckptError, ValueError):
     def __init__(self, message: str, key: Optional[str] = None) -> None:
         super().__init__("FAILED_PRECONDITION", message)
         self.key = key
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return type(self), (self.message, self.key)
 
 
 _BY_CODE: Dict[str, Type[FlashckptError]] = {

@@ -52,6 +52,18 @@ the state of its own partition (under the global parameter indices of ZeRO's con
 state_dict), and a job of any number of ranks resumes it, each rank taking its new partition's
 state.
 
+DTensor states (torch 2: FSDP2's fully_shard, tensor parallelism's parallelize_module) are saved as
+each rank's local tensors, each the box of its global tensor that its placements give (Shard(dim) as
+torch.chunk splits, so last shards may be smaller or empty); a box that several ranks hold
+(Replicate) is written by one of them, the ranks taking turns per tensor, and so is each of the
+job's other tensors (step counts, buffers: alike on every rank). A checkpoint resumes on another
+mesh or parallelism, or into a plain model. resume() first gives an optimizer of DTensor parameters
+that has no state yet its state, as DTensors (one step with zero gradients and a learning rate of
+0, as torch.distributed.checkpoint does), and restores into it in place. Memory checkpoints work
+as for other jobs (each rank's holds its boxes, the replicas too). Not yet with DTensors: the EMA
+(the daemon averages the boxes each rank writes, and ema_state_dict() returns this rank's local
+ones).
+
 Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's memory only
 (checksummed in the background, never written), so a trainer can save every step and write a disk
 checkpoint every few hundred. resume() of the latest first asks every rank's daemon which memory
@@ -96,6 +108,7 @@ from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Union
 import torch
 
 from . import _torch_agree
+from . import _torch_dtensor
 from . import _torch_resume
 from . import _torch_shares
 from . import _torch_state
@@ -172,6 +185,7 @@ class Checkpointer:
                              **client_options)
         self._process_group = process_group
         self._world_size = world_size
+        self._layout.rank, self._layout.world_size = rank, world_size
         self.ema_enabled = client_options.get("ema_decay") is not None
         self._shares = _torch_shares.Shares(self._layout, replicated, self.ema_enabled, tp_degree * pp_degree,
                                             process_group, world_size)
@@ -272,6 +286,13 @@ class Checkpointer:
         its new ZeroRedundancyOptimizer partition) from whichever files hold it. Its state must
         have rank 0's structure (data and tensor parallelism; not another pipeline stage).
         """
+        # An optimizer of DTensor parameters that has no state yet gets it, as DTensors placed like
+        # its parameters, for the checkpoint's to be restored into in place; it is taken back when
+        # there is no checkpoint, so that a fresh start stays fresh.
+        fresh = [obj for obj in self.states.values() if isinstance(obj, torch.optim.Optimizer)
+                 and not obj.state and _torch_dtensor.has_dtensor_params(obj)]
+        for optimizer in fresh:
+            _torch_dtensor.init_optimizer_state(optimizer)
         resume = _torch_resume.Resume(self.client, self._layout, self._shares, self._world_size, self.rng,
                                       self.extra, self.resumed_tier)
         try:
@@ -281,6 +302,9 @@ class Checkpointer:
             self.extra, self.resumed_tier = resume.extra, resume.tier
         if found is not None:
             self.resumed_step = found
+        else:
+            for optimizer in fresh:
+                optimizer.state.clear()
         return found
 
     def load_pretrained(self, step: Optional[int] = None, job: Optional[str] = None,
