@@ -251,7 +251,8 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
     auto it = impl_->ema_tensors.find(b.name);
     if (it == impl_->ema_tensors.end()) return InvalidArgument("'" + b.name + "' is not an EMA tensor of this rank");
     if (!seen.emplace(b.name, true).second) return InvalidArgument("EMA tensor '" + b.name + "' is given twice");
-    if (b.bytes != it->second.bytes || b.data == nullptr) {
+    // An empty tensor may have no address (torch gives it none): nothing is copied there.
+    if (b.bytes != it->second.bytes || (b.data == nullptr && b.bytes > 0)) {
       return InvalidArgument("EMA tensor '" + b.name + "' needs a buffer of " + std::to_string(it->second.bytes) +
                              " bytes");
     }
@@ -274,8 +275,14 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
   const char* base = impl_->Slot(ema.slot.slot);
   Status copied;
   if (result.initialized) {
-    for (const auto& b : buffers) tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
-    copied = impl_->CopyOut(tasks, on_device, nullptr);
+    std::vector<bool> task_on_device;
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const TensorBuffer& b = buffers[i];
+      if (b.bytes == 0) continue;  // nothing to copy, and perhaps no address
+      tasks.push_back({b.data, base + impl_->ema_tensors[b.name].slot_offset, b.bytes});
+      task_on_device.push_back(on_device[i]);
+    }
+    copied = impl_->CopyOut(tasks, task_on_device, nullptr);
   }
   Status released = impl_->Note(impl_->ReleaseSlot(ema.slot));
   RETURN_IF_ERROR(copied.WithContext("copying the EMA into the caller's buffers"));

@@ -53,8 +53,6 @@ _TensorsT = TypeVar("_TensorsT", bound=Tensors)
 
 _KINDS = ("model", "optimizer", "master_weight")
 _SPEC_KEYS = ("kind", "param", "replica", "global_shape", "box_offset", "box_shape", "flat_range")
-# A host byte never read nor written: the address ema() gives for an empty tensor that has none.
-_NO_BYTES = ctypes.create_string_buffer(1)
 
 
 class Snapshot:
@@ -466,11 +464,6 @@ class Client:
                 # non-blocking streams: work still queued there may be using this memory.
                 torch.cuda.current_stream().synchronize()
             buffers = [v.buffer() for v in views]
-            # An empty tensor may have no address (torch's have none), and the library takes no
-            # null address for an EMA tensor, even one of 0 bytes: it copies nothing there, so the
-            # address of a byte of ours does.
-            buffers = [(n, ctypes.addressof(_NO_BYTES) if a == 0 and nbytes == 0 and not dev else a, nbytes, dev)
-                       for n, a, nbytes, dev in buffers]
             initialized, step = self._live().ema(buffers, float(timeout))
         return (step if initialized else None), tensors
 
