@@ -227,7 +227,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=args.python_dir, LOCAL_RANK="0", RANK="0",
                WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", PYTHONWARNINGS="ignore")
     daemon = subprocess.Popen([os.path.join(args.bin_dir, "flashckptd"), "--socket", args.socket, "--root",
-                               os.path.join(base, "root"), "--max-host-memory", budget, "--idle-release", "5"],
+                               os.path.join(base, "root"), "--max-host-memory", budget, "--idle-release", "60"],
                               stdout=open(os.path.join(base, "flashckptd.log"), "wb"), stderr=subprocess.STDOUT)
     peers = [p for p in args.peers.split(",") if p]
     results = {p: [] for p in peers}
