@@ -7,7 +7,7 @@
 #include "common/base/log.h"
 #include "daemon/core/daemon.h"
 #include "daemon/replica/replica_sender.h"
-#include "replica.pb.h"
+#include "daemon/replica/replica_layout.h"
 
 namespace flashckpt {
 
@@ -71,20 +71,6 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
   const uint64_t attempt_number = ReplicaAttemptNumber(state);
   const RankLayout& layout = segment->layout;
-  v1::ReplicaLayout where;
-  for (size_t i = 0; i < layout.tensors.size(); ++i) {
-    v1::ReplicaLayout::Tensor* t = where.add_tensors();
-    t->set_name(layout.tensors[i].name);
-    t->set_slot_offset(layout.placements[i].slot_offset);
-    t->set_bytes(layout.placements[i].bytes);
-  }
-  where.set_checksum_chunk(resident->sums.chunk_bytes);
-  *where.mutable_first_chunk() = {resident->sums.first.begin(), resident->sums.first.end()};
-  *where.mutable_sums() = {resident->sums.sums.begin(), resident->sums.sums.end()};
-  where.set_run_id(resident->attempt.run_id);
-  where.set_resumed_from(resident->attempt.resumed_from);
-  where.set_image_offset(kSlotImageOffset);
-  where.set_layout_fingerprint(segment->layout_fingerprint);
 
   auto out = std::make_shared<OutgoingReplica>();
   out->meta.job = job;
@@ -93,7 +79,9 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
   out->meta.attempt = attempt_number;
   out->meta.world_size = resident->world_size;
   out->meta.bytes = layout.slot_bytes - kSlotImageOffset;
-  out->meta.layout = where.SerializeAsString();
+  out->meta.layout = EncodeReplicaLayout(ReplicaLayoutOf(layout, segment->layout_fingerprint, kSlotImageOffset,
+                                                        resident->sums, resident->attempt.run_id,
+                                                        resident->attempt.resumed_from));
   out->meta.extra = resident->extra;
   out->meta.origin_node = config_.node_name;
   out->meta.run_id = resident->attempt.run_id;

@@ -11,8 +11,8 @@
 #include "common/base/names.h"
 #include "common/format/slot_checksums.h"
 #include "daemon/core/daemon.h"
+#include "daemon/replica/replica_layout.h"
 #include "daemon/replica/replica_sender.h"
-#include "replica.pb.h"
 
 namespace flashckpt {
 namespace {
@@ -31,39 +31,34 @@ std::chrono::system_clock::time_point SystemDeadline(const Clock& clock, std::ch
 // files serve it), CORRUPTION when the description does not hold together.
 Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& segment) {
   const RankLayout& layout = segment.layout;
-  v1::ReplicaLayout where;
-  if (!where.ParseFromString(meta.layout)) return Corruption("its layout does not parse");
-  if (where.layout_fingerprint() != segment.layout_fingerprint) {
+  ASSIGN_OR_RETURN(const ReplicaLayout where, DecodeReplicaLayout(meta.layout));
+  if (where.layout_fingerprint != segment.layout_fingerprint) {
     return FailedPrecondition("it was taken in another layout (its tensors, their shapes or places, or the "
                               "parallel layout differ from this rank's)");
   }
-  if (where.image_offset() != kSlotImageOffset || meta.bytes != layout.slot_bytes - kSlotImageOffset) {
+  if (where.image_offset != kSlotImageOffset || meta.bytes != layout.slot_bytes - kSlotImageOffset) {
     return FailedPrecondition("it has " + std::to_string(meta.bytes) + " bytes from slot offset " +
-                              std::to_string(where.image_offset()) + ", this rank's slot " +
+                              std::to_string(where.image_offset) + ", this rank's slot " +
                               std::to_string(layout.slot_bytes - kSlotImageOffset) + " from " +
                               std::to_string(kSlotImageOffset));
   }
-  if (static_cast<size_t>(where.tensors_size()) != layout.tensors.size()) {
-    return FailedPrecondition("it holds " + std::to_string(where.tensors_size()) + " tensors, this rank " +
+  if (where.tensors.size() != layout.tensors.size()) {
+    return FailedPrecondition("it holds " + std::to_string(where.tensors.size()) + " tensors, this rank " +
                               std::to_string(layout.tensors.size()));
   }
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
-    const auto& t = where.tensors(static_cast<int>(i));
-    if (t.name() != layout.tensors[i].name || t.slot_offset() != layout.placements[i].slot_offset ||
-        t.bytes() != layout.placements[i].bytes) {
-      return FailedPrecondition("its tensor " + std::to_string(i) + " is '" + t.name() + "' (" +
-                                std::to_string(t.bytes()) + " bytes at " + std::to_string(t.slot_offset()) +
+    const ReplicaLayout::Tensor& t = where.tensors[i];
+    if (t.name != layout.tensors[i].name || t.slot_offset != layout.placements[i].slot_offset ||
+        t.bytes != layout.placements[i].bytes) {
+      return FailedPrecondition("its tensor " + std::to_string(i) + " is '" + t.name + "' (" +
+                                std::to_string(t.bytes) + " bytes at " + std::to_string(t.slot_offset) +
                                 "), this rank's '" + layout.tensors[i].name + "' (" +
                                 std::to_string(layout.placements[i].bytes) + " bytes at " +
                                 std::to_string(layout.placements[i].slot_offset) + ")");
     }
   }
-  SlotChecksums sums;
-  sums.chunk_bytes = where.checksum_chunk();
-  sums.first.assign(where.first_chunk().begin(), where.first_chunk().end());
-  sums.sums.assign(where.sums().begin(), where.sums().end());
-  RETURN_IF_ERROR(CheckSlotChecksumsFit(layout, sums));
-  return sums;
+  RETURN_IF_ERROR(CheckSlotChecksumsFit(layout, where.sums));
+  return where.sums;
 }
 
 }  // namespace
@@ -268,11 +263,11 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     Emit(std::move(event));
     return;
   }
-  v1::ReplicaLayout where;
-  (void)where.ParseFromString(fetched->layout);  // parsed once already (ReplicaSums)
+  Result<ReplicaLayout> where = DecodeReplicaLayout(fetched->layout);  // decoded once already (ReplicaSums)
+  if (!where.ok()) return;
   auto resident = std::make_shared<ResidentCheckpoint>();
   resident->step = step;
-  resident->attempt = Attempt{where.run_id(), where.resumed_from()};
+  resident->attempt = Attempt{where->run_id, where->resumed_from};
   resident->world_size = fetched->world_size;
   resident->extra = fetched->extra;
   resident->sums = std::move(sums);

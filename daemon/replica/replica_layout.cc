@@ -1,0 +1,54 @@
+#include "daemon/replica/replica_layout.h"
+
+#include "replica.pb.h"
+
+namespace flashckpt {
+
+ReplicaLayout ReplicaLayoutOf(const RankLayout& layout, uint64_t layout_fingerprint, uint64_t image_offset,
+                              const SlotChecksums& sums, const std::string& run_id, int64_t resumed_from) {
+  ReplicaLayout out;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    out.tensors.push_back({layout.tensors[i].name, layout.placements[i].slot_offset, layout.placements[i].bytes});
+  }
+  out.sums = sums;
+  out.run_id = run_id;
+  out.resumed_from = resumed_from;
+  out.image_offset = image_offset;
+  out.layout_fingerprint = layout_fingerprint;
+  return out;
+}
+
+std::string EncodeReplicaLayout(const ReplicaLayout& layout) {
+  v1::ReplicaLayout where;
+  for (const ReplicaLayout::Tensor& tensor : layout.tensors) {
+    v1::ReplicaLayout::Tensor* t = where.add_tensors();
+    t->set_name(tensor.name);
+    t->set_slot_offset(tensor.slot_offset);
+    t->set_bytes(tensor.bytes);
+  }
+  where.set_checksum_chunk(layout.sums.chunk_bytes);
+  *where.mutable_first_chunk() = {layout.sums.first.begin(), layout.sums.first.end()};
+  *where.mutable_sums() = {layout.sums.sums.begin(), layout.sums.sums.end()};
+  where.set_run_id(layout.run_id);
+  where.set_resumed_from(layout.resumed_from);
+  where.set_image_offset(layout.image_offset);
+  where.set_layout_fingerprint(layout.layout_fingerprint);
+  return where.SerializeAsString();
+}
+
+Result<ReplicaLayout> DecodeReplicaLayout(const std::string& bytes) {
+  v1::ReplicaLayout where;
+  if (!where.ParseFromString(bytes)) return Corruption("its layout does not parse");
+  ReplicaLayout out;
+  for (const auto& t : where.tensors()) out.tensors.push_back({t.name(), t.slot_offset(), t.bytes()});
+  out.sums.chunk_bytes = where.checksum_chunk();
+  out.sums.first.assign(where.first_chunk().begin(), where.first_chunk().end());
+  out.sums.sums.assign(where.sums().begin(), where.sums().end());
+  out.run_id = where.run_id();
+  out.resumed_from = where.resumed_from();
+  out.image_offset = where.image_offset();
+  out.layout_fingerprint = where.layout_fingerprint();
+  return out;
+}
+
+}  // namespace flashckpt
