@@ -344,12 +344,9 @@ Status WriteExport(const std::string& dir, const CheckpointMetadata& meta, const
   return Status::OK();
 }
 
-}  // namespace
-
-Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options, ImportReport* report) {
-  ImportReport local;
-  if (report == nullptr) report = &local;
-  *report = ImportReport{};
+// The import's options checked, and its job new under an existing root (`job_dir`: its directory);
+// returns the checksum chunk.
+Result<uint64_t> CheckImport(const ImportOptions& options, const std::string& job_dir) {
   RETURN_IF_ERROR(ValidateJobName(options.job));
   if (options.step < 0 || options.step > kMaxStep) {
     return InvalidArgument("step must be 0 to " + std::to_string(kMaxStep) + ", got " + std::to_string(options.step));
@@ -359,7 +356,6 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
   RETURN_IF_ERROR(ValidateChecksumChunk(*chunk));
   ASSIGN_OR_RETURN(auto root_names, ListDirIfExists(options.root));
   if (!root_names) return NotFound("the root " + options.root + " does not exist");
-  const std::string job_dir = options.root + "/" + options.job;
   ASSIGN_OR_RETURN(auto job_names, ListDirIfExists(job_dir));
   for (const std::string& name : job_names.value_or(std::vector<std::string>{})) {
     if (name == "LATEST" || ParseCheckpointDirName(name)) {
@@ -367,24 +363,98 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
                            "): import starts a new job");
     }
   }
+  return *chunk;
+}
 
-  ASSIGN_OR_RETURN(auto sources, ReadHfDirectory(hf_dir, &report->source_files));
+// One rank's layout (1, 1, 1) of every source tensor as a model weight, named with the prefix;
+// `source_of` is set to where each comes from (by name in the checkpoint).
+Result<RankLayout> ImportLayout(const std::string& hf_dir, const ImportOptions& options, uint64_t chunk,
+                                const std::map<std::string, HfTensor>& sources,
+                                std::map<std::string, const HfTensor*>* source_of) {
   std::vector<TensorSpec> specs;
-  std::map<std::string, const HfTensor*> source_of;  // by name in the checkpoint
   for (const auto& [name, src] : sources) {
     TensorSpec spec;
     spec.name = options.add_prefix + name;
     spec.kind = TensorKind::kModel;
     spec.dtype = src.entry.dtype;
     spec.shape = src.entry.shape;
-    source_of[spec.name] = &src;
+    (*source_of)[spec.name] = &src;
     specs.push_back(std::move(spec));
   }
   LayoutExtras extras;
-  extras.checksum_chunk = *chunk;
+  extras.checksum_chunk = chunk;
   auto built = BuildRankLayout(options.job, 0, Topology{}, specs, extras);
   if (!built.ok()) return built.status().WithContext("importing " + hf_dir);
-  const RankLayout& layout = *built;
+  return built;
+}
+
+// Copies tensor `p` of `image` from `src` in the source file open as `in` (`in_path`) to its place
+// in the file `writer` writes, through `buffer`, and puts its checksums into the file's header `head`.
+Status CopyTensor(const Placement& p, const FileImage& image, const HfTensor& src, int in, const std::string& in_path,
+                  uint64_t chunk, std::vector<char>* buffer, FileWriter* writer, std::string* head) {
+  const uint64_t from = src.data_start + src.entry.begin, at = p.slot_offset - image.slot_offset;
+  // Pieces of whole checksum chunks (a tensor of one chunk has no per-chunk checksums).
+  const uint64_t piece = std::max(kCopyPiece, chunk) / chunk * chunk;
+  // Each byte is hashed once: for its chunk, and the whole checksum of a tensor of several
+  // chunks is computed from theirs (format version 2); a tensor of one chunk is hashed whole.
+  Xxh3Stream whole;
+  std::vector<uint64_t> chunk_sums;
+  for (uint64_t pos = 0; pos < p.bytes; pos += piece) {
+    const uint64_t n = std::min(piece, p.bytes - pos);
+    for (uint64_t got = 0; got < n;) {
+      const ssize_t r = ::pread(in, buffer->data() + got, n - got, static_cast<off_t>(from + pos + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return ErrnoStatus("pread", in_path);
+      if (r == 0) return Corruption(in_path + ": tensor '" + src.entry.name + "' ends past the end of the file");
+      got += static_cast<uint64_t>(r);
+    }
+    if (p.chunks_field != 0) {
+      for (uint64_t c = 0; c < n; c += p.checksum_chunk) {  // p.checksum_chunk == chunk here
+        const uint64_t k = (pos + c) / p.checksum_chunk;
+        chunk_sums.push_back(Xxh3(buffer->data() + c, std::min(p.checksum_chunk, n - c)));
+        PutDigits(head, p.chunks_field - image.slot_offset + k * kChecksumFieldWidth,
+                  ChecksumHex(chunk_sums.back()));
+      }
+    } else {
+      whole.Update(buffer->data(), n);
+    }
+    RETURN_IF_ERROR(writer->WriteAt(buffer->data(), n, at + pos));
+  }
+  const uint64_t whole_sum = p.chunks_field != 0
+                                 ? CombineChunkChecksums(chunk_sums.data(), chunk_sums.size(), p.bytes)
+                                 : whole.Digest();
+  PutDigits(head, p.checksum_field - image.slot_offset, ChecksumHex(whole_sum));
+  return Status::OK();
+}
+
+// The import's files are written (`names`, `file_bytes` in all): its directory synced, then its
+// saved_signal_0 and metadata.json, which complete it.
+Status CompleteImport(const std::string& dir, const ImportOptions& options, const std::vector<std::string>& names,
+                      uint64_t file_bytes) {
+  RETURN_IF_ERROR(FsyncDir(dir));
+  Signal signal;
+  signal.rank = 0;
+  signal.step = options.step;
+  signal.node = DefaultNodeName();  // the host that imported it
+  signal.world_size = 1;
+  signal.files = names;
+  RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(0), EncodeSignal(options.job, signal, file_bytes)));
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, names));
+  return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
+}
+
+}  // namespace
+
+Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options, ImportReport* report) {
+  ImportReport local;
+  if (report == nullptr) report = &local;
+  *report = ImportReport{};
+  const std::string job_dir = options.root + "/" + options.job;
+  ASSIGN_OR_RETURN(const uint64_t chunk, CheckImport(options, job_dir));
+
+  ASSIGN_OR_RETURN(auto sources, ReadHfDirectory(hf_dir, &report->source_files));
+  std::map<std::string, const HfTensor*> source_of;  // by name in the checkpoint
+  ASSIGN_OR_RETURN(const RankLayout layout, ImportLayout(hf_dir, options, chunk, sources, &source_of));
   uint64_t total = 0;
   for (const Placement& p : layout.placements) total += p.bytes;
 
@@ -394,7 +464,7 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
   report->checkpoint_dir = dir;
   auto write_all = [&]() -> Status {
     std::map<std::string, UniqueFd> inputs;
-    std::vector<char> buffer(std::max(kCopyPiece, *chunk));
+    std::vector<char> buffer(std::max(kCopyPiece, chunk));
     std::vector<std::string> names;
     uint64_t file_bytes = 0, done = 0;
     for (const FileImage& image : layout.files) {
@@ -413,38 +483,7 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
           ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(in_path));
           in = inputs.emplace(src.file, std::move(fd)).first;
         }
-        const uint64_t from = src.data_start + src.entry.begin, at = p.slot_offset - image.slot_offset;
-        // Pieces of whole checksum chunks (a tensor of one chunk has no per-chunk checksums).
-        const uint64_t piece = std::max(kCopyPiece, *chunk) / *chunk * *chunk;
-        // Each byte is hashed once: for its chunk, and the whole checksum of a tensor of several
-        // chunks is computed from theirs (format version 2); a tensor of one chunk is hashed whole.
-        Xxh3Stream whole;
-        std::vector<uint64_t> chunk_sums;
-        for (uint64_t pos = 0; pos < p.bytes; pos += piece) {
-          const uint64_t n = std::min(piece, p.bytes - pos);
-          for (uint64_t got = 0; got < n;) {
-            const ssize_t r = ::pread(in->second.get(), buffer.data() + got, n - got, static_cast<off_t>(from + pos + got));
-            if (r < 0 && errno == EINTR) continue;
-            if (r < 0) return ErrnoStatus("pread", in_path);
-            if (r == 0) return Corruption(in_path + ": tensor '" + src.entry.name + "' ends past the end of the file");
-            got += static_cast<uint64_t>(r);
-          }
-          if (p.chunks_field != 0) {
-            for (uint64_t c = 0; c < n; c += p.checksum_chunk) {  // p.checksum_chunk == *chunk here
-              const uint64_t k = (pos + c) / p.checksum_chunk;
-              chunk_sums.push_back(Xxh3(buffer.data() + c, std::min(p.checksum_chunk, n - c)));
-              PutDigits(&head, p.chunks_field - image.slot_offset + k * kChecksumFieldWidth,
-                        ChecksumHex(chunk_sums.back()));
-            }
-          } else {
-            whole.Update(buffer.data(), n);
-          }
-          RETURN_IF_ERROR(writer.WriteAt(buffer.data(), n, at + pos));
-        }
-        const uint64_t whole_sum = p.chunks_field != 0
-                                       ? CombineChunkChecksums(chunk_sums.data(), chunk_sums.size(), p.bytes)
-                                       : whole.Digest();
-        PutDigits(&head, p.checksum_field - image.slot_offset, ChecksumHex(whole_sum));
+        RETURN_IF_ERROR(CopyTensor(p, image, src, in->second.get(), in_path, chunk, &buffer, &writer, &head));
         done += p.bytes;
         ++report->tensors;
         if (options.progress) options.progress(done, total);
@@ -455,16 +494,7 @@ Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options,
       names.push_back(name);
       file_bytes += image.file_bytes();
     }
-    RETURN_IF_ERROR(FsyncDir(dir));
-    Signal signal;
-    signal.rank = 0;
-    signal.step = options.step;
-    signal.node = DefaultNodeName();  // the host that imported it
-    signal.world_size = 1;
-    signal.files = names;
-    RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(0), EncodeSignal(options.job, signal, file_bytes)));
-    ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, names));
-    RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta)));
+    RETURN_IF_ERROR(CompleteImport(dir, options, names, file_bytes));
     report->bytes = done;
     return WriteFileDurably(job_dir, "LATEST", std::to_string(options.step) + "\n");
   };

@@ -409,49 +409,53 @@ nlohmann::ordered_json SavedFilesJson(const std::vector<SavedFile>& files) {
   return out;
 }
 
-Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
-  auto j = json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return Corruption("metadata.json is not a JSON object");
-  CheckpointMetadata meta;
-  const std::string where = "metadata.json";
+namespace {
+
+// A u32 field of metadata.json: U64Field, then its range.
+Status U32Field(const json& obj, const char* key, const std::string& where, uint32_t* out) {
+  auto v = U64Field(obj, key, where);
+  if (!v.ok()) return v.status();
+  if (*v > 0xffffffffull) return Corruption(where + ": " + key + " out of range");
+  *out = static_cast<uint32_t>(*v);
+  return Status::OK();
+}
+
+// format_version, job, step, created, run_id, resumed_from and the topology.
+Status ParseHeaderFields(const json& j, const std::string& where, CheckpointMetadata* meta) {
   auto version = j.find("format_version");
   if (version == j.end() || !version->is_number_unsigned()) {
     return Corruption("metadata.json: format_version missing or not a number");
   }
-  ASSIGN_OR_RETURN(meta.format_version,
-                   ParseFormatVersion(std::to_string(version->get<uint64_t>()), where));
-  ASSIGN_OR_RETURN(meta.job, StringField(j, "job", where));
+  ASSIGN_OR_RETURN(meta->format_version, ParseFormatVersion(std::to_string(version->get<uint64_t>()), where));
+  ASSIGN_OR_RETURN(meta->job, StringField(j, "job", where));
   auto step = j.find("step");
   if (step == j.end() || !step->is_number_integer() || step->get<int64_t>() < 0) {
     return Corruption("metadata.json: step missing or negative");
   }
-  meta.step = step->get<int64_t>();
-  if (j.contains("created") && j["created"].is_string()) meta.created = j["created"].get<std::string>();
+  meta->step = step->get<int64_t>();
+  if (j.contains("created") && j["created"].is_string()) meta->created = j["created"].get<std::string>();
   if (auto run = j.find("run_id"); run != j.end()) {
     if (!run->is_string() || !ValidateRunId(run->get<std::string>()).ok()) {
       return Corruption("metadata.json: run_id is not a run id ([A-Za-z0-9._:-]{1,64})");
     }
-    meta.run_id = run->get<std::string>();
+    meta->run_id = run->get<std::string>();
   }
   if (auto from = j.find("resumed_from"); from != j.end()) {
     if (!from->is_number_integer() || from->get<int64_t>() < 0) {
       return Corruption("metadata.json: resumed_from is not a non-negative integer");
     }
-    meta.resumed_from = from->get<int64_t>();
+    meta->resumed_from = from->get<int64_t>();
   }
   auto topo = j.find("topology");
   if (topo == j.end() || !topo->is_object()) return Corruption("metadata.json: no topology object");
-  auto u32 = [&](const json& obj, const char* key, uint32_t* out) -> Status {
-    auto v = U64Field(obj, key, where);
-    if (!v.ok()) return v.status();
-    if (*v > 0xffffffffull) return Corruption(where + ": " + key + " out of range");
-    *out = static_cast<uint32_t>(*v);
-    return Status::OK();
-  };
-  RETURN_IF_ERROR(u32(*topo, "world_size", &meta.topology.world_size));
-  RETURN_IF_ERROR(u32(*topo, "tp_degree", &meta.topology.tp_degree));
-  RETURN_IF_ERROR(u32(*topo, "pp_degree", &meta.topology.pp_degree));
-  RETURN_IF_ERROR(u32(*topo, "shard_degree", &meta.topology.shard_degree));
+  RETURN_IF_ERROR(U32Field(*topo, "world_size", where, &meta->topology.world_size));
+  RETURN_IF_ERROR(U32Field(*topo, "tp_degree", where, &meta->topology.tp_degree));
+  RETURN_IF_ERROR(U32Field(*topo, "pp_degree", where, &meta->topology.pp_degree));
+  RETURN_IF_ERROR(U32Field(*topo, "shard_degree", where, &meta->topology.shard_degree));
+  return Status::OK();
+}
+
+Status ParseFiles(const json& j, const std::string& where, std::vector<SavedFile>* out) {
   auto files = j.find("files");
   if (files == j.end() || !files->is_array()) return Corruption("metadata.json: no files array");
   for (const auto& f : *files) {
@@ -463,94 +467,121 @@ Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
         sf.name == ".." || sf.name == ".") {
       return Corruption("metadata.json: file name '" + sf.name + "' is not a plain name");
     }
-    RETURN_IF_ERROR(u32(f, "rank", &sf.rank));
-    RETURN_IF_ERROR(u32(f, "tp_rank", &sf.tp_rank));
-    RETURN_IF_ERROR(u32(f, "pp_rank", &sf.pp_rank));
-    RETURN_IF_ERROR(u32(f, "shard_rank", &sf.shard_rank));
+    RETURN_IF_ERROR(U32Field(f, "rank", where, &sf.rank));
+    RETURN_IF_ERROR(U32Field(f, "tp_rank", where, &sf.tp_rank));
+    RETURN_IF_ERROR(U32Field(f, "pp_rank", where, &sf.pp_rank));
+    RETURN_IF_ERROR(U32Field(f, "shard_rank", where, &sf.shard_rank));
     ASSIGN_OR_RETURN(sf.bytes, U64Field(f, "bytes", where));
     if (sf.bytes > kMaxCheckpointFileBytes) return Corruption("metadata.json: file '" + sf.name + "' is too large");
-    meta.files.push_back(std::move(sf));
+    out->push_back(std::move(sf));
   }
+  return Status::OK();
+}
+
+// One piece of tensor `tensor`, checked against the files already parsed and the format version.
+Result<Piece> ParsePiece(const json& pj, const std::string& tensor, const CheckpointMetadata& meta) {
+  std::string pw = "metadata.json: tensor '" + tensor + "'";
+  if (!pj.is_object()) return Corruption(pw + ": a piece is not an object");
+  Piece p;
+  p.key = tensor;
+  ASSIGN_OR_RETURN(p.file, StringField(pj, "file", pw));
+  auto file = std::find_if(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == p.file; });
+  if (file == meta.files.end()) {
+    return Corruption(pw + ": piece names file '" + p.file + "' that is not in the files list");
+  }
+  ASSIGN_OR_RETURN(std::string kind, StringField(pj, "kind", pw));
+  auto k = ParseTensorKind(kind);
+  if (!k) return Corruption(pw + ": unknown kind '" + kind + "'");
+  p.kind = *k;
+  ASSIGN_OR_RETURN(std::string dtype, StringField(pj, "dtype", pw));
+  auto dt = ParseDType(dtype);
+  if (!dt) return Corruption(pw + ": unknown dtype '" + dtype + "'");
+  p.dtype = *dt;
+  auto arr = [&](const char* key, std::vector<uint64_t>* out) -> Status {
+    auto f = pj.find(key);
+    if (f == pj.end()) return Corruption(pw + ": no " + key);
+    auto v = U64Array(*f, pw + " " + key);
+    if (!v.ok()) return v.status();
+    *out = std::move(v).value();
+    return Status::OK();
+  };
+  RETURN_IF_ERROR(arr("shape", &p.shape));
+  RETURN_IF_ERROR(arr("global_shape", &p.global_shape));
+  RETURN_IF_ERROR(arr("box_offset", &p.box_offset));
+  RETURN_IF_ERROR(arr("box_shape", &p.box_shape));
+  std::vector<uint64_t> offsets;
+  RETURN_IF_ERROR(arr("offsets", &offsets));
+  if (offsets.size() != 2 || offsets[0] > offsets[1]) return Corruption(pw + ": offsets are not [begin, end]");
+  p.begin = offsets[0];
+  p.end = offsets[1];
+  if (p.end > file->bytes) return Corruption(pw + ": offsets lie beyond the end of file '" + p.file + "'");
+  auto bytes = TensorBytes(p.dtype, p.shape);
+  if (!bytes.ok() || *bytes != p.end - p.begin) return Corruption(pw + ": offsets do not match dtype and shape");
+  if (pj.contains("flat_range")) {
+    std::vector<uint64_t> r;
+    RETURN_IF_ERROR(arr("flat_range", &r));
+    if (r.size() != 2 || r[0] > r[1]) return Corruption(pw + ": flat_range is not [begin, end]");
+    p.flat_range = FlatRange{r[0], r[1]};
+  }
+  ASSIGN_OR_RETURN(std::string ck, StringField(pj, "xxh3", pw));
+  auto parsed = ParseChecksumHex(ck);
+  if (!parsed) return Corruption(pw + ": xxh3 is not 16 hex digits");
+  p.xxh3 = *parsed;
+  if (pj.contains("chunk_bytes") || pj.contains("xxh3_chunks")) {
+    ASSIGN_OR_RETURN(uint64_t chunk, U64Field(pj, "chunk_bytes", pw));
+    ASSIGN_OR_RETURN(std::string hex, StringField(pj, "xxh3_chunks", pw));
+    RETURN_IF_ERROR(ParseChunkChecksums(hex, chunk, &p).WithContext("metadata.json"));
+  }
+  RETURN_IF_ERROR(ApplyChecksumRule(meta.format_version, &p).WithContext("metadata.json"));
+  RETURN_IF_ERROR(CheckPieceGeometry(p));
+  RETURN_IF_ERROR(CheckPieceShape(p).WithContext("metadata.json"));
+  return p;
+}
+
+// The tensors object: every piece of every tensor, into meta->pieces (the files parsed before).
+Status ParseTensors(const json& j, CheckpointMetadata* meta) {
   auto tensors = j.find("tensors");
   if (tensors == j.end() || !tensors->is_object()) return Corruption("metadata.json: no tensors object");
   for (auto it = tensors->begin(); it != tensors->end(); ++it) {
     if (!it.value().is_array()) return Corruption("metadata.json: tensor '" + it.key() + "' is not a list of pieces");
     for (const auto& pj : it.value()) {
-      std::string pw = "metadata.json: tensor '" + it.key() + "'";
-      if (!pj.is_object()) return Corruption(pw + ": a piece is not an object");
-      Piece p;
-      p.key = it.key();
-      ASSIGN_OR_RETURN(p.file, StringField(pj, "file", pw));
-      auto file =
-          std::find_if(meta.files.begin(), meta.files.end(), [&](const SavedFile& f) { return f.name == p.file; });
-      if (file == meta.files.end()) {
-        return Corruption(pw + ": piece names file '" + p.file + "' that is not in the files list");
-      }
-      ASSIGN_OR_RETURN(std::string kind, StringField(pj, "kind", pw));
-      auto k = ParseTensorKind(kind);
-      if (!k) return Corruption(pw + ": unknown kind '" + kind + "'");
-      p.kind = *k;
-      ASSIGN_OR_RETURN(std::string dtype, StringField(pj, "dtype", pw));
-      auto dt = ParseDType(dtype);
-      if (!dt) return Corruption(pw + ": unknown dtype '" + dtype + "'");
-      p.dtype = *dt;
-      auto arr = [&](const char* key, std::vector<uint64_t>* out) -> Status {
-        auto f = pj.find(key);
-        if (f == pj.end()) return Corruption(pw + ": no " + key);
-        auto v = U64Array(*f, pw + " " + key);
-        if (!v.ok()) return v.status();
-        *out = std::move(v).value();
-        return Status::OK();
-      };
-      RETURN_IF_ERROR(arr("shape", &p.shape));
-      RETURN_IF_ERROR(arr("global_shape", &p.global_shape));
-      RETURN_IF_ERROR(arr("box_offset", &p.box_offset));
-      RETURN_IF_ERROR(arr("box_shape", &p.box_shape));
-      std::vector<uint64_t> offsets;
-      RETURN_IF_ERROR(arr("offsets", &offsets));
-      if (offsets.size() != 2 || offsets[0] > offsets[1]) return Corruption(pw + ": offsets are not [begin, end]");
-      p.begin = offsets[0];
-      p.end = offsets[1];
-      if (p.end > file->bytes) return Corruption(pw + ": offsets lie beyond the end of file '" + p.file + "'");
-      auto bytes = TensorBytes(p.dtype, p.shape);
-      if (!bytes.ok() || *bytes != p.end - p.begin) return Corruption(pw + ": offsets do not match dtype and shape");
-      if (pj.contains("flat_range")) {
-        std::vector<uint64_t> r;
-        RETURN_IF_ERROR(arr("flat_range", &r));
-        if (r.size() != 2 || r[0] > r[1]) return Corruption(pw + ": flat_range is not [begin, end]");
-        p.flat_range = FlatRange{r[0], r[1]};
-      }
-      ASSIGN_OR_RETURN(std::string ck, StringField(pj, "xxh3", pw));
-      auto parsed = ParseChecksumHex(ck);
-      if (!parsed) return Corruption(pw + ": xxh3 is not 16 hex digits");
-      p.xxh3 = *parsed;
-      if (pj.contains("chunk_bytes") || pj.contains("xxh3_chunks")) {
-        ASSIGN_OR_RETURN(uint64_t chunk, U64Field(pj, "chunk_bytes", pw));
-        ASSIGN_OR_RETURN(std::string hex, StringField(pj, "xxh3_chunks", pw));
-        RETURN_IF_ERROR(ParseChunkChecksums(hex, chunk, &p).WithContext("metadata.json"));
-      }
-      RETURN_IF_ERROR(ApplyChecksumRule(meta.format_version, &p).WithContext("metadata.json"));
-      RETURN_IF_ERROR(CheckPieceGeometry(p));
-      RETURN_IF_ERROR(CheckPieceShape(p).WithContext("metadata.json"));
-      meta.pieces.push_back(std::move(p));
+      ASSIGN_OR_RETURN(Piece p, ParsePiece(pj, it.key(), *meta));
+      meta->pieces.push_back(std::move(p));
     }
   }
+  return Status::OK();
+}
+
+Result<EmaRecord> ParseEmaRecord(const json& ema, const std::string& where) {
+  if (!ema.is_object()) return Corruption("metadata.json: ema is not an object");
+  EmaRecord r;
+  auto d = ema.find("decay");
+  if (d == ema.end() || !d->is_number()) return Corruption("metadata.json: ema.decay missing");
+  r.decay = d->get<double>();
+  RETURN_IF_ERROR(U32Field(ema, "interval", where, &r.interval));
+  ASSIGN_OR_RETURN(r.init, StringField(ema, "init", where));
+  ASSIGN_OR_RETURN(r.model_params, StringField(ema, "model_params", where));
+  ASSIGN_OR_RETURN(r.updates_applied, U64Field(ema, "updates_applied", where));
+  ASSIGN_OR_RETURN(r.updates_skipped, U64Field(ema, "updates_skipped", where));
+  auto last = ema.find("last_step");
+  if (last == ema.end() || !last->is_number_integer()) return Corruption("metadata.json: ema.last_step missing");
+  r.last_step = last->get<int64_t>();
+  if (auto t = ema.find("loss_threshold"); t != ema.end() && t->is_number()) r.loss_threshold = t->get<double>();
+  return r;
+}
+
+}  // namespace
+
+Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
+  auto j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return Corruption("metadata.json is not a JSON object");
+  CheckpointMetadata meta;
+  const std::string where = "metadata.json";
+  RETURN_IF_ERROR(ParseHeaderFields(j, where, &meta));
+  RETURN_IF_ERROR(ParseFiles(j, where, &meta.files));
+  RETURN_IF_ERROR(ParseTensors(j, &meta));
   if (auto ema = j.find("ema"); ema != j.end()) {
-    if (!ema->is_object()) return Corruption("metadata.json: ema is not an object");
-    EmaRecord r;
-    auto d = ema->find("decay");
-    if (d == ema->end() || !d->is_number()) return Corruption("metadata.json: ema.decay missing");
-    r.decay = d->get<double>();
-    RETURN_IF_ERROR(u32(*ema, "interval", &r.interval));
-    ASSIGN_OR_RETURN(r.init, StringField(*ema, "init", where));
-    ASSIGN_OR_RETURN(r.model_params, StringField(*ema, "model_params", where));
-    ASSIGN_OR_RETURN(r.updates_applied, U64Field(*ema, "updates_applied", where));
-    ASSIGN_OR_RETURN(r.updates_skipped, U64Field(*ema, "updates_skipped", where));
-    auto last = ema->find("last_step");
-    if (last == ema->end() || !last->is_number_integer()) return Corruption("metadata.json: ema.last_step missing");
-    r.last_step = last->get<int64_t>();
-    if (auto t = ema->find("loss_threshold"); t != ema->end() && t->is_number()) r.loss_threshold = t->get<double>();
-    meta.ema = r;
+    ASSIGN_OR_RETURN(meta.ema, ParseEmaRecord(*ema, where));
   }
   return meta;
 }

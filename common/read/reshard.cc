@@ -147,6 +147,53 @@ void AppendMerged(std::vector<ReadRun>* runs, const ReadRun& run) {
   runs->push_back(run);
 }
 
+// Covers what it can of the wanted row segment, columns [j0, j1) of the row whose leading
+// coordinates are `row` (local element `dest0` at j0), from candidate `c`: appends the reads to
+// `runs` and takes what they cover out of `uncovered` (`next` is scratch).
+void CoverFromPiece(const Candidate& c, const std::vector<uint64_t>& row, uint64_t j0, uint64_t j1, uint64_t dest0,
+                    uint64_t elem, std::vector<Interval>* uncovered, std::vector<Interval>* next,
+                    std::vector<ReadRun>* runs) {
+  const size_t last = row.size();
+  const Region& pr = c.region;
+  uint64_t prow = 0;  // row of the piece's box holding this row
+  bool holds = true;
+  for (size_t d = 0; d < last; ++d) {
+    if (row[d] < pr.offset[d] || row[d] >= pr.offset[d] + pr.shape[d]) {
+      holds = false;
+      break;
+    }
+    prow += (row[d] - pr.offset[d]) * c.row_stride[d];
+  }
+  if (!holds) return;
+  const uint64_t poff = pr.offset[last];
+  const uint64_t pwidth = pr.shape[last];
+  uint64_t a = std::max(j0, poff);
+  uint64_t b = std::min(j1, poff + pwidth);
+  if (a >= b) return;
+  // Box-flat indices of columns a and b in the piece, clipped to its flat range.
+  const uint64_t row_start = prow * pwidth;
+  const uint64_t fa = std::max(row_start + (a - poff), pr.flat_begin);
+  const uint64_t fb = std::min(row_start + (b - poff), pr.flat_end);
+  if (fa >= fb) return;
+  a = poff + (fa - row_start);
+  b = poff + (fb - row_start);
+
+  next->clear();
+  for (const Interval& u : *uncovered) {
+    const uint64_t x = std::max(u.lo, a);
+    const uint64_t y = std::min(u.hi, b);
+    if (x >= y) {
+      next->push_back(u);
+      continue;
+    }
+    const uint64_t local = row_start + (x - poff) - pr.flat_begin;
+    runs->push_back(ReadRun{c.index, c.begin + local * elem, (dest0 + (x - j0)) * elem, (y - x) * elem});
+    if (u.lo < x) next->push_back(Interval{u.lo, x});
+    if (y < u.hi) next->push_back(Interval{y, u.hi});
+  }
+  uncovered->swap(*next);
+}
+
 }  // namespace
 
 Result<ReshardPlan> PlanPieceReads(const TensorSpec& want_in, const std::vector<const Piece*>& saved) {
@@ -191,44 +238,7 @@ Result<ReshardPlan> PlanPieceReads(const TensorSpec& want_in, const std::vector<
     uncovered.assign(1, Interval{j0, j1});
     segment_runs.clear();
     for (const Candidate& c : candidates) {
-      const Region& pr = c.region;
-      uint64_t prow = 0;  // row of the piece's box holding this row
-      bool holds = true;
-      for (size_t d = 0; d < last; ++d) {
-        if (row[d] < pr.offset[d] || row[d] >= pr.offset[d] + pr.shape[d]) {
-          holds = false;
-          break;
-        }
-        prow += (row[d] - pr.offset[d]) * c.row_stride[d];
-      }
-      if (!holds) continue;
-      const uint64_t poff = pr.offset[last];
-      const uint64_t pwidth = pr.shape[last];
-      uint64_t a = std::max(j0, poff);
-      uint64_t b = std::min(j1, poff + pwidth);
-      if (a >= b) continue;
-      // Box-flat indices of columns a and b in the piece, clipped to its flat range.
-      const uint64_t row_start = prow * pwidth;
-      const uint64_t fa = std::max(row_start + (a - poff), pr.flat_begin);
-      const uint64_t fb = std::min(row_start + (b - poff), pr.flat_end);
-      if (fa >= fb) continue;
-      a = poff + (fa - row_start);
-      b = poff + (fb - row_start);
-
-      next.clear();
-      for (const Interval& u : uncovered) {
-        const uint64_t x = std::max(u.lo, a);
-        const uint64_t y = std::min(u.hi, b);
-        if (x >= y) {
-          next.push_back(u);
-          continue;
-        }
-        const uint64_t local = row_start + (x - poff) - pr.flat_begin;
-        segment_runs.push_back(ReadRun{c.index, c.begin + local * elem, (dest0 + (x - j0)) * elem, (y - x) * elem});
-        if (u.lo < x) next.push_back(Interval{u.lo, x});
-        if (y < u.hi) next.push_back(Interval{y, u.hi});
-      }
-      uncovered.swap(next);
+      CoverFromPiece(c, row, j0, j1, dest0, elem, &uncovered, &next, &segment_runs);
       if (uncovered.empty()) break;
     }
     if (!uncovered.empty()) {

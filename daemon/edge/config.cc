@@ -242,20 +242,38 @@ ReplicaListenConfig ReplicaListenConfigOf(const DaemonConfig& config) {
   return c;
 }
 
-Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
-  DaemonConfig config;
+namespace {
+
+// The flags CLI11 parses into text or plain seconds: checked and converted into DaemonConfig after
+// the parse (CLI11 writes into these while it parses, so they live as long as the CLI::App).
+struct RawFlags {
+  bool check_config = false;
   std::string budget;
-  CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
+  std::string chunk;
+  std::string rank_bytes;
+  std::string shm_group;
+  std::string max_rate;
+  std::string per_peer;
+  uint32_t idle_release_s = 0;
+  uint32_t sweep_s = 0;
+  uint32_t lease_s = 0;
+};
+
+// --config, --check-config and --version: how the flags are read, and what to do instead of starting.
+void AddConfigFileFlags(CLI::App& app, RawFlags& raw) {
   // CLI11's reader: TOML-style `key = value` lines; an unknown key (or a key under a [section]) is refused.
   app.set_config("--config", "",
                  "Read flags from a file of `key = value` lines (TOML style): keys are the long flag names, # starts "
                  "a comment, a repeatable flag takes a list (allow-uid = [1000, 1001]), a value may be quoted");
   app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error, not ignored
-  bool check_config = false;
-  app.add_flag("--check-config", check_config,
+  app.add_flag("--check-config", raw.check_config,
                "Check the flags and the --config file (every key known, every value valid), print 'config ok' and "
                "the effective settings in the config file's syntax, and exit 0 (2 on an error) without starting");
   app.set_version_flag("--version", [] { return "flashckptd " + std::string(kVersion) + " (" + CudaInfoText(GetCudaInfo()) + ")"; });
+}
+
+// Where the daemon serves and writes, what it calls itself, and the shared memory it holds.
+void AddStorageFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
   app.add_option("--socket", config.socket_path, "UNIX socket to serve gRPC on")->required();
   app.add_option("--root", config.root, "Directory checkpoints are written under")->required();
   app.add_option("--state-dir", config.state_dir,
@@ -266,8 +284,12 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "by flashckpt status, list and inspect, so an operator sees which node wrote or lags "
                  "(default: the host name)");
   app.add_option("--slots", config.slots, "Snapshot slots per rank")->check(CLI::Range(1, 64))->capture_default_str();
-  app.add_option("--max-host-memory", budget,
+  app.add_option("--max-host-memory", raw.budget,
                  "Shared-memory budget for all segments, e.g. 64GiB (default: half of RAM)");
+}
+
+// The writer and reader threads, retention, and the checksum granularity of what they write.
+void AddWriterFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
   app.add_option("--writer-threads", config.writer_threads, "Threads persisting snapshots")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
@@ -280,13 +302,19 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--restore-threads", config.restore_threads, "Reader threads of one restore")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  std::string chunk;
-  app.add_option("--checksum-chunk", chunk,
+  app.add_option("--checksum-chunk", raw.chunk,
                  "Tensors record an xxh3 per chunk of this size (power of two, 4KiB..1GiB), so a restore "
                  "into another layout reads and verifies only the chunks it needs (default: 1MiB)");
+}
+
+void AddLogFlags(CLI::App& app, DaemonConfig& config) {
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error")->capture_default_str();
   app.add_option("--log-file", config.log_file,
                  "Append the log to this file instead of stderr (reopened only at start: rotate with copytruncate)");
+}
+
+// Timing: the stop at SIGTERM, when idle jobs are released, the sweep of incomplete steps, leases.
+void AddTimingFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
   app.add_option("--stop-timeout", config.stop_timeout_s,
                  "Seconds from SIGTERM to exit: writes in flight finish until then, the rest is left for the next "
                  "daemon to adopt")
@@ -296,33 +324,40 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                "At SIGTERM, also write (within --stop-timeout) each job's newest memory checkpoint that every rank "
                "of it here holds, when the disk has no complete checkpoint as new (default: on; "
                "--persist-on-stop=false or --no-persist-on-stop turns it off)");
-  uint32_t idle_release_s = static_cast<uint32_t>(config.idle_release.count());
-  app.add_option("--idle-release", idle_release_s,
+  raw.idle_release_s = static_cast<uint32_t>(config.idle_release.count());
+  app.add_option("--idle-release", raw.idle_release_s,
                  "Seconds after the last rank of a job disconnected, with nothing of it left to write, until the "
                  "daemon gives the job's shared memory back and forgets it (0: never; flashckpt release --job J "
                  "does it at once)")
       ->check(CLI::Range(0u, 30u * 86400u))
       ->capture_default_str();
-  uint32_t sweep_s = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(config.sweep_interval).count());
-  app.add_option("--sweep-interval", sweep_s,
+  raw.sweep_s = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(config.sweep_interval).count());
+  app.add_option("--sweep-interval", raw.sweep_s,
                  "Seconds between re-checks of the newest incomplete steps of the daemon's jobs: a step whose "
                  "signals are all there (written by the daemons of several nodes on a shared root, or seen late) "
                  "completes within this time (0: never)")
       ->check(CLI::Range(0u, 3600u))
       ->capture_default_str();
-  uint32_t lease_s = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(config.lease_ttl).count());
-  app.add_option("--lease-ttl", lease_s,
+  raw.lease_s = static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::seconds>(config.lease_ttl).count());
+  app.add_option("--lease-ttl", raw.lease_s,
                  "Seconds a lease in the root lives unless refreshed: a step being restored or written holds one, "
                  "and no daemon on the root deletes a step with a live lease; a lease of a daemon that died "
                  "expires after this (0: no leases)")
       ->check(CLI::Range(0u, 86400u))
       ->capture_default_str();
+}
+
+// Who may use the socket and map the segments.
+void AddAccessFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
   app.add_option("--allow-uid", config.allow_uids, "Also accept socket peers with this uid (repeatable)");
   app.add_option("--allow-gid", config.allow_gids, "Also accept socket peers with this gid (repeatable)");
-  std::string shm_group;
-  app.add_option("--shm-group", shm_group,
+  app.add_option("--shm-group", raw.shm_group,
                  "Create slot segments 0660 and give them to this group (name or gid), so trainers running as "
                  "other users in it can map them (default: none: segments 0600, the daemon's user only)");
+}
+
+// The TCP listener and its TLS.
+void AddNetworkFlags(CLI::App& app, DaemonConfig& config) {
   app.add_option("--listen", config.listen,
                  "Also serve gRPC on TCP HOST:PORT (PORT alone: 127.0.0.1); read-only (status, list) unless "
                  "--tcp-allow-writes");
@@ -333,16 +368,26 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
   app.add_option("--tls-cert", config.tls_cert,
                  "PEM certificate (chain) for TLS on the --listen port; needs --tls-key");
   app.add_option("--tls-key", config.tls_key, "PEM private key of --tls-cert");
+}
+
+// What one rank may register.
+void AddRankLimitFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
   app.add_option("--max-tensors-per-rank", config.max_tensors_per_rank,
                  "Most tensors one rank may register; more is refused with INVALID_ARGUMENT")
       ->check(CLI::Range(uint32_t{1}, static_cast<uint32_t>(kMaxTensorsPerRank)))
       ->capture_default_str();
-  std::string rank_bytes;
-  app.add_option("--max-rank-bytes", rank_bytes,
+  app.add_option("--max-rank-bytes", raw.rank_bytes,
                  "Most bytes of tensors one rank may register, e.g. 16GiB; more is refused with "
                  "RESOURCE_EXHAUSTED (default 0: only --max-host-memory)");
+}
+
+void AddMetricsFlags(CLI::App& app, DaemonConfig& config) {
   app.add_option("--metrics-listen", config.metrics_listen,
                  "Serve Prometheus metrics over HTTP at HOST:PORT/metrics (PORT alone: 127.0.0.1); off when unset");
+}
+
+// The replica channel: holding peers' replicas, sending ours, its mutual TLS and its limits.
+void AddReplicaFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
   app.add_option("--replica-listen", config.replica_listen,
                  "Hold peers' replicas of their memory checkpoints, served on HOST:PORT (PORT alone: 127.0.0.1; "
                  "another host's address needs the --replica-tls-* files); off when unset");
@@ -360,14 +405,17 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
                  "Send each memory checkpoint of this node's ranks to the replica listener of the peer daemon at "
                  "HOST:PORT (repeatable: one copy per peer; another host's address needs the --replica-tls-* "
                  "files, whose certificate is then this daemon's client certificate)");
-  std::string max_rate;
-  app.add_option("--replicate-max-rate", max_rate,
+  app.add_option("--replicate-max-rate", raw.max_rate,
                  "Bytes per second each --replicate-to peer is sent at most, e.g. 500MiB (default 0: no cap)");
-  std::string per_peer;
-  app.add_option("--replica-max-bytes-per-peer", per_peer,
+  app.add_option("--replica-max-bytes-per-peer", raw.per_peer,
                  "Most bytes the replicas of one peer (one certificate name; without TLS one node name) may take "
                  "under --replica-listen, e.g. 16GiB; a push over it evicts that peer's oldest replica (default 0: "
                  "only --max-host-memory bounds them)");
+}
+
+// Runs CLI11 over argv. --help and --version print and give kCancelled; a bad flag or config file
+// prints CLI11's message (or, for an unknown config key, one that says so) and gives InvalidArgument.
+Status ParseArgs(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -387,9 +435,15 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
     app.exit(e);
     return InvalidArgument(e.what());
   }
-  config.idle_release = std::chrono::seconds(idle_release_s);
-  config.sweep_interval = std::chrono::seconds(sweep_s);
-  config.lease_ttl = std::chrono::seconds(lease_s);
+  return Status::OK();
+}
+
+// After the parse: the raw values converted into `config` and everything checked; an error is
+// printed on stderr as well as returned.
+Status ApplyRawFlags(const RawFlags& raw, DaemonConfig& config) {
+  config.idle_release = std::chrono::seconds(raw.idle_release_s);
+  config.sweep_interval = std::chrono::seconds(raw.sweep_s);
+  config.lease_ttl = std::chrono::seconds(raw.lease_s);
   // A size flag other than those Finish reads (an empty text leaves `out` as it is).
   auto size_flag = [](const std::string& text, const std::string& flag, const char* example, uint64_t* out) {
     if (text.empty()) return Status::OK();
@@ -402,13 +456,35 @@ Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
     *out = *bytes;
     return Status::OK();
   };
-  RETURN_IF_ERROR(size_flag(max_rate, "--replicate-max-rate", "500MiB", &config.replicate_max_rate));
-  RETURN_IF_ERROR(size_flag(per_peer, "--replica-max-bytes-per-peer", "16GiB", &config.replica_max_bytes_per_peer));
-  if (Status s = Finish(config, budget, chunk, rank_bytes, shm_group); !s.ok()) {
+  RETURN_IF_ERROR(size_flag(raw.max_rate, "--replicate-max-rate", "500MiB", &config.replicate_max_rate));
+  RETURN_IF_ERROR(size_flag(raw.per_peer, "--replica-max-bytes-per-peer", "16GiB", &config.replica_max_bytes_per_peer));
+  if (Status s = Finish(config, raw.budget, raw.chunk, raw.rank_bytes, raw.shm_group); !s.ok()) {
     std::cerr << "flashckptd: " << s.message() << "\n";  // as CLI11 prints its own errors
     return s;
   }
-  if (check_config) {
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<DaemonConfig> ParseDaemonFlags(int argc, char** argv) {
+  DaemonConfig config;
+  RawFlags raw;
+  CLI::App app{"flashckptd: per-node asynchronous checkpoint daemon"};
+  // Registered in the order --help lists them.
+  AddConfigFileFlags(app, raw);
+  AddStorageFlags(app, config, raw);
+  AddWriterFlags(app, config, raw);
+  AddLogFlags(app, config);
+  AddTimingFlags(app, config, raw);
+  AddAccessFlags(app, config, raw);
+  AddNetworkFlags(app, config);
+  AddRankLimitFlags(app, config, raw);
+  AddMetricsFlags(app, config);
+  AddReplicaFlags(app, config, raw);
+  RETURN_IF_ERROR(ParseArgs(app, argc, argv));
+  RETURN_IF_ERROR(ApplyRawFlags(raw, config));
+  if (raw.check_config) {
     std::cout << "config ok\n" << FormatDaemonConfig(config);
     return Cancelled("config checked");
   }

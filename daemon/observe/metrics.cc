@@ -35,6 +35,103 @@ std::string Number(double v) {
 
 std::string JobLabel(const std::string& job) { return "job=\"" + Escape(job) + "\""; }
 
+// The daemon itself: its build, CUDA, uptime and host memory.
+void RenderDaemonGauges(const DaemonStatus& status, std::string* out) {
+  MetricHeader(out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
+  MetricSample(out, "flashckpt_build_info", "version=\"" + Escape(status.version) + "\"", 1);
+  MetricHeader(out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
+  MetricSample(out, "flashckpt_cuda_compiled", "", status.cuda_compiled ? 1 : 0);
+  MetricHeader(out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
+  MetricSample(out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
+  MetricHeader(out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
+  MetricSample(out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
+  MetricHeader(out, "flashckpt_host_memory_used_bytes", "gauge", "Host memory held by registered ranks' segments and by replicas held for peers (--replica-listen).");
+  MetricSample(out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
+  MetricHeader(out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
+  MetricSample(out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));
+}
+
+// The --replicate-to peers: one series per peer of each.
+void RenderReplicaPeerMetrics(const std::vector<ReplicaPeerStatus>& peers, std::string* out) {
+  struct PeerMetric {
+    const char* name;
+    const char* type;
+    const char* help;
+    double (*value)(const ReplicaPeerStatus&);
+  };
+  static const PeerMetric kPeerMetrics[] = {
+      {"flashckpt_replica_lag_steps", "gauge",
+       "Newest memory checkpoint step of this node's ranks minus the newest the peer acknowledged (most over the ranks).",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.lag_steps); }},
+      {"flashckpt_replicas_sent_total", "counter", "Replicas the peer acknowledged.",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.pushed); }},
+      {"flashckpt_replica_sent_bytes_total", "counter", "Bytes of the replicas the peer acknowledged.",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.bytes); }},
+      {"flashckpt_replica_sends_failed_total", "counter", "Pushes to the peer that failed or were cancelled.",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.failed); }},
+      {"flashckpt_replica_send_queue", "gauge", "Memory checkpoints waiting for the peer (at most one per rank).",
+       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.queued); }},
+      {"flashckpt_replica_send_bytes_per_second", "gauge", "Rate of the last push the peer acknowledged.",
+       [](const ReplicaPeerStatus& p) { return p.last_gbps * 1e9; }},
+  };
+  if (!peers.empty()) {
+    for (const PeerMetric& m : kPeerMetrics) {
+      MetricHeader(out, m.name, m.type, m.help);
+      for (const ReplicaPeerStatus& peer : peers) {
+        MetricSample(out, m.name, "peer=\"" + Escape(peer.target) + "\"", m.value(peer));
+      }
+    }
+  }
+}
+
+// Gauges from the status snapshot.
+void RenderJobGauges(const DaemonStatus& status, std::string* out) {
+  double oldest = 0;
+  for (const auto& job : status.jobs) {
+    for (const auto& rank : job.ranks) oldest = std::max(oldest, rank.oldest_write_seconds);
+  }
+  MetricHeader(out, "flashckpt_oldest_write_seconds", "gauge",
+         "Age of the oldest persist being written (0: none); one that keeps growing means a slow or stuck disk.");
+  MetricSample(out, "flashckpt_oldest_write_seconds", "", oldest);
+  MetricHeader(out, "flashckpt_oldest_filling_seconds", "gauge",
+         "Per job, how long its oldest slot has been filling since BeginSnapshot (0: none); one that keeps growing "
+         "is a trainer stopped between BeginSnapshot and Commit.");
+  for (const auto& job : status.jobs) {
+    double filling = 0;
+    for (const auto& rank : job.ranks) {
+      for (const auto& slot : rank.slots) filling = std::max(filling, slot.filling_seconds);
+    }
+    MetricSample(out, "flashckpt_oldest_filling_seconds", JobLabel(job.job), filling);
+  }
+  MetricHeader(out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
+  for (const auto& job : status.jobs) {
+    MetricSample(out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));
+  }
+  MetricHeader(out, "flashckpt_last_committed_step", "gauge", "Newest step any rank of the job committed here (-1: none).");
+  for (const auto& job : status.jobs) {
+    int64_t last = -1;
+    for (const auto& rank : job.ranks) last = std::max(last, rank.last_committed_step);
+    MetricSample(out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
+  }
+  MetricHeader(out, "flashckpt_memory_checkpoint_step", "gauge",
+         "The oldest of the newest memory checkpoints the job's ranks keep here (-1: a rank keeps none).");
+  for (const auto& job : status.jobs) {
+    int64_t common = job.ranks.empty() ? -1 : std::numeric_limits<int64_t>::max();
+    for (const auto& rank : job.ranks) common = std::min(common, rank.memory_step);
+    MetricSample(out, "flashckpt_memory_checkpoint_step", JobLabel(job.job), static_cast<double>(std::max<int64_t>(common, -1)));
+  }
+  MetricHeader(out, "flashckpt_memory_checkpoint_bytes", "gauge", "Bytes of the slots keeping the job's memory checkpoints.");
+  for (const auto& job : status.jobs) {
+    uint64_t bytes = 0;
+    for (const auto& rank : job.ranks) bytes += rank.memory_bytes;
+    MetricSample(out, "flashckpt_memory_checkpoint_bytes", JobLabel(job.job), static_cast<double>(bytes));
+  }
+  MetricHeader(out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
+  for (const auto& job : status.jobs) {
+    MetricSample(out, "flashckpt_last_durable_step", JobLabel(job.job), static_cast<double>(job.last_complete_step));
+  }
+}
+
 }  // namespace
 
 void MetricHeader(std::string* out, const char* name, const char* type, const char* help) {
@@ -132,26 +229,9 @@ void Metrics::ObserveSlotWait(const std::string& job, double seconds, bool got_s
   slot_wait_seconds_.Observe(seconds);
 }
 
-std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) const {
-  MutexLock lock(&mu_);
-  std::string out;
-  out.reserve(8192);
-
-  MetricHeader(&out, "flashckpt_build_info", "gauge", "Version of the running flashckptd (value is always 1).");
-  MetricSample(&out, "flashckpt_build_info", "version=\"" + Escape(status.version) + "\"", 1);
-  MetricHeader(&out, "flashckpt_cuda_compiled", "gauge", "1 when the daemon was built with CUDA.");
-  MetricSample(&out, "flashckpt_cuda_compiled", "", status.cuda_compiled ? 1 : 0);
-  MetricHeader(&out, "flashckpt_cuda_devices", "gauge", "CUDA devices the daemon's process sees (0: none or no CUDA).");
-  MetricSample(&out, "flashckpt_cuda_devices", "", std::max(0, status.cuda_devices));
-  MetricHeader(&out, "flashckpt_uptime_seconds", "gauge", "Seconds since the daemon started.");
-  MetricSample(&out, "flashckpt_uptime_seconds", "", status.uptime_seconds);
-  MetricHeader(&out, "flashckpt_host_memory_used_bytes", "gauge", "Host memory held by registered ranks' segments and by replicas held for peers (--replica-listen).");
-  MetricSample(&out, "flashckpt_host_memory_used_bytes", "", static_cast<double>(status.host_memory_used));
-  MetricHeader(&out, "flashckpt_host_memory_budget_bytes", "gauge", "The daemon's shared-memory budget (--max-host-memory).");
-  MetricSample(&out, "flashckpt_host_memory_budget_bytes", "", static_cast<double>(status.host_memory_budget));
-
-  // Per-job counters; a counter is rendered for every job seen, zero or not, so rate() works from
-  // the first scrape on.
+// Per-job counters; a counter is rendered for every job seen, zero or not, so rate() works from
+// the first scrape on.
+void Metrics::RenderJobCountersLocked(std::string* out) const {
   struct CounterDef {
     const char* name;
     const char* help;
@@ -193,54 +273,33 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
        &JobSeries::memory_fallbacks},
   };
   for (const auto& def : kCounters) {
-    MetricHeader(&out, def.name, "counter", def.help);
-    for (const auto& [job, s] : jobs_) MetricSample(&out, def.name, JobLabel(job), static_cast<double>(s.*def.field));
+    MetricHeader(out, def.name, "counter", def.help);
+    for (const auto& [job, s] : jobs_) MetricSample(out, def.name, JobLabel(job), static_cast<double>(s.*def.field));
   }
-  MetricHeader(&out, "flashckpt_persist_failures_total", "counter", "Failed persists, by the error's code.");
+  MetricHeader(out, "flashckpt_persist_failures_total", "counter", "Failed persists, by the error's code.");
   for (const auto& [job, s] : jobs_) {
     for (const auto& [reason, n] : s.failures) {
-      MetricSample(&out, "flashckpt_persist_failures_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
+      MetricSample(out, "flashckpt_persist_failures_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
              static_cast<double>(n));
     }
   }
-  MetricHeader(&out, "flashckpt_checkpoints_deleted_total", "counter", "Checkpoint directories deleted, by reason.");
+  MetricHeader(out, "flashckpt_checkpoints_deleted_total", "counter", "Checkpoint directories deleted, by reason.");
   for (const auto& [job, s] : jobs_) {
     for (const auto& [reason, n] : s.deleted) {
-      MetricSample(&out, "flashckpt_checkpoints_deleted_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
+      MetricSample(out, "flashckpt_checkpoints_deleted_total", JobLabel(job) + ",reason=\"" + Escape(reason) + "\"",
              static_cast<double>(n));
     }
   }
+}
 
-  // The --replicate-to peers: one series per peer of each.
-  struct PeerMetric {
-    const char* name;
-    const char* type;
-    const char* help;
-    double (*value)(const ReplicaPeerStatus&);
-  };
-  static const PeerMetric kPeerMetrics[] = {
-      {"flashckpt_replica_lag_steps", "gauge",
-       "Newest memory checkpoint step of this node's ranks minus the newest the peer acknowledged (most over the ranks).",
-       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.lag_steps); }},
-      {"flashckpt_replicas_sent_total", "counter", "Replicas the peer acknowledged.",
-       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.pushed); }},
-      {"flashckpt_replica_sent_bytes_total", "counter", "Bytes of the replicas the peer acknowledged.",
-       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.bytes); }},
-      {"flashckpt_replica_sends_failed_total", "counter", "Pushes to the peer that failed or were cancelled.",
-       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.failed); }},
-      {"flashckpt_replica_send_queue", "gauge", "Memory checkpoints waiting for the peer (at most one per rank).",
-       [](const ReplicaPeerStatus& p) { return static_cast<double>(p.queued); }},
-      {"flashckpt_replica_send_bytes_per_second", "gauge", "Rate of the last push the peer acknowledged.",
-       [](const ReplicaPeerStatus& p) { return p.last_gbps * 1e9; }},
-  };
-  if (!status.replica_peers.empty()) {
-    for (const PeerMetric& m : kPeerMetrics) {
-      MetricHeader(&out, m.name, m.type, m.help);
-      for (const ReplicaPeerStatus& peer : status.replica_peers) {
-        MetricSample(&out, m.name, "peer=\"" + Escape(peer.target) + "\"", m.value(peer));
-      }
-    }
-  }
+std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) const {
+  MutexLock lock(&mu_);
+  std::string out;
+  out.reserve(8192);
+
+  RenderDaemonGauges(status, &out);
+  RenderJobCountersLocked(&out);
+  RenderReplicaPeerMetrics(status.replica_peers, &out);
 
   MetricHeader(&out, "flashckpt_persist_duration_seconds", "histogram", "Time to write one rank's snapshot durably.");
   persist_seconds_.Render("flashckpt_persist_duration_seconds", "", &out);
@@ -249,51 +308,7 @@ std::string Metrics::Render(const DaemonStatus& status, uint64_t watchers_lost) 
   MetricHeader(&out, "flashckpt_slot_wait_seconds", "histogram", "Time BeginSnapshot waited for a free slot.");
   slot_wait_seconds_.Render("flashckpt_slot_wait_seconds", "", &out);
 
-  // Gauges from the status snapshot.
-  double oldest = 0;
-  for (const auto& job : status.jobs) {
-    for (const auto& rank : job.ranks) oldest = std::max(oldest, rank.oldest_write_seconds);
-  }
-  MetricHeader(&out, "flashckpt_oldest_write_seconds", "gauge",
-         "Age of the oldest persist being written (0: none); one that keeps growing means a slow or stuck disk.");
-  MetricSample(&out, "flashckpt_oldest_write_seconds", "", oldest);
-  MetricHeader(&out, "flashckpt_oldest_filling_seconds", "gauge",
-         "Per job, how long its oldest slot has been filling since BeginSnapshot (0: none); one that keeps growing "
-         "is a trainer stopped between BeginSnapshot and Commit.");
-  for (const auto& job : status.jobs) {
-    double filling = 0;
-    for (const auto& rank : job.ranks) {
-      for (const auto& slot : rank.slots) filling = std::max(filling, slot.filling_seconds);
-    }
-    MetricSample(&out, "flashckpt_oldest_filling_seconds", JobLabel(job.job), filling);
-  }
-  MetricHeader(&out, "flashckpt_registered_ranks", "gauge", "Ranks registered with this daemon, per job.");
-  for (const auto& job : status.jobs) {
-    MetricSample(&out, "flashckpt_registered_ranks", JobLabel(job.job), static_cast<double>(job.ranks.size()));
-  }
-  MetricHeader(&out, "flashckpt_last_committed_step", "gauge", "Newest step any rank of the job committed here (-1: none).");
-  for (const auto& job : status.jobs) {
-    int64_t last = -1;
-    for (const auto& rank : job.ranks) last = std::max(last, rank.last_committed_step);
-    MetricSample(&out, "flashckpt_last_committed_step", JobLabel(job.job), static_cast<double>(last));
-  }
-  MetricHeader(&out, "flashckpt_memory_checkpoint_step", "gauge",
-         "The oldest of the newest memory checkpoints the job's ranks keep here (-1: a rank keeps none).");
-  for (const auto& job : status.jobs) {
-    int64_t common = job.ranks.empty() ? -1 : std::numeric_limits<int64_t>::max();
-    for (const auto& rank : job.ranks) common = std::min(common, rank.memory_step);
-    MetricSample(&out, "flashckpt_memory_checkpoint_step", JobLabel(job.job), static_cast<double>(std::max<int64_t>(common, -1)));
-  }
-  MetricHeader(&out, "flashckpt_memory_checkpoint_bytes", "gauge", "Bytes of the slots keeping the job's memory checkpoints.");
-  for (const auto& job : status.jobs) {
-    uint64_t bytes = 0;
-    for (const auto& rank : job.ranks) bytes += rank.memory_bytes;
-    MetricSample(&out, "flashckpt_memory_checkpoint_bytes", JobLabel(job.job), static_cast<double>(bytes));
-  }
-  MetricHeader(&out, "flashckpt_last_durable_step", "gauge", "Newest complete checkpoint of the job on disk (-1: none).");
-  for (const auto& job : status.jobs) {
-    MetricSample(&out, "flashckpt_last_durable_step", JobLabel(job.job), static_cast<double>(job.last_complete_step));
-  }
+  RenderJobGauges(status, &out);
   MetricHeader(&out, "flashckpt_last_complete_timestamp_seconds", "gauge",
          "Unix time this daemon last completed a checkpoint of the job (0: not since it started).");
   for (const auto& [job, s] : jobs_)

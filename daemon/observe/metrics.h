@@ -69,6 +69,8 @@ class Metrics {
     double last_complete_unix = 0;             // when this daemon last completed a checkpoint of the job
   };
   JobSeries& SeriesLocked(const std::string& job) REQUIRES(mu_);
+  // The per-job counters of Render: one family per JobSeries counter, then failures and deletions by reason.
+  void RenderJobCountersLocked(std::string* out) const REQUIRES(mu_);
 
   mutable Mutex mu_;
   std::map<std::string, JobSeries> jobs_ GUARDED_BY(mu_);

@@ -41,6 +41,11 @@ std::string Describe(const ReplicaMeta& meta) {
   return "job=" + meta.job + " rank=" + std::to_string(meta.rank) + " step=" + std::to_string(meta.step);
 }
 
+// A retraction as the log lines name it.
+std::string RetractionText(const std::string& job, uint32_t rank, int64_t step) {
+  return "job=" + job + " rank=" + std::to_string(rank) + " restored to step=" + std::to_string(step);
+}
+
 }  // namespace
 
 uint64_t ReplicaLayoutFingerprint(const RankLayout& layout) {
@@ -242,41 +247,10 @@ void ReplicaSender::Run(Peer* peer) {
       const Key key = retract->first;
       const Peer::Retraction told = retract->second;
       lock.Unlock();
-      auto dropped = RetractReplica(peer->channel.get(), options_.node_name, key.first, key.second, told.step,
-                                    told.attempt,
-                                    std::chrono::system_clock::now() + kRetractTimeout,
-                                    [&](grpc::ClientContext* ctx) {
-                                      MutexLock in(&mu_);
-                                      peer->in_flight = ctx;
-                                      peer->in_flight_job = ctx != nullptr ? key.first : std::string();
-                                      if (ctx != nullptr && stopping_) ctx->TryCancel();
-                                    });
-      const std::string what = "job=" + key.first + " rank=" + std::to_string(key.second) +
-                               " restored to step=" + std::to_string(told.step);
-      if (dropped.ok() && *dropped > 0) {
-        Logger("replica")->info("replica retracted at={} {}: the peer dropped step={}", peer->address.target, what,
-                                *dropped);
-      }
+      const std::string what = RetractionText(key.first, key.second, told.step);
+      auto dropped = SendRetraction(peer, key, told, what);
       lock.Lock();
-      auto now_there = peer->retracts.find(key);
-      const bool same = now_there != peer->retracts.end() && now_there->second.attempt == told.attempt &&
-                        now_there->second.step == told.step;
-      const bool retry = !dropped.ok() && Retryable(dropped.status().code());
-      // Its own error and wait: a push's failures are told apart from it (REPLICA_FAILED, status).
-      if (!dropped.ok() && dropped.status().code() != peer->last_retract_code && !stopping_) {
-        Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}{}\"{}", peer->address.target, what,
-                                dropped.status().ToString(), ConnectionHint(peer->address, dropped.status()),
-                                retry ? " (tried again later)" : "");
-      }
-      peer->last_retract_code = dropped.status().code();
-      if (dropped.ok()) peer->retract_wait = std::chrono::milliseconds(0);
-      if (same && retry && !stopping_) {
-        peer->retract_wait = std::clamp(peer->retract_wait * 2, std::chrono::milliseconds(1000),
-                                        std::chrono::milliseconds(30000));
-        now_there->second.due = clock_.Now() + peer->retract_wait;
-      } else if (same) {
-        peer->retracts.erase(now_there);
-      }
+      RecordRetractionLocked(peer, key, told, what, dropped);
       continue;
     }
     for (const auto& [key, r] : peer->retracts) first_due = std::min(first_due, r.due);
@@ -285,11 +259,7 @@ void ReplicaSender::Run(Peer* peer) {
       continue;
     }
     // The oldest offer among those due; else wait for the first to become due (or an offer).
-    auto next = peer->queue.end();
-    for (auto it = peer->queue.begin(); it != peer->queue.end(); ++it) {
-      first_due = std::min(first_due, it->second.due);
-      if (it->second.due <= now && (next == peer->queue.end() || it->second.turn < next->second.turn)) next = it;
-    }
+    auto next = NextDueLocked(peer, now, &first_due);
     if (next == peer->queue.end()) {
       clock_.WaitUntil(&cv_, &lock, first_due);
       continue;
@@ -307,59 +277,9 @@ void ReplicaSender::Run(Peer* peer) {
       released.push_back(std::move(replica));
       continue;
     }
-    const auto started = clock_.Now();
-    Status pushed = Push(peer, *replica);
-    const double seconds = std::chrono::duration<double>(clock_.Now() - started).count();
-    // The peer holds one as new or newer already (its acknowledgement of this one was lost, say).
-    const bool held = pushed.ok() || pushed.code() == StatusCode::kAlreadyExists;
-    // Off the sender's lock: still_held takes the daemon's, which is taken before this one.
-    const bool retry = !held && Retryable(pushed.code()) && replica->still_held();
-    if (held) {
-      Logger("replica")->debug("replica sent to={} {} bytes={} seconds={:.3f}{}", peer->address.target,
-                               Describe(replica->meta), replica->meta.bytes, seconds,
-                               pushed.ok() ? "" : " (the peer held it already)");
-    }
+    const PushOutcome outcome = SendReplica(peer, *replica);
     lock.Lock();
-    // Its job released meanwhile (Forget): nothing of it is recorded or queued again.
-    const bool forgotten = offered_.count(key) == 0;
-    DaemonEvent event;
-    event.job = replica->meta.job;
-    event.rank = replica->meta.rank;
-    event.step = replica->meta.step;
-    event.peer = peer->address.target;
-    if (held) {
-      event.kind = DaemonEvent::Kind::kReplicaSent;
-      event.bytes = replica->meta.bytes;
-      event.seconds = seconds;
-      if (!forgotten) peer->acked[key] = {replica->meta.attempt, replica->meta.step};  // in offer order: the newest
-      peer->status.pushed += 1;
-      peer->status.bytes += replica->meta.bytes;
-      peer->status.last_gbps = seconds > 0 ? static_cast<double>(replica->meta.bytes) / seconds / 1e9 : 0;
-      peer->status.last_error.clear();
-      peer->last_error_code = StatusCode::kOk;
-      peer->retry_wait = std::chrono::milliseconds(0);
-    } else {
-      peer->status.failed += 1;
-      const std::string error = pushed.ToString() + ConnectionHint(peer->address, pushed);
-      // One line and event per change of the error's code, not per step or retry (the messages
-      // name the step).
-      if (pushed.code() != peer->last_error_code && !stopping_) {
-        Logger("replica")->warn("replica not sent to={} {} error=\"{}\"{}", peer->address.target,
-                                Describe(replica->meta), error, retry ? " (tried again later)" : "");
-        event.kind = DaemonEvent::Kind::kReplicaFailed;
-        event.reason = error;
-      }
-      peer->status.last_error = error;
-      peer->last_error_code = pushed.code();
-      // Tried again later unless the daemon stops, its job was released or a newer one of the rank waits.
-      if (retry && !stopping_ && !forgotten && peer->queue.count(key) == 0) {
-        peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
-                                      std::chrono::milliseconds(30000));
-        peer->queue[key] = Peer::Queued{std::move(replica), peer->next_turn++,
-                                        clock_.Now() + peer->retry_wait};
-        peer->status.queued = static_cast<uint32_t>(peer->queue.size());
-      }
-    }
+    DaemonEvent event = RecordPushLocked(peer, key, replica, outcome);
     if (replica) released.push_back(std::move(replica));
     if (event.kind != DaemonEvent::Kind::kUnknown && options_.on_event) {
       lock.Unlock();
@@ -368,12 +288,132 @@ void ReplicaSender::Run(Peer* peer) {
     }
   }
   // Stopping: the queue is let go of off the lock (retractions not sent are dropped).
-  for (auto& [key, queued] : peer->queue) released.push_back(std::move(queued.replica));
+  DropQueueLocked(peer, &released);
+  lock.Unlock();
+  released.clear();
+}
+
+std::map<ReplicaSender::Key, ReplicaSender::Peer::Queued>::iterator ReplicaSender::NextDueLocked(
+    Peer* peer, Clock::TimePoint now, Clock::TimePoint* first_due) {
+  auto next = peer->queue.end();
+  for (auto it = peer->queue.begin(); it != peer->queue.end(); ++it) {
+    *first_due = std::min(*first_due, it->second.due);
+    if (it->second.due <= now && (next == peer->queue.end() || it->second.turn < next->second.turn)) next = it;
+  }
+  return next;
+}
+
+Result<int64_t> ReplicaSender::SendRetraction(Peer* peer, const Key& key, const Peer::Retraction& told,
+                                              const std::string& what) {
+  auto dropped = RetractReplica(peer->channel.get(), options_.node_name, key.first, key.second, told.step,
+                                told.attempt,
+                                std::chrono::system_clock::now() + kRetractTimeout,
+                                [&](grpc::ClientContext* ctx) {
+                                  MutexLock in(&mu_);
+                                  peer->in_flight = ctx;
+                                  peer->in_flight_job = ctx != nullptr ? key.first : std::string();
+                                  if (ctx != nullptr && stopping_) ctx->TryCancel();
+                                });
+  if (dropped.ok() && *dropped > 0) {
+    Logger("replica")->info("replica retracted at={} {}: the peer dropped step={}", peer->address.target, what,
+                            *dropped);
+  }
+  return dropped;
+}
+
+void ReplicaSender::RecordRetractionLocked(Peer* peer, const Key& key, const Peer::Retraction& told,
+                                           const std::string& what, const Result<int64_t>& dropped) {
+  auto now_there = peer->retracts.find(key);
+  const bool same = now_there != peer->retracts.end() && now_there->second.attempt == told.attempt &&
+                    now_there->second.step == told.step;
+  const bool retry = !dropped.ok() && Retryable(dropped.status().code());
+  // Its own error and wait: a push's failures are told apart from it (REPLICA_FAILED, status).
+  if (!dropped.ok() && dropped.status().code() != peer->last_retract_code && !stopping_) {
+    Logger("replica")->warn("replica retraction not sent to={} {} error=\"{}{}\"{}", peer->address.target, what,
+                            dropped.status().ToString(), ConnectionHint(peer->address, dropped.status()),
+                            retry ? " (tried again later)" : "");
+  }
+  peer->last_retract_code = dropped.status().code();
+  if (dropped.ok()) peer->retract_wait = std::chrono::milliseconds(0);
+  if (same && retry && !stopping_) {
+    peer->retract_wait = std::clamp(peer->retract_wait * 2, std::chrono::milliseconds(1000),
+                                    std::chrono::milliseconds(30000));
+    now_there->second.due = clock_.Now() + peer->retract_wait;
+  } else if (same) {
+    peer->retracts.erase(now_there);
+  }
+}
+
+ReplicaSender::PushOutcome ReplicaSender::SendReplica(Peer* peer, const OutgoingReplica& replica) {
+  const auto started = clock_.Now();
+  Status pushed = Push(peer, replica);
+  const double seconds = std::chrono::duration<double>(clock_.Now() - started).count();
+  // The peer holds one as new or newer already (its acknowledgement of this one was lost, say).
+  const bool held = pushed.ok() || pushed.code() == StatusCode::kAlreadyExists;
+  // Off the sender's lock: still_held takes the daemon's, which is taken before this one.
+  const bool retry = !held && Retryable(pushed.code()) && replica.still_held();
+  if (held) {
+    Logger("replica")->debug("replica sent to={} {} bytes={} seconds={:.3f}{}", peer->address.target,
+                             Describe(replica.meta), replica.meta.bytes, seconds,
+                             pushed.ok() ? "" : " (the peer held it already)");
+  }
+  return {std::move(pushed), seconds, held, retry};
+}
+
+DaemonEvent ReplicaSender::RecordPushLocked(Peer* peer, const Key& key, std::shared_ptr<const OutgoingReplica>& replica,
+                                            const PushOutcome& outcome) {
+  const Status& pushed = outcome.pushed;
+  const double seconds = outcome.seconds;
+  const bool held = outcome.held;
+  const bool retry = outcome.retry;
+  // Its job released meanwhile (Forget): nothing of it is recorded or queued again.
+  const bool forgotten = offered_.count(key) == 0;
+  DaemonEvent event;
+  event.job = replica->meta.job;
+  event.rank = replica->meta.rank;
+  event.step = replica->meta.step;
+  event.peer = peer->address.target;
+  if (held) {
+    event.kind = DaemonEvent::Kind::kReplicaSent;
+    event.bytes = replica->meta.bytes;
+    event.seconds = seconds;
+    if (!forgotten) peer->acked[key] = {replica->meta.attempt, replica->meta.step};  // in offer order: the newest
+    peer->status.pushed += 1;
+    peer->status.bytes += replica->meta.bytes;
+    peer->status.last_gbps = seconds > 0 ? static_cast<double>(replica->meta.bytes) / seconds / 1e9 : 0;
+    peer->status.last_error.clear();
+    peer->last_error_code = StatusCode::kOk;
+    peer->retry_wait = std::chrono::milliseconds(0);
+  } else {
+    peer->status.failed += 1;
+    const std::string error = pushed.ToString() + ConnectionHint(peer->address, pushed);
+    // One line and event per change of the error's code, not per step or retry (the messages
+    // name the step).
+    if (pushed.code() != peer->last_error_code && !stopping_) {
+      Logger("replica")->warn("replica not sent to={} {} error=\"{}\"{}", peer->address.target,
+                              Describe(replica->meta), error, retry ? " (tried again later)" : "");
+      event.kind = DaemonEvent::Kind::kReplicaFailed;
+      event.reason = error;
+    }
+    peer->status.last_error = error;
+    peer->last_error_code = pushed.code();
+    // Tried again later unless the daemon stops, its job was released or a newer one of the rank waits.
+    if (retry && !stopping_ && !forgotten && peer->queue.count(key) == 0) {
+      peer->retry_wait = std::clamp(peer->retry_wait * 2, std::chrono::milliseconds(1000),
+                                    std::chrono::milliseconds(30000));
+      peer->queue[key] = Peer::Queued{std::move(replica), peer->next_turn++,
+                                      clock_.Now() + peer->retry_wait};
+      peer->status.queued = static_cast<uint32_t>(peer->queue.size());
+    }
+  }
+  return event;
+}
+
+void ReplicaSender::DropQueueLocked(Peer* peer, std::vector<std::shared_ptr<const OutgoingReplica>>* released) {
+  for (auto& [key, queued] : peer->queue) released->push_back(std::move(queued.replica));
   peer->queue.clear();
   peer->retracts.clear();
   peer->status.queued = 0;
-  lock.Unlock();
-  released.clear();
 }
 
 Status ReplicaSender::Push(Peer* peer, const OutgoingReplica& replica) {

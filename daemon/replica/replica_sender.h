@@ -134,6 +134,29 @@ class ReplicaSender {
   };
   // A Peer's fields other than `address`, `channel` and `thread` are guarded by mu_.
   void Run(Peer* peer) EXCLUDES(mu_);
+  // The oldest queued offer that is due (queue.end(): none), lowering `first_due` to the first due time.
+  std::map<Key, Peer::Queued>::iterator NextDueLocked(Peer* peer, Clock::TimePoint now, Clock::TimePoint* first_due)
+      REQUIRES(mu_);
+  // Tells the peer the rank was restored (Replica.Retract), logs what it dropped (`what`: the log's words).
+  Result<int64_t> SendRetraction(Peer* peer, const Key& key, const Peer::Retraction& told, const std::string& what)
+      EXCLUDES(mu_);
+  // Logs a failed retraction and schedules its retry, or drops it once answered (unless replaced meanwhile).
+  void RecordRetractionLocked(Peer* peer, const Key& key, const Peer::Retraction& told, const std::string& what,
+                              const Result<int64_t>& dropped) REQUIRES(mu_);
+  // How a push ended, as SendReplica saw it off the lock.
+  struct PushOutcome {
+    Status pushed;
+    double seconds = 0;
+    bool held = false;   // the peer holds it, or one as new
+    bool retry = false;  // a passing failure, and the slot still holds it
+  };
+  // Pushes one checkpoint (Push), timing it, and logs an acknowledged one.
+  PushOutcome SendReplica(Peer* peer, const OutgoingReplica& replica) EXCLUDES(mu_);
+  // Records a push in the peer's status, requeues `replica` to retry; returns the event to tell (kUnknown: none).
+  DaemonEvent RecordPushLocked(Peer* peer, const Key& key, std::shared_ptr<const OutgoingReplica>& replica,
+                               const PushOutcome& outcome) REQUIRES(mu_);
+  // At the stop: moves the queued checkpoints into `released` and drops the retractions not sent.
+  void DropQueueLocked(Peer* peer, std::vector<std::shared_ptr<const OutgoingReplica>>* released) REQUIRES(mu_);
   // Streams one checkpoint to the peer: OK once the peer holds it.
   Status Push(Peer* peer, const OutgoingReplica& replica) EXCLUDES(mu_);
 
