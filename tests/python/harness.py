@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,13 @@ _spec = importlib.util.spec_from_file_location(
     "flashckpt_integration_harness", os.path.join(REPO, "tests", "integration", "harness.py"))
 integration = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(integration)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 free now (for a torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for(pred, timeout, what, poll=0.02):

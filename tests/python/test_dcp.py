@@ -27,7 +27,6 @@ Each case runs real worker processes (this file, run with "worker") against one 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -63,11 +62,6 @@ import harness  # noqa: E402
 WORKER_DEADLINE = 180  # seconds a set of workers may take, whatever happens
 STEP, STEPS_AFTER = 3, 2
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(case, world, rank, port, sock, job, out):
@@ -204,7 +198,7 @@ class DcpTest(harness.DaemonTestCase):
         """Runs `case` on `world` worker processes; returns their results (rank order) and rank 0's
         full tensors."""
         import torch
-        port = free_port()
+        port = harness.free_port()
         outs = [os.path.join(self.daemon.tmp, "%s-%s-%d-%d.json" % (job, case, world, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(world), str(r),

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -58,11 +57,6 @@ def tensor_bytes(path):
         header = json.loads(f.read(n))
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(case, rank, world, port, sock, job, out):
@@ -349,7 +343,7 @@ def tp_worker(case, rank, world, port, sock, job, out):
 
 class DistributedResumeTest(harness.DaemonTestCase):
     def run_pair(self, case, job, world=2):
-        port = free_port()
+        port = harness.free_port()
         procs, outs = [], []
         for rank in range(world):
             out = os.path.join(self.daemon.tmp, "%s.%s.%d.json" % (job, case, rank))

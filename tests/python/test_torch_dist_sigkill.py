@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,11 +30,6 @@ import harness  # noqa: E402
 WORLD, STEPS, SAVE_EVERY = 4, 24, 5
 DEADLINE = 150  # seconds one group of workers may take
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(optim, mode, rank, port, sock, job, out, arg):
@@ -119,7 +113,7 @@ def read_losses(path):
 
 class DistributedSigkillTest(harness.DaemonTestCase):
     def group(self, optim, mode, job, name, arg, expect_kill=False):
-        port = free_port()
+        port = harness.free_port()
         procs, logs = [], []
         for rank in range(WORLD):
             out = os.path.join(self.daemon.tmp, "%s.%d.jsonl" % (name, rank))

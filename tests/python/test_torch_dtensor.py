@@ -29,7 +29,6 @@ worker processes (this file, run with "worker") against one real flashckptd:
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -63,11 +62,6 @@ import harness  # noqa: E402
 WORKER_DEADLINE = 180  # seconds a set of workers may take, whatever happens
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(case, layout, rank, world, port, sock, job, out):
@@ -190,7 +184,7 @@ class DTensorTest(harness.DaemonTestCase):
         import torch
         dp, tp = (int(x) for x in layout.split("x"))
         world = dp * tp
-        port = free_port()
+        port = harness.free_port()
         outs = [os.path.join(self.daemon.tmp, "%s-%s-%s-%d.json" % (job, case, layout, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, layout, str(r),
