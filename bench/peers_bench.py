@@ -8,29 +8,42 @@ Run it with the torch 2 environment's python (scripts/deps.sh: torch, dlrover). 
 of 4096 x 4096 fp32 layers with AdamW's two moments after one step (three times the parameter bytes,
 at least --gib GiB in all), in one process. Each round runs, for each system in turn (interleaved,
 so that the page cache and the other load on the machine fall on all of them alike), a fresh trainer
-process that builds the state, saves it and exits, then a fresh process that builds a model and
+process that builds the state and saves it twice, then a fresh process that builds a model and
 optimizer of other values and gets the state back; its bytes must equal the saved ones (a digest
-of every tensor), else the run fails. Medians over --rounds rounds; one line per system:
+of every tensor), else the run fails. The first save of a trainer is a warm-up, as a training job
+saves many times: it pays what a system does once per process (flashckpt registers the state with
+the daemon, which creates and first-touches its shared memory; DLRover creates its shared memory;
+DCP sets up its stager and thread) and is reported apart, on an INFO line (first_save_*). The
+trainer waits until the warm-up save is durable, then takes the measured save of the same state.
+Medians over --rounds rounds (at least 5 for figures to quote); one line per system:
 
     RESULT peer=<flashckpt|dcp|dlrover|torch_save> blocking_ms=X durable_ms=Y resume_ms=Z
 
   blocking_ms  how long the save call keeps the training loop from its next step.
-  durable_ms   from the start of the save until the checkpoint is on disk, fsynced, as the system
-               reports it (flashckpt: wait_persisted, the checkpoint complete; dcp: the future of
-               async_save, whose FileSystemWriter fsyncs; dlrover: wait_latest_checkpoint, the
-               step recorded by its saver process; torch_save: torch.save then fsync).
+  durable_ms   from the start of the save until the checkpoint is on disk, fsynced (flashckpt:
+               wait_persisted, the checkpoint complete; dcp: the future of async_save, whose
+               FileSystemWriter fsyncs; dlrover: its saver has recorded the step in its tracker
+               file, then the bench fsyncs the checkpoint file, which DLRover writes with
+               torch.save and does not fsync (INFO: tracker_ms, without that fsync); torch_save:
+               torch.save then fsync).
   resume_ms    in the restarted process, from the load call until the state is in the model and
                optimizer: from memory where the system keeps the state past the process's end
-               (flashckpt: a memory checkpoint, Checkpointer.resume()), else from the files (with
-               the page cache as the save left it).
+               (flashckpt: a memory checkpoint, Checkpointer.resume(); dlrover: its agent's
+               shared memory), else from the files (with the page cache as the save left it).
 
-flashckpt saves a disk checkpoint (blocking_ms, durable_ms), then a memory checkpoint of the next
-step (INFO line: its blocking time), and the restarted process resumes the newest, from memory.
-DLRover's Flash Checkpoint is driven as its documentation says for a script not started by
-dlrover-run: DdpCheckpointer starts its saver process (a child of the trainer), save_checkpoint
-copies into its shared memory, the saver writes; that saver ends with the trainer, so the restarted
-process reads the disk (its memory restore needs the dlrover-run agent, which outlives trainers).
-dcp uses async_save with DCP's default stager; pinned memory staging only where CUDA is available.
+flashckpt: the warm-up and the measured save go to disk, then a memory checkpoint of the next step
+(INFO: its blocking time), and the restarted process resumes the newest, from memory.
+DLRover's Flash Checkpoint runs as its documentation says for a restartable job: the trainer is
+started by `dlrover-run` (--nnodes=1 --nproc-per-node=1 --max-restarts=1), whose agent holds the
+checkpoint saver and its shared memory; DdpCheckpointer.save_checkpoint(storage_type=DISK) copies
+the state into that memory and the saver writes it. The trainer then exits with an error, the agent
+restarts it, and the restarted trainer's load_checkpoint() reads the agent's memory. `dlrover-run
+--standalone` cannot start its job master with torch >= 2.8 (dlrover 0.6.1 calls torch's
+SubprocessHandler without its numa_options argument), so the bench starts that master itself, with
+the command line --standalone uses (python -m dlrover.python.master.main --platform local), and
+points dlrover-run at it (DLROVER_MASTER_ADDR): the same processes as --standalone.
+dcp uses async_save with DCP's default stager (the same stager for both saves); pinned memory
+staging only where CUDA is available.
 """
 
 import argparse
@@ -73,38 +86,58 @@ def digest(model, optimizer):
     return h.hexdigest()
 
 
-def fsync_tree(path):
-    for root, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+def fsync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def dlrover_wait_step(where, step, timeout=600):
+    """DLRover's wait_latest_checkpoint, polled every 10 ms instead of every 3 s and tolerant of a
+    tracker file not written yet (0.6.1's opens it unguarded): until its saver has committed `step`."""
+    tracker = os.path.join(where, "dlrover_latest.txt")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(tracker) as f:
+                if f.read().strip() == str(step):
+                    return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("DLRover's saver did not commit step %d in %d s" % (step, timeout))
+        time.sleep(0.01)
 
 
 def train(args):
-    """A trainer of `args.peer`: builds the state of round args.round, saves it; prints JSON."""
+    """A trainer of `args.peer`: builds the state of round args.round and saves it twice (warm-up,
+    then measured); returns what it measured."""
     import torch
     torch.set_num_threads(1)
     model, optimizer = build(args.layers, 1000 + args.round)
     out = {"digest": digest(model, optimizer)}
-    step = args.round + 1
+    step = 10 * (args.round + 1)  # the warm-up; the measured save is step + 1
     where = os.path.join(args.work, args.peer)
+
+    def timed(save, durable):
+        t0 = time.perf_counter()
+        save()
+        blocking = (time.perf_counter() - t0) * 1e3
+        durable()
+        return blocking, (time.perf_counter() - t0) * 1e3
+
     if args.peer == "flashckpt":
         from flashckpt.torch import Checkpointer
         ck = Checkpointer(model, optimizer, socket=args.socket, job="peers-%d" % args.round, memory_checkpoints=True)
+        for key, s in (("first_", step), ("", step + 1)):
+            out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
+                lambda: ck.save(s), lambda: ck.wait_persisted(s, timeout=600))
         t0 = time.perf_counter()
-        ck.save(10 * step)
-        out["blocking_ms"] = (time.perf_counter() - t0) * 1e3
-        ck.wait_persisted(10 * step, timeout=600)
-        out["durable_ms"] = (time.perf_counter() - t0) * 1e3
-        t0 = time.perf_counter()
-        ck.save(10 * step + 1, tier="memory")
+        ck.save(step + 2, tier="memory")
         out["memory_blocking_ms"] = (time.perf_counter() - t0) * 1e3
-        print(json.dumps(out), flush=True)
-        os._exit(0)  # as a crash: no close(), the daemon keeps the memory checkpoint
     elif args.peer == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -112,43 +145,45 @@ def train(args):
         stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=os.path.join(where, "step-%d" % step), async_stager=stager)
-        out["blocking_ms"] = (time.perf_counter() - t0) * 1e3
-        fut.result()
-        out["durable_ms"] = (time.perf_counter() - t0) * 1e3
+        for key, s in (("first_", step), ("", step + 1)):
+            fut = []
+            out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
+                lambda: fut.append(dcp.async_save(state, checkpoint_id=os.path.join(where, "step-%d" % s),
+                                                  async_stager=stager)),
+                lambda: fut[0].result())
         out["pinned"] = pinned
     elif args.peer == "dlrover":
-        try:
-            from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
-            from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
-        except ImportError as e:  # dlrover 0.6.1 imports grpc without declaring it
-            print(json.dumps({"unavailable": "dlrover does not import: %s" % e}), flush=True)
-            return
+        from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+        from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
         ck = DdpCheckpointer(where)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        t0 = time.perf_counter()
-        ck.save_checkpoint(step, state, os.path.join(where, "step-%d.pt" % step), storage_type=StorageType.DISK)
-        out["blocking_ms"] = (time.perf_counter() - t0) * 1e3
-        ck.wait_latest_checkpoint(timeout=600)
-        out["durable_ms"] = (time.perf_counter() - t0) * 1e3
+        for key, s in (("first_", step), ("", step + 1)):
+            path = os.path.join(where, str(s), "rank_0.pt")  # DdpCheckpointer's own layout
+            t0 = time.perf_counter()
+            ck.save_checkpoint(s, state, path, storage_type=StorageType.DISK)
+            out[key + "blocking_ms"] = (time.perf_counter() - t0) * 1e3
+            dlrover_wait_step(where, s)
+            out[key + "tracker_ms"] = (time.perf_counter() - t0) * 1e3
+            fsync_file(path)
+            out[key + "durable_ms"] = (time.perf_counter() - t0) * 1e3
     else:
         os.makedirs(where, exist_ok=True)
-        path = os.path.join(where, "step-%d.pt" % step)
-        t0 = time.perf_counter()
-        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, path)
-        fsync_tree(where)
-        out["blocking_ms"] = out["durable_ms"] = (time.perf_counter() - t0) * 1e3
-    print(json.dumps(out), flush=True)
+        for key, s in (("first_", step), ("", step + 1)):
+            path = os.path.join(where, "step-%d.pt" % s)
+            out[key + "blocking_ms"] = out[key + "durable_ms"] = timed(
+                lambda: (torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, path),
+                         fsync_file(path)), lambda: None)[0]
+    return out
 
 
 def resume(args):
     """A restarted process of `args.peer`: a model and optimizer of other values, then the state of
-    round args.round back in them; prints JSON with the digest it has then."""
+    round args.round (its measured save, or flashckpt's newer memory checkpoint) back in them;
+    returns the time and the digest it has then."""
     import torch
     torch.set_num_threads(1)
     model, optimizer = build(args.layers, 7)  # other values, and AdamW state to load into
-    step = args.round + 1
+    step = 10 * (args.round + 1) + 1
     where = os.path.join(args.work, args.peer)
     out = {}
     if args.peer == "flashckpt":
@@ -166,35 +201,112 @@ def resume(args):
         dcp.load(state, checkpoint_id=os.path.join(where, "step-%d" % step))
         optimizer.load_state_dict(state["optim"])
         out["resume_ms"] = (time.perf_counter() - t0) * 1e3
+        out["tier"] = "disk"
     elif args.peer == "dlrover":
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
         ck = DdpCheckpointer(where)
         t0 = time.perf_counter()
-        state = ck.load_checkpoint(os.path.join(where, "step-%d.pt" % step))
+        state = ck.load_checkpoint()  # the agent's memory, else the newest step its tracker names
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         out["resume_ms"] = (time.perf_counter() - t0) * 1e3
+        # load() maps the shared memory only when it takes the state from there.
+        out["tier"] = "memory" if ck._engine._shm_handler.shared_memory is not None else "disk"
     else:
         t0 = time.perf_counter()
         state = torch.load(os.path.join(where, "step-%d.pt" % step), map_location="cpu")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         out["resume_ms"] = (time.perf_counter() - t0) * 1e3
+        out["tier"] = "disk"
     out["digest"] = digest(model, optimizer)
-    print(json.dumps(out), flush=True)
-    os._exit(0)  # DLRover's saver child and DCP's threads: nothing to wait for
+    return out
+
+
+def dlrover_worker(args):
+    """The trainer process that dlrover-run starts: the first time it trains, saves and fails (as a
+    crash would, with an error status), the second time (the agent's restart) it resumes."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    role, status = (train, 1) if restart == 0 else (resume, 0)
+    out = role(args)
+    with open(os.path.join(args.out, "%s.json" % role.__name__), "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    os._exit(status)  # no interpreter teardown: DLRover's threads and sockets
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_args(args, peer, rnd):
+    return ["--peer", peer, "--round", str(rnd), "--layers", str(args.layers), "--work", args.work,
+            "--socket", args.socket, "--bin-dir", args.bin_dir, "--python-dir", args.python_dir]
 
 
 def run_role(args, role, peer, rnd, env):
-    cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--peer", peer, "--round", str(rnd),
-           "--layers", str(args.layers), "--work", args.work, "--socket", args.socket,
-           "--bin-dir", args.bin_dir, "--python-dir", args.python_dir]
+    cmd = [sys.executable, os.path.abspath(__file__), "--role", role] + worker_args(args, peer, rnd)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900)
     lines = [ln for ln in proc.stdout.decode(errors="replace").splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         sys.exit("%s %s round %d failed (exit %d):\n%s" % (peer, role, rnd, proc.returncode,
                                                            proc.stderr.decode(errors="replace")[-4000:]))
     return json.loads(lines[-1])
+
+
+def run_dlrover_round(args, rnd, env):
+    """One round of DLRover: its job master, then dlrover-run with the trainer; returns the trainer's
+    and the restarted trainer's results."""
+    job = "fc-peers-%d-%d" % (os.getpid(), rnd)  # names DLRover's shared memory and socket folder
+    out = os.path.join(args.base, "dlrover-%d" % rnd)
+    os.makedirs(out)
+    log_path = os.path.join(args.base, "dlrover-%d.log" % rnd)
+    port = free_port()
+    env = dict(env, ELASTIC_JOB_NAME=job, DLROVER_MASTER_ADDR="127.0.0.1:%d" % port)
+    with open(log_path, "wb") as log:
+        master = subprocess.Popen([sys.executable, "-u", "-m", "dlrover.python.master.main", "--port", str(port),
+                                   "--node_num", "1", "--job_name", job, "--platform", "local"],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            run = os.path.join(os.path.dirname(sys.executable), "dlrover-run")
+            cmd = [run, "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1", os.path.abspath(__file__),
+                   "--role", "dlrover-worker", "--out", out] + worker_args(args, "dlrover", rnd)
+            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        finally:
+            master.terminate()
+            try:
+                master.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                master.kill()
+                master.wait()
+            # DLRover's agent leaves its shared memory and sockets behind when the job ends.
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(job + "_"):
+                    os.unlink(os.path.join("/dev/shm", name))
+            shutil.rmtree(os.path.join("/tmp/ckpt_sock", job), ignore_errors=True)
+    try:
+        with open(os.path.join(out, "train.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(out, "resume.json")) as f:
+            got = json.load(f)
+    except OSError:
+        with open(log_path, errors="replace") as f:
+            sys.exit("dlrover round %d failed (dlrover-run exit %d):\n%s" % (rnd, proc.returncode, f.read()[-4000:]))
+    return saved, got
+
+
+def dlrover_unavailable(env):
+    """Why DLRover's Flash Checkpoint cannot run in this environment, or None."""
+    probe = subprocess.run([sys.executable, "-c", "import dlrover.trainer.torch.flash_checkpoint.ddp, "
+                            "dlrover.python.master.main"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if probe.returncode != 0:
+        return "dlrover does not import: %s" % probe.stderr.decode(errors="replace").strip().splitlines()[-1]
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "dlrover-run")):
+        return "no dlrover-run beside %s" % sys.executable
+    return None
 
 
 def main():
@@ -205,71 +317,91 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under /tmp)")
     ap.add_argument("--peers", default=",".join(PEERS))
-    ap.add_argument("--role", choices=("main", "train", "resume"), default="main", help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("main", "train", "resume", "dlrover-worker"), default="main",
+                    help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, args.python_dir)
-    if args.role == "train":
-        return train(args)
-    if args.role == "resume":
-        return resume(args)
+    if args.role == "dlrover-worker":
+        return dlrover_worker(args)
+    if args.role in ("train", "resume"):
+        out = (train if args.role == "train" else resume)(args)
+        print(json.dumps(out), flush=True)
+        os._exit(0)  # as a crash: no close(), flashckpt's daemon keeps the memory checkpoint
 
     args.layers = max(1, -(-int(args.gib * 1024) // (3 * 64)))  # ceil: at least --gib GiB
     gib = args.layers * 3 * (LAYER * LAYER + LAYER) * 4 / 2**30
-    base = tempfile.mkdtemp(prefix="fc-peers.", dir=args.dir or "/tmp")
+    args.base = base = tempfile.mkdtemp(prefix="fc-peers.", dir=args.dir or "/tmp")
     args.work = os.path.join(base, "work")
     args.socket = os.path.join(base, "flashckptd.sock")
-    budget = "%dGiB" % (int(gib * 2) + 2)  # a disk and a memory checkpoint of a round's job
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=args.python_dir, LOCAL_RANK="0", RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", PYTHONWARNINGS="ignore")
+    budget = "%dGiB" % (int(gib * 2) + 2)  # two checkpoints of a round's job
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=args.python_dir, PYTHONWARNINGS="ignore")
     daemon = subprocess.Popen([os.path.join(args.bin_dir, "flashckptd"), "--socket", args.socket, "--root",
                                os.path.join(base, "root"), "--max-host-memory", budget, "--idle-release", "60"],
                               stdout=open(os.path.join(base, "flashckptd.log"), "wb"), stderr=subprocess.STDOUT)
     peers = [p for p in args.peers.split(",") if p]
     results = {p: [] for p in peers}
+    unavailable = {}
+    if "dlrover" in peers:
+        why = dlrover_unavailable(env)
+        if why:
+            unavailable["dlrover"] = why
     try:
         deadline = time.monotonic() + 30
         while not os.path.exists(args.socket):
             if daemon.poll() is not None or time.monotonic() > deadline:
                 sys.exit("flashckptd did not start: see %s" % os.path.join(base, "flashckptd.log"))
             time.sleep(0.05)
-        print("state: %d layers of %dx%d fp32 with AdamW = %.2f GiB; %d rounds; checkpoints under %s"
-              % (args.layers, LAYER, LAYER, gib, args.rounds, base), flush=True)
+        print("state: %d layers of %dx%d fp32 with AdamW = %.2f GiB; %d rounds; checkpoints under %s; load %s"
+              % (args.layers, LAYER, LAYER, gib, args.rounds, base, "%.1f %.1f %.1f" % os.getloadavg()), flush=True)
+        for peer, why in unavailable.items():
+            print("%-10s not run: %s" % (peer, why), flush=True)
         for rnd in range(args.rounds):
             for peer in peers:
-                saved = run_role(args, "train", peer, rnd, env)
-                if "unavailable" in saved:
-                    print("round %d %-10s not run: %s" % (rnd, peer, saved["unavailable"]), flush=True)
-                    results[peer].append(saved)
+                if peer in unavailable:
                     continue
-                got = run_role(args, "resume", peer, rnd, env)
+                if peer == "dlrover":
+                    saved, got = run_dlrover_round(args, rnd, env)
+                else:
+                    saved = run_role(args, "train", peer, rnd, env)
+                    got = run_role(args, "resume", peer, rnd, env)
                 if got["digest"] != saved["digest"]:
                     sys.exit("%s round %d: the resumed state differs from the saved one" % (peer, rnd))
                 saved.update(resume_ms=got["resume_ms"], tier=got.get("tier"))
                 results[peer].append(saved)
-                print("round %d %-10s blocking %8.1f ms  durable %8.1f ms  resume %8.1f ms%s" % (
-                    rnd, peer, saved["blocking_ms"], saved["durable_ms"], saved["resume_ms"],
-                    "  (memory save %.1f ms, resumed from %s)" % (saved["memory_blocking_ms"], saved["tier"])
-                    if peer == "flashckpt" else ""), flush=True)
+                print("round %d %-10s first save %8.1f ms (durable %8.1f)  blocking %8.1f ms  durable %8.1f ms"
+                      "  resume %8.1f ms from %s%s" % (
+                          rnd, peer, saved["first_blocking_ms"], saved["first_durable_ms"], saved["blocking_ms"],
+                          saved["durable_ms"], saved["resume_ms"], saved["tier"],
+                          "  (memory save %.1f ms)" % saved["memory_blocking_ms"] if peer == "flashckpt" else ""),
+                      flush=True)
                 shutil.rmtree(os.path.join(args.work, peer), ignore_errors=True)  # the disk stays the same size
+
+        def med(peer, key):
+            return statistics.median(r[key] for r in results[peer])
+
         for peer in peers:
-            if any("unavailable" in r for r in results[peer]):
+            if peer in unavailable:
                 print("RESULT peer=%s blocking_ms=nan durable_ms=nan resume_ms=nan" % peer, flush=True)
-                print("INFO peer=%s not_run=%r" % (peer, results[peer][0]["unavailable"]), flush=True)
+                print("INFO peer=%s not_run=%r" % (peer, unavailable[peer]), flush=True)
                 continue
-            med = {k: statistics.median(r[k] for r in results[peer]) for k in ("blocking_ms", "durable_ms", "resume_ms")}
             print("RESULT peer=%s blocking_ms=%.1f durable_ms=%.1f resume_ms=%.1f"
-                  % (peer, med["blocking_ms"], med["durable_ms"], med["resume_ms"]), flush=True)
+                  % (peer, med(peer, "blocking_ms"), med(peer, "durable_ms"), med(peer, "resume_ms")), flush=True)
+            info = "first_save_blocking_ms=%.1f first_save_durable_ms=%.1f resumed_from=%s" % (
+                med(peer, "first_blocking_ms"), med(peer, "first_durable_ms"),
+                ",".join(sorted({str(r["tier"]) for r in results[peer]})))
             if peer == "flashckpt":
-                print("INFO peer=flashckpt memory_blocking_ms=%.1f resumed_from=%s" % (
-                    statistics.median(r["memory_blocking_ms"] for r in results[peer]),
-                    ",".join(sorted({str(r["tier"]) for r in results[peer]}))), flush=True)
+                info += " memory_blocking_ms=%.1f" % med(peer, "memory_blocking_ms")
             if peer == "dcp":
-                print("INFO peer=dcp pinned_staging=%s" % results[peer][0].get("pinned"), flush=True)
+                info += " pinned_staging=%s" % results[peer][0].get("pinned")
+            if peer == "dlrover":
+                info += " tracker_ms=%.1f" % med(peer, "tracker_ms")
+            print("INFO peer=%s %s" % (peer, info), flush=True)
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:
