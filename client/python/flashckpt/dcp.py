@@ -13,34 +13,23 @@ DCP users switch with one argument:
     reader = FlashckptReader(client=writer.client)     # the same session: see "Runs" below
     dcp.load(state_dict, storage_reader=reader, checkpoint_id=step)  # checkpoint_id None: the latest
 
-checkpoint_id is the step: an int, or a name or path whose last component ends in it ("step_300",
-"/ckpt/checkpoint-300"), so a script that passes FileSystemWriter a folder per step keeps its ids.
+checkpoint_id is the step: an int, or a name or path ending in it ("step_300", "/ckpt/checkpoint-300").
 
 What goes where. Each rank copies the tensors it writes straight into the daemon's shared memory
-(flashckpt.Client.snapshot: one copy, checksummed there) and goes on; the daemon writes them as
-safetensors files in the background, with its EMA of the model tensors when ema_decay is set, and
-commits the checkpoint once every rank's part is durable. A DTensor (FSDP2, tensor parallelism) is
-saved as its local tensor, the box of the global tensor that its placements give; a tensor that is
-not a DTensor is taken to be alike on every rank, as DCP takes it, and one rank writes it. Values
-that are not tensors are pickled with torch.save, as DCP's own writer does, and written as bytes by
-one rank. Each rank also writes a small description of what it wrote (tensor names, global shapes,
-dtypes, the lengths of the pickled values), from which FlashckptReader builds DCP's Metadata: every
-tensor is one chunk covering its whole extent, and the daemon assembles any box a loading rank asks
-for from whichever files hold it, so a checkpoint loads on another mesh or number of ranks.
+(Client.snapshot: one copy, checksummed there) and goes on; the daemon writes safetensors files in the
+background (with its EMA of the model tensors when ema_decay is set) and commits the checkpoint once
+every rank's part is durable. A DTensor is saved as its local box of the global tensor; any other
+tensor is taken to be alike on every rank, as DCP takes it, and one rank writes it; other values are
+pickled with torch.save and written as bytes by one rank. Each rank also writes a description of its
+part, from which FlashckptReader builds DCP's Metadata (one chunk per tensor, its whole extent): the
+daemon assembles any box a loading rank asks for, so a checkpoint loads on another mesh or world size.
 
-When it returns.
-- dcp.save: once every rank's part is in the daemon's memory (the files follow; durable=True makes
-  it wait for the complete checkpoint on disk, as a file system writer's save does).
-- dcp.async_save: the writer is DCP's stager: stage() copies this rank's tensors into the daemon on
-  the calling thread (no collective, no second copy in host memory) and returns; DCP's planning
-  then runs in its background thread. The returned future completes once the checkpoint is complete
-  on disk (durable=False: once planned). Give async_save a process group of its own (a gloo group
-  made with torch.distributed.new_group), as DCP asks, so that its thread's collectives do not mix
-  with the training loop's.
-- writer.wait_persisted(step) waits for the complete checkpoint at any time.
-
-Stages map to DCP's: stage() (async) or write_data() (sync) snapshot; finish() (the coordinator)
-waits for durability when asked. Writers of several ranks must be given the same steps.
+When it returns. dcp.save: once every rank's part is in the daemon's memory (durable=True: once the
+checkpoint is complete on disk). dcp.async_save: stage() copies this rank's tensors into the daemon on
+the calling thread and returns; the future completes once the checkpoint is complete on disk
+(durable=False: once planned). Give async_save a process group of its own (a gloo group from
+torch.distributed.new_group), as DCP asks. writer.wait_persisted(step) waits at any time. The writers
+of all ranks are given the same steps.
 
 Runs. A process that saves into a job which already has checkpoints must have restored from it in
 the same flashckpt session, or pass overwrite=True (see flashckpt.Client's run_id and overwrite):
