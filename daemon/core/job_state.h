@@ -1,4 +1,4 @@
-// The core's record of each job and each of its ranks (Daemon::jobs_, guarded by the daemon's mu_), and
+// The core's record of each job and each of its ranks (Core::jobs_, guarded by Core::mu_), and
 // of each session.
 #pragma once
 

@@ -4,7 +4,8 @@
 #include <algorithm>
 
 #include "common/base/log.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/lineage.h"
+#include "daemon/core/save_path.h"
 
 namespace flashckpt {
 namespace {
@@ -68,13 +69,13 @@ std::string MixedText(int64_t step, const std::map<uint32_t, Signal>& signals) {
 
 }  // namespace
 
-Status Daemon::CheckRunKept(const RankState& state, const Registration& reg) {
+Status Lineage::CheckRunKept(const RankState& state, const Registration& reg) {
   if (state.run_id.empty() || reg.run_id.empty() || reg.run_id == state.run_id) return Status::OK();
   return InvalidArgument("this session belongs to run " + state.run_id + "; a registration cannot move it to run " +
                          reg.run_id + " (a new run is a new process)");
 }
 
-bool Daemon::NamedLiveRunLocked(const JobState& job, uint32_t rank) const {
+bool Lineage::NamedLiveRunLocked(const Core& c_, const JobState& job, uint32_t rank) {
   for (const auto& [r, other] : job.ranks) {
     if (r == rank || other.session_id.empty()) continue;
     if (other.registered && !other.run_id.empty() && !other.run_agreed) return true;
@@ -83,9 +84,9 @@ bool Daemon::NamedLiveRunLocked(const JobState& job, uint32_t rank) const {
   return false;
 }
 
-std::string Daemon::ChooseRunLocked(const JobState& job, uint32_t rank, const RankState& state,
+std::string Lineage::ChooseRunLocked(const Core& c_, const JobState& job, uint32_t rank, const RankState& state,
                                     const Registration& reg, const std::string& agreed,
-                                    const std::string& drawn) const {
+                                    const std::string& drawn) {
   if (!state.run_id.empty()) return state.run_id;  // this session registered before: its run is fixed
   if (!reg.run_id.empty()) return reg.run_id;
   if (!state.pending_run.empty()) return state.pending_run;  // chosen by this registration before it waited
@@ -109,16 +110,16 @@ std::string Daemon::ChooseRunLocked(const JobState& job, uint32_t rank, const Ra
   return drawn;
 }
 
-Status Daemon::CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
+Status Lineage::CheckLineage(const std::string& session_id, const std::string& job, const std::string& run_id,
                             bool overwrite, bool new_process) {
   // The newest complete checkpoint the session would carry on from: the one LATEST names (two small
   // reads), or where there is none (LATEST missing, torn, or naming a step that is gone) the newest
   // on disk, so that a fresh start never carries on after a checkpoint LATEST no longer names. A new
   // process looks at every run's, its own included: its run's checkpoints were written by an earlier
   // process, and one that did not restore is a fresh start, whatever id it reuses.
-  ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, catalog_.LatestRun(job));
+  ASSIGN_OR_RETURN(std::optional<Catalog::RunCheckpoint> latest, c_.catalog_.LatestRun(job));
   if (!latest) {
-    ASSIGN_OR_RETURN(latest, catalog_.NewestComplete(job, new_process ? std::string() : run_id));
+    ASSIGN_OR_RETURN(latest, c_.catalog_.NewestComplete(job, new_process ? std::string() : run_id));
   }
   const std::string fix = "restore to continue it, use another job name, or register a new run (another run id, "
                           "or none: the daemon draws one) with overwrite (ClientOptions::overwrite, overwrite=True "
@@ -133,13 +134,13 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
   if (overwrite) {
     std::set<int64_t> busy;
     {
-      MutexLock lock(&mu_);
-      auto jit = jobs_.find(job);
-      if (jit == jobs_.end() || jit->second.overwritten_for.count(run_id) == 0) busy = BusyStepsLocked(job);
+      MutexLock lock(&c_.mu_);
+      auto jit = c_.jobs_.find(job);
+      if (jit == c_.jobs_.end() || jit->second.overwritten_for.count(run_id) == 0) busy = c_.BusyStepsLocked(job);
       else overwrite = false;  // another rank of the run did it
     }
     if (overwrite) {
-      ASSIGN_OR_RETURN(DeletionOutcome outcome, catalog_.DeleteOtherRuns(job, run_id, busy));
+      ASSIGN_OR_RETURN(DeletionOutcome outcome, c_.catalog_.DeleteOtherRuns(job, run_id, busy));
       Logger("catalog")->warn("overwrite job={} run={} deleted={} skipped={}: a new lineage starts", job, run_id,
                               outcome.deleted.size(), outcome.skipped.size());
       for (const auto& skipped : outcome.skipped) {
@@ -158,19 +159,19 @@ Status Daemon::CheckLineage(const std::string& session_id, const std::string& jo
                               std::to_string(latest->step) + ", of run " + latest->run_id + ") and this run (" +
                               run_id + ") started fresh instead of restoring: " + fix);
   }
-  MutexLock lock(&mu_);
-  if (overwrite) jobs_[job].overwritten_for.insert(run_id);
-  auto it = sessions_.find(session_id);
-  if (it != sessions_.end()) {
-    RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
+  MutexLock lock(&c_.mu_);
+  if (overwrite) c_.jobs_[job].overwritten_for.insert(run_id);
+  auto it = c_.sessions_.find(session_id);
+  if (it != c_.sessions_.end()) {
+    RankState& rank = c_.jobs_[it->second.job].ranks[it->second.rank];
     if (rank.session_id == session_id) rank.lineage_checked = true;
   }
   return Status::OK();
 }
 
-Status Daemon::CheckLaunchCurrent(const std::string& session_id, const std::string& job, const std::string& run_id,
+Status Lineage::CheckLaunchCurrent(const std::string& session_id, const std::string& job, const std::string& run_id,
                                   uint64_t launch) {
-  ASSIGN_OR_RETURN(uint64_t newest, launches_.Newest(job));
+  ASSIGN_OR_RETURN(uint64_t newest, c_.launches_.Newest(job));
   if (newest > launch) {
     return FailedPrecondition(
         "job '" + job + "': this rank joined launch " + std::to_string(launch) + " (run " + run_id +
@@ -181,18 +182,18 @@ Status Daemon::CheckLaunchCurrent(const std::string& session_id, const std::stri
         "(ClientOptions::run_id, run_id= in Python, or FLASHCKPT_RUN_ID, e.g. the scheduler's job id with its "
         "restart count)");
   }
-  MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it != sessions_.end()) {
-    RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
+  MutexLock lock(&c_.mu_);
+  auto it = c_.sessions_.find(session_id);
+  if (it != c_.sessions_.end()) {
+    RankState& rank = c_.jobs_[it->second.job].ranks[it->second.rank];
     if (rank.session_id == session_id) rank.launch_checked = true;
   }
   return Status::OK();
 }
 
-void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
+void Lineage::NoteAttemptLocked(Core& c_, const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
                                const Attempt& attempt) {
-  JobState& job = jobs_[name];
+  JobState& job = c_.jobs_[name];
   auto& by_rank = job.committed_attempts[step];
   by_rank[rank] = JobState::Committed{session_id, attempt};
   // Only live sessions count: a gone one's commit may be overwritten by its successor's.
@@ -209,18 +210,18 @@ void Daemon::NoteAttemptLocked(const std::string& name, uint32_t rank, const std
   // Bounded, oldest steps first (after the last use of by_rank: a resumed run's step may be the
   // oldest one and go at once).
   while (job.committed_attempts.size() > kTrackedSteps) job.committed_attempts.erase(job.committed_attempts.begin());
-  if (!differ || LiveSplitLocked(job, step) != nullptr) return;
+  if (!differ || LiveSplitLocked(c_, job, step) != nullptr) return;
   split.text = SplitText(step, live);
-  NoteSplitLocked(name, rank, step, std::move(split));
+  NoteSplitLocked(c_, name, rank, step, std::move(split));
 }
 
-void Daemon::OnMixedStep(const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
+void Lineage::OnMixedStep(const std::string& name, uint32_t rank, const std::string& session_id, int64_t step,
                          const std::map<uint32_t, Signal>& signals) {
   auto own = signals.find(rank);
   if (own == signals.end()) return;
-  MutexLock lock(&mu_);
-  auto jit = jobs_.find(name);
-  if (jit == jobs_.end() || LiveSplitLocked(jit->second, step) != nullptr) return;  // known already
+  MutexLock lock(&c_.mu_);
+  auto jit = c_.jobs_.find(name);
+  if (jit == c_.jobs_.end() || LiveSplitLocked(c_, jit->second, step) != nullptr) return;  // known already
   JobState& job = jit->second;
   auto rit = job.ranks.find(rank);
   if (rit == job.ranks.end() || session_id.empty() || rit->second.session_id != session_id) return;  // gone
@@ -250,10 +251,10 @@ void Daemon::OnMixedStep(const std::string& name, uint32_t rank, const std::stri
       split.sessions[r] = lit->second.session_id;  // the ranks of this daemon that took part, still live
     }
   }
-  NoteSplitLocked(name, rank, step, std::move(split));
+  NoteSplitLocked(c_, name, rank, step, std::move(split));
 }
 
-const JobState::Split* Daemon::LiveSplitLocked(const JobState& job, int64_t step) const {
+const JobState::Split* Lineage::LiveSplitLocked(const Core& c_, const JobState& job, int64_t step) {
   auto it = job.split_steps.find(step);
   if (it == job.split_steps.end()) return nullptr;
   for (const auto& [r, session] : it->second.sessions) {
@@ -263,8 +264,8 @@ const JobState::Split* Daemon::LiveSplitLocked(const JobState& job, int64_t step
   return &it->second;
 }
 
-void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t step, JobState::Split split) {
-  JobState& job = jobs_[name];
+void Lineage::NoteSplitLocked(Core& c_, const std::string& name, uint32_t rank, int64_t step, JobState::Split split) {
+  JobState& job = c_.jobs_[name];
   const std::string text = split.text;
   job.split_steps[step] = std::move(split);
   while (job.split_steps.size() > kSplitSteps) job.split_steps.erase(job.split_steps.begin());
@@ -288,31 +289,31 @@ void Daemon::NoteSplitLocked(const std::string& name, uint32_t rank, int64_t ste
   event.rank = rank;
   event.step = step;
   event.reason = text;
-  Emit(std::move(event));
-  cv_.NotifyAll();
+  c_.Emit(std::move(event));
+  c_.cv_.NotifyAll();
 }
 
-Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) {
-  const auto deadline = clock_.Now() + timeout;
-  ASSIGN_OR_RETURN(WaitResult own, WaitPersisted(session_id, step, timeout));
+Status Lineage::WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) {
+  const auto deadline = c_.clock_.Now() + timeout;
+  ASSIGN_OR_RETURN(WaitResult own, c_.save->WaitPersisted(session_id, step, timeout));
   if (own.checkpoint_complete) return Status::OK();
   std::string job;
   uint32_t rank_id = 0, world_size = 0;
   Attempt attempt;
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&c_.mu_);
     bool final = false;
-    ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
-    job = sessions_.at(session_id).job;
-    rank_id = sessions_.at(session_id).rank;
+    ASSIGN_OR_RETURN(const RankState* rank, c_.WaitedRank(session_id, &final));
+    job = c_.sessions_.at(session_id).job;
+    rank_id = c_.sessions_.at(session_id).rank;
     world_size = rank->topology.world_size;
     attempt = rank->attempt();
   }
   // WaitPersisted also returns when a later step is durable: a step this rank skipped (or saved in
   // another attempt) has no part of it from this rank and will not complete in this attempt.
-  ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+  ASSIGN_OR_RETURN(bool complete, c_.catalog_.IsComplete(job, step));
   if (complete) return Status::OK();
-  ASSIGN_OR_RETURN(bool part, catalog_.HasSignal(job, rank_id, step, attempt));
+  ASSIGN_OR_RETURN(bool part, c_.catalog_.HasSignal(job, rank_id, step, attempt));
   if (!part) {
     return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job + "' holds no part of rank " +
                               std::to_string(rank_id) + " in this attempt (" + AttemptText(attempt) +
@@ -320,34 +321,34 @@ Status Daemon::WaitComplete(const std::string& session_id, int64_t step, std::ch
   }
   for (;;) {
     {
-      MutexLock lock(&mu_);
+      MutexLock lock(&c_.mu_);
       bool final = false;
-      ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
+      ASSIGN_OR_RETURN(const RankState* rank, c_.WaitedRank(session_id, &final));
       (void)rank;
       if (final) {
         return Unavailable("the daemon stopped before checkpoint-" + std::to_string(step) + " of job '" + job +
                            "' was complete; this rank's part is written: wait again once it has restarted");
       }
-      auto jit = jobs_.find(job);
-      if (jit != jobs_.end()) {
-        if (const JobState::Split* split = LiveSplitLocked(jit->second, step)) {
+      auto jit = c_.jobs_.find(job);
+      if (jit != c_.jobs_.end()) {
+        if (const JobState::Split* split = LiveSplitLocked(c_, jit->second, step)) {
           return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + job +
                                     "' is split: its ranks saved it in different attempts (" + split->text +
                                     "), so it can never complete; restart every rank of the job from one checkpoint");
         }
       }
       // Completion by another daemon sharing the root is seen on the next look at the disk.
-      const auto next = std::min(deadline, clock_.Now() + std::chrono::milliseconds(200));
-      if (clock_.Now() < deadline) (void)clock_.WaitUntil(&cv_, &lock, next);
+      const auto next = std::min(deadline, c_.clock_.Now() + std::chrono::milliseconds(200));
+      if (c_.clock_.Now() < deadline) (void)c_.clock_.WaitUntil(&c_.cv_, &lock, next);
     }
-    ASSIGN_OR_RETURN(complete, catalog_.IsComplete(job, step));
+    ASSIGN_OR_RETURN(complete, c_.catalog_.IsComplete(job, step));
     if (complete) return Status::OK();
-    if (clock_.Now() >= deadline) break;
+    if (c_.clock_.Now() >= deadline) break;
   }
   // The deadline: what the step's signals say about why it is not complete. A signal of another
   // attempt may be a rank that has not reached the step yet in this one (its old signal is still
   // there), or a split across daemons: both are named, neither is counted as a split here.
-  ASSIGN_OR_RETURN(auto attempts, catalog_.SignalAttempts(job, step, world_size));
+  ASSIGN_OR_RETURN(auto attempts, c_.catalog_.SignalAttempts(job, step, world_size));
   std::vector<uint32_t> missing, other;
   for (uint32_t r = 0; r < world_size; ++r) {
     auto a = attempts.find(r);

@@ -5,13 +5,14 @@
 #include <algorithm>
 
 #include "common/base/log.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/memory_tier.h"
+#include "daemon/core/save_path.h"
 #include "daemon/replica/replica_sender.h"
 #include "daemon/replica/replica_layout.h"
 
 namespace flashckpt {
 
-Status Daemon::MemoryTierFits(uint32_t slots, bool ema) {
+Status MemoryTier::MemoryTierFits(uint32_t slots, bool ema) {
   if (slots < 2) {
     return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
                               "while the next one is filled (the rank's segment has " + std::to_string(slots) +
@@ -21,7 +22,7 @@ Status Daemon::MemoryTierFits(uint32_t slots, bool ema) {
   return Status::OK();
 }
 
-bool Daemon::DiskSnapshotsHoldEverything(const RankSegment& segment) {
+bool MemoryTier::DiskSnapshotsHoldEverything(const RankSegment& segment) {
   if (segment.ema) return false;
   for (const Placement& p : segment.layout.placements) {
     if (p.file < 0) return false;
@@ -29,47 +30,47 @@ bool Daemon::DiskSnapshotsHoldEverything(const RankSegment& segment) {
   return true;
 }
 
-uint32_t Daemon::DropMemoryFrom(RankSegment& segment, int64_t from) {
-  uint32_t dropped = Slots(segment).DropResidentsFrom(from);
-  for (const auto& p : MemoryPending(segment)) {
+uint32_t MemoryTier::DropMemoryFrom(Core& c_, RankSegment& segment, int64_t from) {
+  uint32_t dropped = c_.Slots(segment).DropResidentsFrom(from);
+  for (const auto& p : c_.MemoryPending(segment)) {
     if (p.resident->step >= from && !p.resident->dropped.exchange(true)) dropped += 1;
   }
   // The mirrors no longer say those slots hold them: a restarted daemon does not adopt them.
-  for (uint32_t i = 0; i < Slots(segment).size(); ++i) Mirror(segment, i);
+  for (uint32_t i = 0; i < c_.Slots(segment).size(); ++i) c_.Mirror(segment, i);
   return dropped;
 }
 
-uint64_t Daemon::ReplicaAttemptNumber(RankState& state) {
+uint64_t MemoryTier::ReplicaAttemptNumber(Core& c_, RankState& state) {
   // A new number for each attempt, restore and process of the rank: whatever a peer holds from
   // before is older. The wall clock, but above every number seen for the rank (a clock set back, or
   // a replacement node whose clock is behind the old one's).
   if (state.attempt_number == 0 || state.numbered != state.attempt() || state.numbered_process != state.process) {
     state.numbered = state.attempt();
     state.numbered_process = state.process;
-    const auto now_ms = static_cast<uint64_t>(clock_.WallMs());
+    const auto now_ms = static_cast<uint64_t>(c_.clock_.WallMs());
     state.attempt_number = std::max(now_ms, state.attempt_floor + 1);
     state.attempt_floor = state.attempt_number;
   }
   return state.attempt_number;
 }
 
-void Daemon::RestoredLocked(const std::string& job, uint32_t rank, RankState& state, int64_t step) {
-  state.Restored(step, clock_.WallMs());
+void MemoryTier::RestoredLocked(Core& c_, const std::string& job, uint32_t rank, RankState& state, int64_t step) {
+  state.Restored(step, c_.clock_.WallMs());
   // The peers let go of what they hold of a later step of the attempt the rank leaves (a rollback).
-  if (sender_) sender_->Retract(job, rank, step, ReplicaAttemptNumber(state));
+  if (c_.sender_) c_.sender_->Retract(job, rank, step, ReplicaAttemptNumber(c_, state));
 }
 
-void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
+void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                                 uint32_t rank) {
-  if (!sender_) return;
-  std::shared_ptr<const ResidentCheckpoint> resident = Slots(*segment).ResidentIn(slot);
-  auto jit = jobs_.find(job);
-  if (!resident || jit == jobs_.end()) return;
+  if (!c_.sender_) return;
+  std::shared_ptr<const ResidentCheckpoint> resident = c_.Slots(*segment).ResidentIn(slot);
+  auto jit = c_.jobs_.find(job);
+  if (!resident || jit == c_.jobs_.end()) return;
   auto rit = jit->second.ranks.find(rank);
   if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
   RankState& state = rit->second;
   if (resident->attempt != state.attempt()) return;  // a predecessor's, finished late
-  const uint64_t attempt_number = ReplicaAttemptNumber(state);
+  const uint64_t attempt_number = ReplicaAttemptNumber(c_, state);
   const RankLayout& layout = segment->layout;
 
   auto out = std::make_shared<OutgoingReplica>();
@@ -83,21 +84,21 @@ void Daemon::OfferReplicaLocked(const std::shared_ptr<RankSegment>& segment, uin
                                                         resident->sums, resident->attempt.run_id,
                                                         resident->attempt.resumed_from));
   out->meta.extra = resident->extra;
-  out->meta.origin_node = config_.node_name;
+  out->meta.origin_node = c_.config_.node_name;
   out->meta.run_id = resident->attempt.run_id;
   out->meta.resumed_from = resident->attempt.resumed_from;
   out->keep = segment;
   out->data = segment->Slot(slot) + kSlotImageOffset;
   // The push streams the slot while the rank goes on: the checkpoint is still the one sent as long
   // as the slot holds it (a slot is reused only after it lets go of its memory checkpoint).
-  out->still_held = [this, segment, slot, resident] {
-    MutexLock lock(&mu_);
-    return Slots(*segment).ResidentIn(slot) == resident;
+  out->still_held = [core = &c_, segment, slot, resident] {
+    MutexLock lock(&core->mu_);
+    return core->Slots(*segment).ResidentIn(slot) == resident;
   };
-  sender_->Offer(std::move(out));
+  c_.sender_->Offer(std::move(out));
 }
 
-Result<uint32_t> Daemon::PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why) {
+Result<uint32_t> MemoryTier::PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why) {
   // Each rank's slot goes PERSISTING (nobody else takes it) and is verified against the checksums
   // taken after its commit, without the lock: memory that changed since is never written.
   struct Pinned {
@@ -109,44 +110,44 @@ Result<uint32_t> Daemon::PersistMemoryStep(const std::string& name, int64_t step
   };
   std::vector<Pinned> pinned;
   {
-    MutexLock lock(&mu_);
-    auto jit = jobs_.find(name);
-    if (jit == jobs_.end()) return NotFound("job '" + name + "' is no longer held");
+    MutexLock lock(&c_.mu_);
+    auto jit = c_.jobs_.find(name);
+    if (jit == c_.jobs_.end()) return NotFound("job '" + name + "' is no longer held");
     for (auto& [r, rank] : jit->second.ranks) {
       if (!rank.segment) continue;
-      std::optional<SlotTicket> ticket = Slots(*rank.segment).PersistResident(step);
+      std::optional<SlotTicket> ticket = c_.Slots(*rank.segment).PersistResident(step);
       if (!ticket) continue;  // dropped meanwhile
-      Mirror(*rank.segment, ticket->slot);
-      pinned.push_back({r, rank.segment, *ticket, Slots(*rank.segment).ResidentIn(ticket->slot), Status::OK()});
+      c_.Mirror(*rank.segment, ticket->slot);
+      pinned.push_back({r, rank.segment, *ticket, c_.Slots(*rank.segment).ResidentIn(ticket->slot), Status::OK()});
     }
   }
-  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
   Status intact;
   for (Pinned& p : pinned) {
     p.verified = VerifySlotChecksums(p.segment->Slot(p.ticket.slot), p.segment->layout, p.resident->sums, &verifiers);
     if (intact.ok() && !p.verified.ok()) intact = p.verified;
   }
-  MutexLock lock(&mu_);
+  MutexLock lock(&c_.mu_);
   uint32_t ranks = 0;
   Status submit_error;
   for (Pinned& p : pinned) {
     RankState* rank = nullptr;
-    if (auto jit = jobs_.find(name); jit != jobs_.end()) {
+    if (auto jit = c_.jobs_.find(name); jit != c_.jobs_.end()) {
       if (auto rit = jit->second.ranks.find(p.rank); rit != jit->second.ranks.end()) rank = &rit->second;
     }
     if (!intact.ok() || rank == nullptr) {
-      (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
-      Mirror(*p.segment, p.ticket.slot);
+      (void)c_.Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+      c_.Mirror(*p.segment, p.ticket.slot);
       const std::string instead = std::string("not writing it ") + why;
-      if (!p.verified.ok()) MemoryFailedLocked(*p.segment, name, p.rank, step, p.verified, instead.c_str());
+      if (!p.verified.ok()) MemoryFailedLocked(c_, *p.segment, name, p.rank, step, p.verified, instead.c_str());
       continue;
     }
     // Signalled in the attempt of the process that took it, as its own disk saves are.
-    PersistRequest request = MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
+    PersistRequest request = c_.save->MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
                                                 p.resident->attempt, p.segment, p.ticket, step, p.resident->extra);
-    if (Status submitted = writer_->Submit(std::move(request)); !submitted.ok()) {
-      (void)Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
-      Mirror(*p.segment, p.ticket.slot);
+    if (Status submitted = c_.writer_->Submit(std::move(request)); !submitted.ok()) {
+      (void)c_.Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
+      c_.Mirror(*p.segment, p.ticket.slot);
       Logger("writer")->error("persist {} not queued job={} step={} rank={} error=\"{}\"", why, name, step, p.rank,
                               submitted.ToString());
       if (submit_error.ok()) submit_error = submitted;
@@ -154,7 +155,7 @@ Result<uint32_t> Daemon::PersistMemoryStep(const std::string& name, int64_t step
     }
     ranks += 1;
   }
-  cv_.NotifyAll();
+  c_.cv_.NotifyAll();
   if (!intact.ok()) {
     Logger("writer")->error("persist {}: job={} memory step={} not written: a rank's copy failed its checksums", why,
                             name, step);
@@ -166,13 +167,13 @@ Result<uint32_t> Daemon::PersistMemoryStep(const std::string& name, int64_t step
   return ranks;
 }
 
-uint32_t Daemon::PersistMemoryOnStop() {
+uint32_t MemoryTier::PersistMemoryOnStop() {
   // Per job: the memory steps every rank of it here holds, newest first.
   std::map<std::string, std::vector<int64_t>> common;
   {
-    MutexLock lock(&mu_);
-    for (const auto& [name, job] : jobs_) {
-      std::vector<int64_t> steps = CommonMemoryStepsLocked(job);
+    MutexLock lock(&c_.mu_);
+    for (const auto& [name, job] : c_.jobs_) {
+      std::vector<int64_t> steps = CommonMemoryStepsLocked(c_, job);
       if (!steps.empty()) common[name] = std::move(steps);
     }
   }
@@ -180,7 +181,7 @@ uint32_t Daemon::PersistMemoryOnStop() {
   for (const auto& [name, steps] : common) {
     // Read without the lock. A root that cannot be read: the memory checkpoint is written anyway
     // (a step already complete on disk is then written again, which is harmless).
-    Result<std::optional<int64_t>> latest = catalog_.LatestComplete(name);
+    Result<std::optional<int64_t>> latest = c_.catalog_.LatestComplete(name);
     const int64_t disk = latest.ok() ? latest->value_or(-1) : -1;
     const int64_t step = steps.front();
     if (step <= disk) {
@@ -193,4 +194,64 @@ uint32_t Daemon::PersistMemoryOnStop() {
   }
   return queued;
 }
+void MemoryTier::MemoryFailedLocked(Core& c_, RankSegment& segment, const std::string& job, uint32_t rank, int64_t step,
+                                const Status& error, const char* instead) {
+  const uint32_t dropped = DropMemoryFrom(c_, segment, std::numeric_limits<int64_t>::min());
+  Logger("restore")->warn("memory checkpoint failed its checksums, {} instead job={} rank={} step={} dropped={} "
+                          "error=\"{}\"",
+                          instead, job, rank, step, dropped, error.ToString());
+  DaemonEvent event;
+  event.kind = DaemonEvent::Kind::kMemoryFallback;
+  event.job = job;
+  event.rank = rank;
+  event.step = step;
+  event.reason = error.ToString();
+  c_.Emit(std::move(event));
+}
+
+Status MemoryTier::VerifyResident(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
+                              int64_t step, ParallelLoop* verifiers, const char* instead, std::string* extra) {
+  std::optional<SlotTicket> ticket;
+  std::shared_ptr<const ResidentCheckpoint> resident;
+  {
+    MutexLock lock(&c_.mu_);
+    ticket = c_.Slots(*segment).AcquireResident(step);
+    if (!ticket) return NotFound("memory checkpoint step " + std::to_string(step) + " is no longer held");
+    resident = c_.Slots(*segment).ResidentIn(ticket->slot);
+    c_.Slots(*segment).SetLoading(ticket->slot, true);
+    c_.Mirror(*segment, ticket->slot);
+  }
+  Status verified = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, resident->sums, verifiers);
+  MutexLock lock(&c_.mu_);
+  c_.Slots(*segment).SetLoading(ticket->slot, false);
+  (void)c_.Slots(*segment).Release(*ticket, SlotState::kRestoring);  // still holding it
+  c_.Mirror(*segment, ticket->slot);
+  c_.cv_.NotifyAll();
+  if (!verified.ok()) MemoryFailedLocked(c_, *segment, job, rank, step, verified, instead);
+  if (verified.ok() && extra != nullptr) *extra = resident->extra;
+  return verified;
+}
+
+std::vector<int64_t> MemoryTier::CommonMemoryStepsLocked(const Core& c_, const JobState& job) {
+  bool first = true;
+  std::vector<int64_t> steps;
+  for (const auto& [r, rank] : job.ranks) {
+    if (!rank.segment) continue;
+    std::vector<int64_t> held = c_.Slots(*rank.segment).ResidentSteps();  // newest first
+    steps = first ? std::move(held) : StepsAlsoIn(steps, held);
+    first = false;
+  }
+  return steps;
+}
+
+bool MemoryTier::MemoryStepWrittenLocked(const Core& c_, const JobState& job, int64_t step) {
+  for (const auto& [r, rank] : job.ranks) {
+    if (!rank.segment) continue;
+    const std::vector<int64_t> held = c_.Slots(*rank.segment).ResidentSteps();
+    if (std::find(held.begin(), held.end(), step) == held.end()) continue;
+    if (rank.last_persisted < step) return false;
+  }
+  return true;
+}
+
 }  // namespace flashckpt

@@ -29,7 +29,7 @@ struct ReleaseOutcome {
   std::vector<int64_t> dropped_steps;  // newest first
 };
 
-// How the ranks of a job resume (Daemon::ResumePlanFor).
+// How the ranks of a job resume (Restorer::ResumePlanFor).
 struct ResumePlan {
   bool found = false;  // false: the job has no checkpoint to restore
   int64_t step = 0;
@@ -70,6 +70,19 @@ struct RestoreOutcome {
   };
   uint64_t chunk_bytes = 0;
   std::vector<TensorSums> tensor_sums;
+};
+
+// Daemon::GetEma: the current EMA copied into a slot (RESTORING until ReleaseSlot).
+// initialized=false: no update yet.
+struct EmaCopy {
+  bool initialized = false;
+  int64_t step = -1;
+  SlotTicket ticket;
+};
+
+// Daemon::CountSessions: jobs, ranks and connected ranks.
+struct SessionCounts {
+  size_t jobs = 0, ranks = 0, connected = 0;
 };
 
 }  // namespace flashckpt

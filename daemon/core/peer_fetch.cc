@@ -10,7 +10,7 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/format/slot_checksums.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/memory_tier.h"
 #include "daemon/replica/replica_layout.h"
 #include "daemon/replica/replica_sender.h"
 
@@ -63,7 +63,7 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& se
 
 }  // namespace
 
-Status Daemon::ContinuesLineage(const std::string& job, const ReplicaMeta& m, const Lineage& lineage) {
+Status MemoryTier::ContinuesLineage(const std::string& job, const ReplicaMeta& m, const HeldLineage& lineage) {
   // What the peer listed is untrusted: a run id and step as everywhere else.
   if ((!m.run_id.empty() && !ValidateRunId(m.run_id).ok()) || m.resumed_from < 0 || m.resumed_from > kMaxStep) {
     return FailedPrecondition("its run id or restored step is malformed");
@@ -76,7 +76,7 @@ Status Daemon::ContinuesLineage(const std::string& job, const ReplicaMeta& m, co
   // new run id), or one at or past the newest complete one here (restored from memory or a peer).
   if (m.resumed_from > 0) {
     if (m.resumed_from >= lineage.disk_step && lineage.disk_step > 0) return Status::OK();
-    auto complete = catalog_.IsComplete(job, m.resumed_from);
+    auto complete = c_.catalog_.IsComplete(job, m.resumed_from);
     if (complete.ok() && *complete) return Status::OK();
   }
   std::string here;
@@ -91,42 +91,42 @@ Status Daemon::ContinuesLineage(const std::string& job, const ReplicaMeta& m, co
                             "): another job of the same name, or a timeline this job left");
 }
 
-void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
+void MemoryTier::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
                               int64_t wanted) {
-  if (!sender_) return;
+  if (!c_.sender_) return;
   std::shared_ptr<RankSegment> segment;
   uint32_t world_size = 0;
   int64_t newest_here = 0;
   bool wanted_here = false;
   std::set<std::string> runs_here;  // of the rank's memory checkpoints here
   {
-    MutexLock lock(&mu_);
-    auto jit = jobs_.find(job);
-    if (jit == jobs_.end()) return;
+    MutexLock lock(&c_.mu_);
+    auto jit = c_.jobs_.find(job);
+    if (jit == c_.jobs_.end()) return;
     auto rit = jit->second.ranks.find(rank_id);
     if (rit == jit->second.ranks.end() || !rit->second.segment || rit->second.segment->ema) return;
     segment = rit->second.segment;
     world_size = rit->second.topology.world_size;
-    const std::vector<int64_t> held = Slots(*segment).ResidentSteps();
+    const std::vector<int64_t> held = c_.Slots(*segment).ResidentSteps();
     if (!held.empty()) newest_here = held.front();
     wanted_here = std::find(held.begin(), held.end(), wanted) != held.end();
-    for (const auto& p : MemoryPending(*segment)) {
+    for (const auto& p : c_.MemoryPending(*segment)) {
       if (p.resident->dropped.load()) continue;  // its copies never finished
       newest_here = std::max(newest_here, p.resident->step);
       wanted_here = wanted_here || p.resident->step == wanted;
       runs_here.insert(p.resident->attempt.run_id);
     }
-    for (uint32_t i = 0; i < Slots(*segment).size(); ++i) {
-      if (auto r = Slots(*segment).ResidentIn(i)) runs_here.insert(r->attempt.run_id);
+    for (uint32_t i = 0; i < c_.Slots(*segment).size(); ++i) {
+      if (auto r = c_.Slots(*segment).ResidentIn(i)) runs_here.insert(r->attempt.run_id);
     }
   }
   // The lineage the job is on here: the run of its newest complete checkpoint on disk and the runs
   // of the rank's memory checkpoints. A replica is used only when it continues it (ContinuesLineage).
-  Lineage lineage;
+  HeldLineage lineage;
   lineage.runs = std::move(runs_here);
   {
-    auto latest = catalog_.LatestRun(job);
-    if (latest.ok() && !*latest) latest = catalog_.NewestComplete(job, "");
+    auto latest = c_.catalog_.LatestRun(job);
+    if (latest.ok() && !*latest) latest = c_.catalog_.NewestComplete(job, "");
     if (!latest.ok()) {
       // The files may be what failed: the memory checkpoints' runs alone say the lineage then.
       Logger("restore")->warn("replicas of job={} rank={}: the job's checkpoints here cannot be read ({}); the "
@@ -146,9 +146,9 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     ReplicaMeta meta;
   } best;
   uint64_t highest_attempt = 0;  // of the rank's replicas on the peers, any step
-  const auto list_by = std::min(deadline, clock_.Now() + kPeerListTimeout);
-  for (const ReplicaSender::PeerChannel& peer : sender_->channels()) {
-    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(clock_, list_by));
+  const auto list_by = std::min(deadline, c_.clock_.Now() + kPeerListTimeout);
+  for (const ReplicaSender::PeerChannel& peer : c_.sender_->channels()) {
+    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(c_.clock_, list_by));
     if (!listed.ok()) {
       Logger("restore")->warn("replica peer={} not asked job={} rank={}: {}", peer.target, job, rank_id,
                               listed.status().ToString());
@@ -167,7 +167,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
         event.rank = rank_id;
         event.step = m.step;
         event.reason = why;
-        Emit(std::move(event));
+        c_.Emit(std::move(event));
         continue;
       }
       highest_attempt = std::max(highest_attempt, m.attempt);
@@ -180,9 +180,9 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   if (highest_attempt > 0) {
     // The rank's next attempt number goes above what its peers hold (a step asked for by number
     // that is here too: the restore renumbers the attempt all the same).
-    MutexLock lock(&mu_);
-    auto jit = jobs_.find(job);
-    if (jit != jobs_.end()) {
+    MutexLock lock(&c_.mu_);
+    auto jit = c_.jobs_.find(job);
+    if (jit != c_.jobs_.end()) {
       auto rit = jit->second.ranks.find(rank_id);
       if (rit != jit->second.ranks.end()) {
         rit->second.attempt_floor = std::max(rit->second.attempt_floor, highest_attempt);
@@ -206,23 +206,23 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
 
   std::optional<SlotTicket> ticket;
   {
-    MutexLock lock(&mu_);
-    ticket = Slots(*segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
+    MutexLock lock(&c_.mu_);
+    ticket = c_.Slots(*segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
     if (!ticket) {
       Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not fetched: no free slot", job, rank_id,
                               step, best.peer->target);
       return;
     }
-    Slots(*segment).SetLoading(ticket->slot, true);
-    Mirror(*segment, ticket->slot);
+    c_.Slots(*segment).SetLoading(ticket->slot, true);
+    c_.Mirror(*segment, ticket->slot);
   }
-  const auto started = clock_.Now();
+  const auto started = c_.clock_.Now();
   char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
   SlotChecksums sums;
   // Half the time left at most: the files must still be readable in time when the peer is slow.
-  const auto fetch_by = clock_.Now() + (deadline - clock_.Now()) / 2;
+  const auto fetch_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
   auto fetched = FetchReplica(
-      best.peer->channel.get(), config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
+      best.peer->channel.get(), c_.config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
       [&](const ReplicaMeta& meta) -> Result<char*> {
         // The one listed (and checked against the lineage), not one the peer holds in its place now.
         if (meta.run_id != best.meta.run_id || meta.resumed_from != best.meta.resumed_from ||
@@ -232,20 +232,20 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
         ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
         return into;
       },
-      SystemDeadline(clock_, fetch_by), OriginOf(best.meta));
+      SystemDeadline(c_.clock_, fetch_by), OriginOf(best.meta));
   Status checked = fetched.status();
   if (checked.ok()) {
-    ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+    ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
     checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, sums, &verifiers);
   }
-  const double secs = std::chrono::duration<double>(clock_.Now() - started).count();
+  const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
 
-  MutexLock lock(&mu_);
-  Slots(*segment).SetLoading(ticket->slot, false);
+  MutexLock lock(&c_.mu_);
+  c_.Slots(*segment).SetLoading(ticket->slot, false);
   if (!checked.ok()) {
-    (void)Slots(*segment).Release(*ticket, SlotState::kRestoring);
-    Mirror(*segment, ticket->slot);
-    cv_.NotifyAll();
+    (void)c_.Slots(*segment).Release(*ticket, SlotState::kRestoring);
+    c_.Mirror(*segment, ticket->slot);
+    c_.cv_.NotifyAll();
     if (checked.code() != StatusCode::kCorruption) {
       // Not fetched (the peer went away, too slow) or of another layout: nothing was wrong with it.
       Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not used: {}", job, rank_id, step,
@@ -260,7 +260,7 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
     event.rank = rank_id;
     event.step = step;
     event.reason = "replica from " + best.peer->target + ": " + checked.ToString();
-    Emit(std::move(event));
+    c_.Emit(std::move(event));
     return;
   }
   Result<ReplicaLayout> where = DecodeReplicaLayout(fetched->layout);  // decoded once already (ReplicaSums)
@@ -272,9 +272,9 @@ void Daemon::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chr
   resident->extra = fetched->extra;
   resident->sums = std::move(sums);
   resident->from_peer = best.peer->target;
-  Status kept = Slots(*segment).KeepFetched(*ticket, std::move(resident));
-  Mirror(*segment, ticket->slot);
-  cv_.NotifyAll();
+  Status kept = c_.Slots(*segment).KeepFetched(*ticket, std::move(resident));
+  c_.Mirror(*segment, ticket->slot);
+  c_.cv_.NotifyAll();
   if (!kept.ok()) {
     Logger("restore")->error("replica of job={} rank={} step={} fetched but not kept: {}", job, rank_id, step,
                              kept.ToString());

@@ -17,13 +17,16 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/io/fs.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/memory_tier.h"
+#include "daemon/core/recovery.h"
+#include "daemon/core/registrar.h"
+#include "daemon/core/save_path.h"
 #include "daemon/edge/registration.h"  // ParseRegistration of the state directory's records
 
 namespace flashckpt {
 
-Status Daemon::AdoptSegments() {
-  std::vector<StateDir::Adoptable> records = state_.Load();
+Status Recovery::AdoptSegments() {
+  std::vector<StateDir::Adoptable> records = c_.state_.Load();
   std::set<std::string> jobs;
   for (const auto& r : records) {
     if (ValidateJobName(r.segment.job()).ok()) jobs.insert(r.segment.job());
@@ -38,7 +41,7 @@ Status Daemon::AdoptSegments() {
       Logger("shm")->error("not adopted segment={} job={} rank={} committed_snapshots={}: {}", r.segment.segment_name(),
                            r.segment.job(), r.segment.rank(), r.commits.size(), s.ToString());
       if (r.segment.segment_name().rfind("flashckpt.", 0) == 0) SharedSegment::Unlink(r.segment.segment_name());
-      state_.RemoveSegment(r.segment.segment_name());
+      c_.state_.RemoveSegment(r.segment.segment_name());
       continue;
     }
     adopted += 1;
@@ -56,7 +59,7 @@ struct AdoptedCommit {
   bool ema_done = false;  // the old daemon's EMA stage had finished with it (mirrored PERSISTING)
 };
 
-Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
+Status Recovery::AdoptSegment(const StateDir::Adoptable& record) {
   const v1::SegmentRecord& rec = record.segment;
   const std::string& job = rec.job();
   const uint32_t rank_id = rec.rank();
@@ -80,7 +83,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
   ASSIGN_OR_RETURN(std::shared_ptr<RankSegment> segment,
-                   CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
+                   c_.registrar->CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
                                  rec.segment_name(), /*adopt=*/true));
 
   ASSIGN_OR_RETURN(std::vector<AdoptedCommit> pending, AdoptCommits(record, reg, segment));
@@ -92,7 +95,7 @@ Status Daemon::AdoptSegment(const StateDir::Adoptable& record) {
   return Status::OK();
 }
 
-Result<std::vector<AdoptedCommit>> Daemon::AdoptCommits(const StateDir::Adoptable& record, const Registration& reg,
+Result<std::vector<AdoptedCommit>> Recovery::AdoptCommits(const StateDir::Adoptable& record, const Registration& reg,
                                                         const std::shared_ptr<RankSegment>& segment) {
   const v1::SegmentRecord& rec = record.segment;
   const std::string& job = rec.job();
@@ -105,15 +108,15 @@ Result<std::vector<AdoptedCommit>> Daemon::AdoptCommits(const StateDir::Adoptabl
         (!c.run_id().empty() && !ValidateRunId(c.run_id()).ok())) {
       Logger("shm")->warn("dropping commit record segment={} slot={}: step {} world size {}", rec.segment_name(),
                           c.slot(), c.step(), c.world_size());
-      state_.RemoveCommit(rec.segment_name(), c.slot());
+      c_.state_.RemoveCommit(rec.segment_name(), c.slot());
       continue;
     }
-    RETURN_IF_ERROR(UnpublishedSlots(*segment).Adopt(ticket, c.step()));
+    RETURN_IF_ERROR(c_.UnpublishedSlots(*segment).Adopt(ticket, c.step()));
     const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot()));
     AdoptedCommit p;
     p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
                  mirror->step.load() == c.step() && mirror->generation.load() == c.generation();
-    MirrorUnpublished(*segment, c.slot());
+    c_.MirrorUnpublished(*segment, c.slot());
     EmaJob& j = p.job;
     j.segment = segment;
     j.ticket = ticket;
@@ -128,8 +131,8 @@ Result<std::vector<AdoptedCommit>> Daemon::AdoptCommits(const StateDir::Adoptabl
       // When the disk cannot tell (EIO, ESTALE), the snapshot is written again: the slot holds the
       // bytes of this very step and attempt, so what is written is what was (or was to be) there.
       const Attempt attempt{c.run_id(), c.resumed_from()};
-      auto signalled = catalog_.HasSignal(job, rank_id, c.step(), attempt);
-      auto is_complete = catalog_.IsComplete(job, c.step());
+      auto signalled = c_.catalog_.HasSignal(job, rank_id, c.step(), attempt);
+      auto is_complete = c_.catalog_.IsComplete(job, c.step());
       if (!signalled.ok() || !is_complete.ok()) {
         Logger("shm")->error("recovery job={} rank={} step={}: cannot tell whether it is durable, writing it again: {}",
                              job, rank_id, c.step(),
@@ -138,16 +141,16 @@ Result<std::vector<AdoptedCommit>> Daemon::AdoptCommits(const StateDir::Adoptabl
       const bool written = signalled.ok() && *signalled;
       if (written || (is_complete.ok() && *is_complete)) {
         if (written) {
-          auto complete = catalog_.MaybeComplete(job, c.step(), c.world_size(), attempt);
+          auto complete = c_.catalog_.MaybeComplete(job, c.step(), c.world_size(), attempt);
           if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());
         }
-        (void)UnpublishedSlots(*segment).Release(ticket, SlotState::kCommitted);
-        MirrorUnpublished(*segment, c.slot());
-        state_.RemoveCommit(rec.segment_name(), c.slot());
+        (void)c_.UnpublishedSlots(*segment).Release(ticket, SlotState::kCommitted);
+        c_.MirrorUnpublished(*segment, c.slot());
+        c_.state_.RemoveCommit(rec.segment_name(), c.slot());
         Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
         continue;
       }
-      j.request = MakePersistRequest(job, rank_id, /*session_id=*/"", /*process=*/0, c.world_size(), attempt, segment,
+      j.request = c_.save->MakePersistRequest(job, rank_id, /*session_id=*/"", /*process=*/0, c.world_size(), attempt, segment,
                                      ticket, c.step(), c.extra());
     }
     pending->push_back(std::move(p));
@@ -156,7 +159,7 @@ Result<std::vector<AdoptedCommit>> Daemon::AdoptCommits(const StateDir::Adoptabl
   return adopted;
 }
 
-std::vector<int64_t> Daemon::AdoptMemoryRecords(const StateDir::Adoptable& record, const Registration& reg,
+std::vector<int64_t> Recovery::AdoptMemoryRecords(const StateDir::Adoptable& record, const Registration& reg,
                                                 const std::shared_ptr<RankSegment>& segment) {
   const v1::SegmentRecord& rec = record.segment;
   const std::string& job = rec.job();
@@ -187,43 +190,43 @@ std::vector<int64_t> Daemon::AdoptMemoryRecords(const StateDir::Adoptable& recor
     }
     if (why.empty()) {
       const SlotTicket ticket{m.slot(), mirror->generation.load()};
-      if (Status s = UnpublishedSlots(*segment).AdoptResident(ticket, std::move(resident)); !s.ok()) why = s.message();
+      if (Status s = c_.UnpublishedSlots(*segment).AdoptResident(ticket, std::move(resident)); !s.ok()) why = s.message();
     }
     if (!why.empty()) {
       Logger("shm")->info("memory checkpoint not adopted segment={} slot={} step={}: {}", rec.segment_name(), m.slot(),
                           m.step(), why);
-      state_.RemoveMemory(rec.segment_name(), m.slot());
+      c_.state_.RemoveMemory(rec.segment_name(), m.slot());
       continue;
     }
-    MirrorUnpublished(*segment, m.slot());
+    c_.MirrorUnpublished(*segment, m.slot());
     Logger("shm")->info("recovered job={} rank={} step={} tier=memory: kept before the restart{}", job, rank_id,
                         m.step(), m.written() ? " (also on disk)" : "");
     if (!m.written()) memory_steps.push_back(m.step());
   }
   // Slots the old daemon mirrored as holding a memory checkpoint without a record here: not held.
   for (uint32_t i = 0; i < rec.slot_count(); ++i) {
-    const SlotInfo& slot = UnpublishedSlots(*segment).at(i);
-    if (slot.state == SlotState::kFree && slot.resident == nullptr) MirrorUnpublished(*segment, i);
+    const SlotInfo& slot = c_.UnpublishedSlots(*segment).at(i);
+    if (slot.state == SlotState::kFree && slot.resident == nullptr) c_.MirrorUnpublished(*segment, i);
   }
 
   return memory_steps;
 }
 
-void Daemon::PublishAdopted(const StateDir::Adoptable& record, const Registration& reg,
+void Recovery::PublishAdopted(const StateDir::Adoptable& record, const Registration& reg,
                             const std::shared_ptr<RankSegment>& segment, std::vector<AdoptedCommit> pending,
                             const std::vector<int64_t>& memory_steps) {
   const v1::SegmentRecord& rec = record.segment;
   const std::string& job = rec.job();
   const uint32_t rank_id = rec.rank();
-  MutexLock lock(&mu_);
-  JobState& job_state = jobs_[job];
+  MutexLock lock(&c_.mu_);
+  JobState& job_state = c_.jobs_[job];
   RankState& rank = job_state.ranks[rank_id];
-  if (rank.session_id.empty()) rank.gone_since = clock_.Now();  // idle from here
+  if (rank.session_id.empty()) rank.gone_since = c_.clock_.Now();  // idle from here
   if (!rank.segment) {
     rank.segment = segment;
     rank.topology = reg.topology;
     rank.policy = reg.policy;
-    rank.memory_checkpoints = reg.memory_checkpoints && DiskSnapshotsHoldEverything(*segment);
+    rank.memory_checkpoints = reg.memory_checkpoints && c_.memory->DiskSnapshotsHoldEverything(*segment);
     job_state.topology = reg.topology;
   }  // else another record of the rank was adopted first: this one lives until its snapshots are written
   for (int64_t step : memory_steps) {
@@ -236,25 +239,25 @@ void Daemon::PublishAdopted(const StateDir::Adoptable& record, const Registratio
     Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,
                         p.job.step, p.job.persist);
     if (segment->ema && !p.ema_done) {
-      EmaPending(*segment) += 1;
-      ema_stage_->Submit(std::move(p.job));  // in step order: the records are sorted
+      c_.EmaPending(*segment) += 1;
+      c_.ema_stage_->Submit(std::move(p.job));  // in step order: the records are sorted
     } else {
       if (!p.job.persist) {
-        (void)Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
-        Mirror(*segment, p.job.ticket.slot);
-        state_.RemoveCommit(rec.segment_name(), p.job.ticket.slot);
+        (void)c_.Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
+        c_.Mirror(*segment, p.job.ticket.slot);
+        c_.state_.RemoveCommit(rec.segment_name(), p.job.ticket.slot);
         continue;
       }
-      Status s = FinishCommittedLocked(std::move(p.job));
+      Status s = SavePath::FinishCommittedLocked(c_, std::move(p.job));
       if (!s.ok()) Logger("shm")->error("recovered snapshot not queued: {}", s.ToString());
     }
   }
-  cv_.NotifyAll();
+  c_.cv_.NotifyAll();
 }
 
-void Daemon::RemoveStaleTemporaries(const std::string& job) {
-  const std::string job_dir = catalog_.JobDir(job);
-  auto dirs = ListDir(job_dir, RootIo());
+void Recovery::RemoveStaleTemporaries(const std::string& job) {
+  const std::string job_dir = c_.catalog_.JobDir(job);
+  auto dirs = ListDir(job_dir, c_.RootIo());
   if (!dirs.ok()) {
     if (dirs.status().code() != StatusCode::kNotFound) {
       Logger("writer")->error("recovery job={}: cannot look for stale temporaries: {}", job, dirs.status().ToString());
@@ -263,7 +266,7 @@ void Daemon::RemoveStaleTemporaries(const std::string& job) {
   }
   size_t removed = 0;
   auto sweep = [&](const std::string& dir, const std::vector<std::string>& names) {
-    for (const auto& path : flashckpt::RemoveStaleTemporaries(dir, names, RootIo())) {
+    for (const auto& path : flashckpt::RemoveStaleTemporaries(dir, names, c_.RootIo())) {
       removed += 1;
       Logger("writer")->info("removed stale temporary {}", path);
     }
@@ -271,7 +274,7 @@ void Daemon::RemoveStaleTemporaries(const std::string& job) {
   sweep(job_dir, *dirs);  // LATEST.tmp.*
   for (const auto& d : *dirs) {
     if (!ParseCheckpointDirName(d)) continue;
-    auto names = ListDir(job_dir + "/" + d, RootIo());
+    auto names = ListDir(job_dir + "/" + d, c_.RootIo());
     if (names.ok()) sweep(job_dir + "/" + d, *names);
   }
   if (removed > 0) Logger("writer")->info("recovery job={} stale_temporaries_removed={}", job, removed);

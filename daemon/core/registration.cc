@@ -8,7 +8,9 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/format/image.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/lineage.h"
+#include "daemon/core/memory_tier.h"
+#include "daemon/core/registrar.h"
 #include "daemon/core/registration.h"
 #include "daemon/core/texts.h"
 #include "daemon/edge/wire.h"
@@ -151,16 +153,16 @@ Status CheckRankBytes(const RankLayout& layout, uint64_t limit) {
                            FormatBytes(limit) + " (--max-rank-bytes)");
 }
 
-Result<std::map<int64_t, Topology>> Daemon::LayoutHoldLocked(const std::string& name, const RankState& rank) const {
-  auto jit = jobs_.find(name);
-  if (jit == jobs_.end() || jit->second.held_steps.empty() || rank.resumed_from > 0) {
+Result<std::map<int64_t, Topology>> Registrar::LayoutHoldLocked(const Core& c_, const std::string& name, const RankState& rank) {
+  auto jit = c_.jobs_.find(name);
+  if (jit == c_.jobs_.end() || jit->second.held_steps.empty() || rank.resumed_from > 0) {
     return std::map<int64_t, Topology>{};
   }
   const JobState& job = jit->second;
   for (const auto& [r, other] : job.ranks) {
     if (!other.segment) continue;
-    for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
-      const SlotInfo& slot = Slots(*other.segment).at(i);
+    for (uint32_t i = 0; i < c_.Slots(*other.segment).size(); ++i) {
+      const SlotInfo& slot = c_.Slots(*other.segment).at(i);
       auto held = job.held_steps.find(slot.step);
       if (held != job.held_steps.end() &&
           (slot.state == SlotState::kCommitted || slot.state == SlotState::kPersisting)) {
@@ -171,24 +173,24 @@ Result<std::map<int64_t, Topology>> Daemon::LayoutHoldLocked(const std::string& 
   return job.held_steps;
 }
 
-Status Daemon::CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held) {
+Status Registrar::CheckLayoutHold(const std::string& job, const Topology& now, const std::map<int64_t, Topology>& held) {
   std::vector<int64_t> done;
   for (const auto& [step, before] : held) {
-    ASSIGN_OR_RETURN(bool exists, Exists(catalog_.CheckpointDir(job, step), RootIo()));
-    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(job, step));
+    ASSIGN_OR_RETURN(bool exists, Exists(c_.catalog_.CheckpointDir(job, step), c_.RootIo()));
+    ASSIGN_OR_RETURN(bool complete, c_.catalog_.IsComplete(job, step));
     if (exists && !complete) {
       return LayoutHeld(job, step, before, now, "is incomplete (its directory has no metadata.json)");
     }
     done.push_back(step);
   }
-  MutexLock lock(&mu_);
-  if (auto jit = jobs_.find(job); jit != jobs_.end()) {
+  MutexLock lock(&c_.mu_);
+  if (auto jit = c_.jobs_.find(job); jit != c_.jobs_.end()) {
     for (int64_t step : done) jit->second.held_steps.erase(step);
   }
   return Status::OK();
 }
 
-Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
+Result<std::shared_ptr<RankSegment>> Registrar::CreateSegment(const std::string& job, uint32_t rank, RankLayout layout,
                                                            std::optional<EmaPlan> plan, const EmaConfig& config,
                                                            uint32_t slot_count, const std::string& name,
                                                            bool adopt, const std::string& run_id) {
@@ -198,15 +200,15 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
     // recorded it (the rank's slot segment is adopted, or the EMA was kept for the job) or when
     // its average is of the run this rank registers in.
     const std::string unscoped = UnscopedEmaSegmentName(job, rank);
-    const bool recorded = adopt || state_.HasKeptEma(unscoped);
-    ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, ema_scope_, std::move(*plan), config, config_.segment_mode,
+    const bool recorded = adopt || c_.state_.HasKeptEma(unscoped);
+    ASSIGN_OR_RETURN(ema, RankEma::Open(job, rank, c_.ema_scope_, std::move(*plan), config, c_.config_.segment_mode,
                                         recorded, run_id));
     if (ema->upgraded() || recorded) {
       // Renamed, or removed as unfit: the record of the old name goes (the next stop records the
       // scoped one), so that no later release of it unlinks a name that is no longer this daemon's.
-      state_.RemoveKeptEma(unscoped);
-      MutexLock lock(&mu_);
-      kept_emas_.erase(unscoped);
+      c_.state_.RemoveKeptEma(unscoped);
+      MutexLock lock(&c_.mu_);
+      c_.kept_emas_.erase(unscoped);
     }
   }
   const uint64_t ema_area = layout.slot_bytes;
@@ -231,8 +233,8 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   } else {
     // With --shm-group the trainers of other users in the group map the slots; the EMA segment
     // above stays private (only the daemon maps it).
-    const unsigned mode = config_.shm_group ? 0660u : config_.segment_mode;
-    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, mode, config_.shm_group));
+    const unsigned mode = c_.config_.shm_group ? 0660u : c_.config_.segment_mode;
+    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, mode, c_.config_.shm_group));
     auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
     std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
     header->format_version = kFormatVersion;
@@ -243,11 +245,11 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
     std::snprintf(header->job, sizeof header->job, "%s", job.c_str());
   }
   auto segment = std::make_shared<RankSegment>(std::move(layout), std::move(shm), slot_count, std::move(ema), stride,
-                                               ema_area, &host_memory_used_, &state_);
+                                               ema_area, &c_.host_memory_used_, &c_.state_);
   if (!adopt) {
     for (uint32_t i = 0; i < slot_count; ++i) {
       InitSlotImages(segment->Slot(i), segment->layout);
-      MirrorUnpublished(*segment, i);
+      c_.MirrorUnpublished(*segment, i);
     }
   } else if (older_format) {
     // A daemon of an older release left it (an upgrade after a crash): the slots' file headers say
@@ -263,7 +265,7 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateSegment(const std::string& jo
   return segment;
 }
 
-Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::string& job, uint32_t rank,
+Result<std::shared_ptr<RankSegment>> Registrar::CreateRecordedSegment(const std::string& job, uint32_t rank,
                                                                    RankLayout layout, std::optional<EmaPlan> ema_plan,
                                                                    const EmaConfig& ema_config,
                                                                    const Registration& registration,
@@ -278,31 +280,31 @@ Result<std::shared_ptr<RankSegment>> Daemon::CreateRecordedSegment(const std::st
   record.set_job(job);
   record.set_rank(rank);
   record.set_segment_name(name);
-  record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots));
-  record.set_slot_count(config_.slots);
-  record.set_checksum_chunk(config_.checksum_chunk);
+  record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, c_.config_.slots));
+  record.set_slot_count(c_.config_.slots);
+  record.set_checksum_chunk(c_.config_.checksum_chunk);
   *record.mutable_registration() = RegistrationRecord(registration);
-  if (Status saved = state_.SaveSegment(record); !saved.ok()) {
+  if (Status saved = c_.state_.SaveSegment(record); !saved.ok()) {
     return saved.WithContext("saving the segment's record in the state directory");
   }
-  auto created = CreateSegment(job, rank, std::move(layout), std::move(ema_plan), ema_config, config_.slots, name,
+  auto created = CreateSegment(job, rank, std::move(layout), std::move(ema_plan), ema_config, c_.config_.slots, name,
                                /*adopt=*/false, run_id);
-  if (!created.ok()) state_.RemoveSegment(name);
+  if (!created.ok()) c_.state_.RemoveSegment(name);
   return created;
 }
 
-Result<RankState*> Daemon::WaitSlotsLoadedLocked(const std::string& session_id, MutexLock* lock,
+Result<RankState*> Registrar::WaitSlotsLoadedLocked(Core& c_, const std::string& session_id, MutexLock* lock,
                                                          std::chrono::steady_clock::time_point deadline) {
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
-  while (rank->segment && Slots(*rank->segment).AnyLoading()) {
-    const bool woken = clock_.WaitUntil(&cv_, lock, deadline);
-    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, /*need_segment=*/false));
+  while (rank->segment && c_.Slots(*rank->segment).AnyLoading()) {
+    const bool woken = c_.clock_.WaitUntil(&c_.cv_, lock, deadline);
+    ASSIGN_OR_RETURN(rank, c_.RankOf(session_id, /*need_segment=*/false));
     if (!woken) break;  // the segment is then replaced, as it would be anyway
   }
   return rank;
 }
 
-Result<Daemon::AgreedRun> Daemon::AgreeRunThroughRoot(const std::string& session_id, const Registration& reg,
+Result<Registrar::AgreedRun> Registrar::AgreeRunThroughRoot(const std::string& session_id, const Registration& reg,
                                                      const std::string& drawn_run) {
   AgreedRun agreed;
   if (!reg.run_id.empty()) return agreed;
@@ -311,17 +313,17 @@ Result<Daemon::AgreedRun> Daemon::AgreeRunThroughRoot(const std::string& session
   std::string job_name;
   uint32_t rank_id = 0;
   {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(const RankState* rank, RankOf(session_id, /*need_segment=*/false));
-    job_name = sessions_[session_id].job;
-    rank_id = sessions_[session_id].rank;
-    ask = rank->run_id.empty() && rank->pending_run.empty() && !NamedLiveRunLocked(jobs_[job_name], rank_id);
-    for (const auto& [r, other] : jobs_[job_name].ranks) {
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(const RankState* rank, c_.RankOf(session_id, /*need_segment=*/false));
+    job_name = c_.sessions_[session_id].job;
+    rank_id = c_.sessions_[session_id].rank;
+    ask = rank->run_id.empty() && rank->pending_run.empty() && !Lineage::NamedLiveRunLocked(c_, c_.jobs_[job_name], rank_id);
+    for (const auto& [r, other] : c_.jobs_[job_name].ranks) {
       if (r != rank_id && !other.session_id.empty() && other.registered) live_runs.insert(other.run_id);
     }
   }
   if (!ask) return agreed;
-  Result<LaunchChoice> joined = launches_.Join(job_name, rank_id, reg.topology.world_size, drawn_run, live_runs);
+  Result<LaunchChoice> joined = c_.launches_.Join(job_name, rank_id, reg.topology.world_size, drawn_run, live_runs);
   if (joined.ok()) {
     agreed.run = joined->run_id;
     agreed.launch = joined->launch;
@@ -333,13 +335,13 @@ Result<Daemon::AgreedRun> Daemon::AgreeRunThroughRoot(const std::string& session
   return agreed;
 }
 
-Result<RankState*> Daemon::AwaitNoConflictLocked(const std::string& session_id, const Registration& reg,
+Result<RankState*> Registrar::AwaitNoConflictLocked(Core& c_, const std::string& session_id, const Registration& reg,
                                                  const std::string& wanted, MutexLock* lock) {
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
-  const SessionInfo who = sessions_[session_id];
-  const auto deadline = clock_.Now() + std::chrono::seconds(5);
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo who = c_.sessions_[session_id];
+  const auto deadline = c_.clock_.Now() + std::chrono::seconds(5);
   for (;;) {
-    const JobState& job = jobs_[who.job];
+    const JobState& job = c_.jobs_[who.job];
     const RankState* conflict = nullptr;
     uint32_t conflict_rank = 0;
     std::string conflict_run;
@@ -357,23 +359,23 @@ Result<RankState*> Daemon::AwaitNoConflictLocked(const std::string& session_id, 
       }
     }
     if (conflict == nullptr) return rank;
-    if (!clock_.WaitUntil(&cv_, lock, deadline)) {
-      ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));  // not stopping: `conflict` is valid
+    if (!c_.clock_.WaitUntil(&c_.cv_, lock, deadline)) {
+      ASSIGN_OR_RETURN(rank, c_.RankOf(session_id, /*need_segment=*/false));  // not stopping: `conflict` is valid
       return ConflictRefusal(who.job, who.rank, reg, wanted, conflict_rank, *conflict, conflict_run);
     }
-    ASSIGN_OR_RETURN(rank, RankOf(session_id, /*need_segment=*/false));
+    ASSIGN_OR_RETURN(rank, c_.RankOf(session_id, /*need_segment=*/false));
   }
 }
 
-void Daemon::HoldPreviousLayoutLocked(const std::string& name, JobState* job, uint32_t rank, const Topology& topology) {
+void Registrar::HoldPreviousLayoutLocked(Core& c_, const std::string& name, JobState* job, uint32_t rank, const Topology& topology) {
   // A checkpoint of the old layout may be in progress: its newest persisted step, and the steps
   // in its slots. Sessions of the new layout that do not restore may not save until it is done
   // (BeginSnapshot): their signals would be counted with the old layout's.
   const int64_t newest = job->newest_persisted;
   for (const auto& [r, other] : job->ranks) {
     if (!other.segment) continue;
-    for (uint32_t i = 0; i < Slots(*other.segment).size(); ++i) {
-      const SlotInfo& slot = Slots(*other.segment).at(i);
+    for (uint32_t i = 0; i < c_.Slots(*other.segment).size(); ++i) {
+      const SlotInfo& slot = c_.Slots(*other.segment).at(i);
       if (slot.state == SlotState::kFilling || slot.state == SlotState::kCommitted ||
           slot.state == SlotState::kPersisting) {
         job->held_steps.emplace(slot.step, job->topology);
@@ -391,51 +393,51 @@ void Daemon::HoldPreviousLayoutLocked(const std::string& name, JobState* job, ui
     if (r != rank && other.session_id.empty() && other.segment) {
       // Its memory checkpoints go with it (a running persist keeps the segment, not them): the
       // mirror says so, so that a daemon restarted meanwhile does not adopt them.
-      DropMemoryFrom(*other.segment, std::numeric_limits<int64_t>::min());
+      MemoryTier::DropMemoryFrom(c_, *other.segment, std::numeric_limits<int64_t>::min());
       other.segment.reset();
     }
   }
 }
 
-Result<Daemon::SegmentReservation> Daemon::ReserveSegmentLocked(const std::string& session_id, const RankLayout& layout,
+Result<Registrar::SegmentReservation> Registrar::ReserveSegmentLocked(Core& c_, const std::string& session_id, const RankLayout& layout,
                                                                const std::optional<EmaPlan>& ema_plan,
                                                                std::shared_ptr<RankSegment>* retired) {
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
-  const SessionInfo who = sessions_[session_id];
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo who = c_.sessions_[session_id];
   const uint64_t ema_bytes = ema_plan ? PageAlign(ema_plan->image_bytes()) : 0;
   const uint64_t need =
-      SegmentBytes(layout.slot_bytes + ema_bytes, config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
+      SegmentBytes(layout.slot_bytes + ema_bytes, c_.config_.slots) + (ema_plan ? ema_plan->layout.slot_bytes : 0);
   const uint64_t releasable = rank->segment && rank->segment.use_count() == 1 ? rank->segment->accounted() : 0;
   // Registrations creating their segments right now count with what they will take.
-  const uint64_t used = host_memory_used_.load() + registering_bytes_ - releasable;
-  if (need > config_.max_host_memory || used + need > config_.max_host_memory) {
+  const uint64_t used = c_.host_memory_used_.load() + c_.registering_bytes_ - releasable;
+  if (need > c_.config_.max_host_memory || used + need > c_.config_.max_host_memory) {
     return ResourceExhausted("registration of job '" + who.job + "' rank " + std::to_string(who.rank) + " needs " +
-                             FormatBytes(need) + " of host memory (" + std::to_string(config_.slots) + " slots x " +
+                             FormatBytes(need) + " of host memory (" + std::to_string(c_.config_.slots) + " slots x " +
                              FormatBytes(layout.slot_bytes + ema_bytes) + (ema_plan ? " + EMA" : "") +
-                             "), budget is " + FormatBytes(config_.max_host_memory) + " with " + FormatBytes(used) +
-                             " in use (--max-host-memory)" + DisconnectedText(DisconnectedBytesLocked()) +
-                             ReplicaText(replica_memory_used_.load()));
+                             "), budget is " + FormatBytes(c_.config_.max_host_memory) + " with " + FormatBytes(used) +
+                             " in use (--max-host-memory)" + DisconnectedText(c_.DisconnectedBytesLocked()) +
+                             ReplicaText(c_.replica_memory_used_.load()));
   }
   // The old segment goes now (the writer keeps it alive if a persist is still running); the new
-  // one is created without mu_: allocating and populating gigabytes must not hold up the other
+  // one is created without c_.mu_: allocating and populating gigabytes must not hold up the other
   // ranks' snapshots, status or the watchdog. Its bytes are reserved meanwhile.
-  if (rank->segment) DropMemoryFrom(*rank->segment, std::numeric_limits<int64_t>::min());  // as above
+  if (rank->segment) MemoryTier::DropMemoryFrom(c_, *rank->segment, std::numeric_limits<int64_t>::min());  // as above
   *retired = std::move(rank->segment);
-  registering_bytes_ += need;
+  c_.registering_bytes_ += need;
   return SegmentReservation{need, ++rank->registrations};
 }
 
-Result<RankState*> Daemon::PublishSegmentLocked(const std::string& session_id, const SegmentReservation& reserved,
+Result<RankState*> Registrar::PublishSegmentLocked(Core& c_, const std::string& session_id, const SegmentReservation& reserved,
                                                 Result<std::shared_ptr<RankSegment>> made,
                                                 std::shared_ptr<RankSegment>* created) {
-  registering_bytes_ -= reserved.bytes;
+  c_.registering_bytes_ -= reserved.bytes;
   if (!made.ok()) return made.status();
   *created = std::move(made).value();
   // The session may have ended, or registered again, while the segment was made: then it is not
-  // this call's to publish (it is released, with its records, after mu_).
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
+  // this call's to publish (it is released, with its records, after c_.mu_).
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, /*need_segment=*/false));
   if (rank->registrations != reserved.generation || rank->segment) {
-    const SessionInfo who = sessions_[session_id];
+    const SessionInfo who = c_.sessions_[session_id];
     return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
                               " was overtaken by another registration of the rank; register again");
   }
@@ -443,19 +445,19 @@ Result<RankState*> Daemon::PublishSegmentLocked(const std::string& session_id, c
   return rank;
 }
 
-Status Daemon::StartEmaRun(const std::shared_ptr<RankSegment>& segment, const std::string& job, uint32_t rank,
+Status Registrar::StartEmaRun(const std::shared_ptr<RankSegment>& segment, const std::string& job, uint32_t rank,
                            const std::string& run_id) {
   // The EMA continues only its own run's average (one adopted by job name may be another run's).
   // Another run's snapshots still queued for it (a predecessor's commits, a restarted daemon's
   // replays) are applied first, so that none of them lands in the new average; the check and the
-  // reset take the EMA's lock, not mu_, as an update in progress holds it.
+  // reset take the EMA's lock, not c_.mu_, as an update in progress holds it.
   if (!segment->ema) return Status::OK();
   if (segment->ema->run_id() != run_id) {
-    MutexLock lock(&mu_);
-    const auto drained = clock_.Now() + std::chrono::seconds(30);
-    while (EmaPending(*segment) > 0 && clock_.WaitUntil(&cv_, &lock, drained)) {
+    MutexLock lock(&c_.mu_);
+    const auto drained = c_.clock_.Now() + std::chrono::seconds(30);
+    while (c_.EmaPending(*segment) > 0 && c_.clock_.WaitUntil(&c_.cv_, &lock, drained)) {
     }
-    if (const uint32_t pending = EmaPending(*segment); pending > 0) {
+    if (const uint32_t pending = c_.EmaPending(*segment); pending > 0) {
       return Unavailable("registration of job '" + job + "' rank " + std::to_string(rank) + ": " +
                          std::to_string(pending) + " snapshot(s) of the previous run are still on their way to its "
                          "EMA after 30 s; register again");
@@ -468,24 +470,24 @@ Status Daemon::StartEmaRun(const std::shared_ptr<RankSegment>& segment, const st
   return Status::OK();
 }
 
-Result<RegisterReply> Daemon::Register(const std::string& session_id, const Registration& reg) {
+Result<RegisterReply> Registrar::Register(const std::string& session_id, const Registration& reg) {
   const Topology& topology = reg.topology;
-  // Segments leave the daemon only after mu_ is released (declared before the lock, destroyed
+  // Segments leave the daemon only after c_.mu_ is released (declared before the lock, destroyed
   // after it): a segment's destructor removes its records and unlinks its memory.
   std::shared_ptr<RankSegment> retired, created;
   ASSIGN_OR_RETURN(const std::string drawn_run, RandomToken());  // the run, if this one starts it
   // A rank that names no run, of a job whose live ranks here named none either, joins its launch
-  // through the root (file I/O: before mu_), so that the ranks of one launch on every daemon of the
+  // through the root (file I/O: before c_.mu_), so that the ranks of one launch on every daemon of the
   // root share a run, and a new launch is a new run.
   ASSIGN_OR_RETURN(const AgreedRun agreed, AgreeRunThroughRoot(session_id, reg, drawn_run));
-  MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
-  const SessionInfo who = sessions_[session_id];
-  RETURN_IF_ERROR(CheckRunKept(*rank, reg));
+  MutexLock lock(&c_.mu_);
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, /*need_segment=*/false));
+  const SessionInfo who = c_.sessions_[session_id];
+  RETURN_IF_ERROR(c_.lineage->CheckRunKept(*rank, reg));
   LayoutExtras extras;
-  extras.checksum_chunk = config_.checksum_chunk;
+  extras.checksum_chunk = c_.config_.checksum_chunk;
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(who.job, who.rank, topology, reg.tensors, extras));
-  RETURN_IF_ERROR(CheckRankBytes(layout, config_.max_rank_bytes));
+  RETURN_IF_ERROR(CheckRankBytes(layout, c_.config_.max_rank_bytes));
   std::optional<EmaPlan> ema_plan;
   if (reg.ema.enabled) {
     ASSIGN_OR_RETURN(EmaPlan plan, PlanEma(layout, reg.ema));
@@ -494,53 +496,53 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   // Memory checkpoints the rank cannot have whatever segment it ends up with are refused before
   // anything of the job changes (the exact check, with the segment it will use, is below).
   if (reg.memory_checkpoints) {
-    const uint32_t most = std::max(config_.slots, rank->segment ? Slots(*rank->segment).size() : 0u);
+    const uint32_t most = std::max(c_.config_.slots, rank->segment ? c_.Slots(*rank->segment).size() : 0u);
     RETURN_IF_ERROR(MemoryCheckpointsFit(who, most, ema_plan.has_value(), /*warn=*/false));
   }
   // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
   // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it
   // (10 s at most, then the segment is replaced as it would be anyway), rather than give the
   // segment, and the memory checkpoints in it, up. Before the conflict wait, whose deadline is short.
-  const auto loading_deadline = clock_.Now() + std::chrono::seconds(10);
-  RETURN_IF_ERROR(WaitSlotsLoadedLocked(session_id, &lock, loading_deadline).status());
+  const auto loading_deadline = c_.clock_.Now() + std::chrono::seconds(10);
+  RETURN_IF_ERROR(WaitSlotsLoadedLocked(c_, session_id, &lock, loading_deadline).status());
   // Every live rank of a job shares one layout, and one run when the request names it. Ranks of a
   // previous run that are exiting may still hold their sessions for a moment: wait a little for them.
   const std::string& wanted = reg.run_id.empty() ? agreed.run : reg.run_id;  // a run this rank must have
-  ASSIGN_OR_RETURN(rank, AwaitNoConflictLocked(session_id, reg, wanted, &lock));
-  // The run is chosen now, in the hold of mu_ that found no conflict: ranks registering from here on
+  ASSIGN_OR_RETURN(rank, AwaitNoConflictLocked(c_, session_id, reg, wanted, &lock));
+  // The run is chosen now, in the hold of c_.mu_ that found no conflict: ranks registering from here on
   // join it (or, naming another, meet it as a conflict) while this one waits and makes its segment.
-  rank->pending_run = ChooseRunLocked(jobs_[who.job], who.rank, *rank, reg, agreed.run, drawn_run);
+  rank->pending_run = Lineage::ChooseRunLocked(c_, c_.jobs_[who.job], who.rank, *rank, reg, agreed.run, drawn_run);
   rank->run_agreed = reg.run_id.empty() && !agreed.run.empty() && rank->pending_run == agreed.run;
   // Again: the conflict wait let the lock go, and a resume plan may have pinned a slot meanwhile.
-  ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(session_id, &lock, loading_deadline));
-  JobState* job = &jobs_[who.job];
-  if (!SameDegrees(job->topology, topology)) HoldPreviousLayoutLocked(who.job, job, who.rank, topology);
+  ASSIGN_OR_RETURN(rank, WaitSlotsLoadedLocked(c_, session_id, &lock, loading_deadline));
+  JobState* job = &c_.jobs_[who.job];
+  if (!SameDegrees(job->topology, topology)) HoldPreviousLayoutLocked(c_, who.job, job, who.rank, topology);
   const bool reuse = rank->segment && SameLayout(rank->segment->layout, layout) &&
                      SameEma(rank->segment->ema.get(), ema_plan) &&
-                     Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
-                     Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
+                     c_.Slots(*rank->segment).CountIn(SlotState::kFilling) == 0 &&
+                     c_.Slots(*rank->segment).CountIn(SlotState::kRestoring) == 0;
   if (reg.memory_checkpoints) {
     // The slots of the segment the rank will use: a reused one (adopted after a restart, perhaps
     // under another --slots) keeps its count.
-    const uint32_t slots = reuse ? Slots(*rank->segment).size() : config_.slots;
+    const uint32_t slots = reuse ? c_.Slots(*rank->segment).size() : c_.config_.slots;
     RETURN_IF_ERROR(MemoryCheckpointsFit(who, slots, ema_plan.has_value(), /*warn=*/true));
   }
   if (!reuse) {
-    const std::string run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed.run, drawn_run);  // and again below
-    ASSIGN_OR_RETURN(const SegmentReservation reserved, ReserveSegmentLocked(session_id, layout, ema_plan, &retired));
+    const std::string run_id = Lineage::ChooseRunLocked(c_, *job, who.rank, *rank, reg, agreed.run, drawn_run);  // and again below
+    ASSIGN_OR_RETURN(const SegmentReservation reserved, ReserveSegmentLocked(c_, session_id, layout, ema_plan, &retired));
     lock.Unlock();
     retired.reset();
     auto made = CreateRecordedSegment(who.job, who.rank, std::move(layout), std::move(ema_plan), reg.ema, reg, run_id);
     lock.Lock();
-    ASSIGN_OR_RETURN(rank, PublishSegmentLocked(session_id, reserved, std::move(made), &created));
-    job = &jobs_[who.job];
+    ASSIGN_OR_RETURN(rank, PublishSegmentLocked(c_, session_id, reserved, std::move(made), &created));
+    job = &c_.jobs_[who.job];
   }
-  rank->run_id = ChooseRunLocked(*job, who.rank, *rank, reg, agreed.run, drawn_run);
+  rank->run_id = Lineage::ChooseRunLocked(c_, *job, who.rank, *rank, reg, agreed.run, drawn_run);
   ApplyRegistration(reg, agreed.run, agreed.launch, agreed.error, rank);
-  rank->memory_checkpoints = reg.memory_checkpoints && DiskSnapshotsHoldEverything(*rank->segment);
+  rank->memory_checkpoints = reg.memory_checkpoints && c_.memory->DiskSnapshotsHoldEverything(*rank->segment);
   job->topology = topology;
   const RankSegment& seg = *rank->segment;
-  RegisterReply reply = ReplyOf(seg, Slots(seg).size(), rank->run_id);
+  RegisterReply reply = ReplyOf(seg, c_.Slots(seg).size(), rank->run_id);
   Logger("rpc")->info("registered job={} rank={} run={} resumed_from={} tensors={} slot_bytes={} ema_tensors={} "
                       "reused={}",
                       who.job, who.rank, rank->run_id, rank->resumed_from, seg.layout.tensors.size(),
@@ -551,8 +553,8 @@ Result<RegisterReply> Daemon::Register(const std::string& session_id, const Regi
   return reply;
 }
 
-Status Daemon::MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool ema, bool warn) const {
-  if (Status fits = MemoryTierFits(slots, ema); !fits.ok()) {
+Status Registrar::MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool ema, bool warn) const {
+  if (Status fits = c_.memory->MemoryTierFits(slots, ema); !fits.ok()) {
     return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
                               " with memory checkpoints: " + fits.message());
   }

@@ -8,7 +8,8 @@
 #include "common/base/names.h"
 #include "common/format/extra.h"
 #include "common/read/checkpoint_read.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/memory_tier.h"
+#include "daemon/core/restorer.h"
 #include "daemon/pipeline/writer.h"
 
 namespace flashckpt {
@@ -67,18 +68,18 @@ Status ReadRestoreExtra(const std::string& dir, const std::string& job, uint32_t
 
 }  // namespace
 
-Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
+Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                        std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgument("restore step must be non-negative (0 = latest)");
-  auto deadline = clock_.Now() + timeout;
+  auto deadline = c_.clock_.Now() + timeout;
   std::string job;
   uint32_t rank_id = 0;
   {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     (void)rank;
-    job = sessions_[session_id].job;
-    rank_id = sessions_[session_id].rank;
+    job = c_.sessions_[session_id].job;
+    rank_id = c_.sessions_[session_id].rank;
   }
   // The job whose checkpoint is read: the session's own, or another one's (pretrained weights).
   const bool own = want.source_job.empty() || want.source_job == job;
@@ -97,12 +98,12 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     if (requested == 0) {
       // Only a job with no checkpoint at all answers found=false; a root that cannot be read is an
       // error the trainer sees, never a start from scratch.
-      ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(source));
+      ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(source));
       if (!latest) return out;  // found = false
       step = *latest;
     }
-    in_use = catalog_.Use(source, step);
-    ASSIGN_OR_RETURN(bool complete, catalog_.IsComplete(source, step));
+    in_use = c_.catalog_.Use(source, step);
+    ASSIGN_OR_RETURN(bool complete, c_.catalog_.IsComplete(source, step));
     if (complete) break;
     // The latest was deleted between the look-up and the registration (a newer one completed
     // meanwhile): look again, 50 ms later. A step asked for by number is looked at again a few
@@ -114,16 +115,16 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  std::string dir = catalog_.CheckpointDir(source, step);
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, RootIo()));
+  std::string dir = c_.catalog_.CheckpointDir(source, step);
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, c_.RootIo()));
   if (meta.job != source || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }
   // Every kind asked for that the rank holds must be in the checkpoint (an imported one holds model
   // weights only). A full restore names the first missing tensor instead (FillSlotFromCheckpoint).
   if (!want.kinds.empty()) {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     const auto& tensors = rank->segment->layout.tensors;
     for (TensorKind kind : want.kinds) {
       const bool held = std::any_of(tensors.begin(), tensors.end(), [&](const TensorSpec& t) { return t.kind == kind; });
@@ -140,18 +141,18 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   const std::shared_ptr<RankSegment>& segment = loading.segment;
   const SlotTicket ticket = loading.ticket;
 
-  auto start = clock_.Now();
+  auto start = c_.clock_.Now();
   // The rank's extra state is part of what it restores: read and checked before any tensor, so
   // that a checkpoint deleted under the restore (by another daemon's retention on a shared root)
   // fails it rather than hand over tensors without their extra state.
   std::string extra;
-  Status extra_status = own ? ReadRestoreExtra(dir, job, rank_id, step, RootIo(), &extra) : Status::OK();
+  Status extra_status = own ? ReadRestoreExtra(dir, job, rank_id, step, c_.RootIo(), &extra) : Status::OK();
   // Restores are rare and latency-bound: each gets its own reader threads.
-  ParallelLoop readers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  ParallelLoop readers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
   FillOptions options;
   options.loop = &readers;
   options.convert_dtype = want.convert_dtype;
-  options.io = RootIo();
+  options.io = c_.RootIo();
   options.kinds = want.kinds;
   Result<FillStats> filled = !extra_status.ok() ? Result<FillStats>(extra_status)
                                                 : FillSlotFromCheckpoint(dir, meta, segment->layout,
@@ -159,27 +160,27 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   if (filled.ok() && segment->ema && want.kinds.empty()) {  // a partial restore leaves the EMA as it is
     FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
     ema_options.loop = &readers;
-    ema_options.io = RootIo();
+    ema_options.io = c_.RootIo();
     Status loaded = LoadEma(dir, meta, segment->ema.get(), ema_options);
     if (!loaded.ok()) filled = loaded;
   }
-  double secs = std::chrono::duration<double>(clock_.Now() - start).count();
+  double secs = std::chrono::duration<double>(c_.clock_.Now() - start).count();
 
-  MutexLock lock(&mu_);
+  MutexLock lock(&c_.mu_);
   Status failure = filled.status();
   if (!failure.ok()) {
     Logger("restore")->error("restore failed job={} rank={} step={} error=\"{}\"", job, rank_id, step,
                              failure.ToString());
   }
-  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, failure));
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(c_, session_id, loading, failure));
   Logger("restore")->info("restored job={} rank={} step={} bytes={} read={} read_ratio={:.2f} reads={} secs={:.3f}",
                           job, rank_id, step, FormatBytes(filled->bytes_needed), FormatBytes(filled->bytes_read),
                           filled->bytes_needed ? double(filled->bytes_read) / double(filled->bytes_needed) : 0.0,
                           filled->reads, secs);
   if (own) {
-    RestoredLocked(job, rank_id, jobs_[job].ranks[rank_id], step);
+    MemoryTier::RestoredLocked(c_, job, rank_id, c_.jobs_[job].ranks[rank_id], step);
     // Memory checkpoints after the restored step are of a timeline the job has left.
-    DropMemoryFrom(*segment, step + 1);
+    MemoryTier::DropMemoryFrom(c_, *segment, step + 1);
   }
   out.found = true;
   out.step = step;
@@ -189,7 +190,7 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   return out;
 }
 
-Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, int64_t step, bool verify_in_client,
+Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id, int64_t step, bool verify_in_client,
                                                  std::chrono::steady_clock::time_point deadline,
                                                  std::chrono::milliseconds timeout) {
   RestoreOutcome out;  // found = false: the caller reads the files (out.step: that one)
@@ -198,14 +199,14 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   std::vector<int64_t> held;
   bool planned = false;  // the step is the job's plan: every other rank restores it too
   {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     planned = step == 0 && rank->topology.world_size != 1;
-    job = sessions_[session_id].job;
-    rank_id = sessions_[session_id].rank;
+    job = c_.sessions_[session_id].job;
+    rank_id = c_.sessions_[session_id].rank;
   }
   // A newer replica on a peer (or one of the step asked for) joins the rank's memory checkpoints.
-  FetchPeerReplica(job, rank_id, deadline, planned ? 0 : step);
+  c_.memory->FetchPeerReplica(job, rank_id, deadline, planned ? 0 : step);
   if (planned) {
     // The ranks of a job must restore the same step: the job's plan says which, and where from.
     ASSIGN_OR_RETURN(ResumePlan plan, ResumePlanFor(session_id, deadline, timeout));
@@ -216,13 +217,13 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
     step = plan.step;
   }
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&c_.mu_);
     for (;;) {
-      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+      ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
       if (rank->segment->ema) {  // memory checkpoints are not taken with EMA (BeginSnapshot)
         // It registered again with EMA since the plan was made from its memory checkpoints.
         if (planned) {
-          return PlanLostLocked(sessions_[session_id].job, step, StatusCode::kFailedPrecondition,
+          return PlanLostLocked(c_, c_.sessions_[session_id].job, step, StatusCode::kFailedPrecondition,
                                 "cannot be handed over to a rank with EMA");
         }
         return out;
@@ -230,28 +231,28 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
       // The checksums of the memory snapshots still queued (the last ones of the trainer that died)
       // first: all of them for the newest, the step's own for a step asked for. One whose copies
       // never finished was dropped when its session closed.
-      const auto& pending = MemoryPending(*rank->segment);
+      const auto& pending = c_.MemoryPending(*rank->segment);
       if (std::none_of(pending.begin(), pending.end(), [&](const RankSegment::PendingMemory& p) {
             return (step == 0 || p.resident->step == step) && !p.resident->dropped.load();
           })) {
         break;
       }
-      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+      if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
         return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
       }
     }
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-    held = Slots(*rank->segment).ResidentSteps();
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    held = c_.Slots(*rank->segment).ResidentSteps();
     world_size = rank->topology.world_size;
-    job = sessions_[session_id].job;
-    rank_id = sessions_[session_id].rank;
+    job = c_.sessions_[session_id].job;
+    rank_id = c_.sessions_[session_id].rank;
   }
   // The job's plan chose a memory checkpoint this rank held, verified, moments ago. If it is gone
   // now, the other ranks may already train from it: this rank must not quietly restore another step.
   if (planned && std::find(held.begin(), held.end(), step) == held.end()) {
-    MutexLock lock(&mu_);
-    return PlanLostLocked(job, step, StatusCode::kFailedPrecondition, "is no longer held");
+    MutexLock lock(&c_.mu_);
+    return PlanLostLocked(c_, job, step, StatusCode::kFailedPrecondition, "is no longer held");
   }
   if (held.empty()) return out;
   int64_t chosen = -1;
@@ -260,7 +261,7 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   } else if (world_size == 1) {
     // The newest checkpoint, in memory or on disk. (All ranks of a larger job must restore the same
     // step: they ask for it by number.) Read without the lock.
-    ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
+    ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));
     if (held.front() >= latest.value_or(-1)) chosen = held.front();
   }
   if (chosen < 0) return out;
@@ -268,48 +269,48 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   LoadingSlot loading;
   std::shared_ptr<const ResidentCheckpoint> resident;
   {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-    auto ticket = Slots(*rank->segment).AcquireResident(chosen);
-    if (!ticket && planned) return PlanLostLocked(job, step, StatusCode::kFailedPrecondition, "is no longer held");
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    auto ticket = c_.Slots(*rank->segment).AcquireResident(chosen);
+    if (!ticket && planned) return PlanLostLocked(c_, job, step, StatusCode::kFailedPrecondition, "is no longer held");
     if (!ticket) return out;  // no longer held (dropped meanwhile): the files
     loading = LoadingSlot{rank->segment, *ticket};
-    resident = Slots(*rank->segment).ResidentIn(ticket->slot);
-    Slots(*rank->segment).SetLoading(ticket->slot, true);
-    Mirror(*rank->segment, ticket->slot);
+    resident = c_.Slots(*rank->segment).ResidentIn(ticket->slot);
+    c_.Slots(*rank->segment).SetLoading(ticket->slot, true);
+    c_.Mirror(*rank->segment, ticket->slot);
   }
   // Verified off the lock, while the slot is RESTORING and loading: nobody else can take it. A client
   // that checks each chunk as it copies it gets the checksums instead: one pass over the bytes, the
   // hash reading each chunk right before the copy reads it from the cache.
-  const auto start = clock_.Now();
+  const auto start = c_.clock_.Now();
   // (Only while the checksums fit easily in a reply: kMaxClientChunkSums.)
   verify_in_client = verify_in_client && resident->sums.sums.size() <= kMaxClientChunkSums;
   Status verified = Status::OK();
   if (!verify_in_client) {
-    ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+    ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
     verified = VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout, resident->sums,
                                    &verifiers);
   } else {
     verified = CheckSlotChecksumsFit(loading.segment->layout, resident->sums);
   }
-  const double secs = std::chrono::duration<double>(clock_.Now() - start).count();
+  const double secs = std::chrono::duration<double>(c_.clock_.Now() - start).count();
 
-  MutexLock lock(&mu_);
+  MutexLock lock(&c_.mu_);
   if (!verified.ok()) {
     // Never handed over, and the restore goes to the files.
-    MemoryFailedLocked(*loading.segment, job, rank_id, chosen, verified, "restoring from disk");
-    (void)FinishLoadingSlotLocked(session_id, loading, verified);  // frees the slot
+    MemoryTier::MemoryFailedLocked(c_, *loading.segment, job, rank_id, chosen, verified, "restoring from disk");
+    (void)FinishLoadingSlotLocked(c_, session_id, loading, verified);  // frees the slot
     if (planned) {
-      return PlanLostLocked(job, step, StatusCode::kCorruption, "failed its checksums (" + verified.ToString() + ")");
+      return PlanLostLocked(c_, job, step, StatusCode::kCorruption, "failed its checksums (" + verified.ToString() + ")");
     }
     return out;
   }
-  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
-  DropMemoryFrom(*loading.segment, chosen + 1);
-  RankState& restored = jobs_[job].ranks[rank_id];
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(c_, session_id, loading, Status::OK()));
+  MemoryTier::DropMemoryFrom(c_, *loading.segment, chosen + 1);
+  RankState& restored = c_.jobs_[job].ranks[rank_id];
   restored.client_verifying.reset();
   if (!verify_in_client) {
-    RestoredLocked(job, rank_id, restored, chosen);
+    MemoryTier::RestoredLocked(c_, job, rank_id, restored, chosen);
     Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
                             chosen, resident->from_peer.empty() ? "memory" : "peer",
                             FormatBytes(loading.segment->tensor_bytes), secs);
@@ -338,51 +339,51 @@ Result<RestoreOutcome> Daemon::RestoreFromMemory(const std::string& session_id, 
   return out;
 }
 
-Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
+Result<RestoreCandidates> Restorer::Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
                                              int64_t extra_of) {
-  const auto deadline = clock_.Now() + timeout;
+  const auto deadline = c_.clock_.Now() + timeout;
   RestoreCandidates out;
   std::string job;
   uint32_t rank_id = 0;
   std::shared_ptr<RankSegment> segment;
   std::vector<int64_t> held;
   {
-    MutexLock lock(&mu_);
-    RETURN_IF_ERROR(RankOf(session_id, /*need_segment=*/false).status());
-    job = sessions_[session_id].job;
-    rank_id = sessions_[session_id].rank;
+    MutexLock lock(&c_.mu_);
+    RETURN_IF_ERROR(c_.RankOf(session_id, /*need_segment=*/false).status());
+    job = c_.sessions_[session_id].job;
+    rank_id = c_.sessions_[session_id].rank;
   }
   // A newer replica on a peer is a candidate too (or the one of the step whose extra state is asked for).
-  FetchPeerReplica(job, rank_id, deadline, extra_of > 0 ? extra_of : 0);
+  c_.memory->FetchPeerReplica(job, rank_id, deadline, extra_of > 0 ? extra_of : 0);
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&c_.mu_);
     for (;;) {
-      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, /*need_segment=*/false));
-      job = sessions_[session_id].job;
-      rank_id = sessions_[session_id].rank;
+      ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, /*need_segment=*/false));
+      job = c_.sessions_[session_id].job;
+      rank_id = c_.sessions_[session_id].rank;
       segment = rank->segment;
       if (!segment) break;
-      const auto& pending = MemoryPending(*segment);
+      const auto& pending = c_.MemoryPending(*segment);
       if (std::none_of(pending.begin(), pending.end(),
                        [](const RankSegment::PendingMemory& p) { return !p.resident->dropped.load(); })) {
-        held = Slots(*segment).ResidentSteps();
+        held = c_.Slots(*segment).ResidentSteps();
         break;
       }
-      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+      if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
         return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
       }
     }
   }
-  ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));  // without the lock
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));  // without the lock
   out.disk_step = latest.value_or(0);
-  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
   if (extra_of > 0) {
     const bool has = std::find(held.begin(), held.end(), extra_of) != held.end();
     held.assign(has ? 1 : 0, extra_of);
   }
   for (int64_t step : held) {
-    Status verified = VerifyResident(job, rank_id, segment, step, &verifiers,
+    Status verified = c_.memory->VerifyResident(job, rank_id, segment, step, &verifiers,
                                      "offering none of the rank's memory checkpoints", extra_of > 0 ? &out.extra : nullptr);
     if (verified.ok()) out.memory_steps.push_back(step);
     if (!verified.ok() && verified.code() != StatusCode::kNotFound) {
@@ -393,88 +394,50 @@ Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std:
   return out;
 }
 
-void Daemon::MemoryFailedLocked(RankSegment& segment, const std::string& job, uint32_t rank, int64_t step,
-                                const Status& error, const char* instead) {
-  const uint32_t dropped = DropMemoryFrom(segment, std::numeric_limits<int64_t>::min());
-  Logger("restore")->warn("memory checkpoint failed its checksums, {} instead job={} rank={} step={} dropped={} "
-                          "error=\"{}\"",
-                          instead, job, rank, step, dropped, error.ToString());
-  DaemonEvent event;
-  event.kind = DaemonEvent::Kind::kMemoryFallback;
-  event.job = job;
-  event.rank = rank;
-  event.step = step;
-  event.reason = error.ToString();
-  Emit(std::move(event));
-}
-
-Status Daemon::VerifyResident(const std::string& job, uint32_t rank, const std::shared_ptr<RankSegment>& segment,
-                              int64_t step, ParallelLoop* verifiers, const char* instead, std::string* extra) {
-  std::optional<SlotTicket> ticket;
-  std::shared_ptr<const ResidentCheckpoint> resident;
-  {
-    MutexLock lock(&mu_);
-    ticket = Slots(*segment).AcquireResident(step);
-    if (!ticket) return NotFound("memory checkpoint step " + std::to_string(step) + " is no longer held");
-    resident = Slots(*segment).ResidentIn(ticket->slot);
-    Slots(*segment).SetLoading(ticket->slot, true);
-    Mirror(*segment, ticket->slot);
-  }
-  Status verified = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, resident->sums, verifiers);
-  MutexLock lock(&mu_);
-  Slots(*segment).SetLoading(ticket->slot, false);
-  (void)Slots(*segment).Release(*ticket, SlotState::kRestoring);  // still holding it
-  Mirror(*segment, ticket->slot);
-  cv_.NotifyAll();
-  if (!verified.ok()) MemoryFailedLocked(*segment, job, rank, step, verified, instead);
-  if (verified.ok() && extra != nullptr) *extra = resident->extra;
-  return verified;
-}
-
-Result<Daemon::LoadingSlot> Daemon::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
+Result<Restorer::LoadingSlot> Restorer::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
                                                        bool need_ema, std::chrono::steady_clock::time_point deadline,
                                                        std::chrono::milliseconds timeout, const char* purpose) {
-  MutexLock lock(&mu_);
+  MutexLock lock(&c_.mu_);
   for (;;) {
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     if (need_ema && !rank->segment->ema) {
       return FailedPrecondition(
           "this rank has no EMA: the job registered without ema_decay, or all its "
           "weights are replicas persisted by another rank");
     }
-    if (EmaUpdatesPending(*rank->segment) == 0) {
-      if (auto t = Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
+    if (c_.EmaUpdatesPending(*rank->segment) == 0) {
+      if (auto t = c_.Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
         LoadingSlot slot{rank->segment, *t};
-        Slots(*slot.segment).SetLoading(t->slot, true);
-        Mirror(*slot.segment, t->slot);
+        c_.Slots(*slot.segment).SetLoading(t->slot, true);
+        c_.Mirror(*slot.segment, t->slot);
         return slot;
       }
     }
-    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+    if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
       return DeadlineExceeded(std::string("no slot became free for ") + purpose + " within " +
                               std::to_string(timeout.count()) + " ms");
     }
   }
 }
 
-Status Daemon::FinishLoadingSlotLocked(const std::string& session_id, const LoadingSlot& slot, const Status& failure) {
+Status Restorer::FinishLoadingSlotLocked(Core& c_, const std::string& session_id, const LoadingSlot& slot, const Status& failure) {
   RankSegment& segment = *slot.segment;
-  Slots(segment).SetLoading(slot.ticket.slot, false);
-  auto live = sessions_.find(session_id);
-  bool alive = live != sessions_.end() && jobs_[live->second.job].ranks[live->second.rank].session_id == session_id;
+  c_.Slots(segment).SetLoading(slot.ticket.slot, false);
+  auto live = c_.sessions_.find(session_id);
+  bool alive = live != c_.sessions_.end() && c_.jobs_[live->second.job].ranks[live->second.rank].session_id == session_id;
   if (failure.ok() && alive) {
-    Mirror(segment, slot.ticket.slot);
-    cv_.NotifyAll();  // a Register waiting for the rank's slots to stop loading
+    c_.Mirror(segment, slot.ticket.slot);
+    c_.cv_.NotifyAll();  // a Register waiting for the rank's slots to stop loading
     return Status::OK();
   }
-  (void)Slots(segment).Release(slot.ticket, SlotState::kRestoring);  // nobody will read it
-  Mirror(segment, slot.ticket.slot);
-  cv_.NotifyAll();
+  (void)c_.Slots(segment).Release(slot.ticket, SlotState::kRestoring);  // nobody will read it
+  c_.Mirror(segment, slot.ticket.slot);
+  c_.cv_.NotifyAll();
   return failure.ok() ? Cancelled("the session ended while its slot was being filled") : failure;
 }
 
-Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
-  auto deadline = clock_.Now() + timeout;
+Result<EmaCopy> Restorer::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
+  auto deadline = c_.clock_.Now() + timeout;
   // The copy is as of the last commit: AcquireLoadingSlot waits for committed snapshots to reach the EMA.
   ASSIGN_OR_RETURN(LoadingSlot loading,
                    AcquireLoadingSlot(session_id, std::nullopt, /*need_ema=*/true, deadline, timeout, "the EMA copy"));
@@ -483,25 +446,25 @@ Result<Daemon::EmaCopy> Daemon::GetEma(const std::string& session_id, std::chron
   const EmaState state = loading.segment->ema->CopyAverage(loading.segment->SlotEmaBase(loading.ticket.slot));
   out.initialized = state.initialized;
   out.step = state.last_step;
-  MutexLock lock(&mu_);
-  RETURN_IF_ERROR(FinishLoadingSlotLocked(session_id, loading, Status::OK()));
+  MutexLock lock(&c_.mu_);
+  RETURN_IF_ERROR(FinishLoadingSlotLocked(c_, session_id, loading, Status::OK()));
   return out;
 }
 
-Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket, const std::string& corrupt) {
-  MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-  RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kRestoring));
-  Mirror(*rank->segment, ticket.slot);
-  cv_.NotifyAll();
+Status Restorer::ReleaseSlot(const std::string& session_id, const SlotTicket& ticket, const std::string& corrupt) {
+  MutexLock lock(&c_.mu_);
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+  RETURN_IF_ERROR(c_.Slots(*rank->segment).Release(ticket, SlotState::kRestoring));
+  c_.Mirror(*rank->segment, ticket.slot);
+  c_.cv_.NotifyAll();
   std::optional<RankState::ClientVerified> handed;
   if (rank->client_verifying && rank->client_verifying->ticket.slot == ticket.slot &&
       rank->client_verifying->ticket.generation == ticket.generation) {
     handed = rank->client_verifying;
     rank->client_verifying.reset();
   }
-  const std::string& job = sessions_[session_id].job;
-  const uint32_t rank_id = sessions_[session_id].rank;
+  const std::string& job = c_.sessions_[session_id].job;
+  const uint32_t rank_id = c_.sessions_[session_id].rank;
   if (!handed) {
     if (!corrupt.empty()) {
       Logger("restore")->warn("ignored a checksum mismatch reported for slot {} of job={} rank={}: no memory "
@@ -511,15 +474,15 @@ Status Daemon::ReleaseSlot(const std::string& session_id, const SlotTicket& tick
     return Status::OK();
   }
   if (corrupt.empty()) {
-    RestoredLocked(job, rank_id, *rank, handed->step);  // every chunk checked: restored
+    MemoryTier::RestoredLocked(c_, job, rank_id, *rank, handed->step);  // every chunk checked: restored
     return Status::OK();
   }
   // The client found a chunk that does not match: the same as when the daemon's own verification
   // fails, and the restore never happened. (The checkpoint stays with its slot through Release.)
   const Status found = Corruption(corrupt + " (found by the client while copying)");
-  MemoryFailedLocked(*rank->segment, job, rank_id, handed->step, found, "restoring from disk");
+  MemoryTier::MemoryFailedLocked(c_, *rank->segment, job, rank_id, handed->step, found, "restoring from disk");
   if (handed->planned) {
-    (void)PlanLostLocked(job, handed->step, StatusCode::kCorruption,
+    (void)PlanLostLocked(c_, job, handed->step, StatusCode::kCorruption,
                          "failed its checksums (" + found.ToString() + ")");
   }
   return Status::OK();

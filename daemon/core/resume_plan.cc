@@ -2,24 +2,25 @@
 // when an agreed plan no longer holds (a memory checkpoint it counted on lost or overtaken).
 
 #include "common/base/log.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/memory_tier.h"
+#include "daemon/core/restorer.h"
 
 namespace flashckpt {
 
-Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chrono::steady_clock::time_point deadline,
+Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::chrono::steady_clock::time_point deadline,
                                          std::chrono::milliseconds timeout) {
   std::string job;
   uint32_t rank_id = 0, world_size = 1;
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&c_.mu_);
     for (;;) {
-      ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-      job = sessions_[session_id].job;
-      rank_id = sessions_[session_id].rank;
+      ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+      job = c_.sessions_[session_id].job;
+      rank_id = c_.sessions_[session_id].rank;
       world_size = rank->topology.world_size;
-      JobState& state = jobs_[job];
+      JobState& state = c_.jobs_[job];
       auto& plan = state.resume_plan;
-      if (plan && PlanStaleLocked(state, *plan, *rank)) plan.reset();
+      if (plan && PlanStaleLocked(c_, state, *plan, *rank)) plan.reset();
       if (plan) {
         if (!plan->lost.ok()) return plan->lost;
         plan->taken[rank_id] = rank->process;  // a retry of the same process takes it again
@@ -29,27 +30,27 @@ Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chr
       // each rank reads the latest complete checkpoint, as it always has.
       bool memory = false;
       for (const auto& [r, other] : state.ranks) {
-        memory = memory || (other.segment && (!Slots(*other.segment).ResidentSteps().empty() ||
-                                              !MemoryPending(*other.segment).empty()));
+        memory = memory || (other.segment && (!c_.Slots(*other.segment).ResidentSteps().empty() ||
+                                              !c_.MemoryPending(*other.segment).empty()));
       }
       if (!memory && !state.planning) return ResumePlan{};
       if (!state.planning) {
         state.planning = true;
         break;
       }
-      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+      if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
         return DeadlineExceeded("another rank of job '" + job + "' did not finish choosing the step to restore within " +
                                 std::to_string(timeout.count()) + " ms");
       }
     }
   }
   Result<ResumePlan> made = MakeResumePlan(job, world_size, deadline, timeout);
-  MutexLock lock(&mu_);
-  auto it = jobs_.find(job);
-  if (it != jobs_.end()) it->second.planning = false;
-  cv_.NotifyAll();
+  MutexLock lock(&c_.mu_);
+  auto it = c_.jobs_.find(job);
+  if (it != c_.jobs_.end()) it->second.planning = false;
+  c_.cv_.NotifyAll();
   if (!made.ok()) return made.status();
-  if (it == jobs_.end()) return made;
+  if (it == c_.jobs_.end()) return made;
   auto rank = it->second.ranks.find(rank_id);
   if (rank == it->second.ranks.end()) return made;
   made->taken[rank_id] = rank->second.process;
@@ -61,30 +62,30 @@ Result<ResumePlan> Daemon::ResumePlanFor(const std::string& session_id, std::chr
   return made;
 }
 
-Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world_size,
+Result<ResumePlan> Restorer::MakeResumePlan(const std::string& job, uint32_t world_size,
                                           std::chrono::steady_clock::time_point deadline,
                                           std::chrono::milliseconds timeout) {
   ResumePlan plan;
-  plan.made = clock_.Now();
+  plan.made = c_.clock_.Now();
   // The newest complete checkpoint on disk (read without the lock): the plan when memory has nothing
   // newer that every rank holds.
-  ASSIGN_OR_RETURN(std::optional<int64_t> latest, catalog_.LatestComplete(job));
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));
   if (latest) {
     plan.found = true;
     plan.step = *latest;
   }
   // Newer replicas of the ranks on the peers join their memory checkpoints.
-  for (uint32_t r = 0; r < world_size; ++r) FetchPeerReplica(job, r, deadline);
+  for (uint32_t r = 0; r < world_size; ++r) c_.memory->FetchPeerReplica(job, r, deadline);
   // Memory only when every rank of the job has its segment here, without EMA, and their pending
   // checksums are computed: then the steps all of them hold.
   std::vector<std::shared_ptr<RankSegment>> segments;
   std::vector<int64_t> common;
   {
-    MutexLock lock(&mu_);
+    MutexLock lock(&c_.mu_);
     for (;;) {
       segments.clear();
-      auto it = jobs_.find(job);
-      if (it == jobs_.end()) return plan;
+      auto it = c_.jobs_.find(job);
+      if (it == c_.jobs_.end()) return plan;
       bool pending = false;
       for (uint32_t r = 0; r < world_size; ++r) {
         auto rank = it->second.ranks.find(r);
@@ -92,28 +93,28 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
             rank->second.topology.world_size != world_size) {
           return plan;
         }
-        for (const auto& p : MemoryPending(*rank->second.segment)) pending = pending || !p.resident->dropped.load();
+        for (const auto& p : c_.MemoryPending(*rank->second.segment)) pending = pending || !p.resident->dropped.load();
         segments.push_back(rank->second.segment);
       }
       if (!pending) break;
-      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+      if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
         return DeadlineExceeded("the checksums of the job's last memory checkpoints were not computed within " +
                                 std::to_string(timeout.count()) + " ms");
       }
     }
     for (uint32_t r = 0; r < world_size; ++r) {
-      std::vector<int64_t> held = Slots(*segments[r]).ResidentSteps();  // newest first
+      std::vector<int64_t> held = c_.Slots(*segments[r]).ResidentSteps();  // newest first
       common = r == 0 ? std::move(held) : StepsAlsoIn(common, held);
     }
   }
   // Newest first, not older than the disk's: verified on every rank, one after the other, each slot
   // pinned (RESTORING, loading) while its checksums are read without the lock.
-  ParallelLoop verifiers(config_.restore_threads > 0 ? config_.restore_threads - 1 : 0);
+  ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
   for (int64_t step : common) {
     if (latest && step < *latest) break;
     bool everywhere = true;
     for (uint32_t r = 0; r < world_size && everywhere; ++r) {
-      Status verified = VerifyResident(job, r, segments[r], step, &verifiers, "the job restores from disk");
+      Status verified = c_.memory->VerifyResident(job, r, segments[r], step, &verifiers, "the job restores from disk");
       if (verified.code() == StatusCode::kNotFound) everywhere = false;  // taken or dropped meanwhile
       if (!verified.ok() && verified.code() != StatusCode::kNotFound) return plan;  // the disk's
     }
@@ -127,11 +128,11 @@ Result<ResumePlan> Daemon::MakeResumePlan(const std::string& job, uint32_t world
   return plan;
 }
 
-Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode code, const std::string& why) {
+Status Restorer::PlanLostLocked(Core& c_, const std::string& job, int64_t step, StatusCode code, const std::string& why) {
   Status lost(code, "memory checkpoint step " + std::to_string(step) + ", which the job's ranks restore, " + why +
                         " on this rank; restart and restore every rank again (they then agree on another step)");
   // Only the plan that chose this step: a newer plan (made by restarted ranks meanwhile) stays good.
-  if (auto it = jobs_.find(job); it != jobs_.end() && it->second.resume_plan &&
+  if (auto it = c_.jobs_.find(job); it != c_.jobs_.end() && it->second.resume_plan &&
                                  it->second.resume_plan->step == step &&
                                  it->second.resume_plan->tier == SlotTier::kMemory) {
     it->second.resume_plan->lost = lost;
@@ -140,8 +141,8 @@ Status Daemon::PlanLostLocked(const std::string& job, int64_t step, StatusCode c
   return lost;
 }
 
-bool Daemon::PlanStaleLocked(const JobState& job, const ResumePlan& plan, const RankState& rank) const {
-  if (clock_.Now() - plan.made > std::chrono::minutes(10)) return true;
+bool Restorer::PlanStaleLocked(const Core& c_, const JobState& job, const ResumePlan& plan, const RankState& rank) {
+  if (c_.clock_.Now() - plan.made > std::chrono::minutes(10)) return true;
   if (plan.world_size != rank.topology.world_size || plan.run_id != rank.run_id) return true;
   // The asking rank has saved since: it trained on from the plan's step, so this is a new resume
   // (a rollback, say), not a retry.

@@ -5,7 +5,10 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/lineage.h"
+#include "daemon/core/memory_tier.h"
+#include "daemon/core/registrar.h"
+#include "daemon/core/save_path.h"
 
 namespace flashckpt {
 namespace {
@@ -53,14 +56,14 @@ Status SaveFailed(const std::string& job, int64_t step, const Status& cause, con
 
 // A slot handed out for filling starts complete (copied_until 0): a trainer whose commit goes
 // ahead of its copies lowers it before committing.
-void Daemon::HandOut(RankState* rank, const SlotTicket& ticket, int64_t step) {
+void SavePath::HandOut(Core& c_, RankState* rank, const SlotTicket& ticket, int64_t step) {
   reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
-  Slots(*rank->segment).SetHandedOut(ticket.slot, clock_.Now());
-  Mirror(*rank->segment, ticket.slot);
+  c_.Slots(*rank->segment).SetHandedOut(ticket.slot, c_.clock_.Now());
+  c_.Mirror(*rank->segment, ticket.slot);
   rank->last_begun = step;
 }
 
-Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t step,
+Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_t step,
                                          std::chrono::milliseconds timeout, SlotTier tier) {
   if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
   std::string job;
@@ -72,15 +75,15 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   bool new_process = true;
   uint64_t check_launch = 0;  // the launch this session joined, to compare with the newest
   {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-    job = sessions_[session_id].job;
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    job = c_.sessions_[session_id].job;
     if (!rank->fatal_error.ok()) return rank->fatal_error;
     if (!rank->split_error.ok()) return rank->split_error;
     if (!rank->run_unagreed.ok() && rank->topology.world_size > 1) {
       // Its ranks on other daemons could be in another run: its checkpoints might never complete.
       return FailedPrecondition(
-          "job '" + job + "' rank " + std::to_string(sessions_[session_id].rank) +
+          "job '" + job + "' rank " + std::to_string(c_.sessions_[session_id].rank) +
           " has no run shared with the job's other ranks: none was named, and agreeing on one through the root "
           "failed (" + rank->run_unagreed.ToString() + "); give every rank of a launch one run id "
           "(ClientOptions::run_id, run_id= in Python, or FLASHCKPT_RUN_ID, e.g. the scheduler's job id with its "
@@ -91,9 +94,9 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
                              std::to_string(rank->last_begun) + "; steps must increase");
     }
     if (tier == SlotTier::kMemory) {
-      RETURN_IF_ERROR(MemoryTierFits(Slots(*rank->segment).size(), rank->segment->ema != nullptr));
+      RETURN_IF_ERROR(c_.memory->MemoryTierFits(c_.Slots(*rank->segment).size(), rank->segment->ema != nullptr));
     }
-    ASSIGN_OR_RETURN(held, LayoutHoldLocked(job, *rank));
+    ASSIGN_OR_RETURN(held, Registrar::LayoutHoldLocked(c_, job, *rank));
     topology = rank->topology;
     check_lineage = !rank->lineage_checked && rank->resumed_from == 0;
     run_id = rank->run_id;
@@ -101,60 +104,60 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
     new_process = !rank->reattached;
     if (rank->run_agreed && !rank->launch_checked) check_launch = rank->agreed_launch;
   }
-  if (!held.empty()) RETURN_IF_ERROR(CheckLayoutHold(job, topology, held));
+  if (!held.empty()) RETURN_IF_ERROR(c_.registrar->CheckLayoutHold(job, topology, held));
   // The launch first: it deletes nothing, and a rank of a stale launch must not start a lineage.
-  if (check_launch > 0) RETURN_IF_ERROR(CheckLaunchCurrent(session_id, job, run_id, check_launch));
-  if (check_lineage) RETURN_IF_ERROR(CheckLineage(session_id, job, run_id, overwrite, new_process));
+  if (check_launch > 0) RETURN_IF_ERROR(c_.lineage->CheckLaunchCurrent(session_id, job, run_id, check_launch));
+  if (check_lineage) RETURN_IF_ERROR(c_.lineage->CheckLineage(session_id, job, run_id, overwrite, new_process));
   // A memory checkpoint writes no file: no need to look at the disk on the trainer's path.
-  ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : catalog_.IsComplete(job, step));
+  ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : c_.catalog_.IsComplete(job, step));
   if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
                          "' is already complete; a complete checkpoint is never overwritten");
   }
-  const auto start = clock_.Now();
+  const auto start = c_.clock_.Now();
   const auto deadline = start + timeout;
   bool waited = false;
   // A wait for a slot shows in the metrics whichever way it ends.
   auto count_wait = [&](bool got_slot) {
     if (waited) {
-      metrics_.ObserveSlotWait(job, std::chrono::duration<double>(clock_.Now() - start).count(),
+      c_.metrics_.ObserveSlotWait(job, std::chrono::duration<double>(c_.clock_.Now() - start).count(),
                                got_slot);
     }
   };
-  MutexLock lock(&mu_);
+  MutexLock lock(&c_.mu_);
   {
     // Memory checkpoints of this step or later belong to a timeline the job has left (it resumed
     // from an earlier step): they are never restored.
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-    DropMemoryFrom(*rank->segment, step);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    MemoryTier::DropMemoryFrom(c_, *rank->segment, step);
   }
   for (;;) {
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     if (rank->session_id != session_id) return Cancelled("the session was replaced");
-    if (auto ticket = Slots(*rank->segment).Acquire(SlotState::kFilling, step, tier)) {
-      HandOut(rank, *ticket, step);
+    if (auto ticket = c_.Slots(*rank->segment).Acquire(SlotState::kFilling, step, tier)) {
+      HandOut(c_, rank, *ticket, step);
       count_wait(true);
       return *ticket;
     }
     if (rank->policy == Backpressure::kSkip) {
       rank->skipped += 1;
       Status skipped = ResourceExhausted("no free slot for step " + std::to_string(step) + ": all " +
-                                         std::to_string(Slots(*rank->segment).size()) +
+                                         std::to_string(c_.Slots(*rank->segment).size()) +
                                          " slots are still persisting (backpressure policy skip)");
       DaemonEvent event;
       event.kind = DaemonEvent::Kind::kSnapshotSkipped;
       event.job = job;
-      event.rank = sessions_[session_id].rank;
+      event.rank = c_.sessions_[session_id].rank;
       event.step = step;
       event.reason = skipped.message();
-      Emit(std::move(event));
+      c_.Emit(std::move(event));
       return skipped;
     }
     waited = true;
-    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
-      ASSIGN_OR_RETURN(RankState * r, RankOf(session_id, true));
-      if (auto ticket = Slots(*r->segment).Acquire(SlotState::kFilling, step, tier)) {
-        HandOut(r, *ticket, step);
+    if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
+      ASSIGN_OR_RETURN(RankState * r, c_.RankOf(session_id, true));
+      if (auto ticket = c_.Slots(*r->segment).Acquire(SlotState::kFilling, step, tier)) {
+        HandOut(c_, r, *ticket, step);
         count_wait(true);
         return *ticket;
       }
@@ -165,7 +168,7 @@ Result<SlotTicket> Daemon::BeginSnapshot(const std::string& session_id, int64_t 
   }
 }
 
-PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
+PersistRequest SavePath::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
                                           uint64_t process,
                                           uint32_t world_size, const Attempt& attempt,
                                           const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket,
@@ -174,7 +177,7 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   req.job = job;
   req.rank = rank;
   req.world_size = world_size;
-  req.node = config_.node_name;
+  req.node = c_.config_.node_name;
   req.step = step;
   req.attempt = attempt;
   req.layout = &segment->layout;
@@ -186,9 +189,9 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   req.extra = std::move(extra);
   req.keep_alive = segment;
   req.header = reinterpret_cast<const SlotHeader*>(segment->Slot(ticket.slot));
-  req.copy_timeout = config_.copy_timeout;
+  req.copy_timeout = c_.config_.copy_timeout;
   req.mixed = [this, job, rank, session_id, step](const std::map<uint32_t, Signal>& signals) {
-    OnMixedStep(job, rank, session_id, step, signals);
+    c_.lineage->OnMixedStep(job, rank, session_id, step, signals);
   };
   req.done = [this, job, rank, session_id, process, segment, ticket, step](const Status& s, uint64_t bytes,
                                                                           double secs) {
@@ -197,7 +200,7 @@ PersistRequest Daemon::MakePersistRequest(const std::string& job, uint32_t rank,
   return req;
 }
 
-Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
+Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
                       std::optional<double> loss, std::string extra) {
   if (extra.size() > kMaxExtraBytes) {
     return InvalidArgument("extra state of " + std::to_string(extra.size()) + " bytes exceeds the " +
@@ -208,10 +211,10 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   v1::CommitRecord record;
   std::string segment_name;
   {
-    MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
-    const SlotInfo* slot = ticket.slot < Slots(*rank->segment).size() ? &Slots(*rank->segment).at(ticket.slot) : nullptr;
+    const SlotInfo* slot = ticket.slot < c_.Slots(*rank->segment).size() ? &c_.Slots(*rank->segment).at(ticket.slot) : nullptr;
     if (slot != nullptr && slot->generation == ticket.generation && slot->tier == SlotTier::kMemory && persist) {
       return InvalidArgument("step " + std::to_string(step) + " was begun as a memory checkpoint: commit it with "
                              "persist=false (a memory checkpoint is kept in its slot, not written)");
@@ -232,21 +235,21 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     }  // else: slots.Commit below refuses the ticket with its reason
   }
   if (!segment_name.empty()) {
-    if (Status saved = state_.SaveCommit(segment_name, record); !saved.ok()) {
+    if (Status saved = c_.state_.SaveCommit(segment_name, record); !saved.ok()) {
       return saved.WithContext("recording the commit of step " + std::to_string(step) + " in the state directory");
     }
   }
-  MutexLock lock(&mu_);
-  auto rank_or = RankOf(session_id, true);
-  Status committed = rank_or.ok() ? Slots(*(*rank_or)->segment).Commit(ticket, step) : rank_or.status();
+  MutexLock lock(&c_.mu_);
+  auto rank_or = c_.RankOf(session_id, true);
+  Status committed = rank_or.ok() ? c_.Slots(*(*rank_or)->segment).Commit(ticket, step) : rank_or.status();
   if (!committed.ok() || (*rank_or)->segment->shm->name() != segment_name) {
-    if (!segment_name.empty()) state_.RemoveCommit(segment_name, ticket.slot);
+    if (!segment_name.empty()) c_.state_.RemoveCommit(segment_name, ticket.slot);
     if (!committed.ok()) return committed;
   }
   RankState* rank = *rank_or;
-  const SessionInfo who = sessions_[session_id];
-  const bool memory = Slots(*rank->segment).at(ticket.slot).tier == SlotTier::kMemory;
-  Mirror(*rank->segment, ticket.slot);
+  const SessionInfo who = c_.sessions_[session_id];
+  const bool memory = c_.Slots(*rank->segment).at(ticket.slot).tier == SlotTier::kMemory;
+  c_.Mirror(*rank->segment, ticket.slot);
   rank->snapshots += 1;
   rank->last_committed = step;
   rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
@@ -256,7 +259,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
   } else {
     rank->memory_steps.erase(step);
   }
-  if (persist) NoteAttemptLocked(who.job, who.rank, session_id, step, rank->attempt());
+  if (persist) Lineage::NoteAttemptLocked(c_, who.job, who.rank, session_id, step, rank->attempt());
   {
     DaemonEvent event;
     event.kind = DaemonEvent::Kind::kSnapshotCommitted;
@@ -265,7 +268,7 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     event.step = step;
     event.bytes = rank->segment->tensor_bytes;
     event.reason = memory ? "memory" : persist ? "persist" : "ema only";
-    Emit(std::move(event));
+    c_.Emit(std::move(event));
   }
 
   std::shared_ptr<RankSegment> segment = rank->segment;
@@ -288,35 +291,35 @@ Status Daemon::Commit(const std::string& session_id, const SlotTicket& ticket, i
     job.resident->attempt = rank->attempt();
     job.resident->world_size = rank->topology.world_size;
     job.resident->extra = memory ? std::move(extra) : extra;  // a disk snapshot's request takes the original
-    MemoryPending(*segment).push_back({ticket.slot, job.resident});
+    c_.MemoryPending(*segment).push_back({ticket.slot, job.resident});
   }
   if (memory) {
-    EmaPending(*segment) += 1;
-    ema_stage_->Submit(std::move(job));
+    c_.EmaPending(*segment) += 1;
+    c_.ema_stage_->Submit(std::move(job));
     return Status::OK();
   }
   if (persist) {
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(),
                                      segment, ticket, step, std::move(extra));
-    job.request.committed_ms = clock_.WallMs();
+    job.request.committed_ms = c_.clock_.WallMs();
   }
   if (segment->ema || also_memory) {
     // The EMA stage applies it in commit order and then finishes it.
-    EmaPending(*segment) += 1;
-    ema_stage_->Submit(std::move(job));
+    c_.EmaPending(*segment) += 1;
+    c_.ema_stage_->Submit(std::move(job));
     return Status::OK();
   }
-  return FinishCommittedLocked(std::move(job));
+  return FinishCommittedLocked(c_, std::move(job));
 }
 
-Status Daemon::FinishCommittedLocked(EmaJob job) {
+Status SavePath::FinishCommittedLocked(Core& c_, EmaJob job) {
   RankSegment& segment = *job.segment;
   std::shared_ptr<const ResidentCheckpoint> once_written;  // a disk snapshot that also stays in memory
   // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped while queued.
   const bool keep = job.resident && job.resident_ok && !job.resident->dropped.load();
   if (job.resident) {
-    auto& pending = MemoryPending(segment);
+    auto& pending = c_.MemoryPending(segment);
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [&](const RankSegment::PendingMemory& p) { return p.resident == job.resident; }),
                   pending.end());
@@ -327,31 +330,31 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
       Logger("save")->info("memory checkpoint not kept job={} rank={} step={} reason={}", job.job, job.rank, job.step,
                            job.resident->dropped.load() ? "dropped" : "copies failed");
     }
-    Status kept = keep ? Slots(segment).MakeResident(job.ticket, std::move(job.resident))
-                       : Slots(segment).Release(job.ticket, SlotState::kCommitted);
-    Mirror(segment, job.ticket.slot);
-    if (keep && kept.ok()) OfferReplicaLocked(job.segment, job.ticket.slot, job.job, job.rank);
-    cv_.NotifyAll();
+    Status kept = keep ? c_.Slots(segment).MakeResident(job.ticket, std::move(job.resident))
+                       : c_.Slots(segment).Release(job.ticket, SlotState::kCommitted);
+    c_.Mirror(segment, job.ticket.slot);
+    if (keep && kept.ok()) MemoryTier::OfferReplicaLocked(c_, job.segment, job.ticket.slot, job.job, job.rank);
+    c_.cv_.NotifyAll();
     return kept;
   }
   if (!job.persist) {
-    RETURN_IF_ERROR(Slots(segment).Release(job.ticket, SlotState::kCommitted));
-    Mirror(segment, job.ticket.slot);
-    cv_.NotifyAll();
+    RETURN_IF_ERROR(c_.Slots(segment).Release(job.ticket, SlotState::kCommitted));
+    c_.Mirror(segment, job.ticket.slot);
+    c_.cv_.NotifyAll();
     return Status::OK();
   }
-  RETURN_IF_ERROR(Slots(segment).BeginPersist(job.ticket));
+  RETURN_IF_ERROR(c_.Slots(segment).BeginPersist(job.ticket));
   if (once_written) {
-    Status kept = Slots(segment).KeepOnceWritten(job.ticket, std::move(once_written));
+    Status kept = c_.Slots(segment).KeepOnceWritten(job.ticket, std::move(once_written));
     if (!kept.ok()) Logger("save")->error("disk snapshot not kept in memory: {}", kept.ToString());
   }
-  Mirror(segment, job.ticket.slot);
-  Status submitted = writer_->Submit(std::move(job.request));
+  c_.Mirror(segment, job.ticket.slot);
+  Status submitted = c_.writer_->Submit(std::move(job.request));
   if (!submitted.ok()) {
-    state_.RemoveCommit(segment.shm->name(), job.ticket.slot);
-    (void)Slots(segment).Release(job.ticket, SlotState::kPersisting);
-    Mirror(segment, job.ticket.slot);
-    cv_.NotifyAll();
+    c_.state_.RemoveCommit(segment.shm->name(), job.ticket.slot);
+    (void)c_.Slots(segment).Release(job.ticket, SlotState::kPersisting);
+    c_.Mirror(segment, job.ticket.slot);
+    c_.cv_.NotifyAll();
     Logger("writer")->error("persist not queued job={} step={} rank={} error=\"{}\"", job.job, job.step, job.rank,
                             submitted.ToString());
     return submitted;
@@ -359,15 +362,15 @@ Status Daemon::FinishCommittedLocked(EmaJob job) {
   return Status::OK();
 }
 
-void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
+void SavePath::OnEmaApplied(EmaJob job, bool applied, double seconds) {
   // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
-  if (!job.persist && !job.resident) state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
+  if (!job.persist && !job.resident) c_.state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
   if (job.resident && job.resident_ok && !job.resident->dropped.load()) {
     // Recorded before the slot's header says it holds the checkpoint (FinishCommittedLocked), so
     // a restarted daemon finds the checksums of every memory checkpoint it may adopt.
-    Status saved = state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident, job.persist));
+    Status saved = c_.state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident, job.persist));
     if (!saved.ok()) {
-      state_.RemoveMemory(job.segment->shm->name(), job.ticket.slot);  // an older record of the slot must not match
+      c_.state_.RemoveMemory(job.segment->shm->name(), job.ticket.slot);  // an older record of the slot must not match
       Logger("save")->warn("memory checkpoint job={} rank={} step={} not recorded in the state directory: it is "
                            "kept, but a restarted daemon will not adopt it: {}",
                            job.job, job.rank, job.step, saved.ToString());
@@ -380,24 +383,24 @@ void Daemon::OnEmaApplied(EmaJob job, bool applied, double seconds) {
     event.rank = job.rank;
     event.step = job.step;
     event.seconds = seconds;
-    Emit(std::move(event));
+    c_.Emit(std::move(event));
   }
   // Released after the lock: when the job holds the last reference to a retired segment, unmapping
-  // and unlinking it must not happen under mu_.
+  // and unlinking it must not happen under c_.mu_.
   std::shared_ptr<RankSegment> segment = job.segment;
-  MutexLock lock(&mu_);
-  EmaPending(*job.segment) -= 1;
-  cv_.NotifyAll();
-  Status s = FinishCommittedLocked(std::move(job));
+  MutexLock lock(&c_.mu_);
+  c_.EmaPending(*job.segment) -= 1;
+  c_.cv_.NotifyAll();
+  Status s = FinishCommittedLocked(c_, std::move(job));
   (void)s;  // logged by FinishCommittedLocked; the slot is free either way
 }
 
-void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id, uint64_t process,
+void SavePath::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id, uint64_t process,
                          const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
                          const Status& status, uint64_t bytes, double seconds) {
   if (status.code() == StatusCode::kCancelled) {
-    MutexLock lock(&mu_);
-    if (Slots(*segment).at(ticket.slot).tier == SlotTier::kMemory) {
+    MutexLock lock(&c_.mu_);
+    if (c_.Slots(*segment).at(ticket.slot).tier == SlotTier::kMemory) {
       // A memory checkpoint written at the stop (--persist-on-stop) has no commit record: nothing
       // is left for the next daemon, and the write was only ever a bonus.
       Logger("writer")->warn("persist on stop cut off at the stop timeout job={} step={} rank={}: not written ({})",
@@ -408,8 +411,8 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     // the commit record and the segment stay, and the slot stays PERSISTING in its mirror, so the
     // next daemon adopts it and writes it without passing it through the EMA stage again.
     segment->shm->KeepName();
-    stop_abandoned_ += 1;
-    NoteAbandonedLocked(job, rank_id, step);
+    c_.stop_abandoned_ += 1;
+    c_.NoteAbandonedLocked(job, rank_id, step);
     Logger("writer")->warn("abandoned job={} step={} rank={} stage=write: committed, left to the next daemon ({})", job,
                            step, rank_id, status.message());
     DaemonEvent event;
@@ -418,22 +421,22 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     event.rank = rank_id;
     event.step = step;
     event.reason = "write cut off at the stop timeout";
-    Emit(std::move(event));
-    cv_.NotifyAll();
+    c_.Emit(std::move(event));
+    c_.cv_.NotifyAll();
     return;
   }
   // Written (or failed and reported): a restarted daemon must not write it again.
-  state_.RemoveCommit(segment->shm->name(), ticket.slot);
-  MutexLock lock(&mu_);
-  if (stopping_ && status.ok()) stop_finished_ += 1;
+  c_.state_.RemoveCommit(segment->shm->name(), ticket.slot);
+  MutexLock lock(&c_.mu_);
+  if (c_.stopping_ && status.ok()) c_.stop_finished_ += 1;
   // Written: the slot keeps it as a memory checkpoint when the rank takes them (KeepOnceWritten).
-  Status released = status.ok() ? Slots(*segment).ReleaseWritten(ticket)
-                                : Slots(*segment).Release(ticket, SlotState::kPersisting);
+  Status released = status.ok() ? c_.Slots(*segment).ReleaseWritten(ticket)
+                                : c_.Slots(*segment).Release(ticket, SlotState::kPersisting);
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
-  Mirror(*segment, ticket.slot);
-  if (released.ok() && status.ok()) OfferReplicaLocked(segment, ticket.slot, job, rank_id);  // kept once written
-  auto jit = jobs_.find(job);
-  if (jit != jobs_.end()) {
+  c_.Mirror(*segment, ticket.slot);
+  if (released.ok() && status.ok()) MemoryTier::OfferReplicaLocked(c_, segment, ticket.slot, job, rank_id);  // kept once written
+  auto jit = c_.jobs_.find(job);
+  if (jit != c_.jobs_.end()) {
     auto rit = jit->second.ranks.find(rank_id);
     if (rit != jit->second.ranks.end()) {
       RankState& rank = rit->second;
@@ -450,7 +453,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
         if (own) rank.failed[step] = status;
         while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
         if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
-          Status failed = SaveFailed(job, step, status, config_.root);
+          Status failed = SaveFailed(job, step, status, c_.config_.root);
           rank.fatal_error = Status(failed.code(), failed.message() +
                                                        "; no snapshot is taken after a failed save as this rank "
                                                        "registered with fatal_persist_errors: fix the cause and "
@@ -473,7 +476,7 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
   } else {
     event.kind = DaemonEvent::Kind::kPersisted;
   }
-  Emit(std::move(event));
+  c_.Emit(std::move(event));
   if (status.ok()) {
     double gbps = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
     Logger("writer")->info("persisted job={} step={} rank={} bytes={} secs={:.3f} gbps={:.2f}", job, step, rank_id,
@@ -482,43 +485,43 @@ void Daemon::OnPersisted(const std::string& job, uint32_t rank_id, const std::st
     Logger("writer")->error("persist failed job={} step={} rank={} error=\"{}\"", job, step, rank_id,
                             status.ToString());
   }
-  cv_.NotifyAll();
+  c_.cv_.NotifyAll();
 }
 
-Status Daemon::AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) {
-  MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(RankState * rank, RankOf(session_id, true));
-  RETURN_IF_ERROR(Slots(*rank->segment).Release(ticket, SlotState::kFilling));
-  Mirror(*rank->segment, ticket.slot);
-  cv_.NotifyAll();
+Status SavePath::AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) {
+  MutexLock lock(&c_.mu_);
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+  RETURN_IF_ERROR(c_.Slots(*rank->segment).Release(ticket, SlotState::kFilling));
+  c_.Mirror(*rank->segment, ticket.slot);
+  c_.cv_.NotifyAll();
   return Status::OK();
 }
 
 // A stop does not fail a waiter: it still finishes the writes in flight until its deadline, so
 // the waiter learns its step's outcome (written, failed, or left to the next daemon) within its
 // own timeout. The stop empties the job table when it is done with the writes; a waiter that
-// wakes after that reads what the stop left of its rank (stopped_ranks_).
-Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t step,
+// wakes after that reads what the stop left of its rank (c_.stopped_ranks_).
+Result<WaitResult> SavePath::WaitPersisted(const std::string& session_id, int64_t step,
                                          std::chrono::milliseconds timeout) {
-  auto deadline = clock_.Now() + timeout;
+  auto deadline = c_.clock_.Now() + timeout;
   std::string job;
   bool timed_out = false;
-  MutexLock lock(&mu_);
+  MutexLock lock(&c_.mu_);
   for (;;) {
     bool final = false;
-    ASSIGN_OR_RETURN(const RankState* rank, WaitedRank(session_id, &final));
-    job = sessions_.at(session_id).job;
+    ASSIGN_OR_RETURN(const RankState* rank, c_.WaitedRank(session_id, &final));
+    job = c_.sessions_.at(session_id).job;
     if (!rank->split_error.ok()) return rank->split_error;
     if (auto failed = rank->failed.find(step); failed != rank->failed.end()) {
       // The writer's error keeps its code (kResourceExhausted for a full disk) and names the file.
-      return SaveFailed(job, step, failed->second, config_.root);
+      return SaveFailed(job, step, failed->second, c_.config_.root);
     }
     if (rank->memory_steps.count(step) != 0) return MemoryStepNotWritten(step);
     if (rank->last_persisted >= step) {
       WaitResult r;
       r.persisted_step = rank->last_persisted;
       lock.Unlock();
-      ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
+      ASSIGN_OR_RETURN(r.checkpoint_complete, c_.catalog_.IsComplete(job, step));
       return r;
     }
     if (rank->abandoned.count(step) != 0) {
@@ -531,18 +534,18 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
     }
     if (rank->last_committed < step) {
       // Persisted before a daemon restart, which forgot it: the rank's signal is on disk.
-      const uint32_t rank_id = sessions_.at(session_id).rank;
+      const uint32_t rank_id = c_.sessions_.at(session_id).rank;
       const Attempt attempt = rank->attempt();
       lock.Unlock();
-      ASSIGN_OR_RETURN(bool signalled, catalog_.HasSignal(job, rank_id, step, attempt));
+      ASSIGN_OR_RETURN(bool signalled, c_.catalog_.HasSignal(job, rank_id, step, attempt));
       if (signalled) {
         WaitResult r;
         r.persisted_step = step;
-        ASSIGN_OR_RETURN(r.checkpoint_complete, catalog_.IsComplete(job, step));
+        ASSIGN_OR_RETURN(r.checkpoint_complete, c_.catalog_.IsComplete(job, step));
         return r;
       }
       lock.Lock();
-      ASSIGN_OR_RETURN(rank, WaitedRank(session_id, &final));
+      ASSIGN_OR_RETURN(rank, c_.WaitedRank(session_id, &final));
       if (rank->last_committed >= step) continue;
       return FailedPrecondition("step " + std::to_string(step) + " was never committed by this rank (last commit: " +
                                 std::to_string(rank->last_committed) + ")");
@@ -558,7 +561,7 @@ Result<WaitResult> Daemon::WaitPersisted(const std::string& session_id, int64_t 
                               " ms (last persisted: " + std::to_string(rank->last_persisted) + ")");
     }
     // Looked at once more after the deadline: the rank may be gone from the job table by then.
-    timed_out = !clock_.WaitUntil(&cv_, &lock, deadline);
+    timed_out = !c_.clock_.WaitUntil(&c_.cv_, &lock, deadline);
   }
 }
 

@@ -15,11 +15,11 @@
 
 namespace flashckpt {
 
-class Daemon;
+class Core;
 
 // A slot is the rank layout's bytes followed, with EMA on, by room for one EMA image. The slot
-// table and the EMA stage's count are the daemon's to guard (Daemon::mu_): they are reached only
-// through Daemon::Slots, Daemon::EmaPending and Daemon::Mirror, which require that lock, so clang's
+// table and the EMA stage's count are the daemon's to guard (Core::mu_): they are reached only
+// through Core::Slots, Core::EmaPending and Core::Mirror, which require that lock, so clang's
 // thread-safety analysis checks every use. The rest is set at construction and read freely.
 class RankSegment {
  public:
@@ -44,18 +44,20 @@ class RankSegment {
   // Host memory this segment (and its EMA segment) counts against the daemon's budget.
   uint64_t accounted() const { return accounted_; }
 
- private:
-  friend class Daemon;
-  // Copies slot `i`'s state into its header page, for inspection and for the next daemon.
-  void MirrorSlot(uint32_t i, const SlotInfo& info) const;
-
-  SlotTable slots_;           // Daemon::mu_
-  uint32_t ema_pending_ = 0;  // Daemon::mu_: snapshots queued for the EMA stage
-  // Daemon::mu_: the memory snapshots among them (queued for their checksums), with their slots.
+  // A memory snapshot queued for its checksums, with its slot.
   struct PendingMemory {
     uint32_t slot = 0;
     std::shared_ptr<ResidentCheckpoint> resident;
   };
+
+ private:
+  friend class Core;
+  // Copies slot `i`'s state into its header page, for inspection and for the next daemon.
+  void MirrorSlot(uint32_t i, const SlotInfo& info) const;
+
+  SlotTable slots_;           // Core::mu_
+  uint32_t ema_pending_ = 0;  // Core::mu_: snapshots queued for the EMA stage
+  // Core::mu_: the memory snapshots among them (queued for their checksums), with their slots.
   std::vector<PendingMemory> memory_pending_;
   std::atomic<uint64_t>* const used_;  // the daemon's host-memory counter
   const uint64_t accounted_;          // bytes counted in *used (segment + EMA segment)

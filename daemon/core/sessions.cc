@@ -3,36 +3,36 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
-#include "daemon/core/daemon.h"
+#include "daemon/core/registrar.h"
 #include "daemon/core/texts.h"
 
 namespace flashckpt {
 
-Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, bool reattach) {
+Result<std::string> Registrar::OpenSession(const std::string& job, uint32_t rank, bool reattach) {
   RETURN_IF_ERROR(ValidateJobName(job));
   ASSIGN_OR_RETURN(std::string token, RandomToken());
-  MutexLock lock(&mu_);
-  if (stopping_) return Unavailable(kStoppingMessage);
+  MutexLock lock(&c_.mu_);
+  if (c_.stopping_) return Unavailable(kStoppingMessage);
   // A restarted trainer may connect before the daemon has seen its predecessor's stream break.
-  auto deadline = clock_.Now() + std::chrono::seconds(3);
+  auto deadline = c_.clock_.Now() + std::chrono::seconds(3);
   for (;;) {
-    if (stopping_) return Unavailable(kStoppingMessage);
-    if (releasing_.count(job) != 0) {  // its segments are being unlinked: a moment
-      if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+    if (c_.stopping_) return Unavailable(kStoppingMessage);
+    if (c_.releasing_.count(job) != 0) {  // its segments are being unlinked: a moment
+      if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
         return Unavailable("job '" + job + "' is being released (its shared memory given back); connect again");
       }
       continue;
     }
-    auto jit = jobs_.find(job);
-    if (jit == jobs_.end()) break;
+    auto jit = c_.jobs_.find(job);
+    if (jit == c_.jobs_.end()) break;
     auto rit = jit->second.ranks.find(rank);
     if (rit == jit->second.ranks.end() || rit->second.session_id.empty()) break;
-    if (!clock_.WaitUntil(&cv_, &lock, deadline)) {
+    if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
       return FailedPrecondition("rank " + std::to_string(rank) + " of job '" + job +
                                 "' already has a live session; one process per rank");
     }
   }
-  RankState& state = jobs_[job].ranks[rank];
+  RankState& state = c_.jobs_[job].ranks[rank];
   state.session_id = token;
   state.last_begun = -1;
   state.resumed_from = 0;
@@ -45,7 +45,7 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   state.launch_checked = false;
   state.split_error = Status::OK();
   state.reattached = reattach;
-  if (!reattach || state.attempt_began_ms == 0) state.attempt_began_ms = clock_.WallMs();
+  if (!reattach || state.attempt_began_ms == 0) state.attempt_began_ms = c_.clock_.WallMs();
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by
@@ -59,26 +59,26 @@ Result<std::string> Daemon::OpenSession(const std::string& job, uint32_t rank, b
   }
   state.registered = false;
   state.fatal_error = Status::OK();  // a new trainer process: a failure of the previous one is not its own
-  sessions_[token] = SessionInfo{job, rank};
+  c_.sessions_[token] = SessionInfo{job, rank};
   Logger("rpc")->info("session open job={} rank={} reattach={}", job, rank, reattach);
   return token;
 }
 
-void Daemon::CloseSession(const std::string& session_id) {
-  MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return;
-  auto& rank = jobs_[it->second.job].ranks[it->second.rank];
+void Registrar::CloseSession(const std::string& session_id) {
+  MutexLock lock(&c_.mu_);
+  auto it = c_.sessions_.find(session_id);
+  if (it == c_.sessions_.end()) return;
+  auto& rank = c_.jobs_[it->second.job].ranks[it->second.rank];
   uint32_t abandoned = 0;
   if (rank.session_id == session_id) {
     rank.session_id.clear();
-    rank.gone_since = clock_.Now();
+    rank.gone_since = c_.clock_.Now();
     if (rank.segment) {
-      abandoned = Slots(*rank.segment).AbandonInFlight();
-      for (uint32_t i = 0; i < Slots(*rank.segment).size(); ++i) Mirror(*rank.segment, i);
+      abandoned = c_.Slots(*rank.segment).AbandonInFlight();
+      for (uint32_t i = 0; i < c_.Slots(*rank.segment).size(); ++i) c_.Mirror(*rank.segment, i);
       // A memory snapshot committed before its (streamed) copies finished never will be: the trainer
       // is gone. It is dropped now rather than waited for until the copy timeout.
-      for (const auto& p : MemoryPending(*rank.segment)) {
+      for (const auto& p : c_.MemoryPending(*rank.segment)) {
         const auto& header = *reinterpret_cast<const SlotHeader*>(rank.segment->Slot(p.slot));
         const uint64_t until = header.copied_until.load(std::memory_order_acquire);
         if (until != 0 && until < rank.segment->layout.slot_bytes) p.resident->dropped.store(true);
@@ -86,56 +86,15 @@ void Daemon::CloseSession(const std::string& session_id) {
     }
   }
   Logger("rpc")->info("session closed job={} rank={} abandoned_slots={}", it->second.job, it->second.rank, abandoned);
-  sessions_.erase(it);
-  cv_.NotifyAll();
+  c_.sessions_.erase(it);
+  c_.cv_.NotifyAll();
 }
 
-Result<RankState*> Daemon::RankOf(const std::string& session_id, bool need_segment) {
-  if (stopping_) return Unavailable(kStoppingMessage);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    // UNAVAILABLE, not an argument error: after a daemon restart every session id is unknown, and
-    // the client library re-attaches (a new session, the same registration) on this code.
-    return Unavailable("session_id names no open session (it ended, or the daemon restarted); open a new Session");
-  }
-  RankState& rank = jobs_[it->second.job].ranks[it->second.rank];
-  if (need_segment && !rank.segment) {
-    return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
-                              "' has not registered its tensors");
-  }
-  return &rank;
-}
-
-Result<const RankState*> Daemon::WaitedRank(const std::string& session_id, bool* final) const {
-  *final = false;
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    if (stopping_) return Unavailable(kStoppingMessage);
-    return Unavailable("session_id names no open session (it ended, or the daemon restarted); open a new Session");
-  }
-  if (stopping_) {
-    if (auto kept = stopped_ranks_.find(session_id); kept != stopped_ranks_.end()) {
-      *final = true;
-      return &kept->second;
-    }
-  }
-  const RankState* rank = nullptr;
-  if (auto jit = jobs_.find(it->second.job); jit != jobs_.end()) {
-    if (auto rit = jit->second.ranks.find(it->second.rank); rit != jit->second.ranks.end()) rank = &rit->second;
-  }
-  if (rank == nullptr || !rank->segment) {
-    if (stopping_) return Unavailable(kStoppingMessage);
-    return FailedPrecondition("rank " + std::to_string(it->second.rank) + " of job '" + it->second.job +
-                              "' has not registered its tensors");
-  }
-  return rank;
-}
-
-Daemon::Counts Daemon::CountSessions() const {
-  MutexLock lock(&mu_);
-  Counts counts;
-  counts.jobs = jobs_.size();
-  for (const auto& [name, job] : jobs_) {
+SessionCounts Registrar::CountSessions() const {
+  MutexLock lock(&c_.mu_);
+  SessionCounts counts;
+  counts.jobs = c_.jobs_.size();
+  for (const auto& [name, job] : c_.jobs_) {
     counts.ranks += job.ranks.size();
     for (const auto& [r, rank] : job.ranks) counts.connected += rank.session_id.empty() ? 0 : 1;
   }

@@ -48,7 +48,7 @@ struct ResidentCheckpoint {
   uint32_t world_size = 1;
   std::string extra;
   SlotChecksums sums;
-  // Fetched from this peer's replica (HOST:PORT, Daemon::FetchPeerReplica); empty: taken here.
+  // Fetched from this peer's replica (HOST:PORT, MemoryTier::FetchPeerReplica); empty: taken here.
   std::string from_peer;
   // Set while it is still queued for its checksums, when it must not be kept after all: a later
   // BeginSnapshot or restore left its step behind, or its trainer died before its copies finished.

@@ -19,7 +19,7 @@ constexpr double kSlowStartupSecs = 2.0;
 // daemon's lock and nothing else: the watchdog ping waits for it, so a daemon stuck on its lock
 // stops pinging, while a slow filesystem (which status would read) does not.
 std::string ServingLine(const flashckpt::Daemon& daemon) {
-  const flashckpt::Daemon::Counts counts = daemon.CountSessions();
+  const flashckpt::SessionCounts counts = daemon.CountSessions();
   return "serving; " + std::to_string(counts.jobs) + " jobs, " + std::to_string(counts.ranks) + " ranks (" +
          std::to_string(counts.connected) + " connected)";
 }

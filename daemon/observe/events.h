@@ -22,7 +22,7 @@
 
 #include "common/base/mutex.h"
 #include "common/base/status.h"
-#include "daemon/core/core_types.h"
+#include "flashckpt/daemon_types.h"
 
 namespace flashckpt {
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/base/mutex.h"
-#include "daemon/core/core_types.h"
+#include "flashckpt/daemon_types.h"
 
 namespace flashckpt {
 

@@ -42,7 +42,7 @@ struct EmaConfig {
 Status ValidateEmaConfig(const EmaConfig& config);
 
 // "flashckpt.<job>.<rank>.<scope>.ema": the name of a rank's EMA segment. `scope` is the daemon's
-// (Daemon::ema_scope): two daemons on one host that serve a job of the same name keep apart.
+// (Core::ema_scope_): two daemons on one host that serve a job of the same name keep apart.
 std::string EmaSegmentName(const std::string& job, uint32_t rank, const std::string& scope);
 // The name releases before the scope used: "flashckpt.<job>.<rank>.ema".
 std::string UnscopedEmaSegmentName(const std::string& job, uint32_t rank);

@@ -150,7 +150,7 @@ class DaemonThreadsTest : public ::testing::Test {
       }
     }
     RETURN_IF_ERROR(daemon_->ReleaseSlot(t->session, restored.ticket));
-    ASSIGN_OR_RETURN(Daemon::EmaCopy copy, daemon_->GetEma(t->session, 20s));
+    ASSIGN_OR_RETURN(EmaCopy copy, daemon_->GetEma(t->session, 20s));
     if (!copy.initialized || copy.step != kSteps) return Internal("the EMA copy is not of the last step");
     return daemon_->ReleaseSlot(t->session, copy.ticket);
   }

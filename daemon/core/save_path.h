@@ -1,0 +1,57 @@
+// The save path: BeginSnapshot hands out a slot, Commit records it and hands it to the EMA stage,
+// then to the writer or the memory tier; the writer's completion comes back here (save.cc).
+// A unit of the core (core.h): its state is the Core's, guarded by Core::mu_.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "daemon/core/core.h"
+#include "daemon/core/outcomes.h"
+#include "daemon/core/registration.h"
+
+namespace flashckpt {
+
+class SavePath {
+ public:
+  explicit SavePath(Core& core) : c_(core) {}
+  SavePath(const SavePath&) = delete;
+  SavePath& operator=(const SavePath&) = delete;
+
+  // tier kMemory: a memory checkpoint, kept in its slot once committed and never written
+  // (FAILED_PRECONDITION with fewer than 2 slots, or for a rank with EMA tensors).
+  Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout,
+                                   SlotTier tier = SlotTier::kDisk) EXCLUDES(c_.mu_);
+  Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
+                std::optional<double> loss, std::string extra) EXCLUDES(c_.mu_);
+  Status AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) EXCLUDES(c_.mu_);
+  Result<WaitResult> WaitPersisted(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
+  // `session_id`: the session that committed the step (a failure counts as fatal for it only).
+  // `process`: the rank's process (RankState::process) that committed it.
+  void OnPersisted(const std::string& job, uint32_t rank, const std::string& session_id, uint64_t process,
+                   const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step, const Status& status,
+                   uint64_t bytes, double seconds) EXCLUDES(c_.mu_);
+  // The EMA stage's callback: counts the update, then FinishCommittedLocked.
+  void OnEmaApplied(EmaJob job, bool applied, double seconds) EXCLUDES(c_.mu_);
+  // The persist request of a committed slot; `done` reports to OnPersisted.
+  // `session_id`: the committing session ("" for a snapshot adopted after a restart).
+  PersistRequest MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id, uint64_t process,
+                                    uint32_t world_size, const Attempt& attempt,
+                                    const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket, int64_t step,
+                                    std::string extra);
+  // Hands a committed slot to the writer (persist) or frees it. Requires mu_.
+  static Status FinishCommittedLocked(Core& c_, EmaJob job) REQUIRES(c_.mu_);
+  // Gives a FILLING slot to the rank (BeginSnapshot): resets its copy progress, mirrors it. Needs mu_.
+  static void HandOut(Core& c_, RankState* rank, const SlotTicket& ticket, int64_t step) REQUIRES(c_.mu_);
+
+ private:
+  Core& c_;
+};
+
+}  // namespace flashckpt
