@@ -443,6 +443,64 @@ Status CompleteImport(const std::string& dir, const ImportOptions& options, cons
   return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
 }
 
+// The tensors of `kind` an export writes, in name order: one per key, from its first piece (the
+// reader checks that every piece of a key agrees on dtype and global shape), named without
+// `strip_prefix`; `convert`: fp16/bf16/fp32 ones become `to`.
+Result<std::vector<OutTensor>> ExportedTensors(const std::string& dir, const CheckpointMetadata& meta, TensorKind kind,
+                                               bool convert, DType to, const std::string& strip_prefix) {
+  std::map<std::string, OutTensor> by_name;
+  std::map<std::string, std::string> key_of_name;
+  for (const Piece& p : meta.pieces) {
+    if (p.kind != kind) continue;
+    std::string name = p.key;
+    if (!strip_prefix.empty() && name.rfind(strip_prefix, 0) == 0) {
+      name = name.substr(strip_prefix.size());
+      if (name.empty()) return InvalidArgument("stripping '" + strip_prefix + "' leaves tensor '" + p.key + "' no name");
+    }
+    auto [it, inserted] = key_of_name.emplace(name, p.key);
+    if (!inserted) {
+      if (it->second != p.key) {
+        return InvalidArgument("tensors '" + it->second + "' and '" + p.key + "' are both '" + name + "' without '" +
+                               strip_prefix + "'");
+      }
+      continue;
+    }
+    OutTensor t;
+    t.key = p.key;
+    t.name = name;
+    t.saved = p.dtype;
+    t.out = convert && IsFloat16Or32(p.dtype) ? to : p.dtype;
+    t.shape = p.global_shape.empty() ? p.shape : p.global_shape;
+    for (uint64_t d : t.shape) t.elements *= d;
+    t.out_bytes = t.elements * DTypeSize(t.out);
+    by_name.emplace(name, std::move(t));
+  }
+  if (by_name.empty()) {
+    return InvalidArgument("checkpoint " + dir + " has no " + std::string(TensorKindName(kind)) + " tensors" +
+                           (kind == TensorKind::kEma ? " (it was saved without an EMA)" : ""));
+  }
+  std::vector<OutTensor> tensors;
+  for (auto& [name, t] : by_name) tensors.push_back(std::move(t));
+  return tensors;
+}
+
+// The export's files: the tensors in order, a new file when the next would pass `max_shard`. Sets
+// each tensor's file and offset; returns each file's bytes, and their sum in `*total`.
+std::vector<uint64_t> AssignExportFiles(uint64_t max_shard, std::vector<OutTensor>* tensors, uint64_t* total) {
+  std::vector<uint64_t> file_bytes;
+  *total = 0;
+  for (OutTensor& t : *tensors) {
+    if (file_bytes.empty() || (file_bytes.back() > 0 && file_bytes.back() + t.out_bytes > max_shard)) {
+      file_bytes.push_back(0);
+    }
+    t.file = file_bytes.size() - 1;
+    t.begin = file_bytes.back();
+    file_bytes.back() += t.out_bytes;
+    *total += t.out_bytes;
+  }
+  return file_bytes;
+}
+
 }  // namespace
 
 Status ImportCheckpoint(const std::string& hf_dir, const ImportOptions& options, ImportReport* report) {
@@ -524,54 +582,9 @@ Status ExportCheckpoint(const std::string& dir, const std::string& out_dir, cons
   ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
   RETURN_IF_ERROR(CheckFileHeaders(dir, meta));
 
-  // One entry per tensor of the kind, from its first piece (the reader checks that every piece of
-  // a key agrees on dtype and global shape).
-  std::map<std::string, OutTensor> by_name;
-  std::map<std::string, std::string> key_of_name;
-  for (const Piece& p : meta.pieces) {
-    if (p.kind != kind) continue;
-    std::string name = p.key;
-    if (!options.strip_prefix.empty() && name.rfind(options.strip_prefix, 0) == 0) {
-      name = name.substr(options.strip_prefix.size());
-      if (name.empty()) return InvalidArgument("stripping '" + options.strip_prefix + "' leaves tensor '" + p.key + "' no name");
-    }
-    auto [it, inserted] = key_of_name.emplace(name, p.key);
-    if (!inserted) {
-      if (it->second != p.key) {
-        return InvalidArgument("tensors '" + it->second + "' and '" + p.key + "' are both '" + name + "' without '" +
-                               options.strip_prefix + "'");
-      }
-      continue;
-    }
-    OutTensor t;
-    t.key = p.key;
-    t.name = name;
-    t.saved = p.dtype;
-    t.out = convert && IsFloat16Or32(p.dtype) ? to : p.dtype;
-    t.shape = p.global_shape.empty() ? p.shape : p.global_shape;
-    for (uint64_t d : t.shape) t.elements *= d;
-    t.out_bytes = t.elements * DTypeSize(t.out);
-    by_name.emplace(name, std::move(t));
-  }
-  if (by_name.empty()) {
-    return InvalidArgument("checkpoint " + dir + " has no " + std::string(TensorKindName(kind)) + " tensors" +
-                           (kind == TensorKind::kEma ? " (it was saved without an EMA)" : ""));
-  }
-
-  // The files: tensors in name order, a new file when the next would pass the shard size.
-  std::vector<OutTensor> tensors;
-  for (auto& [name, t] : by_name) tensors.push_back(std::move(t));
-  std::vector<uint64_t> file_bytes;
+  ASSIGN_OR_RETURN(std::vector<OutTensor> tensors, ExportedTensors(dir, meta, kind, convert, to, options.strip_prefix));
   uint64_t total = 0;
-  for (OutTensor& t : tensors) {
-    if (file_bytes.empty() || (file_bytes.back() > 0 && file_bytes.back() + t.out_bytes > *max_shard)) {
-      file_bytes.push_back(0);
-    }
-    t.file = file_bytes.size() - 1;
-    t.begin = file_bytes.back();
-    file_bytes.back() += t.out_bytes;
-    total += t.out_bytes;
-  }
+  const std::vector<uint64_t> file_bytes = AssignExportFiles(*max_shard, &tensors, &total);
 
   ASSIGN_OR_RETURN(const std::string staging, StagingDirFor(dir, out_dir));
   Status written = WriteExport(dir, meta, tensors, file_bytes, total, kind, options, staging, report);
