@@ -7,6 +7,7 @@
 
 #include "common/base/status.h"
 #include "daemon/edge/server.h"
+#include "daemon/edge/state_records.h"
 
 namespace flashckpt::bench {
 
@@ -14,7 +15,9 @@ class LocalDaemon {
  public:
   static Result<std::unique_ptr<LocalDaemon>> Start(const DaemonConfig& config) {
     std::unique_ptr<LocalDaemon> d(new LocalDaemon());
-    d->daemon_ = std::make_unique<Daemon>(config);
+    DaemonConfig c = config;
+    if (c.state_records == nullptr) c.state_records = &ProtoStateRecords();  // as flashckptd's main sets it
+    d->daemon_ = std::make_unique<Daemon>(c);
     RETURN_IF_ERROR(d->daemon_->Start());
     d->server_ = std::make_unique<Server>(d->daemon_.get());
     RETURN_IF_ERROR(d->server_->Start());

@@ -1,7 +1,8 @@
 // The daemon core's own vocabulary: what Daemon returns from Register and GetStatus and what it
 // publishes as events. The gRPC edge (daemon/edge/service.cc, and tcp_service.cc through it) translates
 // them to and from the flashckpt.v1 messages in one place, daemon/edge/wire.*; nothing below the edge
-// builds a protobuf message, except the state directory's records, which are a file format.
+// builds a protobuf message (the state directory's records are encoded by the edge's codec too,
+// daemon/edge/state_records.h).
 #pragma once
 
 #include <chrono>

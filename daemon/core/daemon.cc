@@ -93,7 +93,7 @@ Status Daemon::Start() {
   if (!state_dir.empty()) {
     // Before anything is read, adopted or deleted: one daemon per state directory.
     IoEnv* state_io = c_.config_.state_io_env != nullptr ? c_.config_.state_io_env : IoEnv::Default();
-    ASSIGN_OR_RETURN(c_.state_, StateDir::Open(state_dir, state_io));
+    ASSIGN_OR_RETURN(c_.state_, StateDir::Open(state_dir, c_.config_.state_records, state_io));
     ASSIGN_OR_RETURN(c_.state_lock_, StateDirLock::Acquire(state_dir));
   }
   RETURN_IF_ERROR(MakeDirs(c_.config_.root, 0755));

@@ -15,6 +15,8 @@
 
 namespace flashckpt {
 
+class StateRecordCodec;  // daemon/core/state_dir.h
+
 struct DaemonConfig {
   std::string socket_path;
   // Records for adopting slot segments after a crash (daemon/core/state_dir.h). Empty:
@@ -100,6 +102,9 @@ struct DaemonConfig {
   // every third of this; every deletion of every daemon on the root skips a step with a live lease,
   // and a lease of a daemon that died expires after this (daemon/pipeline/lease.h). 0: no leases.
   std::chrono::milliseconds lease_ttl{60000};
+  // How the state directory's records are encoded (not owned): needed with a state directory. The
+  // daemon's is the edge's ProtoStateRecords() (daemon/edge/state_records.h).
+  const StateRecordCodec* state_records = nullptr;
 };
 
 

@@ -61,6 +61,211 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& se
   return where.sums;
 }
 
+// What the rank holds here, for FetchPeerReplica: its segment (null: none to fetch into, or a rank
+// with EMA), its newest memory step, whether it holds the step asked for, and the runs of its
+// memory checkpoints.
+struct RankHere {
+  std::shared_ptr<RankSegment> segment;
+  uint32_t world_size = 0;
+  int64_t newest = 0;
+  bool has_wanted = false;
+  std::set<std::string> runs;
+};
+
+RankHere LookAtRank(Core& c_, const std::string& job, uint32_t rank_id, int64_t wanted) EXCLUDES(c_.mu_) {
+  RankHere here;
+  MutexLock lock(&c_.mu_);
+  auto jit = c_.jobs_.find(job);
+  if (jit == c_.jobs_.end()) return here;
+  auto rit = jit->second.ranks.find(rank_id);
+  if (rit == jit->second.ranks.end() || !rit->second.segment || rit->second.segment->ema) return here;
+  const std::shared_ptr<RankSegment>& segment = rit->second.segment;
+  here.world_size = rit->second.topology.world_size;
+  const std::vector<int64_t> held = c_.Slots(*segment).ResidentSteps();
+  if (!held.empty()) here.newest = held.front();
+  here.has_wanted = std::find(held.begin(), held.end(), wanted) != held.end();
+  for (const auto& p : c_.MemoryPending(*segment)) {
+    if (p.resident->dropped.load()) continue;  // its copies never finished
+    here.newest = std::max(here.newest, p.resident->step);
+    here.has_wanted = here.has_wanted || p.resident->step == wanted;
+    here.runs.insert(p.resident->attempt.run_id);
+  }
+  for (uint32_t i = 0; i < c_.Slots(*segment).size(); ++i) {
+    if (auto r = c_.Slots(*segment).ResidentIn(i)) here.runs.insert(r->attempt.run_id);
+  }
+  here.segment = segment;
+  return here;
+}
+
+// Adds the run and step of the job's newest complete checkpoint on disk to `lineage` (read from
+// the root, without the lock).
+void AddDiskLineage(Core& c_, const std::string& job, uint32_t rank_id, MemoryTier::HeldLineage* lineage) {
+  auto latest = c_.catalog_.LatestRun(job);
+  if (latest.ok() && !*latest) latest = c_.catalog_.NewestComplete(job, "");
+  if (!latest.ok()) {
+    // The files may be what failed: the memory checkpoints' runs alone say the lineage then.
+    Logger("restore")->warn("replicas of job={} rank={}: the job's checkpoints here cannot be read ({}); the "
+                            "lineage is taken from the memory checkpoints alone",
+                            job, rank_id, latest.status().ToString());
+  } else if (*latest) {
+    lineage->disk_step = (*latest)->step;
+    lineage->disk_run = (*latest)->run_id;
+    if (!(*latest)->run_id.empty()) lineage->runs.insert((*latest)->run_id);  // else written before run ids
+  }
+}
+
+// A replica a peer listed.
+struct ListedReplica {
+  const ReplicaSender::PeerChannel* peer = nullptr;
+  ReplicaMeta meta;
+};
+
+// The newest replica of the rank among the peers (the later attempt, then the later step), or of
+// the step asked for (of the later attempt); one that does not continue `lineage` is logged with a
+// MEMORY_FALLBACK event. `*highest_attempt`: of the rank's replicas on the peers, any step.
+ListedReplica ChooseReplica(Core& c_, const std::string& job, uint32_t rank_id, uint32_t world_size, int64_t wanted,
+                            const MemoryTier::HeldLineage& lineage, std::chrono::steady_clock::time_point deadline,
+                            uint64_t* highest_attempt) {
+  ListedReplica best;
+  const auto list_by = std::min(deadline, c_.clock_.Now() + kPeerListTimeout);
+  for (const ReplicaSender::PeerChannel& peer : c_.sender_->channels()) {
+    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(c_.clock_, list_by));
+    if (!listed.ok()) {
+      Logger("restore")->warn("replica peer={} not asked job={} rank={}: {}", peer.target, job, rank_id,
+                              listed.status().ToString());
+      continue;
+    }
+    for (ReplicaMeta& m : *listed) {
+      if (m.rank != rank_id || m.world_size != world_size) continue;
+      if (Status continues = c_.memory->ContinuesLineage(job, m, lineage); !continues.ok()) {
+        const std::string why = "replica of job=" + job + " rank=" + std::to_string(rank_id) + " step=" +
+                                std::to_string(m.step) + " on peer=" + peer.target + " origin=" + m.origin_node +
+                                " not used: " + continues.message();
+        Logger("restore")->warn("{}", why);
+        DaemonEvent event;
+        event.kind = DaemonEvent::Kind::kMemoryFallback;
+        event.job = job;
+        event.rank = rank_id;
+        event.step = m.step;
+        event.reason = why;
+        c_.Emit(std::move(event));
+        continue;
+      }
+      *highest_attempt = std::max(*highest_attempt, m.attempt);
+      if (wanted > 0 && m.step != wanted) continue;
+      if (best.peer == nullptr || std::make_pair(m.attempt, m.step) > std::make_pair(best.meta.attempt, best.meta.step)) {
+        best = ListedReplica{&peer, std::move(m)};
+      }
+    }
+  }
+  return best;
+}
+
+// The rank's next attempt number goes above what its peers hold (a step asked for by number that
+// is here too: the restore renumbers the attempt all the same).
+void RaiseAttemptFloor(Core& c_, const std::string& job, uint32_t rank_id, uint64_t highest_attempt)
+    EXCLUDES(c_.mu_) {
+  MutexLock lock(&c_.mu_);
+  auto jit = c_.jobs_.find(job);
+  if (jit == c_.jobs_.end()) return;
+  auto rit = jit->second.ranks.find(rank_id);
+  if (rit != jit->second.ranks.end()) rit->second.attempt_floor = std::max(rit->second.attempt_floor, highest_attempt);
+}
+
+// The end of a fetch into `ticket` of the segment: the slot is freed when `checked` failed (a
+// replica that fails its checksums also with a MEMORY_FALLBACK event), else it keeps the replica as
+// a memory checkpoint of the rank.
+void KeepFetched(Core& c_, const std::string& job, uint32_t rank_id, RankSegment& segment, SlotTicket ticket,
+                 const ListedReplica& best, const Status& checked, const Result<ReplicaMeta>& fetched,
+                 SlotChecksums sums, double secs) EXCLUDES(c_.mu_) {
+  const int64_t step = best.meta.step;
+  MutexLock lock(&c_.mu_);
+  c_.Slots(segment).SetLoading(ticket.slot, false);
+  if (!checked.ok()) {
+    (void)c_.Slots(segment).Release(ticket, SlotState::kRestoring);
+    c_.Mirror(segment, ticket.slot);
+    c_.cv_.NotifyAll();
+    if (checked.code() != StatusCode::kCorruption) {
+      // Not fetched (the peer went away, too slow) or of another layout: nothing was wrong with it.
+      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not used: {}", job, rank_id, step,
+                              best.peer->target, checked.ToString());
+      return;
+    }
+    Logger("restore")->warn("replica of job={} rank={} step={} from peer={} refused: {}", job, rank_id, step,
+                            best.peer->target, checked.ToString());
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kMemoryFallback;
+    event.job = job;
+    event.rank = rank_id;
+    event.step = step;
+    event.reason = "replica from " + best.peer->target + ": " + checked.ToString();
+    c_.Emit(std::move(event));
+    return;
+  }
+  Result<ReplicaLayout> where = DecodeReplicaLayout(fetched->layout);  // decoded once already (ReplicaSums)
+  if (!where.ok()) return;
+  auto resident = std::make_shared<ResidentCheckpoint>();
+  resident->step = step;
+  resident->attempt = Attempt{where->run_id, where->resumed_from};
+  resident->world_size = fetched->world_size;
+  resident->extra = fetched->extra;
+  resident->sums = std::move(sums);
+  resident->from_peer = best.peer->target;
+  Status kept = c_.Slots(segment).KeepFetched(ticket, std::move(resident));
+  c_.Mirror(segment, ticket.slot);
+  c_.cv_.NotifyAll();
+  if (!kept.ok()) {
+    Logger("restore")->error("replica of job={} rank={} step={} fetched but not kept: {}", job, rank_id, step,
+                             kept.ToString());
+    return;
+  }
+  Logger("restore")->info("replica fetched job={} rank={} step={} from peer={} origin={} bytes={} secs={:.3f}", job,
+                          rank_id, step, best.peer->target, fetched->origin_node, FormatBytes(fetched->bytes), secs);
+}
+
+// Fetches replica `best` into a free slot of the rank's segment, checks every chunk against its
+// checksum and keeps it (KeepFetched). Takes half the time left to `deadline` at most: the files
+// must still be readable in time when the peer is slow.
+void FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
+                   const ListedReplica& best, std::chrono::steady_clock::time_point deadline) EXCLUDES(c_.mu_) {
+  const int64_t step = best.meta.step;
+  std::optional<SlotTicket> ticket;
+  {
+    MutexLock lock(&c_.mu_);
+    ticket = c_.Slots(*segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
+    if (!ticket) {
+      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not fetched: no free slot", job, rank_id,
+                              step, best.peer->target);
+      return;
+    }
+    c_.Slots(*segment).SetLoading(ticket->slot, true);
+    c_.Mirror(*segment, ticket->slot);
+  }
+  const auto started = c_.clock_.Now();
+  char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
+  SlotChecksums sums;
+  const auto fetch_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
+  auto fetched = FetchReplica(
+      best.peer->channel.get(), c_.config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
+      [&](const ReplicaMeta& meta) -> Result<char*> {
+        // The one listed (and checked against the lineage), not one the peer holds in its place now.
+        if (meta.run_id != best.meta.run_id || meta.resumed_from != best.meta.resumed_from ||
+            meta.attempt != best.meta.attempt || meta.origin_node != best.meta.origin_node) {
+          return FailedPrecondition("the peer's replica changed after it was listed");
+        }
+        ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
+        return into;
+      },
+      SystemDeadline(c_.clock_, fetch_by), OriginOf(best.meta));
+  Status checked = fetched.status();
+  if (checked.ok()) {
+    ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
+    checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, sums, &verifiers);
+  }
+  const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
+  KeepFetched(c_, job, rank_id, *segment, *ticket, best, checked, fetched, std::move(sums), secs);
+}
+
 }  // namespace
 
 Status MemoryTier::ContinuesLineage(const std::string& job, const ReplicaMeta& m, const HeldLineage& lineage) {
@@ -92,105 +297,21 @@ Status MemoryTier::ContinuesLineage(const std::string& job, const ReplicaMeta& m
 }
 
 void MemoryTier::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
-                              int64_t wanted) {
+                                  int64_t wanted) {
   if (!c_.sender_) return;
-  std::shared_ptr<RankSegment> segment;
-  uint32_t world_size = 0;
-  int64_t newest_here = 0;
-  bool wanted_here = false;
-  std::set<std::string> runs_here;  // of the rank's memory checkpoints here
-  {
-    MutexLock lock(&c_.mu_);
-    auto jit = c_.jobs_.find(job);
-    if (jit == c_.jobs_.end()) return;
-    auto rit = jit->second.ranks.find(rank_id);
-    if (rit == jit->second.ranks.end() || !rit->second.segment || rit->second.segment->ema) return;
-    segment = rit->second.segment;
-    world_size = rit->second.topology.world_size;
-    const std::vector<int64_t> held = c_.Slots(*segment).ResidentSteps();
-    if (!held.empty()) newest_here = held.front();
-    wanted_here = std::find(held.begin(), held.end(), wanted) != held.end();
-    for (const auto& p : c_.MemoryPending(*segment)) {
-      if (p.resident->dropped.load()) continue;  // its copies never finished
-      newest_here = std::max(newest_here, p.resident->step);
-      wanted_here = wanted_here || p.resident->step == wanted;
-      runs_here.insert(p.resident->attempt.run_id);
-    }
-    for (uint32_t i = 0; i < c_.Slots(*segment).size(); ++i) {
-      if (auto r = c_.Slots(*segment).ResidentIn(i)) runs_here.insert(r->attempt.run_id);
-    }
-  }
+  RankHere here = LookAtRank(c_, job, rank_id, wanted);
+  if (!here.segment) return;
   // The lineage the job is on here: the run of its newest complete checkpoint on disk and the runs
   // of the rank's memory checkpoints. A replica is used only when it continues it (ContinuesLineage).
   HeldLineage lineage;
-  lineage.runs = std::move(runs_here);
-  {
-    auto latest = c_.catalog_.LatestRun(job);
-    if (latest.ok() && !*latest) latest = c_.catalog_.NewestComplete(job, "");
-    if (!latest.ok()) {
-      // The files may be what failed: the memory checkpoints' runs alone say the lineage then.
-      Logger("restore")->warn("replicas of job={} rank={}: the job's checkpoints here cannot be read ({}); the "
-                              "lineage is taken from the memory checkpoints alone",
-                              job, rank_id, latest.status().ToString());
-    } else if (*latest) {
-      lineage.disk_step = (*latest)->step;
-      lineage.disk_run = (*latest)->run_id;
-      if (!(*latest)->run_id.empty()) lineage.runs.insert((*latest)->run_id);  // else written before run ids
-    }
-  }
+  lineage.runs = std::move(here.runs);
+  AddDiskLineage(c_, job, rank_id, &lineage);
 
-  // The newest replica of the rank among the peers (the later attempt, then the later step), or of
-  // the step asked for (of the later attempt).
-  struct Found {
-    const ReplicaSender::PeerChannel* peer = nullptr;
-    ReplicaMeta meta;
-  } best;
   uint64_t highest_attempt = 0;  // of the rank's replicas on the peers, any step
-  const auto list_by = std::min(deadline, c_.clock_.Now() + kPeerListTimeout);
-  for (const ReplicaSender::PeerChannel& peer : c_.sender_->channels()) {
-    auto listed = ListReplicas(peer.channel.get(), job, SystemDeadline(c_.clock_, list_by));
-    if (!listed.ok()) {
-      Logger("restore")->warn("replica peer={} not asked job={} rank={}: {}", peer.target, job, rank_id,
-                              listed.status().ToString());
-      continue;
-    }
-    for (ReplicaMeta& m : *listed) {
-      if (m.rank != rank_id || m.world_size != world_size) continue;
-      if (Status continues = ContinuesLineage(job, m, lineage); !continues.ok()) {
-        const std::string why = "replica of job=" + job + " rank=" + std::to_string(rank_id) + " step=" +
-                                std::to_string(m.step) + " on peer=" + peer.target + " origin=" + m.origin_node +
-                                " not used: " + continues.message();
-        Logger("restore")->warn("{}", why);
-        DaemonEvent event;
-        event.kind = DaemonEvent::Kind::kMemoryFallback;
-        event.job = job;
-        event.rank = rank_id;
-        event.step = m.step;
-        event.reason = why;
-        c_.Emit(std::move(event));
-        continue;
-      }
-      highest_attempt = std::max(highest_attempt, m.attempt);
-      if (wanted > 0 && m.step != wanted) continue;
-      if (best.peer == nullptr || std::make_pair(m.attempt, m.step) > std::make_pair(best.meta.attempt, best.meta.step)) {
-        best = Found{&peer, std::move(m)};
-      }
-    }
-  }
-  if (highest_attempt > 0) {
-    // The rank's next attempt number goes above what its peers hold (a step asked for by number
-    // that is here too: the restore renumbers the attempt all the same).
-    MutexLock lock(&c_.mu_);
-    auto jit = c_.jobs_.find(job);
-    if (jit != c_.jobs_.end()) {
-      auto rit = jit->second.ranks.find(rank_id);
-      if (rit != jit->second.ranks.end()) {
-        rit->second.attempt_floor = std::max(rit->second.attempt_floor, highest_attempt);
-      }
-    }
-  }
+  const ListedReplica best = ChooseReplica(c_, job, rank_id, here.world_size, wanted, lineage, deadline, &highest_attempt);
+  if (highest_attempt > 0) RaiseAttemptFloor(c_, job, rank_id, highest_attempt);
   if (best.peer == nullptr ||
-      (wanted == 0 ? best.meta.step <= newest_here || best.meta.step < lineage.disk_step : wanted_here)) {
+      (wanted == 0 ? best.meta.step <= here.newest || best.meta.step < lineage.disk_step : here.has_wanted)) {
     return;  // a replica never beats a newer step of the lineage held here (the files or memory serve it)
   }
   // A step asked for by number: only of the rank's latest attempt among the peers. An older
@@ -202,86 +323,7 @@ void MemoryTier::FetchPeerReplica(const std::string& job, uint32_t rank_id, std:
                             job, rank_id, wanted, best.peer->target, best.meta.attempt, highest_attempt);
     return;
   }
-  const int64_t step = best.meta.step;
-
-  std::optional<SlotTicket> ticket;
-  {
-    MutexLock lock(&c_.mu_);
-    ticket = c_.Slots(*segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
-    if (!ticket) {
-      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not fetched: no free slot", job, rank_id,
-                              step, best.peer->target);
-      return;
-    }
-    c_.Slots(*segment).SetLoading(ticket->slot, true);
-    c_.Mirror(*segment, ticket->slot);
-  }
-  const auto started = c_.clock_.Now();
-  char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
-  SlotChecksums sums;
-  // Half the time left at most: the files must still be readable in time when the peer is slow.
-  const auto fetch_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
-  auto fetched = FetchReplica(
-      best.peer->channel.get(), c_.config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
-      [&](const ReplicaMeta& meta) -> Result<char*> {
-        // The one listed (and checked against the lineage), not one the peer holds in its place now.
-        if (meta.run_id != best.meta.run_id || meta.resumed_from != best.meta.resumed_from ||
-            meta.attempt != best.meta.attempt || meta.origin_node != best.meta.origin_node) {
-          return FailedPrecondition("the peer's replica changed after it was listed");
-        }
-        ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
-        return into;
-      },
-      SystemDeadline(c_.clock_, fetch_by), OriginOf(best.meta));
-  Status checked = fetched.status();
-  if (checked.ok()) {
-    ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
-    checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, sums, &verifiers);
-  }
-  const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
-
-  MutexLock lock(&c_.mu_);
-  c_.Slots(*segment).SetLoading(ticket->slot, false);
-  if (!checked.ok()) {
-    (void)c_.Slots(*segment).Release(*ticket, SlotState::kRestoring);
-    c_.Mirror(*segment, ticket->slot);
-    c_.cv_.NotifyAll();
-    if (checked.code() != StatusCode::kCorruption) {
-      // Not fetched (the peer went away, too slow) or of another layout: nothing was wrong with it.
-      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not used: {}", job, rank_id, step,
-                              best.peer->target, checked.ToString());
-      return;
-    }
-    Logger("restore")->warn("replica of job={} rank={} step={} from peer={} refused: {}", job, rank_id, step,
-                            best.peer->target, checked.ToString());
-    DaemonEvent event;
-    event.kind = DaemonEvent::Kind::kMemoryFallback;
-    event.job = job;
-    event.rank = rank_id;
-    event.step = step;
-    event.reason = "replica from " + best.peer->target + ": " + checked.ToString();
-    c_.Emit(std::move(event));
-    return;
-  }
-  Result<ReplicaLayout> where = DecodeReplicaLayout(fetched->layout);  // decoded once already (ReplicaSums)
-  if (!where.ok()) return;
-  auto resident = std::make_shared<ResidentCheckpoint>();
-  resident->step = step;
-  resident->attempt = Attempt{where->run_id, where->resumed_from};
-  resident->world_size = fetched->world_size;
-  resident->extra = fetched->extra;
-  resident->sums = std::move(sums);
-  resident->from_peer = best.peer->target;
-  Status kept = c_.Slots(*segment).KeepFetched(*ticket, std::move(resident));
-  c_.Mirror(*segment, ticket->slot);
-  c_.cv_.NotifyAll();
-  if (!kept.ok()) {
-    Logger("restore")->error("replica of job={} rank={} step={} fetched but not kept: {}", job, rank_id, step,
-                             kept.ToString());
-    return;
-  }
-  Logger("restore")->info("replica fetched job={} rank={} step={} from peer={} origin={} bytes={} secs={:.3f}", job,
-                          rank_id, step, best.peer->target, fetched->origin_node, FormatBytes(fetched->bytes), secs);
+  FetchIntoSlot(c_, job, rank_id, here.segment, best, deadline);
 }
 
 }  // namespace flashckpt

@@ -21,7 +21,6 @@
 #include "daemon/core/recovery.h"
 #include "daemon/core/registrar.h"
 #include "daemon/core/save_path.h"
-#include "daemon/edge/registration.h"  // ParseRegistration of the state directory's records
 
 namespace flashckpt {
 
@@ -29,7 +28,7 @@ Status Recovery::AdoptSegments() {
   std::vector<StateDir::Adoptable> records = c_.state_.Load();
   std::set<std::string> jobs;
   for (const auto& r : records) {
-    if (ValidateJobName(r.segment.job()).ok()) jobs.insert(r.segment.job());
+    if (ValidateJobName(r.segment.job).ok()) jobs.insert(r.segment.job);
   }
   // Before any persist is queued: the temporaries of this process are not among them.
   for (const auto& job : jobs) RemoveStaleTemporaries(job);
@@ -38,10 +37,10 @@ Status Recovery::AdoptSegments() {
     Status s = AdoptSegment(r);
     if (!s.ok()) {
       // Without a usable record the segment's snapshots cannot be written: free its memory.
-      Logger("shm")->error("not adopted segment={} job={} rank={} committed_snapshots={}: {}", r.segment.segment_name(),
-                           r.segment.job(), r.segment.rank(), r.commits.size(), s.ToString());
-      if (r.segment.segment_name().rfind("flashckpt.", 0) == 0) SharedSegment::Unlink(r.segment.segment_name());
-      c_.state_.RemoveSegment(r.segment.segment_name());
+      Logger("shm")->error("not adopted segment={} job={} rank={} committed_snapshots={}: {}", r.segment.segment_name,
+                           r.segment.job, r.segment.rank, r.commits.size(), s.ToString());
+      if (r.segment.segment_name.rfind("flashckpt.", 0) == 0) SharedSegment::Unlink(r.segment.segment_name);
+      c_.state_.RemoveSegment(r.segment.segment_name);
       continue;
     }
     adopted += 1;
@@ -60,22 +59,22 @@ struct AdoptedCommit {
 };
 
 Status Recovery::AdoptSegment(const StateDir::Adoptable& record) {
-  const v1::SegmentRecord& rec = record.segment;
-  const std::string& job = rec.job();
-  const uint32_t rank_id = rec.rank();
+  const SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job;
+  const uint32_t rank_id = rec.rank;
   RETURN_IF_ERROR(ValidateJobName(job));
   const std::string prefix = "flashckpt." + job + "." + std::to_string(rank_id) + ".";
-  if (rec.segment_name().rfind(prefix, 0) != 0) {
-    return InvalidArgument("segment name '" + rec.segment_name() + "' does not belong to job '" + job + "' rank " +
+  if (rec.segment_name.rfind(prefix, 0) != 0) {
+    return InvalidArgument("segment name '" + rec.segment_name + "' does not belong to job '" + job + "' rank " +
                            std::to_string(rank_id));
   }
-  if (rec.slot_count() == 0 || rec.slot_count() > 64) {
-    return InvalidArgument("slot count " + std::to_string(rec.slot_count()) + " is out of range");
+  if (rec.slot_count == 0 || rec.slot_count > 64) {
+    return InvalidArgument("slot count " + std::to_string(rec.slot_count) + " is out of range");
   }
-  RETURN_IF_ERROR(ValidateChecksumChunk(rec.checksum_chunk()));
-  ASSIGN_OR_RETURN(Registration reg, ParseRegistration(rec.registration()));
+  RETURN_IF_ERROR(ValidateChecksumChunk(rec.checksum_chunk));
+  ASSIGN_OR_RETURN(Registration reg, c_.state_.RegistrationOf(rec));
   LayoutExtras extras;
-  extras.checksum_chunk = rec.checksum_chunk();
+  extras.checksum_chunk = rec.checksum_chunk;
   ASSIGN_OR_RETURN(RankLayout layout, BuildRankLayout(job, rank_id, reg.topology, reg.tensors, extras));
   std::optional<EmaPlan> ema_plan;
   if (reg.ema.enabled) {
@@ -83,8 +82,8 @@ Status Recovery::AdoptSegment(const StateDir::Adoptable& record) {
     if (!plan.layout.files.empty()) ema_plan = std::move(plan);
   }
   ASSIGN_OR_RETURN(std::shared_ptr<RankSegment> segment,
-                   c_.registrar->CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count(),
-                                 rec.segment_name(), /*adopt=*/true));
+                   c_.registrar->CreateSegment(job, rank_id, std::move(layout), std::move(ema_plan), reg.ema, rec.slot_count,
+                                 rec.segment_name, /*adopt=*/true));
 
   ASSIGN_OR_RETURN(std::vector<AdoptedCommit> pending, AdoptCommits(record, reg, segment));
   // Memory checkpoints: each slot whose header still says it holds the recorded step holds it (the
@@ -97,32 +96,32 @@ Status Recovery::AdoptSegment(const StateDir::Adoptable& record) {
 
 Result<std::vector<AdoptedCommit>> Recovery::AdoptCommits(const StateDir::Adoptable& record, const Registration& reg,
                                                         const std::shared_ptr<RankSegment>& segment) {
-  const v1::SegmentRecord& rec = record.segment;
-  const std::string& job = rec.job();
-  const uint32_t rank_id = rec.rank();
+  const SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job;
+  const uint32_t rank_id = rec.rank;
   std::vector<AdoptedCommit> adopted;
   std::vector<AdoptedCommit>* pending = &adopted;
-  for (const v1::CommitRecord& c : record.commits) {
-    const SlotTicket ticket{c.slot(), c.generation()};
-    if (c.step() < 0 || c.world_size() != reg.topology.world_size || c.resumed_from() < 0 ||
-        (!c.run_id().empty() && !ValidateRunId(c.run_id()).ok())) {
-      Logger("shm")->warn("dropping commit record segment={} slot={}: step {} world size {}", rec.segment_name(),
-                          c.slot(), c.step(), c.world_size());
-      c_.state_.RemoveCommit(rec.segment_name(), c.slot());
+  for (const CommitRecord& c : record.commits) {
+    const SlotTicket ticket{c.slot, c.generation};
+    if (c.step < 0 || c.world_size != reg.topology.world_size || c.resumed_from < 0 ||
+        (!c.run_id.empty() && !ValidateRunId(c.run_id).ok())) {
+      Logger("shm")->warn("dropping commit record segment={} slot={}: step {} world size {}", rec.segment_name,
+                          c.slot, c.step, c.world_size);
+      c_.state_.RemoveCommit(rec.segment_name, c.slot);
       continue;
     }
-    RETURN_IF_ERROR(c_.UnpublishedSlots(*segment).Adopt(ticket, c.step()));
-    const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot()));
+    RETURN_IF_ERROR(c_.UnpublishedSlots(*segment).Adopt(ticket, c.step));
+    const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot));
     AdoptedCommit p;
     p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
-                 mirror->step.load() == c.step() && mirror->generation.load() == c.generation();
-    c_.MirrorUnpublished(*segment, c.slot());
+                 mirror->step.load() == c.step && mirror->generation.load() == c.generation;
+    c_.MirrorUnpublished(*segment, c.slot);
     EmaJob& j = p.job;
     j.segment = segment;
     j.ticket = ticket;
-    j.step = c.step();
-    if (c.has_loss()) j.loss = c.loss();
-    j.persist = c.persist();
+    j.step = c.step;
+    j.loss = c.loss;
+    j.persist = c.persist;
     j.job = job;
     j.rank = rank_id;
     j.replay = true;
@@ -130,28 +129,28 @@ Result<std::vector<AdoptedCommit>> Recovery::AdoptCommits(const StateDir::Adopta
       // Signals are written last: one in place with this attempt means the files are durable.
       // When the disk cannot tell (EIO, ESTALE), the snapshot is written again: the slot holds the
       // bytes of this very step and attempt, so what is written is what was (or was to be) there.
-      const Attempt attempt{c.run_id(), c.resumed_from()};
-      auto signalled = c_.catalog_.HasSignal(job, rank_id, c.step(), attempt);
-      auto is_complete = c_.catalog_.IsComplete(job, c.step());
+      const Attempt attempt{c.run_id, c.resumed_from};
+      auto signalled = c_.catalog_.HasSignal(job, rank_id, c.step, attempt);
+      auto is_complete = c_.catalog_.IsComplete(job, c.step);
       if (!signalled.ok() || !is_complete.ok()) {
         Logger("shm")->error("recovery job={} rank={} step={}: cannot tell whether it is durable, writing it again: {}",
-                             job, rank_id, c.step(),
+                             job, rank_id, c.step,
                              (!signalled.ok() ? signalled.status() : is_complete.status()).ToString());
       }
       const bool written = signalled.ok() && *signalled;
       if (written || (is_complete.ok() && *is_complete)) {
         if (written) {
-          auto complete = c_.catalog_.MaybeComplete(job, c.step(), c.world_size(), attempt);
+          auto complete = c_.catalog_.MaybeComplete(job, c.step, c.world_size, attempt);
           if (!complete.ok()) Logger("catalog")->error("completion after recovery: {}", complete.status().ToString());
         }
         (void)c_.UnpublishedSlots(*segment).Release(ticket, SlotState::kCommitted);
-        c_.MirrorUnpublished(*segment, c.slot());
-        c_.state_.RemoveCommit(rec.segment_name(), c.slot());
-        Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step());
+        c_.MirrorUnpublished(*segment, c.slot);
+        c_.state_.RemoveCommit(rec.segment_name, c.slot);
+        Logger("shm")->info("recovered job={} rank={} step={}: already durable", job, rank_id, c.step);
         continue;
       }
-      j.request = c_.save->MakePersistRequest(job, rank_id, /*session_id=*/"", /*process=*/0, c.world_size(), attempt, segment,
-                                     ticket, c.step(), c.extra());
+      j.request = c_.save->MakePersistRequest(job, rank_id, /*session_id=*/"", /*process=*/0, c.world_size, attempt, segment,
+                                     ticket, c.step, c.extra);
     }
     pending->push_back(std::move(p));
   }
@@ -161,50 +160,50 @@ Result<std::vector<AdoptedCommit>> Recovery::AdoptCommits(const StateDir::Adopta
 
 std::vector<int64_t> Recovery::AdoptMemoryRecords(const StateDir::Adoptable& record, const Registration& reg,
                                                 const std::shared_ptr<RankSegment>& segment) {
-  const v1::SegmentRecord& rec = record.segment;
-  const std::string& job = rec.job();
-  const uint32_t rank_id = rec.rank();
+  const SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job;
+  const uint32_t rank_id = rec.rank;
   std::vector<int64_t> memory_steps;  // memory-only steps: not the disk snapshots kept once written
-  for (const v1::MemoryRecord& m : record.memory) {
+  for (const MemoryRecord& m : record.memory) {
     std::string why;
-    const auto* mirror = m.slot() < rec.slot_count() ? reinterpret_cast<const SlotHeader*>(segment->Slot(m.slot()))
+    const auto* mirror = m.slot < rec.slot_count ? reinterpret_cast<const SlotHeader*>(segment->Slot(m.slot))
                                                      : nullptr;
     if (mirror == nullptr) {
       why = "no such slot";
-    } else if (mirror->resident.load() != 1 || mirror->step.load() != m.step()) {
+    } else if (mirror->resident.load() != 1 || mirror->step.load() != m.step) {
       why = "the slot no longer holds it";
-    } else if (m.step() < 0 || m.world_size() != reg.topology.world_size || m.resumed_from() < 0 ||
-               (!m.run_id().empty() && !ValidateRunId(m.run_id()).ok()) || m.extra().size() > (4u << 20)) {
+    } else if (m.step < 0 || m.world_size != reg.topology.world_size || m.resumed_from < 0 ||
+               (!m.run_id.empty() && !ValidateRunId(m.run_id).ok()) || m.extra.size() > (4u << 20)) {
       why = "the record is not valid";
     }
     auto resident = std::make_shared<ResidentCheckpoint>();
     if (why.empty()) {
-      resident->step = m.step();
-      resident->attempt = Attempt{m.run_id(), m.resumed_from()};
-      resident->world_size = m.world_size();
-      resident->extra = m.extra();
-      resident->sums.chunk_bytes = m.checksum_chunk();
-      resident->sums.first.assign(m.first_chunk().begin(), m.first_chunk().end());
-      resident->sums.sums.assign(m.sums().begin(), m.sums().end());
+      resident->step = m.step;
+      resident->attempt = Attempt{m.run_id, m.resumed_from};
+      resident->world_size = m.world_size;
+      resident->extra = m.extra;
+      resident->sums.chunk_bytes = m.checksum_chunk;
+      resident->sums.first.assign(m.first_chunk.begin(), m.first_chunk.end());
+      resident->sums.sums.assign(m.sums.begin(), m.sums.end());
       if (Status fit = CheckSlotChecksumsFit(segment->layout, resident->sums); !fit.ok()) why = fit.message();
     }
     if (why.empty()) {
-      const SlotTicket ticket{m.slot(), mirror->generation.load()};
+      const SlotTicket ticket{m.slot, mirror->generation.load()};
       if (Status s = c_.UnpublishedSlots(*segment).AdoptResident(ticket, std::move(resident)); !s.ok()) why = s.message();
     }
     if (!why.empty()) {
-      Logger("shm")->info("memory checkpoint not adopted segment={} slot={} step={}: {}", rec.segment_name(), m.slot(),
-                          m.step(), why);
-      c_.state_.RemoveMemory(rec.segment_name(), m.slot());
+      Logger("shm")->info("memory checkpoint not adopted segment={} slot={} step={}: {}", rec.segment_name, m.slot,
+                          m.step, why);
+      c_.state_.RemoveMemory(rec.segment_name, m.slot);
       continue;
     }
-    c_.MirrorUnpublished(*segment, m.slot());
+    c_.MirrorUnpublished(*segment, m.slot);
     Logger("shm")->info("recovered job={} rank={} step={} tier=memory: kept before the restart{}", job, rank_id,
-                        m.step(), m.written() ? " (also on disk)" : "");
-    if (!m.written()) memory_steps.push_back(m.step());
+                        m.step, m.written ? " (also on disk)" : "");
+    if (!m.written) memory_steps.push_back(m.step);
   }
   // Slots the old daemon mirrored as holding a memory checkpoint without a record here: not held.
-  for (uint32_t i = 0; i < rec.slot_count(); ++i) {
+  for (uint32_t i = 0; i < rec.slot_count; ++i) {
     const SlotInfo& slot = c_.UnpublishedSlots(*segment).at(i);
     if (slot.state == SlotState::kFree && slot.resident == nullptr) c_.MirrorUnpublished(*segment, i);
   }
@@ -215,9 +214,9 @@ std::vector<int64_t> Recovery::AdoptMemoryRecords(const StateDir::Adoptable& rec
 void Recovery::PublishAdopted(const StateDir::Adoptable& record, const Registration& reg,
                             const std::shared_ptr<RankSegment>& segment, std::vector<AdoptedCommit> pending,
                             const std::vector<int64_t>& memory_steps) {
-  const v1::SegmentRecord& rec = record.segment;
-  const std::string& job = rec.job();
-  const uint32_t rank_id = rec.rank();
+  const SegmentRecord& rec = record.segment;
+  const std::string& job = rec.job;
+  const uint32_t rank_id = rec.rank;
   MutexLock lock(&c_.mu_);
   JobState& job_state = c_.jobs_[job];
   RankState& rank = job_state.ranks[rank_id];
@@ -245,7 +244,7 @@ void Recovery::PublishAdopted(const StateDir::Adoptable& record, const Registrat
       if (!p.job.persist) {
         (void)c_.Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
         c_.Mirror(*segment, p.job.ticket.slot);
-        c_.state_.RemoveCommit(rec.segment_name(), p.job.ticket.slot);
+        c_.state_.RemoveCommit(rec.segment_name, p.job.ticket.slot);
         continue;
       }
       Status s = SavePath::FinishCommittedLocked(c_, std::move(p.job));

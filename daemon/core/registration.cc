@@ -13,7 +13,6 @@
 #include "daemon/core/registrar.h"
 #include "daemon/core/registration.h"
 #include "daemon/core/texts.h"
-#include "daemon/edge/wire.h"
 
 namespace flashckpt {
 namespace {
@@ -276,14 +275,14 @@ Result<std::shared_ptr<RankSegment>> Registrar::CreateRecordedSegment(const std:
   // What a restarted daemon needs to adopt the segment (daemon/core/recovery.cc). Written before the
   // segment exists: a daemon killed in between leaves a record whose segment is missing or blank,
   // which the next daemon drops (unlinking the segment), never a segment that no record names.
-  v1::SegmentRecord record;
-  record.set_job(job);
-  record.set_rank(rank);
-  record.set_segment_name(name);
-  record.set_segment_bytes(SegmentBytes(layout.slot_bytes + ema_bytes, c_.config_.slots));
-  record.set_slot_count(c_.config_.slots);
-  record.set_checksum_chunk(c_.config_.checksum_chunk);
-  *record.mutable_registration() = RegistrationRecord(registration);
+  SegmentRecord record;
+  record.job = job;
+  record.rank = rank;
+  record.segment_name = name;
+  record.segment_bytes = SegmentBytes(layout.slot_bytes + ema_bytes, c_.config_.slots);
+  record.slot_count = c_.config_.slots;
+  record.checksum_chunk = c_.config_.checksum_chunk;
+  record.registration = c_.state_.EncodeRegistration(registration);
   if (Status saved = c_.state_.SaveSegment(record); !saved.ok()) {
     return saved.WithContext("saving the segment's record in the state directory");
   }

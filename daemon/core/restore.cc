@@ -66,6 +66,172 @@ Status ReadRestoreExtra(const std::string& dir, const std::string& job, uint32_t
   return Status::OK();
 }
 
+// Marks `step` of `source` in use (`*in_use`) and checks that it is complete; step 0: the latest
+// complete one. nullopt: the job has no checkpoint at all (found=false); a root that cannot be read
+// is an error the trainer sees, never a start from scratch.
+Result<std::optional<int64_t>> UseCompleteStep(Core& c_, const std::string& source, int64_t requested,
+                                               StepInUse* in_use) {
+  int64_t step = requested;
+  for (int attempt = 0;; ++attempt) {
+    if (requested == 0) {
+      ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(source));
+      if (!latest) return std::optional<int64_t>();
+      step = *latest;
+    }
+    *in_use = c_.catalog_.Use(source, step);
+    ASSIGN_OR_RETURN(bool complete, c_.catalog_.IsComplete(source, step));
+    if (complete) return std::optional<int64_t>(step);
+    // The latest was deleted between the look-up and the registration (a newer one completed
+    // meanwhile): look again, 50 ms later. A step asked for by number is looked at again a few
+    // times: another daemon's deletion that renamed it away puts it back once it finds this
+    // restore's lease (the newest step too, rather than falling back to an older one at once).
+    if ((requested != 0 && attempt >= 3) || attempt >= 8) {
+      return NotFound("checkpoint-" + std::to_string(step) + " of job '" + source +
+                      "' does not exist or is incomplete (no metadata.json)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// Every kind asked for that the rank holds must be in the checkpoint (an imported one holds model
+// weights only). A full restore names the first missing tensor instead (FillSlotFromCheckpoint).
+Status CheckKindsSaved(Core& c_, const std::string& session_id, const std::vector<TensorKind>& kinds,
+                       const CheckpointMetadata& meta, const std::string& source, int64_t step) EXCLUDES(c_.mu_) {
+  if (kinds.empty()) return Status::OK();
+  MutexLock lock(&c_.mu_);
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+  const auto& tensors = rank->segment->layout.tensors;
+  for (TensorKind kind : kinds) {
+    const bool held = std::any_of(tensors.begin(), tensors.end(), [&](const TensorSpec& t) { return t.kind == kind; });
+    const bool saved = std::any_of(meta.pieces.begin(), meta.pieces.end(), [&](const Piece& p) { return p.kind == kind; });
+    if (held && !saved) {
+      return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + source + "' holds no " +
+                                std::string(TensorKindName(kind)) + " tensors; restore only the kinds it has");
+    }
+  }
+  return Status::OK();
+}
+
+// Reads checkpoint `dir` into `slot` of the segment as `want` says, and its EMA into the segment's
+// (a full restore). `own_job` non-empty: the checkpoint is the rank's own job's, whose extra state
+// it restores too (into `*extra`): read and checked before any tensor, so that a checkpoint deleted
+// under the restore (by another daemon's retention on a shared root) fails it rather than hand over
+// tensors without their extra state.
+Result<FillStats> FillFromFiles(Core& c_, const std::string& dir, const CheckpointMetadata& meta, RankSegment& segment,
+                                uint32_t slot, const RestoreWant& want, const std::string& own_job, uint32_t rank_id,
+                                int64_t step, std::string* extra) {
+  Status extra_status =
+      own_job.empty() ? Status::OK() : ReadRestoreExtra(dir, own_job, rank_id, step, c_.RootIo(), extra);
+  // Restores are rare and latency-bound: each gets its own reader threads.
+  ParallelLoop readers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
+  FillOptions options;
+  options.loop = &readers;
+  options.convert_dtype = want.convert_dtype;
+  options.io = c_.RootIo();
+  options.kinds = want.kinds;
+  Result<FillStats> filled = !extra_status.ok()
+                                 ? Result<FillStats>(extra_status)
+                                 : FillSlotFromCheckpoint(dir, meta, segment.layout, segment.Slot(slot), options);
+  if (filled.ok() && segment.ema && want.kinds.empty()) {  // a partial restore leaves the EMA as it is
+    FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
+    ema_options.loop = &readers;
+    ema_options.io = c_.RootIo();
+    Status loaded = LoadEma(dir, meta, segment.ema.get(), ema_options);
+    if (!loaded.ok()) filled = loaded;
+  }
+  return filled;
+}
+
+// RestoreFromMemory's wait, until `deadline`, for the checksums of the rank's memory snapshots still
+// queued (the last ones of the trainer that died): all of them for the newest, the step's own for a
+// step asked for. One whose copies never finished was dropped when its session closed. False: the
+// rank has none to hand over, as it registered again with EMA since (memory checkpoints are not
+// taken with EMA); for a planned step that loses the plan.
+Result<bool> AwaitQueuedSumsLocked(Core& c_, const std::string& session_id, int64_t step, bool planned,
+                                   std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                                   MutexLock* lock) REQUIRES(c_.mu_) {
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    if (rank->segment->ema) {
+      if (planned) {
+        return Restorer::PlanLostLocked(c_, c_.sessions_[session_id].job, step, StatusCode::kFailedPrecondition,
+                                        "cannot be handed over to a rank with EMA");
+      }
+      return false;
+    }
+    const auto& pending = c_.MemoryPending(*rank->segment);
+    if (std::none_of(pending.begin(), pending.end(), [&](const RankSegment::PendingMemory& p) {
+          return (step == 0 || p.resident->step == step) && !p.resident->dropped.load();
+        })) {
+      return true;
+    }
+    if (!c_.clock_.WaitUntil(&c_.cv_, lock, deadline)) {
+      return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
+                              std::to_string(timeout.count()) + " ms");
+    }
+  }
+}
+
+// Which of the memory checkpoints `held` (newest first) RestoreFromMemory hands over: `step`, or
+// (0) the newest for a job of one rank when not older than its newest complete checkpoint on disk
+// (read without the lock); -1: none, the files serve the restore.
+Result<int64_t> ChooseHeldStep(Core& c_, const std::string& job, int64_t step, bool planned, uint32_t world_size,
+                               const std::vector<int64_t>& held) EXCLUDES(c_.mu_) {
+  // The job's plan chose a memory checkpoint this rank held, verified, moments ago. If it is gone
+  // now, the other ranks may already train from it: this rank must not quietly restore another step.
+  if (planned && std::find(held.begin(), held.end(), step) == held.end()) {
+    MutexLock lock(&c_.mu_);
+    return Restorer::PlanLostLocked(c_, job, step, StatusCode::kFailedPrecondition, "is no longer held");
+  }
+  if (held.empty()) return -1;
+  if (step > 0) return std::find(held.begin(), held.end(), step) != held.end() ? step : -1;
+  if (world_size != 1) return -1;  // all ranks of a larger job must restore the same step: they ask for it by number
+  ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));
+  return held.front() >= latest.value_or(-1) ? held.front() : -1;
+}
+
+// The memory checkpoint in `loading` checked against its checksums, or (`in_client`: the client
+// checks them as it copies) only its checksums against its layout.
+Status VerifyResidentSlot(Core& c_, const Restorer::LoadingSlot& loading, const ResidentCheckpoint& resident,
+                          bool in_client) {
+  if (in_client) return CheckSlotChecksumsFit(loading.segment->layout, resident.sums);
+  ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
+  return VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout, resident.sums,
+                             &verifiers);
+}
+
+// The verified memory checkpoint `chosen` in `loading` is the rank's restore: its newer memory
+// checkpoints are dropped, and it is restored now, or (`verify_in_client`) once the client has
+// checked every chunk against the sums put in `out` (ReleaseSlot).
+void HandOverLocked(Core& c_, const std::string& job, uint32_t rank_id, int64_t chosen, bool planned,
+                    const Restorer::LoadingSlot& loading, const ResidentCheckpoint& resident, bool verify_in_client,
+                    double secs, RestoreOutcome* out) REQUIRES(c_.mu_) {
+  MemoryTier::DropMemoryFrom(c_, *loading.segment, chosen + 1);
+  RankState& restored = c_.jobs_[job].ranks[rank_id];
+  restored.client_verifying.reset();
+  if (!verify_in_client) {
+    MemoryTier::RestoredLocked(c_, job, rank_id, restored, chosen);
+    Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
+                            chosen, resident.from_peer.empty() ? "memory" : "peer",
+                            FormatBytes(loading.segment->tensor_bytes), secs);
+  } else {
+    // Restored once the client has checked every chunk (ReleaseSlot).
+    restored.client_verifying = RankState::ClientVerified{loading.ticket, chosen, planned};
+    const RankLayout& layout = loading.segment->layout;
+    out->chunk_bytes = resident.sums.chunk_bytes;
+    out->tensor_sums.reserve(layout.placements.size());
+    for (size_t t = 0; t < layout.placements.size(); ++t) {
+      const uint64_t first = resident.sums.first[t];
+      const uint64_t end = t + 1 < layout.placements.size() ? resident.sums.first[t + 1] : resident.sums.sums.size();
+      out->tensor_sums.push_back({layout.placements[t].slot_offset, layout.placements[t].bytes,
+                                 std::vector<uint64_t>(resident.sums.sums.begin() + static_cast<ptrdiff_t>(first),
+                                                       resident.sums.sums.begin() + static_cast<ptrdiff_t>(end))});
+    }
+    Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify=client", job, rank_id, chosen,
+                            resident.from_peer.empty() ? "memory" : "peer", FormatBytes(loading.segment->tensor_bytes));
+  }
+}
+
 }  // namespace
 
 Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
@@ -90,51 +256,17 @@ Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t 
     if (step == 0 && memory.step > 0) step = memory.step;  // the job's plan: this step from disk
   }
   RestoreOutcome out;
-  // Retention must not delete the checkpoint while it is read: mark the step in use first, then
-  // check that it is (still) complete. Until the slot is filled, `in_use` keeps it.
-  const int64_t requested = step;
+  // Retention must not delete the checkpoint while it is read: `in_use` keeps it until the slot is filled.
   StepInUse in_use;
-  for (int attempt = 0;; ++attempt) {
-    if (requested == 0) {
-      // Only a job with no checkpoint at all answers found=false; a root that cannot be read is an
-      // error the trainer sees, never a start from scratch.
-      ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(source));
-      if (!latest) return out;  // found = false
-      step = *latest;
-    }
-    in_use = c_.catalog_.Use(source, step);
-    ASSIGN_OR_RETURN(bool complete, c_.catalog_.IsComplete(source, step));
-    if (complete) break;
-    // The latest was deleted between the look-up and the registration (a newer one completed
-    // meanwhile): look again, 50 ms later. A step asked for by number is looked at again a few
-    // times: another daemon's deletion that renamed it away puts it back once it finds this
-    // restore's lease (the newest step too, rather than falling back to an older one at once).
-    if ((requested != 0 && attempt >= 3) || attempt >= 8) {
-      return NotFound("checkpoint-" + std::to_string(step) + " of job '" + source +
-                      "' does not exist or is incomplete (no metadata.json)");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  ASSIGN_OR_RETURN(std::optional<int64_t> complete, UseCompleteStep(c_, source, step, &in_use));
+  if (!complete) return out;  // found = false
+  step = *complete;
   std::string dir = c_.catalog_.CheckpointDir(source, step);
   ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, c_.RootIo()));
   if (meta.job != source || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }
-  // Every kind asked for that the rank holds must be in the checkpoint (an imported one holds model
-  // weights only). A full restore names the first missing tensor instead (FillSlotFromCheckpoint).
-  if (!want.kinds.empty()) {
-    MutexLock lock(&c_.mu_);
-    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
-    const auto& tensors = rank->segment->layout.tensors;
-    for (TensorKind kind : want.kinds) {
-      const bool held = std::any_of(tensors.begin(), tensors.end(), [&](const TensorSpec& t) { return t.kind == kind; });
-      const bool saved = std::any_of(meta.pieces.begin(), meta.pieces.end(), [&](const Piece& p) { return p.kind == kind; });
-      if (held && !saved) {
-        return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + source + "' holds no " +
-                                  std::string(TensorKindName(kind)) + " tensors; restore only the kinds it has");
-      }
-    }
-  }
+  RETURN_IF_ERROR(CheckKindsSaved(c_, session_id, want.kinds, meta, source, step));
 
   ASSIGN_OR_RETURN(LoadingSlot loading,
                    AcquireLoadingSlot(session_id, step, /*need_ema=*/false, deadline, timeout, "the restore"));
@@ -142,28 +274,8 @@ Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t 
   const SlotTicket ticket = loading.ticket;
 
   auto start = c_.clock_.Now();
-  // The rank's extra state is part of what it restores: read and checked before any tensor, so
-  // that a checkpoint deleted under the restore (by another daemon's retention on a shared root)
-  // fails it rather than hand over tensors without their extra state.
   std::string extra;
-  Status extra_status = own ? ReadRestoreExtra(dir, job, rank_id, step, c_.RootIo(), &extra) : Status::OK();
-  // Restores are rare and latency-bound: each gets its own reader threads.
-  ParallelLoop readers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
-  FillOptions options;
-  options.loop = &readers;
-  options.convert_dtype = want.convert_dtype;
-  options.io = c_.RootIo();
-  options.kinds = want.kinds;
-  Result<FillStats> filled = !extra_status.ok() ? Result<FillStats>(extra_status)
-                                                : FillSlotFromCheckpoint(dir, meta, segment->layout,
-                                                                         segment->Slot(ticket.slot), options);
-  if (filled.ok() && segment->ema && want.kinds.empty()) {  // a partial restore leaves the EMA as it is
-    FillOptions ema_options;  // the EMA is fp32 and saved as fp32: never converted
-    ema_options.loop = &readers;
-    ema_options.io = c_.RootIo();
-    Status loaded = LoadEma(dir, meta, segment->ema.get(), ema_options);
-    if (!loaded.ok()) filled = loaded;
-  }
+  Result<FillStats> filled = FillFromFiles(c_, dir, meta, *segment, ticket.slot, want, own ? job : "", rank_id, step, &extra);
   double secs = std::chrono::duration<double>(c_.clock_.Now() - start).count();
 
   MutexLock lock(&c_.mu_);
@@ -218,52 +330,15 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
   }
   {
     MutexLock lock(&c_.mu_);
-    for (;;) {
-      ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
-      if (rank->segment->ema) {  // memory checkpoints are not taken with EMA (BeginSnapshot)
-        // It registered again with EMA since the plan was made from its memory checkpoints.
-        if (planned) {
-          return PlanLostLocked(c_, c_.sessions_[session_id].job, step, StatusCode::kFailedPrecondition,
-                                "cannot be handed over to a rank with EMA");
-        }
-        return out;
-      }
-      // The checksums of the memory snapshots still queued (the last ones of the trainer that died)
-      // first: all of them for the newest, the step's own for a step asked for. One whose copies
-      // never finished was dropped when its session closed.
-      const auto& pending = c_.MemoryPending(*rank->segment);
-      if (std::none_of(pending.begin(), pending.end(), [&](const RankSegment::PendingMemory& p) {
-            return (step == 0 || p.resident->step == step) && !p.resident->dropped.load();
-          })) {
-        break;
-      }
-      if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
-        return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
-                                std::to_string(timeout.count()) + " ms");
-      }
-    }
+    ASSIGN_OR_RETURN(const bool any, AwaitQueuedSumsLocked(c_, session_id, step, planned, deadline, timeout, &lock));
+    if (!any) return out;
     ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     held = c_.Slots(*rank->segment).ResidentSteps();
     world_size = rank->topology.world_size;
     job = c_.sessions_[session_id].job;
     rank_id = c_.sessions_[session_id].rank;
   }
-  // The job's plan chose a memory checkpoint this rank held, verified, moments ago. If it is gone
-  // now, the other ranks may already train from it: this rank must not quietly restore another step.
-  if (planned && std::find(held.begin(), held.end(), step) == held.end()) {
-    MutexLock lock(&c_.mu_);
-    return PlanLostLocked(c_, job, step, StatusCode::kFailedPrecondition, "is no longer held");
-  }
-  if (held.empty()) return out;
-  int64_t chosen = -1;
-  if (step > 0) {
-    if (std::find(held.begin(), held.end(), step) != held.end()) chosen = step;
-  } else if (world_size == 1) {
-    // The newest checkpoint, in memory or on disk. (All ranks of a larger job must restore the same
-    // step: they ask for it by number.) Read without the lock.
-    ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));
-    if (held.front() >= latest.value_or(-1)) chosen = held.front();
-  }
+  ASSIGN_OR_RETURN(const int64_t chosen, ChooseHeldStep(c_, job, step, planned, world_size, held));
   if (chosen < 0) return out;
 
   LoadingSlot loading;
@@ -280,19 +355,12 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
     c_.Mirror(*rank->segment, ticket->slot);
   }
   // Verified off the lock, while the slot is RESTORING and loading: nobody else can take it. A client
-  // that checks each chunk as it copies it gets the checksums instead: one pass over the bytes, the
-  // hash reading each chunk right before the copy reads it from the cache.
+  // that checks each chunk as it copies it gets the checksums instead (only while they fit easily in
+  // a reply: kMaxClientChunkSums): one pass over the bytes, the hash reading each chunk right before
+  // the copy reads it from the cache.
   const auto start = c_.clock_.Now();
-  // (Only while the checksums fit easily in a reply: kMaxClientChunkSums.)
   verify_in_client = verify_in_client && resident->sums.sums.size() <= kMaxClientChunkSums;
-  Status verified = Status::OK();
-  if (!verify_in_client) {
-    ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
-    verified = VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout, resident->sums,
-                                   &verifiers);
-  } else {
-    verified = CheckSlotChecksumsFit(loading.segment->layout, resident->sums);
-  }
+  const Status verified = VerifyResidentSlot(c_, loading, *resident, verify_in_client);
   const double secs = std::chrono::duration<double>(c_.clock_.Now() - start).count();
 
   MutexLock lock(&c_.mu_);
@@ -306,30 +374,7 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
     return out;
   }
   RETURN_IF_ERROR(FinishLoadingSlotLocked(c_, session_id, loading, Status::OK()));
-  MemoryTier::DropMemoryFrom(c_, *loading.segment, chosen + 1);
-  RankState& restored = c_.jobs_[job].ranks[rank_id];
-  restored.client_verifying.reset();
-  if (!verify_in_client) {
-    MemoryTier::RestoredLocked(c_, job, rank_id, restored, chosen);
-    Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
-                            chosen, resident->from_peer.empty() ? "memory" : "peer",
-                            FormatBytes(loading.segment->tensor_bytes), secs);
-  } else {
-    // Restored once the client has checked every chunk (ReleaseSlot).
-    restored.client_verifying = RankState::ClientVerified{loading.ticket, chosen, planned};
-    const RankLayout& layout = loading.segment->layout;
-    out.chunk_bytes = resident->sums.chunk_bytes;
-    out.tensor_sums.reserve(layout.placements.size());
-    for (size_t t = 0; t < layout.placements.size(); ++t) {
-      const uint64_t first = resident->sums.first[t];
-      const uint64_t end = t + 1 < layout.placements.size() ? resident->sums.first[t + 1] : resident->sums.sums.size();
-      out.tensor_sums.push_back({layout.placements[t].slot_offset, layout.placements[t].bytes,
-                                 std::vector<uint64_t>(resident->sums.sums.begin() + static_cast<ptrdiff_t>(first),
-                                                       resident->sums.sums.begin() + static_cast<ptrdiff_t>(end))});
-    }
-    Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify=client", job, rank_id, chosen,
-                            resident->from_peer.empty() ? "memory" : "peer", FormatBytes(loading.segment->tensor_bytes));
-  }
+  HandOverLocked(c_, job, rank_id, chosen, planned, loading, *resident, verify_in_client, secs, &out);
   out.found = true;
   out.step = chosen;
   out.ticket = loading.ticket;

@@ -19,18 +19,18 @@ constexpr size_t kMaxMemorySteps = 64;  // memory checkpoint steps remembered pe
 
 // The state directory's record of a memory checkpoint kept in `slot` (`written`: a disk snapshot,
 // kept once written).
-v1::MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident, bool written) {
-  v1::MemoryRecord record;
-  record.set_slot(slot);
-  record.set_written(written);
-  record.set_step(resident.step);
-  record.set_resumed_from(resident.attempt.resumed_from);
-  record.set_run_id(resident.attempt.run_id);
-  record.set_world_size(resident.world_size);
-  record.set_extra(resident.extra);
-  record.set_checksum_chunk(resident.sums.chunk_bytes);
-  *record.mutable_first_chunk() = {resident.sums.first.begin(), resident.sums.first.end()};
-  *record.mutable_sums() = {resident.sums.sums.begin(), resident.sums.sums.end()};
+MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident, bool written) {
+  MemoryRecord record;
+  record.slot = slot;
+  record.written = written;
+  record.step = resident.step;
+  record.resumed_from = resident.attempt.resumed_from;
+  record.run_id = resident.attempt.run_id;
+  record.world_size = resident.world_size;
+  record.extra = resident.extra;
+  record.checksum_chunk = resident.sums.chunk_bytes;
+  record.first_chunk = resident.sums.first;
+  record.sums = resident.sums.sums;
   return record;
 }
 
@@ -52,20 +52,98 @@ Status SaveFailed(const std::string& job, int64_t step, const Status& cause, con
                                   "earlier checkpoints are untouched" + advice);
 }
 
-}  // namespace
-
-// A slot handed out for filling starts complete (copied_until 0): a trainer whose commit goes
-// ahead of its copies lowers it before committing.
-void SavePath::HandOut(Core& c_, RankState* rank, const SlotTicket& ticket, int64_t step) {
-  reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
-  c_.Slots(*rank->segment).SetHandedOut(ticket.slot, c_.clock_.Now());
-  c_.Mirror(*rank->segment, ticket.slot);
-  rank->last_begun = step;
+// The state directory's record of a commit, when the snapshot will be persisted or averaged: the
+// name of the rank's segment it goes with (empty: none needed, or the ticket is not FILLING, which
+// SlotTable::Commit then refuses with its reason). Refuses a commit of a rank with a fatal error, and
+// persist=true for a memory checkpoint.
+Result<std::string> CommitRecordLocked(Core& c_, const std::string& session_id, const SlotTicket& ticket, int64_t step,
+                                       bool persist, std::optional<double> loss, const std::string& extra,
+                                       CommitRecord* record) REQUIRES(c_.mu_) {
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+  if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
+  const SlotTable& slots = c_.Slots(*rank->segment);
+  const SlotInfo* slot = ticket.slot < slots.size() ? &slots.at(ticket.slot) : nullptr;
+  if (slot != nullptr && slot->generation == ticket.generation && slot->tier == SlotTier::kMemory && persist) {
+    return InvalidArgument("step " + std::to_string(step) + " was begun as a memory checkpoint: commit it with "
+                           "persist=false (a memory checkpoint is kept in its slot, not written)");
+  }
+  if (slot == nullptr || slot->state != SlotState::kFilling || slot->generation != ticket.generation ||
+      !(persist || rank->segment->ema)) {
+    return std::string();
+  }
+  record->slot = ticket.slot;
+  record->generation = ticket.generation;
+  record->step = step;
+  record->persist = persist;
+  record->resumed_from = rank->resumed_from;
+  record->run_id = rank->run_id;
+  record->world_size = rank->topology.world_size;
+  record->loss = loss;
+  if (persist) record->extra = extra;
+  return rank->segment->shm->name();
 }
 
-Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_t step,
-                                         std::chrono::milliseconds timeout, SlotTier tier) {
-  if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
+// A commit accepted by the slots: the rank's counts and steps, the attempt of a persisted step
+// (NoteAttemptLocked), and the SNAPSHOT_COMMITTED event.
+void NoteCommittedLocked(Core& c_, RankState* rank, const SessionInfo& who, const std::string& session_id,
+                         const SlotTicket& ticket, int64_t step, bool persist, bool memory) REQUIRES(c_.mu_) {
+  c_.Mirror(*rank->segment, ticket.slot);
+  rank->snapshots += 1;
+  rank->last_committed = step;
+  rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
+  if (memory) {
+    rank->memory_steps.insert(step);
+    while (rank->memory_steps.size() > kMaxMemorySteps) rank->memory_steps.erase(rank->memory_steps.begin());
+  } else {
+    rank->memory_steps.erase(step);
+  }
+  if (persist) Lineage::NoteAttemptLocked(c_, who.job, who.rank, session_id, step, rank->attempt());
+  DaemonEvent event;
+  event.kind = DaemonEvent::Kind::kSnapshotCommitted;
+  event.job = who.job;
+  event.rank = who.rank;
+  event.step = step;
+  event.bytes = rank->segment->tensor_bytes;
+  event.reason = memory ? "memory" : persist ? "persist" : "ema only";
+  c_.Emit(std::move(event));
+}
+
+// A persist's outcome in the rank's record: its counts, its newest persisted step, or the step's
+// failure (fatal for `session_id` when it registered with fatal_persist_errors). `process`: the
+// rank's process that committed it (a predecessor's save finished late counts only in the totals).
+void NotePersistOutcomeLocked(Core& c_, const std::string& job, uint32_t rank_id, const std::string& session_id,
+                              uint64_t process, int64_t step, const Status& status, uint64_t bytes, double seconds)
+    REQUIRES(c_.mu_) {
+  auto jit = c_.jobs_.find(job);
+  if (jit == c_.jobs_.end()) return;
+  auto rit = jit->second.ranks.find(rank_id);
+  if (rit == jit->second.ranks.end()) return;
+  RankState& rank = rit->second;
+  const bool own = rank.process == process;  // else a predecessor's save, finished late
+  if (status.ok()) {
+    rank.persists += 1;
+    if (own) rank.last_persisted = std::max(rank.last_persisted, step);
+    jit->second.newest_persisted = std::max(jit->second.newest_persisted, step);
+    if (seconds > 0) rank.last_persist_gbps = static_cast<double>(bytes) / seconds / 1e9;
+    if (own) rank.failed.erase(step);
+  } else {
+    rank.failures += 1;
+    rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
+    if (own) rank.failed[step] = status;
+    while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
+    if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
+      Status failed = SaveFailed(job, step, status, c_.config_.root);
+      rank.fatal_error = Status(failed.code(), failed.message() +
+                                                   "; no snapshot is taken after a failed save as this rank "
+                                                   "registered with fatal_persist_errors: fix the cause and "
+                                                   "restart the trainer, which resumes from the last complete "
+                                                   "checkpoint");
+    }
+  }
+}
+
+// What BeginSnapshot checks once it has let the lock go.
+struct BeginChecks {
   std::string job;
   std::map<int64_t, Topology> held;  // steps of an earlier layout to look at on disk
   Topology topology;
@@ -74,69 +152,77 @@ Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_
   bool overwrite = false;
   bool new_process = true;
   uint64_t check_launch = 0;  // the launch this session joined, to compare with the newest
-  {
-    MutexLock lock(&c_.mu_);
-    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
-    job = c_.sessions_[session_id].job;
-    if (!rank->fatal_error.ok()) return rank->fatal_error;
-    if (!rank->split_error.ok()) return rank->split_error;
-    if (!rank->run_unagreed.ok() && rank->topology.world_size > 1) {
-      // Its ranks on other daemons could be in another run: its checkpoints might never complete.
-      return FailedPrecondition(
-          "job '" + job + "' rank " + std::to_string(c_.sessions_[session_id].rank) +
-          " has no run shared with the job's other ranks: none was named, and agreeing on one through the root "
-          "failed (" + rank->run_unagreed.ToString() + "); give every rank of a launch one run id "
-          "(ClientOptions::run_id, run_id= in Python, or FLASHCKPT_RUN_ID, e.g. the scheduler's job id with its "
-          "restart count), or make the root writable");
-    }
-    if (step <= rank->last_begun) {
-      return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
-                             std::to_string(rank->last_begun) + "; steps must increase");
-    }
-    if (tier == SlotTier::kMemory) {
-      RETURN_IF_ERROR(c_.memory->MemoryTierFits(c_.Slots(*rank->segment).size(), rank->segment->ema != nullptr));
-    }
-    ASSIGN_OR_RETURN(held, Registrar::LayoutHoldLocked(c_, job, *rank));
-    topology = rank->topology;
-    check_lineage = !rank->lineage_checked && rank->resumed_from == 0;
-    run_id = rank->run_id;
-    overwrite = rank->overwrite;
-    new_process = !rank->reattached;
-    if (rank->run_agreed && !rank->launch_checked) check_launch = rank->agreed_launch;
+};
+
+// BeginSnapshot's checks of the rank: a fatal or split error, a run not agreed, a step that does
+// not follow the last, a memory checkpoint it cannot take, a layout hold; and what is left to check.
+Result<BeginChecks> BeginChecksLocked(Core& c_, const std::string& session_id, int64_t step, SlotTier tier)
+    REQUIRES(c_.mu_) {
+  BeginChecks checks;
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+  checks.job = c_.sessions_[session_id].job;
+  const std::string& job = checks.job;
+  if (!rank->fatal_error.ok()) return rank->fatal_error;
+  if (!rank->split_error.ok()) return rank->split_error;
+  if (!rank->run_unagreed.ok() && rank->topology.world_size > 1) {
+    // Its ranks on other daemons could be in another run: its checkpoints might never complete.
+    return FailedPrecondition(
+        "job '" + job + "' rank " + std::to_string(c_.sessions_[session_id].rank) +
+        " has no run shared with the job's other ranks: none was named, and agreeing on one through the root "
+        "failed (" + rank->run_unagreed.ToString() + "); give every rank of a launch one run id "
+        "(ClientOptions::run_id, run_id= in Python, or FLASHCKPT_RUN_ID, e.g. the scheduler's job id with its "
+        "restart count), or make the root writable");
   }
-  if (!held.empty()) RETURN_IF_ERROR(c_.registrar->CheckLayoutHold(job, topology, held));
+  if (step <= rank->last_begun) {
+    return InvalidArgument("step " + std::to_string(step) + " does not follow this session's last snapshot, step " +
+                           std::to_string(rank->last_begun) + "; steps must increase");
+  }
+  if (tier == SlotTier::kMemory) {
+    RETURN_IF_ERROR(MemoryTier::MemoryTierFits(c_.Slots(*rank->segment).size(), rank->segment->ema != nullptr));
+  }
+  ASSIGN_OR_RETURN(checks.held, Registrar::LayoutHoldLocked(c_, job, *rank));
+  checks.topology = rank->topology;
+  checks.check_lineage = !rank->lineage_checked && rank->resumed_from == 0;
+  checks.run_id = rank->run_id;
+  checks.overwrite = rank->overwrite;
+  checks.new_process = !rank->reattached;
+  if (rank->run_agreed && !rank->launch_checked) checks.check_launch = rank->agreed_launch;
+  return checks;
+}
+
+// BeginSnapshot's checks on disk, without the lock: the layout hold, the launch, the lineage, and a
+// step already complete.
+Status CheckBeginOnDisk(Core& c_, const std::string& session_id, int64_t step, SlotTier tier,
+                        const BeginChecks& checks) EXCLUDES(c_.mu_) {
+  const std::string& job = checks.job;
+  if (!checks.held.empty()) RETURN_IF_ERROR(c_.registrar->CheckLayoutHold(job, checks.topology, checks.held));
   // The launch first: it deletes nothing, and a rank of a stale launch must not start a lineage.
-  if (check_launch > 0) RETURN_IF_ERROR(c_.lineage->CheckLaunchCurrent(session_id, job, run_id, check_launch));
-  if (check_lineage) RETURN_IF_ERROR(c_.lineage->CheckLineage(session_id, job, run_id, overwrite, new_process));
+  if (checks.check_launch > 0) {
+    RETURN_IF_ERROR(c_.lineage->CheckLaunchCurrent(session_id, job, checks.run_id, checks.check_launch));
+  }
+  if (checks.check_lineage) {
+    RETURN_IF_ERROR(c_.lineage->CheckLineage(session_id, job, checks.run_id, checks.overwrite, checks.new_process));
+  }
   // A memory checkpoint writes no file: no need to look at the disk on the trainer's path.
   ASSIGN_OR_RETURN(bool complete, tier == SlotTier::kMemory ? false : c_.catalog_.IsComplete(job, step));
   if (complete) {
     return AlreadyExists("checkpoint-" + std::to_string(step) + " of job '" + job +
                          "' is already complete; a complete checkpoint is never overwritten");
   }
-  const auto start = c_.clock_.Now();
-  const auto deadline = start + timeout;
-  bool waited = false;
-  // A wait for a slot shows in the metrics whichever way it ends.
-  auto count_wait = [&](bool got_slot) {
-    if (waited) {
-      c_.metrics_.ObserveSlotWait(job, std::chrono::duration<double>(c_.clock_.Now() - start).count(),
-                               got_slot);
-    }
-  };
-  MutexLock lock(&c_.mu_);
-  {
-    // Memory checkpoints of this step or later belong to a timeline the job has left (it resumed
-    // from an earlier step): they are never restored.
-    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
-    MemoryTier::DropMemoryFrom(c_, *rank->segment, step);
-  }
+  return Status::OK();
+}
+
+// Takes a free slot for `step` (SavePath::HandOut), waiting until `deadline` for one unless the
+// rank's backpressure policy is skip. DEADLINE_EXCEEDED when none became free; `*waited`: whether
+// it waited at all.
+Result<SlotTicket> AwaitSlotLocked(Core& c_, const std::string& session_id, const std::string& job, int64_t step,
+                                   SlotTier tier, std::chrono::steady_clock::time_point deadline, MutexLock* lock,
+                                   bool* waited) REQUIRES(c_.mu_) {
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     if (rank->session_id != session_id) return Cancelled("the session was replaced");
     if (auto ticket = c_.Slots(*rank->segment).Acquire(SlotState::kFilling, step, tier)) {
-      HandOut(c_, rank, *ticket, step);
-      count_wait(true);
+      SavePath::HandOut(c_, rank, *ticket, step);
       return *ticket;
     }
     if (rank->policy == Backpressure::kSkip) {
@@ -153,19 +239,59 @@ Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_
       c_.Emit(std::move(event));
       return skipped;
     }
-    waited = true;
-    if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
+    *waited = true;
+    if (!c_.clock_.WaitUntil(&c_.cv_, lock, deadline)) {
       ASSIGN_OR_RETURN(RankState * r, c_.RankOf(session_id, true));
       if (auto ticket = c_.Slots(*r->segment).Acquire(SlotState::kFilling, step, tier)) {
-        HandOut(c_, r, *ticket, step);
-        count_wait(true);
+        SavePath::HandOut(c_, r, *ticket, step);
         return *ticket;
       }
-      count_wait(false);
-      return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) + " ms for step " +
-                              std::to_string(step) + "; the disk is slower than the save rate");
+      return DeadlineExceeded("no slot became free");  // BeginSnapshot says how long it waited
     }
   }
+}
+
+}  // namespace
+
+// A slot handed out for filling starts complete (copied_until 0): a trainer whose commit goes
+// ahead of its copies lowers it before committing.
+void SavePath::HandOut(Core& c_, RankState* rank, const SlotTicket& ticket, int64_t step) {
+  reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
+  c_.Slots(*rank->segment).SetHandedOut(ticket.slot, c_.clock_.Now());
+  c_.Mirror(*rank->segment, ticket.slot);
+  rank->last_begun = step;
+}
+
+Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_t step,
+                                           std::chrono::milliseconds timeout, SlotTier tier) {
+  if (step < 0) return InvalidArgument("step must be non-negative, got " + std::to_string(step));
+  BeginChecks checks;
+  {
+    MutexLock lock(&c_.mu_);
+    ASSIGN_OR_RETURN(checks, BeginChecksLocked(c_, session_id, step, tier));
+  }
+  RETURN_IF_ERROR(CheckBeginOnDisk(c_, session_id, step, tier, checks));
+  const auto start = c_.clock_.Now();
+  MutexLock lock(&c_.mu_);
+  {
+    // Memory checkpoints of this step or later belong to a timeline the job has left (it resumed
+    // from an earlier step): they are never restored.
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    MemoryTier::DropMemoryFrom(c_, *rank->segment, step);
+  }
+  bool waited = false;
+  Result<SlotTicket> ticket = AwaitSlotLocked(c_, session_id, checks.job, step, tier, start + timeout, &lock, &waited);
+  // A wait for a slot shows in the metrics, whether it got one or timed out.
+  const bool timed_out = ticket.status().code() == StatusCode::kDeadlineExceeded;
+  if (waited && (ticket.ok() || timed_out)) {
+    c_.metrics_.ObserveSlotWait(checks.job, std::chrono::duration<double>(c_.clock_.Now() - start).count(),
+                                ticket.ok());
+  }
+  if (timed_out) {
+    return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) + " ms for step " +
+                            std::to_string(step) + "; the disk is slower than the save rate");
+  }
+  return ticket;
 }
 
 PersistRequest SavePath::MakePersistRequest(const std::string& job, uint32_t rank, const std::string& session_id,
@@ -208,31 +334,11 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
   }
   // A snapshot that will be persisted or averaged is recorded in the state directory before the
   // commit is acknowledged, so that a restarted daemon still finishes it. Written without the lock.
-  v1::CommitRecord record;
+  CommitRecord record;
   std::string segment_name;
   {
     MutexLock lock(&c_.mu_);
-    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
-    if (!rank->fatal_error.ok()) return rank->fatal_error;  // the client aborts its slot
-    const SlotInfo* slot = ticket.slot < c_.Slots(*rank->segment).size() ? &c_.Slots(*rank->segment).at(ticket.slot) : nullptr;
-    if (slot != nullptr && slot->generation == ticket.generation && slot->tier == SlotTier::kMemory && persist) {
-      return InvalidArgument("step " + std::to_string(step) + " was begun as a memory checkpoint: commit it with "
-                             "persist=false (a memory checkpoint is kept in its slot, not written)");
-    }
-    if (slot != nullptr && slot->state == SlotState::kFilling && slot->generation == ticket.generation &&
-        (persist || rank->segment->ema)) {
-      segment_name = rank->segment->shm->name();
-      record.set_slot(ticket.slot);
-      record.set_generation(ticket.generation);
-      record.set_step(step);
-      record.set_persist(persist);
-      record.set_resumed_from(rank->resumed_from);
-      record.set_run_id(rank->run_id);
-      record.set_world_size(rank->topology.world_size);
-      record.set_has_loss(loss.has_value());
-      record.set_loss(loss.value_or(0.0));
-      if (persist) record.set_extra(extra);
-    }  // else: slots.Commit below refuses the ticket with its reason
+    ASSIGN_OR_RETURN(segment_name, CommitRecordLocked(c_, session_id, ticket, step, persist, loss, extra, &record));
   }
   if (!segment_name.empty()) {
     if (Status saved = c_.state_.SaveCommit(segment_name, record); !saved.ok()) {
@@ -249,27 +355,7 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
   RankState* rank = *rank_or;
   const SessionInfo who = c_.sessions_[session_id];
   const bool memory = c_.Slots(*rank->segment).at(ticket.slot).tier == SlotTier::kMemory;
-  c_.Mirror(*rank->segment, ticket.slot);
-  rank->snapshots += 1;
-  rank->last_committed = step;
-  rank->failed.erase(step);  // a new attempt at the step: an older failure no longer describes it
-  if (memory) {
-    rank->memory_steps.insert(step);
-    while (rank->memory_steps.size() > kMaxMemorySteps) rank->memory_steps.erase(rank->memory_steps.begin());
-  } else {
-    rank->memory_steps.erase(step);
-  }
-  if (persist) Lineage::NoteAttemptLocked(c_, who.job, who.rank, session_id, step, rank->attempt());
-  {
-    DaemonEvent event;
-    event.kind = DaemonEvent::Kind::kSnapshotCommitted;
-    event.job = who.job;
-    event.rank = who.rank;
-    event.step = step;
-    event.bytes = rank->segment->tensor_bytes;
-    event.reason = memory ? "memory" : persist ? "persist" : "ema only";
-    c_.Emit(std::move(event));
-  }
+  NoteCommittedLocked(c_, rank, who, session_id, ticket, step, persist, memory);
 
   std::shared_ptr<RankSegment> segment = rank->segment;
   EmaJob job;
@@ -435,34 +521,7 @@ void SavePath::OnPersisted(const std::string& job, uint32_t rank_id, const std::
   if (!released.ok()) Logger("writer")->error("slot release after persist failed: {}", released.ToString());
   c_.Mirror(*segment, ticket.slot);
   if (released.ok() && status.ok()) MemoryTier::OfferReplicaLocked(c_, segment, ticket.slot, job, rank_id);  // kept once written
-  auto jit = c_.jobs_.find(job);
-  if (jit != c_.jobs_.end()) {
-    auto rit = jit->second.ranks.find(rank_id);
-    if (rit != jit->second.ranks.end()) {
-      RankState& rank = rit->second;
-      const bool own = rank.process == process;  // else a predecessor's save, finished late
-      if (status.ok()) {
-        rank.persists += 1;
-        if (own) rank.last_persisted = std::max(rank.last_persisted, step);
-        jit->second.newest_persisted = std::max(jit->second.newest_persisted, step);
-        if (seconds > 0) rank.last_persist_gbps = static_cast<double>(bytes) / seconds / 1e9;
-        if (own) rank.failed.erase(step);
-      } else {
-        rank.failures += 1;
-        rank.last_error = "step " + std::to_string(step) + ": " + status.ToString();
-        if (own) rank.failed[step] = status;
-        while (rank.failed.size() > kMaxFailedSteps) rank.failed.erase(rank.failed.begin());
-        if (rank.fatal_persist_errors && rank.session_id == session_id && rank.fatal_error.ok()) {
-          Status failed = SaveFailed(job, step, status, c_.config_.root);
-          rank.fatal_error = Status(failed.code(), failed.message() +
-                                                       "; no snapshot is taken after a failed save as this rank "
-                                                       "registered with fatal_persist_errors: fix the cause and "
-                                                       "restart the trainer, which resumes from the last complete "
-                                                       "checkpoint");
-        }
-      }
-    }
-  }
+  NotePersistOutcomeLocked(c_, job, rank_id, session_id, process, step, status, bytes, seconds);
   DaemonEvent event;
   event.job = job;
   event.rank = rank_id;

@@ -49,8 +49,9 @@ std::string RecordSegment(const std::string& name, const std::string& infix) {
 
 }  // namespace
 
-Result<StateDir> StateDir::Open(const std::string& path, IoEnv* io) {
+Result<StateDir> StateDir::Open(const std::string& path, const StateRecordCodec* codec, IoEnv* io) {
   if (path.empty()) return InvalidArgument("--state-dir must not be empty");
+  if (codec == nullptr) return InvalidArgument("a state directory needs a record codec (DaemonConfig::state_records)");
   if (!PathExists(path)) {
     // Its parent is usually the socket's directory, which the server makes 0750.
     const std::string parent = std::filesystem::path(path).parent_path().string();
@@ -65,7 +66,7 @@ Result<StateDir> StateDir::Open(const std::string& path, IoEnv* io) {
                               ", not to the daemon's uid " + std::to_string(::geteuid()));
   }
   if ((st.st_mode & 077) != 0 && ::chmod(path.c_str(), 0700) != 0) return ErrnoStatus("chmod", path);
-  return StateDir(path, io);
+  return StateDir(path, codec, io);
 }
 
 Status StateDir::Write(const std::string& name, const std::string& bytes) const {
@@ -81,14 +82,14 @@ Status StateDir::Write(const std::string& name, const std::string& bytes) const 
 
 void StateDir::Remove(const std::string& name) const { io_->Unlink(path_ + "/" + name); }
 
-Status StateDir::SaveSegment(const v1::SegmentRecord& record) const {
+Status StateDir::SaveSegment(const SegmentRecord& record) const {
   if (!enabled()) return Status::OK();
-  return Write(record.segment_name() + kSegmentSuffix, record.SerializeAsString());
+  return Write(record.segment_name + kSegmentSuffix, codec_->EncodeSegment(record));
 }
 
-Status StateDir::SaveCommit(const std::string& segment, const v1::CommitRecord& record) const {
+Status StateDir::SaveCommit(const std::string& segment, const CommitRecord& record) const {
   if (!enabled()) return Status::OK();
-  return Write(SlotName(segment, record.slot()), record.SerializeAsString());
+  return Write(SlotName(segment, record.slot), codec_->EncodeCommit(record));
 }
 
 void StateDir::RemoveCommit(const std::string& segment, uint32_t slot) const {
@@ -96,13 +97,23 @@ void StateDir::RemoveCommit(const std::string& segment, uint32_t slot) const {
   Remove(SlotName(segment, slot));
 }
 
-Status StateDir::SaveMemory(const std::string& segment, const v1::MemoryRecord& record) const {
+Status StateDir::SaveMemory(const std::string& segment, const MemoryRecord& record) const {
   if (!enabled()) return Status::OK();
-  if (record.ByteSizeLong() > kMaxMemoryRecordBytes) {  // Load would not read it back
-    return ResourceExhausted("the memory record of " + std::to_string(record.sums_size()) + " checksums is larger than " +
+  const std::string bytes = codec_->EncodeMemory(record);
+  if (bytes.size() > kMaxMemoryRecordBytes) {  // Load would not read it back
+    return ResourceExhausted("the memory record of " + std::to_string(record.sums.size()) + " checksums is larger than " +
                              std::to_string(kMaxMemoryRecordBytes) + " bytes (raise --checksum-chunk)");
   }
-  return Write(MemoryName(segment, record.slot()), record.SerializeAsString());
+  return Write(MemoryName(segment, record.slot), bytes);
+}
+
+Result<Registration> StateDir::RegistrationOf(const SegmentRecord& record) const {
+  if (codec_ == nullptr) return FailedPrecondition("no state directory");
+  return codec_->DecodeRegistration(record.registration);
+}
+
+std::string StateDir::EncodeRegistration(const Registration& registration) const {
+  return codec_ != nullptr ? codec_->EncodeRegistration(registration) : std::string();
 }
 
 void StateDir::RemoveMemory(const std::string& segment, uint32_t slot) const {
@@ -181,13 +192,13 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
     if (!EndsWith(n, kSegmentSuffix)) continue;
     auto bytes = ReadSmallFile(path_ + "/" + n, kMaxSegmentRecordBytes);
     Adoptable a;
-    if (!bytes.ok() || !a.segment.ParseFromString(*bytes)) {
+    if (!bytes.ok() || !codec_->DecodeSegment(*bytes, &a.segment)) {
       drop(n, bytes.ok() ? "not a segment record" : bytes.status().ToString());
       continue;
     }
     const std::string segment = n.substr(0, n.size() - (sizeof kSegmentSuffix - 1));
-    if (a.segment.segment_name() != segment) {
-      drop(n, "it names segment '" + a.segment.segment_name() + "'");
+    if (a.segment.segment_name != segment) {
+      drop(n, "it names segment '" + a.segment.segment_name + "'");
       continue;
     }
     segments.emplace(segment, std::move(a));
@@ -206,16 +217,16 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
     }
     if (!slot_of.empty()) {
       auto bytes = ReadSmallFile(path_ + "/" + n, kMaxCommitRecordBytes);
-      v1::CommitRecord c;
-      if (!bytes.ok() || !c.ParseFromString(*bytes) || n != SlotName(it->first, c.slot())) {
+      CommitRecord c;
+      if (!bytes.ok() || !codec_->DecodeCommit(*bytes, &c) || n != SlotName(it->first, c.slot)) {
         drop(n, "not a commit record of that slot");
         continue;
       }
       it->second.commits.push_back(std::move(c));
     } else {
       auto bytes = ReadSmallFile(path_ + "/" + n, kMaxMemoryRecordBytes);
-      v1::MemoryRecord m;
-      if (!bytes.ok() || !m.ParseFromString(*bytes) || n != MemoryName(it->first, m.slot())) {
+      MemoryRecord m;
+      if (!bytes.ok() || !codec_->DecodeMemory(*bytes, &m) || n != MemoryName(it->first, m.slot)) {
         drop(n, "not a memory record of that slot");
         continue;
       }
@@ -224,9 +235,9 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
   }
   for (auto& [name, a] : segments) {
     std::sort(a.commits.begin(), a.commits.end(),
-              [](const v1::CommitRecord& x, const v1::CommitRecord& y) { return x.step() < y.step(); });
+              [](const CommitRecord& x, const CommitRecord& y) { return x.step < y.step; });
     std::sort(a.memory.begin(), a.memory.end(),
-              [](const v1::MemoryRecord& x, const v1::MemoryRecord& y) { return x.step() < y.step(); });
+              [](const MemoryRecord& x, const MemoryRecord& y) { return x.step < y.step; });
     out.push_back(std::move(a));
   }
   return out;

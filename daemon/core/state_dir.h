@@ -23,30 +23,87 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/base/status.h"
 #include "common/io/fs.h"
 #include "common/io/io_env.h"
-#include "daemon_state.pb.h"
+#include "daemon/core/registration.h"
 
 namespace flashckpt {
+
+// The records, in the core's own types. How they are encoded is the StateRecordCodec's (below).
+struct SegmentRecord {
+  std::string job;
+  uint32_t rank = 0;
+  std::string segment_name;
+  uint64_t segment_bytes = 0;
+  uint32_t slot_count = 0;
+  uint64_t checksum_chunk = 0;
+  // The registration as the trainer sent it, encoded by the codec (EncodeRegistration); read back
+  // with DecodeRegistration, which checks it as a trainer's request is checked.
+  std::string registration;
+};
+
+struct CommitRecord {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  int64_t step = 0;
+  bool persist = false;
+  int64_t resumed_from = 0;
+  std::string run_id;  // the attempt's run (with resumed_from): the signal names both
+  uint32_t world_size = 0;
+  std::optional<double> loss;
+  std::string extra;
+};
+
+struct MemoryRecord {
+  uint32_t slot = 0;
+  int64_t step = 0;
+  int64_t resumed_from = 0;
+  std::string run_id;
+  uint32_t world_size = 0;
+  std::string extra;
+  uint64_t checksum_chunk = 0;        // SlotChecksums::chunk_bytes
+  std::vector<uint64_t> first_chunk;  // SlotChecksums::first: per tensor of the layout
+  std::vector<uint64_t> sums;         // SlotChecksums::sums
+  bool written = false;               // a disk snapshot kept once written
+};
+
+// The records' encoding in their files. The daemon's is the edge's (daemon/edge/state_records.h:
+// protobuf, as the trainer's registration is), given in DaemonConfig::state_records; the core
+// never sees the encoded form but as bytes. Decoders return false for bytes that are not a record.
+// Implementations are stateless and thread-safe.
+class StateRecordCodec {
+ public:
+  virtual ~StateRecordCodec() = default;
+  virtual std::string EncodeSegment(const SegmentRecord& record) const = 0;
+  virtual bool DecodeSegment(const std::string& bytes, SegmentRecord* record) const = 0;
+  virtual std::string EncodeCommit(const CommitRecord& record) const = 0;
+  virtual bool DecodeCommit(const std::string& bytes, CommitRecord* record) const = 0;
+  virtual std::string EncodeMemory(const MemoryRecord& record) const = 0;
+  virtual bool DecodeMemory(const std::string& bytes, MemoryRecord* record) const = 0;
+  virtual std::string EncodeRegistration(const Registration& registration) const = 0;
+  virtual Result<Registration> DecodeRegistration(const std::string& bytes) const = 0;
+};
 
 class StateDir {
  public:
   StateDir() = default;  // disabled: every method is a no-op (a daemon without a socket path)
   // Creates the directory 0700 (or checks that an existing one is a directory owned by this uid).
-  // Records are written and removed through `io` (not owned; it must outlive the StateDir).
-  static Result<StateDir> Open(const std::string& path, IoEnv* io = IoEnv::Default());
+  // Records are encoded by `codec` and written and removed through `io` (neither owned; both must
+  // outlive the StateDir).
+  static Result<StateDir> Open(const std::string& path, const StateRecordCodec* codec, IoEnv* io = IoEnv::Default());
 
   bool enabled() const { return !path_.empty(); }
   const std::string& path() const { return path_; }
 
-  Status SaveSegment(const v1::SegmentRecord& record) const;
-  Status SaveCommit(const std::string& segment, const v1::CommitRecord& record) const;
+  Status SaveSegment(const SegmentRecord& record) const;
+  Status SaveCommit(const std::string& segment, const CommitRecord& record) const;
   void RemoveCommit(const std::string& segment, uint32_t slot) const;
-  Status SaveMemory(const std::string& segment, const v1::MemoryRecord& record) const;
+  Status SaveMemory(const std::string& segment, const MemoryRecord& record) const;
   void RemoveMemory(const std::string& segment, uint32_t slot) const;
   // Removes the segment's record and every commit and memory record of it.
   void RemoveSegment(const std::string& segment) const;
@@ -64,19 +121,25 @@ class StateDir {
   std::vector<KeptEma> LoadKeptEmas() const;
 
   struct Adoptable {
-    v1::SegmentRecord segment;
-    std::vector<v1::CommitRecord> commits;  // sorted by step
-    std::vector<v1::MemoryRecord> memory;   // sorted by step
+    SegmentRecord segment;
+    std::vector<CommitRecord> commits;  // sorted by step
+    std::vector<MemoryRecord> memory;   // sorted by step
   };
   // Every readable segment record with its commit and memory records. Unreadable records are logged and
   // removed (their segment cannot be adopted without them); stray temporaries are removed.
   std::vector<Adoptable> Load() const;
+  // The registration of a segment record, checked (StateRecordCodec::DecodeRegistration).
+  Result<Registration> RegistrationOf(const SegmentRecord& record) const;
+  // Encodes a registration for SegmentRecord::registration.
+  std::string EncodeRegistration(const Registration& registration) const;
 
  private:
-  StateDir(std::string path, IoEnv* io) : path_(std::move(path)), io_(io) {}
+  StateDir(std::string path, const StateRecordCodec* codec, IoEnv* io)
+      : path_(std::move(path)), codec_(codec), io_(io) {}
   Status Write(const std::string& name, const std::string& bytes) const;
   void Remove(const std::string& name) const;
   std::string path_;
+  const StateRecordCodec* codec_ = nullptr;
   IoEnv* io_ = IoEnv::Default();
 };
 

@@ -8,6 +8,7 @@
 #include "daemon/edge/config.h"
 #include "daemon/edge/grpc_log.h"
 #include "daemon/edge/server.h"
+#include "daemon/edge/state_records.h"
 #include "daemon/observe/systemd_notify.h"
 
 namespace {
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const auto begun = std::chrono::steady_clock::now();
+  config->state_records = &ProtoStateRecords();
   Daemon daemon(*config);
   Server server(&daemon);
   // In order: the daemon adopts what a predecessor left before the server lets anyone in, so a

@@ -14,6 +14,7 @@
 
 #include "support/fault_injecting_io.h"
 #include "daemon/edge/server.h"
+#include "daemon/edge/state_records.h"
 #include "flashckpt/client.h"
 #include "testing.h"
 
@@ -86,6 +87,7 @@ class InProcessDaemon {
     c.root = root();
     c.max_host_memory = 64ull << 20;
     c.slots = 2;
+    c.state_records = &ProtoStateRecords();
     if (tweak) tweak(c);
     daemon_ = std::make_unique<Daemon>(c);
     RETURN_IF_ERROR(daemon_->Start());

@@ -6,6 +6,7 @@
 
 #include "common/io/fs.h"
 #include "daemon/core/state_dir.h"
+#include "daemon/edge/state_records.h"
 #include "common/test_util.h"
 #include "testing.h"
 
@@ -232,34 +233,38 @@ TEST(SlotTable, AnAdoptedMemoryCheckpointIsHeldAtItsGenerationAndProtectedAsTheN
 TEST(StateDirRecords, MemoryRecordsAreLoadedWithTheirSegmentAndRemovedWithIt) {
   testing::TempDir tmp;
   ASSERT_TRUE(tmp.ok());
-  auto dir = StateDir::Open(tmp.File("state"));
+  EXPECT_FALSE(StateDir::Open(tmp.File("state"), nullptr).ok());  // no codec: refused, not a silent no-op
+  auto dir = StateDir::Open(tmp.File("state"), &ProtoStateRecords());
   ASSERT_OK(dir.status());
   const std::string name = "flashckpt.a.slot1.0.tok";
-  v1::SegmentRecord seg;
-  seg.set_job("a.slot1");
-  seg.set_segment_name(name);
-  seg.set_slot_count(3);
+  SegmentRecord seg;
+  seg.job = "a.slot1";
+  seg.segment_name = name;
+  seg.slot_count = 3;
   ASSERT_OK(dir->SaveSegment(seg));
-  v1::CommitRecord commit;
-  commit.set_slot(0);
-  commit.set_step(30);
+  CommitRecord commit;
+  commit.slot = 0;
+  commit.step = 30;
+  commit.loss = 2.5;
   ASSERT_OK(dir->SaveCommit(name, commit));
   for (int64_t step : {44, 43}) {
-    v1::MemoryRecord mem;
-    mem.set_slot(static_cast<uint32_t>(step - 42));
-    mem.set_step(step);
-    mem.add_sums(0x1234567890abcdefull);
+    MemoryRecord mem;
+    mem.slot = static_cast<uint32_t>(step - 42);
+    mem.step = step;
+    mem.sums.push_back(0x1234567890abcdefull);
     ASSERT_OK(dir->SaveMemory(name, mem));
   }
   std::ofstream(tmp.File("state/" + name + ".mem7")) << "not a record";
   auto loaded = dir->Load();
   ASSERT_EQ(loaded.size(), 1u);
   ASSERT_EQ(loaded[0].commits.size(), 1u);
-  EXPECT_EQ(loaded[0].commits[0].step(), 30);
+  EXPECT_EQ(loaded[0].commits[0].step, 30);
+  EXPECT_EQ(loaded[0].commits[0].loss, std::optional<double>(2.5));
   ASSERT_EQ(loaded[0].memory.size(), 2u);
-  EXPECT_EQ(loaded[0].memory[0].step(), 43);  // sorted by step
-  EXPECT_EQ(loaded[0].memory[1].step(), 44);
-  EXPECT_EQ(loaded[0].memory[1].sums(0), 0x1234567890abcdefull);
+  EXPECT_EQ(loaded[0].memory[0].step, 43);  // sorted by step
+  EXPECT_EQ(loaded[0].memory[1].step, 44);
+  ASSERT_EQ(loaded[0].memory[1].sums.size(), 1u);
+  EXPECT_EQ(loaded[0].memory[1].sums[0], 0x1234567890abcdefull);
   EXPECT_FALSE(PathExists(tmp.File("state/" + name + ".mem7")));  // torn: dropped
   dir->RemoveMemory(name, 1);
   EXPECT_EQ(dir->Load()[0].memory.size(), 1u);
