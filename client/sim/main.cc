@@ -193,11 +193,17 @@ int Fail(const char* what, const Status& s) {
   return 1;
 }
 
-}  // namespace
+using Clock = std::chrono::steady_clock;
 
-int main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"flashckpt-sim: a simulated trainer rank that saves, resumes and checks its state"};
+// What the training loop did: the time spent blocked in saves, the last save step (-1: none) and
+// the number of saves.
+struct TrainStats {
+  Clock::duration blocked{};
+  int64_t last_save = -1, saves = 0;
+};
+
+// Declares the command-line flags, which fill `o`.
+void AddFlags(CLI::App& app, Options& o) {
   app.add_option("--socket", o.socket, "flashckptd socket")->required();
   app.add_option("--job", o.job, "job name")->required();
   app.add_option("--rank", o.rank, "rank")->required();
@@ -237,17 +243,24 @@ int main(int argc, char** argv) {
   app.add_option("--ema-init", o.ema_init, "first or zeros")->check(CLI::IsMember({"first", "zeros"}));
   app.add_option("--ema-loss-threshold", o.ema_loss_threshold, "skip EMA updates whose loss is above it");
   app.add_option("--dump-ema", o.dump_ema, "at the end, write the daemon's current EMA as DIR/<tensor>.f32");
-  CLI11_PARSE(app, argc, argv);
+}
+
+// Whether the degrees make up the world size with this rank in it and every tp rank gets a row;
+// prints what is wrong otherwise.
+bool CheckTopology(const Options& o) {
   if (uint64_t{o.tp_degree} * o.pp_degree * o.shard_degree != o.world_size || o.rank >= o.world_size) {
     std::fprintf(stderr, "flashckpt-sim: need world-size = tp*pp*shard degrees and rank < world-size\n");
-    return 2;
+    return false;
   }
   if (uint64_t{o.tp_degree - 1} * ((o.hidden + o.tp_degree - 1) / o.tp_degree) >= o.hidden) {
     std::fprintf(stderr, "flashckpt-sim: --hidden is too small to give every tp rank at least one row\n");
-    return 2;
+    return false;
   }
+  return true;
+}
 
-  SimRank sim(o);
+// The client's options from the flags.
+flashckpt::ClientOptions ClientOptionsOf(const Options& o) {
   flashckpt::ClientOptions copts;
   copts.socket_path = o.socket;
   copts.job = o.job;
@@ -255,139 +268,185 @@ int main(int argc, char** argv) {
   copts.run_id = o.run_id;
   copts.overwrite = o.fresh;
   copts.memory_checkpoints = o.memory_every.has_value();  // Register checks that the daemon can keep them
-  auto client = flashckpt::Client::Connect(copts);
-  if (!client.ok()) return Fail("connect", client.status());
-  flashckpt::Client& c = **client;
+  return copts;
+}
+
+// The EMA options from the flags (--ema-*).
+flashckpt::EmaOptions EmaOptionsOf(const Options& o) {
   flashckpt::EmaOptions ema;
   ema.decay = o.ema_decay;
   ema.interval = o.ema_interval;
   ema.init_zeros = o.ema_init == "zeros";
   ema.loss_threshold = o.ema_loss_threshold;
-  if (Status s = c.Register(sim.topology(), sim.specs(), ema); !s.ok()) return Fail("register", s);
+  return ema;
+}
 
-  int64_t first = o.first_step;
-  if (o.resume || o.resume_step) {
-    auto restored = c.Restore(o.resume_step, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
-    if (!restored.ok()) return Fail("restore", restored.status());
-    if (!restored->found) {
-      std::printf("resumed step=0 from=none verified_elements=0 (no complete checkpoint)\n");
-    } else {
-      bool ok = false;
-      uint64_t n = sim.Verify(restored->step, &ok);
-      if (!ok) return Fail("verify", flashckpt::Corruption("restored state differs from the formula"));
-      std::printf("resumed step=%" PRId64 " from=%s verified_elements=%" PRIu64 " extra=%s\n", restored->step,
-                  restored->tier == flashckpt::Tier::kMemory ? "memory"
-                  : restored->tier == flashckpt::Tier::kPeer ? "peer"
-                                                             : "disk",
-                  n, restored->extra.c_str());
-      first = restored->step + 1;
-    }
-    std::fflush(stdout);
+// --resume: restores the latest (or --resume-step) checkpoint, verifies every element and sets
+// `*first` to the step after it. Returns the exit code of a failure, else 0.
+int Resume(flashckpt::Client& c, SimRank& sim, const Options& o, int64_t* first) {
+  auto restored = c.Restore(o.resume_step, sim.buffers(), std::chrono::seconds(o.wait_timeout_s));
+  if (!restored.ok()) return Fail("restore", restored.status());
+  if (!restored->found) {
+    std::printf("resumed step=0 from=none verified_elements=0 (no complete checkpoint)\n");
+  } else {
+    bool ok = false;
+    uint64_t n = sim.Verify(restored->step, &ok);
+    if (!ok) return Fail("verify", flashckpt::Corruption("restored state differs from the formula"));
+    std::printf("resumed step=%" PRId64 " from=%s verified_elements=%" PRIu64 " extra=%s\n", restored->step,
+                restored->tier == flashckpt::Tier::kMemory ? "memory"
+                : restored->tier == flashckpt::Tier::kPeer ? "peer"
+                                                           : "disk",
+                n, restored->extra.c_str());
+    *first = restored->step + 1;
   }
+  std::fflush(stdout);
+  return 0;
+}
 
-  using Clock = std::chrono::steady_clock;
-  Clock::duration blocked{};
-  int64_t last_save = -1, saves = 0;
-  for (int64_t step = first; step <= o.steps; ++step) {
-    sim.Fill(step);
-    if (o.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.step_ms));
-    bool save = step % o.save_every == 0;
-    bool memory = !save && o.memory_every && step % *o.memory_every == 0;
-    bool ema_step = o.ema_decay && step % o.ema_interval == 0;
-    if (!save && !memory && !ema_step) {
-      if (o.hold_after && step == *o.hold_after) Hold(step);
-      continue;
-    }
-    flashckpt::SnapshotOptions so;
-    so.persist = save || memory;
-    if (memory) so.tier = flashckpt::Tier::kMemory;
-    so.loss = SimLoss(step);
-    if (save || memory) so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
-    auto t0 = Clock::now();
-    auto snap = c.Snapshot(step, sim.buffers(), so);
-    if (!snap.ok() && o.tolerate_restarts && IsDaemonLoss(snap.status())) {
-      // A failed Commit may have reached the daemon's records before the daemon died: whether
-      // that snapshot is kept is not known here.
-      const bool uncertain = snap.status().message().rfind("Commit", 0) == 0;
-      std::printf("lost step=%" PRId64 " persist=%d uncertain=%d code=%s\n", step, save ? 1 : 0, uncertain ? 1 : 0,
-                  std::string(flashckpt::StatusCodeName(snap.status().code())).c_str());
-      std::fflush(stdout);
-      continue;
-    }
-    if (!snap.ok() && snap.status().message().find("is split") != std::string::npos) {
-      std::printf("split step=%" PRId64 ": %s\n", step, snap.status().message().c_str());
-      std::fflush(stdout);
-    }
-    if (!snap.ok()) return Fail("snapshot", snap.status());
-    if (Status s = snap->WaitCopied(); !s.ok()) return Fail("copy", s);
-    blocked += Clock::now() - t0;
-    if (o.tolerate_restarts) {
-      std::printf("committed step=%" PRId64 " persist=%d\n", step, save ? 1 : 0);
-      std::fflush(stdout);
-    }
-    if (memory) {
-      std::printf("memory step=%" PRId64 "\n", step);
-      std::fflush(stdout);
-    }
-    if (o.hold_after && step == *o.hold_after && !save) Hold(step);
-    if (!save) continue;
-    last_save = step;
-    ++saves;
-    std::printf("saved step=%" PRId64 "\n", step);
-    std::fflush(stdout);
+// One training step: sets the state of `step` and takes the snapshot the step calls for (a save,
+// a memory checkpoint or an EMA update), reporting it. Returns the exit code of a failure, else 0.
+int RunStep(flashckpt::Client& c, SimRank& sim, const Options& o, int64_t step, TrainStats* stats) {
+  sim.Fill(step);
+  if (o.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.step_ms));
+  bool save = step % o.save_every == 0;
+  bool memory = !save && o.memory_every && step % *o.memory_every == 0;
+  bool ema_step = o.ema_decay && step % o.ema_interval == 0;
+  if (!save && !memory && !ema_step) {
     if (o.hold_after && step == *o.hold_after) Hold(step);
+    return 0;
   }
-  if (last_save > 0) {
-    auto deadline = Clock::now() + std::chrono::seconds(o.wait_timeout_s);
-    Status s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s));
-    while (!s.ok() && o.tolerate_restarts && IsDaemonLoss(s) && Clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s));
-    }
+  flashckpt::SnapshotOptions so;
+  so.persist = save || memory;
+  if (memory) so.tier = flashckpt::Tier::kMemory;
+  so.loss = SimLoss(step);
+  if (save || memory) so.extra = "{\"step\":" + std::to_string(step) + ",\"rank\":" + std::to_string(o.rank) + "}";
+  auto t0 = Clock::now();
+  auto snap = c.Snapshot(step, sim.buffers(), so);
+  if (!snap.ok() && o.tolerate_restarts && IsDaemonLoss(snap.status())) {
+    // A failed Commit may have reached the daemon's records before the daemon died: whether
+    // that snapshot is kept is not known here.
+    const bool uncertain = snap.status().message().rfind("Commit", 0) == 0;
+    std::printf("lost step=%" PRId64 " persist=%d uncertain=%d code=%s\n", step, save ? 1 : 0, uncertain ? 1 : 0,
+                std::string(flashckpt::StatusCodeName(snap.status().code())).c_str());
+    std::fflush(stdout);
+    return 0;
+  }
+  if (!snap.ok() && snap.status().message().find("is split") != std::string::npos) {
+    std::printf("split step=%" PRId64 ": %s\n", step, snap.status().message().c_str());
+    std::fflush(stdout);
+  }
+  if (!snap.ok()) return Fail("snapshot", snap.status());
+  if (Status s = snap->WaitCopied(); !s.ok()) return Fail("copy", s);
+  stats->blocked += Clock::now() - t0;
+  if (o.tolerate_restarts) {
+    std::printf("committed step=%" PRId64 " persist=%d\n", step, save ? 1 : 0);
+    std::fflush(stdout);
+  }
+  if (memory) {
+    std::printf("memory step=%" PRId64 "\n", step);
+    std::fflush(stdout);
+  }
+  if (o.hold_after && step == *o.hold_after && !save) Hold(step);
+  if (!save) return 0;
+  stats->last_save = step;
+  ++stats->saves;
+  std::printf("saved step=%" PRId64 "\n", step);
+  std::fflush(stdout);
+  if (o.hold_after && step == *o.hold_after) Hold(step);
+  return 0;
+}
+
+// Waits until the last save, `last_save`, is durable and (unless --no-wait-complete) its
+// checkpoint complete. Returns the exit code of a failure, else 0.
+int WaitLastSave(flashckpt::Client& c, const Options& o, int64_t last_save) {
+  auto deadline = Clock::now() + std::chrono::seconds(o.wait_timeout_s);
+  Status s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s));
+  while (!s.ok() && o.tolerate_restarts && IsDaemonLoss(s) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    s = c.WaitPersisted(last_save, std::chrono::seconds(o.wait_timeout_s));
+  }
+  if (!s.ok() && s.message().find("is split") != std::string::npos) {
+    std::printf("split step=%" PRId64 ": %s\n", last_save, s.message().c_str());
+    std::fflush(stdout);
+  }
+  if (!s.ok()) return Fail("wait persisted", s);
+  // The rank's part is durable; the checkpoint is complete once every rank's is, in one attempt.
+  // A step that never can complete (ranks in different runs: a split) fails the rank, loudly.
+  if (o.wait_complete) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    s = c.WaitComplete(last_save, std::max(left, std::chrono::milliseconds(1000)));
     if (!s.ok() && s.message().find("is split") != std::string::npos) {
       std::printf("split step=%" PRId64 ": %s\n", last_save, s.message().c_str());
       std::fflush(stdout);
+      return Fail("wait complete (split)", s);
     }
-    if (!s.ok()) return Fail("wait persisted", s);
-    // The rank's part is durable; the checkpoint is complete once every rank's is, in one attempt.
-    // A step that never can complete (ranks in different runs: a split) fails the rank, loudly.
-    if (o.wait_complete) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      s = c.WaitComplete(last_save, std::max(left, std::chrono::milliseconds(1000)));
-      if (!s.ok() && s.message().find("is split") != std::string::npos) {
-        std::printf("split step=%" PRId64 ": %s\n", last_save, s.message().c_str());
-        std::fflush(stdout);
-        return Fail("wait complete (split)", s);
-      }
-      if (!s.ok()) return Fail("wait complete", s);
-      std::printf("complete step=%" PRId64 "\n", last_save);
-    }
+    if (!s.ok()) return Fail("wait complete", s);
+    std::printf("complete step=%" PRId64 "\n", last_save);
   }
-  if (!o.dump_ema.empty() && c.EmaTensorNames().empty()) {
+  return 0;
+}
+
+// --dump-ema: writes the daemon's current EMA of each tensor as <dir>/<tensor>.f32. Returns the
+// exit code of a failure, else 0.
+int DumpEma(flashckpt::Client& c, const SimRank& sim, const Options& o) {
+  if (c.EmaTensorNames().empty()) {
     // A rank whose weights are all replicas (shard rank > 0) holds no EMA: nothing to dump.
     std::printf("ema step=-1 tensors=0\n");
-  } else if (!o.dump_ema.empty()) {
-    // The EMA of the last snapshot is applied asynchronously; a final persisted save orders it
-    // before this read (WaitPersisted above), so callers dump after a save step.
-    std::vector<std::string> names = c.EmaTensorNames();
-    std::vector<std::vector<float>> storage(names.size());
-    std::vector<flashckpt::TensorBuffer> bufs;
-    for (size_t i = 0; i < names.size(); ++i) {
-      storage[i].resize(sim.EmaElements(names[i]));
-      bufs.push_back({names[i], storage[i].data(), storage[i].size() * sizeof(float)});
-    }
-    auto got = c.Ema(bufs, std::chrono::seconds(o.wait_timeout_s));
-    if (!got.ok()) return Fail("ema", got.status());
-    for (size_t i = 0; i < names.size(); ++i) {
-      std::ofstream out(o.dump_ema + "/" + names[i] + ".f32", std::ios::binary);
-      out.write(reinterpret_cast<const char*>(storage[i].data()),
-                static_cast<std::streamsize>(storage[i].size() * sizeof(float)));
-      if (!out) return Fail("dump ema", flashckpt::IOError("cannot write " + o.dump_ema + "/" + names[i] + ".f32"));
-    }
-    std::printf("ema step=%" PRId64 " tensors=%zu\n", got->step, names.size());
+    return 0;
   }
-  double blocked_ms = std::chrono::duration<double, std::milli>(blocked).count();
-  std::printf("done rank=%u last_step=%" PRId64 " saves=%" PRId64 " blocked_in_save_ms=%.3f\n", o.rank, o.steps, saves,
-              blocked_ms);
+  // The EMA of the last snapshot is applied asynchronously; a final persisted save orders it
+  // before this read (WaitPersisted above), so callers dump after a save step.
+  std::vector<std::string> names = c.EmaTensorNames();
+  std::vector<std::vector<float>> storage(names.size());
+  std::vector<flashckpt::TensorBuffer> bufs;
+  for (size_t i = 0; i < names.size(); ++i) {
+    storage[i].resize(sim.EmaElements(names[i]));
+    bufs.push_back({names[i], storage[i].data(), storage[i].size() * sizeof(float)});
+  }
+  auto got = c.Ema(bufs, std::chrono::seconds(o.wait_timeout_s));
+  if (!got.ok()) return Fail("ema", got.status());
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::ofstream out(o.dump_ema + "/" + names[i] + ".f32", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(storage[i].data()),
+              static_cast<std::streamsize>(storage[i].size() * sizeof(float)));
+    if (!out) return Fail("dump ema", flashckpt::IOError("cannot write " + o.dump_ema + "/" + names[i] + ".f32"));
+  }
+  std::printf("ema step=%" PRId64 " tensors=%zu\n", got->step, names.size());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"flashckpt-sim: a simulated trainer rank that saves, resumes and checks its state"};
+  AddFlags(app, o);
+  CLI11_PARSE(app, argc, argv);
+  if (!CheckTopology(o)) return 2;
+
+  SimRank sim(o);
+  auto client = flashckpt::Client::Connect(ClientOptionsOf(o));
+  if (!client.ok()) return Fail("connect", client.status());
+  flashckpt::Client& c = **client;
+  if (Status s = c.Register(sim.topology(), sim.specs(), EmaOptionsOf(o)); !s.ok()) return Fail("register", s);
+
+  int64_t first = o.first_step;
+  if (o.resume || o.resume_step) {
+    if (int rc = Resume(c, sim, o, &first); rc != 0) return rc;
+  }
+
+  TrainStats stats;
+  for (int64_t step = first; step <= o.steps; ++step) {
+    if (int rc = RunStep(c, sim, o, step, &stats); rc != 0) return rc;
+  }
+  if (stats.last_save > 0) {
+    if (int rc = WaitLastSave(c, o, stats.last_save); rc != 0) return rc;
+  }
+  if (!o.dump_ema.empty()) {
+    if (int rc = DumpEma(c, sim, o); rc != 0) return rc;
+  }
+  double blocked_ms = std::chrono::duration<double, std::milli>(stats.blocked).count();
+  std::printf("done rank=%u last_step=%" PRId64 " saves=%" PRId64 " blocked_in_save_ms=%.3f\n", o.rank, o.steps,
+              stats.saves, blocked_ms);
   return 0;
 }

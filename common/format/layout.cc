@@ -152,6 +152,164 @@ Result<TensorSpec> NormalizeTensorSpec(const TensorSpec& in) {
   return s;
 }
 
+namespace {
+
+// Normalizes `specs` into layout->tensors, in order; refuses a duplicate name and a global tensor
+// of more than 2^64 bytes.
+Status AddTensors(const std::vector<TensorSpec>& specs, RankLayout* layout) {
+  std::map<std::string, size_t> seen;
+  for (const auto& spec : specs) {
+    ASSIGN_OR_RETURN(TensorSpec s, NormalizeTensorSpec(spec));
+    // What is saved must be readable back: the restore planner and verify refuse pieces whose
+    // global tensor has more than 2^64 bytes, so such a tensor is refused here, not at restore.
+    if (!TensorBytes(s.dtype, s.global_shape).ok()) {
+      return InvalidArgument("tensor '" + s.name + "': the byte size of global_shape overflows 64 bits");
+    }
+    if (!seen.emplace(s.name, layout->tensors.size()).second) {
+      return InvalidArgument("tensor name '" + s.name + "' is registered twice; names must be unique");
+    }
+    layout->tensors.push_back(std::move(s));
+  }
+  return Status::OK();
+}
+
+// The tensors (not replicas) that go into the file of `kind`, in data order: largest element
+// first, then by name.
+std::vector<size_t> FileMembers(const RankLayout& layout, const char* kind) {
+  std::vector<size_t> members;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const auto& t = layout.tensors[i];
+    if (!t.replica && std::string(FileKindOf(t.kind)) == kind) members.push_back(i);
+  }
+  std::sort(members.begin(), members.end(), [&](size_t a, size_t b) {
+    size_t ea = DTypeSize(layout.tensors[a].dtype), eb = DTypeSize(layout.tensors[b].dtype);
+    if (ea != eb) return ea > eb;
+    return layout.tensors[a].name < layout.tensors[b].name;
+  });
+  return members;
+}
+
+// The ids, in a file's header builder, of the fixed-width fields written at save time.
+struct HeaderFieldIds {
+  size_t step = 0;
+  std::vector<size_t> extra;                           // LayoutExtras::fixed_fields, in order
+  std::vector<size_t> checksums;                       // one per member tensor
+  std::vector<std::optional<size_t>> chunk_checksums;  // one per member tensor; none for one chunk
+};
+
+// Adds the file-wide metadata of the file of `kind` to `builder`: format, job, rank, topology, the
+// step field, the checksum chunk and the extras.
+void AddFileMetadata(const RankLayout& layout, const char* kind, const LayoutExtras& extras,
+                     SafetensorsHeaderBuilder* builder, HeaderFieldIds* ids) {
+  const Topology& topology = layout.topology;
+  builder->AddMetadata("format", "flashckpt");
+  builder->AddMetadata("format_version", std::to_string(kFormatVersion));
+  builder->AddMetadata("job", layout.job);
+  builder->AddMetadata("rank", std::to_string(layout.rank));
+  builder->AddMetadata("file", kind);
+  builder->AddMetadata("world_size", std::to_string(topology.world_size));
+  builder->AddMetadata("tp_rank", std::to_string(topology.tp_rank));
+  builder->AddMetadata("tp_degree", std::to_string(topology.tp_degree));
+  builder->AddMetadata("pp_rank", std::to_string(topology.pp_rank));
+  builder->AddMetadata("pp_degree", std::to_string(topology.pp_degree));
+  builder->AddMetadata("shard_rank", std::to_string(topology.shard_rank));
+  builder->AddMetadata("shard_degree", std::to_string(topology.shard_degree));
+  ids->step = builder->AddFixedWidthMetadata("step", kStepFieldWidth);
+  builder->AddMetadata("checksum_chunk", std::to_string(extras.checksum_chunk));
+  for (const auto& [key, value] : extras.metadata) builder->AddMetadata(key, value);
+  for (const auto& [key, width] : extras.fixed_fields) ids->extra.push_back(builder->AddFixedWidthMetadata(key, width));
+}
+
+// Adds the member tensors of the file of `kind` to `builder` with their metadata and checksum
+// fields, and sets their placements' sizes and offsets (from the data start); returns the data
+// bytes. Refuses a slot past kMaxSlotBytes and checksum digits past the header limit.
+Result<uint64_t> AddFileTensors(const char* kind, const std::vector<size_t>& members, const LayoutExtras& extras,
+                                RankLayout* layout, SafetensorsHeaderBuilder* builder, HeaderFieldIds* ids) {
+  const uint32_t rank = layout->rank;
+  uint64_t data = 0;
+  uint64_t chunk_digits = 0;  // header bytes of the per-chunk checksum fields so far
+  for (size_t i : members) {
+    const auto& t = layout->tensors[i];
+    uint64_t bytes = TensorBytes(t.dtype, t.shape).value();  // NormalizeTensorSpec: at most kMaxSlotBytes
+    uint64_t end;
+    if (__builtin_add_overflow(data, bytes, &end) || end > kMaxSlotBytes) return SlotTooLarge(rank);
+    const uint64_t chunks = ChunkCount(bytes, extras.checksum_chunk);
+    // A huge tensor with a small chunk asks for terabytes of checksum digits: refuse before the
+    // builder allocates them. (chunks <= 2^36 here, so neither product nor sum can wrap.)
+    if (chunks > 1) chunk_digits += chunks * kChecksumFieldWidth;
+    if (chunk_digits > kMaxHeaderJsonBytes) return HeaderTooLarge(kind, rank, chunk_digits);
+    builder->AddTensor(t.name, t.dtype, t.shape, data, end);
+    builder->AddMetadata(TensorMetaKey(t.name, "kind"), std::string(TensorKindName(t.kind)));
+    builder->AddMetadata(TensorMetaKey(t.name, "global_shape"), ShapeJson(t.global_shape));
+    builder->AddMetadata(TensorMetaKey(t.name, "box_offset"), ShapeJson(t.box_offset));
+    builder->AddMetadata(TensorMetaKey(t.name, "box_shape"), ShapeJson(t.box_shape));
+    if (t.flat_range) {
+      builder->AddMetadata(TensorMetaKey(t.name, "flat_range"), ShapeJson({t.flat_range->begin, t.flat_range->end}));
+    }
+    ids->checksums.push_back(builder->AddFixedWidthMetadata(TensorMetaKey(t.name, "xxh3"), kChecksumFieldWidth));
+    ids->chunk_checksums.push_back(chunks > 1 ? std::optional(builder->AddFixedWidthMetadata(
+                                                    TensorMetaKey(t.name, "xxh3_chunks"), chunks * kChecksumFieldWidth))
+                                              : std::nullopt);
+    layout->placements[i].bytes = bytes;
+    layout->placements[i].slot_offset = data;  // relative to the data start for now
+    data = end;
+  }
+  return data;
+}
+
+// Builds the image of the file of `kind` at `*offset` in the slot, appends it to layout->files with
+// its tensors placed, and advances `*offset` past it. A kind with no tensors adds nothing.
+Status AddFileImage(const char* kind, const LayoutExtras& extras, RankLayout* layout, uint64_t* offset) {
+  const std::vector<size_t> members = FileMembers(*layout, kind);
+  if (members.empty()) return Status::OK();
+  const Topology& topology = layout->topology;
+
+  FileImage image;
+  image.kind = kind;
+  image.stem = FileStem(kind, topology.tp_rank, topology.pp_rank, topology.shard_rank);
+  image.tensors = members;
+
+  SafetensorsHeaderBuilder builder;
+  HeaderFieldIds ids;
+  AddFileMetadata(*layout, kind, extras, &builder, &ids);
+  ASSIGN_OR_RETURN(uint64_t data, AddFileTensors(kind, members, extras, layout, &builder, &ids));
+  ASSIGN_OR_RETURN(auto built, builder.Build());
+  if (built.bytes.size() - 8 > kMaxHeaderJsonBytes) return HeaderTooLarge(kind, layout->rank, built.bytes.size());
+  image.header = std::move(built.bytes);
+  image.step_field = built.field_offsets[ids.step];
+  for (size_t id : ids.extra) image.extra_fields.push_back(built.field_offsets[id]);
+  image.data_bytes = data;
+  image.slot_offset = *offset;
+  int file_index = static_cast<int>(layout->files.size());
+  for (size_t k = 0; k < members.size(); ++k) {
+    auto& p = layout->placements[members[k]];
+    p.file = file_index;
+    p.slot_offset += *offset + image.header.size();
+    p.checksum_field = *offset + built.field_offsets[ids.checksums[k]];
+    if (ids.chunk_checksums[k]) {
+      p.chunks_field = *offset + built.field_offsets[*ids.chunk_checksums[k]];
+      p.checksum_chunk = extras.checksum_chunk;
+    }
+  }
+  RETURN_IF_ERROR(Advance(offset, image.file_bytes(), layout->rank));
+  layout->files.push_back(std::move(image));
+  return Status::OK();
+}
+
+// Places the replica tensors one after another from `*offset`, and advances `*offset` past them.
+Status PlaceReplicas(RankLayout* layout, uint64_t* offset) {
+  for (size_t i = 0; i < layout->tensors.size(); ++i) {
+    if (!layout->tensors[i].replica) continue;
+    auto& p = layout->placements[i];
+    p.bytes = TensorBytes(layout->tensors[i].dtype, layout->tensors[i].shape).value();
+    p.slot_offset = *offset;
+    RETURN_IF_ERROR(Advance(offset, p.bytes, layout->rank));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const Topology& topology,
                                    const std::vector<TensorSpec>& specs, const LayoutExtras& extras) {
   RETURN_IF_ERROR(ValidateJobName(job));
@@ -168,118 +326,15 @@ Result<RankLayout> BuildRankLayout(const std::string& job, uint32_t rank, const 
   layout.rank = rank;
   layout.topology = topology;
   layout.checksum_chunk = extras.checksum_chunk;
-  std::map<std::string, size_t> seen;
-  for (const auto& spec : specs) {
-    ASSIGN_OR_RETURN(TensorSpec s, NormalizeTensorSpec(spec));
-    // What is saved must be readable back: the restore planner and verify refuse pieces whose
-    // global tensor has more than 2^64 bytes, so such a tensor is refused here, not at restore.
-    if (!TensorBytes(s.dtype, s.global_shape).ok()) {
-      return InvalidArgument("tensor '" + s.name + "': the byte size of global_shape overflows 64 bits");
-    }
-    if (!seen.emplace(s.name, layout.tensors.size()).second) {
-      return InvalidArgument("tensor name '" + s.name + "' is registered twice; names must be unique");
-    }
-    layout.tensors.push_back(std::move(s));
-  }
+  RETURN_IF_ERROR(AddTensors(specs, &layout));
   layout.placements.resize(layout.tensors.size());
 
   uint64_t offset = kPageSize;  // the slot header page
   for (const char* kind : {"model_state", "optimizer", "ema"}) {
-    std::vector<size_t> members;
-    for (size_t i = 0; i < layout.tensors.size(); ++i) {
-      const auto& t = layout.tensors[i];
-      if (!t.replica && std::string(FileKindOf(t.kind)) == kind) members.push_back(i);
-    }
-    if (members.empty()) continue;
-    std::sort(members.begin(), members.end(), [&](size_t a, size_t b) {
-      size_t ea = DTypeSize(layout.tensors[a].dtype), eb = DTypeSize(layout.tensors[b].dtype);
-      if (ea != eb) return ea > eb;
-      return layout.tensors[a].name < layout.tensors[b].name;
-    });
-
-    FileImage image;
-    image.kind = kind;
-    image.stem = FileStem(kind, topology.tp_rank, topology.pp_rank, topology.shard_rank);
-    image.tensors = members;
-
-    SafetensorsHeaderBuilder builder;
-    builder.AddMetadata("format", "flashckpt");
-    builder.AddMetadata("format_version", std::to_string(kFormatVersion));
-    builder.AddMetadata("job", job);
-    builder.AddMetadata("rank", std::to_string(rank));
-    builder.AddMetadata("file", kind);
-    builder.AddMetadata("world_size", std::to_string(topology.world_size));
-    builder.AddMetadata("tp_rank", std::to_string(topology.tp_rank));
-    builder.AddMetadata("tp_degree", std::to_string(topology.tp_degree));
-    builder.AddMetadata("pp_rank", std::to_string(topology.pp_rank));
-    builder.AddMetadata("pp_degree", std::to_string(topology.pp_degree));
-    builder.AddMetadata("shard_rank", std::to_string(topology.shard_rank));
-    builder.AddMetadata("shard_degree", std::to_string(topology.shard_degree));
-    size_t step_field = builder.AddFixedWidthMetadata("step", kStepFieldWidth);
-    builder.AddMetadata("checksum_chunk", std::to_string(extras.checksum_chunk));
-    for (const auto& [key, value] : extras.metadata) builder.AddMetadata(key, value);
-    std::vector<size_t> extra_fields;
-    for (const auto& [key, width] : extras.fixed_fields)
-      extra_fields.push_back(builder.AddFixedWidthMetadata(key, width));
-    std::vector<size_t> checksum_fields;
-    std::vector<std::optional<size_t>> chunk_fields;
-    uint64_t data = 0;
-    uint64_t chunk_digits = 0;  // header bytes of the per-chunk checksum fields so far
-    for (size_t i : members) {
-      const auto& t = layout.tensors[i];
-      uint64_t bytes = TensorBytes(t.dtype, t.shape).value();  // NormalizeTensorSpec: at most kMaxSlotBytes
-      uint64_t end;
-      if (__builtin_add_overflow(data, bytes, &end) || end > kMaxSlotBytes) return SlotTooLarge(rank);
-      const uint64_t chunks = ChunkCount(bytes, extras.checksum_chunk);
-      // A huge tensor with a small chunk asks for terabytes of checksum digits: refuse before the
-      // builder allocates them. (chunks <= 2^36 here, so neither product nor sum can wrap.)
-      if (chunks > 1) chunk_digits += chunks * kChecksumFieldWidth;
-      if (chunk_digits > kMaxHeaderJsonBytes) return HeaderTooLarge(kind, rank, chunk_digits);
-      builder.AddTensor(t.name, t.dtype, t.shape, data, end);
-      builder.AddMetadata(TensorMetaKey(t.name, "kind"), std::string(TensorKindName(t.kind)));
-      builder.AddMetadata(TensorMetaKey(t.name, "global_shape"), ShapeJson(t.global_shape));
-      builder.AddMetadata(TensorMetaKey(t.name, "box_offset"), ShapeJson(t.box_offset));
-      builder.AddMetadata(TensorMetaKey(t.name, "box_shape"), ShapeJson(t.box_shape));
-      if (t.flat_range) {
-        builder.AddMetadata(TensorMetaKey(t.name, "flat_range"), ShapeJson({t.flat_range->begin, t.flat_range->end}));
-      }
-      checksum_fields.push_back(builder.AddFixedWidthMetadata(TensorMetaKey(t.name, "xxh3"), kChecksumFieldWidth));
-      chunk_fields.push_back(chunks > 1 ? std::optional(builder.AddFixedWidthMetadata(
-                                              TensorMetaKey(t.name, "xxh3_chunks"), chunks * kChecksumFieldWidth))
-                                        : std::nullopt);
-      layout.placements[i].bytes = bytes;
-      layout.placements[i].slot_offset = data;  // relative to the data start for now
-      data = end;
-    }
-    ASSIGN_OR_RETURN(auto built, builder.Build());
-    if (built.bytes.size() - 8 > kMaxHeaderJsonBytes) return HeaderTooLarge(kind, rank, built.bytes.size());
-    image.header = std::move(built.bytes);
-    image.step_field = built.field_offsets[step_field];
-    for (size_t id : extra_fields) image.extra_fields.push_back(built.field_offsets[id]);
-    image.data_bytes = data;
-    image.slot_offset = offset;
-    int file_index = static_cast<int>(layout.files.size());
-    for (size_t k = 0; k < members.size(); ++k) {
-      auto& p = layout.placements[members[k]];
-      p.file = file_index;
-      p.slot_offset += offset + image.header.size();
-      p.checksum_field = offset + built.field_offsets[checksum_fields[k]];
-      if (chunk_fields[k]) {
-        p.chunks_field = offset + built.field_offsets[*chunk_fields[k]];
-        p.checksum_chunk = extras.checksum_chunk;
-      }
-    }
-    RETURN_IF_ERROR(Advance(&offset, image.file_bytes(), rank));
-    layout.files.push_back(std::move(image));
+    RETURN_IF_ERROR(AddFileImage(kind, extras, &layout, &offset));
   }
   layout.replica_offset = offset;
-  for (size_t i = 0; i < layout.tensors.size(); ++i) {
-    if (!layout.tensors[i].replica) continue;
-    auto& p = layout.placements[i];
-    p.bytes = TensorBytes(layout.tensors[i].dtype, layout.tensors[i].shape).value();
-    p.slot_offset = offset;
-    RETURN_IF_ERROR(Advance(&offset, p.bytes, rank));
-  }
+  RETURN_IF_ERROR(PlaceReplicas(&layout, &offset));
   layout.slot_bytes = offset;  // page-aligned by Advance (or the header page alone)
   return layout;
 }

@@ -264,10 +264,45 @@ Status WriteImageDurably(const std::string& dir, const std::string& name, const 
   return s;
 }
 
-Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
-                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed, IoEnv* io) {
-  constexpr uint64_t kAlign = 4096;
-  auto down = [](uint64_t v) { return v / kAlign * kAlign; };
+namespace {
+
+constexpr uint64_t kAlign = 4096;
+
+// An image's temporary while WriteImagesDurably fills it: its path (empty once renamed or never
+// created) and its open descriptor.
+struct OpenImage {
+  std::string tmp;
+  UniqueFd fd;
+};
+
+// A piece of one region of one image: the bytes [from, to) that one task prepares and writes.
+struct ImagePiece {
+  size_t image, region;
+  uint64_t from, to;
+};
+
+// What the tasks writing a batch of images share: the first error, and the count of writes in
+// flight when ImageWriteHooks::max_writes_in_flight caps it.
+struct ImageBatchState {
+  Mutex error_mu;
+  Status first_error;               // guarded by error_mu
+  std::atomic<bool> failed{false};  // set with first_error: the remaining pieces skip their writes
+  // Writes in flight, when capped: a thread past the cap waits here after its prepare.
+  Mutex slots_mu;
+  CondVar slot_free;
+  unsigned writing = 0;  // guarded by slots_mu
+
+  // Keeps `s` when it is the first error and tells the remaining pieces to skip their writes.
+  void Fail(const Status& s) {
+    MutexLock lock(&error_mu);
+    if (first_error.ok()) first_error = s;
+    failed.store(true, std::memory_order_relaxed);
+  }
+};
+
+// Internal error unless every image is laid out as WriteImagesDurably needs (aligned memory and
+// head, cuts increasing from the head and within the image, a nonzero piece size).
+Status CheckImageLayouts(const std::vector<ImageWrite>& images) {
   for (const ImageWrite& im : images) {
     if (reinterpret_cast<uintptr_t>(im.data) % kAlign != 0 || im.head % kAlign != 0 || im.head > im.bytes ||
         im.cuts.empty() || im.cuts.front() != im.head || !std::is_sorted(im.cuts.begin(), im.cuts.end()) ||
@@ -275,41 +310,46 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
       return Internal("WriteImagesDurably: image " + im.name + " is not laid out for it");
     }
   }
-  struct Open {
-    std::string tmp;
-    UniqueFd fd;
-  };
-  std::vector<Open> files(images.size());
-  auto cleanup = [&](Status s) {
-    for (Open& f : files) {
-      if (!f.tmp.empty()) {
-        f.fd.Reset();
-        io->Unlink(f.tmp);
-      }
+  return Status::OK();
+}
+
+// Closes and removes every temporary still named in `files`; returns `s`.
+Status RemoveTemporaries(std::vector<OpenImage>* files, Status s, IoEnv* io) {
+  for (OpenImage& f : *files) {
+    if (!f.tmp.empty()) {
+      f.fd.Reset();
+      io->Unlink(f.tmp);
     }
-    return s;
-  };
+  }
+  return s;
+}
+
+// Creates a temporary for each image in `dir`, with O_DIRECT where the file system takes it. On
+// failure the temporaries created so far stay in `files` for the caller to remove.
+Status CreateTemporaries(const std::string& dir, const std::vector<ImageWrite>& images, std::vector<OpenImage>* files,
+                         IoEnv* io) {
   int flags = O_DIRECT;
   for (size_t i = 0; i < images.size(); ++i) {
-    files[i].tmp = TemporaryPath(dir + "/" + images[i].name);
-    int fd = io->Open(files[i].tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
+    OpenImage& file = (*files)[i];
+    file.tmp = TemporaryPath(dir + "/" + images[i].name);
+    int fd = io->Open(file.tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | flags, 0644);
     if (fd < 0 && errno == EINVAL && flags != 0) {  // no O_DIRECT here (tmpfs): buffered writes
       flags = 0;
-      fd = io->Open(files[i].tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      fd = io->Open(file.tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     }
     if (fd < 0) {
-      Status s = ErrnoStatus("create", files[i].tmp);
-      files[i].tmp.clear();
-      return cleanup(s);
+      Status s = ErrnoStatus("create", file.tmp);
+      file.tmp.clear();
+      return s;
     }
-    files[i].fd = UniqueFd(fd);
+    file.fd = UniqueFd(fd);
   }
+  return Status::OK();
+}
 
-  struct Piece {
-    size_t image, region;
-    uint64_t from, to;
-  };
-  std::vector<Piece> pieces;
+// Every region of every image cut into pieces of the image's piece size, in order.
+std::vector<ImagePiece> CutPieces(const std::vector<ImageWrite>& images) {
+  std::vector<ImagePiece> pieces;
   for (size_t i = 0; i < images.size(); ++i) {
     const ImageWrite& im = images[i];
     for (size_t r = 0; r < im.cuts.size(); ++r) {
@@ -322,76 +362,102 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
       } while (from < hi);
     }
   }
-  Mutex error_mu;
-  Status first_error;               // guarded by error_mu
-  std::atomic<bool> failed{false};  // set with first_error: the remaining pieces skip their writes
-  auto fail = [&](const Status& s) {
-    MutexLock lock(&error_mu);
-    if (first_error.ok()) first_error = s;
-    failed.store(true, std::memory_order_relaxed);
-  };
-  // Writes in flight, when capped: a thread past the cap waits here after its prepare.
-  Mutex slots_mu;
-  CondVar slot_free;
-  unsigned writing = 0;  // guarded by slots_mu
-  const unsigned cap = hooks.max_writes_in_flight;
-  auto run = [&](size_t count, const std::function<void(size_t)>& body) {
-    if (loop != nullptr) {
-      loop->Run(count, body);
-    } else {
-      for (size_t k = 0; k < count; ++k) body(k);
-    }
-  };
-  run(pieces.size(), [&](size_t k) {
-    // After a failure (a full disk, the trainer's copies failed) nothing more is written or waited on.
-    if (failed.load(std::memory_order_relaxed)) return;
-    const Piece& p = pieces[k];
-    if (hooks.wait) {
-      if (Status s = hooks.wait(p.image, p.to); !s.ok()) return fail(s);
-    }
-    const ImageWrite& im = images[p.image];
-    const bool last_region = p.region + 1 == im.cuts.size();
-    const uint64_t hi = last_region ? im.bytes : im.cuts[p.region + 1];
-    // Pages from the one holding `from` (unless an earlier piece of the image holds its start) up
-    // to the one holding `to`, which the next piece writes; the image's last piece writes its tail.
-    const uint64_t begin = down(p.from),
-                   end = p.to == hi && last_region ? (im.bytes + kAlign - 1) / kAlign * kAlign : down(p.to);
-    if (hooks.prepare) hooks.prepare(p.image, p.region, p.from, p.to);
-    if (end <= begin) return;
-    if (cap > 0) {
-      MutexLock lock(&slots_mu);
-      while (writing >= cap) slot_free.Wait(&lock);
-      ++writing;
-    }
-    Status s = failed.load(std::memory_order_relaxed)
-                   ? Status::OK()
-                   : PwriteFull(files[p.image].fd.get(), im.data + begin, end - begin, begin, files[p.image].tmp, io);
-    if (!s.ok()) fail(s);  // before the slot is freed: the thread that takes it sees the failure
-    if (cap > 0) {
-      MutexLock lock(&slots_mu);
-      --writing;
-      slot_free.NotifyOne();
-    }
-  });
-  if (!first_error.ok()) return cleanup(first_error);
+  return pieces;
+}
 
-  run(images.size(), [&](size_t i) {
-    const ImageWrite& im = images[i];
-    const int fd = files[i].fd.get();
-    const std::string& path = files[i].tmp;
-    if (hooks.finish) hooks.finish(i);
-    Status s = PwriteFull(fd, im.data, im.head, 0, path, io);
-    if (s.ok() && im.bytes % kAlign != 0 && io->Ftruncate(fd, im.bytes) != 0) s = ErrnoStatus("ftruncate", path);
-    if (s.ok() && io->Fdatasync(fd) != 0) s = ErrnoStatus("fdatasync", path);
-    if (!s.ok()) fail(s);
-  });
-  if (!first_error.ok()) return cleanup(first_error);
+// Calls body(k) for every k in [0, count): on `loop`'s threads, or on the caller's when it is null.
+void RunEach(ParallelLoop* loop, size_t count, const std::function<void(size_t)>& body) {
+  if (loop != nullptr) {
+    loop->Run(count, body);
+  } else {
+    for (size_t k = 0; k < count; ++k) body(k);
+  }
+}
+
+// One task of WriteImagesDurably: waits for the piece's bytes, prepares them and writes the pages
+// that end within the piece, within the cap on writes in flight; an error goes to `state`.
+void WriteImagePiece(const ImagePiece& p, const ImageWrite& im, const OpenImage& file, const ImageWriteHooks& hooks,
+                     ImageBatchState* state, IoEnv* io) {
+  auto down = [](uint64_t v) { return v / kAlign * kAlign; };
+  const unsigned cap = hooks.max_writes_in_flight;
+  // After a failure (a full disk, the trainer's copies failed) nothing more is written or waited on.
+  if (state->failed.load(std::memory_order_relaxed)) return;
+  if (hooks.wait) {
+    if (Status s = hooks.wait(p.image, p.to); !s.ok()) return state->Fail(s);
+  }
+  const bool last_region = p.region + 1 == im.cuts.size();
+  const uint64_t hi = last_region ? im.bytes : im.cuts[p.region + 1];
+  // Pages from the one holding `from` (unless an earlier piece of the image holds its start) up
+  // to the one holding `to`, which the next piece writes; the image's last piece writes its tail.
+  const uint64_t begin = down(p.from),
+                 end = p.to == hi && last_region ? (im.bytes + kAlign - 1) / kAlign * kAlign : down(p.to);
+  if (hooks.prepare) hooks.prepare(p.image, p.region, p.from, p.to);
+  if (end <= begin) return;
+  if (cap > 0) {
+    MutexLock lock(&state->slots_mu);
+    while (state->writing >= cap) state->slot_free.Wait(&lock);
+    ++state->writing;
+  }
+  Status s = state->failed.load(std::memory_order_relaxed)
+                 ? Status::OK()
+                 : PwriteFull(file.fd.get(), im.data + begin, end - begin, begin, file.tmp, io);
+  if (!s.ok()) state->Fail(s);  // before the slot is freed: the thread that takes it sees the failure
+  if (cap > 0) {
+    MutexLock lock(&state->slots_mu);
+    --state->writing;
+    state->slot_free.NotifyOne();
+  }
+}
+
+// The last task for one image, once all its pieces are written: runs `finish`, writes the head,
+// cuts the tail to the image's size and fdatasyncs the temporary.
+Status FinishImage(size_t i, const ImageWrite& im, const OpenImage& file, const ImageWriteHooks& hooks, IoEnv* io) {
+  const int fd = file.fd.get();
+  const std::string& path = file.tmp;
+  if (hooks.finish) hooks.finish(i);
+  Status s = PwriteFull(fd, im.data, im.head, 0, path, io);
+  if (s.ok() && im.bytes % kAlign != 0 && io->Ftruncate(fd, im.bytes) != 0) s = ErrnoStatus("ftruncate", path);
+  if (s.ok() && io->Fdatasync(fd) != 0) s = ErrnoStatus("fdatasync", path);
+  return s;
+}
+
+// Closes each temporary and renames it over its image's name, in order, listing the names in
+// place in `renamed`. On failure the temporaries not yet renamed stay in `files`.
+Status RenameTemporaries(const std::string& dir, const std::vector<ImageWrite>& images, std::vector<OpenImage>* files,
+                         std::vector<std::string>* renamed, IoEnv* io) {
   for (size_t i = 0; i < images.size(); ++i) {
-    files[i].fd.Reset();
+    OpenImage& file = (*files)[i];
+    file.fd.Reset();
     const std::string final_path = dir + "/" + images[i].name;
-    if (io->Rename(files[i].tmp, final_path) != 0) return cleanup(ErrnoStatus("rename", files[i].tmp));
-    files[i].tmp.clear();
+    if (io->Rename(file.tmp, final_path) != 0) return ErrnoStatus("rename", file.tmp);
+    file.tmp.clear();
     if (renamed != nullptr) renamed->push_back(images[i].name);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>& images, ParallelLoop* loop,
+                          const ImageWriteHooks& hooks, std::vector<std::string>* renamed, IoEnv* io) {
+  RETURN_IF_ERROR(CheckImageLayouts(images));
+  std::vector<OpenImage> files(images.size());
+  if (Status s = CreateTemporaries(dir, images, &files, io); !s.ok()) return RemoveTemporaries(&files, s, io);
+
+  const std::vector<ImagePiece> pieces = CutPieces(images);
+  ImageBatchState state;
+  RunEach(loop, pieces.size(), [&](size_t k) {
+    const ImagePiece& p = pieces[k];
+    WriteImagePiece(p, images[p.image], files[p.image], hooks, &state, io);
+  });
+  if (!state.first_error.ok()) return RemoveTemporaries(&files, state.first_error, io);
+
+  RunEach(loop, images.size(), [&](size_t i) {
+    if (Status s = FinishImage(i, images[i], files[i], hooks, io); !s.ok()) state.Fail(s);
+  });
+  if (!state.first_error.ok()) return RemoveTemporaries(&files, state.first_error, io);
+  if (Status s = RenameTemporaries(dir, images, &files, renamed, io); !s.ok()) {
+    return RemoveTemporaries(&files, s, io);
   }
   return FsyncDir(dir, io);
 }

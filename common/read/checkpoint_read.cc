@@ -197,118 +197,135 @@ bool SameGeometry(const TensorSpec& t, const Piece& p) {
   return !t.flat_range || (t.flat_range->begin == p.flat_range->begin && t.flat_range->end == p.flat_range->end);
 }
 
-}  // namespace
+// The checkpoint's files, each opened once, on first use, before any data is read, and read by any
+// thread with pread. Its header is checked against metadata.json first (unless the caller checked
+// it already): the reads are planned from where metadata.json says each piece lies and goes, which
+// no checksum covers.
+class CheckpointFiles {
+ public:
+  CheckpointFiles(const std::string& dir, const CheckpointMetadata& meta, const FillOptions& options,
+                  RecordedFiles recorded)
+      : dir_(dir), meta_(meta), options_(options), recorded_(std::move(recorded)) {}
 
-Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const CheckpointMetadata& meta,
-                                         const RankLayout& layout, char* slot, const FillOptions& options) {
-  std::multimap<std::string, const Piece*> by_key;
-  for (const auto& p : meta.pieces) by_key.emplace(p.key, &p);
-  RecordedFiles recorded;
-  if (!options.headers_checked) {
-    ASSIGN_OR_RETURN(recorded, GroupPiecesByFile(dir, meta));
-  }
-
-  // Each file is opened once, here, before any data is read, and read by any thread with pread.
-  // Its header is checked against metadata.json first: the reads below are planned from where
-  // metadata.json says each piece lies and goes, which no checksum covers.
-  std::map<std::string, std::pair<std::string, UniqueFd>> files;  // name -> (path, fd)
-  auto open = [&](const std::string& name) -> Result<std::pair<int, const std::string*>> {
-    auto it = files.find(name);
-    if (it == files.end()) {
-      std::string path = dir + "/" + name;
-      ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, options.io));
-      if (!options.headers_checked) {
-        ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(fd.get(), path, options.io));
-        RETURN_IF_ERROR(CheckFileHeader(path, name, header, meta, recorded[name]).status());
+  // The fd and path of the file called `name`, opened (and its header checked) on the first call.
+  Result<std::pair<int, const std::string*>> Open(const std::string& name) {
+    auto it = files_.find(name);
+    if (it == files_.end()) {
+      std::string path = dir_ + "/" + name;
+      ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path, options_.io));
+      if (!options_.headers_checked) {
+        ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(fd.get(), path, options_.io));
+        RETURN_IF_ERROR(CheckFileHeader(path, name, header, meta_, recorded_[name]).status());
       }
-      it = files.emplace(name, std::make_pair(std::move(path), std::move(fd))).first;
+      it = files_.emplace(name, std::make_pair(std::move(path), std::move(fd))).first;
     }
     return std::pair<int, const std::string*>(it->second.second.get(), &it->second.first);
-  };
+  }
 
-  struct Whole {
-    const Piece* piece;
-    char* dest;
-  };
+ private:
+  const std::string& dir_;
+  const CheckpointMetadata& meta_;
+  const FillOptions& options_;
+  RecordedFiles recorded_;
+  std::map<std::string, std::pair<std::string, UniqueFd>> files_;  // name -> (path, fd)
+};
+
+// A saved piece read whole straight into its place in the slot.
+struct Whole {
+  const Piece* piece;
+  char* dest;
+};
+
+// The reads that fill a slot, tensor by tensor, before they are cut into tasks.
+struct FillPlan {
   std::vector<Whole> whole;                              // same layout: whole pieces straight into place
   std::map<const Piece*, std::vector<Scatter>> partial;  // other layouts: parts of saved pieces
   std::vector<Conversion> conversions;
-  FillStats stats;
-  for (size_t i = 0; i < layout.tensors.size(); ++i) {
-    const TensorSpec& t = layout.tensors[i];
-    if (!options.kinds.empty() &&
-        std::find(options.kinds.begin(), options.kinds.end(), t.kind) == options.kinds.end()) {
-      continue;  // not asked for: its slot bytes stay as they are
+};
+
+// Plans tensor `t`, `slot_bytes` bytes at `slot_dest`, from parts of the saved `candidates`, when
+// none of them matches it whole.
+Status PlanPartialTensor(const TensorSpec& t, uint64_t slot_bytes, const std::vector<const Piece*>& candidates,
+                         char* slot_dest, const FillOptions& options, FillPlan* plan) {
+  // Another layout, or another dtype: plan the reads by intersecting this rank's piece with the
+  // saved ones. A conversion reads the saved fp32 values into staging memory first.
+  char* dest = slot_dest;
+  TensorSpec want = t;
+  const DType saved = candidates.front()->dtype;
+  if (saved != t.dtype && options.convert_dtype && saved == DType::kF32 && CanNarrowF32(t.dtype)) {
+    const uint64_t elements = slot_bytes / DTypeSize(t.dtype);
+    std::unique_ptr<char[]> staging(new (std::nothrow) char[elements * sizeof(float)]);
+    if (!staging) return ResourceExhausted("cannot allocate fp32 staging memory for tensor '" + t.name + "'");
+    want.dtype = saved;
+    dest = staging.get();
+    plan->conversions.push_back({std::move(staging), elements, t.dtype, slot_dest});
+  }
+  auto planned = PlanPieceReads(want, candidates);
+  if (!planned.ok()) {
+    // The layout's specs are valid: a refused plan means the checkpoint does not hold what this
+    // rank asks for (another dtype or global shape), not a malformed request.
+    Status s = planned.status();
+    if (s.code() == StatusCode::kInvalidArgument) {
+      std::string hint = saved != t.dtype && saved == DType::kF32 && CanNarrowF32(t.dtype)
+                             ? " (ask for dtype conversion to narrow fp32 to " + std::string(DTypeName(t.dtype)) + ")"
+                             : "";
+      s = FailedPrecondition(s.message() + hint);
     }
-    char* dest = slot + layout.placements[i].slot_offset;
-    stats.bytes_needed += layout.placements[i].bytes;
-    auto [lo, hi] = by_key.equal_range(t.name);
-    std::vector<const Piece*> candidates;
-    const Piece* match = nullptr;
-    for (auto it = lo; it != hi; ++it) {
-      if (it->second->kind != t.kind) continue;  // e.g. the EMA twin of a model weight
-      candidates.push_back(it->second);
-      // The byte size is checked too: metadata.json is untrusted, and a whole piece is read straight
-      // into the tensor's place in the slot.
-      if (match == nullptr && SameGeometry(t, *it->second) &&
-          it->second->end - it->second->begin == layout.placements[i].bytes) {
-        match = it->second;
-      }
-    }
-    if (candidates.empty()) {
-      return NotFound("tensor '" + t.name + "' (" + std::string(TensorKindName(t.kind)) +
-                      ") is not in the checkpoint " + dir);
-    }
-    if (match != nullptr) {
-      whole.push_back({match, dest});
-      continue;
-    }
-    // Another layout, or another dtype: plan the reads by intersecting this rank's piece with the
-    // saved ones. A conversion reads the saved fp32 values into staging memory first.
-    TensorSpec want = t;
-    const DType saved = candidates.front()->dtype;
-    if (saved != t.dtype && options.convert_dtype && saved == DType::kF32 && CanNarrowF32(t.dtype)) {
-      const uint64_t elements = layout.placements[i].bytes / DTypeSize(t.dtype);
-      std::unique_ptr<char[]> staging(new (std::nothrow) char[elements * sizeof(float)]);
-      if (!staging) return ResourceExhausted("cannot allocate fp32 staging memory for tensor '" + t.name + "'");
-      want.dtype = saved;
-      dest = staging.get();
-      conversions.push_back({std::move(staging), elements, t.dtype, slot + layout.placements[i].slot_offset});
-    }
-    auto planned = PlanPieceReads(want, candidates);
-    if (!planned.ok()) {
-      // The layout's specs are valid: a refused plan means the checkpoint does not hold what this
-      // rank asks for (another dtype or global shape), not a malformed request.
-      Status s = planned.status();
-      if (s.code() == StatusCode::kInvalidArgument) {
-        std::string hint = saved != t.dtype && saved == DType::kF32 && CanNarrowF32(t.dtype)
-                               ? " (ask for dtype conversion to narrow fp32 to " + std::string(DTypeName(t.dtype)) + ")"
-                               : "";
-        s = FailedPrecondition(s.message() + hint);
-      }
-      return s.WithContext("restoring into a different layout");
-    }
-    for (const ReadRun& run : planned->runs) {
-      partial[candidates[run.piece]].push_back({run.file_offset, dest + run.dest_offset, run.bytes});
+    return s.WithContext("restoring into a different layout");
+  }
+  for (const ReadRun& run : planned->runs) {
+    plan->partial[candidates[run.piece]].push_back({run.file_offset, dest + run.dest_offset, run.bytes});
+  }
+  return Status::OK();
+}
+
+// Plans the reads of tensor `i` of `layout` from the saved pieces of its name and kind: the one
+// piece of the same geometry and size whole, else parts of them. kNotFound when none is saved.
+Status PlanTensor(const std::string& dir, const RankLayout& layout, size_t i,
+                  const std::multimap<std::string, const Piece*>& by_key, char* slot, const FillOptions& options,
+                  FillPlan* plan) {
+  const TensorSpec& t = layout.tensors[i];
+  char* dest = slot + layout.placements[i].slot_offset;
+  auto [lo, hi] = by_key.equal_range(t.name);
+  std::vector<const Piece*> candidates;
+  const Piece* match = nullptr;
+  for (auto it = lo; it != hi; ++it) {
+    if (it->second->kind != t.kind) continue;  // e.g. the EMA twin of a model weight
+    candidates.push_back(it->second);
+    // The byte size is checked too: metadata.json is untrusted, and a whole piece is read straight
+    // into the tensor's place in the slot.
+    if (match == nullptr && SameGeometry(t, *it->second) &&
+        it->second->end - it->second->begin == layout.placements[i].bytes) {
+      match = it->second;
     }
   }
+  if (candidates.empty()) {
+    return NotFound("tensor '" + t.name + "' (" + std::string(TensorKindName(t.kind)) + ") is not in the checkpoint " +
+                    dir);
+  }
+  if (match != nullptr) {
+    plan->whole.push_back({match, dest});
+    return Status::OK();
+  }
+  return PlanPartialTensor(t, layout.placements[i].bytes, candidates, dest, options, plan);
+}
 
-  // Whole pieces: sorted by file and offset, merged while adjacent in both the file and the slot,
-  // cut into tasks of about kTaskBytes at piece boundaries.
-  std::sort(whole.begin(), whole.end(), [](const Whole& a, const Whole& b) {
+// Whole pieces: sorted by file and offset, merged while adjacent in both the file and the slot,
+// cut into tasks of about kTaskBytes at piece boundaries.
+Result<std::vector<DirectRead>> CutDirectReads(std::vector<Whole>* whole, CheckpointFiles* files, IoEnv* io) {
+  std::sort(whole->begin(), whole->end(), [](const Whole& a, const Whole& b) {
     return a.piece->file != b.piece->file ? a.piece->file < b.piece->file : a.piece->begin < b.piece->begin;
   });
   std::vector<DirectRead> direct;
-  for (size_t i = 0; i < whole.size(); ++i) {
-    const Piece* p = whole[i].piece;
+  for (const Whole& w : *whole) {
+    const Piece* p = w.piece;
     const uint64_t bytes = p->end - p->begin;
     if (p->whole_from_chunks && bytes > kTaskBytes) {
       // A large piece verified by its chunks: tasks of whole chunks, read and verified in parallel.
-      ASSIGN_OR_RETURN(auto fd, open(p->file));
+      ASSIGN_OR_RETURN(auto fd, files->Open(p->file));
       const uint64_t step = std::max<uint64_t>(1, kTaskBytes / p->chunk_bytes) * p->chunk_bytes;
       for (uint64_t at = p->begin; at < p->end; at += step) {
-        direct.push_back({options.io, fd.first, fd.second, whole[i].dest + (at - p->begin), at,
-                          std::min(p->end, at + step), {p}});
+        direct.push_back({io, fd.first, fd.second, w.dest + (at - p->begin), at, std::min(p->end, at + step), {p}});
       }
       continue;
     }
@@ -316,23 +333,23 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
       DirectRead& last = direct.back();
       const Piece* prev = last.pieces.back();
       const bool adjacent = prev->file == p->file && prev->end == p->begin && last.end == p->begin &&
-                            whole[i].dest == last.dest + (p->begin - last.begin);
+                            w.dest == last.dest + (p->begin - last.begin);
       if (adjacent && p->end - last.begin <= kTaskBytes) {
         last.pieces.push_back(p);
         last.end = p->end;
         continue;
       }
     }
-    ASSIGN_OR_RETURN(auto fd, open(p->file));
-    direct.push_back({options.io, fd.first, fd.second, whole[i].dest, p->begin, p->end, {p}});
+    ASSIGN_OR_RETURN(auto fd, files->Open(p->file));
+    direct.push_back({io, fd.first, fd.second, w.dest, p->begin, p->end, {p}});
   }
-  std::vector<PartialRead> parts;
-  for (auto& [piece, scatter] : partial) {
-    ASSIGN_OR_RETURN(auto fd, open(piece->file));
-    parts.push_back({options.io, fd.first, fd.second, piece, std::move(scatter)});
-  }
+  return direct;
+}
 
-  Counters counters;
+// Runs every direct and partial read as one task of `loop` (nullptr: on the caller's thread);
+// returns the first error.
+Status RunReads(std::vector<DirectRead>& direct, std::vector<PartialRead>& parts, ParallelLoop* loop,
+                Counters& counters) {
   Mutex error_mu;
   Status first_error;
   auto task = [&](size_t k) {
@@ -343,13 +360,48 @@ Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const Checkpoin
     }
   };
   const size_t tasks = direct.size() + parts.size();
-  if (options.loop != nullptr) {
-    options.loop->Run(tasks, task);
+  if (loop != nullptr) {
+    loop->Run(tasks, task);
   } else {
     for (size_t k = 0; k < tasks; ++k) task(k);
   }
-  RETURN_IF_ERROR(first_error);
-  for (const Conversion& c : conversions) {
+  return first_error;
+}
+
+}  // namespace
+
+Result<FillStats> FillSlotFromCheckpoint(const std::string& dir, const CheckpointMetadata& meta,
+                                         const RankLayout& layout, char* slot, const FillOptions& options) {
+  std::multimap<std::string, const Piece*> by_key;
+  for (const auto& p : meta.pieces) by_key.emplace(p.key, &p);
+  RecordedFiles recorded;
+  if (!options.headers_checked) {
+    ASSIGN_OR_RETURN(recorded, GroupPiecesByFile(dir, meta));
+  }
+  CheckpointFiles files(dir, meta, options, std::move(recorded));
+
+  FillPlan plan;
+  FillStats stats;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorSpec& t = layout.tensors[i];
+    if (!options.kinds.empty() &&
+        std::find(options.kinds.begin(), options.kinds.end(), t.kind) == options.kinds.end()) {
+      continue;  // not asked for: its slot bytes stay as they are
+    }
+    stats.bytes_needed += layout.placements[i].bytes;
+    RETURN_IF_ERROR(PlanTensor(dir, layout, i, by_key, slot, options, &plan));
+  }
+
+  ASSIGN_OR_RETURN(std::vector<DirectRead> direct, CutDirectReads(&plan.whole, &files, options.io));
+  std::vector<PartialRead> parts;
+  for (auto& [piece, scatter] : plan.partial) {
+    ASSIGN_OR_RETURN(auto fd, files.Open(piece->file));
+    parts.push_back({options.io, fd.first, fd.second, piece, std::move(scatter)});
+  }
+
+  Counters counters;
+  RETURN_IF_ERROR(RunReads(direct, parts, options.loop, counters));
+  for (const Conversion& c : plan.conversions) {
     NarrowF32(reinterpret_cast<const float*>(c.staging.get()), c.elements, c.to, c.dest);
   }
   stats.bytes_read = counters.bytes_read;

@@ -206,6 +206,18 @@ class Catalog {
   // left (or removes it). `reason` goes to the log. Requires JobMutex(job).
   Result<DeletionOutcome> DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
                                             const std::set<int64_t>& busy, bool dry_run, const char* reason);
+  // DeleteStepsLocked's dry run of one step: lists it in `out` as skipped (in use here, or leased by
+  // any daemon) or deleted; returns the error of reading its lease. Requires JobMutex(job).
+  Status PlanStepDeletionLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                                DeletionOutcome* out) EXCLUDES(use_mu_);
+  // DeleteStepsLocked's deletion of one step: hides and removes its directory unless it is in use,
+  // listing it in `out` as deleted or skipped; returns (and logs) a failed removal. Requires
+  // JobMutex(job).
+  Status DeleteStepLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy, const char* reason,
+                          DeletionOutcome* out) EXCLUDES(use_mu_);
+  // Makes LATEST name `latest_step`, or removes it when there is none, then fsyncs the job
+  // directory; returns the first error. Requires JobMutex(job).
+  Status SetLatestLocked(const std::string& job, std::optional<int64_t> latest_step);
   // Whether `step` is in use (Use) or in `busy`. Requires use_mu_.
   bool InUseLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy) const REQUIRES(use_mu_);
   // Renames the directory of `step` away unless it is in use: on this daemon (Use, `busy`), or on

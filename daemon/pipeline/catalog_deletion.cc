@@ -159,61 +159,82 @@ Result<bool> Catalog::HideUnlessInUse(const std::string& job, int64_t step, cons
   return false;
 }
 
+Status Catalog::PlanStepDeletionLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                                       DeletionOutcome* out) {
+  // What the deletion would skip: a step in use here, or leased by any daemon on the root (the
+  // lease read without use_mu_: it is I/O on the shared root; expired leases it finds are
+  // removed, as by a deletion: they protect nothing).
+  std::optional<std::string> holder;
+  if (leases_ != nullptr) {
+    auto leased = leases_->LiveHolder(job, step);
+    if (!leased.ok()) return leased.status();
+    holder = std::move(leased).value();
+  }
+  MutexLock use(&use_mu_);
+  if (InUseLocked(job, step, busy)) {
+    out->skipped.push_back({step, "in use (a restore reading it or a save writing it)"});
+  } else if (holder) {
+    out->skipped.push_back({step, "leased by " + *holder});
+  } else {
+    out->deleted.push_back(step);
+  }
+  return Status::OK();
+}
+
+Status Catalog::DeleteStepLocked(const std::string& job, int64_t step, const std::set<int64_t>& busy,
+                                 const char* reason, DeletionOutcome* out) {
+  // Crash-safe order: the directory is renamed to a hidden name in one step (no reader sees half
+  // a checkpoint under its own name), then metadata.json goes first (a leftover of a crash here is
+  // never complete, even if renamed back), then the rest.
+  std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
+  Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
+  auto hid = cleared.ok() ? HideUnlessInUse(job, step, busy, hidden) : Result<bool>(cleared);
+  if (hid.ok() && !*hid) {
+    const bool gone = !PathExists(CheckpointDir(job, step));
+    Logger("catalog")->info("{} skipped job={} step={} reason={}", reason, job, step, gone ? "gone" : "in_use");
+    out->skipped.push_back(
+        {step, gone ? "already gone (deleted meanwhile)" : "in use (a restore reading it or a save writing it)"});
+    return Status::OK();
+  }
+  Status removed = hid.ok() ? Status::OK() : hid.status();
+  if (removed.ok() && io_->Unlink(hidden + "/metadata.json") != 0 && errno != ENOENT) {
+    removed = ErrnoStatus("unlink", hidden + "/metadata.json");
+  }
+  if (removed.ok()) removed = RemoveTree(hidden);
+  if (!removed.ok()) {
+    Logger("catalog")->error("delete failed job={} step={} error=\"{}\"", job, step, removed.ToString());
+    return removed;
+  }
+  Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
+  out->deleted.push_back(step);
+  ForgetKnown(job);
+  if (listener_) listener_(CatalogChange::kDeleted, job, step, reason);
+  return Status::OK();
+}
+
+Status Catalog::SetLatestLocked(const std::string& job, std::optional<int64_t> latest_step) {
+  // LATEST names the newest complete checkpoint left, or goes when none is left.
+  Status latest;
+  if (latest_step) {
+    auto current = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
+    if (!current.ok() || *current != std::to_string(*latest_step) + "\n") {
+      latest = WriteFileDurably(JobDir(job), "LATEST", std::to_string(*latest_step) + "\n", nullptr, io_);
+    }
+  } else if (io_->Unlink(JobDir(job) + "/LATEST") != 0 && errno != ENOENT) {
+    latest = ErrnoStatus("unlink", JobDir(job) + "/LATEST");
+  }
+  Status synced = FsyncDir(JobDir(job), io_);
+  return latest.ok() ? synced : latest;
+}
+
 Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const std::vector<int64_t>& victims,
                                                    const std::set<int64_t>& busy, bool dry_run, const char* reason) {
   DeletionOutcome out;
   Status first_error;
   for (int64_t step : victims) {
-    if (dry_run) {
-      // What the deletion would skip: a step in use here, or leased by any daemon on the root (the
-      // lease read without use_mu_: it is I/O on the shared root; expired leases it finds are
-      // removed, as by a deletion: they protect nothing).
-      std::optional<std::string> holder;
-      if (leases_ != nullptr) {
-        auto leased = leases_->LiveHolder(job, step);
-        if (!leased.ok()) {
-          if (first_error.ok()) first_error = leased.status();
-          continue;
-        }
-        holder = std::move(leased).value();
-      }
-      MutexLock use(&use_mu_);
-      if (InUseLocked(job, step, busy)) {
-        out.skipped.push_back({step, "in use (a restore reading it or a save writing it)"});
-      } else if (holder) {
-        out.skipped.push_back({step, "leased by " + *holder});
-      } else {
-        out.deleted.push_back(step);
-      }
-      continue;
-    }
-    // Crash-safe order: the directory is renamed to a hidden name in one step (no reader sees half
-    // a checkpoint under its own name), then metadata.json goes first (a leftover of a crash here is
-    // never complete, even if renamed back), then the rest.
-    std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
-    Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
-    auto hid = cleared.ok() ? HideUnlessInUse(job, step, busy, hidden) : Result<bool>(cleared);
-    if (hid.ok() && !*hid) {
-      const bool gone = !PathExists(CheckpointDir(job, step));
-      Logger("catalog")->info("{} skipped job={} step={} reason={}", reason, job, step, gone ? "gone" : "in_use");
-      out.skipped.push_back(
-          {step, gone ? "already gone (deleted meanwhile)" : "in use (a restore reading it or a save writing it)"});
-      continue;
-    }
-    Status removed = hid.ok() ? Status::OK() : hid.status();
-    if (removed.ok() && io_->Unlink(hidden + "/metadata.json") != 0 && errno != ENOENT) {
-      removed = ErrnoStatus("unlink", hidden + "/metadata.json");
-    }
-    if (removed.ok()) removed = RemoveTree(hidden);
-    if (!removed.ok()) {
-      Logger("catalog")->error("delete failed job={} step={} error=\"{}\"", job, step, removed.ToString());
-      if (first_error.ok()) first_error = removed;
-      continue;
-    }
-    Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
-    out.deleted.push_back(step);
-    ForgetKnown(job);
-    if (listener_) listener_(CatalogChange::kDeleted, job, step, reason);
+    Status s =
+        dry_run ? PlanStepDeletionLocked(job, step, busy, &out) : DeleteStepLocked(job, step, busy, reason, &out);
+    if (!s.ok() && first_error.ok()) first_error = s;
   }
   if (dry_run) {  // the newest complete checkpoint that the deletion would leave
     ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
@@ -228,19 +249,8 @@ Result<DeletionOutcome> Catalog::DeleteStepsLocked(const std::string& job, const
   }
   ASSIGN_OR_RETURN(out.latest, LatestComplete(job));
   if (!out.deleted.empty()) {
-    // LATEST names the newest complete checkpoint left, or goes when none is left.
-    Status latest;
-    if (out.latest) {
-      auto current = ReadSmallFile(JobDir(job) + "/LATEST", 64, io_);
-      if (!current.ok() || *current != std::to_string(*out.latest) + "\n") {
-        latest = WriteFileDurably(JobDir(job), "LATEST", std::to_string(*out.latest) + "\n", nullptr, io_);
-      }
-    } else if (io_->Unlink(JobDir(job) + "/LATEST") != 0 && errno != ENOENT) {
-      latest = ErrnoStatus("unlink", JobDir(job) + "/LATEST");
-    }
+    Status latest = SetLatestLocked(job, out.latest);
     if (!latest.ok() && first_error.ok()) first_error = latest;
-    Status synced = FsyncDir(JobDir(job), io_);
-    if (!synced.ok() && first_error.ok()) first_error = synced;
   }
   if (!first_error.ok()) return first_error;
   return out;

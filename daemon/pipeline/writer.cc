@@ -173,10 +173,10 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
   return bytes;
 }
 
-Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
-                              std::vector<std::string>* written, uint64_t* bytes) {
-  const RankLayout& layout = *req.layout;
-  RETURN_IF_ERROR(MakeDirs(dir, 0755, &env_));
+namespace {
+
+// The signal of a persist, before its files are listed in it.
+Signal SignalOf(const PersistRequest& req) {
   Signal signal;
   signal.rank = req.rank;
   signal.step = req.step;
@@ -185,26 +185,34 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   signal.node = req.node;
   signal.world_size = req.world_size;
   signal.committed_ms = req.committed_ms;
+  return signal;
+}
 
-  // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
-  // chunks) of each tensor is a task that hashes its chunks and then writes its pages; while
-  // io_threads_ pieces are being written, other threads hash the next ones. The whole-tensor
-  // checksums of multi-chunk tensors are computed from their chunk checksums at the end. The
-  // headers, which hold the step and the checksums, are written last. The EMA image was stamped by
-  // the EMA stage; its tensors are only written.
-  struct Source {
-    const RankLayout* layout;
-    char* base;  // what the layout's offsets are relative to
-    size_t file;
-    bool stamp;
-  };
-  std::vector<Source> sources;
+// One file image a persist writes: the image `file` of `layout`, whose offsets are relative to
+// `base`; `stamp` when the writer stamps its checksums and step (not the EMA image, stamped already).
+struct ImageSource {
+  const RankLayout* layout;
+  char* base;  // what the layout's offsets are relative to
+  size_t file;
+  bool stamp;
+};
+
+// The images of a persist: every file of the rank layout, then the EMA image if there is one.
+std::vector<ImageSource> ImageSources(const PersistRequest& req) {
+  const RankLayout& layout = *req.layout;
+  std::vector<ImageSource> sources;
   for (size_t f = 0; f < layout.files.size(); ++f) sources.push_back({&layout, req.slot, f, true});
   if (req.ema_layout != nullptr) sources.push_back({req.ema_layout, req.ema_base, 0, false});
-  const uint64_t chunk = layout.checksum_chunk;
+  return sources;
+}
+
+// The writes of `sources`, cut at their tensors and into pieces of whole checksum chunks of `chunk`
+// bytes (about kWritePiece); lists each file in `signal` and adds its size to `*bytes`.
+std::vector<ImageWrite> PlanImageWrites(const std::vector<ImageSource>& sources, uint64_t chunk, Signal* signal,
+                                        uint64_t* bytes) {
   const uint64_t piece = std::max(chunk, (kWritePiece / chunk) * chunk);
   std::vector<ImageWrite> images;
-  for (const Source& s : sources) {
+  for (const ImageSource& s : sources) {
     const FileImage& image = s.layout->files[s.file];
     ImageWrite w;
     w.name = image.stem + ".safetensors";
@@ -217,12 +225,31 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     }
     if (w.cuts.empty()) w.cuts.push_back(w.head);
     images.push_back(std::move(w));
-    signal.files.push_back(images.back().name);
+    signal->files.push_back(images.back().name);
     *bytes += image.file_bytes();
   }
+  return images;
+}
+
+}  // namespace
+
+Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
+                              std::vector<std::string>* written, uint64_t* bytes) {
+  const RankLayout& layout = *req.layout;
+  RETURN_IF_ERROR(MakeDirs(dir, 0755, &env_));
+  Signal signal = SignalOf(req);
+
+  // The file images go out with several writes in flight: each piece (16 MiB of whole checksum
+  // chunks) of each tensor is a task that hashes its chunks and then writes its pages; while
+  // io_threads_ pieces are being written, other threads hash the next ones. The whole-tensor
+  // checksums of multi-chunk tensors are computed from their chunk checksums at the end. The
+  // headers, which hold the step and the checksums, are written last. The EMA image was stamped by
+  // the EMA stage; its tensors are only written.
+  const std::vector<ImageSource> sources = ImageSources(req);
+  const std::vector<ImageWrite> images = PlanImageWrites(sources, layout.checksum_chunk, &signal, bytes);
   ImageWriteHooks hooks;
   hooks.prepare = [&](size_t i, size_t r, uint64_t from, uint64_t to) {
-    const Source& s = sources[i];
+    const ImageSource& s = sources[i];
     const FileImage& image = s.layout->files[s.file];
     if (!s.stamp || r >= image.tensors.size()) return;
     const size_t t = image.tensors[r];
@@ -238,13 +265,13 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
                : WaitSlotCopied(*req.header, slot_end, req.copy_timeout, [this] { return env_.cancelled(); });
   };
   hooks.wait = [&](size_t i, uint64_t to) {
-    const Source& s = sources[i];
+    const ImageSource& s = sources[i];
     return s.stamp ? copied(s.layout->files[s.file].slot_offset + to) : Status::OK();
   };
   // Every byte is hashed once, for its chunk, while it is in cache; a tensor of several chunks gets
   // its whole checksum from their checksums once all of them are stamped (format version 2).
   hooks.finish = [&](size_t i) {
-    const Source& s = sources[i];
+    const ImageSource& s = sources[i];
     if (!s.stamp) return;
     StampDerivedChecksums(s.base, *s.layout, s.file);
     StampStep(s.base, *s.layout, s.file, req.step);

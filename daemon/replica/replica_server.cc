@@ -143,6 +143,28 @@ grpc::Status ReplicaService::Actor(const std::string& peer, const std::string& n
   return grpc::Status::OK;
 }
 
+// Keeps a push's entry in progress_ from construction to destruction: a push that stops sending
+// is cancelled (Watchdog).
+struct ReplicaService::Watched {
+  ReplicaService* service;
+  grpc::ServerContext* ctx;
+  Watched(ReplicaService* s, grpc::ServerContext* c) : service(s), ctx(c) { Progress(); }
+  void Progress() {
+    MutexLock lock(&service->mu_);
+    auto [it, added] = service->progress_.try_emplace(ctx, std::chrono::steady_clock::now());
+    if (!added && it->second != kStalled) it->second = std::chrono::steady_clock::now();
+  }
+  bool Stalled() {
+    MutexLock lock(&service->mu_);
+    auto it = service->progress_.find(ctx);
+    return it != service->progress_.end() && it->second == kStalled;
+  }
+  ~Watched() {
+    MutexLock lock(&service->mu_);
+    service->progress_.erase(ctx);
+  }
+};
+
 grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
                                   v1::PushReplicaResponse* response) {
   std::string peer;
@@ -169,26 +191,15 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         std::to_string(kMaxPushesInFlight) + " replica pushes are in flight here; try again");
   }
+  grpc::Status received = Receive(ctx, reader, peer, response);
+  outcome.held = received.ok();
+  return received;
+}
+
+grpc::Status ReplicaService::Receive(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
+                                     const std::string& peer, v1::PushReplicaResponse* response) {
   // Watched from here to the return: a push that stops sending is cancelled (Watchdog).
-  struct Watched {
-    ReplicaService* service;
-    grpc::ServerContext* ctx;
-    Watched(ReplicaService* s, grpc::ServerContext* c) : service(s), ctx(c) { Progress(); }
-    void Progress() {
-      MutexLock lock(&service->mu_);
-      auto [it, added] = service->progress_.try_emplace(ctx, std::chrono::steady_clock::now());
-      if (!added && it->second != kStalled) it->second = std::chrono::steady_clock::now();
-    }
-    bool Stalled() {
-      MutexLock lock(&service->mu_);
-      auto it = service->progress_.find(ctx);
-      return it != service->progress_.end() && it->second == kStalled;
-    }
-    ~Watched() {
-      MutexLock lock(&service->mu_);
-      service->progress_.erase(ctx);
-    }
-  } watched(this, ctx);
+  Watched watched(this, ctx);
   const auto stalled = [&] {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                         "the push was cancelled: nothing arrived for " + std::to_string(stall_timeout_.count()) +
@@ -226,7 +237,6 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
     Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), held.ToString());
     return ToGrpc(held);
   }
-  outcome.held = true;
   received_.fetch_add(1);
   response->set_step(step);
   response->set_bytes(bytes);

@@ -76,6 +76,12 @@ class ReplicaService final : public v1::Replica::Service {
 
  private:
   void Watchdog() EXCLUDES(mu_);
+  // A push's entry in progress_, for as long as it lives (replica_server.cc).
+  struct Watched;
+  // The part of Push after its admission: receives the header and the parts into the store, watched
+  // for stalls throughout; OK once the replica is held.
+  grpc::Status Receive(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader, const std::string& peer,
+                       v1::PushReplicaResponse* response) EXCLUDES(mu_);
 
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
   grpc::Status Peer(grpc::ServerContext* ctx, std::string* name);
