@@ -6,6 +6,48 @@
 namespace flashckpt {
 namespace {
 
+// An IEEE half (its bits) as fp32, exactly.
+float F16BitsToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;  // +-0
+  } else {        // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+void WidenToF32(const char* in, DType from, uint64_t n, float* out) {
+  for (uint64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, 2);
+    if (from == DType::kBF16) {
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(&out[i], &bits, sizeof(float));
+    } else {
+      out[i] = F16BitsToF32(h);
+    }
+  }
+}
+
+namespace {
+
 struct DTypeInfo {
   DType dtype;
   std::string_view name;

@@ -21,6 +21,8 @@ bool CanNarrowF32(DType to);
 // Rounds n fp32 values to `to` (bf16 or fp16): round to nearest, ties to even; NaN stays NaN,
 // values beyond the target's range become infinities. `out` holds n 2-byte elements.
 void NarrowF32(const float* in, uint64_t n, DType to, void* out);
+// `n` values of bf16 or fp16 to fp32 (exact).
+void WidenToF32(const char* in, DType from, uint64_t n, float* out);
 
 std::string_view TensorKindName(TensorKind kind);  // "model", "optimizer", "master_weight"
 std::optional<TensorKind> ParseTensorKind(std::string_view name);
