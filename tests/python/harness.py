@@ -11,9 +11,9 @@ checkout), and FLASHCKPT_TEST_KEEP=1 keeps the temp dir for a look after a failu
 
 import glob
 import importlib.util
+import itertools
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,11 +36,14 @@ integration = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(integration)
 
 
-def free_port():
-    """A TCP port on 127.0.0.1 free now (for a torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_rendezvous_count = itertools.count()
+
+
+def rendezvous(tmp):
+    """A torch.distributed init_method for one process group: a file under `tmp` that no other
+    group uses (a FileStore). A TCP port picked free and then bound by rank 0 could be taken in
+    between by a test running beside this one (EADDRINUSE)."""
+    return "file://" + os.path.join(tmp, "rendezvous-%d-%d" % (os.getpid(), next(_rendezvous_count)))
 
 
 def wait_for(pred, timeout, what, poll=0.02):

@@ -64,7 +64,7 @@ STEP, STEPS_AFTER = 3, 2
 
 
 
-def worker(case, world, rank, port, sock, job, out):
+def worker(case, world, rank, rendezvous, sock, job, out):
     """One rank of `case` on `world` ranks (FSDP2 over all of them; 1: a plain model):
     "save" (dcp.save through flashckpt and through FileSystemWriter), "async_save", "load" (dcp.load
     through flashckpt), "fs_load" (DCP's own load of its FileSystemWriter checkpoint), "ck_save" and
@@ -89,7 +89,7 @@ def worker(case, world, rank, port, sock, job, out):
 
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0 if "save" in case else 7)  # a load starts from other weights
     # The second layer's 3 rows split 2 + 1 on 2 ranks and 1 + 1 + 1 + 0 on 4 (an empty shard).
@@ -198,11 +198,11 @@ class DcpTest(harness.DaemonTestCase):
         """Runs `case` on `world` worker processes; returns their results (rank order) and rank 0's
         full tensors."""
         import torch
-        port = harness.free_port()
+        rendezvous = harness.rendezvous(self.daemon.tmp)
         outs = [os.path.join(self.daemon.tmp, "%s-%s-%d-%d.json" % (job, case, world, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(world), str(r),
-                                   str(port), self.daemon.socket, job, outs[r]], env=env)
+                                   rendezvous, self.daemon.socket, job, outs[r]], env=env)
                  for r in range(world)]
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
                         "%s on %d workers still running after %d s" % (case, world, WORKER_DEADLINE))
@@ -321,7 +321,7 @@ class DcpTest(harness.DaemonTestCase):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        case, world, rank, port, sock, job, out = sys.argv[2:9]
-        worker(case, int(world), int(rank), int(port), sock, job, out)
+        case, world, rank, rendezvous, sock, job, out = sys.argv[2:9]
+        worker(case, int(world), int(rank), rendezvous, sock, job, out)
     else:
         unittest.main(verbosity=2)

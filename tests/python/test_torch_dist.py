@@ -59,7 +59,7 @@ def tensor_bytes(path):
 
 
 
-def worker(case, rank, world, port, sock, job, out):
+def worker(case, rank, world, rendezvous, sock, job, out):
     import datetime
 
     import torch
@@ -69,7 +69,7 @@ def worker(case, rank, world, port, sock, job, out):
     from flashckpt.torch import Checkpointer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
 
     def make(sgd=False, seed=0):
@@ -251,7 +251,7 @@ def full_tensors():
 SPLIT_DIM = {"fc1_w": 0, "fc1_b": 0, "fc2_w": 1}
 
 
-def tp_worker(case, rank, world, port, sock, job, out):
+def tp_worker(case, rank, world, rendezvous, sock, job, out):
     import datetime
 
     import torch
@@ -260,7 +260,7 @@ def tp_worker(case, rank, world, port, sock, job, out):
     from flashckpt.torch import Checkpointer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     tp_degree = {"tp_save": 2, "tp_resume_tp1": 1, "tp_resume_tp2": 2}[case]
     dp_degree = world // tp_degree
@@ -343,14 +343,14 @@ def tp_worker(case, rank, world, port, sock, job, out):
 
 class DistributedResumeTest(harness.DaemonTestCase):
     def run_pair(self, case, job, world=2):
-        port = harness.free_port()
+        rendezvous = harness.rendezvous(self.daemon.tmp)
         procs, outs = [], []
         for rank in range(world):
             out = os.path.join(self.daemon.tmp, "%s.%s.%d.json" % (job, case, rank))
             env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
             with open(out + ".log", "wb") as log:
                 procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(rank),
-                                               str(world), str(port), self.daemon.socket, job, out],
+                                               str(world), rendezvous, self.daemon.socket, job, out],
                                               stdout=log, stderr=subprocess.STDOUT, env=env))
             outs.append(out)
         if not harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE):
@@ -611,10 +611,10 @@ if __name__ == "__main__":
         # A worker still running shortly before the test gives up on it prints every thread's Python
         # stack into its log and goes on, so that the test can also print its native stacks.
         faulthandler.dump_traceback_later(WORKER_DEADLINE - 15)
-        _, _, case, rank, world, port, sock, job, out = sys.argv
+        _, _, case, rank, world, rendezvous, sock, job, out = sys.argv
         if case.startswith("tp_"):
-            tp_worker(case, int(rank), int(world), int(port), sock, job, out)
+            tp_worker(case, int(rank), int(world), rendezvous, sock, job, out)
         else:
-            worker(case, int(rank), int(world), int(port), sock, job, out)
+            worker(case, int(rank), int(world), rendezvous, sock, job, out)
     else:
         unittest.main(verbosity=2)

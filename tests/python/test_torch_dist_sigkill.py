@@ -32,7 +32,7 @@ DEADLINE = 150  # seconds one group of workers may take
 
 
 
-def worker(optim, mode, rank, port, sock, job, out, arg):
+def worker(optim, mode, rank, rendezvous, sock, job, out, arg):
     """mode: flashckpt (train from the newest checkpoint, or from scratch; rank 1 SIGKILLs itself at
     step `arg` when it is > 0), torch_stop (train from scratch to step `arg`, torch.save, stop) or
     torch_resume (torch.load the state of step `arg` and train to the end)."""
@@ -45,7 +45,7 @@ def worker(optim, mode, rank, port, sock, job, out, arg):
     from flashckpt.torch import Checkpointer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
@@ -113,7 +113,7 @@ def read_losses(path):
 
 class DistributedSigkillTest(harness.DaemonTestCase):
     def group(self, optim, mode, job, name, arg, expect_kill=False):
-        port = harness.free_port()
+        rendezvous = harness.rendezvous(self.daemon.tmp)
         procs, logs = [], []
         for rank in range(WORLD):
             out = os.path.join(self.daemon.tmp, "%s.%d.jsonl" % (name, rank))
@@ -121,7 +121,7 @@ class DistributedSigkillTest(harness.DaemonTestCase):
             env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
             with open(out + ".log", "ab") as log:
                 procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", optim, mode,
-                                               str(rank), str(port), self.daemon.socket, job, out, str(arg)],
+                                               str(rank), rendezvous, self.daemon.socket, job, out, str(arg)],
                                               stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + DEADLINE
         if expect_kill:
@@ -183,7 +183,7 @@ class DistributedSigkillTest(harness.DaemonTestCase):
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         faulthandler.enable()  # an abort prints every thread's Python stack into the worker's log
-        _, _, optim, mode, rank, port, sock, job, out, arg = sys.argv
-        worker(optim, mode, int(rank), int(port), sock, job, out, int(arg))
+        _, _, optim, mode, rank, rendezvous, sock, job, out, arg = sys.argv
+        worker(optim, mode, int(rank), rendezvous, sock, job, out, int(arg))
     else:
         unittest.main(verbosity=2)

@@ -64,7 +64,7 @@ STEPS_BEFORE, STEPS_AFTER = 3, 2
 
 
 
-def worker(case, layout, rank, world, port, sock, job, out):
+def worker(case, layout, rank, world, rendezvous, sock, job, out):
     """One rank of `case` ("save", "resume" or "dcp_resume": the same resume through
     torch.distributed.checkpoint; "memory_save": memory checkpoints, the last kept in the daemon as
     the process dies, and "memory_resume") on mesh `layout`, "DxT": FSDP2 over D ranks, tensor
@@ -90,7 +90,7 @@ def worker(case, layout, rank, world, port, sock, job, out):
     dp, tp = (int(x) for x in layout.split("x"))
     assert dp * tp == world, (layout, world)
     if world > 1:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0 if case.endswith("save") else 7)  # a resume starts from other weights
@@ -184,11 +184,11 @@ class DTensorTest(harness.DaemonTestCase):
         import torch
         dp, tp = (int(x) for x in layout.split("x"))
         world = dp * tp
-        port = harness.free_port()
+        rendezvous = harness.rendezvous(self.daemon.tmp)
         outs = [os.path.join(self.daemon.tmp, "%s-%s-%s-%d.json" % (job, case, layout, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, layout, str(r),
-                                   str(world), str(port), self.daemon.socket, job, outs[r]], env=env)
+                                   str(world), rendezvous, self.daemon.socket, job, outs[r]], env=env)
                  for r in range(world)]
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
                         "%s %s workers still running after %d s" % (case, layout, WORKER_DEADLINE))
@@ -285,7 +285,7 @@ class DTensorTest(harness.DaemonTestCase):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
-        case, layout, rank, world, port, sock, job, out = sys.argv[2:10]
-        worker(case, layout, int(rank), int(world), int(port), sock, job, out)
+        case, layout, rank, world, rendezvous, sock, job, out = sys.argv[2:10]
+        worker(case, layout, int(rank), int(world), rendezvous, sock, job, out)
     else:
         unittest.main(verbosity=2)
