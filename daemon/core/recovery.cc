@@ -117,14 +117,13 @@ Result<std::vector<AdoptedCommit>> Recovery::AdoptCommits(const StateDir::Adopta
                  mirror->step.load() == c.step && mirror->generation.load() == c.generation;
     c_.MirrorUnpublished(*segment, c.slot);
     EmaJob& j = p.job;
-    j.segment = segment;
-    j.ticket = ticket;
     j.step = c.step;
     j.loss = c.loss;
     j.persist = c.persist;
     j.job = job;
     j.rank = rank_id;
     j.replay = true;
+    PointEmaJobAt(segment, ticket, &j);
     if (j.persist) {
       // Signals are written last: one in place with this attempt means the files are durable.
       // When the disk cannot tell (EIO, ESTALE), the snapshot is written again: the slot holds the

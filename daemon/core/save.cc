@@ -257,13 +257,12 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
 
   std::shared_ptr<RankSegment> segment = rank->segment;
   EmaJob job;
-  job.segment = segment;
-  job.ticket = ticket;
   job.step = step;
   job.loss = loss;
   job.persist = persist;
   job.job = who.job;
   job.rank = who.rank;
+  PointEmaJobAt(segment, ticket, &job);
   // A memory checkpoint is kept in its slot once the EMA stage has computed its checksums over the
   // finished copies. A disk snapshot of a rank that takes memory checkpoints is also checksummed by
   // the EMA stage, and kept as the rank's newest memory checkpoint once written

@@ -41,4 +41,13 @@ void RankSegment::MirrorSlot(uint32_t i, const SlotInfo& s) const {
   h->state.store(static_cast<uint32_t>(s.state), std::memory_order_release);
 }
 
+void PointEmaJobAt(const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, EmaJob* job) {
+  job->segment = segment;
+  job->ticket = ticket;
+  job->layout = &segment->layout;
+  job->slot = segment->Slot(ticket.slot);
+  job->ema = segment->ema.get();
+  job->ema_image = job->persist && segment->ema ? segment->SlotEmaBase(ticket.slot) : nullptr;
+}
+
 }  // namespace flashckpt

@@ -12,6 +12,7 @@
 #include "daemon/core/slots.h"
 #include "daemon/core/state_dir.h"
 #include "daemon/pipeline/ema.h"
+#include "daemon/pipeline/ema_stage.h"
 
 namespace flashckpt {
 
@@ -63,5 +64,9 @@ class RankSegment {
   const uint64_t accounted_;          // bytes counted in *used (segment + EMA segment)
   const StateDir* const state_;       // its records are removed with the segment's name
 };
+
+// Points `job` (EmaJob's stage fields) at slot `ticket` of `segment`, and holds the segment in
+// it; with `job->persist` set first, at the slot's room for the EMA image too.
+void PointEmaJobAt(const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, EmaJob* job);
 
 }  // namespace flashckpt

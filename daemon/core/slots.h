@@ -29,32 +29,12 @@
 #include "common/format/signal.h"
 #include "common/format/slot_checksums.h"
 #include "common/io/shm.h"
+#include "daemon/pipeline/snapshot.h"
 
 namespace flashckpt {
 
-struct SlotTicket {
-  uint32_t slot = 0;
-  uint64_t generation = 0;
-};
-
 // Where a snapshot goes: written to files (kDisk), or kept in its slot as a memory checkpoint.
 enum class SlotTier : uint8_t { kDisk, kMemory };
-
-// A memory checkpoint kept in a slot: what a restore from it hands over besides the tensors, and the
-// checksums computed after its commit.
-struct ResidentCheckpoint {
-  int64_t step = -1;
-  Attempt attempt;  // of the process that saved it
-  uint32_t world_size = 1;
-  std::string extra;
-  SlotChecksums sums;
-  // Fetched from this peer's replica (HOST:PORT, MemoryTier::FetchPeerReplica); empty: taken here.
-  std::string from_peer;
-  // Set while it is still queued for its checksums, when it must not be kept after all: a later
-  // BeginSnapshot or restore left its step behind, or its trainer died before its copies finished.
-  // The EMA stage then skips it. Atomic: the stage's thread reads it without the daemon's lock.
-  std::atomic<bool> dropped{false};
-};
 
 struct SlotInfo {
   SlotState state = SlotState::kFree;

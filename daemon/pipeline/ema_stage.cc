@@ -70,13 +70,13 @@ void EmaStage::Run() {
     // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
     // checksums.)
     auto skip_sums = [&] { return job.resident && (job.resident->dropped.load() || Stopping()); };
-    auto skip_memory = [&] { return job.resident && !job.persist && !job.segment->ema && skip_sums(); };
-    const auto& header = *reinterpret_cast<const SlotHeader*>(job.segment->Slot(job.ticket.slot));
+    auto skip_memory = [&] { return job.resident && !job.persist && job.ema == nullptr && skip_sums(); };
+    const auto& header = *reinterpret_cast<const SlotHeader*>(job.slot);
     // A disk snapshot whose checksums are no longer wanted (its trainer died mid-copy, or the daemon
     // stops) is handed on at once as well: the writer waits for its copies itself, and one dead
     // trainer must not hold up every rank's snapshots here for the copy timeout.
     Status copied = skip_memory() ? Status::OK()
-                                  : WaitSlotCopied(header, job.segment->layout.slot_bytes, copy_timeout_,
+                                  : WaitSlotCopied(header, job.layout->slot_bytes, copy_timeout_,
                                                    [&] { return PastDeadline() || skip_sums(); });
     if (copied.code() == StatusCode::kCancelled && !PastDeadline()) {
       done_(std::move(job), false, 0.0);  // dropped while its copies were coming: not kept
@@ -92,13 +92,11 @@ void EmaStage::Run() {
       Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
                            copied.ToString());
     } else {
-      if (job.segment->ema) {
-        char* image = job.persist ? job.segment->SlotEmaBase(job.ticket.slot) : nullptr;
-        applied = job.segment->ema->Apply(job.segment->layout, job.segment->Slot(job.ticket.slot), job.step,
-                                          job.loss, image, loop_.get(), job.replay);
+      if (job.ema != nullptr) {
+        applied = job.ema->Apply(*job.layout, job.slot, job.step, job.loss, job.ema_image, loop_.get(), job.replay);
       }
       if (job.resident && !skip_sums()) {
-        job.resident->sums = ComputeSlotChecksums(job.segment->Slot(job.ticket.slot), job.segment->layout, loop_.get());
+        job.resident->sums = ComputeSlotChecksums(job.slot, *job.layout, loop_.get());
         job.resident_ok = true;
       }
     }

@@ -4,7 +4,7 @@
 // snapshot once done (hand it to the writer, keep it, free its slot) is the daemon's: the stage
 // calls it back.
 //
-//   Daemon::Commit --Submit--> [queue] --thread: wait for the slot's copies, RankEma::Apply (EMA
+//   SavePath::Commit --Submit--> [queue] --thread: wait for the slot's copies, RankEma::Apply (EMA
 //                                        ranks), ComputeSlotChecksums (memory checkpoints)--> done()
 #pragma once
 
@@ -21,14 +21,25 @@
 #include "common/base/clock.h"
 #include "common/base/mutex.h"
 #include "common/base/thread_pool.h"
-#include "daemon/core/segment.h"
-#include "daemon/core/slots.h"
+#include "common/format/layout.h"
+#include "daemon/pipeline/ema.h"
+#include "daemon/pipeline/snapshot.h"
 #include "daemon/pipeline/writer.h"
 
 namespace flashckpt {
 
+class RankSegment;  // the core's (daemon/core/segment.h): held for the owner, never read here
+
 // A committed snapshot on its way through the EMA stage (and, when `persist`, to the writer).
 struct EmaJob {
+  // What the stage reads and writes (set by the owner: PointEmaJobAt, daemon/core/segment.h): the
+  // slot, laid out as `layout` (its SlotHeader first); the rank's EMA (null: none); with persist
+  // and an EMA, where the step's EMA image goes in the slot.
+  const RankLayout* layout = nullptr;
+  char* slot = nullptr;
+  RankEma* ema = nullptr;
+  char* ema_image = nullptr;
+  // The owner's: the segment holding the slot (kept alive while the job is queued) and the slot.
   std::shared_ptr<RankSegment> segment;
   SlotTicket ticket;
   int64_t step = 0;

@@ -1,0 +1,37 @@
+// What a committed snapshot carries through the pipeline (daemon/pipeline/ema_stage.h, writer.h)
+// besides its bytes: the slot it is in, and for a memory checkpoint what a restore from it hands
+// over. The slot table that hands the tickets out is the core's (daemon/core/slots.h).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "common/format/signal.h"
+#include "common/format/slot_checksums.h"
+
+namespace flashckpt {
+
+// A slot of a rank's segment as handed out: its index and the generation of that hand-out.
+struct SlotTicket {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+};
+
+// A memory checkpoint kept in a slot: what a restore from it hands over besides the tensors, and the
+// checksums computed after its commit.
+struct ResidentCheckpoint {
+  int64_t step = -1;
+  Attempt attempt;  // of the process that saved it
+  uint32_t world_size = 1;
+  std::string extra;
+  SlotChecksums sums;
+  // Fetched from this peer's replica (HOST:PORT, MemoryTier::FetchPeerReplica); empty: taken here.
+  std::string from_peer;
+  // Set while it is still queued for its checksums, when it must not be kept after all: a later
+  // BeginSnapshot or restore left its step behind, or its trainer died before its copies finished.
+  // The EMA stage then skips it. Atomic: the stage's thread reads it without the daemon's lock.
+  std::atomic<bool> dropped{false};
+};
+
+}  // namespace flashckpt
