@@ -147,6 +147,13 @@ TEST(ReleaseTest, TheIdleReleaseGoesByTheDaemonsClock) {
     ASSERT_OK(t.Save(1));
   }
   ASSERT_TRUE(Listed(*d.daemon(), idle));
+  // The clock moves once the daemon has seen the trainer go (its stream's end reaches the daemon
+  // after the client is gone): the idle time counts from then.
+  const auto closed_by = std::chrono::steady_clock::now() + 10s;
+  while (d.daemon()->CountSessions().connected != 0 && std::chrono::steady_clock::now() < closed_by) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(d.daemon()->CountSessions().connected, 0u) << "the trainer's session is still open";
   clock.Advance(1h);
   const auto moved = std::chrono::steady_clock::now();
   while (Listed(*d.daemon(), idle) && std::chrono::steady_clock::now() - moved < 30s) std::this_thread::sleep_for(50ms);
