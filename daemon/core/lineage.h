@@ -24,11 +24,7 @@ class Lineage {
   Lineage(const Lineage&) = delete;
   Lineage& operator=(const Lineage&) = delete;
 
-  // Waits for this rank's files of `step` (WaitPersisted), then until checkpoint `step` is complete,
-  // whoever completes it. Fails with the rank's persist error; FAILED_PRECONDITION when the step can
-  // never complete because its ranks saved it in different attempts (seen at commit among this
-  // daemon's sessions, or in the signals once `timeout` is up), naming the ranks and attempts; or
-  // DEADLINE_EXCEEDED naming the ranks whose signals are missing.
+  // Daemon's calls of the same names: daemon.h states their contracts.
   Status WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
   // The run a registration joins: this session's earlier one, else the request's, else the one this
   // registration chose before it let mu_ go (pending_run), else the run a live registered rank of the

@@ -24,13 +24,9 @@ class Registrar {
   Registrar(const Registrar&) = delete;
   Registrar& operator=(const Registrar&) = delete;
 
-  // `reattach`: the trainer process of the rank's last session carrying on (SessionRequest.reattach).
+  // Daemon's calls of the same names: daemon.h states their contracts.
   Result<std::string> OpenSession(const std::string& job, uint32_t rank, bool reattach = false) EXCLUDES(c_.mu_);
   void CloseSession(const std::string& session_id) EXCLUDES(c_.mu_);
-  // fatal_persist_errors (in the request): once a persist of this session fails, its BeginSnapshot
-  // and Commit fail with that error (code and message) until the trainer starts a new session; off,
-  // a failed persist is reported by WaitPersisted and status only and snapshots go on.
-  // `registration`: checked by ParseRegistration (the edge's job); its layout is checked here.
   Result<RegisterReply> Register(const std::string& session_id, const Registration& registration) EXCLUDES(c_.mu_);
   SessionCounts CountSessions() const EXCLUDES(c_.mu_);
   // Waits, until `deadline`, while the daemon reads a slot of the session's rank (a restore, or

@@ -24,13 +24,7 @@ class Releaser {
   Releaser(const Releaser&) = delete;
   Releaser& operator=(const Releaser&) = delete;
 
-  // Forgets a job none of whose ranks is connected, once nothing of it is waiting to be written:
-  // unlinks its slot segments (with their records) and its EMA segments, which the checkpoints
-  // hold. `reason` is the event's ("release": an operator; "idle": --idle-release). NOT_FOUND for
-  // a job the daemon does not hold; FAILED_PRECONDITION, naming why, while a rank is connected or
-  // a snapshot of it is still on its way to disk.
-  // A job's memory checkpoint newer than its newest complete one on disk is written first (the call
-  // waits up to `timeout` for it), and the job is kept if it cannot be; `force` drops it instead.
+  // Daemon's calls of the same names: daemon.h states their contracts.
   Result<ReleaseOutcome> ReleaseJob(const std::string& job, const std::string& reason = "release", bool force = false,
                                     std::chrono::milliseconds timeout = std::chrono::seconds(120)) EXCLUDES(c_.mu_);
   // ReleaseJob's first part: has memory step `step` of `name` written and waits for it (until

@@ -24,25 +24,12 @@ class Restorer {
   Restorer(const Restorer&) = delete;
   Restorer& operator=(const Restorer&) = delete;
 
-  // step 0 means the latest complete checkpoint; found=false when there is none.
-  // Fills a slot with checkpoint `step` (0: the latest complete one) in the rank's layout, as `want`
-  // says (RestoreWant). The rank's own memory checkpoint of that step (0: its newest, for a job of
-  // one rank and when it is not older than the latest complete checkpoint) is handed over instead,
-  // in its own slot, once its checksums verify; one that fails them is dropped with every other
-  // memory checkpoint of the rank, logged, and the files are read.
+  // Daemon's calls of the same names: daemon.h states their contracts.
   Result<RestoreOutcome> Restore(const std::string& session_id, int64_t step, const RestoreWant& want,
                                  std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
-  // The rank's candidates for the step its job restores: the memory checkpoints it holds here
-  // (after the checksums still queued for them are computed, waiting until `timeout`), each
-  // verified, and the job's newest complete checkpoint on disk. One that fails its checksums is
-  // dropped with the rank's others (MEMORY_FALLBACK) and not listed. Needs no registration.
-  // `extra_of` > 0: only that memory step is looked at, and its extra state is answered too.
   Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
                                        int64_t extra_of = 0) EXCLUDES(c_.mu_);
   Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
-  // `corrupt` non-empty: the client found a chunk of the memory checkpoint handed over in the slot
-  // not matching its checksum (what it found); the rank's memory checkpoints are dropped as when the
-  // daemon's own verification fails, and a resume plan on that step is lost.
   Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket, const std::string& corrupt = "")
       EXCLUDES(c_.mu_);
   // A slot the daemon fills for the trainer to read (restore, EMA copy).

@@ -142,12 +142,13 @@ Status CheckBeginOnDisk(Core& c_, const std::string& session_id, int64_t step, S
   return Status::OK();
 }
 
-// Takes a free slot for `step` (SavePath::HandOut), waiting until `deadline` for one unless the
-// rank's backpressure policy is skip. DEADLINE_EXCEEDED when none became free; `*waited`: whether
-// it waited at all.
+// Takes a free slot for `step` (SavePath::HandOut), waiting until `deadline` (`timeout` after the
+// call began) for one unless the rank's backpressure policy is skip. DEADLINE_EXCEEDED when none
+// became free; `*waited`: whether it waited at all.
 Result<SlotTicket> AwaitSlotLocked(Core& c_, const std::string& session_id, const std::string& job, int64_t step,
-                                   SlotTier tier, std::chrono::steady_clock::time_point deadline, MutexLock* lock,
-                                   bool* waited) REQUIRES(c_.mu_) {
+                                   SlotTier tier, std::chrono::steady_clock::time_point deadline,
+                                   std::chrono::milliseconds timeout, MutexLock* lock, bool* waited)
+    REQUIRES(c_.mu_) {
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     if (rank->session_id != session_id) return Cancelled("the session was replaced");
@@ -176,7 +177,8 @@ Result<SlotTicket> AwaitSlotLocked(Core& c_, const std::string& session_id, cons
         SavePath::HandOut(c_, r, *ticket, step);
         return *ticket;
       }
-      return DeadlineExceeded("no slot became free");  // BeginSnapshot says how long it waited
+      return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) + " ms for step " +
+                              std::to_string(step) + "; the disk is slower than the save rate");
     }
   }
 }
@@ -210,16 +212,13 @@ Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_
     MemoryTier::DropMemoryFrom(c_, *rank->segment, step);
   }
   bool waited = false;
-  Result<SlotTicket> ticket = AwaitSlotLocked(c_, session_id, checks.job, step, tier, start + timeout, &lock, &waited);
+  Result<SlotTicket> ticket =
+      AwaitSlotLocked(c_, session_id, checks.job, step, tier, start + timeout, timeout, &lock, &waited);
   // A wait for a slot shows in the metrics, whether it got one or timed out.
   const bool timed_out = ticket.status().code() == StatusCode::kDeadlineExceeded;
   if (waited && (ticket.ok() || timed_out)) {
     c_.metrics_.ObserveSlotWait(checks.job, std::chrono::duration<double>(c_.clock_.Now() - start).count(),
                                 ticket.ok());
-  }
-  if (timed_out) {
-    return DeadlineExceeded("no slot became free within " + std::to_string(timeout.count()) + " ms for step " +
-                            std::to_string(step) + "; the disk is slower than the save rate");
   }
   return ticket;
 }

@@ -24,8 +24,7 @@ class SavePath {
   SavePath(const SavePath&) = delete;
   SavePath& operator=(const SavePath&) = delete;
 
-  // tier kMemory: a memory checkpoint, kept in its slot once committed and never written
-  // (FAILED_PRECONDITION with fewer than 2 slots, or for a rank with EMA tensors).
+  // Daemon's calls of the same names: daemon.h states their contracts.
   Result<SlotTicket> BeginSnapshot(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout,
                                    SlotTier tier = SlotTier::kDisk) EXCLUDES(c_.mu_);
   Status Commit(const std::string& session_id, const SlotTicket& ticket, int64_t step, bool persist,
