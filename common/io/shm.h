@@ -51,8 +51,15 @@ struct SlotHeader {
   // raises it as its copies complete, to 0 when all are. kSlotCopyFailed: the copies failed and the
   // slot must not be persisted. Written by the trainer, read by the daemon's writer and EMA stage.
   std::atomic<uint64_t> copied_until;
+  // The generation of the hand-out the daemon's EMA stage is done with (its EMA applied and, for a
+  // persisted snapshot, the step's EMA image in the slot), written by the stage; kEmaNotDone from
+  // the hand-out until then. A restarted daemon adopting the snapshot passes it through the EMA
+  // stage again unless this names its generation. 0: a segment of an older release, whose daemon
+  // mirrored the slot PERSISTING only once the stage was done with it.
+  std::atomic<uint64_t> ema_done;
 };
 inline constexpr uint64_t kSlotCopyFailed = ~0ull;
+inline constexpr uint64_t kEmaNotDone = ~0ull;
 
 // Waits until the slot's bytes [0, `bytes`) are in place (copied_until is 0 or at least `bytes`),
 // polling with short sleeps. kFailedPrecondition when the trainer marked its copies failed,

@@ -91,18 +91,12 @@ class Core {
   // Counts the event in the metrics and hands it to the watchers. Takes only leaf locks: callable
   // with mu_ held.
   void Emit(DaemonEvent event);
-  // The segment's slot table and EMA count are guarded by mu_ too: these reach them (RankSegment
-  // makes Core a friend).
+  // The segment's slot table and memory checkpoints queued for their checksums are guarded by mu_
+  // too: these reach them (RankSegment makes Core a friend).
   SlotTable& Slots(RankSegment& segment) REQUIRES(mu_) { return segment.slots_; }
   const SlotTable& Slots(const RankSegment& segment) const REQUIRES(mu_) { return segment.slots_; }
-  uint32_t& EmaPending(RankSegment& segment) REQUIRES(mu_) { return segment.ema_pending_; }
-  uint32_t EmaPending(const RankSegment& segment) const REQUIRES(mu_) { return segment.ema_pending_; }
   std::vector<RankSegment::PendingMemory>& MemoryPending(RankSegment& segment) REQUIRES(mu_) {
     return segment.memory_pending_;
-  }
-  // Snapshots queued for the EMA itself (not memory checkpoints queued for their checksums).
-  uint32_t EmaUpdatesPending(const RankSegment& segment) const REQUIRES(mu_) {
-    return segment.ema_pending_ - static_cast<uint32_t>(segment.memory_pending_.size());
   }
   // Copies the slot's state into its header page for inspection (and the next daemon).
   void Mirror(const RankSegment& segment, uint32_t slot) const REQUIRES(mu_) {

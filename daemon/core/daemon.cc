@@ -107,9 +107,11 @@ Status Daemon::Start() {
   }
   c_.writer_ = std::make_unique<Writer>(&c_.catalog_, WriterOptionsOf(c_.config_, c_.clock_));
   RETURN_IF_ERROR(c_.writer_->Start());
-  c_.ema_stage_ = std::make_unique<EmaStage>(EmaStageOptionsOf(c_.config_, c_.clock_), [this](EmaJob job, bool applied, double seconds) {
-    c_.save->OnEmaApplied(std::move(job), applied, seconds);
-  });
+  EmaStageOptions ema_options = EmaStageOptionsOf(c_.config_, c_.clock_);
+  ema_options.writer = c_.writer_.get();
+  ema_options.on_event = [this](DaemonEvent event) { c_.Emit(std::move(event)); };
+  c_.ema_stage_ = std::make_unique<EmaStage>(std::move(ema_options),
+                                             [this](EmaJob job) { c_.save->OnStageDone(std::move(job)); });
   RETURN_IF_ERROR(c_.ema_stage_->Start());
   if (!c_.config_.replicate_to.empty()) {
     ReplicaSender::Options options;

@@ -1,5 +1,6 @@
-// After a commit (SavePath, save_path.h): the persist request handed to the writer, the EMA stage's
-// and the writer's completions, and WaitPersisted.
+// After a commit (SavePath, save_path.h): the pipeline it is sent down (SendOnLocked), the persist
+// request the writer gets, the one completion each snapshot reports back (the writer's OnPersisted,
+// or the EMA stage's OnStageDone for one not persisted), and WaitPersisted.
 
 #include <algorithm>
 
@@ -29,6 +30,19 @@ MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident, b
   record.first_chunk = resident.sums.first;
   record.sums = resident.sums.sums;
   return record;
+}
+
+// Records a memory checkpoint kept in `slot` of segment `segment_name` in the state directory, before
+// the slot's header says it holds it; a failure leaves the checkpoint kept but not adoptable.
+void SaveMemoryRecord(Core& c_, const std::string& segment_name, uint32_t slot, const ResidentCheckpoint& resident,
+                      bool written) EXCLUDES(c_.mu_) {
+  Status saved = c_.state_.SaveMemory(segment_name, MemoryRecordOf(slot, resident, written));
+  if (!saved.ok()) {
+    c_.state_.RemoveMemory(segment_name, slot);  // an older record of the slot must not match
+    Logger("save")->warn("memory checkpoint segment={} step={} not recorded in the state directory: it is kept, "
+                         "but a restarted daemon will not adopt it: {}",
+                         segment_name, resident.step, saved.ToString());
+  }
 }
 
 // WaitPersisted (and WaitComplete) of a step the rank committed as a memory checkpoint.
@@ -89,7 +103,8 @@ PersistRequest SavePath::MakePersistRequest(const std::string& job, uint32_t ran
                                           uint64_t process,
                                           uint32_t world_size, const Attempt& attempt,
                                           const std::shared_ptr<RankSegment>& segment, const SlotTicket& ticket,
-                                          int64_t step, std::string extra) {
+                                          int64_t step, std::string extra,
+                                          std::shared_ptr<const ResidentCheckpoint> once_written) {
   PersistRequest req;
   req.job = job;
   req.rank = rank;
@@ -110,49 +125,34 @@ PersistRequest SavePath::MakePersistRequest(const std::string& job, uint32_t ran
   req.mixed = [this, job, rank, session_id, step](const std::map<uint32_t, Signal>& signals) {
     c_.lineage->OnMixedStep(job, rank, session_id, step, signals);
   };
-  req.done = [this, job, rank, session_id, process, segment, ticket, step](const Status& s, uint64_t bytes,
-                                                                          double secs) {
-    OnPersisted(job, rank, session_id, process, segment, ticket, step, s, bytes, secs);
+  req.done = [this, job, rank, session_id, process, segment, ticket, step, once_written](
+                 const Status& s, uint64_t bytes, double secs) {
+    OnPersisted(job, rank, session_id, process, segment, ticket, step, once_written, s, bytes, secs);
   };
   return req;
 }
 
-Status SavePath::FinishCommittedLocked(Core& c_, EmaJob job) {
+Status SavePath::SendOnLocked(Core& c_, EmaJob job) {
   RankSegment& segment = *job.segment;
-  std::shared_ptr<const ResidentCheckpoint> once_written;  // a disk snapshot that also stays in memory
-  // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped while queued.
-  const bool keep = job.resident && job.resident_ok && !job.resident->dropped.load();
-  if (job.resident) {
-    auto& pending = c_.MemoryPending(segment);
-    pending.erase(std::remove_if(pending.begin(), pending.end(),
-                                 [&](const RankSegment::PendingMemory& p) { return p.resident == job.resident; }),
-                  pending.end());
-    if (job.persist && keep) once_written = std::move(job.resident);
-  }
-  if (job.resident && !job.persist) {
-    if (!keep) {
-      Logger("save")->info("memory checkpoint not kept job={} rank={} step={} reason={}", job.job, job.rank, job.step,
-                           job.resident->dropped.load() ? "dropped" : "copies failed");
-    }
-    Status kept = keep ? c_.Slots(segment).MakeResident(job.ticket, std::move(job.resident))
-                       : c_.Slots(segment).Release(job.ticket, SlotState::kCommitted);
-    c_.Mirror(segment, job.ticket.slot);
-    if (keep && kept.ok()) MemoryTier::OfferReplicaLocked(c_, job.segment, job.ticket.slot, job.job, job.rank);
-    c_.cv_.NotifyAll();
-    return kept;
-  }
-  if (!job.persist) {
+  const bool to_stage = job.ema != nullptr || job.resident != nullptr;
+  if (!job.persist && !to_stage) {
     RETURN_IF_ERROR(c_.Slots(segment).Release(job.ticket, SlotState::kCommitted));
     c_.Mirror(segment, job.ticket.slot);
     c_.cv_.NotifyAll();
     return Status::OK();
   }
-  RETURN_IF_ERROR(c_.Slots(segment).BeginPersist(job.ticket));
-  if (once_written) {
-    Status kept = c_.Slots(segment).KeepOnceWritten(job.ticket, std::move(once_written));
-    if (!kept.ok()) Logger("save")->error("disk snapshot not kept in memory: {}", kept.ToString());
+  if (job.persist) {
+    RETURN_IF_ERROR(c_.Slots(segment).BeginPersist(job.ticket));
+    if (job.resident) {
+      Status kept = c_.Slots(segment).KeepOnceWritten(job.ticket, job.resident);
+      if (!kept.ok()) Logger("save")->error("disk snapshot not kept in memory: {}", kept.ToString());
+    }
+    c_.Mirror(segment, job.ticket.slot);
   }
-  c_.Mirror(segment, job.ticket.slot);
+  if (to_stage) {
+    c_.ema_stage_->Submit(std::move(job));  // in commit order
+    return Status::OK();
+  }
   Status submitted = c_.writer_->Submit(std::move(job.request));
   if (!submitted.ok()) {
     c_.state_.RemoveCommit(segment.shm->name(), job.ticket.slot);
@@ -166,42 +166,48 @@ Status SavePath::FinishCommittedLocked(Core& c_, EmaJob job) {
   return Status::OK();
 }
 
-void SavePath::OnEmaApplied(EmaJob job, bool applied, double seconds) {
-  // An EMA-only snapshot is done once applied; a persisted one keeps its record until written.
-  if (!job.persist && !job.resident) c_.state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
-  if (job.resident && job.resident_ok && !job.resident->dropped.load()) {
-    // Recorded before the slot's header says it holds the checkpoint (FinishCommittedLocked), so
-    // a restarted daemon finds the checksums of every memory checkpoint it may adopt.
-    Status saved = c_.state_.SaveMemory(job.segment->shm->name(), MemoryRecordOf(job.ticket.slot, *job.resident, job.persist));
-    if (!saved.ok()) {
-      c_.state_.RemoveMemory(job.segment->shm->name(), job.ticket.slot);  // an older record of the slot must not match
-      Logger("save")->warn("memory checkpoint job={} rank={} step={} not recorded in the state directory: it is "
-                           "kept, but a restarted daemon will not adopt it: {}",
-                           job.job, job.rank, job.step, saved.ToString());
-    }
-  }
-  if (applied) {
-    DaemonEvent event;
-    event.kind = DaemonEvent::Kind::kEmaUpdated;
-    event.job = job.job;
-    event.rank = job.rank;
-    event.step = job.step;
-    event.seconds = seconds;
-    c_.Emit(std::move(event));
+void SavePath::OnStageDone(EmaJob job) {
+  if (!job.resident) {
+    // An EMA-only snapshot: done once applied.
+    c_.state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
+  } else if (!job.resident->dropped.load()) {
+    // Recorded before the slot's header says it holds the checkpoint (below), so a restarted daemon
+    // finds the checksums of every memory checkpoint it may adopt.
+    SaveMemoryRecord(c_, job.segment->shm->name(), job.ticket.slot, *job.resident, /*written=*/false);
   }
   // Released after the lock: when the job holds the last reference to a retired segment, unmapping
   // and unlinking it must not happen under c_.mu_.
-  std::shared_ptr<RankSegment> segment = job.segment;
+  std::shared_ptr<RankSegment> held = job.segment;
   MutexLock lock(&c_.mu_);
-  c_.EmaPending(*job.segment) -= 1;
+  RankSegment& segment = *job.segment;
+  Status done = Status::OK();
+  if (job.resident) {
+    auto& pending = c_.MemoryPending(segment);
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](const RankSegment::PendingMemory& p) { return p.resident == job.resident; }),
+                  pending.end());
+    // Not kept: the trainer's copies failed (the EMA stage logged why), or it was dropped.
+    const bool keep = !job.resident->dropped.load();
+    if (!keep) {
+      Logger("save")->info("memory checkpoint not kept job={} rank={} step={}: dropped, or its copies failed",
+                           job.job, job.rank, job.step);
+    }
+    done = keep ? c_.Slots(segment).MakeResident(job.ticket, job.resident)
+                : c_.Slots(segment).Release(job.ticket, SlotState::kCommitted);
+    c_.Mirror(segment, job.ticket.slot);
+    if (keep && done.ok()) MemoryTier::OfferReplicaLocked(c_, job.segment, job.ticket.slot, job.job, job.rank);
+  } else {
+    done = c_.Slots(segment).Release(job.ticket, SlotState::kCommitted);
+    c_.Mirror(segment, job.ticket.slot);
+  }
+  if (!done.ok()) Logger("save")->error("slot not freed after the EMA stage: {}", done.ToString());
   c_.cv_.NotifyAll();
-  Status s = FinishCommittedLocked(c_, std::move(job));
-  (void)s;  // logged by FinishCommittedLocked; the slot is free either way
 }
 
 void SavePath::OnPersisted(const std::string& job, uint32_t rank_id, const std::string& session_id, uint64_t process,
                          const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, int64_t step,
-                         const Status& status, uint64_t bytes, double seconds) {
+                         const std::shared_ptr<const ResidentCheckpoint>& once_written, const Status& status,
+                         uint64_t bytes, double seconds) {
   if (status.code() == StatusCode::kCancelled) {
     MutexLock lock(&c_.mu_);
     if (c_.Slots(*segment).at(ticket.slot).tier == SlotTier::kMemory) {
@@ -231,6 +237,10 @@ void SavePath::OnPersisted(const std::string& job, uint32_t rank_id, const std::
   }
   // Written (or failed and reported): a restarted daemon must not write it again.
   c_.state_.RemoveCommit(segment->shm->name(), ticket.slot);
+  if (status.ok() && once_written && !once_written->dropped.load()) {
+    // Recorded before the slot's header says it holds the checkpoint (ReleaseWritten, below).
+    SaveMemoryRecord(c_, segment->shm->name(), ticket.slot, *once_written, /*written=*/true);
+  }
   MutexLock lock(&c_.mu_);
   if (c_.stopping_ && status.ok()) c_.stop_finished_ += 1;
   // Written: the slot keeps it as a memory checkpoint when the rank takes them (KeepOnceWritten).

@@ -4,9 +4,11 @@
 //   - each segment's layout is rebuilt from its registration record and checked against the
 //     segment's own header; the rank's EMA segment is adopted as usual (daemon/pipeline/ema.h);
 //   - every slot with a commit record holds a snapshot the old daemon acknowledged: it is
-//     COMMITTED again and goes through the EMA stage (as a replay: a step the EMA has already seen
-//     is not applied twice) and the writer, unless its files were already durable (its signal is
-//     in place, or the checkpoint is complete), in which case only completion is checked;
+//     COMMITTED again and sent down the pipeline once more (SavePath::SendOnLocked): through the
+//     EMA stage unless the slot's header says the old stage was done with it (as a replay: a step
+//     the EMA has already seen is not applied twice), and to the writer, unless its files were
+//     already durable (its signal is in place, or the checkpoint is complete), in which case only
+//     completion is checked;
 //   - every slot whose header still says it holds the memory checkpoint its memory record
 //     describes holds it again, with the recorded checksums (verified when a restore hands it over);
 //   - temporaries the dead writer left in the job's checkpoint directories are removed.
@@ -55,8 +57,18 @@ Status Recovery::AdoptSegments() {
 // A committed snapshot of an adopted segment, to be replayed: through the EMA stage, or to the writer.
 struct AdoptedCommit {
   EmaJob job;
-  bool ema_done = false;  // the old daemon's EMA stage had finished with it (mirrored PERSISTING)
+  bool ema_done = false;  // the old daemon's EMA stage had finished with it
 };
+
+// Whether the EMA stage of the daemon that handed `ticket` out was done with it (the slot's
+// SlotHeader::ema_done), its EMA image for `step` in the slot. A segment of an older release says
+// so by its mirror alone: that daemon mirrored a slot PERSISTING only once its stage was done.
+bool EmaDoneWith(const SlotHeader& header, const SlotTicket& ticket, int64_t step) {
+  const uint64_t done = header.ema_done.load(std::memory_order_acquire);
+  if (done != 0) return done == ticket.generation;
+  return header.state.load() == static_cast<uint32_t>(SlotState::kPersisting) && header.step.load() == step &&
+         header.generation.load() == ticket.generation;
+}
 
 Status Recovery::AdoptSegment(const StateDir::Adoptable& record) {
   const SegmentRecord& rec = record.segment;
@@ -111,10 +123,8 @@ Result<std::vector<AdoptedCommit>> Recovery::AdoptCommits(const StateDir::Adopta
       continue;
     }
     RETURN_IF_ERROR(c_.UnpublishedSlots(*segment).Adopt(ticket, c.step));
-    const auto* mirror = reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot));
     AdoptedCommit p;
-    p.ema_done = mirror->state.load() == static_cast<uint32_t>(SlotState::kPersisting) &&
-                 mirror->step.load() == c.step && mirror->generation.load() == c.generation;
+    p.ema_done = EmaDoneWith(*reinterpret_cast<const SlotHeader*>(segment->Slot(c.slot)), ticket, c.step);
     c_.MirrorUnpublished(*segment, c.slot);
     EmaJob& j = p.job;
     j.step = c.step;
@@ -236,19 +246,16 @@ void Recovery::PublishAdopted(const StateDir::Adoptable& record, const Registrat
     rank.last_committed = std::max(rank.last_committed, p.job.step);
     Logger("shm")->info("recovered job={} rank={} step={} persist={}: committed before the restart", job, rank_id,
                         p.job.step, p.job.persist);
-    if (segment->ema && !p.ema_done) {
-      c_.EmaPending(*segment) += 1;
-      c_.ema_stage_->Submit(std::move(p.job));  // in step order: the records are sorted
-    } else {
-      if (!p.job.persist) {
-        (void)c_.Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
-        c_.Mirror(*segment, p.job.ticket.slot);
-        c_.state_.RemoveCommit(rec.segment_name, p.job.ticket.slot);
-        continue;
-      }
-      Status s = SavePath::FinishCommittedLocked(c_, std::move(p.job));
-      if (!s.ok()) Logger("shm")->error("recovered snapshot not queued: {}", s.ToString());
+    if (p.ema_done) p.job.ema = nullptr;  // its EMA image (if persisted) is in the slot already
+    if (!p.job.persist && p.job.ema == nullptr) {
+      (void)c_.Slots(*segment).Release(p.job.ticket, SlotState::kCommitted);
+      c_.Mirror(*segment, p.job.ticket.slot);
+      c_.state_.RemoveCommit(rec.segment_name, p.job.ticket.slot);
+      continue;
     }
+    // In step order (the records are sorted), as the EMA wants them.
+    Status s = SavePath::SendOnLocked(c_, std::move(p.job));
+    if (!s.ok()) Logger("shm")->error("recovered snapshot not queued: {}", s.ToString());
   }
   c_.cv_.NotifyAll();
 }

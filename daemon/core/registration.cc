@@ -449,18 +449,15 @@ Status Registrar::StartEmaRun(const std::shared_ptr<RankSegment>& segment, const
   // The EMA continues only its own run's average (one adopted by job name may be another run's).
   // Another run's snapshots still queued for it (a predecessor's commits, a restarted daemon's
   // replays) are applied first, so that none of them lands in the new average; the check and the
-  // reset take the EMA's lock, not c_.mu_, as an update in progress holds it.
+  // reset take the EMA's lock, not c_.mu_, as an update in progress holds it; the wait is the EMA
+  // stage's.
   if (!segment->ema) return Status::OK();
-  if (segment->ema->run_id() != run_id) {
-    MutexLock lock(&c_.mu_);
-    const auto drained = c_.clock_.Now() + std::chrono::seconds(30);
-    while (c_.EmaPending(*segment) > 0 && c_.clock_.WaitUntil(&c_.cv_, &lock, drained)) {
-    }
-    if (const uint32_t pending = c_.EmaPending(*segment); pending > 0) {
-      return Unavailable("registration of job '" + job + "' rank " + std::to_string(rank) + ": " +
-                         std::to_string(pending) + " snapshot(s) of the previous run are still on their way to its "
-                         "EMA after 30 s; register again");
-    }
+  uint32_t pending = 0;
+  if (segment->ema->run_id() != run_id &&
+      !c_.ema_stage_->WaitDrained(segment.get(), c_.clock_.Now() + std::chrono::seconds(30), &pending)) {
+    return Unavailable("registration of job '" + job + "' rank " + std::to_string(rank) + ": " +
+                       std::to_string(pending) + " snapshot(s) of the previous run are still on their way to its "
+                       "EMA after 30 s; register again");
   }
   if (segment->ema->StartRun(run_id)) {
     Logger("ema")->info("fresh EMA job={} rank={} run={}: the average in its segment was another run's", job, rank,

@@ -49,7 +49,6 @@ std::string Releaser::ReleaseBlocker(const Core& c_, const JobState& job) {
       return "rank " + std::to_string(r) + " has step " + std::to_string(slot.step) + " in slot " + std::to_string(i) +
              ", " + SlotStateText(slot.state);
     }
-    if (c_.EmaPending(*rank.segment) > 0) return "rank " + std::to_string(r) + " has snapshots queued for the EMA stage (EMA updates or memory checkpoint checksums)";
   }
   return "";
 }

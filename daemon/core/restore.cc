@@ -442,21 +442,32 @@ Result<RestoreCandidates> Restorer::Restorable(const std::string& session_id, st
 Result<Restorer::LoadingSlot> Restorer::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
                                                        bool need_ema, std::chrono::steady_clock::time_point deadline,
                                                        std::chrono::milliseconds timeout, const char* purpose) {
-  MutexLock lock(&c_.mu_);
-  for (;;) {
+  std::shared_ptr<RankSegment> segment;
+  {
+    MutexLock lock(&c_.mu_);
     ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     if (need_ema && !rank->segment->ema) {
       return FailedPrecondition(
           "this rank has no EMA: the job registered without ema_decay, or all its "
           "weights are replicas persisted by another rank");
     }
-    if (c_.EmaUpdatesPending(*rank->segment) == 0) {
-      if (auto t = c_.Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
-        LoadingSlot slot{rank->segment, *t};
-        c_.Slots(*slot.segment).SetLoading(t->slot, true);
-        c_.Mirror(*slot.segment, t->slot);
-        return slot;
-      }
+    segment = rank->segment;
+  }
+  // The snapshots committed so far reach the EMA first: what the slot gets is as of the last commit.
+  uint32_t queued = 0;
+  if (segment->ema && !c_.ema_stage_->WaitDrained(segment.get(), deadline, &queued)) {
+    return DeadlineExceeded(std::to_string(queued) + " committed snapshot(s) of this rank did not reach its EMA within " +
+                            std::to_string(timeout.count()) + " ms");
+  }
+  segment.reset();  // not released under c_.mu_
+  MutexLock lock(&c_.mu_);
+  for (;;) {
+    ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+    if (auto t = c_.Slots(*rank->segment).Acquire(SlotState::kRestoring, step.value_or(rank->last_committed))) {
+      LoadingSlot slot{rank->segment, *t};
+      c_.Slots(*slot.segment).SetLoading(t->slot, true);
+      c_.Mirror(*slot.segment, t->slot);
+      return slot;
     }
     if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
       return DeadlineExceeded(std::string("no slot became free for ") + purpose + " within " +

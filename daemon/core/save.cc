@@ -1,5 +1,5 @@
-// The save path of the daemon: BeginSnapshot hands out a slot, Commit hands the snapshot to the EMA
-// stage or the writer (what follows is persist.cc).
+// The save path of the daemon: BeginSnapshot hands out a slot, Commit sends the snapshot down the
+// pipeline (SendOnLocked and the completions are in persist.cc).
 
 #include <algorithm>
 
@@ -185,10 +185,12 @@ Result<SlotTicket> AwaitSlotLocked(Core& c_, const std::string& session_id, cons
 
 }  // namespace
 
-// A slot handed out for filling starts complete (copied_until 0): a trainer whose commit goes
-// ahead of its copies lowers it before committing.
+// A slot handed out for filling starts complete (copied_until 0: a trainer whose commit goes ahead
+// of its copies lowers it before committing) and with its EMA not done (ema_done).
 void SavePath::HandOut(Core& c_, RankState* rank, const SlotTicket& ticket, int64_t step) {
-  reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot))->copied_until.store(0, std::memory_order_release);
+  auto* header = reinterpret_cast<SlotHeader*>(rank->segment->Slot(ticket.slot));
+  header->ema_done.store(kEmaNotDone, std::memory_order_release);
+  header->copied_until.store(0, std::memory_order_release);
   c_.Slots(*rank->segment).SetHandedOut(ticket.slot, c_.clock_.Now());
   c_.Mirror(*rank->segment, ticket.slot);
   rank->last_begun = step;
@@ -273,26 +275,14 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
     job.resident->attempt = rank->attempt();
     job.resident->world_size = rank->topology.world_size;
     job.resident->extra = memory ? std::move(extra) : extra;  // a disk snapshot's request takes the original
-    c_.MemoryPending(*segment).push_back({ticket.slot, job.resident});
-  }
-  if (memory) {
-    c_.EmaPending(*segment) += 1;
-    c_.ema_stage_->Submit(std::move(job));
-    return Status::OK();
+    if (memory) c_.MemoryPending(*segment).push_back({ticket.slot, job.resident});
   }
   if (persist) {
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
-                                     rank->attempt(),
-                                     segment, ticket, step, std::move(extra));
+                                     rank->attempt(), segment, ticket, step, std::move(extra), job.resident);
     job.request.committed_ms = c_.clock_.WallMs();
   }
-  if (segment->ema || also_memory) {
-    // The EMA stage applies it in commit order and then finishes it.
-    c_.EmaPending(*segment) += 1;
-    c_.ema_stage_->Submit(std::move(job));
-    return Status::OK();
-  }
-  return FinishCommittedLocked(c_, std::move(job));
+  return SendOnLocked(c_, std::move(job));
 }
 
 Status SavePath::AbortSnapshot(const std::string& session_id, const SlotTicket& ticket) {

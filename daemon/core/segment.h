@@ -19,9 +19,10 @@ namespace flashckpt {
 class Core;
 
 // A slot is the rank layout's bytes followed, with EMA on, by room for one EMA image. The slot
-// table and the EMA stage's count are the daemon's to guard (Core::mu_): they are reached only
-// through Core::Slots, Core::EmaPending and Core::Mirror, which require that lock, so clang's
-// thread-safety analysis checks every use. The rest is set at construction and read freely.
+// table and the memory checkpoints queued for their checksums are the daemon's to guard
+// (Core::mu_): they are reached only through Core::Slots, Core::MemoryPending and Core::Mirror,
+// which require that lock, so clang's thread-safety analysis checks every use. The rest is set at
+// construction and read freely.
 class RankSegment {
  public:
   RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_t count, std::unique_ptr<RankEma> e,
@@ -57,8 +58,7 @@ class RankSegment {
   void MirrorSlot(uint32_t i, const SlotInfo& info) const;
 
   SlotTable slots_;           // Core::mu_
-  uint32_t ema_pending_ = 0;  // Core::mu_: snapshots queued for the EMA stage
-  // Core::mu_: the memory snapshots among them (queued for their checksums), with their slots.
+  // Core::mu_: the memory snapshots queued for their checksums in the EMA stage, with their slots.
   std::vector<PendingMemory> memory_pending_;
   std::atomic<uint64_t>* const used_;  // the daemon's host-memory counter
   const uint64_t accounted_;          // bytes counted in *used (segment + EMA segment)

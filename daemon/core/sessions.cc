@@ -78,10 +78,18 @@ void Registrar::CloseSession(const std::string& session_id) {
       for (uint32_t i = 0; i < c_.Slots(*rank.segment).size(); ++i) c_.Mirror(*rank.segment, i);
       // A memory snapshot committed before its (streamed) copies finished never will be: the trainer
       // is gone. It is dropped now rather than waited for until the copy timeout.
-      for (const auto& p : c_.MemoryPending(*rank.segment)) {
-        const auto& header = *reinterpret_cast<const SlotHeader*>(rank.segment->Slot(p.slot));
+      // So is a disk snapshot's keeping once written: the writer fails it at the copy timeout.
+      auto unfinished = [&](uint32_t slot) {
+        const auto& header = *reinterpret_cast<const SlotHeader*>(rank.segment->Slot(slot));
         const uint64_t until = header.copied_until.load(std::memory_order_acquire);
-        if (until != 0 && until < rank.segment->layout.slot_bytes) p.resident->dropped.store(true);
+        return until != 0 && until < rank.segment->layout.slot_bytes;
+      };
+      for (const auto& p : c_.MemoryPending(*rank.segment)) {
+        if (unfinished(p.slot)) p.resident->dropped.store(true);
+      }
+      for (uint32_t i = 0; i < c_.Slots(*rank.segment).size(); ++i) {
+        const auto& once_written = c_.Slots(*rank.segment).at(i).once_written;
+        if (once_written != nullptr && unfinished(i)) once_written->dropped.store(true);
       }
     }
   }

@@ -109,6 +109,7 @@ uint32_t SlotTable::DropResidentsFrom(int64_t from) {
       ++n;
     }
     if (s.once_written != nullptr && s.once_written->step >= from) {
+      s.once_written->dropped.store(true);  // the EMA stage need not compute its checksums
       s.once_written.reset();
       ++n;
     }

@@ -9,6 +9,8 @@ EmaStage::EmaStage(EmaStageOptions options, Done done)
     : threads_(std::max(1u, options.threads)),
       copy_timeout_(options.copy_timeout),
       clock_(options.clock != nullptr ? *options.clock : Clock::Real()),
+      writer_(options.writer),
+      on_event_(std::move(options.on_event)),
       done_(std::move(done)) {}
 
 EmaStage::~EmaStage() { Stop(); }
@@ -22,8 +24,19 @@ Status EmaStage::Start() {
 
 void EmaStage::Submit(EmaJob job) {
   MutexLock lock(&mu_);
+  queued_[job.segment.get()] += 1;
   queue_.push_back(std::move(job));
   cv_.NotifyAll();
+}
+
+bool EmaStage::WaitDrained(const RankSegment* segment, std::chrono::steady_clock::time_point deadline,
+                           uint32_t* queued) {
+  MutexLock lock(&mu_);
+  while (queued_.count(segment) != 0 && clock_.WaitUntil(&drained_cv_, &lock, deadline)) {
+  }
+  auto it = queued_.find(segment);
+  if (queued != nullptr) *queued = it == queued_.end() ? 0 : it->second;
+  return it == queued_.end();
 }
 
 std::vector<EmaJob> EmaStage::Stop(std::chrono::steady_clock::time_point deadline) {
@@ -37,6 +50,8 @@ std::vector<EmaJob> EmaStage::Stop(std::chrono::steady_clock::time_point deadlin
   MutexLock lock(&mu_);
   std::vector<EmaJob> left(std::make_move_iterator(queue_.begin()), std::make_move_iterator(queue_.end()));
   queue_.clear();
+  queued_.clear();
+  drained_cv_.NotifyAll();
   return left;
 }
 
@@ -61,49 +76,81 @@ void EmaStage::Run() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
-    const auto start = clock_.Now();
-    bool applied = false;
-    // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
-    // they fail, the update is skipped (and the writer fails the save for the same reason).
-    // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
-    // while the daemon stops (it would not outlive the daemon).
-    // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
-    // checksums.)
-    auto skip_sums = [&] { return job.resident && (job.resident->dropped.load() || Stopping()); };
-    auto skip_memory = [&] { return job.resident && !job.persist && job.ema == nullptr && skip_sums(); };
-    const auto& header = *reinterpret_cast<const SlotHeader*>(job.slot);
-    // A disk snapshot whose checksums are no longer wanted (its trainer died mid-copy, or the daemon
-    // stops) is handed on at once as well: the writer waits for its copies itself, and one dead
-    // trainer must not hold up every rank's snapshots here for the copy timeout.
-    Status copied = skip_memory() ? Status::OK()
-                                  : WaitSlotCopied(header, job.layout->slot_bytes, copy_timeout_,
-                                                   [&] { return PastDeadline() || skip_sums(); });
-    if (copied.code() == StatusCode::kCancelled && !PastDeadline()) {
-      done_(std::move(job), false, 0.0);  // dropped while its copies were coming: not kept
-      continue;
-    }
-    if (copied.code() == StatusCode::kCancelled) {
-      // The stop deadline passed while the copies were still coming: Stop abandons it with the rest.
+    const RankSegment* segment = job.segment.get();
+    if (!Work(job)) {
       MutexLock lock(&mu_);
       queue_.push_front(std::move(job));
       return;
     }
-    if (!copied.ok()) {
-      Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
-                           copied.ToString());
-    } else {
-      if (job.ema != nullptr) {
-        applied = job.ema->Apply(*job.layout, job.slot, job.step, job.loss, job.ema_image, loop_.get(), job.replay);
-      }
-      if (job.resident && !skip_sums()) {
-        job.resident->sums = ComputeSlotChecksums(job.slot, *job.layout, loop_.get());
-        job.resident_ok = true;
-      }
+    HandOn(std::move(job));
+    MutexLock lock(&mu_);
+    if (auto it = queued_.find(segment); it != queued_.end() && --it->second == 0) queued_.erase(it);
+    drained_cv_.NotifyAll();
+  }
+}
+
+bool EmaStage::Work(EmaJob& job) {
+  const auto start = clock_.Now();
+  // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
+  // they fail, the update is skipped (and the writer fails the save for the same reason).
+  // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
+  // while the daemon stops (it would not outlive the daemon).
+  // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
+  // checksums.)
+  auto skip_sums = [&] { return job.resident && (job.resident->dropped.load() || Stopping()); };
+  auto skip_memory = [&] { return job.resident && !job.persist && job.ema == nullptr && skip_sums(); };
+  auto& header = *reinterpret_cast<SlotHeader*>(job.slot);
+  // A disk snapshot whose checksums are no longer wanted (its trainer died mid-copy, or the daemon
+  // stops) is handed on at once as well: the writer waits for its copies itself, and one dead
+  // trainer must not hold up every rank's snapshots here for the copy timeout.
+  Status copied = skip_memory() ? Status::OK()
+                                : WaitSlotCopied(header, job.layout->slot_bytes, copy_timeout_,
+                                                 [&] { return PastDeadline() || skip_sums(); });
+  // The stop deadline passed while the copies were still coming: Stop abandons it with the rest.
+  if (copied.code() == StatusCode::kCancelled && PastDeadline()) return false;
+  bool applied = false, summed = false;
+  if (copied.ok()) {
+    if (job.ema != nullptr) {
+      applied = job.ema->Apply(*job.layout, job.slot, job.step, job.loss, job.ema_image, loop_.get(), job.replay);
     }
-    const double secs = std::chrono::duration<double>(clock_.Now() - start).count();
-    Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
-                         secs);
-    done_(std::move(job), applied, secs);
+    if (job.resident && !skip_sums()) {
+      job.resident->sums = ComputeSlotChecksums(job.slot, *job.layout, loop_.get());
+      summed = true;
+    }
+  } else if (copied.code() != StatusCode::kCancelled) {  // cancelled: dropped while its copies were coming
+    Logger("ema")->error("ema update skipped job={} rank={} step={} error=\"{}\"", job.job, job.rank, job.step,
+                         copied.ToString());
+  }
+  if (job.resident && !summed) job.resident->dropped.store(true);  // not kept: no checksums to verify it by
+  // Done with this hand-out: a restarted daemon neither applies it again nor stamps its EMA image anew.
+  header.ema_done.store(job.ticket.generation, std::memory_order_release);
+  const double secs = std::chrono::duration<double>(clock_.Now() - start).count();
+  Logger("ema")->debug("ema job={} rank={} step={} applied={} secs={:.4f}", job.job, job.rank, job.step, applied,
+                       secs);
+  if (applied && on_event_) {
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kEmaUpdated;
+    event.job = job.job;
+    event.rank = job.rank;
+    event.step = job.step;
+    event.seconds = secs;
+    on_event_(std::move(event));
+  }
+  return true;
+}
+
+void EmaStage::HandOn(EmaJob job) {
+  if (!job.persist) {
+    done_(std::move(job));
+    return;
+  }
+  auto done = job.request.done;
+  Status submitted = writer_ != nullptr ? writer_->Submit(std::move(job.request))
+                                        : FailedPrecondition("the EMA stage has no writer");
+  if (!submitted.ok()) {
+    Logger("writer")->error("persist not queued job={} step={} rank={} error=\"{}\"", job.job, job.step, job.rank,
+                            submitted.ToString());
+    if (done) done(submitted, 0, 0.0);
   }
 }
 

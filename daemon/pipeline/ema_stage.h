@@ -1,16 +1,19 @@
 // The EMA stage: one thread that applies committed snapshots to their rank's EMA (daemon/pipeline/ema.h),
 // in commit order, with a pool of helper threads for the arithmetic, and computes the checksums of
-// memory checkpoints (daemon/core/slots.h) the same way, off the trainer's path. What to do with a
-// snapshot once done (hand it to the writer, keep it, free its slot) is the daemon's: the stage
-// calls it back.
+// memory checkpoints (daemon/core/slots.h) the same way, off the trainer's path. A persisted
+// snapshot goes on to the writer from here; one that is not (an EMA-only snapshot, a memory
+// checkpoint) ends here, and the stage reports it to its owner. Either way the owner hears of each
+// snapshot once: from the writer's `done` or from the stage's.
 //
 //   SavePath::Commit --Submit--> [queue] --thread: wait for the slot's copies, RankEma::Apply (EMA
-//                                        ranks), ComputeSlotChecksums (memory checkpoints)--> done()
+//       ranks), ComputeSlotChecksums (memory checkpoints), mark the slot's SlotHeader::ema_done-->
+//       persisted: Writer::Submit (its `done` reports)   otherwise: done()
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -25,6 +28,7 @@
 #include "daemon/pipeline/ema.h"
 #include "daemon/pipeline/snapshot.h"
 #include "daemon/pipeline/writer.h"
+#include "flashckpt/daemon_types.h"
 
 namespace flashckpt {
 
@@ -49,10 +53,10 @@ struct EmaJob {
   std::string job;
   uint32_t rank = 0;
   bool replay = false;  // adopted after a restart: the EMA may already have seen the step
-  // A memory checkpoint: the stage fills in its checksums and sets `resident_ok` once they are
-  // computed over the trainer's finished copies.
+  // A memory checkpoint (or, with persist, a disk snapshot to keep as one once written): the stage
+  // fills in its checksums over the trainer's finished copies, or, when it cannot (the copies
+  // failed, it was dropped, the daemon stops), marks it dropped: not to be kept.
   std::shared_ptr<ResidentCheckpoint> resident;
-  bool resident_ok = false;
 };
 
 // The EMA stage's part of DaemonConfig.
@@ -62,14 +66,18 @@ struct EmaStageOptions {
   // How long a streaming commit's copies may keep the stage waiting.
   std::chrono::milliseconds copy_timeout{120000};
   const Clock* clock = &Clock::Real();  // the stop's deadline is of this clock
+  // Where persisted snapshots go next (not owned; outlives the stage, which stops first).
+  Writer* writer = nullptr;
+  // Each EMA update applied (kEmaUpdated, with how long the job took); may be empty.
+  std::function<void(DaemonEvent)> on_event;
 };
 
 class EmaStage {
  public:
-  // Called on the stage's thread with no lock of the stage held, once per job, in order:
-  // `applied` says whether the EMA changed (false: not due, gated by the loss, or the trainer's
-  // copies into the slot failed, which is logged), `seconds` how long the job took.
-  using Done = std::function<void(EmaJob job, bool applied, double seconds)>;
+  // Called on the stage's thread with no lock of the stage held, in commit order, once for each job
+  // that is not persisted, when the stage is done with it. A persisted job goes to the writer
+  // instead; if the writer refuses it (its queue full), its request's `done` runs with that error.
+  using Done = std::function<void(EmaJob job)>;
 
   EmaStage(EmaStageOptions options, Done done);
   ~EmaStage();  // Stop()
@@ -86,22 +94,35 @@ class EmaStage {
   // reach (in order), for the caller to abandon. Idempotent: a second call returns nothing.
   std::vector<EmaJob> Stop(std::chrono::steady_clock::time_point deadline =
                                std::chrono::steady_clock::time_point::max()) EXCLUDES(mu_);
+  // Waits until no job of `segment` (EmaJob::segment) is queued or being worked on, or until
+  // `deadline` (of the options' clock); false when some still are. `queued`: how many.
+  bool WaitDrained(const RankSegment* segment, std::chrono::steady_clock::time_point deadline,
+                   uint32_t* queued) EXCLUDES(mu_);
 
  private:
   void Run() EXCLUDES(mu_);
+  // The work on one job; false when the stop's deadline passed while its copies were still
+  // coming (Stop abandons it).
+  bool Work(EmaJob& job) EXCLUDES(mu_);
+  // Hands a job the stage is done with to the writer or to `done_`.
+  void HandOn(EmaJob job);
   bool PastDeadline() EXCLUDES(mu_);
   bool Stopping() EXCLUDES(mu_);
 
   const unsigned threads_;
   const std::chrono::milliseconds copy_timeout_;
   const Clock& clock_;
+  Writer* const writer_;
+  const std::function<void(DaemonEvent)> on_event_;
   const Done done_;
   std::unique_ptr<ParallelLoop> loop_;  // used by the stage's thread only
   std::thread thread_;
 
   Mutex mu_;
   CondVar cv_;                       // a job queued, or stopping
+  CondVar drained_cv_;               // a job done with
   std::deque<EmaJob> queue_ GUARDED_BY(mu_);
+  std::map<const RankSegment*, uint32_t> queued_ GUARDED_BY(mu_);  // jobs submitted, not yet done with
   bool stopping_ GUARDED_BY(mu_) = false;
   std::chrono::steady_clock::time_point deadline_ GUARDED_BY(mu_) = std::chrono::steady_clock::time_point::max();
 };

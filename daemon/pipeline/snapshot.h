@@ -28,10 +28,11 @@ struct ResidentCheckpoint {
   SlotChecksums sums;
   // Fetched from this peer's replica (HOST:PORT, MemoryTier::FetchPeerReplica); empty: taken here.
   std::string from_peer;
-  // Set while it is still queued for its checksums, when it must not be kept after all: a later
-  // BeginSnapshot or restore left its step behind, or its trainer died before its copies finished.
-  // The EMA stage then skips it. Atomic: the stage's thread reads it without the daemon's lock.
-  std::atomic<bool> dropped{false};
+  // Set before it is kept, when it must not be kept after all: a later BeginSnapshot or restore
+  // left its step behind, its trainer died before its copies finished, or the EMA stage could not
+  // compute its checksums. The EMA stage then skips it. Atomic: the stage's thread reads and sets
+  // it without the daemon's lock; mutable: set through the slot table's const view as well.
+  mutable std::atomic<bool> dropped{false};
 };
 
 }  // namespace flashckpt

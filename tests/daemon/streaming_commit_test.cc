@@ -319,6 +319,35 @@ TEST_P(StreamingCommitStopTest, StopDoesNotWaitOutTheCopyTimeout) {
 INSTANTIATE_TEST_SUITE_P(WriterAndEmaStage, StreamingCommitStopTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Ema" : "NoEma"; });
 
+// A snapshot the EMA stage never reached (the stop came while it waited for the copies) is left
+// PERSISTING in its slot's mirror, but the slot's header does not say the stage was done with it
+// (SlotHeader::ema_done): the next daemon passes it through the EMA stage before writing it, so the
+// step's EMA file holds that step's average (the weights themselves, at the first update), not the
+// empty room of the slot.
+TEST_F(StreamingCommitTest, ASnapshotTheEmaStageNeverReachedGetsItsEmaFromTheNextDaemon) {
+  Start(60s, /*ema=*/true);
+  auto slot = Begin(1);
+  Header(slot.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(slot, 1).ok());
+  std::this_thread::sleep_for(200ms);  // the EMA stage is waiting on the copies
+  d_.daemon()->Stop(std::chrono::steady_clock::now() + 500ms);
+  ASSERT_EQ(Header(slot.slot())->state.load(), static_cast<uint32_t>(SlotState::kPersisting));
+  ASSERT_EQ(Header(slot.slot())->ema_done.load(), kEmaNotDone);
+  // The copies finish after all, and a new daemon on the same socket and state directory adopts it.
+  Fill(slot.slot(), 'e');
+  Header(slot.slot())->copied_until.store(0);
+  session_.reset();
+  d_.Stop();
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.copy_timeout = 60s; }));
+  const std::string done = d_.StepDir("stream", 1) + "/metadata.json";
+  for (int i = 0; i < 200 && !PathExists(done); ++i) std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(PathExists(done)) << "the adopted snapshot was not written";
+  const std::string weights = Tail(CheckpointFile(1, "model_state"), kElements * 4);
+  ASSERT_EQ(weights, std::string(kElements * 4, 'e'));
+  EXPECT_TRUE(Tail(CheckpointFile(1, "ema"), kElements * 4) == weights)
+      << "the EMA file of step 1 does not hold the average of step 1";
+}
+
 // A client that verifies a memory checkpoint itself (RestoreRequest.verify_in_client) gets it with the
 // checksums the daemon recorded at the commit, one per chunk of each tensor, and reports a chunk that
 // does not match in ReleaseSlot; a client that does not ask gets it verified by the daemon.
