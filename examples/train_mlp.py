@@ -8,9 +8,9 @@ continues from the latest complete checkpoint with the same weights, optimizer m
 (dropout) and data position, so its losses are bit-identical to a run that never stopped.
 
 Every --save-every steps the state is checkpointed (persisted by the daemon in the background);
-every --ema-every step in between it is handed to the daemon for the EMA only. With --no-ema
---memory-every M, every M-th step in between is a memory checkpoint instead (kept by the daemon,
-never written): a trainer killed and restarted resumes from the newest one. At the end the script
+every --ema-every step in between it is handed to the daemon for the EMA only. With --memory-every
+M, every M-th step in between is a memory checkpoint instead (kept by the daemon with the EMA of its
+step, never written): a trainer killed and restarted resumes from the newest one. At the end the script
 prints the eval loss of the final and the EMA weights, the time the loop was blocked in save() and
 what torch.save of the same state takes. --log writes one JSON line per step ({"step", "loss"} with
 the loss as float.hex), --summary a JSON summary; --step-delay slows the loop down so that a demo
@@ -99,7 +99,7 @@ def main():
     p.add_argument("--save-every", type=int, default=50, help="persist a checkpoint every N steps")
     p.add_argument("--ema-every", type=int, default=1, help="EMA-only snapshot every N steps in between")
     p.add_argument("--ema-decay", type=float, default=0.99)
-    p.add_argument("--no-ema", action="store_true", help="no EMA (memory checkpoints need a rank without one)")
+    p.add_argument("--no-ema", action="store_true", help="no EMA")
     p.add_argument("--memory-every", type=int, default=0,
                    help="a memory checkpoint (kept by the daemon, never written) every N steps between the "
                         "saves; a restart resumes from the newest one")
@@ -122,9 +122,11 @@ def main():
                       ema_decay=None if args.no_ema else args.ema_decay, ema_interval=args.ema_every,
                       overwrite=args.fresh, memory_checkpoints=bool(args.memory_every))
 
+    began = time.perf_counter()
     start = None if args.fresh else ck.resume()
+    resume_secs = time.perf_counter() - began
     pos = ck.extra["data_pos"] if start is not None else 0
-    print("resumed step=%s from=%s" % (start, ck.resumed_tier) if start is not None
+    print("resumed step=%s from=%s in %.3f s" % (start, ck.resumed_tier, resume_secs) if start is not None
           else "fresh start: no checkpoint of job %r" % args.job, flush=True)
     log = open(args.log, "a") if args.log else None
     losses = {}
@@ -169,7 +171,8 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             torch_save = time_torch_save(state, d)
     summary = {
-        "job": args.job, "resumed_step": start, "resumed_tier": ck.resumed_tier, "last_step": args.steps,
+        "job": args.job, "resumed_step": start, "resumed_tier": ck.resumed_tier,
+        "resume_seconds": resume_secs if start is not None else None, "last_step": args.steps,
         "losses": {str(k): v.hex() for k, v in losses.items()},
         "eval_loss": eval_loss(model, held_out), "ema_eval_loss": eval_loss(ema_model, held_out),
         "ema_step": ck.ema_step, "saves": ck.saves, "persisted_saves": len(persist_blocked),

@@ -3,10 +3,12 @@
 # (FLASHCKPT_DEMO_KEEP=1 keeps it); the daemon is always stopped.
 #
 #   scripts/demo.sh        PyTorch: examples/train_mlp.py (an MLP with dropout, AdamW, the daemon's
-#                          EMA) checkpoints through a real flashckptd; the trainer is SIGKILLed
-#                          mid-run and resumed, and its loss curve is printed beside an uninterrupted
-#                          run's (they must be bit-identical), with the EMA weights' eval loss and
-#                          the time the loop was blocked in save() next to what torch.save takes.
+#                          EMA) checkpoints through a real flashckptd: a memory checkpoint every step,
+#                          a disk one every 50; the trainer is SIGKILLed mid-run and resumes from the
+#                          step it died at, from memory, and its loss curve is printed beside an
+#                          uninterrupted run's (they must be bit-identical, the EMA too), with the EMA
+#                          weights' eval loss and the time the loop was blocked in save() next to what
+#                          torch.save takes.
 #   scripts/demo.sh sim    a two-rank simulated trainer (flashckpt-sim): one rank is SIGKILLed, the
 #                          operator CLI shows what is on disk, both resume, `flashckpt verify` checks.
 #
@@ -191,7 +193,7 @@ print("   final weights and EMA identical too: %s" % ("yes" if same else "NO"))
 print()
 print("   eval loss of the final weights %.5f, of the EMA weights (decay 0.99, kept by the daemon) %.5f"
       % (res_s["eval_loss"], res_s["ema_eval_loss"]))
-print("   blocked in save(): %.2f ms per persisted save (%.1f ms over all %d saves, EMA-only ones included);"
+print("   blocked in save(): %.2f ms per persisted save (%.1f ms over all %d saves, memory checkpoints included);"
       % (res_s["blocked_ms_per_persisted_save"], res_s["blocked_ms_total"], res_s["saves"]))
 print("   torch.save of the same state (%.2f MiB) takes %.2f ms"
       % (res_s["state_bytes"] / 2**20, res_s["torch_save_ms"]))
@@ -208,7 +210,7 @@ demo_torch() {
     local job=$1 name=$2
     shift 2
     /usr/bin/python3 examples/train_mlp.py --socket "$SOCK" --job "$job" --steps "$steps" \
-      --save-every "$save_every" --ema-every 1 --ema-decay 0.99 --quiet --log "$TMP/$name.jsonl" \
+      --save-every "$save_every" --memory-every 1 --ema-decay 0.99 --quiet --log "$TMP/$name.jsonl" \
       --summary "$TMP/$name.json" --torch-save-dir "$TMP" "$@" >"$TMP/$name.log" 2>&1 &
     TRAINER_PID=$!
   }
@@ -220,8 +222,8 @@ demo_torch() {
   }
   last_step() { tail -n 1 "$TMP/$1.jsonl" 2>/dev/null | sed -n 's/.*"step": *\([0-9]*\).*/\1/p'; }
 
-  heading "2. Uninterrupted run: an MLP with dropout and AdamW, $steps steps, a checkpoint every $save_every," \
-    "the EMA every step"
+  heading "2. Uninterrupted run: an MLP with dropout and AdamW, $steps steps, a memory checkpoint every step" \
+    "(with the EMA), a disk checkpoint every $save_every"
   train "$JOB-ref" reference
   finish reference
   tail -n 2 "$TMP/reference.log" | indent "[reference] "
@@ -240,7 +242,8 @@ demo_torch() {
   note "LATEST = $(cat "$JOB_DIR/LATEST")"
   "$BIN/flashckpt" --socket "$SOCK" list --job "$JOB" | indent ""
 
-  heading "4. Restart it: ck.resume() loads weights, AdamW moments, RNG, data position and the daemon's EMA"
+  heading "4. Restart it: ck.resume() loads weights, AdamW moments, RNG, data position and the EMA of the step it" \
+    "died at, from the daemon's memory"
   train "$JOB" resumed
   finish resumed
   grep '^resumed' "$TMP/resumed.log" | indent "[resumed] "
@@ -253,8 +256,9 @@ demo_torch() {
   heading "6. Verify checkpoint-$LATEST offline with flashckpt verify (files, headers, checksums)"
   "$BIN/flashckpt" verify "$JOB_DIR/checkpoint-$LATEST" | indent ""
   local resumed_from
-  resumed_from="$(sed -n 's/^resumed step=\([0-9]*\).*/\1/p' "$TMP/resumed.log")"
-  heading "Done: killed at step $(last_step killed), resumed from checkpoint-$resumed_from," \
+  resumed_from="$(sed -n 's/^resumed step=\([0-9]*\) from=\([a-z]*\) in \([0-9.]*\) s/step \1 from \2 in \3 s/p' \
+    "$TMP/resumed.log")"
+  heading "Done: killed at step $(last_step killed), resumed $resumed_from," \
     "identical to the run that never stopped"
 }
 

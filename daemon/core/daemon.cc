@@ -169,7 +169,9 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   {
     MutexLock lock(&c_.mu_);
     for (EmaJob& job : unreached) {
-      if (job.resident && !job.persist) continue;  // a memory checkpoint not yet checksummed: not kept, nothing to write
+      // A memory checkpoint not yet checksummed is not kept and has nothing to write; with the rank's
+      // EMA its commit record stays, for the next daemon to apply it to the EMA.
+      if (job.resident && !job.persist && job.ema == nullptr) continue;
       job.segment->shm->KeepName();
       c_.stop_abandoned_ += 1;
       c_.NoteAbandonedLocked(job.job, job.rank, job.step);

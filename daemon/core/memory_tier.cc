@@ -12,13 +12,12 @@
 
 namespace flashckpt {
 
-Status MemoryTier::MemoryTierFits(uint32_t slots, bool ema) {
+Status MemoryTier::MemoryTierFits(uint32_t slots) {
   if (slots < 2) {
     return FailedPrecondition("memory checkpoints need --slots >= 2: one slot keeps the newest memory checkpoint "
                               "while the next one is filled (the rank's segment has " + std::to_string(slots) +
                               ")");
   }
-  if (ema) return FailedPrecondition("memory checkpoints are not supported yet for a rank with EMA tensors");
   return Status::OK();
 }
 
@@ -62,7 +61,9 @@ void MemoryTier::RestoredLocked(Core& c_, const std::string& job, uint32_t rank,
 
 void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                                 uint32_t rank) {
-  if (!c_.sender_) return;
+  // A replica does not carry the EMA of its step: a rank with EMA restores from its own daemon's
+  // memory or from disk, and a peer's copy of its tensors would be of no use to it.
+  if (!c_.sender_ || segment->ema) return;
   std::shared_ptr<const ResidentCheckpoint> resident = c_.Slots(*segment).ResidentIn(slot);
   auto jit = c_.jobs_.find(job);
   if (!resident || jit == c_.jobs_.end()) return;
@@ -221,7 +222,7 @@ Status MemoryTier::VerifyResident(const std::string& job, uint32_t rank, const s
     c_.Slots(*segment).SetLoading(ticket->slot, true);
     c_.Mirror(*segment, ticket->slot);
   }
-  Status verified = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, resident->sums, verifiers);
+  Status verified = VerifyResidentBytes(*segment, ticket->slot, *resident, verifiers);
   MutexLock lock(&c_.mu_);
   c_.Slots(*segment).SetLoading(ticket->slot, false);
   (void)c_.Slots(*segment).Release(*ticket, SlotState::kRestoring);  // still holding it
@@ -230,6 +231,20 @@ Status MemoryTier::VerifyResident(const std::string& job, uint32_t rank, const s
   if (!verified.ok()) MemoryFailedLocked(c_, *segment, job, rank, step, verified, instead);
   if (verified.ok() && extra != nullptr) *extra = resident->extra;
   return verified;
+}
+
+Status MemoryTier::VerifyResidentBytes(const RankSegment& segment, uint32_t slot, const ResidentCheckpoint& resident,
+                                       ParallelLoop* verifiers, bool tensors_in_client) {
+  RETURN_IF_ERROR(tensors_in_client
+                      ? CheckSlotChecksumsFit(segment.layout, resident.sums)
+                      : VerifySlotChecksums(segment.Slot(slot), segment.layout, resident.sums, verifiers));
+  if (!segment.ema) return Status::OK();
+  if (!resident.ema) {
+    return FailedPrecondition("memory checkpoint step " + std::to_string(resident.step) +
+                              " holds no EMA, and the rank has EMA tensors");
+  }
+  Status ema = VerifySlotChecksums(segment.SlotEmaBase(slot), segment.ema->plan().layout, resident.ema_sums, verifiers);
+  return ema.ok() ? ema : ema.WithContext("the EMA image of memory checkpoint step " + std::to_string(resident.step));
 }
 
 std::vector<int64_t> MemoryTier::CommonMemoryStepsLocked(const Core& c_, const JobState& job) {

@@ -77,10 +77,11 @@ class MemoryTier {
   // for the peers (ReplicaSender::Offer). Only one of the rank's current attempt is sent.
   static void OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                           uint32_t rank) REQUIRES(c_.mu_);
-  // Whether a rank with a segment of `slots` slots (with EMA tensors: `ema`) can take memory
-  // checkpoints: FAILED_PRECONDITION naming the reason when it cannot (checked at Register when the
-  // rank declares them, and at each memory BeginSnapshot).
-  static Status MemoryTierFits(uint32_t slots, bool ema);
+  // Whether a rank with a segment of `slots` slots can take memory checkpoints: FAILED_PRECONDITION
+  // naming the reason when it cannot (checked at Register when the rank declares them, and at each
+  // memory BeginSnapshot). A rank with EMA tensors keeps the EMA of each memory checkpoint's step in
+  // the slot's EMA room (ResidentCheckpoint::ema).
+  static Status MemoryTierFits(uint32_t slots);
   // Whether a disk snapshot of the segment's rank can double as a memory checkpoint: it has no EMA
   // and holds no replica (a disk snapshot copies only the tensors the rank writes; a replica's bytes
   // in its slot would be of an older step).
@@ -93,6 +94,11 @@ class MemoryTier {
   // warning saying what the restore does `instead` and a MEMORY_FALLBACK event (the metric).
   static void MemoryFailedLocked(Core& c_, RankSegment& segment, const std::string& job, uint32_t rank, int64_t step,
                           const Status& error, const char* instead) REQUIRES(c_.mu_);
+  // The bytes of memory checkpoint `resident` in `slot` of the segment against its checksums: the
+  // rank's tensors (`tensors_in_client`: only their checksums' fit to the layout, as the client
+  // checks the bytes as it copies them) and, for a rank with EMA, the EMA image of its step.
+  static Status VerifyResidentBytes(const RankSegment& segment, uint32_t slot, const ResidentCheckpoint& resident,
+                                    ParallelLoop* verifiers, bool tensors_in_client = false);
   // Pins memory checkpoint `step` of the segment (RESTORING and loading: nobody else takes it),
   // verifies its checksums without mu_ on `verifiers`, and lets it go again, still kept. kNotFound
   // when the segment no longer holds it; a checksum failure goes through MemoryFailedLocked

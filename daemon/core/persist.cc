@@ -29,6 +29,8 @@ MemoryRecord MemoryRecordOf(uint32_t slot, const ResidentCheckpoint& resident, b
   record.checksum_chunk = resident.sums.chunk_bytes;
   record.first_chunk = resident.sums.first;
   record.sums = resident.sums.sums;
+  record.ema = resident.ema;
+  record.ema_sums = resident.ema_sums;
   return record;
 }
 
@@ -167,14 +169,14 @@ Status SavePath::SendOnLocked(Core& c_, EmaJob job) {
 }
 
 void SavePath::OnStageDone(EmaJob job) {
-  if (!job.resident) {
-    // An EMA-only snapshot: done once applied.
-    c_.state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
-  } else if (!job.resident->dropped.load()) {
+  if (job.resident && !job.resident->dropped.load()) {
     // Recorded before the slot's header says it holds the checkpoint (below), so a restarted daemon
     // finds the checksums of every memory checkpoint it may adopt.
     SaveMemoryRecord(c_, job.segment->shm->name(), job.ticket.slot, *job.resident, /*written=*/false);
   }
+  // A snapshot of a rank with EMA (EMA-only, or a memory checkpoint) has a commit record, so that a
+  // restarted daemon still applies it: no longer needed once applied.
+  if (job.segment->ema) c_.state_.RemoveCommit(job.segment->shm->name(), job.ticket.slot);
   // Released after the lock: when the job holds the last reference to a retired segment, unmapping
   // and unlinking it must not happen under c_.mu_.
   std::shared_ptr<RankSegment> held = job.segment;

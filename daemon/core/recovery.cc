@@ -196,6 +196,17 @@ std::vector<int64_t> Recovery::AdoptMemoryRecords(const StateDir::Adoptable& rec
       resident->sums.sums.assign(m.sums.begin(), m.sums.end());
       if (Status fit = CheckSlotChecksumsFit(segment->layout, resident->sums); !fit.ok()) why = fit.message();
     }
+    if (why.empty() && segment->ema) {
+      // The EMA of the step goes with it: a rank restored from it continues the average from there.
+      if (!m.ema || m.ema->last_seen > m.step || m.ema->last_step > m.ema->last_seen) {
+        why = "the record holds no EMA of the step";
+      } else if (Status fit = CheckSlotChecksumsFit(segment->ema->plan().layout, m.ema_sums); !fit.ok()) {
+        why = "its EMA: " + fit.message();
+      } else {
+        resident->ema = m.ema;
+        resident->ema_sums = m.ema_sums;
+      }
+    }
     if (why.empty()) {
       const SlotTicket ticket{m.slot, mirror->generation.load()};
       if (Status s = c_.UnpublishedSlots(*segment).AdoptResident(ticket, std::move(resident)); !s.ok()) why = s.message();

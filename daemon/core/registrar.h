@@ -77,7 +77,7 @@ class Registrar {
   Status StartEmaRun(const std::shared_ptr<RankSegment>& segment, const std::string& job, uint32_t rank,
                      const std::string& run_id) EXCLUDES(c_.mu_);
   // MemoryTierFits as a registration's refusal; `warn`: says what 2 slots cost.
-  Status MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool ema, bool warn) const;
+  Status MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool warn) const;
   // Creates the rank's segment under `name` (O_EXCL), or with `adopt` maps that existing segment
   // and checks its header against the layout (its contents are kept). `run_id`: the run the rank
   // registers in, as far as known (RankEma::Open: an EMA segment an older release left).

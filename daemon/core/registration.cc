@@ -493,7 +493,7 @@ Result<RegisterReply> Registrar::Register(const std::string& session_id, const R
   // anything of the job changes (the exact check, with the segment it will use, is below).
   if (reg.memory_checkpoints) {
     const uint32_t most = std::max(c_.config_.slots, rank->segment ? c_.Slots(*rank->segment).size() : 0u);
-    RETURN_IF_ERROR(MemoryCheckpointsFit(who, most, ema_plan.has_value(), /*warn=*/false));
+    RETURN_IF_ERROR(MemoryCheckpointsFit(who, most, /*warn=*/false));
   }
   // A slot the daemon is reading (another rank's restore verifying this rank's memory checkpoint
   // for the job's plan, or a restore of a trainer that is gone) is busy for a moment: wait for it
@@ -521,7 +521,7 @@ Result<RegisterReply> Registrar::Register(const std::string& session_id, const R
     // The slots of the segment the rank will use: a reused one (adopted after a restart, perhaps
     // under another --slots) keeps its count.
     const uint32_t slots = reuse ? c_.Slots(*rank->segment).size() : c_.config_.slots;
-    RETURN_IF_ERROR(MemoryCheckpointsFit(who, slots, ema_plan.has_value(), /*warn=*/true));
+    RETURN_IF_ERROR(MemoryCheckpointsFit(who, slots, /*warn=*/true));
   }
   if (!reuse) {
     const std::string run_id = Lineage::ChooseRunLocked(c_, *job, who.rank, *rank, reg, agreed.run, drawn_run);  // and again below
@@ -549,8 +549,8 @@ Result<RegisterReply> Registrar::Register(const std::string& session_id, const R
   return reply;
 }
 
-Status Registrar::MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool ema, bool warn) const {
-  if (Status fits = c_.memory->MemoryTierFits(slots, ema); !fits.ok()) {
+Status Registrar::MemoryCheckpointsFit(const SessionInfo& who, uint32_t slots, bool warn) const {
+  if (Status fits = c_.memory->MemoryTierFits(slots); !fits.ok()) {
     return FailedPrecondition("registration of job '" + who.job + "' rank " + std::to_string(who.rank) +
                               " with memory checkpoints: " + fits.message());
   }

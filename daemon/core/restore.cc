@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <thread>
@@ -144,26 +145,17 @@ Result<FillStats> FillFromFiles(Core& c_, const std::string& dir, const Checkpoi
 
 // RestoreFromMemory's wait, until `deadline`, for the checksums of the rank's memory snapshots still
 // queued (the last ones of the trainer that died): all of them for the newest, the step's own for a
-// step asked for. One whose copies never finished was dropped when its session closed. False: the
-// rank has none to hand over, as it registered again with EMA since (memory checkpoints are not
-// taken with EMA); for a planned step that loses the plan.
-Result<bool> AwaitQueuedSumsLocked(Core& c_, const std::string& session_id, int64_t step, bool planned,
-                                   std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
-                                   MutexLock* lock) REQUIRES(c_.mu_) {
+// step asked for. One whose copies never finished was dropped when its session closed.
+Status AwaitQueuedSumsLocked(Core& c_, const std::string& session_id, int64_t step,
+                             std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                             MutexLock* lock) REQUIRES(c_.mu_) {
   for (;;) {
     ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
-    if (rank->segment->ema) {
-      if (planned) {
-        return Restorer::PlanLostLocked(c_, c_.sessions_[session_id].job, step, StatusCode::kFailedPrecondition,
-                                        "cannot be handed over to a rank with EMA");
-      }
-      return false;
-    }
     const auto& pending = c_.MemoryPending(*rank->segment);
     if (std::none_of(pending.begin(), pending.end(), [&](const RankSegment::PendingMemory& p) {
           return (step == 0 || p.resident->step == step) && !p.resident->dropped.load();
         })) {
-      return true;
+      return Status::OK();
     }
     if (!c_.clock_.WaitUntil(&c_.cv_, lock, deadline)) {
       return DeadlineExceeded("the checksums of this rank's last memory checkpoint were not computed within " +
@@ -190,14 +182,24 @@ Result<int64_t> ChooseHeldStep(Core& c_, const std::string& job, int64_t step, b
   return held.front() >= latest.value_or(-1) ? held.front() : -1;
 }
 
-// The memory checkpoint in `loading` checked against its checksums, or (`in_client`: the client
-// checks them as it copies) only its checksums against its layout.
-Status VerifyResidentSlot(Core& c_, const Restorer::LoadingSlot& loading, const ResidentCheckpoint& resident,
-                          bool in_client) {
-  if (in_client) return CheckSlotChecksumsFit(loading.segment->layout, resident.sums);
+// The memory checkpoint in `loading` checked against its checksums (`in_client`: the client checks
+// the tensors as it copies them), and, for a rank with EMA, its EMA loaded into the rank's: the
+// average continues from the restored step (the EMA stage is done with the rank's earlier
+// snapshots: RestoreFromMemory waited for it).
+Status VerifyAndLoadResident(Core& c_, const Restorer::LoadingSlot& loading, const ResidentCheckpoint& resident,
+                             bool in_client) EXCLUDES(c_.mu_) {
   ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
-  return VerifySlotChecksums(loading.segment->Slot(loading.ticket.slot), loading.segment->layout, resident.sums,
-                             &verifiers);
+  const RankSegment& segment = *loading.segment;
+  RETURN_IF_ERROR(MemoryTier::VerifyResidentBytes(segment, loading.ticket.slot, resident, &verifiers, in_client));
+  if (!segment.ema) return Status::OK();
+  const char* image = segment.SlotEmaBase(loading.ticket.slot);
+  const RankLayout& layout = segment.ema->plan().layout;
+  return segment.ema->Load(
+      [&](char* base) {
+        for (const Placement& p : layout.placements) std::memcpy(base + p.slot_offset, image + p.slot_offset, p.bytes);
+        return Status::OK();
+      },
+      *resident.ema);
 }
 
 // The verified memory checkpoint `chosen` in `loading` is the rank's restore: its newer memory
@@ -309,6 +311,7 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
   std::string job;
   uint32_t rank_id = 0, world_size = 1;
   std::vector<int64_t> held;
+  std::shared_ptr<RankSegment> ema_segment;  // the rank's segment, when it has EMA
   bool planned = false;  // the step is the job's plan: every other rank restores it too
   {
     MutexLock lock(&c_.mu_);
@@ -330,16 +333,23 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
   }
   {
     MutexLock lock(&c_.mu_);
-    ASSIGN_OR_RETURN(const bool any, AwaitQueuedSumsLocked(c_, session_id, step, planned, deadline, timeout, &lock));
-    if (!any) return out;
+    RETURN_IF_ERROR(AwaitQueuedSumsLocked(c_, session_id, step, deadline, timeout, &lock));
     ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
     held = c_.Slots(*rank->segment).ResidentSteps();
+    if (rank->segment->ema) ema_segment = rank->segment;
     world_size = rank->topology.world_size;
     job = c_.sessions_[session_id].job;
     rank_id = c_.sessions_[session_id].rank;
   }
   ASSIGN_OR_RETURN(const int64_t chosen, ChooseHeldStep(c_, job, step, planned, world_size, held));
   if (chosen < 0) return out;
+  // A rank with EMA loads the EMA of the step (VerifyAndLoadResident): the rank's snapshots still
+  // on their way to the EMA go first, so that none of them lands on the loaded average.
+  if (uint32_t queued = 0; ema_segment && !c_.ema_stage_->WaitDrained(ema_segment.get(), deadline, &queued)) {
+    return DeadlineExceeded(std::to_string(queued) + " committed snapshot(s) of this rank did not reach its EMA within " +
+                            std::to_string(timeout.count()) + " ms");
+  }
+  ema_segment.reset();  // not released under c_.mu_
 
   LoadingSlot loading;
   std::shared_ptr<const ResidentCheckpoint> resident;
@@ -360,7 +370,7 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
   // the copy reads it from the cache.
   const auto start = c_.clock_.Now();
   verify_in_client = verify_in_client && resident->sums.sums.size() <= kMaxClientChunkSums;
-  const Status verified = VerifyResidentSlot(c_, loading, *resident, verify_in_client);
+  const Status verified = VerifyAndLoadResident(c_, loading, *resident, verify_in_client);
   const double secs = std::chrono::duration<double>(c_.clock_.Now() - start).count();
 
   MutexLock lock(&c_.mu_);

@@ -76,8 +76,8 @@ Result<ResumePlan> Restorer::MakeResumePlan(const std::string& job, uint32_t wor
   }
   // Newer replicas of the ranks on the peers join their memory checkpoints.
   for (uint32_t r = 0; r < world_size; ++r) c_.memory->FetchPeerReplica(job, r, deadline);
-  // Memory only when every rank of the job has its segment here, without EMA, and their pending
-  // checksums are computed: then the steps all of them hold.
+  // Memory only when every rank of the job has its segment here and their pending checksums are
+  // computed: then the steps all of them hold.
   std::vector<std::shared_ptr<RankSegment>> segments;
   std::vector<int64_t> common;
   {
@@ -89,7 +89,7 @@ Result<ResumePlan> Restorer::MakeResumePlan(const std::string& job, uint32_t wor
       bool pending = false;
       for (uint32_t r = 0; r < world_size; ++r) {
         auto rank = it->second.ranks.find(r);
-        if (rank == it->second.ranks.end() || !rank->second.segment || rank->second.segment->ema ||
+        if (rank == it->second.ranks.end() || !rank->second.segment ||
             rank->second.topology.world_size != world_size) {
           return plan;
         }

@@ -108,7 +108,7 @@ Result<BeginChecks> BeginChecksLocked(Core& c_, const std::string& session_id, i
                            std::to_string(rank->last_begun) + "; steps must increase");
   }
   if (tier == SlotTier::kMemory) {
-    RETURN_IF_ERROR(MemoryTier::MemoryTierFits(c_.Slots(*rank->segment).size(), rank->segment->ema != nullptr));
+    RETURN_IF_ERROR(MemoryTier::MemoryTierFits(c_.Slots(*rank->segment).size()));
   }
   ASSIGN_OR_RETURN(checks.held, Registrar::LayoutHoldLocked(c_, job, *rank));
   checks.topology = rank->topology;
@@ -263,9 +263,8 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
   job.persist = persist;
   job.job = who.job;
   job.rank = who.rank;
-  PointEmaJobAt(segment, ticket, &job);
   // A memory checkpoint is kept in its slot once the EMA stage has computed its checksums over the
-  // finished copies. A disk snapshot of a rank that takes memory checkpoints is also checksummed by
+  // finished copies (with the rank's EMA, the EMA of its step too). A disk snapshot of a rank that takes memory checkpoints is also checksummed by
   // the EMA stage, and kept as the rank's newest memory checkpoint once written
   // (SlotTable::KeepOnceWritten).
   const bool also_memory = persist && rank->memory_checkpoints && !segment->ema;
@@ -277,6 +276,7 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
     job.resident->extra = memory ? std::move(extra) : extra;  // a disk snapshot's request takes the original
     if (memory) c_.MemoryPending(*segment).push_back({ticket.slot, job.resident});
   }
+  PointEmaJobAt(segment, ticket, &job);
   if (persist) {
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(), segment, ticket, step, std::move(extra), job.resident);

@@ -47,7 +47,7 @@ void PointEmaJobAt(const std::shared_ptr<RankSegment>& segment, SlotTicket ticke
   job->layout = &segment->layout;
   job->slot = segment->Slot(ticket.slot);
   job->ema = segment->ema.get();
-  job->ema_image = job->persist && segment->ema ? segment->SlotEmaBase(ticket.slot) : nullptr;
+  job->ema_image = (job->persist || job->resident) && segment->ema ? segment->SlotEmaBase(ticket.slot) : nullptr;
 }
 
 }  // namespace flashckpt

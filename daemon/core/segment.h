@@ -66,7 +66,7 @@ class RankSegment {
 };
 
 // Points `job` (EmaJob's stage fields) at slot `ticket` of `segment`, and holds the segment in
-// it; with `job->persist` set first, at the slot's room for the EMA image too.
+// it; with `job->persist` or `job->resident` set first, at the slot's room for the EMA image too.
 void PointEmaJobAt(const std::shared_ptr<RankSegment>& segment, SlotTicket ticket, EmaJob* job);
 
 }  // namespace flashckpt

@@ -29,7 +29,9 @@
 
 #include "common/base/status.h"
 #include "common/io/fs.h"
+#include "common/format/slot_checksums.h"
 #include "common/io/io_env.h"
+#include "daemon/pipeline/ema.h"
 #include "daemon/core/registration.h"
 
 namespace flashckpt {
@@ -70,6 +72,9 @@ struct MemoryRecord {
   std::vector<uint64_t> first_chunk;  // SlotChecksums::first: per tensor of the layout
   std::vector<uint64_t> sums;         // SlotChecksums::sums
   bool written = false;               // a disk snapshot kept once written
+  // A rank with EMA: the EMA of the step (ResidentCheckpoint::ema) and its image's checksums.
+  std::optional<EmaState> ema;
+  SlotChecksums ema_sums;
 };
 
 // The records' encoding in their files. The daemon's is the edge's (daemon/edge/state_records.h:

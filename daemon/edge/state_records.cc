@@ -74,6 +74,17 @@ class ProtoCodec final : public StateRecordCodec {
     r.set_checksum_chunk(in.checksum_chunk);
     *r.mutable_first_chunk() = {in.first_chunk.begin(), in.first_chunk.end()};
     *r.mutable_sums() = {in.sums.begin(), in.sums.end()};
+    if (in.ema) {
+      v1::MemoryEma* e = r.mutable_ema();
+      e->set_initialized(in.ema->initialized);
+      e->set_updates_applied(in.ema->updates_applied);
+      e->set_updates_skipped(in.ema->updates_skipped);
+      e->set_last_step(in.ema->last_step);
+      e->set_last_seen(in.ema->last_seen);
+      e->set_checksum_chunk(in.ema_sums.chunk_bytes);
+      *e->mutable_first_chunk() = {in.ema_sums.first.begin(), in.ema_sums.first.end()};
+      *e->mutable_sums() = {in.ema_sums.sums.begin(), in.ema_sums.sums.end()};
+    }
     return r.SerializeAsString();
   }
   bool DecodeMemory(const std::string& bytes, MemoryRecord* out) const override {
@@ -89,6 +100,13 @@ class ProtoCodec final : public StateRecordCodec {
     out->checksum_chunk = r.checksum_chunk();
     out->first_chunk.assign(r.first_chunk().begin(), r.first_chunk().end());
     out->sums.assign(r.sums().begin(), r.sums().end());
+    if (r.has_ema()) {
+      const v1::MemoryEma& e = r.ema();
+      out->ema = EmaState{e.initialized(), e.updates_applied(), e.updates_skipped(), e.last_step(), e.last_seen()};
+      out->ema_sums.chunk_bytes = e.checksum_chunk();
+      out->ema_sums.first.assign(e.first_chunk().begin(), e.first_chunk().end());
+      out->ema_sums.sums.assign(e.sums().begin(), e.sums().end());
+    }
     return true;
   }
 

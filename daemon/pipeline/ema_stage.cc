@@ -115,6 +115,12 @@ bool EmaStage::Work(EmaJob& job) {
     }
     if (job.resident && !skip_sums()) {
       job.resident->sums = ComputeSlotChecksums(job.slot, *job.layout, loop_.get());
+      if (job.ema != nullptr && job.ema_image != nullptr) {
+        // The EMA as of this step, stamped into the slot's EMA room by Apply: it stays with the
+        // memory checkpoint (this stage is the EMA's only writer, so state() is Apply's).
+        job.resident->ema = job.ema->state();
+        job.resident->ema_sums = ComputeSlotChecksums(job.ema_image, job.ema->plan().layout, loop_.get());
+      }
       summed = true;
     }
   } else if (copied.code() != StatusCode::kCancelled) {  // cancelled: dropped while its copies were coming

@@ -9,6 +9,7 @@
 
 #include "common/format/signal.h"
 #include "common/format/slot_checksums.h"
+#include "daemon/pipeline/ema.h"
 
 namespace flashckpt {
 
@@ -26,6 +27,10 @@ struct ResidentCheckpoint {
   uint32_t world_size = 1;
   std::string extra;
   SlotChecksums sums;
+  // A rank with EMA: the EMA as of this step, whose image (stamped, as for a persisted step) lies in
+  // the slot's EMA room, with the checksums of that image; a restore loads it into the rank's EMA.
+  std::optional<EmaState> ema;
+  SlotChecksums ema_sums;
   // Fetched from this peer's replica (HOST:PORT, MemoryTier::FetchPeerReplica); empty: taken here.
   std::string from_peer;
   // Set before it is kept, when it must not be kept after all: a later BeginSnapshot or restore

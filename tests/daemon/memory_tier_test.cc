@@ -519,28 +519,44 @@ TEST_F(MemoryTierTest, BadCombinationsAreRefused) {
   o.persist = false;
   EXPECT_EQ(t.client->Snapshot(1, t.bufs, o).status().code(), StatusCode::kInvalidArgument);
 
-  // A rank with EMA tensors: not yet.
-  std::unique_ptr<Client> ema = d_.Connect("memtier-ema");
-  ASSERT_TRUE(ema);
+}
+
+// A rank with EMA tensors takes memory checkpoints too, each with the EMA of its step: a new process
+// of the rank that restores one from memory gets that step's EMA, not the newest.
+TEST_F(MemoryTierTest, AMemoryCheckpointOfARankWithEmaHoldsTheEmaOfItsStep) {
   EmaOptions with_ema;
-  with_ema.decay = 0.9;
-  ASSERT_OK(ema->Register(Topology{}, ModelAndMomentSpecs(kFloats), with_ema));
+  with_ema.decay = 0.5;
+  std::unique_ptr<Client> first = d_.Connect("memtier-ema", 0, [](ClientOptions& o) { o.memory_checkpoints = true; });
+  ASSERT_TRUE(first);
+  ASSERT_OK(first->Register(Topology{}, ModelAndMomentSpecs(kFloats), with_ema));
   std::vector<float> w(kFloats), m(kFloats);
+  const std::vector<TensorBuffer> bufs = {{"w", w.data(), kFloats * 4}, {"w.exp_avg", m.data(), kFloats * 4}};
   SnapshotOptions memory;
   memory.tier = Tier::kMemory;
-  Status s = ema->Snapshot(1, {{"w", w.data(), kFloats * 4}, {"w.exp_avg", m.data(), kFloats * 4}}, memory).status();
-  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
-  EXPECT_TRUE(Contains(s.message(), "EMA")) << s.ToString();
-  // Declared at Register: refused there.
-  std::unique_ptr<Client> declared =
-      d_.Connect("memtier-ema-declared", 0, [](ClientOptions& c) { c.memory_checkpoints = true; });
-  ASSERT_TRUE(declared);
-  Status registered = declared->Register(Topology{}, ModelAndMomentSpecs(kFloats), with_ema);
-  EXPECT_EQ(registered.code(), StatusCode::kFailedPrecondition) << registered.ToString();
-  EXPECT_TRUE(Contains(registered.message(), "EMA")) << registered.ToString();
+  for (int64_t step : {1, 2}) {  // EMA 1.0 at step 1 (the first update copies), 0.5*1 + 0.5*3 = 2.0 at step 2
+    std::fill(w.begin(), w.end(), step == 1 ? 1.0f : 3.0f);
+    std::fill(m.begin(), m.end(), static_cast<float>(-step));
+    ASSERT_OK(first->Snapshot(step, bufs, memory).status());
+  }
+  first.reset();
+
+  std::unique_ptr<Client> second = d_.Connect("memtier-ema");
+  ASSERT_TRUE(second);
+  ASSERT_OK(second->Register(Topology{}, ModelAndMomentSpecs(kFloats), with_ema));
+  auto restored = second->Restore(1, bufs, std::chrono::seconds(10));
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  ASSERT_TRUE(restored->found);
+  EXPECT_EQ(restored->tier, Tier::kMemory);
+  EXPECT_TRUE(std::all_of(w.begin(), w.end(), [](float x) { return x == 1.0f; }));
+  std::vector<float> ema(kFloats);
+  auto got = second->Ema({{"w", ema.data(), kFloats * 4}}, std::chrono::seconds(10));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->step, 1);
+  EXPECT_TRUE(std::all_of(ema.begin(), ema.end(), [](float x) { return x == 1.0f; }))
+      << "the EMA after restoring memory step 1 is " << ema[0] << ", not step 1's 1.0";
   // The EMA segment outlives a daemon by design; no daemon comes after this one.
   const std::string ema_segment = d_.daemon()->EmaSegmentName("memtier-ema", 0);
-  ema.reset();
+  second.reset();
   d_.Stop();
   SharedSegment::Unlink(ema_segment);
 }

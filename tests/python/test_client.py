@@ -66,11 +66,21 @@ class ClientTest(harness.DaemonTestCase):
             np.testing.assert_array_equal(out, np.full(1000, 3, np.float32))
             self.assertEqual(c.restore({"w": out}, step=1)[0], 1)
             self.assertEqual(c.restored_tier, "disk")
-        # A rank that declares memory checkpoints hears at register() that the daemon cannot keep them.
-        with flashckpt.Client(self.daemon.socket, self.daemon.job("memory-ema"), ema_decay=0.9,
-                              memory_checkpoints=True) as c:
-            with self.assertRaisesRegex(flashckpt.FailedPreconditionError, "memory checkpoints.*EMA"):
-                c.register({"w": w})
+        # A rank with the daemon's EMA takes them too, each with the EMA of its step: restoring step 1
+        # brings back step 1's EMA (the first update copies the weights), not step 2's (0.5*1 + 0.5*3).
+        ema_job = self.daemon.job("memory-ema")
+        with flashckpt.Client(self.daemon.socket, ema_job, ema_decay=0.5, memory_checkpoints=True) as c:
+            c.register({"w": w})
+            for step, value in ((1, 1), (2, 3)):
+                w[:] = value
+                c.snapshot(step, {"w": w}, tier="memory")
+        with flashckpt.Client(self.daemon.socket, ema_job, ema_decay=0.5, memory_checkpoints=True) as c:
+            c.register({"w": w})
+            self.assertEqual(c.restore({"w": w}, step=1)[0], 1)
+            self.assertEqual(c.restored_tier, "memory")
+            step, ema = c.ema({"w": np.zeros(1000, np.float32)}, timeout=30)
+            self.assertEqual(step, 1)
+            np.testing.assert_array_equal(ema["w"], np.full(1000, 1, np.float32))
 
     def test_every_dtype_round_trips(self):
         rng = np.random.default_rng(1)

@@ -8,8 +8,9 @@ real flashckptd:
   3. job B again: it resumes from the latest complete checkpoint and trains to the last step.
 Every loss job B logged (before the kill and after the resume) must equal job A's loss at the same
 step bit for bit, and the final weights, the EMA and the eval losses must be identical too.
-The same again with memory checkpoints (--no-ema --memory-every 1, disk every 20): the resumed run
-starts from the last step that reached the daemon's memory, not from the disk checkpoint before it.
+The same again with memory checkpoints (--memory-every 1, disk every 20, the EMA every step): the
+resumed run starts from the last step that reached the daemon's memory, not from the disk checkpoint
+before it, with the EMA of that step, so its EMA too ends identical to the uninterrupted run's.
 The random kill step comes from FLASHCKPT_TEST_SEED when set (the seed is printed).
 """
 
@@ -62,9 +63,10 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         cmd = [sys.executable, EXAMPLE, "--socket", self.daemon.socket, "--job", job, "--steps", str(STEPS),
                "--quiet", "--log", log, "--summary", summary, "--step-delay", str(step_delay)]
         if memory:
-            cmd += ["--save-every", str(MEMORY_SAVE_EVERY), "--no-ema", "--memory-every", "1"]
+            cmd += ["--save-every", str(MEMORY_SAVE_EVERY), "--memory-every", "1"]
         else:
-            cmd += ["--save-every", str(SAVE_EVERY), "--ema-every", "1", "--ema-decay", "0.9"]
+            cmd += ["--save-every", str(SAVE_EVERY), "--ema-every", "1"]
+        cmd += ["--ema-decay", "0.9"]
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         out.close()
         self.procs.append(p)
@@ -168,7 +170,8 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         self.assertGreaterEqual(start, killed_at)
         if start % MEMORY_SAVE_EVERY != 0:
             self.assertEqual(tier, "memory")
-        self.check_identical(ref, ref_losses, killed_losses, resumed, resumed_log, ("params_sha256", "eval_loss"))
+        self.check_identical(ref, ref_losses, killed_losses, resumed, resumed_log,
+                             ("params_sha256", "ema_sha256", "eval_loss", "ema_eval_loss", "ema_step"))
 
 
 if __name__ == "__main__":

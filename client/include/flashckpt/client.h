@@ -74,8 +74,9 @@ struct ClientOptions {
   // are not this run's.
   bool overwrite = false;
   // This rank takes memory checkpoints (SnapshotOptions::tier = kMemory). Sent with Register(), which
-  // then fails with kFailedPrecondition when the daemon cannot keep them (--slots below 2, or the
-  // rank has EMA tensors), rather than the first memory Snapshot() mid-run.
+  // then fails with kFailedPrecondition when the daemon cannot keep them (--slots below 2), rather
+  // than the first memory Snapshot() mid-run. A rank with EMA tensors gets the EMA of the step back
+  // with a memory checkpoint.
   bool memory_checkpoints = false;
 };
 

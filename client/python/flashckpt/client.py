@@ -163,7 +163,7 @@ class Client:
         lineage instead: the first snapshot deletes the job's checkpoints of other runs.
       memory_checkpoints: this rank takes memory checkpoints (snapshot(..., tier="memory")):
         register() then raises FailedPreconditionError when the daemon cannot keep them (--slots
-        below 2, or EMA tensors), instead of the first memory snapshot failing mid-run.
+        below 2), instead of the first memory snapshot failing mid-run.
       connect_timeout, rpc_timeout, slot_timeout: deadlines in seconds.
       copy_threads: threads copying large tensors (0: min(cores, 8)).
 
