@@ -2,10 +2,13 @@
 """A 4-process DDP job with one rank SIGKILLed resumes as torch.save/torch.load would have.
 
 For DDP + AdamW and for DDP + ZeroRedundancyOptimizer(AdamW), four gloo processes train an MLP
-against one real flashckptd, saving every 5 steps (each rank writes its share of the state):
+against one real flashckptd, saving every 5 steps (each rank writes its share of the state); with
+ZeRO also with a memory checkpoint every step in between (each rank's holds its optimizer partition):
   1. rank 1 SIGKILLs itself at a random step; the others fail in their next collective and are
      killed too;
-  2. four fresh processes resume from the newest complete checkpoint (step S) and train to the end;
+  2. four fresh processes resume from the newest complete checkpoint (step S; with memory
+     checkpoints, the step rank 1 died at, from the daemon's memory, after the daemon too was
+     SIGKILLed and restarted: the new one adopts the memory checkpoints) and train to the end;
   3. the reference: the same job trained to step S and stopped after torch.save (for ZeRO, of the
      state consolidated on rank 0), then four fresh processes that torch.load it and train to the end.
 The losses of every rank after S in 2 must equal those of 3 bit for bit. (A run that never stopped
@@ -50,7 +53,7 @@ def worker(optim, mode, rank, rendezvous, sock, job, out, arg):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))
-    if optim == "zero":
+    if optim.startswith("zero"):
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -69,6 +72,7 @@ def worker(optim, mode, rank, rendezvous, sock, job, out, arg):
     last = arg if mode == "torch_stop" else STEPS
 
     log = open(out, "a")
+    last_disk = None  # the last step saved to disk (the others are memory checkpoints)
     for step in range(start + 1, last + 1):
         g = torch.Generator().manual_seed(1000 * rank + step)  # the same batch whatever restarted
         x = torch.randn(32, 16, generator=g)
@@ -81,19 +85,22 @@ def worker(optim, mode, rank, rendezvous, sock, job, out, arg):
         log.flush()
         if ck is not None and step % SAVE_EVERY == 0:
             ck.save(step)
+            last_disk = step
+        elif ck is not None and optim == "zero-memory":
+            ck.save(step, tier="memory")
         if mode == "flashckpt" and rank == 1 and step == arg:
             if ck is not None and ck.last_snapshot is not None:
                 ck.wait_copied()
             os.kill(os.getpid(), signal.SIGKILL)
     if mode == "torch_stop":
-        if optim == "zero":
+        if optim.startswith("zero"):
             optimizer.consolidate_state_dict(to=0)
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, reference)
         dist.barrier()
     if ck is not None:
-        if ck.saves:
-            ck.wait_persisted(ck.last_snapshot.step, timeout=60)
+        if last_disk is not None:
+            ck.wait_persisted(last_disk, timeout=60)
         ck.close()
     harness.end_worker()  # with the model and the process group still held: see end_worker
 
@@ -149,20 +156,33 @@ class DistributedSigkillTest(harness.DaemonTestCase):
                 pass
         return "\n".join(text)
 
-    def run_case(self, optim):
+    def run_case(self, optim, memory=False):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", random.randrange(1 << 30)))
         kill_step = random.Random(seed).randrange(SAVE_EVERY + 2, STEPS - 2)
         print("%s: FLASHCKPT_TEST_SEED=%d kills rank 1 at step %d" % (optim, seed, kill_step))
         job = self.daemon.job("sigkill-" + optim)
         self.group(optim, "flashckpt", job, "%s-killed" % optim, kill_step, expect_kill=True)
+        if memory:
+            # Once every rank's memory checkpoint of the kill step is checksummed (restorable() waits
+            # for that), the daemon is SIGKILLed and a new one adopts them.
+            import flashckpt
+            for rank in range(WORLD):
+                with flashckpt.Client(self.daemon.socket, job, rank=rank, world_size=WORLD) as c:
+                    self.assertEqual(c.restorable(timeout=30)[0][0], kill_step, "rank %d" % rank)
+            self.daemon.proc.kill()
+            self.daemon.proc.wait(timeout=30)
+            self.daemon.start()
         resumed = self.group(optim, "flashckpt", job, "%s-resumed" % optim, 0)
         runs = [read_losses(p) for p in resumed]
         start = runs[0][1]
         self.assertTrue(all(r[1] == start for r in runs), [r[1] for r in runs])  # every rank resumed at S
         self.assertIsNotNone(start)
-        self.assertGreaterEqual(start, SAVE_EVERY)
-        self.assertEqual(start % SAVE_EVERY, 0)
-        self.assertLessEqual(start, kill_step)
+        if memory:
+            self.assertEqual(start, kill_step)  # every rank's memory checkpoint of the step rank 1 died at
+        else:
+            self.assertGreaterEqual(start, SAVE_EVERY)
+            self.assertEqual(start % SAVE_EVERY, 0)
+            self.assertLessEqual(start, kill_step)
         self.group(optim, "torch_stop", job, "%s-torch-stop" % optim, start)
         reference = self.group(optim, "torch_resume", job, "%s-torch-resumed" % optim, start)
         for rank in range(WORLD):
@@ -178,6 +198,9 @@ class DistributedSigkillTest(harness.DaemonTestCase):
 
     def test_ddp_zero(self):
         self.run_case("zero")
+
+    def test_ddp_zero_memory_checkpoints(self):
+        self.run_case("zero-memory", memory=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """How flashckpt.torch.Checkpointer.resume() restores a checkpoint into the states, in stages.
 
-    0. memory     with step=None and no ZeroRedundancyOptimizer: the newest memory checkpoint every
-                  rank holds (unless a complete disk checkpoint is newer); each rank restores its
-                  own, and in a job that splits its replicated tensors the ranks then broadcast
-                  their shares. A daemon's error on any rank sends every rank to the disk.
+    0. memory     with step=None: the newest memory checkpoint every rank holds (unless a complete
+                  disk checkpoint is newer); each rank restores its own (a ZeroRedundancyOptimizer
+                  its partition, the same at the same world size), and in a job that splits its
+                  replicated tensors the ranks then broadcast their shares. A daemon's error on any
+                  rank sends every rank to the disk.
     1. probe      restore one tensor into scratch memory to read the checkpoint's structure (its
                   extra state); the ranks agree on the step, and a rank whose number the saving
                   job did not have borrows rank 0's part.
@@ -66,7 +67,7 @@ class Resume:
         # 0. The latest may be a memory checkpoint: the newest step every rank holds in its daemon's
         # memory, unless a complete disk checkpoint is newer.
         memory_failed: Optional[str] = None  # why a memory restore failed, when the disk path follows it
-        if step is None and not self._layout.has_zero():
+        if step is None:
             memory = self._memory_step(group, timeout)
             if memory is not None:
                 memory_failed = self._from_memory(group, memory, timeout)
@@ -143,6 +144,12 @@ class Resume:
             # segment, and the memory checkpoints in it.
             raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d was taken by a job of %s "
                                           "ranks, this one has %d" % (step, saved_world, self._world_size))
+        if self._layout.has_zero():
+            # The same world size, so the same partitions: this rank's own part describes the state
+            # of every parameter it holds, and the saved tree is cut down to those (as save()
+            # registered them, which is what the memory checkpoint holds).
+            _torch_zero.take_partitions(self._layout.states, blob,
+                                        [_torch_zero.resume_part(self._layout.states, blob, False)])
         shares = self._shares.ranks() is not None
         targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
         if self._client.restored_tier not in ("memory", "peer"):

@@ -75,8 +75,9 @@ restore that fails on any rank (a checkpoint dropped meanwhile, for instance) fa
 on every rank, with a warning. A job of several ranks needs a process group for this (without one
 its ranks could not agree on a step). In a job that splits the writing of its replicated tensors
 over its data-parallel ranks, a rank's memory checkpoint holds its share of them: each rank restores
-its share from memory and the ranks broadcast theirs to each other. Not yet with a
-ZeroRedundancyOptimizer (save(tier="memory") raises ValueError).
+its share from memory and the ranks broadcast theirs to each other. With a ZeroRedundancyOptimizer
+each rank's holds its partition of the optimizer state, which a job of the same world size (the same
+partitions) restores from memory.
 
 In a torch.distributed job (a process group of world_size ranks), every rank restores the same
 step: resume() gathers what each rank found (all_gather_object on the group; the group's timeout
@@ -219,15 +220,13 @@ class Checkpointer:
         resume; `loss` feeds the EMA's loss gate. tier="memory": a memory checkpoint, kept by the
         daemon and never written (resume() of a restarted trainer prefers it when it is newest). In
         a job that splits its replicated tensors, each rank's memory checkpoint holds its share, and
-        resume() hands the shares on; with a ZeroRedundancyOptimizer tier="memory" raises ValueError.
+        resume() hands the shares on; with a ZeroRedundancyOptimizer each rank's holds its partition,
+        which a job of the same world size resumes.
         """
         if tier not in ("disk", "memory"):
             raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
-        if tier == "memory" and self._layout.has_zero():
-            raise ValueError("tier='memory' is not available with a ZeroRedundancyOptimizer (resume() could not hand "
-                             "each rank its partition from memory); save it with tier='disk'")
         started = time.perf_counter()
         tree, tensors = self._layout.flatten()
         tensors, specs = self._shares.split(tensors)
