@@ -11,6 +11,7 @@ passes error=AssertionError, so that its failures stay unittest failures.
 
 import glob
 import os
+import re
 import shutil
 import signal
 import socket
@@ -181,6 +182,77 @@ class DaemonHarness:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
                            stdin=subprocess.DEVNULL)
         return p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
+
+
+RESUMED = re.compile(r"^resumed step=(\d+) from=(\w+) verified_elements=(\d+)\b", re.M)
+
+
+class SimPhases(DaemonHarness):
+    """A DaemonHarness whose flashckpt-sim ranks run in phases, each rank of a phase writing
+    <tmp>/<phase>.rank<r>.log: start them, wait until every rank holds a step and SIGKILL them all,
+    read the step each one resumed."""
+
+    timeout_s = 120
+
+    def __init__(self, bin_dir, tmp):
+        super().__init__(bin_dir, tmp)
+        self.sims = []
+
+    def spawn_sims(self, phase, commands):
+        """Starts {rank: command} of `phase`; returns {rank: process}."""
+        procs = {}
+        for rank, cmd in commands.items():
+            path = self.log_path(phase, rank)
+            self.logs.append(path)
+            with open(path, "wb") as out:
+                procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.sims.append(procs[rank])
+        return procs
+
+    def log_path(self, phase, rank):
+        return os.path.join(self.tmp, "%s.rank%d.log" % (phase, rank))
+
+    def output(self, phase, rank):
+        with open(self.log_path(phase, rank), "r", errors="replace") as f:
+            return f.read()
+
+    def hold_and_kill(self, phase, procs, step):
+        """Waits until every rank printed `holding step=<step>`, then SIGKILLs them all."""
+        line = "holding step=%d" % step
+        for rank, p in procs.items():
+            wait_for(lambda: line in self.output(phase, rank) or p.poll() is not None, self.timeout_s,
+                     "%s: rank %d to hold at step %d" % (phase, rank, step))
+            check(p.poll() is None, "%s: rank %d exited with %s before holding:\n%s" %
+                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
+        for p in procs.values():
+            p.kill()
+        for rank, p in procs.items():
+            p.wait(timeout=self.timeout_s)
+            check(p.returncode == -signal.SIGKILL, "%s: rank %d exit status %s" % (phase, rank, p.returncode))
+        log("%s: all %d ranks held at step %d and were SIGKILLed" % (phase, len(procs), step))
+
+    def wait_resumed(self, phase, procs):
+        """Every rank's `resumed` line, once all have printed it: {rank: (step, from)}."""
+        found = {}
+        for rank, p in procs.items():
+            wait_for(lambda: RESUMED.search(self.output(phase, rank)) or p.poll() is not None, self.timeout_s,
+                     "%s: rank %d to resume" % (phase, rank))
+            m = RESUMED.search(self.output(phase, rank))
+            check(m is not None, "%s: rank %d exited (%s) without resuming:\n%s" %
+                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
+            check(int(m.group(3)) > 0, "%s: rank %d verified no element" % (phase, rank))
+            found[rank] = (int(m.group(1)), m.group(2))
+        return found
+
+    def check_all_resumed(self, phase, procs, step, source):
+        """wait_resumed, and every rank resumed `step` from `source`."""
+        for rank, got in sorted(self.wait_resumed(phase, procs).items()):
+            check(got == (step, source), "%s: rank %d resumed step=%d from=%s, expected step=%d from=%s" %
+                  (phase, rank, got[0], got[1], step, source))
+        log("%s: all %d ranks resumed step=%d from=%s, every element checked" % (phase, len(procs), step, source))
+
+    def kill_all(self):
+        kill_processes(self.sims)
 
 
 def run_with_daemon_harness(run, prefix, jobs, bin_dir, keep=False, errors=(TestFailure,), harness=None):

@@ -29,8 +29,7 @@ import sys
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (DaemonHarness, TestFailure, check, kill_processes, log, run_with_daemon_harness,  # noqa: E402
-                     wait_for)
+from harness import SimPhases, TestFailure, check, log, run_with_daemon_harness, wait_for  # noqa: E402
 
 WORLD, TP = 2, 2
 LAYERS, HIDDEN = 2, 64
@@ -39,22 +38,22 @@ SEGMENT_HEADER = 4096  # kSegmentHeaderBytes: the segment's header page, then th
 STATE_FREE = 0
 TIMEOUT_S = 120
 
-RESUMED = re.compile(r"^resumed step=(\d+) from=(\w+) verified_elements=(\d+)\b", re.M)
 EMA_LINE = re.compile(r"^ema step=(-?\d+) tensors=(\d+)$", re.M)
 
 
-class Harness(DaemonHarness):
+class Harness(SimPhases):
+    timeout_s = TIMEOUT_S
+
     def __init__(self, bin_dir, tmp):
         super().__init__(bin_dir, tmp)
         self.job = "memema-%d" % os.getpid()
         self.refs = {}  # last step -> reference job name
-        self.sims = []
 
     def jobs(self):
         return [self.job] + list(self.refs.values())
 
     def start_sims(self, job, phase, steps, resume=False, hold_after=None):
-        procs = {}
+        commands = {}
         for rank in range(WORLD):
             dump = os.path.join(self.tmp, phase, "rank%d" % rank)
             os.makedirs(dump, exist_ok=True)
@@ -67,21 +66,11 @@ class Harness(DaemonHarness):
                 cmd.append("--resume")
             if hold_after is not None:
                 cmd += ["--hold-after", str(hold_after)]
-            path = self.log_path(phase, rank)
-            self.logs.append(path)
-            with open(path, "wb") as out:
-                procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            self.sims.append(procs[rank])
+            commands[rank] = cmd
+        procs = self.spawn_sims(phase, commands)
         log("%s: started %d ranks of %s (steps=%d resume=%s hold_after=%s)" %
             (phase, WORLD, job, steps, resume, hold_after))
         return procs
-
-    def log_path(self, phase, rank):
-        return os.path.join(self.tmp, "%s.rank%d.log" % (phase, rank))
-
-    def output(self, phase, rank):
-        with open(self.log_path(phase, rank), "r", errors="replace") as f:
-            return f.read()
 
     def ema(self, phase, rank):
         """{tensor: bytes} of the EMA the rank dumped at its last step."""
@@ -104,31 +93,6 @@ class Harness(DaemonHarness):
             check(emas and int(emas[-1][0]) == last_step and int(emas[-1][1]) > 0,
                   "%s: rank %d dumped no EMA of step %d: %s" % (phase, rank, last_step, emas))
 
-    def hold_and_kill(self, phase, procs, step):
-        line = "holding step=%d" % step
-        for rank, p in procs.items():
-            wait_for(lambda: line in self.output(phase, rank) or p.poll() is not None, TIMEOUT_S,
-                     "%s: rank %d to hold at step %d" % (phase, rank, step))
-            check(p.poll() is None, "%s: rank %d exited with %s before holding:\n%s" %
-                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
-        for p in procs.values():
-            p.kill()
-        for p in procs.values():
-            p.wait(timeout=TIMEOUT_S)
-        log("%s: both ranks held at step %d and were SIGKILLed" % (phase, step))
-
-    def resumed(self, phase, procs, step, source):
-        for rank, p in procs.items():
-            wait_for(lambda: RESUMED.search(self.output(phase, rank)) or p.poll() is not None, TIMEOUT_S,
-                     "%s: rank %d to resume" % (phase, rank))
-            m = RESUMED.search(self.output(phase, rank))
-            check(m is not None, "%s: rank %d exited (%s) without resuming:\n%s" %
-                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
-            check((int(m.group(1)), m.group(2)) == (step, source),
-                  "%s: rank %d resumed step=%s from=%s, expected step=%d from=%s" %
-                  (phase, rank, m.group(1), m.group(2), step, source))
-        log("%s: both ranks resumed step=%d from=%s" % (phase, step, source))
-
     def reference(self, steps):
         job = "memema-ref%d-%d" % (steps, os.getpid())
         self.refs[steps] = job
@@ -145,9 +109,6 @@ class Harness(DaemonHarness):
                 check(got[name] == want[name], "%s: rank %d: the EMA of %s at step %d differs from the "
                       "uninterrupted run's" % (phase, rank, name, step))
         log("%s: the EMA at step %d equals the uninterrupted run's, bit for bit, on both ranks" % (phase, step))
-
-    def kill_all(self):
-        kill_processes(self.sims)
 
     def segment(self, rank):
         """The /dev/shm path of the rank's slot segment (not its EMA segment)."""
@@ -181,13 +142,13 @@ def run(h):
     procs = h.start_sims(h.job, "kill27", 100, hold_after=27)
     h.hold_and_kill("kill27", procs, 27)
     procs = h.start_sims(h.job, "resume27", 40, resume=True)
-    h.resumed("resume27", procs, 27, "memory")
+    h.check_all_resumed("resume27", procs, 27, "memory")
     h.finish("resume27", procs, 40)
     h.check_same_ema("resume27", ref40, 40)
 
     # --- 3. killed at 44 with the daemon; the next daemon adopts memory step 44 with its EMA ---
     procs = h.start_sims(h.job, "kill44", 100, resume=True, hold_after=44)
-    h.resumed("kill44", procs, 40, "disk")
+    h.check_all_resumed("kill44", procs, 40, "disk")
     h.hold_and_kill("kill44", procs, 44)
     for rank in range(WORLD):
         wait_for(lambda: holds(h.segment(rank), 44), TIMEOUT_S, "rank %d's memory checkpoint 44 to be kept" % rank)
@@ -197,13 +158,13 @@ def run(h):
     h.daemon_log = os.path.join(h.tmp, "flashckptd.restarted.log")
     h.start_daemon(extra_args=["--slots", str(SLOTS)])
     procs = h.start_sims(h.job, "resume44", 50, resume=True)
-    h.resumed("resume44", procs, 44, "memory")
+    h.check_all_resumed("resume44", procs, 44, "memory")
     h.finish("resume44", procs, 50)
     h.check_same_ema("resume44", ref50, 50)
 
     # --- 4. killed at 53; the stop writes memory step 53 with its EMA ---------------------------
     procs = h.start_sims(h.job, "kill53", 100, resume=True, hold_after=53)
-    h.resumed("kill53", procs, 50, "disk")
+    h.check_all_resumed("kill53", procs, 50, "disk")
     h.hold_and_kill("kill53", procs, 53)
     check(not os.path.exists(os.path.join(h.step_dir(53), "metadata.json")), "step 53 was written before the stop")
     rc = h.stop_daemon()
@@ -214,7 +175,7 @@ def run(h):
     h.daemon_log = os.path.join(h.tmp, "flashckptd.third.log")
     h.start_daemon(extra_args=["--slots", str(SLOTS)])
     procs = h.start_sims(h.job, "resume53", 60, resume=True)
-    h.resumed("resume53", procs, 53, "disk")
+    h.check_all_resumed("resume53", procs, 53, "disk")
     h.finish("resume53", procs, 60)
     h.check_same_ema("resume53", ref60, 60)
 

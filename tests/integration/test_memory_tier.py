@@ -41,8 +41,7 @@ import time
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashckpt_reader as reader  # noqa: E402
-from harness import (DaemonHarness, TestFailure, check, kill_processes, log, run_with_daemon_harness,  # noqa: E402
-                     wait_for)
+from harness import SimPhases, TestFailure, check, log, run_with_daemon_harness, wait_for  # noqa: E402
 
 WORLD, TP, SHARD = 4, 2, 2
 LAYERS, HIDDEN = 4, 128
@@ -52,20 +51,20 @@ SLOT_HEADER = 4096      # each slot starts with its header page (state u32, resi
 STATE_FREE = 0
 TIMEOUT_S = 120
 
-RESUMED = re.compile(r"^resumed step=(\d+) from=(\w+) verified_elements=(\d+)\b", re.M)
 DONE = re.compile(r"^done rank=(\d+) last_step=(\d+)", re.M)
 
 
-class Harness(DaemonHarness):
+class Harness(SimPhases):
+    timeout_s = TIMEOUT_S
+
     def __init__(self, bin_dir, tmp):
         super().__init__(bin_dir, tmp)
         self.job = "memtier-%d" % os.getpid()
         self.single_job = "memtier1-%d" % os.getpid()
         self.job_dir = os.path.join(self.root, self.job)
-        self.sims = []
 
     def start_sims(self, phase, steps, resume, hold_after=None):
-        procs = {}
+        commands = {}
         for rank in range(WORLD):
             cmd = [self.binary("flashckpt-sim"), "--socket", self.sock, "--job", self.job,
                    "--rank", str(rank), "--world-size", str(WORLD), "--tp-degree", str(TP),
@@ -76,35 +75,10 @@ class Harness(DaemonHarness):
                 cmd.append("--resume")
             if hold_after is not None:
                 cmd += ["--hold-after", str(hold_after)]
-            path = self.log_path(phase, rank)
-            self.logs.append(path)
-            with open(path, "wb") as out:
-                procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            self.sims.append(procs[rank])
+            commands[rank] = cmd
+        procs = self.spawn_sims(phase, commands)
         log("%s: started %d ranks (steps=%d resume=%s hold_after=%s)" % (phase, WORLD, steps, resume, hold_after))
         return procs
-
-    def log_path(self, phase, rank):
-        return os.path.join(self.tmp, "%s.rank%d.log" % (phase, rank))
-
-    def output(self, phase, rank):
-        with open(self.log_path(phase, rank), "r", errors="replace") as f:
-            return f.read()
-
-    def hold_and_kill(self, phase, procs, step):
-        """Waits until every rank printed `holding step=<step>`, then SIGKILLs them all."""
-        line = "holding step=%d" % step
-        for rank, p in procs.items():
-            wait_for(lambda: line in self.output(phase, rank) or p.poll() is not None, TIMEOUT_S,
-                     "%s: rank %d to hold at step %d" % (phase, rank, step))
-            check(p.poll() is None, "%s: rank %d exited with %s before holding:\n%s" %
-                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
-        for p in procs.values():
-            p.kill()
-        for rank, p in procs.items():
-            p.wait(timeout=TIMEOUT_S)
-            check(p.returncode == -signal.SIGKILL, "%s: rank %d exit status %s" % (phase, rank, p.returncode))
-        log("%s: all %d ranks held at step %d and were SIGKILLed" % (phase, WORLD, step))
 
     def finish(self, phase, procs, last_step):
         deadline = time.monotonic() + TIMEOUT_S
@@ -117,22 +91,6 @@ class Harness(DaemonHarness):
             check(p.returncode == 0, "%s: rank %d exited with %d:\n%s" % (phase, rank, p.returncode, out[-3000:]))
             done = DONE.findall(out)
             check(done == [(str(rank), str(last_step))], "%s: rank %d: done lines %s" % (phase, rank, done))
-
-    def wait_resumed(self, phase, procs):
-        """Every rank's `resumed` line, once all have printed it: {rank: (step, from)}."""
-        found = {}
-        for rank, p in procs.items():
-            wait_for(lambda: RESUMED.search(self.output(phase, rank)) or p.poll() is not None, TIMEOUT_S,
-                     "%s: rank %d to resume" % (phase, rank))
-            m = RESUMED.search(self.output(phase, rank))
-            check(m is not None, "%s: rank %d exited (%s) without resuming:\n%s" %
-                  (phase, rank, p.returncode, self.output(phase, rank)[-3000:]))
-            check(int(m.group(3)) > 0, "%s: rank %d verified no element" % (phase, rank))
-            found[rank] = (int(m.group(1)), m.group(2))
-        return found
-
-    def kill_all(self):
-        kill_processes(self.sims)
 
     def complete_steps(self):
         return reader.complete_steps(self.job_dir)
@@ -179,13 +137,6 @@ def flip_tensor_byte(path, slot):
         f.write(bytes([b[0] ^ 0x10]))
 
 
-def check_all_resumed(phase, found, step, source):
-    for rank, got in sorted(found.items()):
-        check(got == (step, source), "%s: rank %d resumed step=%d from=%s, expected step=%d from=%s" %
-              (phase, rank, got[0], got[1], step, source))
-    log("%s: all %d ranks resumed step=%d from=%s, every element checked" % (phase, WORLD, step, source))
-
-
 def run(h):
     h.start_daemon(extra_args=["--slots", str(SLOTS)])
 
@@ -198,13 +149,13 @@ def run(h):
 
     # --- 2. resumed from memory at 27 ------------------------------------------------------------
     procs = h.start_sims("phase2", 30, resume=True)
-    check_all_resumed("phase2", h.wait_resumed("phase2", procs), 27, "memory")
+    h.check_all_resumed("phase2", procs, 27, "memory")
     h.finish("phase2", procs, 30)
     wait_for(lambda: 30 in h.complete_steps(), TIMEOUT_S, "checkpoint-30 to complete")
 
     # --- 3. disk 30 is newer than memory 29: from disk; run to 37 and kill ---------------------
     procs = h.start_sims("phase3", 100, resume=True, hold_after=37)
-    check_all_resumed("phase3", h.wait_resumed("phase3", procs), 30, "disk")
+    h.check_all_resumed("phase3", procs, 30, "disk")
     h.hold_and_kill("phase3", procs, 37)
 
     # --- 4. a flipped byte in rank 1's memory checkpoint 37: everyone from disk at 30 ----------
@@ -213,7 +164,7 @@ def run(h):
     flip_tensor_byte(path, slot)
     log("phase4: flipped one byte of rank 1's memory checkpoint 37 (%s, slot at %d)" % (path, slot))
     procs = h.start_sims("phase4", 40, resume=True)
-    check_all_resumed("phase4", h.wait_resumed("phase4", procs), 30, "disk")
+    h.check_all_resumed("phase4", procs, 30, "disk")
     h.finish("phase4", procs, 40)
     with open(h.daemon_log, "r", errors="replace") as f:
         daemon_log = f.read()
@@ -234,7 +185,7 @@ def run(h):
 
     # --- 6. killed at 44, the daemon SIGKILLed and restarted: from memory at 44 ------------------
     procs = h.start_sims("phase6", 100, resume=True, hold_after=44)
-    check_all_resumed("phase6", h.wait_resumed("phase6", procs), 40, "disk")
+    h.check_all_resumed("phase6", procs, 40, "disk")
     h.hold_and_kill("phase6", procs, 44)
     for rank in range(WORLD):
         kept_slot(h.segment(rank), 44)  # every rank's memory checkpoint 44 is kept (checksummed) first
@@ -245,7 +196,7 @@ def run(h):
     h.daemon_log = os.path.join(h.tmp, "flashckptd.restarted.log")
     h.start_daemon(extra_args=["--slots", str(SLOTS)])
     procs = h.start_sims("phase7", 100, resume=True, hold_after=47)
-    check_all_resumed("phase7", h.wait_resumed("phase7", procs), 44, "memory")
+    h.check_all_resumed("phase7", procs, 44, "memory")
     with open(h.daemon_log, "r", errors="replace") as f:
         adopted = f.read().count("step=44 tier=memory: kept before the restart")
     check(adopted == WORLD, "phase7: the restarted daemon logged %d adopted memory checkpoints, expected %d" %
