@@ -61,12 +61,13 @@ void MemoryTier::RestoredLocked(Core& c_, const std::string& job, uint32_t rank,
 
 void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                                 uint32_t rank) {
-  // A replica does not carry the EMA of its step: a rank with EMA restores from its own daemon's
-  // memory or from disk, and a peer's copy of its tensors would be of no use to it.
-  if (!c_.sender_ || segment->ema) return;
+  if (!c_.sender_) return;
   std::shared_ptr<const ResidentCheckpoint> resident = c_.Slots(*segment).ResidentIn(slot);
   auto jit = c_.jobs_.find(job);
   if (!resident || jit == c_.jobs_.end()) return;
+  // A rank with EMA: the replica carries the EMA image of the step, which lies in the slot's EMA
+  // room, right after the slot's tensors: the pushed range grows by the image.
+  if (segment->ema && (!resident->ema || segment->ema_area != segment->layout.slot_bytes)) return;
   auto rit = jit->second.ranks.find(rank);
   if (rit == jit->second.ranks.end() || rit->second.segment != segment) return;
   RankState& state = rit->second;
@@ -81,9 +82,23 @@ void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>
   out->meta.attempt = attempt_number;
   out->meta.world_size = resident->world_size;
   out->meta.bytes = layout.slot_bytes - kSlotImageOffset;
-  out->meta.layout = EncodeReplicaLayout(ReplicaLayoutOf(layout, segment->layout_fingerprint, kSlotImageOffset,
-                                                        resident->sums, resident->attempt.run_id,
-                                                        resident->attempt.resumed_from));
+  ReplicaLayout where = ReplicaLayoutOf(layout, segment->layout_fingerprint, kSlotImageOffset, resident->sums,
+                                        resident->attempt.run_id, resident->attempt.resumed_from);
+  if (segment->ema) {
+    ReplicaLayout::Ema ema;
+    ema.image_offset = segment->ema_area;
+    ema.image_bytes = segment->ema->plan().image_bytes();
+    ema.layout_fingerprint = segment->ema_fingerprint;
+    ema.sums = resident->ema_sums;
+    ema.initialized = resident->ema->initialized;
+    ema.updates_applied = resident->ema->updates_applied;
+    ema.updates_skipped = resident->ema->updates_skipped;
+    ema.last_step = resident->ema->last_step;
+    ema.last_seen = resident->ema->last_seen;
+    out->meta.bytes += ema.image_bytes;
+    where.ema = std::move(ema);
+  }
+  out->meta.layout = EncodeReplicaLayout(where);
   out->meta.extra = resident->extra;
   out->meta.origin_node = c_.config_.node_name;
   out->meta.run_id = resident->attempt.run_id;

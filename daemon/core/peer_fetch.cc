@@ -26,21 +26,61 @@ std::chrono::system_clock::time_point SystemDeadline(const Clock& clock, std::ch
          std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - clock.Now());
 }
 
-// The replica's own description of where its tensors lie, checked against the rank's layout, and
-// its chunk checksums. FAILED_PRECONDITION when the layouts differ (the job was reshaped: the
-// files serve it), CORRUPTION when the description does not hold together.
-Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& segment) {
+// What a replica carries besides its bytes, checked against the rank: the chunk checksums of its
+// tensors and, for a rank with EMA, the EMA of its step (its counters, its image's checksums).
+struct ReplicaChecks {
+  SlotChecksums sums;
+  std::optional<EmaState> ema;
+  SlotChecksums ema_sums;
+};
+
+// The bytes a replica of the segment's rank holds: its slot from kSlotImageOffset and, with EMA, the
+// EMA image in the slot's EMA room, which follows the slot's tensors.
+uint64_t ReplicaBytes(const RankSegment& segment) {
+  return segment.layout.slot_bytes - kSlotImageOffset + (segment.ema ? segment.ema->plan().image_bytes() : 0);
+}
+
+// A replica's EMA (`where.ema`), checked against the rank's (`checks`: filled in): FAILED_PRECONDITION
+// when one of them has none or they differ in layout or options, CORRUPTION when it does not hold
+// together.
+Status CheckReplicaEma(const ReplicaMeta& meta, const ReplicaLayout& where, const RankSegment& segment,
+                       ReplicaChecks* checks) {
+  if (where.ema.has_value() != (segment.ema != nullptr)) {
+    return FailedPrecondition(segment.ema ? "it carries no EMA, and this rank has EMA tensors"
+                                          : "it carries an EMA, and this rank has none");
+  }
+  if (!segment.ema) return Status::OK();
+  const ReplicaLayout::Ema& e = *where.ema;
+  if (e.image_offset != segment.ema_area || segment.ema_area != segment.layout.slot_bytes ||
+      e.image_bytes != segment.ema->plan().image_bytes() || e.layout_fingerprint != segment.ema_fingerprint) {
+    return FailedPrecondition("its EMA was taken with other EMA tensors or options than this rank's");
+  }
+  if (e.last_seen > meta.step || e.last_step > e.last_seen) {
+    return Corruption("its EMA's counters (last step " + std::to_string(e.last_step) + ", last seen " +
+                      std::to_string(e.last_seen) + ") do not fit its step " + std::to_string(meta.step));
+  }
+  RETURN_IF_ERROR(CheckSlotChecksumsFit(segment.ema->plan().layout, e.sums));
+  checks->ema = EmaState{e.initialized, e.updates_applied, e.updates_skipped, e.last_step, e.last_seen};
+  checks->ema_sums = e.sums;
+  return Status::OK();
+}
+
+// The replica's own description of where its tensors lie, checked against the rank's layout, with
+// its chunk checksums and its EMA (CheckReplicaEma). FAILED_PRECONDITION when the layouts differ
+// (the job was reshaped: the files serve it), CORRUPTION when the description does not hold together.
+Result<ReplicaChecks> ReplicaSums(const ReplicaMeta& meta, const RankSegment& segment) {
   const RankLayout& layout = segment.layout;
   ASSIGN_OR_RETURN(const ReplicaLayout where, DecodeReplicaLayout(meta.layout));
   if (where.layout_fingerprint != segment.layout_fingerprint) {
     return FailedPrecondition("it was taken in another layout (its tensors, their shapes or places, or the "
                               "parallel layout differ from this rank's)");
   }
-  if (where.image_offset != kSlotImageOffset || meta.bytes != layout.slot_bytes - kSlotImageOffset) {
+  ReplicaChecks checks;
+  RETURN_IF_ERROR(CheckReplicaEma(meta, where, segment, &checks));
+  if (where.image_offset != kSlotImageOffset || meta.bytes != ReplicaBytes(segment)) {
     return FailedPrecondition("it has " + std::to_string(meta.bytes) + " bytes from slot offset " +
-                              std::to_string(where.image_offset) + ", this rank's slot " +
-                              std::to_string(layout.slot_bytes - kSlotImageOffset) + " from " +
-                              std::to_string(kSlotImageOffset));
+                              std::to_string(where.image_offset) + ", this rank's replicas " +
+                              std::to_string(ReplicaBytes(segment)) + " from " + std::to_string(kSlotImageOffset));
   }
   if (where.tensors.size() != layout.tensors.size()) {
     return FailedPrecondition("it holds " + std::to_string(where.tensors.size()) + " tensors, this rank " +
@@ -58,12 +98,12 @@ Result<SlotChecksums> ReplicaSums(const ReplicaMeta& meta, const RankSegment& se
     }
   }
   RETURN_IF_ERROR(CheckSlotChecksumsFit(layout, where.sums));
-  return where.sums;
+  checks.sums = where.sums;
+  return checks;
 }
 
-// What the rank holds here, for FetchPeerReplica: its segment (null: none to fetch into, or a rank
-// with EMA), its newest memory step, whether it holds the step asked for, and the runs of its
-// memory checkpoints.
+// What the rank holds here, for FetchPeerReplica: its segment (null: none to fetch into), its newest
+// memory step, whether it holds the step asked for, and the runs of its memory checkpoints.
 struct RankHere {
   std::shared_ptr<RankSegment> segment;
   uint32_t world_size = 0;
@@ -78,7 +118,7 @@ RankHere LookAtRank(Core& c_, const std::string& job, uint32_t rank_id, int64_t 
   auto jit = c_.jobs_.find(job);
   if (jit == c_.jobs_.end()) return here;
   auto rit = jit->second.ranks.find(rank_id);
-  if (rit == jit->second.ranks.end() || !rit->second.segment || rit->second.segment->ema) return here;
+  if (rit == jit->second.ranks.end() || !rit->second.segment) return here;
   const std::shared_ptr<RankSegment>& segment = rit->second.segment;
   here.world_size = rit->second.topology.world_size;
   const std::vector<int64_t> held = c_.Slots(*segment).ResidentSteps();
@@ -177,7 +217,7 @@ void RaiseAttemptFloor(Core& c_, const std::string& job, uint32_t rank_id, uint6
 // a memory checkpoint of the rank.
 void KeepFetched(Core& c_, const std::string& job, uint32_t rank_id, RankSegment& segment, SlotTicket ticket,
                  const ListedReplica& best, const Status& checked, const Result<ReplicaMeta>& fetched,
-                 SlotChecksums sums, double secs) EXCLUDES(c_.mu_) {
+                 ReplicaChecks checks, double secs) EXCLUDES(c_.mu_) {
   const int64_t step = best.meta.step;
   MutexLock lock(&c_.mu_);
   c_.Slots(segment).SetLoading(ticket.slot, false);
@@ -209,7 +249,9 @@ void KeepFetched(Core& c_, const std::string& job, uint32_t rank_id, RankSegment
   resident->attempt = Attempt{where->run_id, where->resumed_from};
   resident->world_size = fetched->world_size;
   resident->extra = fetched->extra;
-  resident->sums = std::move(sums);
+  resident->sums = std::move(checks.sums);
+  resident->ema = checks.ema;
+  resident->ema_sums = std::move(checks.ema_sums);
   resident->from_peer = best.peer->target;
   Status kept = c_.Slots(segment).KeepFetched(ticket, std::move(resident));
   c_.Mirror(segment, ticket.slot);
@@ -243,27 +285,34 @@ void FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std
   }
   const auto started = c_.clock_.Now();
   char* into = segment->Slot(ticket->slot) + kSlotImageOffset;
-  SlotChecksums sums;
+  ReplicaChecks checks;
   const auto fetch_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
   auto fetched = FetchReplica(
-      best.peer->channel.get(), c_.config_.node_name, job, rank_id, step, segment->layout.slot_bytes - kSlotImageOffset,
+      best.peer->channel.get(), c_.config_.node_name, job, rank_id, step, ReplicaBytes(*segment),
       [&](const ReplicaMeta& meta) -> Result<char*> {
         // The one listed (and checked against the lineage), not one the peer holds in its place now.
         if (meta.run_id != best.meta.run_id || meta.resumed_from != best.meta.resumed_from ||
             meta.attempt != best.meta.attempt || meta.origin_node != best.meta.origin_node) {
           return FailedPrecondition("the peer's replica changed after it was listed");
         }
-        ASSIGN_OR_RETURN(sums, ReplicaSums(meta, *segment));
+        ASSIGN_OR_RETURN(checks, ReplicaSums(meta, *segment));
         return into;
       },
       SystemDeadline(c_.clock_, fetch_by), OriginOf(best.meta));
   Status checked = fetched.status();
   if (checked.ok()) {
     ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
-    checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, sums, &verifiers);
+    checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, checks.sums, &verifiers);
+    if (checked.ok() && segment->ema) {
+      // The EMA image's tensors against their checksums; its header is this daemon's own again.
+      char* image = segment->SlotEmaBase(ticket->slot);
+      checked = VerifySlotChecksums(image, segment->ema->plan().layout, checks.ema_sums, &verifiers);
+      if (!checked.ok()) checked = checked.WithContext("the EMA image of the replica of step " + std::to_string(step));
+      if (checked.ok()) segment->ema->StampImage(image, step, *checks.ema, &verifiers);
+    }
   }
   const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
-  KeepFetched(c_, job, rank_id, *segment, *ticket, best, checked, fetched, std::move(sums), secs);
+  KeepFetched(c_, job, rank_id, *segment, *ticket, best, checked, fetched, std::move(checks), secs);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@ RankSegment::RankSegment(RankLayout l, std::unique_ptr<SharedSegment> s, uint32_
       ema(std::move(e)),
       slot_stride(stride),
       ema_area(ema_offset),
+      ema_fingerprint(ema ? ReplicaLayoutFingerprint(ema->plan().layout) : 0),
       slots_(count),
       used_(counter),
       accounted_(shm->size() + (ema ? ema->bytes() : 0)),

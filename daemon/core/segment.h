@@ -43,6 +43,8 @@ class RankSegment {
   uint64_t tensor_bytes = 0;           // the rank's tensors in one slot (replicas included)
   const uint64_t slot_stride;          // bytes per slot
   const uint64_t ema_area;             // offset of the EMA image room within a slot
+  // With EMA: ReplicaLayoutFingerprint of its plan's layout, which a fetched replica's EMA must match.
+  const uint64_t ema_fingerprint;
   // Host memory this segment (and its EMA segment) counts against the daemon's budget.
   uint64_t accounted() const { return accounted_; }
 

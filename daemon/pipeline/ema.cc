@@ -281,6 +281,12 @@ void RankEma::Stamp(char* image_base, int64_t step, const EmaState& state, Paral
   StampEmaCounters(image_base, plan_.layout, 0, state.updates_applied, state.updates_skipped, state.last_step);
 }
 
+void RankEma::StampImage(char* image_base, int64_t step, const EmaState& state, ParallelLoop* loop) const {
+  const FileImage& image = plan_.layout.files[0];
+  std::memcpy(image_base + image.slot_offset, image.header.data(), image.header.size());
+  Stamp(image_base, step, state, loop);
+}
+
 EmaState RankEma::CopyAverage(char* image_base) const {
   MutexLock lock(&mu_);
   const FileImage& image = plan_.layout.files[0];

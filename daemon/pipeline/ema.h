@@ -137,6 +137,11 @@ class RankEma {
   // Copies the tensor data of the current average into the image at `image_base` (the base of the
   // plan's offsets, as for Apply's slot image) and returns the counters it is as of.
   EmaState CopyAverage(char* image_base) const EXCLUDES(mu_);
+  // Writes the header of the EMA image at `image_base` (the base of the plan's offsets, as for
+  // Apply's slot image) as of `step` with `state`: the plan's header, then the step, the counters
+  // and each tensor's checksum of the bytes there. For an image whose tensors were checked but whose
+  // header came from elsewhere (a peer's replica): the header is this daemon's own again.
+  void StampImage(char* image_base, int64_t step, const EmaState& state, ParallelLoop* loop) const;
   // Loads an average: `fill` writes it into the spare image at the base it is given; when it
   // succeeds, that image becomes current with `state` in one flip. A failed `fill` changes nothing.
   Status Load(const std::function<Status(char* image_base)>& fill, const EmaState& state) EXCLUDES(mu_);

@@ -33,6 +33,20 @@ std::string EncodeReplicaLayout(const ReplicaLayout& layout) {
   where.set_resumed_from(layout.resumed_from);
   where.set_image_offset(layout.image_offset);
   where.set_layout_fingerprint(layout.layout_fingerprint);
+  if (layout.ema) {
+    v1::ReplicaEma* e = where.mutable_ema();
+    e->set_image_offset(layout.ema->image_offset);
+    e->set_image_bytes(layout.ema->image_bytes);
+    e->set_layout_fingerprint(layout.ema->layout_fingerprint);
+    e->set_checksum_chunk(layout.ema->sums.chunk_bytes);
+    *e->mutable_first_chunk() = {layout.ema->sums.first.begin(), layout.ema->sums.first.end()};
+    *e->mutable_sums() = {layout.ema->sums.sums.begin(), layout.ema->sums.sums.end()};
+    e->set_initialized(layout.ema->initialized);
+    e->set_updates_applied(layout.ema->updates_applied);
+    e->set_updates_skipped(layout.ema->updates_skipped);
+    e->set_last_step(layout.ema->last_step);
+    e->set_last_seen(layout.ema->last_seen);
+  }
   return where.SerializeAsString();
 }
 
@@ -48,6 +62,22 @@ Result<ReplicaLayout> DecodeReplicaLayout(const std::string& bytes) {
   out.resumed_from = where.resumed_from();
   out.image_offset = where.image_offset();
   out.layout_fingerprint = where.layout_fingerprint();
+  if (where.has_ema()) {
+    const v1::ReplicaEma& e = where.ema();
+    ReplicaLayout::Ema ema;
+    ema.image_offset = e.image_offset();
+    ema.image_bytes = e.image_bytes();
+    ema.layout_fingerprint = e.layout_fingerprint();
+    ema.sums.chunk_bytes = e.checksum_chunk();
+    ema.sums.first.assign(e.first_chunk().begin(), e.first_chunk().end());
+    ema.sums.sums.assign(e.sums().begin(), e.sums().end());
+    ema.initialized = e.initialized();
+    ema.updates_applied = e.updates_applied();
+    ema.updates_skipped = e.updates_skipped();
+    ema.last_step = e.last_step();
+    ema.last_seen = e.last_seen();
+    out.ema = std::move(ema);
+  }
   return out;
 }
 

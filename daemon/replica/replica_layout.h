@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,21 @@ struct ReplicaLayout {
   int64_t resumed_from = 0;
   uint64_t image_offset = 0;  // where the replica's bytes begin in the slot
   uint64_t layout_fingerprint = 0;
+  // A rank with the daemon's EMA: the EMA of the step, whose image follows the slot's bytes in the
+  // replica (replica.proto's ReplicaEma): where it lies in the slot, its size, the fingerprint of
+  // the EMA plan's layout, the checksums of its tensors and the EMA's counters.
+  struct Ema {
+    uint64_t image_offset = 0;
+    uint64_t image_bytes = 0;
+    uint64_t layout_fingerprint = 0;
+    SlotChecksums sums;
+    bool initialized = false;
+    uint64_t updates_applied = 0;
+    uint64_t updates_skipped = 0;
+    int64_t last_step = -1;
+    int64_t last_seen = -1;
+  };
+  std::optional<Ema> ema;
 };
 
 // The description of a memory checkpoint of a rank laid out as `layout`.

@@ -1228,6 +1228,103 @@ TEST(ReplicaSenderTest, ARankOnAFreshNodeResumesFromThePeersReplica) {
   EXPECT_TRUE(t.All(2));
 }
 
+// A rank with the daemon's EMA: its replicas carry the EMA of their step (its image, counters and
+// checksums), so the rank restored from a peer's replica on a fresh node continues the average of
+// that step. A replica whose EMA image was changed on the way (the parts' own checksums made to
+// match) fails the EMA's checksums and the files serve the restore.
+TEST(ReplicaSenderTest, ARankWithEmaRestoredFromAPeersReplicaGetsTheEmaOfItsStep) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string job = "moved-ema";
+  UnlinkEmaSegments(job);
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon holder("flashckpt-replica-peer");
+  ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  const std::string root = holder.dir() + "/shared-root";
+  auto node = [&](const std::string& name) {
+    return [=](DaemonConfig& c) {
+      c.node_name = name;
+      c.replicate_to = {peer};
+      c.root = root;
+      c.persist_on_stop = false;
+    };
+  };
+  auto trainer = [&](InProcessDaemon& d) {
+    TestTrainer t;
+    t.client = d.Connect(job, 0, [](ClientOptions& o) { o.memory_checkpoints = true; });
+    EmaOptions ema;
+    ema.decay = 0.5;
+    if (t.client) EXPECT_OK(t.client->Register(Topology{}, ModelAndMomentSpecs(kFloats), ema));
+    t.w.resize(kFloats);
+    t.m.resize(kFloats);
+    t.bufs = {{"w", t.w.data(), kFloats * 4}, {"w.exp_avg", t.m.data(), kFloats * 4}};
+    return t;
+  };
+  auto ema_of = [&](TestTrainer& t) -> std::pair<int64_t, float> {
+    std::vector<float> ema(kFloats, -1.0f);
+    auto got = t.client->Ema({{"w", ema.data(), kFloats * 4}}, 10s);
+    EXPECT_OK(got.status());
+    const bool alike = std::all_of(ema.begin(), ema.end(), [&](float x) { return x == ema[0]; });
+    return {got.ok() ? got->step : -2, alike ? ema[0] : -1.0f};
+  };
+  {
+    InProcessDaemon lost("flashckpt-replica-lost");
+    ASSERT_OK(lost.Start(node("node-a")));
+    TestTrainer t = trainer(lost);
+    ASSERT_NE(t.client, nullptr);
+    ASSERT_OK(t.Memory(1));  // EMA 1 (the first update copies)
+    ASSERT_OK(t.Save(2));    // 0.5 * 1 + 0.5 * 2 = 1.5
+    ASSERT_OK(t.Memory(3));  // 0.5 * 1.5 + 0.5 * 3 = 2.25
+    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, job, 3); })) << PeerOf(lost).last_error;
+  }
+  {
+    InProcessDaemon fresh("flashckpt-replica-fresh");
+    ASSERT_OK(fresh.Start(node("node-c")));
+    TestTrainer t = trainer(fresh);
+    ASSERT_NE(t.client, nullptr);
+    auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+    ASSERT_OK(r.status());
+    EXPECT_EQ(r->step, 3);
+    EXPECT_EQ(r->tier, Tier::kPeer);
+    EXPECT_TRUE(t.All(3));
+    EXPECT_EQ(ema_of(t), std::make_pair(int64_t{3}, 2.25f)) << "the EMA of the peer's replica of step 3";
+  }
+
+  // The replica's EMA image changed on the way: a byte flipped, the parts' checksums made to match.
+  auto channel = ReplicaChannel({peer, "", "", "", ""});
+  ASSERT_OK(channel.status());
+  std::vector<char> image;
+  auto held = FetchReplica(channel->get(), "node-c", job, 0, 3, 1u << 30,
+                           [&](const ReplicaMeta& m) -> Result<char*> {
+                             image.resize(m.bytes);
+                             return image.data();
+                           },
+                           Deadline());
+  ASSERT_OK(held.status());
+  v1::ReplicaLayout layout;
+  ASSERT_TRUE(layout.ParseFromString(held->layout));
+  ASSERT_TRUE(layout.has_ema());
+  ASSERT_EQ(layout.ema().image_offset() + layout.ema().image_bytes() - layout.image_offset(), image.size());
+  // Half way into the EMA image: past its header, in its tensor.
+  image[layout.ema().image_offset() - layout.image_offset() + layout.ema().image_bytes() / 2] ^= 0x10;
+  ReplicaMeta bad = *held;
+  bad.step = 4;
+  bad.attempt = held->attempt + 60 * 1000;
+  bad.part_bytes = kPart;
+  ASSERT_OK(PushReplica(channel->get(), bad, image.data(), Deadline()));
+  InProcessDaemon fresh("flashckpt-replica-fresh");
+  ASSERT_OK(fresh.Start(node("node-d")));
+  TestTrainer t = trainer(fresh);
+  ASSERT_NE(t.client, nullptr);
+  auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 2);
+  EXPECT_EQ(r->tier, Tier::kDisk);
+  EXPECT_EQ(ema_of(t), std::make_pair(int64_t{2}, 1.5f)) << "the EMA of checkpoint-2 on disk";
+  t.client.reset();
+  fresh.Stop();
+  UnlinkEmaSegments(job);
+}
+
 // A step asked for by number comes from a peer when this node does not hold it, also when the node
 // holds newer ones: the peer's copy of the step is fetched, not its newest, and not passed over
 // because the node has newer steps.
