@@ -455,7 +455,11 @@ TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
   EXPECT_EQ(*latest, "3\n");
   ASSERT_OK(rank0->WaitComplete(3, 5s));
   // LATEST naming a newer step that this daemon does not see complete (another node's, shown late)
-  // is never moved back by a sweep.
+  // is never moved back by a sweep. Written twice, 1 s apart: a sweep that read LATEST before the
+  // first write (and moves it forward to 3, as it may: a sweep replaces what it read) has renamed
+  // its LATEST by the second; every sweep after that reads 9.
+  ASSERT_OK(WriteFileDurably(JobDir(job), "LATEST", "9\n"));
+  std::this_thread::sleep_for(1s);
   ASSERT_OK(WriteFileDurably(JobDir(job), "LATEST", "9\n"));
   std::this_thread::sleep_for(1s);  // five sweeps of each daemon
   latest = ReadSmallFile(JobDir(job) + "/LATEST", 64);

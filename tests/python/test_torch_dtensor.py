@@ -22,8 +22,9 @@ worker processes (this file, run with "worker") against one real flashckptd:
   rank's shard of a layer empty) and 1 x 4 (tensor parallelism alone) with every tensor equal to the
   saved one and the next steps' losses equal, bit for bit, to those after DCP's load of its own
   checkpoint into the same mesh;
-- an FSDP2 job that takes memory checkpoints (the disk's at step 2) and is SIGKILLed after step 3's
-  resumes step 3 from the daemon's memory on both ranks, with the uninterrupted run's losses.
+- an FSDP2 job that takes memory checkpoints (the disk's at step 2) and is SIGKILLed after step 3's,
+  and then the daemon too, resumes step 3 from memory on both ranks (the new daemon adopted them),
+  with the uninterrupted run's losses.
 """
 
 import json
@@ -259,6 +260,15 @@ class DTensorTest(harness.DaemonTestCase):
         # ranks agree on the newest step all hold, newer than the disk's, and restore it from memory.
         job = self.daemon.job("memory")
         saved, want = self.run_case("memory_save", "2x1", job)
+        # Once both ranks' memory checkpoints of the step are checksummed (restorable() waits for
+        # that), the daemon is SIGKILLed too; the new one adopts them.
+        import flashckpt
+        for rank in range(2):
+            with flashckpt.Client(self.daemon.socket, job, rank=rank, world_size=2) as c:
+                self.assertEqual(c.restorable(timeout=30)[0][:1], [STEPS_BEFORE], "rank %d" % rank)
+        self.daemon.proc.kill()
+        self.daemon.proc.wait(timeout=30)
+        self.daemon.start()
         resumed = self.resume("2x1", job, want, case="memory_resume")
         for r in resumed:
             self.assertEqual((r["tier"], r["extra"]), ("memory", {"layout": "2x1"}))
