@@ -199,7 +199,8 @@ def main():
         two_named_runs(h)
         log_file(h)
 
-    jobs = lambda h: ["%s-l%d" % (PREFIX, i) for i in range(args.launches)] + [PREFIX + "-same", PREFIX + "-two"]
+    jobs = lambda h: (["%s-l%d" % (PREFIX, i) for i in range(args.launches)] +
+                      [PREFIX + "-same", PREFIX + "-two", PREFIX + "-log"])
     return run_with_daemon_harness(run, PREFIX, jobs, args.bin_dir, keep=args.keep)
 
 
