@@ -113,7 +113,8 @@ sim() {  # sim <rank> <log> [extra flags...]: starts one simulated rank in the b
 
 demo_sim() {
   heading "2. Train: 2 ranks (tensor parallel 2), 40 steps of 50 ms, a checkpoint every 10 steps"
-  sim 0 "$TMP/rank0.train.log"; RANK0=$!
+  # Rank 0 ends once its own last save is durable: rank 1, killed below, never completes that checkpoint.
+  sim 0 "$TMP/rank0.train.log" --no-wait-complete; RANK0=$!
   sim 1 "$TMP/rank1.train.log"; RANK1=$!
   note "rank 0 pid $RANK0, rank 1 pid $RANK1"
   wait_file "$JOB_DIR/checkpoint-20/metadata.json" 120 "$RANK1"
