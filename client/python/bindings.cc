@@ -390,12 +390,12 @@ class PyClient {
   }
 
   // -> (memory steps newest first, disk step or None, extra of extra_of)
-  py::tuple Restorable(double timeout, std::optional<int64_t> extra_of) {
+  py::tuple Restorable(double timeout, std::optional<int64_t> extra_of, bool verify) {
     Result<RestorableSteps> got = Status(StatusCode::kInternal, "not run");
     Client* client = Live();  // raises, so it must run with the GIL held
     {
       py::gil_scoped_release release;
-      got = client->Restorable(Millis(timeout), extra_of);
+      got = client->Restorable(Millis(timeout), extra_of, verify);
     }
     RestorableSteps r = Take(std::move(got));
     py::object disk = r.disk_step ? py::object(py::int_(*r.disk_step)) : py::object(py::none());
@@ -517,7 +517,8 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def("restore", &PyClient::Restore, py::arg("step"), py::arg("buffers"), py::arg("timeout"),
            py::arg("convert_dtype") = false, py::arg("kinds") = std::vector<std::string>{},
            py::arg("source_job") = std::string(), py::arg("cuda_stream") = 0)
-      .def("restorable", &PyClient::Restorable, py::arg("timeout"), py::arg("extra_of") = std::nullopt)
+      .def("restorable", &PyClient::Restorable, py::arg("timeout"), py::arg("extra_of") = std::nullopt,
+           py::arg("verify") = true)
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))
       .def("status_json", &PyClient::StatusJson)

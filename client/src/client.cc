@@ -394,6 +394,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
     tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
   }
   ParallelCopy(impl_->copier.get(), tasks);
+  impl_->PopulateInBackground();
 
   SnapshotHandle handle;
   handle.step_ = step;
@@ -419,14 +420,15 @@ Status Client::WaitPersisted(int64_t step, std::chrono::milliseconds timeout) {
   });
 }
 
-Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of) {
+Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of,
+                                           bool verify) {
   RETURN_IF_ERROR(impl_->Usable());
   if (extra_of && *extra_of <= 0) return InvalidArgument("Restorable: extra_of must be a step (> 0)");
   v1::RestorableResponse resp;
   RETURN_IF_ERROR(impl_->WithSession([&] {
     grpc::ClientContext ctx;
     impl_->Deadline(&ctx, timeout);
-    const auto req = RestorableRequestOf(impl_->session_id, extra_of, timeout);
+    const auto req = RestorableRequestOf(impl_->session_id, extra_of, timeout, verify);
     return FromGrpc(impl_->stub->Restorable(&ctx, req, &resp), "Restorable");
   }));
   return RestorableStepsOf(resp);

@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -82,7 +83,12 @@ struct Client::Impl {
   std::string run_id;  // the session's run, from the first registration's reply
   bool broken = false;
 
+  // Mapped lazily: a restarted trainer's restore touches the one slot it reads. Once a snapshot has
+  // filled a slot, `populator` maps the pages of all of them in the background, so no later
+  // snapshot into another slot takes page faults; Unmap() stops it first.
   std::unique_ptr<SharedSegment> segment;
+  std::thread populator;
+  std::atomic<bool> stop_populating{false};
   uint32_t slot_count = 0;
   uint64_t slot_offset = 0, slot_stride = 0;
   std::map<std::string, MappedTensor> tensors;
@@ -116,8 +122,19 @@ struct Client::Impl {
     if (pending) (void)Note(pending->WaitCommitted());
     pending.reset();
   }
+  // Starts `populator` unless it has run for this mapping.
+  void PopulateInBackground() {
+    if (populator.joinable() || !segment) return;
+    populator = std::thread([seg = segment.get(), begin = slot_offset, bytes = slot_stride * slot_count,
+                             stop = &stop_populating] { (void)seg->Populate(begin, bytes, stop); });
+  }
   // Unpins and unmaps the segment.
   void Unmap() {
+    if (populator.joinable()) {
+      stop_populating = true;
+      populator.join();
+      stop_populating = false;
+    }
 #if FLASHCKPT_HAVE_CUDA
     device.Unpin();
 #endif

@@ -116,7 +116,8 @@ Status Client::Impl::OpenSession(bool reattach) {
 Status Client::Impl::ApplyRegistration(const v1::RegisterResponse& resp) {
   if (!segment || segment->name() != resp.segment_name() || segment->size() != resp.segment_bytes()) {
     Unmap();
-    ASSIGN_OR_RETURN(segment, SharedSegment::Open(resp.segment_name(), resp.segment_bytes()));
+    ASSIGN_OR_RETURN(segment,
+                     SharedSegment::Open(resp.segment_name(), resp.segment_bytes(), SharedSegment::Mapping::kLazy));
   }
   uint64_t end = resp.slot_offset() + resp.slot_stride() * resp.slot_count();
   if (resp.slot_count() == 0 || end > resp.segment_bytes()) {

@@ -108,10 +108,11 @@ v1::WaitCompleteRequest WaitCompleteRequestOf(const std::string& session_id, int
 }
 
 v1::RestorableRequest RestorableRequestOf(const std::string& session_id, std::optional<int64_t> extra_of,
-                                          std::chrono::milliseconds timeout) {
+                                          std::chrono::milliseconds timeout, bool verify) {
   v1::RestorableRequest req;
   req.set_session_id(session_id);
   if (extra_of) req.set_extra_of(*extra_of);
+  req.set_unverified(!verify);
   req.set_timeout_ms(TimeoutMs(timeout));
   return req;
 }

@@ -93,7 +93,7 @@ v1::WaitPersistedRequest WaitPersistedRequestOf(const std::string& session_id, i
 v1::WaitCompleteRequest WaitCompleteRequestOf(const std::string& session_id, int64_t step,
                                               std::chrono::milliseconds timeout);
 v1::RestorableRequest RestorableRequestOf(const std::string& session_id, std::optional<int64_t> extra_of,
-                                          std::chrono::milliseconds timeout);
+                                          std::chrono::milliseconds timeout, bool verify);
 RestorableSteps RestorableStepsOf(const v1::RestorableResponse& resp);
 v1::GetEmaRequest GetEmaRequestOf(const std::string& session_id, std::chrono::milliseconds timeout);
 EmaHandover EmaHandoverOf(const v1::GetEmaResponse& resp);

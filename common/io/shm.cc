@@ -22,30 +22,37 @@ namespace {
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
 #endif
 
-// Maps `bytes` of `fd` and fills the page tables now, so the first copy into a slot takes no
-// faults. Not MAP_POPULATE: that fills gigabytes while holding the process's memory-map lock, and
-// every other thread that maps or unmaps memory (an allocator, gRPC) waits for all of it. Here the
-// lock is taken per 64 MiB piece. Kernels before 5.14 (no MADV_POPULATE_WRITE) get one read per
-// page instead, which maps the same pages (reading never changes a byte another process writes).
-Result<void*> MapPrefaulted(int fd, uint64_t bytes, const std::string& name) {
-  void* addr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (addr == MAP_FAILED) return ErrnoStatus("mmap shared memory", name);
+// Fills the page tables of [base, base + bytes) for writing, so a copy into it takes no faults. Not
+// MAP_POPULATE: that fills gigabytes while holding the process's memory-map lock, and every other
+// thread that maps or unmaps memory (an allocator, gRPC) waits for all of it. Here the lock is taken
+// per 64 MiB piece. Kernels before 5.14 (no MADV_POPULATE_WRITE) get one read per page instead,
+// which maps the same pages (reading never changes a byte another process writes).
+Status PopulatePieces(char* base, uint64_t bytes, const std::string& name, const std::atomic<bool>* stop) {
   constexpr uint64_t kPiece = 64u << 20;
   const long page = ::sysconf(_SC_PAGESIZE);
-  auto* base = static_cast<char*>(addr);
   bool madvise_works = true;
   for (uint64_t off = 0; off < bytes; off += kPiece) {
+    if (stop != nullptr && stop->load(std::memory_order_relaxed)) return Status::OK();
     const uint64_t n = std::min(kPiece, bytes - off);
     if (madvise_works && ::madvise(base + off, n, MADV_POPULATE_WRITE) == 0) continue;
-    if (madvise_works && errno != EINVAL) {
-      int err = errno;
-      ::munmap(addr, bytes);
-      return ErrnoStatus("madvise(MADV_POPULATE_WRITE) shared memory", name, err);
-    }
+    if (madvise_works && errno != EINVAL) return ErrnoStatus("madvise(MADV_POPULATE_WRITE) shared memory", name);
     madvise_works = false;
     for (uint64_t p = off; p < off + n; p += static_cast<uint64_t>(page)) {
       (void)*static_cast<volatile const char*>(base + p);
     }
+  }
+  return Status::OK();
+}
+
+// Maps `bytes` of `fd`, populated (PopulatePieces) unless `mapping` is kLazy.
+Result<void*> Map(int fd, uint64_t bytes, const std::string& name, SharedSegment::Mapping mapping) {
+  void* addr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (addr == MAP_FAILED) return ErrnoStatus("mmap shared memory", name);
+  if (mapping == SharedSegment::Mapping::kLazy) return addr;
+  Status populated = PopulatePieces(static_cast<char*>(addr), bytes, name, nullptr);
+  if (!populated.ok()) {
+    ::munmap(addr, bytes);
+    return populated;
   }
   return addr;
 }
@@ -102,7 +109,7 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& 
       }
       return ErrnoStatus("posix_fallocate shared memory", name, err);
     }
-    ASSIGN_OR_RETURN(void* addr, MapPrefaulted(fd, bytes, name));
+    ASSIGN_OR_RETURN(void* addr, Map(fd, bytes, name, Mapping::kPopulated));
     seg->addr_ = addr;
     seg->bytes_ = bytes;
   } catch (const bip::interprocess_exception& e) {
@@ -113,7 +120,8 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& 
   return seg;
 }
 
-Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& name, uint64_t expected_bytes) {
+Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& name, uint64_t expected_bytes,
+                                                           Mapping mapping) {
   std::unique_ptr<SharedSegment> seg(new SharedSegment());
   try {
     bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
@@ -122,7 +130,7 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& na
       return FailedPrecondition("shared memory " + name + " has " + std::to_string(size) + " bytes, expected " +
                                 std::to_string(expected_bytes));
     }
-    ASSIGN_OR_RETURN(void* addr, MapPrefaulted(shm.get_mapping_handle().handle, expected_bytes, name));
+    ASSIGN_OR_RETURN(void* addr, Map(shm.get_mapping_handle().handle, expected_bytes, name, mapping));
     seg->name_ = name;
     seg->addr_ = addr;
     seg->bytes_ = expected_bytes;
@@ -130,6 +138,14 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Open(const std::string& na
     return NotFound("open shared memory " + name + ": " + e.what());
   }
   return seg;
+}
+
+Status SharedSegment::Populate(uint64_t offset, uint64_t bytes, const std::atomic<bool>* stop) const {
+  if (offset > bytes_ || bytes > bytes_ - offset) {
+    return InvalidArgument("populate bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                           ") of shared memory " + name_ + " of " + std::to_string(bytes_) + " bytes");
+  }
+  return PopulatePieces(data() + offset, bytes, name_, stop);
 }
 
 void SharedSegment::Unlink(const std::string& name) { bip::shared_memory_object::remove(name.c_str()); }

@@ -77,9 +77,13 @@ class SharedSegment {
   // is never readable by the group under a wider mode than asked for.
   static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode,
                                                        std::optional<uint32_t> group = std::nullopt);
+  // How Open() maps: kPopulated fills the page tables now (no page faults on first use); kLazy maps
+  // only, and each page is mapped when first touched or by Populate() (a trainer that restores one
+  // slot of several touches that one alone).
+  enum class Mapping { kPopulated, kLazy };
   // Maps an existing segment; fails unless its size is `expected_bytes`.
-  // Maps an existing segment, populated (no page faults on first use).
-  static Result<std::unique_ptr<SharedSegment>> Open(const std::string& name, uint64_t expected_bytes);
+  static Result<std::unique_ptr<SharedSegment>> Open(const std::string& name, uint64_t expected_bytes,
+                                                     Mapping mapping = Mapping::kPopulated);
   ~SharedSegment();
 
   SharedSegment(const SharedSegment&) = delete;
@@ -96,6 +100,10 @@ class SharedSegment {
   // Gives segment `from` the name `to`, which must not exist (an error when it does); mappings of
   // it stay valid. POSIX shared memory names are files in /dev/shm on Linux, the one system served.
   static Status Rename(const std::string& from, const std::string& to);
+
+  // Fills the page tables of bytes [offset, offset + bytes) for writing, in 64 MiB pieces (the
+  // process's memory-map lock is taken per piece), stopping early when `stop` becomes true.
+  Status Populate(uint64_t offset, uint64_t bytes, const std::atomic<bool>* stop = nullptr) const;
 
   char* data() const { return static_cast<char*>(addr_); }
   uint64_t size() const { return bytes_; }

@@ -378,8 +378,8 @@ Result<RestoreOutcome> Daemon::Restore(const std::string& session_id, int64_t st
   return restorer_.Restore(session_id, step, want, timeout);
 }
 Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
-                                             int64_t extra_of) {
-  return restorer_.Restorable(session_id, timeout, extra_of);
+                                             int64_t extra_of, bool verify) {
+  return restorer_.Restorable(session_id, timeout, extra_of, verify);
 }
 Result<EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
   return restorer_.GetEma(session_id, timeout);

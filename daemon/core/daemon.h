@@ -90,8 +90,10 @@ class Daemon {
   // verified, and the job's newest complete checkpoint on disk. One that fails its checksums is
   // dropped with the rank's others (MEMORY_FALLBACK) and not listed. Needs no registration.
   // `extra_of` > 0: only that memory step is looked at, and its extra state is answered too.
+  // verify=false: the steps held are listed without reading their bytes (the caller's restore
+  // verifies the one it restores).
   Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
-                                       int64_t extra_of = 0) EXCLUDES(c_.mu_);
+                                       int64_t extra_of = 0, bool verify = true) EXCLUDES(c_.mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
   // `corrupt` non-empty: the client found a chunk of the memory checkpoint handed over in the slot

@@ -395,13 +395,14 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
 }
 
 Result<RestoreCandidates> Restorer::Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
-                                             int64_t extra_of) {
+                                             int64_t extra_of, bool verify) {
   const auto deadline = c_.clock_.Now() + timeout;
   RestoreCandidates out;
   std::string job;
   uint32_t rank_id = 0;
   std::shared_ptr<RankSegment> segment;
   std::vector<int64_t> held;
+  std::string held_extra;  // unverified: the extra state of step extra_of, when held
   {
     MutexLock lock(&c_.mu_);
     RETURN_IF_ERROR(c_.RankOf(session_id, /*need_segment=*/false).status());
@@ -422,6 +423,10 @@ Result<RestoreCandidates> Restorer::Restorable(const std::string& session_id, st
       if (std::none_of(pending.begin(), pending.end(),
                        [](const RankSegment::PendingMemory& p) { return !p.resident->dropped.load(); })) {
         held = c_.Slots(*segment).ResidentSteps();
+        if (!verify && extra_of > 0) {
+          auto resident = c_.Slots(*segment).ResidentOf(extra_of);
+          if (resident != nullptr) held_extra = resident->extra;
+        }
         break;
       }
       if (!c_.clock_.WaitUntil(&c_.cv_, &lock, deadline)) {
@@ -436,6 +441,11 @@ Result<RestoreCandidates> Restorer::Restorable(const std::string& session_id, st
   if (extra_of > 0) {
     const bool has = std::find(held.begin(), held.end(), extra_of) != held.end();
     held.assign(has ? 1 : 0, extra_of);
+  }
+  if (!verify) {
+    out.memory_steps = std::move(held);
+    if (extra_of > 0 && !out.memory_steps.empty()) out.extra = std::move(held_extra);
+    return out;
   }
   for (int64_t step : held) {
     Status verified = c_.memory->VerifyResident(job, rank_id, segment, step, &verifiers,

@@ -126,6 +126,13 @@ std::vector<int64_t> SlotTable::ResidentSteps() const {
   return steps;
 }
 
+std::shared_ptr<const ResidentCheckpoint> SlotTable::ResidentOf(int64_t step) const {
+  for (const auto& s : slots_) {
+    if (s.resident != nullptr && s.resident->step == step) return s.resident;
+  }
+  return nullptr;
+}
+
 Status SlotTable::Check(const SlotTicket& ticket, SlotState expected, const char* action) const {
   if (ticket.slot >= slots_.size()) {
     return InvalidArgument(std::string(action) + ": slot " + std::to_string(ticket.slot) + " does not exist (" +

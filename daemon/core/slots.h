@@ -83,6 +83,8 @@ class SlotTable {
   uint32_t DropResidentsFrom(int64_t from);
   // The steps of the memory checkpoints held, newest first.
   std::vector<int64_t> ResidentSteps() const;
+  // The memory checkpoint of `step` a slot holds; null when none does.
+  std::shared_ptr<const ResidentCheckpoint> ResidentOf(int64_t step) const;
   // The memory checkpoint held by `slot`, or null.
   std::shared_ptr<const ResidentCheckpoint> ResidentIn(uint32_t slot) const { return slots_[slot].resident; }
   // FILLING -> COMMITTED for the ticket's slot and generation.

@@ -174,7 +174,7 @@ grpc::Status CheckpointService::Restorable(grpc::ServerContext* ctx, const v1::R
   auto timeout = RequestTimeout(req->timeout_ms(), 60000);
   if (!timeout.ok()) return ToGrpc(timeout.status());
   if (req->extra_of() < 0) return ToGrpc(InvalidArgument("Restorable extra_of must be a step (> 0) or 0"));
-  auto r = daemon_->Restorable(req->session_id(), Bounded(ctx, *timeout), req->extra_of());
+  auto r = daemon_->Restorable(req->session_id(), Bounded(ctx, *timeout), req->extra_of(), !req->unverified());
   if (!r.ok()) return ToGrpc(r.status());
   for (int64_t step : r->memory_steps) resp->add_memory_steps(step);
   resp->set_disk_step(r->disk_step);

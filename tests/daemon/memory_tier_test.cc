@@ -348,8 +348,15 @@ TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) 
   EXPECT_TRUE(listed->extra.empty());
   EXPECT_EQ(next->Restorable(std::chrono::seconds(10), 0).status().code(), StatusCode::kInvalidArgument);
 
-  // A checkpoint that no longer matches its checksums is not offered, nor are the rank's others.
+  // A checkpoint that no longer matches its checksums: listed unverified (its bytes are not read;
+  // the restore that follows verifies them), not offered once verified, nor are the rank's others.
   FlipTensorByte(segment, slot);
+  listed = next->Restorable(std::chrono::seconds(10), std::nullopt, /*verify=*/false);
+  ASSERT_OK(listed.status());
+  EXPECT_EQ(listed->memory_steps, (std::vector<int64_t>{12, 11}));
+  listed = next->Restorable(std::chrono::seconds(10), 11, /*verify=*/false);
+  ASSERT_OK(listed.status());
+  EXPECT_EQ(listed->extra, "{\"step\":11}");
   listed = next->Restorable(std::chrono::seconds(10));
   ASSERT_OK(listed.status());
   EXPECT_TRUE(listed->memory_steps.empty()) << listed->memory_steps.size();

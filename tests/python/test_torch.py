@@ -11,6 +11,9 @@
 - a state dict whose structure changed between save and resume is a StructureMismatchError naming
   the first differing key, and leaves the model untouched;
 - a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key;
+- a memory checkpoint with one byte flipped in shared memory is listed by resume()'s unverified
+  restorable() but never handed over: the restore's own verification finds it, and resume() falls
+  back to the disk checkpoint with a warning (the checkpoint is verified once, by the restore);
 - a root that cannot be read makes resume() raise (IO_ERROR naming the path), never return None;
 - wait_persisted() of one rank returns only once every rank's part is durable, and its timeout
   names the rank it waits for;
@@ -20,6 +23,7 @@
   module's tensors in the model_state file and the others in the optimizer file.
 """
 
+import glob
 import json
 
 import os
@@ -206,6 +210,45 @@ class CheckpointerTest(harness.DaemonTestCase):
             ck2.save(3)                      # same layout as restored: no re-registration needed
         for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
             self.assertTrue(torch.equal(a, b), k)
+
+    def test_a_corrupt_memory_checkpoint_is_found_by_the_restore_and_the_disk_used(self):
+        job = self.daemon.job("memcorrupt")
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step_once(model, optimizer, torch.Generator().manual_seed(4))
+        weight = model[0].weight
+        with self.checkpointer(model, optimizer, job, memory_checkpoints=True) as ck:
+            with torch.no_grad():
+                weight.fill_(1.5)
+            ck.save(1)
+            ck.wait_persisted(1, timeout=30)
+            with torch.no_grad():
+                weight.fill_(2.5)
+            ck.save(2, tier="memory")
+            self.assertEqual(ck.client.restorable(timeout=30), ([2, 1], 1))  # checksummed, so kept
+        # Flip one byte of step 2's weight (2.5 everywhere, found by its bytes) in the segment.
+        pattern = np.full(weight.numel(), 2.5, np.float32).tobytes()
+        segments = glob.glob("/dev/shm/flashckpt.%s.*" % job)
+        self.assertEqual(len(segments), 1, segments)
+        with open(segments[0], "r+b") as f:
+            data = f.read()
+            at = data.find(pattern)
+            self.assertGreater(at, 0, "step 2's weight is not in the segment")
+            self.assertEqual(data.find(pattern, at + 1), -1, "step 2's weight is in the segment twice")
+            f.seek(at + 5)
+            f.write(bytes([data[at + 5] ^ 0x01]))
+        model2 = mlp(seed=1)
+        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        with self.checkpointer(model2, optimizer2, job, memory_checkpoints=True) as ck2:
+            # Listed without being read; the verified listing drops it (and the rank's others).
+            self.assertEqual(ck2.client.restorable(timeout=30, verify=False)[0], [2, 1])
+            with self.assertWarnsRegex(RuntimeWarning, "memory checkpoint step 2 failed"):
+                self.assertEqual(ck2.resume(), 1)
+            self.assertEqual(ck2.resumed_tier, "disk")
+            self.assertTrue(torch.equal(model2[0].weight, torch.full_like(weight, 1.5)))
+            self.assertEqual(ck2.client.restorable(timeout=30, verify=False)[0], [])
+        with open(self.daemon.log, errors="replace") as f:
+            self.assertIn("failed its checksums", f.read())
 
     def test_unreadable_root_raises_instead_of_starting_over(self):
         job = self.daemon.job("unreadable")

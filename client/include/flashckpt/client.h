@@ -262,7 +262,12 @@ class FLASHCKPT_API Client {
   // Register(). `timeout` bounds the wait for the checksums of the last memory checkpoints.
   // `extra_of`: only that memory step is looked at (listed when held and verified), and its extra
   // state (SnapshotOptions::extra) is answered, e.g. to learn what to register before restoring it.
-  Result<RestorableSteps> Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of = std::nullopt);
+  // verify=false: the memory checkpoints held are listed without being read against their checksums,
+  // for a caller that Restore()s one of them next, since a restore verifies what it hands over (this
+  // client each chunk as it copies it into host buffers, the daemon before a copy to the device):
+  // the checkpoint is then read once, not twice.
+  Result<RestorableSteps> Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of = std::nullopt,
+                                     bool verify = true);
 
   // The daemon's status as JSON: its version, memory budget and use, and every job and rank it knows
   // (slots, last steps, errors, EMA), i.e. the GetStatus RPC's StatusResponse in protobuf's JSON

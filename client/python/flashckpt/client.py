@@ -407,21 +407,24 @@ class Client:
         self.restored_tier = tier
         return got, (extra or None)
 
-    def restorable(self, timeout: float = 60.0) -> Tuple[List[int], Optional[int]]:
+    def restorable(self, timeout: float = 60.0, verify: bool = True) -> Tuple[List[int], Optional[int]]:
         """(memory steps, disk step): this rank's memory checkpoints on its daemon, each verified now,
         newest first, and the job's newest complete checkpoint on disk (None: none).
 
         The ranks of a job exchange these, agree on a step (the newest every rank holds in memory,
         unless the disk has a newer one) and restore() it. Works before register(). `timeout` bounds
-        the wait for the checksums of the last memory checkpoints.
+        the wait for the checksums of the last memory checkpoints. verify=False lists them without
+        reading them against their checksums: restore() verifies the one it restores anyway (and
+        falls back to the files when it fails), so a resume reads its checkpoint once.
         """
-        steps, disk, _ = self._live().restorable(float(timeout))
+        steps, disk, _ = self._live().restorable(float(timeout), verify=bool(verify))
         return list(steps), disk
 
-    def memory_extra(self, step: int, timeout: float = 60.0) -> Optional[bytes]:
-        """The extra state of this rank's memory checkpoint `step` (verified), or None when it does not
-        hold it: what to register before restoring it. Works before register()."""
-        steps, _, extra = self._live().restorable(float(timeout), int(step))
+    def memory_extra(self, step: int, timeout: float = 60.0, verify: bool = True) -> Optional[bytes]:
+        """The extra state of this rank's memory checkpoint `step` (its bytes verified unless
+        verify=False), or None when it does not hold it: what to register before restoring it. Works
+        before register()."""
+        steps, _, extra = self._live().restorable(float(timeout), int(step), bool(verify))
         return extra if int(step) in steps else None
 
     # --- EMA -----------------------------------------------------------------------------------

@@ -67,11 +67,11 @@ ones).
 Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's memory only
 (checksummed in the background, never written), so a trainer can save every step and write a disk
 checkpoint every few hundred. resume() of the latest first asks every rank's daemon which memory
-checkpoints the rank holds (Client.restorable(), verified) and restores the newest step every rank
-holds, unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk" ("peer" when
-the rank's daemon fetched the memory checkpoint from a peer daemon's replica: flashckptd
---replicate-to). A memory
-restore that fails on any rank (a checkpoint dropped meanwhile, for instance) falls back to the disk
+checkpoints the rank holds (Client.restorable()) and restores the newest step every rank holds,
+unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk" ("peer" when the
+rank's daemon fetched the memory checkpoint from a peer daemon's replica: flashckptd
+--replicate-to). The restore verifies the checkpoint against its checksums as it copies it, once. A
+memory restore that fails on any rank (a checkpoint dropped meanwhile or corrupt) falls back to the disk
 on every rank, with a warning. A job of several ranks needs a process group for this (without one
 its ranks could not agree on a step). In a job that splits the writing of its replicated tensors
 over its data-parallel ranks, a rank's memory checkpoint holds its share of them: each rank restores
