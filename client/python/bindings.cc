@@ -402,6 +402,19 @@ class PyClient {
     return py::make_tuple(r.memory_steps, disk, py::bytes(r.extra));
   }
 
+  // -> (step or None, extra)
+  py::tuple DiskExtra(std::optional<int64_t> step, double timeout) {
+    Result<RestorableSteps> got = Status(StatusCode::kInternal, "not run");
+    Client* client = Live();  // raises, so it must run with the GIL held
+    {
+      py::gil_scoped_release release;
+      got = client->DiskExtra(step, Millis(timeout));
+    }
+    RestorableSteps r = Take(std::move(got));
+    py::object found = r.disk_step ? py::object(py::int_(*r.disk_step)) : py::object(py::none());
+    return py::make_tuple(found, py::bytes(r.extra));
+  }
+
   std::vector<std::string> EmaNames() { return Live()->EmaTensorNames(); }
 
   // -> (initialized, step)
@@ -519,6 +532,7 @@ PYBIND11_MODULE(_flashckpt, m) {
            py::arg("source_job") = std::string(), py::arg("cuda_stream") = 0)
       .def("restorable", &PyClient::Restorable, py::arg("timeout"), py::arg("extra_of") = std::nullopt,
            py::arg("verify") = true)
+      .def("disk_extra", &PyClient::DiskExtra, py::arg("step"), py::arg("timeout"))
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))
       .def("status_json", &PyClient::StatusJson)

@@ -434,6 +434,26 @@ Result<RestorableSteps> Client::Restorable(std::chrono::milliseconds timeout, st
   return RestorableStepsOf(resp);
 }
 
+Result<RestorableSteps> Client::DiskExtra(std::optional<int64_t> step, std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(impl_->Usable());
+  if (step && *step <= 0) return InvalidArgument("DiskExtra: the step must be positive (or nullopt for the latest)");
+  v1::RestorableResponse resp;
+  RETURN_IF_ERROR(impl_->WithSession([&] {
+    grpc::ClientContext ctx;
+    impl_->Deadline(&ctx, timeout);
+    v1::RestorableRequest req = RestorableRequestOf(impl_->session_id, step, timeout, /*verify=*/false);
+    req.set_disk_extra(true);
+    return FromGrpc(impl_->stub->Restorable(&ctx, req, &resp), "Restorable");
+  }));
+  if (!resp.disk_extra()) {
+    return FailedPrecondition("flashckptd does not answer the extra state of a checkpoint on disk: it is older than "
+                              "this client; upgrade it");
+  }
+  RestorableSteps out = RestorableStepsOf(resp);
+  out.memory_steps.clear();
+  return out;
+}
+
 Status Client::WaitComplete(int64_t step, std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(impl_->Usable());
   v1::WaitCompleteResponse resp;

@@ -80,7 +80,7 @@ Result<std::string> RandomToken() {
 
 // Boost.Interprocess reports errors by exception; this file is the only place that sees them.
 Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& name, uint64_t bytes, unsigned mode,
-                                                             std::optional<uint32_t> group) {
+                                                             std::optional<uint32_t> group, Mapping mapping) {
   std::unique_ptr<SharedSegment> seg(new SharedSegment());
   try {
     bip::permissions perm(mode);
@@ -109,7 +109,7 @@ Result<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& 
       }
       return ErrnoStatus("posix_fallocate shared memory", name, err);
     }
-    ASSIGN_OR_RETURN(void* addr, Map(fd, bytes, name, Mapping::kPopulated));
+    ASSIGN_OR_RETURN(void* addr, Map(fd, bytes, name, mapping));
     seg->addr_ = addr;
     seg->bytes_ = bytes;
   } catch (const bip::interprocess_exception& e) {

@@ -71,16 +71,17 @@ Status WaitSlotCopied(const SlotHeader& header, uint64_t bytes, std::chrono::mil
 // A mapped segment. Move-only; unmaps on destruction, and the creator also unlinks the name.
 class SharedSegment {
  public:
-  // Creates `name` exclusively with `mode` (e.g. 0600) and `bytes` of zeroed memory, every page
-  // allocated up front (kResourceExhausted when /dev/shm has no room) and mapped populated. With
-  // `group`, the segment is given to that group (fchown on its fd) before its mode is set, so it
-  // is never readable by the group under a wider mode than asked for.
-  static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode,
-                                                       std::optional<uint32_t> group = std::nullopt);
-  // How Open() maps: kPopulated fills the page tables now (no page faults on first use); kLazy maps
-  // only, and each page is mapped when first touched or by Populate() (a trainer that restores one
-  // slot of several touches that one alone).
+  // How a segment is mapped: kPopulated fills the page tables now (no page faults on first use);
+  // kLazy maps only, and each page is mapped when first touched or by Populate() (a trainer that
+  // restores one slot of several touches that one alone).
   enum class Mapping { kPopulated, kLazy };
+  // Creates `name` exclusively with `mode` (e.g. 0600) and `bytes` of zeroed memory, every page
+  // allocated up front (kResourceExhausted when /dev/shm has no room), mapped as `mapping` says.
+  // With `group`, the segment is given to that group (fchown on its fd) before its mode is set, so
+  // it is never readable by the group under a wider mode than asked for.
+  static Result<std::unique_ptr<SharedSegment>> Create(const std::string& name, uint64_t bytes, unsigned mode,
+                                                       std::optional<uint32_t> group = std::nullopt,
+                                                       Mapping mapping = Mapping::kPopulated);
   // Maps an existing segment; fails unless its size is `expected_bytes`.
   static Result<std::unique_ptr<SharedSegment>> Open(const std::string& name, uint64_t expected_bytes,
                                                      Mapping mapping = Mapping::kPopulated);

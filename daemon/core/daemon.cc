@@ -381,6 +381,9 @@ Result<RestoreCandidates> Daemon::Restorable(const std::string& session_id, std:
                                              int64_t extra_of, bool verify) {
   return restorer_.Restorable(session_id, timeout, extra_of, verify);
 }
+Result<RestoreCandidates> Daemon::DiskExtra(const std::string& session_id, int64_t step) {
+  return restorer_.DiskExtra(session_id, step);
+}
 Result<EmaCopy> Daemon::GetEma(const std::string& session_id, std::chrono::milliseconds timeout) {
   return restorer_.GetEma(session_id, timeout);
 }

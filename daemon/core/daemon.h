@@ -94,6 +94,10 @@ class Daemon {
   // verifies the one it restores).
   Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
                                        int64_t extra_of = 0, bool verify = true) EXCLUDES(c_.mu_);
+  // The extra state of the rank's part of complete checkpoint `step` on disk (0: the newest), read
+  // from its files, in `extra`, and that step in `disk_step` (0: none complete); `extra` is empty when
+  // the checkpoint holds no part of the rank. Needs no registration and reads no tensor.
+  Result<RestoreCandidates> DiskExtra(const std::string& session_id, int64_t step) EXCLUDES(c_.mu_);
   // Copies the current EMA into a slot (RESTORING until ReleaseSlot). initialized=false: no update yet.
   Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
   // `corrupt` non-empty: the client found a chunk of the memory checkpoint handed over in the slot

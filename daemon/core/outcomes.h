@@ -50,7 +50,7 @@ struct ResumePlan {
 struct RestoreCandidates {
   std::vector<int64_t> memory_steps;  // its memory checkpoints here, verified, newest first
   int64_t disk_step = 0;              // the job's newest complete checkpoint on disk; 0: none
-  std::string extra;                  // with extra_of: that memory step's extra state
+  std::string extra;                  // with extra_of: that memory step's extra state (DiskExtra: the disk one's)
 };
 
 struct RestoreOutcome {

@@ -216,7 +216,9 @@ Result<std::shared_ptr<RankSegment>> Registrar::CreateSegment(const std::string&
   std::unique_ptr<SharedSegment> shm;
   bool older_format = false;  // adopted from a daemon that wrote an older file format
   if (adopt) {
-    ASSIGN_OR_RETURN(shm, SharedSegment::Open(name, bytes));
+    // Mapped lazily, here and below: the daemon touches a slot's pages as it reads or fills them
+    // (reads map 16 pages a fault), so neither a registration nor an adoption maps gigabytes first.
+    ASSIGN_OR_RETURN(shm, SharedSegment::Open(name, bytes, SharedSegment::Mapping::kLazy));
     auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
     older_format = header->format_version >= static_cast<uint32_t>(kOldestFormatVersion) &&
                    header->format_version < static_cast<uint32_t>(kFormatVersion);
@@ -233,7 +235,7 @@ Result<std::shared_ptr<RankSegment>> Registrar::CreateSegment(const std::string&
     // With --shm-group the trainers of other users in the group map the slots; the EMA segment
     // above stays private (only the daemon maps it).
     const unsigned mode = c_.config_.shm_group ? 0660u : c_.config_.segment_mode;
-    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, mode, c_.config_.shm_group));
+    ASSIGN_OR_RETURN(shm, SharedSegment::Create(name, bytes, mode, c_.config_.shm_group, SharedSegment::Mapping::kLazy));
     auto* header = reinterpret_cast<SegmentHeader*>(shm->data());
     std::memcpy(header->magic, kSegmentMagic, sizeof kSegmentMagic);
     header->format_version = kFormatVersion;

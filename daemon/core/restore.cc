@@ -459,6 +459,26 @@ Result<RestoreCandidates> Restorer::Restorable(const std::string& session_id, st
   return out;
 }
 
+Result<RestoreCandidates> Restorer::DiskExtra(const std::string& session_id, int64_t step) {
+  if (step < 0) return InvalidArgument("the step of a checkpoint's extra state must be non-negative (0 = latest)");
+  std::string job;
+  uint32_t rank_id = 0;
+  {
+    MutexLock lock(&c_.mu_);
+    RETURN_IF_ERROR(c_.RankOf(session_id, /*need_segment=*/false).status());
+    job = c_.sessions_[session_id].job;
+    rank_id = c_.sessions_[session_id].rank;
+  }
+  RestoreCandidates out;
+  StepInUse in_use;  // retention keeps it while its extra state is read
+  ASSIGN_OR_RETURN(std::optional<int64_t> complete, UseCompleteStep(c_, job, step, &in_use));
+  if (!complete) return out;
+  const std::string dir = c_.catalog_.CheckpointDir(job, *complete);
+  RETURN_IF_ERROR(ReadRestoreExtra(dir, job, rank_id, *complete, c_.RootIo(), &out.extra));
+  out.disk_step = *complete;
+  return out;
+}
+
 Result<Restorer::LoadingSlot> Restorer::AcquireLoadingSlot(const std::string& session_id, std::optional<int64_t> step,
                                                        bool need_ema, std::chrono::steady_clock::time_point deadline,
                                                        std::chrono::milliseconds timeout, const char* purpose) {

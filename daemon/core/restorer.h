@@ -29,6 +29,7 @@ class Restorer {
                                  std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
   Result<RestoreCandidates> Restorable(const std::string& session_id, std::chrono::milliseconds timeout,
                                        int64_t extra_of = 0, bool verify = true) EXCLUDES(c_.mu_);
+  Result<RestoreCandidates> DiskExtra(const std::string& session_id, int64_t step) EXCLUDES(c_.mu_);
   Result<EmaCopy> GetEma(const std::string& session_id, std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
   Status ReleaseSlot(const std::string& session_id, const SlotTicket& ticket, const std::string& corrupt = "")
       EXCLUDES(c_.mu_);

@@ -174,11 +174,14 @@ grpc::Status CheckpointService::Restorable(grpc::ServerContext* ctx, const v1::R
   auto timeout = RequestTimeout(req->timeout_ms(), 60000);
   if (!timeout.ok()) return ToGrpc(timeout.status());
   if (req->extra_of() < 0) return ToGrpc(InvalidArgument("Restorable extra_of must be a step (> 0) or 0"));
-  auto r = daemon_->Restorable(req->session_id(), Bounded(ctx, *timeout), req->extra_of(), !req->unverified());
+  auto r = req->disk_extra()
+               ? daemon_->DiskExtra(req->session_id(), req->extra_of())
+               : daemon_->Restorable(req->session_id(), Bounded(ctx, *timeout), req->extra_of(), !req->unverified());
   if (!r.ok()) return ToGrpc(r.status());
   for (int64_t step : r->memory_steps) resp->add_memory_steps(step);
   resp->set_disk_step(r->disk_step);
   resp->set_extra(r->extra);
+  resp->set_disk_extra(req->disk_extra());
   return grpc::Status::OK;
 }
 

@@ -363,6 +363,45 @@ TEST_F(MemoryTierTest, RestorableListsTheVerifiedMemoryStepsAndTheNewestOnDisk) 
   EXPECT_EQ(listed->disk_step, std::optional<int64_t>(10));
 }
 
+TEST_F(MemoryTierTest, DiskExtraReadsTheExtraStateOfADiskCheckpointBeforeAnyRegistration) {
+  TestTrainer t = d_.StartTrainer("memtier-diskextra", kFloats);
+  ASSERT_TRUE(t.client);
+  {
+    auto none = t.client->DiskExtra(std::nullopt, std::chrono::seconds(10));
+    ASSERT_OK(none.status());
+    EXPECT_FALSE(none->disk_step.has_value());
+  }
+  for (int64_t step : {4, 6}) {
+    SnapshotOptions o;
+    o.extra = "{\"disk\":" + std::to_string(step) + "}";
+    ASSERT_OK(t.client->Snapshot(step, t.bufs, o).status());
+    ASSERT_OK(t.client->WaitPersisted(step, std::chrono::seconds(30)));
+  }
+  ASSERT_OK(t.Memory(7));  // newer, but in memory only: not a disk checkpoint
+  t.client.reset();
+
+  std::unique_ptr<Client> next = d_.Connect("memtier-diskextra");  // registers nothing
+  ASSERT_TRUE(next);
+  auto latest = next->DiskExtra(std::nullopt, std::chrono::seconds(10));
+  ASSERT_OK(latest.status());
+  EXPECT_EQ(latest->disk_step, std::optional<int64_t>(6));
+  EXPECT_EQ(latest->extra, "{\"disk\":6}");
+  EXPECT_TRUE(latest->memory_steps.empty());
+  auto older = next->DiskExtra(4, std::chrono::seconds(10));
+  ASSERT_OK(older.status());
+  EXPECT_EQ(older->disk_step, std::optional<int64_t>(4));
+  EXPECT_EQ(older->extra, "{\"disk\":4}");
+  for (int64_t missing : {5, 7}) {  // never saved; held in memory only
+    auto got = next->DiskExtra(missing, std::chrono::seconds(10));
+    EXPECT_EQ(got.status().code(), StatusCode::kNotFound) << missing << ": " << got.status().ToString();
+  }
+  EXPECT_EQ(next->DiskExtra(0, std::chrono::seconds(10)).status().code(), StatusCode::kInvalidArgument);
+  // The memory checkpoint is still there: nothing was restored or dropped.
+  auto held = next->Restorable(std::chrono::seconds(10));
+  ASSERT_OK(held.status());
+  EXPECT_EQ(held->memory_steps.front(), 7);
+}
+
 TEST_F(MemoryTierTest, WaitingForAMemoryStepToBeWrittenFailsAtOnce) {
   TestTrainer t = d_.StartTrainer("memtier-wait", kFloats);
   ASSERT_TRUE(t.client);

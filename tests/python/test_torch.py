@@ -14,6 +14,8 @@
 - a memory checkpoint with one byte flipped in shared memory is listed by resume()'s unverified
   restorable() but never handed over: the restore's own verification finds it, and resume() falls
   back to the disk checkpoint with a warning (the checkpoint is verified once, by the restore);
+- resume(step) of a step the daemon holds in memory only restores it from there; of a step
+  neither has, NotFoundError;
 - a root that cannot be read makes resume() raise (IO_ERROR naming the path), never return None;
 - wait_persisted() of one rank returns only once every rank's part is durable, and its timeout
   names the rank it waits for;
@@ -249,6 +251,28 @@ class CheckpointerTest(harness.DaemonTestCase):
             self.assertEqual(ck2.client.restorable(timeout=30, verify=False)[0], [])
         with open(self.daemon.log, errors="replace") as f:
             self.assertIn("failed its checksums", f.read())
+
+    def test_resume_of_a_step_held_in_memory_only(self):
+        job = self.daemon.job("memstep")
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(5)
+        saved = {}
+        with self.checkpointer(model, optimizer, job, memory_checkpoints=True) as ck:
+            for step in (1, 2, 3):
+                step_once(model, optimizer, g)
+                ck.save(step, tier="disk" if step == 1 else "memory")
+                saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            ck.wait_persisted(1, timeout=30)
+        model2 = mlp(seed=1)
+        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        with self.checkpointer(model2, optimizer2, job, memory_checkpoints=True) as ck2:
+            self.assertEqual(ck2.resume(step=2), 2)  # not on disk: from the daemon's memory
+            self.assertEqual(ck2.resumed_tier, "memory")
+            for k, v in model2.state_dict().items():
+                self.assertTrue(torch.equal(v, saved[2][k]), k)
+            with self.assertRaises(flashckpt.NotFoundError):
+                ck2.resume(step=5)  # neither in memory nor on disk
 
     def test_unreadable_root_raises_instead_of_starting_over(self):
         job = self.daemon.job("unreadable")

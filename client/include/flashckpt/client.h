@@ -268,6 +268,12 @@ class FLASHCKPT_API Client {
   // the checkpoint is then read once, not twice.
   Result<RestorableSteps> Restorable(std::chrono::milliseconds timeout, std::optional<int64_t> extra_of = std::nullopt,
                                      bool verify = true);
+  // The extra state this rank saved with complete checkpoint `step` on disk (nullopt: the newest),
+  // read from its files without reading a tensor or needing Register(): what a trainer learns the
+  // checkpoint's structure from before it registers and restores it. `disk_step` is that step
+  // (unset: no such complete checkpoint) and `extra` is empty when it holds no part of this rank
+  // (a job of fewer ranks saved it). memory_steps stays empty.
+  Result<RestorableSteps> DiskExtra(std::optional<int64_t> step, std::chrono::milliseconds timeout);
 
   // The daemon's status as JSON: its version, memory budget and use, and every job and rank it knows
   // (slots, last steps, errors, EMA), i.e. the GetStatus RPC's StatusResponse in protobuf's JSON

@@ -5,9 +5,9 @@
                   its partition, the same at the same world size), and in a job that splits its
                   replicated tensors the ranks then broadcast their shares. A daemon's error on any
                   rank sends every rank to the disk.
-    1. probe      restore one tensor into scratch memory to read the checkpoint's structure (its
-                  extra state); the ranks agree on the step, and a rank whose number the saving
-                  job did not have borrows rank 0's part.
+    1. probe      read the checkpoint's structure (the extra state each rank saved with it, from
+                  its files: no tensor is read, nothing registered); the ranks agree on the step,
+                  and a rank whose number the saving job did not have borrows rank 0's part.
     2. match      compare the saved structure with the current states on every rank, before any
                   rank loads anything; a ZeroRedundancyOptimizer takes its new partition's state.
     3. restore    register the checkpoint's layout and restore its tensors, in place where the
@@ -34,7 +34,7 @@ from ._state import Node
 from ._torch_shares import Shares
 from ._torch_state import TORCH_DTYPES, Layout, is_optimizer, read_blob, set_rng_state
 from .client import Client
-from .errors import FailedPreconditionError, FlashckptError, NotFoundError, StructureMismatchError
+from .errors import FailedPreconditionError, FlashckptError, StructureMismatchError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -169,8 +169,7 @@ class Resume:
                    memory_failed: Optional[str]) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one) from the daemon's tiers after
         the probe; None when there is none. `memory_failed`: why the memory path failed before."""
-        # 1. Probe with one tensor (into scratch memory) to learn the checkpoint's structure, and agree
-        # on the step.
+        # 1. Probe: the checkpoint's structure from the extra state saved with it, and agree on the step.
         tree, tensors, found, blob = _torch_agree.stage(group, "read its checkpoint",
                                                         lambda: self._read(group, step, timeout))
         if group is not None:
@@ -179,7 +178,7 @@ class Resume:
                 # Every rank takes part in this stage, also those that found it already.
                 found, blob = _torch_agree.stage(
                     group, "read checkpoint-%d" % agreed,
-                    lambda: (found, blob) if agreed == found else self._probe(tensors, agreed, timeout))
+                    lambda: (found, blob) if agreed == found else self._probe(agreed, timeout))
         if found is None:
             if memory_failed is not None:
                 # Some ranks may hold the memory checkpoint's state, others their own: no common start.
@@ -216,7 +215,7 @@ class Resume:
         tree, tensors = self._layout.flatten()
         if not tensors:
             raise ValueError("the states hold no tensors; there is nothing to resume")
-        probed = self._probe(tensors, step, timeout)
+        probed = self._probe(step, timeout)
         if probed[0] is not None and probed[1] is None and group is None:
             # Without a group no other rank can hand its part on (_torch_agree.borrow_part).
             raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was "
@@ -240,26 +239,21 @@ class Resume:
                 return
             time.sleep(0.02)
 
-    def _probe(self, tensors: Mapping[str, Any], step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
-        """(step, blob) of checkpoint `step` (None: the latest complete one), read by restoring one
-        tensor into scratch memory; (None, None) when there is none. The blob (a dict parsed from
-        JSON) holds the saved tree; it is None when the checkpoint holds no extra state of this
-        rank (a rank number the job that saved it did not have: see _torch_agree.borrow_part)."""
-        first = next(iter(tensors))
-        scratch = torch.empty(tuple(tensors[first].shape), dtype=tensors[first].dtype)  # host memory, wherever it is
-        self._client._register({first: scratch}, {first: self._layout.spec(first, scratch.shape)}, with_ema=False)
-        self._layout.forget_registered()
-        try:
-            found, extra = self._client.restore({first: scratch}, step=step, timeout=timeout)
-        except (NotFoundError, FailedPreconditionError) as e:
-            if "'%s'" % first not in e.message:
-                raise
-            raise StructureMismatchError(
-                "the checkpoint does not match the current state; first differing key '%s': %s"
-                % (first, e.message), key=first) from None
+    def _probe(self, step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
+        """(step, blob) of checkpoint `step` (None: the newest complete one on disk), from the extra
+        state this rank saved with it: the daemon's record of a memory checkpoint of that step it
+        holds, else read from the files (no tensor is read, so none is read twice, and nothing is
+        registered); (None, None) when there is none. The blob (a dict parsed from JSON) holds the
+        saved tree; it is None when the checkpoint holds no extra state of this rank (a rank number
+        the job that saved it did not have: see _torch_agree.borrow_part)."""
+        held = None if step is None else self._client.memory_extra(step, timeout=min(timeout, 60.0), verify=False)
+        if held is not None:  # restore() takes it from memory too
+            found, extra = step, (held or None)
+        else:
+            found, extra = self._client.disk_extra(step, timeout=min(timeout, 60.0))
         if found is None:
             return None, None
-        if not extra:
+        if extra is None:
             return found, None
         blob = read_blob(extra)
         if blob is None:

@@ -427,6 +427,16 @@ class Client:
         steps, _, extra = self._live().restorable(float(timeout), int(step), bool(verify))
         return extra if int(step) in steps else None
 
+    def disk_extra(self, step: Optional[int] = None, timeout: float = 60.0) -> Tuple[Optional[int], Optional[bytes]]:
+        """(step, extra) of this rank's part of complete checkpoint `step` on disk (None: the newest),
+        read from its files without reading a tensor: what to register before restoring it. Works
+        before register(). (None, None) when there is no such checkpoint; extra is None when the
+        checkpoint holds no part of this rank (a job of fewer ranks saved it) or no extra state."""
+        found, extra = self._live().disk_extra(None if step is None else int(step), float(timeout))
+        if found is None:
+            return None, None
+        return found, (extra or None)
+
     # --- EMA -----------------------------------------------------------------------------------
 
     @property
