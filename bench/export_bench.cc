@@ -8,7 +8,7 @@
 //   flashckpt export     the program itself (a child process): every tensor merged from its two tp
 //                        boxes, checksums verified, written into --max-shard-size files and fsynced
 //
-// GB/s is tensor bytes over seconds. The export's peak RSS comes from the kernel (wait4's
+// GB/s is tensor bytes over seconds; `RESULT export_ratio=R` is the export's rate over cp's. The export's peak RSS comes from the kernel (wait4's
 // ru_maxrss) and is set against its stated bound: one output shard plus one tensor (it holds one
 // tensor at a time, so it stays near one tensor).
 #include <sys/resource.h>
@@ -153,6 +153,7 @@ int Main(int argc, char** argv) {
                     FormatBytes(run.max_rss).c_str(), FormatBytes(grown).c_str(), FormatBytes(idle.max_rss).c_str(),
                     static_cast<double>(grown) / tensor_bytes, FormatBytes(tensor_bytes).c_str(),
                     FormatBytes(bound).c_str());
+        std::printf("RESULT export_ratio=%.3f\n", ex_gbps / cp_gbps);
         bench::SummaryRow("export vs cp + sync", ex_gbps / cp_gbps);
         bench::SummaryRow("export RSS growth / (one shard + one tensor)", static_cast<double>(grown) / bound, "<=",
                           1.0);
