@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <thread>
 
@@ -481,6 +482,28 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
   // Host buffers: a memory checkpoint comes with its checksums, checked here as each chunk is copied.
   const auto mask = DeviceMask(BuffersOf(matched));
   const bool verify_in_client = mask.ok() && std::none_of(mask->begin(), mask->end(), [](bool d) { return d; });
+  // While the daemon fills the slot (reading files takes a while), a thread maps the host buffers'
+  // pages for writing, so that fresh ones (a new optimizer's moments) are not first touched during
+  // the copy; it stops once the daemon answers (a memory restore answers at once) and is joined
+  // before anything is copied.
+  std::vector<CopyTask> destinations;
+  for (size_t i = 0; mask.ok() && i < matched.size(); ++i) {
+    if (!(*mask)[i] && matched[i].first->bytes > 0) {
+      destinations.push_back({matched[i].first->data, nullptr, matched[i].first->bytes});
+    }
+  }
+  std::atomic<bool> answered{false};
+  std::thread prefault;
+  if (!destinations.empty()) prefault = std::thread([&] { PrefaultDestinations(destinations, &answered); });
+  struct Join {
+    std::atomic<bool>* answered;
+    std::thread* thread;
+    void operator()() const {
+      answered->store(true);
+      if (thread->joinable()) thread->join();
+    }
+    ~Join() { (*this)(); }
+  } end_prefault{&answered, &prefault};
   // A memory checkpoint that fails the client's verification is reported, and the restore asked
   // again: the daemon has dropped it, and reads the files (or fails the job's plan on that step).
   std::string failed;  // what the first attempt's verification found: the buffers hold part of it
@@ -492,6 +515,7 @@ Result<RestoreResult> Client::Restore(std::optional<int64_t> step, const std::ve
       const auto req = RestoreRequestOf(impl_->session_id, step, options, timeout, verify_in_client);
       return FromGrpc(impl_->stub->Restore(&ctx, req, &resp), "Restore");
     });
+    end_prefault();
     RestoreHandover restored = RestoreHandoverOf(resp);
     if (!failed.empty() && (!asked.ok() || !restored.found)) {
       // Nothing to fall back to: never found=false (a fresh start) over buffers that changed.

@@ -1,7 +1,11 @@
 #include "client/src/host_copy.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <optional>
 
@@ -133,6 +137,27 @@ Status ParallelVerifiedCopy(ParallelLoop* loop, const std::vector<VerifiedCopyTa
                          task.sums[bad[u]->first]);
   }
   return Status::OK();
+}
+
+void PrefaultDestinations(const std::vector<CopyTask>& tasks, const std::atomic<bool>* stop) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14
+#endif
+  constexpr uintptr_t kPiece = 64u << 20;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const CopyTask& t : tasks) {
+    if (t.bytes == 0) continue;
+    // The pages that hold the destination's bytes (those at its ends hold them too, so they are mapped).
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(t.dst) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(t.dst) + t.bytes + page - 1) / page * page;
+    for (uintptr_t at = begin; at < end; at += kPiece) {
+      if (stop->load(std::memory_order_relaxed)) return;
+      if (::madvise(reinterpret_cast<void*>(at), std::min(kPiece, end - at), MADV_POPULATE_WRITE) != 0) {
+        if (errno == EINVAL) return;  // no MADV_POPULATE_WRITE: the copy takes the faults
+        break;                        // memory it cannot populate: the copy reports it, if anything
+      }
+    }
+  }
 }
 
 }  // namespace flashckpt

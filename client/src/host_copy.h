@@ -3,6 +3,7 @@
 // Device copies are client/src/cuda_copy.*.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -41,5 +42,11 @@ struct VerifiedCopyTask {
 // does not match (both values); the destination then holds some of the bytes, and must not be used.
 // INVALID_ARGUMENT when a task's sums do not cover its bytes in chunks of `chunk_bytes`.
 Status ParallelVerifiedCopy(ParallelLoop* loop, const std::vector<VerifiedCopyTask>& tasks, uint64_t chunk_bytes);
+
+// Maps the pages of each task's destination for writing (MADV_POPULATE_WRITE, 64 MiB at a time;
+// page contents never change), until `stop` becomes true: a restore runs it while the daemon fills
+// the slot, so that a fresh optimizer's moments are first touched then instead of during the copy.
+// Best effort: a kernel without it, or memory it cannot populate, is left to the copy.
+void PrefaultDestinations(const std::vector<CopyTask>& tasks, const std::atomic<bool>* stop);
 
 }  // namespace flashckpt
