@@ -3,6 +3,7 @@
 #include "daemon/edge/registration.h"
 #include "daemon/edge/wire.h"
 #include "daemon_state.pb.h"
+#include "proto/slot_checksums_proto.h"
 
 namespace flashckpt {
 namespace {
@@ -81,9 +82,7 @@ class ProtoCodec final : public StateRecordCodec {
       e->set_updates_skipped(in.ema->updates_skipped);
       e->set_last_step(in.ema->last_step);
       e->set_last_seen(in.ema->last_seen);
-      e->set_checksum_chunk(in.ema_sums.chunk_bytes);
-      *e->mutable_first_chunk() = {in.ema_sums.first.begin(), in.ema_sums.first.end()};
-      *e->mutable_sums() = {in.ema_sums.sums.begin(), in.ema_sums.sums.end()};
+      SlotChecksumsToProto(in.ema_sums, e);
     }
     return r.SerializeAsString();
   }
@@ -103,9 +102,7 @@ class ProtoCodec final : public StateRecordCodec {
     if (r.has_ema()) {
       const v1::MemoryEma& e = r.ema();
       out->ema = EmaState{e.initialized(), e.updates_applied(), e.updates_skipped(), e.last_step(), e.last_seen()};
-      out->ema_sums.chunk_bytes = e.checksum_chunk();
-      out->ema_sums.first.assign(e.first_chunk().begin(), e.first_chunk().end());
-      out->ema_sums.sums.assign(e.sums().begin(), e.sums().end());
+      out->ema_sums = SlotChecksumsFromProto(e);
     }
     return true;
   }

@@ -1,5 +1,6 @@
 #include "daemon/replica/replica_layout.h"
 
+#include "proto/slot_checksums_proto.h"
 #include "replica.pb.h"
 
 namespace flashckpt {
@@ -26,9 +27,7 @@ std::string EncodeReplicaLayout(const ReplicaLayout& layout) {
     t->set_slot_offset(tensor.slot_offset);
     t->set_bytes(tensor.bytes);
   }
-  where.set_checksum_chunk(layout.sums.chunk_bytes);
-  *where.mutable_first_chunk() = {layout.sums.first.begin(), layout.sums.first.end()};
-  *where.mutable_sums() = {layout.sums.sums.begin(), layout.sums.sums.end()};
+  SlotChecksumsToProto(layout.sums, &where);
   where.set_run_id(layout.run_id);
   where.set_resumed_from(layout.resumed_from);
   where.set_image_offset(layout.image_offset);
@@ -38,9 +37,7 @@ std::string EncodeReplicaLayout(const ReplicaLayout& layout) {
     e->set_image_offset(layout.ema->image_offset);
     e->set_image_bytes(layout.ema->image_bytes);
     e->set_layout_fingerprint(layout.ema->layout_fingerprint);
-    e->set_checksum_chunk(layout.ema->sums.chunk_bytes);
-    *e->mutable_first_chunk() = {layout.ema->sums.first.begin(), layout.ema->sums.first.end()};
-    *e->mutable_sums() = {layout.ema->sums.sums.begin(), layout.ema->sums.sums.end()};
+    SlotChecksumsToProto(layout.ema->sums, e);
     e->set_initialized(layout.ema->initialized);
     e->set_updates_applied(layout.ema->updates_applied);
     e->set_updates_skipped(layout.ema->updates_skipped);
@@ -55,9 +52,7 @@ Result<ReplicaLayout> DecodeReplicaLayout(const std::string& bytes) {
   if (!where.ParseFromString(bytes)) return Corruption("its layout does not parse");
   ReplicaLayout out;
   for (const auto& t : where.tensors()) out.tensors.push_back({t.name(), t.slot_offset(), t.bytes()});
-  out.sums.chunk_bytes = where.checksum_chunk();
-  out.sums.first.assign(where.first_chunk().begin(), where.first_chunk().end());
-  out.sums.sums.assign(where.sums().begin(), where.sums().end());
+  out.sums = SlotChecksumsFromProto(where);
   out.run_id = where.run_id();
   out.resumed_from = where.resumed_from();
   out.image_offset = where.image_offset();
@@ -68,9 +63,7 @@ Result<ReplicaLayout> DecodeReplicaLayout(const std::string& bytes) {
     ema.image_offset = e.image_offset();
     ema.image_bytes = e.image_bytes();
     ema.layout_fingerprint = e.layout_fingerprint();
-    ema.sums.chunk_bytes = e.checksum_chunk();
-    ema.sums.first.assign(e.first_chunk().begin(), e.first_chunk().end());
-    ema.sums.sums.assign(e.sums().begin(), e.sums().end());
+    ema.sums = SlotChecksumsFromProto(e);
     ema.initialized = e.initialized();
     ema.updates_applied = e.updates_applied();
     ema.updates_skipped = e.updates_skipped();
