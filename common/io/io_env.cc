@@ -76,4 +76,80 @@ int CancellableIo::Rename(const std::string& from, const std::string& to) {
   return cancelled() ? Refused() : base()->Rename(from, to);
 }
 
+IoCounts CountingIo::Counts() const {
+  IoCounts c;
+  c.opens = opens_.load(std::memory_order_relaxed);
+  c.stats = stats_.load(std::memory_order_relaxed);
+  c.lists = lists_.load(std::memory_order_relaxed);
+  c.reads = reads_.load(std::memory_order_relaxed);
+  c.read_bytes = read_bytes_.load(std::memory_order_relaxed);
+  c.writes = writes_.load(std::memory_order_relaxed);
+  c.written_bytes = written_bytes_.load(std::memory_order_relaxed);
+  c.syncs = syncs_.load(std::memory_order_relaxed);
+  c.renames = renames_.load(std::memory_order_relaxed);
+  c.unlinks = unlinks_.load(std::memory_order_relaxed);
+  c.mkdirs = mkdirs_.load(std::memory_order_relaxed);
+  c.truncates = truncates_.load(std::memory_order_relaxed);
+  return c;
+}
+
+ssize_t CountingIo::Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) {
+  const ssize_t n = base()->Pwrite(fd, buf, bytes, offset);
+  Add(writes_);
+  if (n > 0) Add(written_bytes_, static_cast<uint64_t>(n));
+  return n;
+}
+
+int CountingIo::Ftruncate(int fd, uint64_t bytes) {
+  Add(truncates_);
+  return base()->Ftruncate(fd, bytes);
+}
+
+int CountingIo::Fdatasync(int fd) {
+  Add(syncs_);
+  return base()->Fdatasync(fd);
+}
+
+int CountingIo::Fsync(int fd) {
+  Add(syncs_);
+  return base()->Fsync(fd);
+}
+
+int CountingIo::Rename(const std::string& from, const std::string& to) {
+  Add(renames_);
+  return base()->Rename(from, to);
+}
+
+int CountingIo::Open(const std::string& path, int flags, unsigned mode) {
+  Add(opens_);
+  return base()->Open(path, flags, mode);
+}
+
+ssize_t CountingIo::Pread(int fd, void* buf, size_t bytes, uint64_t offset) {
+  const ssize_t n = base()->Pread(fd, buf, bytes, offset);
+  Add(reads_);
+  if (n > 0) Add(read_bytes_, static_cast<uint64_t>(n));
+  return n;
+}
+
+int CountingIo::Stat(const std::string& path, struct stat* st) {
+  Add(stats_);
+  return base()->Stat(path, st);
+}
+
+int CountingIo::ListDir(const std::string& dir, std::vector<std::string>* names) {
+  Add(lists_);
+  return base()->ListDir(dir, names);
+}
+
+int CountingIo::Unlink(const std::string& path) {
+  Add(unlinks_);
+  return base()->Unlink(path);
+}
+
+int CountingIo::Mkdir(const std::string& path, unsigned mode) {
+  Add(mkdirs_);
+  return base()->Mkdir(path, mode);
+}
+
 }  // namespace flashckpt

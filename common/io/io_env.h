@@ -96,4 +96,40 @@ class CancellableIo final : public ForwardingIoEnv {
   std::atomic<bool> cancelled_{false};
 };
 
+// How many calls of each kind an IoEnv passed on (CountingIo::Counts).
+struct IoCounts {
+  uint64_t opens = 0, stats = 0, lists = 0, reads = 0, read_bytes = 0, writes = 0, written_bytes = 0;
+  uint64_t syncs = 0;    // fdatasync and fsync
+  uint64_t renames = 0;  // also the durable write's rename into place
+  uint64_t unlinks = 0, mkdirs = 0, truncates = 0;
+};
+
+// Forwards every call to `base` and counts it: the daemon's calls on its root, per kind, for its
+// metrics (flashckpt_root_io_calls_total) and for the scale bench, which checks that what a
+// checkpoint costs the file system grows with the ranks and not with ranks x daemons.
+// Thread-safe; the counters are relaxed atomics (a scrape may see one call counted and not the next).
+class CountingIo final : public ForwardingIoEnv {
+ public:
+  explicit CountingIo(IoEnv* base) : ForwardingIoEnv(base) {}
+  IoCounts Counts() const;
+
+  ssize_t Pwrite(int fd, const void* buf, size_t bytes, uint64_t offset) override;
+  int Ftruncate(int fd, uint64_t bytes) override;
+  int Fdatasync(int fd) override;
+  int Fsync(int fd) override;
+  int Rename(const std::string& from, const std::string& to) override;
+  int Open(const std::string& path, int flags, unsigned mode) override;
+  ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override;
+  int Stat(const std::string& path, struct stat* st) override;
+  int ListDir(const std::string& dir, std::vector<std::string>* names) override;
+  int Unlink(const std::string& path) override;
+  int Mkdir(const std::string& path, unsigned mode) override;
+
+ private:
+  static void Add(std::atomic<uint64_t>& counter, uint64_t n = 1) { counter.fetch_add(n, std::memory_order_relaxed); }
+
+  std::atomic<uint64_t> opens_{0}, stats_{0}, lists_{0}, reads_{0}, read_bytes_{0}, writes_{0}, written_bytes_{0};
+  std::atomic<uint64_t> syncs_{0}, renames_{0}, unlinks_{0}, mkdirs_{0}, truncates_{0};
+};
+
 }  // namespace flashckpt

@@ -11,6 +11,7 @@ Core::Core(DaemonConfig config)
     : config_(std::move(config)),
       clock_(config_.clock != nullptr ? *config_.clock : Clock::Real()),
       started_(clock_.Now()),
+      root_io_(config_.io_env != nullptr ? config_.io_env : IoEnv::Default()),
       catalog_(config_.root, config_.keep, RootIo()),
       launches_(config_.root, config_.launch_join_window),
       leases_(config_.root, config_.node_name, config_.lease_ttl) {

@@ -73,8 +73,10 @@ class Core {
   Core(const Core&) = delete;
   Core& operator=(const Core&) = delete;
 
-  // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS).
-  IoEnv* RootIo() const { return config_.io_env != nullptr ? config_.io_env : IoEnv::Default(); }
+  // What the daemon does to its checkpoint root goes through this (DaemonConfig::io_env, or the OS),
+  // counted (RootIoCounts).
+  IoEnv* RootIo() const { return &root_io_; }
+  IoCounts RootIoCounts() const { return root_io_.Counts(); }
 
   // Shared memory held by jobs with no rank connected (for the budget's refusal).
   uint64_t DisconnectedBytesLocked() const REQUIRES(mu_);
@@ -112,6 +114,7 @@ class Core {
   const DaemonConfig config_;
   const Clock& clock_;  // config_.clock: every time the core reads, and every deadline it waits for
   const std::chrono::steady_clock::time_point started_;
+  mutable CountingIo root_io_;  // RootIo: counts, then passes on to config_.io_env (thread-safe)
   StateDir state_;           // set once by Daemon::Start
   std::string ema_scope_;    // set once by Daemon::Start, before any segment (EmaSegmentName)
   StateDirLock state_lock_;  // taken by Daemon::Start, held for the daemon's life

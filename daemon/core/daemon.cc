@@ -26,11 +26,11 @@ DaemonConfig WithDefaultNodeName(DaemonConfig config) {
   return config;
 }
 
-WriterOptions WriterOptionsOf(const DaemonConfig& config, const Clock& clock) {
+WriterOptions WriterOptionsOf(const DaemonConfig& config, const Clock& clock, IoEnv* root_io) {
   WriterOptions options;
   options.threads = config.writer_threads;
   options.io_threads = config.io_threads;
-  options.env = config.io_env != nullptr ? config.io_env : IoEnv::Default();
+  options.env = root_io;
   options.clock = &clock;
   return options;
 }
@@ -58,7 +58,24 @@ Daemon::Daemon(DaemonConfig config) : c_(WithDefaultNodeName(std::move(config)))
 
 std::string Daemon::RenderMetrics() const {
   const DaemonStatus status = GetStatus();
-  return c_.metrics_.Render(status, c_.events_.dropped());
+  std::string out = c_.metrics_.Render(status, c_.events_.dropped());
+  // The calls on the checkpoint root (not the state directory, shared memory or the leases): what a
+  // checkpoint costs the file system, which the scale bench reads per checkpoint.
+  const IoCounts io = c_.RootIoCounts();
+  MetricHeader(&out, "flashckpt_root_io_calls_total", "counter",
+               "File-system calls this daemon made on its checkpoint root, by call");
+  for (const auto& [call, n] : {std::pair{"open", io.opens}, {"stat", io.stats}, {"list", io.lists},
+                                {"read", io.reads}, {"write", io.writes}, {"sync", io.syncs},
+                                {"rename", io.renames}, {"unlink", io.unlinks}, {"mkdir", io.mkdirs},
+                                {"truncate", io.truncates}}) {
+    MetricSample(&out, "flashckpt_root_io_calls_total", std::string("call=\"") + call + "\"",
+                 static_cast<double>(n));
+  }
+  MetricHeader(&out, "flashckpt_root_io_bytes_total", "counter",
+               "Bytes this daemon read from and wrote to its checkpoint root, by direction");
+  MetricSample(&out, "flashckpt_root_io_bytes_total", "direction=\"read\"", static_cast<double>(io.read_bytes));
+  MetricSample(&out, "flashckpt_root_io_bytes_total", "direction=\"write\"", static_cast<double>(io.written_bytes));
+  return out;
 }
 
 Daemon::~Daemon() {
@@ -105,7 +122,7 @@ Status Daemon::Start() {
     const std::string& key = ec ? where : canonical;
     c_.ema_scope_ = ChecksumHex(Xxh3(key.data(), key.size()));
   }
-  c_.writer_ = std::make_unique<Writer>(&c_.catalog_, WriterOptionsOf(c_.config_, c_.clock_));
+  c_.writer_ = std::make_unique<Writer>(&c_.catalog_, WriterOptionsOf(c_.config_, c_.clock_, c_.RootIo()));
   RETURN_IF_ERROR(c_.writer_->Start());
   EmaStageOptions ema_options = EmaStageOptionsOf(c_.config_, c_.clock_);
   ema_options.writer = c_.writer_.get();
