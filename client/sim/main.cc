@@ -1,4 +1,6 @@
-// flashckpt-sim: a simulated trainer rank. It holds model and optimizer tensors laid out as a
+// flashckpt-sim: a simulated trainer rank (or, with --ranks-per-process N, N ranks on threads of
+// one process, each with its own client session, so that a thousand ranks fit on one machine). It
+// holds model and optimizer tensors laid out as a
 // (tp, pp, shard) rank of a job, sets them to values defined by the step and the global element
 // position, saves every K steps (and, with --memory-every M, takes a memory checkpoint every M
 // steps) and, with --resume, restores and checks every element.
@@ -25,7 +27,7 @@ using flashckpt::Status;
 
 struct Options {
   std::string socket, job;
-  uint32_t rank = 0, world_size = 1, tp_degree = 1, pp_degree = 1, shard_degree = 1;
+  uint32_t rank = 0, ranks_per_process = 1, world_size = 1, tp_degree = 1, pp_degree = 1, shard_degree = 1;
   uint32_t layers = 4, hidden = 256;
   int64_t steps = 100, save_every = 10;
   std::optional<int64_t> memory_every;  // a memory checkpoint every M steps (not on save steps)
@@ -206,7 +208,10 @@ struct TrainStats {
 void AddFlags(CLI::App& app, Options& o) {
   app.add_option("--socket", o.socket, "flashckptd socket")->required();
   app.add_option("--job", o.job, "job name")->required();
-  app.add_option("--rank", o.rank, "rank")->required();
+  app.add_option("--rank", o.rank, "rank (with --ranks-per-process N: the first of N)")->required();
+  app.add_option("--ranks-per-process", o.ranks_per_process,
+                 "run ranks --rank .. --rank+N-1 from this process, one thread and client session each")
+      ->check(CLI::Range(1u, 4096u));
   app.add_option("--world-size", o.world_size, "world size")->required()->check(CLI::PositiveNumber);
   app.add_option("--tp-degree", o.tp_degree, "tensor-parallel degree")->check(CLI::PositiveNumber);
   app.add_option("--pp-degree", o.pp_degree, "pipeline-parallel degree")->check(CLI::PositiveNumber);
@@ -248,8 +253,10 @@ void AddFlags(CLI::App& app, Options& o) {
 // Whether the degrees make up the world size with this rank in it and every tp rank gets a row;
 // prints what is wrong otherwise.
 bool CheckTopology(const Options& o) {
-  if (uint64_t{o.tp_degree} * o.pp_degree * o.shard_degree != o.world_size || o.rank >= o.world_size) {
-    std::fprintf(stderr, "flashckpt-sim: need world-size = tp*pp*shard degrees and rank < world-size\n");
+  if (uint64_t{o.tp_degree} * o.pp_degree * o.shard_degree != o.world_size ||
+      uint64_t{o.rank} + o.ranks_per_process > o.world_size) {
+    std::fprintf(stderr,
+                 "flashckpt-sim: need world-size = tp*pp*shard degrees and rank + ranks-per-process <= world-size\n");
     return false;
   }
   if (uint64_t{o.tp_degree - 1} * ((o.hidden + o.tp_degree - 1) / o.tp_degree) >= o.hidden) {
@@ -415,15 +422,9 @@ int DumpEma(flashckpt::Client& c, const SimRank& sim, const Options& o) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"flashckpt-sim: a simulated trainer rank that saves, resumes and checks its state"};
-  AddFlags(app, o);
-  CLI11_PARSE(app, argc, argv);
-  if (!CheckTopology(o)) return 2;
-
+// One rank's whole run: register, resume if asked, train, wait for the last save. Returns its exit
+// code.
+int RunRank(const Options& o) {
   SimRank sim(o);
   auto client = flashckpt::Client::Connect(ClientOptionsOf(o));
   if (!client.ok()) return Fail("connect", client.status());
@@ -448,5 +449,34 @@ int main(int argc, char** argv) {
   double blocked_ms = std::chrono::duration<double, std::milli>(stats.blocked).count();
   std::printf("done rank=%u last_step=%" PRId64 " saves=%" PRId64 " blocked_in_save_ms=%.3f\n", o.rank, o.steps,
               stats.saves, blocked_ms);
+  std::fflush(stdout);
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"flashckpt-sim: a simulated trainer rank that saves, resumes and checks its state"};
+  AddFlags(app, o);
+  CLI11_PARSE(app, argc, argv);
+  if (!CheckTopology(o)) return 2;
+  if (o.ranks_per_process > 1 && !o.dump_ema.empty()) {
+    std::fprintf(stderr, "flashckpt-sim: --dump-ema writes one rank's EMA; it needs --ranks-per-process 1\n");
+    return 2;
+  }
+  if (o.ranks_per_process == 1) return RunRank(o);
+
+  // Each rank on a thread of its own, as the ranks of a node's processes would run; the process
+  // fails when any rank does (each failure is printed by the rank that had it).
+  std::vector<int> codes(o.ranks_per_process, 0);
+  std::vector<std::thread> ranks;
+  ranks.reserve(o.ranks_per_process);
+  for (uint32_t k = 0; k < o.ranks_per_process; ++k) {
+    Options mine = o;
+    mine.rank = o.rank + k;
+    ranks.emplace_back([mine, code = &codes[k]] { *code = RunRank(mine); });
+  }
+  for (std::thread& t : ranks) t.join();
+  return *std::max_element(codes.begin(), codes.end());
 }
