@@ -102,6 +102,18 @@ std::optional<int64_t> ParseCheckpointDirName(std::string_view name) {
 
 std::string SignalFileName(uint32_t rank) { return "saved_signal_" + std::to_string(rank); }
 
+std::optional<uint32_t> ParseSignalFileName(std::string_view name) {
+  constexpr std::string_view kPrefix = "saved_signal_";
+  if (name.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  std::string_view digits = name.substr(kPrefix.size());
+  if (digits.empty() || digits.size() > 10) return std::nullopt;
+  uint32_t rank = 0;
+  auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), rank);
+  if (ec != std::errc() || ptr != digits.data() + digits.size()) return std::nullopt;
+  if (SignalFileName(rank) != name) return std::nullopt;  // no leading zeros
+  return rank;
+}
+
 std::string ExtraFileName(uint32_t rank) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "extra.rank%05u.json", rank);

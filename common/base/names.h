@@ -44,6 +44,8 @@ std::string CheckpointDirName(int64_t step);
 std::optional<int64_t> ParseCheckpointDirName(std::string_view name);
 // "saved_signal_3"
 std::string SignalFileName(uint32_t rank);
+// The rank of a SignalFileName; nullopt for any other name (leading zeros, signs, > 2^32-1).
+std::optional<uint32_t> ParseSignalFileName(std::string_view name);
 // "extra.rank00003.json"
 std::string ExtraFileName(uint32_t rank);
 

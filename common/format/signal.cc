@@ -20,6 +20,7 @@ std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes
   if (!s.node.empty()) j["node"] = s.node;
   if (s.world_size != 0) j["world_size"] = s.world_size;
   if (s.committed_ms > 0) j["committed_ms"] = s.committed_ms;
+  if (s.written_us > 0) j["written_us"] = s.written_us;
   return j.dump() + "\n";
 }
 
@@ -66,6 +67,12 @@ Result<Signal> ParseSignal(std::string_view text) {
       return Corruption("not a flashckpt signal: committed_ms is not a time in ms since the epoch");
     }
     s.committed_ms = static_cast<int64_t>(committed->get<uint64_t>());
+  }
+  if (auto written = j.find("written_us"); written != j.end()) {
+    if (!written->is_number_unsigned() || written->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return Corruption("not a flashckpt signal: written_us is not a time in us since the epoch");
+    }
+    s.written_us = static_cast<int64_t>(written->get<uint64_t>());
   }
   for (const auto& f : *files) {
     if (!f.is_string()) return Corruption("not a flashckpt signal: a files entry is not a string");

@@ -38,6 +38,9 @@ struct Signal {
   // epoch): the rank's process was alive then. Optional in the file: 0 (unknown). A daemon that finds
   // a step's signals of several attempts tells a live split from an old attempt's leftovers by it.
   int64_t committed_ms = 0;
+  // When the daemon wrote this signal (wall clock, us since the epoch), for the completion's
+  // `commit_ms` (the time from the last signal to metadata.json). Optional in the file: 0.
+  int64_t written_us = 0;
   std::vector<std::string> files;
   Attempt attempt() const { return Attempt{run_id, resumed_from}; }
 };

@@ -264,7 +264,9 @@ Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t 
   if (!complete) return out;  // found = false
   step = *complete;
   std::string dir = c_.catalog_.CheckpointDir(source, step);
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir, c_.RootIo()));
+  // Parsed once for all the job's ranks that restore this step (Catalog::Metadata).
+  ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointMetadata> shared_meta, c_.catalog_.Metadata(source, step));
+  const CheckpointMetadata& meta = *shared_meta;
   if (meta.job != source || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }

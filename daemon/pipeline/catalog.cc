@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -79,6 +80,25 @@ Result<bool> Catalog::IsComplete(const std::string& job, int64_t step) const {
   return Exists(CheckpointDir(job, step) + "/metadata.json", io_);
 }
 
+Result<bool> Catalog::IsCompleteShared(const std::string& job, int64_t step, std::chrono::milliseconds max_age) const {
+  const auto now = std::chrono::steady_clock::now();
+  const std::pair<std::string, int64_t> key{job, step};
+  {
+    MutexLock lock(&looked_mu_);
+    auto it = looked_.find(key);
+    if (it != looked_.end() && now - it->second.at < max_age) return it->second.complete;
+  }
+  ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));  // no lock held across the stat
+  MutexLock lock(&looked_mu_);
+  if (looked_.size() >= kMaxLooks && looked_.find(key) == looked_.end()) {
+    auto oldest = std::min_element(looked_.begin(), looked_.end(),
+                                   [](const auto& a, const auto& b) { return a.second.at < b.second.at; });
+    looked_.erase(oldest);
+  }
+  looked_[key] = Look{now, complete};
+  return complete;
+}
+
 Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, const Attempt& attempt) const {
   auto signal = ReadSignal(CheckpointDir(job, step) + "/" + SignalFileName(rank), io_);
   if (!signal.ok()) {
@@ -108,12 +128,12 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::LatestRun(const std::stri
   ASSIGN_OR_RETURN(std::optional<int64_t> named, LatestNamed(job));
   if (!named) return none;  // missing or torn: the next completion rewrites it
   const int64_t step = *named;
-  auto meta = ReadMetadataFile(CheckpointDir(job, step), io_);
+  auto meta = Metadata(job, step);
   if (!meta.ok()) {
     if (meta.status().code() == StatusCode::kNotFound) return none;
     return meta.status();
   }
-  return std::optional<RunCheckpoint>{RunCheckpoint{step, meta->run_id}};
+  return std::optional<RunCheckpoint>{RunCheckpoint{step, (*meta)->run_id}};
 }
 
 Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestComplete(const std::string& job,
@@ -127,27 +147,64 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestComplete(const std:
     if (signal.ok() && signal->step == step) {
       run = signal->run_id;
     } else {
-      auto meta = ReadMetadataFile(dir, io_);
+      auto meta = Metadata(job, step);
       if (!meta.ok()) {
         if (meta.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
         return meta.status();
       }
-      run = meta->run_id;
+      run = (*meta)->run_id;
     }
     if (skip_run.empty() || run != skip_run) return std::optional<RunCheckpoint>{RunCheckpoint{step, run}};
   }
   return std::optional<RunCheckpoint>();
 }
 
+Result<bool> Catalog::AllSignalsPresent(const std::string& dir, uint32_t world_size) const {
+  ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(dir, io_));
+  std::vector<bool> listed(world_size, false);
+  for (const std::string& n : names) {
+    std::optional<uint32_t> rank = ParseSignalFileName(n);
+    if (rank && *rank < world_size) listed[*rank] = true;
+  }
+  // A listing may lag behind a rename another client made (NFS caches directories): a rank it
+  // misses is looked up by name, and the first one that is really not there ends the check.
+  for (uint32_t r = 0; r < world_size; ++r) {
+    if (listed[r]) continue;
+    ASSIGN_OR_RETURN(bool there, Exists(dir + "/" + SignalFileName(r), io_));
+    if (!there) return false;
+  }
+  return true;
+}
+
+bool Catalog::FewerSignalsThanRanks(const std::string& dir, const std::vector<std::string>& names) const {
+  size_t signals = 0;
+  const std::string* first = nullptr;
+  for (const std::string& n : names) {
+    if (!ParseSignalFileName(n)) continue;
+    ++signals;
+    if (first == nullptr) first = &n;
+  }
+  if (first == nullptr) return true;
+  auto signal = ReadSignal(dir + "/" + *first, io_);
+  // One that cannot be read, or does not say, is left to the full look that follows.
+  return signal.ok() && signal->world_size != 0 && signals < signal->world_size;
+}
+
 Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
                                     std::map<uint32_t, Signal>* mixed) {
+  using Steady = std::chrono::steady_clock;
+  const Steady::time_point asked = Steady::now();
   MutexLock lock(&JobMutex(job));
   std::string dir = CheckpointDir(job, step);
   ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
   if (complete) return true;
+  ASSIGN_OR_RETURN(bool all_there, AllSignalsPresent(dir, world_size));
+  if (!all_there) return false;
+  const Steady::time_point checked = Steady::now();
   std::vector<std::string> files;
   std::map<uint32_t, Signal> all;
   bool one_attempt = true;
+  int64_t last_signal_us = 0;
   for (uint32_t r = 0; r < world_size; ++r) {
     auto signal = ReadSignal(dir + "/" + SignalFileName(r), io_);
     if (!signal.ok()) {
@@ -160,6 +217,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
       if (mixed == nullptr) return false;
       one_attempt = false;
     }
+    last_signal_us = std::max(last_signal_us, signal->written_us);
     for (auto& f : signal->files) files.push_back(std::move(f));
     signal->files.clear();
     if (mixed != nullptr) all.emplace(r, std::move(*signal));  // its file list is in `files`
@@ -168,7 +226,9 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
     *mixed = std::move(all);
     return false;
   }
+  const Steady::time_point signals_read = Steady::now();
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_));
+  const Steady::time_point built = Steady::now();
   meta.run_id = attempt.run_id;
   meta.resumed_from = attempt.resumed_from;
   if (meta.step != step || meta.job != job || meta.topology.world_size != world_size) {
@@ -181,8 +241,23 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   // directory are read: a completion must not cost a listing of every step of a long run.
   ASSIGN_OR_RETURN(bool newer, LatestNamesNewer(job, step));
   if (!newer) RETURN_IF_ERROR(WriteFileDurably(JobDir(job), "LATEST", std::to_string(step) + "\n", nullptr, io_));
-  Logger("catalog")->info("complete job={} step={} files={} tensors={}", job, step, meta.files.size(),
-                          meta.pieces.size());
+  // commit_ms: from the newest signal's write (by whichever daemon) to here, metadata.json and
+  // LATEST durable; -1 when a signal does not record when it was written.
+  const int64_t now_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  auto ms = [](Steady::time_point a, Steady::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
+  const Steady::time_point written = Steady::now();
+  // The parts of this call: waiting for the job's lock and looking (check_ms), reading the signals,
+  // reading the files' headers into metadata, writing metadata.json and LATEST.
+  Logger("catalog")->info(
+      "complete job={} step={} files={} tensors={} commit_ms={:.3f} check_ms={:.3f} signals_ms={:.3f} "
+      "headers_ms={:.3f} write_ms={:.3f}",
+      job, step, meta.files.size(), meta.pieces.size(),
+      last_signal_us > 0 ? static_cast<double>(now_us - last_signal_us) / 1000.0 : -1.0, ms(asked, checked),
+      ms(checked, signals_read), ms(signals_read, built), ms(built, written));
   NoteCompleted(job, step);
   if (listener_) listener_(CatalogChange::kCompleted, job, step, "");
   if (keep_ > 0) {
@@ -224,6 +299,9 @@ Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& 
       if (files.status().code() != StatusCode::kNotFound && first_error.ok()) first_error = files.status();
       continue;  // NOT_FOUND: deleted meanwhile
     }
+    // A step still being written (or left short by a rank that died) is passed over for the
+    // price of one signal read: the one that says how many ranks the step has.
+    if (FewerSignalsThanRanks(dir, *files)) continue;
     // The signals there must all be of one attempt and say how many ranks the step has (signals
     // of releases that did not record it never complete here: their own daemon completes them).
     std::optional<Attempt> attempt;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -21,6 +22,7 @@
 #include "common/io/io_env.h"
 #include "common/read/listing.h"
 #include "daemon/pipeline/lease.h"
+#include "daemon/pipeline/metadata_cache.h"
 
 namespace flashckpt {
 
@@ -73,7 +75,7 @@ class Catalog {
   // job and deletes older ones (0 keeps everything; --keep).
   // `io`: every file-system call of the catalog goes through it (tests inject faults); not owned.
   explicit Catalog(std::string root, uint32_t keep = 0, IoEnv* io = IoEnv::Default())
-      : root_(std::move(root)), keep_(keep), io_(io) {}
+      : root_(std::move(root)), keep_(keep), io_(io), metadata_(io, kMetadataKept) {}
 
   // Called after each change, on the thread that made it, with no catalog lock held but the job's
   // completion lock. Set once, before the catalog is used.
@@ -145,6 +147,17 @@ class Catalog {
   //
   // Whether checkpoint `step` of `job` is complete (its metadata.json exists).
   Result<bool> IsComplete(const std::string& job, int64_t step) const;
+  // metadata.json of checkpoint `step` of `job`, read and parsed once for every caller while the
+  // file stays the same (MetadataCache: the ranks of a job that register and restore share it).
+  // kNotFound when the checkpoint is not complete.
+  Result<std::shared_ptr<const CheckpointMetadata>> Metadata(const std::string& job, int64_t step) const {
+    return metadata_.Get(CheckpointDir(job, step));
+  }
+  // The same, looked up in the root at most once per `max_age` for each job and step, whoever
+  // asks: the ranks of a daemon that wait for one step (WaitComplete) share one stat per period
+  // instead of one each. The answer may be up to `max_age` old.
+  Result<bool> IsCompleteShared(const std::string& job, int64_t step, std::chrono::milliseconds max_age) const
+      EXCLUDES(looked_mu_);
   // Whether `rank` has written its part of `step` in `attempt`: its saved_signal is in place
   // (signals are written last, after the rank's files are durable). A signal that is missing, or
   // left by another attempt, is false; one that cannot be read or parsed is an error.
@@ -198,6 +211,14 @@ class Catalog {
     std::vector<int64_t> complete, incomplete;
   };
   Result<JobSteps> ScanSteps(const std::string& job) const;
+  // Whether checkpoint directory `dir` holds the saved_signal of every rank below `world_size`,
+  // by one listing (and a lookup by name of each rank it misses, up to the first really missing):
+  // a completion check that reads no signal before all are there, so the checks of a step cost
+  // the file system about one listing each, not one read per rank already signalled.
+  Result<bool> AllSignalsPresent(const std::string& dir, uint32_t world_size) const;
+  // The sweep's first look at an incomplete step directory holding `names`: true when it has no
+  // signal, or fewer than the world size its first signal records (one read).
+  bool FewerSignalsThanRanks(const std::string& dir, const std::vector<std::string>& names) const;
   // Retention's victims for `keep` >= 1: complete checkpoints older than the newest `keep`
   // complete ones, incomplete directories older than the oldest kept complete one. Oldest first.
   static std::vector<int64_t> RetentionVictims(const JobSteps& steps, uint32_t keep);
@@ -230,6 +251,10 @@ class Catalog {
   std::string root_;
   const uint32_t keep_;
   IoEnv* const io_;
+  // The parsed metadata of the last checkpoints read (Metadata): two, the one a job restores and
+  // the one it writes next, as a large job's metadata may take hundreds of MiB parsed.
+  static constexpr size_t kMetadataKept = 2;
+  mutable MetadataCache metadata_;
   CatalogListener listener_;
   Leases* leases_ = nullptr;
   Mutex mu_;
@@ -244,6 +269,15 @@ class Catalog {
     std::chrono::steady_clock::time_point read_at;
     uint64_t notes = 0;  // completions noted: tells a refresh that one came while it read
   };
+  // IsCompleteShared's last look per job and step: when, and whether it was complete. At most
+  // kMaxLooks entries (the oldest go).
+  static constexpr size_t kMaxLooks = 1024;
+  struct Look {
+    std::chrono::steady_clock::time_point at;
+    bool complete = false;
+  };
+  mutable Mutex looked_mu_;
+  mutable std::map<std::pair<std::string, int64_t>, Look> looked_ GUARDED_BY(looked_mu_);
   mutable Mutex known_mu_;
   mutable std::map<std::string, Known> known_ GUARDED_BY(known_mu_);  // a cache (KnownLatest)
   void NoteCompleted(const std::string& job, int64_t step) EXCLUDES(known_mu_);

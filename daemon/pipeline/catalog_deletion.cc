@@ -20,8 +20,8 @@ Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const s
   ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
   std::vector<int64_t> victims;
   for (int64_t step : steps.complete) {
-    ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(CheckpointDir(job, step), io_));
-    if (meta.run_id != run_id) victims.push_back(step);
+    ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointMetadata> meta, Metadata(job, step));
+    if (meta->run_id != run_id) victims.push_back(step);
   }
   // An incomplete directory goes only when it holds another run's signals and none of this run's:
   // one without signals may be this run's own step that another daemon is writing. A signal that

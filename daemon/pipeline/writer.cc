@@ -39,6 +39,7 @@ Status Writer::Submit(PersistRequest request) {
   if (queue_.size() >= capacity_) {
     return ResourceExhausted("the persist queue is full (" + std::to_string(capacity_) + " requests)");
   }
+  ++pending_[{request.job, request.step}];
   queue_.push_back(std::move(request));
   cv_.NotifyOne();
   return Status::OK();
@@ -56,6 +57,7 @@ void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
       // Out of time: the writes running now fail at their next call into env_ and clean up.
       env_.Cancel();
       dropped.swap(queue_);
+      for (const PersistRequest& req : dropped) LeavePendingLocked(req);
       for (const auto& [id, w] : in_flight_) {
         Logger("writer")->warn("abandoning job={} step={} rank={} secs={:.1f}: the stop timeout ran out", w.job, w.step,
                                w.rank,
@@ -99,7 +101,7 @@ void Writer::Run() {
       id = taken_++;
       in_flight_[id] = WriteInFlight{req.job, req.rank, req.step, start};
     }
-    auto written = Persist(req, &io);
+    auto written = PersistOne(req, &io, /*queued=*/true);
     double secs = std::chrono::duration<double>(clock_.Now() - start).count();
     {
       MutexLock lock(&mu_);
@@ -140,7 +142,22 @@ void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const
 
 }  // namespace
 
-Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
+bool Writer::LeavePendingLocked(const PersistRequest& req) {
+  auto it = pending_.find({req.job, req.step});
+  if (it == pending_.end()) return true;
+  if (--it->second == 0) {
+    pending_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+bool Writer::LeavePending(const PersistRequest& req) {
+  MutexLock lock(&mu_);
+  return LeavePendingLocked(req);
+}
+
+Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io, bool queued) {
   const std::string dir = catalog_->CheckpointDir(req.job, req.step);
   std::vector<std::string> written;  // files of this attempt now under their final names, in order
   uint64_t bytes = 0;
@@ -153,7 +170,10 @@ Result<uint64_t> Writer::Persist(const PersistRequest& req, ParallelLoop* io) {
     // directory older than the newest complete one, and delete it in between.
     StepInUse in_use = catalog_->Use(req.job, req.step);
     wrote = WriteRankFiles(req, dir, io, &written, &bytes);
-    if (wrote.ok()) complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt, &mixed);
+    const bool last_here = !queued || LeavePending(req);
+    if (wrote.ok() && last_here) {
+      complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt, &mixed);
+    }
   }
   if (complete.ok() && !*complete && !mixed.empty() && req.mixed) req.mixed(mixed);
   if (!wrote.ok()) {
@@ -285,6 +305,9 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     return s;
   };
   RETURN_IF_ERROR(write(ExtraFileName(req.rank), EncodeExtra(req.job, req.rank, req.step, req.extra)));
+  signal.written_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
   return write(SignalFileName(req.rank), EncodeSignal(req.job, signal, *bytes));
 }
 

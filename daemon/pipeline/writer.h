@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/base/clock.h"
@@ -101,10 +102,21 @@ class Writer {
   // first), unless the checkpoint became complete; other steps are never touched. kCancelled: the
   // write was abandoned by Stop(deadline), and cleaned up the same way.
   // `io` (nullptr: the caller's thread only) runs the writes.
-  Result<uint64_t> Persist(const PersistRequest& request, ParallelLoop* io = nullptr);
+  Result<uint64_t> Persist(const PersistRequest& request, ParallelLoop* io = nullptr) {
+    return PersistOne(request, io, /*queued=*/false);
+  }
 
  private:
   void Run() EXCLUDES(mu_);
+  // Persist; `queued`: the request came through Submit and is counted in pending_.
+  Result<uint64_t> PersistOne(const PersistRequest& request, ParallelLoop* io, bool queued) EXCLUDES(mu_);
+  // Takes a queued request out of pending_ once its signal is written (or its write failed);
+  // returns whether no other persist of its job and step is queued or being written here. Only
+  // then does it ask whether the checkpoint is complete: the others each write a signal it
+  // needs, and the last of them asks. So a daemon's ranks that save a step together cost the
+  // catalog one completion check, not one each.
+  bool LeavePending(const PersistRequest& request) EXCLUDES(mu_);
+  bool LeavePendingLocked(const PersistRequest& request) REQUIRES(mu_);
   // Writes the rank's files and then its signal; `written` collects the names now in place.
   Status WriteRankFiles(const PersistRequest& request, const std::string& dir, ParallelLoop* io,
                         std::vector<std::string>* written, uint64_t* bytes);
@@ -121,6 +133,8 @@ class Writer {
   std::deque<PersistRequest> queue_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
   std::map<uint64_t, WriteInFlight> in_flight_ GUARDED_BY(mu_);  // by a counter of taken requests
+  // Submitted requests whose signal is not written yet, per job and step (LeavePending).
+  std::map<std::pair<std::string, int64_t>, size_t> pending_ GUARDED_BY(mu_);
   uint64_t taken_ GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_;
 };

@@ -11,11 +11,14 @@
 #include <filesystem>
 #include <thread>
 
+#include "common/base/names.h"
+#include "common/format/signal.h"
 #include "common/io/fs.h"
 #include "common/io/io_env.h"
 #include "common/read/verify.h"
 #include "daemon/edge/server.h"
 #include "daemon/pipeline/catalog.h"
+#include "daemon/pipeline/metadata_cache.h"
 #include "flashckpt.pb.h"
 #include "flashckpt/client.h"
 #include "in_process_daemon.h"
@@ -285,6 +288,82 @@ TEST_F(CatalogTest, GcKeepsTheNewestAndListsStepsInUseAsSkipped) {
 
 // An unreadable root is an error the trainer sees, never "no checkpoint": a restore must not start
 // from step 0 (or from an older step) because the filesystem failed.
+// A step of many ranks whose signals arrive one by one: each arrival asks the catalog whether the
+// checkpoint is complete. The answer "not yet" must not cost a read of every signal already there
+// (that made a step of N ranks cost N^2/2 reads, and 4 daemons on one root 4x that): it is one
+// listing, and no signal is opened before all are present.
+TEST_F(CatalogTest, AskingWhetherAStepIsCompleteReadsNoSignalBeforeAllArePresent) {
+  constexpr uint32_t kRanks = 256;
+  const std::string job = "many";
+  CountingIo io(IoEnv::Default());
+  Catalog catalog(root(), /*keep=*/0, &io);
+  const std::string dir = catalog.CheckpointDir(job, 10);
+  ASSERT_OK(MakeDirs(dir));
+  const Attempt attempt{"many-run", 0};
+  for (uint32_t r = 0; r + 1 < kRanks; ++r) {
+    Signal s;
+    s.rank = r;
+    s.step = 10;
+    s.run_id = attempt.run_id;
+    s.world_size = kRanks;
+    ASSERT_OK(WriteFileDurably(dir, SignalFileName(r), EncodeSignal(job, s, 0)));
+    auto complete = catalog.MaybeComplete(job, 10, kRanks, attempt);
+    ASSERT_OK(complete.status());
+    ASSERT_FALSE(*complete) << "rank " << r;
+  }
+  const IoCounts counts = io.Counts();
+  EXPECT_EQ(counts.reads, 0u) << "signals were read before all of them were there";
+  // One listing per check and one lookup of the first rank it did not list (the last one).
+  EXPECT_LE(counts.lists, uint64_t{kRanks});
+  EXPECT_LE(counts.opens + counts.stats, uint64_t{3 * kRanks});
+  EXPECT_FALSE(std::filesystem::exists(dir + "/metadata.json"));
+  // The sweep passes over the step for one read, of the signal that says how many ranks it has.
+  const IoCounts before = io.Counts();
+  auto swept = catalog.CompleteSignalledSteps(job, {attempt}, 16);
+  ASSERT_OK(swept.status());
+  EXPECT_TRUE(swept->empty());
+  EXPECT_LE(io.Counts().opens - before.opens, 3u);
+}
+
+// The ranks of a job that register and restore at once read metadata.json once between them (it
+// grows with the job: hundreds of MiB at thousands of ranks), and again once it changes.
+TEST_F(CatalogTest, MetadataIsReadOnceForManyCallersAndAgainWhenTheFileChanges) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("meta", 1000);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(5));
+  const std::string dir = StepDir("meta", 5);
+  CountingIo io(IoEnv::Default());
+  MetadataCache cache(&io, 2);
+  std::vector<std::shared_ptr<const CheckpointMetadata>> got(16);
+  std::vector<std::thread> callers;
+  for (size_t i = 0; i < got.size(); ++i) {
+    callers.emplace_back([&, i] {
+      auto meta = cache.Get(dir);
+      if (meta.ok()) got[i] = *meta;
+    });
+  }
+  for (auto& c : callers) c.join();
+  for (const auto& meta : got) {
+    ASSERT_NE(meta, nullptr);
+    EXPECT_EQ(meta.get(), got[0].get());  // one parse, shared
+    EXPECT_EQ(meta->step, 5);
+  }
+  EXPECT_EQ(cache.loads(), 1u);
+  EXPECT_EQ(io.Counts().opens, 1u);
+  // Written again (another inode): read again.
+  auto text = ReadSmallFile(dir + "/metadata.json", 1 << 20);
+  ASSERT_OK(text.status());
+  ASSERT_OK(WriteFileDurably(dir, "metadata.json", *text));
+  auto again = cache.Get(dir);
+  ASSERT_OK(again.status());
+  EXPECT_NE(again->get(), got[0].get());
+  EXPECT_EQ(cache.loads(), 2u);
+  // Gone: not complete, whatever was read before.
+  ASSERT_EQ(::unlink((dir + "/metadata.json").c_str()), 0);
+  EXPECT_EQ(cache.Get(dir).status().code(), StatusCode::kNotFound);
+}
+
 TEST_F(OnDiskTest, AJobDirectoryThatIsAFileIsAnErrorNotAnEmptyJob) {
   StartDaemon(/*keep=*/0);
   Trainer t = StartTrainer("broken", 64);
