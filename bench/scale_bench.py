@@ -124,7 +124,7 @@ def child_of(pid):
     sys.exit("no child of %d" % pid)
 
 
-def run_job(nodes, bin_dir, tmp, job, ranks, steps, resume=False):
+def run_job(nodes, bin_dir, tmp, job, ranks, steps, resume=False, step_ms=0):
     """Runs `ranks` ranks of `job` over the nodes; returns the ranks' output. Exits on a failed rank."""
     per_node = ranks // len(nodes)
     per_process = min(64, per_node)
@@ -135,7 +135,8 @@ def run_job(nodes, bin_dir, tmp, job, ranks, steps, resume=False):
             cmd = [os.path.join(bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", job, "--rank", str(first),
                    "--ranks-per-process", str(per_process), "--world-size", str(ranks), "--tp-degree", "8",
                    "--shard-degree", str(ranks // 8), "--layers", str(LAYERS), "--hidden", str(HIDDEN),
-                   "--steps", str(steps), "--save-every", "10", "--run-id", job + "-run", "--wait-timeout", "600"]
+                   "--steps", str(steps), "--save-every", "10", "--run-id", job + "-run", "--wait-timeout", "600",
+                   "--step-ms", str(step_ms)]
             procs.append((node.run(cmd + (["--resume"] if resume else []), log), log))
     out = []
     for p, log in procs:
@@ -184,11 +185,11 @@ def bench_ranks(args, ranks, tmp):
         c0 = total_calls(nodes)
         one, three = "s%d-one" % ranks, "s%d-three" % ranks
         start = time.monotonic()
-        run_job(nodes, args.bin_dir, tmp, one, ranks, 10)
+        run_job(nodes, args.bin_dir, tmp, one, ranks, 10, step_ms=args.step_ms)
         secs_one = time.monotonic() - start
         rss1 = sum(n.rss_anon_kib() for n in nodes)
         c1 = total_calls(nodes)
-        run_job(nodes, args.bin_dir, tmp, three, ranks, 30)
+        run_job(nodes, args.bin_dir, tmp, three, ranks, 30, step_ms=args.step_ms)
         c2 = total_calls(nodes)
         resumed = run_job(nodes, args.bin_dir, tmp, three, ranks, 30, resume=True)
         ok = len(re.findall(r"^resumed step=30 from=\w+ verified_elements=[1-9]", resumed, re.M))
@@ -260,6 +261,9 @@ def main():
     ap.add_argument("--bin-dir", required=True, help="where flashckptd, flashckpt, flashckpt-sim and plan_bench are")
     ap.add_argument("--ranks", default="64,256,1024")
     ap.add_argument("--daemons", type=int, default=4)
+    ap.add_argument("--step-ms", type=int, default=300,
+                    help="each rank's compute per step; with a save every 10 steps, the time between saves, so "
+                         "that a checkpoint's completion is not timed while the next one is written")
     ap.add_argument("--plan-ranks", type=int, default=4096)
     ap.add_argument("--port", type=int, default=19400, help="first of --daemons metrics ports on 127.0.0.1")
     ap.add_argument("--dir", default=None, help="where the root goes (default: a temporary directory)")

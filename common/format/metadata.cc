@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/base/names.h"
+#include "common/base/thread_pool.h"
 #include "common/format/checksum.h"
 #include "common/format/layout.h"
 #include "common/io/fs.h"
@@ -285,17 +286,30 @@ Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir) {
 }
 
 Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
-                                                  IoEnv* io) {
+                                                  IoEnv* io, ParallelLoop* loop) {
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
+  names.erase(std::remove_if(names.begin(), names.end(),
+                             [](const std::string& name) {
+                               return name.size() <= kSuffix.size() ||
+                                      name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0;
+                             }),
+              names.end());
+  // The headers are read first, on the loop's threads when there is one: on a network file system
+  // each open and read waits for a round trip, and a job has thousands of files.
+  std::vector<Result<SafetensorsHeader>> headers(names.size(), Result<SafetensorsHeader>(Internal("not read")));
+  auto read = [&](size_t i) { headers[i] = ReadSafetensorsHeader(dir + "/" + names[i], io); };
+  if (loop != nullptr) {
+    loop->Run(names.size(), read);
+  } else {
+    for (size_t i = 0; i < names.size(); ++i) read(i);
+  }
   CheckpointMetadata meta;
   bool first = true;
-  for (const auto& name : names) {
-    if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
-      continue;
-    }
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
     std::string path = dir + "/" + name;
-    ASSIGN_OR_RETURN(auto header, ReadSafetensorsHeader(path, io));
+    ASSIGN_OR_RETURN(auto header, std::move(headers[i]));
     const auto& m = header.metadata;
     auto job = m.find("job");
     auto step = m.find("step");

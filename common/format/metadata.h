@@ -17,6 +17,8 @@
 
 namespace flashckpt {
 
+class ParallelLoop;
+
 inline constexpr uint64_t kMaxMetadataJsonBytes = 1ull << 30;
 // Files larger than this (4 EiB) are refused as corrupt, so offsets within them never overflow.
 inline constexpr uint64_t kMaxCheckpointFileBytes = 1ull << 62;
@@ -97,8 +99,9 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
 // files must agree on job, step and topology degrees.
 Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
 // The same from the named files only (what the ranks' signals list), ignoring anything else there.
+// `loop` (optional): reads the headers on its threads (the caller's loop, not running anything else).
 Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
-                                                  IoEnv* io = IoEnv::Default());
+                                                  IoEnv* io = IoEnv::Default(), ParallelLoop* loop = nullptr);
 
 std::string MetadataToJson(const CheckpointMetadata& meta);
 // The "files" list of metadata.json (and of `flashckpt inspect --json`): per file its name, rank,

@@ -88,7 +88,9 @@ Status PwriteFull(int fd, const void* buf, size_t bytes, uint64_t offset, const 
 }
 
 Status MakeDirs(const std::string& path, unsigned mode, IoEnv* io) {
-  std::error_code ec;
+  struct stat st {};
+  // Nearly always there already (every rank's persist of a step asks): one call, not one per component.
+  if (io->Stat(path, &st) == 0 && S_ISDIR(st.st_mode)) return Status::OK();
   std::filesystem::path p(path);
   std::filesystem::path cur;
   for (const auto& part : p) {
@@ -96,7 +98,6 @@ Status MakeDirs(const std::string& path, unsigned mode, IoEnv* io) {
     if (cur.string().empty()) continue;
     if (io->Mkdir(cur.string(), mode) != 0 && errno != EEXIST) return ErrnoStatus("mkdir", cur.string());
   }
-  struct stat st {};
   if (io->Stat(path, &st) != 0) return ErrnoStatus("stat", path);
   if (!S_ISDIR(st.st_mode)) return FailedPrecondition(path + " exists and is not a directory");
   return Status::OK();

@@ -191,7 +191,7 @@ bool Catalog::FewerSignalsThanRanks(const std::string& dir, const std::vector<st
 }
 
 Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
-                                    std::map<uint32_t, Signal>* mixed) {
+                                    std::map<uint32_t, Signal>* mixed, ParallelLoop* loop) {
   using Steady = std::chrono::steady_clock;
   const Steady::time_point asked = Steady::now();
   MutexLock lock(&JobMutex(job));
@@ -227,7 +227,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
     return false;
   }
   const Steady::time_point signals_read = Steady::now();
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_));
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_, loop));
   const Steady::time_point built = Steady::now();
   meta.run_id = attempt.run_id;
   meta.resumed_from = attempt.resumed_from;

@@ -96,8 +96,9 @@ class Catalog {
   // When this call wrote metadata.json and `keep` > 0, it then applies retention (ApplyRetention);
   // a retention failure is logged, never returned: the new checkpoint is complete either way.
   // `mixed` (optional): filled with every rank's signal when all are present but not all of `attempt`.
+  // `loop` (optional): reads the files' headers on its threads (BuildMetadataFromFiles).
   Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
-                             std::map<uint32_t, Signal>* mixed = nullptr);
+                             std::map<uint32_t, Signal>* mixed = nullptr, ParallelLoop* loop = nullptr);
   // The sweep: completes the steps among the newest `max_steps` step directories of `job` that are
   // not complete but hold the signals of all their ranks, of one attempt (the signals' world_size
   // says how many: older signals that do not record it are left to the daemon that wrote them).

@@ -172,7 +172,8 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
     wrote = WriteRankFiles(req, dir, io, &written, &bytes);
     const bool last_here = !queued || LeavePending(req);
     if (wrote.ok() && last_here) {
-      complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt, &mixed);
+      // The thread's I/O loop is idle now: it reads the other files' headers if this completes.
+      complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt, &mixed, io);
     }
   }
   if (complete.ok() && !*complete && !mixed.empty() && req.mixed) req.mixed(mixed);
