@@ -1,8 +1,9 @@
 // plan_bench: what planning a restore of a large job costs, from its metadata alone. It builds the
 // metadata of a checkpoint of --ranks ranks (tp 8 x pp 4 x shard ranks/32, --tensors tensors per
 // rank: a third model weights cut by rows over tp and written by shard 0, two thirds their Adam
-// moments as flat ranges over shard), writes it as ROOT/plan/checkpoint-100/metadata.json (and
-// LATEST; the safetensors files are not written: the planner never opens them), then times:
+// moments as flat ranges over shard), writes it as ROOT/plan/checkpoint-100/metadata.json with the
+// ranks' saved_signal files and LATEST (not the safetensors files: the planner never opens them),
+// then times:
 //
 //   read + parse   ReadMetadataFile, as a restoring daemon does
 //   index          the pieces by tensor name (what FillSlotFromCheckpoint builds first)
@@ -22,6 +23,7 @@
 
 #include "common/base/names.h"
 #include "common/format/metadata.h"
+#include "common/format/signal.h"
 #include "common/io/fs.h"
 #include "common/read/reshard.h"
 
@@ -100,6 +102,21 @@ CheckpointMetadata MakeMetadata(uint32_t ranks, uint32_t tensors) {
   return meta;
 }
 
+// Each rank's saved_signal, as a real checkpoint has them (what `flashckpt list` reads).
+Status WriteSignals(const std::string& dir, const CheckpointMetadata& meta) {
+  std::vector<Signal> signals(meta.topology.world_size);
+  for (uint32_t r = 0; r < signals.size(); ++r) {
+    signals[r].rank = r;
+    signals[r].step = meta.step;
+    signals[r].run_id = meta.run_id;
+    signals[r].node = "node" + std::to_string(r / 8);
+    signals[r].world_size = meta.topology.world_size;
+  }
+  for (const SavedFile& f : meta.files) signals[f.rank].files.push_back(f.name);
+  for (const Signal& s : signals) RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(s.rank), EncodeSignal(meta.job, s, 0)));
+  return Status::OK();
+}
+
 // The tensors rank `r` of the restoring layout (tp 4 x pp 8 x the same shard degree) wants.
 std::vector<TensorSpec> WantedBy(uint32_t r, uint32_t ranks, uint32_t tensors) {
   const uint32_t tp_degree = 4, pp_degree = 8, shards = ranks / (tp_degree * pp_degree);
@@ -167,6 +184,10 @@ int Run(const std::string& root, uint32_t ranks, uint32_t tensors, uint32_t plan
   CheckpointMetadata meta = MakeMetadata(ranks, tensors);
   const std::string json = MetadataToJson(meta);
   if (Status s = WriteFileDurably(dir, "metadata.json", json); !s.ok()) {
+    std::fprintf(stderr, "plan_bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  if (Status s = WriteSignals(dir, meta); !s.ok()) {
     std::fprintf(stderr, "plan_bench: %s\n", s.ToString().c_str());
     return 1;
   }

@@ -24,6 +24,7 @@ Result<std::optional<CheckpointInfo>> DescribeCheckpointDir(const std::string& j
     return files.status();
   }
   if (!*files) return std::optional<CheckpointInfo>();
+  bool signals_agree = true;  // every signal read records the same world size
   for (const auto& f : **files) {
     struct stat st {};
     if (io->Stat(path + "/" + f, &st) == 0) e.bytes += static_cast<uint64_t>(st.st_size);
@@ -34,11 +35,16 @@ Result<std::optional<CheckpointInfo>> DescribeCheckpointDir(const std::string& j
     if (!signal.ok() || SignalFileName(signal->rank) != f || signal->step != step) continue;
     e.signalled.push_back({signal->rank, signal->node, signal->run_id, signal->resumed_from});
     if (e.world_size == 0) e.world_size = signal->world_size;
+    if (signal->world_size != e.world_size) signals_agree = false;
   }
   std::sort(e.signalled.begin(), e.signalled.end(),
             [](const SignalledRank& a, const SignalledRank& b) { return a.rank < b.rank; });
   ASSIGN_OR_RETURN(e.complete, Exists(path + "/metadata.json", io));
-  if (e.complete) {
+  // A complete checkpoint's world size is its signals' when they all say it: metadata.json grows
+  // with the job (hundreds of MiB at thousands of ranks) and is parsed only for older checkpoints
+  // whose signals do not record it.
+  const bool from_signals = signals_agree && e.world_size != 0 && e.signalled.size() == e.world_size;
+  if (e.complete && !from_signals) {
     auto meta = ReadMetadataFile(path, io);
     if (!meta.ok()) {
       if (meta.status().code() == StatusCode::kNotFound) return std::optional<CheckpointInfo>();  // deleted
