@@ -33,6 +33,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -175,12 +176,26 @@ def timed(cmd):
     return secs * 1000, r.stdout.decode()
 
 
+def free_ports(n):
+    """n TCP ports on 127.0.0.1 that nothing listens on now."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
 def bench_ranks(args, ranks, tmp):
     root = os.path.join(tmp, "root")
+    ports = [args.port + k for k in range(args.daemons)] if args.port else free_ports(args.daemons)
     nodes = []
     try:
         for k in range(args.daemons):
-            nodes.append(Node("node%d" % k, os.path.join(tmp, "n%d" % ranks), root, args.bin_dir, args.port + k))
+            nodes.append(Node("node%d" % k, os.path.join(tmp, "n%d" % ranks), root, args.bin_dir, ports[k]))
         rss0 = sum(n.rss_anon_kib() for n in nodes)
         c0 = total_calls(nodes)
         one, three = "s%d-one" % ranks, "s%d-three" % ranks
@@ -204,7 +219,7 @@ def bench_ranks(args, ranks, tmp):
         # the files.
         for n in nodes:
             n.stop()
-        nodes = [Node("node%d" % k, os.path.join(tmp, "r%d" % ranks), root, args.bin_dir, args.port + k)
+        nodes = [Node("node%d" % k, os.path.join(tmp, "r%d" % ranks), root, args.bin_dir, ports[k])
                  for k in range(args.daemons)]
         start = time.monotonic()
         resumed = run_job(nodes, args.bin_dir, tmp, three, ranks, 30, resume=True)
@@ -265,12 +280,14 @@ def main():
                     help="each rank's compute per step; with a save every 10 steps, the time between saves, so "
                          "that a checkpoint's completion is not timed while the next one is written")
     ap.add_argument("--plan-ranks", type=int, default=4096)
-    ap.add_argument("--port", type=int, default=19400, help="first of --daemons metrics ports on 127.0.0.1")
+    ap.add_argument("--port", type=int, default=0,
+                    help="first of --daemons metrics ports on 127.0.0.1 (default: free ports picked at start)")
     ap.add_argument("--dir", default=None, help="where the root goes (default: a temporary directory)")
     args = ap.parse_args()
     args.bin_dir = os.path.abspath(args.bin_dir)
     if os.geteuid() != 0:
-        sys.exit("scale_bench needs root (mount namespaces for the simulated nodes)")
+        print("scale_bench needs root (mount namespaces for the simulated nodes): skipped")
+        sys.exit(77)
     tmp = tempfile.mkdtemp(prefix="flashckpt-scale-", dir=args.dir)
     try:
         latency = {}
