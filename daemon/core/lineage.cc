@@ -341,10 +341,13 @@ Status Lineage::WaitComplete(const std::string& session_id, int64_t step, std::c
       const auto next = std::min(deadline, c_.clock_.Now() + std::chrono::milliseconds(200));
       if (c_.clock_.Now() < deadline) (void)c_.clock_.WaitUntil(&c_.cv_, &lock, next);
     }
-    // One look at the root per 200 ms for all the ranks of this daemon that wait for the step.
-    ASSIGN_OR_RETURN(complete, c_.catalog_.IsCompleteShared(job, step, std::chrono::milliseconds(200)));
+    // One look at the root per 200 ms for all the ranks of this daemon that wait for the step (a
+    // completion by this daemon is known at once); the last look, at the deadline, is a fresh one.
+    const bool last = c_.clock_.Now() >= deadline;
+    ASSIGN_OR_RETURN(complete, last ? c_.catalog_.IsComplete(job, step)
+                                    : c_.catalog_.IsCompleteShared(job, step, std::chrono::milliseconds(200)));
     if (complete) return Status::OK();
-    if (c_.clock_.Now() >= deadline) break;
+    if (last) break;
   }
   // The deadline: what the step's signals say about why it is not complete. A signal of another
   // attempt may be a rank that has not reached the step yet in this one (its old signal is still

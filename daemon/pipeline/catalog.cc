@@ -89,14 +89,25 @@ Result<bool> Catalog::IsCompleteShared(const std::string& job, int64_t step, std
     if (it != looked_.end() && now - it->second.at < max_age) return it->second.complete;
   }
   ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));  // no lock held across the stat
+  NoteLook(job, step, now, complete);
+  return complete;
+}
+
+void Catalog::NoteLook(const std::string& job, int64_t step, std::chrono::steady_clock::time_point at,
+                       bool complete) const {
+  const std::pair<std::string, int64_t> key{job, step};
   MutexLock lock(&looked_mu_);
-  if (looked_.size() >= kMaxLooks && looked_.find(key) == looked_.end()) {
+  auto it = looked_.find(key);
+  if (it != looked_.end()) {
+    if (it->second.at <= at) it->second = Look{at, complete};  // never an older look over a newer one
+    return;
+  }
+  if (looked_.size() >= kMaxLooks) {
     auto oldest = std::min_element(looked_.begin(), looked_.end(),
                                    [](const auto& a, const auto& b) { return a.second.at < b.second.at; });
     looked_.erase(oldest);
   }
-  looked_[key] = Look{now, complete};
-  return complete;
+  looked_.emplace(key, Look{at, complete});
 }
 
 Result<bool> Catalog::HasSignal(const std::string& job, uint32_t rank, int64_t step, const Attempt& attempt) const {
@@ -160,16 +171,25 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestComplete(const std:
 }
 
 Result<bool> Catalog::AllSignalsPresent(const std::string& dir, uint32_t world_size) const {
-  ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(dir, io_));
-  std::vector<bool> listed(world_size, false);
-  for (const std::string& n : names) {
-    std::optional<uint32_t> rank = ParseSignalFileName(n);
-    if (rank && *rank < world_size) listed[*rank] = true;
+  auto names = ListDir(dir, io_);
+  if (!names.ok()) {
+    if (names.status().code() == StatusCode::kNotFound) return false;  // deleted meanwhile: not complete
+    return names.status();
   }
+  std::vector<uint32_t> listed;  // the ranks below world_size the listing shows, sorted
+  for (const std::string& n : *names) {
+    std::optional<uint32_t> rank = ParseSignalFileName(n);
+    if (rank && *rank < world_size) listed.push_back(*rank);
+  }
+  std::sort(listed.begin(), listed.end());
   // A listing may lag behind a rename another client made (NFS caches directories): a rank it
   // misses is looked up by name, and the first one that is really not there ends the check.
+  size_t next = 0;
   for (uint32_t r = 0; r < world_size; ++r) {
-    if (listed[r]) continue;
+    if (next < listed.size() && listed[next] == r) {
+      while (next < listed.size() && listed[next] == r) ++next;
+      continue;
+    }
     ASSIGN_OR_RETURN(bool there, Exists(dir + "/" + SignalFileName(r), io_));
     if (!there) return false;
   }
@@ -259,6 +279,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
       last_signal_us > 0 ? static_cast<double>(now_us - last_signal_us) / 1000.0 : -1.0, ms(asked, checked),
       ms(checked, signals_read), ms(signals_read, built), ms(built, written));
   NoteCompleted(job, step);
+  NoteLook(job, step, std::chrono::steady_clock::now(), true);  // waiters here know at once
   if (listener_) listener_(CatalogChange::kCompleted, job, step, "");
   if (keep_ > 0) {
     auto deleted = ApplyRetentionLocked(job, keep_);

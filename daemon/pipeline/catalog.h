@@ -277,6 +277,9 @@ class Catalog {
     std::chrono::steady_clock::time_point at;
     bool complete = false;
   };
+  // Records a look at whether `step` is complete (IsCompleteShared) unless a newer one is there.
+  void NoteLook(const std::string& job, int64_t step, std::chrono::steady_clock::time_point at, bool complete) const
+      EXCLUDES(looked_mu_);
   mutable Mutex looked_mu_;
   mutable std::map<std::pair<std::string, int64_t>, Look> looked_ GUARDED_BY(looked_mu_);
   mutable Mutex known_mu_;

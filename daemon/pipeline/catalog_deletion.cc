@@ -20,8 +20,10 @@ Result<DeletionOutcome> Catalog::DeleteOtherRuns(const std::string& job, const s
   ASSIGN_OR_RETURN(JobSteps steps, ScanSteps(job));
   std::vector<int64_t> victims;
   for (int64_t step : steps.complete) {
-    ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointMetadata> meta, Metadata(job, step));
-    if (meta->run_id != run_id) victims.push_back(step);
+    // Read past the cache: one look at each of the job's checkpoints must not push out the
+    // metadata the job's restores share.
+    ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(CheckpointDir(job, step), io_));
+    if (meta.run_id != run_id) victims.push_back(step);
   }
   // An incomplete directory goes only when it holds another run's signals and none of this run's:
   // one without signals may be this run's own step that another daemon is writing. A signal that
@@ -208,6 +210,7 @@ Status Catalog::DeleteStepLocked(const std::string& job, int64_t step, const std
   Logger("catalog")->info("deleted job={} step={} reason={}", job, step, reason);
   out->deleted.push_back(step);
   ForgetKnown(job);
+  metadata_.Forget(CheckpointDir(job, step));
   if (listener_) listener_(CatalogChange::kDeleted, job, step, reason);
   return Status::OK();
 }

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 
 namespace flashckpt {
@@ -19,48 +20,51 @@ Result<std::shared_ptr<const CheckpointMetadata>> MetadataCache::Get(const std::
     return ErrnoStatus("stat", path);
   }
   const Identity id{st.st_ino, st.st_size, static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+  std::shared_ptr<Load> load;
   {
     MutexLock lock(&mu_);
-    for (;;) {
-      auto it = entries_.begin();
-      while (it != entries_.end() && !(it->dir == dir && it->id == id)) ++it;
-      if (it == entries_.end()) break;
-      if (!it->loading) {
-        entries_.splice(entries_.begin(), entries_, it);  // most recently used
-        return it->meta;
-      }
-      loaded_.Wait(&lock);  // another caller reads this version: wait for it, then look again
+    auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.dir == dir && e.id == id; });
+    if (it != entries_.end()) {
+      entries_.splice(entries_.begin(), entries_, it);  // most recently used
+      load = it->load;
+      // Another caller reads this version: wait for its outcome, whatever it is.
+      while (!load->done) loaded_.Wait(&lock);
+      if (!load->status.ok()) return load->status;
+      return load->meta;
     }
-    // Ours to load. Older versions of the same file go now; the entry waiters find is this one.
-    entries_.remove_if([&](const Entry& e) { return e.dir == dir && !e.loading; });
-    entries_.push_front(Entry{dir, id, true, nullptr});
+    // Ours to read. Older versions of the same file go now.
+    entries_.remove_if([&](const Entry& e) { return e.dir == dir && e.load->done; });
+    load = std::make_shared<Load>();
+    entries_.push_front(Entry{dir, id, load});
     ++loads_;
   }
   auto meta = ReadMetadataFile(dir, io_);
   MutexLock lock(&mu_);
-  auto it = entries_.begin();
-  while (it != entries_.end() && !(it->dir == dir && it->id == id && it->loading)) ++it;
-  if (!meta.ok()) {
-    if (it != entries_.end()) entries_.erase(it);  // errors are not kept: the next caller reads again
-    loaded_.NotifyAll();
-    return meta.status();
+  load->done = true;
+  if (meta.ok()) {
+    load->meta = std::make_shared<const CheckpointMetadata>(std::move(*meta));
+  } else {
+    load->status = meta.status();
+    // Not kept: the next caller reads again (those waiting now get this error).
+    entries_.remove_if([&](const Entry& e) { return e.load == load; });
   }
-  auto shared = std::make_shared<const CheckpointMetadata>(std::move(*meta));
-  if (it != entries_.end()) {
-    it->loading = false;
-    it->meta = shared;
-  }
-  // Beyond capacity the least recently used loaded entries go (one being loaded stays).
-  size_t loaded = 0;
+  // Beyond capacity the least recently used finished entries go (one being read stays).
+  size_t kept = 0;
   for (auto e = entries_.begin(); e != entries_.end();) {
-    if (!e->loading && ++loaded > capacity_) {
+    if (e->load->done && ++kept > capacity_) {
       e = entries_.erase(e);
     } else {
       ++e;
     }
   }
   loaded_.NotifyAll();
-  return shared;
+  if (!load->status.ok()) return load->status;
+  return load->meta;
+}
+
+void MetadataCache::Forget(const std::string& dir) {
+  MutexLock lock(&mu_);
+  entries_.remove_if([&](const Entry& e) { return e.dir == dir && e.load->done; });
 }
 
 }  // namespace flashckpt

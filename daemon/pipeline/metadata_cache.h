@@ -34,6 +34,10 @@ class MetadataCache {
   // when it has no metadata.json).
   Result<std::shared_ptr<const CheckpointMetadata>> Get(const std::string& dir) EXCLUDES(mu_);
 
+  // Drops what is kept of `dir` (its checkpoint was deleted): memory, not correctness, as every
+  // lookup checks the file's identity.
+  void Forget(const std::string& dir) EXCLUDES(mu_);
+
   // Reads and parses done since the start (the lookups that missed), for tests and the bench.
   uint64_t loads() const EXCLUDES(mu_);
 
@@ -44,17 +48,23 @@ class MetadataCache {
     int64_t mtime_ns = 0;
     bool operator==(const Identity& o) const { return ino == o.ino && size == o.size && mtime_ns == o.mtime_ns; }
   };
+  // One read of a version of a file: the callers that wait for it share its outcome, also an
+  // error (which is not kept for later callers: the entry goes).
+  struct Load {
+    bool done = false;
+    Status status;  // once done: the read's error, or OK with `meta` set
+    std::shared_ptr<const CheckpointMetadata> meta;
+  };
   struct Entry {
     std::string dir;
     Identity id;
-    bool loading = true;  // a caller is reading it; `meta` is not set yet
-    std::shared_ptr<const CheckpointMetadata> meta;
+    std::shared_ptr<Load> load;
   };
 
   IoEnv* const io_;
   const size_t capacity_;
   mutable Mutex mu_;
-  CondVar loaded_;                              // an entry stopped loading (or was dropped)
+  CondVar loaded_;                              // a load is done
   std::list<Entry> entries_ GUARDED_BY(mu_);    // most recently used first
   uint64_t loads_ GUARDED_BY(mu_) = 0;
 };

@@ -39,7 +39,7 @@ Status Writer::Submit(PersistRequest request) {
   if (queue_.size() >= capacity_) {
     return ResourceExhausted("the persist queue is full (" + std::to_string(capacity_) + " requests)");
   }
-  ++pending_[{request.job, request.step}];
+  ++pending_[{request.job, request.step}].count;
   queue_.push_back(std::move(request));
   cv_.NotifyOne();
   return Status::OK();
@@ -57,7 +57,8 @@ void Writer::Stop(std::chrono::steady_clock::time_point deadline) {
       // Out of time: the writes running now fail at their next call into env_ and clean up.
       env_.Cancel();
       dropped.swap(queue_);
-      for (const PersistRequest& req : dropped) LeavePendingLocked(req);
+      // Checks deferred to these are left to the sweep and the next daemon: this one is stopping.
+      for (const PersistRequest& req : dropped) (void)LeavePendingLocked(req, /*wrote=*/false);
       for (const auto& [id, w] : in_flight_) {
         Logger("writer")->warn("abandoning job={} step={} rank={} secs={:.1f}: the stop timeout ran out", w.job, w.step,
                                w.rank,
@@ -142,19 +143,32 @@ void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const
 
 }  // namespace
 
-bool Writer::LeavePendingLocked(const PersistRequest& req) {
+std::vector<Writer::Check> Writer::LeavePendingLocked(const PersistRequest& req, bool wrote) {
+  Check own{req.attempt, req.world_size, req.mixed};
   auto it = pending_.find({req.job, req.step});
-  if (it == pending_.end()) return true;
-  if (--it->second == 0) {
-    pending_.erase(it);
-    return true;
+  if (it == pending_.end()) {  // not submitted (Persist called directly)
+    if (!wrote) return {};
+    return {std::move(own)};
   }
-  return false;
+  Pending& p = it->second;
+  if (wrote) {
+    auto same = std::find_if(p.deferred.begin(), p.deferred.end(),
+                             [&](const Check& c) { return c.attempt == own.attempt; });
+    if (same == p.deferred.end()) {
+      p.deferred.push_back(std::move(own));
+    } else {
+      *same = std::move(own);  // the newest request's world size and callback
+    }
+  }
+  if (--p.count > 0) return {};
+  std::vector<Check> checks = std::move(p.deferred);
+  pending_.erase(it);
+  return checks;
 }
 
-bool Writer::LeavePending(const PersistRequest& req) {
+std::vector<Writer::Check> Writer::LeavePending(const PersistRequest& req, bool wrote) {
   MutexLock lock(&mu_);
-  return LeavePendingLocked(req);
+  return LeavePendingLocked(req, wrote);
 }
 
 Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io, bool queued) {
@@ -163,22 +177,34 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
   uint64_t bytes = 0;
   Status wrote;
   Result<bool> complete = false;
-  std::map<uint32_t, Signal> mixed;
   {
     // Retention leaves the directory alone while this rank writes into it and until it has tried
     // to complete it: another step's completion would otherwise count it as an incomplete
     // directory older than the newest complete one, and delete it in between.
     StepInUse in_use = catalog_->Use(req.job, req.step);
     wrote = WriteRankFiles(req, dir, io, &written, &bytes);
-    const bool last_here = !queued || LeavePending(req);
-    if (wrote.ok() && last_here) {
+    std::vector<Check> checks;
+    if (queued) {
+      checks = LeavePending(req, wrote.ok());
+    } else if (wrote.ok()) {
+      checks.push_back(Check{req.attempt, req.world_size, req.mixed});
+    }
+    // A failed write's files go before any check could count them.
+    if (!wrote.ok()) RemoveAttemptFiles(req, dir, written, &env_);
+    for (const Check& check : checks) {
       // The thread's I/O loop is idle now: it reads the other files' headers if this completes.
-      complete = catalog_->MaybeComplete(req.job, req.step, req.world_size, req.attempt, &mixed, io);
+      std::map<uint32_t, Signal> mixed;
+      Result<bool> done = catalog_->MaybeComplete(req.job, req.step, check.world_size, check.attempt, &mixed, io);
+      if (done.ok() && !*done && !mixed.empty() && check.mixed) check.mixed(mixed);
+      if (wrote.ok() && check.attempt == req.attempt) {
+        complete = std::move(done);
+      } else if (!done.ok()) {
+        Logger("writer")->error("completion check failed job={} step={} ({}) error=\"{}\"", req.job, req.step,
+                                AttemptText(check.attempt), done.status().ToString());
+      }
     }
   }
-  if (complete.ok() && !*complete && !mixed.empty() && req.mixed) req.mixed(mixed);
   if (!wrote.ok()) {
-    RemoveAttemptFiles(req, dir, written, &env_);
     // Only a failure the cancellation caused is an abandoned write (kept for the next daemon); a
     // full disk or a failed copy near the deadline is a failure like any other.
     if (env_.cancelled() && wrote.code() == StatusCode::kCancelled) {

@@ -110,13 +110,22 @@ class Writer {
   void Run() EXCLUDES(mu_);
   // Persist; `queued`: the request came through Submit and is counted in pending_.
   Result<uint64_t> PersistOne(const PersistRequest& request, ParallelLoop* io, bool queued) EXCLUDES(mu_);
-  // Takes a queued request out of pending_ once its signal is written (or its write failed);
-  // returns whether no other persist of its job and step is queued or being written here. Only
-  // then does it ask whether the checkpoint is complete: the others each write a signal it
-  // needs, and the last of them asks. So a daemon's ranks that save a step together cost the
-  // catalog one completion check, not one each.
-  bool LeavePending(const PersistRequest& request) EXCLUDES(mu_);
-  bool LeavePendingLocked(const PersistRequest& request) REQUIRES(mu_);
+  // A completion check a persist owes after its signal: of its attempt and world size, with its
+  // callback for a step whose signals are of several attempts.
+  struct Check {
+    Attempt attempt;
+    uint32_t world_size = 0;
+    std::function<void(const std::map<uint32_t, Signal>& signals)> mixed;
+  };
+  // Takes a queued request out of pending_ once its signal is written (`wrote`) or its write
+  // failed, and returns the completion checks to run now. While another persist of the same job
+  // and step is queued or being written here, a written signal's check is deferred to the entry
+  // (that persist's signal is needed too); the persist that leaves the entry empty runs every
+  // deferred check, whether its own write worked or not, and of whichever attempt. So a daemon's
+  // ranks that save a step together cost the catalog one completion check, not one each, and no
+  // written signal goes unchecked.
+  std::vector<Check> LeavePending(const PersistRequest& request, bool wrote) EXCLUDES(mu_);
+  std::vector<Check> LeavePendingLocked(const PersistRequest& request, bool wrote) REQUIRES(mu_);
   // Writes the rank's files and then its signal; `written` collects the names now in place.
   Status WriteRankFiles(const PersistRequest& request, const std::string& dir, ParallelLoop* io,
                         std::vector<std::string>* written, uint64_t* bytes);
@@ -133,8 +142,13 @@ class Writer {
   std::deque<PersistRequest> queue_ GUARDED_BY(mu_);
   bool stopping_ GUARDED_BY(mu_) = false;
   std::map<uint64_t, WriteInFlight> in_flight_ GUARDED_BY(mu_);  // by a counter of taken requests
-  // Submitted requests whose signal is not written yet, per job and step (LeavePending).
-  std::map<std::pair<std::string, int64_t>, size_t> pending_ GUARDED_BY(mu_);
+  // Submitted requests whose signal is not written yet, per job and step, and the checks deferred
+  // until none is left (LeavePending).
+  struct Pending {
+    size_t count = 0;
+    std::vector<Check> deferred;  // one per attempt
+  };
+  std::map<std::pair<std::string, int64_t>, Pending> pending_ GUARDED_BY(mu_);
   uint64_t taken_ GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_;
 };
