@@ -1,17 +1,20 @@
 // plan_bench: what planning a restore of a large job costs, from its metadata alone. It builds the
 // metadata of a checkpoint of --ranks ranks (tp 8 x pp 4 x shard ranks/32, --tensors tensors per
 // rank: a third model weights cut by rows over tp and written by shard 0, two thirds their Adam
-// moments as flat ranges over shard), writes it as ROOT/plan/checkpoint-100/metadata.json with the
-// ranks' saved_signal files and LATEST (not the safetensors files: the planner never opens them),
-// then times:
+// moments as flat ranges over shard), writes it as ROOT/plan/checkpoint-100/metadata.json (with its
+// index, metadata.index.json) and the ranks' saved_signal files and LATEST (not the safetensors
+// files: the planner never opens them), then times what a restoring daemon does for --plan-ranks
+// ranks (one node) of another layout, tp 4 x pp 8 x shard ranks/32, whose moments straddle the
+// saved ones:
 //
-//   read + parse   ReadMetadataFile, as a restoring daemon does
-//   index          the pieces by tensor name (what FillSlotFromCheckpoint builds first)
-//   plan           PlanPieceReads of every tensor of --plan-ranks ranks (one node) of another
-//                  layout: tp 4 x pp 8 x shard ranks/32, whose moments straddle the saved ones
+//   read    ReadMetadataFor the names those ranks want: the index, metadata.json's head and those
+//           tensors' lists of pieces
+//   index   the pieces by tensor name (what FillSlotFromCheckpoint builds first)
+//   plan    PlanPieceReads of every tensor of those ranks
 //
-// and prints the metadata's size and `RESULT plan_ms_<ranks>=` (read + parse + index + plan, the
-// best of --repeat) for bench/scale_bench.py, which also times the CLI on the same root.
+// and prints the metadata's size, how much of it was read, `RESULT plan_ms_<ranks>=` (read + index +
+// plan, the best of --repeat) for bench/scale_bench.py, which also times the CLI on the same root,
+// and the time to read and parse the whole metadata.json (what inspect and verify do).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -141,16 +144,29 @@ std::vector<TensorSpec> WantedBy(uint32_t r, uint32_t ranks, uint32_t tensors) {
 }
 
 struct Timing {
-  double parse_ms = 0, index_ms = 0, plan_ms = 0;
+  double read_ms = 0, index_ms = 0, plan_ms = 0;
   uint64_t runs = 0;
-  double total() const { return parse_ms + index_ms + plan_ms; }
+  MetadataReadStats stats;
+  double total() const { return read_ms + index_ms + plan_ms; }
 };
+
+// The names the restoring ranks want, once each.
+std::vector<std::string> NamesWanted(uint32_t ranks, uint32_t tensors, uint32_t plan_ranks) {
+  std::vector<std::string> names;
+  for (uint32_t r = 0; r < plan_ranks; ++r) {
+    for (const TensorSpec& t : WantedBy(r, ranks, tensors)) names.push_back(t.name);
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
 
 Result<Timing> TimeOnce(const std::string& dir, uint32_t ranks, uint32_t tensors, uint32_t plan_ranks) {
   Timing t;
   auto start = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
-  t.parse_ms = MsSince(start);
+  ASSIGN_OR_RETURN(CheckpointMetadata meta,
+                   ReadMetadataFor(dir, NamesWanted(ranks, tensors, plan_ranks), IoEnv::Default(), &t.stats));
+  t.read_ms = MsSince(start);
   start = std::chrono::steady_clock::now();
   std::multimap<std::string, const Piece*> by_key;
   for (const Piece& p : meta.pieces) by_key.emplace(p.key, &p);
@@ -171,6 +187,14 @@ Result<Timing> TimeOnce(const std::string& dir, uint32_t ranks, uint32_t tensors
   return t;
 }
 
+// The whole of metadata.json, read and parsed (what `flashckpt inspect` and `verify` do).
+Result<double> TimeWholeParse(const std::string& dir, size_t* pieces) {
+  auto start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));
+  *pieces = meta.pieces.size();
+  return MsSince(start);
+}
+
 int Run(const std::string& root, uint32_t ranks, uint32_t tensors, uint32_t plan_ranks, int repeat) {
   if (ranks % 32 != 0 || tensors % 3 != 0 || (kPp * (tensors / 3)) % 8 != 0) {
     std::fprintf(stderr, "plan_bench: --ranks must be a multiple of 32 and --tensors of 3 (and 4/3 of it of 8)\n");
@@ -182,8 +206,9 @@ int Run(const std::string& root, uint32_t ranks, uint32_t tensors, uint32_t plan
     return 1;
   }
   CheckpointMetadata meta = MakeMetadata(ranks, tensors);
-  const std::string json = MetadataToJson(meta);
-  if (Status s = WriteFileDurably(dir, "metadata.json", json); !s.ok()) {
+  const MetadataText text = MetadataToText(meta);
+  const std::string& json = text.json;
+  if (Status s = WriteMetadataFiles(dir, meta); !s.ok()) {
     std::fprintf(stderr, "plan_bench: %s\n", s.ToString().c_str());
     return 1;
   }
@@ -205,11 +230,25 @@ int Run(const std::string& root, uint32_t ranks, uint32_t tensors, uint32_t plan
       std::fprintf(stderr, "plan_bench: %s\n", t.status().ToString().c_str());
       return 1;
     }
-    std::printf("run %d: read+parse %.1f ms, index %.1f ms, plan of %u ranks %.1f ms (%" PRIu64 " reads planned)\n",
-                i + 1, t->parse_ms, t->index_ms, plan_ranks, t->plan_ms, t->runs);
+    std::printf("run %d: read %.1f ms (%.1f of %.1f MiB of metadata.json and its index, %s), index %.1f ms, plan "
+                "of %u ranks %.1f ms (%" PRIu64 " reads planned)\n",
+                i + 1, t->read_ms, static_cast<double>(t->stats.bytes_read) / (1 << 20),
+                static_cast<double>(t->stats.metadata_bytes) / (1 << 20),
+                t->stats.used_index ? "through the index" : "whole: no usable index", t->index_ms, plan_ranks,
+                t->plan_ms, t->runs);
     if (i == 0 || t->total() < best.total()) best = *t;
   }
+  size_t pieces = 0;
+  auto whole = TimeWholeParse(dir, &pieces);
+  if (!whole.ok()) {
+    std::fprintf(stderr, "plan_bench: %s\n", whole.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("whole metadata.json read and parsed (%zu pieces): %.1f ms\n", pieces, *whole);
   std::printf("RESULT metadata_bytes_%u=%zu\n", ranks, json.size());
+  std::printf("RESULT metadata_index_bytes_%u=%zu\n", ranks, text.index.size());
+  std::printf("RESULT metadata_read_bytes_%u=%" PRIu64 "\n", ranks, best.stats.bytes_read);
+  std::printf("RESULT whole_parse_ms_%u=%.1f\n", ranks, *whole);
   std::printf("RESULT plan_ms_%u=%.1f\n", ranks, best.total());
   return 0;
 }

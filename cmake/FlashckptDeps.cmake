@@ -6,6 +6,7 @@ find_package(OpenSSL REQUIRED)          # the daemon's checks of TLS certificate
 find_package(Boost 1.74 REQUIRED)        # header-only: Boost.Interprocess, Boost.Beast (metrics)
 find_package(spdlog CONFIG REQUIRED)
 find_package(nlohmann_json CONFIG REQUIRED)
+find_package(simdjson CONFIG REQUIRED)   # metadata.json of large jobs (common/format/metadata.cc)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)

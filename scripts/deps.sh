@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libssl-dev
-  libboost-dev libspdlog-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
+  libboost-dev libspdlog-dev nlohmann-json3-dev libsimdjson-dev libcli11-dev libxxhash-dev
   libgtest-dev liburing-dev fio libsystemd-dev
   python3 python3-numpy python3-yaml
   python3-dev python3-torch python3-pybind11 pybind11-dev

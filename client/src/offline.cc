@@ -441,7 +441,7 @@ Status CompleteImport(const std::string& dir, const ImportOptions& options, cons
   signal.files = names;
   RETURN_IF_ERROR(WriteFileDurably(dir, SignalFileName(0), EncodeSignal(options.job, signal, file_bytes)));
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, names));
-  return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
+  return WriteMetadataFiles(dir, meta);
 }
 
 // The tensors of `kind` an export writes, in name order: one per key, from its first piece (the

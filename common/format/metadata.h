@@ -84,7 +84,18 @@ struct CheckpointMetadata {
   std::string run_id;
   int64_t resumed_from = 0;
   std::optional<EmaRecord> ema;  // present when the checkpoint carries ema files
+  // Set by ReadMetadataFor: `pieces` holds only the pieces of the tensors named in `names_read`
+  // (sorted, each once), and `kinds_saved` the kinds of tensor the whole checkpoint holds.
+  bool partial = false;
+  std::vector<std::string> names_read;
+  std::vector<TensorKind> kinds_saved;
 };
+
+// Whether the checkpoint holds tensors of `kind` (for partial metadata, from kinds_saved).
+bool HoldsKind(const CheckpointMetadata& meta, TensorKind kind);
+// Whether `meta` has every piece of tensor `name` the checkpoint holds: true unless it is partial
+// and `name` was not read. A reader checking a file's header skips the tensors it did not read.
+bool HasPiecesOf(const CheckpointMetadata& meta, const std::string& name);
 
 // The format version a file's `__metadata__` or metadata.json records: kCorruption unless it is
 // one this release reads (kOldestFormatVersion..kFormatVersion), naming `where`.
@@ -103,12 +114,40 @@ Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
 Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
                                                   IoEnv* io = IoEnv::Default(), ParallelLoop* loop = nullptr);
 
-std::string MetadataToJson(const CheckpointMetadata& meta);
+// metadata.json, and metadata.index.json: where in metadata.json its head (everything but the
+// tensors) and each tensor's list of pieces sit, with their XXH3 checksums, and the kinds of tensor
+// the checkpoint holds. A reader that needs a few tensors of a job of thousands of ranks reads the
+// index, the head and those lists (ReadMetadataFor) instead of the whole file.
+inline constexpr char kMetadataIndexName[] = "metadata.index.json";
+struct MetadataText {
+  std::string json;
+  std::string index;
+};
+MetadataText MetadataToText(const CheckpointMetadata& meta);
+std::string MetadataToJson(const CheckpointMetadata& meta);  // MetadataToText(meta).json
+// Writes metadata.index.json then metadata.json into `dir`, each durably (WriteFileDurably):
+// metadata.json last, since it makes the checkpoint complete.
+Status WriteMetadataFiles(const std::string& dir, const CheckpointMetadata& meta, IoEnv* io = IoEnv::Default());
 // The "files" list of metadata.json (and of `flashckpt inspect --json`): per file its name, rank,
 // tp_rank, pp_rank, shard_rank and bytes, in that key order.
 nlohmann::ordered_json SavedFilesJson(const std::vector<SavedFile>& files);
 // Parses metadata.json; the input is untrusted and every field is checked.
 Result<CheckpointMetadata> ParseMetadataJson(std::string_view json);
 Result<CheckpointMetadata> ReadMetadataFile(const std::string& checkpoint_dir, IoEnv* io = IoEnv::Default());
+
+// What ReadMetadataFor read: metadata.json's size, the bytes it read of it and of the index, and
+// whether the index was used (false: no index, or one that does not match metadata.json, and the
+// whole file was read).
+struct MetadataReadStats {
+  uint64_t metadata_bytes = 0;
+  uint64_t bytes_read = 0;
+  bool used_index = false;
+};
+// The metadata with the pieces of the tensors named in `names` only (`partial` set): through
+// metadata.index.json, the index, metadata.json's head and those tensors' lists, each checked
+// against the index's checksum; the whole of metadata.json, filtered, when there is no index or it
+// does not match. A name the checkpoint does not hold has no pieces.
+Result<CheckpointMetadata> ReadMetadataFor(const std::string& checkpoint_dir, const std::vector<std::string>& names,
+                                           IoEnv* io = IoEnv::Default(), MetadataReadStats* stats = nullptr);
 
 }  // namespace flashckpt

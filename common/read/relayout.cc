@@ -314,7 +314,7 @@ Status RelayoutCheckpoint(const std::string& src, const std::string& dst, const 
   if (out.job != meta.job || out.step != meta.step) {
     return Internal("the rewritten files describe job '" + out.job + "' step " + std::to_string(out.step));
   }
-  return WriteFileDurably(dst, "metadata.json", MetadataToJson(out));
+  return WriteMetadataFiles(dst, out);
 }
 
 }  // namespace flashckpt

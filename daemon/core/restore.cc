@@ -94,6 +94,19 @@ Result<std::optional<int64_t>> UseCompleteStep(Core& c_, const std::string& sour
   }
 }
 
+// The names of the tensors rank `session_id` restores, its layout's and its EMA's: the restore reads
+// only their pieces of metadata.json (Catalog::MetadataFor).
+Result<std::vector<std::string>> NamesRestored(Core& c_, const std::string& session_id) EXCLUDES(c_.mu_) {
+  MutexLock lock(&c_.mu_);
+  ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
+  std::vector<std::string> names;
+  for (const TensorSpec& t : rank->segment->layout.tensors) names.push_back(t.name);
+  if (rank->segment->ema) {
+    for (const TensorSpec& t : rank->segment->ema->plan().layout.tensors) names.push_back(t.name);
+  }
+  return names;
+}
+
 // Every kind asked for that the rank holds must be in the checkpoint (an imported one holds model
 // weights only). A full restore names the first missing tensor instead (FillSlotFromCheckpoint).
 Status CheckKindsSaved(Core& c_, const std::string& session_id, const std::vector<TensorKind>& kinds,
@@ -104,8 +117,7 @@ Status CheckKindsSaved(Core& c_, const std::string& session_id, const std::vecto
   const auto& tensors = rank->segment->layout.tensors;
   for (TensorKind kind : kinds) {
     const bool held = std::any_of(tensors.begin(), tensors.end(), [&](const TensorSpec& t) { return t.kind == kind; });
-    const bool saved = std::any_of(meta.pieces.begin(), meta.pieces.end(), [&](const Piece& p) { return p.kind == kind; });
-    if (held && !saved) {
+    if (held && !HoldsKind(meta, kind)) {
       return FailedPrecondition("checkpoint-" + std::to_string(step) + " of job '" + source + "' holds no " +
                                 std::string(TensorKindName(kind)) + " tensors; restore only the kinds it has");
     }
@@ -264,9 +276,9 @@ Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t 
   if (!complete) return out;  // found = false
   step = *complete;
   std::string dir = c_.catalog_.CheckpointDir(source, step);
-  // Parsed once for all the job's ranks that restore this step (Catalog::Metadata).
-  ASSIGN_OR_RETURN(std::shared_ptr<const CheckpointMetadata> shared_meta, c_.catalog_.Metadata(source, step));
-  const CheckpointMetadata& meta = *shared_meta;
+  // Only the pieces of the rank's tensors: in a job of thousands of ranks, a small part of the file.
+  ASSIGN_OR_RETURN(std::vector<std::string> names, NamesRestored(c_, session_id));
+  ASSIGN_OR_RETURN(const CheckpointMetadata meta, c_.catalog_.MetadataFor(source, step, names));
   if (meta.job != source || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }

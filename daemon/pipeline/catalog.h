@@ -96,7 +96,7 @@ class Catalog {
   // When this call wrote metadata.json and `keep` > 0, it then applies retention (ApplyRetention);
   // a retention failure is logged, never returned: the new checkpoint is complete either way.
   // `mixed` (optional): filled with every rank's signal when all are present but not all of `attempt`.
-  // `loop` (optional): reads the files' headers on its threads (BuildMetadataFromFiles).
+  // `loop` (optional): reads the signals and the files' headers on its threads.
   Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
                              std::map<uint32_t, Signal>* mixed = nullptr, ParallelLoop* loop = nullptr);
   // The sweep: completes the steps among the newest `max_steps` step directories of `job` that are
@@ -148,13 +148,19 @@ class Catalog {
   //
   // Whether checkpoint `step` of `job` is complete (its metadata.json exists).
   Result<bool> IsComplete(const std::string& job, int64_t step) const;
-  // metadata.json of checkpoint `step` of `job`, read and parsed once for every caller while the
-  // file stays the same (MetadataCache: the ranks of a job that register and restore share it).
+  // The head of metadata.json of checkpoint `step` of `job` (no pieces), read once for every caller
+  // while the file stays the same (MetadataCache: the ranks of a job that register share it).
   // kNotFound when the checkpoint is not complete.
   Result<std::shared_ptr<const CheckpointMetadata>> Metadata(const std::string& job, int64_t step) const {
     return metadata_.Get(CheckpointDir(job, step));
   }
-  // The same, looked up in the root at most once per `max_age` for each job and step, whoever
+  // The metadata of checkpoint `step` of `job` with the pieces of the tensors named in `names` only
+  // (ReadMetadataFor: through metadata.index.json, not cached). kNotFound when it is not complete.
+  Result<CheckpointMetadata> MetadataFor(const std::string& job, int64_t step,
+                                         const std::vector<std::string>& names) const {
+    return ReadMetadataFor(CheckpointDir(job, step), names, io_);
+  }
+  // IsComplete, looked up in the root at most once per `max_age` for each job and step, whoever
   // asks: the ranks of a daemon that wait for one step (WaitComplete) share one stat per period
   // instead of one each. The answer may be up to `max_age` old.
   Result<bool> IsCompleteShared(const std::string& job, int64_t step, std::chrono::milliseconds max_age) const

@@ -44,15 +44,16 @@ inline Status WriteRankFiles(const std::string& dir, const std::string& job, uin
   return Status::OK();
 }
 
-// Gathers metadata.json from the files' own headers, as the last daemon to see a signal does.
+// Gathers metadata.json (and its index) from the files' own headers, as the last daemon to see a
+// signal does.
 inline Status WriteMetadata(const std::string& dir) {
   ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromDir(dir));
-  return WriteFileDurably(dir, "metadata.json", MetadataToJson(meta));
+  return WriteMetadataFiles(dir, meta);
 }
 
 // Swaps, in metadata.json, where the pieces of tensor `key` in files `a` and `b` go (box offset and
 // shape, flat range), leaving their byte ranges and checksums as they are: a damaged or edited
-// metadata.json whose every checksum still matches the bytes on disk.
+// metadata.json whose every checksum still matches the bytes on disk. Its index is left as it was.
 inline Status SwapPlacements(const std::string& dir, const std::string& key, const std::string& a,
                              const std::string& b) {
   ASSIGN_OR_RETURN(CheckpointMetadata meta, ReadMetadataFile(dir));

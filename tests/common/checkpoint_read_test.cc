@@ -164,6 +164,49 @@ TEST(FillSlotFromCheckpoint, RefusesPiecesThatMetadataPlacesOtherwiseThanTheirFi
   EXPECT_NE(s.message().find(dir.File(FileOf(1))), std::string::npos) << s.ToString();
 }
 
+// A restore reads metadata.json's pieces of its own tensors only (ReadMetadataFor). The files it
+// opens also hold tensors it did not read: their header is checked for the tensors it read.
+TEST(FillSlotFromCheckpoint, ChecksTheTensorsItReadOfPartOfMetadataJson) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Topology t;
+  t.world_size = 2;
+  t.tp_degree = 2;
+  for (uint32_t r = 0; r < 2; ++r) {
+    t.tp_rank = r;
+    const std::vector<TensorSpec> tensors = {RowBlock(128 * r, 128), Spec("v", TensorKind::kModel, DType::kF32, {64})};
+    ASSERT_OK(testing::WriteRankFiles(dir.path(), "job", r, t, tensors, 10, r + 1, kChunk));
+  }
+  ASSERT_OK(WriteMetadataFiles(dir.path(), *BuildMetadataFromDir(dir.path())));
+  auto fill = [&](const TensorSpec& want, MetadataReadStats* stats) -> Filled {
+    Filled out;
+    auto meta = ReadMetadataFor(dir.path(), {want.name}, IoEnv::Default(), stats);
+    if (!meta.ok()) {
+      out.status = meta.status();
+      return out;
+    }
+    out.layout = *BuildRankLayout("job", 0, Topology{}, {want});
+    out.slot = std::make_unique<testing::SlotBuffer>(out.layout.slot_bytes);
+    out.status = FillSlotFromCheckpoint(dir.path(), *meta, out.layout, out.slot->data()).status();
+    return out;
+  };
+  MetadataReadStats stats;
+  Filled f = fill(RowBlock(61, 134), &stats);
+  ASSERT_OK(f.status);
+  EXPECT_TRUE(stats.used_index);
+  const char* data = f.slot->data() + f.layout.placements[0].slot_offset;
+  EXPECT_EQ(data[0], SavedByte(61, 0));
+  EXPECT_EQ(data[134 * kRowBytes - 1], SavedByte(194, kRowBytes - 1));
+  // metadata.json rewritten with the pieces of 'w' misplaced: its index no longer matches it, so the
+  // whole file is read, and the headers refuse the placement as before.
+  ASSERT_OK(testing::SwapPlacements(dir.path(), "w", FileOf(0), FileOf(1)));
+  f = fill(RowBlock(0, 128), &stats);
+  EXPECT_FALSE(stats.used_index);
+  ASSERT_FALSE(f.status.ok());
+  EXPECT_EQ(f.status.code(), StatusCode::kCorruption) << f.status.ToString();
+  EXPECT_NE(f.status.message().find("tensor 'w'"), std::string::npos) << f.status.ToString();
+}
+
 TEST(FillSlotFromCheckpoint, NarrowsFp32OnlyWhenAsked) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());

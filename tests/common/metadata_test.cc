@@ -239,6 +239,121 @@ TEST(MetadataJson, RejectsBadInputs) {
   }
 }
 
+// A tensor named twice in "tensors" would have its pieces read twice (a JSON object with a repeated
+// key has no one meaning): refused.
+TEST(MetadataJson, RejectsATensorListedTwice) {
+  const std::string good = MetadataToJson(SampleMetadata());
+  ASSERT_OK(ParseMetadataJson(good).status());
+  std::string twice = good;
+  const std::string other = "\"layers.1.w\": [";
+  const size_t at = twice.find(other);
+  ASSERT_NE(at, std::string::npos);
+  twice.replace(at, other.size(), "\"layers.0.w\": [");
+  auto parsed = ParseMetadataJson(twice);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(parsed.status().message().find("'layers.0.w' is listed twice"), std::string::npos)
+      << parsed.status().ToString();
+}
+
+// The pieces of `meta` whose tensor is `name`, in order.
+std::vector<Piece> PiecesNamed(const CheckpointMetadata& meta, const std::string& name) {
+  std::vector<Piece> out;
+  for (const Piece& p : meta.pieces) {
+    if (p.key == name) out.push_back(p);
+  }
+  return out;
+}
+
+// A reader that needs some tensors reads the index, the head and their lists, not the whole file.
+TEST(MetadataIndex, ReadsTheHeadAndTheNamedTensorsOnly) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  CheckpointMetadata m = SampleMetadata();
+  m.ema = EmaRecord{0.999, 2, "first", "fp32", std::nullopt, 7, 1, 1200};
+  ASSERT_OK(WriteMetadataFiles(dir.path(), m));
+  MetadataReadStats stats;
+  auto some = ReadMetadataFor(dir.path(), {"layers.0.w.exp_avg", "not.saved"}, IoEnv::Default(), &stats);
+  ASSERT_OK(some.status());
+  EXPECT_TRUE(stats.used_index);
+  EXPECT_EQ(stats.metadata_bytes, MetadataToJson(m).size());
+  // The index, the head and one list: less than metadata.json, whose other lists were not read.
+  EXPECT_LT(stats.bytes_read - MetadataToText(m).index.size(), stats.metadata_bytes);
+  EXPECT_TRUE(some->partial);
+  EXPECT_EQ(some->job, m.job);
+  EXPECT_EQ(some->step, m.step);
+  EXPECT_EQ(some->created, m.created);
+  ASSERT_TRUE(some->ema.has_value());
+  EXPECT_EQ(some->ema->updates_applied, 7u);
+  ASSERT_EQ(some->files.size(), m.files.size());
+  ExpectSamePieces(some->pieces, PiecesNamed(m, "layers.0.w.exp_avg"));
+  // The kinds are the whole checkpoint's, though no model piece was read.
+  EXPECT_TRUE(HoldsKind(*some, TensorKind::kModel));
+  EXPECT_TRUE(HoldsKind(*some, TensorKind::kOptimizer));
+  EXPECT_FALSE(HoldsKind(*some, TensorKind::kEma));
+
+  auto all = ReadMetadataFor(dir.path(), {"layers.1.w", "layers.0.w", "layers.0.w.exp_avg"});
+  ASSERT_OK(all.status());
+  ExpectSamePieces(all->pieces, ParseMetadataJson(MetadataToJson(m))->pieces);
+}
+
+// An index that does not describe the metadata.json beside it (left from an earlier write, or
+// either file damaged) is not used: the whole file is read, and what it says is what is returned.
+TEST(MetadataIndex, OneThatDoesNotMatchMetadataJsonIsNotUsed) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const CheckpointMetadata m = SampleMetadata();
+  ASSERT_OK(WriteMetadataFiles(dir.path(), m));
+  const std::string good = MetadataToJson(m);
+  // The same size, one checksum digit changed: in a tensor's list, then in the head.
+  std::string other_list = good;
+  const size_t digit = other_list.find("0123456789abcdef");
+  ASSERT_NE(digit, std::string::npos);
+  other_list[digit] = 'f';
+  std::string other_head = good;
+  const size_t size_digit = other_head.find("\"bytes\":8192");
+  ASSERT_NE(size_digit, std::string::npos);
+  other_head.replace(size_digit, 12, "\"bytes\":8193");
+  struct Case {
+    const char* what;
+    std::string text;
+  };
+  for (const Case& c : {Case{"a list changed", other_list}, Case{"the head changed", other_head},
+                        Case{"another size", good + " "}}) {
+    ASSERT_OK(WriteFileDurably(dir.path(), "metadata.json", c.text));
+    MetadataReadStats stats;
+    auto read = ReadMetadataFor(dir.path(), {"layers.0.w"}, IoEnv::Default(), &stats);
+    ASSERT_TRUE(read.ok()) << c.what << ": " << read.status().ToString();
+    EXPECT_FALSE(stats.used_index) << c.what;
+    auto whole = ParseMetadataJson(c.text);
+    ASSERT_TRUE(whole.ok()) << c.what << ": " << whole.status().ToString();
+    ExpectSamePieces(read->pieces, PiecesNamed(*whole, "layers.0.w"));
+    EXPECT_EQ(read->files[0].bytes, whole->files[0].bytes) << c.what;
+  }
+  // A damaged index is no worse than none.
+  ASSERT_OK(WriteFileDurably(dir.path(), kMetadataIndexName, "{\"format\": 7"));
+  MetadataReadStats stats;
+  auto read = ReadMetadataFor(dir.path(), {"layers.0.w"}, IoEnv::Default(), &stats);
+  ASSERT_OK(read.status());
+  EXPECT_FALSE(stats.used_index);
+}
+
+// Checkpoints of earlier releases have no index: the whole file is read and filtered.
+TEST(MetadataIndex, WithoutOneTheWholeFileIsReadAndFiltered) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const CheckpointMetadata m = SampleMetadata();
+  ASSERT_OK(WriteFileDurably(dir.path(), "metadata.json", MetadataToJson(m)));
+  MetadataReadStats stats;
+  auto read = ReadMetadataFor(dir.path(), {"layers.1.w"}, IoEnv::Default(), &stats);
+  ASSERT_OK(read.status());
+  EXPECT_FALSE(stats.used_index);
+  EXPECT_TRUE(read->partial);
+  ExpectSamePieces(read->pieces, PiecesNamed(m, "layers.1.w"));
+  EXPECT_TRUE(HoldsKind(*read, TensorKind::kOptimizer));
+  EXPECT_EQ(ReadMetadataFor(dir.path() + "/absent", {"layers.1.w"}).status().code(), StatusCode::kNotFound);
+}
+
 TEST(PiecesFromHeader, RejectsIncompleteTensorMetadata) {
   SafetensorsHeader h;
   h.data_start = 4096;

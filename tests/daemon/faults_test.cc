@@ -195,10 +195,10 @@ TEST_F(FaultsTest, FailingSyncRenameOrDirectorySyncIsCleanToo) {
   ASSERT_TRUE(t.client);
   const uint64_t renames_before = io_.calls(Op::kRename);
   ASSERT_OK(t.Save(1));
-  // One per file of the rank (2 images, extra, signal), then metadata.json; LATEST's rename, after
-  // the checkpoint is complete, is read_faults_test's.
+  // One per file of the rank (2 images, extra, signal), then metadata.index.json and metadata.json;
+  // LATEST's rename, after the checkpoint is complete, is read_faults_test's.
   const uint64_t renames = io_.calls(Op::kRename) - renames_before - 1;
-  ASSERT_EQ(renames, 5u);
+  ASSERT_EQ(renames, 6u);
   int64_t step = 1, last_good = 1;
   uint64_t failures = 0;
   auto round = [&](const std::function<void()>& inject, int err, const char* what) {

@@ -98,18 +98,18 @@ TEST_F(ReadFaultsTest, ReadingMetadataJsonThatFailsIsAnError) {
 }
 
 TEST_F(ReadFaultsTest, AnEioInTheMiddleOfARestoreHandsNothingOver) {
-  // 8 MiB tensors: each is read in several blocks. Reads from now on: metadata.json first, then the
-  // two files' headers (two reads each), then the tensors' four blocks; the 8th read (the third
-  // block) fails.
+  // 8 MiB tensors: each is read in several blocks. Reads from now on: metadata.index.json, then
+  // metadata.json's head and the lists of the rank's two tensors, then the two files' headers (two
+  // reads each), then the tensors' four blocks; the 11th read (the third block) fails.
   Trainer t = TwoCheckpoints("mid", 2u << 20);
   ASSERT_TRUE(t.client);
   const uint64_t before = io_.calls(Op::kRead);
-  io_.FailNth(Op::kRead, 8, EIO);
+  io_.FailNth(Op::kRead, 11, EIO);
   auto restored = t.client->Restore(std::nullopt, t.bufs, 10s);
   ASSERT_FALSE(restored.ok()) << "restored step " << restored->step;
   EXPECT_EQ(restored.status().code(), StatusCode::kIOError) << restored.status().ToString();
   EXPECT_TRUE(Contains(restored.status().message(), StepDir("mid", 2) + "/")) << restored.status().ToString();
-  EXPECT_GT(io_.calls(Op::kRead) - before, 8u) << "the failed read was not in the middle of the restore";
+  EXPECT_GT(io_.calls(Op::kRead) - before, 11u) << "the failed read was not in the middle of the restore";
   EXPECT_TRUE(t.All(7.f)) << "a failed restore handed bytes over";
   // The slot it took is free again: the next restore works.
   auto again = t.client->Restore(std::nullopt, t.bufs, 10s);
