@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <simdjson.h>
 
 #include "common/io/fs.h"
 
@@ -110,59 +112,76 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
   h.data_start = 8 + json.size();
   if (h.data_start > file_size) return Corruption("safetensors header runs past the end of the file");
   h.data_bytes = file_size - h.data_start;
-  auto root = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object()) return Corruption("safetensors header is not a JSON object");
-  for (auto it = root.begin(); it != root.end(); ++it) {
-    const std::string& key = it.key();
-    const auto& v = it.value();
+  // simdjson: a completing daemon reads the header of every file of the step, thousands in a large job.
+  simdjson::dom::parser parser;
+  simdjson::dom::object root;
+  if (parser.parse(json.data(), json.size()).get_object().get(root) != simdjson::SUCCESS) {
+    return Corruption("safetensors header is not a JSON object");
+  }
+  std::set<std::string_view> names;
+  for (auto field : root) {
+    const std::string key(field.key);
+    simdjson::dom::element v = field.value;
     if (key == "__metadata__") {
-      if (!v.is_object()) return Corruption("__metadata__ is not an object");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) return Corruption("__metadata__ value of '" + m.key() + "' is not a string");
-        h.metadata[m.key()] = m.value().get<std::string>();
+      simdjson::dom::object m;
+      if (v.get_object().get(m) != simdjson::SUCCESS) return Corruption("__metadata__ is not an object");
+      for (auto entry : m) {
+        std::string_view text;
+        if (entry.value.get_string().get(text) != simdjson::SUCCESS) {
+          return Corruption("__metadata__ value of '" + std::string(entry.key) + "' is not a string");
+        }
+        h.metadata[std::string(entry.key)] = std::string(text);
       }
       continue;
     }
-    if (!v.is_object()) return Corruption("entry '" + key + "' is not an object");
-    auto dt = v.find("dtype");
-    auto sh = v.find("shape");
-    auto off = v.find("data_offsets");
-    if (dt == v.end() || sh == v.end() || off == v.end() || !dt->is_string() || !sh->is_array() ||
-        !off->is_array() || off->size() != 2) {
+    // A name given twice has no one meaning (JSON leaves duplicate keys undefined).
+    if (!names.insert(field.key).second) return Corruption("entry '" + key + "' appears twice");
+    simdjson::dom::object e;
+    if (v.get_object().get(e) != simdjson::SUCCESS) return Corruption("entry '" + key + "' is not an object");
+    std::string_view dtype_name;
+    simdjson::dom::array shape, offsets;
+    if (e.at_key("dtype").get_string().get(dtype_name) != simdjson::SUCCESS ||
+        e.at_key("shape").get_array().get(shape) != simdjson::SUCCESS ||
+        e.at_key("data_offsets").get_array().get(offsets) != simdjson::SUCCESS || offsets.size() != 2) {
       return Corruption("entry '" + key + "' needs dtype, shape and two data_offsets");
     }
-    SafetensorsEntry e;
-    e.name = key;
-    auto dtype = ParseDType(dt->get<std::string>());
-    if (!dtype) return Corruption("entry '" + key + "' has unknown dtype '" + dt->get<std::string>() + "'");
-    e.dtype = *dtype;
-    if (sh->size() > kMaxTensorRank) return Corruption("entry '" + key + "' has rank above 8");
-    for (const auto& d : *sh) {
-      if (!d.is_number_unsigned()) return Corruption("entry '" + key + "' has a shape that is not unsigned integers");
-      e.shape.push_back(d.get<uint64_t>());
+    SafetensorsEntry entry;
+    entry.name = key;
+    auto dtype = ParseDType(dtype_name);
+    if (!dtype) return Corruption("entry '" + key + "' has unknown dtype '" + std::string(dtype_name) + "'");
+    entry.dtype = *dtype;
+    if (shape.size() > kMaxTensorRank) return Corruption("entry '" + key + "' has rank above 8");
+    for (simdjson::dom::element d : shape) {
+      uint64_t n = 0;
+      if (d.get_uint64().get(n) != simdjson::SUCCESS) {
+        return Corruption("entry '" + key + "' has a shape that is not unsigned integers");
+      }
+      entry.shape.push_back(n);
     }
-    if (!(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned()) {
+    if (offsets.at(0).get_uint64().get(entry.begin) != simdjson::SUCCESS ||
+        offsets.at(1).get_uint64().get(entry.end) != simdjson::SUCCESS) {
       return Corruption("entry '" + key + "' has data_offsets that are not unsigned integers");
     }
-    e.begin = (*off)[0].get<uint64_t>();
-    e.end = (*off)[1].get<uint64_t>();
-    if (e.begin > e.end || e.end > h.data_bytes) {
-      return Corruption("entry '" + key + "' has data_offsets [" + std::to_string(e.begin) + ", " +
-                        std::to_string(e.end) + ") outside the " + std::to_string(h.data_bytes) +
+    if (entry.begin > entry.end || entry.end > h.data_bytes) {
+      return Corruption("entry '" + key + "' has data_offsets [" + std::to_string(entry.begin) + ", " +
+                        std::to_string(entry.end) + ") outside the " + std::to_string(h.data_bytes) +
                         "-byte data region");
     }
-    auto bytes = TensorBytes(e.dtype, e.shape);
+    auto bytes = TensorBytes(entry.dtype, entry.shape);
     if (!bytes.ok()) return Corruption("entry '" + key + "': " + bytes.status().message());
-    if (*bytes != e.end - e.begin) {
-      return Corruption("entry '" + key + "' spans " + std::to_string(e.end - e.begin) + " bytes but its shape needs " +
-                        std::to_string(*bytes));
+    if (*bytes != entry.end - entry.begin) {
+      return Corruption("entry '" + key + "' spans " + std::to_string(entry.end - entry.begin) +
+                        " bytes but its shape needs " + std::to_string(*bytes));
     }
-    h.entries.push_back(std::move(e));
+    h.entries.push_back(std::move(entry));
   }
   // By offset, and an empty tensor before a tensor that starts where it does (the safetensors library
   // places a 0-byte tensor at the offset of the next one): it overlaps nothing.
   std::sort(h.entries.begin(), h.entries.end(),
-            [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+            [](const auto& a, const auto& b) {
+              if (a.begin != b.begin) return a.begin < b.begin;
+              return a.end != b.end ? a.end < b.end : a.name < b.name;
+            });
   uint64_t expected = 0;
   for (const auto& e : h.entries) {
     if (e.begin < expected) return Corruption("entry '" + e.name + "' overlaps the tensor before it");

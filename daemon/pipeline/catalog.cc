@@ -225,8 +225,17 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   std::map<uint32_t, Signal> all;
   bool one_attempt = true;
   int64_t last_signal_us = 0;
+  // Read on the loop's threads when there is one: a job has thousands of signals, and on a network
+  // file system each open and read waits for a round trip.
+  std::vector<Result<Signal>> signals(world_size, Result<Signal>(Internal("not read")));
+  auto read = [&](size_t r) { signals[r] = ReadSignal(dir + "/" + SignalFileName(static_cast<uint32_t>(r)), io_); };
+  if (loop != nullptr) {
+    loop->Run(world_size, read);
+  } else {
+    for (uint32_t r = 0; r < world_size; ++r) read(r);
+  }
   for (uint32_t r = 0; r < world_size; ++r) {
-    auto signal = ReadSignal(dir + "/" + SignalFileName(r), io_);
+    Result<Signal>& signal = signals[r];
     if (!signal.ok()) {
       if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
       return signal.status();  // unreadable or torn: an error, never "not complete"
@@ -256,7 +265,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
                       " world size " + std::to_string(meta.topology.world_size) + ", expected '" + job + "' step " +
                       std::to_string(step) + " world size " + std::to_string(world_size));
   }
-  RETURN_IF_ERROR(WriteFileDurably(dir, "metadata.json", MetadataToJson(meta), nullptr, io_));
+  RETURN_IF_ERROR(WriteMetadataFiles(dir, meta, io_));
   // LATEST moves forward unless it names a newer complete checkpoint. Only LATEST and that one
   // directory are read: a completion must not cost a listing of every step of a long run.
   ASSIGN_OR_RETURN(bool newer, LatestNamesNewer(job, step));

@@ -38,7 +38,7 @@ Result<std::shared_ptr<const CheckpointMetadata>> MetadataCache::Get(const std::
     entries_.push_front(Entry{dir, id, load});
     ++loads_;
   }
-  auto meta = ReadMetadataFile(dir, io_);
+  auto meta = ReadMetadataFor(dir, {}, io_);
   MutexLock lock(&mu_);
   load->done = true;
   if (meta.ok()) {

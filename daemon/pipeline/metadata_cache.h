@@ -1,8 +1,9 @@
-// The parsed metadata.json of the checkpoints a daemon reads, kept so that the ranks of a job read
-// and parse it once: at registration (the lineage check reads LATEST's run), at restore (the read
-// plan) and for every rank of the job in between. metadata.json grows with the job (about 400
-// bytes per saved tensor piece: 320 MiB and seconds of parsing for 4096 ranks of 300 tensors), so
-// a read per rank would cost a thousand-rank job a thousand parses.
+// The head of metadata.json (everything but the pieces: job, step, run, files, EMA record) of the
+// checkpoints a daemon reads, kept so that the ranks of a job read it once: the lineage check at
+// every registration reads LATEST's run. The head is read through metadata.index.json
+// (ReadMetadataFor with no tensor names); a checkpoint without a usable index is parsed whole, and
+// metadata.json grows with the job (about 250 bytes per saved tensor piece: 196 MiB and seconds of
+// parsing for 4096 ranks of 300 tensors), so a read per rank would cost a large job a parse each.
 //
 // An entry is keyed by the file's path and checked against the file's identity (inode, size,
 // modification time) with one stat on every lookup: a checkpoint deleted and written again under
@@ -30,8 +31,8 @@ class MetadataCache {
   // `io`: not owned, outlives the cache.
   MetadataCache(IoEnv* io, size_t capacity) : io_(io), capacity_(capacity == 0 ? 1 : capacity) {}
 
-  // The metadata of the checkpoint directory `dir` (ReadMetadataFile's result and errors; kNotFound
-  // when it has no metadata.json).
+  // The head of the metadata of checkpoint directory `dir`, without pieces (ReadMetadataFor's
+  // result and errors with no names; kNotFound when it has no metadata.json).
   Result<std::shared_ptr<const CheckpointMetadata>> Get(const std::string& dir) EXCLUDES(mu_);
 
   // Drops what is kept of `dir` (its checkpoint was deleted): memory, not correctness, as every
