@@ -467,7 +467,10 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   std::map<std::string_view, std::vector<const Piece*>> by_key;
   for (const Piece& p : meta.pieces) by_key[p.key].push_back(&p);
   std::map<std::string_view, std::string> file_json;  // each file name as a JSON string, made once
-  for (const SavedFile& f : meta.files) AppendString(&file_json[f.name], f.name);
+  for (const SavedFile& f : meta.files) {
+    auto [it, added] = file_json.try_emplace(f.name);
+    if (added) AppendString(&it->second, f.name);  // a name listed twice is still written twice
+  }
 
   std::string out;
   out.reserve(1024 + meta.files.size() * 128 + meta.pieces.size() * 256);

@@ -239,6 +239,18 @@ TEST(MetadataJson, RejectsBadInputs) {
   }
 }
 
+// A files list that names a file twice (readers refuse it when they group pieces by file) is
+// still written back as valid JSON: found by fuzz.metadata_json.
+TEST(MetadataJson, WritesAFileListedTwiceAsItWasRead) {
+  CheckpointMetadata m = SampleMetadata();
+  m.files.push_back(m.files[0]);
+  const std::string text = MetadataToJson(m);
+  auto parsed = ParseMetadataJson(text);
+  ASSERT_OK(parsed.status());
+  EXPECT_EQ(parsed->files.size(), 3u);
+  EXPECT_EQ(MetadataToJson(*parsed), text);
+}
+
 // A tensor named twice in "tensors" would have its pieces read twice (a JSON object with a repeated
 // key has no one meaning): refused.
 TEST(MetadataJson, RejectsATensorListedTwice) {
