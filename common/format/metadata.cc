@@ -382,8 +382,16 @@ namespace {
 
 // metadata.json is written directly, not through a JSON document: a job of thousands of ranks has
 // close to a million pieces, and building a document of them costs more than the rest of a commit.
-// The text is what nlohmann's dump would give for the same values, compacted: one line per file and
-// per piece, keys in the order below.
+// One line per field, per file and per piece, keys in the order below (docs/format.md).
+
+// The kinds of tensor among `pieces`, each once, in the enum's order.
+std::vector<TensorKind> KindsOfPieces(const std::vector<Piece>& pieces) {
+  std::vector<TensorKind> kinds;
+  for (TensorKind kind : {TensorKind::kModel, TensorKind::kOptimizer, TensorKind::kMasterWeight, TensorKind::kEma}) {
+    if (std::any_of(pieces.begin(), pieces.end(), [&](const Piece& p) { return p.kind == kind; })) kinds.push_back(kind);
+  }
+  return kinds;
+}
 
 // `s` as a JSON string. Plain ASCII (every name this release writes) is copied; anything else goes
 // through nlohmann, which escapes control characters and replaces invalid UTF-8.
@@ -401,17 +409,14 @@ void AppendString(std::string* out, std::string_view s) {
   }
 }
 
-void AppendU64(std::string* out, uint64_t v) {
+template <typename Int>
+void AppendInt(std::string* out, Int v) {
   char buf[24];
   auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
   out->append(buf, end);
 }
 
-void AppendI64(std::string* out, int64_t v) {
-  char buf[24];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-  out->append(buf, end);
-}
+void AppendU64(std::string* out, uint64_t v) { AppendInt(out, v); }
 
 void AppendU64s(std::string* out, const uint64_t* v, size_t n) {
   out->push_back('[');
@@ -475,11 +480,11 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   std::string out;
   out.reserve(1024 + meta.files.size() * 128 + meta.pieces.size() * 256);
   out += "{\n \"format\": \"flashckpt\",\n \"format_version\": ";
-  AppendI64(&out, meta.format_version);
+  AppendInt<int64_t>(&out, meta.format_version);
   out += ",\n \"job\": ";
   AppendString(&out, meta.job);
   out += ",\n \"step\": ";
-  AppendI64(&out, meta.step);
+  AppendInt<int64_t>(&out, meta.step);
   out += ",\n \"created\": ";
   AppendString(&out, meta.created);
   if (!meta.run_id.empty()) {
@@ -487,7 +492,7 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
     AppendString(&out, meta.run_id);
   }
   out += ",\n \"resumed_from\": ";
-  AppendI64(&out, meta.resumed_from);
+  AppendInt<int64_t>(&out, meta.resumed_from);
   out += ",\n \"topology\": {\"world_size\":";
   AppendU64(&out, meta.topology.world_size);
   out += ",\"tp_degree\":";
@@ -564,7 +569,7 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   std::string index;
   index.reserve(256 + ranges.size() * 96);
   index += "{\n \"format\": \"flashckpt-metadata-index\",\n \"format_version\": ";
-  AppendI64(&index, meta.format_version);
+  AppendInt<int64_t>(&index, meta.format_version);
   index += ",\n \"metadata_bytes\": ";
   AppendU64(&index, out.size());
   index += ",\n \"head\": [0,";
@@ -573,9 +578,7 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   index += ChecksumHex(Xxh3(out.data(), head_end));
   index += "\"],\n \"kinds\": [";
   bool first_kind = true;
-  for (TensorKind kind : {TensorKind::kModel, TensorKind::kOptimizer, TensorKind::kMasterWeight, TensorKind::kEma}) {
-    const bool held = std::any_of(meta.pieces.begin(), meta.pieces.end(), [&](const Piece& p) { return p.kind == kind; });
-    if (!held) continue;
+  for (TensorKind kind : KindsOfPieces(meta.pieces)) {
     index += first_kind ? "\"" : ",\"";
     first_kind = false;
     index += TensorKindName(kind);
@@ -1011,11 +1014,7 @@ Result<CheckpointMetadata> ReadWholeFor(const std::string& checkpoint_dir, const
     stats->used_index = false;
     stats->bytes_read += stats->metadata_bytes;
   }
-  for (TensorKind kind : {TensorKind::kModel, TensorKind::kOptimizer, TensorKind::kMasterWeight, TensorKind::kEma}) {
-    if (std::any_of(meta.pieces.begin(), meta.pieces.end(), [&](const Piece& p) { return p.kind == kind; })) {
-      meta.kinds_saved.push_back(kind);
-    }
-  }
+  meta.kinds_saved = KindsOfPieces(meta.pieces);
   const std::unordered_set<std::string_view> wanted(names.begin(), names.end());
   meta.pieces.erase(std::remove_if(meta.pieces.begin(), meta.pieces.end(),
                                    [&](const Piece& p) { return wanted.count(p.key) == 0; }),
