@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 #include <nlohmann/json.hpp>
 #include <simdjson.h>
+#include <optional>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -39,19 +41,14 @@ std::string NowUtc() {
 // read by hand (a completing daemon reads four per tensor of every file of the step), accepting
 // what a JSON parser accepts for such an array: whitespace around the tokens, no sign, fraction,
 // exponent or leading zero.
-Result<std::vector<uint64_t>> U64ArrayFromString(const std::map<std::string, std::string>& meta,
-                                                 const std::string& key) {
-  auto it = meta.find(key);
-  if (it == meta.end()) return Corruption("missing metadata key '" + key + "'");
-  const std::string_view s = it->second;
-  auto bad = [&] { return Corruption("metadata key '" + key + "' is not an array of at most 8 unsigned integers"); };
+std::optional<std::vector<uint64_t>> ParseU64Array(std::string_view s) {
   size_t i = 0;
   auto skip_space = [&] {
     while (i < s.size() && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) ++i;
   };
   std::vector<uint64_t> out;
   skip_space();
-  if (i >= s.size() || s[i] != '[') return bad();
+  if (i >= s.size() || s[i] != '[') return std::nullopt;
   ++i;
   skip_space();
   if (i < s.size() && s[i] == ']') {
@@ -61,10 +58,10 @@ Result<std::vector<uint64_t>> U64ArrayFromString(const std::map<std::string, std
       skip_space();
       const size_t start = i;
       while (i < s.size() && s[i] >= '0' && s[i] <= '9') ++i;
-      if (i == start || (s[start] == '0' && i - start > 1) || out.size() == kMaxTensorRank) return bad();
+      if (i == start || (s[start] == '0' && i - start > 1) || out.size() == kMaxTensorRank) return std::nullopt;
       uint64_t v = 0;
       auto [end, ec] = std::from_chars(s.data() + start, s.data() + i, v);
-      if (ec != std::errc() || end != s.data() + i) return bad();
+      if (ec != std::errc() || end != s.data() + i) return std::nullopt;
       out.push_back(v);
       skip_space();
       if (i < s.size() && s[i] == ',') {
@@ -75,12 +72,25 @@ Result<std::vector<uint64_t>> U64ArrayFromString(const std::map<std::string, std
         ++i;
         break;
       }
-      return bad();
+      return std::nullopt;
     }
   }
   skip_space();
-  if (i != s.size()) return bad();
+  if (i != s.size()) return std::nullopt;
   return out;
+}
+
+// The array in `value`, the value of tensor `tensor`'s metadata key for `what` (nullptr: the key
+// is missing).
+Result<std::vector<uint64_t>> U64ArrayFromValue(const std::string* value, const std::string& tensor,
+                                                const char* what) {
+  if (value == nullptr) return Corruption("missing metadata key '" + TensorMetaKey(tensor, what) + "'");
+  auto parsed = ParseU64Array(*value);
+  if (!parsed) {
+    return Corruption("metadata key '" + TensorMetaKey(tensor, what) +
+                      "' is not an array of at most 8 unsigned integers");
+  }
+  return std::move(*parsed);
 }
 
 Result<uint32_t> U32Meta(const std::map<std::string, std::string>& meta, const std::string& key) {
@@ -245,13 +255,66 @@ static Status ApplyChecksumRule(int format_version, Piece* p) {
   return Status::OK();
 }
 
+namespace {
+
+// A tensor's values in a header's __metadata__ (keys "<tensor>@<what>", TensorMetaKey); nullptr
+// where the key is missing.
+struct TensorValues {
+  const std::string* kind = nullptr;
+  const std::string* global_shape = nullptr;
+  const std::string* box_offset = nullptr;
+  const std::string* box_shape = nullptr;
+  const std::string* flat_range = nullptr;
+  const std::string* xxh3 = nullptr;
+  const std::string* xxh3_chunks = nullptr;
+};
+
+// The values of every entry of `header`, in one pass over __metadata__ rather than a lookup per
+// value: a completion reads every tensor of every file of the step. A key is split at its last '@'
+// (a tensor name may hold one; what follows never does).
+std::unordered_map<std::string_view, TensorValues> ValuesByTensor(const SafetensorsHeader& header) {
+  std::unordered_map<std::string_view, TensorValues> values;
+  values.reserve(header.entries.size());
+  for (const auto& e : header.entries) values.emplace(e.name, TensorValues{});
+  for (const auto& [key, value] : header.metadata) {
+    const size_t at = key.rfind('@');
+    if (at == std::string::npos) continue;
+    auto it = values.find(std::string_view(key).substr(0, at));
+    if (it == values.end()) continue;
+    const std::string_view what = std::string_view(key).substr(at + 1);
+    TensorValues& v = it->second;
+    if (what == "kind") {
+      v.kind = &value;
+    } else if (what == "global_shape") {
+      v.global_shape = &value;
+    } else if (what == "box_offset") {
+      v.box_offset = &value;
+    } else if (what == "box_shape") {
+      v.box_shape = &value;
+    } else if (what == "flat_range") {
+      v.flat_range = &value;
+    } else if (what == "xxh3") {
+      v.xxh3 = &value;
+    } else if (what == "xxh3_chunks") {
+      v.xxh3_chunks = &value;
+    }
+  }
+  return values;
+}
+
+}  // namespace
+
 Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, const std::string& file_name) {
   std::vector<Piece> pieces;
   auto version_text = header.metadata.find("format_version");
   if (version_text == header.metadata.end()) return Corruption(file_name + ": no format_version in __metadata__");
   ASSIGN_OR_RETURN(const int version, ParseFormatVersion(version_text->second, file_name));
+  const std::unordered_map<std::string_view, TensorValues> values = ValuesByTensor(header);
+  std::optional<Result<uint64_t>> chunk;  // the file's checksum_chunk, read once a tensor needs it
+  pieces.reserve(header.entries.size());
   for (const auto& e : header.entries) {
     auto fail = [&](const std::string& why) { return Corruption(file_name + ": tensor '" + e.name + "': " + why); };
+    const TensorValues& v = values.at(e.name);
     Piece p;
     p.key = e.name;
     p.dtype = e.dtype;
@@ -259,34 +322,32 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
     p.file = file_name;
     p.begin = header.data_start + e.begin;
     p.end = header.data_start + e.end;
-    auto kind = header.metadata.find(TensorMetaKey(e.name, "kind"));
-    if (kind == header.metadata.end()) return fail("no kind in __metadata__");
-    auto k = ParseTensorKind(kind->second);
-    if (!k) return fail("unknown kind '" + kind->second + "'");
+    if (v.kind == nullptr) return fail("no kind in __metadata__");
+    auto k = ParseTensorKind(*v.kind);
+    if (!k) return fail("unknown kind '" + *v.kind + "'");
     p.kind = *k;
     // Errors name the file and the tensor, like every other error of this function.
-    auto array_meta = [&](const char* what) -> Result<std::vector<uint64_t>> {
-      auto r = U64ArrayFromString(header.metadata, TensorMetaKey(e.name, what));
+    auto array_meta = [&](const std::string* value, const char* what) -> Result<std::vector<uint64_t>> {
+      auto r = U64ArrayFromValue(value, e.name, what);
       if (!r.ok()) return r.status().WithContext(file_name + ": tensor '" + e.name + "'");
       return r;
     };
-    ASSIGN_OR_RETURN(p.global_shape, array_meta("global_shape"));
-    ASSIGN_OR_RETURN(p.box_offset, array_meta("box_offset"));
-    ASSIGN_OR_RETURN(p.box_shape, array_meta("box_shape"));
-    if (header.metadata.count(TensorMetaKey(e.name, "flat_range"))) {
-      ASSIGN_OR_RETURN(auto r, array_meta("flat_range"));
+    ASSIGN_OR_RETURN(p.global_shape, array_meta(v.global_shape, "global_shape"));
+    ASSIGN_OR_RETURN(p.box_offset, array_meta(v.box_offset, "box_offset"));
+    ASSIGN_OR_RETURN(p.box_shape, array_meta(v.box_shape, "box_shape"));
+    if (v.flat_range != nullptr) {
+      ASSIGN_OR_RETURN(auto r, array_meta(v.flat_range, "flat_range"));
       if (r.size() != 2 || r[0] > r[1]) return fail("flat_range is not [begin, end]");
       p.flat_range = FlatRange{r[0], r[1]};
     }
-    auto ck = header.metadata.find(TensorMetaKey(e.name, "xxh3"));
-    if (ck == header.metadata.end()) return fail("no xxh3 checksum in __metadata__");
-    auto parsed = ParseChecksumHex(ck->second);
-    if (!parsed) return fail("xxh3 checksum '" + ck->second + "' is not 16 hex digits");
+    if (v.xxh3 == nullptr) return fail("no xxh3 checksum in __metadata__");
+    auto parsed = ParseChecksumHex(*v.xxh3);
+    if (!parsed) return fail("xxh3 checksum '" + *v.xxh3 + "' is not 16 hex digits");
     p.xxh3 = *parsed;
-    if (auto chunks = header.metadata.find(TensorMetaKey(e.name, "xxh3_chunks")); chunks != header.metadata.end()) {
-      auto chunk = CounterMeta(header.metadata, "checksum_chunk");
-      if (!chunk.ok()) return fail(chunk.status().message());
-      RETURN_IF_ERROR(ParseChunkChecksums(chunks->second, *chunk, &p).WithContext(file_name));
+    if (v.xxh3_chunks != nullptr) {
+      if (!chunk) chunk = CounterMeta(header.metadata, "checksum_chunk");
+      if (!chunk->ok()) return fail(chunk->status().message());
+      RETURN_IF_ERROR(ParseChunkChecksums(*v.xxh3_chunks, **chunk, &p).WithContext(file_name));
     }
     RETURN_IF_ERROR(ApplyChecksumRule(version, &p).WithContext(file_name));
     Status geometry = CheckPieceGeometry(p);
@@ -303,8 +364,60 @@ Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir) {
   return BuildMetadataFromFiles(dir, std::move(names));
 }
 
+namespace {
+
+// What one file gives the metadata, read from its header and checked on its own.
+struct FilePart {
+  int format_version = 0;
+  std::string job;
+  int64_t step = 0;
+  Topology topology;
+  SavedFile file;
+  bool ema_file = false;
+  Result<EmaRecord> ema = Internal("not an ema file");  // an ema file's record, or why it has none
+  std::vector<Piece> pieces;
+};
+
+Result<FilePart> FilePartFromHeader(const std::string& path, const std::string& name, const SafetensorsHeader& header) {
+  const auto& m = header.metadata;
+  FilePart part;
+  auto job = m.find("job");
+  auto step = m.find("step");
+  if (job == m.end() || step == m.end()) return Corruption(path + ": no job or step in __metadata__");
+  auto parsed_step = CounterMeta(m, "step");
+  if (!parsed_step.ok() || *parsed_step > static_cast<uint64_t>(INT64_MAX)) {
+    return Corruption(path + ": step '" + step->second + "' is not a decimal step");
+  }
+  part.job = job->second;
+  part.step = static_cast<int64_t>(*parsed_step);
+  Topology& t = part.topology;
+  ASSIGN_OR_RETURN(t.world_size, U32Meta(m, "world_size"));
+  ASSIGN_OR_RETURN(t.tp_degree, U32Meta(m, "tp_degree"));
+  ASSIGN_OR_RETURN(t.pp_degree, U32Meta(m, "pp_degree"));
+  ASSIGN_OR_RETURN(t.shard_degree, U32Meta(m, "shard_degree"));
+  SavedFile& f = part.file;
+  f.name = name;
+  ASSIGN_OR_RETURN(f.rank, U32Meta(m, "rank"));
+  ASSIGN_OR_RETURN(f.tp_rank, U32Meta(m, "tp_rank"));
+  ASSIGN_OR_RETURN(f.pp_rank, U32Meta(m, "pp_rank"));
+  ASSIGN_OR_RETURN(f.shard_rank, U32Meta(m, "shard_rank"));
+  f.bytes = header.data_start + header.data_bytes;
+  auto version_text = m.find("format_version");
+  if (version_text == m.end()) return Corruption(path + ": no format_version in __metadata__");
+  ASSIGN_OR_RETURN(part.format_version, ParseFormatVersion(version_text->second, path));
+  if (auto kind = m.find("file"); kind != m.end() && kind->second == "ema") {
+    part.ema_file = true;
+    part.ema = EmaRecordFromHeader(m, path);
+  }
+  ASSIGN_OR_RETURN(part.pieces, PiecesFromHeader(header, name));
+  return part;
+}
+
+}  // namespace
+
 Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
-                                                  IoEnv* io, ParallelLoop* loop) {
+                                                  IoEnv* io, ParallelLoop* loop,
+                                                  const std::map<std::string, const SignalHeader*>* recorded) {
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   names.erase(std::remove_if(names.begin(), names.end(),
@@ -313,10 +426,31 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
                                       name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0;
                              }),
               names.end());
-  // The headers are read first, on the loop's threads when there is one: on a network file system
-  // each open and read waits for a round trip, and a job has thousands of files.
-  std::vector<Result<SafetensorsHeader>> headers(names.size(), Result<SafetensorsHeader>(Internal("not read")));
-  auto read = [&](size_t i) { headers[i] = ReadSafetensorsHeader(dir + "/" + names[i], io); };
+  // Each file's part is built on the loop's threads when there is one, from its header: the one
+  // its rank's signal records, or else the one read from the file (on a network file system each
+  // open and read waits for a round trip, and a job has thousands of files). What is left here is
+  // checking that the parts agree and gathering them.
+  std::vector<Result<FilePart>> parts(names.size(), Result<FilePart>(Internal("not read")));
+  auto read = [&](size_t i) {
+    const std::string path = dir + "/" + names[i];
+    const SignalHeader* known = nullptr;
+    if (recorded != nullptr) {
+      auto it = recorded->find(names[i]);
+      if (it != recorded->end()) known = it->second;
+    }
+    Result<SafetensorsHeader> header = Internal("not read");
+    if (known == nullptr) {
+      header = ReadSafetensorsHeader(path, io);
+    } else {
+      header = ParseSafetensorsHeader(known->json, known->header_bytes, known->file_bytes);
+      if (!header.ok()) header = header.status().WithContext(path + " (the header its rank's signal records)");
+    }
+    if (!header.ok()) {
+      parts[i] = header.status();
+      return;
+    }
+    parts[i] = FilePartFromHeader(path, names[i], *header);
+  };
   if (loop != nullptr) {
     loop->Run(names.size(), read);
   } else {
@@ -325,53 +459,28 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
   CheckpointMetadata meta;
   bool first = true;
   for (size_t i = 0; i < names.size(); ++i) {
-    const std::string& name = names[i];
-    std::string path = dir + "/" + name;
-    ASSIGN_OR_RETURN(auto header, std::move(headers[i]));
-    const auto& m = header.metadata;
-    auto job = m.find("job");
-    auto step = m.find("step");
-    if (job == m.end() || step == m.end()) return Corruption(path + ": no job or step in __metadata__");
-    auto parsed_step = CounterMeta(m, "step");
-    if (!parsed_step.ok() || *parsed_step > static_cast<uint64_t>(INT64_MAX)) {
-      return Corruption(path + ": step '" + step->second + "' is not a decimal step");
-    }
-    int64_t file_step = static_cast<int64_t>(*parsed_step);
-    Topology t;
-    ASSIGN_OR_RETURN(t.world_size, U32Meta(m, "world_size"));
-    ASSIGN_OR_RETURN(t.tp_degree, U32Meta(m, "tp_degree"));
-    ASSIGN_OR_RETURN(t.pp_degree, U32Meta(m, "pp_degree"));
-    ASSIGN_OR_RETURN(t.shard_degree, U32Meta(m, "shard_degree"));
-    SavedFile f;
-    f.name = name;
-    ASSIGN_OR_RETURN(f.rank, U32Meta(m, "rank"));
-    ASSIGN_OR_RETURN(f.tp_rank, U32Meta(m, "tp_rank"));
-    ASSIGN_OR_RETURN(f.pp_rank, U32Meta(m, "pp_rank"));
-    ASSIGN_OR_RETURN(f.shard_rank, U32Meta(m, "shard_rank"));
-    f.bytes = header.data_start + header.data_bytes;
-    auto version_text = m.find("format_version");
-    if (version_text == m.end()) return Corruption(path + ": no format_version in __metadata__");
-    ASSIGN_OR_RETURN(const int version, ParseFormatVersion(version_text->second, path));
+    const std::string path = dir + "/" + names[i];
+    ASSIGN_OR_RETURN(FilePart part, std::move(parts[i]));
+    const Topology& t = part.topology;
     if (first) {
-      meta.format_version = version;
-      meta.job = job->second;
-      meta.step = file_step;
+      meta.format_version = part.format_version;
+      meta.job = part.job;
+      meta.step = part.step;
       meta.topology = t;
       first = false;
-    } else if (version != meta.format_version) {
-      return Corruption(path + ": format_version " + std::to_string(version) + " differs from the other files' " +
-                        std::to_string(meta.format_version) + " in " + dir);
-    } else if (meta.job != job->second || meta.step != file_step || meta.topology.world_size != t.world_size ||
+    } else if (part.format_version != meta.format_version) {
+      return Corruption(path + ": format_version " + std::to_string(part.format_version) +
+                        " differs from the other files' " + std::to_string(meta.format_version) + " in " + dir);
+    } else if (meta.job != part.job || meta.step != part.step || meta.topology.world_size != t.world_size ||
                meta.topology.tp_degree != t.tp_degree || meta.topology.pp_degree != t.pp_degree ||
                meta.topology.shard_degree != t.shard_degree) {
       return Corruption(path + ": job, step or topology differs from the other files of " + dir);
     }
-    if (m.count("file") && m.at("file") == "ema" && !meta.ema) {
-      ASSIGN_OR_RETURN(meta.ema, EmaRecordFromHeader(m, path));
+    if (part.ema_file && !meta.ema) {
+      ASSIGN_OR_RETURN(meta.ema, std::move(part.ema));
     }
-    ASSIGN_OR_RETURN(auto pieces, PiecesFromHeader(header, name));
-    for (auto& p : pieces) meta.pieces.push_back(std::move(p));
-    meta.files.push_back(std::move(f));
+    for (auto& p : part.pieces) meta.pieces.push_back(std::move(p));
+    meta.files.push_back(std::move(part.file));
   }
   if (first) return NotFound("no .safetensors files in " + dir);
   meta.created = NowUtc();

@@ -13,6 +13,7 @@
 #include "common/base/status.h"
 #include "common/format/layout.h"
 #include "common/format/safetensors.h"
+#include "common/format/signal.h"
 #include "flashckpt/tensor.h"
 
 namespace flashckpt {
@@ -111,8 +112,10 @@ Result<std::vector<Piece>> PiecesFromHeader(const SafetensorsHeader& header, con
 Result<CheckpointMetadata> BuildMetadataFromDir(const std::string& dir);
 // The same from the named files only (what the ranks' signals list), ignoring anything else there.
 // `loop` (optional): reads the headers on its threads (the caller's loop, not running anything else).
+// `recorded` (optional): headers the ranks' signals record, by file name; those files are not opened.
 Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
-                                                  IoEnv* io = IoEnv::Default(), ParallelLoop* loop = nullptr);
+                                                  IoEnv* io = IoEnv::Default(), ParallelLoop* loop = nullptr,
+                                                  const std::map<std::string, const SignalHeader*>* recorded = nullptr);
 
 // metadata.json, and metadata.index.json: where in metadata.json its head (everything but the
 // tensors) and each tensor's list of pieces sit, with their XXH3 checksums, and the kinds of tensor

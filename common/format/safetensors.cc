@@ -9,6 +9,7 @@
 #include <set>
 #include <simdjson.h>
 
+#include "common/format/json_parser.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
@@ -108,16 +109,13 @@ Result<uint64_t> ParseHeaderLength(const unsigned char prefix[8], uint64_t file_
 }
 
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t file_size) {
-  SafetensorsHeader h;
-  h.data_start = 8 + json.size();
-  if (h.data_start > file_size) return Corruption("safetensors header runs past the end of the file");
-  h.data_bytes = file_size - h.data_start;
-  // simdjson: a completing daemon reads the header of every file of the step, thousands in a large job.
-  simdjson::dom::parser parser;
-  simdjson::dom::object root;
-  if (parser.parse(json.data(), json.size()).get_object().get(root) != simdjson::SUCCESS) {
-    return Corruption("safetensors header is not a JSON object");
-  }
+  return ParseSafetensorsHeader(json, json.size(), file_size);
+}
+
+namespace {
+
+// The rest of ParseSafetensorsHeader, on the parsed object: `h` has its data region set.
+Result<SafetensorsHeader> HeaderFromJson(simdjson::dom::object root, SafetensorsHeader h) {
   std::set<std::string_view> names;
   for (auto field : root) {
     const std::string key(field.key);
@@ -193,6 +191,28 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
                       std::to_string(h.data_bytes) + " (truncated or trailing bytes)");
   }
   return h;
+}
+
+}  // namespace
+
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t header_bytes, uint64_t file_size) {
+  if (json.size() > header_bytes || header_bytes > kMaxHeaderJsonBytes) {
+    return Corruption("safetensors header of " + std::to_string(json.size()) + " bytes is not within its " +
+                      std::to_string(header_bytes) + "-byte place (at most " + std::to_string(kMaxHeaderJsonBytes) +
+                      ")");
+  }
+  SafetensorsHeader h;
+  h.data_start = 8 + header_bytes;
+  if (h.data_start > file_size) return Corruption("safetensors header runs past the end of the file");
+  h.data_bytes = file_size - h.data_start;
+  // simdjson: a completing daemon parses the header of every file of the step, thousands in a large job.
+  return WithJsonParser(json.size(), [&](simdjson::dom::parser& parser) -> Result<SafetensorsHeader> {
+    simdjson::dom::object root;
+    if (parser.parse(json.data(), json.size()).get_object().get(root) != simdjson::SUCCESS) {
+      return Corruption("safetensors header is not a JSON object");
+    }
+    return HeaderFromJson(root, std::move(h));
+  });
 }
 
 Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path, IoEnv* io) {

@@ -73,6 +73,10 @@ Result<uint64_t> ParseHeaderLength(const unsigned char prefix[8], uint64_t file_
 // Parses and validates the JSON header of a file of `file_size` bytes: known dtypes, shapes whose
 // byte size does not overflow and matches the offsets, offsets inside the file, no overlaps or gaps.
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t file_size);
+// The same for a header recorded apart from its file: `json` is the header without its trailing
+// padding, `header_bytes` its length in the file (at least json.size(); the data starts at
+// 8 + header_bytes).
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t header_bytes, uint64_t file_size);
 // Reads and parses the header of the file at `path`.
 Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path, IoEnv* io = IoEnv::Default());
 // The same through `fd`, open for reading on the file at `path` (named in errors); reads only the

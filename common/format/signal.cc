@@ -1,9 +1,13 @@
 #include "common/format/signal.h"
 
 #include <cstdint>
+#include <optional>
+#include <set>
+#include <string_view>
 #include <nlohmann/json.hpp>
 
 #include "common/base/names.h"
+#include "common/format/json_parser.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
@@ -21,70 +25,157 @@ std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes
   if (s.world_size != 0) j["world_size"] = s.world_size;
   if (s.committed_ms > 0) j["committed_ms"] = s.committed_ms;
   if (s.written_us > 0) j["written_us"] = s.written_us;
-  return j.dump() + "\n";
+  if (!s.headers.empty()) {
+    nlohmann::json headers = nlohmann::json::array();
+    for (const SignalHeader& h : s.headers) {
+      headers.push_back(
+          {{"file", h.file}, {"header_bytes", h.header_bytes}, {"file_bytes", h.file_bytes}, {"json", h.json}});
+    }
+    j["headers"] = std::move(headers);
+  }
+  // Replace, not throw, on invalid UTF-8: the daemon's own names are ASCII, and a header's JSON
+  // came through a parser that took it.
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
-Result<Signal> ParseSignal(std::string_view text) {
-  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Corruption("not a flashckpt signal: not a JSON object");
-  auto rank = j.find("rank");
-  auto step = j.find("step");
-  auto from = j.find("resumed_from");
-  auto files = j.find("files");
-  if (rank == j.end() || !rank->is_number_unsigned() || step == j.end() || !step->is_number_integer() ||
-      from == j.end() || !from->is_number_integer() || files == j.end() || !files->is_array()) {
+namespace {
+
+// JSON numbers as the signal's fields need them. simdjson types a non-negative integer that fits
+// in int64 as int64; both integer types are integers, and an unsigned one is either of them >= 0.
+std::optional<uint64_t> Unsigned(simdjson::dom::element e) {
+  int64_t i = 0;
+  uint64_t u = 0;
+  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS && i >= 0) return static_cast<uint64_t>(i);
+  if (e.is_uint64() && e.get_uint64().get(u) == simdjson::SUCCESS) return u;
+  return std::nullopt;
+}
+std::optional<int64_t> Integer(simdjson::dom::element e) {
+  int64_t i = 0;
+  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS) return i;
+  return std::nullopt;  // above INT64_MAX, a fraction or not a number
+}
+std::optional<std::string> String(simdjson::dom::element e) {
+  std::string_view v;
+  if (e.get_string().get(v) != simdjson::SUCCESS) return std::nullopt;
+  return std::string(v);
+}
+
+Result<Signal> SignalFromJson(simdjson::dom::object j) {
+  simdjson::dom::element rank_e, step_e, from_e;
+  simdjson::dom::array files;
+  std::optional<uint64_t> rank;
+  std::optional<int64_t> step, from;
+  if (j.at_key("rank").get(rank_e) == simdjson::SUCCESS) rank = Unsigned(rank_e);
+  if (j.at_key("step").get(step_e) == simdjson::SUCCESS) step = Integer(step_e);
+  if (j.at_key("resumed_from").get(from_e) == simdjson::SUCCESS) from = Integer(from_e);
+  if (!rank || !step || !from || j.at_key("files").get_array().get(files) != simdjson::SUCCESS) {
     return Corruption("not a flashckpt signal: needs an unsigned rank, integer step and resumed_from, and files");
   }
-  // get<uint32_t>() would truncate: rank 2^32 + 1 must not pass for rank 1.
-  if (rank->get<uint64_t>() > UINT32_MAX) {
-    return Corruption("not a flashckpt signal: rank " + std::to_string(rank->get<uint64_t>()) + " is above 2^32-1");
+  // A rank that only truncates to a valid one (2^32 + 1 -> 1) must not pass for it.
+  if (*rank > UINT32_MAX) {
+    return Corruption("not a flashckpt signal: rank " + std::to_string(*rank) + " is above 2^32-1");
   }
   Signal s;
-  s.rank = static_cast<uint32_t>(rank->get<uint64_t>());
-  s.step = step->get<int64_t>();
-  s.resumed_from = from->get<int64_t>();
-  if (auto run = j.find("run_id"); run != j.end()) {
-    if (!run->is_string() || !ValidateRunId(run->get<std::string>()).ok()) {
+  s.rank = static_cast<uint32_t>(*rank);
+  s.step = *step;
+  s.resumed_from = *from;
+  simdjson::dom::element e;
+  if (j.at_key("run_id").get(e) == simdjson::SUCCESS) {
+    auto run = String(e);
+    if (!run || !ValidateRunId(*run).ok()) {
       return Corruption("not a flashckpt signal: run_id is not a run id ([A-Za-z0-9._:-]{1,64})");
     }
-    s.run_id = run->get<std::string>();
+    s.run_id = std::move(*run);
   }
-  if (auto node = j.find("node"); node != j.end()) {
-    if (!node->is_string() || !ValidateNodeName(node->get<std::string>()).ok()) {
+  if (j.at_key("node").get(e) == simdjson::SUCCESS) {
+    auto node = String(e);
+    if (!node || !ValidateNodeName(*node).ok()) {
       return Corruption("not a flashckpt signal: node is not a node name ([A-Za-z0-9._:-]{1,64})");
     }
-    s.node = node->get<std::string>();
+    s.node = std::move(*node);
   }
-  if (auto world = j.find("world_size"); world != j.end()) {
-    if (!world->is_number_unsigned() || world->get<uint64_t>() == 0 || world->get<uint64_t>() > UINT32_MAX ||
-        s.rank >= world->get<uint64_t>()) {
+  if (j.at_key("world_size").get(e) == simdjson::SUCCESS) {
+    auto world = Unsigned(e);
+    if (!world || *world == 0 || *world > UINT32_MAX || s.rank >= *world) {
       return Corruption("not a flashckpt signal: world_size is not a count of ranks above the signal's rank");
     }
-    s.world_size = static_cast<uint32_t>(world->get<uint64_t>());
+    s.world_size = static_cast<uint32_t>(*world);
   }
-  if (auto committed = j.find("committed_ms"); committed != j.end()) {
-    if (!committed->is_number_unsigned() || committed->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+  if (j.at_key("committed_ms").get(e) == simdjson::SUCCESS) {
+    auto committed = Unsigned(e);
+    if (!committed || *committed > static_cast<uint64_t>(INT64_MAX)) {
       return Corruption("not a flashckpt signal: committed_ms is not a time in ms since the epoch");
     }
-    s.committed_ms = static_cast<int64_t>(committed->get<uint64_t>());
+    s.committed_ms = static_cast<int64_t>(*committed);
   }
-  if (auto written = j.find("written_us"); written != j.end()) {
-    if (!written->is_number_unsigned() || written->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+  if (j.at_key("written_us").get(e) == simdjson::SUCCESS) {
+    auto written = Unsigned(e);
+    if (!written || *written > static_cast<uint64_t>(INT64_MAX)) {
       return Corruption("not a flashckpt signal: written_us is not a time in us since the epoch");
     }
-    s.written_us = static_cast<int64_t>(written->get<uint64_t>());
+    s.written_us = static_cast<int64_t>(*written);
   }
-  for (const auto& f : *files) {
-    if (!f.is_string()) return Corruption("not a flashckpt signal: a files entry is not a string");
-    std::string name = f.get<std::string>();
+  for (simdjson::dom::element f : files) {
+    auto name = String(f);
+    if (!name) return Corruption("not a flashckpt signal: a files entry is not a string");
     // The name is joined to the checkpoint directory: it must name an entry of that directory.
-    if (name.empty() || name.find('/') != std::string::npos || name.find('\0') != std::string::npos ||
-        name == "." || name == "..") {
-      return Corruption("not a flashckpt signal: file name '" + name + "' is not a plain name");
+    if (name->empty() || name->find('/') != std::string::npos || name->find('\0') != std::string::npos ||
+        *name == "." || *name == "..") {
+      return Corruption("not a flashckpt signal: file name '" + *name + "' is not a plain name");
     }
-    s.files.push_back(std::move(name));
+    s.files.push_back(std::move(*name));
+  }
+  if (j.at_key("headers").get(e) == simdjson::SUCCESS) {
+    simdjson::dom::array headers;
+    if (e.get_array().get(headers) != simdjson::SUCCESS) {
+      return Corruption("not a flashckpt signal: headers is not an array");
+    }
+    const std::set<std::string_view> listed(s.files.begin(), s.files.end());
+    std::set<std::string> recorded;
+    for (simdjson::dom::element h : headers) {
+      simdjson::dom::object o;
+      simdjson::dom::element file_e, header_bytes_e, file_bytes_e, json_e;
+      std::optional<std::string> file, json;
+      std::optional<uint64_t> header_bytes, file_bytes;
+      if (h.get_object().get(o) == simdjson::SUCCESS) {
+        if (o.at_key("file").get(file_e) == simdjson::SUCCESS) file = String(file_e);
+        if (o.at_key("header_bytes").get(header_bytes_e) == simdjson::SUCCESS) header_bytes = Unsigned(header_bytes_e);
+        if (o.at_key("file_bytes").get(file_bytes_e) == simdjson::SUCCESS) file_bytes = Unsigned(file_bytes_e);
+        if (o.at_key("json").get(json_e) == simdjson::SUCCESS) json = String(json_e);
+      }
+      if (!file || !header_bytes || !file_bytes || !json) {
+        return Corruption("not a flashckpt signal: a headers entry needs a file, header_bytes, file_bytes and json");
+      }
+      SignalHeader r{std::move(*file), *header_bytes, *file_bytes, std::move(*json)};
+      if (listed.count(r.file) == 0) {
+        return Corruption("not a flashckpt signal: a header is recorded for '" + r.file + "', not one of its files");
+      }
+      if (!recorded.insert(r.file).second) {
+        return Corruption("not a flashckpt signal: the header of '" + r.file + "' is recorded twice");
+      }
+      if (r.json.size() > r.header_bytes || r.header_bytes > r.file_bytes || r.file_bytes - r.header_bytes < 8) {
+        return Corruption("not a flashckpt signal: the header recorded for '" + r.file + "' (" +
+                          std::to_string(r.json.size()) + " bytes of json, header_bytes " +
+                          std::to_string(r.header_bytes) + ", file_bytes " + std::to_string(r.file_bytes) +
+                          ") does not fit its file");
+      }
+      s.headers.push_back(std::move(r));
+    }
   }
   return s;
+}
+
+}  // namespace
+
+// simdjson: a completing daemon parses every rank's signal, thousands in a large job.
+Result<Signal> ParseSignal(std::string_view text) {
+  return WithJsonParser(text.size(), [&](simdjson::dom::parser& parser) -> Result<Signal> {
+    simdjson::dom::object j;
+    if (parser.parse(text.data(), text.size()).get_object().get(j) != simdjson::SUCCESS) {
+      return Corruption("not a flashckpt signal: not a JSON object");
+    }
+    return SignalFromJson(j);
+  });
 }
 
 Result<Signal> ReadSignal(const std::string& path, IoEnv* io) {

@@ -5,6 +5,7 @@
 // `flashckpt list`) sees, for a step that is not complete, which ranks and nodes have not written.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -27,6 +28,21 @@ struct Attempt {
 // "run 3f2a… resumed from step 200", "run 3f2a… (fresh)": for messages and events.
 std::string AttemptText(const Attempt& attempt);
 
+// A .safetensors file's header as the daemon that wrote the file recorded it in the rank's signal,
+// so that the completion builds metadata.json without opening the file: the header's JSON without
+// its trailing padding, its length in the file (the data starts at 8 + header_bytes) and the file's
+// size. Every reader still checks the file it reads against the file's own header (docs/format.md).
+struct SignalHeader {
+  std::string file;  // one of the signal's files
+  uint64_t header_bytes = 0;
+  uint64_t file_bytes = 0;
+  std::string json;
+};
+// The most header JSON a signal records, all files together; a rank whose headers are larger
+// records none and the completion reads them from the files. Even escaped, a signal stays under
+// ReadSignal's 1 MiB.
+inline constexpr size_t kSignalHeadersBudget = 384u << 10;
+
 struct Signal {
   uint32_t rank = 0;
   int64_t step = 0;
@@ -42,6 +58,9 @@ struct Signal {
   // `commit_ms` (the time from the last signal to metadata.json). Optional in the file: 0.
   int64_t written_us = 0;
   std::vector<std::string> files;
+  // Headers of some or all of `files` (optional in the file: empty). Each names a file of `files`,
+  // at most once.
+  std::vector<SignalHeader> headers;
   Attempt attempt() const { return Attempt{run_id, resumed_from}; }
 };
 
@@ -49,7 +68,9 @@ struct Signal {
 std::string EncodeSignal(const std::string& job, const Signal& signal, uint64_t bytes);
 // Parses the contents of a signal file. The input is untrusted: every field is type- and
 // range-checked, and each file name must be a plain name inside the checkpoint directory (not empty,
-// ".", "..", and without '/' or NUL). Errors are kCorruption.
+// ".", "..", and without '/' or NUL); a recorded header must name one of the files, fit its place
+// (json no longer than header_bytes, 8 + header_bytes no more than file_bytes) and is otherwise
+// parsed only when used. Errors are kCorruption.
 Result<Signal> ParseSignal(std::string_view text);
 // Reads and parses the signal file at `path` (at most 1 MiB); errors name the path.
 Result<Signal> ReadSignal(const std::string& path, IoEnv* io = IoEnv::Default());

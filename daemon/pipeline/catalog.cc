@@ -222,6 +222,7 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   if (!all_there) return false;
   const Steady::time_point checked = Steady::now();
   std::vector<std::string> files;
+  std::vector<SignalHeader> headers;
   std::map<uint32_t, Signal> all;
   bool one_attempt = true;
   int64_t last_signal_us = 0;
@@ -249,14 +250,25 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
     last_signal_us = std::max(last_signal_us, signal->written_us);
     for (auto& f : signal->files) files.push_back(std::move(f));
     signal->files.clear();
-    if (mixed != nullptr) all.emplace(r, std::move(*signal));  // its file list is in `files`
+    for (auto& h : signal->headers) headers.push_back(std::move(h));
+    signal->headers.clear();
+    if (mixed != nullptr) all.emplace(r, std::move(*signal));  // its files and headers are in `files`, `headers`
   }
   if (!one_attempt) {
     *mixed = std::move(all);
     return false;
   }
+  // The headers the signals record, by file: those files are not opened (docs/format.md).
+  std::map<std::string, const SignalHeader*> recorded;
+  for (const SignalHeader& h : headers) {
+    auto [it, added] = recorded.emplace(h.file, &h);
+    if (!added && (it->second->json != h.json || it->second->header_bytes != h.header_bytes ||
+                   it->second->file_bytes != h.file_bytes)) {
+      return Corruption(dir + ": the signals record two different headers of " + h.file);
+    }
+  }
   const Steady::time_point signals_read = Steady::now();
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_, loop));
+  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_, loop, &recorded));
   const Steady::time_point built = Steady::now();
   meta.run_id = attempt.run_id;
   meta.resumed_from = attempt.resumed_from;

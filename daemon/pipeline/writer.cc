@@ -11,6 +11,8 @@
 #include "common/base/names.h"
 #include "common/format/extra.h"
 #include "common/format/image.h"
+#include "common/format/safetensors.h"
+#include "common/format/signal.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
@@ -278,6 +280,25 @@ std::vector<ImageWrite> PlanImageWrites(const std::vector<ImageSource>& sources,
   return images;
 }
 
+// The headers of `images`, written, as the signal records them, so that the completion need not
+// open the files: each header's JSON without its padding. None when they exceed
+// kSignalHeadersBudget together: the completion then reads them from the files.
+std::vector<SignalHeader> RecordedHeaders(const std::vector<ImageWrite>& images) {
+  std::vector<SignalHeader> headers;
+  size_t total = 0;
+  for (const ImageWrite& w : images) {
+    if (w.bytes < 8) return {};
+    auto n = ParseHeaderLength(reinterpret_cast<const unsigned char*>(w.data), w.bytes);
+    if (!n.ok()) return {};
+    std::string_view json(w.data + 8, *n);
+    while (!json.empty() && json.back() == ' ') json.remove_suffix(1);
+    total += json.size();
+    if (total > kSignalHeadersBudget) return {};
+    headers.push_back(SignalHeader{w.name, *n, w.bytes, std::string(json)});
+  }
+  return headers;
+}
+
 }  // namespace
 
 Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
@@ -324,6 +345,7 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
     StampStep(s.base, *s.layout, s.file, req.step);
   };
   RETURN_IF_ERROR(WriteImagesDurably(dir, images, io, hooks, written, &env_));
+  signal.headers = RecordedHeaders(images);
 
   auto write = [&](const std::string& name, const std::string& text) {
     bool renamed = false;

@@ -55,6 +55,49 @@ TEST(Signal, CarriesTheRunTheNodeAndTheWorldSize) {
   EXPECT_OK(ParseSignal(head + R"(, "node": ")" + std::string(64, 'n') + R"(", "world_size": 6})").status());
 }
 
+// A signal records its files' headers (the completion then opens none of them); each must name one
+// of its files, once, and fit in that file.
+TEST(Signal, CarriesTheHeadersOfItsFiles) {
+  Signal s;
+  s.rank = 2;
+  s.step = 40;
+  s.files = {"model_state.tp02_pp00_shard00.safetensors", "optimizer.tp02_pp00_shard00.safetensors"};
+  s.headers = {{s.files[0], 4088, 4096 + 512, R"({"w":{"dtype":"F32","shape":[128],"data_offsets":[0,512]}})"},
+               {s.files[1], 4088, 4096, R"({"__metadata__":{"job":"a \"quoted\" name"}})"}};
+  auto parsed = ParseSignal(EncodeSignal("llama", s, 0));
+  ASSERT_OK(parsed.status());
+  ASSERT_EQ(parsed->headers.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(parsed->headers[i].file, s.headers[i].file);
+    EXPECT_EQ(parsed->headers[i].header_bytes, s.headers[i].header_bytes);
+    EXPECT_EQ(parsed->headers[i].file_bytes, s.headers[i].file_bytes);
+    EXPECT_EQ(parsed->headers[i].json, s.headers[i].json);
+  }
+  // Without headers (older releases, relayout, import) the field is absent and parses empty.
+  s.headers.clear();
+  EXPECT_EQ(EncodeSignal("llama", s, 0).find("headers"), std::string::npos);
+  EXPECT_TRUE(ParseSignal(EncodeSignal("llama", s, 0))->headers.empty());
+
+  const std::string head = R"({"rank": 1, "step": 5, "resumed_from": 0, "files": ["a.safetensors"], "headers": )";
+  EXPECT_OK(ParseSignal(head + R"([{"file": "a.safetensors", "header_bytes": 2, "file_bytes": 10, "json": "{}"}]})")
+                .status());
+  for (const std::string& bad : {
+           head + R"({}})",
+           head + R"([7]})",
+           head + R"([{"file": "a.safetensors", "header_bytes": 2, "file_bytes": 10}]})",
+           head + R"([{"file": "b.safetensors", "header_bytes": 2, "file_bytes": 10, "json": "{}"}]})",
+           head + R"([{"file": "a.safetensors", "header_bytes": -2, "file_bytes": 10, "json": "{}"}]})",
+           // longer than its place, a place past the file's end, a header twice
+           head + R"([{"file": "a.safetensors", "header_bytes": 1, "file_bytes": 10, "json": "{}"}]})",
+           head + R"([{"file": "a.safetensors", "header_bytes": 2, "file_bytes": 9, "json": "{}"}]})",
+           head + R"([{"file": "a.safetensors", "header_bytes": 4, "file_bytes": 3, "json": "{}"}]})",
+           head + R"([{"file": "a.safetensors", "header_bytes": 2, "file_bytes": 10, "json": "{}"},)" +
+               R"({"file": "a.safetensors", "header_bytes": 2, "file_bytes": 10, "json": "{}"}]})",
+       }) {
+    EXPECT_EQ(ParseSignal(bad).status().code(), StatusCode::kCorruption) << bad;
+  }
+}
+
 TEST(Signal, RejectsBadInputs) {
   const std::string good_tail = R"("step": 5, "resumed_from": 0, "files": ["a.safetensors"]})";
   ASSERT_OK(ParseSignal(R"({"rank": 1, )" + good_tail).status());

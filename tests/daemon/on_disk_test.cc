@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <thread>
 
+#include "common/base/mutex.h"
 #include "common/base/names.h"
+#include "common/format/metadata.h"
 #include "common/format/signal.h"
 #include "common/io/fs.h"
 #include "common/io/io_env.h"
@@ -364,6 +366,103 @@ TEST_F(CatalogTest, MetadataIsReadOnceForManyCallersAndAgainWhenTheFileChanges) 
   // Gone: not complete, whatever was read before.
   ASSERT_EQ(::unlink((dir + "/metadata.json").c_str()), 0);
   EXPECT_EQ(cache.Get(dir).status().code(), StatusCode::kNotFound);
+}
+
+// Records the paths opened through it.
+class OpenRecordingIo final : public ForwardingIoEnv {
+ public:
+  int Open(const std::string& path, int flags, unsigned mode) override {
+    {
+      MutexLock lock(&mu_);
+      opened_.push_back(path);
+    }
+    return base()->Open(path, flags, mode);
+  }
+  // The opened paths that end with `suffix`.
+  size_t OpenedEndingWith(const std::string& suffix) {
+    MutexLock lock(&mu_);
+    return static_cast<size_t>(std::count_if(opened_.begin(), opened_.end(), [&](const std::string& p) {
+      return p.size() >= suffix.size() && p.compare(p.size() - suffix.size(), suffix.size(), suffix) == 0;
+    }));
+  }
+
+ private:
+  Mutex mu_;
+  std::vector<std::string> opened_ GUARDED_BY(mu_);
+};
+
+// A rank's signal records its files' headers as they are in the files, and the completion builds
+// metadata.json from them without opening a .safetensors file (a job of thousands of ranks has
+// thousands of them, on the commit's critical path). A signal without them (an older release, a
+// relayout, an import) has its files' headers read from the files, to the same metadata.
+TEST_F(OnDiskTest, TheCompletionTakesTheFilesHeadersFromTheSignals) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("hdr", 3000);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(7));
+  const std::string dir = StepDir("hdr", 7);
+  auto text = ReadSmallFile(dir + "/" + SignalFileName(0), 1 << 20);
+  ASSERT_OK(text.status());
+  auto signal = ParseSignal(*text);
+  ASSERT_OK(signal.status());
+  size_t safetensors = 0;
+  for (const std::string& f : signal->files) safetensors += f.find(".safetensors") != std::string::npos;
+  ASSERT_GE(safetensors, 2u);
+  ASSERT_EQ(signal->headers.size(), safetensors);
+  for (const SignalHeader& h : signal->headers) {
+    auto bytes = ReadSmallFile(dir + "/" + h.file, 1 << 24);
+    ASSERT_OK(bytes.status());
+    EXPECT_EQ(h.file_bytes, bytes->size()) << h.file;
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>((*bytes)[i]);
+    EXPECT_EQ(h.header_bytes, n) << h.file;
+    std::string json = bytes->substr(8, n);
+    json.erase(json.find_last_not_of(' ') + 1);
+    EXPECT_EQ(h.json, json) << h.file;
+  }
+  auto written = ReadMetadataFile(dir);
+  ASSERT_OK(written.status());
+  const Attempt attempt = signal->attempt();
+
+  // The same step completed again by a catalog that records what it opens.
+  auto complete_again = [&](OpenRecordingIo* io) -> Result<CheckpointMetadata> {
+    EXPECT_EQ(::unlink((dir + "/metadata.json").c_str()), 0);
+    EXPECT_EQ(::unlink((dir + "/metadata.index.json").c_str()), 0);
+    Catalog catalog(root(), /*keep=*/0, io);
+    ASSIGN_OR_RETURN(bool done, catalog.MaybeComplete("hdr", 7, 1, attempt));
+    if (!done) return Internal("not complete");
+    return ReadMetadataFile(dir);
+  };
+  auto same_pieces = [&](const CheckpointMetadata& meta) {
+    ASSERT_EQ(meta.pieces.size(), written->pieces.size());
+    for (size_t i = 0; i < meta.pieces.size(); ++i) {
+      const Piece& a = meta.pieces[i];
+      const Piece& b = written->pieces[i];
+      EXPECT_TRUE(a.key == b.key && a.file == b.file && a.begin == b.begin && a.end == b.end && a.xxh3 == b.xxh3 &&
+                  a.box_offset == b.box_offset && a.box_shape == b.box_shape)
+          << a.key;
+    }
+    EXPECT_EQ(meta.files.size(), written->files.size());
+    for (size_t i = 0; i < std::min(meta.files.size(), written->files.size()); ++i) {
+      EXPECT_EQ(meta.files[i].name, written->files[i].name);
+      EXPECT_EQ(meta.files[i].bytes, written->files[i].bytes);
+    }
+  };
+  StopDaemon();  // nothing else completes or sweeps the step meanwhile
+  OpenRecordingIo from_signals;
+  auto rebuilt = complete_again(&from_signals);
+  ASSERT_OK(rebuilt.status());
+  EXPECT_EQ(from_signals.OpenedEndingWith(".safetensors"), 0u);
+  same_pieces(*rebuilt);
+  EXPECT_OK(VerifyCheckpointDir(dir, nullptr));
+
+  signal->headers.clear();
+  ASSERT_OK(WriteFileDurably(dir, SignalFileName(0), EncodeSignal("hdr", *signal, 0)));
+  OpenRecordingIo from_files;
+  auto read = complete_again(&from_files);
+  ASSERT_OK(read.status());
+  EXPECT_EQ(from_files.OpenedEndingWith(".safetensors"), safetensors);
+  same_pieces(*read);
 }
 
 TEST_F(OnDiskTest, AJobDirectoryThatIsAFileIsAnErrorNotAnEmptyJob) {
