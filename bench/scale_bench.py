@@ -12,7 +12,7 @@ element by every rank. Printed per N:
 - commit latency: from the step's last signal to metadata.json and LATEST durable, as the completing
   daemon logs it (`complete ... commit_ms=`), median over the steps of both jobs;
 - file-system calls per checkpoint on the root (the daemons' flashckpt_root_io_calls_total, summed):
-  a job of 1 save and a job of 3 saves are run, and their difference halved is one checkpoint's
+  a job of 1 save and a job of 5 saves are run, and a quarter of their difference is one checkpoint's
   share, registration and the ranks' final waits excluded; in total and per rank;
 - the daemons' memory per registered rank (RssAnon of the daemon processes before and after the
   first job's ranks registered; the ranks' shared memory is not in it);
@@ -48,6 +48,7 @@ COMPLETE = re.compile(r"\[catalog\] complete job=(\S+) step=(\d+) .*commit_ms=([
                       r"signals_ms=([\d.]+) headers_ms=([\d.]+) write_ms=([\d.]+)")
 CALL = re.compile(r'^flashckpt_root_io_calls_total\{call="(\w+)"\} (\S+)$', re.M)
 LAYERS, HIDDEN = 2, 64
+MANY_SAVES = 5  # the saves of the second job: with the first job's one, the commit latencies sampled
 # LeakSanitizer cannot read /proc of a process in another PID namespace: in a sanitized build the
 # nodes' processes run without leak checks (address and undefined-behaviour checks stay on).
 NODE_ENV = dict(os.environ, ASAN_OPTIONS=":".join(o for o in (os.environ.get("ASAN_OPTIONS", ""), "detect_leaks=0") if o))
@@ -201,50 +202,53 @@ def bench_ranks(args, ranks, tmp):
             nodes.append(Node("node%d" % k, os.path.join(tmp, "n%d" % ranks), root, args.bin_dir, ports[k]))
         rss0 = sum(n.rss_anon_kib() for n in nodes)
         c0 = total_calls(nodes)
-        one, three = "s%d-one" % ranks, "s%d-three" % ranks
+        one, many = "s%d-one" % ranks, "s%d-many" % ranks
+        last = 10 * MANY_SAVES
         start = time.monotonic()
         run_job(nodes, args.bin_dir, tmp, one, ranks, 10, step_ms=args.step_ms)
         secs_one = time.monotonic() - start
         rss1 = sum(n.rss_anon_kib() for n in nodes)
         c1 = total_calls(nodes)
-        run_job(nodes, args.bin_dir, tmp, three, ranks, 30, step_ms=args.step_ms)
+        run_job(nodes, args.bin_dir, tmp, many, ranks, last, step_ms=args.step_ms)
         c2 = total_calls(nodes)
-        resumed = run_job(nodes, args.bin_dir, tmp, three, ranks, 30, resume=True)
-        ok = len(re.findall(r"^resumed step=30 from=\w+ verified_elements=[1-9]", resumed, re.M))
+        resumed = run_job(nodes, args.bin_dir, tmp, many, ranks, last, resume=True)
+        ok = len(re.findall(r"^resumed step=%d from=\w+ verified_elements=[1-9]" % last, resumed, re.M))
         if ok != ranks:
-            sys.exit("%d of %d ranks resumed step 30 and verified it" % (ok, ranks))
-        parts = list(completions(nodes, one).values()) + list(completions(nodes, three).values())
+            sys.exit("%d of %d ranks resumed step %d and verified it" % (ok, ranks, last))
+        parts = list(completions(nodes, one).values()) + list(completions(nodes, many).values())
         latency = [p[0] for p in parts]
-        if len(latency) != 4:
-            sys.exit("expected 4 completions of jobs %s and %s, the logs show %d" % (one, three, len(latency)))
-        per_ckpt = {k: (c2.get(k, 0) - c1.get(k, 0) - (c1.get(k, 0) - c0.get(k, 0))) / 2 for k in c2}
-        # The same job on restarted nodes (their shared memory gone): every rank reads step 30 from
+        by_save = ["%s@%d %.1f" % (j, step, ms[0]) for j in (one, many) for step, ms in sorted(completions(nodes, j).items())]
+        if len(latency) != 1 + MANY_SAVES:
+            sys.exit("expected %d completions of jobs %s and %s, the logs show %d" % (1 + MANY_SAVES, one, many,
+                                                                                       len(latency)))
+        per_ckpt = {k: (c2.get(k, 0) - c1.get(k, 0) - (c1.get(k, 0) - c0.get(k, 0))) / (MANY_SAVES - 1) for k in c2}
+        # The same job on restarted nodes (their shared memory gone): every rank reads the last step from
         # the files.
         for n in nodes:
             n.stop()
         nodes = [Node("node%d" % k, os.path.join(tmp, "r%d" % ranks), root, args.bin_dir, ports[k])
                  for k in range(args.daemons)]
         start = time.monotonic()
-        resumed = run_job(nodes, args.bin_dir, tmp, three, ranks, 30, resume=True)
+        resumed = run_job(nodes, args.bin_dir, tmp, many, ranks, last, resume=True)
         disk_resume_s = time.monotonic() - start
-        ok = len(re.findall(r"^resumed step=30 from=disk verified_elements=[1-9]", resumed, re.M))
+        ok = len(re.findall(r"^resumed step=%d from=disk verified_elements=[1-9]" % last, resumed, re.M))
         if ok != ranks:
-            sys.exit("%d of %d ranks resumed step 30 from disk and verified it" % (ok, ranks))
+            sys.exit("%d of %d ranks resumed step %d from disk and verified it" % (ok, ranks, last))
         status_ms, _ = timed([os.path.join(args.bin_dir, "flashckpt"), "--socket", nodes[0].sock, "status"])
         print("RESULT disk_resume_s_%d=%.2f" % (ranks, disk_resume_s))
-        list_ms, _ = timed([os.path.join(args.bin_dir, "flashckpt"), "--socket", nodes[0].sock, "list", "--job", three])
+        list_ms, _ = timed([os.path.join(args.bin_dir, "flashckpt"), "--socket", nodes[0].sock, "list", "--job", many])
         inspect_ms, _ = timed([os.path.join(args.bin_dir, "flashckpt"), "inspect",
-                               os.path.join(root, three, "checkpoint-30")])
+                               os.path.join(root, many, "checkpoint-%d" % last)])
         total = sum(per_ckpt.values())
         print("%d ranks on %d daemons: first job (1 save) %.1f s" % (ranks, args.daemons, secs_one))
-        print("  commit latency ms: %s (median %.1f)" % (" ".join("%.1f" % x for x in sorted(latency)),
-                                                         statistics.median(latency)))
+        print("  commit latency ms: %s (median %.1f); by save: %s" % (
+            " ".join("%.1f" % x for x in sorted(latency)), statistics.median(latency), ", ".join(by_save)))
         print("  of which (medians) the lock and look %.1f, reading the signals %.1f, the files' headers %.1f, "
               "writing metadata.json and LATEST %.1f" % tuple(statistics.median(p[k] for p in parts) for k in range(1, 5)))
         print("  root calls per checkpoint: %d in all, %.2f per rank: %s" % (
             total, total / ranks, ", ".join("%s %d" % (k, v) for k, v in sorted(per_ckpt.items()) if v)))
-        print("  every rank resumed step 30, and on restarted nodes from disk in %.1f s, and verified it" %
-              disk_resume_s)
+        print("  every rank resumed step %d, and on restarted nodes from disk in %.1f s, and verified it" %
+              (last, disk_resume_s))
         print("  daemon memory per registered rank: %.1f KiB (RssAnon, %d ranks per daemon)" %
               ((rss1 - rss0) / ranks, ranks // args.daemons))
         print("  flashckpt status %.0f ms (%d ranks on that daemon), list %.0f ms, inspect %.0f ms" %
