@@ -95,7 +95,8 @@ Result<std::optional<int64_t>> UseCompleteStep(Core& c_, const std::string& sour
 }
 
 // The names of the tensors rank `session_id` restores, its layout's and its EMA's: the restore reads
-// only their pieces of metadata.json (Catalog::MetadataFor).
+// only their pieces of metadata.json (Catalog::MetadataFor, shared by the ranks that restore the same
+// tensors at once).
 Result<std::vector<std::string>> NamesRestored(Core& c_, const std::string& session_id) EXCLUDES(c_.mu_) {
   MutexLock lock(&c_.mu_);
   ASSIGN_OR_RETURN(RankState * rank, c_.RankOf(session_id, true));
@@ -278,7 +279,8 @@ Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t 
   std::string dir = c_.catalog_.CheckpointDir(source, step);
   // Only the pieces of the rank's tensors: in a job of thousands of ranks, a small part of the file.
   ASSIGN_OR_RETURN(std::vector<std::string> names, NamesRestored(c_, session_id));
-  ASSIGN_OR_RETURN(const CheckpointMetadata meta, c_.catalog_.MetadataFor(source, step, names));
+  ASSIGN_OR_RETURN(const std::shared_ptr<const CheckpointMetadata> shared, c_.catalog_.MetadataFor(source, step, names));
+  const CheckpointMetadata& meta = *shared;
   if (meta.job != source || meta.step != step) {
     return Corruption(dir + "/metadata.json describes job '" + meta.job + "' step " + std::to_string(meta.step));
   }

@@ -155,10 +155,12 @@ class Catalog {
     return metadata_.Get(CheckpointDir(job, step));
   }
   // The metadata of checkpoint `step` of `job` with the pieces of the tensors named in `names` only
-  // (ReadMetadataFor: through metadata.index.json, not cached). kNotFound when it is not complete.
-  Result<CheckpointMetadata> MetadataFor(const std::string& job, int64_t step,
-                                         const std::vector<std::string>& names) const {
-    return ReadMetadataFor(CheckpointDir(job, step), names, io_);
+  // (ReadMetadataFor: through metadata.index.json), read once for the callers that ask for the same
+  // names while one of them holds it (MetadataCache: a node's ranks restoring at once share it).
+  // kNotFound when it is not complete.
+  Result<std::shared_ptr<const CheckpointMetadata>> MetadataFor(const std::string& job, int64_t step,
+                                                                const std::vector<std::string>& names) const {
+    return metadata_.GetFor(CheckpointDir(job, step), names);
   }
   // IsComplete, looked up in the root at most once per `max_age` for each job and step, whoever
   // asks: the ranks of a daemon that wait for one step (WaitComplete) share one stat per period
@@ -258,9 +260,10 @@ class Catalog {
   std::string root_;
   const uint32_t keep_;
   IoEnv* const io_;
-  // The parsed metadata of the last checkpoints read (Metadata): two, the one a job restores and
-  // the one it writes next, as a large job's metadata may take hundreds of MiB parsed.
-  static constexpr size_t kMetadataKept = 2;
+  // The parsed metadata of the last checkpoints read (Metadata, MetadataFor): heads (a few, without
+  // pieces) and the piece sets restores hold (freed when none holds them; a node's ranks of several
+  // pipeline stages ask for several).
+  static constexpr size_t kMetadataKept = 16;
   mutable MetadataCache metadata_;
   CatalogListener listener_;
   Leases* leases_ = nullptr;

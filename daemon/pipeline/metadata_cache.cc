@@ -12,7 +12,10 @@ uint64_t MetadataCache::loads() const {
   return loads_;
 }
 
-Result<std::shared_ptr<const CheckpointMetadata>> MetadataCache::Get(const std::string& dir) {
+Result<std::shared_ptr<const CheckpointMetadata>> MetadataCache::GetFor(const std::string& dir,
+                                                                        std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
   const std::string path = dir + "/metadata.json";
   struct stat st {};
   if (io_->Stat(path, &st) != 0) {
@@ -23,35 +26,44 @@ Result<std::shared_ptr<const CheckpointMetadata>> MetadataCache::Get(const std::
   std::shared_ptr<Load> load;
   {
     MutexLock lock(&mu_);
-    auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.dir == dir && e.id == id; });
+    auto it = std::find_if(entries_.begin(), entries_.end(),
+                           [&](const Entry& e) { return e.dir == dir && e.id == id && e.names == names; });
     if (it != entries_.end()) {
       entries_.splice(entries_.begin(), entries_, it);  // most recently used
       load = it->load;
       // Another caller reads this version: wait for its outcome, whatever it is.
       while (!load->done) loaded_.Wait(&lock);
       if (!load->status.ok()) return load->status;
-      return load->meta;
+      if (auto meta = load->Meta()) return meta;
+      // Pieces whose callers are all done with them are gone: read again, below.
+      entries_.remove_if([&](const Entry& e) { return e.load == load; });
     }
-    // Ours to read. Older versions of the same file go now.
-    entries_.remove_if([&](const Entry& e) { return e.dir == dir && e.load->done; });
+    // Ours to read. What was read of older versions of the file goes now.
+    entries_.remove_if([&](const Entry& e) { return e.dir == dir && !(e.id == id) && e.load->done; });
     load = std::make_shared<Load>();
-    entries_.push_front(Entry{dir, id, load});
+    entries_.push_front(Entry{dir, id, names, load});
     ++loads_;
   }
-  auto meta = ReadMetadataFor(dir, {}, io_);
+  auto read = ReadMetadataFor(dir, names, io_);
+  std::shared_ptr<const CheckpointMetadata> meta;
+  if (read.ok()) meta = std::make_shared<const CheckpointMetadata>(std::move(*read));
   MutexLock lock(&mu_);
   load->done = true;
-  if (meta.ok()) {
-    load->meta = std::make_shared<const CheckpointMetadata>(std::move(*meta));
+  if (meta != nullptr && names.empty()) {
+    load->meta = meta;
+  } else if (meta != nullptr) {
+    load->held = meta;
   } else {
-    load->status = meta.status();
+    load->status = read.status();
     // Not kept: the next caller reads again (those waiting now get this error).
     entries_.remove_if([&](const Entry& e) { return e.load == load; });
   }
-  // Beyond capacity the least recently used finished entries go (one being read stays).
+  // Beyond capacity the least recently used finished entries go (one being read stays), and
+  // pieces no caller holds any more go at once.
   size_t kept = 0;
   for (auto e = entries_.begin(); e != entries_.end();) {
-    if (e->load->done && ++kept > capacity_) {
+    const bool gone = e->load->done && e->load->status.ok() && e->load->Meta() == nullptr;
+    if (gone || (e->load->done && ++kept > capacity_)) {
       e = entries_.erase(e);
     } else {
       ++e;
@@ -59,7 +71,7 @@ Result<std::shared_ptr<const CheckpointMetadata>> MetadataCache::Get(const std::
   }
   loaded_.NotifyAll();
   if (!load->status.ok()) return load->status;
-  return load->meta;
+  return meta;
 }
 
 void MetadataCache::Forget(const std::string& dir) {

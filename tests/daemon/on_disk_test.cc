@@ -465,6 +465,62 @@ TEST_F(OnDiskTest, TheCompletionTakesTheFilesHeadersFromTheSignals) {
   same_pieces(*read);
 }
 
+// A node's ranks that restore the same tensors at once read their pieces of metadata.json once
+// between them (each tensor's list holds every rank's pieces: one read per rank would cost a job of
+// N ranks N reads of it), and what they read is freed once none of them holds it.
+TEST_F(CatalogTest, RanksRestoringTheSameTensorsReadTheirPiecesOnce) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("pieces", 1000);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(5));
+  const std::string dir = StepDir("pieces", 5);
+  auto whole = ReadMetadataFile(dir);
+  ASSERT_OK(whole.status());
+  std::vector<std::string> names;
+  for (const Piece& p : whole->pieces) names.push_back(p.key);
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  ASSERT_GE(names.size(), 2u);
+  CountingIo io(IoEnv::Default());
+  MetadataCache cache(&io, 4);
+  std::vector<std::shared_ptr<const CheckpointMetadata>> got(16);
+  std::vector<std::thread> ranks;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ranks.emplace_back([&, i] {
+      std::vector<std::string> asked = names;
+      if (i % 2 == 1) std::reverse(asked.begin(), asked.end());  // the same set, in another order
+      auto meta = cache.GetFor(dir, asked);
+      if (meta.ok()) got[i] = *meta;
+    });
+  }
+  for (auto& r : ranks) r.join();
+  for (const auto& meta : got) {
+    ASSERT_NE(meta, nullptr);
+    EXPECT_EQ(meta.get(), got[0].get());  // one read, shared
+  }
+  EXPECT_EQ(got[0]->pieces.size(), whole->pieces.size());
+  EXPECT_EQ(cache.loads(), 1u);
+  EXPECT_EQ(io.Counts().opens, 2u);  // metadata.json and its index
+  // Other names: a read of their own.
+  auto one = cache.GetFor(dir, {names[0]});
+  ASSERT_OK(one.status());
+  EXPECT_EQ(cache.loads(), 2u);
+  for (const Piece& p : (*one)->pieces) EXPECT_EQ(p.key, names[0]);
+  // Held by none: freed, and read again by the next caller.
+  std::weak_ptr<const CheckpointMetadata> first = got[0];
+  got.clear();
+  EXPECT_TRUE(first.expired());
+  auto again = cache.GetFor(dir, names);
+  ASSERT_OK(again.status());
+  EXPECT_EQ(cache.loads(), 3u);
+  // A head is kept without holders: the lineage check of every registration reads it.
+  for (int i = 0; i < 2; ++i) {
+    auto head = cache.Get(dir);
+    ASSERT_OK(head.status());
+  }
+  EXPECT_EQ(cache.loads(), 4u);
+}
+
 TEST_F(OnDiskTest, AJobDirectoryThatIsAFileIsAnErrorNotAnEmptyJob) {
   StartDaemon(/*keep=*/0);
   Trainer t = StartTrainer("broken", 64);
