@@ -24,7 +24,11 @@ worker processes (this file, run with "worker") against one real flashckptd:
   checkpoint into the same mesh;
 - an FSDP2 job that takes memory checkpoints (the disk's at step 2) and is SIGKILLed after step 3's,
   and then the daemon too, resumes step 3 from memory on both ranks (the new daemon adopted them),
-  with the uninterrupted run's losses.
+  with the uninterrupted run's losses and the EMA of step 3 (the daemon's, decay 0.5);
+- the daemon's EMA on a 2 x 2 mesh: every rank's ema_state_dict() holds every parameter's EMA as a
+  DTensor placed like the parameter, the replicated bias (averaged by the daemon of the one rank that
+  writes it) included, equal bit for bit to the EMA the worker computes from the full weights; the
+  checkpoint resumes on 4 x 1 and 1 x 4 with that EMA, and the next update carries on from it.
 """
 
 import json
@@ -135,9 +139,56 @@ def worker(case, layout, rank, world, rendezvous, sock, job, out):
                 kinds["state.%s.%s" % (name, field)] = [type(v).__name__, [repr(x) for x in getattr(v, "placements", ())]]
         return tensors, kinds
 
+    def placed(t):
+        return [type(t).__name__, [repr(x) for x in getattr(t, "placements", ())]]
+
+    def ema_full(ck, result, what):
+        """ck.ema_state_dict() as full tensors; result[what] says whether every parameter's EMA is a
+        tensor placed like the parameter, and which names it holds."""
+        ema = ck.ema_state_dict()
+        params = dict(model.named_parameters())
+        result[what] = {"names": sorted(ema), "placed_as_params": all(placed(ema[n]) == placed(params[n].detach())
+                                                                      for n in ema)}
+        return {n: full(t) for n, t in ema.items()}
+
+    def same(got, want):
+        return sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+    def ema_update(ema):
+        """The daemon's EMA update (decay 0.5, the first update copies) applied to full tensors."""
+        for n, p in model.named_parameters():
+            w = full(p.detach()).float()
+            ema[n] = w.clone() if n not in ema else 0.5 * ema[n] + 0.5 * w
+
     dcp_dir = os.path.join(os.path.dirname(out), job + ".dcp")  # the reference: DCP's checkpoint of the same step
     result = {"rank": rank}
-    if case == "dcp_resume":
+    if case == "ema_save":
+        # The EMA of steps 1..3 (decay 0.5; steps 1 and 2 are EMA updates only): every rank gets it
+        # whole, replicated boxes included, from ema_state_dict().
+        with Checkpointer(model, optimizer, socket=sock, job=job, ema_decay=0.5) as ck:
+            want = {}
+            for step in range(1, STEPS_BEFORE + 1):
+                train([step])
+                ck.save(step, persist=step == STEPS_BEFORE, extra={"layout": layout})
+                ema_update(want)
+            ck.wait_persisted(STEPS_BEFORE, timeout=60)
+            got = ema_full(ck, result, "ema")
+            result["ema_equal"] = same(got, want)
+            if rank == 0:
+                torch.save(got, out + ".ema.pt")
+    elif case == "ema_resume":
+        # The saved EMA comes back on this mesh (rank 0 keeps it in out.ema.pt) and carries on: step
+        # 4's update is 0.5 * the restored EMA + 0.5 * step 4's weights.
+        with Checkpointer(model, optimizer, socket=sock, job=job, ema_decay=0.5) as ck:
+            result["step"] = ck.resume()
+            want = ema_full(ck, result, "ema")
+            if rank == 0:
+                torch.save(want, out + ".ema.pt")
+            train([STEPS_BEFORE + 1])
+            ck.save(STEPS_BEFORE + 1, persist=False)
+            ema_update(want)
+            result["ema_equal"] = same(ema_full(ck, result, "ema_after"), want)
+    elif case == "dcp_resume":
         model_sd, optim_sd = get_state_dict(model, optimizer)  # gives the fresh optimizer its state
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=dcp_dir)
@@ -145,14 +196,22 @@ def worker(case, layout, rank, world, rendezvous, sock, job, out):
     elif case == "memory_save":
         # Memory checkpoints every step but the disk's step 2; the process dies after step 3's, so
         # that the daemon keeps it.
-        ck = Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=True)
+        # The daemon's EMA (decay 0.5) is updated by every save; rank 0 keeps the EMA it computed
+        # itself in out.ema.pt.
+        ck = Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=True, ema_decay=0.5)
+        want = {}
         for step in range(1, STEPS_BEFORE + 1):
             train([step])
             ck.save(step, extra={"layout": layout}, tier="disk" if step == 2 else "memory")
+            ema_update(want)
             if step == 2:
                 ck.wait_persisted(2, timeout=60)
+        if rank == 0:
+            torch.save(want, out + ".ema.pt")
     else:
-        with Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=case.startswith("memory")) as ck:
+        memory = case.startswith("memory")
+        with Checkpointer(model, optimizer, socket=sock, job=job, memory_checkpoints=memory,
+                          ema_decay=0.5 if memory else None) as ck:
             if case == "save":
                 train(range(1, STEPS_BEFORE + 1))
                 ck.save(STEPS_BEFORE, extra={"layout": layout})
@@ -167,10 +226,15 @@ def worker(case, layout, rank, world, rendezvous, sock, job, out):
                 result["step"] = ck.resume()
                 result["extra"] = ck.extra
                 result["tier"] = ck.resumed_tier
+                if memory:  # the EMA of the memory checkpoint's step
+                    ema = ema_full(ck, result, "ema")
+                    if rank == 0:
+                        torch.save(ema, out + ".ema.pt")
     tensors, result["kinds"] = dump()
     if rank == 0:
         torch.save(tensors, out + ".pt")
-    result["losses"] = train(range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1))
+    if not case.startswith("ema"):
+        result["losses"] = train(range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1))
     with open(out, "w") as f:
         json.dump(result, f)
     if case == "memory_save":
@@ -273,6 +337,37 @@ class DTensorTest(harness.DaemonTestCase):
         for r in resumed:
             self.assertEqual((r["tier"], r["extra"]), ("memory", {"layout": "2x1"}))
             self.assertEqual(r["losses"], saved[r["rank"]]["losses"], "rank %d's losses after the resume" % r["rank"])
+            self.assertEqual(r["ema"], {"names": ["0.bias", "0.weight", "2.bias", "2.weight"],
+                                        "placed_as_params": True}, "rank %d" % r["rank"])
+        # The memory checkpoint held the EMA of its step (the daemon's, through a SIGKILL of it).
+        self.assert_tensors_equal(self.ema_of("memory_resume", "2x1", job), self.ema_of("memory_save", "2x1", job),
+                                  "the EMA resumed from memory")
+
+    def ema_of(self, case, layout, job):
+        """Rank 0's full EMA tensors, as its worker of `case` kept them."""
+        import torch
+        return torch.load(os.path.join(self.daemon.tmp, "%s-%s-%s-0.json.ema.pt" % (job, case, layout)))
+
+    def test_ema_is_placed_like_the_model_and_resumes_on_other_meshes(self):
+        # FSDP2 over tensor parallelism on 2 x 2: the second layer's bias is replicated over the
+        # tensor-parallel ranks and written (and averaged by the daemon) by one of them; every rank's
+        # ema_state_dict() holds it all the same, as DTensors placed like the parameters.
+        job = self.daemon.job("ema")
+        names = ["0.bias", "0.weight", "2.bias", "2.weight"]
+        saved, _ = self.run_case("ema_save", "2x2", job)
+        for r in saved:
+            self.assertEqual(r["ema"], {"names": names, "placed_as_params": True}, "rank %d" % r["rank"])
+            self.assertTrue(r["ema_equal"], "rank %d: the EMA differs from the one it computed" % r["rank"])
+        want = self.ema_of("ema_save", "2x2", job)
+        for layout in ("4x1", "1x4"):
+            resumed, _ = self.run_case("ema_resume", layout, job)
+            for r in resumed:
+                what = "%s rank %d" % (layout, r["rank"])
+                self.assertEqual(r["step"], STEPS_BEFORE, what)
+                self.assertEqual(r["ema"], {"names": names, "placed_as_params": True}, what)
+                self.assertEqual(r["ema_after"], r["ema"], what)
+                self.assertTrue(r["ema_equal"], "%s: the EMA did not carry on from the restored one" % what)
+            self.assert_tensors_equal(self.ema_of("ema_resume", layout, job), want, "the EMA restored on " + layout)
 
     def test_2d_mesh_resumes_on_other_meshes_as_dcp_does(self):
         # FSDP2 over tensor parallelism on a 2 x 2 mesh, saved at once by flashckpt and by DCP.

@@ -8,16 +8,23 @@ global tensor from whichever files hold it, so a checkpoint resumes on another m
 several ranks hold (a Replicate placement) is written by one of them, chosen per tensor so that
 those ranks share the writing; the others register it as a replica (held, restored, not written).
 Partial placements (pending reductions) are refused.
+
+The daemon's EMA follows the writing: each rank's daemon averages the boxes the rank writes. ema()
+hands every rank the EMA of all it holds, placed like the tensors, by passing each replicated box's
+average from its writer to the other holders (ema_of_holders).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from ._tensors import Shape
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 try:  # torch 2: public since 2.4, under torch.distributed._tensor before
     from torch.distributed.tensor import DTensor
@@ -25,6 +32,10 @@ try:  # torch 2: public since 2.4, under torch.distributed._tensor before
 except ImportError:  # torch 1.13, or a build without torch.distributed
     DTensor = None
     compute_local_shape_and_global_offset = None
+try:
+    from torch.distributed.tensor import Partial
+except ImportError:  # before torch 2.5 (no Partial: no DTensor either before 2.4)
+    Partial = None
 
 
 def is_dtensor(x: object) -> bool:
@@ -78,6 +89,23 @@ class Piece:
         return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
                                   stride=dt.stride())
 
+    def wrap_from_writer(self, local: Optional[torch.Tensor], like: torch.Tensor) -> Any:
+        """A DTensor of this piece's placements whose box, on every rank holding it, is the writer's
+        `local` (a collective over the piece's Replicate mesh dimensions; the other holders pass
+        None). Each holder adds its box to the writer's, the others' zeros: the sum is the writer's
+        values exactly. `like`: a tensor of the dtype and device wanted."""
+        dt = self.dtensor
+        placements = tuple(dt.placements)
+        if not any(p.is_replicate() for p in placements):
+            assert local is not None, "a box no other rank holds is written by its holder"
+            return self.wrap(local)
+        if local is None or not self.writer:
+            local = torch.zeros(self.box_shape, dtype=like.dtype, device=like.device)
+        summed = tuple(Partial("sum") if p.is_replicate() else p for p in placements)
+        pending = DTensor.from_local(local, dt.device_mesh, summed, run_check=False, shape=dt.shape,
+                                     stride=dt.stride())
+        return pending.redistribute(dt.device_mesh, placements)
+
 
 def pieces(tensors: Dict[str, Any]) -> Dict[str, Piece]:
     """{name: Piece} of the DTensors among `tensors`, whose values it replaces by their local
@@ -127,3 +155,36 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             g["lr"] = lr
         for p in params:
             p.grad = None
+
+
+def ema_of_holders(ema: Dict[str, torch.Tensor], dtensors: Mapping[str, Piece], others: Mapping[str, int],
+                   tracked: Mapping[str, Any], group: Optional[ProcessGroup]) -> Dict[str, Any]:
+    """Every rank's EMA of every tensor it holds, from `ema`: the EMA of what this rank writes
+    ({name: fp32 tensor}, the daemon's). A DTensor's comes back as a DTensor placed like it; a
+    replicated box's from the rank that writes it; a tensor of `others` (alike on every rank,
+    written by rank others[name] % world size of `group`) broadcast from that rank. `tracked`: the
+    tensors the EMA tracks, by name. A collective over `group` (the job's ranks, None in one
+    process): every rank calls it."""
+    import torch.distributed as dist
+    names = set(ema)
+    if group is not None:
+        gathered: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sorted(ema), group=group)
+        names = set().union(*gathered)
+    out: Dict[str, Any] = {}
+    for name in sorted(names):  # the same order on every rank: the collectives pair up
+        piece = dtensors.get(name)
+        mine = ema.get(name)
+        like = tracked.get(name)
+        device = like.device if isinstance(like, torch.Tensor) else None
+        if piece is not None:
+            out[name] = piece.wrap_from_writer(mine, torch.empty(0, dtype=torch.float32, device=device))
+        elif group is not None and name in others and like is not None:
+            writer = dist.get_global_rank(group, others[name] % dist.get_world_size(group))
+            if mine is None:
+                mine = torch.empty(like.shape, dtype=torch.float32, device=device)
+            dist.broadcast(mine, src=writer, group=group)
+            out[name] = mine
+        elif mine is not None:
+            out[name] = mine
+    return out

@@ -152,6 +152,12 @@ class Layout:
                     leaf["global_shape"] = box["global_shape"]
         return tree, tensors
 
+    @property
+    def others(self) -> Dict[str, int]:
+        """In a job of DTensors, the other tensors (alike on every rank) by name: their index among
+        them, whose value modulo the world size is the rank that writes each. Empty without DTensors."""
+        return self._others
+
     def kind(self, name: str) -> str:
         return "model" if name.split(".", 1)[0] in self.model_keys else "optimizer"
 

@@ -60,9 +60,10 @@ job's other tensors (step counts, buffers: alike on every rank). A checkpoint re
 mesh or parallelism, or into a plain model. resume() first gives an optimizer of DTensor parameters
 that has no state yet its state, as DTensors (one step with zero gradients and a learning rate of
 0, as torch.distributed.checkpoint does), and restores into it in place. Memory checkpoints work
-as for other jobs (each rank's holds its boxes, the replicas too). Not yet with DTensors: the EMA
-(the daemon averages the boxes each rank writes, and ema_state_dict() returns this rank's local
-ones).
+as for other jobs (each rank's holds its boxes, the replicas too). With ema_decay the daemon
+averages the boxes each rank writes; ema_state_dict() is then a collective (every rank calls it)
+that returns DTensors placed like the parameters, a replicated box's average passed from the rank
+that writes it to the others; resume() restores the EMA into the new mesh's boxes.
 
 Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's memory only
 (checksummed in the background, never written), so a trainer can save every step and write a disk
@@ -353,6 +354,9 @@ class Checkpointer:
             raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
                                           "multiple of ema_interval first")
         self.ema_step = step
+        if self._layout.dtensors:
+            group = _torch_agree.process_group(self._process_group, self._world_size)
+            out = _torch_dtensor.ema_of_holders(out, self._layout.dtensors, self._layout.others, tensors, group)
         if len(model_keys) != 1:
             return out
         prefix = model_keys[0] + "."
