@@ -28,7 +28,12 @@ worker processes (this file, run with "worker") against one real flashckptd:
 - the daemon's EMA on a 2 x 2 mesh: every rank's ema_state_dict() holds every parameter's EMA as a
   DTensor placed like the parameter, the replicated bias (averaged by the daemon of the one rank that
   writes it) included, equal bit for bit to the EMA the worker computes from the full weights; the
-  checkpoint resumes on 4 x 1 and 1 x 4 with that EMA, and the next update carries on from it.
+  checkpoint resumes on 4 x 1 and 1 x 4 with that EMA, and the next update carries on from it;
+- DCP with memory checkpoints on 2 x 2 (FlashckptWriter's tier: dcp.save of memory step 1 and disk
+  step 2, dcp.async_save of memory step 3): after the processes die, every rank's daemon holds
+  memory steps 3 and 1, and dcp.load with FlashckptReader (the latest) loads step 3 from memory on
+  every rank (the replicated bias a rank does not write, and its own plain value, included), with
+  the uninterrupted run's losses.
 """
 
 import json
@@ -188,6 +193,31 @@ def worker(case, layout, rank, world, rendezvous, sock, job, out):
             ck.save(STEPS_BEFORE + 1, persist=False)
             ema_update(want)
             result["ema_equal"] = same(ema_full(ck, result, "ema_after"), want)
+    elif case == "dcp_memory_save":
+        # DCP through flashckpt with memory checkpoints: dcp.save at steps 1 (memory) and 2 (disk),
+        # dcp.async_save at step 3 (memory); the process dies after step 3, the daemon keeps it.
+        from flashckpt.dcp import FlashckptWriter
+        writer = FlashckptWriter(socket=sock, job=job, memory_checkpoints=True)
+        group = dist.new_group(backend="gloo")
+        for step in range(1, STEPS_BEFORE + 1):
+            train([step])
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd, "data": {"pos": 100 + rank}}
+            writer.tier = "disk" if step == 2 else "memory"
+            if step < STEPS_BEFORE:
+                dcp.save(state, storage_writer=writer, checkpoint_id=step)
+            else:
+                dcp.async_save(state, storage_writer=writer, checkpoint_id=step, process_group=group).result(timeout=60)
+            if step == 2:
+                writer.wait_persisted(2, timeout=60)
+    elif case == "dcp_memory_load":
+        from flashckpt.dcp import FlashckptReader
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # gives the fresh optimizer its state
+        state = {"model": model_sd, "optim": optim_sd, "data": {"pos": -1}}
+        reader = FlashckptReader(socket=sock, job=job)
+        dcp.load(state, storage_reader=reader)  # the latest: memory step 3, newer than the disk's 2
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        result.update(step=reader.step, tier=reader.tier, data=state["data"])
     elif case == "dcp_resume":
         model_sd, optim_sd = get_state_dict(model, optimizer)  # gives the fresh optimizer its state
         state = {"model": model_sd, "optim": optim_sd}
@@ -237,7 +267,7 @@ def worker(case, layout, rank, world, rendezvous, sock, job, out):
         result["losses"] = train(range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1))
     with open(out, "w") as f:
         json.dump(result, f)
-    if case == "memory_save":
+    if case in ("memory_save", "dcp_memory_save"):
         os.kill(os.getpid(), signal.SIGKILL)  # no close(): the daemon keeps the memory checkpoints
     harness.end_worker()
 
@@ -258,7 +288,7 @@ class DTensorTest(harness.DaemonTestCase):
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
                         "%s %s workers still running after %d s" % (case, layout, WORKER_DEADLINE))
         for r, p in enumerate(procs):
-            want_rc = -signal.SIGKILL if case == "memory_save" else 0
+            want_rc = -signal.SIGKILL if case in ("memory_save", "dcp_memory_save") else 0
             self.assertEqual(p.returncode, want_rc, "%s %s rank %d exited %d" % (case, layout, r, p.returncode))
         results = []
         for path in outs:
@@ -342,6 +372,25 @@ class DTensorTest(harness.DaemonTestCase):
         # The memory checkpoint held the EMA of its step (the daemon's, through a SIGKILL of it).
         self.assert_tensors_equal(self.ema_of("memory_resume", "2x1", job), self.ema_of("memory_save", "2x1", job),
                                   "the EMA resumed from memory")
+
+    def test_dcp_memory_checkpoints_of_a_2d_mesh(self):
+        # dcp.save / dcp.async_save with FlashckptWriter(tier) on 2 x 2: memory steps 1 and 3, the
+        # disk's 2. Each rank's memory checkpoint holds all it loads (the replicated bias it does
+        # not write, its own plain values); after the processes die, dcp.load with FlashckptReader
+        # loads step 3 from memory on every rank, with the uninterrupted run's losses.
+        job = self.daemon.job("dcpmem")
+        saved, want = self.run_case("dcp_memory_save", "2x2", job)
+        import flashckpt
+        for rank in range(4):
+            with flashckpt.Client(self.daemon.socket, job, rank=rank, world_size=4) as c:
+                self.assertEqual(c.restorable(timeout=30), ([STEPS_BEFORE, 1], 2), "rank %d" % rank)
+        loaded, got = self.run_case("dcp_memory_load", "2x2", job)
+        self.assert_tensors_equal(got, want, "dcp.load from memory")
+        for r in loaded:
+            what = "rank %d" % r["rank"]
+            self.assertEqual((r["step"], r["tier"]), (STEPS_BEFORE, "memory"), what)
+            self.assertEqual(r["data"], {"pos": 100 + r["rank"]}, what)  # its own, kept in its memory
+            self.assertEqual(r["losses"], saved[r["rank"]]["losses"], what + "'s losses after the load")
 
     def ema_of(self, case, layout, job):
         """Rank 0's full EMA tensors, as its worker of `case` kept them."""

@@ -35,10 +35,17 @@ Runs. A process that saves into a job which already has checkpoints must have re
 the same flashckpt session, or pass overwrite=True (see flashckpt.Client's run_id and overwrite):
 give the reader and the writer one Client (FlashckptReader(client=writer.client)).
 
-Not yet: memory checkpoints (tier="memory") through DCP (use flashckpt.torch.Checkpointer, whose
-resume() agrees on a memory step and hands shares between ranks), and the EMA of DTensor boxes read
-back as global tensors (ema_state_dict() gives this rank's written tensors; `flashckpt export
---weights ema` gives the whole EMA of a checkpoint).
+Memory checkpoints. FlashckptWriter(tier="memory"), or writer.tier = "memory" before a save (and
+"disk" before another; give memory_checkpoints=True from the start then): the daemon keeps the step
+in its memory, checksummed, and never writes it. Each rank's memory checkpoint holds all the rank
+loads (the boxes it holds as replicas and its own non-tensor values too) and the registration a
+restarted process needs. FlashckptReader loads the newest step every rank holds in memory unless
+the disk has a newer complete checkpoint, as flashckpt.torch.Checkpointer.resume() picks it, on the
+mesh that took it; a failed restore on any rank sends every rank to the disk.
+
+The writer's ema_state_dict() gives the EMA of this rank's written tensors (a DTensor's: its box);
+`flashckpt export --weights ema` gives the whole EMA of a checkpoint, and the Checkpointer's
+ema_state_dict() DTensors placed like the parameters.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import re
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +72,7 @@ from . import _tensors
 from . import _torch_agree
 from . import _torch_dtensor
 from .client import Client
-from .errors import DeadlineExceededError, NotFoundError
+from .errors import DeadlineExceededError, FailedPreconditionError, FlashckptError, NotFoundError
 
 try:  # the function DCP's planners flatten state dicts with, so that both name values alike
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -157,7 +164,8 @@ class _Part:
         self.tensors: Dict[str, torch.Tensor] = {}
         self.specs: Dict[str, Dict[str, Any]] = {}
         self.described: Dict[str, Dict[str, Any]] = {}  # fqn -> {"dtype", "size", "requires_grad"}
-        self.values: Dict[str, Dict[str, Any]] = {}  # fqn -> {"tensor", "length"}
+        self.values: Dict[str, Dict[str, Any]] = {}  # fqn -> {"tensor", "length"}: the values it writes
+        self.held: Dict[str, Dict[str, Any]] = {}  # fqn -> {"tensor", "length"}: every value it holds
         self.planner_data: Any = None
         self.nbytes: Dict[str, int] = {}  # fqn -> bytes written (WriteResult.size_in_bytes)
 
@@ -169,8 +177,10 @@ class _Part:
         self.described[fqn] = {"dtype": dtype, "size": [int(s) for s in size], "requires_grad": bool(t.requires_grad),
                                "kind": self.kind(fqn)}
 
-    def add_tensor(self, fqn: str, t: torch.Tensor, size: Sequence[int], offset: Sequence[int]) -> None:
-        """This rank writes `t`, the box at `offset` of global tensor `fqn` of shape `size`."""
+    def add_tensor(self, fqn: str, t: torch.Tensor, size: Sequence[int], offset: Sequence[int],
+                   replica: bool = False) -> None:
+        """This rank writes `t`, the box at `offset` of global tensor `fqn` of shape `size` (replica:
+        holds it in its memory checkpoints, another rank writes it)."""
         if fqn.startswith(PREFIX):
             raise ValueError("state-dict key '%s' starts with '%s', which flashckpt.dcp keeps for its own tensors"
                              % (fqn, PREFIX))
@@ -187,26 +197,65 @@ class _Part:
         spec: Dict[str, Any] = {"kind": self.kind(fqn)}
         if list(t.shape) != list(size):
             spec.update({"global_shape": list(size), "box_offset": list(offset), "box_shape": list(t.shape)})
+        if replica:
+            spec["replica"] = True
         self.tensors[fqn] = t
         self.specs[fqn] = spec
-        self.nbytes[fqn] = t.numel() * t.element_size()
+        if not replica:
+            self.nbytes[fqn] = t.numel() * t.element_size()
 
-    def add_value(self, fqn: str, data: bytes) -> None:
-        """This rank writes the pickled value `data` of `fqn`."""
+    def add_value(self, fqn: str, data: bytes, replica: bool = False) -> None:
+        """This rank writes the pickled value `data` of `fqn` (replica: holds it in its memory
+        checkpoints, another rank writes its own)."""
         name = _bytes_name(fqn)
         buf = torch.zeros(_capacity(len(data)), dtype=torch.uint8)
         if data:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.tensors[name] = buf
-        self.specs[name] = {"kind": "optimizer"}
-        self.values[fqn] = {"tensor": name, "length": len(data)}
-        self.nbytes[fqn] = len(data)
+        self.specs[name] = {"kind": "optimizer", "replica": True} if replica else {"kind": "optimizer"}
+        self.held[fqn] = {"tensor": name, "length": len(data)}
+        if not replica:
+            self.values[fqn] = self.held[fqn]
+            self.nbytes[fqn] = len(data)
+
+    def add_state(self, flat: Mapping[str, Any], holds_all: bool) -> None:
+        """Adds what this rank writes of a flattened state dict: each DTensor's box (a Replicate box
+        by one of the ranks that hold it, as flashckpt.torch does), every other value by one rank,
+        the ranks taking turns in the state dict's order, which is the same on every rank of an
+        SPMD program. holds_all: also what other ranks write, as replicas (a memory checkpoint
+        holds all the rank needs to load on its own)."""
+        ordinal = 0
+        for fqn, value in flat.items():
+            if _torch_dtensor.is_dtensor(value):
+                piece = _torch_dtensor.Piece(fqn, value, ordinal)
+                ordinal += 1
+                self.describe(fqn, piece.local, piece.global_shape)
+                if piece.writer or holds_all:
+                    self.add_tensor(fqn, piece.local, piece.global_shape, piece.box_offset, replica=not piece.writer)
+                continue
+            writes = ordinal % self.world_size == self.rank
+            ordinal += 1
+            if isinstance(value, torch.Tensor):
+                self.describe(fqn, value, list(value.shape))
+                if writes or holds_all:
+                    self.add_tensor(fqn, value, list(value.shape), [0] * value.dim(), replica=not writes)
+            elif writes or holds_all:
+                buf = io.BytesIO()
+                torch.save(value, buf)  # as DCP's planner turns a value into bytes
+                self.add_value(fqn, buf.getvalue(), replica=not writes)
+
+    def registration(self) -> Dict[str, Any]:
+        """What a reader registers to restore this part from a memory checkpoint (kept with it as its
+        extra state): every tensor's dtype, shape and registration spec."""
+        return {"format": FORMAT + ".registration", "version": VERSION, "rank": self.rank,
+                "world_size": self.world_size, "tensors": {n: [_tensors.dtype_and_shape(n, t)[0], list(t.shape), self.specs[n]]
+                            for n, t in self.tensors.items()}}
 
     def finish(self, step: int, capacity: int) -> int:
         """Adds the header and the description; returns the description's capacity (kept across
         saves while the description fits, so that the layout stays registered)."""
         text = json.dumps({"format": FORMAT, "version": VERSION, "rank": self.rank, "world_size": self.world_size,
-                           "step": step, "tensors": self.described, "values": self.values,
+                           "step": step, "tensors": self.described, "values": self.values, "held": self.held,
                            "planner_data": self.planner_data}, separators=(",", ":")).encode("utf-8")
         if len(text) > capacity:
             capacity = _capacity(len(text))
@@ -241,19 +290,32 @@ class FlashckptWriter(StorageWriter, AsyncStager):
       model_prefixes: state-dict keys that are model state (the daemon's EMA and the model_state
         files); the others are training state. Default: keys under "model.".
       timeout: seconds durable waits and snapshots may take.
+      tier: "disk" (default) or "memory": the saves are memory checkpoints, kept in the daemon's
+        memory and never written (see the module docstring). The attribute may change between
+        saves; give memory_checkpoints=True too when the first saves are the disk's, so that the
+        layout registered first already holds what a memory checkpoint needs.
 
-    Attributes: client, step (of the last save), blocked_seconds (how long the last stage() or
-    write_data() copied).
+    Attributes: client, step (of the last save), tier, blocked_seconds (how long the last stage()
+    or write_data() copied).
     """
 
     _synchronize_after_execute = False  # stage() has copied everything by the time it returns
 
     def __init__(self, client: Optional[Client] = None, *, socket: Optional[Union[str, os.PathLike]] = None,
                  job: Optional[str] = None, durable: Optional[bool] = None, model_prefixes: Sequence[str] = ("model.",),
-                 timeout: float = 600.0, **client_options: Any) -> None:
+                 timeout: float = 600.0, tier: str = "disk", **client_options: Any) -> None:
         super().__init__()
+        if tier not in ("disk", "memory"):
+            raise ValueError("tier must be 'disk' or 'memory', got %r" % (tier,))
+        if tier == "memory" and client is None:
+            client_options.setdefault("memory_checkpoints", True)
         self._session = _Session(client, socket, job, client_options)
         self.durable = durable
+        self.tier = tier
+        # Whether this rank registers what other ranks write too (as replicas): a memory checkpoint
+        # holds all the rank needs. Kept once set, so that disk and memory saves share one layout.
+        self._holds_all = tier == "memory" or bool(client_options.get("memory_checkpoints"))
+        self._saved_tier = tier  # of the step saved last
         self.model_prefixes = tuple(model_prefixes)
         self.timeout = float(timeout)
         self.step: Optional[int] = None
@@ -288,7 +350,18 @@ class FlashckptWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         step = self._need_step()
-        if self._staged != step:
+        if self._staged != step and self._holding_all():
+            # The rank holds its whole state dict (a memory checkpoint needs it), not only the items
+            # DCP's plan gives it to write: taken from the planner, as async_save's stage() takes it.
+            flat = getattr(planner, "state_dict", None)
+            if not isinstance(flat, dict) or not getattr(planner, "flatten_state_dict", False):
+                raise ValueError("a memory checkpoint through dcp.save needs DCP's DefaultSavePlanner (which keeps the "
+                                 "flattened state dict); with another planner use dcp.async_save")
+            part = self._part()
+            part.planner_data = _plain_paths(getattr(planner, "mappings", None))
+            part.add_state(flat, True)
+            self._snapshot(step, part)
+        elif self._staged != step:
             part = self._part()
             for item in plan.items:
                 data = planner.resolve_data(item)
@@ -307,7 +380,7 @@ class FlashckptWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         durable = self.durable if self.durable is not None else self._staged == self.step
-        if durable:
+        if durable and self._saved_tier == "disk":  # a memory checkpoint is never written
             self.wait_persisted(self._need_step(), self.timeout)
 
     @classmethod
@@ -322,10 +395,7 @@ class FlashckptWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """dcp.async_save's staging: copies this rank's tensors into the daemon's memory and commits
         the step, on the calling thread; returns `state_dict` as it is (DCP's thread then plans
-        the save, and write_data() finds the step staged). Each DTensor is written as its box (a
-        Replicate box by one of the ranks that hold it, as flashckpt.torch does); every other value
-        by one rank, the ranks taking turns in the state dict's order, which is the same on every
-        rank of an SPMD program."""
+        the save, and write_data() finds the step staged). What each rank writes: _Part.add_state."""
         step = self._need_step()
         if flatten_state_dict is None:
             raise RuntimeError("this torch has no torch.distributed.checkpoint._nested_dict.flatten_state_dict; "
@@ -333,25 +403,7 @@ class FlashckptWriter(StorageWriter, AsyncStager):
         flat, mappings = flatten_state_dict(state_dict)
         part = self._part()
         part.planner_data = _plain_paths(mappings)
-        ordinal = 0
-        for fqn, value in flat.items():
-            if _torch_dtensor.is_dtensor(value):
-                piece = _torch_dtensor.Piece(fqn, value, ordinal)
-                ordinal += 1
-                part.describe(fqn, piece.local, piece.global_shape)
-                if piece.writer:
-                    part.add_tensor(fqn, piece.local, piece.global_shape, piece.box_offset)
-                continue
-            writes = ordinal % part.world_size == part.rank
-            ordinal += 1
-            if isinstance(value, torch.Tensor):
-                part.describe(fqn, value, list(value.shape))
-                if writes:
-                    part.add_tensor(fqn, value, list(value.shape), [0] * value.dim())
-            elif writes:
-                buf = io.BytesIO()
-                torch.save(value, buf)  # as DCP's planner turns a value into bytes
-                part.add_value(fqn, buf.getvalue())
+        part.add_state(flat, self._holding_all())
         self._snapshot(step, part)
         self._staged = step
         return state_dict
@@ -398,15 +450,26 @@ class FlashckptWriter(StorageWriter, AsyncStager):
         c = self.client
         return _Part(c.rank, c.topology[0], self.model_prefixes)
 
+    def _holding_all(self) -> bool:
+        """Whether this rank registers what other ranks write too: from its first memory checkpoint
+        on (or from the start with memory_checkpoints=True). Checks `tier`."""
+        if self.tier not in ("disk", "memory"):
+            raise ValueError("FlashckptWriter.tier must be 'disk' or 'memory', got %r" % (self.tier,))
+        self._holds_all = self._holds_all or self.tier == "memory"
+        return self._holds_all
+
     def _snapshot(self, step: int, part: _Part) -> None:
         started = time.monotonic()
+        tier = self.tier
         self._capacity = part.finish(step, self._capacity)
         key = tuple((n, t.dtype, tuple(t.shape), repr(part.specs[n])) for n, t in part.tensors.items())
         with self._session.lock:
             if key != self._registered:
                 self.client.register(part.tensors, specs=part.specs)
                 self._registered = key
-            self.client.snapshot(step, part.tensors, persist=True)
+            self.client.snapshot(step, part.tensors, persist=True, tier=tier,
+                                 extra=part.registration() if self._holds_all else None)
+        self._saved_tier = tier
         self._written = part.nbytes
         self.blocked_seconds = time.monotonic() - started
 
@@ -420,7 +483,8 @@ class FlashckptReader(StorageReader):
     the default group when torch.distributed is initialised with more than one rank); each rank
     restores the newest step all of them see complete.
 
-    Attributes: client, step (restored, once read_metadata() has found it).
+    Attributes: client, step (restored, once read_metadata() has found it), tier ("memory",
+    "peer" or "disk": where the daemon found it).
     """
 
     def __init__(self, client: Optional[Client] = None, *, socket: Optional[Union[str, os.PathLike]] = None,
@@ -434,6 +498,12 @@ class FlashckptReader(StorageReader):
         self.step: Optional[int] = None
         self._tensors: Dict[str, Dict[str, Any]] = {}
         self._values: Dict[str, Dict[str, Any]] = {}
+        self.tier: Optional[str] = None
+        # A memory checkpoint restored by read_metadata(): its tensors, their registration specs,
+        # and this rank's description of it (read_data() copies from them).
+        self._held: Optional[Dict[str, torch.Tensor]] = None
+        self._held_specs: Dict[str, Dict[str, Any]] = {}
+        self._held_part: Dict[str, Any] = {}
 
     @property
     def client(self) -> Client:
@@ -455,6 +525,10 @@ class FlashckptReader(StorageReader):
 
     def _read_metadata(self) -> Metadata:
         group = self._group()
+        self._held, self.tier = None, None
+        held = self._from_memory(group)
+        if held is not None:
+            return self._metadata(held)
         found, parts = _torch_agree.stage(group, "read its checkpoint's description", lambda: self._describe(self._asked))
         if group is not None and self._asked is None:
             agreed = _torch_agree.common_step(group, found, self.client.job)
@@ -464,6 +538,11 @@ class FlashckptReader(StorageReader):
             raise NotFoundError("NOT_FOUND", "job '%s' has no complete checkpoint%s" % (
                 self.client.job, "" if self._asked is None else " at step %d" % self._asked))
         self.step = found
+        self.tier = "disk"
+        return self._metadata(parts)
+
+    def _metadata(self, parts: List[Dict[str, Any]]) -> Metadata:
+        """DCP's Metadata of a checkpoint from every saving rank's description of it."""
         md: Dict[str, Any] = {}
         planner_data: Dict[str, Any] = {}
         self._tensors, self._values = {}, {}
@@ -498,6 +577,11 @@ class FlashckptReader(StorageReader):
         host tensor of the saved dtype), each value as its pickled bytes."""
         if self.step is None:
             raise RuntimeError("read_metadata() finds the step; DCP calls it before read_data()")
+        if self._held is not None:
+            self._read_held(plan, planner)
+            fut_held: Future[None] = Future()
+            fut_held.set_result(None)
+            return fut_held
         rounds: List[Dict[str, Any]] = [{}]  # name -> (item, buffer); a name may appear once per restore
         for item in plan.items:
             fqn = item.storage_index.fqn
@@ -559,6 +643,118 @@ class FlashckptReader(StorageReader):
 
     def close(self) -> None:
         self.client.close()
+
+    # --- memory checkpoints ---------------------------------------------------------------------
+
+    def _from_memory(self, group: Optional[Any]) -> Optional[List[Dict[str, Any]]]:
+        """Restores the memory checkpoint every rank loads, as Checkpointer.resume() picks it: the
+        newest step all ranks hold in their daemons' memory unless the disk has a newer complete
+        checkpoint (with a checkpoint_id: that step, if all ranks hold it). Returns every saving
+        rank's description of it (the ranks exchange theirs), its tensors kept for read_data();
+        None: the disk path (no such step, or its restore failed on some rank: a warning says so)."""
+        mine: Optional[Tuple[List[int], Optional[int]]] = None
+        error: Optional[BaseException] = None
+        try:
+            with self._session.lock:
+                # Unverified: the restore verifies the one the ranks pick, so it is read once.
+                steps, disk = self.client.restorable(min(self.timeout, 60.0), verify=False)
+            mine = (steps, disk) if self._asked is None else ([s for s in steps if s == self._asked], None)
+        except FlashckptError as e:
+            warnings.warn("rank %d cannot list its memory checkpoints (%s); loading from disk"
+                          % (self.client.rank, e), RuntimeWarning)
+        except BaseException as e:  # reported to the other ranks before it is raised
+            error = e
+        memory = _torch_agree.memory_step(group, error, mine)
+        if memory is None:
+            return None
+        description: Optional[Dict[str, Any]] = None
+        try:
+            description = self._restore_memory(memory, 1 if group is None else dist.get_world_size(group))
+        except BaseException as e:  # reported to the other ranks before anything is raised
+            error = e
+        failed = _torch_agree.memory_failure(group, memory, error, None)
+        if failed is not None:
+            self._held = None
+            warnings.warn("the restore of memory checkpoint step %d failed on rank %d (%s); every rank loads from "
+                          "disk instead" % (memory, failed[0], failed[1]), RuntimeWarning)
+            return None
+        self.step = memory
+        assert description is not None  # memory_failure() reported a failed restore
+        return [description] if group is None else _torch_agree.gather(group, description)
+
+    def _restore_memory(self, step: int, world: int) -> Dict[str, Any]:
+        """Restores this rank's memory checkpoint `step` into fresh tensors, registered as the writer
+        registered them (from the extra state kept with it, so the daemon keeps the segment that
+        holds it); returns this rank's description of it."""
+        rank = self.client.rank
+        with self._session.lock:
+            extra = self.client.memory_extra(step, timeout=min(self.timeout, 60.0), verify=False)
+        if extra is None:
+            raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d no longer holds memory checkpoint step %d"
+                                          % (rank, step))
+        try:
+            registration = json.loads(extra.decode("utf-8"))
+        except ValueError:
+            registration = None
+        if not isinstance(registration, dict) or registration.get("format") != FORMAT + ".registration":
+            raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d of rank %d was not taken "
+                                          "by flashckpt.dcp.FlashckptWriter" % (step, rank))
+        if registration.get("world_size") != world:
+            # Checked before anything is registered: another layout would replace the memory checkpoints.
+            raise FailedPreconditionError("FAILED_PRECONDITION", "memory checkpoint step %d was taken by a job of %s "
+                                          "ranks, this one has %d: load it from disk" % (step,
+                                                                                         registration.get("world_size"),
+                                                                                         world))
+        tensors: Dict[str, torch.Tensor] = {}
+        specs: Dict[str, Dict[str, Any]] = {}
+        for name, (dtype, shape, spec) in registration["tensors"].items():
+            tensors[name] = torch.empty([int(n) for n in shape], dtype=_TORCH_DTYPES[dtype])
+            specs[name] = dict(spec)
+        with self._session.lock:
+            self.client.register(tensors, specs=specs)
+            got, _ = self.client.restore(tensors, step=step, timeout=self.timeout)
+            self.tier = self.client.restored_tier
+        if got != step:
+            raise NotFoundError("NOT_FOUND", "asked the daemon for memory checkpoint step %d, it restored %s"
+                                % (step, got))
+        header = tensors[_header_name(rank)]
+        text = tensors[_description_name(rank)][:int(header[2])].numpy().tobytes()
+        description = json.loads(text.decode("utf-8"))
+        self._held, self._held_specs, self._held_part = tensors, specs, description
+        return cast(Dict[str, Any], description)
+
+    def _read_held(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """read_data() from the memory checkpoint read_metadata() restored: each item from the box
+        this rank held (a memory checkpoint loads on the mesh that took it)."""
+        assert self._held is not None
+        held, step, rank = self._held, self.step, self.client.rank
+        assert step is not None
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                v = self._held_part.get("held", {}).get(fqn)
+                if v is None:
+                    raise NotFoundError("NOT_FOUND", "memory checkpoint step %d of rank %d holds no value '%s'"
+                                        % (step, rank, fqn))
+                planner.load_bytes(item, io.BytesIO(held[v["tensor"]][:int(v["length"])].numpy().tobytes()))
+                continue
+            src = held.get(fqn)
+            if src is None:
+                raise NotFoundError("NOT_FOUND", "memory checkpoint step %d of rank %d holds no tensor '%s'"
+                                    % (step, rank, fqn))
+            at = [int(n) for n in self._held_specs[fqn].get("box_offset", [0] * src.dim())]
+            lengths = [int(n) for n in item.lengths]
+            want = [int(a) + int(b) for a, b in zip(item.storage_index.offset or [0] * src.dim(), item.storage_offsets)]
+            rel = [w - a for w, a in zip(want, at)]
+            if any(r < 0 or r + n > size for r, n, size in zip(rel, lengths, src.shape)):
+                raise FailedPreconditionError(
+                    "FAILED_PRECONDITION", "memory checkpoint step %d of rank %d holds the box at %s of shape %s of "
+                    "'%s'; the load asks for %s at %s: a memory checkpoint loads on the mesh that took it"
+                    % (step, rank, at, list(src.shape), fqn, lengths, want))
+            dest = planner.resolve_tensor(item)
+            dest.copy_(src[tuple(slice(r, r + n) for r, n in zip(rel, lengths))])
+            planner.commit_tensor(item, dest)
+        self._held = None  # loaded: its memory is given back
 
     def _group(self) -> Optional[Any]:
         if not (dist.is_available() and dist.is_initialized()):
