@@ -14,6 +14,7 @@
 #include "common/base/mutex.h"
 #include "common/base/names.h"
 #include "common/format/metadata.h"
+#include "common/format/safetensors.h"
 #include "common/format/signal.h"
 #include "common/io/fs.h"
 #include "common/io/io_env.h"
@@ -413,8 +414,10 @@ TEST_F(OnDiskTest, TheCompletionTakesTheFilesHeadersFromTheSignals) {
     auto bytes = ReadSmallFile(dir + "/" + h.file, 1 << 24);
     ASSERT_OK(bytes.status());
     EXPECT_EQ(h.file_bytes, bytes->size()) << h.file;
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>((*bytes)[i]);
+    ASSERT_GE(bytes->size(), 8u) << h.file;
+    auto length = ParseHeaderLength(reinterpret_cast<const unsigned char*>(bytes->data()), bytes->size());
+    ASSERT_OK(length.status());
+    const uint64_t n = *length;
     EXPECT_EQ(h.header_bytes, n) << h.file;
     std::string json = bytes->substr(8, n);
     json.erase(json.find_last_not_of(' ') + 1);

@@ -117,8 +117,9 @@ Status WriteSeeds(const std::string& root) {
     signal.files = files;
     // The first file's header, recorded as a daemon's signal records it (padding left out).
     ASSIGN_OR_RETURN(std::string first, ReadSmallFile(headers + "/" + files[0], 1u << 24));
-    uint64_t header_bytes = 0;
-    for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | static_cast<unsigned char>(first[i]);
+    if (first.size() < 8) return Corruption(files[0] + " is shorter than a safetensors length prefix");
+    ASSIGN_OR_RETURN(const uint64_t header_bytes,
+                     ParseHeaderLength(reinterpret_cast<const unsigned char*>(first.data()), first.size()));
     std::string json = first.substr(8, header_bytes);
     json.erase(json.find_last_not_of(' ') + 1);
     signal.headers.push_back(SignalHeader{files[0], header_bytes, first.size(), json});
