@@ -117,6 +117,9 @@ class Core {
   mutable CountingIo root_io_;  // RootIo: counts, then passes on to config_.io_env (thread-safe)
   StateDir state_;           // set once by Daemon::Start
   std::string ema_scope_;    // set once by Daemon::Start, before any segment (EmaSegmentName)
+  // This daemon process among all of a job's daemons (random, set once by Daemon::Start): it names
+  // its resume view and, with a rank's process number, the rank's trainer process in a plan.
+  std::string instance_;
   StateDirLock state_lock_;  // taken by Daemon::Start, held for the daemon's life
   EventHub events_;
   Metrics metrics_;

@@ -122,6 +122,7 @@ Status Daemon::Start() {
     const std::string& key = ec ? where : canonical;
     c_.ema_scope_ = ChecksumHex(Xxh3(key.data(), key.size()));
   }
+  ASSIGN_OR_RETURN(c_.instance_, RandomToken());
   c_.writer_ = std::make_unique<Writer>(&c_.catalog_, WriterOptionsOf(c_.config_, c_.clock_, c_.RootIo()));
   RETURN_IF_ERROR(c_.writer_->Start());
   EmaStageOptions ema_options = EmaStageOptionsOf(c_.config_, c_.clock_);

@@ -99,6 +99,9 @@ struct RankState {
   // (DiskSnapshotsHoldEverything), so each of them is also checksummed and kept as its newest
   // memory checkpoint once written.
   bool memory_checkpoints = false;
+  // Per registration: the trainer said it takes memory checkpoints (RegisterRequest). A resume of
+  // the latest by a job with ranks on other daemons then agrees with them (AgreeWithOtherDaemons).
+  bool declares_memory_checkpoints = false;
   Status fatal_error;                 // per session: with fatal_persist_errors, the first failed persist
   uint64_t snapshots = 0, persists = 0, failures = 0, skipped = 0;
   double last_persist_gbps = 0;
@@ -140,6 +143,9 @@ struct JobState {
   // process, another run or world size, or 10 minutes).
   std::optional<ResumePlan> resume_plan;
   bool planning = false;  // a rank is making the plan (off the lock): the others wait for it
+  // The ranks that asked for the latest, with their process then: those a plan made with the job's
+  // other daemons is published for (AgreeWithOtherDaemons).
+  std::map<uint32_t, uint64_t> plan_asks;
 };
 struct SessionInfo {
   std::string job;

@@ -538,6 +538,7 @@ Result<RegisterReply> Registrar::Register(const std::string& session_id, const R
   rank->run_id = Lineage::ChooseRunLocked(c_, *job, who.rank, *rank, reg, agreed.run, drawn_run);
   ApplyRegistration(reg, agreed.run, agreed.launch, agreed.error, rank);
   rank->memory_checkpoints = reg.memory_checkpoints && c_.memory->DiskSnapshotsHoldEverything(*rank->segment);
+  rank->declares_memory_checkpoints = reg.memory_checkpoints;
   job->topology = topology;
   const RankSegment& seg = *rank->segment;
   RegisterReply reply = ReplyOf(seg, c_.Slots(seg).size(), rank->run_id);

@@ -340,7 +340,14 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
   c_.memory->FetchPeerReplica(job, rank_id, deadline, planned ? 0 : step);
   if (planned) {
     // The ranks of a job must restore the same step: the job's plan says which, and where from.
-    ASSIGN_OR_RETURN(ResumePlan plan, ResumePlanFor(session_id, deadline, timeout));
+    Result<ResumePlan> planned_step = ResumePlanFor(session_id, deadline, timeout);
+    {
+      // Its ask is answered: a view published later for the job (its next resume) must not show
+      // this process as asking again before it does.
+      MutexLock lock(&c_.mu_);
+      if (auto it = c_.jobs_.find(job); it != c_.jobs_.end()) it->second.plan_asks.erase(rank_id);
+    }
+    ASSIGN_OR_RETURN(ResumePlan plan, std::move(planned_step));
     if (!plan.found || plan.tier == SlotTier::kDisk) {
       out.step = plan.step;  // 0 (none): the caller finds that there is none
       return out;

@@ -56,6 +56,14 @@ class Restorer {
   Result<ResumePlan> MakeResumePlan(const std::string& job, uint32_t world_size,
                                     std::chrono::steady_clock::time_point deadline,
                                     std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
+  // The plan of a job not all of whose ranks are here: agreed with the job's other daemons through
+  // the root (resume_agreement.h), once every rank of the world has asked its daemon. `latest`:
+  // the newest complete step on disk as this daemon sees it.
+  Result<ResumePlan> AgreeWithOtherDaemons(const std::string& job, uint32_t world_size, std::optional<int64_t> latest,
+                                           std::chrono::steady_clock::time_point deadline,
+                                           std::chrono::milliseconds timeout) EXCLUDES(c_.mu_);
+  // Whether every rank 0..world_size-1 of `job` is registered here with that world size.
+  static bool AllRanksHereLocked(const Core& c_, const JobState& job, uint32_t world_size) REQUIRES(c_.mu_);
   // The job's plan chose memory checkpoint `step`, which this rank no longer holds or which failed
   // its checksums: the plan keeps the error for the ranks that take it later (until their new
   // processes make another plan), and the error says to restore every rank again, since the

@@ -1,9 +1,13 @@
-// The resume planner: the step every rank of a job restores (ResumePlanFor, MakeResumePlan), and
-// when an agreed plan no longer holds (a memory checkpoint it counted on lost or overtaken).
+// The resume planner: the step every rank of a job restores (ResumePlanFor, MakeResumePlan; with
+// the job's other daemons, AgreeWithOtherDaemons), and when an agreed plan no longer holds (a
+// memory checkpoint it counted on lost or overtaken).
+
+#include <algorithm>
 
 #include "common/base/log.h"
 #include "daemon/core/memory_tier.h"
 #include "daemon/core/restorer.h"
+#include "daemon/core/resume_agreement.h"
 
 namespace flashckpt {
 
@@ -19,6 +23,7 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
       rank_id = c_.sessions_[session_id].rank;
       world_size = rank->topology.world_size;
       JobState& state = c_.jobs_[job];
+      state.plan_asks[rank_id] = rank->process;  // before any wait: a plan being made includes it
       auto& plan = state.resume_plan;
       if (plan && PlanStaleLocked(c_, state, *plan, *rank)) plan.reset();
       if (plan) {
@@ -26,12 +31,15 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
         plan->taken[rank_id] = rank->process;  // a retry of the same process takes it again
         return *plan;
       }
-      // A job none of whose ranks holds a memory checkpoint here (kept or queued) needs no plan:
-      // each rank reads the latest complete checkpoint, as it always has.
+      // A job none of whose ranks here holds a memory checkpoint (kept or queued) or says it takes
+      // them needs no plan: each rank reads the latest complete checkpoint, as it always has. One
+      // that does and has ranks elsewhere agrees with their daemons (MakeResumePlan): they may hold
+      // newer steps, or this daemon's ranks may hold none yet (a node that replaced a lost one).
       bool memory = false;
       for (const auto& [r, other] : state.ranks) {
-        memory = memory || (other.segment && (!c_.Slots(*other.segment).ResidentSteps().empty() ||
-                                              !c_.MemoryPending(*other.segment).empty()));
+        memory = memory || other.declares_memory_checkpoints ||
+                 (other.segment && (!c_.Slots(*other.segment).ResidentSteps().empty() ||
+                                    !c_.MemoryPending(*other.segment).empty()));
       }
       if (!memory && !state.planning) return ResumePlan{};
       if (!state.planning) {
@@ -76,6 +84,14 @@ Result<ResumePlan> Restorer::MakeResumePlan(const std::string& job, uint32_t wor
   }
   // Newer replicas of the ranks on the peers join their memory checkpoints.
   for (uint32_t r = 0; r < world_size; ++r) c_.memory->FetchPeerReplica(job, r, deadline);
+  bool all_here = false;
+  {
+    MutexLock lock(&c_.mu_);
+    auto it = c_.jobs_.find(job);
+    if (it == c_.jobs_.end()) return plan;
+    all_here = AllRanksHereLocked(c_, it->second, world_size);
+  }
+  if (!all_here) return AgreeWithOtherDaemons(job, world_size, latest, deadline, timeout);
   // Memory only when every rank of the job has its segment here and their pending checksums are
   // computed: then the steps all of them hold.
   std::vector<std::shared_ptr<RankSegment>> segments;
@@ -126,6 +142,75 @@ Result<ResumePlan> Restorer::MakeResumePlan(const std::string& job, uint32_t wor
     }
   }
   return plan;
+}
+
+bool Restorer::AllRanksHereLocked(const Core& c_, const JobState& job, uint32_t world_size) {
+  for (uint32_t r = 0; r < world_size; ++r) {
+    auto rank = job.ranks.find(r);
+    if (rank == job.ranks.end() || !rank->second.segment || rank->second.topology.world_size != world_size) return false;
+  }
+  return true;
+}
+
+Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint32_t world_size,
+                                                   std::optional<int64_t> latest,
+                                                   std::chrono::steady_clock::time_point deadline,
+                                                   std::chrono::milliseconds timeout) {
+  ResumeAgreement agreement(c_.catalog_.JobDir(job) + "/.resume", c_.instance_, c_.RootIo(), c_.clock_);
+  for (;;) {
+    // The ranks that asked this daemon (their process still the one that asked), each with the
+    // memory checkpoints held of it here once their checksums are computed.
+    std::vector<RankView> mine;
+    {
+      MutexLock lock(&c_.mu_);
+      auto it = c_.jobs_.find(job);
+      if (it == c_.jobs_.end()) return NotFound("job '" + job + "' was released while its ranks chose a step");
+      for (const auto& [r, process] : it->second.plan_asks) {
+        auto rank = it->second.ranks.find(r);
+        if (r >= world_size || rank == it->second.ranks.end() || rank->second.process != process ||
+            !rank->second.segment || rank->second.topology.world_size != world_size) {
+          continue;
+        }
+        bool pending = false;
+        for (const auto& p : c_.MemoryPending(*rank->second.segment)) pending = pending || !p.resident->dropped.load();
+        if (pending) continue;  // published once its last memory checkpoints are checksummed
+        mine.push_back(RankView{r, c_.instance_ + "-" + std::to_string(process),
+                                c_.Slots(*rank->second.segment).ResidentSteps()});
+      }
+    }
+    Result<std::optional<AgreedPlan>> round = agreement.Round(world_size, mine, latest.value_or(0));
+    if (!round.ok() || *round) agreement.Withdraw();
+    if (!round.ok()) return round.status().WithContext("agreeing with the job's other daemons on the step to restore");
+    if (*round) {
+      const AgreedPlan& agreed = **round;
+      ResumePlan plan;
+      plan.made = c_.clock_.Now();
+      plan.found = agreed.found;
+      plan.step = agreed.step;
+      plan.tier = agreed.memory ? SlotTier::kMemory : SlotTier::kDisk;
+      Logger("restore")->info("resume agreed job={} step={} from={} ranks={} here={} plan={}", job, plan.step,
+                              agreed.memory ? "memory" : "disk", world_size, mine.size(), agreed.file);
+      return plan;
+    }
+    const auto now = c_.clock_.Now();
+    if (now >= deadline) {
+      std::string missing;
+      for (uint32_t r : agreement.missing()) {
+        if (missing.size() > 200) {
+          missing += ", ...";
+          break;
+        }
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      agreement.Withdraw();
+      return DeadlineExceeded("the daemons of job '" + job + "' did not agree on the step to restore within " +
+                              std::to_string(timeout.count()) + " ms: no daemon published rank(s) " + missing +
+                              " (every rank of the job asks its daemon for the latest step; they meet in " +
+                              c_.catalog_.JobDir(job) + "/.resume)");
+    }
+    MutexLock lock(&c_.mu_);
+    (void)c_.clock_.WaitUntil(&c_.cv_, &lock, std::min(deadline, now + std::chrono::milliseconds(50)));
+  }
 }
 
 Status Restorer::PlanLostLocked(Core& c_, const std::string& job, int64_t step, StatusCode code, const std::string& why) {

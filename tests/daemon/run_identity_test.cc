@@ -545,6 +545,17 @@ std::unique_ptr<Client> UnnamedRank(const InProcessDaemon& d, const std::string&
   return registered.ok() ? std::move(c) : nullptr;
 }
 
+// Ranks a and b (one on each of two daemons) restore the latest at once, as a job's ranks do: their
+// daemons agree on the step through the root, once both have asked.
+void RestoreLatestTogether(Client& a, std::vector<float>& wa, Client& b, std::vector<float>& wb) {
+  Status by_b;
+  std::thread other([&] { by_b = b.Restore(std::nullopt, {{"w", wb.data(), 64}}, 10s).status(); });
+  Status by_a = a.Restore(std::nullopt, {{"w", wa.data(), 64}}, 10s).status();
+  other.join();
+  EXPECT_OK(by_a);
+  EXPECT_OK(by_b);
+}
+
 // Two daemons on one root, one rank of a job on each, neither naming a run: they agree on the run
 // through the root's launches, and a relaunch is a new run, again the same on both.
 TEST(RunTest, RanksOnTwoDaemonsThatNameNoRunShareTheLaunchsRun) {
@@ -564,10 +575,7 @@ TEST(RunTest, RanksOnTwoDaemonsThatNameNoRunShareTheLaunchsRun) {
     }
     std::vector<float> wa(16, 1.f), wb(16, 2.f);
     const int64_t step = 10 * (launch + 1);
-    if (launch > 0) {  // a relaunch resumes (a fresh start would be refused by the lineage)
-      ASSERT_OK(a->Restore(std::nullopt, {{"w", wa.data(), 64}}, 10s).status());
-      ASSERT_OK(b->Restore(std::nullopt, {{"w", wb.data(), 64}}, 10s).status());
-    }
+    if (launch > 0) RestoreLatestTogether(*a, wa, *b, wb);  // a relaunch resumes (a fresh start would be refused)
     ASSERT_OK(a->Snapshot(step, {{"w", wa.data(), 64}}, {}).status());
     ASSERT_OK(b->Snapshot(step, {{"w", wb.data(), 64}}, {}).status());
     ASSERT_OK(a->WaitComplete(step, 10s));
@@ -654,8 +662,7 @@ TEST(RunTest, AnEarlierAttemptsPartOnAnotherDaemonIsNoSplit) {
   auto a = UnnamedRank(d1, job, 0, "new-run");
   auto b = UnnamedRank(d2, job, 1, "new-run");
   ASSERT_TRUE(a && b);
-  ASSERT_OK(a->Restore(std::nullopt, {{"w", wa.data(), 64}}, 10s).status());
-  ASSERT_OK(b->Restore(std::nullopt, {{"w", wb.data(), 64}}, 10s).status());
+  RestoreLatestTogether(*a, wa, *b, wb);
   ASSERT_OK(b->Snapshot(20, {{"w", wb.data(), 64}}, {}).status());
   ASSERT_OK(b->WaitPersisted(20, 10s));  // beside rank 0's part of the old run: every part present
   ASSERT_OK(a->Snapshot(20, {{"w", wa.data(), 64}}, {}).status());

@@ -10,8 +10,9 @@ certificates made here by openssl (a CA; one certificate per node, its name and 
      once every rank's step 27 is kept, and the peer holds the replicas.
   2. Node 2 dies (SIGKILL of its namespace: its daemon, its ranks, its /dev/shm); the other ranks
      are SIGKILLed (the job restarts). A fresh node 2 (same address and flags, nothing in memory)
-     joins, and all 8 ranks resume step 27 (--resume-step 27: the step every rank has a copy of,
-     here or on a peer): node 2's ranks from the peer's replicas (from=peer), the others from their
+     joins, and all 8 ranks resume the latest (--resume, no step given): the daemons agree, through
+     the shared root, on step 27, the newest every rank has a copy of here or on a peer (the disk's
+     newest is 20): node 2's ranks from the peer's replicas (from=peer), the others from their
      node's memory, every element checked against the simulator's formula. They run on to step 33
      and hold there.
   3. Nodes 1 and 2 die together (node 2 held node 1's replicas, node 3 holds node 2's): node 1's
@@ -230,13 +231,14 @@ def run(ring):
     ring.kill_all_ranks()
     ring.kill_node(2)
     ring.start_node(2)
-    procs = ring.sims_run("second", ["--steps", "100", "--resume-step", "27", "--hold-after", "33"])
+    procs = ring.sims_run("second", ["--steps", "100", "--resume", "--hold-after", "33"])
     got = resumed(procs)
     for rank in range(WORLD):
         want = (27, "peer" if rank // PER_NODE == 2 else "memory")
         check(got[rank] == want, "rank %d resumed step=%d from=%s, expected step=%d from=%s" %
               ((rank,) + got[rank] + want))
-    log("all %d ranks resumed step 27 bit-exact: node2's from the peer's replicas, the others from memory" % WORLD)
+    log("all %d ranks resumed the latest, step 27, bit-exact: node2's from the peer's replicas, the others from "
+        "memory" % WORLD)
     wait_holding(procs, 33)
     ring.wait_replicated(33)
 

@@ -251,7 +251,12 @@ class FLASHCKPT_API Client {
   // is never restored: it is dropped and the files are read, overwriting whatever of it was copied;
   // when there is no file to read, this fails with kCorruption instead of answering found=false.
   // The checkpoint may have been saved in another parallel layout: the daemon reads the parts of it
-  // this rank's tensors cover.
+  // this rank's tensors cover. In a job of several ranks, nullopt restores the job's plan: the
+  // newest memory step every rank holds (here or as a peer's replica), unless the disk has a newer
+  // complete one, on every rank alike. In a job that takes memory checkpoints (ClientOptions::
+  // memory_checkpoints) the ranks served by other daemons are agreed with through the root: every
+  // rank of the job must then ask for the latest within `timeout` (else kDeadlineExceeded, naming
+  // the ranks that did not).
   Result<RestoreResult> Restore(std::optional<int64_t> step, const std::vector<TensorBuffer>& buffers,
                                 std::chrono::milliseconds timeout, const RestoreOptions& options = {});
 
