@@ -148,6 +148,7 @@ class Core {
   CondVar cv_;
   uint64_t registering_bytes_ GUARDED_BY(mu_) = 0;  // reserved by registrations making their segments
   bool stopping_ GUARDED_BY(mu_) = false;
+  uint64_t processes_seen_ GUARDED_BY(mu_) = 0;  // RankState::process_token's count
   uint64_t stop_finished_ GUARDED_BY(mu_) = 0;   // persists finished in Stop
   uint64_t stop_abandoned_ GUARDED_BY(mu_) = 0;  // and abandoned
   // What each connected rank had persisted, failed and abandoned when the stop was done with the

@@ -59,6 +59,10 @@ struct RankState {
   // last_persisted and `failed` only while its process is the rank's (WaitPersisted of a new
   // process is never answered by its predecessor's steps).
   uint64_t process = 0;
+  // The same process among every process of every rank this daemon process ever served (its
+  // instance id and a count that is never reset, also when the job is released): it names the
+  // trainer to the job's other daemons (ResumeAgreement).
+  std::string process_token;
   Attempt attempt() const { return Attempt{run_id, resumed_from}; }
   // The number its replicas carry for the attempt (ReplicaHeader.attempt): the wall-clock ms at
   // which this daemon numbered attempt `numbered` in this process (`numbered_process`): at the

@@ -343,9 +343,14 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
     Result<ResumePlan> planned_step = ResumePlanFor(session_id, deadline, timeout);
     {
       // Its ask is answered: a view published later for the job (its next resume) must not show
-      // this process as asking again before it does.
+      // this process as asking again before it does. (Only its own ask: a newer process's stays.)
       MutexLock lock(&c_.mu_);
-      if (auto it = c_.jobs_.find(job); it != c_.jobs_.end()) it->second.plan_asks.erase(rank_id);
+      auto rank = c_.RankOf(session_id, true);
+      auto it = c_.jobs_.find(job);
+      if (rank.ok() && it != c_.jobs_.end()) {
+        auto ask = it->second.plan_asks.find(rank_id);
+        if (ask != it->second.plan_asks.end() && ask->second == (*rank)->process) it->second.plan_asks.erase(ask);
+      }
     }
     ASSIGN_OR_RETURN(ResumePlan plan, std::move(planned_step));
     if (!plan.found || plan.tier == SlotTier::kDisk) {

@@ -3,6 +3,7 @@
 #include "daemon/core/resume_agreement.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,6 +60,7 @@ std::optional<View> ParseView(const std::string& text, uint32_t world) {
   }
   View v;
   v.written_ms = written->get<int64_t>();
+  if (v.written_ms < 0) return std::nullopt;
   v.disk = disk->get<int64_t>();
   for (const json& r : *ranks) {
     if (!r.is_object()) return std::nullopt;
@@ -197,7 +199,10 @@ Result<std::optional<AgreedPlan>> ResumeAgreement::Round(uint32_t world, const s
       auto text = ReadSmallFile(dir_ + "/" + name, kMaxFileBytes, io_);
       if (!text.ok()) continue;
       auto view = ParseView(*text, world);
-      if (!view || now_ms - view->written_ms > kViewFresh.count()) continue;  // another world, or a resume over
+      // Another world, a resume that is over, or a time ahead of this clock by more than it may be.
+      if (!view || now_ms - view->written_ms > kViewFresh.count() || view->written_ms - now_ms > kViewFresh.count()) {
+        continue;
+      }
       views.push_back(std::move(*view));
     }
   }
@@ -246,13 +251,26 @@ Result<std::optional<AgreedPlan>> ResumeAgreement::Round(uint32_t world, const s
                     {"ranks", std::move(tokens)}};
   const std::string text = doc.dump();
   plan.file = dir_ + "/" + kPlanPrefix + Hex16(Xxh3(key.data(), key.size())) + kSuffix;
-  // The first daemon to create the file decides; one that finds it there takes its decision.
-  const int fd = io_->Open(plan.file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0 && errno == EEXIST) return FindPlan(world, mine);
-  if (fd < 0) return ErrnoStatus("create", plan.file);
-  UniqueFd owned(fd);
-  RETURN_IF_ERROR(PwriteFull(fd, text.data(), text.size(), 0, plan.file, io_));
-  if (io_->Fsync(fd) != 0) return ErrnoStatus("fsync", plan.file);
+  // Written whole under a name of this daemon's, then linked to the plan's name: the first daemon
+  // to link it decides, one that finds the name taken reads that decision; no reader sees half a
+  // plan, and a daemon that dies while writing leaves only its temporary.
+  const std::string tmp = dir_ + "/.tmp." + daemon_ + "." + Hex16(Xxh3(key.data(), key.size()));
+  {
+    const int fd = io_->Open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus("create", tmp);
+    UniqueFd owned(fd);
+    Status written = PwriteFull(fd, text.data(), text.size(), 0, tmp, io_);
+    if (written.ok() && io_->Fsync(fd) != 0) written = ErrnoStatus("fsync", tmp);
+    if (!written.ok()) {
+      (void)io_->Unlink(tmp);
+      return written;
+    }
+  }
+  const int linked = ::link(tmp.c_str(), plan.file.c_str());
+  const int link_errno = errno;
+  (void)io_->Unlink(tmp);
+  if (linked != 0 && link_errno == EEXIST) return FindPlan(world, mine);
+  if (linked != 0) return ErrnoStatus("link " + tmp + " to", plan.file, link_errno);
   RETURN_IF_ERROR(FsyncDir(dir_, io_));
   return std::optional<AgreedPlan>(plan);
 }
@@ -267,13 +285,18 @@ void ResumeAgreement::Withdraw(std::chrono::milliseconds keep) {
     // Plans, and views their daemons left behind (they died waiting), after `keep`.
     const bool plan = HasForm(name, kPlanPrefix);
     if (!plan && !HasForm(name, kViewPrefix)) continue;
-    auto text = ReadSmallFile(dir_ + "/" + name, kMaxFileBytes, io_);
+    const std::string path = dir_ + "/" + name;
+    auto text = ReadSmallFile(path, kMaxFileBytes, io_);
     if (!text.ok()) continue;
     json j = json::parse(*text, nullptr, false);
     auto when = j.is_object() ? j.find(plan ? "made_ms" : "written_ms") : j.end();
-    if (when != j.end() && when->is_number_integer() && now_ms - when->get<int64_t>() > keep.count()) {
-      (void)io_->Unlink(dir_ + "/" + name);
+    int64_t at = -1;
+    if (when != j.end() && when->is_number_integer()) {
+      at = when->get<int64_t>();
+    } else if (struct stat st{}; io_->Stat(path, &st) == 0) {
+      at = static_cast<int64_t>(st.st_mtime) * 1000;  // a file that says no time: its own
     }
+    if (at >= 0 && now_ms - at > keep.count()) (void)io_->Unlink(path);
   }
 }
 

@@ -15,6 +15,7 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
                                          std::chrono::milliseconds timeout) {
   std::string job;
   uint32_t rank_id = 0, world_size = 1;
+  std::optional<RankView> alone;  // set: no plan here, but the job's other daemons hear of this rank
   {
     MutexLock lock(&c_.mu_);
     for (;;) {
@@ -41,7 +42,13 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
                  (other.segment && (!c_.Slots(*other.segment).ResidentSteps().empty() ||
                                     !c_.MemoryPending(*other.segment).empty()));
       }
-      if (!memory && !state.planning) return ResumePlan{};
+      if (!memory && !state.planning) {
+        if (AllRanksHereLocked(c_, state, world_size) || rank->process_token.empty()) return ResumePlan{};
+        // Ranks elsewhere may hold memory checkpoints and wait for every rank's view: this one's
+        // holds none, so they decide on the disk, which is what this rank reads.
+        alone = RankView{rank_id, rank->process_token, {}};
+        break;
+      }
       if (!state.planning) {
         state.planning = true;
         break;
@@ -51,6 +58,15 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
                                 std::to_string(timeout.count()) + " ms");
       }
     }
+  }
+  if (alone) {
+    ResumeAgreement agreement(c_.catalog_.JobDir(job) + "/.resume", c_.instance_, c_.RootIo(), c_.clock_);
+    ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));
+    Result<std::optional<AgreedPlan>> round = agreement.Round(world_size, {*alone}, latest.value_or(0));
+    if (!round.ok()) {
+      Logger("restore")->warn("resume view job={} rank={} not published: {}", job, rank_id, round.status().ToString());
+    }
+    return ResumePlan{};
   }
   Result<ResumePlan> made = MakeResumePlan(job, world_size, deadline, timeout);
   MutexLock lock(&c_.mu_);
@@ -161,8 +177,13 @@ Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint3
     // The ranks that asked this daemon (their process still the one that asked), each with the
     // memory checkpoints held of it here once their checksums are computed.
     std::vector<RankView> mine;
+    const auto round_began = c_.clock_.Now();
     {
       MutexLock lock(&c_.mu_);
+      if (c_.stopping_) {
+        agreement.Withdraw();
+        return Unavailable("the daemon is stopping");
+      }
       auto it = c_.jobs_.find(job);
       if (it == c_.jobs_.end()) return NotFound("job '" + job + "' was released while its ranks chose a step");
       for (const auto& [r, process] : it->second.plan_asks) {
@@ -174,8 +195,7 @@ Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint3
         bool pending = false;
         for (const auto& p : c_.MemoryPending(*rank->second.segment)) pending = pending || !p.resident->dropped.load();
         if (pending) continue;  // published once its last memory checkpoints are checksummed
-        mine.push_back(RankView{r, c_.instance_ + "-" + std::to_string(process),
-                                c_.Slots(*rank->second.segment).ResidentSteps()});
+        mine.push_back(RankView{r, rank->second.process_token, c_.Slots(*rank->second.segment).ResidentSteps()});
       }
     }
     Result<std::optional<AgreedPlan>> round = agreement.Round(world_size, mine, latest.value_or(0));
@@ -203,13 +223,19 @@ Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint3
         missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
       agreement.Withdraw();
+      const std::string why = missing.empty() ? "the plan made for these ranks could not be read"
+                                              : "no daemon published rank(s) " + missing;
       return DeadlineExceeded("the daemons of job '" + job + "' did not agree on the step to restore within " +
-                              std::to_string(timeout.count()) + " ms: no daemon published rank(s) " + missing +
+                              std::to_string(timeout.count()) + " ms: " + why +
                               " (every rank of the job asks its daemon for the latest step; they meet in " +
                               c_.catalog_.JobDir(job) + "/.resume)");
     }
+    // The next round in 50 ms (each reads the shared root: not on every wake-up of cv_), sooner
+    // when the daemon stops.
+    const auto next = std::min(deadline, round_began + std::chrono::milliseconds(50));
     MutexLock lock(&c_.mu_);
-    (void)c_.clock_.WaitUntil(&c_.cv_, &lock, std::min(deadline, now + std::chrono::milliseconds(50)));
+    while (!c_.stopping_ && c_.clock_.WaitUntil(&c_.cv_, &lock, next)) {
+    }
   }
 }
 

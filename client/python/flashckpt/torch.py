@@ -349,13 +349,29 @@ class Checkpointer:
             tracked = tensors.get(name)  # each EMA tensor has the name of the tensor it tracks
             device = tracked.device if isinstance(tracked, torch.Tensor) else None
             out[name] = torch.empty(shapes[name][1], dtype=torch.float32, device=device)
-        step, _ = self.client.ema(out, timeout=timeout)
-        if step is None:
-            raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is a "
-                                          "multiple of ema_interval first")
-        self.ema_step = step
-        if self._layout.dtensors:
+
+        def copy() -> Optional[int]:
+            if not out and self._layout.dtensors:
+                return None  # every tensor of this rank is written by another: no EMA of its own
+            step, _ = self.client.ema(out, timeout=timeout)
+            if step is None:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "the EMA has no update yet: save() a step that is "
+                                              "a multiple of ema_interval first")
+            return step
+
+        if not self._layout.dtensors:
+            self.ema_step = copy()
+        else:
+            # A collective: every rank learns whether any failed (and raises), and that all hold
+            # the EMA of one step, before the boxes are exchanged.
             group = _torch_agree.process_group(self._process_group, self._world_size)
+            step = _torch_agree.stage(group, "copy the daemon's EMA", copy)
+            steps = {s for s in (_torch_agree.gather(group, step) if group is not None else [step]) if s is not None}
+            if len(steps) > 1:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "the ranks' EMAs are of different steps (%s): "
+                                              "save() the same steps on every rank (the loss gate, ema_loss_threshold, "
+                                              "is decided per rank)" % sorted(steps))
+            self.ema_step = next(iter(steps), None)
             out = _torch_dtensor.ema_of_holders(out, self._layout.dtensors, self._layout.others, tensors, group)
         if len(model_keys) != 1:
             return out
