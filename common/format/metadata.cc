@@ -415,9 +415,15 @@ Result<FilePart> FilePartFromHeader(const std::string& path, const std::string& 
 
 }  // namespace
 
-Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
-                                                  IoEnv* io, ParallelLoop* loop,
-                                                  const std::map<std::string, const SignalHeader*>* recorded) {
+namespace {
+
+// Each of the named *.safetensors files' part of the metadata (sorted by name, each once; other
+// names are left out), built on the loop's threads when there is one, from its header: the one
+// its rank's signal records, or else the one read from the file (on a network file system each
+// open and read waits for a round trip, and a job has thousands of files).
+std::vector<std::pair<std::string, Result<FilePart>>> ReadFileParts(
+    const std::string& dir, std::vector<std::string> names, IoEnv* io, ParallelLoop* loop,
+    const std::map<std::string, const SignalHeader*>* recorded) {
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   names.erase(std::remove_if(names.begin(), names.end(),
@@ -426,16 +432,14 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
                                       name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0;
                              }),
               names.end());
-  // Each file's part is built on the loop's threads when there is one, from its header: the one
-  // its rank's signal records, or else the one read from the file (on a network file system each
-  // open and read waits for a round trip, and a job has thousands of files). What is left here is
-  // checking that the parts agree and gathering them.
-  std::vector<Result<FilePart>> parts(names.size(), Result<FilePart>(Internal("not read")));
+  std::vector<std::pair<std::string, Result<FilePart>>> parts;
+  parts.reserve(names.size());
+  for (std::string& n : names) parts.emplace_back(std::move(n), Result<FilePart>(Internal("not read")));
   auto read = [&](size_t i) {
-    const std::string path = dir + "/" + names[i];
+    const std::string path = dir + "/" + parts[i].first;
     const SignalHeader* known = nullptr;
     if (recorded != nullptr) {
-      auto it = recorded->find(names[i]);
+      auto it = recorded->find(parts[i].first);
       if (it != recorded->end()) known = it->second;
     }
     Result<SafetensorsHeader> header = Internal("not read");
@@ -446,21 +450,31 @@ Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::v
       if (!header.ok()) header = header.status().WithContext(path + " (the header its rank's signal records)");
     }
     if (!header.ok()) {
-      parts[i] = header.status();
+      parts[i].second = header.status();
       return;
     }
-    parts[i] = FilePartFromHeader(path, names[i], *header);
+    parts[i].second = FilePartFromHeader(path, parts[i].first, *header);
   };
   if (loop != nullptr) {
-    loop->Run(names.size(), read);
+    loop->Run(parts.size(), read);
   } else {
-    for (size_t i = 0; i < names.size(); ++i) read(i);
+    for (size_t i = 0; i < parts.size(); ++i) read(i);
   }
+  return parts;
+}
+
+}  // namespace
+
+Result<CheckpointMetadata> BuildMetadataFromFiles(const std::string& dir, std::vector<std::string> names,
+                                                  IoEnv* io, ParallelLoop* loop,
+                                                  const std::map<std::string, const SignalHeader*>* recorded) {
+  // What is left here, after the parts are read, is checking that they agree and gathering them.
+  auto parts = ReadFileParts(dir, std::move(names), io, loop, recorded);
   CheckpointMetadata meta;
   bool first = true;
-  for (size_t i = 0; i < names.size(); ++i) {
-    const std::string path = dir + "/" + names[i];
-    ASSIGN_OR_RETURN(FilePart part, std::move(parts[i]));
+  for (auto& [name, read] : parts) {
+    const std::string path = dir + "/" + name;
+    ASSIGN_OR_RETURN(FilePart part, std::move(read));
     const Topology& t = part.topology;
     if (first) {
       meta.format_version = part.format_version;
@@ -576,18 +590,16 @@ void AppendPiece(std::string* out, const Piece& p, std::string_view file) {
 
 }  // namespace
 
-MetadataText MetadataToText(const CheckpointMetadata& meta) {
-  // The pieces by tensor name (sorted), each name's in the order of meta.pieces.
-  std::map<std::string_view, std::vector<const Piece*>> by_key;
-  for (const Piece& p : meta.pieces) by_key[p.key].push_back(&p);
-  std::map<std::string_view, std::string> file_json;  // each file name as a JSON string, made once
-  for (const SavedFile& f : meta.files) {
-    auto [it, added] = file_json.try_emplace(f.name);
-    if (added) AppendString(&it->second, f.name);  // a name listed twice is still written twice
-  }
+namespace {
 
+// metadata.json and its index: the head of `meta` (its pieces are not read here), then the list of
+// each of `keys` (sorted, each once), which `append(i, &out)` writes for keys[i] as
+// "\n   {piece},\n   {piece}" (about `pieces_bytes` in all); the index lists `kinds`.
+template <typename AppendPieces>
+MetadataText TextOf(const CheckpointMetadata& meta, const std::vector<std::string_view>& keys,
+                    const std::vector<TensorKind>& kinds, size_t pieces_bytes, AppendPieces append) {
   std::string out;
-  out.reserve(1024 + meta.files.size() * 128 + meta.pieces.size() * 256);
+  out.reserve(1024 + meta.files.size() * 128 + pieces_bytes);
   out += "{\n \"format\": \"flashckpt\",\n \"format_version\": ";
   AppendInt<int64_t>(&out, meta.format_version);
   out += ",\n \"job\": ";
@@ -628,7 +640,7 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   for (size_t i = 0; i < meta.files.size(); ++i) {
     const SavedFile& f = meta.files[i];
     out += i == 0 ? "\n  {\"name\":" : ",\n  {\"name\":";
-    out += file_json[f.name];
+    AppendString(&out, f.name);
     out += ",\"rank\":";
     AppendU64(&out, f.rank);
     out += ",\"tp_rank\":";
@@ -646,30 +658,19 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   const size_t head_end = out.size();
   out += ",\n \"tensors\": {";
   struct Range {
-    std::string_view key;
     size_t begin, end;
   };
   std::vector<Range> ranges;
-  ranges.reserve(by_key.size());
-  bool first_key = true;
-  for (const auto& [key, pieces] : by_key) {
-    out += first_key ? "\n  " : ",\n  ";
-    first_key = false;
-    AppendString(&out, key);
+  ranges.reserve(keys.size());
+  for (size_t k = 0; k < keys.size(); ++k) {
+    out += k == 0 ? "\n  " : ",\n  ";
+    AppendString(&out, keys[k]);
     out += ": ";
     const size_t begin = out.size();
     out += "[";
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      out += i == 0 ? "\n   " : ",\n   ";
-      auto file = file_json.find(pieces[i]->file);
-      if (file == file_json.end()) {  // a piece of a file not in the list (the parser refuses it)
-        file = file_json.emplace(pieces[i]->file, std::string()).first;
-        AppendString(&file->second, pieces[i]->file);
-      }
-      AppendPiece(&out, *pieces[i], file->second);
-    }
+    append(k, &out);
     out += "\n  ]";
-    ranges.push_back(Range{key, begin, out.size()});
+    ranges.push_back(Range{begin, out.size()});
   }
   out += "\n }\n}\n";
 
@@ -687,7 +688,7 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   index += ChecksumHex(Xxh3(out.data(), head_end));
   index += "\"],\n \"kinds\": [";
   bool first_kind = true;
-  for (TensorKind kind : KindsOfPieces(meta.pieces)) {
+  for (TensorKind kind : kinds) {
     index += first_kind ? "\"" : ",\"";
     first_kind = false;
     index += TensorKindName(kind);
@@ -696,7 +697,7 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   index += "],\n \"tensors\": {";
   for (size_t i = 0; i < ranges.size(); ++i) {
     index += i == 0 ? "\n  " : ",\n  ";
-    AppendString(&index, ranges[i].key);
+    AppendString(&index, keys[i]);
     index += ": [";
     AppendU64(&index, ranges[i].begin);
     index += ",";
@@ -709,10 +710,184 @@ MetadataText MetadataToText(const CheckpointMetadata& meta) {
   return MetadataText{std::move(out), std::move(index)};
 }
 
+// The kinds among `kinds` (in any order, repeated or not), each once, in the enum's order.
+std::vector<TensorKind> KindsInOrder(const std::vector<TensorKind>& kinds) {
+  std::vector<TensorKind> out;
+  for (TensorKind kind : {TensorKind::kModel, TensorKind::kOptimizer, TensorKind::kMasterWeight, TensorKind::kEma}) {
+    if (std::find(kinds.begin(), kinds.end(), kind) != kinds.end()) out.push_back(kind);
+  }
+  return out;
+}
+
+}  // namespace
+
+namespace {
+
+// A file's part, rendered: its pieces as metadata.json lists them, by tensor in the file's order.
+Result<RenderedFile> RenderedFromPart(FilePart part) {
+  RenderedFile r;
+  r.format_version = part.format_version;
+  r.job = std::move(part.job);
+  r.step = part.step;
+  r.topology = part.topology;
+  if (part.ema_file) {
+    ASSIGN_OR_RETURN(EmaRecord record, std::move(part.ema));
+    r.ema = std::move(record);
+  }
+  std::string file_json;
+  AppendString(&file_json, part.file.name);
+  r.file = std::move(part.file);
+  r.pieces = part.pieces.size();
+  std::vector<TensorKind> kinds;
+  for (const Piece& p : part.pieces) {
+    kinds.push_back(p.kind);
+    auto it = std::find_if(r.tensors.rbegin(), r.tensors.rend(), [&](const auto& t) { return t.first == p.key; });
+    std::string* text = nullptr;
+    if (it == r.tensors.rend()) {
+      r.tensors.emplace_back(p.key, std::string());
+      text = &r.tensors.back().second;
+    } else {
+      text = &it->second;
+      *text += ",\n   ";
+    }
+    AppendPiece(text, p, file_json);
+  }
+  r.kinds = KindsInOrder(kinds);
+  return r;
+}
+
+}  // namespace
+
+MetadataText MetadataToText(const CheckpointMetadata& meta) {
+  // The pieces by tensor name (sorted), each name's in the order of meta.pieces.
+  std::map<std::string_view, std::vector<const Piece*>> by_key;
+  for (const Piece& p : meta.pieces) by_key[p.key].push_back(&p);
+  std::map<std::string_view, std::string> file_json;  // each file name as a JSON string, made once
+  for (const SavedFile& f : meta.files) {
+    auto [it, added] = file_json.try_emplace(f.name);
+    if (added) AppendString(&it->second, f.name);
+  }
+  std::vector<std::string_view> keys;
+  std::vector<const std::vector<const Piece*>*> lists;
+  keys.reserve(by_key.size());
+  lists.reserve(by_key.size());
+  for (const auto& [key, pieces] : by_key) {
+    keys.push_back(key);
+    lists.push_back(&pieces);
+  }
+  return TextOf(meta, keys, KindsOfPieces(meta.pieces), meta.pieces.size() * 256, [&](size_t k, std::string* out) {
+    const std::vector<const Piece*>& pieces = *lists[k];
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      *out += i == 0 ? "\n   " : ",\n   ";
+      auto file = file_json.find(pieces[i]->file);
+      if (file == file_json.end()) {  // a piece of a file not in the list (the parser refuses it)
+        file = file_json.emplace(pieces[i]->file, std::string()).first;
+        AppendString(&file->second, pieces[i]->file);
+      }
+      AppendPiece(out, *pieces[i], file->second);
+    }
+  });
+}
+
+Result<RenderedFile> RenderFile(const std::string& path, const std::string& name, const SafetensorsHeader& header) {
+  ASSIGN_OR_RETURN(FilePart part, FilePartFromHeader(path, name, header));
+  return RenderedFromPart(std::move(part));
+}
+
+Result<std::vector<RenderedFile>> RenderFiles(const std::string& dir, std::vector<std::string> names, IoEnv* io,
+                                              ParallelLoop* loop,
+                                              const std::map<std::string, const SignalHeader*>* recorded) {
+  auto parts = ReadFileParts(dir, std::move(names), io, loop, recorded);
+  std::vector<RenderedFile> out;
+  out.reserve(parts.size());
+  for (auto& [name, read] : parts) {
+    ASSIGN_OR_RETURN(FilePart part, std::move(read));
+    ASSIGN_OR_RETURN(RenderedFile file, RenderedFromPart(std::move(part)));
+    out.push_back(std::move(file));
+  }
+  return out;
+}
+
+Result<MetadataText> MetadataTextOfRendered(const std::string& dir, std::vector<const RenderedFile*> files,
+                                            CheckpointMetadata* head) {
+  std::sort(files.begin(), files.end(),
+            [](const RenderedFile* a, const RenderedFile* b) { return a->file.name < b->file.name; });
+  CheckpointMetadata meta;
+  meta.run_id = std::move(head->run_id);
+  meta.resumed_from = head->resumed_from;
+  // Agreement, as BuildMetadataFromFiles checks it; the first ema file's record is the checkpoint's.
+  // A file listed twice (by two signals, or a signal and a part) counts once if both say the same,
+  // as BuildMetadataFromFiles reads each name once.
+  auto same = [](const RenderedFile& a, const RenderedFile& b) {
+    return a.file.rank == b.file.rank && a.file.bytes == b.file.bytes && a.tensors == b.tensors;
+  };
+  std::vector<const RenderedFile*> unique;
+  unique.reserve(files.size());
+  for (const RenderedFile* f : files) {
+    if (!unique.empty() && unique.back()->file.name == f->file.name) {
+      if (!same(*unique.back(), *f)) return Corruption(dir + "/" + f->file.name + ": described two ways in " + dir);
+      continue;
+    }
+    unique.push_back(f);
+  }
+  files = std::move(unique);
+  std::vector<TensorKind> kinds;
+  size_t text_bytes = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const RenderedFile& f = *files[i];
+    const std::string path = dir + "/" + f.file.name;
+    const Topology& t = f.topology;
+    if (i == 0) {
+      meta.format_version = f.format_version;
+      meta.job = f.job;
+      meta.step = f.step;
+      meta.topology = t;
+    } else if (f.format_version != meta.format_version) {
+      return Corruption(path + ": format_version " + std::to_string(f.format_version) +
+                        " differs from the other files' " + std::to_string(meta.format_version) + " in " + dir);
+    } else if (meta.job != f.job || meta.step != f.step || meta.topology.world_size != t.world_size ||
+               meta.topology.tp_degree != t.tp_degree || meta.topology.pp_degree != t.pp_degree ||
+               meta.topology.shard_degree != t.shard_degree) {
+      return Corruption(path + ": job, step or topology differs from the other files of " + dir);
+    }
+    if (f.ema && !meta.ema) meta.ema = f.ema;
+    kinds.insert(kinds.end(), f.kinds.begin(), f.kinds.end());
+    for (const auto& [key, text] : f.tensors) text_bytes += text.size() + 8;
+    meta.files.push_back(f.file);
+  }
+  if (files.empty()) return NotFound("no .safetensors files in " + dir);
+  meta.created = head->created.empty() ? NowUtc() : head->created;
+  // Each tensor's lists, in the order of the files (sorted by name), as MetadataToText orders them.
+  std::map<std::string_view, std::vector<const std::string*>> by_key;
+  for (const RenderedFile* f : files) {
+    for (const auto& [key, text] : f->tensors) by_key[key].push_back(&text);
+  }
+  std::vector<std::string_view> keys;
+  std::vector<const std::vector<const std::string*>*> lists;
+  for (const auto& [key, texts] : by_key) {
+    keys.push_back(key);
+    lists.push_back(&texts);
+  }
+  MetadataText text = TextOf(meta, keys, KindsInOrder(kinds), text_bytes, [&](size_t k, std::string* out) {
+    const auto& texts = *lists[k];
+    for (size_t i = 0; i < texts.size(); ++i) {
+      *out += i == 0 ? "\n   " : ",\n   ";
+      *out += *texts[i];
+    }
+  });
+  meta.pieces.clear();
+  *head = std::move(meta);
+  head->kinds_saved = KindsInOrder(kinds);
+  return text;
+}
+
 std::string MetadataToJson(const CheckpointMetadata& meta) { return MetadataToText(meta).json; }
 
 Status WriteMetadataFiles(const std::string& dir, const CheckpointMetadata& meta, IoEnv* io) {
-  MetadataText text = MetadataToText(meta);
+  return WriteMetadataText(dir, MetadataToText(meta), io);
+}
+
+Status WriteMetadataText(const std::string& dir, const MetadataText& text, IoEnv* io) {
   // The index first: metadata.json completes the checkpoint, and a reader that finds it finds its
   // index. A reader also checks the index against metadata.json (size and checksums) and reads the
   // whole file when they disagree, so an index left from an earlier write is never trusted.

@@ -131,6 +131,40 @@ std::string MetadataToJson(const CheckpointMetadata& meta);  // MetadataToText(m
 // Writes metadata.index.json then metadata.json into `dir`, each durably (WriteFileDurably):
 // metadata.json last, since it makes the checkpoint complete.
 Status WriteMetadataFiles(const std::string& dir, const CheckpointMetadata& meta, IoEnv* io = IoEnv::Default());
+// The same, of text made already (MetadataToText, MetadataTextOfRendered).
+Status WriteMetadataText(const std::string& dir, const MetadataText& text, IoEnv* io = IoEnv::Default());
+
+// A file's share of metadata.json, rendered from its header before the completion: the daemon that
+// writes a rank's files renders them as it writes the rank's signal, so that the completion of a
+// step of thousands of ranks joins text instead of parsing a header per file on its critical path
+// (daemon/pipeline/node_parts.h).
+struct RenderedFile {
+  int format_version = 0;
+  std::string job;
+  int64_t step = 0;
+  Topology topology;
+  SavedFile file;
+  std::optional<EmaRecord> ema;   // an ema file's record
+  std::vector<TensorKind> kinds;  // of its pieces, each once, in the enum's order
+  size_t pieces = 0;
+  // Per tensor (in the file's order): its pieces of this file as metadata.json lists them, joined
+  // by ",\n   ".
+  std::vector<std::pair<std::string, std::string>> tensors;
+};
+// `header` of file `name` (at `path`, for errors), checked as BuildMetadataFromFiles checks it.
+Result<RenderedFile> RenderFile(const std::string& path, const std::string& name, const SafetensorsHeader& header);
+// The named *.safetensors files of `dir`, rendered (other names are left out), with the headers
+// as BuildMetadataFromFiles reads them (`loop`, `recorded`). Sorted by name.
+Result<std::vector<RenderedFile>> RenderFiles(const std::string& dir, std::vector<std::string> names,
+                                              IoEnv* io = IoEnv::Default(), ParallelLoop* loop = nullptr,
+                                              const std::map<std::string, const SignalHeader*>* recorded = nullptr);
+// metadata.json and its index of the checkpoint whose files are `files` (in any order), checked to
+// agree as BuildMetadataFromFiles checks them: byte for byte what MetadataToText writes for the
+// metadata BuildMetadataFromFiles gathers from the same files. `head` gives run_id, resumed_from and
+// created (empty: now) and receives the rest of the metadata but the pieces (kinds_saved set).
+Result<MetadataText> MetadataTextOfRendered(const std::string& dir, std::vector<const RenderedFile*> files,
+                                            CheckpointMetadata* head);
+
 // The "files" list of metadata.json (and of `flashckpt inspect --json`): per file its name, rank,
 // tp_rank, pp_rank, shard_rank and bytes, in that key order.
 nlohmann::ordered_json SavedFilesJson(const std::vector<SavedFile>& files);

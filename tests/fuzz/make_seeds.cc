@@ -15,6 +15,7 @@
 #include "common/format/image.h"
 #include "common/format/layout.h"
 #include "common/format/metadata.h"
+#include "common/format/node_part.h"
 #include "common/format/safetensors.h"
 #include "common/format/signal.h"
 #include "common/io/fs.h"
@@ -130,6 +131,31 @@ Status WriteSeeds(const std::string& root) {
   meta.resumed_from = 1000;
   RETURN_IF_ERROR(WriteFileDurably(metadata, "metadata.json", MetadataToJson(meta)));
   RETURN_IF_ERROR(WriteCompactCopies(headers, meta));
+
+  // A daemon's part of the step: both ranks' files, rendered (daemon/pipeline/node_parts.h).
+  {
+    const std::string parts = root + "/node_part";
+    RETURN_IF_ERROR(MakeDirs(parts));
+    ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(headers));
+    ASSIGN_OR_RETURN(std::vector<RenderedFile> rendered, RenderFiles(headers, names));
+    NodePart part;
+    part.job = kJob;
+    part.step = kStep;
+    part.attempt = Attempt{"seed-run", 1000};
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      RankPart r;
+      r.rank = rank;
+      r.written_us = 1764000000000000 + rank;
+      r.signal = SignalIdentity{100 + rank, 2048, 1764000000000000000};
+      for (const RenderedFile& f : rendered) {
+        if (f.file.rank == rank) r.files.push_back(f);
+      }
+      part.ranks.push_back(std::move(r));
+    }
+    std::string json = EncodeNodePart(part);
+    json.resize(json.rfind("\nxxh3 "));  // the fuzzer appends the checksum line itself
+    RETURN_IF_ERROR(WriteFileDurably(parts, "node_part_seed.json", json));
+  }
 
   // What `flashckpt import` reads: a Hugging Face file (a compact header, "format": "pt", two
   // tensors) and an index, named so that the gathering above (of *.safetensors) skips them.
