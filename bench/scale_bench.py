@@ -243,7 +243,7 @@ def bench_ranks(args, ranks, tmp):
         print("%d ranks on %d daemons: first job (1 save) %.1f s" % (ranks, args.daemons, secs_one))
         print("  commit latency ms: %s (median %.1f); by save: %s" % (
             " ".join("%.1f" % x for x in sorted(latency)), statistics.median(latency), ", ".join(by_save)))
-        print("  of which (medians) the lock and look %.1f, reading the signals %.1f, the files' headers %.1f, "
+        print("  of which (medians) the lock and look %.1f, reading the node parts and the signals %.1f, the files' headers %.1f, "
               "writing metadata.json and LATEST %.1f" % tuple(statistics.median(p[k] for p in parts) for k in range(1, 5)))
         print("  root calls per checkpoint: %d in all, %.2f per rank: %s" % (
             total, total / ranks, ", ".join("%s %d" % (k, v) for k, v in sorted(per_ckpt.items()) if v)))

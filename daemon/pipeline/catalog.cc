@@ -13,6 +13,7 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/format/metadata.h"
+#include "common/format/node_part.h"
 #include "common/io/fs.h"
 
 namespace flashckpt {
@@ -170,7 +171,8 @@ Result<std::optional<Catalog::RunCheckpoint>> Catalog::NewestComplete(const std:
   return std::optional<RunCheckpoint>();
 }
 
-Result<bool> Catalog::AllSignalsPresent(const std::string& dir, uint32_t world_size) const {
+Result<bool> Catalog::AllSignalsPresent(const std::string& dir, uint32_t world_size,
+                                        std::vector<std::string>* parts) const {
   auto names = ListDir(dir, io_);
   if (!names.ok()) {
     if (names.status().code() == StatusCode::kNotFound) return false;  // deleted meanwhile: not complete
@@ -180,6 +182,7 @@ Result<bool> Catalog::AllSignalsPresent(const std::string& dir, uint32_t world_s
   for (const std::string& n : *names) {
     std::optional<uint32_t> rank = ParseSignalFileName(n);
     if (rank && *rank < world_size) listed.push_back(*rank);
+    if (parts != nullptr && IsNodePartFileName(n)) parts->push_back(n);
   }
   std::sort(listed.begin(), listed.end());
   // A listing may lag behind a rename another client made (NFS caches directories): a rank it
@@ -210,6 +213,82 @@ bool Catalog::FewerSignalsThanRanks(const std::string& dir, const std::vector<st
   return signal.ok() && signal->world_size != 0 && signals < signal->world_size;
 }
 
+std::vector<Result<Signal>> Catalog::ReadSignals(const std::string& dir, const std::vector<uint32_t>& ranks,
+                                                 ParallelLoop* loop) const {
+  // On the loop's threads when there is one: a job has thousands of signals, and on a network file
+  // system each open and read waits for a round trip.
+  std::vector<Result<Signal>> signals(ranks.size(), Result<Signal>(Internal("not read")));
+  auto read = [&](size_t i) { signals[i] = ReadSignal(dir + "/" + SignalFileName(ranks[i]), io_); };
+  if (loop != nullptr) {
+    loop->Run(ranks.size(), read);
+  } else {
+    for (size_t i = 0; i < ranks.size(); ++i) read(i);
+  }
+  return signals;
+}
+
+std::map<uint32_t, std::shared_ptr<const RankPart>> Catalog::GatherParts(
+    const std::string& dir, const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
+    const std::vector<std::string>& part_names, ParallelLoop* loop) const {
+  std::map<uint32_t, std::shared_ptr<const RankPart>> gathered = parts_.Held(job, step, attempt);
+  // The other daemons' parts, read and parsed on the loop's threads (one round trip each).
+  std::vector<std::string> others;
+  for (const std::string& name : part_names) {
+    if (name != parts_.file_name()) others.push_back(name);  // this daemon's: held already
+  }
+  std::vector<Result<NodePart>> read(others.size(), Result<NodePart>(Internal("not read")));
+  auto read_one = [&](size_t i) {
+    auto text = ReadSmallFile(dir + "/" + others[i], kMaxNodePartBytes, io_);
+    read[i] = text.ok() ? ParseNodePart(*text) : Result<NodePart>(text.status());
+  };
+  if (loop != nullptr) {
+    loop->Run(others.size(), read_one);
+  } else {
+    for (size_t i = 0; i < others.size(); ++i) read_one(i);
+  }
+  for (size_t i = 0; i < others.size(); ++i) {
+    const std::string& name = others[i];
+    Result<NodePart>& part = read[i];
+    if (!part.ok()) {
+      if (part.status().code() != StatusCode::kNotFound) {
+        Logger("catalog")->warn("node part {}/{} left out ({}): its ranks' signals are read instead", dir, name,
+                                part.status().ToString());
+      }
+      continue;
+    }
+    if (part->job != job || part->step != step || part->attempt != attempt) continue;  // another attempt's
+    for (RankPart& r : part->ranks) {
+      if (r.rank < world_size) gathered.emplace(r.rank, std::make_shared<const RankPart>(std::move(r)));
+    }
+  }
+  // Each only while saved_signal_<rank> is the file it was made from (inode, size, modification and
+  // change times): a signal written again since (another attempt, a node that took the rank over)
+  // is read instead.
+  std::vector<std::pair<uint32_t, const RankPart*>> check;
+  check.reserve(gathered.size());
+  for (const auto& [rank, part] : gathered) check.emplace_back(rank, part.get());
+  std::vector<char> same(check.size(), 0);
+  // In blocks of kBlock ranks on the loop's threads: an open is a round trip on a network file
+  // system, and a few microseconds here, less than handing one to a thread.
+  constexpr size_t kBlock = 64;
+  auto look = [&](size_t block) {
+    for (size_t i = block * kBlock; i < std::min(check.size(), (block + 1) * kBlock); ++i) {
+      auto now = SignalIdentityOf(dir + "/" + SignalFileName(check[i].first), io_);
+      same[i] = now.ok() && *now == check[i].second->signal ? 1 : 0;
+    }
+  };
+  const size_t blocks = (check.size() + kBlock - 1) / kBlock;
+  if (loop != nullptr) {
+    loop->Run(blocks, look);
+  } else {
+    for (size_t b = 0; b < blocks; ++b) look(b);
+  }
+  for (size_t i = 0; i < check.size(); ++i) {
+    if (!same[i]) gathered.erase(check[i].first);
+  }
+  return gathered;
+}
+
 Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
                                     std::map<uint32_t, Signal>* mixed, ParallelLoop* loop) {
   using Steady = std::chrono::steady_clock;
@@ -218,45 +297,57 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   std::string dir = CheckpointDir(job, step);
   ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
   if (complete) return true;
-  ASSIGN_OR_RETURN(bool all_there, AllSignalsPresent(dir, world_size));
+  std::vector<std::string> part_names;
+  ASSIGN_OR_RETURN(bool all_there, AllSignalsPresent(dir, world_size, &part_names));
   if (!all_there) return false;
   const Steady::time_point checked = Steady::now();
+  // 1. The ranks whose files are rendered already (this daemon's, the other daemons' parts), then
+  // the signals of the others.
+  const std::map<uint32_t, std::shared_ptr<const RankPart>> gathered =
+      GatherParts(dir, job, step, world_size, attempt, part_names, loop);
+  const Steady::time_point parts_read = Steady::now();
+  std::vector<uint32_t> unread;
+  unread.reserve(world_size - std::min<size_t>(world_size, gathered.size()));
+  for (uint32_t r = 0; r < world_size; ++r) {
+    if (gathered.count(r) == 0) unread.push_back(r);
+  }
+  std::vector<Result<Signal>> signals = ReadSignals(dir, unread, loop);
   std::vector<std::string> files;
   std::vector<SignalHeader> headers;
-  std::map<uint32_t, Signal> all;
   bool one_attempt = true;
   int64_t last_signal_us = 0;
-  // Read on the loop's threads when there is one: a job has thousands of signals, and on a network
-  // file system each open and read waits for a round trip.
-  std::vector<Result<Signal>> signals(world_size, Result<Signal>(Internal("not read")));
-  auto read = [&](size_t r) { signals[r] = ReadSignal(dir + "/" + SignalFileName(static_cast<uint32_t>(r)), io_); };
-  if (loop != nullptr) {
-    loop->Run(world_size, read);
-  } else {
-    for (uint32_t r = 0; r < world_size; ++r) read(r);
-  }
-  for (uint32_t r = 0; r < world_size; ++r) {
-    Result<Signal>& signal = signals[r];
+  for (size_t i = 0; i < unread.size(); ++i) {
+    Result<Signal>& signal = signals[i];
     if (!signal.ok()) {
       if (signal.status().code() == StatusCode::kNotFound) return false;  // not yet written
       return signal.status();  // unreadable or torn: an error, never "not complete"
     }
-    if (signal->step != step || signal->rank != r) return false;
-    if (signal->attempt() != attempt) {
-      // Another attempt's: the rest are still read, for `mixed` (no more reads than a completion).
-      if (mixed == nullptr) return false;
-      one_attempt = false;
-    }
+    if (signal->step != step || signal->rank != unread[i]) return false;
+    if (signal->attempt() != attempt) one_attempt = false;
     last_signal_us = std::max(last_signal_us, signal->written_us);
-    for (auto& f : signal->files) files.push_back(std::move(f));
-    signal->files.clear();
-    for (auto& h : signal->headers) headers.push_back(std::move(h));
-    signal->headers.clear();
-    if (mixed != nullptr) all.emplace(r, std::move(*signal));  // its files and headers are in `files`, `headers`
   }
   if (!one_attempt) {
+    if (mixed == nullptr) return false;
+    // Every rank's signal, for `mixed`: the gathered ranks' too (no more reads than a completion).
+    std::vector<uint32_t> rest;
+    for (const auto& [rank, part] : gathered) rest.push_back(rank);
+    std::vector<Result<Signal>> more = ReadSignals(dir, rest, loop);
+    std::map<uint32_t, Signal> all;
+    for (size_t i = 0; i < unread.size(); ++i) all.emplace(unread[i], std::move(*signals[i]));
+    for (size_t i = 0; i < rest.size(); ++i) {
+      if (!more[i].ok()) {
+        if (more[i].status().code() == StatusCode::kNotFound) return false;
+        return more[i].status();
+      }
+      if (more[i]->step != step || more[i]->rank != rest[i]) return false;
+      all.emplace(rest[i], std::move(*more[i]));
+    }
     *mixed = std::move(all);
     return false;
+  }
+  for (size_t i = 0; i < unread.size(); ++i) {
+    for (auto& f : signals[i]->files) files.push_back(std::move(f));
+    for (auto& h : signals[i]->headers) headers.push_back(std::move(h));
   }
   // The headers the signals record, by file: those files are not opened (docs/format.md).
   std::map<std::string, const SignalHeader*> recorded;
@@ -268,16 +359,25 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
     }
   }
   const Steady::time_point signals_read = Steady::now();
-  ASSIGN_OR_RETURN(CheckpointMetadata meta, BuildMetadataFromFiles(dir, std::move(files), io_, loop, &recorded));
-  const Steady::time_point built = Steady::now();
+  ASSIGN_OR_RETURN(std::vector<RenderedFile> rendered, RenderFiles(dir, std::move(files), io_, loop, &recorded));
+  std::vector<const RenderedFile*> all_files;
+  all_files.reserve(rendered.size() + gathered.size() * 4);
+  for (const RenderedFile& f : rendered) all_files.push_back(&f);
+  for (const auto& [rank, part] : gathered) {
+    last_signal_us = std::max(last_signal_us, part->written_us);
+    for (const RenderedFile& f : part->files) all_files.push_back(&f);
+  }
+  CheckpointMetadata meta;
   meta.run_id = attempt.run_id;
   meta.resumed_from = attempt.resumed_from;
+  ASSIGN_OR_RETURN(MetadataText text, MetadataTextOfRendered(dir, std::move(all_files), &meta));
+  const Steady::time_point built = Steady::now();
   if (meta.step != step || meta.job != job || meta.topology.world_size != world_size) {
     return Corruption(dir + ": files describe job '" + meta.job + "' step " + std::to_string(meta.step) +
                       " world size " + std::to_string(meta.topology.world_size) + ", expected '" + job + "' step " +
                       std::to_string(step) + " world size " + std::to_string(world_size));
   }
-  RETURN_IF_ERROR(WriteMetadataFiles(dir, meta, io_));
+  RETURN_IF_ERROR(WriteMetadataText(dir, text, io_));
   // LATEST moves forward unless it names a newer complete checkpoint. Only LATEST and that one
   // directory are read: a completion must not cost a listing of every step of a long run.
   ASSIGN_OR_RETURN(bool newer, LatestNamesNewer(job, step));
@@ -291,14 +391,18 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
   const Steady::time_point written = Steady::now();
-  // The parts of this call: waiting for the job's lock and looking (check_ms), reading the signals,
-  // reading the files' headers into metadata, writing metadata.json and LATEST.
+  // The parts of this call: waiting for the job's lock and looking (check_ms), reading the node
+  // parts and the other ranks' signals (signals_ms, of which parts_ms the parts and the stats of
+  // their ranks' signals), rendering those ranks' headers and joining every rank's text into
+  // metadata (headers_ms), writing metadata.json and LATEST.
   Logger("catalog")->info(
-      "complete job={} step={} files={} tensors={} commit_ms={:.3f} check_ms={:.3f} signals_ms={:.3f} "
-      "headers_ms={:.3f} write_ms={:.3f}",
-      job, step, meta.files.size(), meta.pieces.size(),
+      "complete job={} step={} files={} parts_ranks={} commit_ms={:.3f} check_ms={:.3f} signals_ms={:.3f} "
+      "headers_ms={:.3f} write_ms={:.3f} parts_ms={:.3f}",
+      job, step, meta.files.size(), gathered.size(),
       last_signal_us > 0 ? static_cast<double>(now_us - last_signal_us) / 1000.0 : -1.0, ms(asked, checked),
-      ms(checked, signals_read), ms(signals_read, built), ms(built, written));
+      ms(checked, signals_read), ms(signals_read, built), ms(built, written), ms(checked, parts_read));
+  parts_.Drop(job, step);
+  for (const std::string& name : part_names) (void)io_->Unlink(dir + "/" + name);  // done with: best effort
   NoteCompleted(job, step);
   NoteLook(job, step, std::chrono::steady_clock::now(), true);  // waiters here know at once
   if (listener_) listener_(CatalogChange::kCompleted, job, step, "");

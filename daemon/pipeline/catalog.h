@@ -23,6 +23,7 @@
 #include "common/read/listing.h"
 #include "daemon/pipeline/lease.h"
 #include "daemon/pipeline/metadata_cache.h"
+#include "daemon/pipeline/node_parts.h"
 
 namespace flashckpt {
 
@@ -75,7 +76,7 @@ class Catalog {
   // job and deletes older ones (0 keeps everything; --keep).
   // `io`: every file-system call of the catalog goes through it (tests inject faults); not owned.
   explicit Catalog(std::string root, uint32_t keep = 0, IoEnv* io = IoEnv::Default())
-      : root_(std::move(root)), keep_(keep), io_(io), metadata_(io, kMetadataKept) {}
+      : root_(std::move(root)), keep_(keep), io_(io), metadata_(io, kMetadataKept), parts_(io, NewNodePartToken()) {}
 
   // Called after each change, on the thread that made it, with no catalog lock held but the job's
   // completion lock. Set once, before the catalog is used.
@@ -209,6 +210,10 @@ class Catalog {
   // Every checkpoint directory (complete or not) of `job`, or of every job when empty; by job, step.
   Result<std::vector<CheckpointInfo>> List(const std::string& job) const;
 
+  // What this daemon wrote of the steps not complete yet, rendered for their completion (the
+  // writer notes each rank and publishes the daemon's part of a step; MaybeComplete uses them).
+  NodeParts& parts() { return parts_; }
+
  private:
   friend class StepInUse;
   // The lock that serializes completion, retention and deletion of one job (held across their
@@ -224,7 +229,20 @@ class Catalog {
   // by one listing (and a lookup by name of each rank it misses, up to the first really missing):
   // a completion check that reads no signal before all are there, so the checks of a step cost
   // the file system about one listing each, not one read per rank already signalled.
-  Result<bool> AllSignalsPresent(const std::string& dir, uint32_t world_size) const;
+  // `parts` (optional): receives the node parts (NodePartFileName) the listing shows.
+  Result<bool> AllSignalsPresent(const std::string& dir, uint32_t world_size,
+                                 std::vector<std::string>* parts = nullptr) const;
+  // MaybeComplete's signals of `ranks` (read on the loop's threads when there is one), by rank.
+  std::vector<Result<Signal>> ReadSignals(const std::string& dir, const std::vector<uint32_t>& ranks,
+                                          ParallelLoop* loop) const;
+  // MaybeComplete's ranks whose files are rendered already: those this daemon holds and those of
+  // the other daemons' parts among `part_names`, each only while its signal is the file the part
+  // was made from. Parts that cannot be read are logged and left out.
+  std::map<uint32_t, std::shared_ptr<const RankPart>> GatherParts(const std::string& dir, const std::string& job,
+                                                                  int64_t step, uint32_t world_size,
+                                                                  const Attempt& attempt,
+                                                                  const std::vector<std::string>& part_names,
+                                                                  ParallelLoop* loop) const;
   // The sweep's first look at an incomplete step directory holding `names`: true when it has no
   // signal, or fewer than the world size its first signal records (one read).
   bool FewerSignalsThanRanks(const std::string& dir, const std::vector<std::string>& names) const;
@@ -265,6 +283,7 @@ class Catalog {
   // pipeline stages ask for several).
   static constexpr size_t kMetadataKept = 16;
   mutable MetadataCache metadata_;
+  NodeParts parts_;
   CatalogListener listener_;
   Leases* leases_ = nullptr;
   Mutex mu_;

@@ -184,7 +184,12 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
     // to complete it: another step's completion would otherwise count it as an incomplete
     // directory older than the newest complete one, and delete it in between.
     StepInUse in_use = catalog_->Use(req.job, req.step);
-    wrote = WriteRankFiles(req, dir, io, &written, &bytes);
+    // No part of this daemon describes the rank's files while they are replaced.
+    catalog_->parts().ForgetRank(dir, req.job, req.step, req.rank);
+    Signal signal;
+    wrote = WriteRankFiles(req, dir, io, &written, &bytes, &signal);
+    // The rank's files, rendered now for the step's completion (here or on another daemon).
+    if (wrote.ok()) catalog_->parts().NoteRank(dir, req.job, signal);
     std::vector<Check> checks;
     if (queued) {
       checks = LeavePending(req, wrote.ok());
@@ -198,6 +203,11 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
       std::map<uint32_t, Signal> mixed;
       Result<bool> done = catalog_->MaybeComplete(req.job, req.step, check.world_size, check.attempt, &mixed, io);
       if (done.ok() && !*done && !mixed.empty() && check.mixed) check.mixed(mixed);
+      // Not complete yet: this daemon's ranks of the step go into its part, for whichever daemon
+      // writes the last signal (one file per daemon per step).
+      if (done.ok() && !*done) {
+        catalog_->parts().Publish(dir, req.job, req.step, check.attempt);
+      }
       if (wrote.ok() && check.attempt == req.attempt) {
         complete = std::move(done);
       } else if (!done.ok()) {
@@ -302,7 +312,7 @@ std::vector<SignalHeader> RecordedHeaders(const std::vector<ImageWrite>& images)
 }  // namespace
 
 Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir, ParallelLoop* io,
-                              std::vector<std::string>* written, uint64_t* bytes) {
+                              std::vector<std::string>* written, uint64_t* bytes, Signal* out) {
   const RankLayout& layout = *req.layout;
   RETURN_IF_ERROR(MakeDirs(dir, 0755, &env_));
   Signal signal = SignalOf(req);
@@ -357,7 +367,9 @@ Status Writer::WriteRankFiles(const PersistRequest& req, const std::string& dir,
   signal.written_us = std::chrono::duration_cast<std::chrono::microseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();
-  return write(SignalFileName(req.rank), EncodeSignal(req.job, signal, *bytes));
+  RETURN_IF_ERROR(write(SignalFileName(req.rank), EncodeSignal(req.job, signal, *bytes)));
+  *out = std::move(signal);
+  return Status::OK();
 }
 
 }  // namespace flashckpt

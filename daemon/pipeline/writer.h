@@ -126,9 +126,10 @@ class Writer {
   // written signal goes unchecked.
   std::vector<Check> LeavePending(const PersistRequest& request, bool wrote) EXCLUDES(mu_);
   std::vector<Check> LeavePendingLocked(const PersistRequest& request, bool wrote) REQUIRES(mu_);
-  // Writes the rank's files and then its signal; `written` collects the names now in place.
+  // Writes the rank's files and then its signal; `written` collects the names now in place, and
+  // `signal` receives the signal written.
   Status WriteRankFiles(const PersistRequest& request, const std::string& dir, ParallelLoop* io,
-                        std::vector<std::string>* written, uint64_t* bytes);
+                        std::vector<std::string>* written, uint64_t* bytes, Signal* signal);
 
   Catalog* catalog_;
   const unsigned threads_count_;

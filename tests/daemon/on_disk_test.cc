@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <filesystem>
+#include <set>
 #include <thread>
 
 #include "common/base/mutex.h"
@@ -719,6 +720,197 @@ TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
   rank1.reset();
   other.Stop();
   d_.Stop();
+}
+
+// Counts the reads (preads) of the files whose paths end with `suffix`; an open alone (to tell
+// which file a path is now) is not a read.
+class ReadCountingIo final : public ForwardingIoEnv {
+ public:
+  explicit ReadCountingIo(std::string suffix) : suffix_(std::move(suffix)) {}
+  int Open(const std::string& path, int flags, unsigned mode) override {
+    const int fd = base()->Open(path, flags, mode);
+    MutexLock lock(&mu_);
+    const bool match = path.size() >= suffix_.size() &&
+                       path.compare(path.size() - suffix_.size(), suffix_.size(), suffix_) == 0;
+    if (match) {
+      fds_.insert(fd);
+    } else {
+      fds_.erase(fd);  // a number reused for another file
+    }
+    return fd;
+  }
+  ssize_t Pread(int fd, void* buf, size_t bytes, uint64_t offset) override {
+    {
+      MutexLock lock(&mu_);
+      if (fds_.count(fd) != 0) ++reads_;
+    }
+    return base()->Pread(fd, buf, bytes, offset);
+  }
+  size_t reads() {
+    MutexLock lock(&mu_);
+    return reads_;
+  }
+
+ private:
+  const std::string suffix_;
+  Mutex mu_;
+  std::set<int> fds_ GUARDED_BY(mu_);
+  size_t reads_ GUARDED_BY(mu_) = 0;
+};
+
+// metadata.json as written, with its "created" line (the time of the write) taken out.
+std::string WithoutCreated(std::string json) {
+  const size_t at = json.find("\n \"created\": ");
+  if (at != std::string::npos) json.erase(at, json.find('\n', at + 1) - at);
+  return json;
+}
+
+// A daemon whose persists of a step leave ranks of the step missing writes its part of the step
+// (node_part_<token>.json: its ranks' files, rendered for metadata.json); the daemon that writes the
+// last signal joins that part instead of reading those ranks' signals and parsing their headers, so
+// what follows the last signal grows with the daemons, not with the ranks. A part is a hint: one
+// whose rank's signal was written again since, one that cannot be parsed and one of another attempt
+// are left out, and those ranks' signals are read; the metadata is the same either way, byte for
+// byte what the files' own headers give.
+TEST_F(OnDiskTest, TheLastDaemonJoinsTheOtherDaemonsPartInsteadOfReadingItsRanksSignals) {
+  const std::string job = "parts";
+  ReadCountingIo last_io("/saved_signal_1");
+  struct StopAtExit {
+    InProcessDaemon* d;
+    ~StopAtExit() { d->Stop(); }
+  } stop_at_exit{&d_};
+  ASSERT_OK(d_.Start([&](DaemonConfig& c) { c.io_env = &last_io; }));
+  InProcessDaemon other("flashckpt-parts");
+  ASSERT_OK(other.Start([&](DaemonConfig& c) { c.root = root(); }));
+  std::vector<float> w0(4096), w1(4096);
+  auto connect = [&](const InProcessDaemon& d, uint32_t rank) {
+    auto c = d.Connect(job, rank, [](ClientOptions& o) { o.run_id = "parts-run"; });
+    if (!c) return c;
+    Topology t;
+    t.world_size = 2;
+    t.tp_degree = 2;
+    t.tp_rank = rank;
+    TensorSpec s;
+    s.name = "w";
+    s.shape = {4096};
+    s.global_shape = {8192};
+    s.box_offset = {4096 * rank};
+    s.box_shape = {4096};
+    EXPECT_OK(c->Register(t, {s}));
+    return c;
+  };
+  auto rank0 = connect(d_, 0);
+  auto rank1 = connect(other, 1);
+  ASSERT_TRUE(rank0 && rank1);
+  const std::string dir = StepDir(job, 4);
+  auto parts_in_dir = [&] {
+    std::vector<std::string> found;
+    auto names = ListDir(dir);
+    if (names.ok()) {
+      for (const std::string& n : *names) {
+        if (n.rfind("node_part_", 0) == 0) found.push_back(n);
+      }
+    }
+    return found;
+  };
+  // Rank 1 first: its daemon persists it, finds rank 0 missing and writes its part.
+  std::fill(w1.begin(), w1.end(), -4.0f);
+  ASSERT_OK(rank1->Snapshot(4, {{"w", w1.data(), w1.size() * 4}}, {}).status());
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (parts_in_dir().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(parts_in_dir().size(), 1u) << "the daemon of rank 1 wrote no part of step 4";
+  std::fill(w0.begin(), w0.end(), 4.0f);
+  ASSERT_OK(rank0->Snapshot(4, {{"w", w0.data(), w0.size() * 4}}, {}).status());
+  ASSERT_OK(rank0->WaitPersisted(4, 10s));
+  ASSERT_OK(rank1->WaitComplete(4, 10s));
+  EXPECT_EQ(last_io.reads(), 0u) << "the completion read rank 1's signal";
+  EXPECT_TRUE(parts_in_dir().empty()) << "the parts outlived the completion";
+  EXPECT_OK(VerifyCheckpointDir(dir, nullptr));
+  auto written = ReadSmallFile(dir + "/metadata.json", 1 << 24);
+  ASSERT_OK(written.status());
+  // The metadata the files' own headers give, with the same run and time, is the same text.
+  auto from_files = BuildMetadataFromDir(dir);
+  ASSERT_OK(from_files.status());
+  auto parsed = ParseMetadataJson(*written);
+  ASSERT_OK(parsed.status());
+  from_files->run_id = parsed->run_id;
+  from_files->resumed_from = parsed->resumed_from;
+  from_files->created = parsed->created;
+  EXPECT_EQ(MetadataToText(*from_files).json, *written);
+  rank0.reset();
+  rank1.reset();
+  other.Stop();
+  d_.Stop();
+
+  // The same step completed again by catalogs standing for the two daemons, rank 1's part made by
+  // `made_by` from rank 1's signal (or `noted`, another signal), rank 0 held by the completing one.
+  auto read_signal = [&](uint32_t rank) {
+    auto text = ReadSmallFile(dir + "/" + SignalFileName(rank), 1 << 20);
+    EXPECT_OK(text.status());
+    auto signal = ParseSignal(text.ok() ? *text : std::string());
+    EXPECT_OK(signal.status());
+    return signal.ok() ? *signal : Signal{};
+  };
+  const Signal signal0 = read_signal(0), signal1 = read_signal(1);
+  const Attempt attempt = signal0.attempt();
+  Catalog made_by(root());
+  auto publish = [&](const Signal& noted) {
+    made_by.parts().NoteRank(dir, job, noted);
+    made_by.parts().Publish(dir, job, 4, noted.attempt());
+  };
+  auto uncomplete = [&] {
+    EXPECT_EQ(::unlink((dir + "/metadata.json").c_str()), 0);
+    EXPECT_EQ(::unlink((dir + "/metadata.index.json").c_str()), 0);
+  };
+  auto complete_again = [&](size_t* signal1_reads) -> Result<std::string> {
+    ReadCountingIo io("/saved_signal_1");
+    Catalog last(root(), /*keep=*/0, &io);
+    last.parts().NoteRank(dir, job, signal0);
+    ASSIGN_OR_RETURN(bool done, last.MaybeComplete(job, 4, 2, attempt));
+    if (!done) return Internal("not complete");
+    *signal1_reads = io.reads();
+    ASSIGN_OR_RETURN(std::string json, ReadSmallFile(dir + "/metadata.json", 1 << 24));
+    return WithoutCreated(json);
+  };
+  const std::string expected = WithoutCreated(*written);
+  size_t reads = 99;
+  uncomplete();
+  publish(signal1);
+  auto joined = complete_again(&reads);
+  ASSERT_OK(joined.status());
+  EXPECT_EQ(*joined, expected);
+  EXPECT_EQ(reads, 0u) << "the part was not used";
+  EXPECT_TRUE(parts_in_dir().empty());
+  // Rank 1's signal written again since the part was made (same text, another file): read.
+  uncomplete();
+  publish(signal1);
+  ASSERT_OK(WriteFileDurably(dir, SignalFileName(1), EncodeSignal(job, signal1, 0)));
+  auto rewritten = complete_again(&reads);
+  ASSERT_OK(rewritten.status());
+  EXPECT_EQ(*rewritten, expected);
+  EXPECT_EQ(reads, 1u) << "a part of a signal written again was used";
+  // A part damaged on disk (one byte changed): left out, the signal read.
+  uncomplete();
+  publish(signal1);
+  ASSERT_EQ(parts_in_dir().size(), 1u);
+  auto part_text = ReadSmallFile(dir + "/" + parts_in_dir()[0], 1 << 24);
+  ASSERT_OK(part_text.status());
+  const size_t at = part_text->find("\"bytes\":") + 8;
+  (*part_text)[at] = (*part_text)[at] == '1' ? '2' : '1';
+  ASSERT_OK(WriteFileDurably(dir, parts_in_dir()[0], *part_text));
+  auto torn = complete_again(&reads);
+  ASSERT_OK(torn.status());
+  EXPECT_EQ(*torn, expected);
+  EXPECT_EQ(reads, 1u);
+  // A part of another attempt: left out.
+  Signal other_run = signal1;
+  other_run.run_id = "another-run";
+  uncomplete();
+  publish(other_run);
+  auto foreign = complete_again(&reads);
+  ASSERT_OK(foreign.status());
+  EXPECT_EQ(*foreign, expected);
+  EXPECT_EQ(reads, 1u) << "a part of another attempt was used";
 }
 
 // Holds every pread at `gate`: a restore that takes as long as the test needs.
