@@ -8,6 +8,10 @@
 #include <simdjson.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
 
 namespace flashckpt {
 
@@ -25,6 +29,35 @@ auto WithJsonParser(size_t bytes, F&& f) {
   }
   thread_local simdjson::dom::parser reused;
   return f(reused);
+}
+
+// Typed values of an untrusted document; nullopt when the value is of another type. simdjson types
+// a non-negative integer that fits in int64 as int64: both integer types are integers, and an
+// unsigned one is either of them >= 0.
+inline std::optional<uint64_t> JsonUnsigned(simdjson::dom::element e) {
+  int64_t i = 0;
+  uint64_t u = 0;
+  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS && i >= 0) return static_cast<uint64_t>(i);
+  if (e.is_uint64() && e.get_uint64().get(u) == simdjson::SUCCESS) return u;
+  return std::nullopt;
+}
+inline std::optional<int64_t> JsonInteger(simdjson::dom::element e) {
+  int64_t i = 0;
+  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS) return i;
+  return std::nullopt;  // above INT64_MAX, a fraction or not a number
+}
+inline std::optional<std::string> JsonText(simdjson::dom::element e) {
+  std::string_view v;
+  if (e.get_string().get(v) != simdjson::SUCCESS) return std::nullopt;
+  return std::string(v);
+}
+
+// An object's field read by one of the above: nullopt also when the field is missing.
+template <typename Read>
+auto JsonField(simdjson::dom::object o, const char* key, Read read) -> decltype(read(simdjson::dom::element())) {
+  simdjson::dom::element e;
+  if (o.at_key(key).get(e) != simdjson::SUCCESS) return std::nullopt;
+  return read(e);
 }
 
 }  // namespace flashckpt

@@ -624,17 +624,8 @@ MetadataText TextOf(const CheckpointMetadata& meta, const std::vector<std::strin
   AppendU64(&out, meta.topology.shard_degree);
   out += "}";
   if (meta.ema) {
-    const EmaRecord& e = *meta.ema;
-    json ema = {{"decay", e.decay},
-                {"interval", e.interval},
-                {"init", e.init},
-                {"model_params", e.model_params},
-                {"updates_applied", e.updates_applied},
-                {"updates_skipped", e.updates_skipped},
-                {"last_step", e.last_step}};
-    if (e.loss_threshold) ema["loss_threshold"] = *e.loss_threshold;
     out += ",\n \"ema\": ";
-    out += ema.dump(-1, ' ', false, json::error_handler_t::replace);
+    out += EmaRecordToJson(*meta.ema).dump(-1, ' ', false, json::error_handler_t::replace);
   }
   out += ",\n \"files\": [";
   for (size_t i = 0; i < meta.files.size(); ++i) {
@@ -1165,27 +1156,6 @@ Status ParseTensors(JsonObject j, CheckpointMetadata* meta) {
   return Status::OK();
 }
 
-Result<EmaRecord> ParseEmaRecord(JsonElement e, const std::string& where) {
-  JsonObject ema;
-  if (e.get_object().get(ema) != simdjson::SUCCESS) return Corruption("metadata.json: ema is not an object");
-  EmaRecord r;
-  if (ema.at_key("decay").get_double().get(r.decay) != simdjson::SUCCESS) {
-    return Corruption("metadata.json: ema.decay missing");
-  }
-  RETURN_IF_ERROR(JsonU32(ema, "interval", where, &r.interval));
-  ASSIGN_OR_RETURN(std::string_view init, JsonString(ema, "init", where));
-  r.init = init;
-  ASSIGN_OR_RETURN(std::string_view model_params, JsonString(ema, "model_params", where));
-  r.model_params = model_params;
-  ASSIGN_OR_RETURN(r.updates_applied, JsonU64(ema, "updates_applied", where));
-  ASSIGN_OR_RETURN(r.updates_skipped, JsonU64(ema, "updates_skipped", where));
-  if (ema.at_key("last_step").get_int64().get(r.last_step) != simdjson::SUCCESS) {
-    return Corruption("metadata.json: ema.last_step missing");
-  }
-  if (double t = 0; ema.at_key("loss_threshold").get_double().get(t) == simdjson::SUCCESS) r.loss_threshold = t;
-  return r;
-}
-
 // Everything but the tensors: the header fields, the EMA record and the files.
 Status ParseHead(JsonObject j, CheckpointMetadata* meta) {
   const std::string where = "metadata.json";
@@ -1309,6 +1279,45 @@ Result<CheckpointMetadata> ReadWholeFor(const std::string& checkpoint_dir, const
 }
 
 }  // namespace
+
+json EmaRecordToJson(const EmaRecord& e) {
+  json ema = {{"decay", e.decay},
+              {"interval", e.interval},
+              {"init", e.init},
+              {"model_params", e.model_params},
+              {"updates_applied", e.updates_applied},
+              {"updates_skipped", e.updates_skipped},
+              {"last_step", e.last_step}};
+  if (e.loss_threshold) ema["loss_threshold"] = *e.loss_threshold;
+  return ema;
+}
+
+Result<EmaRecord> ParseEmaRecord(const JsonElement& e, const std::string& where) {
+  JsonObject ema;
+  if (e.get_object().get(ema) != simdjson::SUCCESS) return Corruption(where + ": ema is not an object");
+  EmaRecord r;
+  if (ema.at_key("decay").get_double().get(r.decay) != simdjson::SUCCESS) {
+    return Corruption(where + ": ema.decay missing or not a number");
+  }
+  RETURN_IF_ERROR(JsonU32(ema, "interval", where, &r.interval));
+  ASSIGN_OR_RETURN(std::string_view init, JsonString(ema, "init", where));
+  r.init = init;
+  ASSIGN_OR_RETURN(std::string_view model_params, JsonString(ema, "model_params", where));
+  r.model_params = model_params;
+  ASSIGN_OR_RETURN(r.updates_applied, JsonU64(ema, "updates_applied", where));
+  ASSIGN_OR_RETURN(r.updates_skipped, JsonU64(ema, "updates_skipped", where));
+  if (ema.at_key("last_step").get_int64().get(r.last_step) != simdjson::SUCCESS) {
+    return Corruption(where + ": ema.last_step missing or not an integer");
+  }
+  if (JsonElement t; ema.at_key("loss_threshold").get(t) == simdjson::SUCCESS && !t.is_null()) {
+    double threshold = 0;
+    if (t.get_double().get(threshold) != simdjson::SUCCESS) {
+      return Corruption(where + ": ema.loss_threshold is not a number");
+    }
+    r.loss_threshold = threshold;
+  }
+  return r;
+}
 
 Result<CheckpointMetadata> ParseMetadataJson(std::string_view text) {
   simdjson::dom::parser parser;

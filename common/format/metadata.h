@@ -16,6 +16,10 @@
 #include "common/format/signal.h"
 #include "flashckpt/tensor.h"
 
+namespace simdjson::dom {
+class element;
+}
+
 namespace flashckpt {
 
 class ParallelLoop;
@@ -66,6 +70,13 @@ struct EmaRecord {
   uint64_t updates_skipped = 0;
   int64_t last_step = 0;
 };
+
+// The "ema" object of metadata.json and of a node part (common/format/node_part.h): its one writer
+// (nlohmann's json, so the keys come out sorted, as metadata.json has always had them) and its one
+// parser of untrusted text; `where` names the document in errors. A loss_threshold of null (how a
+// NaN is written) reads as none.
+nlohmann::json EmaRecordToJson(const EmaRecord& e);
+Result<EmaRecord> ParseEmaRecord(const simdjson::dom::element& e, const std::string& where);
 
 // The metadata of an ema file image, read back by BuildMetadataFromFiles into an EmaRecord: the
 // configuration of `record` as fixed strings, and the three counters as fixed-width fields that

@@ -22,84 +22,18 @@ using Object = simdjson::dom::object;
 using Element = simdjson::dom::element;
 
 // The fields of an untrusted part; each returns nullopt when the field is missing or of another type.
-std::optional<uint64_t> U64(Object o, const char* key) {
-  Element e;
-  if (o.at_key(key).get(e) != simdjson::SUCCESS) return std::nullopt;
-  int64_t i = 0;
-  uint64_t u = 0;
-  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS && i >= 0) return static_cast<uint64_t>(i);
-  if (e.is_uint64() && e.get_uint64().get(u) == simdjson::SUCCESS) return u;
-  return std::nullopt;
-}
+std::optional<uint64_t> U64(Object o, const char* key) { return JsonField(o, key, JsonUnsigned); }
 std::optional<uint32_t> U32(Object o, const char* key) {
   auto v = U64(o, key);
   if (!v || *v > UINT32_MAX) return std::nullopt;
   return static_cast<uint32_t>(*v);
 }
-std::optional<int64_t> I64(Object o, const char* key) {
-  Element e;
-  int64_t i = 0;
-  if (o.at_key(key).get(e) != simdjson::SUCCESS || !e.is_int64() || e.get_int64().get(i) != simdjson::SUCCESS) {
-    return std::nullopt;
-  }
-  return i;
-}
-std::optional<std::string> Str(Object o, const char* key) {
-  std::string_view v;
-  if (o.at_key(key).get_string().get(v) != simdjson::SUCCESS) return std::nullopt;
-  return std::string(v);
-}
-std::optional<double> Double(Object o, const char* key) {
-  Element e;
-  double d = 0;
-  if (o.at_key(key).get(e) != simdjson::SUCCESS || e.get_double().get(d) != simdjson::SUCCESS) return std::nullopt;
-  return d;
-}
+std::optional<int64_t> I64(Object o, const char* key) { return JsonField(o, key, JsonInteger); }
+std::optional<std::string> Str(Object o, const char* key) { return JsonField(o, key, JsonText); }
 
 bool PlainName(const std::string& n) {
   return !n.empty() && n.find('/') == std::string::npos && n.find('\0') == std::string::npos && n != "." &&
          n != "..";
-}
-
-nlohmann::ordered_json EmaJson(const EmaRecord& e) {
-  nlohmann::ordered_json j = {{"decay", e.decay},
-                              {"interval", e.interval},
-                              {"init", e.init},
-                              {"model_params", e.model_params},
-                              {"updates_applied", e.updates_applied},
-                              {"updates_skipped", e.updates_skipped},
-                              {"last_step", e.last_step}};
-  if (e.loss_threshold) j["loss_threshold"] = *e.loss_threshold;
-  return j;
-}
-
-Result<EmaRecord> EmaFromJson(Object o) {
-  EmaRecord e;
-  auto decay = Double(o, "decay");
-  auto interval = U32(o, "interval");
-  auto init = Str(o, "init");
-  auto params = Str(o, "model_params");
-  auto applied = U64(o, "updates_applied");
-  auto skipped = U64(o, "updates_skipped");
-  auto last = I64(o, "last_step");
-  if (!decay || !interval || !init || !params || !applied || !skipped || !last) {
-    return Corruption("an ema record needs decay, interval, init, model_params, updates_applied, updates_skipped "
-                      "and last_step");
-  }
-  e.decay = *decay;
-  e.interval = *interval;
-  e.init = std::move(*init);
-  e.model_params = std::move(*params);
-  e.updates_applied = *applied;
-  e.updates_skipped = *skipped;
-  e.last_step = *last;
-  Element t;
-  if (o.at_key("loss_threshold").get(t) == simdjson::SUCCESS) {
-    auto threshold = Double(o, "loss_threshold");
-    if (!threshold) return Corruption("an ema record's loss_threshold is not a number");
-    e.loss_threshold = *threshold;
-  }
-  return e;
 }
 
 Result<RenderedFile> FileFromJson(Object o, const NodePart& part) {
@@ -154,13 +88,8 @@ Result<RenderedFile> FileFromJson(Object o, const NodePart& part) {
     }
     f.tensors.emplace_back(std::string(key), std::string(text));
   }
-  Element ema;
-  if (o.at_key("ema").get(ema) == simdjson::SUCCESS) {
-    Object e;
-    if (ema.get_object().get(e) != simdjson::SUCCESS) return Corruption(f.file.name + ": ema is not an object");
-    auto record = EmaFromJson(e);
-    if (!record.ok()) return record.status().WithContext(f.file.name);
-    f.ema = std::move(*record);
+  if (Element ema; o.at_key("ema").get(ema) == simdjson::SUCCESS) {
+    ASSIGN_OR_RETURN(f.ema, ParseEmaRecord(ema, f.file.name));
   }
   return f;
 }
@@ -261,7 +190,7 @@ std::string EncodeNodePart(const NodePart& part, const std::vector<const RankPar
                                    {"pieces", f.pieces},
                                    {"kinds", std::move(kinds)},
                                    {"tensors", std::move(tensors)}};
-      if (f.ema) fj["ema"] = EmaJson(*f.ema);
+      if (f.ema) fj["ema"] = EmaRecordToJson(*f.ema);
       files.push_back(std::move(fj));
     }
     ranks.push_back({{"rank", r.rank},

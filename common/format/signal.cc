@@ -40,34 +40,11 @@ std::string EncodeSignal(const std::string& job, const Signal& s, uint64_t bytes
 
 namespace {
 
-// JSON numbers as the signal's fields need them. simdjson types a non-negative integer that fits
-// in int64 as int64; both integer types are integers, and an unsigned one is either of them >= 0.
-std::optional<uint64_t> Unsigned(simdjson::dom::element e) {
-  int64_t i = 0;
-  uint64_t u = 0;
-  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS && i >= 0) return static_cast<uint64_t>(i);
-  if (e.is_uint64() && e.get_uint64().get(u) == simdjson::SUCCESS) return u;
-  return std::nullopt;
-}
-std::optional<int64_t> Integer(simdjson::dom::element e) {
-  int64_t i = 0;
-  if (e.is_int64() && e.get_int64().get(i) == simdjson::SUCCESS) return i;
-  return std::nullopt;  // above INT64_MAX, a fraction or not a number
-}
-std::optional<std::string> String(simdjson::dom::element e) {
-  std::string_view v;
-  if (e.get_string().get(v) != simdjson::SUCCESS) return std::nullopt;
-  return std::string(v);
-}
-
 Result<Signal> SignalFromJson(simdjson::dom::object j) {
-  simdjson::dom::element rank_e, step_e, from_e;
   simdjson::dom::array files;
-  std::optional<uint64_t> rank;
-  std::optional<int64_t> step, from;
-  if (j.at_key("rank").get(rank_e) == simdjson::SUCCESS) rank = Unsigned(rank_e);
-  if (j.at_key("step").get(step_e) == simdjson::SUCCESS) step = Integer(step_e);
-  if (j.at_key("resumed_from").get(from_e) == simdjson::SUCCESS) from = Integer(from_e);
+  const std::optional<uint64_t> rank = JsonField(j, "rank", JsonUnsigned);
+  const std::optional<int64_t> step = JsonField(j, "step", JsonInteger);
+  const std::optional<int64_t> from = JsonField(j, "resumed_from", JsonInteger);
   if (!rank || !step || !from || j.at_key("files").get_array().get(files) != simdjson::SUCCESS) {
     return Corruption("not a flashckpt signal: needs an unsigned rank, integer step and resumed_from, and files");
   }
@@ -81,42 +58,42 @@ Result<Signal> SignalFromJson(simdjson::dom::object j) {
   s.resumed_from = *from;
   simdjson::dom::element e;
   if (j.at_key("run_id").get(e) == simdjson::SUCCESS) {
-    auto run = String(e);
+    auto run = JsonText(e);
     if (!run || !ValidateRunId(*run).ok()) {
       return Corruption("not a flashckpt signal: run_id is not a run id ([A-Za-z0-9._:-]{1,64})");
     }
     s.run_id = std::move(*run);
   }
   if (j.at_key("node").get(e) == simdjson::SUCCESS) {
-    auto node = String(e);
+    auto node = JsonText(e);
     if (!node || !ValidateNodeName(*node).ok()) {
       return Corruption("not a flashckpt signal: node is not a node name ([A-Za-z0-9._:-]{1,64})");
     }
     s.node = std::move(*node);
   }
   if (j.at_key("world_size").get(e) == simdjson::SUCCESS) {
-    auto world = Unsigned(e);
+    auto world = JsonUnsigned(e);
     if (!world || *world == 0 || *world > UINT32_MAX || s.rank >= *world) {
       return Corruption("not a flashckpt signal: world_size is not a count of ranks above the signal's rank");
     }
     s.world_size = static_cast<uint32_t>(*world);
   }
   if (j.at_key("committed_ms").get(e) == simdjson::SUCCESS) {
-    auto committed = Unsigned(e);
+    auto committed = JsonUnsigned(e);
     if (!committed || *committed > static_cast<uint64_t>(INT64_MAX)) {
       return Corruption("not a flashckpt signal: committed_ms is not a time in ms since the epoch");
     }
     s.committed_ms = static_cast<int64_t>(*committed);
   }
   if (j.at_key("written_us").get(e) == simdjson::SUCCESS) {
-    auto written = Unsigned(e);
+    auto written = JsonUnsigned(e);
     if (!written || *written > static_cast<uint64_t>(INT64_MAX)) {
       return Corruption("not a flashckpt signal: written_us is not a time in us since the epoch");
     }
     s.written_us = static_cast<int64_t>(*written);
   }
   for (simdjson::dom::element f : files) {
-    auto name = String(f);
+    auto name = JsonText(f);
     if (!name) return Corruption("not a flashckpt signal: a files entry is not a string");
     // The name is joined to the checkpoint directory: it must name an entry of that directory.
     if (name->empty() || name->find('/') != std::string::npos || name->find('\0') != std::string::npos ||
@@ -134,14 +111,13 @@ Result<Signal> SignalFromJson(simdjson::dom::object j) {
     std::set<std::string> recorded;
     for (simdjson::dom::element h : headers) {
       simdjson::dom::object o;
-      simdjson::dom::element file_e, header_bytes_e, file_bytes_e, json_e;
       std::optional<std::string> file, json;
       std::optional<uint64_t> header_bytes, file_bytes;
       if (h.get_object().get(o) == simdjson::SUCCESS) {
-        if (o.at_key("file").get(file_e) == simdjson::SUCCESS) file = String(file_e);
-        if (o.at_key("header_bytes").get(header_bytes_e) == simdjson::SUCCESS) header_bytes = Unsigned(header_bytes_e);
-        if (o.at_key("file_bytes").get(file_bytes_e) == simdjson::SUCCESS) file_bytes = Unsigned(file_bytes_e);
-        if (o.at_key("json").get(json_e) == simdjson::SUCCESS) json = String(json_e);
+        file = JsonField(o, "file", JsonText);
+        header_bytes = JsonField(o, "header_bytes", JsonUnsigned);
+        file_bytes = JsonField(o, "file_bytes", JsonUnsigned);
+        json = JsonField(o, "json", JsonText);
       }
       if (!file || !header_bytes || !file_bytes || !json) {
         return Corruption("not a flashckpt signal: a headers entry needs a file, header_bytes, file_bytes and json");

@@ -63,6 +63,26 @@ class OnDiskTest : public ::testing::Test {
   using Trainer = TestTrainer;
   Trainer StartTrainer(const std::string& job, uint64_t n) { return d_.StartTrainer(job, n); }
 
+  // A session of `rank` of two (tensor parallel, run `run`) on daemon `d`, registered with its half,
+  // `n` elements, of the float tensor "w"; nullptr when it cannot connect.
+  static std::unique_ptr<Client> ConnectHalf(const InProcessDaemon& d, const std::string& job, const std::string& run,
+                                             uint32_t rank, uint64_t n) {
+    auto c = d.Connect(job, rank, [&](ClientOptions& o) { o.run_id = run; });
+    if (!c) return c;
+    Topology t;
+    t.world_size = 2;
+    t.tp_degree = 2;
+    t.tp_rank = rank;
+    TensorSpec s;
+    s.name = "w";
+    s.shape = {n};
+    s.global_shape = {2 * n};
+    s.box_offset = {n * rank};
+    s.box_shape = {n};
+    EXPECT_OK(c->Register(t, {s}));
+    return c;
+  }
+
   // The entries of the job's directory, sorted.
   std::vector<std::string> Entries(const std::string& job) const {
     auto names = ListDir(JobDir(job));
@@ -644,22 +664,7 @@ TEST_F(OnDiskTest, TheSweepCompletesStepsWhoseLastSignalsTwoDaemonsEachMissed) {
     c.root = root();
   }));
   std::vector<float> w0(256), w1(256);
-  auto connect = [&](const InProcessDaemon& d, uint32_t rank) {
-    auto c = d.Connect(job, rank, [](ClientOptions& o) { o.run_id = "swept-run"; });
-    if (!c) return c;
-    Topology t;
-    t.world_size = 2;
-    t.tp_degree = 2;
-    t.tp_rank = rank;
-    TensorSpec s;
-    s.name = "w";
-    s.shape = {256};
-    s.global_shape = {512};
-    s.box_offset = {256 * rank};
-    s.box_shape = {256};
-    EXPECT_OK(c->Register(t, {s}));
-    return c;
-  };
+  auto connect = [&](const InProcessDaemon& d, uint32_t rank) { return ConnectHalf(d, job, "swept-run", rank, 256); };
   auto rank0 = connect(d_, 0);
   auto rank1 = connect(other, 1);
   ASSERT_TRUE(rank0 && rank1);
@@ -783,22 +788,7 @@ TEST_F(OnDiskTest, TheLastDaemonJoinsTheOtherDaemonsPartInsteadOfReadingItsRanks
   InProcessDaemon other("flashckpt-parts");
   ASSERT_OK(other.Start([&](DaemonConfig& c) { c.root = root(); }));
   std::vector<float> w0(4096), w1(4096);
-  auto connect = [&](const InProcessDaemon& d, uint32_t rank) {
-    auto c = d.Connect(job, rank, [](ClientOptions& o) { o.run_id = "parts-run"; });
-    if (!c) return c;
-    Topology t;
-    t.world_size = 2;
-    t.tp_degree = 2;
-    t.tp_rank = rank;
-    TensorSpec s;
-    s.name = "w";
-    s.shape = {4096};
-    s.global_shape = {8192};
-    s.box_offset = {4096 * rank};
-    s.box_shape = {4096};
-    EXPECT_OK(c->Register(t, {s}));
-    return c;
-  };
+  auto connect = [&](const InProcessDaemon& d, uint32_t rank) { return ConnectHalf(d, job, "parts-run", rank, 4096); };
   auto rank0 = connect(d_, 0);
   auto rank1 = connect(other, 1);
   ASSERT_TRUE(rank0 && rank1);
