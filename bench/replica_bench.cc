@@ -6,10 +6,18 @@
 //                        the whole size, as the replica store does with a part
 //   replica push         PushReplica into a ReplicaServer in this process (no TLS): every part
 //                        hashed by the sender, checked by the receiver, copied into the store's
-//                        mapping, the replica held at the end
+//                        mapping, the replica held at the end. Two pushes of the rank go first
+//                        and are shown apart ("first pushes"): they fill fresh memory, which the
+//                        kernel zeroes as it is touched; from the third on the store reuses the
+//                        memory of the replica each push replaces, as it does for a rank that
+//                        takes memory checkpoints step after step
+//   replica fetch        FetchReplica of the replica just pushed, into the limit's destination: every
+//                        part checked by the server before it is sent and by the fetcher as it is
+//                        copied in (a rank on a fresh node getting its replica back)
 //
 // Rows alternate (limit, push, limit, push ...) for --repeat rounds; medians and best are printed,
-// the ratio is of medians (`RESULT replica_push_ratio=R`: the push's rate over the stream's). GB/s is replica bytes over the seconds from the first byte sent to the
+// the ratios are of medians (`RESULT replica_push_ratio=R`: the push's rate over the stream's;
+// `RESULT replica_fetch_ratio=R`, the fetch's). GB/s is replica bytes over the seconds from the first byte sent to the
 // receiver holding the last. The allocator is set as flashckptd sets it (KeepMessageBuffersInHeap,
 // common/base/allocator.h) unless --malloc-defaults.
 #include <arpa/inet.h>
@@ -139,7 +147,30 @@ int Main(int argc, char** argv) {
 
   std::printf("replica_bench: %s in parts of %s, loopback, %d rounds\n", FormatBytes(*bytes).c_str(),
               FormatBytes(part).c_str(), repeat);
-  std::vector<double> limit, push;
+  std::vector<double> limit, push, fetch, first;
+  const auto meta_of = [&](int64_t step) {
+    ReplicaMeta meta;
+    meta.job = "bench";
+    meta.rank = 0;
+    meta.world_size = 1;
+    meta.step = step;
+    meta.attempt = 1;
+    meta.bytes = *bytes;
+    meta.part_bytes = part;
+    return meta;
+  };
+  for (int64_t step = 1; step <= 2; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    Status pushed = PushReplica(channel->get(), meta_of(step), src.data(),
+                                std::chrono::system_clock::now() + std::chrono::minutes(10));
+    if (!pushed.ok()) {
+      std::fprintf(stderr, "replica push: %s\n", pushed.ToString().c_str());
+      return 1;
+    }
+    first.push_back(Seconds(start));
+    std::printf("first push %lld: %.3f s (%.2f GB/s), into fresh memory\n", static_cast<long long>(step), first.back(),
+                *bytes / first.back() / 1e9);
+  }
   for (int round = 0; round < repeat; ++round) {
     const double tcp = TcpStream(src.data(), *bytes, part, dst.data());
     if (tcp <= 0) {
@@ -147,14 +178,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     limit.push_back(tcp);
-    ReplicaMeta meta;
-    meta.job = "bench";
-    meta.rank = 0;
-    meta.world_size = 1;
-    meta.step = round + 1;
-    meta.attempt = 1;
-    meta.bytes = *bytes;
-    meta.part_bytes = part;
+    const ReplicaMeta meta = meta_of(round + 3);
     const auto start = std::chrono::steady_clock::now();
     Status pushed = PushReplica(channel->get(), meta, src.data(), std::chrono::system_clock::now() + std::chrono::minutes(10));
     const double secs = Seconds(start);
@@ -163,19 +187,43 @@ int Main(int argc, char** argv) {
       return 1;
     }
     push.push_back(secs);
-    std::printf("round %d: tcp stream %.3f s (%.2f GB/s), replica push %.3f s (%.2f GB/s)\n", round + 1, tcp,
-                *bytes / tcp / 1e9, secs, *bytes / secs / 1e9);
+    const auto fetch_start = std::chrono::steady_clock::now();
+    auto fetched = FetchReplica(
+        channel->get(), "bench-node", "bench", 0, meta.step, *bytes,
+        [&](const ReplicaMeta&) -> Result<char*> { return dst.data(); },
+        std::chrono::system_clock::now() + std::chrono::minutes(10));
+    const double fetch_secs = Seconds(fetch_start);
+    if (!fetched.ok()) {
+      std::fprintf(stderr, "replica fetch: %s\n", fetched.status().ToString().c_str());
+      return 1;
+    }
+    if (std::memcmp(dst.data(), src.data(), src.size()) != 0) {
+      std::fprintf(stderr, "replica fetch: the bytes fetched are not the bytes pushed\n");
+      return 1;
+    }
+    fetch.push_back(fetch_secs);
+    std::printf("round %d: tcp stream %.3f s (%.2f GB/s), replica push %.3f s (%.2f GB/s), fetch %.3f s (%.2f GB/s)\n",
+                round + 1, tcp, *bytes / tcp / 1e9, secs, *bytes / secs / 1e9, fetch_secs, *bytes / fetch_secs / 1e9);
   }
   const double tcp_median = Median(limit), push_median = Median(push);
   std::printf("\n%-28s %10s %10s %12s\n", "row", "median s", "best s", "median GB/s");
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "tcp stream (limit)", tcp_median,
               *std::min_element(limit.begin(), limit.end()), *bytes / tcp_median / 1e9);
+  std::printf("%-28s %10.3f %10.3f %12.2f\n", "first pushes (fresh memory)", Median(first),
+              *std::min_element(first.begin(), first.end()), *bytes / Median(first) / 1e9);
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica push", push_median, *std::min_element(push.begin(), push.end()),
               *bytes / push_median / 1e9);
+  const double fetch_median = Median(fetch);
+  std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica fetch", fetch_median,
+              *std::min_element(fetch.begin(), fetch.end()), *bytes / fetch_median / 1e9);
   const double ratio = tcp_median / push_median;
+  const double fetch_ratio = tcp_median / fetch_median;
   std::printf("\nRESULT replica_push_gbps=%.3f\nRESULT replica_limit_gbps=%.3f\nRESULT replica_push_ratio=%.3f\n",
               *bytes / push_median / 1e9, *bytes / tcp_median / 1e9, ratio);
+  std::printf("RESULT replica_fetch_gbps=%.3f\nRESULT replica_fetch_ratio=%.3f\n", *bytes / fetch_median / 1e9,
+              fetch_ratio);
   bench::SummaryRow("replica push vs plain TCP stream (loopback)", ratio);
+  bench::SummaryRow("replica fetch vs plain TCP stream (loopback)", fetch_ratio);
   server.Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return 0;
 }

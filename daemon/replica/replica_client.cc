@@ -4,7 +4,9 @@
 #include <cstring>
 
 #include "common/format/checksum.h"
+#include "common/base/log.h"
 #include "common/io/net.h"
+#include "daemon/replica/replica_wire.h"
 #include "proto/convert.h"
 #include "replica.grpc.pb.h"
 
@@ -104,7 +106,6 @@ Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
 Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
                    std::chrono::system_clock::time_point deadline, const PushHooks& hooks) {
   if (meta.part_bytes == 0) return InvalidArgument("a replica's parts must have bytes");
-  v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   struct Published {
@@ -114,22 +115,35 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
     }
   } published{hooks};
   if (hooks.context) hooks.context(&ctx);
+  // The parts are lent to gRPC, not copied: this returns only once it has let go of every one, so
+  // the caller may reuse `data` after it (declared before the writer, so it outlives the call).
+  SliceLoans loans;
+  struct Returned {
+    SliceLoans& loans;
+    std::chrono::system_clock::time_point deadline;
+    ~Returned() {
+      const auto wait = std::max(deadline - std::chrono::system_clock::now(), std::chrono::system_clock::duration(0));
+      if (!loans.WaitReturned(std::chrono::steady_clock::now() + wait + std::chrono::seconds(10))) {
+        Logger("replica")->error("replica push: gRPC still holds {} parts of the sender's memory after the call",
+                                 loans.outstanding());
+      }
+    }
+  } returned{loans, deadline};
   v1::PushReplicaResponse response;
-  auto writer = stub.Push(&ctx, &response);
+  auto writer = OpenRawPush(channel, &ctx, &response);
   auto cancel = [&](Status why) {
     ctx.TryCancel();
     (void)writer->Finish();
     return why;
   };
-  v1::ReplicaPart part;
-  ReplicaHeaderOf(meta, part.mutable_header());
-  bool open = writer->Write(part);
+  v1::ReplicaPart header;
+  ReplicaHeaderOf(meta, header.mutable_header());
+  bool open = writer->Write(MessageBuffer(header));
   for (uint64_t at = 0; open && at < meta.bytes; at += meta.part_bytes) {
     const uint64_t n = std::min(meta.part_bytes, meta.bytes - at);
-    part.Clear();
-    part.set_data(data + at, n);
-    part.set_xxh3(Xxh3(part.data().data(), n));
-    open = writer->Write(part);
+    // Hashed where it lies: if these bytes change before gRPC has sent them, the peer refuses the
+    // part (its checksum) and the push fails; `hooks` say whether they are still the checkpoint's.
+    open = writer->Write(DataPartBuffer(loans.Lend(data + at, n), Xxh3(data + at, n)));
     if (open && hooks.after_part) {
       Status go_on = hooks.after_part(at + n);
       if (!go_on.ok()) return cancel(std::move(go_on));
@@ -140,7 +154,12 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
     if (!done.ok()) return cancel(std::move(done));
   }
   if (open) writer->WritesDone();
-  return PeerStatus(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream early
+  Status finished = PeerStatus(writer->Finish(), "replica Push");  // the peer's reason when it closed the stream
+  // A part the peer refused because it changed under the push: the hooks name the cause.
+  if (!finished.ok() && finished.code() == StatusCode::kCorruption && hooks.before_done) {
+    if (Status changed = hooks.before_done(); !changed.ok()) return changed;
+  }
+  return finished;
 }
 
 Result<int64_t> RetractReplica(grpc::Channel* channel, const std::string& node, const std::string& job, uint32_t rank,
@@ -198,7 +217,6 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
                                  int64_t step, uint64_t max_bytes,
                                  const std::function<Result<char*>(const ReplicaMeta&)>& into,
                                  std::chrono::system_clock::time_point deadline, const std::string& origin) {
-  v1::Replica::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   v1::FetchReplicaRequest request;
@@ -207,16 +225,18 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
   request.set_step(step);
   request.set_origin(origin);
   request.set_node(node);
-  auto reader = stub.Fetch(&ctx, request);
-  v1::ReplicaPart part;
+  auto reader = OpenRawFetch(channel, &ctx, request);
   auto fail = [&](Status why) {
     ctx.TryCancel();
     (void)reader->Finish();
     return why;
   };
-  if (!reader->Read(&part)) return PeerStatus(reader->Finish(), "replica Fetch");
-  if (!part.has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
-  const ReplicaMeta meta = ReplicaMetaOf(part.header());
+  grpc::ByteBuffer buffer;
+  if (!reader->Read(&buffer)) return PeerStatus(reader->Finish(), "replica Fetch");
+  auto first = ReceivedPart::Parse(&buffer);
+  if (!first.ok()) return fail(Corruption("replica Fetch: " + first.status().message()));
+  if (!first->has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
+  const ReplicaMeta meta = ReplicaMetaOf(first->header());
   if (meta.job != job || meta.rank != rank || (step != 0 && meta.step != step)) {
     return fail(Corruption("replica Fetch: asked for job '" + job + "' rank " + std::to_string(rank) +
                            ", the peer sent job '" + meta.job + "' rank " + std::to_string(meta.rank) + " step " +
@@ -233,19 +253,20 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
   auto dest = into(meta);
   if (!dest.ok()) return fail(dest.status());
   uint64_t at = 0;
-  for (uint64_t i = 0; reader->Read(&part); ++i) {
+  // Each part is copied once, from the received slices to `dest`, and hashed there.
+  for (uint64_t i = 0; reader->Read(&buffer); ++i) {
+    auto part = ReceivedPart::Parse(&buffer);
     const uint64_t want = std::min(meta.part_bytes, meta.bytes - at);
-    if (part.has_header() || at >= meta.bytes || part.data().size() != want) {
+    if (!part.ok() || part->has_header() || at >= meta.bytes || part->data_bytes() != want) {
       return fail(Corruption("replica Fetch: part " + std::to_string(i) + " does not fit the header's " +
                              std::to_string(meta.bytes) + " bytes in parts of " + std::to_string(meta.part_bytes)));
     }
-    const uint64_t got = Xxh3(part.data().data(), want);
-    if (got != part.xxh3()) {
+    const uint64_t got = CopyHashed(part->data(), *dest + at);
+    if (got != part->xxh3()) {
       return fail(Corruption("replica Fetch: part " + std::to_string(i) + " of job '" + job + "' rank " +
                              std::to_string(rank) + " step " + std::to_string(meta.step) + " has checksum " +
-                             ChecksumHex(got) + ", it was " + ChecksumHex(part.xxh3()) + " when sent"));
+                             ChecksumHex(got) + ", it was " + ChecksumHex(part->xxh3()) + " when sent"));
     }
-    std::memcpy(*dest + at, part.data().data(), want);
     at += want;
   }
   RETURN_IF_ERROR(PeerStatus(reader->Finish(), "replica Fetch"));

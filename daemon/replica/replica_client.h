@@ -47,9 +47,10 @@ struct PushHooks {
   std::function<void(grpc::ClientContext*)> context;
 };
 
-// Streams `data` (meta.bytes of it) to the peer in parts of meta.part_bytes. Each part is hashed
-// after it is copied out of `data`, so bytes that change under the push arrive with the checksum of
-// what was sent (whether they are still the checkpoint's is for `hooks` to say).
+// Streams `data` (meta.bytes of it) to the peer in parts of meta.part_bytes, each hashed in place
+// and handed to gRPC without a copy (replica_wire.h); returns once gRPC has let go of all of them.
+// Bytes that change under the push fail the peer's checksum and the push: the error is then what
+// `hooks.before_done` says of them (whether they are still the checkpoint's), when it fails.
 Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
                    std::chrono::system_clock::time_point deadline, const PushHooks& hooks = {});
 

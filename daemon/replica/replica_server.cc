@@ -8,6 +8,7 @@
 #include "daemon/observe/metrics.h"
 #include "daemon/replica/certificates.h"
 #include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_wire.h"
 #include "proto/convert.h"
 
 namespace flashckpt {
@@ -70,6 +71,22 @@ Status CheckReplicaConfig(const ReplicaListenConfig& c) {
 ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names,
                                std::chrono::milliseconds stall_timeout)
     : store_(store), allow_names_(std::move(allow_names)), stall_timeout_(stall_timeout) {
+  // Push is method 0 of flashckpt.v1.Replica (the order of replica.proto). Marked "streamed", a
+  // method takes the handler given here; the server treats it as bidirectional, which to a
+  // client-streaming handler only means no request is read before it runs.
+  MarkMethodStreamed(0, new grpc::internal::ClientStreamingHandler<ReplicaService, grpc::ByteBuffer,
+                                                                   v1::PushReplicaResponse>(
+                            [](ReplicaService* service, grpc::ServerContext* ctx,
+                               grpc::ServerReader<grpc::ByteBuffer>* reader, v1::PushReplicaResponse* response) {
+                              return service->RawPush(ctx, reader, response);
+                            },
+                            this));
+  // Fetch is method 2: its one request read first, then the parts written.
+  MarkMethodStreamed(2, new grpc::internal::SplitServerStreamingHandler<v1::FetchReplicaRequest, grpc::ByteBuffer>(
+                            [this](grpc::ServerContext* ctx,
+                                   grpc::ServerSplitStreamer<v1::FetchReplicaRequest, grpc::ByteBuffer>* stream) {
+                              return RawFetch(ctx, stream);
+                            }));
   watchdog_ = std::thread([this] { Watchdog(); });
 }
 
@@ -165,8 +182,8 @@ struct ReplicaService::Watched {
   }
 };
 
-grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
-                                  v1::PushReplicaResponse* response) {
+grpc::Status ReplicaService::RawPush(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                                     v1::PushReplicaResponse* response) {
   std::string peer;
   if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
   // Every push of an allowed peer that is not held counts as failed, whatever the reason.
@@ -196,7 +213,7 @@ grpc::Status ReplicaService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v
   return received;
 }
 
-grpc::Status ReplicaService::Receive(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
+grpc::Status ReplicaService::Receive(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                                      const std::string& peer, v1::PushReplicaResponse* response) {
   // Watched from here to the return: a push that stops sending is cancelled (Watchdog).
   Watched watched(this, ctx);
@@ -205,29 +222,33 @@ grpc::Status ReplicaService::Receive(grpc::ServerContext* ctx, grpc::ServerReade
                         "the push was cancelled: nothing arrived for " + std::to_string(stall_timeout_.count()) +
                             " ms (a stalled push holds no memory here)");
   };
-  v1::ReplicaPart part;
-  if (!reader->Read(&part) || !part.has_header()) {
+  const auto refused = [&](const Status& why) {
+    Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), why.ToString());
+    return ToGrpc(why);
+  };
+  grpc::ByteBuffer buffer;
+  if (!reader->Read(&buffer)) {
     if (watched.Stalled()) return stalled();
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
   }
   watched.Progress();
-  ReplicaMeta meta = ReplicaMetaOf(part.header());
+  auto first = ReceivedPart::Parse(&buffer);
+  if (!first.ok()) return refused(first.status());
+  if (!first->has_header()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
+  }
+  ReplicaMeta meta = ReplicaMetaOf(first->header());
   meta.from_peer = peer;
   auto incoming = store_->Begin(std::move(meta));
-  if (!incoming.ok()) {
-    Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), incoming.status().ToString());
-    return ToGrpc(incoming.status());
-  }
-  while (reader->Read(&part)) {
+  if (!incoming.ok()) return refused(incoming.status());
+  while (reader->Read(&buffer)) {
     watched.Progress();
-    if (part.has_header()) {
+    auto part = ReceivedPart::Parse(&buffer);
+    if (!part.ok()) return refused(part.status());
+    if (part->has_header()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push has one header");
     }
-    Status appended = (*incoming)->Append(part.data().data(), part.data().size(), part.xxh3());
-    if (!appended.ok()) {
-      Logger("replica")->warn("replica refused from={} error=\"{}\"", ctx->peer(), appended.ToString());
-      return ToGrpc(appended);
-    }
+    if (Status appended = (*incoming)->Append(part->data(), part->xxh3()); !appended.ok()) return refused(appended);
   }
   if (watched.Stalled()) return stalled();
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the push was cancelled");
@@ -263,8 +284,8 @@ grpc::Status ReplicaService::List(grpc::ServerContext* ctx, const v1::ListReplic
   return grpc::Status::OK;
 }
 
-grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchReplicaRequest* request,
-                                   grpc::ServerWriter<v1::ReplicaPart>* writer) {
+grpc::Status ReplicaService::RawFetch(grpc::ServerContext* ctx,
+                                      grpc::ServerSplitStreamer<v1::FetchReplicaRequest, grpc::ByteBuffer>* stream) {
   std::string peer;
   if (grpc::Status allowed = Peer(ctx, &peer); !allowed.ok()) return allowed;
   if (ctx->deadline() > std::chrono::system_clock::now() + kMaxReplicaCall) {
@@ -273,15 +294,20 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
                                                                 std::to_string(kMaxReplicaCall.count()) +
                                                                 " minutes away");
   }
+  v1::FetchReplicaRequest request;
+  if (!stream->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica fetch begins with its request");
+  }
   std::string actor;
-  if (grpc::Status named = Actor(peer, request->node(), &actor); !named.ok()) return named;
-  auto found = store_->Find(request->job(), request->rank(), request->step(), request->origin());
+  if (grpc::Status named = Actor(peer, request.node(), &actor); !named.ok()) return named;
+  auto found = store_->Find(request.job(), request.rank(), request.step(), request.origin());
   if (!found.ok()) return ToGrpc(found.status());
   const Replica& replica = **found;
-  v1::ReplicaPart part;
-  ReplicaHeaderOf(replica.meta(), part.mutable_header());
-  if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
-  part.Clear();
+  v1::ReplicaPart header;
+  ReplicaHeaderOf(replica.meta(), header.mutable_header());
+  if (!stream->Write(MessageBuffer(header))) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
+  }
   for (uint64_t i = 0; i < replica.parts(); ++i) {
     auto bytes = replica.VerifiedPart(i);
     if (!bytes.ok()) {
@@ -291,9 +317,10 @@ grpc::Status ReplicaService::Fetch(grpc::ServerContext* ctx, const v1::FetchRepl
       store_->Drop(&replica);
       return ToGrpc(bytes.status());
     }
-    part.set_data(bytes->first, bytes->second);
-    part.set_xxh3(replica.part_sum(i));
-    if (!writer->Write(part)) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
+    // Sent from the replica's memory; each part keeps the replica alive until gRPC lets go of it.
+    if (!stream->Write(DataPartBuffer(SliceOwnedBy(bytes->first, bytes->second, *found), replica.part_sum(i)))) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
+    }
   }
   store_->NoteFetched(replica.meta().job, replica.meta().rank, actor, OriginOf(replica.meta()));
   return grpc::Status::OK;
@@ -322,6 +349,9 @@ std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService
   MetricHeader(&out, "flashckpt_replica_held_bytes", "gauge",
                "Bytes of the replicas held for peers (their layout and extra state not counted).");
   MetricSample(&out, "flashckpt_replica_held_bytes", "", static_cast<double>(store.held_bytes()));
+  MetricHeader(&out, "flashckpt_replica_kept_bytes", "gauge",
+               "Memory of replaced replicas kept (reserved) for the next push of their rank.");
+  MetricSample(&out, "flashckpt_replica_kept_bytes", "", static_cast<double>(store.kept_bytes()));
   MetricHeader(&out, "flashckpt_replicas_received_total", "counter", "Replica pushes received whole and held.");
   MetricSample(&out, "flashckpt_replicas_received_total", "", static_cast<double>(service.received()));
   MetricHeader(&out, "flashckpt_replica_pushes_failed_total", "counter",

@@ -60,12 +60,15 @@ class ReplicaService final : public v1::Replica::Service {
   ReplicaService(const ReplicaService&) = delete;
   ReplicaService& operator=(const ReplicaService&) = delete;
 
-  grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader,
-                    v1::PushReplicaResponse* response) override;
+  // Push, bound in place of the generated method's message reader: the parts arrive as byte buffers
+  // whose data is copied once, from the received slices into the replica (replica_wire.h).
+  grpc::Status RawPush(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                       v1::PushReplicaResponse* response);
   grpc::Status List(grpc::ServerContext* ctx, const v1::ListReplicasRequest* request,
                     v1::ListReplicasResponse* response) override;
-  grpc::Status Fetch(grpc::ServerContext* ctx, const v1::FetchReplicaRequest* request,
-                     grpc::ServerWriter<v1::ReplicaPart>* writer) override;
+  // Fetch, bound as Push is: each part is handed to gRPC in place, a slice of the replica's memory.
+  grpc::Status RawFetch(grpc::ServerContext* ctx,
+                        grpc::ServerSplitStreamer<v1::FetchReplicaRequest, grpc::ByteBuffer>* stream);
   grpc::Status Retract(grpc::ServerContext* ctx, const v1::RetractReplicaRequest* request,
                        v1::RetractReplicaResponse* response) override;
 
@@ -80,8 +83,8 @@ class ReplicaService final : public v1::Replica::Service {
   struct Watched;
   // The part of Push after its admission: receives the header and the parts into the store, watched
   // for stalls throughout; OK once the replica is held.
-  grpc::Status Receive(grpc::ServerContext* ctx, grpc::ServerReader<v1::ReplicaPart>* reader, const std::string& peer,
-                       v1::PushReplicaResponse* response) EXCLUDES(mu_);
+  grpc::Status Receive(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                       const std::string& peer, v1::PushReplicaResponse* response) EXCLUDES(mu_);
 
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
   grpc::Status Peer(grpc::ServerContext* ctx, std::string* name);
@@ -108,7 +111,8 @@ class ReplicaService final : public v1::Replica::Service {
 };
 
 // The replica listener's metrics, in the text exposition format, for the daemon's /metrics:
-// flashckpt_replicas_held, flashckpt_replica_held_bytes, flashckpt_replicas_received_total,
+// flashckpt_replicas_held, flashckpt_replica_held_bytes, flashckpt_replica_kept_bytes,
+// flashckpt_replicas_received_total,
 // flashckpt_replica_pushes_failed_total, flashckpt_replica_pushes_stalled_total,
 // flashckpt_replicas_evicted_total and flashckpt_replica_calls_refused_total.
 std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService& service);

@@ -10,7 +10,11 @@
 // (HostMemory), from the moment its header arrives (a push that would not fit is refused then,
 // before any data) until the replica is replaced, dropped or evicted. A push in progress never
 // disturbs the replica it will replace: both are held until the new one has fully arrived and
-// verified.
+// verified. The memory of a replaced replica's bytes is kept, still reserved, for the next push of
+// its (job, rank, origin) when the two have the same size (fresh memory would be zeroed by the
+// kernel page by page as the parts arrive: on a push that is the largest cost after the copy). At
+// most one such mapping per replica held; it is given back when its replica is no longer held, and
+// all of them before a reservation would fail for want of it.
 //
 // Bounds, so that no peer can take the room of the others: each origin (the name its certificate
 // proves, or the node name it gives without TLS) holds at most ReplicaLimits::max_per_origin
@@ -47,6 +51,15 @@
 #include "common/base/status.h"
 
 namespace flashckpt {
+
+// Bytes in memory the caller owns (a part as it arrived: one span per received slice).
+struct ByteSpan {
+  const char* data = nullptr;
+  size_t size = 0;
+};
+// Copies `spans` in order to `dest` and returns the XXH3-64 of the bytes copied, each span hashed
+// where it landed while it is still in the cache.
+uint64_t CopyHashed(const std::vector<ByteSpan>& spans, char* dest);
 
 // Where the store's bytes come from: Reserve(bytes, what) fails (RESOURCE_EXHAUSTED, saying `what`
 // needed them) when they do not fit the budget; Release gives back what Reserve took.
@@ -90,6 +103,24 @@ const std::string& OriginOf(const ReplicaMeta& meta);
 
 // A complete, verified replica. Immutable once held; a reader keeps it (and its memory) alive while
 // the store replaces it.
+// The memory of a replica's bytes: an anonymous private mapping, its bytes reserved from the budget
+// until it is unmapped.
+class ReplicaMapping {
+ public:
+  static Result<std::unique_ptr<ReplicaMapping>> Make(uint64_t bytes, HostMemory* memory, const std::string& who);
+  ~ReplicaMapping();
+  ReplicaMapping(const ReplicaMapping&) = delete;
+  ReplicaMapping& operator=(const ReplicaMapping&) = delete;
+  char* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  ReplicaMapping(char* data, uint64_t bytes, HostMemory* memory) : data_(data), bytes_(bytes), memory_(memory) {}
+  char* data_;
+  uint64_t bytes_;
+  HostMemory* memory_;
+};
+
 class Replica {
  public:
   ~Replica();
@@ -106,15 +137,17 @@ class Replica {
  private:
   friend class ReplicaStore;
   Replica(ReplicaMeta meta, HostMemory* memory);
-  Status Map();
+  // Takes `mapping` (a kept one of meta_.bytes), or maps fresh memory.
+  Status Map(std::unique_ptr<ReplicaMapping> mapping);
 
   ReplicaMeta meta_;
   uint64_t accounted() const { return meta_.bytes + meta_.layout.size() + meta_.extra.size(); }
   uint64_t arrival_ = 0;  // the store's count of replicas held when this one was (the oldest: lowest)
 
-  HostMemory* memory_;   // released by the destructor, when reserved_
+  HostMemory* memory_;   // the layout's and extra state's bytes released by the destructor, when reserved_
   bool reserved_ = false;
-  char* data_ = nullptr;  // an anonymous private mapping of meta_.bytes bytes
+  std::unique_ptr<ReplicaMapping> mapping_;  // meta_.bytes bytes
+  char* data_ = nullptr;                     // mapping_'s
   std::vector<uint64_t> sums_;
   uint64_t received_ = 0;  // bytes written, while it arrives
 };
@@ -129,7 +162,10 @@ class ReplicaStore {
   // Incoming without Finish gives its memory back.
   class Incoming {
    public:
-    Status Append(const char* data, uint64_t bytes, uint64_t xxh3);
+    // The next part: `spans` in order (as it arrived in the received slices), `xxh3` the checksum the
+    // sender gave it, checked while the bytes are copied in.
+    Status Append(const std::vector<ByteSpan>& spans, uint64_t xxh3);
+    Status Append(const char* data, uint64_t bytes, uint64_t xxh3) { return Append({{data, bytes}}, xxh3); }
     const ReplicaMeta& meta() const { return replica_->meta(); }
 
    private:
@@ -170,6 +206,7 @@ class ReplicaStore {
   size_t count() const;       // copies held (one per job, rank and origin)
   uint64_t held_bytes() const;  // their bytes (not their layout and extra state)
   uint64_t evicted() const { return evicted_.load(); }  // replicas evicted by the bounds, so far
+  uint64_t kept_bytes() const;  // memory of replaced replicas kept for the next push of their rank
 
  private:
   using Key = std::tuple<std::string, uint32_t, std::string>;  // (job, rank, origin)
@@ -187,6 +224,12 @@ class ReplicaStore {
   bool EvictOldestLocked(const std::string& origin, const Key& spare, const char* why,
                          std::vector<std::shared_ptr<const Replica>>* evicted) REQUIRES(mu_);
 
+  // Takes the mapping kept for `key` when it has `bytes` (nullptr when none has); kept mappings of
+  // keys no longer held go to `freed`, to be unmapped after the lock is let go.
+  std::unique_ptr<ReplicaMapping> TakeKeptLocked(const Key& key, uint64_t bytes,
+                                                 std::vector<std::unique_ptr<ReplicaMapping>>* freed) REQUIRES(mu_);
+  void PruneKeptLocked(std::vector<std::unique_ptr<ReplicaMapping>>* freed) REQUIRES(mu_);
+
   HostMemory memory_;
   const uint64_t max_replica_bytes_;
   const ReplicaLimits limits_;
@@ -194,6 +237,8 @@ class ReplicaStore {
   std::atomic<uint64_t> evicted_{0};
   mutable Mutex mu_;
   std::map<Key, std::shared_ptr<const Replica>> held_ GUARDED_BY(mu_);
+  // Per (job, rank, origin) held, the memory of the replica its held one replaced.
+  std::map<Key, std::unique_ptr<ReplicaMapping>> kept_ GUARDED_BY(mu_);
   // Per (job, rank, origin), the origin's latest retraction not yet followed by a replica of its
   // attempt: (attempt, restored step). At most kMaxReplicasHeld.
   std::map<Key, std::pair<uint64_t, int64_t>> retracted_ GUARDED_BY(mu_);

@@ -30,8 +30,10 @@
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
 #include "daemon/replica/replica_store.h"
+#include "daemon/replica/replica_wire.h"
 #include "daemon/replica/replica_sender.h"
 #include "in_process_daemon.h"
+#include "replica.grpc.pb.h"
 #include "replica.pb.h"
 #include "testing.h"
 
@@ -112,7 +114,16 @@ TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack
 
     ASSERT_TRUE(Put(&store, Meta("job", 1, 6, six.size()), six).ok());
     EXPECT_EQ((*store.Find("job", 1, 0))->meta().step, 6);
-    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 6, six.size())));  // step 5's memory went back
+    // Step 5's layout and extra state went back; its bytes are kept for the rank's next push.
+    EXPECT_EQ(store.kept_bytes(), five.size());
+    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 6, six.size())) + five.size());
+    // Which takes them: nothing more is reserved for its bytes, and step 6's are kept in turn.
+    auto seventh = store.Begin(Meta("job", 1, 7, six.size()));
+    ASSERT_TRUE(seventh.ok()) << seventh.status().ToString();
+    EXPECT_EQ(store.kept_bytes(), 0u);
+    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 6, six.size())) + Accounted(Meta("job", 1, 7, six.size())));
+    seventh = Result<std::unique_ptr<ReplicaStore::Incoming>>(NotFound("dropped by the test"));
+    EXPECT_EQ(counted.used.load(), Accounted(Meta("job", 1, 6, six.size())));  // an unfinished push gives all back
     // An older step does not replace a newer one.
     Status older = Put(&store, Meta("job", 1, 5, five.size()), five);
     EXPECT_EQ(older.code(), StatusCode::kAlreadyExists) << older.ToString();
@@ -145,6 +156,31 @@ TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack
     other_run.run_id = "another-run";
     Status not_held = Put(&store, other_run, Bytes(kPart, 1));
     EXPECT_EQ(not_held.code(), StatusCode::kFailedPrecondition) << not_held.ToString();
+  }
+  EXPECT_EQ(counted.used.load(), 0u);
+}
+
+// Memory kept for one rank's next push never refuses another rank's: it is given back first.
+TEST(ReplicaStoreTest, MemoryKeptForARanksNextPushIsGivenBackBeforeAnotherPushIsRefused) {
+  CountedMemory counted;
+  const uint64_t bytes = 4 * kPart;
+  const uint64_t meta_bytes = Accounted(Meta("job", 0, 1, bytes)) - bytes;
+  counted.budget = 3 * bytes + 2 * meta_bytes - 1;  // two replicas held, or one held and one kept, and one on its way
+  {
+    ReplicaStore store(counted.memory(), 0);
+    ASSERT_OK(Put(&store, Meta("job", 0, 1, bytes), Bytes(bytes, 1)));
+    ASSERT_OK(Put(&store, Meta("job", 0, 2, bytes), Bytes(bytes, 2)));
+    EXPECT_EQ(store.kept_bytes(), bytes);
+    ASSERT_OK(Put(&store, Meta("job", 1, 1, bytes), Bytes(bytes, 3)));  // fits only without the kept memory
+    EXPECT_EQ(store.kept_bytes(), 0u);
+    EXPECT_EQ(counted.used.load(), 2 * (bytes + meta_bytes));
+    // A rank whose replica is no longer held keeps nothing either.
+    counted.budget = 4 * (bytes + meta_bytes);
+    ASSERT_OK(Put(&store, Meta("job", 1, 2, bytes), Bytes(bytes, 4)));
+    EXPECT_EQ(store.kept_bytes(), bytes);
+    store.Drop(store.Find("job", 1, 0)->get());
+    EXPECT_EQ(store.kept_bytes(), 0u);
+    EXPECT_EQ(counted.used.load(), bytes + meta_bytes);  // rank 0's replica alone
   }
   EXPECT_EQ(counted.used.load(), 0u);
 }
@@ -398,6 +434,114 @@ TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   auto missing = FetchReplica(channel->get(), "node-c", "job", 4, 0, data.size(),
                               [&](const ReplicaMeta&) -> Result<char*> { return nullptr; }, Deadline());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+}
+
+std::string Joined(const std::vector<ByteSpan>& spans) {
+  std::string out;
+  for (const ByteSpan& s : spans) out.append(s.data, s.size);
+  return out;
+}
+
+grpc::ByteBuffer BufferOf(const std::string& text) {
+  grpc::Slice slice(text.data(), text.size());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// A data part goes out as slices of the sender's memory, lent until gRPC lets go of them, and comes
+// in as spans of the received slices; every other encoding of a ReplicaPart is protobuf's to read.
+TEST(ReplicaWireTest, ADataPartIsReadInPlaceAndEveryOtherEncodingThroughProtobuf) {
+  const auto data = Bytes(300000, 5);
+  const uint64_t sum = Xxh3(data.data(), data.size());
+  SliceLoans loans;
+  {
+    grpc::ByteBuffer buffer = DataPartBuffer(loans.Lend(data.data(), data.size()), sum);
+    EXPECT_EQ(loans.outstanding(), 1u);
+    // What protobuf reads from it is the same part.
+    grpc::Slice whole;
+    ASSERT_TRUE(buffer.DumpToSingleSlice(&whole).ok());
+    v1::ReplicaPart message;
+    ASSERT_TRUE(message.ParseFromArray(whole.begin(), static_cast<int>(whole.size())));
+    EXPECT_EQ(message.data(), std::string(data.begin(), data.end()));
+    EXPECT_EQ(message.xxh3(), sum);
+    auto part = ReceivedPart::Parse(&buffer);
+    ASSERT_TRUE(part.ok()) << part.status().ToString();
+    EXPECT_TRUE(part->in_place());
+    EXPECT_FALSE(part->has_header());
+    EXPECT_EQ(part->data_bytes(), data.size());
+    EXPECT_EQ(part->xxh3(), sum);
+    EXPECT_EQ(Joined(part->data()), std::string(data.begin(), data.end()));
+  }
+  EXPECT_EQ(loans.outstanding(), 0u);  // the part dropped the last reference
+  EXPECT_TRUE(loans.WaitReturned(std::chrono::steady_clock::now()));
+
+  // The checksum before the data, as another encoder may write it: read by protobuf, same result.
+  std::string reordered = std::string("\x19") + std::string(reinterpret_cast<const char*>(&sum), 8);
+  v1::ReplicaPart data_only;
+  data_only.set_data("abcdef");
+  reordered += data_only.SerializeAsString();
+  grpc::ByteBuffer buffer = BufferOf(reordered);
+  auto part = ReceivedPart::Parse(&buffer);
+  ASSERT_TRUE(part.ok()) << part.status().ToString();
+  EXPECT_FALSE(part->in_place());
+  EXPECT_EQ(Joined(part->data()), "abcdef");
+  EXPECT_EQ(part->xxh3(), sum);
+
+  // A header.
+  v1::ReplicaPart header;
+  ReplicaHeaderOf(Meta("job", 2, 7, 100), header.mutable_header());
+  buffer = MessageBuffer(header);
+  part = ReceivedPart::Parse(&buffer);
+  ASSERT_TRUE(part.ok()) << part.status().ToString();
+  EXPECT_TRUE(part->has_header());
+  EXPECT_EQ(part->header().step(), 7);
+  EXPECT_EQ(part->data_bytes(), 0u);
+
+  // A data field longer than the buffer, a varint that never ends, a checksum cut short: refused.
+  for (const std::string& bad : {std::string("\x12\x80\x80\x01" "abc", 7), std::string(12, '\xff'),
+                                 std::string("\x12\x01z\x19\x01\x02", 6)}) {
+    buffer = BufferOf(bad);
+    EXPECT_EQ(ReceivedPart::Parse(&buffer).status().code(), StatusCode::kInvalidArgument);
+  }
+}
+
+// The wire is protobuf's: a sender that pushes ReplicaPart messages through the generated stub (a
+// flashckptd before the parts were sent in place) is held as well.
+TEST(ReplicaServiceTest, APushOfProtobufMessagesIsHeld) {
+  ServedStore served;
+  ASSERT_TRUE(served.Start({}).ok());
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_TRUE(channel.ok());
+  const auto data = Bytes(3 * kPart + 5, 3);
+  const ReplicaMeta meta = Meta("job", 1, 4, data.size());
+  v1::Replica::Stub stub(*channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  v1::PushReplicaResponse response;
+  auto writer = stub.Push(&ctx, &response);
+  v1::ReplicaPart part;
+  ReplicaHeaderOf(meta, part.mutable_header());
+  ASSERT_TRUE(writer->Write(part));
+  for (uint64_t at = 0; at < data.size(); at += kPart) {
+    const uint64_t n = std::min<uint64_t>(kPart, data.size() - at);
+    part.Clear();
+    part.set_data(data.data() + at, n);
+    part.set_xxh3(Xxh3(data.data() + at, n));
+    ASSERT_TRUE(writer->Write(part));
+  }
+  ASSERT_TRUE(writer->WritesDone());
+  grpc::Status done = writer->Finish();
+  ASSERT_TRUE(done.ok()) << done.error_message();
+  EXPECT_EQ(response.step(), 4);
+  std::vector<char> back;
+  auto fetched = FetchReplica(
+      channel->get(), "node-c", "job", 1, 4, data.size(),
+      [&](const ReplicaMeta& m) -> Result<char*> {
+        back.resize(m.bytes);
+        return back.data();
+      },
+      Deadline());
+  ASSERT_TRUE(fetched.ok()) << fetched.status().ToString();
+  EXPECT_EQ(back, data);
 }
 
 // A push that sends its header and then nothing holds the memory its header reserved only until
