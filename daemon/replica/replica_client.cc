@@ -106,6 +106,20 @@ Result<std::shared_ptr<grpc::Channel>> ReplicaChannel(const ReplicaPeer& peer) {
 Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* data,
                    std::chrono::system_clock::time_point deadline, const PushHooks& hooks) {
   if (meta.part_bytes == 0) return InvalidArgument("a replica's parts must have bytes");
+  // The parts are lent to gRPC, not copied: this returns only once it has let go of every one, so
+  // the caller may reuse `data` after it. Declared before the call's context, the wait comes after
+  // the call is released (a failed call's unsent parts go with it); a dead call no longer reads
+  // them, so the wait is bounded, and a slice given back later finds `loans` alive.
+  auto loans = SliceLoans::Make();
+  struct Returned {
+    SliceLoans& loans;
+    ~Returned() {
+      if (!loans.WaitReturned(std::chrono::steady_clock::now() + std::chrono::seconds(10))) {
+        Logger("replica")->error("replica push: gRPC still holds {} parts of the sender's memory after the call",
+                                 loans.outstanding());
+      }
+    }
+  } returned{*loans};
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   struct Published {
@@ -115,20 +129,6 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
     }
   } published{hooks};
   if (hooks.context) hooks.context(&ctx);
-  // The parts are lent to gRPC, not copied: this returns only once it has let go of every one, so
-  // the caller may reuse `data` after it (declared before the writer, so it outlives the call).
-  SliceLoans loans;
-  struct Returned {
-    SliceLoans& loans;
-    std::chrono::system_clock::time_point deadline;
-    ~Returned() {
-      const auto wait = std::max(deadline - std::chrono::system_clock::now(), std::chrono::system_clock::duration(0));
-      if (!loans.WaitReturned(std::chrono::steady_clock::now() + wait + std::chrono::seconds(10))) {
-        Logger("replica")->error("replica push: gRPC still holds {} parts of the sender's memory after the call",
-                                 loans.outstanding());
-      }
-    }
-  } returned{loans, deadline};
   v1::PushReplicaResponse response;
   auto writer = OpenRawPush(channel, &ctx, &response);
   auto cancel = [&](Status why) {
@@ -143,7 +143,7 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
     const uint64_t n = std::min(meta.part_bytes, meta.bytes - at);
     // Hashed where it lies: if these bytes change before gRPC has sent them, the peer refuses the
     // part (its checksum) and the push fails; `hooks` say whether they are still the checkpoint's.
-    open = writer->Write(DataPartBuffer(loans.Lend(data + at, n), Xxh3(data + at, n)));
+    open = writer->Write(DataPartBuffer(loans->Lend(data + at, n), Xxh3(data + at, n)));
     if (open && hooks.after_part) {
       Status go_on = hooks.after_part(at + n);
       if (!go_on.ok()) return cancel(std::move(go_on));
@@ -233,10 +233,10 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
   };
   grpc::ByteBuffer buffer;
   if (!reader->Read(&buffer)) return PeerStatus(reader->Finish(), "replica Fetch");
-  auto first = ReceivedPart::Parse(&buffer);
-  if (!first.ok()) return fail(Corruption("replica Fetch: " + first.status().message()));
-  if (!first->has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
-  const ReplicaMeta meta = ReplicaMetaOf(first->header());
+  ReceivedPart part;
+  if (Status read = part.Read(&buffer); !read.ok()) return fail(Corruption("replica Fetch: " + read.message()));
+  if (!part.has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));
+  const ReplicaMeta meta = ReplicaMetaOf(part.header());
   if (meta.job != job || meta.rank != rank || (step != 0 && meta.step != step)) {
     return fail(Corruption("replica Fetch: asked for job '" + job + "' rank " + std::to_string(rank) +
                            ", the peer sent job '" + meta.job + "' rank " + std::to_string(meta.rank) + " step " +
@@ -255,17 +255,16 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
   uint64_t at = 0;
   // Each part is copied once, from the received slices to `dest`, and hashed there.
   for (uint64_t i = 0; reader->Read(&buffer); ++i) {
-    auto part = ReceivedPart::Parse(&buffer);
     const uint64_t want = std::min(meta.part_bytes, meta.bytes - at);
-    if (!part.ok() || part->has_header() || at >= meta.bytes || part->data_bytes() != want) {
+    if (!part.Read(&buffer).ok() || part.has_header() || at >= meta.bytes || part.data_bytes() != want) {
       return fail(Corruption("replica Fetch: part " + std::to_string(i) + " does not fit the header's " +
                              std::to_string(meta.bytes) + " bytes in parts of " + std::to_string(meta.part_bytes)));
     }
-    const uint64_t got = CopyHashed(part->data(), *dest + at);
-    if (got != part->xxh3()) {
+    const uint64_t got = CopyHashed(part.data(), *dest + at);
+    if (got != part.xxh3()) {
       return fail(Corruption("replica Fetch: part " + std::to_string(i) + " of job '" + job + "' rank " +
                              std::to_string(rank) + " step " + std::to_string(meta.step) + " has checksum " +
-                             ChecksumHex(got) + ", it was " + ChecksumHex(part->xxh3()) + " when sent"));
+                             ChecksumHex(got) + ", it was " + ChecksumHex(part.xxh3()) + " when sent"));
     }
     at += want;
   }

@@ -232,23 +232,22 @@ grpc::Status ReplicaService::Receive(grpc::ServerContext* ctx, grpc::ServerReade
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
   }
   watched.Progress();
-  auto first = ReceivedPart::Parse(&buffer);
-  if (!first.ok()) return refused(first.status());
-  if (!first->has_header()) {
+  ReceivedPart part;
+  if (Status read = part.Read(&buffer); !read.ok()) return refused(read);
+  if (!part.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push begins with its header");
   }
-  ReplicaMeta meta = ReplicaMetaOf(first->header());
+  ReplicaMeta meta = ReplicaMetaOf(part.header());
   meta.from_peer = peer;
   auto incoming = store_->Begin(std::move(meta));
   if (!incoming.ok()) return refused(incoming.status());
   while (reader->Read(&buffer)) {
     watched.Progress();
-    auto part = ReceivedPart::Parse(&buffer);
-    if (!part.ok()) return refused(part.status());
-    if (part->has_header()) {
+    if (Status read = part.Read(&buffer); !read.ok()) return refused(read);
+    if (part.has_header()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a replica push has one header");
     }
-    if (Status appended = (*incoming)->Append(part->data(), part->xxh3()); !appended.ok()) return refused(appended);
+    if (Status appended = (*incoming)->Append(part.data(), part.xxh3()); !appended.ok()) return refused(appended);
   }
   if (watched.Stalled()) return stalled();
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the push was cancelled");
@@ -350,7 +349,7 @@ std::string RenderReplicaMetrics(const ReplicaStore& store, const ReplicaService
                "Bytes of the replicas held for peers (their layout and extra state not counted).");
   MetricSample(&out, "flashckpt_replica_held_bytes", "", static_cast<double>(store.held_bytes()));
   MetricHeader(&out, "flashckpt_replica_kept_bytes", "gauge",
-               "Memory of replaced replicas kept (reserved) for the next push of their rank.");
+               "Memory of replaced replicas kept for the next push of their rank (MADV_FREE, outside the budget).");
   MetricSample(&out, "flashckpt_replica_kept_bytes", "", static_cast<double>(store.kept_bytes()));
   MetricHeader(&out, "flashckpt_replicas_received_total", "counter", "Replica pushes received whole and held.");
   MetricSample(&out, "flashckpt_replicas_received_total", "", static_cast<double>(service.received()));

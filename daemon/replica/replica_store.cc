@@ -57,7 +57,21 @@ Result<std::unique_ptr<ReplicaMapping>> ReplicaMapping::Make(uint64_t bytes, Hos
 
 ReplicaMapping::~ReplicaMapping() {
   ::munmap(data_, bytes_);
+  if (reserved_) memory_->release(bytes_);
+}
+
+void ReplicaMapping::Release() {
+  if (!reserved_) return;
+  (void)::madvise(data_, bytes_, MADV_FREE);  // without it (EINVAL before Linux 4.5) the pages stay
   memory_->release(bytes_);
+  reserved_ = false;
+}
+
+Status ReplicaMapping::Reserve(const std::string& who) {
+  if (reserved_) return Status::OK();
+  RETURN_IF_ERROR(memory_->reserve(bytes_, who));
+  reserved_ = true;
+  return Status::OK();
 }
 
 Replica::Replica(ReplicaMeta meta, HostMemory* memory) : meta_(std::move(meta)), memory_(memory) {}
@@ -185,26 +199,11 @@ Result<std::unique_ptr<ReplicaStore::Incoming>> ReplicaStore::Begin(ReplicaMeta 
     RETURN_IF_ERROR(MakeRoomLocked(OriginOf(replica->meta_), KeyOf(replica->meta_), replica->accounted(), &evicted));
     kept = TakeKeptLocked(KeyOf(replica->meta_), replica->meta_.bytes, &freed);
   }
-  // The layout and extra state, then the bytes unless a kept mapping holds them. Memory kept for
-  // other ranks' next pushes is given back rather than refuse this one.
-  const auto reserve = [&]() -> Status {
-    if (!replica->reserved_) {
-      RETURN_IF_ERROR(memory_.reserve(replica->accounted() - replica->meta_.bytes, Who(replica->meta_)));
-      replica->reserved_ = true;
-    }
-    return replica->Map(std::move(kept));
-  };
-  Status reserved = reserve();
-  if (!reserved.ok() && reserved.code() == StatusCode::kResourceExhausted && kept_bytes() > 0) {
-    std::map<Key, std::unique_ptr<ReplicaMapping>> given_back;
-    {
-      MutexLock lock(&mu_);
-      given_back.swap(kept_);
-    }
-    given_back.clear();
-    reserved = reserve();
-  }
-  RETURN_IF_ERROR(reserved);
+  // The layout and extra state, then the bytes, in a kept mapping or a fresh one.
+  RETURN_IF_ERROR(memory_.reserve(replica->accounted() - replica->meta_.bytes, Who(replica->meta_)));
+  replica->reserved_ = true;
+  if (kept) RETURN_IF_ERROR(kept->Reserve(Who(replica->meta_)));
+  RETURN_IF_ERROR(replica->Map(std::move(kept)));
   replica->sums_.reserve(PartsOf(replica->meta_));
   return std::unique_ptr<Incoming>(new Incoming(std::move(replica)));
 }
@@ -258,6 +257,7 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
   std::shared_ptr<const Replica> replaced;  // freed after the lock is let go
   std::vector<std::shared_ptr<const Replica>> evicted;  // as well
   std::vector<std::unique_ptr<ReplicaMapping>> freed;   // as well
+  std::unique_ptr<ReplicaMapping> to_keep;              // released from the budget before it is kept
   {
     MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckRunOwnerLocked(m));
@@ -294,9 +294,7 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
     // The replaced copy's memory is kept for the rank's next push, when nothing else reads it (a
     // fetch holds its own reference; this store hands out none once it is not held).
     if (replaced && replaced.use_count() == 1 && replaced->meta_.bytes == m.bytes && replaced->mapping_) {
-      std::unique_ptr<ReplicaMapping>& slot = kept_[KeyOf(m)];
-      if (slot) freed.push_back(std::move(slot));
-      slot = std::move(const_cast<Replica&>(*replaced).mapping_);
+      to_keep = std::move(const_cast<Replica&>(*replaced).mapping_);
     }
     PruneKeptLocked(&freed);
     // Held from the restored attempt on: the order of attempts refuses the old one's from now on.
@@ -307,6 +305,15 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
         run_owner_.erase(run_owner_order_.front());
         run_owner_order_.pop_front();
       }
+    }
+  }
+  if (to_keep) {
+    to_keep->Release();
+    MutexLock lock(&mu_);
+    if (held_.count(KeyOf(m)) != 0) {  // not dropped meanwhile
+      std::unique_ptr<ReplicaMapping>& slot = kept_[KeyOf(m)];
+      if (slot) freed.push_back(std::move(slot));
+      slot = std::move(to_keep);
     }
   }
   Logger("replica")->info("replica held job={} rank={} step={} bytes={} from={} replaced_step={}", m.job, m.rank,

@@ -10,11 +10,12 @@
 // (HostMemory), from the moment its header arrives (a push that would not fit is refused then,
 // before any data) until the replica is replaced, dropped or evicted. A push in progress never
 // disturbs the replica it will replace: both are held until the new one has fully arrived and
-// verified. The memory of a replaced replica's bytes is kept, still reserved, for the next push of
-// its (job, rank, origin) when the two have the same size (fresh memory would be zeroed by the
-// kernel page by page as the parts arrive: on a push that is the largest cost after the copy). At
-// most one such mapping per replica held; it is given back when its replica is no longer held, and
-// all of them before a reservation would fail for want of it.
+// verified. The memory of a replaced replica's bytes is kept for the next push of its (job, rank,
+// origin) when the two have the same size (fresh memory would be zeroed by the kernel page by page
+// as the parts arrive: on a push that is the largest cost after the copy). Kept memory is not
+// counted in the budget: it is handed to the kernel to take back whenever it needs the memory
+// (MADV_FREE), and the next push reserves its bytes as for fresh memory. At most one such mapping
+// per replica held; it is unmapped when its replica is no longer held.
 //
 // Bounds, so that no peer can take the room of the others: each origin (the name its certificate
 // proves, or the node name it gives without TLS) holds at most ReplicaLimits::max_per_origin
@@ -104,21 +105,28 @@ const std::string& OriginOf(const ReplicaMeta& meta);
 // A complete, verified replica. Immutable once held; a reader keeps it (and its memory) alive while
 // the store replaces it.
 // The memory of a replica's bytes: an anonymous private mapping, its bytes reserved from the budget
-// until it is unmapped.
+// while it holds a replica.
 class ReplicaMapping {
  public:
+  // A fresh mapping, reserved.
   static Result<std::unique_ptr<ReplicaMapping>> Make(uint64_t bytes, HostMemory* memory, const std::string& who);
   ~ReplicaMapping();
   ReplicaMapping(const ReplicaMapping&) = delete;
   ReplicaMapping& operator=(const ReplicaMapping&) = delete;
   char* data() const { return data_; }
   uint64_t bytes() const { return bytes_; }
+  // Kept for a later replica: its reservation given back and its pages the kernel's to take back
+  // (MADV_FREE; whatever it takes reads as zeros, and a replica writes every byte before reading).
+  void Release();
+  // Holds a replica again: its bytes reserved.
+  Status Reserve(const std::string& who);
 
  private:
   ReplicaMapping(char* data, uint64_t bytes, HostMemory* memory) : data_(data), bytes_(bytes), memory_(memory) {}
   char* data_;
   uint64_t bytes_;
   HostMemory* memory_;
+  bool reserved_ = true;
 };
 
 class Replica {

@@ -78,8 +78,14 @@ class SliceCursor {
 
 }  // namespace
 
-Result<ReceivedPart> ReceivedPart::Parse(grpc::ByteBuffer* buffer) {
-  ReceivedPart part;
+Status ReceivedPart::Read(grpc::ByteBuffer* buffer) {
+  ReceivedPart& part = *this;
+  part.slices_.clear();
+  part.message_.Clear();
+  part.spans_.clear();
+  part.data_bytes_ = 0;
+  part.xxh3_ = 0;
+  part.in_place_ = false;
   if (!buffer->Dump(&part.slices_).ok()) return InvalidArgument("a replica part could not be read");
   buffer->Clear();
   // In place: exactly the data field, then the checksum, each once, as DataPartBuffer and protobuf
@@ -95,7 +101,7 @@ Result<ReceivedPart> ReceivedPart::Parse(grpc::ByteBuffer* buffer) {
         part.data_bytes_ = *n;
         part.xxh3_ = *sum;
         part.in_place_ = true;
-        return part;
+        return Status::OK();
       }
     }
   }
@@ -110,7 +116,7 @@ Result<ReceivedPart> ReceivedPart::Parse(grpc::ByteBuffer* buffer) {
     part.data_bytes_ = data.size();
   }
   part.xxh3_ = part.message_.xxh3();
-  return part;
+  return Status::OK();
 }
 
 bool SliceLoans::WaitReturned(std::chrono::steady_clock::time_point deadline) {
@@ -126,7 +132,15 @@ grpc::Slice SliceLoans::Lend(const char* data, size_t n) {
     MutexLock lock(&mu_);
     ++outstanding_;
   }
-  return grpc::Slice(const_cast<char*>(data), n, &SliceLoans::Returned, this);
+  auto* self = new std::shared_ptr<SliceLoans>(shared_from_this());
+  return grpc::Slice(
+      const_cast<char*>(data), n,
+      [](void* p) {
+        auto* loans = static_cast<std::shared_ptr<SliceLoans>*>(p);
+        (*loans)->Returned();
+        delete loans;
+      },
+      self);
 }
 
 uint64_t SliceLoans::outstanding() const {
@@ -134,13 +148,10 @@ uint64_t SliceLoans::outstanding() const {
   return outstanding_;
 }
 
-void SliceLoans::Returned(void* p) {
-  auto* loans = static_cast<SliceLoans*>(p);
-  {
-    MutexLock lock(&loans->mu_);
-    --loans->outstanding_;
-  }
-  loans->cv_.NotifyAll();
+void SliceLoans::Returned() {
+  MutexLock lock(&mu_);
+  --outstanding_;
+  cv_.NotifyAll();
 }
 
 grpc::Slice SliceOwnedBy(const char* data, size_t n, std::shared_ptr<const void> owner) {

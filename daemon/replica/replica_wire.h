@@ -29,11 +29,17 @@
 namespace flashckpt {
 
 // A received ReplicaPart. A data part's bytes are spans of the received slices, which it keeps
-// alive; anything else is the message protobuf parsed.
+// alive; anything else is the message protobuf parsed. Read in place, never copied or moved (the
+// spans point into what it holds).
 class ReceivedPart {
  public:
-  // Takes the buffer's slices. INVALID_ARGUMENT when it is not a ReplicaPart (protobuf refuses it).
-  static Result<ReceivedPart> Parse(grpc::ByteBuffer* buffer);
+  ReceivedPart() = default;
+  ReceivedPart(const ReceivedPart&) = delete;
+  ReceivedPart& operator=(const ReceivedPart&) = delete;
+
+  // Takes the buffer's slices, in place of what this held. INVALID_ARGUMENT when it is not a
+  // ReplicaPart (protobuf refuses it).
+  Status Read(grpc::ByteBuffer* buffer);
 
   bool has_header() const { return message_.has_header(); }
   const v1::ReplicaHeader& header() const { return message_.header(); }
@@ -54,10 +60,11 @@ class ReceivedPart {
 };
 
 // Counts the data slices gRPC still holds of a sender's memory, so that the sender returns only
-// once none is left (the memory may be reused or unmapped after that).
-class SliceLoans {
+// once none is left (the memory may be reused or unmapped after that). Shared: each slice lent
+// keeps it alive, so a slice gRPC gives back after the sender stopped waiting finds it.
+class SliceLoans : public std::enable_shared_from_this<SliceLoans> {
  public:
-  SliceLoans() = default;
+  static std::shared_ptr<SliceLoans> Make() { return std::shared_ptr<SliceLoans>(new SliceLoans()); }
   SliceLoans(const SliceLoans&) = delete;
   SliceLoans& operator=(const SliceLoans&) = delete;
   // Waits until every slice is given back, or `deadline`; false on the deadline.
@@ -67,7 +74,8 @@ class SliceLoans {
   uint64_t outstanding() const EXCLUDES(mu_);
 
  private:
-  static void Returned(void* loans);
+  SliceLoans() = default;
+  void Returned() EXCLUDES(mu_);
   mutable Mutex mu_;
   CondVar cv_;
   uint64_t outstanding_ GUARDED_BY(mu_) = 0;
