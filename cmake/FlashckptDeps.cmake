@@ -11,6 +11,7 @@ find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)  # bench/write_bench: io_uring against threads
+pkg_check_modules(ISAL REQUIRED IMPORTED_TARGET libisal)  # daemon/parity: Reed-Solomon (libisal-dev)
 pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)  # daemon/observe/systemd_notify: sd_notify, watchdog
 
 # The Python package (client/python) is built for the system interpreter, where Debian's

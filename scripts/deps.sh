@@ -8,6 +8,8 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libssl-dev
   libboost-dev libspdlog-dev nlohmann-json3-dev libsimdjson-dev libcli11-dev libxxhash-dev
   libgtest-dev liburing-dev fio libsystemd-dev
+  # daemon/parity: Intel's ISA-L, its Reed-Solomon code.
+  libisal-dev
   python3 python3-numpy python3-yaml
   python3-dev python3-torch python3-pybind11 pybind11-dev
   # tests/python/test_typing.py: the package's type hints, checked as the package and as a user sees them.

@@ -1,0 +1,50 @@
+#include "daemon/parity/parity_group.h"
+
+#include <algorithm>
+
+namespace flashckpt {
+
+Result<ParityGroup> ParityGroup::Make(uint32_t members, uint32_t parity) {
+  if (members < 2 || members > 255) {
+    return InvalidArgument("a parity group has 2 to 255 members (--ec-group), not " + std::to_string(members));
+  }
+  if (parity < 1 || parity >= members) {
+    return InvalidArgument("--ec-parity must be at least 1 and less than the group's " + std::to_string(members) +
+                           " members, not " + std::to_string(parity));
+  }
+  return ParityGroup(members, parity);
+}
+
+std::optional<uint32_t> ParityGroup::RowOf(uint32_t stripe, uint32_t member) const {
+  uint32_t row = (member + members_ - stripe % members_) % members_;
+  if (row >= parity_) return std::nullopt;
+  return row;
+}
+
+std::optional<uint32_t> ParityGroup::DataIndexOf(uint32_t stripe, uint32_t member) const {
+  uint32_t from_first = (member + members_ - stripe % members_) % members_;
+  if (from_first < parity_) return std::nullopt;
+  return from_first - parity_;
+}
+
+std::optional<uint32_t> ParityGroup::BlockOfStripe(uint32_t member, uint32_t stripe) const {
+  uint32_t block = (stripe + 2 * members_ - member % members_ - 1) % members_;
+  if (block >= data_blocks()) return std::nullopt;
+  return block;
+}
+
+uint64_t ParityGroup::BlockBytes(uint64_t image_bytes) const {
+  return image_bytes / data_blocks() + (image_bytes % data_blocks() != 0 ? 1 : 0);
+}
+
+ParityGroup::Range ParityGroup::Block(uint64_t image_bytes, uint32_t block) const {
+  uint64_t each = BlockBytes(image_bytes);
+  uint64_t offset = std::min(image_bytes, each * block);
+  return {offset, std::min(each, image_bytes - offset)};
+}
+
+std::string ParityGroup::ToString() const {
+  return std::to_string(members_) + " members, " + std::to_string(parity_) + " parity";
+}
+
+}  // namespace flashckpt
