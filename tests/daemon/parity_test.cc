@@ -10,6 +10,8 @@
 
 #include "daemon/parity/parity_code.h"
 #include "daemon/parity/parity_group.h"
+#include "daemon/parity/parity_store.h"
+#include "common/format/checksum.h"
 #include "testing.h"
 
 // Binds the value of a Result or fails the test with its Status.
@@ -230,6 +232,193 @@ TEST(ParityCodeTest, AGroupRebuildsAnyMLostMembersImagesFromTheOthers) {
       }
     }
   }
+}
+
+
+// A group of ParityStores as the members' daemons hold them: every member's ranks' images cut into
+// blocks and sent, part by part, to their stripes' holders.
+class ParityStoreGroup {
+ public:
+  ParityStoreGroup(uint32_t members, uint32_t parity, uint64_t budget_per_member = ~0ull)
+      : group_(ParityGroup::Make(members, parity).value()), used_(members, 0) {
+    for (uint32_t i = 0; i < members; ++i) {
+      HostMemory memory;
+      memory.reserve = [this, i, budget_per_member](uint64_t bytes, const std::string& what) {
+        if (used_[i] + bytes > budget_per_member) return ResourceExhausted(what + " is over the budget");
+        used_[i] += bytes;
+        return Status::OK();
+      };
+      memory.release = [this, i](uint64_t bytes) { used_[i] -= bytes; };
+      stores_.push_back(std::make_unique<ParityStore>(group_, i, memory));
+    }
+  }
+  static constexpr uint64_t kPart = 64 * 1024;
+  static ReplicaMeta Meta(const std::string& job, uint32_t rank, int64_t step, uint64_t bytes) {
+    ReplicaMeta m;
+    m.job = job;
+    m.rank = rank;
+    m.step = step;
+    m.bytes = bytes;
+    m.part_bytes = kPart;
+    m.layout = "layout of rank " + std::to_string(rank);
+    return m;
+  }
+  // Sends block `block` of `image` (rank `rank`, at `position` of the member's `ranks`) to every holder.
+  Status Send(const std::string& job, int64_t step, uint32_t member, uint32_t rank, uint32_t position,
+              uint32_t ranks, const std::vector<uint8_t>& image, uint32_t block) {
+    uint32_t stripe = group_.StripeOfBlock(member, block);
+    ParityGroup::Range range = group_.Block(image.size(), block);
+    for (uint32_t r = 0; r < group_.parity(); ++r) {
+      ShareBlock header{member, stripe, position, ranks, Meta(job, rank, step, image.size())};
+      auto incoming = stores_[group_.Holder(stripe, r)]->Begin(header);
+      if (!incoming.ok()) return incoming.status();
+      for (uint64_t off = 0; off < range.bytes; off += kPart) {
+        const char* p = reinterpret_cast<const char*>(image.data() + range.offset + off);
+        size_t n = std::min<uint64_t>(kPart, range.bytes - off);
+        RETURN_IF_ERROR((*incoming)->Append({{p, n / 2}, {p + n / 2, n - n / 2}}, Xxh3(p, n)));
+      }
+      RETURN_IF_ERROR(stores_[group_.Holder(stripe, r)]->Finish(std::move(*incoming)));
+    }
+    return Status::OK();
+  }
+  // Rebuilds `member`'s image of `rank` at `position` from the shares held and the images of the
+  // members not in `lost`.
+  Result<std::vector<uint8_t>> Rebuild(const std::string& job, uint32_t member, uint32_t position,
+                                       const std::vector<uint32_t>& lost,
+                                       const std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>>& images) {
+    auto is_lost = [&](uint32_t m) { return std::find(lost.begin(), lost.end(), m) != lost.end(); };
+    const ParityCode code = ParityCode::Make(group_.data_blocks(), group_.parity()).value();
+    std::vector<uint8_t> out;
+    for (uint32_t b = 0; b < group_.data_blocks(); ++b) {
+      uint32_t s = group_.StripeOfBlock(member, b);
+      std::vector<ParityCode::Piece> pieces(group_.members());
+      std::shared_ptr<const ParityShare> any;
+      for (uint32_t r = 0; r < group_.parity(); ++r) {
+        if (is_lost(group_.Holder(s, r))) continue;
+        auto share = stores_[group_.Holder(s, r)]->Find(job, position, s);
+        if (!share.ok()) return share.status();
+        pieces[group_.data_blocks() + r] = {(*share)->data(), (*share)->bytes()};
+        any = *share;
+      }
+      if (!any) return NotFound("every holder of the stripe is lost");
+      auto mine = any->contributions().find(*group_.DataIndexOf(s, member));
+      if (mine == any->contributions().end()) return NotFound("the member has no rank at that position");
+      if (out.empty()) out.resize(mine->second.meta.bytes);
+      for (const auto& [d, c] : any->contributions()) {
+        if (is_lost(c.member)) continue;
+        const std::vector<uint8_t>& image = images.at({c.member, position});
+        ParityGroup::Range range = group_.Block(image.size(), *group_.BlockOfStripe(c.member, s));
+        pieces[d] = {image.data() + range.offset, range.bytes};
+      }
+      // Members with no rank at the position count as zeros.
+      for (uint32_t d = 0; d < group_.data_blocks(); ++d) {
+        uint32_t m = group_.DataMember(s, d);
+        if (!any->contributions().count(d) && !is_lost(m)) pieces[d] = {out.data(), 0};
+      }
+      ParityGroup::Range range = group_.Block(out.size(), b);
+      RETURN_IF_ERROR(code.Rebuild(pieces, any->bytes(), {{*group_.DataIndexOf(s, member), out.data() + range.offset, range.bytes}}));
+    }
+    return out;
+  }
+  ParityStore& store(uint32_t i) { return *stores_[i]; }
+  uint64_t used(uint32_t i) const { return used_[i]; }
+  const ParityGroup& group() const { return group_; }
+
+ private:
+  ParityGroup group_;
+  std::vector<uint64_t> used_;
+  std::vector<std::unique_ptr<ParityStore>> stores_;
+};
+
+// Members with two ranks each but the last, which has one: each holder completes its shares once
+// every data member of the stripe has sent its block of each position it has, holds M/K of the
+// images (not a copy), and any M lost members' ranks come back bit for bit.
+TEST(ParityStoreTest, HoldersCompleteSharesFromEveryMembersBlocksAndALostMembersRanksAreRebuilt) {
+  std::mt19937_64 rng(3);
+  for (auto [g, m] : std::vector<std::pair<uint32_t, uint32_t>>{{4, 1}, {6, 2}}) {
+    SCOPED_TRACE(std::to_string(g) + " members, " + std::to_string(m) + " parity");
+    ParityStoreGroup members(g, m);
+    std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> images;  // (member, position)
+    uint64_t largest = 0;
+    for (uint32_t i = 0; i < g; ++i) {
+      uint32_t ranks = i + 1 == g ? 1 : 2;
+      for (uint32_t p = 0; p < ranks; ++p) {
+        images[{i, p}] = RandomBytes(rng, 300000 + 70001 * p + 1000 * i);
+        largest = std::max<uint64_t>(largest, images[{i, p}].size());
+      }
+    }
+    for (const auto& [where, image] : images) {
+      auto [i, p] = where;
+      uint32_t ranks = i + 1 == g ? 1 : 2;
+      for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+        ASSERT_OK(members.Send("job", 17, i, 10 * i + p, p, ranks, image, b));
+      }
+    }
+    for (uint32_t i = 0; i < g; ++i) {
+      // M stripes held, two positions each.
+      EXPECT_EQ(members.store(i).complete_count(), 2 * m) << "member " << i;
+      EXPECT_EQ(members.store(i).building_bytes(), 0u);
+      EXPECT_LE(members.store(i).held_bytes(), 2 * m * members.group().BlockBytes(largest));
+      EXPECT_EQ(members.used(i), members.store(i).held_bytes());
+    }
+    for (const std::vector<uint32_t>& lost : Subsets(g, m)) {
+      for (uint32_t victim : lost) {
+        for (uint32_t p = 0; p < (victim + 1 == g ? 1u : 2u); ++p) {
+          auto rebuilt = members.Rebuild("job", victim, p, lost, images);
+          ASSERT_OK(rebuilt.status());
+          EXPECT_TRUE(*rebuilt == images.at({victim, p})) << "member " << victim << " position " << p;
+        }
+      }
+    }
+  }
+}
+
+TEST(ParityStoreTest, ABlockThatDoesNotArriveWholeSpoilsOnlyItsStepsShare) {
+  std::mt19937_64 rng(9);
+  ParityStoreGroup members(4, 1);
+  std::vector<std::vector<uint8_t>> images;
+  for (uint32_t i = 0; i < 4; ++i) images.push_back(RandomBytes(rng, 400000));
+  auto send_all = [&](int64_t step, uint32_t skip_member) {
+    for (uint32_t i = 0; i < 4; ++i) {
+      if (i == skip_member) continue;
+      for (uint32_t b = 0; b < 3; ++b) ASSERT_OK(members.Send("job", step, i, i, 0, 1, images[i], b));
+    }
+  };
+  send_all(17, 4);
+  auto held = members.store(0).Find("job", 0, 0);
+  ASSERT_OK(held.status());
+  EXPECT_EQ((*held)->step(), 17);
+
+  // Step 18: member 1's block for stripe 0 (held by member 0) arrives with a bad checksum, then is dropped.
+  send_all(18, 1);
+  uint32_t block = *members.group().BlockOfStripe(1, 0);
+  ParityGroup::Range range = members.group().Block(images[1].size(), block);
+  {
+    auto incoming = members.store(0).Begin({1, 0, 0, 1, ParityStoreGroup::Meta("job", 1, 18, images[1].size())});
+    ASSERT_OK(incoming.status());
+    const char* p = reinterpret_cast<const char*>(images[1].data() + range.offset);
+    EXPECT_EQ((*incoming)->Append({{p, ParityStoreGroup::kPart}}, 42).code(), StatusCode::kCorruption);
+  }
+  auto still = members.store(0).Find("job", 0, 0);
+  ASSERT_OK(still.status());
+  EXPECT_EQ((*still)->step(), 17) << "the complete share must stay while the next one fails";
+  EXPECT_EQ(members.store(0).building_bytes(), 0u) << "the spoiled share must be dropped";
+
+  // A block for a stripe the member holds nothing of, or from a member that holds its parity, is refused.
+  EXPECT_EQ(members.store(0).Begin({2, 1, 0, 1, ParityStoreGroup::Meta("job", 2, 18, 400000)}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(members.store(0).Begin({0, 0, 0, 1, ParityStoreGroup::Meta("job", 0, 18, 400000)}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(members.store(0).Begin({1, 0, 1, 1, ParityStoreGroup::Meta("job", 1, 18, 400000)}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(ParityStoreTest, AShareOverTheBudgetIsRefusedBeforeItsData) {
+  ParityStoreGroup members(4, 1, /*budget_per_member=*/100000);
+  auto incoming = members.store(0).Begin({1, 0, 0, 1, ParityStoreGroup::Meta("job", 1, 5, 3 * 200000)});
+  EXPECT_EQ(incoming.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(members.used(0), 0u);
+  EXPECT_EQ(members.store(0).building_bytes(), 0u);
 }
 
 }  // namespace

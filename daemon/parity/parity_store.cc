@@ -1,0 +1,274 @@
+#include "daemon/parity/parity_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/base/names.h"
+#include "common/format/checksum.h"
+
+namespace flashckpt {
+namespace {
+
+std::string Who(const ShareBlock& b) {
+  return "parity block of job '" + b.meta.job + "' rank " + std::to_string(b.meta.rank) + " step " +
+         std::to_string(b.meta.step) + " from member " + std::to_string(b.member) + " for stripe " +
+         std::to_string(b.stripe);
+}
+
+// The told counts of this many steps are kept per (job, stripe).
+constexpr size_t kToldSteps = kBuildingSteps + 1;
+
+}  // namespace
+
+const uint8_t* ParityShare::data() const {
+  return mapping_ ? reinterpret_cast<const uint8_t*>(mapping_->data()) : nullptr;
+}
+
+ParityShare::~ParityShare() = default;
+
+ParityStore::ParityStore(ParityGroup group, uint32_t self, HostMemory memory)
+    : group_(group),
+      self_(self),
+      code_(ParityCode::Make(group.data_blocks(), group.parity()).value()),
+      memory_(std::move(memory)) {}
+
+Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock block) {
+  const ReplicaMeta& m = block.meta;
+  RETURN_IF_ERROR(ValidateJobName(m.job));
+  if (block.member >= group_.members() || block.stripe >= group_.members()) {
+    return InvalidArgument(Who(block) + ": the group has " + std::to_string(group_.members()) + " members");
+  }
+  std::optional<uint32_t> index = group_.DataIndexOf(block.stripe, block.member);
+  if (!index) return InvalidArgument(Who(block) + ": that member holds parity of the stripe, it sends it no data");
+  std::optional<uint32_t> row = group_.RowOf(block.stripe, self_);
+  if (!row) {
+    return InvalidArgument(Who(block) + ": member " + std::to_string(self_) + " holds no share of that stripe");
+  }
+  if (block.member_ranks == 0 || block.member_ranks > kMaxRanksPerMember || block.position >= block.member_ranks) {
+    return InvalidArgument(Who(block) + ": position " + std::to_string(block.position) + " of " +
+                           std::to_string(block.member_ranks) + " ranks (at most " +
+                           std::to_string(kMaxRanksPerMember) + ")");
+  }
+  if (m.step <= 0 || m.layout.size() > kMaxReplicaMetaBytes || m.extra.size() > kMaxReplicaMetaBytes) {
+    return InvalidArgument(Who(block) + ": a step of at least 1 and a layout and extra state of at most " +
+                           std::to_string(kMaxReplicaMetaBytes) + " bytes each are needed");
+  }
+  const uint64_t block_bytes = group_.Block(m.bytes, *group_.BlockOfStripe(block.member, block.stripe)).bytes;
+  if (block_bytes > 0 && (m.part_bytes < kMinReplicaPartBytes || m.part_bytes > kMaxReplicaPartBytes)) {
+    return InvalidArgument(Who(block) + ": parts of " + std::to_string(m.part_bytes) + " bytes; they must be " +
+                           std::to_string(kMinReplicaPartBytes) + " to " + std::to_string(kMaxReplicaPartBytes));
+  }
+
+  std::shared_ptr<ParityShare> share;
+  std::vector<std::shared_ptr<ParityShare>> dropped;  // freed after the lock
+  {
+    MutexLock lock(&mu_);
+    Slot& slot = slots_[{m.job, block.position, block.stripe}];
+    if (slot.complete && slot.complete->step_ == m.step) {
+      return AlreadyExists(Who(block) + ": the share of that step is complete");
+    }
+    auto it = slot.building.find(m.step);
+    if (it == slot.building.end()) {
+      if (CountLocked() >= kMaxSharesHeld) {
+        return ResourceExhausted(Who(block) + ": " + std::to_string(kMaxSharesHeld) + " parity shares are held");
+      }
+      auto fresh = std::shared_ptr<ParityShare>(new ParityShare());
+      fresh->job_ = m.job;
+      fresh->step_ = m.step;
+      fresh->position_ = block.position;
+      fresh->stripe_ = block.stripe;
+      fresh->row_ = *row;
+      it = slot.building.emplace(m.step, std::move(fresh)).first;
+      // The oldest step being built gives way to a newer one.
+      while (slot.building.size() > kBuildingSteps) SpoilLocked(slot.building.begin()->second, &dropped);
+      it = slot.building.find(m.step);
+      if (it == slot.building.end()) return AlreadyExists(Who(block) + ": a newer step's share is being built");
+    }
+    share = it->second;
+    if (share->contributions_.count(*index) || share->arriving_.count(*index)) {
+      return AlreadyExists(Who(block) + ": the share has that member's block already");
+    }
+    share->arriving_[*index] = block.member;
+    auto& told = told_[{m.job, m.step, block.stripe}];
+    told[block.member] = block.member_ranks;
+    // Only the newest steps' counts are kept per (job, stripe).
+    std::vector<int64_t> steps;
+    for (auto t = told_.lower_bound({m.job, 0, 0}); t != told_.end() && std::get<0>(t->first) == m.job; ++t) {
+      if (std::get<2>(t->first) == block.stripe) steps.push_back(std::get<1>(t->first));
+    }
+    for (size_t i = 0; i + kToldSteps < steps.size(); ++i) told_.erase({m.job, steps[i], block.stripe});
+  }
+  dropped.clear();
+
+  // The share grows to the longest block: a longer one than seen so far maps more, off the store's lock.
+  if (block_bytes > 0) {
+    MutexLock apply(&share->mu_);
+    if (block_bytes > share->bytes_) {
+      auto grown = ReplicaMapping::Make(block_bytes, &memory_, Who(block));
+      if (!grown.ok()) {
+        MutexLock lock(&mu_);
+        share->arriving_.erase(*index);
+        return grown.status();
+      }
+      if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->bytes_);
+      share->mapping_ = std::move(*grown);
+      share->bytes_ = block_bytes;
+    }
+  }
+  return std::unique_ptr<Incoming>(new Incoming(this, std::move(share), *index, std::move(block), block_bytes));
+}
+
+Status ParityStore::Incoming::Append(const std::vector<ByteSpan>& spans, uint64_t xxh3) {
+  uint64_t bytes = 0;
+  for (const ByteSpan& s : spans) bytes += s.size;
+  const uint64_t left = block_bytes_ - received_;
+  const uint64_t want = std::min(block_.meta.part_bytes, left);
+  if (left == 0 || bytes != want) {
+    return InvalidArgument(Who(block_) + ": a part of " + std::to_string(bytes) + " bytes, expected " +
+                           std::to_string(want));
+  }
+  Xxh3Stream sum;
+  for (const ByteSpan& s : spans) sum.Update(s.data, s.size);
+  if (sum.Digest() != xxh3) {
+    return Corruption(Who(block_) + ": a part at offset " + std::to_string(received_) + " arrived with checksum " +
+                      ChecksumHex(xxh3) + " but its bytes have " + ChecksumHex(sum.Digest()));
+  }
+  MutexLock apply(&share_->mu_);
+  uint8_t* out = reinterpret_cast<uint8_t*>(share_->mapping_->data()) + received_;
+  for (const ByteSpan& s : spans) {
+    store_->code_.Accumulate(index_, share_->row_, reinterpret_cast<const uint8_t*>(s.data), s.size, out);
+    out += s.size;
+  }
+  received_ += bytes;
+  return Status::OK();
+}
+
+ParityStore::Incoming::~Incoming() {
+  if (finished_) return;
+  // Its parts are in the share: the step's share can no longer be completed.
+  std::vector<std::shared_ptr<ParityShare>> dropped;
+  MutexLock lock(&store_->mu_);
+  store_->SpoilLocked(share_, &dropped);
+}
+
+Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
+  if (incoming->received_ != incoming->block_bytes_) {
+    return FailedPrecondition(Who(incoming->block_) + ": " + std::to_string(incoming->received_) + " of " +
+                              std::to_string(incoming->block_bytes_) + " bytes arrived");
+  }
+  std::vector<std::shared_ptr<ParityShare>> replaced;  // freed after the lock
+  MutexLock lock(&mu_);
+  incoming->finished_ = true;
+  ParityShare& share = *incoming->share_;
+  if (share.spoiled_) return Cancelled(Who(incoming->block_) + ": a newer step's share took its place");
+  share.arriving_.erase(incoming->index_);
+  share.contributions_[incoming->index_] = {incoming->block_.member, incoming->block_bytes_,
+                                            std::move(incoming->block_.meta)};
+  // This block may complete its own share, and its member's count may complete the shares of the
+  // step at positions it has no rank at.
+  const std::string& job = share.job_;
+  for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job; ++it) {
+    if (std::get<2>(it->first) != share.stripe_) continue;
+    auto b = it->second.building.find(share.step_);
+    if (b == it->second.building.end() || !CompleteLocked(*b->second)) continue;
+    std::shared_ptr<ParityShare> done = std::move(b->second);
+    it->second.building.erase(b);
+    // Older steps being built would complete after this one: the newest complete share is what
+    // the members hold now.
+    while (!it->second.building.empty() && it->second.building.begin()->first < done->step_) {
+      SpoilLocked(it->second.building.begin()->second, &replaced);
+    }
+    if (it->second.complete) replaced.push_back(std::move(it->second.complete));
+    it->second.complete = std::move(done);
+  }
+  return Status::OK();
+}
+
+bool ParityStore::CompleteLocked(const ParityShare& share) const {
+  if (!share.arriving_.empty() || share.spoiled_) return false;
+  auto told = told_.find({share.job_, share.step_, share.stripe_});
+  if (told == told_.end()) return false;
+  for (uint32_t d = 0; d < group_.data_blocks(); ++d) {
+    auto count = told->second.find(group_.DataMember(share.stripe_, d));
+    if (count == told->second.end()) return false;  // not heard of yet
+    if (count->second > share.position_ && !share.contributions_.count(d)) return false;
+  }
+  return !share.contributions_.empty();
+}
+
+void ParityStore::SpoilLocked(const std::shared_ptr<ParityShare>& share,
+                              std::vector<std::shared_ptr<ParityShare>>* dropped) {
+  share->spoiled_ = true;
+  auto it = slots_.find({share->job_, share->position_, share->stripe_});
+  if (it == slots_.end()) return;
+  auto b = it->second.building.find(share->step_);
+  if (b != it->second.building.end() && b->second == share) {
+    dropped->push_back(std::move(b->second));
+    it->second.building.erase(b);
+  }
+}
+
+size_t ParityStore::CountLocked() const {
+  size_t n = 0;
+  for (const auto& [key, slot] : slots_) n += (slot.complete ? 1 : 0) + slot.building.size();
+  return n;
+}
+
+Result<std::shared_ptr<const ParityShare>> ParityStore::Find(const std::string& job, uint32_t position,
+                                                             uint32_t stripe, int64_t step) const {
+  MutexLock lock(&mu_);
+  auto it = slots_.find({job, position, stripe});
+  if (it == slots_.end() || !it->second.complete || (step != 0 && it->second.complete->step_ != step)) {
+    return NotFound("no complete parity share of job '" + job + "' position " + std::to_string(position) +
+                    " stripe " + std::to_string(stripe) + (step != 0 ? " step " + std::to_string(step) : "") +
+                    " is held");
+  }
+  return std::shared_ptr<const ParityShare>(it->second.complete);
+}
+
+std::vector<std::shared_ptr<const ParityShare>> ParityStore::SharesFor(const std::string& job, uint32_t member) const {
+  std::vector<std::shared_ptr<const ParityShare>> out;
+  MutexLock lock(&mu_);
+  for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job; ++it) {
+    if (it->second.complete && group_.DataIndexOf(std::get<2>(it->first), member)) out.push_back(it->second.complete);
+  }
+  return out;
+}
+
+void ParityStore::Forget(const std::string& job) {
+  std::vector<Slot> gone;  // freed after the lock
+  MutexLock lock(&mu_);
+  for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job;) {
+    for (auto& [step, share] : it->second.building) share->spoiled_ = true;
+    gone.push_back(std::move(it->second));
+    it = slots_.erase(it);
+  }
+  for (auto it = told_.lower_bound({job, 0, 0}); it != told_.end() && std::get<0>(it->first) == job;) {
+    it = told_.erase(it);
+  }
+}
+
+uint64_t ParityStore::held_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t n = 0;
+  for (const auto& [key, slot] : slots_) n += slot.complete ? slot.complete->bytes_ : 0;
+  return n;
+}
+
+uint64_t ParityStore::building_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t n = 0;
+  for (const auto& [key, slot] : slots_) {
+    for (const auto& [step, share] : slot.building) n += share->bytes_;
+  }
+  return n;
+}
+
+size_t ParityStore::complete_count() const {
+  MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [key, slot] : slots_) n += slot.complete ? 1 : 0;
+  return n;
+}
+
+}  // namespace flashckpt

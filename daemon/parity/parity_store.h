@@ -1,0 +1,169 @@
+// The parity shares a member of a parity group holds for the others (flashckptd --ec-group,
+// --ec-parity; the group's shape is parity_group.h). A share is coded from one block of each of its
+// stripe's data members, the blocks of one step of one job, and of ranks in the same place among
+// their members' ranks of the job (`position`: the rank's index when the member's ranks of the job
+// are sorted; members need not run the same ranks, nor as many). A rank's image is what a replica
+// of its memory checkpoint carries (replica_layout.h); with it each block brings the rank's
+// ReplicaMeta, so that whoever rebuilds a lost member's rank knows what it rebuilds and can check
+// every chunk of it against the origin's checksums.
+//
+// A block arrives as parts, each checked against its XXH3-64 and added into the share as it comes
+// (ParityCode::Accumulate): the block itself is never stored. A share is complete once every data
+// member of its stripe that has a rank at `position` has added its block: each block says how many
+// ranks of the job its member has, so the share knows which members to wait for once each has sent
+// one block of the step for any position. The newest complete share of (job, position, stripe), the
+// one completed last, is what a rebuild uses: it is immutable from then on, and a reader keeps it
+// alive while a newer one replaces it. Shares being built are kept for at most kBuildingSteps steps
+// per (job, position, stripe); a block that does not arrive whole spoils its step's share (its
+// parts are in it), which is then dropped.
+//
+// Memory: a share's bytes (as long as the longest block added) come from the daemon's
+// --max-host-memory (HostMemory) from the first block's header on; a block that would not fit is
+// refused before any of its data. At most kMaxSharesHeld complete and building shares in all.
+//
+// Thread safety: every method may be called from any thread; blocks of one share are added one
+// at a time (the share's own lock), never under the store's lock.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+#include "daemon/parity/parity_code.h"
+#include "daemon/parity/parity_group.h"
+#include "daemon/replica/replica_store.h"
+
+namespace flashckpt {
+
+constexpr size_t kMaxSharesHeld = 4096;
+constexpr uint32_t kMaxRanksPerMember = 4096;
+constexpr size_t kBuildingSteps = 2;
+
+// One block on its way to a holder of a share of its stripe.
+struct ShareBlock {
+  uint32_t member = 0;        // the sender's index in the group
+  uint32_t stripe = 0;
+  uint32_t position = 0;      // the rank's place among the member's ranks of the job
+  uint32_t member_ranks = 0;  // how many ranks of the job the member has at this step
+  ReplicaMeta meta;           // the rank's image: job, rank, step, bytes, layout, ...; part_bytes of the block's parts
+};
+
+// A complete share and what it was coded from.
+class ParityShare {
+ public:
+  struct Contribution {
+    uint32_t member = 0;
+    uint64_t block_bytes = 0;
+    ReplicaMeta meta;
+  };
+  const std::string& job() const { return job_; }
+  int64_t step() const { return step_; }
+  uint32_t position() const { return position_; }
+  uint32_t stripe() const { return stripe_; }
+  uint32_t row() const { return row_; }
+  // The share's bytes: as long as the longest block of its stripe (a shorter block counts as padded with zeros).
+  const uint8_t* data() const;
+  uint64_t bytes() const { return bytes_; }
+  // By data index (ParityGroup::DataIndexOf); members without a rank at `position` are absent.
+  const std::map<uint32_t, Contribution>& contributions() const { return contributions_; }
+
+  ~ParityShare();
+  ParityShare(const ParityShare&) = delete;
+  ParityShare& operator=(const ParityShare&) = delete;
+
+ private:
+  friend class ParityStore;
+  ParityShare() = default;
+  std::string job_;
+  int64_t step_ = 0;
+  uint32_t position_ = 0;
+  uint32_t stripe_ = 0;
+  uint32_t row_ = 0;
+  Mutex mu_;  // one block added at a time; guards the bytes while the share is built
+  std::unique_ptr<ReplicaMapping> mapping_;
+  uint64_t bytes_ = 0;
+  std::map<uint32_t, Contribution> contributions_;  // written under the store's lock, until complete
+  std::map<uint32_t, uint32_t> arriving_;           // data index -> member, while its block arrives
+  bool spoiled_ = false;
+};
+
+class ParityStore {
+ public:
+  // `self`: this member's index in `group`.
+  ParityStore(ParityGroup group, uint32_t self, HostMemory memory);
+
+  // A block on its way in: Begin checks its header and reserves the room it needs; Append adds its
+  // parts in order into the share; Finish records it and completes the share when it was the last
+  // one missing. An Incoming dropped without Finish spoils its step's share.
+  class Incoming {
+   public:
+    ~Incoming();
+    Incoming(const Incoming&) = delete;
+    Incoming& operator=(const Incoming&) = delete;
+    // The next part (ParityStore::Begin's part_bytes each but the last), `xxh3` its checksum as sent.
+    Status Append(const std::vector<ByteSpan>& spans, uint64_t xxh3);
+
+   private:
+    friend class ParityStore;
+    Incoming(ParityStore* store, std::shared_ptr<ParityShare> share, uint32_t index, ShareBlock block,
+             uint64_t block_bytes)
+        : store_(store), share_(std::move(share)), index_(index), block_(std::move(block)), block_bytes_(block_bytes) {}
+    ParityStore* store_;
+    std::shared_ptr<ParityShare> share_;
+    uint32_t index_;
+    ShareBlock block_;
+    uint64_t block_bytes_;
+    uint64_t received_ = 0;
+    bool finished_ = false;
+  };
+  // INVALID_ARGUMENT for a header that does not fit the group (a member or stripe out of range, a
+  // member that is not a data member of the stripe, a stripe this member holds no share of, a
+  // position not below member_ranks) or the bounds of a replica's header; ALREADY_EXISTS when the
+  // share has this block already or is complete; RESOURCE_EXHAUSTED when its room is not in the budget.
+  Result<std::unique_ptr<Incoming>> Begin(ShareBlock block);
+  // All parts arrived: FAILED_PRECONDITION when bytes are missing.
+  Status Finish(std::unique_ptr<Incoming> incoming);
+
+  // The complete share of (job, position, stripe), at `step` or the newest when `step` is 0; NOT_FOUND otherwise.
+  Result<std::shared_ptr<const ParityShare>> Find(const std::string& job, uint32_t position, uint32_t stripe,
+                                                  int64_t step = 0) const;
+  // The complete shares of `job` whose stripes have `member` as a data member (what a rebuild of it can use).
+  std::vector<std::shared_ptr<const ParityShare>> SharesFor(const std::string& job, uint32_t member) const;
+  // Forgets a job's shares.
+  void Forget(const std::string& job);
+
+  uint64_t held_bytes() const;  // of complete shares
+  uint64_t building_bytes() const;
+  size_t complete_count() const;
+
+  const ParityGroup& group() const { return group_; }
+  uint32_t self() const { return self_; }
+
+ private:
+  using Key = std::tuple<std::string, uint32_t, uint32_t>;  // (job, position, stripe)
+  struct Slot {
+    std::shared_ptr<ParityShare> complete;
+    std::map<int64_t, std::shared_ptr<ParityShare>> building;  // by step
+  };
+  // Whether every data member of the share's stripe with a rank at its position has added its block.
+  bool CompleteLocked(const ParityShare& share) const REQUIRES(mu_);
+  void SpoilLocked(const std::shared_ptr<ParityShare>& share, std::vector<std::shared_ptr<ParityShare>>* dropped)
+      REQUIRES(mu_);
+  size_t CountLocked() const REQUIRES(mu_);
+
+  const ParityGroup group_;
+  const uint32_t self_;
+  const ParityCode code_;
+  HostMemory memory_;
+  mutable Mutex mu_;
+  std::map<Key, Slot> slots_ GUARDED_BY(mu_);
+  // (job, step, stripe) -> member -> how many ranks of the job it said it has.
+  std::map<std::tuple<std::string, int64_t, uint32_t>, std::map<uint32_t, uint32_t>> told_ GUARDED_BY(mu_);
+};
+
+}  // namespace flashckpt
