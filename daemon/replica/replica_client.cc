@@ -11,12 +11,7 @@
 #include "replica.grpc.pb.h"
 
 namespace flashckpt {
-namespace {
 
-// A peer's answer as a Status. A refusal of this daemon (its certificate's name not allowed there:
-// PERMISSION_DENIED, UNAUTHENTICATED) or of the call (a server that serves no replicas:
-// UNIMPLEMENTED) is FAILED_PRECONDITION, named in the message: the peer's configuration must change
-// before a call can succeed, so it is not tried again (ReplicaSender) as a peer that is down is.
 Status PeerStatus(const grpc::Status& s, std::string_view rpc) {
   switch (s.error_code()) {
     case grpc::StatusCode::PERMISSION_DENIED:
@@ -28,8 +23,6 @@ Status PeerStatus(const grpc::Status& s, std::string_view rpc) {
       return FromGrpc(s, rpc);
   }
 }
-
-}  // namespace
 
 std::string ConnectionHint(const ReplicaPeer& peer, const Status& status) {
   if (status.code() != StatusCode::kUnavailable) return "";

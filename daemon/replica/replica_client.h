@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/base/status.h"
@@ -16,6 +17,12 @@
 #include "replica.pb.h"
 
 namespace flashckpt {
+
+// A peer's answer as a Status. A refusal of this daemon (its certificate's name not allowed there:
+// PERMISSION_DENIED, UNAUTHENTICATED) or of the call (a server that serves no replicas:
+// UNIMPLEMENTED) is FAILED_PRECONDITION, named in the message: the peer's configuration must change
+// before a call can succeed, so it is not tried again (ReplicaSender) as a peer that is down is.
+Status PeerStatus(const grpc::Status& s, std::string_view rpc);
 
 // A replica's header on the wire and back (both ends of Push and Fetch).
 ReplicaMeta ReplicaMetaOf(const v1::ReplicaHeader& header);

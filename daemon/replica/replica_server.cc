@@ -122,9 +122,9 @@ void ReplicaService::Watchdog() {
   }
 }
 
-grpc::Status ReplicaService::Peer(grpc::ServerContext* ctx, std::string* name) {
+grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string>& allow_names, std::string* name) {
   name->clear();
-  if (allow_names_.empty()) return grpc::Status::OK;  // loopback without TLS (CheckReplicaConfig)
+  if (allow_names.empty()) return grpc::Status::OK;  // loopback without TLS (CheckReplicaConfig)
   std::vector<std::string> presented;
   auto auth = ctx->auth_context();
   if (auth) {
@@ -133,18 +133,23 @@ grpc::Status ReplicaService::Peer(grpc::ServerContext* ctx, std::string* name) {
     }
   }
   for (const auto& p : presented) {
-    if (std::find(allow_names_.begin(), allow_names_.end(), p) != allow_names_.end()) {
+    if (std::find(allow_names.begin(), allow_names.end(), p) != allow_names.end()) {
       *name = p;
       return grpc::Status::OK;
     }
   }
-  refused_.fetch_add(1);
   std::string shown;
   for (const auto& p : presented) shown += (shown.empty() ? "" : ", ") + Clip(p);
   Logger("replica")->warn("replica call refused peer={} names=[{}]: not among --replica-allow-name", ctx->peer(),
                           shown);
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                       "the peer's certificate names [" + shown + "] are not among this daemon's --replica-allow-name");
+}
+
+grpc::Status ReplicaService::Peer(grpc::ServerContext* ctx, std::string* name) {
+  grpc::Status allowed = AllowedPeer(ctx, allow_names_, name);
+  if (!allowed.ok()) refused_.fetch_add(1);
+  return allowed;
 }
 
 grpc::Status ReplicaService::Actor(const std::string& peer, const std::string& node, std::string* actor) {
@@ -402,6 +407,7 @@ Status ReplicaServer::Start() {
   // A header with its layout and extra state, or one part: a little over the larger.
   builder.SetMaxReceiveMessageSize(static_cast<int>(2 * kMaxReplicaMetaBytes + (1u << 20)));
   builder.RegisterService(&service_);
+  for (grpc::Service* extra : extra_services_) builder.RegisterService(extra);
   builder.AddListeningPort(address.Target(), credentials, &port_);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {

@@ -1,6 +1,7 @@
-// The replica listener of flashckptd (--replica-listen HOST:PORT): a grpc::Server of its own whose
-// only service is flashckpt.v1.Replica (proto/flashckpt/v1/replica.proto), over a ReplicaStore. A
-// peer can push and fetch replicas there, nothing else: no checkpoint, no slot, no other RPC.
+// The replica listener of flashckptd (--replica-listen HOST:PORT): a grpc::Server of its own that
+// serves flashckpt.v1.Replica (proto/flashckpt/v1/replica.proto) over a ReplicaStore and, with
+// --ec-group, flashckpt.v1.Parity (daemon/parity/parity_service.h). A peer can push and fetch
+// replicas and parity there, nothing else: no checkpoint, no slot, no other RPC.
 //
 // Between nodes the channel is mutual TLS: --replica-tls-cert/--replica-tls-key are this daemon's
 // certificate, --replica-tls-ca the CA that signed its peers' (a client without a certificate from
@@ -50,6 +51,11 @@ struct ReplicaListenConfig {
 // it; without TLS, loopback addresses only (listening and sending); no peer twice, and not this
 // daemon's own listener; a rate cap needs a peer.
 Status CheckReplicaConfig(const ReplicaListenConfig& config);
+
+// The name in the calling peer's certificate that `allow_names` (--replica-allow-name) allows; ""
+// when `allow_names` is empty (loopback without TLS). PERMISSION_DENIED, naming what the
+// certificate presented, otherwise. Every service of the replica listener checks its calls so.
+grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string>& allow_names, std::string* name);
 
 class ReplicaService final : public v1::Replica::Service {
  public:
@@ -127,10 +133,14 @@ class ReplicaServer {
   void Shutdown(std::chrono::system_clock::time_point deadline);
   int port() const { return port_; }  // the bound port, after Start
   const ReplicaService& service() const { return service_; }
+  // Serves `service` (not owned; it must outlive the server) on the same listener, with the same
+  // TLS. Before Start.
+  void AddService(grpc::Service* service) { extra_services_.push_back(service); }
 
  private:
   const ReplicaListenConfig config_;
   ReplicaService service_;
+  std::vector<grpc::Service*> extra_services_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };

@@ -1,0 +1,60 @@
+// The rebuild of a lost member's rank from its parity group (--ec-group): a replacement daemon at
+// the lost member's place in the group asks the other members which complete shares they hold of
+// stripes its rank's blocks went into (FindParityCandidate), then, stripe by stripe, fetches as many
+// pieces as the code needs (the other data members' own blocks and the holders' shares), and
+// decodes its block (RebuildFromParity). The result is only what the pieces make of it: the caller
+// checks every chunk against the checksums the rank's image came with (ReplicaMeta::layout) before
+// anything uses it.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/base/status.h"
+#include "daemon/parity/parity_client.h"
+#include "daemon/parity/parity_group.h"
+
+namespace flashckpt {
+
+// Another member of the group, as this daemon reaches it.
+struct ParityMember {
+  uint32_t index = 0;
+  std::string target;  // HOST:PORT, for logs
+  std::shared_ptr<grpc::Channel> channel;
+};
+
+// What the members hold of a rank of this member: its image's header as the holders listed it, and
+// per block of the image, the shares listed of the block's stripe (with their holders).
+struct ParityCandidate {
+  ReplicaMeta meta;
+  uint32_t position = 0;
+  struct Held {
+    const ParityMember* holder = nullptr;
+    ListedShare share;
+  };
+  std::vector<std::vector<Held>> blocks;  // [block] -> shares of its stripe, one per holder that listed one
+};
+
+// The newest step (then the later attempt) of (job, rank) of member `self` whose every block is in
+// a complete share some member lists. `*all`: every candidate found, newest first, for a caller that
+// must skip some. NOT_FOUND when none is. `unreachable` is told of each member that could not be
+// asked (and why).
+Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std::vector<ParityMember>& members,
+                                            const std::string& job, uint32_t self, uint32_t rank,
+                                            std::chrono::system_clock::time_point deadline,
+                                            const std::function<void(const ParityMember&, const Status&)>& unreachable,
+                                            std::vector<ParityCandidate>* all = nullptr);
+
+// Rebuilds the candidate's image (meta.bytes bytes) into `into`. FAILED_PRECONDITION when a stripe
+// has fewer pieces left than the code needs (too many members lost, or pieces that failed their
+// checksums), naming it.
+Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMember>& members,
+                         const ParityCandidate& candidate, uint32_t self, char* into,
+                         std::chrono::system_clock::time_point deadline);
+
+}  // namespace flashckpt

@@ -1,0 +1,151 @@
+#include "daemon/parity/parity_service.h"
+
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "common/format/checksum.h"
+#include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_server.h"
+#include "proto/convert.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr uint64_t kServePartBytes = 1u << 20;
+
+grpc::Status Refused(grpc::StatusCode code, const std::string& message) { return grpc::Status(code, message); }
+
+// Streams `bytes` bytes at `data` as data parts with their checksums; false when the reader left.
+bool StreamParts(grpc::ServerWriter<v1::ParityPart>* writer, const char* data, uint64_t bytes) {
+  for (uint64_t at = 0; at < bytes; at += kServePartBytes) {
+    const uint64_t n = std::min(kServePartBytes, bytes - at);
+    v1::ParityPart part;
+    part.set_data(data + at, n);
+    part.set_xxh3(Xxh3(data + at, n));
+    if (!writer->Write(part)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_names, OwnImageSource own)
+    : store_(store), allow_names_(std::move(allow_names)), own_(std::move(own)) {}
+
+grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
+                                 v1::ParityPushResponse*) {
+  std::string peer;
+  if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
+  struct InFlight {
+    std::atomic<int>* n;
+    ~InFlight() { n->fetch_sub(1); }
+  } in_flight{&pushes_};
+  if (pushes_.fetch_add(1) >= kMaxParityPushesInFlight) {
+    return Refused(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                   std::to_string(kMaxParityPushesInFlight) + " parity pushes are in flight here; try again");
+  }
+  v1::ParityPart part;
+  if (!reader->Read(&part) || !part.has_header()) {
+    refused_.fetch_add(1);
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push starts with its header");
+  }
+  const v1::ParityHeader& h = part.header();
+  ShareBlock block{h.member(), h.stripe(), h.position(), h.member_ranks(), ReplicaMetaOf(h.replica())};
+  block.meta.from_peer = peer;
+  auto incoming = store_->Begin(std::move(block));
+  if (!incoming.ok()) {
+    refused_.fetch_add(1);
+    if (incoming.status().code() != StatusCode::kAlreadyExists) {
+      Logger("parity")->warn("parity block from={} refused: {}", ctx->peer(), incoming.status().ToString());
+    }
+    return ToGrpc(incoming.status());
+  }
+  while (reader->Read(&part)) {
+    if (!part.has_data()) {
+      refused_.fetch_add(1);
+      return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push has one header, then data parts");
+    }
+    const std::string& data = part.data();
+    if (Status added = (*incoming)->Append({{data.data(), data.size()}}, part.xxh3()); !added.ok()) {
+      refused_.fetch_add(1);
+      Logger("parity")->warn("parity block from={} refused: {}", ctx->peer(), added.ToString());
+      return ToGrpc(added);
+    }
+  }
+  if (ctx->IsCancelled()) return Refused(grpc::StatusCode::CANCELLED, "the parity push was cancelled");
+  if (Status done = store_->Finish(std::move(*incoming)); !done.ok()) {
+    refused_.fetch_add(1);
+    return ToGrpc(done);
+  }
+  received_.fetch_add(1);
+  return grpc::Status::OK;
+}
+
+grpc::Status ParityService::List(grpc::ServerContext* ctx, const v1::ListSharesRequest* request,
+                                 v1::ListSharesResponse* response) {
+  std::string peer;
+  if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
+  if (Status valid = ValidateJobName(request->job()); !valid.ok()) return ToGrpc(valid);
+  for (const std::shared_ptr<const ParityShare>& share : store_->SharesFor(request->job(), request->member())) {
+    v1::ShareInfo* info = response->add_shares();
+    info->set_step(share->step());
+    info->set_position(share->position());
+    info->set_stripe(share->stripe());
+    info->set_row(share->row());
+    info->set_bytes(share->bytes());
+    for (const auto& [index, c] : share->contributions()) {
+      v1::ShareInfo::Contribution* out = info->add_contributions();
+      out->set_data_index(index);
+      out->set_member(c.member);
+      out->set_block_bytes(c.block_bytes);
+      ReplicaHeaderOf(c.meta, out->mutable_replica());
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ParityService::FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest* request,
+                                       grpc::ServerWriter<v1::ParityPart>* writer) {
+  std::string peer;
+  if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
+  auto share = store_->Find(request->job(), request->position(), request->stripe(), request->step());
+  if (!share.ok()) return ToGrpc(share.status());
+  if (!StreamParts(writer, reinterpret_cast<const char*>((*share)->data()), (*share)->bytes())) {
+    return Refused(grpc::StatusCode::CANCELLED, "the fetching peer left");
+  }
+  served_.fetch_add(1);
+  return grpc::Status::OK;
+}
+
+grpc::Status ParityService::FetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest* request,
+                                       grpc::ServerWriter<v1::ParityPart>* writer) {
+  std::string peer;
+  if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
+  const ParityGroup& group = store_->group();
+  if (request->stripe() >= group.members()) {
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "stripe " + std::to_string(request->stripe()) +
+                                                           " of a group of " + std::to_string(group.members()));
+  }
+  std::optional<uint32_t> block = group.BlockOfStripe(store_->self(), request->stripe());
+  if (!block) {
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "this member holds parity of stripe " +
+                                                           std::to_string(request->stripe()) + ", not data");
+  }
+  auto image = own_(request->job(), request->rank(), request->step(), request->run_id());
+  if (!image.ok()) return ToGrpc(image.status());
+  const ParityGroup::Range range = group.Block(image->bytes, *block);
+  if (!StreamParts(writer, image->data + range.offset, range.bytes)) {
+    return Refused(grpc::StatusCode::CANCELLED, "the fetching peer left");
+  }
+  // Sent while the rank went on: only if the memory checkpoint stayed in place are they its bytes.
+  if (image->still_held && !image->still_held()) {
+    return Refused(grpc::StatusCode::ABORTED, "the memory checkpoint of job '" + request->job() + "' rank " +
+                                                  std::to_string(request->rank()) + " step " +
+                                                  std::to_string(request->step()) + " was replaced as it was sent");
+  }
+  served_.fetch_add(1);
+  return grpc::Status::OK;
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,70 @@
+// flashckpt.v1.Parity (proto/flashckpt/v1/replica.proto), served on the replica listener
+// (ReplicaServer::AddService) with its TLS and allowed names: the holders' side of erasure-coded
+// peer memory (--ec-group) over a ParityStore, and the data members' side, each member's own
+// blocks read from its memory checkpoints (OwnImageSource).
+//
+// What a peer sends is checked as a replica's is: the header against the group's shape and the
+// bounds (ParityStore::Begin), every part against its XXH3-64. A block's rank image is the
+// sender's; a share is only as good as the blocks added into it, so whoever rebuilds from it checks
+// every chunk of the result against the origin's checksums before anything uses it.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/base/status.h"
+#include "daemon/parity/parity_store.h"
+#include "replica.grpc.pb.h"
+
+namespace flashckpt {
+
+// At most this many parity pushes are received at once.
+constexpr int kMaxParityPushesInFlight = 16;
+
+// A rank's image (what its replica carries) in this daemon's memory, for FetchBlock.
+struct OwnImage {
+  std::shared_ptr<const void> keep;  // keeps `data` mapped
+  const char* data = nullptr;
+  uint64_t bytes = 0;
+  // Whether the memory still holds that checkpoint (a slot is reused once a newer one is kept).
+  std::function<bool()> still_held;
+};
+// The image of (job, rank)'s memory checkpoint of `step` taken by run `run_id`, while it is held
+// here; NOT_FOUND otherwise.
+using OwnImageSource =
+    std::function<Result<OwnImage>(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id)>;
+
+class ParityService final : public v1::Parity::Service {
+ public:
+  ParityService(ParityStore* store, std::vector<std::string> allow_names, OwnImageSource own);
+
+  grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
+                    v1::ParityPushResponse* response) override;
+  grpc::Status List(grpc::ServerContext* ctx, const v1::ListSharesRequest* request,
+                    v1::ListSharesResponse* response) override;
+  grpc::Status FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest* request,
+                          grpc::ServerWriter<v1::ParityPart>* writer) override;
+  grpc::Status FetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest* request,
+                          grpc::ServerWriter<v1::ParityPart>* writer) override;
+
+  uint64_t blocks_received() const { return received_.load(); }
+  uint64_t blocks_refused() const { return refused_.load(); }
+  uint64_t blocks_served() const { return served_.load(); }
+
+ private:
+  ParityStore* store_;
+  const std::vector<std::string> allow_names_;
+  const OwnImageSource own_;
+  std::atomic<int> pushes_{0};
+  std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> served_{0};
+};
+
+}  // namespace flashckpt
