@@ -41,6 +41,9 @@ const char* EventKindText(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kMemoryFallback: return "memory-fallback";
     case DaemonEvent::Kind::kReplicaSent: return "replica-sent";
     case DaemonEvent::Kind::kReplicaFailed: return "replica-failed";
+    case DaemonEvent::Kind::kParitySent: return "parity-sent";
+    case DaemonEvent::Kind::kParityFailed: return "parity-failed";
+    case DaemonEvent::Kind::kParityRebuilt: return "parity-rebuilt";
     default: return "unknown";
   }
 }
@@ -72,11 +75,17 @@ std::string EventText(const DaemonEvent& e) {
       out += " rank=" + std::to_string(e.rank) + " reason=\"" + e.reason + "\"";
       break;
     case DaemonEvent::Kind::kReplicaSent:
+    case DaemonEvent::Kind::kParitySent:
       out += " rank=" + std::to_string(e.rank) + " peer=" + e.peer + " bytes=" + CompactBytes(e.bytes) +
              " secs=" + Fixed(e.seconds, 3) + " gbps=" + Fixed(Gbps(e.bytes, e.seconds), 2);
       break;
     case DaemonEvent::Kind::kReplicaFailed:
+    case DaemonEvent::Kind::kParityFailed:
       out += " rank=" + std::to_string(e.rank) + " peer=" + e.peer + " error=\"" + e.reason + "\"";
+      break;
+    case DaemonEvent::Kind::kParityRebuilt:
+      out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) + " secs=" + Fixed(e.seconds, 3) +
+             " from=\"" + e.reason + "\"";
       break;
     case DaemonEvent::Kind::kSnapshotCommitted:
       out += " rank=" + std::to_string(e.rank) + " bytes=" + CompactBytes(e.bytes) + " for=" + e.reason;

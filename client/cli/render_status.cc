@@ -125,6 +125,12 @@ std::string DaemonText(const DaemonStatus& status) {
     out += "held    " + std::to_string(status.replicas_held) + " replica(s) of other nodes' ranks (" +
            FormatBytes(status.replica_held_bytes) + ")\n";
   }
+  if (status.ec_group) {
+    out += "parity  member " + std::to_string(status.ec_member) + " of " + std::to_string(status.ec_members) +
+           ", parity " + std::to_string(status.ec_parity) + ": " + std::to_string(status.parity_shares_held) +
+           " share(s) held for the others (" + FormatBytes(status.parity_held_bytes) + "), " +
+           std::to_string(status.parity_sent) + " sent, " + std::to_string(status.parity_failed) + " failed\n";
+  }
   for (const ReplicaPeerStatus& peer : status.replica_peers) {
     // One line per --replicate-to peer: how far behind its copies are, and whether pushes fail.
     char gbps[32];
@@ -321,6 +327,17 @@ ordered_json StatusJson(const DaemonStatus& status) {
   out["replica_listening"] = status.replica_listening;
   out["replicas_held"] = status.replicas_held;
   out["replica_held_bytes"] = status.replica_held_bytes;
+  out["ec_group"] = status.ec_group;
+  if (status.ec_group) {
+    out["ec_member"] = status.ec_member;
+    out["ec_members"] = status.ec_members;
+    out["ec_parity"] = status.ec_parity;
+  }
+  out["parity_shares_held"] = status.parity_shares_held;
+  out["parity_held_bytes"] = status.parity_held_bytes;
+  out["parity_sent"] = status.parity_sent;
+  out["parity_failed"] = status.parity_failed;
+  out["parity_step"] = status.parity_step;
   ordered_json jobs = ordered_json::array();
   for (const auto& job : status.jobs) jobs.push_back(JobJson(job));
   out["jobs"] = std::move(jobs);

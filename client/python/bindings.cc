@@ -386,7 +386,7 @@ class PyClient {
       restored = client->Restore(step, b, Millis(timeout), options);
     }
     RestoreResult r = Take(std::move(restored));
-    return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes, r.tier == Tier::kMemory ? "memory" : r.tier == Tier::kPeer ? "peer" : "disk");
+    return py::make_tuple(r.found, r.step, py::bytes(r.extra), r.bytes, r.tier == Tier::kMemory ? "memory" : r.tier == Tier::kPeer ? "peer" : r.tier == Tier::kParity ? "parity" : "disk");
   }
 
   // -> (memory steps newest first, disk step or None, extra of extra_of)

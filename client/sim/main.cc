@@ -302,6 +302,7 @@ int Resume(flashckpt::Client& c, SimRank& sim, const Options& o, int64_t* first)
     std::printf("resumed step=%" PRId64 " from=%s verified_elements=%" PRIu64 " extra=%s\n", restored->step,
                 restored->tier == flashckpt::Tier::kMemory ? "memory"
                 : restored->tier == flashckpt::Tier::kPeer ? "peer"
+                : restored->tier == flashckpt::Tier::kParity ? "parity"
                                                            : "disk",
                 n, restored->extra.c_str());
     *first = restored->step + 1;

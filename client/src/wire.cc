@@ -158,6 +158,7 @@ RestoreHandover RestoreHandoverOf(const v1::RestoreResponse& resp) {
   out.extra = resp.extra();
   out.tier = resp.tier() == v1::TIER_MEMORY ? Tier::kMemory
              : resp.tier() == v1::TIER_PEER ? Tier::kPeer
+             : resp.tier() == v1::TIER_PARITY ? Tier::kParity
                                             : Tier::kDisk;
   out.verify_in_client = resp.tier() != v1::TIER_DISK && resp.chunk_bytes() > 0;
   out.chunk_bytes = resp.chunk_bytes();
@@ -181,6 +182,15 @@ DaemonStatus DaemonStatusFromProto(const v1::StatusResponse& status) {
   out.replica_listening = status.replica_listening();
   out.replicas_held = status.replicas_held();
   out.replica_held_bytes = status.replica_held_bytes();
+  out.ec_group = status.ec_group();
+  out.ec_member = status.ec_member();
+  out.ec_members = status.ec_members();
+  out.ec_parity = status.ec_parity();
+  out.parity_shares_held = status.parity_shares_held();
+  out.parity_held_bytes = status.parity_held_bytes();
+  out.parity_sent = status.parity_sent();
+  out.parity_failed = status.parity_failed();
+  out.parity_step = status.parity_step();
   for (const v1::ReplicaPeerStatus& p : status.replica_peers()) {
     ReplicaPeerStatus peer;
     peer.target = p.target();
@@ -269,6 +279,9 @@ DaemonEvent::Kind EventKindFromProto(v1::Event::Kind kind) {
     case v1::Event::MEMORY_FALLBACK: return DaemonEvent::Kind::kMemoryFallback;
     case v1::Event::REPLICA_SENT: return DaemonEvent::Kind::kReplicaSent;
     case v1::Event::REPLICA_FAILED: return DaemonEvent::Kind::kReplicaFailed;
+    case v1::Event::PARITY_SENT: return DaemonEvent::Kind::kParitySent;
+    case v1::Event::PARITY_FAILED: return DaemonEvent::Kind::kParityFailed;
+    case v1::Event::PARITY_REBUILT: return DaemonEvent::Kind::kParityRebuilt;
     default: return DaemonEvent::Kind::kUnknown;
   }
 }

@@ -3,6 +3,7 @@
 
 #include "common/base/log.h"
 #include "daemon/core/texts.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {

@@ -58,6 +58,7 @@
 namespace flashckpt {
 
 class ReplicaSender;
+class ParitySender;
 class Registrar;
 class Lineage;
 class SavePath;
@@ -132,6 +133,7 @@ class Core {
   std::unique_ptr<Writer> writer_;
   std::unique_ptr<EmaStage> ema_stage_;    // set once by Daemon::Start
   std::unique_ptr<ReplicaSender> sender_;  // set once by Daemon::Start with --replicate-to; stopped by Stop
+  std::unique_ptr<ParitySender> parity_;   // set once by Daemon::Start with --ec-group; stopped by Stop
   std::atomic<uint64_t> host_memory_used_{0};
   std::atomic<uint64_t> replica_memory_used_{0};  // the part of it that ReserveHostMemory took
 

@@ -12,6 +12,7 @@
 #include "common/io/fs.h"
 #include "common/io/net.h"
 #include "daemon/core/texts.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {
@@ -81,6 +82,7 @@ std::string Daemon::RenderMetrics() const {
 Daemon::~Daemon() {
   Stop();
   c_.sender_.reset();  // what it still holds goes before the segments' state directory
+  c_.parity_.reset();
 }
 
 Status Daemon::ReserveHostMemory(uint64_t bytes, const std::string& what) {
@@ -94,6 +96,12 @@ Status Daemon::ReserveHostMemory(uint64_t bytes, const std::string& what) {
   c_.host_memory_used_ += bytes;
   c_.replica_memory_used_ += bytes;
   return Status::OK();
+}
+
+Result<OwnImage> Daemon::OwnParityImage(const std::string& job, uint32_t rank, int64_t step,
+                                       const std::string& run_id) {
+  MutexLock lock(&c_.mu_);
+  return MemoryTier::OwnImageLocked(c_, job, rank, step, run_id);
 }
 
 void Daemon::ReleaseHostMemory(uint64_t bytes) {
@@ -147,6 +155,23 @@ Status Daemon::Start() {
     Logger("replica")->info("replicating memory checkpoints to peers={} max_rate={}", c_.config_.replicate_to.size(),
                             c_.config_.replicate_max_rate == 0 ? "none" : FormatBytes(c_.config_.replicate_max_rate) + "/s");
   }
+  if (!c_.config_.ec_group.empty()) {
+    const bool tls = !c_.config_.replica_tls_cert.empty();
+    const uint32_t parity = c_.config_.ec_parity == 0 ? 1 : c_.config_.ec_parity;
+    ASSIGN_OR_RETURN(ParityGroupConfig group,
+                     ParseParityGroup(c_.config_.ec_group, parity, c_.config_.replica_listen, tls));
+    ParitySender::Options options{group.group, group.self, {}, 1u << 20, {}};
+    options.on_event = [this](DaemonEvent event) { c_.Emit(std::move(event)); };
+    for (const auto& [index, target] : group.others) {
+      options.members.emplace_back(
+          index, ReplicaPeer{target, c_.config_.replica_tls_cert, c_.config_.replica_tls_key, c_.config_.replica_tls_ca, ""});
+    }
+    c_.parity_ = std::make_unique<ParitySender>(std::move(options));
+    RETURN_IF_ERROR(c_.parity_->Start());
+    Logger("parity")->info("parity group member={} of {} parity={}: each member holds about {}/{} of its checkpoints' "
+                           "bytes for the others",
+                           group.self, group.group.members(), parity, parity, group.group.data_blocks());
+  }
   Logger("rpc")->info("started root={} slots={} max_host_memory={} writer_threads={} keep={} state_dir={}",
                       c_.config_.root, c_.config_.slots, FormatBytes(c_.config_.max_host_memory), c_.config_.writer_threads,
                       c_.config_.keep, state_dir);
@@ -179,6 +204,7 @@ void Daemon::Stop(std::chrono::steady_clock::time_point deadline) {
   c_.cv_.NotifyAll();
   if (housekeeper_) housekeeper_->Stop(deadline);
   if (c_.sender_) c_.sender_->Stop(deadline);  // replicas are a bonus: the pushes in flight are cancelled
+  if (c_.parity_) c_.parity_->Stop();          // as is parity
   // Drains the EMA stage into the writer until the deadline. The snapshots it did not reach are
   // like a crash for the data, but tidy: their commit records and segments stay for the next
   // daemon, which replays them.
@@ -287,6 +313,16 @@ DaemonStatus Daemon::GetStatus() const {
   out.cuda_devices = cuda.devices;
   FillJobsStatus(&out);
   if (c_.sender_) out.replica_peers = c_.sender_->PeerStatus();
+  if (c_.parity_) {
+    out.ec_group = true;
+    out.ec_member = c_.parity_->self();
+    out.ec_members = c_.parity_->group().members();
+    out.ec_parity = c_.parity_->group().parity();
+    for (const ParityMemberStatus& m : c_.parity_->MemberStatus()) {
+      out.parity_sent += m.blocks_sent;
+      out.parity_failed += m.pushes_failed;
+    }
+  }
   // The checkpoints on disk, read without the daemon's lock: a slow or failing filesystem must not
   // hold up the trainers' snapshots.
   for (JobStatus& j : out.jobs) {

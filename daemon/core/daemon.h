@@ -45,6 +45,12 @@ class Daemon {
   // needed the bytes, when they do not fit; Release gives back what Reserve took.
   Status ReserveHostMemory(uint64_t bytes, const std::string& what) EXCLUDES(c_.mu_);
   void ReleaseHostMemory(uint64_t bytes);
+  // With --ec-group: one of this node's ranks' memory checkpoints as its parity blocks were cut
+  // from it (Parity.FetchBlock; MemoryTier::OwnImageLocked).
+  Result<OwnImage> OwnParityImage(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id)
+      EXCLUDES(c_.mu_);
+  // The parity sender (--ec-group), or null.
+  const ParitySender* parity() const { return c_.parity_.get(); }
 
   // Refuses new work (UNAVAILABLE, saying the daemon is stopping), wakes every waiter, and lets
   // the EMA stage and the writer finish what was committed until `deadline`. What is not written

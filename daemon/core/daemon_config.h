@@ -73,6 +73,10 @@ struct DaemonConfig {
   // credentials are the replica_tls_* files.
   std::vector<std::string> replicate_to;
   uint64_t replicate_max_rate = 0;
+  // Optional parity group (daemon/parity): every member's --replica-listen, in the same order on
+  // each member, and how many members' loss it survives (--ec-parity, default 1).
+  std::vector<std::string> ec_group;
+  uint32_t ec_parity = 0;  // 0: not given (1 with a group)
   // Optional TCP listener (daemon/edge/tcp_listener.h, its address common/io/net.h): empty `listen` means none. Read-only RPCs unless
   // tcp_allow_writes; TLS when both tls_cert and tls_key are given.
   std::string listen;

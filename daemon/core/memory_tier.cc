@@ -7,6 +7,7 @@
 #include "common/base/log.h"
 #include "daemon/core/memory_tier.h"
 #include "daemon/core/save_path.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_sender.h"
 #include "daemon/replica/replica_layout.h"
 
@@ -61,7 +62,7 @@ void MemoryTier::RestoredLocked(Core& c_, const std::string& job, uint32_t rank,
 
 void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                                 uint32_t rank) {
-  if (!c_.sender_) return;
+  if (!c_.sender_ && !c_.parity_) return;
   std::shared_ptr<const ResidentCheckpoint> resident = c_.Slots(*segment).ResidentIn(slot);
   auto jit = c_.jobs_.find(job);
   if (!resident || jit == c_.jobs_.end()) return;
@@ -111,7 +112,46 @@ void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>
     MutexLock lock(&core->mu_);
     return core->Slots(*segment).ResidentIn(slot) == resident;
   };
-  c_.sender_->Offer(std::move(out));
+  if (c_.parity_) {
+    // The rank's place among this node's ranks of the job that hold a segment (ranks is ordered).
+    uint32_t position = 0, count = 0;
+    for (const auto& [r, s] : jit->second.ranks) {
+      if (!s.segment) continue;
+      if (r < rank) ++position;
+      ++count;
+    }
+    c_.parity_->Offer({out, position, count});
+  }
+  if (c_.sender_) c_.sender_->Offer(std::move(out));
+}
+
+Result<OwnImage> MemoryTier::OwnImageLocked(Core& c_, const std::string& job, uint32_t rank, int64_t step,
+                                            const std::string& run_id) {
+  auto jit = c_.jobs_.find(job);
+  if (jit != c_.jobs_.end()) {
+    auto rit = jit->second.ranks.find(rank);
+    if (rit != jit->second.ranks.end() && rit->second.segment) {
+      const std::shared_ptr<RankSegment>& segment = rit->second.segment;
+      for (uint32_t slot = 0; slot < c_.Slots(*segment).size(); ++slot) {
+        std::shared_ptr<const ResidentCheckpoint> resident = c_.Slots(*segment).ResidentIn(slot);
+        if (!resident || resident->step != step || resident->attempt.run_id != run_id) continue;
+        // As OfferReplicaLocked sends it: with EMA, the image runs on into the slot's EMA room.
+        if (segment->ema && (!resident->ema || segment->ema_area != segment->layout.slot_bytes)) break;
+        OwnImage image;
+        image.keep = segment;
+        image.data = segment->Slot(slot) + kSlotImageOffset;
+        image.bytes = segment->layout.slot_bytes - kSlotImageOffset +
+                      (segment->ema ? segment->ema->plan().image_bytes() : 0);
+        image.still_held = [core = &c_, segment, slot, resident] {
+          MutexLock lock(&core->mu_);
+          return core->Slots(*segment).ResidentIn(slot) == resident;
+        };
+        return image;
+      }
+    }
+  }
+  return NotFound("no memory checkpoint of job '" + job + "' rank " + std::to_string(rank) + " step " +
+                  std::to_string(step) + " of run " + run_id + " is held here");
 }
 
 Result<uint32_t> MemoryTier::PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why) {

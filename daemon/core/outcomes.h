@@ -61,6 +61,7 @@ struct RestoreOutcome {
   uint64_t bytes_read = 0;
   SlotTier tier = SlotTier::kDisk;  // kMemory: handed over from a memory checkpoint, no file read
   std::string from_peer;            // with kMemory: fetched from this peer's replica (HOST:PORT) first
+  bool from_parity = false;         // with kMemory: rebuilt from the parity group first (--ec-group)
   // A memory checkpoint handed over unverified (RestoreWant::verify_in_client): the checksum chunk
   // size and, per tensor of the slot, where it lies and its chunks' checksums. Empty otherwise.
   struct TensorSums {

@@ -12,6 +12,8 @@
 #include "common/format/slot_checksums.h"
 #include "daemon/core/memory_tier.h"
 #include "daemon/replica/replica_layout.h"
+#include "daemon/parity/parity_rebuild.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {
@@ -212,13 +214,21 @@ void RaiseAttemptFloor(Core& c_, const std::string& job, uint32_t rank_id, uint6
   if (rit != jit->second.ranks.end()) rit->second.attempt_floor = std::max(rit->second.attempt_floor, highest_attempt);
 }
 
-// The end of a fetch into `ticket` of the segment: the slot is freed when `checked` failed (a
-// replica that fails its checksums also with a MEMORY_FALLBACK event), else it keeps the replica as
-// a memory checkpoint of the rank.
-void KeepFetched(Core& c_, const std::string& job, uint32_t rank_id, RankSegment& segment, SlotTicket ticket,
-                 const ListedReplica& best, const Status& checked, const Result<ReplicaMeta>& fetched,
-                 ReplicaChecks checks, double secs) EXCLUDES(c_.mu_) {
-  const int64_t step = best.meta.step;
+// Where a fetched memory checkpoint came from, for KeepFetched: a peer's replica (its HOST:PORT),
+// or the parity group (the members it was rebuilt from).
+struct FetchSource {
+  std::string where;
+  bool parity = false;
+};
+
+// The end of a fetch into `ticket` of the segment: the slot is freed when `checked` failed (one
+// that fails its checksums also with a MEMORY_FALLBACK event), else it keeps the image as a memory
+// checkpoint of the rank. Returns whether it was kept.
+bool KeepFetched(Core& c_, const std::string& job, uint32_t rank_id, RankSegment& segment, SlotTicket ticket,
+                 const FetchSource& source, const Status& checked, const ReplicaMeta& fetched, ReplicaChecks checks,
+                 double secs) EXCLUDES(c_.mu_) {
+  const int64_t step = fetched.step;
+  const char* what = source.parity ? "parity rebuild" : "replica";
   MutexLock lock(&c_.mu_);
   c_.Slots(segment).SetLoading(ticket.slot, false);
   if (!checked.ok()) {
@@ -226,49 +236,77 @@ void KeepFetched(Core& c_, const std::string& job, uint32_t rank_id, RankSegment
     c_.Mirror(segment, ticket.slot);
     c_.cv_.NotifyAll();
     if (checked.code() != StatusCode::kCorruption) {
-      // Not fetched (the peer went away, too slow) or of another layout: nothing was wrong with it.
-      Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not used: {}", job, rank_id, step,
-                              best.peer->target, checked.ToString());
-      return;
+      // Not fetched (the peer went away, too slow, too many members lost) or of another layout.
+      Logger("restore")->warn("{} of job={} rank={} step={} from {} not used: {}", what, job, rank_id, step,
+                              source.where, checked.ToString());
+      if (!source.parity) return false;
+    } else {
+      Logger("restore")->warn("{} of job={} rank={} step={} from {} refused: {}", what, job, rank_id, step,
+                              source.where, checked.ToString());
     }
-    Logger("restore")->warn("replica of job={} rank={} step={} from peer={} refused: {}", job, rank_id, step,
-                            best.peer->target, checked.ToString());
     DaemonEvent event;
     event.kind = DaemonEvent::Kind::kMemoryFallback;
     event.job = job;
     event.rank = rank_id;
     event.step = step;
-    event.reason = "replica from " + best.peer->target + ": " + checked.ToString();
+    event.reason = std::string(what) + " from " + source.where + ": " + checked.ToString();
     c_.Emit(std::move(event));
-    return;
+    return false;
   }
-  Result<ReplicaLayout> where = DecodeReplicaLayout(fetched->layout);  // decoded once already (ReplicaSums)
-  if (!where.ok()) return;
+  Result<ReplicaLayout> where = DecodeReplicaLayout(fetched.layout);  // decoded once already (ReplicaSums)
+  if (!where.ok()) return false;
   auto resident = std::make_shared<ResidentCheckpoint>();
   resident->step = step;
   resident->attempt = Attempt{where->run_id, where->resumed_from};
-  resident->world_size = fetched->world_size;
-  resident->extra = fetched->extra;
+  resident->world_size = fetched.world_size;
+  resident->extra = fetched.extra;
   resident->sums = std::move(checks.sums);
   resident->ema = checks.ema;
   resident->ema_sums = std::move(checks.ema_sums);
-  resident->from_peer = best.peer->target;
+  resident->from_peer = source.where;
+  resident->from_parity = source.parity;
   Status kept = c_.Slots(segment).KeepFetched(ticket, std::move(resident));
   c_.Mirror(segment, ticket.slot);
   c_.cv_.NotifyAll();
   if (!kept.ok()) {
-    Logger("restore")->error("replica of job={} rank={} step={} fetched but not kept: {}", job, rank_id, step,
+    Logger("restore")->error("{} of job={} rank={} step={} fetched but not kept: {}", what, job, rank_id, step,
                              kept.ToString());
-    return;
+    return false;
   }
-  Logger("restore")->info("replica fetched job={} rank={} step={} from peer={} origin={} bytes={} secs={:.3f}", job,
-                          rank_id, step, best.peer->target, fetched->origin_node, FormatBytes(fetched->bytes), secs);
+  Logger("restore")->info("{} job={} rank={} step={} from={} origin={} bytes={} secs={:.3f}",
+                          source.parity ? "parity rebuilt" : "replica fetched", job, rank_id, step, source.where,
+                          fetched.origin_node, FormatBytes(fetched.bytes), secs);
+  if (source.parity) {
+    DaemonEvent event;
+    event.kind = DaemonEvent::Kind::kParityRebuilt;
+    event.job = job;
+    event.rank = rank_id;
+    event.step = step;
+    event.bytes = fetched.bytes;
+    event.seconds = secs;
+    event.reason = source.where;
+    c_.Emit(std::move(event));
+  }
+  return true;
+}
+
+// A fetched image's tensors (and, with EMA, its EMA image's) against their checksums; the EMA
+// image's header is stamped as this daemon's own again.
+Status VerifyFetched(Core& c_, RankSegment& segment, uint32_t slot, int64_t step, const ReplicaChecks& checks) {
+  ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
+  RETURN_IF_ERROR(VerifySlotChecksums(segment.Slot(slot), segment.layout, checks.sums, &verifiers));
+  if (!segment.ema) return Status::OK();
+  char* image = segment.SlotEmaBase(slot);
+  Status checked = VerifySlotChecksums(image, segment.ema->plan().layout, checks.ema_sums, &verifiers);
+  if (!checked.ok()) return checked.WithContext("the EMA image of step " + std::to_string(step));
+  segment.ema->StampImage(image, step, *checks.ema, &verifiers);
+  return Status::OK();
 }
 
 // Fetches replica `best` into a free slot of the rank's segment, checks every chunk against its
 // checksum and keeps it (KeepFetched). Takes half the time left to `deadline` at most: the files
 // must still be readable in time when the peer is slow.
-void FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
+bool FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std::shared_ptr<RankSegment>& segment,
                    const ListedReplica& best, std::chrono::steady_clock::time_point deadline) EXCLUDES(c_.mu_) {
   const int64_t step = best.meta.step;
   std::optional<SlotTicket> ticket;
@@ -278,7 +316,7 @@ void FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std
     if (!ticket) {
       Logger("restore")->warn("replica of job={} rank={} step={} on peer={} not fetched: no free slot", job, rank_id,
                               step, best.peer->target);
-      return;
+      return false;
     }
     c_.Slots(*segment).SetLoading(ticket->slot, true);
     c_.Mirror(*segment, ticket->slot);
@@ -300,19 +338,97 @@ void FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std
       },
       SystemDeadline(c_.clock_, fetch_by), OriginOf(best.meta));
   Status checked = fetched.status();
-  if (checked.ok()) {
-    ParallelLoop verifiers(c_.config_.restore_threads > 0 ? c_.config_.restore_threads - 1 : 0);
-    checked = VerifySlotChecksums(segment->Slot(ticket->slot), segment->layout, checks.sums, &verifiers);
-    if (checked.ok() && segment->ema) {
-      // The EMA image's tensors against their checksums; its header is this daemon's own again.
-      char* image = segment->SlotEmaBase(ticket->slot);
-      checked = VerifySlotChecksums(image, segment->ema->plan().layout, checks.ema_sums, &verifiers);
-      if (!checked.ok()) checked = checked.WithContext("the EMA image of the replica of step " + std::to_string(step));
-      if (checked.ok()) segment->ema->StampImage(image, step, *checks.ema, &verifiers);
+  if (checked.ok()) checked = VerifyFetched(c_, *segment, ticket->slot, step, checks);
+  const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
+  return KeepFetched(c_, job, rank_id, *segment, *ticket, FetchSource{best.peer->target, false}, checked,
+                     fetched.ok() ? *fetched : best.meta, std::move(checks), secs);
+}
+
+// With --ec-group: rebuilds the rank's newest memory checkpoint (or `wanted`) that the group holds
+// parity of, when it is newer than what is held here (as for a replica), into a free slot of the
+// rank's; checks and keeps it as FetchIntoSlot does. Takes half the time left to `deadline` at most.
+void RebuildFromGroup(Core& c_, const std::string& job, uint32_t rank_id, const RankHere& here,
+                      const MemoryTier::HeldLineage& lineage, std::chrono::steady_clock::time_point deadline,
+                      int64_t wanted) EXCLUDES(c_.mu_) {
+  if (wanted > 0 && here.has_wanted) return;
+  const ParitySender& parity = *c_.parity_;
+  const auto list_by = std::min(deadline, c_.clock_.Now() + kPeerListTimeout);
+  std::vector<ParityCandidate> candidates;
+  (void)FindParityCandidate(
+      parity.group(), parity.members(), job, parity.self(), rank_id, SystemDeadline(c_.clock_, list_by),
+      [&](const ParityMember& member, const Status& why) {
+        Logger("restore")->warn("parity member={} not asked job={} rank={}: {}", member.target, job, rank_id,
+                                why.ToString());
+      },
+      &candidates);
+  const ParityCandidate* chosen = nullptr;
+  for (const ParityCandidate& c : candidates) {
+    if (c.meta.world_size != here.world_size) continue;
+    if (wanted > 0 ? c.meta.step != wanted : c.meta.step <= here.newest || c.meta.step < lineage.disk_step) continue;
+    if (Status continues = c_.memory->ContinuesLineage(job, c.meta, lineage); !continues.ok()) {
+      Logger("restore")->warn("parity of job={} rank={} step={} not used: {}", job, rank_id, c.meta.step,
+                              continues.message());
+      continue;
     }
+    chosen = &c;
+    break;
+  }
+  if (chosen == nullptr) return;
+  const int64_t step = chosen->meta.step;
+  std::optional<SlotTicket> ticket;
+  {
+    MutexLock lock(&c_.mu_);
+    ticket = c_.Slots(*here.segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
+    if (!ticket) {
+      Logger("restore")->warn("parity of job={} rank={} step={} not rebuilt: no free slot", job, rank_id, step);
+      return;
+    }
+    c_.Slots(*here.segment).SetLoading(ticket->slot, true);
+    c_.Mirror(*here.segment, ticket->slot);
+  }
+  const auto started = c_.clock_.Now();
+  std::string members;
+  for (const ParityMember& m : parity.members()) members += (members.empty() ? "" : ",") + m.target;
+  ReplicaChecks checks;
+  Status checked;
+  auto sums = ReplicaSums(chosen->meta, *here.segment);
+  if (!sums.ok()) {
+    checked = sums.status();
+  } else {
+    checks = std::move(*sums);
+    const auto rebuild_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
+    checked = RebuildFromParity(parity.group(), parity.members(), *chosen, parity.self(),
+                                here.segment->Slot(ticket->slot) + kSlotImageOffset, SystemDeadline(c_.clock_, rebuild_by));
+    // A rebuild is only as good as every piece that went into it: each chunk against the origin's checksums.
+    if (checked.ok()) checked = VerifyFetched(c_, *here.segment, ticket->slot, step, checks);
   }
   const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
-  KeepFetched(c_, job, rank_id, *segment, *ticket, best, checked, fetched, std::move(checks), secs);
+  KeepFetched(c_, job, rank_id, *here.segment, *ticket, FetchSource{"parity group " + members, true}, checked,
+              chosen->meta, std::move(checks), secs);
+}
+
+// With --replicate-to: fetches the rank's newest replica on the peers (or `wanted`) when it is
+// newer than what is held here; true when one was fetched and kept.
+bool FetchReplicaOfRank(Core& c_, const std::string& job, uint32_t rank_id, const RankHere& here,
+                        const MemoryTier::HeldLineage& lineage, std::chrono::steady_clock::time_point deadline,
+                        int64_t wanted) EXCLUDES(c_.mu_) {
+  uint64_t highest_attempt = 0;  // of the rank's replicas on the peers, any step
+  const ListedReplica best = ChooseReplica(c_, job, rank_id, here.world_size, wanted, lineage, deadline, &highest_attempt);
+  if (highest_attempt > 0) RaiseAttemptFloor(c_, job, rank_id, highest_attempt);
+  if (best.peer == nullptr ||
+      (wanted == 0 ? best.meta.step <= here.newest || best.meta.step < lineage.disk_step : here.has_wanted)) {
+    return false;  // a replica never beats a newer step of the lineage held here (the files or memory serve it)
+  }
+  // A step asked for by number: only of the rank's latest attempt among the peers. An older
+  // attempt's copy of the step is of a timeline the job left when it restored an earlier step (a
+  // peer that missed the later pushes and the retraction still holds it); the files serve that step.
+  if (wanted > 0 && best.meta.attempt != highest_attempt) {
+    Logger("restore")->info("replica of job={} rank={} step={} on peer={} not used: its attempt {} is older than "
+                            "the rank's latest on the peers ({})",
+                            job, rank_id, wanted, best.peer->target, best.meta.attempt, highest_attempt);
+    return false;
+  }
+  return FetchIntoSlot(c_, job, rank_id, here.segment, best, deadline);
 }
 
 }  // namespace
@@ -347,32 +463,17 @@ Status MemoryTier::ContinuesLineage(const std::string& job, const ReplicaMeta& m
 
 void MemoryTier::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
                                   int64_t wanted) {
-  if (!c_.sender_) return;
+  if (!c_.sender_ && !c_.parity_) return;
   RankHere here = LookAtRank(c_, job, rank_id, wanted);
   if (!here.segment) return;
   // The lineage the job is on here: the run of its newest complete checkpoint on disk and the runs
   // of the rank's memory checkpoints. A replica is used only when it continues it (ContinuesLineage).
   HeldLineage lineage;
-  lineage.runs = std::move(here.runs);
+  lineage.runs = here.runs;
   AddDiskLineage(c_, job, rank_id, &lineage);
-
-  uint64_t highest_attempt = 0;  // of the rank's replicas on the peers, any step
-  const ListedReplica best = ChooseReplica(c_, job, rank_id, here.world_size, wanted, lineage, deadline, &highest_attempt);
-  if (highest_attempt > 0) RaiseAttemptFloor(c_, job, rank_id, highest_attempt);
-  if (best.peer == nullptr ||
-      (wanted == 0 ? best.meta.step <= here.newest || best.meta.step < lineage.disk_step : here.has_wanted)) {
-    return;  // a replica never beats a newer step of the lineage held here (the files or memory serve it)
-  }
-  // A step asked for by number: only of the rank's latest attempt among the peers. An older
-  // attempt's copy of the step is of a timeline the job left when it restored an earlier step (a
-  // peer that missed the later pushes and the retraction still holds it); the files serve that step.
-  if (wanted > 0 && best.meta.attempt != highest_attempt) {
-    Logger("restore")->info("replica of job={} rank={} step={} on peer={} not used: its attempt {} is older than "
-                            "the rank's latest on the peers ({})",
-                            job, rank_id, wanted, best.peer->target, best.meta.attempt, highest_attempt);
-    return;
-  }
-  FetchIntoSlot(c_, job, rank_id, here.segment, best, deadline);
+  if (c_.sender_ && FetchReplicaOfRank(c_, job, rank_id, here, lineage, deadline, wanted)) return;
+  // A full replica is the cheaper way back; without one as new, the parity group's.
+  if (c_.parity_) RebuildFromGroup(c_, job, rank_id, here, lineage, deadline, wanted);
 }
 
 }  // namespace flashckpt

@@ -21,6 +21,7 @@
 #include "common/base/names.h"
 #include "daemon/core/memory_tier.h"
 #include "daemon/core/releaser.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {
@@ -125,6 +126,7 @@ Status Releaser::WriteMemoryBeforeRelease(const std::string& name, int64_t step,
 void Releaser::DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
                           const ReleaseOutcome& outcome, const std::string& reason) {
   if (c_.sender_) c_.sender_->Forget(name);  // its queued replicas hold the segments too
+  if (c_.parity_) c_.parity_->Forget(name);
   std::vector<std::weak_ptr<RankSegment>> going;
   for (std::shared_ptr<RankSegment>& segment : segments) {
     // The EMA segment outlives daemons by design (a restarted daemon adopts it); a released

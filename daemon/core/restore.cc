@@ -14,6 +14,14 @@
 #include "daemon/pipeline/writer.h"
 
 namespace flashckpt {
+namespace {
+
+// Where a memory checkpoint came from, as the log says it.
+const char* TierName(const ResidentCheckpoint& resident) {
+  return resident.from_parity ? "parity" : resident.from_peer.empty() ? "memory" : "peer";
+}
+
+}  // namespace
 // Loads the checkpoint's EMA into the rank's EMA segment, so the average continues from the
 // restored step. A checkpoint saved without EMA leaves the EMA uninitialised (the next update
 // starts it afresh).
@@ -227,7 +235,7 @@ void HandOverLocked(Core& c_, const std::string& job, uint32_t rank_id, int64_t 
   if (!verify_in_client) {
     MemoryTier::RestoredLocked(c_, job, rank_id, restored, chosen);
     Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify_secs={:.3f}", job, rank_id,
-                            chosen, resident.from_peer.empty() ? "memory" : "peer",
+                            chosen, TierName(resident),
                             FormatBytes(loading.segment->tensor_bytes), secs);
   } else {
     // Restored once the client has checked every chunk (ReleaseSlot).
@@ -243,7 +251,7 @@ void HandOverLocked(Core& c_, const std::string& job, uint32_t rank_id, int64_t 
                                                        resident.sums.sums.begin() + static_cast<ptrdiff_t>(end))});
     }
     Logger("restore")->info("restored job={} rank={} step={} tier={} bytes={} verify=client", job, rank_id, chosen,
-                            resident.from_peer.empty() ? "memory" : "peer", FormatBytes(loading.segment->tensor_bytes));
+                            TierName(resident), FormatBytes(loading.segment->tensor_bytes));
   }
 }
 
@@ -419,6 +427,7 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
   out.extra = resident->extra;
   out.tier = SlotTier::kMemory;
   out.from_peer = resident->from_peer;
+  out.from_parity = resident->from_parity;
   return out;
 }
 

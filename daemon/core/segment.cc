@@ -2,6 +2,7 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_sender.h"
 
 namespace flashckpt {

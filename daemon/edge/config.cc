@@ -19,6 +19,7 @@
 #include "common/format/layout.h"
 #include "daemon/edge/limits.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/parity/parity_group.h"
 #include "daemon/replica/certificates.h"
 #include "daemon/replica/replica_server.h"
 
@@ -123,6 +124,12 @@ Status Finish(DaemonConfig& config, const std::string& budget, const std::string
     RETURN_IF_ERROR(ParseListenAddress(config.metrics_listen).status().WithContext("--metrics-listen"));
   }
   RETURN_IF_ERROR(CheckReplicaConfig(ReplicaListenConfigOf(config)));
+  if (config.ec_parity > 0 && config.ec_group.empty()) return InvalidArgument("--ec-parity needs --ec-group");
+  if (!config.ec_group.empty()) {
+    RETURN_IF_ERROR(ParseParityGroup(config.ec_group, config.ec_parity == 0 ? 1 : config.ec_parity,
+                                     config.replica_listen, !config.replica_tls_cert.empty())
+                        .status());
+  }
   if (config.replica_max_bytes_per_peer > 0 && config.replica_listen.empty()) {
     return InvalidArgument("--replica-max-bytes-per-peer needs --replica-listen");
   }
@@ -222,6 +229,14 @@ std::string FormatDaemonConfig(const DaemonConfig& c) {
     std::string peers;
     for (const auto& p : c.replicate_to) peers += (peers.empty() ? "" : ", ") + ValueText(p);
     line("replicate-to", "[" + peers + "]");
+  }
+  if (c.ec_group.empty()) {
+    out << "# ec-group = (none)\n";
+  } else {
+    std::string members;
+    for (const auto& m : c.ec_group) members += (members.empty() ? "" : ", ") + ValueText(m);
+    line("ec-group", "[" + members + "]");
+    line("ec-parity", std::to_string(c.ec_parity == 0 ? 1 : c.ec_parity));
   }
   line("replicate-max-rate", c.replicate_max_rate == 0 ? "0" : SizeText(c.replicate_max_rate));
   line("replica-max-bytes-per-peer", c.replica_max_bytes_per_peer == 0 ? "0" : SizeText(c.replica_max_bytes_per_peer));
@@ -407,6 +422,14 @@ void AddReplicaFlags(CLI::App& app, DaemonConfig& config, RawFlags& raw) {
                  "files, whose certificate is then this daemon's client certificate)");
   app.add_option("--replicate-max-rate", raw.max_rate,
                  "Bytes per second each --replicate-to peer is sent at most, e.g. 500MiB (default 0: no cap)");
+  app.add_option("--ec-group", config.ec_group,
+                 "Erasure-coded peer memory: every member's --replica-listen HOST:PORT, comma-separated, in the same "
+                 "order on each member, this daemon's own included; each memory checkpoint of this node's ranks is "
+                 "coded with the others' into parity the members hold, instead of a full copy")
+      ->delimiter(',');
+  app.add_option("--ec-parity", config.ec_parity,
+                 "How many lost members of --ec-group can be rebuilt (default 1); each member holds about "
+                 "M / (members - M) of its checkpoint's bytes for the others");
   app.add_option("--replica-max-bytes-per-peer", raw.per_peer,
                  "Most bytes the replicas of one peer (one certificate name; without TLS one node name) may take "
                  "under --replica-listen, e.g. 16GiB; a push over it evicts that peer's oldest replica (default 0: "

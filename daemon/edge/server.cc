@@ -17,6 +17,7 @@
 #include "common/io/fs.h"
 #include "daemon/edge/config.h"
 #include "daemon/edge/limits.h"
+#include "daemon/parity/parity_sender.h"
 
 namespace flashckpt {
 
@@ -85,6 +86,19 @@ Status Server::Start() {
         ReplicaLimits{kMaxReplicasPerOrigin, daemon_->config().replica_max_bytes_per_peer});
     service_.set_replica_store(replica_store_.get());
   }
+  if (const ParitySender* parity = daemon_->parity()) {
+    Daemon* daemon = daemon_;
+    parity_store_ = std::make_unique<ParityStore>(
+        parity->group(), parity->self(),
+        HostMemory{[daemon](uint64_t bytes, const std::string& what) { return daemon->ReserveHostMemory(bytes, what); },
+                   [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }});
+    parity_service_ = std::make_unique<ParityService>(
+        parity_store_.get(), daemon_->config().replica_allow_names,
+        [daemon](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id) {
+          return daemon->OwnParityImage(job, rank, step, run_id);
+        });
+    service_.set_parity_store(parity_store_.get());
+  }
   // For every server built from here on (the TCP listener's too): grpc.health.v1.Health, SERVING.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -105,6 +119,7 @@ Status Server::Start() {
   }
   if (replica_store_) {
     replica_ = std::make_unique<ReplicaServer>(replica_store_.get(), ReplicaListenConfigOf(daemon_->config()));
+    if (parity_service_) replica_->AddService(parity_service_.get());
     RETURN_IF_ERROR(replica_->Start());
   }
   if (!daemon_->config().metrics_listen.empty()) {

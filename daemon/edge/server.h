@@ -18,6 +18,7 @@
 #include "daemon/edge/request_log.h"
 #include "daemon/edge/service.h"
 #include "daemon/edge/tcp_listener.h"
+#include "daemon/parity/parity_service.h"
 #include "daemon/replica/replica_server.h"
 #include "daemon/observe/metrics_http.h"
 
@@ -65,6 +66,8 @@ class Server {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<TcpListener> tcp_;
   std::unique_ptr<ReplicaStore> replica_store_;  // outlives replica_, which serves it
+  std::unique_ptr<ParityStore> parity_store_;  // --ec-group; outlive replica_, which serves them
+  std::unique_ptr<ParityService> parity_service_;
   std::unique_ptr<ReplicaServer> replica_;
   std::unique_ptr<MetricsHttpServer> metrics_;
   int listen_fd_ = -1;

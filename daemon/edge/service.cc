@@ -71,7 +71,7 @@ grpc::Status CheckpointService::BeginSnapshot(grpc::ServerContext* ctx, const v1
   RETURN_GRPC_IF_ERROR(CheckStep(req->step()));
   auto timeout = RequestTimeout(req->timeout_ms(), 60000);
   if (!timeout.ok()) return ToGrpc(timeout.status());
-  if (!v1::Tier_IsValid(req->tier()) || req->tier() == v1::TIER_PEER) {
+  if (!v1::Tier_IsValid(req->tier()) || req->tier() == v1::TIER_PEER || req->tier() == v1::TIER_PARITY) {
     return ToGrpc(InvalidArgument("tier " + std::to_string(req->tier()) + " is not TIER_DISK (0) or TIER_MEMORY (1)"));
   }
   auto ticket = daemon_->BeginSnapshot(req->session_id(), req->step(), Bounded(ctx, *timeout),
@@ -156,6 +156,7 @@ grpc::Status CheckpointService::Restore(grpc::ServerContext* ctx, const v1::Rest
   resp->set_extra(r->extra);
   resp->set_bytes_read(r->bytes_read);
   resp->set_tier(r->tier == SlotTier::kDisk      ? v1::TIER_DISK
+                 : r->from_parity       ? v1::TIER_PARITY
                  : r->from_peer.empty() ? v1::TIER_MEMORY
                                         : v1::TIER_PEER);
   resp->set_chunk_bytes(r->chunk_bytes);
@@ -242,6 +243,11 @@ grpc::Status CheckpointService::GetStatus(grpc::ServerContext*, const v1::Status
     status.replica_listening = true;
     status.replicas_held = static_cast<uint32_t>(replicas_->count());
     status.replica_held_bytes = replicas_->held_bytes();
+  }
+  if (parity_ != nullptr) {
+    status.parity_shares_held = static_cast<uint32_t>(parity_->complete_count());
+    status.parity_held_bytes = parity_->held_bytes();
+    status.parity_step = parity_->oldest_complete_step();
   }
   *resp = ToProto(status);
   return grpc::Status::OK;

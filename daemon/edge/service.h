@@ -8,6 +8,7 @@
 #include <string>
 
 #include "daemon/core/daemon.h"
+#include "daemon/parity/parity_store.h"
 #include "daemon/replica/replica_store.h"
 #include "proto/convert.h"
 #include "flashckpt.grpc.pb.h"
@@ -19,6 +20,7 @@ class CheckpointService final : public v1::Checkpoint::Service {
   explicit CheckpointService(Daemon* daemon) : daemon_(daemon) {}
   // With --replica-listen: the replicas held for peers, which GetStatus reports (set before serving).
   void set_replica_store(const ReplicaStore* store) { replicas_ = store; }
+  void set_parity_store(const ParityStore* store) { parity_ = store; }
 
   grpc::Status Session(grpc::ServerContext* ctx,
                        grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) override;
@@ -53,6 +55,7 @@ class CheckpointService final : public v1::Checkpoint::Service {
  private:
   Daemon* daemon_;
   const ReplicaStore* replicas_ = nullptr;
+  const ParityStore* parity_ = nullptr;
 };
 
 }  // namespace flashckpt

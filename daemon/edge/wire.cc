@@ -30,6 +30,9 @@ v1::Event::Kind KindToProto(DaemonEvent::Kind kind) {
     case DaemonEvent::Kind::kMemoryFallback: return v1::Event::MEMORY_FALLBACK;
     case DaemonEvent::Kind::kReplicaSent: return v1::Event::REPLICA_SENT;
     case DaemonEvent::Kind::kReplicaFailed: return v1::Event::REPLICA_FAILED;
+    case DaemonEvent::Kind::kParitySent: return v1::Event::PARITY_SENT;
+    case DaemonEvent::Kind::kParityFailed: return v1::Event::PARITY_FAILED;
+    case DaemonEvent::Kind::kParityRebuilt: return v1::Event::PARITY_REBUILT;
     case DaemonEvent::Kind::kUnknown: break;
   }
   return v1::Event::KIND_UNSPECIFIED;
@@ -63,6 +66,15 @@ v1::StatusResponse ToProto(const DaemonStatus& status) {
   out.set_replica_listening(status.replica_listening);
   out.set_replicas_held(status.replicas_held);
   out.set_replica_held_bytes(status.replica_held_bytes);
+  out.set_ec_group(status.ec_group);
+  out.set_ec_member(status.ec_member);
+  out.set_ec_members(status.ec_members);
+  out.set_ec_parity(status.ec_parity);
+  out.set_parity_shares_held(status.parity_shares_held);
+  out.set_parity_held_bytes(status.parity_held_bytes);
+  out.set_parity_sent(status.parity_sent);
+  out.set_parity_failed(status.parity_failed);
+  out.set_parity_step(status.parity_step);
   for (const ReplicaPeerStatus& peer : status.replica_peers) {
     v1::ReplicaPeerStatus* p = out.add_replica_peers();
     p->set_target(peer.target);

@@ -37,7 +37,8 @@ Status ReadParts(grpc::ClientReader<v1::ParityPart>* reader, char* into, uint64_
 
 Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const char* data, uint64_t block_bytes,
                        std::chrono::system_clock::time_point deadline,
-                       const std::function<void(grpc::ClientContext*)>& context) {
+                       const std::function<void(grpc::ClientContext*)>& context,
+                       const std::function<bool()>& still_held) {
   v1::Parity::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
@@ -64,6 +65,11 @@ Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const ch
     part.set_data(data + at, n);
     part.set_xxh3(Xxh3(data + at, n));
     open = writer->Write(part);
+  }
+  if (open && still_held && !still_held()) {
+    ctx.TryCancel();
+    (void)writer->Finish();
+    return Cancelled("the block's checkpoint was replaced as it was sent");
   }
   if (open) writer->WritesDone();
   grpc::Status finished = writer->Finish();

@@ -20,9 +20,12 @@ namespace flashckpt {
 // Streams `block_bytes` bytes at `data` (the block ParityGroup::Block says of the header's image)
 // after the header, in parts of block.meta.part_bytes. `context`, when set, is called with the
 // call's context as it starts and with nullptr when it ends (TryCancel in between cancels it).
+// `still_held`, when set, is asked once every part is sent: false cancels the push before the holder
+// counts the block (CANCELLED), so bytes that changed under it never complete a share.
 Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const char* data, uint64_t block_bytes,
                        std::chrono::system_clock::time_point deadline,
-                       const std::function<void(grpc::ClientContext*)>& context = {});
+                       const std::function<void(grpc::ClientContext*)>& context = {},
+                       const std::function<bool()>& still_held = {});
 
 // A complete share as its holder lists it.
 struct ListedShare {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/io/net.h"
+
 namespace flashckpt {
 
 Result<ParityGroup> ParityGroup::Make(uint32_t members, uint32_t parity) {
@@ -45,6 +47,44 @@ ParityGroup::Range ParityGroup::Block(uint64_t image_bytes, uint32_t block) cons
 
 std::string ParityGroup::ToString() const {
   return std::to_string(members_) + " members, " + std::to_string(parity_) + " parity";
+}
+
+Result<ParityGroupConfig> ParseParityGroup(const std::vector<std::string>& members, uint32_t parity,
+                                           const std::string& replica_listen, bool tls) {
+  if (replica_listen.empty()) {
+    return InvalidArgument("--ec-group needs --replica-listen: the members push and fetch parity on the replica "
+                           "listener, and this daemon's place in the group is its --replica-listen address");
+  }
+  ASSIGN_OR_RETURN(ListenAddress own, ParseListenAddress(replica_listen, "--replica-listen"));
+  if (own.port == 0) {
+    return InvalidArgument("--ec-group needs a fixed --replica-listen port: the other members reach this daemon there");
+  }
+  ASSIGN_OR_RETURN(ParityGroup group, ParityGroup::Make(static_cast<uint32_t>(std::min<size_t>(members.size(), 256)),
+                                                        parity));
+  std::vector<std::string> targets;
+  std::optional<uint32_t> self;
+  std::vector<std::pair<uint32_t, std::string>> others;
+  for (uint32_t i = 0; i < members.size(); ++i) {
+    ASSIGN_OR_RETURN(ListenAddress member, ParseListenAddress(members[i], "--ec-group"));
+    if (std::find(targets.begin(), targets.end(), member.Target()) != targets.end()) {
+      return InvalidArgument("--ec-group gives " + member.Target() + " twice");
+    }
+    targets.push_back(member.Target());
+    if (!tls && !member.loopback) {
+      return InvalidArgument("--ec-group " + member.Target() + " is not a loopback address: between nodes the replica "
+                             "channel needs mutual TLS (--replica-tls-cert, --replica-tls-key, --replica-tls-ca)");
+    }
+    if (member.Target() == own.Target()) {
+      self = i;
+    } else {
+      others.emplace_back(i, member.Target());
+    }
+  }
+  if (!self) {
+    return InvalidArgument("--ec-group does not list this daemon's --replica-listen " + own.Target() +
+                           ": every member gives the same list, its own address included");
+  }
+  return ParityGroupConfig{group, *self, std::move(others)};
 }
 
 }  // namespace flashckpt

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/base/status.h"
 
@@ -56,5 +58,19 @@ class ParityGroup {
   uint32_t members_;
   uint32_t parity_;
 };
+
+// --ec-group and --ec-parity as a daemon takes them: the group, this member's index (the place of
+// its own --replica-listen in the list, which every member gives in the same order) and the other
+// members' addresses (HOST:PORT, as gRPC takes them).
+struct ParityGroupConfig {
+  ParityGroup group;
+  uint32_t self = 0;
+  std::vector<std::pair<uint32_t, std::string>> others;
+};
+// INVALID_ARGUMENT, saying what to change, for a list with a malformed or repeated address, one
+// without this daemon's --replica-listen (with its port) or with it twice, a parity the group cannot
+// code, or an address off loopback without the replica channel's TLS (`tls`).
+Result<ParityGroupConfig> ParseParityGroup(const std::vector<std::string>& members, uint32_t parity,
+                                           const std::string& replica_listen, bool tls);
 
 }  // namespace flashckpt

@@ -27,19 +27,6 @@ namespace flashckpt {
 // At most this many parity pushes are received at once.
 constexpr int kMaxParityPushesInFlight = 16;
 
-// A rank's image (what its replica carries) in this daemon's memory, for FetchBlock.
-struct OwnImage {
-  std::shared_ptr<const void> keep;  // keeps `data` mapped
-  const char* data = nullptr;
-  uint64_t bytes = 0;
-  // Whether the memory still holds that checkpoint (a slot is reused once a newer one is kept).
-  std::function<bool()> still_held;
-};
-// The image of (job, rank)'s memory checkpoint of `step` taken by run `run_id`, while it is held
-// here; NOT_FOUND otherwise.
-using OwnImageSource =
-    std::function<Result<OwnImage>(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id)>;
-
 class ParityService final : public v1::Parity::Service {
  public:
   ParityService(ParityStore* store, std::vector<std::string> allow_names, OwnImageSource own);

@@ -264,6 +264,15 @@ uint64_t ParityStore::building_bytes() const {
   return n;
 }
 
+int64_t ParityStore::oldest_complete_step() const {
+  MutexLock lock(&mu_);
+  int64_t oldest = 0;
+  for (const auto& [key, slot] : slots_) {
+    if (slot.complete && (oldest == 0 || slot.complete->step_ < oldest)) oldest = slot.complete->step_;
+  }
+  return oldest;
+}
+
 size_t ParityStore::complete_count() const {
   MutexLock lock(&mu_);
   size_t n = 0;

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -92,6 +93,19 @@ class ParityShare {
   bool spoiled_ = false;
 };
 
+// A rank's image (what its replica carries) in this daemon's memory, for FetchBlock.
+struct OwnImage {
+  std::shared_ptr<const void> keep;  // keeps `data` mapped
+  const char* data = nullptr;
+  uint64_t bytes = 0;
+  // Whether the memory still holds that checkpoint (a slot is reused once a newer one is kept).
+  std::function<bool()> still_held;
+};
+// The image of (job, rank)'s memory checkpoint of `step` taken by run `run_id`, while it is held
+// here; NOT_FOUND otherwise.
+using OwnImageSource =
+    std::function<Result<OwnImage>(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id)>;
+
 class ParityStore {
  public:
   // `self`: this member's index in `group`.
@@ -140,6 +154,7 @@ class ParityStore {
   uint64_t held_bytes() const;  // of complete shares
   uint64_t building_bytes() const;
   size_t complete_count() const;
+  int64_t oldest_complete_step() const;  // of the complete shares; 0 when none is held
 
   const ParityGroup& group() const { return group_; }
   uint32_t self() const { return self_; }

@@ -33,6 +33,9 @@ struct ResidentCheckpoint {
   SlotChecksums ema_sums;
   // Fetched from this peer's replica (HOST:PORT, MemoryTier::FetchPeerReplica); empty: taken here.
   std::string from_peer;
+  // Rebuilt from the parity group's blocks and shares (--ec-group) rather than fetched whole;
+  // from_peer then names the members it came from.
+  bool from_parity = false;
   // Set before it is kept, when it must not be kept after all: a later BeginSnapshot or restore
   // left its step behind, its trainer died before its copies finished, or the EMA stage could not
   // compute its checksums. The EMA stage then skips it. Atomic: the stage's thread reads and sets

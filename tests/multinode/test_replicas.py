@@ -65,12 +65,12 @@ def address(i):
     return "%s.%d" % (SUBNET, i + 1)
 
 
-def make_certificates(d):
+def make_certificates(d, nodes=NODES):
     """A CA and, per node, a certificate of CN node<i> for its address (IP SAN)."""
     os.makedirs(d)
     sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=flashckpt-test-ca",
        "-keyout", os.path.join(d, "ca.key"), "-out", os.path.join(d, "ca.pem"))
-    for i in range(NODES):
+    for i in range(nodes):
         name = os.path.join(d, "node%d" % i)
         with open(name + ".ext", "w") as f:
             f.write("subjectAltName=IP:%s,DNS:node%d\n" % (address(i), i))

@@ -118,8 +118,9 @@ struct EmaResult {
 // daemon keeps the rank's newest memory checkpoint until a newer one is kept, so it needs at least
 // 2 slots; not yet for ranks with EMA.
 // kPeer only says where a restore came from (RestoreResult::tier): a replica of the rank's memory
-// checkpoint that its daemon fetched from a peer daemon (flashckptd --replicate-to).
-enum class Tier : uint8_t { kDisk, kMemory, kPeer };
+// checkpoint that its daemon fetched from a peer daemon (flashckptd --replicate-to). kParity the same:
+// the rank's memory checkpoint rebuilt by its daemon from its parity group (flashckptd --ec-group).
+enum class Tier : uint8_t { kDisk, kMemory, kPeer, kParity };
 
 struct SnapshotOptions {
   bool persist = true;           // false: hand to the daemon (e.g. for the EMA) but do not write files
@@ -185,7 +186,8 @@ struct RestoreResult {
   std::string extra;   // this rank's extra state of that checkpoint
   uint64_t bytes = 0;  // bytes copied into the caller's buffers
   Tier tier = Tier::kDisk;  // kMemory: from this rank's memory checkpoint of `step`, verified, no file read;
-                            // kPeer: the same, from a replica its daemon fetched from a peer
+                            // kPeer: the same, from a replica its daemon fetched from a peer;
+                            // kParity: the same, rebuilt by its daemon from its parity group
 };
 
 // What this rank can restore (Client::Restorable), for the ranks of its job to agree on one step.

@@ -94,6 +94,18 @@ struct DaemonStatus {
   bool replica_listening = false;
   uint32_t replicas_held = 0;
   uint64_t replica_held_bytes = 0;
+  // --ec-group: this daemon's index in its parity group, the group's size and parity (--ec-parity),
+  // the complete parity shares it holds for the other members and their bytes, and its own
+  // checkpoints' blocks the other members acknowledged and the pushes to them that failed.
+  bool ec_group = false;
+  uint32_t ec_member = 0;
+  uint32_t ec_members = 0;
+  uint32_t ec_parity = 0;
+  uint32_t parity_shares_held = 0;
+  uint64_t parity_held_bytes = 0;
+  int64_t parity_step = 0;  // the oldest step of the complete shares held (0: none)
+  uint64_t parity_sent = 0;
+  uint64_t parity_failed = 0;
 };
 
 // A rank whose saved_signal is in a checkpoint directory, and the node whose daemon wrote it
@@ -142,6 +154,11 @@ struct DaemonEvent {
     kReplicaSent,         // a peer acknowledged the rank's memory checkpoint of `step` (peer, bytes, seconds)
     kReplicaFailed,       // a push to a peer failed (peer; reason: the error); once per change of the
                           // peer's error, not per retry
+    kParitySent,          // a parity group member (peer) holds its share of the blocks of the rank's memory
+                          // checkpoint of `step` (bytes, seconds)
+    kParityFailed,        // a parity push to a member failed (peer; reason); once per change of its error
+    kParityRebuilt,       // the rank's memory checkpoint of `step` was rebuilt from the group's parity (bytes,
+                          // seconds; reason: the members it came from)
   };
   Kind kind = Kind::kUnknown;
   double unix_seconds = 0;
@@ -153,7 +170,7 @@ struct DaemonEvent {
   std::string reason;
   uint64_t lost = 0;
   std::string code;
-  std::string peer;  // replica events: the peer daemon (HOST:PORT)
+  std::string peer;  // replica and parity events: the peer daemon (HOST:PORT)
 };
 
 struct SkippedCheckpoint {

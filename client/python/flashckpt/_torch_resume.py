@@ -154,7 +154,7 @@ class Resume:
                                         [_torch_zero.resume_part(self._layout.states, blob, False)])
         shares = self._shares.ranks() is not None
         targets = self._restore_tensors(step, blob, tensors, timeout, shares=shares)
-        if self._client.restored_tier not in ("memory", "peer"):
+        if self._client.restored_tier not in ("memory", "peer", "parity"):
             # The daemon no longer held it and read a disk checkpoint of the same step: the same state.
             warnings.warn("memory checkpoint step %d was gone; rank %d restored it from disk"
                           % (step, self._client.rank), RuntimeWarning)

@@ -484,7 +484,7 @@ class FlashckptReader(StorageReader):
     restores the newest step all of them see complete.
 
     Attributes: client, step (restored, once read_metadata() has found it), tier ("memory",
-    "peer" or "disk": where the daemon found it).
+    "peer", "parity" or "disk": where the daemon found it).
     """
 
     def __init__(self, client: Optional[Client] = None, *, socket: Optional[Union[str, os.PathLike]] = None,

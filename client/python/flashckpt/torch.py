@@ -71,7 +71,7 @@ checkpoint every few hundred. resume() of the latest first asks every rank's dae
 checkpoints the rank holds (Client.restorable()) and restores the newest step every rank holds,
 unless a complete disk checkpoint is newer; resumed_tier says "memory" or "disk" ("peer" when the
 rank's daemon fetched the memory checkpoint from a peer daemon's replica: flashckptd
---replicate-to). The restore verifies the checkpoint against its checksums as it copies it, once. A
+--replicate-to; "parity" when it rebuilt it from its parity group: flashckptd --ec-group). The restore verifies the checkpoint against its checksums as it copies it, once. A
 memory restore that fails on any rank (a checkpoint dropped meanwhile or corrupt) falls back to the disk
 on every rank, with a warning. A job of several ranks needs a process group for this (without one
 its ranks could not agree on a step). In a job that splits the writing of its replicated tensors

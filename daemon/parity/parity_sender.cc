@@ -1,0 +1,226 @@
+#include "daemon/parity/parity_sender.h"
+
+#include <algorithm>
+
+#include "common/base/log.h"
+#include "common/base/names.h"
+#include "daemon/parity/parity_client.h"
+
+namespace flashckpt {
+namespace {
+
+constexpr std::chrono::milliseconds kFirstRetry{1000};
+constexpr std::chrono::milliseconds kLongestRetry{30000};
+// The longest one block's push may take.
+constexpr std::chrono::minutes kBlockPushTimeout{5};
+
+}  // namespace
+
+ParitySender::ParitySender(Options options) : options_(std::move(options)) {}
+
+ParitySender::~ParitySender() { Stop(); }
+
+Status ParitySender::Start() {
+  for (const auto& [index, address] : options_.members) {
+    ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ReplicaChannel(address));
+    auto member = std::make_unique<Member>();
+    member->where = ParityMember{index, address.target, channel};
+    member->address = address;
+    member->status.index = index;
+    member->status.target = address.target;
+    channels_.push_back(member->where);
+    members_.push_back(std::move(member));
+  }
+  for (auto& member : members_) member->thread = std::thread([this, m = member.get()] { Run(m); });
+  return Status::OK();
+}
+
+void ParitySender::Offer(Offered offered) {
+  const Key key{offered.replica->meta.job, offered.replica->meta.rank};
+  MutexLock lock(&mu_);
+  if (stopping_) return;
+  for (auto& member : members_) {
+    // Only members that hold a share of one of its blocks' stripes.
+    bool holds = false;
+    for (uint32_t b = 0; b < options_.group.data_blocks() && !holds; ++b) {
+      holds = options_.group.RowOf(options_.group.StripeOfBlock(options_.self, b), member->where.index).has_value();
+    }
+    if (!holds) continue;
+    Member::Queued& q = member->queue[key];
+    if (q.offered.replica) member->released.push_back(std::move(q.offered.replica));  // the newest wins
+    q = Member::Queued{offered, member->next_turn++, {}};
+  }
+  cv_.NotifyAll();
+}
+
+void ParitySender::Forget(const std::string& job) {
+  MutexLock lock(&mu_);
+  for (auto& member : members_) {
+    for (auto it = member->queue.begin(); it != member->queue.end();) {
+      if (it->first.first != job) {
+        ++it;
+        continue;
+      }
+      member->released.push_back(std::move(it->second.offered.replica));
+      it = member->queue.erase(it);
+    }
+  }
+  cv_.NotifyAll();
+}
+
+void ParitySender::Stop() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    for (auto& member : members_) {
+      if (member->in_flight) member->in_flight->TryCancel();
+    }
+    cv_.NotifyAll();
+  }
+  for (auto& member : members_) {
+    if (member->thread.joinable()) member->thread.join();
+  }
+  std::vector<std::shared_ptr<const OutgoingReplica>> going;  // released here, after the lock
+  MutexLock lock(&mu_);
+  for (auto& member : members_) {
+    for (auto& [key, q] : member->queue) going.push_back(std::move(q.offered.replica));
+    member->queue.clear();
+    for (auto& r : member->released) going.push_back(std::move(r));
+    member->released.clear();
+  }
+}
+
+std::vector<ParityMemberStatus> ParitySender::MemberStatus() const {
+  std::vector<ParityMemberStatus> out;
+  MutexLock lock(&mu_);
+  for (const auto& member : members_) out.push_back(member->status);
+  return out;
+}
+
+Status ParitySender::PushBlocks(Member* member, const Offered& offered, uint64_t* bytes) {
+  const OutgoingReplica& replica = *offered.replica;
+  const ParityGroup& group = options_.group;
+  for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+    const uint32_t stripe = group.StripeOfBlock(options_.self, b);
+    if (!group.RowOf(stripe, member->where.index)) continue;
+    ShareBlock block{options_.self, stripe, offered.position, offered.member_ranks, replica.meta};
+    block.meta.part_bytes = options_.part_bytes;
+    const ParityGroup::Range range = group.Block(replica.meta.bytes, b);
+    if (replica.still_held && !replica.still_held()) {
+      return Cancelled("the rank reused the slot of step " + std::to_string(replica.meta.step) + " before it was sent");
+    }
+    Status pushed = PushParityBlock(
+        member->where.channel.get(), block, replica.data + range.offset, range.bytes,
+        std::chrono::system_clock::now() + kBlockPushTimeout,
+        [this, member](grpc::ClientContext* ctx) {
+          MutexLock lock(&mu_);
+          member->in_flight = ctx;
+          if (ctx && stopping_) ctx->TryCancel();
+        },
+        replica.still_held);
+    if (pushed.code() == StatusCode::kAlreadyExists) continue;  // held from an earlier try
+    if (!pushed.ok()) return pushed;
+    *bytes += range.bytes;
+  }
+  return Status::OK();
+}
+
+void ParitySender::Run(Member* member) {
+  MutexLock lock(&mu_);
+  while (true) {
+    // What the queue let go of goes here, off the lock.
+    if (!member->released.empty()) {
+      std::vector<std::shared_ptr<const OutgoingReplica>> going;
+      going.swap(member->released);
+      lock.Unlock();
+      going.clear();
+      lock.Lock();
+      continue;
+    }
+    if (stopping_) return;
+    const auto now = std::chrono::steady_clock::now();
+    auto next = member->queue.end();
+    auto first_due = std::chrono::steady_clock::time_point::max();
+    for (auto it = member->queue.begin(); it != member->queue.end(); ++it) {
+      if (it->second.due > now) {
+        first_due = std::min(first_due, it->second.due);
+        continue;
+      }
+      if (next == member->queue.end() || it->second.turn < next->second.turn) next = it;
+    }
+    if (next == member->queue.end()) {
+      if (first_due == std::chrono::steady_clock::time_point::max()) {
+        cv_.Wait(&lock);
+      } else {
+        cv_.WaitFor(&lock, std::chrono::duration_cast<std::chrono::milliseconds>(first_due - now) +
+                               std::chrono::milliseconds(1));
+      }
+      continue;
+    }
+    const Key key = next->first;
+    Offered offered = next->second.offered;
+    const uint64_t turn = next->second.turn;
+    lock.Unlock();
+
+    const auto started = std::chrono::steady_clock::now();
+    uint64_t bytes = 0;
+    Status pushed = PushBlocks(member, offered, &bytes);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const bool held = !offered.replica->still_held || offered.replica->still_held();
+
+    lock.Lock();
+    DaemonEvent event;
+    auto it = member->queue.find(key);
+    const bool replaced = it == member->queue.end() || it->second.turn != turn;
+    const ReplicaMeta& meta = offered.replica->meta;
+    if (pushed.ok()) {
+      member->status.blocks_sent += 1;
+      member->status.bytes_sent += bytes;
+      member->status.last_error.clear();
+      member->last_error_code = StatusCode::kOk;
+      member->retry_wait = std::chrono::milliseconds(0);
+      if (!replaced) member->queue.erase(it);
+      event.kind = DaemonEvent::Kind::kParitySent;
+      event.bytes = bytes;
+      event.seconds = secs;
+      Logger("parity")->debug("parity blocks sent job={} rank={} step={} member={} bytes={} secs={:.3f}", meta.job,
+                              meta.rank, meta.step, member->where.target, FormatBytes(bytes), secs);
+    } else {
+      member->status.pushes_failed += 1;
+      member->status.last_error = pushed.ToString();
+      const bool passing = pushed.code() != StatusCode::kFailedPrecondition &&
+                           pushed.code() != StatusCode::kInvalidArgument && pushed.code() != StatusCode::kCancelled;
+      if (!replaced) {
+        if (passing && held && !stopping_) {
+          member->retry_wait = std::clamp(member->retry_wait * 2, kFirstRetry, kLongestRetry);
+          it->second.due = std::chrono::steady_clock::now() + member->retry_wait;
+        } else {
+          member->queue.erase(it);
+        }
+      }
+      if (pushed.code() != member->last_error_code && pushed.code() != StatusCode::kCancelled) {
+        member->last_error_code = pushed.code();
+        event.kind = DaemonEvent::Kind::kParityFailed;
+        event.reason = pushed.ToString();
+        Logger("parity")->warn("parity blocks not sent job={} rank={} step={} member={}: {}", meta.job, meta.rank,
+                               meta.step, member->where.target, pushed.ToString());
+      }
+    }
+    if (event.kind != DaemonEvent::Kind::kUnknown && options_.on_event) {
+      event.job = meta.job;
+      event.rank = meta.rank;
+      event.step = meta.step;
+      event.peer = member->where.target;
+      lock.Unlock();
+      options_.on_event(std::move(event));
+      offered = {};
+      lock.Lock();
+    } else {
+      lock.Unlock();
+      offered = {};  // the last reference may unmap the segment: off the lock
+      lock.Lock();
+    }
+  }
+}
+
+}  // namespace flashckpt

@@ -1,0 +1,119 @@
+// The sending side of erasure-coded peer memory (flashckptd --ec-group, --ec-parity): each memory
+// checkpoint a local rank keeps is cut into the group's K blocks (ParityGroup::Block) and each block
+// is pushed to the members that hold its stripe's parity (flashckpt.v1.Parity Push), off the
+// trainers' path; the holders code it into their shares as it arrives (parity_store.h).
+//
+// One thread per other member. Each has its own queue of at most one checkpoint per (job, rank): a
+// newer one offered while an older one waits takes its place, so a slow or down member holds up
+// neither the others nor a save, and the queue is bounded by the node's ranks. Blocks are read
+// straight from the slot; before a push is finished the slot is asked whether it still holds that
+// checkpoint, and the push is cancelled when it does not (the holder then drops the share of that
+// step, which could not be completed anyway). A push that fails for a passing reason is tried again
+// after 1 s, then twice as long each time up to 30 s, while the slot holds the checkpoint and no
+// newer one is queued.
+//
+// Offer never blocks and takes only the sender's own lock, so the daemon calls it under its lock;
+// what a queue lets go of is released by the member's thread (the last reference to a slot segment
+// unmaps it, which must not happen under the daemon's lock).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/base/mutex.h"
+#include "common/base/status.h"
+#include "daemon/parity/parity_group.h"
+#include "daemon/parity/parity_rebuild.h"
+#include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_sender.h"
+#include "flashckpt/daemon_types.h"
+
+namespace flashckpt {
+
+// A member's status as its sender sees it (flashckpt status).
+struct ParityMemberStatus {
+  uint32_t index = 0;
+  std::string target;
+  uint64_t blocks_sent = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t pushes_failed = 0;
+  std::string last_error;  // empty after a push that succeeded
+};
+
+class ParitySender {
+ public:
+  struct Options {
+    ParityGroup group = ParityGroup::Make(2, 1).value();
+    uint32_t self = 0;
+    // The other members: their index in the group and how to reach them.
+    std::vector<std::pair<uint32_t, ReplicaPeer>> members;
+    uint64_t part_bytes = 1u << 20;
+    // Told of each checkpoint whose blocks a member holds (PARITY_SENT) and of each new error of a
+    // member (PARITY_FAILED), from the member's thread without the sender's lock. May be empty.
+    std::function<void(DaemonEvent)> on_event;
+  };
+  explicit ParitySender(Options options);
+  // Makes each member's channel and starts its thread.
+  Status Start();
+  ~ParitySender();
+  ParitySender(const ParitySender&) = delete;
+  ParitySender& operator=(const ParitySender&) = delete;
+
+  // A rank's kept memory checkpoint, at `position` of the member's `member_ranks` ranks of the job.
+  struct Offered {
+    std::shared_ptr<const OutgoingReplica> replica;
+    uint32_t position = 0;
+    uint32_t member_ranks = 0;
+  };
+  // Queues it for every member that holds a share of one of its blocks. Never blocks.
+  void Offer(Offered offered) EXCLUDES(mu_);
+  // Forgets a job's queued checkpoints (a released job).
+  void Forget(const std::string& job) EXCLUDES(mu_);
+  // Cancels the pushes in flight, stops the threads, lets go of every queued checkpoint. Idempotent.
+  void Stop() EXCLUDES(mu_);
+
+  std::vector<ParityMemberStatus> MemberStatus() const EXCLUDES(mu_);
+  // The other members' channels (set by Start), for a rebuild.
+  const std::vector<ParityMember>& members() const { return channels_; }
+  const ParityGroup& group() const { return options_.group; }
+  uint32_t self() const { return options_.self; }
+
+ private:
+  using Key = std::pair<std::string, uint32_t>;  // (job, rank)
+  struct Member {
+    ParityMember where;
+    ReplicaPeer address;
+    struct Queued {
+      Offered offered;
+      uint64_t turn = 0;
+      std::chrono::steady_clock::time_point due{};
+    };
+    std::map<Key, Queued> queue;
+    uint64_t next_turn = 0;
+    std::chrono::milliseconds retry_wait{0};
+    StatusCode last_error_code = StatusCode::kOk;
+    ParityMemberStatus status;
+    grpc::ClientContext* in_flight = nullptr;
+    std::vector<std::shared_ptr<const OutgoingReplica>> released;
+    std::thread thread;
+  };
+  void Run(Member* member) EXCLUDES(mu_);
+  // Pushes the blocks of `offered` whose stripes `member` holds a share of; OK when it holds them all.
+  Status PushBlocks(Member* member, const Offered& offered, uint64_t* bytes) EXCLUDES(mu_);
+
+  const Options options_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool stopping_ GUARDED_BY(mu_) = false;
+  std::vector<std::unique_ptr<Member>> members_;  // their queues and status guarded by mu_
+  std::vector<ParityMember> channels_;            // set by Start
+};
+
+}  // namespace flashckpt

@@ -1,0 +1,229 @@
+#!/usr/bin/python3
+"""Erasure-coded peer memory between simulated nodes (flashckptd --ec-group, --ec-parity). Each node
+is a mount, PID and network namespace of its own (a private tmpfs on /dev/shm, one veth interface on
+a bridge this test creates), with its own flashckptd: --replica-listen on the node's address and
+--ec-group listing every node's, mutual TLS with certificates made here by openssl. No node keeps a
+full copy of another's checkpoints: each holds parity shares.
+
+For G members and M parity (4 and 1, then 6 and 2), with 2 ranks per node:
+  1. Every rank takes a memory checkpoint every step and saves to disk every 10, and holds at step
+     17. Every member's status shows the parity shares it holds, all of step 17, and their bytes at
+     most M / (G - M) of its own ranks' checkpoint plus a page per share.
+  2. M nodes die (SIGKILL of their namespaces: daemons, ranks, /dev/shm); the other ranks are
+     SIGKILLed too (the job restarts). Fresh nodes take the lost ones' places (same address and
+     flags, nothing in memory), and every rank resumes the latest (--resume, no step given): step
+     17, the lost nodes' ranks rebuilt from the survivors' blocks and parity (from=parity), the
+     others from their memory, every element checked against the simulator's formula. Each rebuild
+     is told by a parity-rebuilt event in the replacement daemon's log.
+
+Needs root (namespaces, mounts, a bridge): otherwise it prints why and exits 77 (ctest: skipped).
+
+    test_parity.py --bin-dir build/bin [--keep]
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integration"))
+from harness import TestFailure, check, log, tail  # noqa: E402
+from test_multinode import SKIP, Node, kill_rank, print_failure  # noqa: E402
+from test_replicas import address, make_certificates, resumed, sh, wait_holding  # noqa: E402
+
+PER_NODE, TP = 2, 2
+LAYERS, HIDDEN = 2, 64
+PORT = 7443
+TAG = "%05d" % (os.getpid() % 100000)
+BRIDGE = "fcpb" + TAG
+PAGE = 4096
+
+
+class Group:
+    """G nodes on a bridge, each daemon a member of one parity group of M."""
+
+    def __init__(self, tmp, bin_dir, members, parity, job):
+        self.tmp, self.bin_dir = tmp, bin_dir
+        self.members, self.parity, self.job = members, parity, job
+        self.world = members * PER_NODE
+        self.root = os.path.join(tmp, "root-%s" % job)
+        self.certs = os.path.join(tmp, "certs-%s" % job)
+        make_certificates(self.certs, members)
+        self.nodes = [None] * members
+        self.daemon_logs = [None] * members
+        self.starts = 0
+        self.sims = []
+
+    def start_node(self, i):
+        self.starts += 1
+        name = "%s-node%d.%d" % (self.job, i, self.starts)
+        node = Node(name, self.tmp, self.root, self.bin_dir, net=True)
+        self.nodes[i] = node
+        host_end, node_end = "fpH%s%d" % (TAG, self.starts), "fpN%s%d" % (TAG, self.starts)
+        sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+        sh("ip", "link", "set", host_end, "master", BRIDGE)
+        sh("ip", "link", "set", host_end, "up")
+        sh("ip", "link", "set", node_end, "netns", str(node.pid1))
+        inside = node.enter(pid=False)
+        sh(*inside, "ip", "link", "set", "lo", "up")
+        sh(*inside, "ip", "addr", "add", address(i) + "/24", "dev", node_end)
+        sh(*inside, "ip", "link", "set", node_end, "up")
+        group = ",".join("%s:%d" % (address(j), PORT) for j in range(self.members))
+        flags = ["--replica-listen", "%s:%d" % (address(i), PORT),
+                 "--ec-group", group, "--ec-parity", str(self.parity),
+                 "--replica-tls-cert", os.path.join(self.certs, "node%d.pem" % i),
+                 "--replica-tls-key", os.path.join(self.certs, "node%d.key" % i),
+                 "--replica-tls-ca", os.path.join(self.certs, "ca.pem")]
+        for j in range(self.members):
+            flags += ["--replica-allow-name", "node%d" % j]
+        node.start_daemon(*flags)
+        self.daemon_logs[i] = node.logs[-1]
+        log("%s up at %s, member %d of %d (parity %d)" % (name, address(i), i, self.members, self.parity))
+
+    def sims_run(self, phase, extra):
+        procs = {}
+        for rank in range(self.world):
+            node = self.nodes[rank // PER_NODE]
+            cmd = [os.path.join(self.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", self.job, "--rank",
+                   str(rank), "--world-size", str(self.world), "--tp-degree", str(TP), "--shard-degree",
+                   str(self.world // TP), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--save-every", "10",
+                   "--memory-every", "1", "--run-id", "%s-%s" % (self.job, phase), "--wait-timeout", "60"] + extra
+            name = "sim-%s-rank%d.log" % (phase, rank)
+            p = node.run(cmd, name)
+            self.sims.append(p)
+            procs[rank] = (node, p, os.path.join(node.dir, name))
+        return procs
+
+    def status(self, i):
+        p = subprocess.run([os.path.join(self.bin_dir, "flashckpt"), "status", "--json", "--socket", self.nodes[i].sock],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        check(p.returncode == 0, "flashckpt status on node%d: %s" % (i, p.stderr.decode(errors="replace")))
+        return json.loads(p.stdout)
+
+    def wait_coded(self, step):
+        """Until every member holds its shares of `step`: M stripes x PER_NODE positions each."""
+        deadline = time.monotonic() + 120
+        shares = self.parity * PER_NODE
+        for i in range(self.members):
+            while True:
+                s = self.status(i)
+                ranks = [r for j in s["jobs"] if j["job"] == self.job for r in j["ranks"]]
+                if (len(ranks) == PER_NODE and all(r["memory_step"] == step for r in ranks) and
+                        s["parity_shares_held"] == shares and s["parity_step"] == step):
+                    break
+                check(time.monotonic() < deadline, "node%d: step %d not coded: ranks %s, %d shares of step %d held, "
+                      "%d sent, %d failed" % (i, step, [(r["rank"], r["memory_step"]) for r in ranks],
+                                              s["parity_shares_held"], s["parity_step"], s["parity_sent"],
+                                              s["parity_failed"]))
+                time.sleep(0.1)
+            check(s["ec_group"] and s["ec_member"] == i and s["ec_members"] == self.members and
+                  s["ec_parity"] == self.parity, "node%d's status: %s" % (i, s))
+            check(s["replicas_held"] == 0, "node%d holds full replicas: %s" % (i, s["replicas_held"]))
+            # What a checkpoint of the node's ranks takes: the memory checkpoints' bytes, one each.
+            own = sum(r["memory_bytes"] // max(1, r["memory_checkpoints"]) for r in ranks)
+            most = own * self.parity // (self.members - self.parity) + shares * PAGE
+            check(0 < s["parity_held_bytes"] <= most,
+                  "node%d holds %d bytes of parity; its own checkpoint is %d bytes, so at most %d (M/(G-M) of it)" %
+                  (i, s["parity_held_bytes"], own, most))
+            log("node%d holds %d parity shares of step %d: %d bytes for its own %d (%.2f; M/(G-M) = %.2f)" %
+                (i, shares, step, s["parity_held_bytes"], own, s["parity_held_bytes"] / own,
+                 self.parity / (self.members - self.parity)))
+        text = subprocess.run([os.path.join(self.bin_dir, "flashckpt"), "status", "--socket", self.nodes[0].sock],
+                              stdout=subprocess.PIPE, timeout=60).stdout.decode(errors="replace")
+        lines = [l for l in text.splitlines() if l.startswith("parity ")]
+        check(len(lines) == 1 and "member 0 of %d" % self.members in lines[0], "node0's status: %s" % text)
+
+    def kill_all_ranks(self):
+        for p in self.sims:
+            if p.poll() is None:
+                kill_rank(p)
+        self.sims = []
+
+    def close(self):
+        self.kill_all_ranks()
+        for node in self.nodes:
+            if node is not None:
+                try:
+                    node.kill()
+                except (OSError, subprocess.SubprocessError) as e:
+                    log("node %s: %s" % (node.name, e))
+
+
+def lose_and_rebuild(group, lost):
+    procs = group.sims_run("first", ["--steps", "100", "--hold-after", "17"])
+    wait_holding(procs, 17)
+    group.wait_coded(17)
+
+    group.kill_all_ranks()
+    for i in lost:
+        group.nodes[i].kill()
+        log("node%d killed: its daemon, its ranks and its /dev/shm are gone" % i)
+    for i in lost:
+        group.start_node(i)
+    procs = group.sims_run("second", ["--steps", "18", "--resume"])
+    got = resumed(procs)
+    for rank in range(group.world):
+        want = (17, "parity" if rank // PER_NODE in lost else "memory")
+        check(got[rank] == want, "rank %d resumed step=%d from=%s, expected step=%d from=%s" %
+              ((rank,) + got[rank] + want))
+    for rank, (node, p, path) in procs.items():
+        check(p.wait(timeout=120) == 0, "rank %d on %s exited %s:\n%s" % (rank, node.name, p.returncode, tail(path)))
+    for i in lost:
+        daemon_log = group.daemon_logs[i]
+        text = open(daemon_log, errors="replace").read()
+        rebuilt = re.findall(r"parity rebuilt job=%s rank=(\d+) step=17 " % re.escape(group.job), text)
+        check(sorted(set(int(r) for r in rebuilt)) == [i * PER_NODE + k for k in range(PER_NODE)],
+              "node%d's replacement did not log a rebuild of each of its ranks:\n%s" % (i, tail(daemon_log)))
+    log("%d members, parity %d: nodes %s lost; all %d ranks resumed step 17 bit-exact, the lost nodes' ranks "
+        "rebuilt from the others' blocks and parity" % (group.members, group.parity, lost, group.world))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin-dir", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("SKIPPED: simulated nodes need root (namespaces, mounts, a bridge)")
+        return SKIP
+    probe = subprocess.run(["unshare", "--mount", "--pid", "--net", "--fork", "--", "true"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    if probe.returncode != 0 or shutil.which("ip") is None or shutil.which("openssl") is None:
+        print("SKIPPED: cannot create network namespaces, or no ip/openssl here: %s" % probe.stdout.decode().strip())
+        return SKIP
+    tmp = tempfile.mkdtemp(prefix="fcparity", dir="/tmp")
+    started = time.monotonic()
+    group = None
+    try:
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "link", "set", BRIDGE, "up")
+        for members, parity, lost in ((4, 1, [2]), (6, 2, [1, 4])):
+            group = Group(tmp, os.path.abspath(args.bin_dir), members, parity, "parity%d-%d" % (members, os.getpid()))
+            for i in range(members):
+                group.start_node(i)
+            lose_and_rebuild(group, lost)
+            group.close()
+            group = None
+    except (TestFailure, subprocess.TimeoutExpired) as e:
+        print_failure(e, tmp)
+        return 1
+    finally:
+        if group is not None:
+            group.close()
+        subprocess.run(["ip", "link", "del", BRIDGE], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print("PASSED in %.1f s" % (time.monotonic() - started))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
