@@ -99,9 +99,9 @@ Status Daemon::ReserveHostMemory(uint64_t bytes, const std::string& what) {
 }
 
 Result<OwnImage> Daemon::OwnParityImage(const std::string& job, uint32_t rank, int64_t step,
-                                       const std::string& run_id) {
+                                       const std::string& run_id, int64_t resumed_from) {
   MutexLock lock(&c_.mu_);
-  return MemoryTier::OwnImageLocked(c_, job, rank, step, run_id);
+  return MemoryTier::OwnImageLocked(c_, job, rank, step, Attempt{run_id, resumed_from});
 }
 
 void Daemon::ReleaseHostMemory(uint64_t bytes) {

@@ -47,8 +47,8 @@ class Daemon {
   void ReleaseHostMemory(uint64_t bytes);
   // With --ec-group: one of this node's ranks' memory checkpoints as its parity blocks were cut
   // from it (Parity.FetchBlock; MemoryTier::OwnImageLocked).
-  Result<OwnImage> OwnParityImage(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id)
-      EXCLUDES(c_.mu_);
+  Result<OwnImage> OwnParityImage(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
+                                  int64_t resumed_from) EXCLUDES(c_.mu_);
   // The parity sender (--ec-group), or null.
   const ParitySender* parity() const { return c_.parity_.get(); }
 

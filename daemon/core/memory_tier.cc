@@ -126,7 +126,7 @@ void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>
 }
 
 Result<OwnImage> MemoryTier::OwnImageLocked(Core& c_, const std::string& job, uint32_t rank, int64_t step,
-                                            const std::string& run_id) {
+                                            const Attempt& attempt) {
   auto jit = c_.jobs_.find(job);
   if (jit != c_.jobs_.end()) {
     auto rit = jit->second.ranks.find(rank);
@@ -134,7 +134,7 @@ Result<OwnImage> MemoryTier::OwnImageLocked(Core& c_, const std::string& job, ui
       const std::shared_ptr<RankSegment>& segment = rit->second.segment;
       for (uint32_t slot = 0; slot < c_.Slots(*segment).size(); ++slot) {
         std::shared_ptr<const ResidentCheckpoint> resident = c_.Slots(*segment).ResidentIn(slot);
-        if (!resident || resident->step != step || resident->attempt.run_id != run_id) continue;
+        if (!resident || resident->step != step || !(resident->attempt == attempt)) continue;
         // As OfferReplicaLocked sends it: with EMA, the image runs on into the slot's EMA room.
         if (segment->ema && (!resident->ema || segment->ema_area != segment->layout.slot_bytes)) break;
         OwnImage image;
@@ -151,7 +151,7 @@ Result<OwnImage> MemoryTier::OwnImageLocked(Core& c_, const std::string& job, ui
     }
   }
   return NotFound("no memory checkpoint of job '" + job + "' rank " + std::to_string(rank) + " step " +
-                  std::to_string(step) + " of run " + run_id + " is held here");
+                  std::to_string(step) + " of " + AttemptText(attempt) + " is held here");
 }
 
 Result<uint32_t> MemoryTier::PersistMemoryStep(const std::string& name, int64_t step, int64_t disk, const char* why) {

@@ -78,10 +78,10 @@ class MemoryTier {
   // for the peers (ReplicaSender::Offer). Only one of the rank's current attempt is sent.
   static void OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>& segment, uint32_t slot, const std::string& job,
                           uint32_t rank) REQUIRES(c_.mu_);
-  // With --ec-group: the image of (job, rank)'s memory checkpoint of `step` by run `run_id` as its
+  // With --ec-group: the image of (job, rank)'s memory checkpoint of `step` by `attempt` as its
   // parity blocks were cut from it, while a slot holds it (Parity.FetchBlock); NOT_FOUND otherwise.
   static Result<OwnImage> OwnImageLocked(Core& c_, const std::string& job, uint32_t rank, int64_t step,
-                                         const std::string& run_id) REQUIRES(c_.mu_);
+                                         const Attempt& attempt) REQUIRES(c_.mu_);
   // Whether a rank with a segment of `slots` slots can take memory checkpoints: FAILED_PRECONDITION
   // naming the reason when it cannot (checked at Register when the rank declares them, and at each
   // memory BeginSnapshot). A rank with EMA tensors keeps the EMA of each memory checkpoint's step in

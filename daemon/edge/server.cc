@@ -94,8 +94,8 @@ Status Server::Start() {
                    [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }});
     parity_service_ = std::make_unique<ParityService>(
         parity_store_.get(), daemon_->config().replica_allow_names,
-        [daemon](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id) {
-          return daemon->OwnParityImage(job, rank, step, run_id);
+        [daemon](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id, int64_t resumed_from) {
+          return daemon->OwnParityImage(job, rank, step, run_id, resumed_from);
         });
     service_.set_parity_store(parity_store_.get());
   }
@@ -127,6 +127,7 @@ Status Server::Start() {
     metrics_ = std::make_unique<MetricsHttpServer>(daemon_->config().metrics_listen, [this] {
       std::string text = daemon_->RenderMetrics();
       if (replica_) text += RenderReplicaMetrics(*replica_store_, replica_->service());
+      if (parity_service_) text += RenderParityMetrics(*parity_store_, *parity_service_, *daemon_->parity());
       return text;
     });
     RETURN_IF_ERROR(metrics_->Start());

@@ -125,7 +125,7 @@ Status FetchParityShare(grpc::Channel* channel, const std::string& job, uint32_t
 }
 
 Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step, uint32_t stripe,
-                        const std::string& run_id, char* into, uint64_t bytes,
+                        const std::string& run_id, int64_t resumed_from, char* into, uint64_t bytes,
                         std::chrono::system_clock::time_point deadline) {
   v1::Parity::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
   grpc::ClientContext ctx;
@@ -136,6 +136,7 @@ Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t
   request.set_step(step);
   request.set_stripe(stripe);
   request.set_run_id(run_id);
+  request.set_resumed_from(resumed_from);
   auto reader = stub.FetchBlock(&ctx, request);
   return ReadParts(reader.get(), into, bytes, "Parity.FetchBlock");
 }

@@ -48,10 +48,10 @@ Result<std::vector<ListedShare>> ListParityShares(grpc::Channel* channel, const 
 Status FetchParityShare(grpc::Channel* channel, const std::string& job, uint32_t position, uint32_t stripe,
                         int64_t step, char* into, uint64_t bytes, std::chrono::system_clock::time_point deadline);
 
-// Fetches member's own block of `stripe` of (job, rank)'s memory checkpoint of `step` by run
-// `run_id` (`bytes` long, as the holders listed it) into `into`. As FetchParityShare.
+// Fetches member's own block of `stripe` of (job, rank)'s memory checkpoint of `step` by the attempt
+// (`run_id`, `resumed_from`) (`bytes` long, as the holders listed it) into `into`. As FetchParityShare.
 Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step, uint32_t stripe,
-                        const std::string& run_id, char* into, uint64_t bytes,
+                        const std::string& run_id, int64_t resumed_from, char* into, uint64_t bytes,
                         std::chrono::system_clock::time_point deadline);
 
 }  // namespace flashckpt

@@ -26,12 +26,15 @@ ParityCode::ParityCode(uint32_t data, uint32_t parity)
     : data_(data), parity_(parity), matrix_(size_t{data + parity} * data), tables_(size_t{32} * data * parity) {
   gf_gen_cauchy1_matrix(matrix_.data(), static_cast<int>(data + parity), static_cast<int>(data));
   ec_init_tables(static_cast<int>(data), static_cast<int>(parity), &matrix_[size_t{data} * data], tables_.data());
+  for (uint32_t r = 0; r < parity; ++r) {
+    std::vector<uint8_t>& row = row_tables_.emplace_back(size_t{32} * data);
+    ec_init_tables(static_cast<int>(data), 1, &matrix_[size_t{data + r} * data], row.data());
+  }
 }
 
 void ParityCode::Accumulate(uint32_t index, uint32_t row, const uint8_t* piece, size_t bytes, uint8_t* share) const {
   if (bytes == 0) return;
-  // The tables of parity row `row` alone: rows lie one after another, 32 * data bytes each.
-  unsigned char* row_tables = const_cast<unsigned char*>(&tables_[size_t{32} * data_ * row]);
+  unsigned char* row_tables = const_cast<unsigned char*>(row_tables_[row].data());
   unsigned char* out[1] = {share};
   ec_encode_data_update(static_cast<int>(bytes), static_cast<int>(data_), 1, static_cast<int>(index), row_tables,
                         const_cast<unsigned char*>(piece), out);

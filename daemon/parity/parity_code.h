@@ -58,7 +58,10 @@ class ParityCode {
   uint32_t data_;
   uint32_t parity_;
   std::vector<uint8_t> matrix_;      // (data + parity) x data; the first data rows are the identity
-  std::vector<uint8_t> tables_;      // ec_init_tables of the parity rows: 32 * data per row, row after row
+  std::vector<uint8_t> tables_;      // ec_init_tables of every parity row at once (Encode)
+  // ec_init_tables of each parity row alone (Accumulate): ISA-L's table layout is its own (it
+  // differs between its SIMD flavours), so a row's tables are never cut out of tables_.
+  std::vector<std::vector<uint8_t>> row_tables_;
 };
 
 }  // namespace flashckpt

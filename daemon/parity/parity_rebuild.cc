@@ -106,7 +106,8 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       const ParityShare::Contribution& theirs = c->second;
       std::vector<uint8_t>& buffer = buffers.emplace_back(theirs.block_bytes);
       Status fetched = FetchParityBlock(from->channel.get(), meta.job, theirs.meta.rank, meta.step, stripe,
-                                        theirs.meta.run_id, reinterpret_cast<char*>(buffer.data()), buffer.size(),
+                                        theirs.meta.run_id, theirs.meta.resumed_from,
+                                        reinterpret_cast<char*>(buffer.data()), buffer.size(),
                                         deadline);
       if (!fetched.ok()) {
         failures += "; block of member " + std::to_string(member) + " (" + from->target + "): " + fetched.ToString();
@@ -117,12 +118,17 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     }
     for (const ParityCandidate::Held& h : held) {
       if (have >= group.data_blocks()) break;
+      if (h.share.bytes != stripe_bytes) {
+        failures += "; share " + std::to_string(h.share.row) + " of member " + std::to_string(h.holder->index) +
+                    " is listed with another length than its stripe's";
+        continue;
+      }
       std::vector<uint8_t>& buffer = buffers.emplace_back(h.share.bytes);
       Status fetched = FetchParityShare(h.holder->channel.get(), meta.job, h.share.position, stripe, meta.step,
                                         reinterpret_cast<char*>(buffer.data()), buffer.size(), deadline);
-      if (!fetched.ok() || h.share.bytes != stripe_bytes) {
+      if (!fetched.ok()) {
         failures += "; share " + std::to_string(h.share.row) + " of member " + std::to_string(h.holder->index) + " (" +
-                    h.holder->target + "): " + (fetched.ok() ? "another length than its stripe's" : fetched.ToString());
+                    h.holder->target + "): " + fetched.ToString();
         continue;
       }
       pieces[group.data_blocks() + h.share.row] = {buffer.data(), buffer.size()};

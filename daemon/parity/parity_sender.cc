@@ -185,6 +185,9 @@ void ParitySender::Run(Member* member) {
       event.seconds = secs;
       Logger("parity")->debug("parity blocks sent job={} rank={} step={} member={} bytes={} secs={:.3f}", meta.job,
                               meta.rank, meta.step, member->where.target, FormatBytes(bytes), secs);
+    } else if (pushed.code() == StatusCode::kCancelled) {
+      // A newer checkpoint of the rank took the slot (or the daemon stops): nothing failed.
+      if (!replaced) member->queue.erase(it);
     } else {
       member->status.pushes_failed += 1;
       member->status.last_error = pushed.ToString();

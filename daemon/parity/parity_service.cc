@@ -5,6 +5,8 @@
 #include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/format/checksum.h"
+#include "daemon/observe/metrics.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
 #include "proto/convert.h"
@@ -44,6 +46,11 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
   if (pushes_.fetch_add(1) >= kMaxParityPushesInFlight) {
     return Refused(grpc::StatusCode::RESOURCE_EXHAUSTED,
                    std::to_string(kMaxParityPushesInFlight) + " parity pushes are in flight here; try again");
+  }
+  if (ctx->deadline() > std::chrono::system_clock::now() + kMaxReplicaCall) {
+    refused_.fetch_add(1);
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT,
+                   "a parity push needs a deadline within " + std::to_string(kMaxReplicaCall.count()) + " minutes");
   }
   v1::ParityPart part;
   if (!reader->Read(&part) || !part.has_header()) {
@@ -100,6 +107,11 @@ grpc::Status ParityService::List(grpc::ServerContext* ctx, const v1::ListSharesR
       out->set_member(c.member);
       out->set_block_bytes(c.block_bytes);
       ReplicaHeaderOf(c.meta, out->mutable_replica());
+      if (c.member != request->member()) {
+        // The others' layouts and extra state are of no use to the rebuild, and may be large.
+        out->mutable_replica()->clear_layout();
+        out->mutable_replica()->clear_extra();
+      }
     }
   }
   return grpc::Status::OK;
@@ -132,7 +144,7 @@ grpc::Status ParityService::FetchBlock(grpc::ServerContext* ctx, const v1::Fetch
     return Refused(grpc::StatusCode::INVALID_ARGUMENT, "this member holds parity of stripe " +
                                                            std::to_string(request->stripe()) + ", not data");
   }
-  auto image = own_(request->job(), request->rank(), request->step(), request->run_id());
+  auto image = own_(request->job(), request->rank(), request->step(), request->run_id(), request->resumed_from());
   if (!image.ok()) return ToGrpc(image.status());
   const ParityGroup::Range range = group.Block(image->bytes, *block);
   if (!StreamParts(writer, image->data + range.offset, range.bytes)) {
@@ -146,6 +158,38 @@ grpc::Status ParityService::FetchBlock(grpc::ServerContext* ctx, const v1::Fetch
   }
   served_.fetch_add(1);
   return grpc::Status::OK;
+}
+
+std::string RenderParityMetrics(const ParityStore& store, const ParityService& service, const ParitySender& sender) {
+  std::string out;
+  MetricHeader(&out, "flashckpt_parity_shares_held", "gauge",
+               "Complete parity shares this member holds for the others of its group (--ec-group).");
+  MetricSample(&out, "flashckpt_parity_shares_held", "", static_cast<double>(store.complete_count()));
+  MetricHeader(&out, "flashckpt_parity_held_bytes", "gauge", "Bytes of the complete parity shares held.");
+  MetricSample(&out, "flashckpt_parity_held_bytes", "", static_cast<double>(store.held_bytes()));
+  MetricHeader(&out, "flashckpt_parity_building_bytes", "gauge",
+               "Bytes of the parity shares still being built from the members' blocks.");
+  MetricSample(&out, "flashckpt_parity_building_bytes", "", static_cast<double>(store.building_bytes()));
+  MetricHeader(&out, "flashckpt_parity_blocks_received_total", "counter",
+               "Blocks of the members' checkpoints received whole and added into a share.");
+  MetricSample(&out, "flashckpt_parity_blocks_received_total", "", static_cast<double>(service.blocks_received()));
+  MetricHeader(&out, "flashckpt_parity_blocks_refused_total", "counter",
+               "Parity pushes refused (bad header, no memory, bad part, a block held already) or broken off.");
+  MetricSample(&out, "flashckpt_parity_blocks_refused_total", "", static_cast<double>(service.blocks_refused()));
+  MetricHeader(&out, "flashckpt_parity_pieces_served_total", "counter",
+               "Shares and own blocks sent to a member that rebuilt a lost member's rank.");
+  MetricSample(&out, "flashckpt_parity_pieces_served_total", "", static_cast<double>(service.blocks_served()));
+  MetricHeader(&out, "flashckpt_parity_sent_total", "counter",
+               "Memory checkpoints of this node's ranks whose blocks a member acknowledged, per member.");
+  MetricHeader(&out, "flashckpt_parity_sent_bytes_total", "counter", "Bytes of blocks sent to each member.");
+  MetricHeader(&out, "flashckpt_parity_failed_total", "counter", "Pushes of blocks to each member that failed.");
+  for (const ParityMemberStatus& m : sender.MemberStatus()) {
+    const std::string label = "member=\"" + m.target + "\"";
+    MetricSample(&out, "flashckpt_parity_sent_total", label, static_cast<double>(m.blocks_sent));
+    MetricSample(&out, "flashckpt_parity_sent_bytes_total", label, static_cast<double>(m.bytes_sent));
+    MetricSample(&out, "flashckpt_parity_failed_total", label, static_cast<double>(m.pushes_failed));
+  }
+  return out;
 }
 
 }  // namespace flashckpt

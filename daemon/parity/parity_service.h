@@ -54,4 +54,13 @@ class ParityService final : public v1::Parity::Service {
   std::atomic<uint64_t> served_{0};
 };
 
+// The parity metrics, in the text exposition format, for the daemon's /metrics: what this member
+// holds and serves (flashckpt_parity_shares_held, flashckpt_parity_held_bytes,
+// flashckpt_parity_building_bytes, flashckpt_parity_blocks_received_total,
+// flashckpt_parity_blocks_refused_total, flashckpt_parity_pieces_served_total) and, per other
+// member, what it sent there (flashckpt_parity_sent_total, flashckpt_parity_sent_bytes_total,
+// flashckpt_parity_failed_total).
+class ParitySender;
+std::string RenderParityMetrics(const ParityStore& store, const ParityService& service, const ParitySender& sender);
+
 }  // namespace flashckpt

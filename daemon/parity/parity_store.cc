@@ -64,12 +64,22 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
   {
     MutexLock lock(&mu_);
     Slot& slot = slots_[{m.job, block.position, block.stripe}];
-    if (slot.complete && slot.complete->step_ == m.step) {
+    auto same_attempt = [&](const ParityShare& s) {
+      auto c = s.contributions_.find(*index);
+      return c != s.contributions_.end() && c->second.meta.attempt == m.attempt && c->second.meta.run_id == m.run_id;
+    };
+    if (slot.complete && slot.complete->step_ == m.step && same_attempt(*slot.complete)) {
       return AlreadyExists(Who(block) + ": the share of that step is complete");
     }
     auto it = slot.building.find(m.step);
+    if (it != slot.building.end() && it->second->contributions_.count(*index) && !same_attempt(*it->second)) {
+      // Another attempt's block of the step: the share it went into is of a timeline the job left.
+      SpoilLocked(it->second, &dropped);  // leaves `slot` in place (PruneLocked would drop it)
+      it = slot.building.end();
+    }
     if (it == slot.building.end()) {
       if (CountLocked() >= kMaxSharesHeld) {
+        PruneLocked(m.job, block.position, block.stripe);
         return ResourceExhausted(Who(block) + ": " + std::to_string(kMaxSharesHeld) + " parity shares are held");
       }
       auto fresh = std::shared_ptr<ParityShare>(new ParityShare());
@@ -82,7 +92,10 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       // The oldest step being built gives way to a newer one.
       while (slot.building.size() > kBuildingSteps) SpoilLocked(slot.building.begin()->second, &dropped);
       it = slot.building.find(m.step);
-      if (it == slot.building.end()) return AlreadyExists(Who(block) + ": a newer step's share is being built");
+      if (it == slot.building.end()) {
+        PruneLocked(m.job, block.position, block.stripe);
+        return AlreadyExists(Who(block) + ": a newer step's share is being built");
+      }
     }
     share = it->second;
     if (share->contributions_.count(*index) || share->arriving_.count(*index)) {
@@ -103,16 +116,16 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
   // The share grows to the longest block: a longer one than seen so far maps more, off the store's lock.
   if (block_bytes > 0) {
     MutexLock apply(&share->mu_);
-    if (block_bytes > share->bytes_) {
+    if (block_bytes > share->bytes_.load()) {
       auto grown = ReplicaMapping::Make(block_bytes, &memory_, Who(block));
       if (!grown.ok()) {
         MutexLock lock(&mu_);
         share->arriving_.erase(*index);
         return grown.status();
       }
-      if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->bytes_);
+      if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->bytes_.load());
       share->mapping_ = std::move(*grown);
-      share->bytes_ = block_bytes;
+      share->bytes_.store(block_bytes);
     }
   }
   return std::unique_ptr<Incoming>(new Incoming(this, std::move(share), *index, std::move(block), block_bytes));
@@ -149,6 +162,7 @@ ParityStore::Incoming::~Incoming() {
   std::vector<std::shared_ptr<ParityShare>> dropped;
   MutexLock lock(&store_->mu_);
   store_->SpoilLocked(share_, &dropped);
+  store_->PruneLocked(share_->job_, share_->position_, share_->stripe_);
 }
 
 Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
@@ -162,6 +176,7 @@ Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
   ParityShare& share = *incoming->share_;
   if (share.spoiled_) return Cancelled(Who(incoming->block_) + ": a newer step's share took its place");
   share.arriving_.erase(incoming->index_);
+  share.attempt_ = std::max(share.attempt_, incoming->block_.meta.attempt);
   share.contributions_[incoming->index_] = {incoming->block_.member, incoming->block_bytes_,
                                             std::move(incoming->block_.meta)};
   // This block may complete its own share, and its member's count may complete the shares of the
@@ -178,7 +193,12 @@ Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
     while (!it->second.building.empty() && it->second.building.begin()->first < done->step_) {
       SpoilLocked(it->second.building.begin()->second, &replaced);
     }
-    if (it->second.complete) replaced.push_back(std::move(it->second.complete));
+    const std::shared_ptr<ParityShare>& held = it->second.complete;
+    if (held && std::make_pair(held->attempt_, held->step_) > std::make_pair(done->attempt_, done->step_)) {
+      replaced.push_back(std::move(done));  // a straggler of an older step or attempt
+      continue;
+    }
+    if (held) replaced.push_back(std::move(it->second.complete));
     it->second.complete = std::move(done);
   }
   return Status::OK();
@@ -206,6 +226,11 @@ void ParityStore::SpoilLocked(const std::shared_ptr<ParityShare>& share,
     dropped->push_back(std::move(b->second));
     it->second.building.erase(b);
   }
+}
+
+void ParityStore::PruneLocked(const std::string& job, uint32_t position, uint32_t stripe) {
+  auto it = slots_.find({job, position, stripe});
+  if (it != slots_.end() && !it->second.complete && it->second.building.empty()) slots_.erase(it);
 }
 
 size_t ParityStore::CountLocked() const {
@@ -251,7 +276,7 @@ void ParityStore::Forget(const std::string& job) {
 uint64_t ParityStore::held_bytes() const {
   MutexLock lock(&mu_);
   uint64_t n = 0;
-  for (const auto& [key, slot] : slots_) n += slot.complete ? slot.complete->bytes_ : 0;
+  for (const auto& [key, slot] : slots_) n += slot.complete ? slot.complete->bytes_.load() : 0;
   return n;
 }
 
@@ -259,7 +284,7 @@ uint64_t ParityStore::building_bytes() const {
   MutexLock lock(&mu_);
   uint64_t n = 0;
   for (const auto& [key, slot] : slots_) {
-    for (const auto& [step, share] : slot.building) n += share->bytes_;
+    for (const auto& [step, share] : slot.building) n += share->bytes_.load();
   }
   return n;
 }

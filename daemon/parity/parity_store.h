@@ -11,9 +11,10 @@
 // (ParityCode::Accumulate): the block itself is never stored. A share is complete once every data
 // member of its stripe that has a rank at `position` has added its block: each block says how many
 // ranks of the job its member has, so the share knows which members to wait for once each has sent
-// one block of the step for any position. The newest complete share of (job, position, stripe), the
-// one completed last, is what a rebuild uses: it is immutable from then on, and a reader keeps it
-// alive while a newer one replaces it. Shares being built are kept for at most kBuildingSteps steps
+// one block of the step for any position. The newest complete share of (job, position, stripe) (the
+// later attempt of the job, then the later step) is what a rebuild uses: it is immutable from then
+// on, and a reader keeps it alive while a newer one replaces it. A block of a step already coded by
+// another attempt (a rollback that saved the step again) starts a share of its own. Shares being built are kept for at most kBuildingSteps steps
 // per (job, position, stripe); a block that does not arrive whole spoils its step's share (its
 // parts are in it), which is then dropped.
 //
@@ -25,6 +26,7 @@
 // at a time (the share's own lock), never under the store's lock.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -69,7 +71,10 @@ class ParityShare {
   uint32_t row() const { return row_; }
   // The share's bytes: as long as the longest block of its stripe (a shorter block counts as padded with zeros).
   const uint8_t* data() const;
-  uint64_t bytes() const { return bytes_; }
+  uint64_t bytes() const { return bytes_.load(); }
+  // The latest attempt (ReplicaMeta::attempt) of the blocks it was coded from: of two complete
+  // shares of one (job, position, stripe), the later attempt, then the later step, is kept.
+  uint64_t attempt() const { return attempt_; }
   // By data index (ParityGroup::DataIndexOf); members without a rank at `position` are absent.
   const std::map<uint32_t, Contribution>& contributions() const { return contributions_; }
 
@@ -87,7 +92,8 @@ class ParityShare {
   uint32_t row_ = 0;
   Mutex mu_;  // one block added at a time; guards the bytes while the share is built
   std::unique_ptr<ReplicaMapping> mapping_;
-  uint64_t bytes_ = 0;
+  std::atomic<uint64_t> bytes_{0};  // written under mu_, read under the store's lock too
+  uint64_t attempt_ = 0;            // under the store's lock
   std::map<uint32_t, Contribution> contributions_;  // written under the store's lock, until complete
   std::map<uint32_t, uint32_t> arriving_;           // data index -> member, while its block arrives
   bool spoiled_ = false;
@@ -101,10 +107,10 @@ struct OwnImage {
   // Whether the memory still holds that checkpoint (a slot is reused once a newer one is kept).
   std::function<bool()> still_held;
 };
-// The image of (job, rank)'s memory checkpoint of `step` taken by run `run_id`, while it is held
-// here; NOT_FOUND otherwise.
-using OwnImageSource =
-    std::function<Result<OwnImage>(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id)>;
+// The image of (job, rank)'s memory checkpoint of `step` taken by the attempt (`run_id`,
+// `resumed_from`), while it is held here; NOT_FOUND otherwise.
+using OwnImageSource = std::function<Result<OwnImage>(const std::string& job, uint32_t rank, int64_t step,
+                                                      const std::string& run_id, int64_t resumed_from)>;
 
 class ParityStore {
  public:
@@ -170,6 +176,8 @@ class ParityStore {
   void SpoilLocked(const std::shared_ptr<ParityShare>& share, std::vector<std::shared_ptr<ParityShare>>* dropped)
       REQUIRES(mu_);
   size_t CountLocked() const REQUIRES(mu_);
+  // Drops the entry of (job, position, stripe) when it holds no share.
+  void PruneLocked(const std::string& job, uint32_t position, uint32_t stripe) REQUIRES(mu_);
 
   const ParityGroup group_;
   const uint32_t self_;

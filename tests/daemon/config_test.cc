@@ -12,6 +12,7 @@
 
 #include "common/base/names.h"
 #include "daemon/edge/limits.h"
+#include "daemon/parity/parity_group.h"
 #include "daemon/edge/tcp_listener.h"
 #include "testing.h"
 
@@ -271,6 +272,39 @@ TEST(ListenAddress, LoopbackUnlessAHostIsGiven) {
                           "1.2.3.4:0x10"}) {
     EXPECT_EQ(ParseListenAddress(bad).status().code(), StatusCode::kInvalidArgument) << "'" << bad << "'";
   }
+}
+
+// --ec-group and --ec-parity: the list names this daemon's own --replica-listen once, every member
+// once, and a parity the group can code; each wrong list is refused saying what to change.
+TEST(DaemonConfig, AParityGroupListsThisDaemonOnceAndCodesWhatItCan) {
+  const std::vector<std::string> base = {"--socket", "s", "--root", "r", "--replica-listen", "127.0.0.1:7002"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return Parse(args);
+  };
+  auto ok = with({"--ec-group", "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003,127.0.0.1:7004", "--ec-parity", "1"});
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->ec_group.size(), 4u);
+  auto group = ParseParityGroup(ok->ec_group, 1, ok->replica_listen, false);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  EXPECT_EQ(group->self, 1u);
+  EXPECT_EQ(group->others.size(), 3u);
+
+  auto refused = [&](std::vector<std::string> more, const std::string& says) {
+    auto c = with(std::move(more));
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << says;
+    EXPECT_NE(c.status().message().find(says), std::string::npos) << c.status().ToString();
+  };
+  refused({"--ec-group", "127.0.0.1:7001,127.0.0.1:7003"}, "does not list this daemon's --replica-listen");
+  refused({"--ec-group", "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7001"}, "twice");
+  refused({"--ec-group", "127.0.0.1:7001,127.0.0.1:7002", "--ec-parity", "2"}, "--ec-parity");
+  refused({"--ec-parity", "1"}, "--ec-parity needs --ec-group");
+  refused({"--ec-group", "10.1.2.3:7001,127.0.0.1:7002"}, "mutual TLS");
+  refused({"--ec-group", "127.0.0.1:7001,not an address"}, "--ec-group");
+  auto no_listener = Parse({"--socket", "s", "--root", "r", "--ec-group", "127.0.0.1:7001,127.0.0.1:7002"});
+  EXPECT_EQ(no_listener.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_listener.status().message().find("--replica-listen"), std::string::npos);
 }
 
 }  // namespace

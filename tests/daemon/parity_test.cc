@@ -435,8 +435,8 @@ TEST(ParityStoreTest, AShareOverTheBudgetIsRefusedBeforeItsData) {
 struct ServedMember {
   ServedMember(const ParityGroup& group, uint32_t index)
       : parity(group, index, Unbounded()),
-        service(&parity, {}, [this](const std::string& job, uint32_t rank, int64_t step,
-                                    const std::string& run_id) -> Result<OwnImage> {
+        service(&parity, {}, [this](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
+                                    int64_t) -> Result<OwnImage> {
           auto it = images.find({job, rank, step});
           if (it == images.end() || run_id != "run-a") return NotFound("not held");
           return OwnImage{nullptr, reinterpret_cast<const char*>(it->second.data()), it->second.size(), {}};
@@ -524,6 +524,49 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
     }
     for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
   }
+}
+
+
+// A rollback that saves a step again (a later attempt) codes it afresh, and the later attempt's share
+// replaces the earlier one even at a lower step; a straggler of an older step never replaces a newer one.
+TEST(ParityStoreTest, TheLaterAttemptThenTheLaterStepIsTheShareKept) {
+  std::mt19937_64 rng(13);
+  ParityStoreGroup members(4, 1);
+  std::vector<std::vector<uint8_t>> images;
+  for (uint32_t i = 0; i < 4; ++i) images.push_back(RandomBytes(rng, 200000));
+  auto send_all = [&](int64_t step, uint64_t attempt) {
+    for (uint32_t i = 0; i < 4; ++i) {
+      for (uint32_t b = 0; b < 3; ++b) {
+        uint32_t stripe = members.group().StripeOfBlock(i, b);
+        ParityGroup::Range range = members.group().Block(images[i].size(), b);
+        ReplicaMeta meta = ParityStoreGroup::Meta("job", i, step, images[i].size());
+        meta.attempt = attempt;
+        auto incoming = members.store(members.group().Holder(stripe, 0)).Begin({i, stripe, 0, 1, meta});
+        if (!incoming.ok()) {
+          ASSERT_EQ(incoming.status().code(), StatusCode::kAlreadyExists) << incoming.status().ToString();
+          continue;
+        }
+        for (uint64_t off = 0; off < range.bytes; off += ParityStoreGroup::kPart) {
+          const char* p = reinterpret_cast<const char*>(images[i].data() + range.offset + off);
+          size_t n = std::min<uint64_t>(ParityStoreGroup::kPart, range.bytes - off);
+          ASSERT_OK((*incoming)->Append({{p, n}}, Xxh3(p, n)));
+        }
+        ASSERT_OK(members.store(members.group().Holder(stripe, 0)).Finish(std::move(*incoming)));
+      }
+    }
+  };
+  auto held = [&]() { return (*members.store(0).Find("job", 0, 0))->step(); };
+  send_all(17, 100);
+  EXPECT_EQ(held(), 17);
+  send_all(12, 100);  // a straggler of an older step of the same attempt
+  EXPECT_EQ(held(), 17);
+  send_all(17, 100);  // the same blocks again: held already
+  EXPECT_EQ((*members.store(0).Find("job", 0, 0))->attempt(), 100u);
+  send_all(11, 200);  // restored to 10 and saved on: a later attempt
+  EXPECT_EQ(held(), 11);
+  send_all(17, 300);  // step 17 saved again by yet another attempt: coded afresh
+  EXPECT_EQ(held(), 17);
+  EXPECT_EQ((*members.store(0).Find("job", 0, 0))->attempt(), 300u);
 }
 
 }  // namespace

@@ -45,6 +45,7 @@ PORT = 7443
 TAG = "%05d" % (os.getpid() % 100000)
 BRIDGE = "fcpb" + TAG
 PAGE = 4096
+METRICS_PORT = 9464
 
 
 class Group:
@@ -84,6 +85,7 @@ class Group:
                  "--replica-tls-ca", os.path.join(self.certs, "ca.pem")]
         for j in range(self.members):
             flags += ["--replica-allow-name", "node%d" % j]
+        flags += ["--metrics-listen", "127.0.0.1:%d" % METRICS_PORT]  # in the node's own network namespace
         node.start_daemon(*flags)
         self.daemon_logs[i] = node.logs[-1]
         log("%s up at %s, member %d of %d (parity %d)" % (name, address(i), i, self.members, self.parity))
@@ -140,6 +142,17 @@ class Group:
                               stdout=subprocess.PIPE, timeout=60).stdout.decode(errors="replace")
         lines = [l for l in text.splitlines() if l.startswith("parity ")]
         check(len(lines) == 1 and "member 0 of %d" % self.members in lines[0], "node0's status: %s" % text)
+        inside = self.nodes[0].enter(pid=False)
+        p = subprocess.run(inside + ["/usr/bin/python3", "-c", "import urllib.request; print(urllib.request.urlopen("
+                                     "'http://127.0.0.1:%d/metrics', timeout=30).read().decode())" % METRICS_PORT],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+        metrics = p.stdout.decode(errors="replace")
+        shares = re.search(r"^flashckpt_parity_shares_held (\S+)$", metrics, re.M)
+        sent = re.findall(r"^flashckpt_parity_sent_total\{member=\"[^\"]+\"\} (\S+)$", metrics, re.M)
+        check(shares is not None and float(shares.group(1)) == self.parity * PER_NODE and len(sent) == self.members - 1
+              and sum(float(v) for v in sent) > 0, "node0's metrics:\n%s" % metrics[-3000:])
+        log("node0: %s; its metrics: %d shares held, %d checkpoints' blocks acknowledged by the members" %
+            (lines[0], float(shares.group(1)), sum(float(v) for v in sent)))
 
     def kill_all_ranks(self):
         for p in self.sims:
