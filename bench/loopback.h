@@ -1,0 +1,77 @@
+// What the network benchmarks (replica_bench, parity_bench) measure their limit with: one plain TCP
+// stream over loopback, in the same run, and the small helpers around it.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace flashckpt {
+
+inline double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+inline double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// One plain TCP stream of `bytes` over loopback; seconds until the receiver has copied the last byte.
+// A negative value when a socket call failed.
+inline double TcpStream(const char* src, uint64_t bytes, uint64_t part, char* dst) {
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(listener, 1) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (listener >= 0) ::close(listener);
+    return -1;
+  }
+  bool received = false;
+  std::thread receiver([&] {
+    int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    std::vector<char> piece(part);
+    uint64_t at = 0;
+    while (at < bytes) {
+      const uint64_t want = std::min(part, bytes - at);
+      uint64_t got = 0;
+      while (got < want) {
+        ssize_t n = ::recv(fd, piece.data() + got, want - got, 0);
+        if (n <= 0) break;
+        got += static_cast<uint64_t>(n);
+      }
+      if (got < want) break;
+      std::memcpy(dst + at, piece.data(), want);
+      at += want;
+    }
+    received = at == bytes;
+    ::close(fd);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  bool sent = fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  for (uint64_t at = 0; sent && at < bytes;) {
+    ssize_t n = ::send(fd, src + at, std::min(part, bytes - at), MSG_NOSIGNAL);
+    if (n <= 0) sent = false;
+    at += n > 0 ? static_cast<uint64_t>(n) : 0;
+  }
+  if (fd >= 0) ::close(fd);
+  receiver.join();
+  const double secs = Seconds(start);
+  ::close(listener);
+  return sent && received ? secs : -1;
+}
+
+}  // namespace flashckpt
