@@ -1,8 +1,8 @@
-"""The daemon's layers depend one way: edge -> core -> pipeline / replica -> observe -> common.
+"""The daemon's layers depend one way: edge -> core -> pipeline / parity -> replica -> observe -> common.
 
 Reads every #include of the source tree given as argv[1] and fails, naming the file and the line,
-where a layer includes one above it, or where a layer other than the edge and the replica channel
-(whose wire format it is) includes a generated protobuf header. The client's public headers
+where a layer includes one above it, or where a layer other than the edge, the replica channel and
+the parity group on it (whose wire format it is) includes a generated protobuf header. The client's public headers
 (flashckpt/...) are the vocabulary every layer may use.
 """
 import os
@@ -14,13 +14,14 @@ SRC = sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__f
 
 # What each layer may include, besides itself and flashckpt/ (the public types).
 ALLOWED = {
-    "daemon/core": ("common/", "daemon/pipeline/", "daemon/replica/", "daemon/observe/"),
+    "daemon/core": ("common/", "daemon/pipeline/", "daemon/parity/", "daemon/replica/", "daemon/observe/"),
+    "daemon/parity": ("common/", "daemon/replica/", "daemon/observe/", "proto/"),
     "daemon/pipeline": ("common/", "daemon/observe/"),
     "daemon/replica": ("common/", "daemon/observe/", "proto/"),
     "daemon/observe": ("common/",),
     "common": (),
 }
-PROTOBUF_ALLOWED = ("daemon/edge", "daemon/replica")
+PROTOBUF_ALLOWED = ("daemon/edge", "daemon/replica", "daemon/parity")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 
 
