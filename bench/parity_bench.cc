@@ -45,7 +45,7 @@ HostMemory Unbounded() { return HostMemory{[](uint64_t, const std::string&) { re
 struct Member {
   Member(const ParityGroup& group, uint32_t index, uint64_t bytes)
       : parity(group, index, Unbounded()),
-        service(&parity, {},
+        service(&parity, {}, {},
                 [this](const std::string&, uint32_t, int64_t, const std::string&, int64_t) -> Result<OwnImage> {
                   return OwnImage{nullptr, image.data(), image.size(), {}};
                 }),

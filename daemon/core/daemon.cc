@@ -160,7 +160,7 @@ Status Daemon::Start() {
     const uint32_t parity = c_.config_.ec_parity == 0 ? 1 : c_.config_.ec_parity;
     ASSIGN_OR_RETURN(ParityGroupConfig group,
                      ParseParityGroup(c_.config_.ec_group, parity, c_.config_.replica_listen, tls));
-    ParitySender::Options options{group.group, group.self, {}, 1u << 20, {}};
+    ParitySender::Options options{group.group, group.self, {}, 1u << 20, {}, group.hosts};
     options.on_event = [this](DaemonEvent event) { c_.Emit(std::move(event)); };
     for (const auto& [index, target] : group.others) {
       options.members.emplace_back(

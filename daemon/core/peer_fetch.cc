@@ -344,6 +344,45 @@ bool FetchIntoSlot(Core& c_, const std::string& job, uint32_t rank_id, const std
                      fetched.ok() ? *fetched : best.meta, std::move(checks), secs);
 }
 
+// Rebuilds `candidate` into a free slot of the rank's, checks every chunk and keeps it (KeepFetched,
+// which tells of a failure); true when kept. Takes half the time left to `deadline` at most.
+bool RebuildCandidate(Core& c_, const std::string& job, uint32_t rank_id, const RankHere& here,
+                      const ParityCandidate& candidate, std::chrono::steady_clock::time_point deadline)
+    EXCLUDES(c_.mu_) {
+  const ParitySender& parity = *c_.parity_;
+  const int64_t step = candidate.meta.step;
+  std::optional<SlotTicket> ticket;
+  {
+    MutexLock lock(&c_.mu_);
+    ticket = c_.Slots(*here.segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
+    if (!ticket) {
+      Logger("restore")->warn("parity of job={} rank={} step={} not rebuilt: no free slot", job, rank_id, step);
+      return false;
+    }
+    c_.Slots(*here.segment).SetLoading(ticket->slot, true);
+    c_.Mirror(*here.segment, ticket->slot);
+  }
+  const auto started = c_.clock_.Now();
+  std::string members;
+  for (const ParityMember& m : parity.members()) members += (members.empty() ? "" : ",") + m.target;
+  ReplicaChecks checks;
+  Status checked;
+  auto sums = ReplicaSums(candidate.meta, *here.segment);
+  if (!sums.ok()) {
+    checked = sums.status();
+  } else {
+    checks = std::move(*sums);
+    const auto rebuild_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
+    checked = RebuildFromParity(parity.group(), parity.members(), candidate, parity.self(),
+                                here.segment->Slot(ticket->slot) + kSlotImageOffset, SystemDeadline(c_.clock_, rebuild_by));
+    // A rebuild is only as good as every piece that went into it: each chunk against the origin's checksums.
+    if (checked.ok()) checked = VerifyFetched(c_, *here.segment, ticket->slot, step, checks);
+  }
+  const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
+  return KeepFetched(c_, job, rank_id, *here.segment, *ticket, FetchSource{"parity group " + members, true},
+                     checked, candidate.meta, std::move(checks), secs);
+}
+
 // With --ec-group: rebuilds the rank's newest memory checkpoint (or `wanted`) that the group holds
 // parity of, when it is newer than what is held here (as for a replica), into a free slot of the
 // rank's; checks and keeps it as FetchIntoSlot does. Takes half the time left to `deadline` at most.
@@ -354,15 +393,24 @@ void RebuildFromGroup(Core& c_, const std::string& job, uint32_t rank_id, const 
   const ParitySender& parity = *c_.parity_;
   const auto list_by = std::min(deadline, c_.clock_.Now() + kPeerListTimeout);
   std::vector<ParityCandidate> candidates;
-  (void)FindParityCandidate(
+  auto newest = FindParityCandidate(
       parity.group(), parity.members(), job, parity.self(), rank_id, SystemDeadline(c_.clock_, list_by),
       [&](const ParityMember& member, const Status& why) {
         Logger("restore")->warn("parity member={} not asked job={} rank={}: {}", member.target, job, rank_id,
                                 why.ToString());
       },
       &candidates);
-  const ParityCandidate* chosen = nullptr;
+  if (!newest.ok()) {
+    // Nothing to rebuild from, or only what the members' listings disagree on (it says which).
+    Logger("restore")->info("parity of job={} rank={} not rebuilt: {}", job, rank_id, newest.status().message());
+    return;
+  }
+  // The candidates newest first; one whose rebuild fails (a piece gone or failing its checks) gives
+  // way to the next, a few at most, within the time the restore leaves.
+  constexpr int kMaxRebuildTries = 3;
+  int tries = 0;
   for (const ParityCandidate& c : candidates) {
+    if (tries == kMaxRebuildTries || c_.clock_.Now() >= deadline) break;
     if (c.meta.world_size != here.world_size) continue;
     if (wanted > 0 ? c.meta.step != wanted : c.meta.step <= here.newest || c.meta.step < lineage.disk_step) continue;
     if (Status continues = c_.memory->ContinuesLineage(job, c.meta, lineage); !continues.ok()) {
@@ -370,41 +418,9 @@ void RebuildFromGroup(Core& c_, const std::string& job, uint32_t rank_id, const 
                               continues.message());
       continue;
     }
-    chosen = &c;
-    break;
+    ++tries;
+    if (RebuildCandidate(c_, job, rank_id, here, c, deadline)) return;
   }
-  if (chosen == nullptr) return;
-  const int64_t step = chosen->meta.step;
-  std::optional<SlotTicket> ticket;
-  {
-    MutexLock lock(&c_.mu_);
-    ticket = c_.Slots(*here.segment).Acquire(SlotState::kRestoring, step, SlotTier::kMemory);
-    if (!ticket) {
-      Logger("restore")->warn("parity of job={} rank={} step={} not rebuilt: no free slot", job, rank_id, step);
-      return;
-    }
-    c_.Slots(*here.segment).SetLoading(ticket->slot, true);
-    c_.Mirror(*here.segment, ticket->slot);
-  }
-  const auto started = c_.clock_.Now();
-  std::string members;
-  for (const ParityMember& m : parity.members()) members += (members.empty() ? "" : ",") + m.target;
-  ReplicaChecks checks;
-  Status checked;
-  auto sums = ReplicaSums(chosen->meta, *here.segment);
-  if (!sums.ok()) {
-    checked = sums.status();
-  } else {
-    checks = std::move(*sums);
-    const auto rebuild_by = c_.clock_.Now() + (deadline - c_.clock_.Now()) / 2;
-    checked = RebuildFromParity(parity.group(), parity.members(), *chosen, parity.self(),
-                                here.segment->Slot(ticket->slot) + kSlotImageOffset, SystemDeadline(c_.clock_, rebuild_by));
-    // A rebuild is only as good as every piece that went into it: each chunk against the origin's checksums.
-    if (checked.ok()) checked = VerifyFetched(c_, *here.segment, ticket->slot, step, checks);
-  }
-  const double secs = std::chrono::duration<double>(c_.clock_.Now() - started).count();
-  KeepFetched(c_, job, rank_id, *here.segment, *ticket, FetchSource{"parity group " + members, true}, checked,
-              chosen->meta, std::move(checks), secs);
 }
 
 // With --replicate-to: fetches the rank's newest replica on the peers (or `wanted`) when it is

@@ -93,7 +93,7 @@ Status Server::Start() {
         HostMemory{[daemon](uint64_t bytes, const std::string& what) { return daemon->ReserveHostMemory(bytes, what); },
                    [daemon](uint64_t bytes) { daemon->ReleaseHostMemory(bytes); }});
     parity_service_ = std::make_unique<ParityService>(
-        parity_store_.get(), daemon_->config().replica_allow_names,
+        parity_store_.get(), daemon_->config().replica_allow_names, parity->hosts(),
         [daemon](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id, int64_t resumed_from) {
           return daemon->OwnParityImage(job, rank, step, run_id, resumed_from);
         });

@@ -62,6 +62,7 @@ Result<ParityGroupConfig> ParseParityGroup(const std::vector<std::string>& membe
   ASSIGN_OR_RETURN(ParityGroup group, ParityGroup::Make(static_cast<uint32_t>(std::min<size_t>(members.size(), 256)),
                                                         parity));
   std::vector<std::string> targets;
+  std::vector<std::string> hosts;
   std::optional<uint32_t> self;
   std::vector<std::pair<uint32_t, std::string>> others;
   for (uint32_t i = 0; i < members.size(); ++i) {
@@ -70,6 +71,7 @@ Result<ParityGroupConfig> ParseParityGroup(const std::vector<std::string>& membe
       return InvalidArgument("--ec-group gives " + member.Target() + " twice");
     }
     targets.push_back(member.Target());
+    hosts.push_back(member.host);
     if (!tls && !member.loopback) {
       return InvalidArgument("--ec-group " + member.Target() + " is not a loopback address: between nodes the replica "
                              "channel needs mutual TLS (--replica-tls-cert, --replica-tls-key, --replica-tls-ca)");
@@ -84,7 +86,7 @@ Result<ParityGroupConfig> ParseParityGroup(const std::vector<std::string>& membe
     return InvalidArgument("--ec-group does not list this daemon's --replica-listen " + own.Target() +
                            ": every member gives the same list, its own address included");
   }
-  return ParityGroupConfig{group, *self, std::move(others)};
+  return ParityGroupConfig{group, *self, std::move(others), std::move(hosts)};
 }
 
 }  // namespace flashckpt

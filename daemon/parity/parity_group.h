@@ -66,6 +66,9 @@ struct ParityGroupConfig {
   ParityGroup group;
   uint32_t self = 0;
   std::vector<std::pair<uint32_t, std::string>> others;
+  // Every member's host (its address without the port), by index: what its certificate names when
+  // the group speaks TLS, since the others reach it there and check its certificate for that host.
+  std::vector<std::string> hosts;
 };
 // INVALID_ARGUMENT, saying what to change, for a list with a malformed or repeated address, one
 // without this daemon's --replica-listen (with its port) or with it twice, a parity the group cannot

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "daemon/parity/parity_code.h"
@@ -15,12 +16,21 @@ Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std:
                                             std::vector<ParityCandidate>* all) {
   // Candidates by (step, attempt, run): the blocks of one image agree on all three.
   using Version = std::tuple<int64_t, uint64_t, std::string>;
-  std::map<Version, ParityCandidate> found;
+  struct Found {
+    ParityCandidate candidate;
+    std::set<uint32_t> vouchers;  // the members whose listings carry the candidate's header
+    std::string conflict;         // set when two listings of the version disagree on the header
+  };
+  std::map<Version, Found> found;
+  std::set<uint32_t> holders;  // the members that answered and hold shares of the rank's stripes
   for (const ParityMember& member : members) {
     auto listed = ListParityShares(member.channel.get(), group, job, self, deadline);
     if (!listed.ok()) {
       if (unreachable) unreachable(member, listed.status());
       continue;
+    }
+    for (uint32_t block = 0; block < group.data_blocks(); ++block) {
+      if (group.RowOf(group.StripeOfBlock(self, block), member.index)) holders.insert(member.index);
     }
     for (ListedShare& share : *listed) {
       // Only what the holder could hold: a share of a stripe it is a holder of, in its row.
@@ -33,26 +43,51 @@ Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std:
       if (meta.job != job || meta.rank != rank || meta.step != share.step) continue;
       const uint32_t block = *group.BlockOfStripe(self, share.stripe);
       if (mine->second.block_bytes != group.Block(meta.bytes, block).bytes) continue;
-      ParityCandidate& c = found[{meta.step, meta.attempt, meta.run_id}];
+      Found& f = found[{meta.step, meta.attempt, meta.run_id}];
+      ParityCandidate& c = f.candidate;
       if (c.blocks.empty()) {
         c.meta = meta;
         c.position = share.position;
         c.blocks.resize(group.data_blocks());
       }
-      // Every block must come from one image: the same header and place.
-      if (meta.bytes != c.meta.bytes || meta.layout != c.meta.layout || share.position != c.position) continue;
+      // Every block must come from one image: the same header and place, whoever lists it. Holders
+      // that disagree cannot all be right, and which one is cannot be told here: none is used.
+      if (meta.bytes != c.meta.bytes || meta.layout != c.meta.layout || meta.extra != c.meta.extra ||
+          meta.world_size != c.meta.world_size || meta.resumed_from != c.meta.resumed_from ||
+          share.position != c.position) {
+        f.conflict = "member " + std::to_string(member.index) + " (" + member.target +
+                     ") lists another header or place for it than another member does";
+        continue;
+      }
+      f.vouchers.insert(member.index);
       c.blocks[block].push_back({&member, std::move(share)});
     }
   }
+  // A header only one member vouches for, where two or more could, is not taken: a lone holder could
+  // list a step of its own making with bytes and checksums to match.
+  const size_t needed_vouchers = std::min<size_t>(2, holders.size());
   std::vector<ParityCandidate> complete;
+  std::string refused;
   for (auto it = found.rbegin(); it != found.rend(); ++it) {
-    bool every_block = std::all_of(it->second.blocks.begin(), it->second.blocks.end(),
+    Found& f = it->second;
+    const std::string what = "step " + std::to_string(f.candidate.meta.step);
+    if (!f.conflict.empty()) {
+      refused += "; " + what + ": " + f.conflict;
+      continue;
+    }
+    bool every_block = std::all_of(f.candidate.blocks.begin(), f.candidate.blocks.end(),
                                    [](const auto& shares) { return !shares.empty(); });
-    if (every_block) complete.push_back(std::move(it->second));
+    if (!every_block) continue;
+    if (f.vouchers.size() < needed_vouchers) {
+      refused += "; " + what + ": listed by member " + std::to_string(*f.vouchers.begin()) + " alone of the " +
+                 std::to_string(holders.size()) + " holders that answered";
+      continue;
+    }
+    complete.push_back(std::move(f.candidate));
   }
   if (complete.empty()) {
     return NotFound("no member holds parity of every block of job '" + job + "' rank " + std::to_string(rank) +
-                    " of member " + std::to_string(self));
+                    " of member " + std::to_string(self) + refused);
   }
   ParityCandidate newest = complete.front();
   if (all) *all = std::move(complete);

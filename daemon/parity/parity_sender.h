@@ -58,6 +58,9 @@ class ParitySender {
     // Told of each checkpoint whose blocks a member holds (PARITY_SENT) and of each new error of a
     // member (PARITY_FAILED), from the member's thread without the sender's lock. May be empty.
     std::function<void(DaemonEvent)> on_event;
+    // Every member's host, by index (ParityGroupConfig::hosts): whom the holders' service lets push
+    // and list as which member.
+    std::vector<std::string> hosts;
   };
   explicit ParitySender(Options options);
   // Makes each member's channel and starts its thread.
@@ -84,6 +87,7 @@ class ParitySender {
   const std::vector<ParityMember>& members() const { return channels_; }
   const ParityGroup& group() const { return options_.group; }
   uint32_t self() const { return options_.self; }
+  const std::vector<std::string>& hosts() const { return options_.hosts; }
 
  private:
   using Key = std::pair<std::string, uint32_t>;  // (job, rank)

@@ -32,8 +32,27 @@ bool StreamParts(grpc::ServerWriter<v1::ParityPart>* writer, const char* data, u
 
 }  // namespace
 
-ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_names, OwnImageSource own)
-    : store_(store), allow_names_(std::move(allow_names)), own_(std::move(own)) {}
+ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_names,
+                             std::vector<std::string> member_hosts, OwnImageSource own)
+    : store_(store), allow_names_(std::move(allow_names)), member_hosts_(std::move(member_hosts)), own_(std::move(own)) {}
+
+grpc::Status ParityService::ActsAs(grpc::ServerContext* ctx, uint32_t member) const {
+  if (allow_names_.empty()) return grpc::Status::OK;  // loopback without TLS: one host, no names to tell apart
+  if (member >= member_hosts_.size()) {
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "member " + std::to_string(member) + " of a group of " +
+                                                           std::to_string(member_hosts_.size()));
+  }
+  const std::string& host = member_hosts_[member];
+  const std::vector<std::string> presented = PresentedNames(ctx);
+  if (std::find(presented.begin(), presented.end(), host) != presented.end()) return grpc::Status::OK;
+  std::string shown;
+  for (const auto& p : presented) shown += (shown.empty() ? "" : ", ") + Clip(p);
+  Logger("parity")->warn("parity call refused peer={} names=[{}]: not member {}'s host {}", ctx->peer(), shown, member,
+                         host);
+  return Refused(grpc::StatusCode::PERMISSION_DENIED, "the peer's certificate names [" + shown + "], not " + host +
+                                                          ", the host of member " + std::to_string(member) +
+                                                          " of --ec-group");
+}
 
 grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
                                  v1::ParityPushResponse*) {
@@ -58,6 +77,10 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
     return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push starts with its header");
   }
   const v1::ParityHeader& h = part.header();
+  if (grpc::Status as = ActsAs(ctx, h.member()); !as.ok()) {
+    refused_.fetch_add(1);
+    return as;
+  }
   ShareBlock block{h.member(), h.stripe(), h.position(), h.member_ranks(), ReplicaMetaOf(h.replica())};
   block.meta.from_peer = peer;
   auto incoming = store_->Begin(std::move(block));
@@ -94,6 +117,7 @@ grpc::Status ParityService::List(grpc::ServerContext* ctx, const v1::ListSharesR
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
   if (Status valid = ValidateJobName(request->job()); !valid.ok()) return ToGrpc(valid);
+  if (grpc::Status as = ActsAs(ctx, request->member()); !as.ok()) return as;
   for (const std::shared_ptr<const ParityShare>& share : store_->SharesFor(request->job(), request->member())) {
     v1::ShareInfo* info = response->add_shares();
     info->set_step(share->step());

@@ -3,8 +3,9 @@
 // peer memory (--ec-group) over a ParityStore, and the data members' side, each member's own
 // blocks read from its memory checkpoints (OwnImageSource).
 //
-// What a peer sends is checked as a replica's is: the header against the group's shape and the
-// bounds (ParityStore::Begin), every part against its XXH3-64. A block's rank image is the
+// What a peer sends is checked as a replica's is: the caller's certificate against the member it
+// pushes as, the header against the group's shape and the bounds (ParityStore::Begin), every part
+// against its XXH3-64. A block's rank image is the
 // sender's; a share is only as good as the blocks added into it, so whoever rebuilds from it checks
 // every chunk of the result against the origin's checksums before anything uses it.
 #pragma once
@@ -29,7 +30,11 @@ constexpr int kMaxParityPushesInFlight = 16;
 
 class ParityService final : public v1::Parity::Service {
  public:
-  ParityService(ParityStore* store, std::vector<std::string> allow_names, OwnImageSource own);
+  // `member_hosts`: every member's host by index (ParityGroupConfig::hosts). With TLS (`allow_names`
+  // not empty) a peer pushes a block only as the member whose host its certificate names, and lists
+  // only that member's shares: an allowed member cannot add into another member's place in a share.
+  ParityService(ParityStore* store, std::vector<std::string> allow_names, std::vector<std::string> member_hosts,
+                OwnImageSource own);
 
   grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
                     v1::ParityPushResponse* response) override;
@@ -46,7 +51,11 @@ class ParityService final : public v1::Parity::Service {
 
  private:
   ParityStore* store_;
+  // PERMISSION_DENIED unless the caller may act as `member` (see the constructor); OK without TLS.
+  grpc::Status ActsAs(grpc::ServerContext* ctx, uint32_t member) const;
+
   const std::vector<std::string> allow_names_;
+  const std::vector<std::string> member_hosts_;
   const OwnImageSource own_;
   std::atomic<int> pushes_{0};
   std::atomic<uint64_t> received_{0};

@@ -122,16 +122,20 @@ void ReplicaService::Watchdog() {
   }
 }
 
+std::vector<std::string> PresentedNames(grpc::ServerContext* ctx) {
+  std::vector<std::string> presented;
+  auto auth = ctx->auth_context();
+  if (!auth) return presented;
+  for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
+    for (const auto& value : auth->FindPropertyValues(property)) presented.emplace_back(value.data(), value.size());
+  }
+  return presented;
+}
+
 grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string>& allow_names, std::string* name) {
   name->clear();
   if (allow_names.empty()) return grpc::Status::OK;  // loopback without TLS (CheckReplicaConfig)
-  std::vector<std::string> presented;
-  auto auth = ctx->auth_context();
-  if (auth) {
-    for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
-      for (const auto& value : auth->FindPropertyValues(property)) presented.emplace_back(value.data(), value.size());
-    }
-  }
+  const std::vector<std::string> presented = PresentedNames(ctx);
   for (const auto& p : presented) {
     if (std::find(allow_names.begin(), allow_names.end(), p) != allow_names.end()) {
       *name = p;

@@ -57,6 +57,10 @@ Status CheckReplicaConfig(const ReplicaListenConfig& config);
 // certificate presented, otherwise. Every service of the replica listener checks its calls so.
 grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string>& allow_names, std::string* name);
 
+// Every name the calling peer's certificate presents (its common name and subject alternative
+// names, IP addresses as text); none without TLS.
+std::vector<std::string> PresentedNames(grpc::ServerContext* ctx);
+
 class ReplicaService final : public v1::Replica::Service {
  public:
   // Starts the watchdog that cancels stalled pushes (`stall_timeout`); the destructor stops it.

@@ -1,6 +1,7 @@
 // The parity group's shape and its Reed-Solomon code (daemon/parity): every stripe is coded so
 // that any `parity` lost members are rebuilt bit for bit from the others, whatever the images' sizes.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
 #include "common/format/checksum.h"
+#include "certificates.h"
 #include "testing.h"
 
 // Binds the value of a Result or fails the test with its Status.
@@ -433,10 +435,13 @@ TEST(ParityStoreTest, AShareOverTheBudgetIsRefusedBeforeItsData) {
 // A member of a parity group as its daemon serves it: a ParityStore and its service on a replica
 // listener (loopback, real gRPC), its own ranks' images for FetchBlock.
 struct ServedMember {
-  ServedMember(const ParityGroup& group, uint32_t index)
+  // `allow` and `hosts`: the service's allowed names and members' hosts, for a listener with TLS.
+  ServedMember(const ParityGroup& group, uint32_t index, std::vector<std::string> allow = {},
+               std::vector<std::string> hosts = {})
       : parity(group, index, Unbounded()),
-        service(&parity, {}, [this](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
-                                    int64_t) -> Result<OwnImage> {
+        service(&parity, std::move(allow), std::move(hosts),
+                [this](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
+                       int64_t) -> Result<OwnImage> {
           auto it = images.find({job, rank, step});
           if (it == images.end() || run_id != "run-a") return NotFound("not held");
           return OwnImage{nullptr, reinterpret_cast<const char*>(it->second.data()), it->second.size(), {}};
@@ -444,8 +449,8 @@ struct ServedMember {
   static HostMemory Unbounded() {
     return HostMemory{[](uint64_t, const std::string&) { return Status::OK(); }, [](uint64_t) {}};
   }
-  Status Start() {
-    ReplicaListenConfig config;
+  // On 127.0.0.1 (`config` gives the TLS files and names); `channel` is a plain one, for a listener without TLS.
+  Status Start(ReplicaListenConfig config = {}) {
     config.listen = "127.0.0.1:0";
     server = std::make_unique<ReplicaServer>(&replicas, config);
     server->AddService(&service);
@@ -524,6 +529,125 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
     }
     for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
   }
+}
+
+
+// With TLS a peer's certificate says which member it is: member 1 pushes its own block to the
+// holder of stripe 0, but the block it pushes as member 2 is refused before a byte is kept, and so
+// is its listing of member 2's shares; member 2, whose certificate names its host by DNS, completes
+// the share itself.
+TEST(ParityServiceTest, WithTlsAPeerPushesAndListsOnlyAsTheMemberItsCertificateNames) {
+  if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
+  Certificates certs;
+  ASSERT_TRUE(certs.Add("member0", "subjectAltName=IP:127.0.0.1") &&
+              certs.Add("member1", "subjectAltName=IP:127.0.0.2") &&
+              certs.Add("member2", "subjectAltName=DNS:member2.example"))
+      << "openssl could not make the test certificates";
+  const ParityGroup group = ParityGroup::Make(3, 1).value();
+  const std::vector<std::string> allow = {"member0", "member1", "member2"};
+  ServedMember holder(group, 0, allow, {"127.0.0.1", "127.0.0.2", "member2.example"});
+  ReplicaListenConfig tls;
+  tls.tls_cert = certs.cert("member0");
+  tls.tls_key = certs.key("member0");
+  tls.tls_ca = certs.cert("ca");
+  tls.allow_names = allow;
+  ASSERT_OK(holder.Start(tls));
+  const std::string target = "127.0.0.1:" + std::to_string(holder.server->port());
+  auto as = [&](const std::string& who) {
+    return ReplicaChannel({target, certs.cert(who), certs.key(who), certs.cert("ca"), ""}).value();
+  };
+  std::shared_ptr<grpc::Channel> member1 = as("member1");
+  std::shared_ptr<grpc::Channel> member2 = as("member2");
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  std::mt19937_64 rng(5);
+  // Stripe 0 is held by member 0 and codes member 1's block 1 and member 2's block 0.
+  ASSERT_EQ(group.StripeOfBlock(1, 1), 0u);
+  ASSERT_EQ(group.StripeOfBlock(2, 0), 0u);
+  auto push = [&](grpc::Channel* channel, uint32_t member, uint32_t block) {
+    std::vector<uint8_t> image = RandomBytes(rng, 300000);
+    ReplicaMeta meta = ParityStoreGroup::Meta("job", member, 17, image.size());
+    meta.run_id = "run-a";
+    const ParityGroup::Range range = group.Block(image.size(), block);
+    return PushParityBlock(channel, {member, 0, 0, 1, meta}, reinterpret_cast<const char*>(image.data()) + range.offset,
+                           range.bytes, deadline);
+  };
+  ASSERT_OK(push(member1.get(), 1, 1));
+  const Status forged = push(member1.get(), 2, 0);
+  EXPECT_NE(forged.message().find("PERMISSION_DENIED"), std::string::npos) << forged.ToString();
+  EXPECT_NE(forged.message().find("member2.example, the host of member 2"), std::string::npos) << forged.ToString();
+  EXPECT_EQ(holder.service.blocks_refused(), 1u);
+  EXPECT_EQ(holder.parity.complete_count(), 0u);  // member 2's place in the share is still open
+
+  auto theirs = ListParityShares(member1.get(), group, "job", 2, deadline);
+  EXPECT_FALSE(theirs.ok());
+  EXPECT_NE(theirs.status().message().find("PERMISSION_DENIED"), std::string::npos) << theirs.status().ToString();
+
+  ASSERT_OK(push(member2.get(), 2, 0));
+  EXPECT_EQ(holder.service.blocks_received(), 2u);
+  EXPECT_EQ(holder.parity.complete_count(), 1u);
+  ASSERT_OK_AND_ASSIGN(std::vector<ListedShare> own, ListParityShares(member1.get(), group, "job", 1, deadline));
+  ASSERT_EQ(own.size(), 1u);
+  EXPECT_EQ(own[0].stripe, 0u);
+  holder.server->Shutdown(std::chrono::system_clock::now());
+}
+
+
+// A holder cannot hand a rebuild a step of its own making. With 4 members and 2 parity, member 2
+// holds a share of both stripes member 0's blocks go into, so alone it can list a complete, newer
+// step 18 of member 0's rank (here: blocks it added into its own shares under the others' names).
+// Members 1 and 3 answer too and list only the real step 17: the lone step 18 is not taken, step 17
+// is, and it is rebuilt bit for bit.
+TEST(ParityServiceTest, AStepOnlyOneHolderListsIsNotTakenWhenOthersAnswer) {
+  std::mt19937_64 rng(29);
+  const ParityGroup group = ParityGroup::Make(4, 2).value();
+  std::vector<std::unique_ptr<ServedMember>> members;
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    members.push_back(std::make_unique<ServedMember>(group, i));
+    ASSERT_OK(members.back()->Start());
+  }
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  auto push = [&](uint32_t from, uint32_t to_holder_only, int64_t step, const std::vector<uint8_t>& image) {
+    ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + from, step, image.size());
+    meta.run_id = "run-a";
+    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+      const uint32_t stripe = group.StripeOfBlock(from, b);
+      const ParityGroup::Range range = group.Block(image.size(), b);
+      for (uint32_t r = 0; r < group.parity(); ++r) {
+        const uint32_t holder = group.Holder(stripe, r);
+        if (to_holder_only < group.members() && holder != to_holder_only) continue;
+        RETURN_IF_ERROR(PushParityBlock(members[holder]->channel.get(), {from, stripe, 0, 1, meta},
+                                        reinterpret_cast<const char*>(image.data() + range.offset), range.bytes,
+                                        deadline));
+      }
+    }
+    return Status::OK();
+  };
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    std::vector<uint8_t> image = RandomBytes(rng, 200000);
+    ASSERT_OK(push(i, group.members(), 17, image));
+    members[i]->images[{"job", 10 + i, 17}] = std::move(image);
+  }
+  ASSERT_TRUE(group.RowOf(group.StripeOfBlock(0, 0), 2) && group.RowOf(group.StripeOfBlock(0, 1), 2));
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    if (i != 2) ASSERT_OK(push(i, 2, 18, std::vector<uint8_t>(200000, 0x77)));  // member 2's own making
+  }
+
+  members[0]->server->Shutdown(std::chrono::system_clock::now());
+  std::vector<ParityMember> survivors;
+  for (uint32_t i = 1; i < group.members(); ++i) survivors.push_back({i, "member " + std::to_string(i), members[i]->channel});
+  ASSERT_OK_AND_ASSIGN(ParityCandidate candidate,
+                       FindParityCandidate(group, survivors, "job", 0, 10, deadline, {}));
+  EXPECT_EQ(candidate.meta.step, 17);
+  std::vector<char> out(candidate.meta.bytes);
+  ASSERT_OK(RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline));
+  const std::vector<uint8_t>& want = members[0]->images[{"job", 10, 17}];
+  EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0);
+
+  // Member 2 is all that answers: its word is all there is (as a replica holder's would be).
+  std::vector<ParityMember> only_two = {survivors[1]};
+  ASSERT_OK_AND_ASSIGN(ParityCandidate alone, FindParityCandidate(group, only_two, "job", 0, 10, deadline, {}));
+  EXPECT_EQ(alone.meta.step, 18);
+  for (uint32_t i = 1; i < group.members(); ++i) members[i]->server->Shutdown(std::chrono::system_clock::now());
 }
 
 

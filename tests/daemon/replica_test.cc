@@ -32,6 +32,7 @@
 #include "daemon/replica/replica_store.h"
 #include "daemon/replica/replica_wire.h"
 #include "daemon/replica/replica_sender.h"
+#include "certificates.h"
 #include "in_process_daemon.h"
 #include "replica.grpc.pb.h"
 #include "replica.pb.h"
@@ -736,60 +737,6 @@ TEST(ReplicaConfigTest, BetweenNodesTheChannelNeedsMutualTlsAndNames) {
   EXPECT_NE(sending({}, false, 1u << 20).message().find("--replicate-max-rate needs"), std::string::npos);
   EXPECT_EQ(sending({"127.0.0.1:99999"}, false).code(), StatusCode::kInvalidArgument);
 }
-
-// Certificates made by openssl in a temporary directory: a CA, a server certificate for
-// 127.0.0.1 (CN node-a), client certificates of CN node-b and intruder from the same CA, and one of
-// CN node-b from another CA.
-class Certificates {
- public:
-  Certificates() {
-    char tmpl[] = "/tmp/flashckpt-replica-certs-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) return;
-    dir_ = tmpl;
-    ok_ = Ca("ca") && Ca("other-ca") && Leaf("node-a", "ca", "subjectAltName=IP:127.0.0.1,DNS:node-a") &&
-          Leaf("node-b", "ca", "subjectAltName=DNS:node-b") && Leaf("intruder", "ca", "subjectAltName=DNS:intruder") &&
-          Leaf("node-b-elsewhere", "other-ca", "subjectAltName=DNS:node-b", "node-b") &&
-          Leaf("node-a-expired", "ca", "subjectAltName=IP:127.0.0.1,DNS:node-a", "node-a", -1);
-  }
-  ~Certificates() {
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
-  }
-  bool ok() const { return ok_; }
-  std::string cert(const std::string& name) const { return dir_ + "/" + name + ".pem"; }
-  std::string key(const std::string& name) const { return dir_ + "/" + name + ".key"; }
-  // A TLS listener with certificate `name` (of "ca") that allows node-b.
-  ReplicaListenConfig Listener(const std::string& name) const {
-    ReplicaListenConfig config;
-    config.tls_cert = cert(name);
-    config.tls_key = key(name);
-    config.tls_ca = cert("ca");
-    config.allow_names = {"node-b"};
-    return config;
-  }
-
- private:
-  bool Run(const std::string& command) {
-    return std::system((command + " >" + dir_ + "/openssl.log 2>&1").c_str()) == 0;
-  }
-  bool Ca(const std::string& name) {
-    return Run("openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=" + name + "-root -keyout " + key(name) +
-               " -out " + cert(name));
-  }
-  // `days` -1: a certificate that expired a day ago.
-  bool Leaf(const std::string& name, const std::string& ca, const std::string& san, std::string cn = "", int days = 2) {
-    if (cn.empty()) cn = name;
-    const std::string ext = dir_ + "/" + name + ".ext";
-    return Run("printf '%s\\n' '" + san + "' > " + ext) &&
-           Run("openssl req -newkey rsa:2048 -nodes -subj /CN=" + cn + " -keyout " + key(name) + " -out " + dir_ +
-               "/" + name + ".csr") &&
-           Run("openssl x509 -req -days " + std::to_string(days) + " -in " + dir_ + "/" + name + ".csr -CA " + cert(ca) +
-               " -CAkey " + key(ca) +
-               " -CAcreateserial -extfile " + ext + " -out " + cert(name));
-  }
-
-  std::string dir_;
-  bool ok_ = false;
-};
 
 TEST(ReplicaTlsTest, OnlyAPeerWithACertificateOfAnAllowedNameGetsIn) {
   if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
