@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "daemon/parity/parity_code.h"
@@ -114,60 +116,82 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     if (mine.bytes == 0) continue;
 
     // The pieces, cheapest first: data members with no rank at the position (zeros), the other
-    // data members' own blocks, then the holders' shares; fetched until the code has enough.
+    // data members' own blocks, then the holders' shares. As many as the code still needs are
+    // fetched at once, each into its own buffer; a piece that fails makes way for the next ones.
     std::vector<ParityCode::Piece> pieces(group.members());
-    std::vector<std::vector<uint8_t>> buffers;
-    buffers.reserve(group.members());
     uint32_t have = 0;
     std::string failures;
     static const uint8_t kNothing = 0;
-    for (uint32_t d = 0; d < group.data_blocks() && have < group.data_blocks(); ++d) {
+    struct Source {
+      uint32_t piece = 0;  // its index among the stripe's pieces
+      uint64_t bytes = 0;
+      std::string what;
+      std::function<Status(char*)> fetch;
+    };
+    std::vector<Source> sources;
+    for (uint32_t d = 0; d < group.data_blocks(); ++d) {
       const uint32_t member = group.DataMember(stripe, d);
       if (member == self) continue;
       auto c = std::find_if(listing.contributions.begin(), listing.contributions.end(),
                             [&](const auto& x) { return x.first == d; });
       if (c == listing.contributions.end()) {
-        pieces[d] = {&kNothing, 0};
-        ++have;
+        if (have < group.data_blocks()) {
+          pieces[d] = {&kNothing, 0};
+          ++have;
+        }
+        continue;
       }
-    }
-    for (uint32_t d = 0; d < group.data_blocks() && have < group.data_blocks(); ++d) {
-      const uint32_t member = group.DataMember(stripe, d);
-      auto c = std::find_if(listing.contributions.begin(), listing.contributions.end(),
-                            [&](const auto& x) { return x.first == d; });
-      if (member == self || c == listing.contributions.end()) continue;
       const ParityMember* from = member_channel(member);
       if (from == nullptr) continue;
       const ParityShare::Contribution& theirs = c->second;
-      std::vector<uint8_t>& buffer = buffers.emplace_back(theirs.block_bytes);
-      Status fetched = FetchParityBlock(from->channel.get(), meta.job, theirs.meta.rank, meta.step, stripe,
-                                        theirs.meta.run_id, theirs.meta.resumed_from,
-                                        reinterpret_cast<char*>(buffer.data()), buffer.size(),
-                                        deadline);
-      if (!fetched.ok()) {
-        failures += "; block of member " + std::to_string(member) + " (" + from->target + "): " + fetched.ToString();
-        continue;
-      }
-      pieces[d] = {buffer.data(), buffer.size()};
-      ++have;
+      sources.push_back({d, theirs.block_bytes,
+                         "block of member " + std::to_string(member) + " (" + from->target + ")",
+                         [&meta, &theirs, from, stripe, deadline, bytes = theirs.block_bytes](char* to) {
+                           return FetchParityBlock(from->channel.get(), meta.job, theirs.meta.rank, meta.step, stripe,
+                                                   theirs.meta.run_id, theirs.meta.resumed_from, to, bytes,
+                                                   deadline);
+                         }});
     }
     for (const ParityCandidate::Held& h : held) {
-      if (have >= group.data_blocks()) break;
+      const std::string what = "share " + std::to_string(h.share.row) + " of member " +
+                               std::to_string(h.holder->index) + " (" + h.holder->target + ")";
       if (h.share.bytes != stripe_bytes) {
-        failures += "; share " + std::to_string(h.share.row) + " of member " + std::to_string(h.holder->index) +
-                    " is listed with another length than its stripe's";
+        failures += "; " + what + " is listed with another length than its stripe's";
         continue;
       }
-      std::vector<uint8_t>& buffer = buffers.emplace_back(h.share.bytes);
-      Status fetched = FetchParityShare(h.holder->channel.get(), meta.job, h.share.position, stripe, meta.step,
-                                        reinterpret_cast<char*>(buffer.data()), buffer.size(), deadline);
-      if (!fetched.ok()) {
-        failures += "; share " + std::to_string(h.share.row) + " of member " + std::to_string(h.holder->index) + " (" +
-                    h.holder->target + "): " + fetched.ToString();
-        continue;
+      sources.push_back({group.data_blocks() + h.share.row, h.share.bytes, what,
+                         [&meta, &h, stripe, deadline](char* to) {
+                           return FetchParityShare(h.holder->channel.get(), meta.job, h.share.position, stripe,
+                                                   meta.step, to, h.share.bytes, deadline);
+                         }});
+    }
+    std::vector<std::unique_ptr<uint8_t[]>> buffers(sources.size());
+    size_t next = 0;
+    while (have < group.data_blocks() && next < sources.size()) {
+      const size_t batch = std::min<size_t>(group.data_blocks() - have, sources.size() - next);
+      std::vector<Status> fetched(batch);
+      std::vector<std::thread> fetchers;
+      for (size_t i = 0; i < batch; ++i) {
+        buffers[next + i].reset(new uint8_t[std::max<uint64_t>(sources[next + i].bytes, 1)]);
+        auto run = [&, i] { fetched[i] = sources[next + i].fetch(reinterpret_cast<char*>(buffers[next + i].get())); };
+        if (i + 1 == batch) {
+          run();  // the last on this thread
+        } else {
+          fetchers.emplace_back(run);
+        }
       }
-      pieces[group.data_blocks() + h.share.row] = {buffer.data(), buffer.size()};
-      ++have;
+      for (std::thread& t : fetchers) t.join();
+      for (size_t i = 0; i < batch; ++i) {
+        const Source& source = sources[next + i];
+        if (!fetched[i].ok()) {
+          failures += "; " + source.what + ": " + fetched[i].ToString();
+          buffers[next + i].reset();
+          continue;
+        }
+        pieces[source.piece] = {buffers[next + i].get(), source.bytes};
+        ++have;
+      }
+      next += batch;
     }
     if (have < group.data_blocks()) {
       return FailedPrecondition("stripe " + std::to_string(stripe) + " of job '" + meta.job + "' step " +

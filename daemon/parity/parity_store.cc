@@ -119,8 +119,14 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     if (block_bytes > share->bytes_.load()) {
       auto grown = ReplicaMapping::Make(block_bytes, &memory_, Who(block));
       if (!grown.ok()) {
+        std::vector<std::shared_ptr<ParityShare>> unused;  // freed after the lock
         MutexLock lock(&mu_);
         share->arriving_.erase(*index);
+        if (share->contributions_.empty() && share->arriving_.empty()) {
+          // Made for this block alone: it goes, and does not count against the shares held.
+          SpoilLocked(share, &unused);
+          PruneLocked(share->job_, share->position_, share->stripe_);
+        }
         return grown.status();
       }
       if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->bytes_.load());
@@ -296,6 +302,11 @@ int64_t ParityStore::oldest_complete_step() const {
     if (slot.complete && (oldest == 0 || slot.complete->step_ < oldest)) oldest = slot.complete->step_;
   }
   return oldest;
+}
+
+size_t ParityStore::share_count() const {
+  MutexLock lock(&mu_);
+  return CountLocked();
 }
 
 size_t ParityStore::complete_count() const {

@@ -160,6 +160,7 @@ class ParityStore {
   uint64_t held_bytes() const;  // of complete shares
   uint64_t building_bytes() const;
   size_t complete_count() const;
+  size_t share_count() const;  // complete and being built (at most kMaxSharesHeld)
   int64_t oldest_complete_step() const;  // of the complete shares; 0 when none is held
 
   const ParityGroup& group() const { return group_; }

@@ -429,6 +429,7 @@ TEST(ParityStoreTest, AShareOverTheBudgetIsRefusedBeforeItsData) {
   EXPECT_EQ(incoming.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(members.used(0), 0u);
   EXPECT_EQ(members.store(0).building_bytes(), 0u);
+  EXPECT_EQ(members.store(0).share_count(), 0u);  // no empty share left behind for the refused block
 }
 
 
