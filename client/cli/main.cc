@@ -1,5 +1,6 @@
 // flashckpt: the operator command. Asks the local flashckptd for its status and checkpoints and to
 // delete checkpoints, and inspects, verifies and reshards checkpoint directories offline.
+#include <openssl/crypto.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -235,6 +236,10 @@ int RunCommand(const CommandLine& cl) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // gRPC's TLS runs on threads it does not join: one may still be ending when main returns. OpenSSL's
+  // exit handler would delete its per-thread keys first, and such a thread's state (freed by those
+  // keys' destructors) would then never be freed. Without that handler, the keys outlive every thread.
+  OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr);
   CLI::App app{"flashckpt: inspect the flashckpt daemon and verify checkpoints"};
   CommandLine cl;
   AddGlobalOptions(app, cl);

@@ -1,4 +1,6 @@
 // flashckptd: parse flags, serve until SIGTERM or SIGINT, then stop within --stop-timeout.
+#include <openssl/crypto.h>
+
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -29,6 +31,9 @@ std::string ServingLine(const flashckpt::Daemon& daemon) {
 
 int main(int argc, char** argv) {
   using namespace flashckpt;
+  // No OpenSSL exit handler: it would delete OpenSSL's per-thread keys while a thread gRPC does not
+  // join may still be ending, leaving that thread's state unfreed (as in client/cli/main.cc).
+  OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr);
   auto config = ParseDaemonFlags(argc, argv);  // also --check-config: prints and returns kCancelled
   if (!config.ok()) return config.status().code() == StatusCode::kCancelled ? 0 : 2;
   if (std::string error = SetLogFile(config->log_file); !error.empty()) {
