@@ -5,6 +5,8 @@
         ...                         # flashckpt.Client(d.socket, job, ...)
     # SIGTERM (SIGKILL if it does not exit), the temp dir and the jobs' /dev/shm EMA segments removed
 
+    w = spawn(__file__, ["worker", ...], log=path)   # a worker process, forked with torch imported
+
 FLASHCKPT_BIN_DIR names the directory of flashckptd (ctest sets it; default build/bin of this
 checkout), and FLASHCKPT_TEST_KEEP=1 keeps the temp dir for a look after a failure.
 """
@@ -12,12 +14,15 @@ checkout), and FLASHCKPT_TEST_KEEP=1 keeps the temp dir for a look after a failu
 import glob
 import importlib.util
 import itertools
+import multiprocessing
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import unittest
 
 sys.dont_write_bytecode = True  # keep the source tree clean
@@ -144,6 +149,80 @@ def wait_all(procs, deadline):
                 q.wait()
             return False
     return True
+
+
+# Worker processes of the torch.distributed tests are forked from one process that imported torch
+# once (multiprocessing's fork server): a fresh interpreter spends seconds importing torch 2 (more
+# on a loaded machine), and these tests start a few dozen workers each.
+_forkserver = multiprocessing.get_context("forkserver")
+_forkserver.set_forkserver_preload(["torch", "torch.distributed"])  # each one skipped if missing
+
+
+def _run_script(script, args, log, env):
+    """In a forked worker: runs `script` as __main__ with sys.argv [script, *args] and os.environ
+    `env`, its output to the file `log` (None: where the test's goes); exits with its status."""
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch read it when the fork server imported it
+    sys.argv = [script, *args]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Worker:
+    """A worker process started by spawn(): the part of subprocess.Popen's interface the tests use
+    (pid, returncode, poll, wait, kill; a negative returncode is the signal that ended it)."""
+
+    def __init__(self, script, args, log=None, env=None):
+        self._process = _forkserver.Process(target=_run_script,
+                                            args=(script, [str(a) for a in args], log,
+                                                  dict(os.environ if env is None else env)))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["worker %d" % self.pid], timeout)
+        return self._process.exitcode
+
+    def kill(self):
+        if self._process.exitcode is None:
+            self._process.kill()
+
+
+def spawn(script, args, log=None, env=None):
+    """Starts `script` (a test file whose __main__ runs a worker when given these `args`) in a worker
+    forked from the fork server, as `python script *args` would run it: its output appended to
+    `log` (None: the test's own), os.environ `env` (None: the test's). Returns a Worker."""
+    return Worker(script, args, log, env)
 
 
 def end_worker():

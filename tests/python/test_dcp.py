@@ -27,7 +27,6 @@ Each case runs real worker processes (this file, run with "worker") against one 
 
 import json
 import os
-import subprocess
 import sys
 import time
 import unittest
@@ -201,8 +200,8 @@ class DcpTest(harness.DaemonTestCase):
         rendezvous = harness.rendezvous(self.daemon.tmp)
         outs = [os.path.join(self.daemon.tmp, "%s-%s-%d-%d.json" % (job, case, world, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(world), str(r),
-                                   rendezvous, self.daemon.socket, job, outs[r]], env=env)
+        procs = [harness.spawn(os.path.abspath(__file__), ["worker", case, world, r, rendezvous, self.daemon.socket,
+                                                           job, outs[r]], env=env)
                  for r in range(world)]
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
                         "%s on %d workers still running after %d s" % (case, world, WORKER_DEADLINE))

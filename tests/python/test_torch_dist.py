@@ -32,7 +32,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 import unittest
@@ -347,11 +346,9 @@ class DistributedResumeTest(harness.DaemonTestCase):
         procs, outs = [], []
         for rank in range(world):
             out = os.path.join(self.daemon.tmp, "%s.%s.%d.json" % (job, case, rank))
-            env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
-            with open(out + ".log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, str(rank),
-                                               str(world), rendezvous, self.daemon.socket, job, out],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env))
+            open(out + ".log", "wb").close()
+            procs.append(harness.spawn(os.path.abspath(__file__), ["worker", case, rank, world, rendezvous,
+                                                                   self.daemon.socket, job, out], log=out + ".log"))
             outs.append(out)
         if not harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE):
             self.fail("the %s workers did not finish within %d s:\n%s" % (case, WORKER_DEADLINE, self.logs(outs)))

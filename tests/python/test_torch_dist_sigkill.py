@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import unittest
@@ -125,11 +124,8 @@ class DistributedSigkillTest(harness.DaemonTestCase):
         for rank in range(WORLD):
             out = os.path.join(self.daemon.tmp, "%s.%d.jsonl" % (name, rank))
             logs.append(out + ".log")
-            env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
-            with open(out + ".log", "ab") as log:
-                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", optim, mode,
-                                               str(rank), rendezvous, self.daemon.socket, job, out, str(arg)],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env))
+            procs.append(harness.spawn(os.path.abspath(__file__), ["worker", optim, mode, rank, rendezvous,
+                                                                   self.daemon.socket, job, out, arg], log=out + ".log"))
         deadline = time.monotonic() + DEADLINE
         if expect_kill:
             # Rank 1 kills itself; the others then fail in a collective (or are stopped here).

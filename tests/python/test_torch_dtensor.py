@@ -39,7 +39,6 @@ worker processes (this file, run with "worker") against one real flashckptd:
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import unittest
@@ -282,8 +281,8 @@ class DTensorTest(harness.DaemonTestCase):
         rendezvous = harness.rendezvous(self.daemon.tmp)
         outs = [os.path.join(self.daemon.tmp, "%s-%s-%s-%d.json" % (job, case, layout, r)) for r in range(world)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", case, layout, str(r),
-                                   str(world), rendezvous, self.daemon.socket, job, outs[r]], env=env)
+        procs = [harness.spawn(os.path.abspath(__file__), ["worker", case, layout, r, world, rendezvous,
+                                                           self.daemon.socket, job, outs[r]], env=env)
                  for r in range(world)]
         self.assertTrue(harness.wait_all(procs, time.monotonic() + WORKER_DEADLINE),
                         "%s %s workers still running after %d s" % (case, layout, WORKER_DEADLINE))
