@@ -4,26 +4,50 @@
 #include <cstring>
 
 #include "common/format/checksum.h"
+#include "common/base/log.h"
 #include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_wire.h"
 #include "replica.grpc.pb.h"
 
 namespace flashckpt {
 namespace {
 
-// Reads data parts into `into` until the stream ends: exactly `bytes` bytes, each part checked.
-Status ReadParts(grpc::ClientReader<v1::ParityPart>* reader, char* into, uint64_t bytes, const std::string& what) {
+// The parity calls that carry parts, bound by hand with byte buffers for the parts (as the generated
+// stub binds them with messages): a part's data goes between the caller's memory and gRPC's slices
+// without passing through a protobuf message (daemon/replica/replica_wire.h). The wire is unchanged.
+const grpc::internal::RpcMethod kPush("/flashckpt.v1.Parity/Push", grpc::internal::RpcMethod::CLIENT_STREAMING);
+const grpc::internal::RpcMethod kFetchShare("/flashckpt.v1.Parity/FetchShare",
+                                            grpc::internal::RpcMethod::SERVER_STREAMING);
+const grpc::internal::RpcMethod kFetchBlock("/flashckpt.v1.Parity/FetchBlock",
+                                            grpc::internal::RpcMethod::SERVER_STREAMING);
+
+// Reads data parts of the call `method` with `request` into `into` until the stream ends: exactly
+// `bytes` bytes, each part copied once from the received slices and checked where it landed.
+template <typename Request>
+Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method, const Request& request, char* into,
+                 uint64_t bytes, std::chrono::system_clock::time_point deadline, const std::string& what) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, method, &ctx, request));
+  auto fail = [&](Status why) {
+    ctx.TryCancel();
+    (void)reader->Finish();
+    return why;
+  };
   uint64_t got = 0;
-  v1::ParityPart part;
-  while (reader->Read(&part)) {
-    const std::string& data = part.data();
-    if (!part.has_data() || data.size() > bytes - got) {
-      return Corruption(what + ": more bytes, or other parts, than the " + std::to_string(bytes) + " listed");
+  grpc::ByteBuffer buffer;
+  ReceivedPart part;
+  while (reader->Read(&buffer)) {
+    // A ParityPart's data and checksum are a ReplicaPart's fields (the same numbers): only data
+    // parts come back, and a header (or anything else) fails here.
+    if (!part.Read(&buffer).ok() || part.has_header() || part.data_bytes() > bytes - got) {
+      return fail(Corruption(what + ": more bytes, or other parts, than the " + std::to_string(bytes) + " listed"));
     }
-    if (Xxh3(data.data(), data.size()) != part.xxh3()) {
-      return Corruption(what + ": the part at offset " + std::to_string(got) + " fails its checksum");
+    if (CopyHashed(part.data(), into + got) != part.xxh3()) {
+      return fail(Corruption(what + ": the part at offset " + std::to_string(got) + " fails its checksum"));
     }
-    std::memcpy(into + got, data.data(), data.size());
-    got += data.size();
+    got += part.data_bytes();
   }
   grpc::Status finished = reader->Finish();
   if (!finished.ok()) return PeerStatus(finished, what);
@@ -39,7 +63,18 @@ Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const ch
                        std::chrono::system_clock::time_point deadline,
                        const std::function<void(grpc::ClientContext*)>& context,
                        const std::function<bool()>& still_held) {
-  v1::Parity::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  // The parts are lent to gRPC, not copied: as PushReplica, this returns only once gRPC has let go
+  // of every one (declared before the call, the wait comes after the call is released).
+  auto loans = SliceLoans::Make();
+  struct Returned {
+    SliceLoans& loans;
+    ~Returned() {
+      if (!loans.WaitReturned(std::chrono::steady_clock::now() + std::chrono::seconds(10))) {
+        Logger("parity")->error("parity push: gRPC still holds {} parts of the sender's memory after the call",
+                                loans.outstanding());
+      }
+    }
+  } returned{*loans};
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   if (context) context(&ctx);
@@ -50,21 +85,19 @@ Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const ch
     }
   } untold{context};
   v1::ParityPushResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::ParityPart>> writer = stub.Push(&ctx, &response);
-  v1::ParityPart part;
-  v1::ParityHeader* h = part.mutable_header();
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel, kPush, &ctx, &response));
+  v1::ParityPart header;
+  v1::ParityHeader* h = header.mutable_header();
   ReplicaHeaderOf(block.meta, h->mutable_replica());
   h->set_member(block.member);
   h->set_stripe(block.stripe);
   h->set_position(block.position);
   h->set_member_ranks(block.member_ranks);
-  bool open = writer->Write(part);
+  bool open = writer->Write(MessageBuffer(header));
   for (uint64_t at = 0; open && at < block_bytes; at += block.meta.part_bytes) {
     const uint64_t n = std::min(block.meta.part_bytes, block_bytes - at);
-    part.Clear();
-    part.set_data(data + at, n);
-    part.set_xxh3(Xxh3(data + at, n));
-    open = writer->Write(part);
+    open = writer->Write(DataPartBuffer(loans->Lend(data + at, n), Xxh3(data + at, n)));
   }
   if (open && still_held && !still_held()) {
     ctx.TryCancel();
@@ -112,24 +145,17 @@ Result<std::vector<ListedShare>> ListParityShares(grpc::Channel* channel, const 
 
 Status FetchParityShare(grpc::Channel* channel, const std::string& job, uint32_t position, uint32_t stripe,
                         int64_t step, char* into, uint64_t bytes, std::chrono::system_clock::time_point deadline) {
-  v1::Parity::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(deadline);
   v1::FetchShareRequest request;
   request.set_job(job);
   request.set_position(position);
   request.set_stripe(stripe);
   request.set_step(step);
-  auto reader = stub.FetchShare(&ctx, request);
-  return ReadParts(reader.get(), into, bytes, "Parity.FetchShare");
+  return ReadParts(channel, kFetchShare, request, into, bytes, deadline, "Parity.FetchShare");
 }
 
 Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step, uint32_t stripe,
                         const std::string& run_id, int64_t resumed_from, char* into, uint64_t bytes,
                         std::chrono::system_clock::time_point deadline) {
-  v1::Parity::Stub stub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(deadline);
   v1::FetchBlockRequest request;
   request.set_job(job);
   request.set_rank(rank);
@@ -137,8 +163,7 @@ Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t
   request.set_stripe(stripe);
   request.set_run_id(run_id);
   request.set_resumed_from(resumed_from);
-  auto reader = stub.FetchBlock(&ctx, request);
-  return ReadParts(reader.get(), into, bytes, "Parity.FetchBlock");
+  return ReadParts(channel, kFetchBlock, request, into, bytes, deadline, "Parity.FetchBlock");
 }
 
 }  // namespace flashckpt

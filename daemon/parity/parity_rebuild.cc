@@ -107,6 +107,10 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     }
     return nullptr;
   };
+  // The fetched pieces' buffers, by place among a stripe's sources (at most one per member), reused
+  // from stripe to stripe: fresh memory for each would be faulted in and zeroed page by page again.
+  std::vector<std::unique_ptr<uint8_t[]>> buffers(group.members());
+  std::vector<uint64_t> capacity(group.members(), 0);
   for (uint32_t block = 0; block < group.data_blocks(); ++block) {
     const uint32_t stripe = group.StripeOfBlock(self, block);
     const std::vector<ParityCandidate::Held>& held = candidate.blocks[block];
@@ -165,14 +169,19 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
                                                    meta.step, to, h.share.bytes, deadline);
                          }});
     }
-    std::vector<std::unique_ptr<uint8_t[]>> buffers(sources.size());
+    if (sources.size() > buffers.size()) {
+      return Internal("stripe " + std::to_string(stripe) + " has more sources than the group has members");
+    }
     size_t next = 0;
     while (have < group.data_blocks() && next < sources.size()) {
       const size_t batch = std::min<size_t>(group.data_blocks() - have, sources.size() - next);
       std::vector<Status> fetched(batch);
       std::vector<std::thread> fetchers;
       for (size_t i = 0; i < batch; ++i) {
-        buffers[next + i].reset(new uint8_t[std::max<uint64_t>(sources[next + i].bytes, 1)]);
+        if (capacity[next + i] < std::max<uint64_t>(sources[next + i].bytes, 1)) {
+          capacity[next + i] = std::max<uint64_t>(sources[next + i].bytes, 1);
+          buffers[next + i].reset(new uint8_t[capacity[next + i]]);
+        }
         auto run = [&, i] { fetched[i] = sources[next + i].fetch(reinterpret_cast<char*>(buffers[next + i].get())); };
         if (i + 1 == batch) {
           run();  // the last on this thread
@@ -185,7 +194,6 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
         const Source& source = sources[next + i];
         if (!fetched[i].ok()) {
           failures += "; " + source.what + ": " + fetched[i].ToString();
-          buffers[next + i].reset();
           continue;
         }
         pieces[source.piece] = {buffers[next + i].get(), source.bytes};

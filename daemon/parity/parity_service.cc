@@ -9,6 +9,7 @@
 #include "daemon/parity/parity_sender.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
+#include "daemon/replica/replica_wire.h"
 #include "proto/convert.h"
 
 namespace flashckpt {
@@ -18,14 +19,13 @@ constexpr uint64_t kServePartBytes = 1u << 20;
 
 grpc::Status Refused(grpc::StatusCode code, const std::string& message) { return grpc::Status(code, message); }
 
-// Streams `bytes` bytes at `data` as data parts with their checksums; false when the reader left.
-bool StreamParts(grpc::ServerWriter<v1::ParityPart>* writer, const char* data, uint64_t bytes) {
+// Streams `bytes` bytes at `data` as data parts with their checksums, each sent from that memory in
+// place (`owner` keeps it alive until gRPC lets go); false when the reader left.
+bool StreamParts(const ParityService::PartWriter& write, const char* data, uint64_t bytes,
+                 const std::shared_ptr<const void>& owner) {
   for (uint64_t at = 0; at < bytes; at += kServePartBytes) {
     const uint64_t n = std::min(kServePartBytes, bytes - at);
-    v1::ParityPart part;
-    part.set_data(data + at, n);
-    part.set_xxh3(Xxh3(data + at, n));
-    if (!writer->Write(part)) return false;
+    if (!write(DataPartBuffer(SliceOwnedBy(data + at, n, owner), Xxh3(data + at, n)))) return false;
   }
   return true;
 }
@@ -34,7 +34,33 @@ bool StreamParts(grpc::ServerWriter<v1::ParityPart>* writer, const char* data, u
 
 ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_names,
                              std::vector<std::string> member_hosts, OwnImageSource own)
-    : store_(store), allow_names_(std::move(allow_names)), member_hosts_(std::move(member_hosts)), own_(std::move(own)) {}
+    : store_(store), allow_names_(std::move(allow_names)), member_hosts_(std::move(member_hosts)), own_(std::move(own)) {
+  // FetchShare and FetchBlock (methods 2 and 3 of flashckpt.v1.Parity, the order of replica.proto)
+  // write their parts as byte buffers, bound by hand as ReplicaService binds Fetch: one request
+  // read first, then the parts written.
+  MarkMethodStreamed(2, new grpc::internal::SplitServerStreamingHandler<v1::FetchShareRequest, grpc::ByteBuffer>(
+                            [this](grpc::ServerContext* ctx,
+                                   grpc::ServerSplitStreamer<v1::FetchShareRequest, grpc::ByteBuffer>* stream) {
+                              v1::FetchShareRequest request;
+                              if (!stream->Read(&request)) {
+                                return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
+                              }
+                              return FetchShare(ctx, request, [stream](grpc::ByteBuffer part) {
+                                return stream->Write(std::move(part));
+                              });
+                            }));
+  MarkMethodStreamed(3, new grpc::internal::SplitServerStreamingHandler<v1::FetchBlockRequest, grpc::ByteBuffer>(
+                            [this](grpc::ServerContext* ctx,
+                                   grpc::ServerSplitStreamer<v1::FetchBlockRequest, grpc::ByteBuffer>* stream) {
+                              v1::FetchBlockRequest request;
+                              if (!stream->Read(&request)) {
+                                return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
+                              }
+                              return FetchBlock(ctx, request, [stream](grpc::ByteBuffer part) {
+                                return stream->Write(std::move(part));
+                              });
+                            }));
+}
 
 grpc::Status ParityService::ActsAs(grpc::ServerContext* ctx, uint32_t member) const {
   if (allow_names_.empty()) return grpc::Status::OK;  // loopback without TLS: one host, no names to tell apart
@@ -141,44 +167,44 @@ grpc::Status ParityService::List(grpc::ServerContext* ctx, const v1::ListSharesR
   return grpc::Status::OK;
 }
 
-grpc::Status ParityService::FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest* request,
-                                       grpc::ServerWriter<v1::ParityPart>* writer) {
+grpc::Status ParityService::FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest& request,
+                                       const PartWriter& writer) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
-  auto share = store_->Find(request->job(), request->position(), request->stripe(), request->step());
+  auto share = store_->Find(request.job(), request.position(), request.stripe(), request.step());
   if (!share.ok()) return ToGrpc(share.status());
-  if (!StreamParts(writer, reinterpret_cast<const char*>((*share)->data()), (*share)->bytes())) {
+  if (!StreamParts(writer, reinterpret_cast<const char*>((*share)->data()), (*share)->bytes(), *share)) {
     return Refused(grpc::StatusCode::CANCELLED, "the fetching peer left");
   }
   served_.fetch_add(1);
   return grpc::Status::OK;
 }
 
-grpc::Status ParityService::FetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest* request,
-                                       grpc::ServerWriter<v1::ParityPart>* writer) {
+grpc::Status ParityService::FetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest& request,
+                                       const PartWriter& writer) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
   const ParityGroup& group = store_->group();
-  if (request->stripe() >= group.members()) {
-    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "stripe " + std::to_string(request->stripe()) +
+  if (request.stripe() >= group.members()) {
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "stripe " + std::to_string(request.stripe()) +
                                                            " of a group of " + std::to_string(group.members()));
   }
-  std::optional<uint32_t> block = group.BlockOfStripe(store_->self(), request->stripe());
+  std::optional<uint32_t> block = group.BlockOfStripe(store_->self(), request.stripe());
   if (!block) {
     return Refused(grpc::StatusCode::INVALID_ARGUMENT, "this member holds parity of stripe " +
-                                                           std::to_string(request->stripe()) + ", not data");
+                                                           std::to_string(request.stripe()) + ", not data");
   }
-  auto image = own_(request->job(), request->rank(), request->step(), request->run_id(), request->resumed_from());
+  auto image = own_(request.job(), request.rank(), request.step(), request.run_id(), request.resumed_from());
   if (!image.ok()) return ToGrpc(image.status());
   const ParityGroup::Range range = group.Block(image->bytes, *block);
-  if (!StreamParts(writer, image->data + range.offset, range.bytes)) {
+  if (!StreamParts(writer, image->data + range.offset, range.bytes, image->keep)) {
     return Refused(grpc::StatusCode::CANCELLED, "the fetching peer left");
   }
   // Sent while the rank went on: only if the memory checkpoint stayed in place are they its bytes.
   if (image->still_held && !image->still_held()) {
-    return Refused(grpc::StatusCode::ABORTED, "the memory checkpoint of job '" + request->job() + "' rank " +
-                                                  std::to_string(request->rank()) + " step " +
-                                                  std::to_string(request->step()) + " was replaced as it was sent");
+    return Refused(grpc::StatusCode::ABORTED, "the memory checkpoint of job '" + request.job() + "' rank " +
+                                                  std::to_string(request.rank()) + " step " +
+                                                  std::to_string(request.step()) + " was replaced as it was sent");
   }
   served_.fetch_add(1);
   return grpc::Status::OK;
