@@ -33,8 +33,13 @@ bool StreamParts(const ParityService::PartWriter& write, const char* data, uint6
 }  // namespace
 
 ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_names,
-                             std::vector<std::string> member_hosts, OwnImageSource own)
-    : store_(store), allow_names_(std::move(allow_names)), member_hosts_(std::move(member_hosts)), own_(std::move(own)) {
+                             std::vector<std::string> member_hosts, OwnImageSource own,
+                             std::chrono::milliseconds stall_timeout)
+    : store_(store),
+      allow_names_(std::move(allow_names)),
+      member_hosts_(std::move(member_hosts)),
+      own_(std::move(own)),
+      watchdog_("parity", "parity push", stall_timeout) {
   // FetchShare and FetchBlock (methods 2 and 3 of flashckpt.v1.Parity, the order of replica.proto)
   // write their parts as byte buffers, bound by hand as ReplicaService binds Fetch: one request
   // read first, then the parts written.
@@ -97,11 +102,20 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
     return Refused(grpc::StatusCode::INVALID_ARGUMENT,
                    "a parity push needs a deadline within " + std::to_string(kMaxReplicaCall.count()) + " minutes");
   }
+  // Watched from here to the return: a push that stops sending is cancelled (watchdog_).
+  StallWatchdog::Watched watched(&watchdog_, ctx);
+  const auto stalled = [&] {
+    refused_.fetch_add(1);
+    return Refused(grpc::StatusCode::DEADLINE_EXCEEDED, "the parity push was cancelled: nothing arrived for " +
+                                                            std::to_string(watchdog_.timeout().count()) + " ms");
+  };
   v1::ParityPart part;
   if (!reader->Read(&part) || !part.has_header()) {
+    if (watched.Stalled()) return stalled();
     refused_.fetch_add(1);
     return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push starts with its header");
   }
+  watched.Progress();
   const v1::ParityHeader& h = part.header();
   if (grpc::Status as = ActsAs(ctx, h.member()); !as.ok()) {
     refused_.fetch_add(1);
@@ -118,6 +132,7 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
     return ToGrpc(incoming.status());
   }
   while (reader->Read(&part)) {
+    watched.Progress();
     if (!part.has_data()) {
       refused_.fetch_add(1);
       return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push has one header, then data parts");
@@ -129,6 +144,7 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
       return ToGrpc(added);
     }
   }
+  if (watched.Stalled()) return stalled();
   if (ctx->IsCancelled()) return Refused(grpc::StatusCode::CANCELLED, "the parity push was cancelled");
   if (Status done = store_->Finish(std::move(*incoming)); !done.ok()) {
     refused_.fetch_add(1);
@@ -226,6 +242,9 @@ std::string RenderParityMetrics(const ParityStore& store, const ParityService& s
   MetricHeader(&out, "flashckpt_parity_blocks_refused_total", "counter",
                "Parity pushes refused (bad header, no memory, bad part, a block held already) or broken off.");
   MetricSample(&out, "flashckpt_parity_blocks_refused_total", "", static_cast<double>(service.blocks_refused()));
+  MetricHeader(&out, "flashckpt_parity_pushes_stalled_total", "counter",
+               "Parity pushes cancelled because nothing arrived for 10 s (counted as refused too).");
+  MetricSample(&out, "flashckpt_parity_pushes_stalled_total", "", static_cast<double>(service.blocks_stalled()));
   MetricHeader(&out, "flashckpt_parity_pieces_served_total", "counter",
                "Shares and own blocks sent to a member that rebuilt a lost member's rank.");
   MetricSample(&out, "flashckpt_parity_pieces_served_total", "", static_cast<double>(service.blocks_served()));

@@ -21,6 +21,8 @@
 
 #include "common/base/status.h"
 #include "daemon/parity/parity_store.h"
+#include "daemon/replica/replica_server.h"
+#include "daemon/replica/stall_watchdog.h"
 #include "replica.grpc.pb.h"
 
 namespace flashckpt {
@@ -33,8 +35,10 @@ class ParityService final : public v1::Parity::Service {
   // `member_hosts`: every member's host by index (ParityGroupConfig::hosts). With TLS (`allow_names`
   // not empty) a peer pushes a block only as the member whose host its certificate names, and lists
   // only that member's shares: an allowed member cannot add into another member's place in a share.
+  // A push that sends nothing for `stall_timeout` is cancelled, the share it was adding into given
+  // back as for any push that does not finish (parity_blocks_stalled counts them).
   ParityService(ParityStore* store, std::vector<std::string> allow_names, std::vector<std::string> member_hosts,
-                OwnImageSource own);
+                OwnImageSource own, std::chrono::milliseconds stall_timeout = kReplicaStallTimeout);
 
   grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
                     v1::ParityPushResponse* response) override;
@@ -49,6 +53,7 @@ class ParityService final : public v1::Parity::Service {
   uint64_t blocks_received() const { return received_.load(); }
   uint64_t blocks_refused() const { return refused_.load(); }
   uint64_t blocks_served() const { return served_.load(); }
+  uint64_t blocks_stalled() const { return watchdog_.stalled(); }
 
  private:
   ParityStore* store_;
@@ -62,12 +67,14 @@ class ParityService final : public v1::Parity::Service {
   std::atomic<uint64_t> received_{0};
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> served_{0};
+  StallWatchdog watchdog_;  // the pushes under way
 };
 
 // The parity metrics, in the text exposition format, for the daemon's /metrics: what this member
 // holds and serves (flashckpt_parity_shares_held, flashckpt_parity_held_bytes,
 // flashckpt_parity_building_bytes, flashckpt_parity_blocks_received_total,
-// flashckpt_parity_blocks_refused_total, flashckpt_parity_pieces_served_total) and, per other
+// flashckpt_parity_blocks_refused_total, flashckpt_parity_pushes_stalled_total,
+// flashckpt_parity_pieces_served_total) and, per other
 // member, what it sent there (flashckpt_parity_sent_total, flashckpt_parity_sent_bytes_total,
 // flashckpt_parity_failed_total).
 class ParitySender;

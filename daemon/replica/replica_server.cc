@@ -70,7 +70,7 @@ Status CheckReplicaConfig(const ReplicaListenConfig& c) {
 
 ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names,
                                std::chrono::milliseconds stall_timeout)
-    : store_(store), allow_names_(std::move(allow_names)), stall_timeout_(stall_timeout) {
+    : store_(store), allow_names_(std::move(allow_names)), watchdog_("replica", "replica push", stall_timeout) {
   // Push is method 0 of flashckpt.v1.Replica (the order of replica.proto). Marked "streamed", a
   // method takes the handler given here; the server treats it as bidirectional, which to a
   // client-streaming handler only means no request is read before it runs.
@@ -87,39 +87,6 @@ ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> all
                                    grpc::ServerSplitStreamer<v1::FetchReplicaRequest, grpc::ByteBuffer>* stream) {
                               return RawFetch(ctx, stream);
                             }));
-  watchdog_ = std::thread([this] { Watchdog(); });
-}
-
-ReplicaService::~ReplicaService() {
-  {
-    MutexLock lock(&mu_);
-    stopping_ = true;
-  }
-  cv_.NotifyAll();
-  watchdog_.join();
-}
-
-namespace {
-// progress_'s mark of a push the watchdog cancelled.
-constexpr std::chrono::steady_clock::time_point kStalled = std::chrono::steady_clock::time_point::max();
-}  // namespace
-
-void ReplicaService::Watchdog() {
-  // Looks a few times per stall time: a stalled push is cancelled within 1.25 times of it.
-  const auto every = std::max<std::chrono::milliseconds>(stall_timeout_ / 4, std::chrono::milliseconds(10));
-  MutexLock lock(&mu_);
-  while (!stopping_) {
-    cv_.WaitFor(&lock, every);
-    const auto now = std::chrono::steady_clock::now();
-    for (auto& [ctx, last] : progress_) {
-      if (last == kStalled || now - last < stall_timeout_) continue;
-      last = kStalled;  // once per push
-      stalled_.fetch_add(1);
-      Logger("replica")->warn("replica push from={} cancelled: nothing arrived for {} ms; its memory is given back",
-                              ctx->peer(), stall_timeout_.count());
-      ctx->TryCancel();
-    }
-  }
 }
 
 std::vector<std::string> PresentedNames(grpc::ServerContext* ctx) {
@@ -169,28 +136,6 @@ grpc::Status ReplicaService::Actor(const std::string& peer, const std::string& n
   return grpc::Status::OK;
 }
 
-// Keeps a push's entry in progress_ from construction to destruction: a push that stops sending
-// is cancelled (Watchdog).
-struct ReplicaService::Watched {
-  ReplicaService* service;
-  grpc::ServerContext* ctx;
-  Watched(ReplicaService* s, grpc::ServerContext* c) : service(s), ctx(c) { Progress(); }
-  void Progress() {
-    MutexLock lock(&service->mu_);
-    auto [it, added] = service->progress_.try_emplace(ctx, std::chrono::steady_clock::now());
-    if (!added && it->second != kStalled) it->second = std::chrono::steady_clock::now();
-  }
-  bool Stalled() {
-    MutexLock lock(&service->mu_);
-    auto it = service->progress_.find(ctx);
-    return it != service->progress_.end() && it->second == kStalled;
-  }
-  ~Watched() {
-    MutexLock lock(&service->mu_);
-    service->progress_.erase(ctx);
-  }
-};
-
 grpc::Status ReplicaService::RawPush(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                                      v1::PushReplicaResponse* response) {
   std::string peer;
@@ -224,11 +169,11 @@ grpc::Status ReplicaService::RawPush(grpc::ServerContext* ctx, grpc::ServerReade
 
 grpc::Status ReplicaService::Receive(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                                      const std::string& peer, v1::PushReplicaResponse* response) {
-  // Watched from here to the return: a push that stops sending is cancelled (Watchdog).
-  Watched watched(this, ctx);
+  // Watched from here to the return: a push that stops sending is cancelled (watchdog_).
+  StallWatchdog::Watched watched(&watchdog_, ctx);
   const auto stalled = [&] {
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                        "the push was cancelled: nothing arrived for " + std::to_string(stall_timeout_.count()) +
+                        "the push was cancelled: nothing arrived for " + std::to_string(watchdog_.timeout().count()) +
                             " ms (a stalled push holds no memory here)");
   };
   const auto refused = [&](const Status& why) {

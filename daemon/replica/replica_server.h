@@ -23,6 +23,7 @@
 #include "common/base/mutex.h"
 #include "common/base/status.h"
 #include "daemon/replica/replica_store.h"
+#include "daemon/replica/stall_watchdog.h"
 #include "replica.grpc.pb.h"
 
 namespace flashckpt {
@@ -66,7 +67,7 @@ class ReplicaService final : public v1::Replica::Service {
   // Starts the watchdog that cancels stalled pushes (`stall_timeout`); the destructor stops it.
   ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names,
                  std::chrono::milliseconds stall_timeout = kReplicaStallTimeout);
-  ~ReplicaService() override;
+  ~ReplicaService() override = default;
   ReplicaService(const ReplicaService&) = delete;
   ReplicaService& operator=(const ReplicaService&) = delete;
 
@@ -85,16 +86,13 @@ class ReplicaService final : public v1::Replica::Service {
   uint64_t refused_calls() const { return refused_.load(); }
   uint64_t received() const { return received_.load(); }  // pushes held
   uint64_t refused_pushes() const { return refused_pushes_.load(); }  // pushes of allowed peers not held
-  uint64_t stalled_pushes() const { return stalled_.load(); }  // cancelled by the watchdog
+  uint64_t stalled_pushes() const { return watchdog_.stalled(); }  // cancelled by the watchdog
 
  private:
-  void Watchdog() EXCLUDES(mu_);
-  // A push's entry in progress_, for as long as it lives (replica_server.cc).
-  struct Watched;
   // The part of Push after its admission: receives the header and the parts into the store, watched
   // for stalls throughout; OK once the replica is held.
   grpc::Status Receive(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
-                       const std::string& peer, v1::PushReplicaResponse* response) EXCLUDES(mu_);
+                       const std::string& peer, v1::PushReplicaResponse* response);
 
   // The peer's certificate name that --replica-allow-name allows ("" without TLS), or PERMISSION_DENIED.
   grpc::Status Peer(grpc::ServerContext* ctx, std::string* name);
@@ -108,16 +106,7 @@ class ReplicaService final : public v1::Replica::Service {
   std::atomic<int> pushes_{0};
   std::atomic<uint64_t> received_{0};
   std::atomic<uint64_t> refused_pushes_{0};
-  std::atomic<uint64_t> stalled_{0};
-
-  const std::chrono::milliseconds stall_timeout_;
-  Mutex mu_;
-  CondVar cv_;  // the stop
-  bool stopping_ GUARDED_BY(mu_) = false;
-  // The pushes under way and when each last made progress; an entry lives exactly as long as its
-  // Push call, so the watchdog may cancel its context under mu_.
-  std::map<grpc::ServerContext*, std::chrono::steady_clock::time_point> progress_ GUARDED_BY(mu_);
-  std::thread watchdog_;
+  StallWatchdog watchdog_;  // the pushes under way
 };
 
 // The replica listener's metrics, in the text exposition format, for the daemon's /metrics:

@@ -11,12 +11,14 @@
 #include <cstdint>
 #include <random>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "daemon/parity/parity_code.h"
 #include "daemon/parity/parity_group.h"
 #include "daemon/parity/parity_store.h"
 #include "daemon/parity/parity_rebuild.h"
+#include "daemon/parity/parity_sender.h"
 #include "daemon/parity/parity_service.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
@@ -437,16 +439,19 @@ TEST(ParityStoreTest, AShareOverTheBudgetIsRefusedBeforeItsData) {
 // listener (loopback, real gRPC), its own ranks' images for FetchBlock.
 struct ServedMember {
   // `allow` and `hosts`: the service's allowed names and members' hosts, for a listener with TLS.
+  // `stall`: how long the service lets a push send nothing.
   ServedMember(const ParityGroup& group, uint32_t index, std::vector<std::string> allow = {},
-               std::vector<std::string> hosts = {})
+               std::vector<std::string> hosts = {}, std::chrono::milliseconds stall = kReplicaStallTimeout)
       : parity(group, index, Unbounded()),
-        service(&parity, std::move(allow), std::move(hosts),
-                [this](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
-                       int64_t) -> Result<OwnImage> {
-          auto it = images.find({job, rank, step});
-          if (it == images.end() || run_id != "run-a") return NotFound("not held");
-          return OwnImage{nullptr, reinterpret_cast<const char*>(it->second.data()), it->second.size(), {}};
-        }) {}
+        service(
+            &parity, std::move(allow), std::move(hosts),
+            [this](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
+                   int64_t) -> Result<OwnImage> {
+              auto it = images.find({job, rank, step});
+              if (it == images.end() || run_id != "run-a") return NotFound("not held");
+              return OwnImage{nullptr, reinterpret_cast<const char*>(it->second.data()), it->second.size(), {}};
+            },
+            stall) {}
   static HostMemory Unbounded() {
     return HostMemory{[](uint64_t, const std::string&) { return Status::OK(); }, [](uint64_t) {}};
   }
@@ -654,6 +659,55 @@ TEST(ParityServiceTest, AStepOnlyOneHolderListsIsNotTakenWhenOthersAnswer) {
 
 // A rollback that saves a step again (a later attempt) codes it afresh, and the later attempt's share
 // replaces the earlier one even at a lower step; a straggler of an older step never replaces a newer one.
+TEST(ParityServiceTest, APushThatStopsSendingIsCancelledAndItsShareGivenBack) {
+  // Member 0 holds stripe 0's parity; member 1 opens a push of its block there, sends the header and
+  // one part, then nothing: within the stall time the holder cancels the call, counts it, and drops
+  // the share it had begun (its memory back), so the 16 push slots cannot be held by a silent peer.
+  auto group = ParityGroup::Make(4, 1);
+  ASSERT_OK(group.status());
+  ServedMember holder(*group, 0, {}, {}, std::chrono::milliseconds(300));
+  ASSERT_OK(holder.Start());
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> image = RandomBytes(rng, 400000);
+  const ParityGroup::Range range = group->Block(image.size(), *group->BlockOfStripe(1, 0));
+
+  v1::Parity::Stub stub(holder.channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::ParityPushResponse response;
+  auto writer = stub.Push(&ctx, &response);
+  v1::ParityPart part;
+  v1::ParityHeader* h = part.mutable_header();
+  ReplicaHeaderOf(ParityStoreGroup::Meta("job", 1, 18, image.size()), h->mutable_replica());
+  h->set_member(1);
+  h->set_stripe(0);
+  h->set_position(0);
+  h->set_member_ranks(1);
+  ASSERT_TRUE(writer->Write(part));
+  part.Clear();
+  part.set_data(image.data() + range.offset, ParityStoreGroup::kPart);
+  part.set_xxh3(Xxh3(image.data() + range.offset, ParityStoreGroup::kPart));
+  ASSERT_TRUE(writer->Write(part));
+  // The header and the part have arrived once the share is being built.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (holder.parity.building_bytes() == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GT(holder.parity.building_bytes(), 0u);
+
+  const auto started = std::chrono::steady_clock::now();
+  grpc::Status finished = writer->Finish();  // waits for the holder to end the call
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_FALSE(finished.ok());
+  EXPECT_LT(waited, 10.0) << "the stalled push was not cancelled";
+  EXPECT_EQ(holder.service.blocks_stalled(), 1u);
+  EXPECT_EQ(holder.service.blocks_received(), 0u);
+  EXPECT_EQ(holder.parity.building_bytes(), 0u) << "the share the stalled push began must be given back";
+  ParitySender unstarted{ParitySender::Options{}};
+  EXPECT_NE(RenderParityMetrics(holder.parity, holder.service, unstarted).find("flashckpt_parity_pushes_stalled_total 1"),
+            std::string::npos);
+}
+
 TEST(ParityStoreTest, TheLaterAttemptThenTheLaterStepIsTheShareKept) {
   std::mt19937_64 rng(13);
   ParityStoreGroup members(4, 1);
