@@ -50,7 +50,7 @@ ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_
                               if (!stream->Read(&request)) {
                                 return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
                               }
-                              return FetchShare(ctx, request, [stream](grpc::ByteBuffer part) {
+                              return RawFetchShare(ctx, request, [stream](grpc::ByteBuffer part) {
                                 return stream->Write(std::move(part));
                               });
                             }));
@@ -61,7 +61,7 @@ ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_
                               if (!stream->Read(&request)) {
                                 return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
                               }
-                              return FetchBlock(ctx, request, [stream](grpc::ByteBuffer part) {
+                              return RawFetchBlock(ctx, request, [stream](grpc::ByteBuffer part) {
                                 return stream->Write(std::move(part));
                               });
                             }));
@@ -183,7 +183,7 @@ grpc::Status ParityService::List(grpc::ServerContext* ctx, const v1::ListSharesR
   return grpc::Status::OK;
 }
 
-grpc::Status ParityService::FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest& request,
+grpc::Status ParityService::RawFetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest& request,
                                        const PartWriter& writer) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
@@ -196,7 +196,7 @@ grpc::Status ParityService::FetchShare(grpc::ServerContext* ctx, const v1::Fetch
   return grpc::Status::OK;
 }
 
-grpc::Status ParityService::FetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest& request,
+grpc::Status ParityService::RawFetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest& request,
                                        const PartWriter& writer) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;

@@ -47,8 +47,8 @@ class ParityService final : public v1::Parity::Service {
   // FetchShare and FetchBlock are bound by hand (the constructor): their parts are written as byte
   // buffers whose data is the share's or the image's memory in place (daemon/replica/replica_wire.h).
   using PartWriter = std::function<bool(grpc::ByteBuffer)>;
-  grpc::Status FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest& request, const PartWriter& writer);
-  grpc::Status FetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest& request, const PartWriter& writer);
+  grpc::Status RawFetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest& request, const PartWriter& writer);
+  grpc::Status RawFetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest& request, const PartWriter& writer);
 
   uint64_t blocks_received() const { return received_.load(); }
   uint64_t blocks_refused() const { return refused_.load(); }
