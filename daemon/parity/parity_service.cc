@@ -76,8 +76,7 @@ grpc::Status ParityService::ActsAs(grpc::ServerContext* ctx, uint32_t member) co
   const std::string& host = member_hosts_[member];
   const std::vector<std::string> presented = PresentedNames(ctx);
   if (std::find(presented.begin(), presented.end(), host) != presented.end()) return grpc::Status::OK;
-  std::string shown;
-  for (const auto& p : presented) shown += (shown.empty() ? "" : ", ") + Clip(p);
+  const std::string shown = NamesText(presented);
   Logger("parity")->warn("parity call refused peer={} names=[{}]: not member {}'s host {}", ctx->peer(), shown, member,
                          host);
   return Refused(grpc::StatusCode::PERMISSION_DENIED, "the peer's certificate names [" + shown + "], not " + host +

@@ -99,6 +99,12 @@ std::vector<std::string> PresentedNames(grpc::ServerContext* ctx) {
   return presented;
 }
 
+std::string NamesText(const std::vector<std::string>& names) {
+  std::string shown;
+  for (const auto& name : names) shown += (shown.empty() ? "" : ", ") + Clip(name);
+  return shown;
+}
+
 grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string>& allow_names, std::string* name) {
   name->clear();
   if (allow_names.empty()) return grpc::Status::OK;  // loopback without TLS (CheckReplicaConfig)
@@ -109,8 +115,7 @@ grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string
       return grpc::Status::OK;
     }
   }
-  std::string shown;
-  for (const auto& p : presented) shown += (shown.empty() ? "" : ", ") + Clip(p);
+  const std::string shown = NamesText(presented);
   Logger("replica")->warn("replica call refused peer={} names=[{}]: not among --replica-allow-name", ctx->peer(),
                           shown);
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,

@@ -61,6 +61,8 @@ grpc::Status AllowedPeer(grpc::ServerContext* ctx, const std::vector<std::string
 // Every name the calling peer's certificate presents (its common name and subject alternative
 // names, IP addresses as text); none without TLS.
 std::vector<std::string> PresentedNames(grpc::ServerContext* ctx);
+// Those names as a log line or an error shows them: "a, b", each clipped.
+std::string NamesText(const std::vector<std::string>& names);
 
 class ReplicaService final : public v1::Replica::Service {
  public:
