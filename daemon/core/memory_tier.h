@@ -54,7 +54,9 @@ class MemoryTier {
   // without it (peer_fetch.cc). The fetch takes at most half the time left to `deadline`.
   // Only a replica that continues the job's lineage here is used (ContinuesLineage); one that does
   // not is logged with a MEMORY_FALLBACK event "replica ... not used: <why>". A replica never
-  // beats a step held here, in memory or as the newest complete checkpoint on disk.
+  // beats a step held here, in memory or as the newest complete checkpoint on disk. One fetch per
+  // rank runs at a time: a second call (the resume plan's and the rank's own restore) waits for the
+  // first, within its deadline, then looks at what the rank holds now.
   void FetchPeerReplica(const std::string& job, uint32_t rank, std::chrono::steady_clock::time_point deadline,
                         int64_t step = 0) EXCLUDES(c_.mu_);
   // The lineage a job is on at this daemon, for FetchPeerReplica: the run of its newest complete
@@ -114,6 +116,11 @@ class MemoryTier {
 
  private:
   Core& c_;
+  // The ranks whose peer fetch or parity rebuild is under way (FetchPeerReplica). A leaf lock,
+  // never held across the fetch.
+  Mutex fetching_mu_;
+  CondVar fetching_cv_;
+  std::set<std::pair<std::string, uint32_t>> fetching_ GUARDED_BY(fetching_mu_);
 };
 
 }  // namespace flashckpt

@@ -480,6 +480,28 @@ Status MemoryTier::ContinuesLineage(const std::string& job, const ReplicaMeta& m
 void MemoryTier::FetchPeerReplica(const std::string& job, uint32_t rank_id, std::chrono::steady_clock::time_point deadline,
                                   int64_t wanted) {
   if (!c_.sender_ && !c_.parity_) return;
+  // One at a time per rank: the rank's memory, and the peers' bandwidth, go to one fetch; a second
+  // caller then finds what the first brought in (LookAtRank) and fetches nothing more.
+  const std::pair<std::string, uint32_t> key{job, rank_id};
+  {
+    MutexLock lock(&fetching_mu_);
+    while (fetching_.count(key) != 0) {
+      if (c_.clock_.Now() >= deadline) return;  // the restore goes on without it
+      fetching_cv_.WaitFor(&lock, std::chrono::milliseconds(50));
+    }
+    fetching_.insert(key);
+  }
+  struct Done {
+    MemoryTier* tier;
+    const std::pair<std::string, uint32_t>& key;
+    ~Done() {
+      {
+        MutexLock lock(&tier->fetching_mu_);
+        tier->fetching_.erase(key);
+      }
+      tier->fetching_cv_.NotifyAll();
+    }
+  } done{this, key};
   RankHere here = LookAtRank(c_, job, rank_id, wanted);
   if (!here.segment) return;
   // The lineage the job is on here: the run of its newest complete checkpoint on disk and the runs

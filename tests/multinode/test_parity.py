@@ -14,7 +14,7 @@ For G members and M parity (4 and 1, then 6 and 2), with 2 ranks per node:
      flags, nothing in memory), and every rank resumes the latest (--resume, no step given): step
      17, the lost nodes' ranks rebuilt from the survivors' blocks and parity (from=parity), the
      others from their memory, every element checked against the simulator's formula. Each rebuild
-     is told by a parity-rebuilt event in the replacement daemon's log.
+     is told by a parity-rebuilt event in the replacement daemon's log, once per rank.
 
 Needs root (namespaces, mounts, a bridge): otherwise it prints why and exits 77 (ctest: skipped).
 
@@ -193,8 +193,10 @@ def lose_and_rebuild(group, lost):
         daemon_log = group.daemon_logs[i]
         text = open(daemon_log, errors="replace").read()
         rebuilt = re.findall(r"parity rebuilt job=%s rank=(\d+) step=17 " % re.escape(group.job), text)
-        check(sorted(set(int(r) for r in rebuilt)) == [i * PER_NODE + k for k in range(PER_NODE)],
-              "node%d's replacement did not log a rebuild of each of its ranks:\n%s" % (i, tail(daemon_log)))
+        # Once each: the resume plan's fetch and the rank's own restore do not both rebuild it.
+        check(sorted(int(r) for r in rebuilt) == [i * PER_NODE + k for k in range(PER_NODE)],
+              "node%d's replacement did not log exactly one rebuild of each of its ranks (%s):\n%s" %
+              (i, rebuilt, tail(daemon_log)))
     log("%d members, parity %d: nodes %s lost; all %d ranks resumed step 17 bit-exact, the lost nodes' ranks "
         "rebuilt from the others' blocks and parity" % (group.members, group.parity, lost, group.world))
 
