@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "common/format/checksum.h"
-#include "common/base/log.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_wire.h"
 #include "replica.grpc.pb.h"
@@ -66,15 +65,7 @@ Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const ch
   // The parts are lent to gRPC, not copied: as PushReplica, this returns only once gRPC has let go
   // of every one (declared before the call, the wait comes after the call is released).
   auto loans = SliceLoans::Make();
-  struct Returned {
-    SliceLoans& loans;
-    ~Returned() {
-      if (!loans.WaitReturned(std::chrono::steady_clock::now() + std::chrono::seconds(10))) {
-        Logger("parity")->error("parity push: gRPC still holds {} parts of the sender's memory after the call",
-                                loans.outstanding());
-      }
-    }
-  } returned{*loans};
+  LoansReturned returned(*loans, "parity", "parity push");
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   if (context) context(&ctx);

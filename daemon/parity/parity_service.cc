@@ -30,6 +30,22 @@ bool StreamParts(const ParityService::PartWriter& write, const char* data, uint6
   return true;
 }
 
+// The handler of a fetch bound by hand: its request read first, then `fetch` writes the parts.
+template <typename Request>
+grpc::internal::MethodHandler* FetchHandler(ParityService* service,
+                                            grpc::Status (ParityService::*fetch)(grpc::ServerContext*, const Request&,
+                                                                                 const ParityService::PartWriter&)) {
+  return new grpc::internal::SplitServerStreamingHandler<Request, grpc::ByteBuffer>(
+      [service, fetch](grpc::ServerContext* ctx, grpc::ServerSplitStreamer<Request, grpc::ByteBuffer>* stream) {
+        Request request;
+        if (!stream->Read(&request)) {
+          return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
+        }
+        return (service->*fetch)(ctx, request,
+                                 [stream](grpc::ByteBuffer part) { return stream->Write(std::move(part)); });
+      });
+}
+
 }  // namespace
 
 ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_names,
@@ -43,35 +59,15 @@ ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_
   // FetchShare and FetchBlock (methods 2 and 3 of flashckpt.v1.Parity, the order of replica.proto)
   // write their parts as byte buffers, bound by hand as ReplicaService binds Fetch: one request
   // read first, then the parts written.
-  MarkMethodStreamed(2, new grpc::internal::SplitServerStreamingHandler<v1::FetchShareRequest, grpc::ByteBuffer>(
-                            [this](grpc::ServerContext* ctx,
-                                   grpc::ServerSplitStreamer<v1::FetchShareRequest, grpc::ByteBuffer>* stream) {
-                              v1::FetchShareRequest request;
-                              if (!stream->Read(&request)) {
-                                return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
-                              }
-                              return RawFetchShare(ctx, request, [stream](grpc::ByteBuffer part) {
-                                return stream->Write(std::move(part));
-                              });
-                            }));
-  MarkMethodStreamed(3, new grpc::internal::SplitServerStreamingHandler<v1::FetchBlockRequest, grpc::ByteBuffer>(
-                            [this](grpc::ServerContext* ctx,
-                                   grpc::ServerSplitStreamer<v1::FetchBlockRequest, grpc::ByteBuffer>* stream) {
-                              v1::FetchBlockRequest request;
-                              if (!stream->Read(&request)) {
-                                return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");
-                              }
-                              return RawFetchBlock(ctx, request, [stream](grpc::ByteBuffer part) {
-                                return stream->Write(std::move(part));
-                              });
-                            }));
+  MarkMethodStreamed(2, FetchHandler(this, &ParityService::RawFetchShare));
+  MarkMethodStreamed(3, FetchHandler(this, &ParityService::RawFetchBlock));
 }
 
 grpc::Status ParityService::ActsAs(grpc::ServerContext* ctx, uint32_t member) const {
   if (allow_names_.empty()) return grpc::Status::OK;  // loopback without TLS: one host, no names to tell apart
   if (member >= member_hosts_.size()) {
-    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "member " + std::to_string(member) + " of a group of " +
-                                                           std::to_string(member_hosts_.size()));
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT,
+                   "member " + std::to_string(member) + " of a group of " + std::to_string(member_hosts_.size()));
   }
   const std::string& host = member_hosts_[member];
   const std::vector<std::string> presented = PresentedNames(ctx);
@@ -183,7 +179,7 @@ grpc::Status ParityService::List(grpc::ServerContext* ctx, const v1::ListSharesR
 }
 
 grpc::Status ParityService::RawFetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest& request,
-                                       const PartWriter& writer) {
+                                          const PartWriter& writer) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
   auto share = store_->Find(request.job(), request.position(), request.stripe(), request.step());
@@ -196,18 +192,18 @@ grpc::Status ParityService::RawFetchShare(grpc::ServerContext* ctx, const v1::Fe
 }
 
 grpc::Status ParityService::RawFetchBlock(grpc::ServerContext* ctx, const v1::FetchBlockRequest& request,
-                                       const PartWriter& writer) {
+                                          const PartWriter& writer) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
   const ParityGroup& group = store_->group();
   if (request.stripe() >= group.members()) {
-    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "stripe " + std::to_string(request.stripe()) +
-                                                           " of a group of " + std::to_string(group.members()));
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT,
+                   "stripe " + std::to_string(request.stripe()) + " of a group of " + std::to_string(group.members()));
   }
   std::optional<uint32_t> block = group.BlockOfStripe(store_->self(), request.stripe());
   if (!block) {
-    return Refused(grpc::StatusCode::INVALID_ARGUMENT, "this member holds parity of stripe " +
-                                                           std::to_string(request.stripe()) + ", not data");
+    return Refused(grpc::StatusCode::INVALID_ARGUMENT,
+                   "this member holds parity of stripe " + std::to_string(request.stripe()) + ", not data");
   }
   auto image = own_(request.job(), request.rank(), request.step(), request.run_id(), request.resumed_from());
   if (!image.ok()) return ToGrpc(image.status());

@@ -104,15 +104,7 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
   // the call is released (a failed call's unsent parts go with it); a dead call no longer reads
   // them, so the wait is bounded, and a slice given back later finds `loans` alive.
   auto loans = SliceLoans::Make();
-  struct Returned {
-    SliceLoans& loans;
-    ~Returned() {
-      if (!loans.WaitReturned(std::chrono::steady_clock::now() + std::chrono::seconds(10))) {
-        Logger("replica")->error("replica push: gRPC still holds {} parts of the sender's memory after the call",
-                                 loans.outstanding());
-      }
-    }
-  } returned{*loans};
+  LoansReturned returned(*loans, "replica", "replica push");
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   struct Published {

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/base/log.h"
+
 namespace flashckpt {
 
 namespace {
@@ -160,6 +162,13 @@ grpc::Slice SliceOwnedBy(const char* data, size_t n, std::shared_ptr<const void>
       const_cast<char*>(data), n, [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }, held);
 }
 
+LoansReturned::~LoansReturned() {
+  if (!loans_.WaitReturned(std::chrono::steady_clock::now() + std::chrono::seconds(10))) {
+    Logger(logger_)->error("{}: gRPC still holds {} parts of the sender's memory after the call", what_,
+                           loans_.outstanding());
+  }
+}
+
 grpc::ByteBuffer DataPartBuffer(grpc::Slice data, uint64_t xxh3) {
   char head[11];
   size_t h = 0;
@@ -182,7 +191,7 @@ grpc::ByteBuffer MessageBuffer(const google::protobuf::Message& message) {
 }
 
 std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> OpenRawPush(grpc::Channel* channel, grpc::ClientContext* ctx,
-                                                                   v1::PushReplicaResponse* response) {
+                                                                  v1::PushReplicaResponse* response) {
   // The method as the generated stub names it (Replica::Stub's rpcmethod_Push_).
   static const grpc::internal::RpcMethod method("/flashckpt.v1.Replica/Push",
                                                 grpc::internal::RpcMethod::CLIENT_STREAMING);
@@ -191,7 +200,7 @@ std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> OpenRawPush(grpc::Channel*
 }
 
 std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> OpenRawFetch(grpc::Channel* channel, grpc::ClientContext* ctx,
-                                                                    const v1::FetchReplicaRequest& request) {
+                                                                   const v1::FetchReplicaRequest& request) {
   static const grpc::internal::RpcMethod method("/flashckpt.v1.Replica/Fetch",
                                                 grpc::internal::RpcMethod::SERVER_STREAMING);
   return std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>>(

@@ -81,6 +81,23 @@ class SliceLoans : public std::enable_shared_from_this<SliceLoans> {
   uint64_t outstanding_ GUARDED_BY(mu_) = 0;
 };
 
+// Waits in its destructor, at most 10 s, for every slice of `loans` to come back, and logs under
+// `logger` ("<what>: gRPC still holds N parts ...") when some did not. Declared before a call's
+// context, the wait comes after the call is released (a failed call's unsent parts go with it).
+class LoansReturned {
+ public:
+  LoansReturned(SliceLoans& loans, const char* logger, const char* what)
+      : loans_(loans), logger_(logger), what_(what) {}
+  ~LoansReturned();
+  LoansReturned(const LoansReturned&) = delete;
+  LoansReturned& operator=(const LoansReturned&) = delete;
+
+ private:
+  SliceLoans& loans_;
+  const char* logger_;
+  const char* what_;
+};
+
 // A slice of `n` bytes at `data` that gRPC sends without copying, keeping `owner` (what holds the
 // memory) alive until gRPC lets go of it.
 grpc::Slice SliceOwnedBy(const char* data, size_t n, std::shared_ptr<const void> owner);
@@ -92,10 +109,10 @@ grpc::ByteBuffer MessageBuffer(const google::protobuf::Message& message);
 
 // The client's side of Push with byte buffers (the generated stub's, with ByteBuffer for ReplicaPart).
 std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> OpenRawPush(grpc::Channel* channel, grpc::ClientContext* ctx,
-                                                                   v1::PushReplicaResponse* response);
+                                                                  v1::PushReplicaResponse* response);
 
 // The client's side of Fetch, reading the parts as byte buffers.
 std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> OpenRawFetch(grpc::Channel* channel, grpc::ClientContext* ctx,
-                                                                    const v1::FetchReplicaRequest& request);
+                                                                   const v1::FetchReplicaRequest& request);
 
 }  // namespace flashckpt
