@@ -702,6 +702,11 @@ TEST(ParityServiceTest, APushThatStopsSendingIsCancelledAndItsShareGivenBack) {
   EXPECT_LT(waited, 10.0) << "the stalled push was not cancelled";
   EXPECT_EQ(holder.service.blocks_stalled(), 1u);
   EXPECT_EQ(holder.service.blocks_received(), 0u);
+  // The caller hears of the cancel as the holder's call is still returning: the share goes with it.
+  const auto returned_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (holder.parity.building_bytes() != 0 && std::chrono::steady_clock::now() < returned_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(holder.parity.building_bytes(), 0u) << "the share the stalled push began must be given back";
   ParitySender unstarted{ParitySender::Options{}};
   EXPECT_NE(RenderParityMetrics(holder.parity, holder.service, unstarted).find("flashckpt_parity_pushes_stalled_total 1"),
