@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <functional>
 
@@ -134,19 +137,104 @@ Result<std::optional<std::vector<std::string>>> ListDirIfExists(const std::strin
   return std::optional<std::vector<std::string>>();
 }
 
-std::string TemporaryPath(const std::string& final_path) {
-  static std::atomic<uint64_t> counter{0};
-  return final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+namespace {
+
+// FNV-1a, 64 bits: enough to tell places apart in a name (not a checksum, nothing trusts it).
+uint64_t Fnv1a(std::string_view text, uint64_t h = 0xcbf29ce484222325ull) {
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  return h;
 }
 
-long TemporaryOwner(const std::string& name) {
+std::string PlaceOf(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%012llx", static_cast<unsigned long long>(h & 0xffffffffffffull));
+  return buf;
+}
+
+std::string ComputeTemporaryPlace() {
+  std::string boot;
+  {
+    UniqueFd fd(::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC));
+    char buf[64];
+    ssize_t n = fd.get() >= 0 ? ::read(fd.get(), buf, sizeof buf) : -1;
+    if (n > 0) boot.assign(buf, static_cast<size_t>(n));
+  }
+  char ns[64];
+  ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns);
+  if (!boot.empty() && n > 0) return PlaceOf(Fnv1a(std::string_view(ns, static_cast<size_t>(n)), Fnv1a(boot)));
+  uint64_t random = 0;
+  if (::getrandom(&random, sizeof random, 0) != static_cast<ssize_t>(sizeof random)) {
+    random = Fnv1a(std::to_string(::getpid()) + "." + std::to_string(::time(nullptr)));
+  }
+  return PlaceOf(random);
+}
+
+// Whether /proc shows this process's PID namespace (a pid read from a name means the process /proc
+// shows under it): not so in a PID namespace entered without mounting its own /proc.
+bool ProcShowsThisPidNamespace() {
+  char buf[32];
+  ssize_t n = ::readlink("/proc/self", buf, sizeof buf - 1);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  return std::strtol(buf, nullptr, 10) == static_cast<long>(::getpid());
+}
+
+bool IsHexPlace(std::string_view s) {
+  return s.size() == 12 && std::all_of(s.begin(), s.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
+}
+
+bool IsDecimal(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+}  // namespace
+
+std::string TemporaryPlace() {
+  // Computed again in a child (another pid): it may have entered another PID namespace.
+  struct Cache {
+    Mutex mu;
+    pid_t computed_for GUARDED_BY(mu) = 0;
+    std::string place GUARDED_BY(mu);
+  };
+  static Cache* cache = new Cache;  // never destroyed: writes may run during exit
+  const pid_t self = ::getpid();
+  MutexLock lock(&cache->mu);
+  if (cache->computed_for != self) {
+    cache->place = ComputeTemporaryPlace();
+    cache->computed_for = self;
+  }
+  return cache->place;
+}
+
+std::string TemporaryPath(const std::string& final_path) {
+  static std::atomic<uint64_t> counter{0};
+  return final_path + ".tmp." + std::to_string(::getpid()) + "." + TemporaryPlace() + "." +
+         std::to_string(counter++);
+}
+
+std::optional<TemporaryWriter> TemporaryOwner(const std::string& name) {
   auto pos = name.rfind(".tmp.");
-  if (pos == std::string::npos) return 0;
-  const char* p = name.c_str() + pos + 5;
-  char* end = nullptr;
-  long pid = std::strtol(p, &end, 10);
-  if (end == p || *end != '.' || pid <= 0) return 0;
-  return pid;
+  if (pos == std::string::npos) return std::nullopt;
+  std::string_view rest = std::string_view(name).substr(pos + 5);
+  std::vector<std::string_view> fields;
+  for (size_t start = 0;;) {
+    size_t dot = rest.find('.', start);
+    fields.push_back(rest.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start));
+    if (dot == std::string_view::npos) break;
+    start = dot + 1;
+  }
+  const bool newer = fields.size() == 3 && IsHexPlace(fields[1]);
+  if (!(newer || fields.size() == 2) || !IsDecimal(fields.front()) || !IsDecimal(fields.back()) ||
+      fields.front().size() > 10) {
+    return std::nullopt;
+  }
+  TemporaryWriter writer;
+  writer.pid = std::strtol(std::string(fields.front()).c_str(), nullptr, 10);
+  if (writer.pid <= 0) return std::nullopt;
+  if (newer) writer.place = std::string(fields[1]);
+  return writer;
 }
 
 namespace {
@@ -191,8 +279,10 @@ std::vector<std::string> RemoveStaleTemporaries(const std::string& dir, const st
                                                 IoEnv* io) {
   std::vector<std::string> removed;
   for (const auto& name : names) {
-    const long owner = TemporaryOwner(name);
-    if (owner == 0 || owner == ::getpid() || IsTemporaryWriterAlive(owner)) continue;
+    const std::optional<TemporaryWriter> owner = TemporaryOwner(name);
+    if (!owner || (!owner->place.empty() && owner->place != TemporaryPlace())) continue;  // another node's
+    if (!ProcShowsThisPidNamespace()) continue;  // its pid cannot be looked up here
+    if (owner->pid == ::getpid() || IsTemporaryWriterAlive(owner->pid)) continue;
     const std::string path = dir + "/" + name;
     if (io->Unlink(path) == 0) removed.push_back(path);
   }
@@ -201,7 +291,7 @@ std::vector<std::string> RemoveStaleTemporaries(const std::string& dir, const st
 
 namespace {
 
-// The durable sequence around `write`: create <name>.tmp.<pid>.<n> with `flags`, let `write` fill
+// The durable sequence around `write`: create TemporaryPath(<name>) with `flags`, let `write` fill
 // it, fdatasync, rename over <name>, fsync(dir); the temporary is removed on failure. `*direct_refused`
 // is set (and nothing else done) when `flags` holds O_DIRECT and the file system refuses it.
 template <typename Write>

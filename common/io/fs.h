@@ -135,11 +135,23 @@ Status WriteImagesDurably(const std::string& dir, const std::vector<ImageWrite>&
                           const ImageWriteHooks& hooks, std::vector<std::string>* renamed,
                           IoEnv* io = IoEnv::Default());
 
-// "<path>.tmp.<pid>.<n>": the temporary a durable write fills and renames over <path>.
+// "<path>.tmp.<pid>.<place>.<n>": the temporary a durable write fills and renames over <path>.
+// <place> (TemporaryPlace) names the PID namespace and boot the process runs in, so writers on
+// different nodes or in different containers that share a checkpoint root, and have the same pid
+// there (every daemon is pid 1 of its container), never name the same temporary.
 std::string TemporaryPath(const std::string& final_path);
-// The pid in the name of such a temporary ("model_state....safetensors.tmp.4242.7"); 0 when
-// `name` is not one. A restarted daemon removes those whose process is gone.
-long TemporaryOwner(const std::string& name);
+// This process's <place>: 12 hex digits of a hash of the kernel's boot id and this process's PID
+// namespace; random (and then this process's own) when they cannot be read. Computed once per
+// process (again in a forked child).
+std::string TemporaryPlace();
+// The writer a temporary's name records: its pid and place ("model_state....safetensors.tmp.1.
+// 3fa81c09e2d4.7"); place is empty in a name of the older form "<path>.tmp.<pid>.<n>".
+struct TemporaryWriter {
+  long pid = 0;
+  std::string place;
+};
+// The writer of `name`; nothing when `name` is not such a temporary.
+std::optional<TemporaryWriter> TemporaryOwner(const std::string& name);
 // Whether process `pid` may still be filling a temporary it named: it exists, is not a zombie (a
 // process that exited and was not yet reaped writes nothing more), and runs a program that writes
 // checkpoint files: flashckptd, the flashckpt command (an offline reshard), or this process's own
@@ -147,7 +159,9 @@ long TemporaryOwner(const std::string& name);
 // forever. A process that exists but whose /proc entry cannot be read (hidepid) counts as alive.
 bool IsTemporaryWriterAlive(long pid);
 // Removes those of `names` (entries of `dir`) that are temporaries of a process other than this
-// one that is not alive (IsTemporaryWriterAlive); returns the paths it removed.
+// one that is not alive (IsTemporaryWriterAlive); returns the paths it removed. Only a writer of
+// this process's place can be judged, and only when /proc shows this PID namespace: a temporary of
+// another node or container (another place) is never removed, as its pid means nothing here.
 std::vector<std::string> RemoveStaleTemporaries(const std::string& dir, const std::vector<std::string>& names,
                                                 IoEnv* io = IoEnv::Default());
 

@@ -39,8 +39,9 @@ class Recovery {
   void PublishAdopted(const StateDir::Adoptable& record, const Registration& reg,
                       const std::shared_ptr<RankSegment>& segment, std::vector<AdoptedCommit> pending,
                       const std::vector<int64_t>& memory_steps) EXCLUDES(c_.mu_);
-  // Removes `<name>.tmp.<pid>.<n>` files left in the job's checkpoint directories by writers that
-  // are gone (a zombie or a pid another program reuses counts as gone: IsTemporaryWriterAlive).
+  // Removes the temporaries (TemporaryPath) this node's writers left in the job's checkpoint
+  // directories and that are gone (a zombie or a pid another program reuses counts as gone:
+  // IsTemporaryWriterAlive); another node's are left alone (RemoveStaleTemporaries).
   void RemoveStaleTemporaries(const std::string& job);
 
  private:

@@ -114,7 +114,7 @@ Result<std::optional<std::string>> Leases::LiveHolder(const std::string& job, in
   for (const auto& name : *names) {
     // A lease being written (WriteFileDurably's temporary) is not one yet: its holder renames it
     // into place, or removes it.
-    if (name.rfind(prefix, 0) != 0 || TemporaryOwner(name) != 0) continue;
+    if (name.rfind(prefix, 0) != 0 || TemporaryOwner(name).has_value()) continue;
     const std::string path = dir + "/" + name;
     auto text = ReadSmallFile(path, 4096, io_);
     if (!text.ok() && text.status().code() == StatusCode::kNotFound) continue;  // dropped meanwhile

@@ -5,17 +5,20 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -225,9 +228,12 @@ TEST(WriteImagesDurably, RemovesItsTemporariesOnFailure) {
   std::filesystem::remove_all(dir);
 }
 
-// A temporary named after `pid` in `dir`, as a durable write of that process names it.
-std::string TemporaryOf(const testing::TempDir& dir, pid_t pid) {
-  const std::string name = "model_state.tp00_pp00_shard00.safetensors.tmp." + std::to_string(pid) + ".0";
+// A temporary named after `pid` in `dir`, as a durable write of that process names it (of this
+// process's place unless `place` is given; "" for the older form without one).
+std::string TemporaryOf(const testing::TempDir& dir, pid_t pid, std::optional<std::string> place = std::nullopt) {
+  const std::string at = place ? *place : TemporaryPlace();
+  const std::string name = "model_state.tp00_pp00_shard00.safetensors.tmp." + std::to_string(pid) + "." +
+                           (at.empty() ? "" : at + ".") + "0";
   UniqueFd fd(::open(dir.File(name).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
   EXPECT_GE(fd.get(), 0) << name;
   return name;
@@ -298,6 +304,90 @@ TEST(RemoveStaleTemporaries, RemovesATemporaryWhosePidAnotherProgramHolds) {
   EXPECT_FALSE(PathExists(dir.File(name)));
   ::kill(child, SIGKILL);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+}
+
+// A reaped child's pid: no process has it (until the kernel hands it out again, which takes a
+// full turn of the pid space).
+pid_t GonePid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  EXPECT_GT(child, 0);
+  EXPECT_EQ(::waitpid(child, nullptr, 0), child);
+  return child;
+}
+
+// Nodes (or containers) that share a root may run their daemons under the same pid (pid 1 of each
+// container): the pid means nothing to another node, whose temporaries are never judged by it.
+TEST(RemoveStaleTemporaries, LeavesATemporaryOfAnotherPlaceAloneAndJudgesTheOlderForm) {
+  testing::TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const pid_t gone = GonePid();
+  const std::string other = TemporaryOf(dir, gone, std::string("0123456789ab"));
+  const std::string here = TemporaryOf(dir, gone);
+  const std::string older = TemporaryOf(dir, gone, std::string());
+  ASSERT_NE(TemporaryPlace(), "0123456789ab");
+  auto owner = TemporaryOwner(other);
+  ASSERT_TRUE(owner.has_value());
+  EXPECT_EQ(owner->pid, gone);
+  EXPECT_EQ(owner->place, "0123456789ab");
+  ASSERT_TRUE(TemporaryOwner(older).has_value());
+  EXPECT_EQ(TemporaryOwner(older)->place, "");
+  EXPECT_FALSE(TemporaryOwner("LATEST").has_value());
+  EXPECT_FALSE(TemporaryOwner("a.tmp.12.zz.3").has_value()) << "not a place";
+  EXPECT_FALSE(TemporaryOwner("a.tmp.12.").has_value());
+
+  std::vector<std::string> removed = RemoveStaleTemporaries(dir.path(), {other, here, older});
+  std::sort(removed.begin(), removed.end());
+  std::vector<std::string> expected{dir.File(here), dir.File(older)};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removed, expected);
+  EXPECT_TRUE(PathExists(dir.File(other))) << "another node's temporary stays";
+}
+
+// What each of two processes in new PID namespaces (both pid 1 there, as daemons in containers)
+// names its first temporary of one path, and its pid; empty when namespaces cannot be made here.
+std::vector<std::pair<std::string, std::string>> TemporariesOfTwoPidOnes(const std::string& path) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (int i = 0; i < 2; ++i) {
+    int fds[2];
+    if (::pipe(fds) != 0) return {};
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::close(fds[0]);
+      if (::unshare(CLONE_NEWPID) != 0) ::_exit(77);
+      const pid_t inner = ::fork();  // pid 1 of the new namespace
+      if (inner == 0) {
+        const std::string line = std::to_string(::getpid()) + " " + TemporaryPath(path);
+        ::_exit(::write(fds[1], line.data(), line.size()) == static_cast<ssize_t>(line.size()) ? 0 : 1);
+      }
+      int status = 0;
+      ::_exit(inner > 0 && ::waitpid(inner, &status, 0) == inner && WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+    }
+    ::close(fds[1]);
+    std::string line;
+    char buf[512];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) line.append(buf, static_cast<size_t>(n));
+    ::close(fds[0]);
+    int status = 0;
+    if (child < 0 || ::waitpid(child, &status, 0) != child || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      return {};
+    }
+    const size_t space = line.find(' ');
+    if (space == std::string::npos) return {};
+    out.emplace_back(line.substr(0, space), line.substr(space + 1));
+  }
+  return out;
+}
+
+TEST(TemporaryPath, DiffersBetweenProcessesOfTheSamePidInTwoPidNamespaces) {
+  (void)TemporaryPath("/x/warm");  // the parent's place is computed before the forks: each child's is its own
+  auto names = TemporariesOfTwoPidOnes("/root/job/checkpoint-2/metadata.json");
+  if (names.empty()) GTEST_SKIP() << "cannot make PID namespaces here (needs root)";
+  ASSERT_EQ(names.size(), 2u);
+  EXPECT_EQ(names[0].first, "1");
+  EXPECT_EQ(names[1].first, "1");
+  EXPECT_NE(names[0].second, names[1].second) << "two daemons, both pid 1, would write the same temporary";
+  EXPECT_EQ(TemporaryOwner(names[0].second.substr(names[0].second.rfind('/') + 1))->pid, 1);
 }
 
 // Paths read from a checkpoint or an import directory are untrusted: a FIFO (which would block an

@@ -312,7 +312,7 @@ def lease_of(root, job, step, node):
     except FileNotFoundError:
         return None
     prefix = "checkpoint-%d.%s." % (step, node)
-    # Not a lease being written (WriteFileDurably's temporary "<name>.tmp.<pid>.<n>"): it protects nothing yet.
+    # Not a lease being written (WriteFileDurably's temporary "<name>.tmp.<pid>.<place>.<n>"): it protects nothing yet.
     return next((os.path.join(d, n) for n in names if n.startswith(prefix) and ".tmp." not in n), None)
 
 
