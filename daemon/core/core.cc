@@ -61,6 +61,18 @@ std::set<int64_t> Core::BusyStepsLocked(const std::string& job) const {
   return busy;
 }
 
+bool Core::HoldsEveryRankLocked(const std::string& job, uint32_t world_size) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end() || world_size == 0) return false;
+  // The ranks are kept in order: those below world_size are the first ones.
+  uint32_t held = 0;
+  for (const auto& [rank, state] : it->second.ranks) {
+    if (rank >= world_size) break;
+    ++held;
+  }
+  return held == world_size;
+}
+
 Result<RankState*> Core::RankOf(const std::string& session_id, bool need_segment) {
   if (stopping_) return Unavailable(kStoppingMessage);
   auto it = sessions_.find(session_id);

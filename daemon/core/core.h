@@ -85,6 +85,8 @@ class Core {
   std::set<int64_t> BusyStepsLocked(const std::string& job) const REQUIRES(mu_);
   // Looks up the rank of a live session; the caller holds mu_.
   Result<RankState*> RankOf(const std::string& session_id, bool need_segment) REQUIRES(mu_);
+  // Whether all `world_size` ranks of `job` are registered here: no other daemon writes its steps.
+  bool HoldsEveryRankLocked(const std::string& job, uint32_t world_size) const REQUIRES(mu_);
   // The rank a WaitPersisted waits on. Unlike RankOf it answers while the daemon is stopping, as the
   // stop still finishes the writes in flight; once the stop is done with them (stopped_ranks_),
   // `*final` is set and the rank's record is the one the stop left.

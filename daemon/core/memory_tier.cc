@@ -201,6 +201,7 @@ Result<uint32_t> MemoryTier::PersistMemoryStep(const std::string& name, int64_t 
     // Signalled in the attempt of the process that took it, as its own disk saves are.
     PersistRequest request = c_.save->MakePersistRequest(name, p.rank, rank->session_id, rank->process, p.resident->world_size,
                                                 p.resident->attempt, p.segment, p.ticket, step, p.resident->extra);
+    request.sole_writer = c_.HoldsEveryRankLocked(name, p.resident->world_size);
     if (Status submitted = c_.writer_->Submit(std::move(request)); !submitted.ok()) {
       (void)c_.Slots(*p.segment).Release(p.ticket, SlotState::kPersisting);
       c_.Mirror(*p.segment, p.ticket.slot);

@@ -55,14 +55,14 @@ Status MemoryStepNotWritten(int64_t step) {
 }
 
 // What a trainer is told about a failed save of `step`: the writer's code (kResourceExhausted for a
-// full disk) and message (the call, the file, the errno text), and what happened and what to do.
+// full disk) and message (the call, the file, the errno text, what became of this rank's files),
+// and what to do.
 Status SaveFailed(const std::string& job, int64_t step, const Status& cause, const std::string& root) {
   std::string advice = cause.code() == StatusCode::kResourceExhausted
                            ? "; free space under " + root + " (or run with --keep N) and save again"
                            : "";
   return Status(cause.code(), "saving step " + std::to_string(step) + " of job '" + job + "' failed: " +
-                                  cause.message() + "; this rank's partial files of the step were removed, " +
-                                  "earlier checkpoints are untouched" + advice);
+                                  cause.message() + "; earlier checkpoints are untouched" + advice);
 }
 
 // A persist's outcome in the rank's record: its counts, its newest persisted step, or the step's

@@ -281,6 +281,7 @@ Status SavePath::Commit(const std::string& session_id, const SlotTicket& ticket,
     job.request = MakePersistRequest(who.job, who.rank, session_id, rank->process, rank->topology.world_size,
                                      rank->attempt(), segment, ticket, step, std::move(extra), job.resident);
     job.request.committed_ms = c_.clock_.WallMs();
+    job.request.sole_writer = c_.HoldsEveryRankLocked(who.job, rank->topology.world_size);
   }
   return SendOnLocked(c_, std::move(job));
 }

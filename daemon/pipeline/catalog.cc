@@ -415,6 +415,28 @@ Result<bool> Catalog::MaybeComplete(const std::string& job, int64_t step, uint32
   return true;
 }
 
+Result<std::optional<size_t>> Catalog::RemoveUnlessComplete(const std::string& job, int64_t step,
+                                                            const std::vector<std::string>& names) {
+  MutexLock lock(&JobMutex(job));
+  ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+  if (complete) return std::optional<size_t>();
+  const std::string dir = CheckpointDir(job, step);
+  size_t removed = 0;
+  Status failed;
+  for (const std::string& name : names) {
+    if (io_->Unlink(dir + "/" + name) == 0) {
+      ++removed;
+    } else if (errno != ENOENT) {
+      // The rest stay: a file that is listed by a signal still there must not go before it.
+      failed = ErrnoStatus("unlink", dir + "/" + name);
+      break;
+    }
+  }
+  (void)FsyncDir(dir, io_);  // best effort: the removals need not be durable to be correct
+  RETURN_IF_ERROR(failed);
+  return std::optional<size_t>(removed);
+}
+
 Result<std::vector<int64_t>> Catalog::CompleteSignalledSteps(const std::string& job,
                                                              const std::vector<Attempt>& attempts, size_t max_steps) {
   RETURN_IF_ERROR(ValidateJobName(job));

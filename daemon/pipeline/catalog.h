@@ -100,6 +100,13 @@ class Catalog {
   // `loop` (optional): reads the signals and the files' headers on its threads.
   Result<bool> MaybeComplete(const std::string& job, int64_t step, uint32_t world_size, const Attempt& attempt,
                              std::map<uint32_t, Signal>* mixed = nullptr, ParallelLoop* loop = nullptr);
+  // Removes `names` (files of step `step` of `job`, in order, stopping at the first that cannot be
+  // removed) unless the step is complete; returns
+  // how many it removed, or that it kept them (nothing) because metadata.json is there. Under the
+  // job's lock, so this daemon's MaybeComplete never builds metadata.json from files that go
+  // meanwhile; another daemon's completion is not excluded (the writer's caller decides).
+  Result<std::optional<size_t>> RemoveUnlessComplete(const std::string& job, int64_t step,
+                                                     const std::vector<std::string>& names);
   // The sweep: completes the steps among the newest `max_steps` step directories of `job` that are
   // not complete but hold the signals of all their ranks, of one attempt (the signals' world_size
   // says how many: older signals that do not record it are left to the daemon that wrote them).

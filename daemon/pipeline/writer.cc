@@ -115,35 +115,29 @@ void Writer::Run() {
   }
 }
 
-namespace {
-
-// Removes the files one failed attempt of a rank put under their final names, the signal first (it
-// was written last), so the directory never claims more than it holds. A directory that became
-// complete (metadata.json present) is left alone: its files belong to a checkpoint now.
-void RemoveAttemptFiles(const PersistRequest& req, const std::string& dir, const std::vector<std::string>& written,
-                        IoEnv* io) {
-  if (written.empty()) return;
-  auto complete = Exists(dir + "/metadata.json", io);
-  if (!complete.ok() || *complete) {  // cannot tell: keeping files is safe, removing a checkpoint's is not
-    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} reason={}", req.job, req.step,
-                           req.rank, complete.ok() ? "complete" : complete.status().ToString());
-    return;
+std::string Writer::DisposeAttemptFiles(const PersistRequest& req, const std::vector<std::string>& written) {
+  if (written.empty()) return "no file of this rank was left in place";
+  // The signal is written last: once it is in place, the attempt is published.
+  const bool published = written.back() == SignalFileName(req.rank);
+  if (published && !req.sole_writer) {
+    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} files={}: its signal was in place and "
+                           "other daemons' ranks share the step, so one of them may be completing it with them",
+                           req.job, req.step, req.rank, written.size());
+    return "this rank's files of the step were kept (its signal was in place and other daemons' ranks share the "
+           "step: one may complete it with them, or the sweep will)";
   }
-  size_t removed = 0;
-  for (auto it = written.rbegin(); it != written.rend(); ++it) {
-    std::string path = dir + "/" + *it;
-    if (io->Unlink(path) == 0) {
-      ++removed;
-    } else if (errno != ENOENT) {
-      Logger("writer")->error("cleanup failed job={} step={} rank={} error=\"{}\"", req.job, req.step, req.rank,
-                              ErrnoStatus("unlink", path).ToString());
-    }
+  std::vector<std::string> newest_first(written.rbegin(), written.rend());
+  auto removed = catalog_->RemoveUnlessComplete(req.job, req.step, newest_first);
+  if (!removed.ok() || !removed->has_value()) {  // cannot tell, or complete: its files belong to a checkpoint
+    const std::string why = removed.ok() ? "the step is complete" : removed.status().ToString();
+    Logger("writer")->warn("kept files of failed persist job={} step={} rank={} reason=\"{}\"", req.job, req.step,
+                           req.rank, why);
+    return "this rank's files of the step were kept (" + why + ")";
   }
-  (void)FsyncDir(dir, io);  // best effort: the removals need not be durable to be correct
-  Logger("writer")->warn("removed partial files job={} step={} rank={} files={}", req.job, req.step, req.rank, removed);
+  Logger("writer")->warn("removed partial files job={} step={} rank={} files={}", req.job, req.step, req.rank,
+                         **removed);
+  return "this rank's partial files of the step were removed";
 }
-
-}  // namespace
 
 std::vector<Writer::Check> Writer::LeavePendingLocked(const PersistRequest& req, bool wrote) {
   Check own{req.attempt, req.world_size, req.mixed};
@@ -179,6 +173,7 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
   uint64_t bytes = 0;
   Status wrote;
   Result<bool> complete = false;
+  std::string disposed;  // what became of a failed attempt's files
   {
     // Retention leaves the directory alone while this rank writes into it and until it has tried
     // to complete it: another step's completion would otherwise count it as an incomplete
@@ -197,7 +192,7 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
       checks.push_back(Check{req.attempt, req.world_size, req.mixed});
     }
     // A failed write's files go before any check could count them.
-    if (!wrote.ok()) RemoveAttemptFiles(req, dir, written, &env_);
+    if (!wrote.ok()) disposed = DisposeAttemptFiles(req, written);
     for (const Check& check : checks) {
       // The thread's I/O loop is idle now: it reads the other files' headers if this completes.
       std::map<uint32_t, Signal> mixed;
@@ -220,14 +215,14 @@ Result<uint64_t> Writer::PersistOne(const PersistRequest& req, ParallelLoop* io,
     // Only a failure the cancellation caused is an abandoned write (kept for the next daemon); a
     // full disk or a failed copy near the deadline is a failure like any other.
     if (env_.cancelled() && wrote.code() == StatusCode::kCancelled) {
-      return Cancelled("abandoned at the daemon's stop timeout: " + wrote.message() +
-                       "; its temporaries and partial files were removed");
+      return Cancelled("abandoned at the daemon's stop timeout: " + wrote.message() + "; " + disposed);
     }
-    return wrote;
+    return Status(wrote.code(), wrote.message() + "; " + disposed);
   }
   if (!complete.ok()) {
-    RemoveAttemptFiles(req, dir, written, &env_);
-    return complete.status().WithContext("completing checkpoint " + dir);
+    disposed = DisposeAttemptFiles(req, written);
+    return Status(complete.status().code(),
+                  "completing checkpoint " + dir + ": " + complete.status().message() + "; " + disposed);
   }
   return bytes;
 }

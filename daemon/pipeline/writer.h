@@ -50,6 +50,10 @@ struct PersistRequest {
   // waiting at most `copy_timeout` for each. Null: the slot is complete.
   const SlotHeader* header = nullptr;
   std::chrono::milliseconds copy_timeout{120000};
+  // Whether this daemon holds every rank of the job (world_size of them registered here): then no
+  // other daemon can complete the step, and a failed attempt's files may go even after its signal
+  // was put in place (Writer::DisposeAttemptFiles).
+  bool sole_writer = false;
   // Called on a writer thread, before `done`, when this rank's signal was the step's last one
   // missing but the signals are of several attempts (Catalog::MaybeComplete's `mixed`).
   std::function<void(const std::map<uint32_t, Signal>& signals)> mixed;
@@ -126,6 +130,13 @@ class Writer {
   // written signal goes unchecked.
   std::vector<Check> LeavePending(const PersistRequest& request, bool wrote) EXCLUDES(mu_);
   std::vector<Check> LeavePendingLocked(const PersistRequest& request, bool wrote) REQUIRES(mu_);
+  // What a failed attempt does with the files it put under their final names (`written`, in the
+  // order written, the signal last), and what its error says of them. Before the signal is in
+  // place no daemon counts them: they are removed, newest first. Once it is, a daemon writing the
+  // step's last signal may be building metadata.json from them: they are removed only when this
+  // daemon holds every rank (`sole_writer`; the job's lock keeps its own completion out), and kept
+  // otherwise, for another daemon's completion or the sweep. A complete step's files always stay.
+  std::string DisposeAttemptFiles(const PersistRequest& request, const std::vector<std::string>& written);
   // Writes the rank's files and then its signal; `written` collects the names now in place, and
   // `signal` receives the signal written.
   Status WriteRankFiles(const PersistRequest& request, const std::string& dir, ParallelLoop* io,

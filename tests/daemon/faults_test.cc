@@ -606,5 +606,57 @@ TEST_F(FaultsTest, FatalPersistErrorsAlsoFailACommitOfASlotTakenBeforeTheFailure
   d->CloseSession(*session);
 }
 
+// Two daemons share a root, each with one rank of a job. The one whose rank signals last fails to
+// complete the step (its metadata renames fail): its rank's files were in place, signal included,
+// and a daemon with another rank of the step may be building metadata.json from them at that very
+// moment. So they stay, the error says so, and the other daemon's sweep completes the step.
+TEST_F(FaultsTest, AFailedCompletionOfAStepSharedWithAnotherDaemonKeepsTheRanksFiles) {
+  InProcessDaemon other("flashckpt-faults-other");
+  ASSERT_OK(other.Start([&](DaemonConfig& c) {
+    c.root = d_.root();
+    c.node_name = "other";
+    c.sweep_interval = 100ms;
+  }));
+  const uint64_t n = 1000;
+  auto start = [&](const InProcessDaemon& d, uint32_t rank) {
+    Trainer t;
+    t.client = d.Connect("shared", rank);
+    if (!t.client) return t;
+    Topology topo;
+    topo.world_size = 2;
+    topo.shard_rank = rank;
+    topo.shard_degree = 2;
+    EXPECT_OK(t.client->Register(topo, ModelAndMomentSpecs(n)));
+    t.w.resize(n);
+    t.m.resize(n);
+    t.bufs = {{"w", t.w.data(), n * 4}, {"w.exp_avg", t.m.data(), n * 4}};
+    return t;
+  };
+  Trainer zero = start(other, 0), one = start(d_, 1);
+  ASSERT_TRUE(zero.client && one.client);
+  ASSERT_OK(zero.Save(1));
+  EXPECT_FALSE(PathExists(StepDir("shared", 1) + "/metadata.json")) << "rank 1 has not saved yet";
+
+  io_.FailEvery(Op::kRename, EIO, "metadata");
+  Status s = one.Save(1);
+  ASSERT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
+  EXPECT_TRUE(Contains(s.message(), "completing checkpoint " + StepDir("shared", 1))) << s.message();
+  EXPECT_TRUE(Contains(s.message(), "this rank's files of the step were kept")) << s.message();
+  EXPECT_TRUE(PathExists(StepDir("shared", 1) + "/saved_signal_1"));
+  EXPECT_TRUE(PathExists(StepDir("shared", 1) + "/model_state.tp00_pp00_shard01.safetensors"));
+  EXPECT_TRUE(PathExists(StepDir("shared", 1) + "/optimizer.tp00_pp00_shard01.safetensors"));
+
+  // The other daemon's sweep (every 100 ms) completes the step with them.
+  for (auto deadline = Clock::now() + 10s;
+       !PathExists(StepDir("shared", 1) + "/metadata.json") && Clock::now() < deadline;) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(PathExists(StepDir("shared", 1) + "/metadata.json")) << "the sweep did not complete the step";
+  EXPECT_OK(VerifyCheckpointDir(StepDir("shared", 1), nullptr));
+  io_.Clear();
+  zero.client.reset();
+  other.Stop();
+}
+
 }  // namespace
 }  // namespace flashckpt
