@@ -127,8 +127,10 @@ void AddExportCommand(CLI::App& app, CommandLine& cl) {
   cl.exp->add_option("src", cl.dir, "The complete checkpoint directory to read")->required();
   cl.exp->add_option("dst", cl.dst, "A new (or empty) directory for model.safetensors (or shards and their index)")
       ->required();
-  cl.exp->add_option("--weights", cl.weights, "model: the model weights; ema: the EMA, under the parameters' names")
-      ->check(CLI::IsMember({"model", "ema"}))
+  cl.exp->add_option("--weights", cl.weights,
+                     "model: the model weights; ema: the EMA, under the parameters' names; optimizer: the "
+                     "training state")
+      ->check(CLI::IsMember({"model", "ema", "optimizer"}))
       ->capture_default_str();
   cl.exp->add_option("--dtype", cl.dtype, "Convert fp32/bf16/fp16 tensors to this dtype (default: as saved)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));

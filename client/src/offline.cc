@@ -567,10 +567,12 @@ Status ExportCheckpoint(const std::string& dir, const std::string& out_dir, cons
   ExportReport local;
   if (report == nullptr) report = &local;
   *report = ExportReport{};
-  if (options.weights != "model" && options.weights != "ema") {
-    return InvalidArgument("weights must be 'model' or 'ema', got '" + options.weights + "'");
+  if (options.weights != "model" && options.weights != "ema" && options.weights != "optimizer") {
+    return InvalidArgument("weights must be 'model', 'ema' or 'optimizer', got '" + options.weights + "'");
   }
-  const TensorKind kind = options.weights == "ema" ? TensorKind::kEma : TensorKind::kModel;
+  const TensorKind kind = options.weights == "ema"         ? TensorKind::kEma
+                          : options.weights == "optimizer" ? TensorKind::kOptimizer
+                                                           : TensorKind::kModel;
   bool convert = false;
   DType to = DType::kF32;
   if (!ParseExportDType(options.dtype, &convert, &to)) return InvalidArgument("dtype must be fp32, bf16 or fp16, got '" + options.dtype + "'");

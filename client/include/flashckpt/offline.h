@@ -14,7 +14,8 @@
 namespace flashckpt {
 
 struct ExportOptions {
-  // "model": the model weights; "ema": the EMA tensors, under their parameters' names.
+  // "model": the model weights; "ema": the EMA tensors, under their parameters' names; "optimizer":
+  // the training state (optimizer moments, step counters), merged like the weights.
   std::string weights = "model";
   // "" keeps each tensor's saved dtype; "fp32", "bf16" or "fp16" converts the floating-point
   // tensors (fp32, bf16, fp16; narrowing rounds to nearest even). Other dtypes are kept.

@@ -17,7 +17,8 @@ def export(checkpoint_dir: Union[str, os.PathLike[str]], out_dir: Union[str, os.
     out_dir: created, or an empty directory. It gets model.safetensors, or, when the tensors pass
       max_shard_size, model-0000K-of-0000N.safetensors and model.safetensors.index.json; each file
       appears (atomic rename) only when complete, the index last.
-    weights: "model" (the model weights) or "ema" (the EMA, under its parameters' names).
+    weights: "model" (the model weights), "ema" (the EMA, under its parameters' names) or "optimizer"
+      (the training state: optimizer moments and step counters).
     dtype: None keeps the saved dtypes; "fp32", "bf16" or "fp16" converts the floating-point
       tensors (rounding to nearest even).
     max_shard_size: most tensor bytes per file, an int or a size string ("5GB", "500MiB"; K/M/G are
@@ -30,8 +31,8 @@ def export(checkpoint_dir: Union[str, os.PathLike[str]], out_dir: Union[str, os.
     """
     if dtype is not None and dtype not in ("fp32", "bf16", "fp16"):
         raise ValueError("dtype must be None, 'fp32', 'bf16' or 'fp16', got %r" % (dtype,))
-    if weights not in ("model", "ema"):
-        raise ValueError("weights must be 'model' or 'ema', got %r" % (weights,))
+    if weights not in ("model", "ema", "optimizer"):
+        raise ValueError("weights must be 'model', 'ema' or 'optimizer', got %r" % (weights,))
     tensors, nbytes, files, index = _flashckpt.export_checkpoint(
         os.fspath(checkpoint_dir), os.fspath(out_dir), weights, dtype or "", str(max_shard_size), strip_prefix,
         int(threads))
