@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages flashckpt builds and tests with, then makes the Python environment of
-# the torch 2 tests and benchmarks (see torch2_venv below). Idempotent: quiet when all is present.
+# the torch 2 and Paddle tests and benchmarks (see torch2_venv below). Idempotent: quiet when all is present.
 set -euo pipefail
 
 PACKAGES=(
@@ -36,10 +36,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The torch 2 environment: a virtual environment of /usr/bin/python3 (the Python the extension
-# module is built for; not a python3 that comes first on PATH) with the pinned packages of
-# client/python/requirements-torch2.txt, from PyPI. The tests that need it (tests/python/
-# CMakeLists.txt: FLASHCKPT_TORCH2_PYTHON) run with its python.
+# The torch 2 environment (PaddlePaddle's too): a virtual environment of /usr/bin/python3 (the
+# Python the extension module is built for; not a python3 that comes first on PATH) with the pinned
+# packages of client/python/requirements-torch2.txt, from PyPI. The tests that need it
+# (tests/python/CMakeLists.txt: FLASHCKPT_TORCH2_PYTHON) run with its python.
 # - An environment whose stamp holds the sha256 of the requirements file is taken as it is: no pip.
 # - Any other is brought to the file from a folder of wheels (FLASHCKPT_WHEELS), which `pip download`
 #   fills and never downloads into twice: a run that stopped half way, a changed pin or a deleted
