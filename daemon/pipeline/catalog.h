@@ -132,8 +132,8 @@ class Catalog {
   // Retention for `job` with `keep` (> 0) complete checkpoints kept: deletes every complete
   // checkpoint older than the newest `keep` complete ones, and every incomplete directory older
   // than the oldest kept complete one, except steps in use (Use). Never deletes the newest complete
-  // checkpoint. A directory is first renamed to a hidden `.deleting-checkpoint-<step>.<pid>` (so
-  // no reader ever sees half of it), then removed. Returns the deleted steps, oldest first.
+  // checkpoint. A directory is first renamed to a hidden
+  // `.deleting-checkpoint-<step>.<pid>.<place>` (so no reader ever sees half of it), then removed. Returns the deleted steps, oldest first.
   // Serialized with completion per job; blocks for the removals.
   Result<std::vector<int64_t>> ApplyRetention(const std::string& job, uint32_t keep);
 

@@ -188,7 +188,10 @@ Status Catalog::DeleteStepLocked(const std::string& job, int64_t step, const std
   // Crash-safe order: the directory is renamed to a hidden name in one step (no reader sees half
   // a checkpoint under its own name), then metadata.json goes first (a leftover of a crash here is
   // never complete, even if renamed back), then the rest.
-  std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid());
+  // Named after this process and its place (TemporaryPlace): daemons of other nodes sharing the root
+  // may have the same pid, and one's clearing below must not remove another's deletion in progress.
+  std::string hidden = JobDir(job) + "/.deleting-" + CheckpointDirName(step) + "." + std::to_string(::getpid()) +
+                       "." + TemporaryPlace();
   Status cleared = RemoveTree(hidden);  // a leftover of an interrupted deletion would block the rename
   auto hid = cleared.ok() ? HideUnlessInUse(job, step, busy, hidden) : Result<bool>(cleared);
   if (hid.ok() && !*hid) {
