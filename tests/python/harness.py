@@ -14,6 +14,7 @@ checkout), and FLASHCKPT_TEST_KEEP=1 keeps the temp dir for a look after a failu
 import glob
 import importlib.util
 import itertools
+import json
 import multiprocessing
 import os
 import runpy
@@ -49,6 +50,19 @@ def rendezvous(tmp):
     group uses (a FileStore). A TCP port picked free and then bound by rank 0 could be taken in
     between by a test running beside this one (EADDRINUSE)."""
     return "file://" + os.path.join(tmp, "rendezvous-%d-%d" % (os.getpid(), next(_rendezvous_count)))
+
+
+def read_loss_log(path):
+    """{step: loss} of a trainer's --log file (one JSON line per step: examples/train_mlp.py,
+    train_paddle.py); a last line cut by a kill is not a step."""
+    losses = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.endswith("\n"):
+                    r = json.loads(line)
+                    losses[r["step"]] = r["loss"]
+    return losses
 
 
 def wait_for(pred, timeout, what, poll=0.02):

@@ -46,17 +46,6 @@ EXAMPLE = os.path.join(harness.REPO, "examples", "train_paddle.py")
 SUMMARY_KEYS = ("params_sha256", "ema_sha256", "eval_loss", "ema_eval_loss", "ema_step", "lr")
 
 
-def read_log(path):
-    losses = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):  # a line cut by the kill is not a step
-                    r = json.loads(line)
-                    losses[r["step"]] = r["loss"]
-    return losses
-
-
 def load_example():
     """examples/train_paddle.py as a module (its model, optimizer and data)."""
     import importlib.util
@@ -106,7 +95,7 @@ class PaddleCheckpointerTest(unittest.TestCase):
         job_a, job_b = self.daemon.job(tag + "ref"), self.daemon.job(tag + "killed")
         ref_proc, ref_log = self.trainer(job_a, tag + "reference", memory=memory)
         ref = self.finish(ref_proc, tag + "reference")
-        ref_losses = read_log(ref_log)
+        ref_losses = harness.read_loss_log(ref_log)
         self.assertEqual(sorted(ref_losses), list(range(1, STEPS + 1)))
         self.assertIsNone(ref["resumed_step"])
 
@@ -116,12 +105,12 @@ class PaddleCheckpointerTest(unittest.TestCase):
         def due():
             if victim.poll() is not None:
                 raise AssertionError("the trainer exited (%s) before the kill" % victim.returncode)
-            logged = read_log(victim_log)
+            logged = harness.read_loss_log(victim_log)
             return (memory or os.path.exists(latest)) and logged and max(logged) >= kill_after
         harness.wait_for(due, 90, "step %d" % kill_after, poll=0.002)
         victim.send_signal(signal.SIGKILL)
         self.assertEqual(victim.wait(timeout=10), -signal.SIGKILL)
-        killed_losses = read_log(victim_log)
+        killed_losses = harness.read_loss_log(victim_log)
         killed_at = max(killed_losses)
         self.assertLess(killed_at, STEPS)
 
@@ -130,7 +119,7 @@ class PaddleCheckpointerTest(unittest.TestCase):
         start, tier = resumed["resumed_step"], resumed["resumed_tier"]
         print("killed at step %d, resumed step %s from %s" % (killed_at, start, tier), flush=True)
         self.assertIsNotNone(start)
-        resumed_losses = read_log(resumed_log)
+        resumed_losses = harness.read_loss_log(resumed_log)
         self.assertEqual(sorted(resumed_losses), list(range(start + 1, STEPS + 1)))
         for step, loss in sorted(killed_losses.items()):
             self.assertEqual(loss, ref_losses[step], "killed run, step %d" % step)

@@ -32,17 +32,6 @@ MEMORY_SAVE_EVERY = 20  # with a memory checkpoint at every step in between
 EXAMPLE = os.path.join(harness.REPO, "examples", "train_mlp.py")
 
 
-def read_log(path):
-    losses = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):  # a line cut by the kill is not a step
-                    r = json.loads(line)
-                    losses[r["step"]] = r["loss"]
-    return losses
-
-
 class ResumeAfterSigkillTest(unittest.TestCase):
     def setUp(self):
         self.daemon = harness.Daemon().__enter__()
@@ -83,7 +72,7 @@ class ResumeAfterSigkillTest(unittest.TestCase):
     def check_identical(self, ref, ref_losses, killed_losses, resumed, resumed_log, keys):
         """The killed and the resumed run logged exactly the reference's losses, and ended alike."""
         start = resumed["resumed_step"]
-        resumed_losses = read_log(resumed_log)
+        resumed_losses = harness.read_loss_log(resumed_log)
         self.assertEqual(sorted(resumed_losses), list(range(start + 1, STEPS + 1)))
         for step, loss in sorted(killed_losses.items()):
             self.assertEqual(loss, ref_losses[step], "killed run, step %d" % step)
@@ -100,7 +89,7 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         job_a, job_b = self.daemon.job("ref"), self.daemon.job("killed")
         ref_proc, ref_log, _ = self.trainer(job_a, "reference")
         ref = self.finish(ref_proc, "reference")
-        ref_losses = read_log(ref_log)
+        ref_losses = harness.read_loss_log(ref_log)
         self.assertEqual(sorted(ref_losses), list(range(1, STEPS + 1)))
         self.assertIsNone(ref["resumed_step"])
 
@@ -110,12 +99,12 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         def due():
             if victim.poll() is not None:
                 raise AssertionError("the trainer exited (%s) before the kill" % victim.returncode)
-            logged = read_log(victim_log)
+            logged = harness.read_loss_log(victim_log)
             return os.path.exists(latest) and logged and max(logged) >= kill_after
         harness.wait_for(due, 60, "step %d and a complete checkpoint" % kill_after, poll=0.002)
         victim.send_signal(signal.SIGKILL)
         self.assertEqual(victim.wait(timeout=10), -signal.SIGKILL)
-        killed_losses = read_log(victim_log)
+        killed_losses = harness.read_loss_log(victim_log)
         killed_at = max(killed_losses)
         with open(latest) as f:
             print("killed at step %d; LATEST=%s" % (killed_at, f.read().strip()), flush=True)
@@ -142,7 +131,7 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         job_a, job_b = self.daemon.job("mref"), self.daemon.job("mkilled")
         ref_proc, ref_log, _ = self.trainer(job_a, "mreference", memory=True)
         ref = self.finish(ref_proc, "mreference")
-        ref_losses = read_log(ref_log)
+        ref_losses = harness.read_loss_log(ref_log)
         self.assertEqual(sorted(ref_losses), list(range(1, STEPS + 1)))
 
         victim, victim_log, _ = self.trainer(job_b, "mvictim", step_delay=0.01, memory=True)
@@ -150,12 +139,12 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         def due():
             if victim.poll() is not None:
                 raise AssertionError("the trainer exited (%s) before the kill" % victim.returncode)
-            logged = read_log(victim_log)
+            logged = harness.read_loss_log(victim_log)
             return logged and max(logged) >= kill_after
         harness.wait_for(due, 60, "step %d" % kill_after, poll=0.002)
         victim.send_signal(signal.SIGKILL)
         self.assertEqual(victim.wait(timeout=10), -signal.SIGKILL)
-        killed_losses = read_log(victim_log)
+        killed_losses = harness.read_loss_log(victim_log)
         killed_at = max(killed_losses)
         with open(os.path.join(self.daemon.job_dir(job_b), "LATEST")) as f:
             disk = f.read().strip()
