@@ -15,10 +15,15 @@
 #include "client/src/wire.h"
 #include "proto/convert.h"
 #include "common/base/cuda_info.h"
+#include "common/base/log.h"
 #include "common/base/status.h"
 
 namespace flashckpt {
 namespace {
+
+double MsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
 
 #if FLASHCKPT_HAVE_CUDA
 // Device tensors are copied in pieces of this size, each with its own event: the daemon may write
@@ -314,10 +319,14 @@ Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopyi
   // The host tensors are in place; the device ones from the first chunk on are not.
   header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
                              std::memory_order_release);
+  const auto started = std::chrono::steady_clock::now();
   Status pinned = device.PinSlots(Slot(0), slot_stride, slot_count);
+  const double pin_ms = MsSince(started);
   Result<std::vector<CudaEvent>> events =
       pinned.ok() ? device.CopyAfter(static_cast<cudaStream_t>(cuda_stream), chunks, /*event_each=*/true)
                   : Result<std::vector<CudaEvent>>(pinned);
+  Logger("client")->debug("device copies queued step={} chunks={} pin_ms={:.3f} queue_ms={:.3f}", commit.step,
+                          chunks.size(), pin_ms, MsSince(started) - pin_ms);
   if (!events.ok()) {
     AbortSlot(commit.session_id, commit.slot);
     return events.status().WithContext("copying the device tensors of step " + std::to_string(commit.step));
@@ -348,6 +357,9 @@ Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopyi
 Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
                                         const SnapshotOptions& options) {
   RETURN_IF_ERROR(impl_->Usable());
+  // Where the caller's time goes, at debug level: checks, the BeginSnapshot call, host copies,
+  // queueing the device copies.
+  const auto started = std::chrono::steady_clock::now();
   const bool memory = options.tier == Tier::kMemory;
   if (memory && !options.persist) {
     return InvalidArgument("a memory checkpoint (tier kMemory) holds every tensor: persist=false is for EMA-only "
@@ -359,6 +371,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, selection));
   // Device memory this process cannot copy is refused before a slot is taken.
   RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());
+  const double checks_ms = MsSince(started);
 
   v1::BeginSnapshotResponse begun;
   RETURN_IF_ERROR(impl_->WithSession([&] {
@@ -369,6 +382,7 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   }));
   const SlotLoan slot = SlotLoanOf(begun);
   if (slot.slot >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
+  const double begin_ms = MsSince(started) - checks_ms;
   // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
   ASSIGN_OR_RETURN(matched, impl_->Match(buffers, selection));
   Result<std::vector<bool>> on_device = DeviceMask(BuffersOf(matched));
@@ -394,8 +408,15 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
 #endif
     tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
   }
+  const double before_copy_ms = MsSince(started);
   ParallelCopy(impl_->copier.get(), tasks);
   impl_->PopulateInBackground();
+  const double host_copy_ms = MsSince(started) - before_copy_ms;
+
+  auto trace = [&](const char* last) {
+    Logger("client")->debug("snapshot step={} checks_ms={:.3f} begin_ms={:.3f} host_copy_ms={:.3f} {}_ms={:.3f}", step,
+                            checks_ms, begin_ms, host_copy_ms, last, MsSince(started) - before_copy_ms - host_copy_ms);
+  };
 
   SnapshotHandle handle;
   handle.step_ = step;
@@ -403,10 +424,12 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   if (!from_device.empty()) {
     ASSIGN_OR_RETURN(handle.progress_,
                      impl_->CommitWhileCopying(std::move(commit), base, std::move(from_device), options.cuda_stream));
+    trace("device_queue");
     return handle;
   }
 #endif
   RETURN_IF_ERROR(impl_->Note(impl_->SendCommit(commit)));
+  trace("commit");
   return handle;
 }
 
