@@ -15,6 +15,12 @@ prints the eval loss of the final and the EMA weights, the time the loop was blo
 what torch.save of the same state takes. --log writes one JSON line per step ({"step", "loss"} with
 the loss as float.hex), --summary a JSON summary; --step-delay slows the loop down so that a demo
 or a test can kill it mid-run.
+
+--device cuda trains on the GPU (the Checkpointer copies device tensors straight into the daemon's
+pinned memory); --hidden and --depth size the model (2048 and 6 give about 240 MiB of weights and
+AdamW moments). The summary reports the mean and median step time (a save's copies are waited for
+by the next optimizer.step()); a run with --save-every above --steps and --no-ema is the same loop
+without saving.
 """
 
 import argparse
@@ -34,7 +40,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "python"))
 from flashckpt.torch import Checkpointer  # noqa: E402
 
-FEATURES, HIDDEN, CLASSES = 32, 128, 10
+FEATURES, CLASSES = 32, 10
 BATCH, TRAIN_SAMPLES, EVAL_SAMPLES = 64, 8192, 2048
 
 
@@ -56,11 +62,12 @@ def batch_at(train, pos, seed):
     return train[0][idx], train[1][idx]
 
 
-def make_model():
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.GELU(), torch.nn.Dropout(0.1),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(), torch.nn.Dropout(0.1),
-        torch.nn.Linear(HIDDEN, CLASSES))
+def make_model(hidden, depth):
+    """`depth` hidden layers of `hidden` units (GELU, dropout) between the inputs and the classes."""
+    layers = [torch.nn.Linear(FEATURES, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1)]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, CLASSES))
 
 
 @torch.no_grad()
@@ -75,7 +82,7 @@ def digest(state):
     h = hashlib.sha256()
     for k in sorted(state):
         h.update(k.encode())
-        h.update(state[k].detach().contiguous().numpy().tobytes())
+        h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -104,6 +111,9 @@ def main():
                    help="a memory checkpoint (kept by the daemon, never written) every N steps between the "
                         "saves; a restart resumes from the newest one")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (deterministic kernels)")
+    p.add_argument("--hidden", type=int, default=128, help="units per hidden layer")
+    p.add_argument("--depth", type=int, default=2, help="hidden layers")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--log", help="append one JSON line per step here")
     p.add_argument("--summary", help="write a JSON summary here at the end")
@@ -114,9 +124,16 @@ def main():
     args = p.parse_args()
 
     torch.set_num_threads(1)  # deterministic and fast enough on a small machine
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        # The same losses on every run of the same steps: cuBLAS with a fixed workspace, and no
+        # kernel that sums in a varying order (warn, rather than fail, where torch has none).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
     train, held_out = make_data(1234)
-    model = make_model()
+    held_out = (held_out[0].to(device), held_out[1].to(device))
+    model = make_model(args.hidden, args.depth).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job,
                       ema_decay=None if args.no_ema else args.ema_decay, ema_interval=args.ema_every,
@@ -131,9 +148,12 @@ def main():
     log = open(args.log, "a") if args.log else None
     losses = {}
     persist_blocked = []
+    step_secs = []
     last_saved = None
     for step in range((start or 0) + 1, args.steps + 1):
+        step_began = time.perf_counter()
         x, y = batch_at(train, pos, args.seed)
+        x, y = x.to(device), y.to(device)
         pos += BATCH
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
@@ -148,7 +168,8 @@ def main():
             ck.save(step, extra={"data_pos": pos}, tier="memory")
         elif step % args.ema_every == 0 and not args.no_ema:
             ck.save(step, persist=False, loss=loss.item())
-        losses[step] = loss.item()
+        losses[step] = loss.item()  # waits for the step's kernels
+        step_secs.append(time.perf_counter() - step_began)
         if log:
             log.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
             log.flush()
@@ -178,11 +199,15 @@ def main():
         "ema_step": ck.ema_step, "saves": ck.saves, "persisted_saves": len(persist_blocked),
         "blocked_ms_total": ck.blocked_seconds * 1e3,
         "blocked_ms_per_persisted_save": statistics.mean(persist_blocked) * 1e3 if persist_blocked else None,
-        "torch_save_ms": torch_save * 1e3,
+        "torch_save_ms": torch_save * 1e3, "device": args.device,
+        "step_ms_mean": statistics.mean(step_secs) * 1e3 if step_secs else None,
+        "step_ms_median": statistics.median(step_secs) * 1e3 if step_secs else None,
         "state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())
         + sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
               if torch.is_tensor(t)),
         "params_sha256": digest(model.state_dict()), "ema_sha256": digest(ema),
+        "optimizer_sha256": digest({"state.%d.%s" % (i, field): v for i, p in enumerate(model.parameters())
+                                    for field, v in optimizer.state[p].items() if torch.is_tensor(v)}),
     }
     print("eval loss: final weights %.6f, EMA weights (decay %g, step %s) %.6f"
           % (summary["eval_loss"], args.ema_decay, ck.ema_step, summary["ema_eval_loss"]))
@@ -191,6 +216,9 @@ def main():
               "torch.save of the same state (%.2f MiB): %.2f ms"
               % (summary["blocked_ms_per_persisted_save"], summary["blocked_ms_total"], ck.saves,
                  summary["state_bytes"] / 2**20, summary["torch_save_ms"]))
+    if step_secs:
+        print("step time: mean %.2f ms, median %.2f ms over %d steps (%d saves)"
+              % (summary["step_ms_mean"], summary["step_ms_median"], len(step_secs), ck.saves))
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f, indent=1)

@@ -33,8 +33,11 @@ EXAMPLE = os.path.join(harness.REPO, "examples", "train_mlp.py")
 
 
 class ResumeAfterSigkillTest(unittest.TestCase):
+    TRAINER_ARGS = []  # the model and device (test_torch_cuda_sigkill: a larger model on the GPU)
+    MAX_HOST_MEMORY = "1GiB"
+
     def setUp(self):
-        self.daemon = harness.Daemon().__enter__()
+        self.daemon = harness.Daemon(max_host_memory=self.MAX_HOST_MEMORY).__enter__()
         self.procs = []
 
     def tearDown(self):
@@ -50,7 +53,7 @@ class ResumeAfterSigkillTest(unittest.TestCase):
         out = open(os.path.join(self.daemon.tmp, name + ".out"), "wb")
         env = dict(os.environ, PYTHONPATH=harness.PYTHON_DIR)
         cmd = [sys.executable, EXAMPLE, "--socket", self.daemon.socket, "--job", job, "--steps", str(STEPS),
-               "--quiet", "--log", log, "--summary", summary, "--step-delay", str(step_delay)]
+               "--quiet", "--log", log, "--summary", summary, "--step-delay", str(step_delay)] + self.TRAINER_ARGS
         if memory:
             cmd += ["--save-every", str(MEMORY_SAVE_EVERY), "--memory-every", "1"]
         else:
