@@ -2,7 +2,7 @@
 """One state, four checkpoint systems, one machine: flashckpt against torch.distributed.checkpoint's
 async_save, DLRover's Flash Checkpoint and torch.save + fsync.
 
-    bench/peers_bench.py --bin-dir DIR --python-dir DIR [--gib 1.1] [--rounds 5] [--dir DIR]
+    bench/peers_bench.py --bin-dir DIR --python-dir DIR [--gib 1.1] [--rounds 5] [--dir DIR] [--device cuda]
 
 Run it with the torch 2 environment's python (scripts/deps.sh: torch, dlrover). The state is an MLP
 of 4096 x 4096 fp32 layers with AdamW's two moments after one step (three times the parameter bytes,
@@ -44,6 +44,12 @@ the command line --standalone uses (python -m dlrover.python.master.main --platf
 points dlrover-run at it (DLROVER_MASTER_ADDR): the same processes as --standalone.
 dcp uses async_save with DCP's default stager (the same stager for both saves); pinned memory
 staging only where CUDA is available.
+
+--device cuda puts the state in GPU memory (the trainer's and the restarted process's). flashckpt's
+blocking_ms then includes wait_copied(), the wait for the device-to-host copies into the daemon's
+pinned slot (the training loop must not update the weights before it); save() alone is on the INFO
+line (save_call_ms). DCP's stager copies into pinned memory, torch.save writes from device tensors,
+and every resume loads into device tensors.
 """
 
 import argparse
@@ -63,11 +69,11 @@ LAYER = 4096  # 4096 x 4096 fp32 = 64 MiB per layer
 PEERS = ("flashckpt", "dcp", "dlrover", "torch_save")
 
 
-def build(layers, seed):
+def build(layers, seed, device="cpu"):
     """An MLP and AdamW after one step with seeded gradients: every tensor's value depends on `seed`."""
     import torch
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -80,9 +86,9 @@ def build(layers, seed):
 def digest(model, optimizer):
     h = hashlib.sha1()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(p.detach().cpu().numpy().tobytes())
         for field in ("step", "exp_avg", "exp_avg_sq"):
-            h.update(optimizer.state[p][field].numpy().tobytes())
+            h.update(optimizer.state[p][field].cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -117,7 +123,7 @@ def train(args):
     then measured); returns what it measured."""
     import torch
     torch.set_num_threads(1)
-    model, optimizer = build(args.layers, 1000 + args.round)
+    model, optimizer = build(args.layers, 1000 + args.round, args.device)
     out = {"digest": digest(model, optimizer)}
     step = 10 * (args.round + 1)  # the warm-up; the measured save is step + 1
     where = os.path.join(args.work, args.peer)
@@ -132,11 +138,20 @@ def train(args):
     if args.peer == "flashckpt":
         from flashckpt.torch import Checkpointer
         ck = Checkpointer(model, optimizer, socket=args.socket, job="peers-%d" % args.round, memory_checkpoints=True)
+        calls = []
+
+        def save(s):  # the loop may go on once the tensors have left (at once for CPU tensors)
+            t0 = time.perf_counter()
+            ck.save(s)
+            calls.append((time.perf_counter() - t0) * 1e3)
+            ck.wait_copied()
         for key, s in (("first_", step), ("", step + 1)):
             out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
-                lambda: ck.save(s), lambda: ck.wait_persisted(s, timeout=600))
+                lambda: save(s), lambda: ck.wait_persisted(s, timeout=600))
+        out["save_call_ms"] = calls[-1]
         t0 = time.perf_counter()
         ck.save(step + 2, tier="memory")
+        ck.wait_copied()
         out["memory_blocking_ms"] = (time.perf_counter() - t0) * 1e3
     elif args.peer == "dcp":
         import torch.distributed.checkpoint as dcp
@@ -144,7 +159,8 @@ def train(args):
         pinned = torch.cuda.is_available()
         stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        # Plain dicts: torch 2.11's pinned-memory stager cannot copy an OrderedDict (KeyError: <class 'type'>).
+        state = {"model": dict(model.state_dict()), "optim": optimizer.state_dict()}
         for key, s in (("first_", step), ("", step + 1)):
             fut = []
             out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
@@ -182,7 +198,7 @@ def resume(args):
     returns the time and the digest it has then."""
     import torch
     torch.set_num_threads(1)
-    model, optimizer = build(args.layers, 7)  # other values, and AdamW state to load into
+    model, optimizer = build(args.layers, 7, args.device)  # other values, and AdamW state to load into
     step = 10 * (args.round + 1) + 1
     where = os.path.join(args.work, args.peer)
     out = {}
@@ -214,7 +230,7 @@ def resume(args):
         out["tier"] = "memory" if ck._engine._shm_handler.shared_memory is not None else "disk"
     else:
         t0 = time.perf_counter()
-        state = torch.load(os.path.join(where, "step-%d.pt" % step), map_location="cpu")
+        state = torch.load(os.path.join(where, "step-%d.pt" % step), map_location=args.device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         out["resume_ms"] = (time.perf_counter() - t0) * 1e3
@@ -244,7 +260,8 @@ def free_port():
 
 def worker_args(args, peer, rnd):
     return ["--peer", peer, "--round", str(rnd), "--layers", str(args.layers), "--work", args.work,
-            "--socket", args.socket, "--bin-dir", args.bin_dir, "--python-dir", args.python_dir]
+            "--socket", args.socket, "--bin-dir", args.bin_dir, "--python-dir", args.python_dir,
+            "--device", args.device]
 
 
 def run_role(args, role, peer, rnd, env):
@@ -317,6 +334,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under /tmp)")
     ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the state lives")
     ap.add_argument("--role", choices=("main", "train", "resume", "dlrover-worker"), default="main",
                     help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
@@ -357,8 +375,9 @@ def main():
             if daemon.poll() is not None or time.monotonic() > deadline:
                 sys.exit("flashckptd did not start: see %s" % os.path.join(base, "flashckptd.log"))
             time.sleep(0.05)
-        print("state: %d layers of %dx%d fp32 with AdamW = %.2f GiB; %d rounds; checkpoints under %s; load %s"
-              % (args.layers, LAYER, LAYER, gib, args.rounds, base, "%.1f %.1f %.1f" % os.getloadavg()), flush=True)
+        print("state: %d layers of %dx%d fp32 with AdamW = %.2f GiB on %s; %d rounds; checkpoints under %s; load %s"
+              % (args.layers, LAYER, LAYER, gib, args.device, args.rounds, base,
+                 "%.1f %.1f %.1f" % os.getloadavg()), flush=True)
         for peer, why in unavailable.items():
             print("%-10s not run: %s" % (peer, why), flush=True)
         for rnd in range(args.rounds):
@@ -401,7 +420,8 @@ def main():
                 med(peer, "first_blocking_ms"), med(peer, "first_durable_ms"),
                 ",".join(sorted({str(r["tier"]) for r in results[peer]})))
             if peer == "flashckpt":
-                info += " memory_blocking_ms=%.1f" % med(peer, "memory_blocking_ms")
+                info += " memory_blocking_ms=%.1f save_call_ms=%.1f" % (
+                    med(peer, "memory_blocking_ms"), med(peer, "save_call_ms"))
             if peer == "dcp":
                 info += " pinned_staging=%s" % results[peer][0].get("pinned")
             if peer == "dlrover":
