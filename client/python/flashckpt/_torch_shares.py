@@ -17,6 +17,7 @@ import torch
 
 from . import _torch_agree
 from . import _torch_zero
+from ._shares import share_ranges
 from ._tensors import Shape
 from ._torch_state import Layout, is_optimizer
 
@@ -58,21 +59,17 @@ class Shares:
     def split(self, tensors: Dict[str, Any],
               of_rank: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
         """(tensors, specs): what this rank (or data-parallel rank `of_rank`) writes. The replicated
-        tensors, in state order, are one stream of bytes cut into equal shares, one per rank; an
-        element belongs to the share its first byte is in, so a tensor that crosses a cut is written
-        as flat ranges by the ranks whose shares it crosses. The buffers of replicated modules are
-        rank 0's; every other tensor is written by the rank that holds it."""
+        tensors, in state order, are cut into shares as _shares.share_ranges says. The buffers of
+        replicated modules are rank 0's; every other tensor is written by the rank that holds it."""
         dp = self.ranks()
         if dp is None:
             return tensors, {}
         ranks = dp[1]
         rank = dp[0] if of_rank is None else of_rank
         in_order, buffers = self.replicated_names(tensors)
-        total = sum(tensors[n].numel() * tensors[n].element_size() for n in in_order)
-        lo, hi = total * rank // ranks, total * (rank + 1) // ranks
+        ranges = share_ranges([(n, tensors[n].numel(), tensors[n].element_size()) for n in in_order], rank, ranks)
         out: Dict[str, Any] = {}
         specs: Dict[str, Dict[str, Any]] = {}
-        pos = 0
         replicated = set(in_order)
         for name, t in tensors.items():
             if name in buffers:
@@ -82,17 +79,10 @@ class Shares:
             if name not in replicated:
                 out[name] = t
                 continue
-            size, numel = t.element_size(), t.numel()
-            if numel == 0:
-                if lo <= pos < hi or (pos == total and rank == ranks - 1):
-                    out[name] = t
+            if name not in ranges:
                 continue
-            first = max(0, -(-(lo - pos) // size))
-            end = min(numel, -(-(hi - pos) // size))
-            pos += numel * size
-            if first >= end:
-                continue
-            if (first, end) == (0, numel) or not t.is_contiguous():
+            first, end = ranges[name]
+            if (first, end) in ((0, t.numel()), (0, 0)) or not t.is_contiguous():
                 out[name] = t  # a non-contiguous tensor is refused by register(), naming it
             else:
                 out[name] = t.view(-1)[first:end]
