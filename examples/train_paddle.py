@@ -13,6 +13,12 @@ handed to the daemon for the EMA only, or, with --memory-every M, every M-th ste
 memory checkpoint. --log writes one JSON line per step ({"step", "loss"}, the loss as float.hex),
 --summary a JSON summary (final weights' and EMA's digests, eval losses). flashckpt.paddle.export
 turns any of its checkpoints into Paddle's own model.pdparams / model.pdopt.
+
+Data parallel: started by `python -m paddle.distributed.launch --nproc_per_node N --devices "" --
+examples/train_paddle.py ...` (gloo on the CPU; the `--` keeps the launcher from taking --log), each rank trains a paddle.DataParallel model on its own part of every global
+batch (rank r takes samples r*BATCH.. of the N*BATCH the step reads) and checkpoints through its
+Checkpointer; --log and --summary then get ".rank<R>" appended. --no-ema leaves the EMA out, so that
+the ranks split the writing of their common state.
 """
 
 import argparse
@@ -89,6 +95,7 @@ def main():
     p.add_argument("--save-every", type=int, default=50, help="persist a checkpoint every N steps")
     p.add_argument("--ema-every", type=int, default=1, help="EMA-only snapshot every N steps in between")
     p.add_argument("--ema-decay", type=float, default=0.99)
+    p.add_argument("--no-ema", action="store_true", help="no EMA")
     p.add_argument("--memory-every", type=int, default=0,
                    help="a memory checkpoint (kept by the daemon, never written) every N steps between the saves")
     p.add_argument("--seed", type=int, default=0)
@@ -99,12 +106,22 @@ def main():
     args = p.parse_args()
 
     paddle.set_device("cpu")
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    rank = 0
+    if world > 1:
+        paddle.distributed.init_parallel_env()
+        rank = paddle.distributed.get_rank()
+        args.log = args.log and "%s.rank%d" % (args.log, rank)
+        args.summary = args.summary and "%s.rank%d" % (args.summary, rank)
     paddle.seed(args.seed)
     train, held_out = make_data(1234)
     model = make_model()
     optimizer, schedule = make_optimizer(model)
-    ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job, ema_decay=args.ema_decay,
-                      ema_interval=args.ema_every, memory_checkpoints=bool(args.memory_every))
+    if world > 1:
+        model = paddle.DataParallel(model)
+    ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job,
+                      ema_decay=None if args.no_ema else args.ema_decay, ema_interval=args.ema_every,
+                      memory_checkpoints=bool(args.memory_every))
 
     began = time.perf_counter()
     start = ck.resume()
@@ -115,8 +132,8 @@ def main():
     log = open(args.log, "a") if args.log else None
     last_saved = None
     for step in range((start or 0) + 1, args.steps + 1):
-        x, y = batch_at(train, pos, args.seed)
-        pos += BATCH
+        x, y = batch_at(train, pos + rank * BATCH, args.seed)
+        pos += BATCH * world
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         ck.wait_copied()        # the last snapshot has left the weights: safe to update them
@@ -129,7 +146,7 @@ def main():
             last_saved = step
         elif args.memory_every and step % args.memory_every == 0:
             ck.save(step, extra={"data_pos": pos}, tier="memory")
-        elif step % args.ema_every == 0:
+        elif step % args.ema_every == 0 and not args.no_ema:
             ck.save(step, persist=False, loss=value)
         if log:
             log.write(json.dumps({"step": step, "loss": value.hex()}) + "\n")
@@ -141,9 +158,10 @@ def main():
     if last_saved is not None:
         ck.wait_persisted(last_saved, timeout=600)
 
-    ema = ck.ema_state_dict()
+    ema = {} if args.no_ema else ck.ema_state_dict()
     ema_model = make_model()
-    ema_model.set_state_dict(ema)
+    if ema:
+        ema_model.set_state_dict(ema)
     summary = {
         "job": args.job, "resumed_step": start, "resumed_tier": ck.resumed_tier,
         "resume_seconds": resume_secs if start is not None else None, "last_step": args.steps,

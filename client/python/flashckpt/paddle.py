@@ -37,8 +37,19 @@ Memory checkpoints: save(step, tier="memory") keeps the snapshot in the daemon's
 written); a restarted trainer's resume() prefers it when it is the newest. resumed_tier says "memory"
 or "disk".
 
-This version serves one rank per job (world_size 1): a Paddle job of several ranks (data parallel,
-sharding) is refused with a ValueError rather than saved incompletely.
+Data parallel: in a job started with paddle.distributed (init_parallel_env(); 2 to 4 processes with
+gloo on the CPU are tested), every rank makes a Checkpointer, and rank and world size come from
+paddle.distributed. The ranks hold the same model and optimizer state, so it is written once: its
+bytes are cut into equal shares, one per rank (whole tensors, and flat ranges of those that cross a
+cut, as flashckpt.torch does for DDP; the model's buffers are rank 0's). With the daemon's EMA every
+rank writes the whole state instead (each daemon's EMA covers what its rank registers), as
+flashckpt.torch does. resume() is collective: every rank calls it and all restore the same step
+(the newest memory checkpoint every rank holds, else the oldest of the latest complete checkpoints
+the ranks see), a failure on any rank raises on every rank, and after a memory restore the ranks
+broadcast their shares to each other. A job of another world size resumes a disk checkpoint (a rank
+the saving job did not have takes rank 0's part, without its RNG state). Sharding optimizers
+(DygraphShardingOptimizer, GroupShardedOptimizerStage2: each rank holds another part of the optimizer
+state) are refused with a ValueError.
 
 export(checkpoint_dir, out_dir) writes Paddle's own files (model.pdparams, model.pdopt) from a
 complete checkpoint, so a Paddle job without flashckpt loads it with paddle.load and set_state_dict.
@@ -51,18 +62,25 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union, cast
 
 import paddle
 
+from . import _agree
 from . import _state
 from . import offline
+from ._shares import owners, share_ranges
 from .client import Client, Snapshot
-from .errors import CorruptionError, FailedPreconditionError, NotFoundError, StructureMismatchError
+from .errors import (CorruptionError, FailedPreconditionError, FlashckptError, NotFoundError,
+                     StructureMismatchError)
 
 FORMAT = "flashckpt.paddle"
 VERSION = 1
 _MODEL, _OPTIMIZER = "model", "optimizer"
+# A model's trainable parameters are EagerParamBase with trainable set; its other tensors (BatchNorm's
+# statistics, which are EagerParamBase too, and frozen parameters) count as buffers.
+_PARAMETER = paddle.base.framework.EagerParamBase
 # Safetensors dtype names and Paddle's.
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -93,6 +111,27 @@ def set_rng_state(state: object) -> None:
         g.__setstate__((device, seed, offset, engine))
         states.append(g)
     paddle.set_rng_state(states)
+
+
+class _PaddleGroup(_agree.Collective):
+    """The job's paddle.distributed ranks, for _agree (the default group; gloo or NCCL bound the waits)."""
+
+    def gather(self, value: object) -> List[Any]:
+        out: List[Any] = []
+        paddle.distributed.all_gather_object(out, value)
+        return out
+
+    def broadcast(self, value: object, source: int) -> Any:
+        box = [value]
+        paddle.distributed.broadcast_object_list(box, src=source)
+        return box[0]
+
+
+def _sharding_optimizer(optimizer: Any) -> Optional[str]:
+    """The class name of `optimizer` (or of the one a hybrid-parallel wrapper holds) when it is one
+    of Paddle's sharding optimizers, else None."""
+    names = [type(optimizer).__name__, type(getattr(optimizer, "_inner_opt", None)).__name__]
+    return next((n for n in names if "Sharding" in n or "Sharded" in n), None)
 
 
 def _states(model: Any, optimizer: Any) -> Dict[str, Any]:
@@ -138,15 +177,25 @@ class Checkpointer:
                  job: str, rng: bool = True, **client_options: Any) -> None:
         if not isinstance(model, paddle.nn.Layer):
             raise TypeError("model must be a paddle.nn.Layer, got %s" % type(model).__name__)
-        world = paddle.distributed.get_world_size() if paddle.distributed.is_initialized() else 1
-        if world != 1 or "world_size" in client_options or "rank" in client_options:
-            raise ValueError("flashckpt.paddle serves jobs of one rank in this version; this one has %d" % world)
+        if any(k in client_options for k in ("rank", "world_size", "shard_rank", "shard_degree")):
+            raise ValueError("flashckpt.paddle takes the rank and world size from paddle.distributed")
+        sharded = _sharding_optimizer(optimizer)
+        if sharded:
+            raise ValueError("flashckpt.paddle does not yet save a sharding optimizer (%s): its ranks hold different "
+                             "parts of the optimizer state" % sharded)
+        distributed = paddle.distributed.is_initialized()
+        self._world = paddle.distributed.get_world_size() if distributed else 1
+        self._rank = paddle.distributed.get_rank() if distributed else 0
+        self._group: Optional[_PaddleGroup] = _PaddleGroup() if self._world > 1 else None
         self.model = model
         self.optimizer = optimizer
         self.rng = rng
-        self.client = Client(socket, job, **client_options)
+        self.client = Client(socket, job, rank=self._rank, world_size=self._world, shard_rank=self._rank,
+                             shard_degree=self._world, **client_options)
         self.ema_enabled = client_options.get("ema_decay") is not None
-        self._registered: Optional[Tuple[Tuple[str, str, Tuple[int, ...]], ...]] = None
+        # Data-parallel shares: each byte of the replicated state written by one rank.
+        self._shares = self._world > 1 and not self.ema_enabled
+        self._registered: Optional[Tuple[Any, ...]] = None
         self.extra: Any = None
         self.resumed_step: Optional[int] = None
         self.resumed_tier: Optional[str] = None
@@ -161,14 +210,75 @@ class Checkpointer:
     def _kind(name: str) -> str:
         return "model" if name.startswith(_MODEL + ".") else "optimizer"
 
-    def _register(self, tensors: Dict[str, Any]) -> None:
-        """Registers `tensors` unless the daemon has their names, dtypes and shapes already (the
-        optimizer's state appears with its first step)."""
-        key = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+    def _register(self, tensors: Dict[str, Any], specs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        """Registers `tensors` (with `specs`, a share's flat ranges) unless the daemon has that layout
+        already (the optimizer's state appears with its first step)."""
+        specs = specs or {}
+        key = (tuple((n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items()),
+               tuple(sorted((n, repr(v)) for n, v in specs.items())))
         if key == self._registered:
             return
-        self.client.register(tensors, {n: {"kind": self._kind(n)} for n in tensors})
+        self.client.register(tensors, {n: dict(specs.get(n, {}), kind=self._kind(n)) for n in tensors})
         self._registered = key
+
+    def _replicated(self, tensors: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+        """(replicated, buffers): the names of the tensors alike on every data-parallel rank (the
+        model's parameters and the optimizer's state), in state order, and the model's buffers."""
+        params = {_MODEL + "." + k for k, v in self.model.state_dict().items()
+                  if isinstance(v, _PARAMETER) and getattr(v, "trainable", False)}
+        buffers = [n for n in tensors if n.startswith(_MODEL + ".") and n not in params]
+        return [n for n in tensors if n not in buffers], buffers
+
+    def _split(self, tensors: Dict[str, Any], rank: Optional[int] = None
+               ) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+        """(tensors, specs): what data-parallel `rank` (this one by default) writes of `tensors`:
+        its share of the replicated tensors (_shares.share_ranges), and the buffers on rank 0."""
+        if not self._shares:
+            return tensors, {}
+        rank = self._rank if rank is None else rank
+        in_order, buffers = self._replicated(tensors)
+        ranges = share_ranges([(n, int(tensors[n].size), tensors[n].element_size()) for n in in_order], rank,
+                              self._world)
+        out: Dict[str, Any] = {}
+        specs: Dict[str, Dict[str, Any]] = {}
+        for name, t in tensors.items():
+            if name in buffers:
+                if rank == 0:
+                    out[name] = t
+            elif name in ranges:
+                first, end = ranges[name]
+                if (first, end) in ((0, int(t.size)), (0, 0)):
+                    out[name] = t
+                else:  # a view: DLPack hands the daemon the parameter's own memory
+                    out[name] = t.reshape([-1])[first:end]
+                    specs[name] = {"box_shape": [int(d) for d in t.shape], "flat_range": (first, end)}
+        return out, specs
+
+    def _spread(self, targets: Dict[str, Any]) -> None:
+        """After each rank restored its share of `targets` from its memory checkpoint, every rank
+        broadcasts its share (one flat tensor per dtype) and the others copy it in; rank 0 sends the
+        buffers too. Every rank makes the same broadcasts in the same order."""
+        in_order, buffers = self._replicated(targets)
+        sizes = [(n, int(targets[n].size), targets[n].element_size()) for n in in_order]
+        for r, ranges in enumerate(owners(sizes, self._world)):
+            pieces = [(n, a, b) for n, (a, b) in ranges.items() if b > a]
+            if r == 0:
+                pieces += [(n, 0, int(targets[n].size)) for n in buffers if int(targets[n].size) > 0]
+            by_dtype: Dict[str, List[Tuple[str, int, int]]] = {}
+            for piece in pieces:
+                by_dtype.setdefault(str(targets[piece[0]].dtype), []).append(piece)
+            for dtype in sorted(by_dtype):
+                group = by_dtype[dtype]
+                if r == self._rank:
+                    flat = paddle.concat([targets[n].reshape([-1])[a:b] for n, a, b in group])
+                else:
+                    flat = paddle.empty([sum(b - a for _, a, b in group)], dtype=targets[group[0][0]].dtype)
+                paddle.distributed.broadcast(flat, src=r)
+                if r != self._rank:
+                    at = 0
+                    for n, a, b in group:
+                        targets[n].reshape([-1])[a:b] = flat[at:at + b - a]
+                        at += b - a
 
     # --- save ----------------------------------------------------------------------------------
 
@@ -188,13 +298,14 @@ class Checkpointer:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
         started = time.perf_counter()
         tree, tensors = _state.flatten(_states(self.model, self.optimizer))
-        self._register(tensors)
+        mine, specs = self._split(tensors)
+        self._register(mine, specs)
         payload: Optional[Dict[str, Any]] = None
         if persist:
-            payload = {"format": FORMAT, "version": VERSION, "state": tree, "user": extra}
+            payload = {"format": FORMAT, "version": VERSION, "state": tree, "user": extra, "world_size": self._world}
             if self.rng:
                 payload["rng"] = rng_state()
-        snap = self.client.snapshot(step, tensors, persist=persist, loss=loss, extra=payload, tier=tier)
+        snap = self.client.snapshot(step, mine, persist=persist, loss=loss, extra=payload, tier=tier)
         snap.seconds = time.perf_counter() - started
         self.last_snapshot = snap
         self.saves += 1
@@ -214,24 +325,6 @@ class Checkpointer:
 
     # --- resume --------------------------------------------------------------------------------
 
-    def _newest(self, step: Optional[int], timeout: float) -> Tuple[Optional[int], Optional[bytes]]:
-        """(step, extra) of the checkpoint to restore: `step`, or the newest memory checkpoint
-        when it is not older than the disk's, else the disk's; (None, None) when there is none."""
-        if step is not None:
-            extra = self.client.memory_extra(step, timeout, verify=False)
-            if extra is None:
-                found, extra = self.client.disk_extra(step, timeout)
-                if found is None:
-                    raise NotFoundError("NOT_FOUND", "job '%s' has no checkpoint of step %d, in memory or complete "
-                                        "on disk" % (self.client.job, step))
-            return step, extra
-        memory, disk = self.client.restorable(timeout, verify=False)
-        if memory and (disk is None or memory[0] >= disk):
-            return memory[0], self.client.memory_extra(memory[0], timeout, verify=False)
-        if disk is None:
-            return None, None
-        return self.client.disk_extra(disk, timeout)
-
     def resume(self, step: Optional[int] = None, timeout: float = 600.0) -> Optional[int]:
         """Restores checkpoint `step` (None: the newest, memory or disk); returns its step, or None
         when the job has none (nothing is changed then).
@@ -240,13 +333,120 @@ class Checkpointer:
         scheduler's) through set_state_dict(), the RNG state is put back, the daemon loads its EMA
         of that step, and self.extra is set. StructureMismatchError, before any tensor is touched,
         when the checkpoint's model or optimizer state differs in structure from the current one
-        (an optimizer without state yet takes any).
+        (an optimizer without state yet takes any). In a job of several ranks every rank calls it
+        and all restore the same step; a failure on one raises on every rank.
         """
-        found, extra = self._newest(step, timeout)
+        group = self._group
+        if group is not None:
+            _agree.same_step(group, step)
+        memory_failed: Optional[str] = None
+        if step is None:
+            memory = self._memory_step(timeout)
+            if memory is not None:
+                memory_failed = self._from_memory(memory, timeout)
+                if memory_failed is None:
+                    return memory
+                warnings.warn("%s; every rank restores from disk instead" % memory_failed, RuntimeWarning)
+        return self._from_disk(step, timeout, memory_failed)
+
+    def _memory_step(self, timeout: float) -> Optional[int]:
+        """The memory checkpoint every rank restores: the newest all hold, unless a complete disk
+        checkpoint is newer; None: the disk path."""
+        mine: Optional[Tuple[List[int], Optional[int]]] = None
+        error: Optional[BaseException] = None
+        try:
+            mine = self.client.restorable(min(timeout, 60.0), verify=False)
+        except FlashckptError as e:
+            warnings.warn("rank %d cannot list its memory checkpoints (%s); resuming from disk" % (self._rank, e),
+                          RuntimeWarning)
+        except BaseException as e:  # reported to the other ranks before it is raised
+            error = e
+        return _agree.memory_step(self._group, error, mine)
+
+    def _from_memory(self, step: int, timeout: float) -> Optional[str]:
+        """Restores memory checkpoint `step` on every rank: None once every rank has, else why not
+        (a daemon's error on some rank), and every rank reads the disk instead."""
+        error: Optional[BaseException] = None
+        restored: Optional[Tuple[Dict[str, Any], Dict[str, Any]]] = None
+        try:
+            what = "memory checkpoint step %d of job '%s'" % (step, self.client.job)
+            extra = self.client.memory_extra(step, min(timeout, 60.0), verify=False)
+            if extra is None:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "rank %d no longer holds %s" % (self._rank, what))
+            blob = _read_blob(extra, what)
+            if blob.get("world_size", 1) != self._world:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "%s was taken by a job of %s ranks, this one has "
+                                              "%d" % (what, blob.get("world_size"), self._world))
+            targets = self._targets(blob, what)
+            # The layout save() registers: the daemon keeps the segment that holds the checkpoint.
+            self._restore_into(step, *self._split(targets), timeout=timeout)
+            restored = (blob, targets)
+        except BaseException as e:  # reported to the other ranks before anything is raised
+            error = e
+        failed = _agree.memory_failure(self._group, step, error, None)
+        if failed is not None:
+            return "the restore of memory checkpoint step %d failed on rank %d (%s)" % (step, failed[0], failed[1])
+        assert restored is not None
+        mblob, mtargets = restored
+        if self._shares:
+            self._spread(mtargets)
+        _agree.stage(self._group, "load memory checkpoint step %d" % step,
+                     lambda: self._hand_over(step, mblob, mtargets))
+        return None
+
+    def _from_disk(self, step: Optional[int], timeout: float, memory_failed: Optional[str]) -> Optional[int]:
+        """Restores checkpoint `step` (None: the latest complete one) after the ranks agree on it."""
+        group = self._group
+        found, blob = _agree.stage(group, "read its checkpoint", lambda: self._probe(step, timeout))
+        if group is not None:
+            agreed = _agree.common_step(group, found, self.client.job)
+            if agreed is not None:
+                found, blob = _agree.stage(group, "read checkpoint-%d" % agreed,
+                                           lambda: (found, blob) if agreed == found else self._probe(agreed, timeout))
         if found is None:
+            if memory_failed is not None:
+                raise FailedPreconditionError("FAILED_PRECONDITION", "%s and job '%s' has no complete checkpoint on "
+                                              "disk to restore instead; restart every rank of the job"
+                                              % (memory_failed, self.client.job))
             return None
-        what = "checkpoint %d of job '%s'" % (found, self.client.job)
-        blob = _read_blob(extra, what)
+        chosen: int = found
+        if group is not None:
+            blob, _ = _agree.borrow_part(group, self._rank, chosen, blob)
+        elif blob is None:
+            raise FailedPreconditionError("FAILED_PRECONDITION", "checkpoint-%d holds no part of rank %d: it was saved "
+                                          "by fewer ranks (a job of more ranks resumes it under paddle.distributed) "
+                                          "or not by flashckpt.paddle" % (chosen, self._rank))
+        part: Dict[str, Any] = blob
+        what = "checkpoint %d of job '%s'" % (chosen, self.client.job)
+        targets = _agree.stage(group, "match %s" % what, lambda: self._targets(part, what))
+
+        def restore() -> None:
+            self._restore_into(chosen, targets, {}, timeout=timeout)
+            self._hand_over(chosen, part, targets)
+        _agree.stage(group, "restore %s" % what, restore)
+        return chosen
+
+    def _probe(self, step: Optional[int], timeout: float) -> Tuple[Optional[int], Optional[Dict[str, Any]]]:
+        """(step, blob) of checkpoint `step` (None: the newest complete one on disk) from this rank's
+        extra state (no tensor is read); blob None when the checkpoint holds no part of this rank;
+        (None, None) when there is none."""
+        what = "checkpoint %s of job '%s'" % ("latest" if step is None else step, self.client.job)
+        held = None if step is None else self.client.memory_extra(step, min(timeout, 60.0), verify=False)
+        if held is not None:
+            return step, _read_blob(held, what)
+        found, extra = self.client.disk_extra(step, min(timeout, 60.0))
+        if found is None:
+            if step is not None:
+                raise NotFoundError("NOT_FOUND", "job '%s' has no checkpoint of step %d, in memory or complete on disk"
+                                    % (self.client.job, step))
+            return None, None
+        return found, (_read_blob(extra, "checkpoint %d of job '%s'" % (found, self.client.job)) if extra else None)
+
+    def _targets(self, blob: Dict[str, Any], what: str) -> Dict[str, Any]:
+        """The tensors to restore checkpoint `blob` into, by name: the model's own (in place), the
+        optimizer's where it has them with the saved dtype and shape, else new ones.
+        StructureMismatchError, before any tensor is touched, when the saved model or optimizer state
+        differs in structure from the current one (an optimizer without state yet takes any)."""
         saved: Dict[str, Any] = blob["state"]
         current, current_tensors = _state.flatten(_states(self.model, self.optimizer))
         for key in (_MODEL, _OPTIMIZER):
@@ -261,8 +461,6 @@ class Checkpointer:
             if diff is not None:
                 raise StructureMismatchError("%s does not fit the current %s: '%s': %s"
                                              % (what, key, diff[0], diff[1]), key=diff[0])
-        # The tensors to restore into: the model's own (in place), the optimizer's where it has them
-        # with the saved dtype and shape, else new ones.
         targets: Dict[str, Any] = {}
         for leaf in _state.tensor_leaves(saved):
             name, dtype, shape = leaf["t"], leaf["dtype"], [int(d) for d in leaf["shape"]]
@@ -278,20 +476,26 @@ class Checkpointer:
                 targets[name] = paddle.empty(shape, dtype=_DTYPES[dtype])
         if self.optimizer is not None:
             self._check_accumulator_names(saved, what)
-        self._register(targets)
-        got, _ = self.client.restore(targets, step=found, timeout=timeout)
-        if got != found:
+        return targets
+
+    def _restore_into(self, step: int, tensors: Dict[str, Any], specs: Dict[str, Dict[str, Any]],
+                      timeout: float) -> None:
+        self._register(tensors, specs)
+        got, _ = self.client.restore(tensors, step=step, timeout=timeout)
+        if got != step:
             raise FailedPreconditionError("FAILED_PRECONDITION", "asked the daemon for step %d, it restored %s"
-                                          % (found, got))
-        restored = _state.unflatten(saved, targets)
+                                          % (step, got))
+
+    def _hand_over(self, step: int, blob: Dict[str, Any], targets: Dict[str, Any]) -> None:
+        """Gives the optimizer its restored state, puts the RNG state back and sets extra."""
+        restored = _state.unflatten(blob["state"], targets)
         if self.optimizer is not None and _OPTIMIZER in restored:
             self.optimizer.set_state_dict(restored[_OPTIMIZER])
         if self.rng and "rng" in blob:
             set_rng_state(blob["rng"])
         self.extra = blob.get("user")
-        self.resumed_step = found
+        self.resumed_step = step
         self.resumed_tier = self.client.restored_tier
-        return found
 
     def _check_accumulator_names(self, saved: Dict[str, Any], what: str) -> None:
         """Paddle names an optimizer's accumulators after its parameters' unique names
