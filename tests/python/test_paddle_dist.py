@@ -15,6 +15,8 @@ Checkpointer, against one real flashckptd.
      other's.
   4. Another world size: one process without paddle.distributed resumes the 2-rank job's last
      checkpoint, with the uninterrupted job's final weights.
+  5. A sharding optimizer (fleet's sharding_degree 2: DygraphShardingOptimizer, whose ranks hold
+     different parts of the optimizer state) is refused with a ValueError naming it, on every rank.
 Skipped (exit 77) where paddle cannot be imported. FLASHCKPT_TEST_SEED fixes the kill steps.
 """
 
@@ -23,6 +25,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,6 +68,7 @@ class PaddleDataParallelTest(unittest.TestCase):
         log = os.path.join(self.daemon.tmp, name + ".jsonl")
         out = open(os.path.join(self.daemon.tmp, name + ".out"), "wb")
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(RANKS), "--devices", "",
+               "--start_port", str(free_ports(RANKS)),
                # "--": the launcher's own options would take the trainer's by prefix (--log).
                "--log_dir", os.path.join(self.daemon.tmp, name + ".launch"), "--", EXAMPLE,
                "--socket", self.daemon.socket, "--job", job, "--steps", str(STEPS), "--quiet", "--no-ema",
@@ -186,6 +190,22 @@ class PaddleDataParallelTest(unittest.TestCase):
         self.assertEqual(single["resumed_step"], STEPS)
         self.assertEqual(single["params_sha256"], ref[0]["params_sha256"])
 
+    def test_a_sharding_optimizer_is_refused(self):
+        out = os.path.join(self.daemon.tmp, "sharding")
+        log = open(out + ".out", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(RANKS),
+                              "--devices", "", "--start_port", str(free_ports(RANKS)), "--log_dir", out + ".launch",
+                              "--", os.path.abspath(__file__),
+                              "sharding-worker", self.daemon.socket, self.daemon.job("sharding"), out],
+                             stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        log.close()
+        self.procs.append(p)
+        self.assertEqual(p.wait(timeout=120), 0, self.launch_logs("sharding"))
+        for r in range(RANKS):
+            with open("%s.rank%d" % (out, r)) as f:
+                said = f.read()
+            self.assertIn("does not yet save a sharding optimizer (DygraphShardingOptimizer)", said, "rank %d" % r)
+
     def test_killed_and_resumed_from_memory(self):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
         rng = random.Random(seed + 1)
@@ -202,6 +222,27 @@ class PaddleDataParallelTest(unittest.TestCase):
         print("killed after step %d; resumed step %d from %s" % (kill_after, start, tiers), flush=True)
         self.assertGreaterEqual(start, kill_after)
         self.assertEqual(tiers, ["memory"] * RANKS)
+
+
+def free_ports(n):
+    """The first of `n` consecutive TCP ports that are free on 127.0.0.1 now (the launcher gives the
+    ranks start_port, start_port + 1, ...; its default, 6070, may be taken)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 50000)
+        held = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise AssertionError("no %d consecutive free ports" % n)
 
 
 def descendants(pid):
@@ -234,5 +275,29 @@ def load_example():
     return module
 
 
+def sharding_worker(socket, job, out):
+    """A rank of a fleet job with sharding_degree 2 (stage 1): makes a Checkpointer and writes what
+    it raised to OUT.rank<R>."""
+    from paddle.distributed import fleet
+    from flashckpt.paddle import Checkpointer
+    paddle.set_device("cpu")
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": RANKS}
+    fleet.init(is_collective=True, strategy=strategy)
+    model = fleet.distributed_model(paddle.nn.Linear(8, 8))
+    optimizer = fleet.distributed_optimizer(paddle.optimizer.AdamW(parameters=model.parameters()))
+    try:
+        Checkpointer(model, optimizer, socket=socket, job=job)
+        said = "accepted"
+    except ValueError as e:
+        said = str(e)
+    with open("%s.rank%d" % (out, paddle.distributed.get_rank()), "w") as f:
+        f.write(said)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "sharding-worker":
+        sys.path.insert(0, harness.PYTHON_DIR)
+        sharding_worker(*sys.argv[2:])
+        sys.exit(0)
     unittest.main(verbosity=2)
