@@ -18,7 +18,9 @@ Data parallel: started by `python -m paddle.distributed.launch --nproc_per_node 
 examples/train_paddle.py ...` (gloo on the CPU; the `--` keeps the launcher from taking --log), each rank trains a paddle.DataParallel model on its own part of every global
 batch (rank r takes samples r*BATCH.. of the N*BATCH the step reads) and checkpoints through its
 Checkpointer; --log and --summary then get ".rank<R>" appended. --no-ema leaves the EMA out, so that
-the ranks split the writing of their common state.
+the ranks split the writing of their common state. --sharding makes it a fleet job of sharding
+stage 1 instead (sharding_degree N: each rank's DygraphShardingOptimizer updates its own parameters
+and holds their optimizer state).
 """
 
 import argparse
@@ -96,6 +98,7 @@ def main():
     p.add_argument("--ema-every", type=int, default=1, help="EMA-only snapshot every N steps in between")
     p.add_argument("--ema-decay", type=float, default=0.99)
     p.add_argument("--no-ema", action="store_true", help="no EMA")
+    p.add_argument("--sharding", action="store_true", help="under paddle.distributed.launch: sharding stage 1")
     p.add_argument("--memory-every", type=int, default=0,
                    help="a memory checkpoint (kept by the daemon, never written) every N steps between the saves")
     p.add_argument("--seed", type=int, default=0)
@@ -108,8 +111,14 @@ def main():
     paddle.set_device("cpu")
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     rank = 0
-    if world > 1:
+    if world > 1 and args.sharding:
+        from paddle.distributed import fleet
+        strategy = fleet.DistributedStrategy()
+        strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": world}
+        fleet.init(is_collective=True, strategy=strategy)
+    elif world > 1:
         paddle.distributed.init_parallel_env()
+    if world > 1:
         rank = paddle.distributed.get_rank()
         args.log = args.log and "%s.rank%d" % (args.log, rank)
         args.summary = args.summary and "%s.rank%d" % (args.summary, rank)
@@ -117,7 +126,10 @@ def main():
     train, held_out = make_data(1234)
     model = make_model()
     optimizer, schedule = make_optimizer(model)
-    if world > 1:
+    if world > 1 and args.sharding:
+        model = fleet.distributed_model(model)
+        optimizer = fleet.distributed_optimizer(optimizer)
+    elif world > 1:
         model = paddle.DataParallel(model)
     ck = Checkpointer(model, optimizer, socket=args.socket, job=args.job,
                       ema_decay=None if args.no_ema else args.ema_decay, ema_interval=args.ema_every,
@@ -167,7 +179,9 @@ def main():
         "resume_seconds": resume_secs if start is not None else None, "last_step": args.steps,
         "eval_loss": eval_loss(model, held_out), "ema_eval_loss": eval_loss(ema_model, held_out),
         "ema_step": ck.ema_step, "saves": ck.saves, "blocked_ms_total": ck.blocked_seconds * 1e3,
-        "lr": schedule.get_lr(), "params_sha256": digest(model.state_dict()), "ema_sha256": digest(ema),
+        "lr": schedule.get_lr(), "params_sha256": digest(getattr(model, "_layers", model).state_dict()),
+        "ema_sha256": digest(ema),
+        "optimizer_sha256": digest({k: v for k, v in optimizer.state_dict().items() if isinstance(v, paddle.Tensor)}),
     }
     print("eval loss: final weights %.6f, EMA weights (decay %g, step %s) %.6f"
           % (summary["eval_loss"], args.ema_decay, ck.ema_step, summary["ema_eval_loss"]))

@@ -15,8 +15,11 @@ Checkpointer, against one real flashckptd.
      other's.
   4. Another world size: one process without paddle.distributed resumes the 2-rank job's last
      checkpoint, with the uninterrupted job's final weights.
-  5. A sharding optimizer (fleet's sharding_degree 2: DygraphShardingOptimizer, whose ranks hold
-     different parts of the optimizer state) is refused with a ValueError naming it, on every rank.
+  5. Sharding stage 1 (fleet, sharding_degree 2: each rank's DygraphShardingOptimizer holds the
+     state of its own parameters), with the daemon's EMA: the job SIGKILLed and launched again
+     resumes bit-exact (losses, weights, EMA); one process with a plain AdamW (sharding degree 1)
+     resumes its last checkpoint with the job's final weights and EMA, and an optimizer state that
+     is the union of both ranks' (read from their files with safetensors).
 Skipped (exit 77) where paddle cannot be imported. FLASHCKPT_TEST_SEED fixes the kill steps.
 """
 
@@ -63,7 +66,7 @@ class PaddleDataParallelTest(unittest.TestCase):
         return dict(os.environ, PYTHONPATH=harness.PYTHON_DIR, OMP_NUM_THREADS="1", GLOG_minloglevel="2",
                     PYTHONWARNINGS="ignore")
 
-    def launch(self, job, name, memory=False, step_delay=0.0):
+    def launch(self, job, name, memory=False, step_delay=0.0, sharding=False):
         """The job's 2 ranks under paddle.distributed.launch, in a process group of their own."""
         log = os.path.join(self.daemon.tmp, name + ".jsonl")
         out = open(os.path.join(self.daemon.tmp, name + ".out"), "wb")
@@ -71,7 +74,8 @@ class PaddleDataParallelTest(unittest.TestCase):
                "--start_port", str(free_ports(RANKS)),
                # "--": the launcher's own options would take the trainer's by prefix (--log).
                "--log_dir", os.path.join(self.daemon.tmp, name + ".launch"), "--", EXAMPLE,
-               "--socket", self.daemon.socket, "--job", job, "--steps", str(STEPS), "--quiet", "--no-ema",
+               "--socket", self.daemon.socket, "--job", job, "--steps", str(STEPS), "--quiet",
+               "--sharding" if sharding else "--no-ema",
                "--log", log, "--summary", os.path.join(self.daemon.tmp, name + ".json"),
                "--step-delay", str(step_delay)]
         cmd += ["--save-every", str(MEMORY_SAVE_EVERY), "--memory-every", "1"] if memory else \
@@ -135,12 +139,21 @@ class PaddleDataParallelTest(unittest.TestCase):
             self.assertEqual(resumed[r]["eval_loss"], ref[r]["eval_loss"], "rank %d" % r)
         return start
 
-    def reference(self, memory=False):
+    def reference(self, memory=False, sharding=False):
         job = self.daemon.job("dpref")
-        proc, log = self.launch(job, "reference", memory=memory)
+        proc, log = self.launch(job, "reference", memory=memory, sharding=sharding)
         ref = self.finish(proc, "reference")
         self.assertEqual(len({s["params_sha256"] for s in ref}), 1, "the ranks' weights differ")
         return job, ref, self.losses(log)
+
+    def resume_in_one_process(self, job):
+        summary = os.path.join(self.daemon.tmp, "single.json")
+        run = subprocess.run([sys.executable, EXAMPLE, "--socket", self.daemon.socket, "--job", job, "--steps",
+                              str(STEPS), "--quiet", "--no-ema", "--summary", summary], env=self.env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+        self.assertEqual(run.returncode, 0, run.stdout.decode(errors="replace")[-3000:])
+        with open(summary) as f:
+            return json.load(f)
 
     def test_written_once_killed_and_resumed_then_resumed_by_one_process(self):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
@@ -180,31 +193,50 @@ class PaddleDataParallelTest(unittest.TestCase):
         self.assertEqual(start % SAVE_EVERY, 0)
 
         # 4. One process (no paddle.distributed) resumes the 2-rank job's last checkpoint.
+        single = self.resume_in_one_process(job_a)
+        self.assertEqual(single["resumed_step"], STEPS)
+        self.assertEqual(single["params_sha256"], ref[0]["params_sha256"])
+
+    def test_sharding_stage1_with_ema_killed_and_resumed_then_at_degree_1(self):
+        seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
+        kill_after = random.Random(seed + 2).randint(SAVE_EVERY + 1, STEPS - 8)
+        print("\nFLASHCKPT_TEST_SEED=%d: SIGKILL once step %d is logged" % (seed, kill_after), flush=True)
+        job_a, ref, ref_losses = self.reference(sharding=True)
+        self.assertEqual(len({s["ema_sha256"] for s in ref}), 1, "the ranks' EMAs differ")
+        self.assertNotEqual(ref[0]["optimizer_sha256"], ref[1]["optimizer_sha256"], "the optimizer is not sharded")
+
+        job_b = self.daemon.job("shkilled")
+        victim, victim_log = self.launch(job_b, "victim", step_delay=0.02, sharding=True)
+        killed = self.kill_job(victim, victim_log, kill_after, os.path.join(self.daemon.job_dir(job_b), "LATEST"))
+        resumed_proc, resumed_log = self.launch(job_b, "resumed", sharding=True)
+        resumed = self.finish(resumed_proc, "resumed")
+        start = self.check_identical(ref_losses, ref, killed, resumed_log, resumed)
+        for r in range(RANKS):
+            self.assertEqual(resumed[r]["ema_sha256"], ref[r]["ema_sha256"], "rank %d's EMA" % r)
+            self.assertEqual(resumed[r]["optimizer_sha256"], ref[r]["optimizer_sha256"], "rank %d's optimizer" % r)
+        print("killed after step %d; both sharding ranks resumed checkpoint-%d" % (kill_after, start), flush=True)
+
+        # Sharding degree 1: one process, a plain AdamW, the daemon's EMA.
         summary = os.path.join(self.daemon.tmp, "single.json")
         run = subprocess.run([sys.executable, EXAMPLE, "--socket", self.daemon.socket, "--job", job_a, "--steps",
-                              str(STEPS), "--quiet", "--no-ema", "--summary", summary], env=self.env(),
+                              str(STEPS), "--quiet", "--summary", summary], env=self.env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
         self.assertEqual(run.returncode, 0, run.stdout.decode(errors="replace")[-3000:])
         with open(summary) as f:
             single = json.load(f)
         self.assertEqual(single["resumed_step"], STEPS)
         self.assertEqual(single["params_sha256"], ref[0]["params_sha256"])
-
-    def test_a_sharding_optimizer_is_refused(self):
-        out = os.path.join(self.daemon.tmp, "sharding")
-        log = open(out + ".out", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(RANKS),
-                              "--devices", "", "--start_port", str(free_ports(RANKS)), "--log_dir", out + ".launch",
-                              "--", os.path.abspath(__file__),
-                              "sharding-worker", self.daemon.socket, self.daemon.job("sharding"), out],
-                             stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
-        log.close()
-        self.procs.append(p)
-        self.assertEqual(p.wait(timeout=120), 0, self.launch_logs("sharding"))
+        self.assertEqual(single["ema_sha256"], ref[0]["ema_sha256"])
+        union = {}
+        ckpt = os.path.join(self.daemon.job_dir(job_a), "checkpoint-%d" % STEPS)
         for r in range(RANKS):
-            with open("%s.rank%d" % (out, r)) as f:
-                said = f.read()
-            self.assertIn("does not yet save a sharding optimizer (DygraphShardingOptimizer)", said, "rank %d" % r)
+            with safe_open(os.path.join(ckpt, "optimizer.tp00_pp00_shard%02d.safetensors" % r), "np") as f:
+                mine = {k[len("optimizer."):]: f.get_tensor(k) for k in f.keys()}
+            self.assertTrue(mine and not set(mine) & set(union), "rank %d's optimizer file" % r)
+            union.update(mine)
+        print("optimizer tensors per parameter: %d" % (len(union) // len(load_example().make_model().parameters())),
+              flush=True)
+        self.assertEqual(single["optimizer_sha256"], digest_arrays(union))
 
     def test_killed_and_resumed_from_memory(self):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
@@ -222,6 +254,16 @@ class PaddleDataParallelTest(unittest.TestCase):
         print("killed after step %d; resumed step %d from %s" % (kill_after, start, tiers), flush=True)
         self.assertGreaterEqual(start, kill_after)
         self.assertEqual(tiers, ["memory"] * RANKS)
+
+
+def digest_arrays(arrays):
+    """examples/train_paddle.py's digest of a state dict, over numpy arrays."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(arrays):
+        h.update(k.encode())
+        h.update(arrays[k].tobytes())
+    return h.hexdigest()[:16]
 
 
 def free_ports(n):
@@ -275,29 +317,5 @@ def load_example():
     return module
 
 
-def sharding_worker(socket, job, out):
-    """A rank of a fleet job with sharding_degree 2 (stage 1): makes a Checkpointer and writes what
-    it raised to OUT.rank<R>."""
-    from paddle.distributed import fleet
-    from flashckpt.paddle import Checkpointer
-    paddle.set_device("cpu")
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": RANKS}
-    fleet.init(is_collective=True, strategy=strategy)
-    model = fleet.distributed_model(paddle.nn.Linear(8, 8))
-    optimizer = fleet.distributed_optimizer(paddle.optimizer.AdamW(parameters=model.parameters()))
-    try:
-        Checkpointer(model, optimizer, socket=socket, job=job)
-        said = "accepted"
-    except ValueError as e:
-        said = str(e)
-    with open("%s.rank%d" % (out, paddle.distributed.get_rank()), "w") as f:
-        f.write(said)
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "sharding-worker":
-        sys.path.insert(0, harness.PYTHON_DIR)
-        sharding_worker(*sys.argv[2:])
-        sys.exit(0)
     unittest.main(verbosity=2)

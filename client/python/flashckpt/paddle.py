@@ -127,18 +127,39 @@ class _PaddleGroup(_agree.Collective):
         return box[0]
 
 
-def _sharding_optimizer(optimizer: Any) -> Optional[str]:
-    """The class name of `optimizer` (or of the one a hybrid-parallel wrapper holds) when it is one
-    of Paddle's sharding optimizers, else None."""
-    names = [type(optimizer).__name__, type(getattr(optimizer, "_inner_opt", None)).__name__]
-    return next((n for n in names if "Sharding" in n or "Sharded" in n), None)
+def _sharding_optimizer(optimizer: Any) -> Optional[Any]:
+    """`optimizer`, or the one a hybrid-parallel wrapper holds, when it is one of Paddle's sharding
+    optimizers, else None."""
+    for opt in (optimizer, getattr(optimizer, "_inner_opt", None)):
+        name = type(opt).__name__
+        if "Sharding" in name or "Sharded" in name:
+            return opt
+    return None
+
+
+def _prune(tree: Dict[str, Any], keep: Any) -> Dict[str, Any]:
+    """`tree` without the dict entries whose tensor leaf is not named in `keep`."""
+    if "d" in tree:
+        return {"d": [[k, _prune(c, keep)] for k, c in tree["d"] if "t" not in c or c["t"] in keep]}
+    if "l" in tree or "u" in tree:
+        key = "l" if "l" in tree else "u"
+        return {key: [_prune(c, keep) for c in tree[key]]}
+    return tree
+
+
+def _unwrapped(model: Any) -> Any:
+    """The layer a parallel wrapper holds (fleet's distributed_model prefixes its state-dict keys
+    with "_layers."), so that a checkpoint's keys do not depend on how the job was parallel."""
+    while isinstance(getattr(model, "_layers", None), paddle.nn.Layer):
+        model = model._layers
+    return model
 
 
 def _states(model: Any, optimizer: Any) -> Dict[str, Any]:
     # A parameter that requires gradients refuses DLPack; detach() shares its memory (no copy), so
     # a save reads and a resume writes the parameter itself.
     states = {_MODEL: {k: v.detach() if isinstance(v, paddle.Tensor) and not v.stop_gradient else v
-                       for k, v in model.state_dict().items()}}
+                       for k, v in _unwrapped(model).state_dict().items()}}
     if optimizer is not None:
         states[_OPTIMIZER] = optimizer.state_dict()
     return states
@@ -179,13 +200,18 @@ class Checkpointer:
             raise TypeError("model must be a paddle.nn.Layer, got %s" % type(model).__name__)
         if any(k in client_options for k in ("rank", "world_size", "shard_rank", "shard_degree")):
             raise ValueError("flashckpt.paddle takes the rank and world size from paddle.distributed")
-        sharded = _sharding_optimizer(optimizer)
-        if sharded:
-            raise ValueError("flashckpt.paddle does not yet save a sharding optimizer (%s): its ranks hold different "
-                             "parts of the optimizer state" % sharded)
         distributed = paddle.distributed.is_initialized()
         self._world = paddle.distributed.get_world_size() if distributed else 1
         self._rank = paddle.distributed.get_rank() if distributed else 0
+        # Sharding stage 1 (fleet's DygraphShardingOptimizer): each rank holds the optimizer state of
+        # its own parameters, whole.
+        self._sharding = _sharding_optimizer(optimizer)
+        if self._sharding is not None:
+            name = type(self._sharding).__name__
+            if name != "DygraphShardingOptimizer" or getattr(self._sharding, "_sharding_world_size", 0) != self._world:
+                raise ValueError("flashckpt.paddle saves sharding stage 1 (DygraphShardingOptimizer, its sharding "
+                                 "degree the job's world size), not %s: its ranks hold parts of the optimizer state "
+                                 "it does not save yet" % name)
         self._group: Optional[_PaddleGroup] = _PaddleGroup() if self._world > 1 else None
         self.model = model
         self.optimizer = optimizer
@@ -223,11 +249,62 @@ class Checkpointer:
 
     def _replicated(self, tensors: Dict[str, Any]) -> Tuple[List[str], List[str]]:
         """(replicated, buffers): the names of the tensors alike on every data-parallel rank (the
-        model's parameters and the optimizer's state), in state order, and the model's buffers."""
-        params = {_MODEL + "." + k for k, v in self.model.state_dict().items()
+        model's parameters, and the optimizer's state unless it is sharded), in state order, and the
+        model's buffers. Any other tensor (a sharding rank's optimizer state) is the rank's own."""
+        params = {_MODEL + "." + k for k, v in _unwrapped(self.model).state_dict().items()
                   if isinstance(v, _PARAMETER) and getattr(v, "trainable", False)}
         buffers = [n for n in tensors if n.startswith(_MODEL + ".") and n not in params]
+        if self._sharding is not None:
+            return [n for n in tensors if n in params], buffers
         return [n for n in tensors if n not in buffers], buffers
+
+    def _owned(self, key: str) -> bool:
+        """Whether optimizer state `key` (an accumulator, named after its parameter) belongs to this
+        rank: every key without a sharding optimizer, else those of the parameters it updates."""
+        if self._sharding is None:
+            return True
+        mine = [p.name for p in self._sharding._rank2params[self._sharding._sharding_rank]]
+        return any(key.startswith(n + "_") for n in mine) or not any(
+            key.startswith(p.name + "_") for p in self._all_params())
+
+    def _all_params(self) -> List[Any]:
+        assert self._sharding is not None
+        return [p for r in sorted(self._sharding._rank2params) for p in self._sharding._rank2params[r]]
+
+    def _whole_optimizer(self, tree: Dict[str, Any]) -> Dict[str, Any]:
+        """A sharding rank's `tree` with the structure of every other rank's optimizer state added
+        (leaves of the accumulators of the parameters it does not update, which their owners write):
+        a job of another sharding degree then finds every accumulator in any rank's part. Each
+        parameter has the accumulators this rank's have, named after it, of its shape where theirs
+        are of their parameter's (moments), else of the same shape (beta powers)."""
+        part = _state.subtree(tree, (_OPTIMIZER,))
+        if self._sharding is None or part is None or "d" not in part:
+            return tree
+        mine = self._sharding._rank2params[self._sharding._sharding_rank]
+        entries = dict((k, c) for k, c in part["d"])
+        template: List[Tuple[str, str, Optional[List[int]]]] = []
+        for p in mine:
+            own = [(k, c) for k, c in part["d"] if isinstance(k, str) and "t" in c and k.startswith(p.name + "_")]
+            if own:
+                of_param = [int(d) for d in p.shape]
+                template = [(k[len(p.name):], c["dtype"], None if c["shape"] == of_param else c["shape"])
+                            for k, c in own]
+                break
+        if not template:
+            if any(self._sharding._rank2params[r] for r in self._sharding._rank2params):
+                raise ValueError("sharding rank %d has no optimizer state of its own yet: save after the first "
+                                 "optimizer step" % self._rank)
+            return tree
+        added = []
+        for p in self._all_params():
+            for suffix, dtype, shape in template:
+                key = p.name + suffix
+                if key not in entries:
+                    leaf = {"t": "%s.%s" % (_OPTIMIZER, key), "dtype": dtype,
+                            "shape": [int(d) for d in p.shape] if shape is None else shape}
+                    added.append([key, leaf])
+        whole = {"d": list(part["d"]) + added}
+        return {"d": [[k, whole if k == _OPTIMIZER else c] for k, c in tree["d"]]}
 
     def _split(self, tensors: Dict[str, Any], rank: Optional[int] = None
                ) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
@@ -241,10 +318,13 @@ class Checkpointer:
                               self._world)
         out: Dict[str, Any] = {}
         specs: Dict[str, Dict[str, Any]] = {}
+        replicated = set(in_order)
         for name, t in tensors.items():
             if name in buffers:
                 if rank == 0:
                     out[name] = t
+            elif name not in replicated:
+                out[name] = t  # this rank's own (a sharding rank's optimizer state)
             elif name in ranges:
                 first, end = ranges[name]
                 if (first, end) in ((0, int(t.size)), (0, 0)):
@@ -302,7 +382,8 @@ class Checkpointer:
         self._register(mine, specs)
         payload: Optional[Dict[str, Any]] = None
         if persist:
-            payload = {"format": FORMAT, "version": VERSION, "state": tree, "user": extra, "world_size": self._world}
+            payload = {"format": FORMAT, "version": VERSION, "state": self._whole_optimizer(tree), "user": extra,
+                       "world_size": self._world}
             if self.rng:
                 payload["rng"] = rng_state()
         snap = self.client.snapshot(step, mine, persist=persist, loss=loss, extra=payload, tier=tier)
@@ -464,6 +545,8 @@ class Checkpointer:
         targets: Dict[str, Any] = {}
         for leaf in _state.tensor_leaves(saved):
             name, dtype, shape = leaf["t"], leaf["dtype"], [int(d) for d in leaf["shape"]]
+            if not name.startswith(_MODEL + ".") and not self._owned(name[len(_OPTIMIZER) + 1:]):
+                continue  # another sharding rank's: it restores it
             if dtype not in _DTYPES:
                 raise CorruptionError("CORRUPTION", "%s: tensor '%s' has dtype %r" % (what, name, dtype))
             have = current_tensors.get(name)
@@ -488,7 +571,7 @@ class Checkpointer:
 
     def _hand_over(self, step: int, blob: Dict[str, Any], targets: Dict[str, Any]) -> None:
         """Gives the optimizer its restored state, puts the RNG state back and sets extra."""
-        restored = _state.unflatten(blob["state"], targets)
+        restored = _state.unflatten(_prune(blob["state"], targets), targets)
         if self.optimizer is not None and _OPTIMIZER in restored:
             self.optimizer.set_state_dict(restored[_OPTIMIZER])
         if self.rng and "rng" in blob:
