@@ -47,9 +47,17 @@ flashckpt.torch does. resume() is collective: every rank calls it and all restor
 (the newest memory checkpoint every rank holds, else the oldest of the latest complete checkpoints
 the ranks see), a failure on any rank raises on every rank, and after a memory restore the ranks
 broadcast their shares to each other. A job of another world size resumes a disk checkpoint (a rank
-the saving job did not have takes rank 0's part, without its RNG state). Sharding optimizers
-(DygraphShardingOptimizer, GroupShardedOptimizerStage2: each rank holds another part of the optimizer
-state) are refused with a ValueError.
+the saving job did not have takes rank 0's part, without its RNG state).
+
+Sharding stage 1: in a fleet job with sharding_degree equal to its world size, each rank's
+DygraphShardingOptimizer updates its own parameters and holds their optimizer state. Each rank writes
+that state whole (and its share of the model, or the whole model with the EMA), and records in its
+part the structure of every rank's optimizer state (each parameter's accumulators, named after it, as
+the rank's own are), so that a job of another sharding degree, or one process with a plain
+optimizer, resumes it: each rank restores the accumulators of the parameters it updates now, and
+set_state_dict() gives them to its optimizer; the EMA comes back with the step. Other sharding
+optimizers (DygraphShardingOptimizerV2, GroupShardedOptimizerStage2/3, which Paddle runs on GPUs
+only) are refused with a ValueError. A parallel wrapper's "_layers." prefix is not part of the keys.
 
 export(checkpoint_dir, out_dir) writes Paddle's own files (model.pdparams, model.pdopt) from a
 complete checkpoint, so a Paddle job without flashckpt loads it with paddle.load and set_state_dict.
