@@ -14,12 +14,14 @@ Checkpointer, against one real flashckptd.
      newest memory checkpoint (tier memory on both), each restoring its share and receiving the
      other's.
   4. Another world size: one process without paddle.distributed resumes the 2-rank job's last
-     checkpoint, with the uninterrupted job's final weights.
+     checkpoint, with the uninterrupted job's final weights; flashckpt.paddle.export writes it as
+     model.pdparams with those weights.
   5. Sharding stage 1 (fleet, sharding_degree 2: each rank's DygraphShardingOptimizer holds the
      state of its own parameters), with the daemon's EMA: the job SIGKILLed and launched again
      resumes bit-exact (losses, weights, EMA); one process with a plain AdamW (sharding degree 1)
      resumes its last checkpoint with the job's final weights and EMA, and an optimizer state that
-     is the union of both ranks' (read from their files with safetensors).
+     is the union of both ranks' (read from their files with safetensors); its export holds those
+     weights and that optimizer state.
 Skipped (exit 77) where paddle cannot be imported. FLASHCKPT_TEST_SEED fixes the kill steps.
 """
 
@@ -192,9 +194,12 @@ class PaddleDataParallelTest(unittest.TestCase):
         print("killed after step %d; both ranks resumed checkpoint-%d" % (kill_after, start), flush=True)
         self.assertEqual(start % SAVE_EVERY, 0)
 
-        # 4. One process (no paddle.distributed) resumes the 2-rank job's last checkpoint.
+        # 4. One process (no paddle.distributed) resumes the 2-rank job's last checkpoint, and
+        # flashckpt.paddle.export writes it as Paddle's own files with the same weights.
         single = self.resume_in_one_process(job_a)
         self.assertEqual(single["resumed_step"], STEPS)
+        exported = export_and_load(ckpt, os.path.join(self.daemon.tmp, "export"))
+        self.assertEqual(digest_arrays(exported["pdparams"]), ref[0]["params_sha256"])
         self.assertEqual(single["params_sha256"], ref[0]["params_sha256"])
 
     def test_sharding_stage1_with_ema_killed_and_resumed_then_at_degree_1(self):
@@ -237,6 +242,10 @@ class PaddleDataParallelTest(unittest.TestCase):
         print("optimizer tensors per parameter: %d" % (len(union) // len(load_example().make_model().parameters())),
               flush=True)
         self.assertEqual(single["optimizer_sha256"], digest_arrays(union))
+        # Exported as Paddle's own files: the weights, and every rank's optimizer state.
+        exported = export_and_load(ckpt, os.path.join(self.daemon.tmp, "export"))
+        self.assertEqual(digest_arrays(exported["pdparams"]), ref[0]["params_sha256"])
+        self.assertEqual(digest_arrays(exported["pdopt"]), digest_arrays(union))
 
     def test_killed_and_resumed_from_memory(self):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
@@ -254,6 +263,16 @@ class PaddleDataParallelTest(unittest.TestCase):
         print("killed after step %d; resumed step %d from %s" % (kill_after, start, tiers), flush=True)
         self.assertGreaterEqual(start, kill_after)
         self.assertEqual(tiers, ["memory"] * RANKS)
+
+
+def export_and_load(checkpoint, out):
+    """flashckpt.paddle.export of `checkpoint` into `out`, read back with paddle.load: {"pdparams":
+    {key: array}, "pdopt": {key: array}} (the optimizer's tensors only)."""
+    sys.path.insert(0, harness.PYTHON_DIR)
+    from flashckpt.paddle import export
+    paths = export(checkpoint, out)
+    return {kind: {k: v.numpy() for k, v in paddle.load(paths[kind]).items() if isinstance(v, paddle.Tensor)}
+            for kind in ("pdparams", "pdopt")}
 
 
 def digest_arrays(arrays):
