@@ -5,13 +5,15 @@
 // headers, and the ranks' signals. Generated rather than checked in, so the seeds follow the format
 // as it changes. Each file is a few KiB at most. With a second argument, a checkpoint directory of
 // an older format version (tests/data/format_v1), its files and metadata.json are added as seeds
-// ("v1.<name>") so that the fuzzers cover every format version readers accept.
+// ("v1.<name>") so that the fuzzers cover every format version readers accept. The replica-part
+// fuzzer gets a few encoded parts, written here byte by byte.
 #include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "common/base/names.h"
+#include "common/format/checksum.h"
 #include "common/format/image.h"
 #include "common/format/layout.h"
 #include "common/format/metadata.h"
@@ -155,6 +157,23 @@ Status WriteSeeds(const std::string& root) {
     std::string json = EncodeNodePart(part);
     json.resize(json.rfind("\nxxh3 "));  // the fuzzer appends the checksum line itself
     RETURN_IF_ERROR(WriteFileDurably(parts, "node_part_seed.json", json));
+  }
+
+  // A replica part as peers send it (first byte: how the fuzzer cuts it into slices): a data part
+  // in the encoding read in place (data = 2, then xxh3 = 3), the same cut in three, the fields the
+  // other way round, and a header (field 1, an empty ReplicaHeader).
+  {
+    const std::string parts = root + "/replica_part";
+    RETURN_IF_ERROR(MakeDirs(parts));
+    const std::string payload = "replica bytes";
+    std::string data_part = std::string("\x12") + static_cast<char>(payload.size()) + payload + "\x19";
+    const uint64_t sum = Xxh3(payload.data(), payload.size());
+    for (int i = 0; i < 8; ++i) data_part += static_cast<char>((sum >> (8 * i)) & 0xff);
+    RETURN_IF_ERROR(WriteFileDurably(parts, "data", std::string(1, '\0') + data_part));
+    RETURN_IF_ERROR(WriteFileDurably(parts, "data-in-three", std::string(1, '\x96') + data_part));
+    const std::string reordered = data_part.substr(2 + payload.size()) + data_part.substr(0, 2 + payload.size());
+    RETURN_IF_ERROR(WriteFileDurably(parts, "reordered", std::string(1, '\x01') + reordered));
+    RETURN_IF_ERROR(WriteFileDurably(parts, "header", std::string("\x00\x0a\x00", 3)));
   }
 
   // What `flashckpt import` reads: a Hugging Face file (a compact header, "format": "pt", two
