@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <cctype>
 #include <charconv>
 
 #include "common/base/names.h"
@@ -25,6 +26,27 @@ bool IsHostName(std::string_view host) {
     if (!ok) return false;
   }
   return true;
+}
+
+// One spelling per host, so that addresses compare as the hosts they name: an IP literal as inet_ntop
+// writes it ("0:0::1" is "::1"), a host name in lower case (names are case-insensitive).
+std::string CanonicalHost(std::string_view host, bool ipv6) {
+  const std::string text(host);
+  char out[INET6_ADDRSTRLEN] = {};
+  if (ipv6) {
+    in6_addr v6{};
+    if (::inet_pton(AF_INET6, text.c_str(), &v6) == 1 && ::inet_ntop(AF_INET6, &v6, out, sizeof out) != nullptr) {
+      return out;
+    }
+    return text;
+  }
+  in_addr v4{};
+  if (::inet_pton(AF_INET, text.c_str(), &v4) == 1 && ::inet_ntop(AF_INET, &v4, out, sizeof out) != nullptr) {
+    return out;
+  }
+  std::string lower = text;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return lower;
 }
 
 }  // namespace
@@ -86,7 +108,7 @@ Result<ListenAddress> ParseListenAddress(std::string_view text, std::string_view
   if (port.empty() || port.size() > 5 || ec != std::errc() || end != port.data() + port.size() || value > 65535) {
     return BadListen(flag, text, "the port must be a number from 0 to 65535");
   }
-  a.host = std::string(host);
+  a.host = CanonicalHost(host, a.ipv6);
   a.port = static_cast<uint16_t>(value);
   return a;
 }

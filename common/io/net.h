@@ -15,7 +15,7 @@ namespace flashckpt {
 //   "10.0.0.5:9000", "0.0.0.0:9000", "[::1]:9000", "[::]:9000", "localhost:9000", "node7:9000"
 // Port 0 lets the kernel choose; the listener logs the port it bound.
 struct ListenAddress {
-  std::string host;  // without brackets
+  std::string host;  // without brackets; an IP literal as inet_ntop writes it, a name in lower case
   uint16_t port = 0;
   bool ipv6 = false;      // host is an IPv6 literal
   bool loopback = false;  // 127.0.0.0/8, ::1 (also v4-mapped) or "localhost"

@@ -262,7 +262,10 @@ TEST(ListenAddress, LoopbackUnlessAHostIsGiven) {
         Case{"0.0.0.0:7070", "0.0.0.0:7070", false}, Case{"10.1.2.3:7070", "10.1.2.3:7070", false},
         Case{"[::1]:7070", "[::1]:7070", true}, Case{"[::]:7070", "[::]:7070", false},
         Case{"[::ffff:127.0.0.1]:1", "[::ffff:127.0.0.1]:1", true}, Case{"localhost:7070", "localhost:7070", true},
-        Case{"node-7.example:7070", "node-7.example:7070", false}}) {
+        Case{"node-7.example:7070", "node-7.example:7070", false},
+        // One spelling per address, so that two spellings of one member compare equal.
+        Case{"[0:0:0:0:0:0:0:1]:7070", "[::1]:7070", true}, Case{"[::FFFF:127.0.0.1]:1", "[::ffff:127.0.0.1]:1", true},
+        Case{"[fe80:0::0:1]:2", "[fe80::1]:2", false}, Case{"Node-7.Example:7070", "node-7.example:7070", false}}) {
     auto a = ParseListenAddress(c.text);
     ASSERT_OK(a.status());
     EXPECT_EQ(a->Target(), c.target) << c.text;
@@ -298,6 +301,16 @@ TEST(DaemonConfig, AParityGroupListsThisDaemonOnceAndCodesWhatItCan) {
   };
   refused({"--ec-group", "127.0.0.1:7001,127.0.0.1:7003"}, "does not list this daemon's --replica-listen");
   refused({"--ec-group", "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7001"}, "twice");
+  // Addresses compare as addresses, not as text: another spelling of a member is that member.
+  auto v6 = Parse({"--socket", "s", "--root", "r", "--replica-listen", "[::1]:7002", "--ec-group",
+                   "[0::1]:7001,[0:0:0:0:0:0:0:1]:7002,[::1]:7003", "--ec-parity", "1"});
+  ASSERT_TRUE(v6.ok()) << v6.status().ToString();
+  auto v6_group = ParseParityGroup(v6->ec_group, 1, v6->replica_listen, false);
+  ASSERT_TRUE(v6_group.ok()) << v6_group.status().ToString();
+  EXPECT_EQ(v6_group->self, 1u);
+  auto twice = ParseParityGroup({"[::1]:7001", "[0:0::1]:7001", "[::1]:7002"}, 1, "[::1]:7002", false);
+  EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("twice"), std::string::npos) << twice.status().ToString();
   refused({"--ec-group", "127.0.0.1:7001,127.0.0.1:7002", "--ec-parity", "2"}, "--ec-parity");
   refused({"--ec-parity", "1"}, "--ec-parity needs --ec-group");
   refused({"--ec-group", "10.1.2.3:7001,127.0.0.1:7002"}, "mutual TLS");
