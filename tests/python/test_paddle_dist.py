@@ -22,6 +22,7 @@ Checkpointer, against one real flashckptd.
      resumes its last checkpoint with the job's final weights and EMA, and an optimizer state that
      is the union of both ranks' (read from their files with safetensors); its export holds those
      weights and that optimizer state.
+  6. Tensor parallelism (fleet, mp_degree 2) is refused on every rank with a ValueError.
 Skipped (exit 77) where paddle cannot be imported. FLASHCKPT_TEST_SEED fixes the kill steps.
 """
 
@@ -247,6 +248,24 @@ class PaddleDataParallelTest(unittest.TestCase):
         self.assertEqual(digest_arrays(exported["pdparams"]), ref[0]["params_sha256"])
         self.assertEqual(digest_arrays(exported["pdopt"]), digest_arrays(union))
 
+    def test_tensor_parallelism_is_refused(self):
+        """fleet with mp_degree 2: the ranks hold different tensors under the same names, which this
+        version cannot save: every rank's Checkpointer raises a ValueError that says so."""
+        out = os.path.join(self.daemon.tmp, "mp")
+        log = open(out + ".out", "wb")
+        p = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(RANKS),
+                              "--devices", "", "--start_port", str(free_ports(RANKS)), "--log_dir", out + ".launch",
+                              "--", os.path.abspath(__file__), "mp-worker", self.daemon.socket,
+                              self.daemon.job("mp"), out],
+                             stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        log.close()
+        self.procs.append(p)
+        self.assertEqual(p.wait(timeout=120), 0, self.launch_logs("mp"))
+        for r in range(RANKS):
+            with open("%s.rank%d" % (out, r)) as f:
+                said = f.read()
+            self.assertIn("not a model wrapped in TensorParallel", said, "rank %d" % r)
+
     def test_killed_and_resumed_from_memory(self):
         seed = int(os.environ.get("FLASHCKPT_TEST_SEED", time.time_ns() % 100000))
         rng = random.Random(seed + 1)
@@ -336,5 +355,28 @@ def load_example():
     return module
 
 
+def mp_worker(socket, job, out):
+    """A rank of a fleet job with mp_degree 2: makes a Checkpointer, writes what it raised to OUT.rank<R>."""
+    from paddle.distributed import fleet
+    from flashckpt.paddle import Checkpointer
+    paddle.set_device("cpu")
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": RANKS, "pp_degree": 1, "sharding_degree": 1}
+    fleet.init(is_collective=True, strategy=strategy)
+    model = fleet.distributed_model(paddle.nn.Linear(8, 8))
+    optimizer = fleet.distributed_optimizer(paddle.optimizer.AdamW(parameters=model.parameters()))
+    try:
+        Checkpointer(model, optimizer, socket=socket, job=job)
+        said = "accepted"
+    except ValueError as e:
+        said = str(e)
+    with open("%s.rank%d" % (out, paddle.distributed.get_rank()), "w") as f:
+        f.write(said)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "mp-worker":
+        sys.path.insert(0, harness.PYTHON_DIR)
+        mp_worker(*sys.argv[2:])
+        sys.exit(0)
     unittest.main(verbosity=2)

@@ -10,6 +10,7 @@ Collective (flashckpt.paddle's over paddle.distributed).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, TypeVar, cast
 
 from .errors import FailedPreconditionError, FlashckptError, StructureMismatchError
@@ -44,6 +45,21 @@ def gather(group: Group, value: object) -> List[Any]:
     out: List[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(out, value, group=group)
     return out
+
+
+def settle(client: Any, timeout: float) -> None:
+    """Waits (up to `timeout` seconds) until no rank of `client`'s job has a snapshot committed but
+    not yet persisted: a restarted trainer must not pick the latest complete checkpoint while its
+    predecessor's last save is still being written (that one would complete later and refuse to be
+    saved again)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs = [j for j in client.status().get("jobs", []) if j.get("job") == client.job]
+        busy = any(s.get("state") in ("committed", "persisting")
+                   for j in jobs for r in j.get("ranks", []) for s in r.get("slots", []))
+        if not busy or time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
 
 
 def broadcast(group: Group, value: object, source: int) -> Any:

@@ -21,12 +21,12 @@ on every rank.
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from . import _agree
 from . import _state
 from . import _torch_agree
 from . import _torch_zero
@@ -88,7 +88,7 @@ class Resume:
         mine: Optional[Tuple[List[int], Optional[int]]] = None
         error: Optional[BaseException] = None
         try:
-            self._settle(min(timeout, 60.0))  # the last disk save of the trainer that died counts too
+            _agree.settle(self._client, min(timeout, 60.0))  # the last disk save of the trainer that died counts too
             # Unverified: the restore verifies the one every rank picks (a failure sends them all to
             # the disk), so the checkpoint is read once.
             mine = self._client.restorable(min(timeout, 60.0), verify=False)
@@ -211,7 +211,7 @@ class Resume:
               timeout: float) -> Tuple[Node, Dict[str, Any], Optional[int], Any]:
         """(tree, tensors, step, blob): the current states, flattened, and what _probe finds of
         checkpoint `step`, once no save of the job is still being written."""
-        self._settle(min(timeout, 60.0))
+        _agree.settle(self._client, min(timeout, 60.0))
         tree, tensors = self._layout.flatten()
         if not tensors:
             raise ValueError("the states hold no tensors; there is nothing to resume")
@@ -223,21 +223,6 @@ class Resume:
                                           "torch.distributed process group, whose ranks hand rank 0's part on) "
                                           "or not by flashckpt.torch.Checkpointer" % (probed[0], self._client.rank))
         return (tree, tensors) + probed
-
-    def _settle(self, timeout: float) -> None:
-        """Waits until no rank of the job has a snapshot committed but not yet persisted.
-
-        A restarted trainer must not pick the latest complete checkpoint while its predecessor's last
-        save is still being written: that one would complete later and refuse to be saved again.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            jobs = [j for j in self._client.status().get("jobs", []) if j.get("job") == self._client.job]
-            busy = any(s.get("state") in ("committed", "persisting")
-                       for j in jobs for r in j.get("ranks", []) for s in r.get("slots", []))
-            if not busy or time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
 
     def _probe(self, step: Optional[int], timeout: float) -> Tuple[Optional[int], Any]:
         """(step, blob) of checkpoint `step` (None: the newest complete one on disk), from the extra

@@ -41,7 +41,8 @@ Data parallel: in a job started with paddle.distributed (init_parallel_env(); 2 
 gloo on the CPU are tested), every rank makes a Checkpointer, and rank and world size come from
 paddle.distributed. The ranks hold the same model and optimizer state, so it is written once: its
 bytes are cut into equal shares, one per rank (whole tensors, and flat ranges of those that cross a
-cut, as flashckpt.torch does for DDP; the model's buffers are rank 0's). With the daemon's EMA every
+cut, as flashckpt.torch does for DDP; the model's buffers are rank 0's: paddle.DataParallel syncs
+them only when it wraps the model, so after a resume every rank has rank 0's BatchNorm statistics). With the daemon's EMA every
 rank writes the whole state instead (each daemon's EMA covers what its rank registers), as
 flashckpt.torch does. resume() is collective: every rank calls it and all restore the same step
 (the newest memory checkpoint every rank holds, else the oldest of the latest complete checkpoints
@@ -65,6 +66,7 @@ complete checkpoint, so a Paddle job without flashckpt loads it with paddle.load
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -155,12 +157,44 @@ def _prune(tree: Dict[str, Any], keep: Any) -> Dict[str, Any]:
     return tree
 
 
+def _wrappers() -> Tuple[type, ...]:
+    """paddle.DataParallel and fleet's parallel wrappers (MetaParallelBase), which hold the model."""
+    out: List[type] = [paddle.DataParallel]
+    try:
+        from paddle.distributed.fleet.meta_parallel.meta_parallel_base import MetaParallelBase
+        out.append(MetaParallelBase)
+    except ImportError:
+        pass
+    return tuple(out)
+
+
 def _unwrapped(model: Any) -> Any:
     """The layer a parallel wrapper holds (fleet's distributed_model prefixes its state-dict keys
     with "_layers."), so that a checkpoint's keys do not depend on how the job was parallel."""
-    while isinstance(getattr(model, "_layers", None), paddle.nn.Layer):
+    wrappers = _wrappers()
+    while isinstance(model, wrappers) and isinstance(getattr(model, "_layers", None), paddle.nn.Layer):
         model = model._layers
     return model
+
+
+def _unsupported_parallelism(model: Any) -> Optional[str]:
+    """Why a job's parallelism is one flashckpt.paddle cannot save, or None: tensor or pipeline
+    parallelism (fleet's mp_degree or pp_degree above 1), or a group-sharded model (stages 2 and 3),
+    whose ranks hold different tensors under the same names."""
+    name = type(model).__name__
+    if any(word in name for word in ("TensorParallel", "PipelineParallel", "SegmentParallel", "GroupSharded")):
+        return "a model wrapped in %s" % name
+    try:
+        from paddle.distributed import fleet
+        hcg = fleet.get_hybrid_communicate_group()
+    except Exception:  # fleet not initialised: no hybrid parallelism
+        return None
+    if hcg is None:
+        return None
+    mp, pp = hcg.get_model_parallel_world_size(), hcg.get_pipe_parallel_world_size()
+    if mp > 1 or pp > 1:
+        return "fleet's mp_degree %d and pp_degree %d (tensor and pipeline parallelism)" % (mp, pp)
+    return None
 
 
 def _states(model: Any, optimizer: Any) -> Dict[str, Any]:
@@ -208,6 +242,10 @@ class Checkpointer:
             raise TypeError("model must be a paddle.nn.Layer, got %s" % type(model).__name__)
         if any(k in client_options for k in ("rank", "world_size", "shard_rank", "shard_degree")):
             raise ValueError("flashckpt.paddle takes the rank and world size from paddle.distributed")
+        unsupported = _unsupported_parallelism(model)
+        if unsupported:
+            raise ValueError("flashckpt.paddle saves one rank, data parallelism and sharding stage 1, not %s"
+                             % unsupported)
         distributed = paddle.distributed.is_initialized()
         self._world = paddle.distributed.get_world_size() if distributed else 1
         self._rank = paddle.distributed.get_rank() if distributed else 0
@@ -276,8 +314,10 @@ class Checkpointer:
             key.startswith(p.name + "_") for p in self._all_params())
 
     def _all_params(self) -> List[Any]:
+        """Every sharding rank's trainable parameters (a frozen one has no optimizer state)."""
         assert self._sharding is not None
-        return [p for r in sorted(self._sharding._rank2params) for p in self._sharding._rank2params[r]]
+        return [p for r in sorted(self._sharding._rank2params) for p in self._sharding._rank2params[r]
+                if not p.stop_gradient]
 
     def _whole_optimizer(self, tree: Dict[str, Any]) -> Dict[str, Any]:
         """A sharding rank's `tree` with the structure of every other rank's optimizer state added
@@ -288,7 +328,13 @@ class Checkpointer:
         part = _state.subtree(tree, (_OPTIMIZER,))
         if self._sharding is None or part is None or "d" not in part:
             return tree
-        mine = self._sharding._rank2params[self._sharding._sharding_rank]
+        if "master_weights" in dict((k, c) for k, c in part["d"]):
+            raise ValueError("flashckpt.paddle does not yet save a sharding optimizer's master weights "
+                             "(multi_precision): another sharding degree could not resume them")
+        # The template: an own parameter of more than one element (so that state of its shape is
+        # told from state of shape [1], the beta powers), else any own one.
+        mine = sorted((p for p in self._sharding._rank2params[self._sharding._sharding_rank] if not p.stop_gradient),
+                      key=lambda p: int(p.size) <= 1)
         entries = dict((k, c) for k, c in part["d"])
         template: List[Tuple[str, str, Optional[List[int]]]] = []
         for p in mine:
@@ -299,9 +345,11 @@ class Checkpointer:
                             for k, c in own]
                 break
         if not template:
-            if any(self._sharding._rank2params[r] for r in self._sharding._rank2params):
-                raise ValueError("sharding rank %d has no optimizer state of its own yet: save after the first "
-                                 "optimizer step" % self._rank)
+            if self._all_params():
+                raise ValueError("sharding rank %d has no optimizer state of its own to describe the other ranks' "
+                                 "by (no step taken yet, or no trainable parameter of its own): save after the "
+                                 "first optimizer step, with a sharding degree that gives every rank a "
+                                 "parameter" % self._rank)
             return tree
         added = []
         for p in self._all_params():
@@ -342,12 +390,12 @@ class Checkpointer:
                     specs[name] = {"box_shape": [int(d) for d in t.shape], "flat_range": (first, end)}
         return out, specs
 
-    def _spread(self, targets: Dict[str, Any]) -> None:
-        """After each rank restored its share of `targets` from its memory checkpoint, every rank
-        broadcasts its share (one flat tensor per dtype) and the others copy it in; rank 0 sends the
-        buffers too. Every rank makes the same broadcasts in the same order."""
+    def _spread_plan(self, targets: Dict[str, Any]) -> List[Dict[str, List[Tuple[str, int, int]]]]:
+        """Per rank, by dtype, the pieces (name, first, end) of `targets` it broadcasts in _spread:
+        its share of the replicated tensors, and for rank 0 the buffers."""
         in_order, buffers = self._replicated(targets)
         sizes = [(n, int(targets[n].size), targets[n].element_size()) for n in in_order]
+        plan = []
         for r, ranges in enumerate(owners(sizes, self._world)):
             pieces = [(n, a, b) for n, (a, b) in ranges.items() if b > a]
             if r == 0:
@@ -355,6 +403,15 @@ class Checkpointer:
             by_dtype: Dict[str, List[Tuple[str, int, int]]] = {}
             for piece in pieces:
                 by_dtype.setdefault(str(targets[piece[0]].dtype), []).append(piece)
+            plan.append(by_dtype)
+        return plan
+
+    def _spread(self, targets: Dict[str, Any]) -> None:
+        """After each rank restored its share of `targets` from its memory checkpoint, every rank
+        broadcasts its share (one flat tensor per dtype) and the others copy it in; rank 0 sends the
+        buffers too. Every rank makes the same broadcasts in the same order (the ranks compared the
+        plans' digests first)."""
+        for r, by_dtype in enumerate(self._spread_plan(targets)):
             for dtype in sorted(by_dtype):
                 group = by_dtype[dtype]
                 if r == self._rank:
@@ -444,6 +501,7 @@ class Checkpointer:
         mine: Optional[Tuple[List[int], Optional[int]]] = None
         error: Optional[BaseException] = None
         try:
+            _agree.settle(self.client, min(timeout, 60.0))  # the last save of the trainer that died counts too
             mine = self.client.restorable(min(timeout, 60.0), verify=False)
         except FlashckptError as e:
             warnings.warn("rank %d cannot list its memory checkpoints (%s); resuming from disk" % (self._rank, e),
@@ -457,6 +515,7 @@ class Checkpointer:
         (a daemon's error on some rank), and every rank reads the disk instead."""
         error: Optional[BaseException] = None
         restored: Optional[Tuple[Dict[str, Any], Dict[str, Any]]] = None
+        digest: Optional[str] = None
         try:
             what = "memory checkpoint step %d of job '%s'" % (step, self.client.job)
             extra = self.client.memory_extra(step, min(timeout, 60.0), verify=False)
@@ -470,9 +529,11 @@ class Checkpointer:
             # The layout save() registers: the daemon keeps the segment that holds the checkpoint.
             self._restore_into(step, *self._split(targets), timeout=timeout)
             restored = (blob, targets)
+            if self._shares:  # the broadcasts of _spread must pair up on every rank
+                digest = hashlib.sha256(repr(self._spread_plan(targets)).encode("utf-8")).hexdigest()
         except BaseException as e:  # reported to the other ranks before anything is raised
             error = e
-        failed = _agree.memory_failure(self._group, step, error, None)
+        failed = _agree.memory_failure(self._group, step, error, digest)
         if failed is not None:
             return "the restore of memory checkpoint step %d failed on rank %d (%s)" % (step, failed[0], failed[1])
         assert restored is not None
@@ -486,7 +547,11 @@ class Checkpointer:
     def _from_disk(self, step: Optional[int], timeout: float, memory_failed: Optional[str]) -> Optional[int]:
         """Restores checkpoint `step` (None: the latest complete one) after the ranks agree on it."""
         group = self._group
-        found, blob = _agree.stage(group, "read its checkpoint", lambda: self._probe(step, timeout))
+
+        def read() -> Tuple[Optional[int], Optional[Dict[str, Any]]]:
+            _agree.settle(self.client, min(timeout, 60.0))
+            return self._probe(step, timeout)
+        found, blob = _agree.stage(group, "read its checkpoint", read)
         if group is not None:
             agreed = _agree.common_step(group, found, self.client.job)
             if agreed is not None:
