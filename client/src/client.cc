@@ -300,10 +300,10 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
 Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopying(SlotCommit commit, char* base,
                                                                                    std::vector<DeviceCopy> from_device,
                                                                                    void* cuda_stream) {
-  // A streaming commit. The device-to-host copies are queued behind the caller's stream in slot
-  // order, in chunks; the commit goes at once (from this client's thread), and the slot header's
-  // copied_until tells the daemon how far the copies have come, so that it hashes and writes the
-  // first chunks while the next are in flight.
+  // A streaming commit. The caller's thread only marks the point of its stream the copies wait for;
+  // this client's commit thread pins the slots (the first time), queues the device-to-host copies
+  // in slot order, in chunks, sends the commit, and moves the slot header's copied_until on as each
+  // chunk lands, so that the daemon hashes and writes the first chunks while the next are in flight.
   std::sort(from_device.begin(), from_device.end(),
             [](const DeviceCopy& a, const DeviceCopy& b) { return a.dst < b.dst; });
   std::vector<DeviceCopy> chunks;
@@ -316,31 +316,39 @@ Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopyi
   std::vector<uint64_t> until(chunks.size(), 0);  // copied_until once chunk k is done; 0: all
   for (size_t k = 0; k + 1 < chunks.size(); ++k) until[k] = static_cast<char*>(chunks[k + 1].dst) - base;
   auto* header = reinterpret_cast<SlotHeader*>(base);
+  if (Status ordered = device.OrderAfter(static_cast<cudaStream_t>(cuda_stream)); !ordered.ok()) {
+    AbortSlot(commit.session_id, commit.slot);
+    return ordered.WithContext("copying the device tensors of step " + std::to_string(commit.step));
+  }
   // The host tensors are in place; the device ones from the first chunk on are not.
   header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
                              std::memory_order_release);
-  const auto started = std::chrono::steady_clock::now();
-  Status pinned = device.PinSlots(Slot(0), slot_stride, slot_count);
-  const double pin_ms = MsSince(started);
-  Result<std::vector<CudaEvent>> events =
-      pinned.ok() ? device.CopyAfter(static_cast<cudaStream_t>(cuda_stream), chunks, /*event_each=*/true)
-                  : Result<std::vector<CudaEvent>>(pinned);
-  Logger("client")->debug("device copies queued step={} chunks={} pin_ms={:.3f} queue_ms={:.3f}", commit.step,
-                          chunks.size(), pin_ms, MsSince(started) - pin_ms);
-  if (!events.ok()) {
-    AbortSlot(commit.session_id, commit.slot);
-    return events.status().WithContext("copying the device tensors of step " + std::to_string(commit.step));
-  }
   auto progress = std::make_shared<detail::SnapshotProgress>();
   pending = progress;
-  committer = std::thread([impl = this, progress, header, until = std::move(until), events = std::move(events).value(),
+  committer = std::thread([impl = this, progress, header, until = std::move(until), chunks = std::move(chunks),
                            commit = std::move(commit)] {
+    const auto started = std::chrono::steady_clock::now();
+    Status pinned = impl->device.PinSlots(impl->Slot(0), impl->slot_stride, impl->slot_count);
+    const double pin_ms = MsSince(started);
+    Result<std::vector<CudaEvent>> events =
+        pinned.ok() ? impl->device.Queue(chunks, /*event_each=*/true) : Result<std::vector<CudaEvent>>(pinned);
+    Logger("client")->debug("device copies queued step={} chunks={} pin_ms={:.3f} queue_ms={:.3f}", commit.step,
+                            chunks.size(), pin_ms, MsSince(started) - pin_ms);
+    if (!events.ok()) {
+      // Nothing was committed: the slot goes back, and both waits report why.
+      impl->AbortSlot(commit.session_id, commit.slot);
+      const Status failed =
+          events.status().WithContext("copying the device tensors of step " + std::to_string(commit.step));
+      progress->SetCommitted(failed);
+      progress->SetCopied(failed);
+      return;
+    }
     progress->SetCommitted(impl->SendCommit(commit));
     // Every chunk is waited for, also after a failed commit: the slot must not be reused while
     // the device still writes into it.
     Status copied;
-    for (size_t k = 0; k < events.size(); ++k) {
-      copied = events[k].Synchronize();
+    for (size_t k = 0; k < events->size(); ++k) {
+      copied = (*events)[k].Synchronize();
       if (!copied.ok()) {
         header->copied_until.store(kSlotCopyFailed, std::memory_order_release);
         copied = copied.WithContext("copying the device tensors of step " + std::to_string(commit.step));

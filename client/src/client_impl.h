@@ -65,8 +65,9 @@ struct SnapshotProgress {
 
 }  // namespace detail
 
-// Used by one thread at a time (the Client's contract); the commit thread of a device snapshot
-// reads only `stub` and `options`, and the handles share only the SnapshotProgress.
+// Used by one thread at a time (the Client's contract). The commit thread of a device snapshot
+// uses `stub`, `options`, `device` and the slot geometry while the caller trains; every other call
+// joins it first (FinishPending). The handles share only the SnapshotProgress.
 struct Client::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
@@ -147,9 +148,10 @@ struct Client::Impl {
   void AbortSlot(const std::string& session_of_slot, const SlotLoan& slot) const;
 #if FLASHCKPT_HAVE_CUDA
   // A streaming commit of a slot whose device tensors (`from_device`, into the slot at `base`) are
-  // still to be copied: the copies are queued behind `cuda_stream` and the commit sent from the
-  // commit thread (`committer`) at once, the slot header telling the daemon how far the copies have
-  // come. On failure to queue the copies the slot is given back.
+  // still to be copied. On the caller's thread only an event is recorded on `cuda_stream`; the
+  // commit thread (`committer`) pins the slots, queues the copies behind that event, sends the
+  // commit and moves the slot header on as the copies land. When the copies cannot be queued the
+  // slot is given back and the handle's waits return why.
   Result<std::shared_ptr<detail::SnapshotProgress>> CommitWhileCopying(SlotCommit commit, char* base,
                                                                        std::vector<DeviceCopy> from_device,
                                                                        void* cuda_stream);

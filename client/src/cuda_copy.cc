@@ -40,10 +40,22 @@ Status DeviceCopier::UseCurrentDevice() {
 
 Result<std::vector<CudaEvent>> DeviceCopier::CopyAfter(cudaStream_t caller, const std::vector<DeviceCopy>& copies,
                                                        bool event_each) {
+  RETURN_IF_ERROR(OrderAfter(caller));
+  return Queue(copies, event_each);
+}
+
+Status DeviceCopier::OrderAfter(cudaStream_t caller) {
   RETURN_IF_ERROR(UseCurrentDevice());
   // The copies see the tensors as the caller's stream leaves them at this point, not later work.
-  // Reusing the ready event is safe: cudaStreamWaitEvent takes the recording of the moment.
-  RETURN_IF_ERROR(caller_ready_.Record(caller));
+  return caller_ready_.Record(caller);
+}
+
+Result<std::vector<CudaEvent>> DeviceCopier::Queue(const std::vector<DeviceCopy>& copies, bool event_each) {
+  if (stream_.get() == nullptr) return Internal("device copies queued before OrderAfter");
+  // This thread may have another current device (or none yet): the stream's is the one used.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // Reusing the ready event is safe: cudaStreamWaitEvent takes the recording of the moment, and
+  // the next OrderAfter comes after this call.
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_.get(), caller_ready_.get(), 0));
   std::vector<CudaEvent> events;
   for (size_t i = 0; i < copies.size(); ++i) {

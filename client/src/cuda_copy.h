@@ -6,7 +6,12 @@
 //   copy stream:    [wait ready] [memcpy D2H tensor 0] [memcpy D2H tensor 1] ... [record done]
 //   commit thread:                                                              [sync done] -> Commit
 //
-// Not thread-safe: the owning Client's calls use it one at a time.
+// A snapshot splits the two halves: OrderAfter() on the caller's thread records the ready event
+// (microseconds), and Queue() on the client's commit thread pins the slots and queues the copies
+// (milliseconds for many chunks; seconds for the first pin), so the trainer does not wait for them.
+//
+// Not thread-safe: one thread at a time (the owning Client's calls, or its commit thread while the
+// Client's next call waits for it).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -40,6 +45,12 @@ class DeviceCopier {
   // sleeps rather than spins.
   Result<std::vector<CudaEvent>> CopyAfter(cudaStream_t caller, const std::vector<DeviceCopy>& copies,
                                            bool event_each = false);
+
+  // CopyAfter in two halves. OrderAfter marks the point of `caller`'s work (on the current device)
+  // that the copies of the next Queue() wait for; Queue, on any thread, queues them on that device.
+  // Each OrderAfter is followed by one Queue before the next OrderAfter.
+  Status OrderAfter(cudaStream_t caller);
+  Result<std::vector<CudaEvent>> Queue(const std::vector<DeviceCopy>& copies, bool event_each);
 
  private:
   // The stream and the ready event belong to one device: made again when the current one changes.
