@@ -56,7 +56,7 @@ train_loop() {  # the same GPU training loop saving every 10 steps (EMA every st
   echo "--- not saving"
   python3 examples/train_mlp.py "${common[@]}" --job plain --save-every 1000000 --no-ema || failed=$((failed + 1))
   echo "--- saving: a checkpoint every 10 steps (its EMA update with it)"
-  python3 examples/train_mlp.py "${common[@]}" --job saving10 --save-every 10 --ema-every 1000000 || failed=$((failed + 1))
+  python3 examples/train_mlp.py "${common[@]}" --job saving10 --save-every 10 --ema-every 10 || failed=$((failed + 1))
   echo "--- saving: a checkpoint every 10 steps, the EMA every step"
   python3 examples/train_mlp.py "${common[@]}" --job saving --save-every 10 --ema-every 1 || failed=$((failed + 1))
   kill "$daemon"; wait "$daemon"

@@ -297,13 +297,12 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
 }
 
 #if FLASHCKPT_HAVE_CUDA
-Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopying(SlotCommit commit, char* base,
-                                                                                   std::vector<DeviceCopy> from_device,
-                                                                                   void* cuda_stream) {
-  // A streaming commit. The caller's thread only marks the point of its stream the copies wait for;
-  // this client's commit thread pins the slots (the first time), queues the device-to-host copies
-  // in slot order, in chunks, sends the commit, and moves the slot header's copied_until on as each
-  // chunk lands, so that the daemon hashes and writes the first chunks while the next are in flight.
+void Client::Impl::CopyAndCommit(detail::SnapshotProgress* progress, const SlotCommit& commit, char* base,
+                                 std::vector<DeviceCopy> from_device) {
+  // A streaming commit. The device-to-host copies are queued in slot order, in chunks, behind the
+  // point of the caller's stream that OrderAfter marked; the commit goes once they are queued, and
+  // the slot header's copied_until tells the daemon how far they have come, so that it hashes and
+  // writes the first chunks while the next are in flight.
   std::sort(from_device.begin(), from_device.end(),
             [](const DeviceCopy& a, const DeviceCopy& b) { return a.dst < b.dst; });
   std::vector<DeviceCopy> chunks;
@@ -316,47 +315,110 @@ Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopyi
   std::vector<uint64_t> until(chunks.size(), 0);  // copied_until once chunk k is done; 0: all
   for (size_t k = 0; k + 1 < chunks.size(); ++k) until[k] = static_cast<char*>(chunks[k + 1].dst) - base;
   auto* header = reinterpret_cast<SlotHeader*>(base);
+  // The host tensors are in place; the device ones from the first chunk on are not.
+  header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
+                             std::memory_order_release);
+  const auto started = std::chrono::steady_clock::now();
+  Status pinned = device.PinSlots(Slot(0), slot_stride, slot_count);
+  const double pin_ms = MsSince(started);
+  Result<std::vector<CudaEvent>> events =
+      pinned.ok() ? device.Queue(chunks, /*event_each=*/true) : Result<std::vector<CudaEvent>>(pinned);
+  Logger("client")->debug("device copies queued step={} chunks={} pin_ms={:.3f} queue_ms={:.3f}", commit.step,
+                          chunks.size(), pin_ms, MsSince(started) - pin_ms);
+  if (!events.ok()) {
+    // Nothing was committed: the slot goes back, and both waits report why.
+    AbortSlot(commit.session_id, commit.slot);
+    const Status failed =
+        events.status().WithContext("copying the device tensors of step " + std::to_string(commit.step));
+    progress->SetCommitted(failed);
+    progress->SetCopied(failed);
+    return;
+  }
+  progress->SetCommitted(SendCommit(commit));
+  // Every chunk is waited for, also after a failed commit: the slot must not be reused while the
+  // device still writes into it.
+  Status copied;
+  for (size_t k = 0; k < events->size(); ++k) {
+    copied = (*events)[k].Synchronize();
+    if (!copied.ok()) {
+      header->copied_until.store(kSlotCopyFailed, std::memory_order_release);
+      copied = copied.WithContext("copying the device tensors of step " + std::to_string(commit.step));
+      break;
+    }
+    header->copied_until.store(until[k], std::memory_order_release);
+  }
+  progress->SetCopied(copied);
+}
+
+Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::CommitWhileCopying(SlotCommit commit, char* base,
+                                                                                   std::vector<DeviceCopy> from_device,
+                                                                                   void* cuda_stream) {
   if (Status ordered = device.OrderAfter(static_cast<cudaStream_t>(cuda_stream)); !ordered.ok()) {
     AbortSlot(commit.session_id, commit.slot);
     return ordered.WithContext("copying the device tensors of step " + std::to_string(commit.step));
   }
-  // The host tensors are in place; the device ones from the first chunk on are not.
-  header->copied_until.store(static_cast<uint64_t>(static_cast<char*>(chunks.front().dst) - base),
-                             std::memory_order_release);
   auto progress = std::make_shared<detail::SnapshotProgress>();
   pending = progress;
-  committer = std::thread([impl = this, progress, header, until = std::move(until), chunks = std::move(chunks),
-                           commit = std::move(commit)] {
+  committer = std::thread([impl = this, progress, commit = std::move(commit), base,
+                           from_device = std::move(from_device)]() mutable {
+    impl->CopyAndCommit(progress.get(), commit, base, std::move(from_device));
+  });
+  return progress;
+}
+
+Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::BeginWhileCopying(int64_t step,
+                                                                                  std::vector<TensorBuffer> buffers,
+                                                                                  Selection selection,
+                                                                                  SnapshotOptions snapshot) {
+  RETURN_IF_ERROR(device.OrderAfter(static_cast<cudaStream_t>(snapshot.cuda_stream))
+                      .WithContext("copying the device tensors of step " + std::to_string(step)));
+  auto progress = std::make_shared<detail::SnapshotProgress>();
+  pending = progress;
+  committer = std::thread([impl = this, progress, step, buffers = std::move(buffers), selection,
+                           snapshot = std::move(snapshot)]() mutable {
     const auto started = std::chrono::steady_clock::now();
-    Status pinned = impl->device.PinSlots(impl->Slot(0), impl->slot_stride, impl->slot_count);
-    const double pin_ms = MsSince(started);
-    Result<std::vector<CudaEvent>> events =
-        pinned.ok() ? impl->device.Queue(chunks, /*event_each=*/true) : Result<std::vector<CudaEvent>>(pinned);
-    Logger("client")->debug("device copies queued step={} chunks={} pin_ms={:.3f} queue_ms={:.3f}", commit.step,
-                            chunks.size(), pin_ms, MsSince(started) - pin_ms);
-    if (!events.ok()) {
-      // Nothing was committed: the slot goes back, and both waits report why.
-      impl->AbortSlot(commit.session_id, commit.slot);
-      const Status failed =
-          events.status().WithContext("copying the device tensors of step " + std::to_string(commit.step));
-      progress->SetCommitted(failed);
-      progress->SetCopied(failed);
-      return;
-    }
-    progress->SetCommitted(impl->SendCommit(commit));
-    // Every chunk is waited for, also after a failed commit: the slot must not be reused while
-    // the device still writes into it.
-    Status copied;
-    for (size_t k = 0; k < events->size(); ++k) {
-      copied = (*events)[k].Synchronize();
-      if (!copied.ok()) {
-        header->copied_until.store(kSlotCopyFailed, std::memory_order_release);
-        copied = copied.WithContext("copying the device tensors of step " + std::to_string(commit.step));
+    const bool memory = snapshot.tier == Tier::kMemory;
+    // A refusal leaves the tensors free (nothing is copied) and is the commit's answer.
+    auto refused = [&](const Status& s) {
+      progress->SetCopied(Status::OK());
+      progress->SetCommitted(s);
+    };
+    v1::BeginSnapshotResponse begun;
+    Status began = impl->WithSession([&] {
+      grpc::ClientContext ctx;
+      impl->Deadline(&ctx, impl->options.slot_timeout);
+      const auto begin = BeginSnapshotRequestOf(impl->session_id, step, impl->options.slot_timeout, snapshot.tier);
+      return FromGrpc(impl->stub->BeginSnapshot(&ctx, begin, &begun), "BeginSnapshot");
+    });
+    if (!began.ok()) return refused(began);
+    const SlotLoan slot = SlotLoanOf(begun);
+    if (slot.slot >= impl->slot_count) return refused(Internal("the daemon handed out a slot that does not exist"));
+    // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
+    Result<Matched> matched = impl->Match(buffers, selection);
+    Result<std::vector<bool>> on_device =
+        matched.ok() ? DeviceMask(BuffersOf(*matched)) : Result<std::vector<bool>>(matched.status());
+    char* base = impl->Slot(slot.slot);
+    std::vector<DeviceCopy> from_device;
+    for (size_t i = 0; on_device.ok() && i < matched->size(); ++i) {
+      const auto& [buffer, mapped] = (*matched)[i];
+      if (buffer->bytes == 0) continue;
+      if (!(*on_device)[i]) {
+        on_device = Internal("tensor '" + buffer->name + "' was device memory when the snapshot began and is not now");
         break;
       }
-      header->copied_until.store(until[k], std::memory_order_release);
+      from_device.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
     }
-    progress->SetCopied(copied);
+    if (!on_device.ok() || from_device.empty()) {
+      impl->AbortSlot(impl->session_id, slot);
+      return refused(on_device.ok() ? Internal("the snapshot has no device tensors left after a re-attach")
+                                    : on_device.status());
+    }
+    impl->PopulateInBackground();
+    Logger("client")->debug("device snapshot begun on the commit thread step={} begin_ms={:.3f}", step,
+                            MsSince(started));
+    const SlotCommit commit{impl->session_id,     slot, step, snapshot.persist && !memory, snapshot.loss,
+                            std::move(snapshot.extra)};
+    impl->CopyAndCommit(progress.get(), commit, base, std::move(from_device));
   });
   return progress;
 }
@@ -378,8 +440,30 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   const Selection selection = memory ? Selection::kAll : options.persist ? Selection::kSaved : Selection::kEmaSources;
   ASSIGN_OR_RETURN(auto matched, impl_->Match(buffers, selection));
   // Device memory this process cannot copy is refused before a slot is taken.
-  RETURN_IF_ERROR(DeviceMask(BuffersOf(matched)).status());
+  ASSIGN_OR_RETURN(const std::vector<bool> device_mask, DeviceMask(BuffersOf(matched)));
   const double checks_ms = MsSince(started);
+#if FLASHCKPT_HAVE_CUDA
+  // Device tensors only: this thread marks the point of the caller's stream the copies wait for and
+  // returns; the commit thread takes the slot, queues the copies and commits. With skip_when_busy a
+  // busy daemon's refusal is wanted from this call: the slot is taken here.
+  bool device_only = !impl_->options.skip_when_busy;
+  bool any_device = false;
+  for (size_t i = 0; i < matched.size(); ++i) {
+    if (matched[i].first->bytes == 0) continue;
+    any_device = any_device || device_mask[i];
+    device_only = device_only && device_mask[i];
+  }
+  if (device_only && any_device) {
+    SnapshotHandle handle;
+    handle.step_ = step;
+    ASSIGN_OR_RETURN(handle.progress_, impl_->BeginWhileCopying(step, buffers, selection, options));
+    Logger("client")->debug("snapshot step={} checks_ms={:.3f} order_ms={:.3f} (begun on the commit thread)", step,
+                            checks_ms, MsSince(started) - checks_ms);
+    return handle;
+  }
+#else
+  (void)device_mask;
+#endif
 
   v1::BeginSnapshotResponse begun;
   RETURN_IF_ERROR(impl_->WithSession([&] {

@@ -147,14 +147,25 @@ struct Client::Impl {
   // Gives a slot being filled back, so a failed snapshot does not hold it until the session ends.
   void AbortSlot(const std::string& session_of_slot, const SlotLoan& slot) const;
 #if FLASHCKPT_HAVE_CUDA
-  // A streaming commit of a slot whose device tensors (`from_device`, into the slot at `base`) are
-  // still to be copied. On the caller's thread only an event is recorded on `cuda_stream`; the
-  // commit thread (`committer`) pins the slots, queues the copies behind that event, sends the
-  // commit and moves the slot header on as the copies land. When the copies cannot be queued the
-  // slot is given back and the handle's waits return why.
+  // A device snapshot whose slot is taken (mixed host and device tensors; `from_device` are the
+  // device ones, into the slot at `base`): on this thread only an event is recorded on
+  // `cuda_stream`; the commit thread (`committer`) runs CopyAndCommit. When the event cannot be
+  // recorded the slot is given back.
   Result<std::shared_ptr<detail::SnapshotProgress>> CommitWhileCopying(SlotCommit commit, char* base,
                                                                        std::vector<DeviceCopy> from_device,
                                                                        void* cuda_stream);
+  // A snapshot of device tensors only: on this thread only an event is recorded on
+  // snapshot.cuda_stream; the commit thread takes a slot (BeginSnapshot, re-attaching if need be),
+  // then runs CopyAndCommit. A refusal of the slot (or a re-attach that changed the tensors) leaves
+  // the tensors free and is the handle's commit answer.
+  Result<std::shared_ptr<detail::SnapshotProgress>> BeginWhileCopying(int64_t step, std::vector<TensorBuffer> buffers,
+                                                                      Selection selection, SnapshotOptions snapshot);
+  // On the commit thread: pins the slots (the first time), queues the chunked copies behind the
+  // recorded event, sends the commit, and moves the slot header's copied_until on as each chunk
+  // lands; tells `progress` the outcomes. When the copies cannot be queued nothing is committed and
+  // the slot is given back.
+  void CopyAndCommit(detail::SnapshotProgress* progress, const SlotCommit& commit, char* base,
+                     std::vector<DeviceCopy> from_device);
 #endif
   // Copies the slot's bytes into the caller's buffers (restore, EMA): memcpy for host buffers,
   // cudaMemcpyAsync for device ones, ordered after `cuda_stream` and before its later work.

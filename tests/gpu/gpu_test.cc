@@ -221,6 +221,49 @@ TEST_F(DeviceSnapshot, KernelAfterWaitCopiedDoesNotChangeTheSnapshot) {
   ExpectSaved(1, 500);
 }
 
+// A snapshot of device tensors only takes its slot on the commit thread: Snapshot() returns at
+// once, and the daemon's refusal (a step that is already complete) is the handle's commit answer;
+// the tensors are free at once, and the client goes on with the next step.
+TEST_F(DeviceSnapshot, ARefusedDeviceOnlySnapshotAnswersThroughItsHandle) {
+  Fill(700);
+  auto first = client_->Snapshot(1, DeviceBuffers(), OnStream());
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_OK(first->WaitCommitted());
+  ASSERT_OK(client_->WaitComplete(1, 10s));
+  auto again = client_->Snapshot(1, DeviceBuffers(), OnStream());
+  ASSERT_TRUE(again.ok()) << "the refusal came from Snapshot() itself: " << again.status().ToString();
+  ASSERT_OK(again->WaitCopied());
+  const Status refused = again->WaitCommitted();
+  EXPECT_EQ(refused.code(), StatusCode::kAlreadyExists) << refused.ToString();
+  Fill(800);
+  auto next = client_->Snapshot(2, DeviceBuffers(), OnStream());
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  ASSERT_OK(next->WaitCopied());
+  ASSERT_OK(next->WaitCommitted());
+  ASSERT_OK(client_->WaitPersisted(2, 10s));
+  ExpectSaved(2, 800);
+}
+
+// With a host tensor among the device ones the slot is taken on the caller's thread (the host
+// bytes are copied before Snapshot() returns): a refusal is Snapshot()'s own error, and a mixed
+// snapshot saves both kinds of memory.
+TEST_F(DeviceSnapshot, AMixedSnapshotTakesItsSlotOnTheCallersThread) {
+  Fill(900);
+  auto bufs = DeviceBuffers();
+  std::vector<uint32_t> host(Elements(specs_[2]));
+  for (uint64_t k = 0; k < host.size(); ++k) host[k] = testing::PatternWord(k, 900 + 2);
+  bufs[2] = {specs_[2].name, host.data(), host.size() * 4};
+  auto snap = client_->Snapshot(1, bufs, OnStream());
+  ASSERT_TRUE(snap.ok()) << snap.status().ToString();
+  ASSERT_OK(snap->WaitCopied());
+  ASSERT_OK(snap->WaitCommitted());
+  ASSERT_OK(client_->WaitComplete(1, 10s));
+  ExpectSaved(1, 900);
+  auto again = client_->Snapshot(1, bufs, OnStream());
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists) << again.status().ToString();
+}
+
 // A host pointer marked as device memory is refused where a device exists too.
 TEST_F(DeviceSnapshot, HostMemoryMarkedAsDeviceIsRefused) {
   auto bufs = DeviceBuffers();

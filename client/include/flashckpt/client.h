@@ -141,10 +141,10 @@ struct SnapshotProgress;  // the state a device snapshot shares with the client'
 //
 // Host tensors are copied and the snapshot committed before Snapshot() returns: both waits return
 // at once. Device tensors are copied by cudaMemcpyAsync on the client's copy stream, in chunks; a
-// client thread sends the commit at once and tells the daemon (through the slot's header) how far
-// the copies have come as each chunk completes, so the daemon checksums and writes the first
-// chunks while later ones are in flight; a save whose copies fail or stall fails. Copyable;
-// thread-safe.
+// client thread queues them, sends the commit once they are queued and tells the daemon (through
+// the slot's header) how far the copies have come as each chunk completes, so the daemon
+// checksums and writes the first chunks while later ones are in flight; a save whose copies fail
+// or stall fails. Copyable; thread-safe.
 class FLASHCKPT_API SnapshotHandle {
  public:
   int64_t step() const { return step_; }
@@ -222,13 +222,17 @@ class FLASHCKPT_API Client {
 
   // Copies every non-replica registered tensor from `buffers` into a free slot and commits it as
   // `step`; the daemon persists it in the background. With host memory only, returns when the
-  // copies are done and the commit acknowledged. With device memory (CUDA builds), returns once the
-  // device-to-host copies are queued on the client's copy stream, after the work queued on
-  // options.cuda_stream; the handle's WaitCopied() tells when the tensors may change again, and a
-  // client thread commits and reports the copies' progress to the daemon (SnapshotHandle). The next
-  // call on this Client waits for that thread (the commit and the copies) first. The slots are
-  // pinned (cudaHostRegister) at the first device copy after the segment is mapped, on the device
-  // current then, and unpinned when it is unmapped.
+  // copies are done and the commit acknowledged. With device memory (CUDA builds), returns once an
+  // event is recorded on options.cuda_stream: a client thread queues the device-to-host copies on
+  // the client's copy stream behind it, commits, and reports the copies' progress to the daemon
+  // (SnapshotHandle); the handle's WaitCopied() tells when the tensors may change again. With device
+  // tensors only (and skip_when_busy off) that thread also takes the slot (BeginSnapshot, waiting
+  // for a free one), so the daemon's refusal of the snapshot (an already complete step, a stale
+  // launch, a slot wait that timed out) is the handle's WaitCommitted() answer rather than this
+  // call's error; with host tensors among them the slot is taken here. The next call on this
+  // Client waits for that thread (the commit and the copies) first. The slots are pinned
+  // (cudaHostRegister) by that thread at the first device copy after the segment is mapped, on the
+  // device current at the call, and unpinned when it is unmapped.
   // With persist=false (EMA-only) only the tensors the EMA reads are copied (and required);
   // buffers of other tensors are accepted and ignored.
   Result<SnapshotHandle> Snapshot(int64_t step, const std::vector<TensorBuffer>& buffers,
