@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "bench/loopback.h"
+#include "bench/parity_member.h"
 #include "common/base/allocator.h"
 #include "common/base/names.h"
 #include "daemon/parity/parity_client.h"
@@ -39,33 +40,16 @@
 namespace flashckpt {
 namespace {
 
-HostMemory Unbounded() { return HostMemory{[](uint64_t, const std::string&) { return Status::OK(); }, [](uint64_t) {}}; }
-
-// A member as its daemon serves it: its store and service on a loopback replica listener, its image.
-struct Member {
+// A member as its daemon serves it (bench/parity_member.h), with one rank's image.
+struct Member : bench::ParityMember {
   Member(const ParityGroup& group, uint32_t index, uint64_t bytes)
-      : parity(group, index, Unbounded()),
-        service(&parity, {}, {},
-                [this](const std::string&, uint32_t, int64_t, const std::string&, int64_t) -> Result<OwnImage> {
-                  return OwnImage{nullptr, image.data(), image.size(), {}};
-                }),
+      : ParityMember(group, index,
+                     [this](const std::string&, uint32_t, int64_t, const std::string&, int64_t) -> Result<OwnImage> {
+                       return OwnImage{nullptr, image.data(), image.size(), {}};
+                     }),
         image(bytes) {
     for (uint64_t i = 0; i < bytes; i += 4096) image[i] = static_cast<char>(i / 4096 + index);
   }
-  Status Start() {
-    ReplicaListenConfig config;
-    config.listen = "127.0.0.1:0";
-    server = std::make_unique<ReplicaServer>(&replicas, config);
-    server->AddService(&service);
-    RETURN_IF_ERROR(server->Start());
-    ASSIGN_OR_RETURN(channel, ReplicaChannel({"127.0.0.1:" + std::to_string(server->port()), "", "", "", ""}));
-    return Status::OK();
-  }
-  ReplicaStore replicas{Unbounded(), 0};
-  ParityStore parity;
-  ParityService service;
-  std::unique_ptr<ReplicaServer> server;
-  std::shared_ptr<grpc::Channel> channel;
   std::vector<char> image;
 };
 

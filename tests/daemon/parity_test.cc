@@ -22,6 +22,7 @@
 #include "daemon/parity/parity_service.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
+#include "bench/parity_member.h"
 #include "common/format/checksum.h"
 #include "certificates.h"
 #include "testing.h"
@@ -437,40 +438,19 @@ TEST(ParityStoreTest, AShareOverTheBudgetIsRefusedBeforeItsData) {
 
 // A member of a parity group as its daemon serves it: a ParityStore and its service on a replica
 // listener (loopback, real gRPC), its own ranks' images for FetchBlock.
-struct ServedMember {
-  // `allow` and `hosts`: the service's allowed names and members' hosts, for a listener with TLS.
-  // `stall`: how long the service lets a push send nothing.
+// A member (bench/parity_member.h) whose own memory checkpoints are `images`, of run "run-a".
+struct ServedMember : bench::ParityMember {
   ServedMember(const ParityGroup& group, uint32_t index, std::vector<std::string> allow = {},
                std::vector<std::string> hosts = {}, std::chrono::milliseconds stall = kReplicaStallTimeout)
-      : parity(group, index, Unbounded()),
-        service(
-            &parity, std::move(allow), std::move(hosts),
+      : ParityMember(
+            group, index,
             [this](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
                    int64_t) -> Result<OwnImage> {
               auto it = images.find({job, rank, step});
               if (it == images.end() || run_id != "run-a") return NotFound("not held");
               return OwnImage{nullptr, reinterpret_cast<const char*>(it->second.data()), it->second.size(), {}};
             },
-            stall) {}
-  static HostMemory Unbounded() {
-    return HostMemory{[](uint64_t, const std::string&) { return Status::OK(); }, [](uint64_t) {}};
-  }
-  // On 127.0.0.1 (`config` gives the TLS files and names); `channel` is a plain one, for a listener without TLS.
-  Status Start(ReplicaListenConfig config = {}) {
-    config.listen = "127.0.0.1:0";
-    server = std::make_unique<ReplicaServer>(&replicas, config);
-    server->AddService(&service);
-    RETURN_IF_ERROR(server->Start());
-    auto made = ReplicaChannel({"127.0.0.1:" + std::to_string(server->port()), "", "", "", ""});
-    if (!made.ok()) return made.status();
-    channel = *made;
-    return Status::OK();
-  }
-  ReplicaStore replicas{Unbounded(), 0};
-  ParityStore parity;
-  ParityService service;
-  std::unique_ptr<ReplicaServer> server;
-  std::shared_ptr<grpc::Channel> channel;
+            std::move(allow), std::move(hosts), stall) {}
   std::map<std::tuple<std::string, uint32_t, int64_t>, std::vector<uint8_t>> images;
 };
 

@@ -22,7 +22,6 @@ Needs root (namespaces, mounts, a bridge): otherwise it prints why and exits 77 
 """
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -36,47 +35,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integration"))
 from harness import TestFailure, check, log, tail  # noqa: E402
-from test_multinode import SKIP, Node, kill_rank, print_failure  # noqa: E402
-from test_replicas import address, make_certificates, resumed, sh, wait_holding  # noqa: E402
+from test_multinode import SKIP, Node, print_failure  # noqa: E402
+from test_replicas import (PER_NODE, PORT, Cluster, address, make_certificates, resumed, sh,  # noqa: E402
+                           wait_holding)
 
-PER_NODE, TP = 2, 2
-LAYERS, HIDDEN = 2, 64
-PORT = 7443
 TAG = "%05d" % (os.getpid() % 100000)
 BRIDGE = "fcpb" + TAG
 PAGE = 4096
 METRICS_PORT = 9464
 
 
-class Group:
-    """G nodes on a bridge, each daemon a member of one parity group of M."""
+class Group(Cluster):
+    """G nodes on the bridge, each daemon a member of one parity group of M."""
 
     def __init__(self, tmp, bin_dir, members, parity, job):
-        self.tmp, self.bin_dir = tmp, bin_dir
-        self.members, self.parity, self.job = members, parity, job
-        self.world = members * PER_NODE
+        super().__init__(tmp, bin_dir, members, job, BRIDGE, "fp")
+        self.members, self.parity = members, parity
         self.root = os.path.join(tmp, "root-%s" % job)
         self.certs = os.path.join(tmp, "certs-%s" % job)
         make_certificates(self.certs, members)
-        self.nodes = [None] * members
         self.daemon_logs = [None] * members
-        self.starts = 0
-        self.sims = []
 
     def start_node(self, i):
         self.starts += 1
         name = "%s-node%d.%d" % (self.job, i, self.starts)
         node = Node(name, self.tmp, self.root, self.bin_dir, net=True)
         self.nodes[i] = node
-        host_end, node_end = "fpH%s%d" % (TAG, self.starts), "fpN%s%d" % (TAG, self.starts)
-        sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
-        sh("ip", "link", "set", host_end, "master", BRIDGE)
-        sh("ip", "link", "set", host_end, "up")
-        sh("ip", "link", "set", node_end, "netns", str(node.pid1))
-        inside = node.enter(pid=False)
-        sh(*inside, "ip", "link", "set", "lo", "up")
-        sh(*inside, "ip", "addr", "add", address(i) + "/24", "dev", node_end)
-        sh(*inside, "ip", "link", "set", node_end, "up")
+        self.plug(node, i)
         group = ",".join("%s:%d" % (address(j), PORT) for j in range(self.members))
         flags = ["--replica-listen", "%s:%d" % (address(i), PORT),
                  "--ec-group", group, "--ec-parity", str(self.parity),
@@ -89,26 +74,6 @@ class Group:
         node.start_daemon(*flags)
         self.daemon_logs[i] = node.logs[-1]
         log("%s up at %s, member %d of %d (parity %d)" % (name, address(i), i, self.members, self.parity))
-
-    def sims_run(self, phase, extra):
-        procs = {}
-        for rank in range(self.world):
-            node = self.nodes[rank // PER_NODE]
-            cmd = [os.path.join(self.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", self.job, "--rank",
-                   str(rank), "--world-size", str(self.world), "--tp-degree", str(TP), "--shard-degree",
-                   str(self.world // TP), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--save-every", "10",
-                   "--memory-every", "1", "--run-id", "%s-%s" % (self.job, phase), "--wait-timeout", "60"] + extra
-            name = "sim-%s-rank%d.log" % (phase, rank)
-            p = node.run(cmd, name)
-            self.sims.append(p)
-            procs[rank] = (node, p, os.path.join(node.dir, name))
-        return procs
-
-    def status(self, i):
-        p = subprocess.run([os.path.join(self.bin_dir, "flashckpt"), "status", "--json", "--socket", self.nodes[i].sock],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-        check(p.returncode == 0, "flashckpt status on node%d: %s" % (i, p.stderr.decode(errors="replace")))
-        return json.loads(p.stdout)
 
     def wait_coded(self, step):
         """Until every member holds its shares of `step`: M stripes x PER_NODE positions each."""
@@ -153,21 +118,6 @@ class Group:
               and sum(float(v) for v in sent) > 0, "node0's metrics:\n%s" % metrics[-3000:])
         log("node0: %s; its metrics: %d shares held, %d checkpoints' blocks acknowledged by the members" %
             (lines[0], float(shares.group(1)), sum(float(v) for v in sent)))
-
-    def kill_all_ranks(self):
-        for p in self.sims:
-            if p.poll() is None:
-                kill_rank(p)
-        self.sims = []
-
-    def close(self):
-        self.kill_all_ranks()
-        for node in self.nodes:
-            if node is not None:
-                try:
-                    node.kill()
-                except (OSError, subprocess.SubprocessError) as e:
-                    log("node %s: %s" % (node.name, e))
 
 
 def lose_and_rebuild(group, lost):

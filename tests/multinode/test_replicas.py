@@ -80,19 +80,78 @@ def make_certificates(d, nodes=NODES):
            os.path.join(d, "ca.key"), "-CAcreateserial", "-extfile", name + ".ext", "-out", name + ".pem")
 
 
-class Ring:
-    """The nodes, their bridge and their flags."""
+class Cluster:
+    """Simulated nodes on one bridge (test_multinode.Node, node i at address(i), with its daemon) and
+    the flashckpt-sim ranks of one job on them, rank r on node r // PER_NODE. test_parity's Group is
+    one too."""
+
+    def __init__(self, tmp, bin_dir, nodes, job, bridge, veth):
+        self.tmp, self.bin_dir, self.job, self.bridge, self.veth = tmp, bin_dir, job, bridge, veth
+        self.world = nodes * PER_NODE
+        self.nodes = [None] * nodes
+        self.starts = 0
+        self.sims = []
+
+    def plug(self, node, i):
+        """Joins `node` to the bridge at address(i) by a veth pair of its own (the pair goes with the
+        node's network namespace)."""
+        host_end, node_end = "%sH%s%d" % (self.veth, TAG, self.starts), "%sN%s%d" % (self.veth, TAG, self.starts)
+        sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+        sh("ip", "link", "set", host_end, "master", self.bridge)
+        sh("ip", "link", "set", host_end, "up")
+        sh("ip", "link", "set", node_end, "netns", str(node.pid1))
+        inside = node.enter(pid=False)
+        sh(*inside, "ip", "link", "set", "lo", "up")
+        sh(*inside, "ip", "addr", "add", address(i) + "/24", "dev", node_end)
+        sh(*inside, "ip", "link", "set", node_end, "up")
+
+    def sims_run(self, phase, extra):
+        """One flashckpt-sim per rank: {rank: (node, process, log)}."""
+        procs = {}
+        for rank in range(self.world):
+            node = self.nodes[rank // PER_NODE]
+            cmd = [os.path.join(self.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", self.job, "--rank",
+                   str(rank), "--world-size", str(self.world), "--tp-degree", str(TP), "--shard-degree",
+                   str(self.world // TP), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--save-every", "10",
+                   "--memory-every", "1", "--run-id", "%s-%s" % (self.job, phase), "--wait-timeout", "60"] + extra
+            name = "sim-%s-rank%d.log" % (phase, rank)
+            p = node.run(cmd, name)
+            self.sims.append(p)
+            procs[rank] = (node, p, os.path.join(node.dir, name))
+        return procs
+
+    def status(self, i):
+        p = subprocess.run([os.path.join(self.bin_dir, "flashckpt"), "status", "--json", "--socket", self.nodes[i].sock],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        check(p.returncode == 0, "flashckpt status on node%d: %s" % (i, p.stderr.decode(errors="replace")))
+        return json.loads(p.stdout)
+
+    def kill_all_ranks(self):
+        for p in self.sims:
+            if p.poll() is None:
+                kill_rank(p)
+        self.sims = []
+
+    def close(self):
+        self.kill_all_ranks()
+        for node in self.nodes:
+            if node is not None:
+                try:
+                    node.kill()
+                except (OSError, subprocess.SubprocessError) as e:
+                    log("node %s: %s" % (node.name, e))
+
+
+class Ring(Cluster):
+    """The nodes of the replica ring, each daemon replicating to the next, their bridge and certificates."""
 
     def __init__(self, tmp, bin_dir):
-        self.tmp, self.bin_dir = tmp, bin_dir
+        super().__init__(tmp, bin_dir, NODES, JOB, BRIDGE, "fc")
         self.root = os.path.join(tmp, "root")
         self.certs = os.path.join(tmp, "certs")
         make_certificates(self.certs)
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "link", "set", BRIDGE, "up")
-        self.nodes = [None] * NODES
-        self.starts = 0
-        self.sims = []
 
     def start_node(self, i, root=None, replicate_to=None):
         """Node i: a fresh namespace joined to the bridge at address(i), and its daemon, with the ring's
@@ -101,15 +160,7 @@ class Ring:
         name = "node%d" % i if self.nodes[i] is None else "node%d.%d" % (i, self.starts)  # a fresh one: its own logs
         node = Node(name, self.tmp, root or self.root, self.bin_dir, net=True)
         self.nodes[i] = node
-        host_end, node_end = "fch%s%d" % (TAG, self.starts), "fcn%s%d" % (TAG, self.starts)
-        sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
-        sh("ip", "link", "set", host_end, "master", BRIDGE)
-        sh("ip", "link", "set", host_end, "up")
-        sh("ip", "link", "set", node_end, "netns", str(node.pid1))
-        inside = node.enter(pid=False)
-        sh(*inside, "ip", "link", "set", "lo", "up")
-        sh(*inside, "ip", "addr", "add", address(i) + "/24", "dev", node_end)
-        sh(*inside, "ip", "link", "set", node_end, "up")
+        self.plug(node, i)
         peer = (i + 1) % NODES if replicate_to is None else replicate_to
         flags = ["--replica-listen", "%s:%d" % (address(i), PORT),
                  "--replicate-to", "%s:%d" % (address(peer), PORT),
@@ -124,27 +175,6 @@ class Ring:
     def kill_node(self, i):
         self.nodes[i].kill()  # its veth pair goes with its network namespace
         log("node%d killed: its daemon, its ranks and its /dev/shm are gone" % i)
-
-    def sims_run(self, phase, extra):
-        """One flashckpt-sim per rank, rank r on node r // PER_NODE: {rank: (node, process, log)}."""
-        procs = {}
-        for rank in range(WORLD):
-            node = self.nodes[rank // PER_NODE]
-            cmd = [os.path.join(self.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", JOB, "--rank",
-                   str(rank), "--world-size", str(WORLD), "--tp-degree", str(TP), "--shard-degree",
-                   str(WORLD // TP), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--save-every", "10",
-                   "--memory-every", "1", "--run-id", "%s-%s" % (JOB, phase), "--wait-timeout", "60"] + extra
-            name = "sim-%s-rank%d.log" % (phase, rank)
-            p = node.run(cmd, name)
-            self.sims.append(p)
-            procs[rank] = (node, p, os.path.join(node.dir, name))
-        return procs
-
-    def status(self, i):
-        p = subprocess.run([os.path.join(self.bin_dir, "flashckpt"), "status", "--json", "--socket", self.nodes[i].sock],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-        check(p.returncode == 0, "flashckpt status on node%d: %s" % (i, p.stderr.decode(errors="replace")))
-        return json.loads(p.stdout)
 
     def wait_replicated(self, step):
         """Until every rank's newest memory checkpoint is `step` and every node's peer has it."""
@@ -172,20 +202,8 @@ class Ring:
                   "node%d holds %s replicas (%s bytes)" % (i, s["replicas_held"], s["replica_held_bytes"]))
         log("step %d replicated on every node; node0: %s; %s" % (step, lines[0], held[0]))
 
-    def kill_all_ranks(self):
-        for p in self.sims:
-            if p.poll() is None:
-                kill_rank(p)
-        self.sims = []
-
     def close(self):
-        self.kill_all_ranks()
-        for node in self.nodes:
-            if node is not None:
-                try:
-                    node.kill()
-                except (OSError, subprocess.SubprocessError) as e:
-                    log("node %s: %s" % (node.name, e))
+        super().close()
         subprocess.run(["ip", "link", "del", BRIDGE], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -42,6 +42,28 @@ integration = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(integration)
 
 
+def import_or_skip(*names):
+    """The modules `names`, imported in order; where one cannot be imported the test prints why and
+    exits 77 (ctest's skip): the venv of scripts/deps.sh has them, another python may not."""
+    try:
+        return [importlib.import_module(n) for n in names]
+    except ImportError as e:
+        print("SKIPPED: %s cannot be imported here (%s): run scripts/deps.sh and use its venv's python"
+              % (" and ".join(names), e))
+        sys.exit(77)
+
+
+def cuda_skip_reason():
+    """Why the CUDA tests cannot run here, or None: torch sees no device, or libflashckpt has no CUDA."""
+    import torch
+    from flashckpt import _flashckpt
+    if not torch.cuda.is_available():
+        return "torch %s sees no CUDA device" % torch.__version__
+    if not _flashckpt.WITH_CUDA:
+        return "libflashckpt was built without CUDA"
+    return None
+
+
 _rendezvous_count = itertools.count()
 
 

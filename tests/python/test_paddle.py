@@ -33,12 +33,7 @@ sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
-try:
-    import numpy as np
-    import paddle
-except ImportError as e:  # the venv of scripts/deps.sh has it; another python may not
-    print("SKIPPED: paddle cannot be imported here (%s): run scripts/deps.sh and use its venv's python" % e)
-    sys.exit(77)
+np, paddle = harness.import_or_skip("numpy", "paddle")
 
 STEPS, SAVE_EVERY = 120, 30
 MEMORY_SAVE_EVERY = 20  # with a memory checkpoint at every step in between

@@ -41,12 +41,8 @@ sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
-try:
-    import paddle  # noqa: F401
-    from safetensors import safe_open
-except ImportError as e:  # the venv of scripts/deps.sh has them; another python may not
-    print("SKIPPED: paddle cannot be imported here (%s): run scripts/deps.sh and use its venv's python" % e)
-    sys.exit(77)
+paddle, _ = harness.import_or_skip("paddle", "safetensors")
+from safetensors import safe_open  # noqa: E402
 
 RANKS, STEPS, SAVE_EVERY, MEMORY_SAVE_EVERY = 2, 60, 20, 20
 EXAMPLE = os.path.join(harness.REPO, "examples", "train_paddle.py")

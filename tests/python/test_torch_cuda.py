@@ -24,15 +24,9 @@ import harness  # noqa: E402
 
 import torch  # noqa: E402
 
-from flashckpt import _flashckpt  # noqa: E402
 from flashckpt.torch import Checkpointer  # noqa: E402
 
-if not torch.cuda.is_available():
-    SKIP = "torch %s sees no CUDA device" % torch.__version__
-elif not _flashckpt.WITH_CUDA:
-    SKIP = "libflashckpt was built without CUDA"
-else:
-    SKIP = None
+SKIP = harness.cuda_skip_reason()
 
 
 def host(tensors):

@@ -21,16 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 import test_resume_sigkill as base  # noqa: E402
 
-import torch  # noqa: E402
-
-from flashckpt import _flashckpt  # noqa: E402
-
-if not torch.cuda.is_available():
-    SKIP = "torch %s sees no CUDA device" % torch.__version__
-elif not _flashckpt.WITH_CUDA:
-    SKIP = "libflashckpt was built without CUDA"
-else:
-    SKIP = None
+SKIP = harness.cuda_skip_reason()
 
 
 def digest_file_tensors(path, prefix):

@@ -17,7 +17,7 @@ import torch
 
 from . import _torch_agree
 from . import _torch_zero
-from ._shares import share_ranges
+from . import _shares
 from ._tensors import Shape
 from ._torch_state import Layout, is_optimizer
 
@@ -64,30 +64,12 @@ class Shares:
         dp = self.ranks()
         if dp is None:
             return tensors, {}
-        ranks = dp[1]
-        rank = dp[0] if of_rank is None else of_rank
         in_order, buffers = self.replicated_names(tensors)
-        ranges = share_ranges([(n, tensors[n].numel(), tensors[n].element_size()) for n in in_order], rank, ranks)
-        out: Dict[str, Any] = {}
-        specs: Dict[str, Dict[str, Any]] = {}
-        replicated = set(in_order)
-        for name, t in tensors.items():
-            if name in buffers:
-                if rank == 0:
-                    out[name] = t
-                continue
-            if name not in replicated:
-                out[name] = t
-                continue
-            if name not in ranges:
-                continue
-            first, end = ranges[name]
-            if (first, end) in ((0, t.numel()), (0, 0)) or not t.is_contiguous():
-                out[name] = t  # a non-contiguous tensor is refused by register(), naming it
-            else:
-                out[name] = t.view(-1)[first:end]
-                specs[name] = {"box_shape": list(t.shape), "flat_range": (first, end)}
-        return out, specs
+        # A non-contiguous tensor is written whole: register() refuses it, naming it.
+        return _shares.split(tensors, in_order, buffers, dp[0] if of_rank is None else of_rank, dp[1],
+                             numel=lambda t: int(t.numel()),
+                             flat_slice=lambda t, first, end: t.view(-1)[first:end] if t.is_contiguous() else None,
+                             shape=lambda t: list(t.shape))
 
     def replicated_names(self, tensors: Mapping[str, Any]) -> Tuple[List[str], Set[str]]:
         """(replicated, buffers): the names of `tensors` alike on every data-parallel rank, in state

@@ -80,7 +80,8 @@ import paddle
 from . import _agree
 from . import _state
 from . import offline
-from ._shares import owners, share_ranges
+from . import _shares
+from ._shares import owners
 from .client import Client, Snapshot
 from .errors import (CorruptionError, FailedPreconditionError, FlashckptError, NotFoundError,
                      StructureMismatchError)
@@ -368,27 +369,11 @@ class Checkpointer:
         its share of the replicated tensors (_shares.share_ranges), and the buffers on rank 0."""
         if not self._shares:
             return tensors, {}
-        rank = self._rank if rank is None else rank
         in_order, buffers = self._replicated(tensors)
-        ranges = share_ranges([(n, int(tensors[n].size), tensors[n].element_size()) for n in in_order], rank,
-                              self._world)
-        out: Dict[str, Any] = {}
-        specs: Dict[str, Dict[str, Any]] = {}
-        replicated = set(in_order)
-        for name, t in tensors.items():
-            if name in buffers:
-                if rank == 0:
-                    out[name] = t
-            elif name not in replicated:
-                out[name] = t  # this rank's own (a sharding rank's optimizer state)
-            elif name in ranges:
-                first, end = ranges[name]
-                if (first, end) in ((0, int(t.size)), (0, 0)):
-                    out[name] = t
-                else:  # a view: DLPack hands the daemon the parameter's own memory
-                    out[name] = t.reshape([-1])[first:end]
-                    specs[name] = {"box_shape": [int(d) for d in t.shape], "flat_range": (first, end)}
-        return out, specs
+        # A view: DLPack hands the daemon the parameter's own memory.
+        return _shares.split(tensors, in_order, buffers, self._rank if rank is None else rank, self._world,
+                             numel=lambda t: int(t.size), flat_slice=lambda t, first, end: t.reshape([-1])[first:end],
+                             shape=lambda t: [int(d) for d in t.shape])
 
     def _spread_plan(self, targets: Dict[str, Any]) -> List[Dict[str, List[Tuple[str, int, int]]]]:
         """Per rank, by dtype, the pieces (name, first, end) of `targets` it broadcasts in _spread:
