@@ -313,7 +313,9 @@ class Client:
         them (the optimizer step, and a forward pass that updates buffers such as BatchNorm's running
         statistics). cuda_stream: the cudaStream_t (an int) the device tensors are computed on;
         default: torch's current stream of their device for torch tensors, else the legacy default
-        stream. Device tensors that are not torch's must be on the current device. The daemon
+        stream. Device tensors that are not torch's must be on the current device. With CUDA tensors
+        only, the client's commit thread takes the slot too: the daemon's refusal of the snapshot is
+        raised by its wait_committed() (or this client's next snapshot()), not by this call. The daemon
         persists it in the background (persist=False: EMA only, no files). `loss` feeds the EMA's loss
         gate; `extra` (bytes, str, or a JSON-serialisable object) is saved as extra.rankNNNNN.json
         (at most 4 MiB). Steps must increase within a session.
