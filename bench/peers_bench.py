@@ -187,6 +187,7 @@ def train(args):
                 print("dcp: the pinned-memory stager fails on %s; using async_save's default staging" % refused,
                       file=sys.stderr, flush=True)
                 stager, pinned = None, False
+                out["pinned_refused"] = refused
         for key, s in (("first_", step), ("", step + 1)):
             fut = []
             kw = {"async_stager": stager} if stager is not None else {}
@@ -450,6 +451,8 @@ def main():
                     med(peer, "memory_blocking_ms"), med(peer, "save_call_ms"))
             if peer == "dcp":
                 info += " pinned_staging=%s" % results[peer][0].get("pinned")
+                if results[peer][0].get("pinned_refused"):
+                    info += " pinned_stager_failed_on=%r" % results[peer][0]["pinned_refused"]
             if peer == "dlrover":
                 info += " tracker_ms=%.1f" % med(peer, "tracker_ms")
             print("INFO peer=%s %s" % (peer, info), flush=True)
