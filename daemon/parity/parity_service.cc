@@ -123,6 +123,8 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
     refused_.fetch_add(1);
     if (incoming.status().code() != StatusCode::kAlreadyExists) {
       Logger("parity")->warn("parity block from={} refused: {}", ctx->peer(), incoming.status().ToString());
+    } else {
+      Logger("parity")->debug("parity block from={} not needed: {}", ctx->peer(), incoming.status().ToString());
     }
     return ToGrpc(incoming.status());
   }
@@ -141,6 +143,10 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
   }
   if (watched.Stalled()) return stalled();
   if (ctx->IsCancelled()) return Refused(grpc::StatusCode::CANCELLED, "the parity push was cancelled");
+  const ShareBlock& added = (*incoming)->block();
+  Logger("parity")->debug("parity block added job={} step={} stripe={} position={} member={} of_ranks={}",
+                          added.meta.job, added.meta.step, added.stripe, added.position, added.member,
+                          added.member_ranks);
   if (Status done = store_->Finish(std::move(*incoming)); !done.ok()) {
     refused_.fetch_add(1);
     return ToGrpc(done);

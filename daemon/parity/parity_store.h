@@ -127,6 +127,7 @@ class ParityStore {
     Incoming& operator=(const Incoming&) = delete;
     // The next part (ParityStore::Begin's part_bytes each but the last), `xxh3` its checksum as sent.
     Status Append(const std::vector<ByteSpan>& spans, uint64_t xxh3);
+    const ShareBlock& block() const { return block_; }
 
    private:
     friend class ParityStore;

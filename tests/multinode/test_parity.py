@@ -71,9 +71,26 @@ class Group(Cluster):
         for j in range(self.members):
             flags += ["--replica-allow-name", "node%d" % j]
         flags += ["--metrics-listen", "127.0.0.1:%d" % METRICS_PORT]  # in the node's own network namespace
+        flags += ["--log-level", "debug"]  # each block sent is logged: parity_report() shows them
         node.start_daemon(*flags)
         self.daemon_logs[i] = node.logs[-1]
         log("%s up at %s, member %d of %d (parity %d)" % (name, address(i), i, self.members, self.parity))
+
+    def parity_report(self, step):
+        """What each member says of its parity, and what its daemon logged of the blocks of `step`: for a
+        share that does not complete, which block never came."""
+        lines = []
+        for i in range(self.members):
+            try:
+                s = self.status(i)
+                lines.append("node%d: %d shares held (oldest step %s), %d sent, %d failed" %
+                             (i, s["parity_shares_held"], s["parity_step"], s["parity_sent"], s["parity_failed"]))
+            except (TestFailure, subprocess.SubprocessError, ValueError) as e:
+                lines.append("node%d: no status: %s" % (i, e))
+            with open(self.daemon_logs[i], errors="replace") as f:
+                lines += ["  " + l.rstrip() for l in f if "[parity]" in l and
+                          (" step=%d " % step in l or "warn" in l)]
+        return "\n".join(lines)
 
     def wait_coded(self, step):
         """Until every member holds its shares of `step`: M stripes x PER_NODE positions each."""
@@ -86,10 +103,11 @@ class Group(Cluster):
                 if (len(ranks) == PER_NODE and all(r["memory_step"] == step for r in ranks) and
                         s["parity_shares_held"] == shares and s["parity_step"] == step):
                     break
-                check(time.monotonic() < deadline, "node%d: step %d not coded: ranks %s, %d shares of step %d held, "
-                      "%d sent, %d failed" % (i, step, [(r["rank"], r["memory_step"]) for r in ranks],
-                                              s["parity_shares_held"], s["parity_step"], s["parity_sent"],
-                                              s["parity_failed"]))
+                if time.monotonic() >= deadline:
+                    raise TestFailure("node%d: step %d not coded: ranks %s, %d shares of step %d held, %d sent, %d "
+                                      "failed\n%s" % (i, step, [(r["rank"], r["memory_step"]) for r in ranks],
+                                                       s["parity_shares_held"], s["parity_step"], s["parity_sent"],
+                                                       s["parity_failed"], self.parity_report(step)))
                 time.sleep(0.1)
             check(s["ec_group"] and s["ec_member"] == i and s["ec_members"] == self.members and
                   s["ec_parity"] == self.parity, "node%d's status: %s" % (i, s))
