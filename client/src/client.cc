@@ -296,6 +296,38 @@ Result<EmaResult> Client::Ema(const std::vector<TensorBuffer>& buffers, std::chr
   return result;
 }
 
+Result<SlotLoan> Client::Impl::BeginSlot(int64_t step, Tier tier) {
+  v1::BeginSnapshotResponse begun;
+  RETURN_IF_ERROR(WithSession([&] {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, options.slot_timeout);
+    const auto begin = BeginSnapshotRequestOf(session_id, step, options.slot_timeout, tier);
+    return FromGrpc(stub->BeginSnapshot(&ctx, begin, &begun), "BeginSnapshot");
+  }));
+  const SlotLoan slot = SlotLoanOf(begun);
+  if (slot.slot >= slot_count) return Internal("the daemon handed out a slot that does not exist");
+  return slot;
+}
+
+Result<Client::Impl::SlotCopies> Client::Impl::CopiesInto(char* base, const std::vector<TensorBuffer>& buffers,
+                                                          Selection selection) const {
+  ASSIGN_OR_RETURN(const Matched matched, Match(buffers, selection));
+  ASSIGN_OR_RETURN(const std::vector<bool> on_device, DeviceMask(BuffersOf(matched)));
+  SlotCopies copies;
+  copies.from_host.reserve(matched.size());
+  for (size_t i = 0; i < matched.size(); ++i) {
+    const auto& [buffer, mapped] = matched[i];
+#if FLASHCKPT_HAVE_CUDA
+    if (on_device[i]) {
+      if (buffer->bytes > 0) copies.from_device.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
+      continue;
+    }
+#endif
+    copies.from_host.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
+  }
+  return copies;
+}
+
 #if FLASHCKPT_HAVE_CUDA
 void Client::Impl::CopyAndCommit(detail::SnapshotProgress* progress, const SlotCommit& commit, char* base,
                                  std::vector<DeviceCopy> from_device) {
@@ -383,42 +415,29 @@ Result<std::shared_ptr<detail::SnapshotProgress>> Client::Impl::BeginWhileCopyin
       progress->SetCopied(Status::OK());
       progress->SetCommitted(s);
     };
-    v1::BeginSnapshotResponse begun;
-    Status began = impl->WithSession([&] {
-      grpc::ClientContext ctx;
-      impl->Deadline(&ctx, impl->options.slot_timeout);
-      const auto begin = BeginSnapshotRequestOf(impl->session_id, step, impl->options.slot_timeout, snapshot.tier);
-      return FromGrpc(impl->stub->BeginSnapshot(&ctx, begin, &begun), "BeginSnapshot");
-    });
-    if (!began.ok()) return refused(began);
-    const SlotLoan slot = SlotLoanOf(begun);
-    if (slot.slot >= impl->slot_count) return refused(Internal("the daemon handed out a slot that does not exist"));
-    // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
-    Result<Matched> matched = impl->Match(buffers, selection);
-    Result<std::vector<bool>> on_device =
-        matched.ok() ? DeviceMask(BuffersOf(*matched)) : Result<std::vector<bool>>(matched.status());
-    char* base = impl->Slot(slot.slot);
-    std::vector<DeviceCopy> from_device;
-    for (size_t i = 0; on_device.ok() && i < matched->size(); ++i) {
-      const auto& [buffer, mapped] = (*matched)[i];
-      if (buffer->bytes == 0) continue;
-      if (!(*on_device)[i]) {
-        on_device = Internal("tensor '" + buffer->name + "' was device memory when the snapshot began and is not now");
-        break;
+    Result<SlotLoan> slot = impl->BeginSlot(step, snapshot.tier);
+    if (!slot.ok()) return refused(slot.status());
+    char* base = impl->Slot(slot->slot);
+    Result<SlotCopies> copies = impl->CopiesInto(base, buffers, selection);
+    Status usable = copies.status();
+    for (size_t i = 0; usable.ok() && i < copies->from_host.size(); ++i) {
+      if (copies->from_host[i].bytes > 0) {
+        usable = Internal("a tensor was device memory when the snapshot began and is not now");
       }
-      from_device.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
     }
-    if (!on_device.ok() || from_device.empty()) {
-      impl->AbortSlot(impl->session_id, slot);
-      return refused(on_device.ok() ? Internal("the snapshot has no device tensors left after a re-attach")
-                                    : on_device.status());
+    if (usable.ok() && copies->from_device.empty()) {
+      usable = Internal("the snapshot has no device tensors left after a re-attach");
+    }
+    if (!usable.ok()) {
+      impl->AbortSlot(impl->session_id, *slot);
+      return refused(usable);
     }
     impl->PopulateInBackground();
     Logger("client")->debug("device snapshot begun on the commit thread step={} begin_ms={:.3f}", step,
                             MsSince(started));
-    const SlotCommit commit{impl->session_id,     slot, step, snapshot.persist && !memory, snapshot.loss,
+    const SlotCommit commit{impl->session_id,     *slot, step, snapshot.persist && !memory, snapshot.loss,
                             std::move(snapshot.extra)};
-    impl->CopyAndCommit(progress.get(), commit, base, std::move(from_device));
+    impl->CopyAndCommit(progress.get(), commit, base, std::move(copies->from_device));
   });
   return progress;
 }
@@ -465,43 +484,17 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   (void)device_mask;
 #endif
 
-  v1::BeginSnapshotResponse begun;
-  RETURN_IF_ERROR(impl_->WithSession([&] {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.slot_timeout);
-    const auto begin = BeginSnapshotRequestOf(impl_->session_id, step, impl_->options.slot_timeout, options.tier);
-    return FromGrpc(impl_->stub->BeginSnapshot(&ctx, begin, &begun), "BeginSnapshot");
-  }));
-  const SlotLoan slot = SlotLoanOf(begun);
-  if (slot.slot >= impl_->slot_count) return Internal("the daemon handed out a slot that does not exist");
+  ASSIGN_OR_RETURN(const SlotLoan slot, impl_->BeginSlot(step, options.tier));
   const double begin_ms = MsSince(started) - checks_ms;
-  // Matched again: a re-attach inside BeginSnapshot rebuilt the tensor table.
-  ASSIGN_OR_RETURN(matched, impl_->Match(buffers, selection));
-  Result<std::vector<bool>> on_device = DeviceMask(BuffersOf(matched));
-  if (!on_device.ok()) {
+  char* base = impl_->Slot(slot.slot);
+  Result<Impl::SlotCopies> copies = impl_->CopiesInto(base, buffers, selection);
+  if (!copies.ok()) {
     impl_->AbortSlot(impl_->session_id, slot);
-    return on_device.status();
+    return copies.status();
   }
   SlotCommit commit{impl_->session_id, slot, step, options.persist && !memory, options.loss, options.extra};
-
-  char* base = impl_->Slot(slot.slot);
-  std::vector<CopyTask> tasks;
-  tasks.reserve(matched.size());
-#if FLASHCKPT_HAVE_CUDA
-  std::vector<DeviceCopy> from_device;
-#endif
-  for (size_t i = 0; i < matched.size(); ++i) {
-    const auto& [buffer, mapped] = matched[i];
-#if FLASHCKPT_HAVE_CUDA
-    if ((*on_device)[i]) {
-      if (buffer->bytes > 0) from_device.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
-      continue;
-    }
-#endif
-    tasks.push_back({base + mapped->slot_offset, buffer->data, buffer->bytes});
-  }
   const double before_copy_ms = MsSince(started);
-  ParallelCopy(impl_->copier.get(), tasks);
+  ParallelCopy(impl_->copier.get(), copies->from_host);
   impl_->PopulateInBackground();
   const double host_copy_ms = MsSince(started) - before_copy_ms;
 
@@ -513,9 +506,9 @@ Result<SnapshotHandle> Client::Snapshot(int64_t step, const std::vector<TensorBu
   SnapshotHandle handle;
   handle.step_ = step;
 #if FLASHCKPT_HAVE_CUDA
-  if (!from_device.empty()) {
-    ASSIGN_OR_RETURN(handle.progress_,
-                     impl_->CommitWhileCopying(std::move(commit), base, std::move(from_device), options.cuda_stream));
+  if (!copies->from_device.empty()) {
+    ASSIGN_OR_RETURN(handle.progress_, impl_->CommitWhileCopying(std::move(commit), base,
+                                                                 std::move(copies->from_device), options.cuda_stream));
     trace("device_queue");
     return handle;
   }

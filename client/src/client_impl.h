@@ -146,6 +146,19 @@ struct Client::Impl {
   Status SendCommit(const SlotCommit& commit) const;
   // Gives a slot being filled back, so a failed snapshot does not hold it until the session ends.
   void AbortSlot(const std::string& session_of_slot, const SlotLoan& slot) const;
+  // The slot of snapshot `step` in `tier`, from the daemon (BeginSnapshot, re-attaching if need be);
+  // its refusal (busy, a step that does not increase) is the error.
+  Result<SlotLoan> BeginSlot(int64_t step, Tier tier);
+  // Where the tensors of a snapshot go in the slot at `base`: `buffers` matched again after BeginSlot
+  // (a re-attach there rebuilds the tensor table), host tensors as copy tasks and, in CUDA builds,
+  // device tensors with bytes as device copies.
+  struct SlotCopies {
+    std::vector<CopyTask> from_host;
+#if FLASHCKPT_HAVE_CUDA
+    std::vector<DeviceCopy> from_device;
+#endif
+  };
+  Result<SlotCopies> CopiesInto(char* base, const std::vector<TensorBuffer>& buffers, Selection selection) const;
 #if FLASHCKPT_HAVE_CUDA
   // A device snapshot whose slot is taken (mixed host and device tensors; `from_device` are the
   // device ones, into the slot at `base`): on this thread only an event is recorded on
