@@ -42,8 +42,11 @@ restarts it, and the restarted trainer's load_checkpoint() reads the agent's mem
 SubprocessHandler without its numa_options argument), so the bench starts that master itself, with
 the command line --standalone uses (python -m dlrover.python.master.main --platform local), and
 points dlrover-run at it (DLROVER_MASTER_ADDR): the same processes as --standalone.
-dcp uses async_save with DCP's default stager (the same stager for both saves); pinned memory
-staging only where CUDA is available.
+dcp uses async_save with a DefaultStager (the same stager for both saves), staging into pinned memory
+where CUDA is available. Where that stager fails on the state (torch 2.11 on a GPU: KeyError on a
+tensor), DCP's other pinned stager takes its place, BlockingAsyncStager(cache_staged_state_dict=True):
+a pinned copy of the state made at the first save and copied into at each save. The INFO line names
+the stager (staging=) and the leaf the first one failed on.
 
 --device cuda puts the state in GPU memory (the trainer's and the restarted process's). flashckpt's
 blocking_ms then includes wait_copied(), the wait for the device-to-host copies into the daemon's
@@ -181,20 +184,23 @@ def train(args):
                                               use_async_staging=False, use_non_blocking_copy=False))
         # Plain dicts: torch 2.11's pinned-memory stager cannot copy an OrderedDict (KeyError: <class 'type'>).
         state = {"model": dict(model.state_dict()), "optim": optimizer.state_dict()}
+        staging = "DefaultStager(pinned)" if pinned else "DefaultStager"
         if pinned:
             refused = stager_refuses(stager, state)
-            if refused:  # DCP's own default staging instead, and the table says so
-                print("dcp: the pinned-memory stager fails on %s; using async_save's default staging" % refused,
-                      file=sys.stderr, flush=True)
-                stager, pinned = None, False
+            if refused:  # DCP's other pinned stager: a pinned copy of the state, made once, copied into
+                from torch.distributed.checkpoint.staging import BlockingAsyncStager
+                print("dcp: DefaultStager's pinned memory fails on %s; using BlockingAsyncStager(cache_staged_"
+                      "state_dict=True)" % refused, file=sys.stderr, flush=True)
+                stager = BlockingAsyncStager(cache_staged_state_dict=True)
+                staging = "BlockingAsyncStager(cache_staged_state_dict)"
                 out["pinned_refused"] = refused
         for key, s in (("first_", step), ("", step + 1)):
             fut = []
-            kw = {"async_stager": stager} if stager is not None else {}
             out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
-                lambda: fut.append(dcp.async_save(state, checkpoint_id=os.path.join(where, "step-%d" % s), **kw)),
+                lambda: fut.append(dcp.async_save(state, checkpoint_id=os.path.join(where, "step-%d" % s),
+                                                  async_stager=stager)),
                 lambda: fut[0].result())
-        out["pinned"] = pinned
+        out["staging"] = staging
     elif args.peer == "dlrover":
         from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
@@ -450,7 +456,7 @@ def main():
                 info += " memory_blocking_ms=%.1f save_call_ms=%.1f" % (
                     med(peer, "memory_blocking_ms"), med(peer, "save_call_ms"))
             if peer == "dcp":
-                info += " pinned_staging=%s" % results[peer][0].get("pinned")
+                info += " staging=%s" % results[peer][0].get("staging")
                 if results[peer][0].get("pinned_refused"):
                     info += " pinned_stager_failed_on=%r" % results[peer][0]["pinned_refused"]
             if peer == "dlrover":

@@ -14,7 +14,8 @@
 # DCP's async_save with pinned staging, torch.save). The log goes to stdout and OUTDIR/gpu_checks.log;
 # the exit status is the number of sections that failed. GPU_CHECKS="gpu_test peers_bench ..." runs only
 # those sections (machine and python-extension always run); GPU_SIGKILL_TESTS names test methods of
-# test_torch_cuda_sigkill, GPU_PEERS_ROUNDS the rounds of peers_bench (3).
+# test_torch_cuda_sigkill, GPU_PEERS_ROUNDS the rounds of peers_bench (3) and GPU_PEERS_LIMIT its time limit in
+# seconds (240).
 set -uo pipefail
 bundle=$(cd "${1:-.devbundle}" && pwd)
 out=${2:-/tmp/gpu-checks}
@@ -85,7 +86,7 @@ section cuda_copy_bench 150 bash -o pipefail -c '"$wrapped/cuda_copy_bench" --by
 section test_torch_cuda 120 python3 tests/python/test_torch_cuda.py
 section test_torch_cuda_sigkill 240 python3 tests/python/test_torch_cuda_sigkill.py ${GPU_SIGKILL_TESTS:-}
 section train_loop 150 bash -c train_loop
-section peers_bench 240 python3 bench/peers_bench.py --bin-dir "$wrapped" --python-dir "$bundle/python" --device cuda \
+section peers_bench "${GPU_PEERS_LIMIT:-240}" python3 bench/peers_bench.py --bin-dir "$wrapped" --python-dir "$bundle/python" --device cuda \
   --peers flashckpt,dcp,torch_save --rounds "${GPU_PEERS_ROUNDS:-3}" --dir /tmp
 echo "=== $failed section(s) failed"
 exit "$failed"
