@@ -119,6 +119,12 @@ struct JobState {
   bool release_kept_told = false;
   Topology topology;  // degrees and world size of the current registration
   std::map<uint32_t, RankState> ranks;
+  // Parity (--ec-group): the order of the job's ranks here by their first memory checkpoint (rank ->
+  // a sequence number; ranks without a segment leave it). A rank's place among this member's ranks
+  // is its index in that order, so a rank that registers late comes after the others and moves
+  // none of them (a step's blocks are coded by place).
+  std::map<uint32_t, uint64_t> parity_order;
+  uint64_t parity_next = 0;
   // Steps of an earlier layout that may still be in progress when a registration changed the
   // job's layout (world size or degrees), with that layout: the newest step the job's ranks
   // persisted here, and the steps in their slots then. While one of them is still in progress

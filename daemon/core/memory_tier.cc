@@ -113,14 +113,21 @@ void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>
     return core->Slots(*segment).ResidentIn(slot) == resident;
   };
   if (c_.parity_) {
-    // The rank's place among this node's ranks of the job that hold a segment (ranks is ordered).
-    uint32_t position = 0, count = 0;
-    for (const auto& [r, s] : jit->second.ranks) {
-      if (!s.segment) continue;
-      if (r < rank) ++position;
-      ++count;
+    // The rank's place among this node's ranks of the job (JobState::parity_order), and how many
+    // there are: those placed, or more when more hold a segment (their places come next).
+    JobState& job_state = jit->second;
+    auto& order = job_state.parity_order;
+    uint32_t with_segment = 0;
+    for (auto it = order.begin(); it != order.end();) {
+      auto r = job_state.ranks.find(it->first);
+      it = r == job_state.ranks.end() || !r->second.segment ? order.erase(it) : std::next(it);
     }
-    c_.parity_->Offer({out, position, count});
+    for (const auto& [r, s] : job_state.ranks) with_segment += s.segment ? 1 : 0;
+    const uint64_t mine = order.emplace(rank, job_state.parity_next).first->second;
+    if (mine == job_state.parity_next) ++job_state.parity_next;
+    uint32_t position = 0;
+    for (const auto& [r, seq] : order) position += seq < mine ? 1 : 0;
+    c_.parity_->Offer({out, position, std::max(static_cast<uint32_t>(order.size()), with_segment)});
   }
   if (c_.sender_) c_.sender_->Offer(std::move(out));
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/base/log.h"
 #include "common/base/names.h"
 #include "common/format/checksum.h"
 
@@ -59,6 +60,26 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
                            std::to_string(kMinReplicaPartBytes) + " to " + std::to_string(kMaxReplicaPartBytes));
   }
 
+  // A late block: the share of its step was completed without its member, whose count of ranks was
+  // told lower then (a rank that registered after its member's other ranks had coded the step). A
+  // copy of the complete share, made off the lock (a complete share does not change), takes it in
+  // and replaces the share once complete.
+  std::shared_ptr<const ParityShare> late_of;
+  {
+    MutexLock lock(&mu_);
+    auto s = slots_.find({m.job, block.position, block.stripe});
+    if (s != slots_.end() && s->second.complete && s->second.complete->step_ == m.step &&
+        !s->second.complete->contributions_.count(*index) && !s->second.building.count(m.step)) {
+      // Of the same run and restored step (attempt numbers are per rank: a late rank's is later).
+      const ReplicaMeta& first = s->second.complete->contributions_.begin()->second.meta;
+      if (first.run_id == m.run_id && first.resumed_from == m.resumed_from) late_of = s->second.complete;
+    }
+  }
+  std::shared_ptr<ParityShare> late;
+  if (late_of) {
+    ASSIGN_OR_RETURN(late, CopyOf(*late_of, Who(block)));
+  }
+
   std::shared_ptr<ParityShare> share;
   std::vector<std::shared_ptr<ParityShare>> dropped;  // freed after the lock
   {
@@ -82,12 +103,17 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
         PruneLocked(m.job, block.position, block.stripe);
         return ResourceExhausted(Who(block) + ": " + std::to_string(kMaxSharesHeld) + " parity shares are held");
       }
-      auto fresh = std::shared_ptr<ParityShare>(new ParityShare());
-      fresh->job_ = m.job;
-      fresh->step_ = m.step;
-      fresh->position_ = block.position;
-      fresh->stripe_ = block.stripe;
-      fresh->row_ = *row;
+      std::shared_ptr<ParityShare> fresh;
+      if (late && slot.complete == late_of) {
+        fresh = std::move(late);  // still the share the copy was made of
+      } else {
+        fresh = std::shared_ptr<ParityShare>(new ParityShare());
+        fresh->job_ = m.job;
+        fresh->step_ = m.step;
+        fresh->position_ = block.position;
+        fresh->stripe_ = block.stripe;
+        fresh->row_ = *row;
+      }
       it = slot.building.emplace(m.step, std::move(fresh)).first;
       // The oldest step being built gives way to a newer one.
       while (slot.building.size() > kBuildingSteps) SpoilLocked(slot.building.begin()->second, &dropped);
@@ -103,7 +129,9 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     }
     share->arriving_[*index] = block.member;
     auto& told = told_[{m.job, m.step, block.stripe}];
-    told[block.member] = block.member_ranks;
+    // The most it said for the step: its ranks' blocks may be sent before and after another of its
+    // ranks registered.
+    told[block.member] = std::max(told[block.member], block.member_ranks);
     // Only the newest steps' counts are kept per (job, stripe).
     std::vector<int64_t> steps;
     for (auto t = told_.lower_bound({m.job, 0, 0}); t != told_.end() && std::get<0>(t->first) == m.job; ++t) {
@@ -135,6 +163,24 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     }
   }
   return std::unique_ptr<Incoming>(new Incoming(this, std::move(share), *index, std::move(block), block_bytes));
+}
+
+Result<std::shared_ptr<ParityShare>> ParityStore::CopyOf(const ParityShare& held, const std::string& what) {
+  auto copy = std::shared_ptr<ParityShare>(new ParityShare());
+  copy->job_ = held.job_;
+  copy->step_ = held.step_;
+  copy->position_ = held.position_;
+  copy->stripe_ = held.stripe_;
+  copy->row_ = held.row_;
+  copy->attempt_ = held.attempt_;
+  copy->contributions_ = held.contributions_;
+  const uint64_t bytes = held.bytes_.load();
+  if (bytes > 0) {
+    ASSIGN_OR_RETURN(copy->mapping_, ReplicaMapping::Make(bytes, &memory_, what));
+    std::memcpy(copy->mapping_->data(), held.mapping_->data(), bytes);
+    copy->bytes_.store(bytes);
+  }
+  return copy;
 }
 
 Status ParityStore::Incoming::Append(const std::vector<ByteSpan>& spans, uint64_t xxh3) {
@@ -205,6 +251,8 @@ Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
       continue;
     }
     if (held) replaced.push_back(std::move(it->second.complete));
+    Logger("parity")->debug("parity share complete job={} step={} stripe={} position={} blocks={}", job, done->step_,
+                            done->stripe_, done->position_, done->contributions_.size());
     it->second.complete = std::move(done);
   }
   return Status::OK();

@@ -16,7 +16,9 @@
 // on, and a reader keeps it alive while a newer one replaces it. A block of a step already coded by
 // another attempt (a rollback that saved the step again) starts a share of its own. Shares being built are kept for at most kBuildingSteps steps
 // per (job, position, stripe); a block that does not arrive whole spoils its step's share (its
-// parts are in it), which is then dropped.
+// parts are in it), which is then dropped. A member's count of ranks may grow between the blocks
+// of a step (a rank that registered late): the largest told counts, and a block that comes after
+// its share was completed without it goes into a copy of the share, which then replaces it.
 //
 // Memory: a share's bytes (as long as the longest block added) come from the daemon's
 // --max-host-memory (HostMemory) from the first block's header on; a block that would not fit is
@@ -178,6 +180,9 @@ class ParityStore {
   void SpoilLocked(const std::shared_ptr<ParityShare>& share, std::vector<std::shared_ptr<ParityShare>>* dropped)
       REQUIRES(mu_);
   size_t CountLocked() const REQUIRES(mu_);
+  // A share being built that starts as `held`, a complete share (its bytes, by then immutable, are
+  // copied): for a block that comes after `held` was completed without it.
+  Result<std::shared_ptr<ParityShare>> CopyOf(const ParityShare& held, const std::string& what);
   // Drops the entry of (job, position, stripe) when it holds no share.
   void PruneLocked(const std::string& job, uint32_t position, uint32_t stripe) REQUIRES(mu_);
 

@@ -277,12 +277,14 @@ class ParityStoreGroup {
     return m;
   }
   // Sends block `block` of `image` (rank `rank`, at `position` of the member's `ranks`) to every holder.
+  // `attempt`: the rank's attempt number (ReplicaMeta::attempt; each rank numbers its own).
   Status Send(const std::string& job, int64_t step, uint32_t member, uint32_t rank, uint32_t position,
-              uint32_t ranks, const std::vector<uint8_t>& image, uint32_t block) {
+              uint32_t ranks, const std::vector<uint8_t>& image, uint32_t block, uint64_t attempt = 0) {
     uint32_t stripe = group_.StripeOfBlock(member, block);
     ParityGroup::Range range = group_.Block(image.size(), block);
     for (uint32_t r = 0; r < group_.parity(); ++r) {
       ShareBlock header{member, stripe, position, ranks, Meta(job, rank, step, image.size())};
+      header.meta.attempt = attempt;
       auto incoming = stores_[group_.Holder(stripe, r)]->Begin(header);
       if (!incoming.ok()) return incoming.status();
       for (uint64_t off = 0; off < range.bytes; off += kPart) {
@@ -377,6 +379,56 @@ TEST(ParityStoreTest, HoldersCompleteSharesFromEveryMembersBlocksAndALostMembers
     for (const std::vector<uint32_t>& lost : Subsets(g, m)) {
       for (uint32_t victim : lost) {
         for (uint32_t p = 0; p < (victim + 1 == g ? 1u : 2u); ++p) {
+          auto rebuilt = members.Rebuild("job", victim, p, lost, images);
+          ASSERT_OK(rebuilt.status());
+          EXPECT_TRUE(*rebuilt == images.at({victim, p})) << "member " << victim << " position " << p;
+        }
+      }
+    }
+  }
+}
+
+// A member whose second rank registered late: its first rank's blocks of step 17 said one rank, so
+// the holders completed the shares of position 1 without it; the late rank's blocks (two ranks) go
+// into copies of those shares, which replace them, and every rank comes back.
+TEST(ParityStoreTest, ALateRanksBlockGoesIntoACopyOfTheShareCompletedWithoutIt) {
+  std::mt19937_64 rng(5);
+  for (auto [g, m] : std::vector<std::pair<uint32_t, uint32_t>>{{4, 1}, {6, 2}}) {
+    SCOPED_TRACE(std::to_string(g) + " members, " + std::to_string(m) + " parity");
+    ParityStoreGroup members(g, m);
+    const uint32_t late_member = 1;
+    std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> images;  // (member, position)
+    for (uint32_t i = 0; i < g; ++i) {
+      for (uint32_t p = 0; p < 2; ++p) images[{i, p}] = RandomBytes(rng, 200000 + 1000 * i + 333 * p);
+    }
+    // Each rank's attempt number is its own (the clock when it first offered): the late rank's is the largest.
+    auto send = [&](uint32_t i, uint32_t p, uint32_t ranks) {
+      for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+        ASSERT_OK(members.Send("job", 17, i, 10 * i + p, p, ranks, images.at({i, p}), b, 1000 + 10 * i + p));
+      }
+    };
+    for (uint32_t i = 0; i < g; ++i) {
+      if (i != late_member) {
+        send(i, 0, 2);
+        send(i, 1, 2);
+      }
+    }
+    send(late_member, 0, 1);  // before its other rank registered
+    for (uint32_t i = 0; i < g; ++i) EXPECT_EQ(members.store(i).complete_count(), 2 * m) << "member " << i;
+    for (uint32_t s = 0; s < g; ++s) {
+      if (!members.group().DataIndexOf(s, late_member)) continue;
+      auto held = members.store(members.group().Holder(s, 0)).Find("job", 1, s, 17);
+      ASSERT_OK(held.status());
+      EXPECT_EQ((*held)->contributions().count(*members.group().DataIndexOf(s, late_member)), 0u);
+    }
+    send(late_member, 1, 2);  // the late rank
+    for (uint32_t i = 0; i < g; ++i) {
+      EXPECT_EQ(members.store(i).complete_count(), 2 * m) << "member " << i;
+      EXPECT_EQ(members.store(i).building_bytes(), 0u) << "member " << i;
+    }
+    for (const std::vector<uint32_t>& lost : Subsets(g, m)) {
+      for (uint32_t victim : lost) {
+        for (uint32_t p = 0; p < 2; ++p) {
           auto rebuilt = members.Rebuild("job", victim, p, lost, images);
           ASSERT_OK(rebuilt.status());
           EXPECT_TRUE(*rebuilt == images.at({victim, p})) << "member " << victim << " position " << p;

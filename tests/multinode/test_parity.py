@@ -8,7 +8,9 @@ full copy of another's checkpoints: each holds parity shares.
 For G members and M parity (4 and 1, then 6 and 2), with 2 ranks per node:
   1. Every rank takes a memory checkpoint every step and saves to disk every 10, and holds at step
      17. Every member's status shows the parity shares it holds, all of step 17, and their bytes at
-     most M / (G - M) of its own ranks' checkpoint plus a page per share.
+     most M / (G - M) of its own ranks' checkpoint plus a page per share. With 6 members one rank
+     of a node to be lost starts only once the others hold at 17: its node's other rank coded its
+     steps as the node's only one, and the late rank must neither take its place nor be left out.
   2. M nodes die (SIGKILL of their namespaces: daemons, ranks, /dev/shm); the other ranks are
      SIGKILLed too (the job restarts). Fresh nodes take the lost ones' places (same address and
      flags, nothing in memory), and every rank resumes the latest (--resume, no step given): step
@@ -138,9 +140,15 @@ class Group(Cluster):
             (lines[0], float(shares.group(1)), sum(float(v) for v in sent)))
 
 
-def lose_and_rebuild(group, lost):
-    procs = group.sims_run("first", ["--steps", "100", "--hold-after", "17"])
+def lose_and_rebuild(group, lost, late=()):
+    """`late`: ranks started once the others hold at step 17."""
+    first = ["--steps", "100", "--hold-after", "17"]
+    procs = group.sims_run("first", first, [r for r in range(group.world) if r not in late])
     wait_holding(procs, 17)
+    if late:
+        log("ranks %s start now that the others hold at step 17" % list(late))
+        procs.update(group.sims_run("first", first, late))
+        wait_holding(procs, 17)
     group.wait_coded(17)
 
     group.kill_all_ranks()
@@ -188,11 +196,13 @@ def main():
     try:
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "link", "set", BRIDGE, "up")
-        for members, parity, lost in ((4, 1, [2]), (6, 2, [1, 4])):
+        # Rank 8 is the first of node 4's ranks: started late, it comes before its node's other rank
+        # in rank order.
+        for members, parity, lost, late in ((4, 1, [2], ()), (6, 2, [1, 4], (4 * PER_NODE,))):
             group = Group(tmp, os.path.abspath(args.bin_dir), members, parity, "parity%d-%d" % (members, os.getpid()))
             for i in range(members):
                 group.start_node(i)
-            lose_and_rebuild(group, lost)
+            lose_and_rebuild(group, lost, late)
             group.close()
             group = None
     except (TestFailure, subprocess.TimeoutExpired) as e:

@@ -105,10 +105,10 @@ class Cluster:
         sh(*inside, "ip", "addr", "add", address(i) + "/24", "dev", node_end)
         sh(*inside, "ip", "link", "set", node_end, "up")
 
-    def sims_run(self, phase, extra):
-        """One flashckpt-sim per rank: {rank: (node, process, log)}."""
+    def sims_run(self, phase, extra, ranks=None):
+        """One flashckpt-sim per rank (of `ranks`, default all): {rank: (node, process, log)}."""
         procs = {}
-        for rank in range(self.world):
+        for rank in range(self.world) if ranks is None else ranks:
             node = self.nodes[rank // PER_NODE]
             cmd = [os.path.join(self.bin_dir, "flashckpt-sim"), "--socket", node.sock, "--job", self.job, "--rank",
                    str(rank), "--world-size", str(self.world), "--tp-degree", str(TP), "--shard-degree",
