@@ -104,6 +104,20 @@ Result<OwnImage> Daemon::OwnParityImage(const std::string& job, uint32_t rank, i
   return MemoryTier::OwnImageLocked(c_, job, rank, step, Attempt{run_id, resumed_from});
 }
 
+void Daemon::ParityHeardOf(const std::string& job, int64_t step) {
+  if (!c_.parity_) return;
+  {
+    MutexLock lock(&c_.mu_);
+    auto jit = c_.jobs_.find(job);
+    if (jit != c_.jobs_.end()) {
+      for (const auto& [rank, state] : jit->second.ranks) {
+        if (state.segment) return;  // its ranks' blocks tell their count
+      }
+    }
+  }
+  c_.parity_->OfferNoRanks(job, step);
+}
+
 void Daemon::ReleaseHostMemory(uint64_t bytes) {
   c_.replica_memory_used_ -= bytes;
   c_.host_memory_used_ -= bytes;

@@ -49,6 +49,10 @@ class Daemon {
   // from it (Parity.FetchBlock; MemoryTier::OwnImageLocked).
   Result<OwnImage> OwnParityImage(const std::string& job, uint32_t rank, int64_t step, const std::string& run_id,
                                   int64_t resumed_from) EXCLUDES(c_.mu_);
+  // With --ec-group: another member's block of `job` at `step` was added here. When none of this
+  // node's ranks of the job holds a segment, the holders of this member's stripes are told it has
+  // no ranks of the job (ParitySender::OfferNoRanks), so their shares of the step do not wait for it.
+  void ParityHeardOf(const std::string& job, int64_t step) EXCLUDES(c_.mu_);
   // The parity sender (--ec-group), or null.
   const ParitySender* parity() const { return c_.parity_.get(); }
 

@@ -97,6 +97,7 @@ Status Server::Start() {
         [daemon](const std::string& job, uint32_t rank, int64_t step, const std::string& run_id, int64_t resumed_from) {
           return daemon->OwnParityImage(job, rank, step, run_id, resumed_from);
         });
+    parity_service_->set_heard_of([daemon](const std::string& job, int64_t step) { daemon->ParityHeardOf(job, step); });
     service_.set_parity_store(parity_store_.get());
   }
   // For every server built from here on (the TCP listener's too): grpc.health.v1.Health, SERVING.

@@ -35,8 +35,23 @@ Status ParitySender::Start() {
   return Status::OK();
 }
 
+void ParitySender::OfferNoRanks(const std::string& job, int64_t step) {
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    auto told = told_no_ranks_.find(job);
+    if (told != told_no_ranks_.end() && told->second == step) return;  // the step's blocks come together
+    if (told == told_no_ranks_.end() && told_no_ranks_.size() >= kMaxJobsToldNoRanks) told_no_ranks_.clear();
+    told_no_ranks_[job] = step;
+  }
+  auto notice = std::make_shared<OutgoingReplica>();
+  notice->meta.job = job;
+  notice->meta.step = step;  // bytes 0: each block is empty
+  Offer({std::move(notice), 0, 0});
+}
+
 void ParitySender::Offer(Offered offered) {
-  const Key key{offered.replica->meta.job, offered.replica->meta.rank};
+  const Key key{offered.replica->meta.job, offered.member_ranks == 0 ? kNoRanks : offered.replica->meta.rank};
   MutexLock lock(&mu_);
   if (stopping_) return;
   for (auto& member : members_) {
@@ -55,6 +70,7 @@ void ParitySender::Offer(Offered offered) {
 
 void ParitySender::Forget(const std::string& job) {
   MutexLock lock(&mu_);
+  told_no_ranks_.erase(job);
   for (auto& member : members_) {
     for (auto it = member->queue.begin(); it != member->queue.end();) {
       if (it->first.first != job) {
@@ -173,7 +189,13 @@ void ParitySender::Run(Member* member) {
     auto it = member->queue.find(key);
     const bool replaced = it == member->queue.end() || it->second.turn != turn;
     const ReplicaMeta& meta = offered.replica->meta;
-    if (pushed.ok()) {
+    if (pushed.ok() && offered.member_ranks == 0) {
+      // A word of no ranks: not a checkpoint's blocks.
+      member->retry_wait = std::chrono::milliseconds(0);
+      if (!replaced) member->queue.erase(it);
+      Logger("parity")->debug("parity count sent job={} step={} of_ranks=0 member={}", meta.job, meta.step,
+                              member->where.target);
+    } else if (pushed.ok()) {
       member->status.blocks_sent += 1;
       member->status.bytes_sent += bytes;
       member->status.last_error.clear();

@@ -75,8 +75,14 @@ class ParitySender {
     uint32_t position = 0;
     uint32_t member_ranks = 0;
   };
-  // Queues it for every member that holds a share of one of its blocks. Never blocks.
+  // Queues it for every member that holds a share of one of its blocks. Never blocks. With
+  // member_ranks 0 it is a word that this member has no ranks of the job (OfferNoRanks).
   void Offer(Offered offered) EXCLUDES(mu_);
+  // Tells the holders of this member's stripes that it has no ranks of `job` at `step`, so that
+  // their shares of the step do not wait for its blocks (the service heard of the job from another
+  // member's block). Once per step as long as the job's blocks come step by step (a job rolled back
+  // to an earlier step is told again). Never blocks.
+  void OfferNoRanks(const std::string& job, int64_t step) EXCLUDES(mu_);
   // Forgets a job's queued checkpoints (a released job).
   void Forget(const std::string& job) EXCLUDES(mu_);
   // Cancels the pushes in flight, stops the threads, lets go of every queued checkpoint. Idempotent.
@@ -90,7 +96,9 @@ class ParitySender {
   const std::vector<std::string>& hosts() const { return options_.hosts; }
 
  private:
-  using Key = std::pair<std::string, uint32_t>;  // (job, rank)
+  using Key = std::pair<std::string, uint32_t>;  // (job, rank); (job, kNoRanks) for OfferNoRanks
+  static constexpr uint32_t kNoRanks = ~0u;
+  static constexpr size_t kMaxJobsToldNoRanks = 4096;
   struct Member {
     ParityMember where;
     ReplicaPeer address;
@@ -116,6 +124,7 @@ class ParitySender {
   mutable Mutex mu_;
   CondVar cv_;
   bool stopping_ GUARDED_BY(mu_) = false;
+  std::map<std::string, int64_t> told_no_ranks_ GUARDED_BY(mu_);  // job -> the step last offered
   std::vector<std::unique_ptr<Member>> members_;  // their queues and status guarded by mu_
   std::vector<ParityMember> channels_;            // set by Start
 };

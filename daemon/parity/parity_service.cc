@@ -118,6 +118,21 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
   }
   ShareBlock block{h.member(), h.stripe(), h.position(), h.member_ranks(), ReplicaMetaOf(h.replica())};
   block.meta.from_peer = peer;
+  if (block.member_ranks == 0) {
+    // No ranks of the job at the step: the header alone.
+    if (reader->Read(&part)) {
+      refused_.fetch_add(1);
+      return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push of no ranks (member_ranks 0) has no parts");
+    }
+    if (Status told = store_->Tell(block); !told.ok()) {
+      refused_.fetch_add(1);
+      Logger("parity")->warn("parity count from={} refused: {}", ctx->peer(), told.ToString());
+      return ToGrpc(told);
+    }
+    Logger("parity")->debug("parity count added job={} step={} stripe={} member={} of_ranks=0", block.meta.job,
+                            block.meta.step, block.stripe, block.member);
+    return grpc::Status::OK;
+  }
   auto incoming = store_->Begin(std::move(block));
   if (!incoming.ok()) {
     refused_.fetch_add(1);
@@ -147,11 +162,14 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
   Logger("parity")->debug("parity block added job={} step={} stripe={} position={} member={} of_ranks={}",
                           added.meta.job, added.meta.step, added.stripe, added.position, added.member,
                           added.member_ranks);
+  const std::string job = added.meta.job;
+  const int64_t step = added.meta.step;
   if (Status done = store_->Finish(std::move(*incoming)); !done.ok()) {
     refused_.fetch_add(1);
     return ToGrpc(done);
   }
   received_.fetch_add(1);
+  if (heard_) heard_(job, step);
   return grpc::Status::OK;
 }
 

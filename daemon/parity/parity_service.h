@@ -40,6 +40,14 @@ class ParityService final : public v1::Parity::Service {
   ParityService(ParityStore* store, std::vector<std::string> allow_names, std::vector<std::string> member_hosts,
                 OwnImageSource own, std::chrono::milliseconds stall_timeout = kReplicaStallTimeout);
 
+  // Told of each block of another member added here (its job and step), after it was added: the
+  // daemon tells the holders of its own stripes when it has no ranks of that job (ParitySender::
+  // OfferNoRanks), so that their shares of the step do not wait for it.
+  using HeardOf = std::function<void(const std::string& job, int64_t step)>;
+  void set_heard_of(HeardOf heard) { heard_ = std::move(heard); }
+
+  // A block (a header, then its parts), or a member's word that it has no ranks of the job at the
+  // step (a header with member_ranks 0 and no parts: ParityStore::Tell).
   grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
                     v1::ParityPushResponse* response) override;
   grpc::Status List(grpc::ServerContext* ctx, const v1::ListSharesRequest* request,
@@ -63,6 +71,7 @@ class ParityService final : public v1::Parity::Service {
   const std::vector<std::string> allow_names_;
   const std::vector<std::string> member_hosts_;
   const OwnImageSource own_;
+  HeardOf heard_;  // set before the service is served
   std::atomic<int> pushes_{0};
   std::atomic<uint64_t> received_{0};
   std::atomic<uint64_t> refused_{0};

@@ -33,9 +33,8 @@ ParityStore::ParityStore(ParityGroup group, uint32_t self, HostMemory memory)
       code_(ParityCode::Make(group.data_blocks(), group.parity()).value()),
       memory_(std::move(memory)) {}
 
-Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock block) {
-  const ReplicaMeta& m = block.meta;
-  RETURN_IF_ERROR(ValidateJobName(m.job));
+Result<std::pair<uint32_t, uint32_t>> ParityStore::PlaceOf(const ShareBlock& block) const {
+  RETURN_IF_ERROR(ValidateJobName(block.meta.job));
   if (block.member >= group_.members() || block.stripe >= group_.members()) {
     return InvalidArgument(Who(block) + ": the group has " + std::to_string(group_.members()) + " members");
   }
@@ -45,6 +44,53 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
   if (!row) {
     return InvalidArgument(Who(block) + ": member " + std::to_string(self_) + " holds no share of that stripe");
   }
+  return std::make_pair(*index, *row);
+}
+
+Status ParityStore::TellLocked(const std::string& job, int64_t step, uint32_t stripe, uint32_t member,
+                               uint32_t ranks) {
+  const auto key = std::make_tuple(job, step, stripe);
+  if (!told_.count(key) && told_.size() >= kMaxToldCounts) {
+    // The counts of jobs that hold no share here go first (jobs that ended).
+    for (auto t = told_.begin(); t != told_.end();) {
+      auto held = slots_.lower_bound({std::get<0>(t->first), 0, 0});
+      const bool holds = held != slots_.end() && std::get<0>(held->first) == std::get<0>(t->first);
+      t = holds ? std::next(t) : told_.erase(t);
+    }
+    if (told_.size() >= kMaxToldCounts) {
+      return ResourceExhausted("parity rank counts of " + std::to_string(kMaxToldCounts) + " steps are held");
+    }
+  }
+  auto& told = told_[key];
+  // The most it said for the step: its ranks' blocks may be sent before and after another of its
+  // ranks registered.
+  told[member] = std::max(told[member], ranks);
+  // Only the newest steps' counts are kept per (job, stripe).
+  std::vector<int64_t> steps;
+  for (auto t = told_.lower_bound({job, 0, 0}); t != told_.end() && std::get<0>(t->first) == job; ++t) {
+    if (std::get<2>(t->first) == stripe) steps.push_back(std::get<1>(t->first));
+  }
+  for (size_t i = 0; i + kToldSteps < steps.size(); ++i) told_.erase({job, steps[i], stripe});
+  return Status::OK();
+}
+
+Status ParityStore::Tell(const ShareBlock& notice) {
+  RETURN_IF_ERROR(PlaceOf(notice).status());
+  if (notice.member_ranks != 0 || notice.position != 0 || notice.meta.step <= 0) {
+    return InvalidArgument(Who(notice) + ": a count without a block says the member has no ranks of a step (>= 1)");
+  }
+  std::vector<std::shared_ptr<ParityShare>> replaced;  // freed after the lock
+  MutexLock lock(&mu_);
+  RETURN_IF_ERROR(TellLocked(notice.meta.job, notice.meta.step, notice.stripe, notice.member, 0));
+  CompleteStepLocked(notice.meta.job, notice.meta.step, notice.stripe, &replaced);
+  return Status::OK();
+}
+
+Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock block) {
+  const ReplicaMeta& m = block.meta;
+  ASSIGN_OR_RETURN(const auto place, PlaceOf(block));
+  const std::optional<uint32_t> index = place.first;
+  const std::optional<uint32_t> row = place.second;
   if (block.member_ranks == 0 || block.member_ranks > kMaxRanksPerMember || block.position >= block.member_ranks) {
     return InvalidArgument(Who(block) + ": position " + std::to_string(block.position) + " of " +
                            std::to_string(block.member_ranks) + " ranks (at most " +
@@ -127,17 +173,14 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     if (share->contributions_.count(*index) || share->arriving_.count(*index)) {
       return AlreadyExists(Who(block) + ": the share has that member's block already");
     }
-    share->arriving_[*index] = block.member;
-    auto& told = told_[{m.job, m.step, block.stripe}];
-    // The most it said for the step: its ranks' blocks may be sent before and after another of its
-    // ranks registered.
-    told[block.member] = std::max(told[block.member], block.member_ranks);
-    // Only the newest steps' counts are kept per (job, stripe).
-    std::vector<int64_t> steps;
-    for (auto t = told_.lower_bound({m.job, 0, 0}); t != told_.end() && std::get<0>(t->first) == m.job; ++t) {
-      if (std::get<2>(t->first) == block.stripe) steps.push_back(std::get<1>(t->first));
+    if (Status told = TellLocked(m.job, m.step, block.stripe, block.member, block.member_ranks); !told.ok()) {
+      if (share->contributions_.empty() && share->arriving_.empty()) {
+        SpoilLocked(share, &dropped);
+        PruneLocked(m.job, block.position, block.stripe);
+      }
+      return told;
     }
-    for (size_t i = 0; i + kToldSteps < steps.size(); ++i) told_.erase({m.job, steps[i], block.stripe});
+    share->arriving_[*index] = block.member;
   }
   dropped.clear();
 
@@ -233,29 +276,33 @@ Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
                                             std::move(incoming->block_.meta)};
   // This block may complete its own share, and its member's count may complete the shares of the
   // step at positions it has no rank at.
-  const std::string& job = share.job_;
+  CompleteStepLocked(share.job_, share.step_, share.stripe_, &replaced);
+  return Status::OK();
+}
+
+void ParityStore::CompleteStepLocked(const std::string& job, int64_t step, uint32_t stripe,
+                                     std::vector<std::shared_ptr<ParityShare>>* replaced) {
   for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job; ++it) {
-    if (std::get<2>(it->first) != share.stripe_) continue;
-    auto b = it->second.building.find(share.step_);
+    if (std::get<2>(it->first) != stripe) continue;
+    auto b = it->second.building.find(step);
     if (b == it->second.building.end() || !CompleteLocked(*b->second)) continue;
     std::shared_ptr<ParityShare> done = std::move(b->second);
     it->second.building.erase(b);
     // Older steps being built would complete after this one: the newest complete share is what
     // the members hold now.
     while (!it->second.building.empty() && it->second.building.begin()->first < done->step_) {
-      SpoilLocked(it->second.building.begin()->second, &replaced);
+      SpoilLocked(it->second.building.begin()->second, replaced);
     }
     const std::shared_ptr<ParityShare>& held = it->second.complete;
     if (held && std::make_pair(held->attempt_, held->step_) > std::make_pair(done->attempt_, done->step_)) {
-      replaced.push_back(std::move(done));  // a straggler of an older step or attempt
+      replaced->push_back(std::move(done));  // a straggler of an older step or attempt
       continue;
     }
-    if (held) replaced.push_back(std::move(it->second.complete));
+    if (held) replaced->push_back(std::move(it->second.complete));
     Logger("parity")->debug("parity share complete job={} step={} stripe={} position={} blocks={}", job, done->step_,
                             done->stripe_, done->position_, done->contributions_.size());
     it->second.complete = std::move(done);
   }
-  return Status::OK();
 }
 
 bool ParityStore::CompleteLocked(const ParityShare& share) const {

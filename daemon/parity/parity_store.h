@@ -48,6 +48,7 @@ namespace flashckpt {
 constexpr size_t kMaxSharesHeld = 4096;
 constexpr uint32_t kMaxRanksPerMember = 4096;
 constexpr size_t kBuildingSteps = 2;
+constexpr size_t kMaxToldCounts = 4 * kMaxSharesHeld;  // (job, step, stripe) rank counts held
 
 // One block on its way to a holder of a share of its stripe.
 struct ShareBlock {
@@ -151,6 +152,11 @@ class ParityStore {
   Result<std::unique_ptr<Incoming>> Begin(ShareBlock block);
   // All parts arrived: FAILED_PRECONDITION when bytes are missing.
   Status Finish(std::unique_ptr<Incoming> incoming);
+  // A member's word that it has no ranks of `notice.meta.job` at step `notice.meta.step`
+  // (member_ranks 0, no block): the shares of that step of `notice.stripe` no longer wait for it.
+  // INVALID_ARGUMENT as Begin for a header that does not fit the group; RESOURCE_EXHAUSTED when
+  // kMaxToldCounts steps' counts are held.
+  Status Tell(const ShareBlock& notice);
 
   // The complete share of (job, position, stripe), at `step` or the newest when `step` is 0; NOT_FOUND otherwise.
   Result<std::shared_ptr<const ParityShare>> Find(const std::string& job, uint32_t position, uint32_t stripe,
@@ -175,6 +181,17 @@ class ParityStore {
     std::shared_ptr<ParityShare> complete;
     std::map<int64_t, std::shared_ptr<ParityShare>> building;  // by step
   };
+  // The data index of the block's member in its stripe and this member's row there; INVALID_ARGUMENT
+  // when the header does not fit the group.
+  Result<std::pair<uint32_t, uint32_t>> PlaceOf(const ShareBlock& block) const;
+  // Records that `member` has `ranks` ranks of the job at the step (the most it told). At most
+  // kMaxToldCounts (job, step, stripe) counts: when full, those of jobs without shares here go, and
+  // then RESOURCE_EXHAUSTED.
+  Status TellLocked(const std::string& job, int64_t step, uint32_t stripe, uint32_t member, uint32_t ranks)
+      REQUIRES(mu_);
+  // Completes the shares of (job, step, stripe), at any position, that have every block they wait for.
+  void CompleteStepLocked(const std::string& job, int64_t step, uint32_t stripe,
+                          std::vector<std::shared_ptr<ParityShare>>* replaced) REQUIRES(mu_);
   // Whether every data member of the share's stripe with a rank at its position has added its block.
   bool CompleteLocked(const ParityShare& share) const REQUIRES(mu_);
   void SpoilLocked(const std::shared_ptr<ParityShare>& share, std::vector<std::shared_ptr<ParityShare>>* dropped)

@@ -438,6 +438,64 @@ TEST(ParityStoreTest, ALateRanksBlockGoesIntoACopyOfTheShareCompletedWithoutIt) 
   }
 }
 
+// A member with no ranks of the job sends no blocks: the shares of its stripes wait for it until it
+// tells their holders it has none at the step (Tell), then complete, and a lost member's ranks come
+// back with the idle member's pieces counted as zeros.
+TEST(ParityStoreTest, AMembersWordThatItHasNoRanksOfTheJobCompletesTheSharesWithoutIt) {
+  std::mt19937_64 rng(11);
+  for (auto [g, m] : std::vector<std::pair<uint32_t, uint32_t>>{{4, 1}, {6, 2}}) {
+    SCOPED_TRACE(std::to_string(g) + " members, " + std::to_string(m) + " parity");
+    ParityStoreGroup members(g, m);
+    const uint32_t idle = g - 1;
+    std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> images;  // (member, position)
+    for (uint32_t i = 0; i < idle; ++i) {
+      for (uint32_t p = 0; p < 2; ++p) {
+        images[{i, p}] = RandomBytes(rng, 150000 + 999 * i + 77 * p);
+        for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+          ASSERT_OK(members.Send("job", 17, i, 10 * i + p, p, 2, images.at({i, p}), b));
+        }
+      }
+    }
+    auto waiting = [&] {
+      uint32_t n = 0;
+      for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+        const uint32_t s = members.group().StripeOfBlock(idle, b);
+        for (uint32_t r = 0; r < m; ++r) n += members.store(members.group().Holder(s, r)).Find("job", 0, s).ok() ? 0 : 1;
+      }
+      return n;
+    };
+    EXPECT_EQ(waiting(), members.group().data_blocks() * m) << "every share of the idle member's stripes waits for it";
+
+    // Told wrongly: a count above 0 without a block, or to a member that holds no share of the stripe.
+    const uint32_t first = members.group().StripeOfBlock(idle, 0);
+    const uint32_t holder = members.group().Holder(first, 0);
+    EXPECT_EQ(members.store(holder).Tell({idle, first, 0, 1, ParityStoreGroup::Meta("job", 0, 17, 0)}).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(members.store(idle).Tell({idle, first, 0, 0, ParityStoreGroup::Meta("job", 0, 17, 0)}).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(waiting(), members.group().data_blocks() * m);
+
+    for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+      const uint32_t s = members.group().StripeOfBlock(idle, b);
+      for (uint32_t r = 0; r < m; ++r) {
+        ASSERT_OK(members.store(members.group().Holder(s, r)).Tell({idle, s, 0, 0, ParityStoreGroup::Meta("job", 0, 17, 0)}));
+      }
+    }
+    EXPECT_EQ(waiting(), 0u);
+    for (uint32_t i = 0; i < g; ++i) EXPECT_EQ(members.store(i).complete_count(), 2 * m) << "member " << i;
+    for (const std::vector<uint32_t>& lost : Subsets(g, m)) {
+      for (uint32_t victim : lost) {
+        if (victim == idle) continue;
+        for (uint32_t p = 0; p < 2; ++p) {
+          auto rebuilt = members.Rebuild("job", victim, p, lost, images);
+          ASSERT_OK(rebuilt.status());
+          EXPECT_TRUE(*rebuilt == images.at({victim, p})) << "member " << victim << " position " << p;
+        }
+      }
+    }
+  }
+}
+
 TEST(ParityStoreTest, ABlockThatDoesNotArriveWholeSpoilsOnlyItsStepsShare) {
   std::mt19937_64 rng(9);
   ParityStoreGroup members(4, 1);
@@ -574,6 +632,70 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
 // holder of stripe 0, but the block it pushes as member 2 is refused before a byte is kept, and so
 // is its listing of member 2's shares; member 2, whose certificate names its host by DNS, completes
 // the share itself.
+// Over gRPC, with the idle member's own ParitySender: a member with no ranks of the job hears of it
+// from the first block added into its shares (the service's heard_of, as the daemon wires it), tells
+// the holders of its stripes, and every share completes; a lost member's rank is then rebuilt.
+TEST(ParityServiceTest, AMemberWithNoRanksOfTheJobTellsItsHoldersOverGrpc) {
+  std::mt19937_64 rng(23);
+  ParityGroup group = ParityGroup::Make(4, 1).value();
+  const uint32_t idle = 3;
+  std::vector<std::unique_ptr<ServedMember>> members;
+  for (uint32_t i = 0; i < 4; ++i) {
+    members.push_back(std::make_unique<ServedMember>(group, i));
+    ASSERT_OK(members.back()->Start());
+  }
+  ParitySender::Options options{group, idle, {}, 64 * 1024, {}, {}};
+  for (uint32_t i = 0; i < idle; ++i) {
+    options.members.emplace_back(i, ReplicaPeer{"127.0.0.1:" + std::to_string(members[i]->server->port()), "", "", "", ""});
+  }
+  ParitySender sender(std::move(options));
+  ASSERT_OK(sender.Start());
+  members[idle]->service.set_heard_of([&](const std::string& job, int64_t step) { sender.OfferNoRanks(job, step); });
+
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  for (uint32_t i = 0; i < idle; ++i) {
+    std::vector<uint8_t> image = RandomBytes(rng, 300000 + 4097 * i);
+    ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + i, 17, image.size());
+    meta.run_id = "run-a";
+    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+      uint32_t stripe = group.StripeOfBlock(i, b);
+      ParityGroup::Range range = group.Block(image.size(), b);
+      ASSERT_OK(PushParityBlock(members[group.Holder(stripe, 0)]->channel.get(), {i, stripe, 0, 1, meta},
+                                reinterpret_cast<const char*>(image.data() + range.offset), range.bytes, deadline));
+    }
+    members[i]->images[{"job", 10 + i, 17}] = std::move(image);
+  }
+  // Each member holds one stripe's share; the idle member's word completes those of its stripes.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  auto complete = [&] {
+    for (auto& member : members) {
+      if (member->parity.complete_count() != 1) return false;
+    }
+    return true;
+  };
+  while (!complete() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(members[i]->parity.complete_count(), 1u) << "member " << i;
+  for (const ParityMemberStatus& status : sender.MemberStatus()) {
+    EXPECT_EQ(status.blocks_sent, 0u) << "a word of no ranks is not a checkpoint's blocks";
+    EXPECT_EQ(status.pushes_failed, 0u) << status.last_error;
+  }
+
+  members[1]->server->Shutdown(std::chrono::system_clock::now());
+  std::vector<ParityMember> survivors;
+  for (uint32_t i : {0u, 2u, 3u}) survivors.push_back({i, "member " + std::to_string(i), members[i]->channel});
+  auto candidate = FindParityCandidate(group, survivors, "job", 1, 11, deadline, {});
+  ASSERT_OK(candidate.status());
+  std::vector<char> out(candidate->meta.bytes, 0);
+  ASSERT_OK(RebuildFromParity(group, survivors, *candidate, 1, out.data(), deadline));
+  const std::vector<uint8_t>& want = members[1]->images[{"job", 11, 17}];
+  ASSERT_EQ(out.size(), want.size());
+  EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0);
+  sender.Stop();
+  for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
+}
+
 TEST(ParityServiceTest, WithTlsAPeerPushesAndListsOnlyAsTheMemberItsCertificateNames) {
   if (::access("/usr/bin/openssl", X_OK) != 0) GTEST_SKIP() << "openssl is not installed: no certificates to test with";
   Certificates certs;

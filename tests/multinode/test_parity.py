@@ -5,7 +5,8 @@ a bridge this test creates), with its own flashckptd: --replica-listen on the no
 --ec-group listing every node's, mutual TLS with certificates made here by openssl. No node keeps a
 full copy of another's checkpoints: each holds parity shares.
 
-For G members and M parity (4 and 1, then 6 and 2), with 2 ranks per node:
+For G members and M parity (4 and 1, then 6 and 2, then 5 and 1 with the fifth member running no
+ranks of the job), with 2 ranks per node:
   1. Every rank takes a memory checkpoint every step and saves to disk every 10, and holds at step
      17. Every member's status shows the parity shares it holds, all of step 17, and their bytes at
      most M / (G - M) of its own ranks' checkpoint plus a page per share. With 6 members one rank
@@ -50,9 +51,12 @@ METRICS_PORT = 9464
 class Group(Cluster):
     """G nodes on the bridge, each daemon a member of one parity group of M."""
 
-    def __init__(self, tmp, bin_dir, members, parity, job):
+    def __init__(self, tmp, bin_dir, members, parity, job, idle_last=False):
+        """`idle_last`: the last member runs no ranks of the job (the world is the others' ranks)."""
         super().__init__(tmp, bin_dir, members, job, BRIDGE, "fp")
         self.members, self.parity = members, parity
+        self.idle = {members - 1} if idle_last else set()
+        self.world = (members - len(self.idle)) * PER_NODE
         self.root = os.path.join(tmp, "root-%s" % job)
         self.certs = os.path.join(tmp, "certs-%s" % job)
         make_certificates(self.certs, members)
@@ -102,7 +106,8 @@ class Group(Cluster):
             while True:
                 s = self.status(i)
                 ranks = [r for j in s["jobs"] if j["job"] == self.job for r in j["ranks"]]
-                if (len(ranks) == PER_NODE and all(r["memory_step"] == step for r in ranks) and
+                if (len(ranks) == (0 if i in self.idle else PER_NODE) and
+                        all(r["memory_step"] == step for r in ranks) and
                         s["parity_shares_held"] == shares and s["parity_step"] == step):
                     break
                 if time.monotonic() >= deadline:
@@ -114,6 +119,10 @@ class Group(Cluster):
             check(s["ec_group"] and s["ec_member"] == i and s["ec_members"] == self.members and
                   s["ec_parity"] == self.parity, "node%d's status: %s" % (i, s))
             check(s["replicas_held"] == 0, "node%d holds full replicas: %s" % (i, s["replicas_held"]))
+            if i in self.idle:
+                log("node%d runs no ranks of the job and holds %d parity shares of step %d (%d bytes)" %
+                    (i, shares, step, s["parity_held_bytes"]))
+                continue
             # What a checkpoint of the node's ranks takes: the memory checkpoints' bytes, one each.
             own = sum(r["memory_bytes"] // max(1, r["memory_checkpoints"]) for r in ranks)
             most = own * self.parity // (self.members - self.parity) + shares * PAGE
@@ -197,9 +206,12 @@ def main():
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "link", "set", BRIDGE, "up")
         # Rank 8 is the first of node 4's ranks: started late, it comes before its node's other rank
-        # in rank order.
-        for members, parity, lost, late in ((4, 1, [2], ()), (6, 2, [1, 4], (4 * PER_NODE,))):
-            group = Group(tmp, os.path.abspath(args.bin_dir), members, parity, "parity%d-%d" % (members, os.getpid()))
+        # in rank order. With 5 members the last one runs no ranks of the job: it tells the holders
+        # of its stripes so, and their shares do not wait for blocks of it.
+        for members, parity, lost, late, idle_last in ((4, 1, [2], (), False), (6, 2, [1, 4], (4 * PER_NODE,), False),
+                                                       (5, 1, [1], (), True)):
+            group = Group(tmp, os.path.abspath(args.bin_dir), members, parity, "parity%d-%d" % (members, os.getpid()),
+                          idle_last)
             for i in range(members):
                 group.start_node(i)
             lose_and_rebuild(group, lost, late)
