@@ -56,9 +56,17 @@ ParityService::ParityService(ParityStore* store, std::vector<std::string> allow_
       member_hosts_(std::move(member_hosts)),
       own_(std::move(own)),
       watchdog_("parity", "parity push", stall_timeout) {
-  // FetchShare and FetchBlock (methods 2 and 3 of flashckpt.v1.Parity, the order of replica.proto)
-  // write their parts as byte buffers, bound by hand as ReplicaService binds Fetch: one request
-  // read first, then the parts written.
+  // Push (method 0 of flashckpt.v1.Parity, the order of replica.proto) reads its parts as byte
+  // buffers, bound by hand as ReplicaService binds its Push. FetchShare and FetchBlock (methods 2
+  // and 3) write theirs as byte buffers, bound as ReplicaService binds Fetch: one request read
+  // first, then the parts written.
+  MarkMethodStreamed(0, new grpc::internal::ClientStreamingHandler<ParityService, grpc::ByteBuffer,
+                                                                   v1::ParityPushResponse>(
+                            [](ParityService* service, grpc::ServerContext* ctx,
+                               grpc::ServerReader<grpc::ByteBuffer>* reader, v1::ParityPushResponse* response) {
+                              return service->RawPush(ctx, reader, response);
+                            },
+                            this));
   MarkMethodStreamed(2, FetchHandler(this, &ParityService::RawFetchShare));
   MarkMethodStreamed(3, FetchHandler(this, &ParityService::RawFetchBlock));
 }
@@ -80,8 +88,8 @@ grpc::Status ParityService::ActsAs(grpc::ServerContext* ctx, uint32_t member) co
                                                           " of --ec-group");
 }
 
-grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
-                                 v1::ParityPushResponse*) {
+grpc::Status ParityService::RawPush(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                                    v1::ParityPushResponse*) {
   std::string peer;
   if (grpc::Status allowed = AllowedPeer(ctx, allow_names_, &peer); !allowed.ok()) return allowed;
   struct InFlight {
@@ -104,14 +112,18 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
     return Refused(grpc::StatusCode::DEADLINE_EXCEEDED, "the parity push was cancelled: nothing arrived for " +
                                                             std::to_string(watchdog_.timeout().count()) + " ms");
   };
-  v1::ParityPart part;
-  if (!reader->Read(&part) || !part.has_header()) {
+  // The header through protobuf (a ParityPart's header is not a ReplicaPart's); the data parts read
+  // in place (their fields are a ReplicaPart's: ReceivedPart).
+  grpc::ByteBuffer buffer;
+  v1::ParityPart first;
+  if (!reader->Read(&buffer) ||
+      !grpc::SerializationTraits<v1::ParityPart>::Deserialize(&buffer, &first).ok() || !first.has_header()) {
     if (watched.Stalled()) return stalled();
     refused_.fetch_add(1);
     return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push starts with its header");
   }
   watched.Progress();
-  const v1::ParityHeader& h = part.header();
+  const v1::ParityHeader& h = first.header();
   if (grpc::Status as = ActsAs(ctx, h.member()); !as.ok()) {
     refused_.fetch_add(1);
     return as;
@@ -120,7 +132,7 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
   block.meta.from_peer = peer;
   if (block.member_ranks == 0) {
     // No ranks of the job at the step: the header alone.
-    if (reader->Read(&part)) {
+    if (reader->Read(&buffer)) {
       refused_.fetch_add(1);
       return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push of no ranks (member_ranks 0) has no parts");
     }
@@ -143,14 +155,14 @@ grpc::Status ParityService::Push(grpc::ServerContext* ctx, grpc::ServerReader<v1
     }
     return ToGrpc(incoming.status());
   }
-  while (reader->Read(&part)) {
+  ReceivedPart part;
+  while (reader->Read(&buffer)) {
     watched.Progress();
-    if (!part.has_data()) {
+    if (!part.Read(&buffer).ok() || part.has_header() || part.data().empty()) {
       refused_.fetch_add(1);
       return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push has one header, then data parts");
     }
-    const std::string& data = part.data();
-    if (Status added = (*incoming)->Append({{data.data(), data.size()}}, part.xxh3()); !added.ok()) {
+    if (Status added = (*incoming)->Append(part.data(), part.xxh3()); !added.ok()) {
       refused_.fetch_add(1);
       Logger("parity")->warn("parity block from={} refused: {}", ctx->peer(), added.ToString());
       return ToGrpc(added);

@@ -46,10 +46,12 @@ class ParityService final : public v1::Parity::Service {
   using HeardOf = std::function<void(const std::string& job, int64_t step)>;
   void set_heard_of(HeardOf heard) { heard_ = std::move(heard); }
 
-  // A block (a header, then its parts), or a member's word that it has no ranks of the job at the
-  // step (a header with member_ranks 0 and no parts: ParityStore::Tell).
-  grpc::Status Push(grpc::ServerContext* ctx, grpc::ServerReader<v1::ParityPart>* reader,
-                    v1::ParityPushResponse* response) override;
+  // Push is bound by hand (the constructor) with byte buffers: a block (a header, then its parts,
+  // each read in place from the received slices and added into the share from there), or a
+  // member's word that it has no ranks of the job at the step (a header with member_ranks 0 and no
+  // parts: ParityStore::Tell).
+  grpc::Status RawPush(grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                       v1::ParityPushResponse* response);
   grpc::Status List(grpc::ServerContext* ctx, const v1::ListSharesRequest* request,
                     v1::ListSharesResponse* response) override;
   // FetchShare and FetchBlock are bound by hand (the constructor): their parts are written as byte
