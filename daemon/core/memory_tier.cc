@@ -117,11 +117,11 @@ void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>
     // there are: those placed, or more when more hold a segment (their places come next).
     JobState& job_state = jit->second;
     auto& order = job_state.parity_order;
-    uint32_t with_segment = 0;
     for (auto it = order.begin(); it != order.end();) {
       auto r = job_state.ranks.find(it->first);
       it = r == job_state.ranks.end() || !r->second.segment ? order.erase(it) : std::next(it);
     }
+    uint32_t with_segment = 0;
     for (const auto& [r, s] : job_state.ranks) with_segment += s.segment ? 1 : 0;
     const uint64_t mine = order.emplace(rank, job_state.parity_next).first->second;
     if (mine == job_state.parity_next) ++job_state.parity_next;

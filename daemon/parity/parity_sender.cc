@@ -189,24 +189,23 @@ void ParitySender::Run(Member* member) {
     auto it = member->queue.find(key);
     const bool replaced = it == member->queue.end() || it->second.turn != turn;
     const ReplicaMeta& meta = offered.replica->meta;
-    if (pushed.ok() && offered.member_ranks == 0) {
-      // A word of no ranks: not a checkpoint's blocks.
-      member->retry_wait = std::chrono::milliseconds(0);
-      if (!replaced) member->queue.erase(it);
-      Logger("parity")->debug("parity count sent job={} step={} of_ranks=0 member={}", meta.job, meta.step,
-                              member->where.target);
-    } else if (pushed.ok()) {
-      member->status.blocks_sent += 1;
-      member->status.bytes_sent += bytes;
+    if (pushed.ok()) {
       member->status.last_error.clear();
       member->last_error_code = StatusCode::kOk;
       member->retry_wait = std::chrono::milliseconds(0);
       if (!replaced) member->queue.erase(it);
-      event.kind = DaemonEvent::Kind::kParitySent;
-      event.bytes = bytes;
-      event.seconds = secs;
-      Logger("parity")->debug("parity blocks sent job={} rank={} step={} member={} bytes={} secs={:.3f}", meta.job,
-                              meta.rank, meta.step, member->where.target, FormatBytes(bytes), secs);
+      if (offered.member_ranks == 0) {  // a word of no ranks: not a checkpoint's blocks
+        Logger("parity")->debug("parity count sent job={} step={} of_ranks=0 member={}", meta.job, meta.step,
+                                member->where.target);
+      } else {
+        member->status.blocks_sent += 1;
+        member->status.bytes_sent += bytes;
+        event.kind = DaemonEvent::Kind::kParitySent;
+        event.bytes = bytes;
+        event.seconds = secs;
+        Logger("parity")->debug("parity blocks sent job={} rank={} step={} member={} bytes={} secs={:.3f}",
+                                meta.job, meta.rank, meta.step, member->where.target, FormatBytes(bytes), secs);
+      }
     } else if (pushed.code() == StatusCode::kCancelled) {
       // A newer checkpoint of the rank took the slot (or the daemon stops): nothing failed.
       if (!replaced) member->queue.erase(it);

@@ -89,8 +89,8 @@ Status ParityStore::Tell(const ShareBlock& notice) {
 Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock block) {
   const ReplicaMeta& m = block.meta;
   ASSIGN_OR_RETURN(const auto place, PlaceOf(block));
-  const std::optional<uint32_t> index = place.first;
-  const std::optional<uint32_t> row = place.second;
+  const uint32_t index = place.first;  // the member's data index in the stripe
+  const uint32_t row = place.second;   // this member's share of the stripe
   if (block.member_ranks == 0 || block.member_ranks > kMaxRanksPerMember || block.position >= block.member_ranks) {
     return InvalidArgument(Who(block) + ": position " + std::to_string(block.position) + " of " +
                            std::to_string(block.member_ranks) + " ranks (at most " +
@@ -115,7 +115,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     MutexLock lock(&mu_);
     auto s = slots_.find({m.job, block.position, block.stripe});
     if (s != slots_.end() && s->second.complete && s->second.complete->step_ == m.step &&
-        !s->second.complete->contributions_.count(*index) && !s->second.building.count(m.step)) {
+        !s->second.complete->contributions_.count(index) && !s->second.building.count(m.step)) {
       // Of the same run and restored step (attempt numbers are per rank: a late rank's is later).
       const ReplicaMeta& first = s->second.complete->contributions_.begin()->second.meta;
       if (first.run_id == m.run_id && first.resumed_from == m.resumed_from) late_of = s->second.complete;
@@ -132,14 +132,14 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     MutexLock lock(&mu_);
     Slot& slot = slots_[{m.job, block.position, block.stripe}];
     auto same_attempt = [&](const ParityShare& s) {
-      auto c = s.contributions_.find(*index);
+      auto c = s.contributions_.find(index);
       return c != s.contributions_.end() && c->second.meta.attempt == m.attempt && c->second.meta.run_id == m.run_id;
     };
     if (slot.complete && slot.complete->step_ == m.step && same_attempt(*slot.complete)) {
       return AlreadyExists(Who(block) + ": the share of that step is complete");
     }
     auto it = slot.building.find(m.step);
-    if (it != slot.building.end() && it->second->contributions_.count(*index) && !same_attempt(*it->second)) {
+    if (it != slot.building.end() && it->second->contributions_.count(index) && !same_attempt(*it->second)) {
       // Another attempt's block of the step: the share it went into is of a timeline the job left.
       SpoilLocked(it->second, &dropped);  // leaves `slot` in place (PruneLocked would drop it)
       it = slot.building.end();
@@ -158,7 +158,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
         fresh->step_ = m.step;
         fresh->position_ = block.position;
         fresh->stripe_ = block.stripe;
-        fresh->row_ = *row;
+        fresh->row_ = row;
       }
       it = slot.building.emplace(m.step, std::move(fresh)).first;
       // The oldest step being built gives way to a newer one.
@@ -170,7 +170,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       }
     }
     share = it->second;
-    if (share->contributions_.count(*index) || share->arriving_.count(*index)) {
+    if (share->contributions_.count(index) || share->arriving_.count(index)) {
       return AlreadyExists(Who(block) + ": the share has that member's block already");
     }
     if (Status told = TellLocked(m.job, m.step, block.stripe, block.member, block.member_ranks); !told.ok()) {
@@ -180,7 +180,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       }
       return told;
     }
-    share->arriving_[*index] = block.member;
+    share->arriving_[index] = block.member;
   }
   dropped.clear();
 
@@ -192,7 +192,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       if (!grown.ok()) {
         std::vector<std::shared_ptr<ParityShare>> unused;  // freed after the lock
         MutexLock lock(&mu_);
-        share->arriving_.erase(*index);
+        share->arriving_.erase(index);
         if (share->contributions_.empty() && share->arriving_.empty()) {
           // Made for this block alone: it goes, and does not count against the shares held.
           SpoilLocked(share, &unused);
@@ -205,7 +205,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       share->bytes_.store(block_bytes);
     }
   }
-  return std::unique_ptr<Incoming>(new Incoming(this, std::move(share), *index, std::move(block), block_bytes));
+  return std::unique_ptr<Incoming>(new Incoming(this, std::move(share), index, std::move(block), block_bytes));
 }
 
 Result<std::shared_ptr<ParityShare>> ParityStore::CopyOf(const ParityShare& held, const std::string& what) {
