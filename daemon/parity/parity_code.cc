@@ -29,6 +29,10 @@ ParityCode::ParityCode(uint32_t data, uint32_t parity)
   for (uint32_t r = 0; r < parity; ++r) {
     std::vector<uint8_t>& row = row_tables_.emplace_back(size_t{32} * data);
     ec_init_tables(static_cast<int>(data), 1, &matrix_[size_t{data + r} * data], row.data());
+    for (uint32_t d = 0; d < data; ++d) {
+      std::vector<uint8_t>& term = term_tables_.emplace_back(32);
+      ec_init_tables(1, 1, &matrix_[size_t{data + r} * data + d], term.data());
+    }
   }
 }
 
@@ -38,6 +42,14 @@ void ParityCode::Accumulate(uint32_t index, uint32_t row, const uint8_t* piece, 
   unsigned char* out[1] = {share};
   ec_encode_data_update(static_cast<int>(bytes), static_cast<int>(data_), 1, static_cast<int>(index), row_tables,
                         const_cast<unsigned char*>(piece), out);
+}
+
+void ParityCode::Assign(uint32_t index, uint32_t row, const uint8_t* piece, size_t bytes, uint8_t* share) const {
+  if (bytes == 0) return;
+  unsigned char* term = const_cast<unsigned char*>(term_tables_[size_t{row} * data_ + index].data());
+  unsigned char* in[1] = {const_cast<unsigned char*>(piece)};
+  unsigned char* out[1] = {share};
+  ec_encode_data(static_cast<int>(bytes), 1, 1, term, in, out);
 }
 
 void ParityCode::Encode(const std::vector<const uint8_t*>& pieces, size_t bytes,

@@ -7,7 +7,8 @@
 // stripe's length, and a share is as long as the longest piece. A share can be built all at once
 // (Encode) or one data piece at a time, in any order, as the pieces arrive from their members
 // (Accumulate): a share that starts as zeros and has had every data piece added once equals the
-// encoding.
+// encoding. Assign writes a piece's term alone, as Accumulate into zeros would, so that memory that
+// held anything before (a share of an earlier step, kept for the next) needs no zeroing first.
 //
 // A ParityCode is immutable once made: its methods may be called from any number of threads at once.
 #pragma once
@@ -31,6 +32,8 @@ class ParityCode {
   // Adds data piece `index` (< data()), `bytes` long, into share `row` (< parity()), which must be at
   // least `bytes` long; the share's bytes past `bytes` are left as they are.
   void Accumulate(uint32_t index, uint32_t row, const uint8_t* piece, size_t bytes, uint8_t* share) const;
+  // Sets `bytes` bytes of share `row` to data piece `index`'s term alone: Accumulate into zeros.
+  void Assign(uint32_t index, uint32_t row, const uint8_t* piece, size_t bytes, uint8_t* share) const;
 
   // Every share of data() pieces of `bytes` bytes each, at once: shares[r] receives `bytes` bytes.
   void Encode(const std::vector<const uint8_t*>& pieces, size_t bytes, const std::vector<uint8_t*>& shares) const;
@@ -62,6 +65,8 @@ class ParityCode {
   // ec_init_tables of each parity row alone (Accumulate): ISA-L's table layout is its own (it
   // differs between its SIMD flavours), so a row's tables are never cut out of tables_.
   std::vector<std::vector<uint8_t>> row_tables_;
+  // ec_init_tables of one coefficient, (row, index) at row * data + index (Assign).
+  std::vector<std::vector<uint8_t>> term_tables_;
 };
 
 }  // namespace flashckpt

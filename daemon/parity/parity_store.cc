@@ -79,10 +79,13 @@ Status ParityStore::Tell(const ShareBlock& notice) {
   if (notice.member_ranks != 0 || notice.position != 0 || notice.meta.step <= 0) {
     return InvalidArgument(Who(notice) + ": a count without a block says the member has no ranks of a step (>= 1)");
   }
-  std::vector<std::shared_ptr<ParityShare>> replaced;  // freed after the lock
-  MutexLock lock(&mu_);
-  RETURN_IF_ERROR(TellLocked(notice.meta.job, notice.meta.step, notice.stripe, notice.member, 0));
-  CompleteStepLocked(notice.meta.job, notice.meta.step, notice.stripe, &replaced);
+  std::vector<std::shared_ptr<ParityShare>> replaced;  // kept or freed after the lock
+  {
+    MutexLock lock(&mu_);
+    RETURN_IF_ERROR(TellLocked(notice.meta.job, notice.meta.step, notice.stripe, notice.member, 0));
+    CompleteStepLocked(notice.meta.job, notice.meta.step, notice.stripe, &replaced);
+  }
+  Keep(&replaced);
   return Status::OK();
 }
 
@@ -127,7 +130,9 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
   }
 
   std::shared_ptr<ParityShare> share;
-  std::vector<std::shared_ptr<ParityShare>> dropped;  // freed after the lock
+  std::vector<std::shared_ptr<ParityShare>> dropped;  // kept or freed after the lock
+  std::unique_ptr<ReplicaMapping> reuse;              // the place's kept memory, for a share begun here
+  std::vector<std::unique_ptr<ReplicaMapping>> freed;  // unmapped after the lock
   {
     MutexLock lock(&mu_);
     Slot& slot = slots_[{m.job, block.position, block.stripe}];
@@ -159,6 +164,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
         fresh->position_ = block.position;
         fresh->stripe_ = block.stripe;
         fresh->row_ = row;
+        reuse = TakeKeptLocked({m.job, block.position, block.stripe}, &freed);
       }
       it = slot.building.emplace(m.step, std::move(fresh)).first;
       // The oldest step being built gives way to a newer one.
@@ -182,13 +188,20 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
     }
     share->arriving_[index] = block.member;
   }
-  dropped.clear();
+  Keep(&dropped);
+  freed.clear();
 
-  // The share grows to the longest block: a longer one than seen so far maps more, off the store's lock.
+  // The share grows to the longest block: a longer one than seen so far maps more (or takes the
+  // kept memory of its place), off the store's lock.
   if (block_bytes > 0) {
     MutexLock apply(&share->mu_);
-    if (block_bytes > share->bytes_.load()) {
-      auto grown = ReplicaMapping::Make(block_bytes, &memory_, Who(block));
+    if (block_bytes > share->bytes_.load() && share->mapping_ && share->mapping_->bytes() >= block_bytes) {
+      share->bytes_.store(block_bytes);  // a kept mapping longer than the blocks so far
+    } else if (block_bytes > share->bytes_.load()) {
+      const bool reused =
+          reuse && !share->mapping_ && reuse->bytes() >= block_bytes && reuse->Reserve(Who(block)).ok();
+      Result<std::unique_ptr<ReplicaMapping>> grown =
+          reused ? std::move(reuse) : ReplicaMapping::Make(block_bytes, &memory_, Who(block));
       if (!grown.ok()) {
         std::vector<std::shared_ptr<ParityShare>> unused;  // freed after the lock
         MutexLock lock(&mu_);
@@ -200,7 +213,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
         }
         return grown.status();
       }
-      if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->bytes_.load());
+      if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->written_);
       share->mapping_ = std::move(*grown);
       share->bytes_.store(block_bytes);
     }
@@ -222,6 +235,8 @@ Result<std::shared_ptr<ParityShare>> ParityStore::CopyOf(const ParityShare& held
     ASSIGN_OR_RETURN(copy->mapping_, ReplicaMapping::Make(bytes, &memory_, what));
     std::memcpy(copy->mapping_->data(), held.mapping_->data(), bytes);
     copy->bytes_.store(bytes);
+    MutexLock written(&copy->mu_);
+    copy->written_ = bytes;
   }
   return copy;
 }
@@ -242,12 +257,18 @@ Status ParityStore::Incoming::Append(const std::vector<ByteSpan>& spans, uint64_
                       ChecksumHex(xxh3) + " but its bytes have " + ChecksumHex(sum.Digest()));
   }
   MutexLock apply(&share_->mu_);
-  uint8_t* out = reinterpret_cast<uint8_t*>(share_->mapping_->data()) + received_;
+  uint8_t* base = reinterpret_cast<uint8_t*>(share_->mapping_->data());
+  uint64_t at = received_;
   for (const ByteSpan& s : spans) {
-    store_->code_.Accumulate(index_, share_->row_, reinterpret_cast<const uint8_t*>(s.data), s.size, out);
-    out += s.size;
+    // Added into what earlier blocks wrote; written as the first term past it.
+    const auto* piece = reinterpret_cast<const uint8_t*>(s.data);
+    const uint64_t added = at < share_->written_ ? std::min<uint64_t>(s.size, share_->written_ - at) : 0;
+    store_->code_.Accumulate(index_, share_->row_, piece, added, base + at);
+    store_->code_.Assign(index_, share_->row_, piece + added, s.size - added, base + at + added);
+    at += s.size;
   }
-  received_ += bytes;
+  share_->written_ = std::max(share_->written_, at);
+  received_ = at;
   return Status::OK();
 }
 
@@ -265,19 +286,66 @@ Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
     return FailedPrecondition(Who(incoming->block_) + ": " + std::to_string(incoming->received_) + " of " +
                               std::to_string(incoming->block_bytes_) + " bytes arrived");
   }
-  std::vector<std::shared_ptr<ParityShare>> replaced;  // freed after the lock
-  MutexLock lock(&mu_);
-  incoming->finished_ = true;
-  ParityShare& share = *incoming->share_;
-  if (share.spoiled_) return Cancelled(Who(incoming->block_) + ": a newer step's share took its place");
-  share.arriving_.erase(incoming->index_);
-  share.attempt_ = std::max(share.attempt_, incoming->block_.meta.attempt);
-  share.contributions_[incoming->index_] = {incoming->block_.member, incoming->block_bytes_,
-                                            std::move(incoming->block_.meta)};
-  // This block may complete its own share, and its member's count may complete the shares of the
-  // step at positions it has no rank at.
-  CompleteStepLocked(share.job_, share.step_, share.stripe_, &replaced);
+  std::vector<std::shared_ptr<ParityShare>> replaced;  // kept or freed after the lock
+  {
+    MutexLock lock(&mu_);
+    incoming->finished_ = true;
+    ParityShare& share = *incoming->share_;
+    if (share.spoiled_) return Cancelled(Who(incoming->block_) + ": a newer step's share took its place");
+    share.arriving_.erase(incoming->index_);
+    share.attempt_ = std::max(share.attempt_, incoming->block_.meta.attempt);
+    share.contributions_[incoming->index_] = {incoming->block_.member, incoming->block_bytes_,
+                                              std::move(incoming->block_.meta)};
+    // This block may complete its own share, and its member's count may complete the shares of the
+    // step at positions it has no rank at.
+    CompleteStepLocked(share.job_, share.step_, share.stripe_, &replaced);
+  }
+  incoming.reset();  // its share, if replaced as a straggler, is then held by `replaced` alone
+  Keep(&replaced);
   return Status::OK();
+}
+
+void ParityStore::Keep(std::vector<std::shared_ptr<ParityShare>>* gone) {
+  std::vector<std::unique_ptr<ReplicaMapping>> freed;  // unmapped after the lock
+  for (std::shared_ptr<ParityShare>& share : *gone) {
+    // Held elsewhere (a rebuild reading it, a block still arriving): its memory goes with it.
+    if (share.use_count() != 1 || !share->mapping_) continue;
+    std::unique_ptr<ReplicaMapping> mapping = std::move(share->mapping_);
+    mapping->Release();  // off the lock: a madvise over the whole mapping
+    MutexLock lock(&mu_);
+    const Key key{share->job_, share->position_, share->stripe_};
+    if (slots_.count(key) == 0) {
+      freed.push_back(std::move(mapping));
+      continue;
+    }
+    std::unique_ptr<ReplicaMapping>& kept = kept_[key];
+    if (kept) freed.push_back(std::move(kept));
+    kept = std::move(mapping);
+    PruneKeptLocked(&freed);
+  }
+  gone->clear();
+}
+
+std::unique_ptr<ReplicaMapping> ParityStore::TakeKeptLocked(const Key& key,
+                                                            std::vector<std::unique_ptr<ReplicaMapping>>* freed) {
+  std::unique_ptr<ReplicaMapping> taken;
+  if (auto it = kept_.find(key); it != kept_.end()) {
+    taken = std::move(it->second);
+    kept_.erase(it);
+  }
+  PruneKeptLocked(freed);
+  return taken;
+}
+
+void ParityStore::PruneKeptLocked(std::vector<std::unique_ptr<ReplicaMapping>>* freed) {
+  for (auto it = kept_.begin(); it != kept_.end();) {
+    if (slots_.count(it->first) != 0) {
+      ++it;
+      continue;
+    }
+    freed->push_back(std::move(it->second));
+    it = kept_.erase(it);
+  }
 }
 
 void ParityStore::CompleteStepLocked(const std::string& job, int64_t step, uint32_t stripe,
@@ -362,7 +430,8 @@ std::vector<std::shared_ptr<const ParityShare>> ParityStore::SharesFor(const std
 }
 
 void ParityStore::Forget(const std::string& job) {
-  std::vector<Slot> gone;  // freed after the lock
+  std::vector<Slot> gone;                              // freed after the lock
+  std::vector<std::unique_ptr<ReplicaMapping>> freed;  // as well
   MutexLock lock(&mu_);
   for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job;) {
     for (auto& [step, share] : it->second.building) share->spoiled_ = true;
@@ -372,12 +441,20 @@ void ParityStore::Forget(const std::string& job) {
   for (auto it = told_.lower_bound({job, 0, 0}); it != told_.end() && std::get<0>(it->first) == job;) {
     it = told_.erase(it);
   }
+  PruneKeptLocked(&freed);
 }
 
 uint64_t ParityStore::held_bytes() const {
   MutexLock lock(&mu_);
   uint64_t n = 0;
   for (const auto& [key, slot] : slots_) n += slot.complete ? slot.complete->bytes_.load() : 0;
+  return n;
+}
+
+uint64_t ParityStore::kept_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t n = 0;
+  for (const auto& [key, mapping] : kept_) n += mapping->bytes();
   return n;
 }
 

@@ -22,7 +22,15 @@
 //
 // Memory: a share's bytes (as long as the longest block added) come from the daemon's
 // --max-host-memory (HostMemory) from the first block's header on; a block that would not fit is
-// refused before any of its data. At most kMaxSharesHeld complete and building shares in all.
+// refused before any of its data. At most kMaxSharesHeld complete and building shares in all. The
+// memory of a share that a newer one replaced (or that was dropped) is kept for the next share of
+// its (job, position, stripe), when no reader holds it: fresh memory is faulted in and zeroed by
+// the kernel page by page as the blocks arrive, which is most of a holder's cost after the socket.
+// Kept memory is not counted in the budget: it is the kernel's to take back whenever it needs it
+// (MADV_FREE, as a replica's kept memory), and the share that takes it reserves it again. At most
+// one kept mapping per (job, position, stripe) that holds a share. A share's first block to reach
+// a byte writes it (ParityCode::Assign) and later ones add into it, so reused memory is never
+// zeroed first.
 //
 // Thread safety: every method may be called from any thread; blocks of one share are added one
 // at a time (the share's own lock), never under the store's lock.
@@ -96,6 +104,10 @@ class ParityShare {
   Mutex mu_;  // one block added at a time; guards the bytes while the share is built
   std::unique_ptr<ReplicaMapping> mapping_;
   std::atomic<uint64_t> bytes_{0};  // written under mu_, read under the store's lock too
+  // [0, written_) holds the sum of the parts added so far; past it the memory holds anything (a
+  // kept mapping's old bytes). Every block's parts come in order from its start, so a part begins
+  // at or below written_.
+  uint64_t written_ GUARDED_BY(mu_) = 0;
   uint64_t attempt_ = 0;            // under the store's lock
   std::map<uint32_t, Contribution> contributions_;  // written under the store's lock, until complete
   std::map<uint32_t, uint32_t> arriving_;           // data index -> member, while its block arrives
@@ -167,6 +179,7 @@ class ParityStore {
   void Forget(const std::string& job);
 
   uint64_t held_bytes() const;  // of complete shares
+  uint64_t kept_bytes() const;  // memory of replaced shares kept for the next share of their place
   uint64_t building_bytes() const;
   size_t complete_count() const;
   size_t share_count() const;  // complete and being built (at most kMaxSharesHeld)
@@ -202,6 +215,13 @@ class ParityStore {
   Result<std::shared_ptr<ParityShare>> CopyOf(const ParityShare& held, const std::string& what);
   // Drops the entry of (job, position, stripe) when it holds no share.
   void PruneLocked(const std::string& job, uint32_t position, uint32_t stripe) REQUIRES(mu_);
+  // Keeps the memory of the shares in `gone` that nothing else holds for the next share of their
+  // (job, position, stripe) (see Memory above), and lets go of the rest; empties `gone`.
+  void Keep(std::vector<std::shared_ptr<ParityShare>>* gone) EXCLUDES(mu_);
+  // The kept memory of (job, position, stripe), if any; kept mappings of places that hold no share go to `freed`.
+  std::unique_ptr<ReplicaMapping> TakeKeptLocked(const Key& key, std::vector<std::unique_ptr<ReplicaMapping>>* freed)
+      REQUIRES(mu_);
+  void PruneKeptLocked(std::vector<std::unique_ptr<ReplicaMapping>>* freed) REQUIRES(mu_);
 
   const ParityGroup group_;
   const uint32_t self_;
@@ -211,6 +231,7 @@ class ParityStore {
   std::map<Key, Slot> slots_ GUARDED_BY(mu_);
   // (job, step, stripe) -> member -> how many ranks of the job it said it has.
   std::map<std::tuple<std::string, int64_t, uint32_t>, std::map<uint32_t, uint32_t>> told_ GUARDED_BY(mu_);
+  std::map<Key, std::unique_ptr<ReplicaMapping>> kept_ GUARDED_BY(mu_);  // released (ReplicaMapping::Release)
 };
 
 }  // namespace flashckpt

@@ -138,6 +138,20 @@ TEST(ParityCodeTest, SharesBuiltOnePieceAtATimeInAnyOrderEqualTheEncodingOfZeroP
   EXPECT_EQ(shares[0], encoded[0]);
   EXPECT_EQ(shares[1], encoded[1]);
   EXPECT_NE(shares[0], shares[1]) << "the two shares must be independent";
+
+  // Over memory that holds anything: the first piece written (Assign) where the share has nothing
+  // yet, the others added, as a holder does with kept memory.
+  std::vector<std::vector<uint8_t>> reused = {RandomBytes(rng, stripe), RandomBytes(rng, stripe)};
+  for (uint32_t row = 0; row < 2; ++row) {
+    code.Assign(1, row, pieces[1].data(), pieces[1].size(), reused[row].data());          // stripe - 1 bytes
+    code.Assign(0, row, pieces[0].data() + stripe - 1, 1, reused[row].data() + stripe - 1);  // the last byte
+    code.Accumulate(0, row, pieces[0].data(), stripe - 1, reused[row].data());
+    for (uint32_t index : {2u, 3u}) {
+      code.Accumulate(index, row, pieces[index].data(), pieces[index].size(), reused[row].data());
+    }
+  }
+  EXPECT_EQ(reused[0], encoded[0]);
+  EXPECT_EQ(reused[1], encoded[1]);
 }
 
 TEST(ParityCodeTest, AnyMLostPiecesAreRebuiltAndMoreThanMAreRefused) {
@@ -865,6 +879,64 @@ TEST(ParityServiceTest, APushThatStopsSendingIsCancelledAndItsShareGivenBack) {
   ParitySender unstarted{ParitySender::Options{}};
   EXPECT_NE(RenderParityMetrics(holder.parity, holder.service, unstarted).find("flashckpt_parity_pushes_stalled_total 1"),
             std::string::npos);
+}
+
+// Steady state: each step's share of a place replaces the last one, whose memory is kept for the
+// next step's (it was faulted in and zeroed once); the share coded into that memory, which holds an
+// older step's bytes, is bit-exact: a shorter block first, then a longer one, and the other way.
+TEST(ParityStoreTest, AReplacedSharesMemoryIsKeptForTheNextStepWhichCodesOverItExactly) {
+  std::mt19937_64 rng(17);
+  ParityStoreGroup members(4, 1);
+  const ParityGroup& group = members.group();
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> images;  // (member, position 0)
+  auto send_step = [&](int64_t step, bool longest_last) {
+    for (uint32_t i = 0; i < 4; ++i) {
+      // Sizes differ by member, so a stripe's blocks differ in length; which is longest changes.
+      const size_t bytes = 300000 + 40000 * (longest_last ? i : 3 - i);
+      images[{i, 0}] = RandomBytes(rng, bytes);
+    }
+    for (uint32_t i = 0; i < 4; ++i) {
+      for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+        ASSERT_OK(members.Send("job", step, i, i, 0, 1, images.at({i, 0}), b));
+      }
+    }
+  };
+  auto data_of = [&](uint32_t holder) {
+    std::set<const uint8_t*> at;
+    for (uint32_t s = 0; s < 4; ++s) {
+      auto share = members.store(holder).Find("job", 0, s);
+      if (share.ok()) at.insert((*share)->data());
+    }
+    return at;
+  };
+  send_step(1, true);
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(members.store(i).kept_bytes(), 0u);
+  std::vector<std::set<const uint8_t*>> first;
+  for (uint32_t i = 0; i < 4; ++i) first.push_back(data_of(i));
+  send_step(2, false);
+  for (uint32_t i = 0; i < 4; ++i) {
+    EXPECT_GT(members.store(i).kept_bytes(), 0u) << "member " << i << ": step 1's share is not kept";
+    EXPECT_EQ(members.used(i), members.store(i).held_bytes()) << "kept memory is not in the budget";
+  }
+  for (int64_t step : {3, 4}) {
+    send_step(step, step == 3);
+    for (uint32_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(members.used(i), members.store(i).held_bytes());
+      if (step == 3) {
+        EXPECT_EQ(data_of(i), first[i]) << "member " << i << ": step 3 is not in step 1's memory";
+      }
+    }
+    for (uint32_t lost = 0; lost < 4; ++lost) {
+      auto rebuilt = members.Rebuild("job", lost, 0, {lost}, images);
+      ASSERT_OK(rebuilt.status());
+      EXPECT_TRUE(*rebuilt == images.at({lost, 0})) << "step " << step << " member " << lost;
+    }
+  }
+  // A job forgotten lets its kept memory go.
+  for (uint32_t i = 0; i < 4; ++i) {
+    members.store(i).Forget("job");
+    EXPECT_EQ(members.store(i).kept_bytes(), 0u);
+  }
 }
 
 TEST(ParityStoreTest, TheLaterAttemptThenTheLaterStepIsTheShareKept) {
