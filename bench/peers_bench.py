@@ -10,11 +10,13 @@ at least --gib GiB in all), in one process. Each round runs, for each system in 
 so that the page cache and the other load on the machine fall on all of them alike), a fresh trainer
 process that builds the state and saves it twice, then a fresh process that builds a model and
 optimizer of other values and gets the state back; its bytes must equal the saved ones (a digest
-of every tensor), else the run fails. The first save of a trainer is a warm-up, as a training job
-saves many times: it pays what a system does once per process (flashckpt registers the state with
-the daemon, which creates and first-touches its shared memory; DLRover creates its shared memory;
-DCP sets up its stager and thread) and is reported apart, on an INFO line (first_save_*). The
-trainer waits until the warm-up save is durable, then takes the measured save of the same state.
+of every tensor), else the run fails. The first two saves of a trainer are a warm-up, as a training
+job saves many times: they pay what a system does once per process (flashckpt registers the state
+with the daemon, which creates its shared memory, and each of its two slots takes its first-touch
+page faults on the first save written into it; DLRover creates its shared memory; DCP sets up its
+stager and thread) and are reported apart, on an INFO line (first_save_*, second_save_*). The
+trainer waits until each warm-up save is durable, then takes the measured save of the same state,
+which shows the steady state of a job that saves every so often.
 Medians over --rounds rounds (at least 5 for figures to quote); one line per system:
 
     RESULT peer=<flashckpt|dcp|dlrover|torch_save> blocking_ms=X durable_ms=Y resume_ms=Z
@@ -31,7 +33,7 @@ Medians over --rounds rounds (at least 5 for figures to quote); one line per sys
                (flashckpt: a memory checkpoint, Checkpointer.resume(); dlrover: its agent's
                shared memory), else from the files (with the page cache as the save left it).
 
-flashckpt: the warm-up and the measured save go to disk, then a memory checkpoint of the next step
+flashckpt: the warm-up saves and the measured save go to disk, then a memory checkpoint of the next step
 (INFO: its blocking time), and the restarted process resumes the newest, from memory.
 DLRover's Flash Checkpoint runs as its documentation says for a restartable job: the trainer is
 started by `dlrover-run` (--nnodes=1 --nproc-per-node=1 --max-restarts=1), whose agent holds the
@@ -70,6 +72,11 @@ import time
 sys.dont_write_bytecode = True
 LAYER = 4096  # 4096 x 4096 fp32 = 64 MiB per layer
 PEERS = ("flashckpt", "dcp", "dlrover", "torch_save")
+
+
+def warm_up_and_measured(step):
+    """The saves of a trainer as (result key prefix, step): two warm-ups, then the measured one."""
+    return (("first_", step), ("second_", step + 1), ("", step + 2))
 
 
 def build(layers, seed, device="cpu"):
@@ -142,13 +149,13 @@ def stager_refuses(stager, state):
 
 
 def train(args):
-    """A trainer of `args.peer`: builds the state of round args.round and saves it twice (warm-up,
-    then measured); returns what it measured."""
+    """A trainer of `args.peer`: builds the state of round args.round and saves it three times (two
+    warm-ups, then the measured save); returns what it measured."""
     import torch
     torch.set_num_threads(1)
     model, optimizer = build(args.layers, 1000 + args.round, args.device)
     out = {"digest": digest(model, optimizer)}
-    step = 10 * (args.round + 1)  # the warm-up; the measured save is step + 1
+    step = 10 * (args.round + 1)  # the warm-up is step and step + 1; the measured save is step + 2
     where = os.path.join(args.work, args.peer)
 
     def timed(save, durable):
@@ -168,12 +175,12 @@ def train(args):
             ck.save(s)
             calls.append((time.perf_counter() - t0) * 1e3)
             ck.wait_copied()
-        for key, s in (("first_", step), ("", step + 1)):
+        for key, s in warm_up_and_measured(step):
             out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
                 lambda: save(s), lambda: ck.wait_persisted(s, timeout=600))
         out["save_call_ms"] = calls[-1]
         t0 = time.perf_counter()
-        ck.save(step + 2, tier="memory")
+        ck.save(step + 3, tier="memory")
         ck.wait_copied()
         out["memory_blocking_ms"] = (time.perf_counter() - t0) * 1e3
     elif args.peer == "dcp":
@@ -194,7 +201,7 @@ def train(args):
                 stager = BlockingAsyncStager(cache_staged_state_dict=True)
                 staging = "BlockingAsyncStager(cache_staged_state_dict)"
                 out["pinned_refused"] = refused
-        for key, s in (("first_", step), ("", step + 1)):
+        for key, s in warm_up_and_measured(step):
             fut = []
             out[key + "blocking_ms"], out[key + "durable_ms"] = timed(
                 lambda: fut.append(dcp.async_save(state, checkpoint_id=os.path.join(where, "step-%d" % s),
@@ -206,7 +213,7 @@ def train(args):
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
         ck = DdpCheckpointer(where)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        for key, s in (("first_", step), ("", step + 1)):
+        for key, s in warm_up_and_measured(step):
             path = os.path.join(where, str(s), "rank_0.pt")  # DdpCheckpointer's own layout
             t0 = time.perf_counter()
             ck.save_checkpoint(s, state, path, storage_type=StorageType.DISK)
@@ -217,7 +224,7 @@ def train(args):
             out[key + "durable_ms"] = (time.perf_counter() - t0) * 1e3
     else:
         os.makedirs(where, exist_ok=True)
-        for key, s in (("first_", step), ("", step + 1)):
+        for key, s in warm_up_and_measured(step):
             path = os.path.join(where, "step-%d.pt" % s)
             out[key + "blocking_ms"] = out[key + "durable_ms"] = timed(
                 lambda: (torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, path),
@@ -232,7 +239,7 @@ def resume(args):
     import torch
     torch.set_num_threads(1)
     model, optimizer = build(args.layers, 7, args.device)  # other values, and AdamW state to load into
-    step = 10 * (args.round + 1) + 1
+    step = 10 * (args.round + 1) + 2  # the measured save of train()
     where = os.path.join(args.work, args.peer)
     out = {}
     if args.peer == "flashckpt":
@@ -426,9 +433,10 @@ def main():
                     sys.exit("%s round %d: the resumed state differs from the saved one" % (peer, rnd))
                 saved.update(resume_ms=got["resume_ms"], tier=got.get("tier"))
                 results[peer].append(saved)
-                print("round %d %-10s first save %8.1f ms (durable %8.1f)  blocking %8.1f ms  durable %8.1f ms"
-                      "  resume %8.1f ms from %s%s" % (
-                          rnd, peer, saved["first_blocking_ms"], saved["first_durable_ms"], saved["blocking_ms"],
+                print("round %d %-10s first save %8.1f ms (durable %8.1f)  second %8.1f ms  blocking %8.1f ms"
+                      "  durable %8.1f ms  resume %8.1f ms from %s%s" % (
+                          rnd, peer, saved["first_blocking_ms"], saved["first_durable_ms"],
+                          saved["second_blocking_ms"], saved["blocking_ms"],
                           saved["durable_ms"], saved["resume_ms"], saved["tier"],
                           "  (memory save %.1f ms)" % saved["memory_blocking_ms"] if peer == "flashckpt" else ""),
                       flush=True)
@@ -449,8 +457,10 @@ def main():
                 continue
             print("RESULT peer=%s blocking_ms=%.1f durable_ms=%.1f resume_ms=%.1f"
                   % (peer, med(peer, "blocking_ms"), med(peer, "durable_ms"), med(peer, "resume_ms")), flush=True)
-            info = "first_save_blocking_ms=%.1f first_save_durable_ms=%.1f resumed_from=%s" % (
-                med(peer, "first_blocking_ms"), med(peer, "first_durable_ms"),
+            info = ("first_save_blocking_ms=%.1f first_save_durable_ms=%.1f second_save_blocking_ms=%.1f "
+                    "second_save_durable_ms=%.1f resumed_from=%s") % (
+                med(peer, "first_blocking_ms"), med(peer, "first_durable_ms"), med(peer, "second_blocking_ms"),
+                med(peer, "second_durable_ms"),
                 ",".join(sorted({str(r["tier"]) for r in results[peer]})))
             if peer == "flashckpt":
                 info += " memory_blocking_ms=%.1f save_call_ms=%.1f" % (
