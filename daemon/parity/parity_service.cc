@@ -264,6 +264,10 @@ std::string RenderParityMetrics(const ParityStore& store, const ParityService& s
   MetricSample(&out, "flashckpt_parity_shares_held", "", static_cast<double>(store.complete_count()));
   MetricHeader(&out, "flashckpt_parity_held_bytes", "gauge", "Bytes of the complete parity shares held.");
   MetricSample(&out, "flashckpt_parity_held_bytes", "", static_cast<double>(store.held_bytes()));
+  MetricHeader(&out, "flashckpt_parity_kept_bytes", "gauge",
+               "Memory of replaced parity shares kept for the next share of their place (MADV_FREE, outside the "
+               "budget).");
+  MetricSample(&out, "flashckpt_parity_kept_bytes", "", static_cast<double>(store.kept_bytes()));
   MetricHeader(&out, "flashckpt_parity_building_bytes", "gauge",
                "Bytes of the parity shares still being built from the members' blocks.");
   MetricSample(&out, "flashckpt_parity_building_bytes", "", static_cast<double>(store.building_bytes()));

@@ -1,7 +1,9 @@
 #include "daemon/parity/parity_store.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <utility>
 
 #include "common/base/log.h"
 #include "common/base/names.h"
@@ -133,6 +135,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
   std::vector<std::shared_ptr<ParityShare>> dropped;  // kept or freed after the lock
   std::unique_ptr<ReplicaMapping> reuse;              // the place's kept memory, for a share begun here
   std::vector<std::unique_ptr<ReplicaMapping>> freed;  // unmapped after the lock
+  bool began = false;                                  // this block begins its share
   {
     MutexLock lock(&mu_);
     Slot& slot = slots_[{m.job, block.position, block.stripe}];
@@ -164,7 +167,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
         fresh->position_ = block.position;
         fresh->stripe_ = block.stripe;
         fresh->row_ = row;
-        reuse = TakeKeptLocked({m.job, block.position, block.stripe}, &freed);
+        began = true;
       }
       it = slot.building.emplace(m.step, std::move(fresh)).first;
       // The oldest step being built gives way to a newer one.
@@ -187,12 +190,14 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       return told;
     }
     share->arriving_[index] = block.member;
+    if (began && block_bytes > 0) reuse = TakeKeptLocked({m.job, block.position, block.stripe}, &freed);
   }
   Keep(&dropped);
   freed.clear();
 
   // The share grows to the longest block: a longer one than seen so far maps more (or takes the
   // kept memory of its place), off the store's lock.
+  std::unique_ptr<ReplicaMapping> outgrown;  // unmapped after the share's lock
   if (block_bytes > 0) {
     MutexLock apply(&share->mu_);
     if (block_bytes > share->bytes_.load() && share->mapping_ && share->mapping_->bytes() >= block_bytes) {
@@ -214,7 +219,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
         return grown.status();
       }
       if (share->mapping_) std::memcpy((*grown)->data(), share->mapping_->data(), share->written_);
-      share->mapping_ = std::move(*grown);
+      outgrown = std::exchange(share->mapping_, std::move(*grown));
       share->bytes_.store(block_bytes);
     }
   }
@@ -308,8 +313,12 @@ Status ParityStore::Finish(std::unique_ptr<Incoming> incoming) {
 void ParityStore::Keep(std::vector<std::shared_ptr<ParityShare>>* gone) {
   std::vector<std::unique_ptr<ReplicaMapping>> freed;  // unmapped after the lock
   for (std::shared_ptr<ParityShare>& share : *gone) {
-    // Held elsewhere (a rebuild reading it, a block still arriving): its memory goes with it.
-    if (share.use_count() != 1 || !share->mapping_) continue;
+    // Held elsewhere (a rebuild reading it, a block still arriving): its memory goes with it. Only
+    // a mapping of the share's own length is kept, so that a place whose blocks shrank does not
+    // keep charging the budget for the longer ones.
+    if (share.use_count() != 1 || !share->mapping_ || share->mapping_->bytes() != share->bytes()) continue;
+    // The last other holder's reads of the bytes happen before the next share's writes into them.
+    std::atomic_thread_fence(std::memory_order_acquire);
     std::unique_ptr<ReplicaMapping> mapping = std::move(share->mapping_);
     mapping->Release();  // off the lock: a madvise over the whole mapping
     MutexLock lock(&mu_);

@@ -7,8 +7,9 @@
 // ReplicaMeta, so that whoever rebuilds a lost member's rank knows what it rebuilds and can check
 // every chunk of it against the origin's checksums.
 //
-// A block arrives as parts, each checked against its XXH3-64 and added into the share as it comes
-// (ParityCode::Accumulate): the block itself is never stored. A share is complete once every data
+// A block arrives as parts, each checked against its XXH3-64 and coded into the share as it comes
+// (ParityCode::Assign where no block reached yet, Accumulate where one did): the block itself is
+// never stored. A share is complete once every data
 // member of its stripe that has a rank at `position` has added its block: each block says how many
 // ranks of the job its member has, so the share knows which members to wait for once each has sent
 // one block of the step for any position. The newest complete share of (job, position, stripe) (the
@@ -27,10 +28,12 @@
 // its (job, position, stripe), when no reader holds it: fresh memory is faulted in and zeroed by
 // the kernel page by page as the blocks arrive, which is most of a holder's cost after the socket.
 // Kept memory is not counted in the budget: it is the kernel's to take back whenever it needs it
-// (MADV_FREE, as a replica's kept memory), and the share that takes it reserves it again. At most
-// one kept mapping per (job, position, stripe) that holds a share. A share's first block to reach
-// a byte writes it (ParityCode::Assign) and later ones add into it, so reused memory is never
-// zeroed first.
+// (MADV_FREE, as a replica's kept memory), and the share that takes it reserves it again; so
+// between two steps the memory resident for parity can be up to twice what is counted, until the
+// kernel needs it. At most one kept mapping per (job, position, stripe), of the length of the share
+// it held; one whose place no longer holds a share goes at the next keep or take, or when the job
+// is forgotten. A share's first block to reach a byte writes it (ParityCode::Assign) and later
+// ones add into it, so reused memory is never zeroed first.
 //
 // Thread safety: every method may be called from any thread; blocks of one share are added one
 // at a time (the share's own lock), never under the store's lock.
