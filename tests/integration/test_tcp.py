@@ -182,7 +182,7 @@ def check_tls(h, cert, key):
 
 def check_public_warning(h):
     h.start_listening("public", ["--listen", "0.0.0.0:0"])
-    text = tail(h.daemon_log, 200)
+    text = tail(h.daemon_log, 200)  # the warning comes before the 'listening tcp=' line start_listening waited for
     check("is not loopback and has no TLS" in text, "no warning for 0.0.0.0 without TLS:\n%s" % text)
     rc = h.stop_daemon()
     check(rc == 0, "flashckptd exited %s on SIGTERM" % rc)
