@@ -161,12 +161,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       if (late && slot.complete == late_of) {
         fresh = std::move(late);  // still the share the copy was made of
       } else {
-        fresh = std::shared_ptr<ParityShare>(new ParityShare());
-        fresh->job_ = m.job;
-        fresh->step_ = m.step;
-        fresh->position_ = block.position;
-        fresh->stripe_ = block.stripe;
-        fresh->row_ = row;
+        fresh = std::shared_ptr<ParityShare>(new ParityShare(m.job, m.step, block.position, block.stripe, row));
         began = true;
       }
       it = slot.building.emplace(m.step, std::move(fresh)).first;
@@ -227,12 +222,8 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
 }
 
 Result<std::shared_ptr<ParityShare>> ParityStore::CopyOf(const ParityShare& held, const std::string& what) {
-  auto copy = std::shared_ptr<ParityShare>(new ParityShare());
-  copy->job_ = held.job_;
-  copy->step_ = held.step_;
-  copy->position_ = held.position_;
-  copy->stripe_ = held.stripe_;
-  copy->row_ = held.row_;
+  auto copy = std::shared_ptr<ParityShare>(
+      new ParityShare(held.job_, held.step_, held.position_, held.stripe_, held.row_));
   copy->attempt_ = held.attempt_;
   copy->contributions_ = held.contributions_;
   const uint64_t bytes = held.bytes_.load();

@@ -98,7 +98,8 @@ class ParityShare {
 
  private:
   friend class ParityStore;
-  ParityShare() = default;
+  ParityShare(std::string job, int64_t step, uint32_t position, uint32_t stripe, uint32_t row)
+      : job_(std::move(job)), step_(step), position_(position), stripe_(stripe), row_(row) {}
   std::string job_;
   int64_t step_ = 0;
   uint32_t position_ = 0;
