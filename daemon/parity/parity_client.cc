@@ -20,11 +20,13 @@ const grpc::internal::RpcMethod kFetchShare("/flashckpt.v1.Parity/FetchShare",
 const grpc::internal::RpcMethod kFetchBlock("/flashckpt.v1.Parity/FetchBlock",
                                             grpc::internal::RpcMethod::SERVER_STREAMING);
 
-// Reads data parts of the call `method` with `request` into `into` until the stream ends: exactly
-// `bytes` bytes, each part copied once from the received slices and checked where it landed.
+// Reads data parts of the call `method` with `request` until the stream ends: exactly `bytes`
+// bytes, each part copied once from the received slices to where `sink` places it, and checked
+// there.
 template <typename Request>
-Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method, const Request& request, char* into,
-                 uint64_t bytes, std::chrono::system_clock::time_point deadline, const std::string& what) {
+Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method, const Request& request,
+                 PartSink* sink, uint64_t bytes, std::chrono::system_clock::time_point deadline,
+                 const std::string& what) {
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
@@ -43,10 +45,13 @@ Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method
     if (!part.Read(&buffer).ok() || part.has_header() || part.data_bytes() > bytes - got) {
       return fail(Corruption(what + ": more bytes, or other parts, than the " + std::to_string(bytes) + " listed"));
     }
-    if (CopyHashed(part.data(), into + got) != part.xxh3()) {
+    Result<char*> to = sink->Place(got, part.data_bytes());
+    if (!to.ok()) return fail(to.status());
+    if (CopyHashed(part.data(), *to) != part.xxh3()) {
       return fail(Corruption(what + ": the part at offset " + std::to_string(got) + " fails its checksum"));
     }
     got += part.data_bytes();
+    sink->Arrived(got);
   }
   grpc::Status finished = reader->Finish();
   if (!finished.ok()) return PeerStatus(finished, what);
@@ -135,17 +140,17 @@ Result<std::vector<ListedShare>> ListParityShares(grpc::Channel* channel, const 
 }
 
 Status FetchParityShare(grpc::Channel* channel, const std::string& job, uint32_t position, uint32_t stripe,
-                        int64_t step, char* into, uint64_t bytes, std::chrono::system_clock::time_point deadline) {
+                        int64_t step, PartSink* sink, uint64_t bytes, std::chrono::system_clock::time_point deadline) {
   v1::FetchShareRequest request;
   request.set_job(job);
   request.set_position(position);
   request.set_stripe(stripe);
   request.set_step(step);
-  return ReadParts(channel, kFetchShare, request, into, bytes, deadline, "Parity.FetchShare");
+  return ReadParts(channel, kFetchShare, request, sink, bytes, deadline, "Parity.FetchShare");
 }
 
 Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step, uint32_t stripe,
-                        const std::string& run_id, int64_t resumed_from, char* into, uint64_t bytes,
+                        const std::string& run_id, int64_t resumed_from, PartSink* sink, uint64_t bytes,
                         std::chrono::system_clock::time_point deadline) {
   v1::FetchBlockRequest request;
   request.set_job(job);
@@ -154,7 +159,7 @@ Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t
   request.set_stripe(stripe);
   request.set_run_id(run_id);
   request.set_resumed_from(resumed_from);
-  return ReadParts(channel, kFetchBlock, request, into, bytes, deadline, "Parity.FetchBlock");
+  return ReadParts(channel, kFetchBlock, request, sink, bytes, deadline, "Parity.FetchBlock");
 }
 
 }  // namespace flashckpt

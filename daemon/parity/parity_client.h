@@ -43,15 +43,26 @@ Result<std::vector<ListedShare>> ListParityShares(grpc::Channel* channel, const 
                                                   const std::string& job, uint32_t member,
                                                   std::chrono::system_clock::time_point deadline);
 
-// Fetches a complete share (`bytes` long, as listed) into `into`; CORRUPTION for a part that fails
-// its checksum, or a share of another length.
+// Where a fetch puts the parts of a piece (a share or a block) as they arrive. Place returns where
+// the `n` bytes from offset `at` of the piece go (contiguous; it may wait for room), or an error that
+// ends the fetch; Arrived is told after each part how many bytes from the piece's start have arrived
+// and passed their checksums. Both are called on the fetching thread.
+class PartSink {
+ public:
+  virtual ~PartSink() = default;
+  virtual Result<char*> Place(uint64_t at, uint64_t n) = 0;
+  virtual void Arrived(uint64_t end) = 0;
+};
+
+// Fetches a complete share (`bytes` long, as listed), each part where `sink` places it; CORRUPTION
+// for a part that fails its checksum, or a share of another length.
 Status FetchParityShare(grpc::Channel* channel, const std::string& job, uint32_t position, uint32_t stripe,
-                        int64_t step, char* into, uint64_t bytes, std::chrono::system_clock::time_point deadline);
+                        int64_t step, PartSink* sink, uint64_t bytes, std::chrono::system_clock::time_point deadline);
 
 // Fetches member's own block of `stripe` of (job, rank)'s memory checkpoint of `step` by the attempt
-// (`run_id`, `resumed_from`) (`bytes` long, as the holders listed it) into `into`. As FetchParityShare.
+// (`run_id`, `resumed_from`) (`bytes` long, as the holders listed it) into `sink`. As FetchParityShare.
 Status FetchParityBlock(grpc::Channel* channel, const std::string& job, uint32_t rank, int64_t step, uint32_t stripe,
-                        const std::string& run_id, int64_t resumed_from, char* into, uint64_t bytes,
+                        const std::string& run_id, int64_t resumed_from, PartSink* sink, uint64_t bytes,
                         std::chrono::system_clock::time_point deadline);
 
 }  // namespace flashckpt

@@ -1,15 +1,163 @@
 #include "daemon/parity/parity_rebuild.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
 #include <thread>
 #include <tuple>
+#include <vector>
 
+#include "common/base/mutex.h"
 #include "daemon/parity/parity_code.h"
 
 namespace flashckpt {
+namespace {
+
+// A rebuild decodes a block behind the fetches of its pieces, a window of this many bytes at a time,
+// and each fetch runs at most a ring's length ahead of the decode.
+constexpr uint64_t kDecodeWindow = 4u << 20;
+constexpr uint64_t kRingBytes = 4 * kDecodeWindow;
+// The longest part a fetch takes: a part longer than the ring less the window being decoded could
+// never find room. Members send 1 MiB parts.
+constexpr uint64_t kMaxPartBytes = kRingBytes - kDecodeWindow;
+
+// The memory a piece passes through on its way from the fetch to the decode: kRingBytes of shared
+// memory mapped twice in a row, so that any kRingBytes or fewer from any offset are contiguous (a
+// part or a window never wraps). The same pages serve the whole rebuild: they are faulted in once.
+class MirroredRing {
+ public:
+  static Result<std::unique_ptr<MirroredRing>> Make() {
+    const int fd = ::memfd_create("flashckpt-rebuild", MFD_CLOEXEC);
+    if (fd < 0) return ErrnoStatus("memfd_create", "a rebuild's ring");
+    std::unique_ptr<MirroredRing> ring(new MirroredRing);
+    Status made = ring->Map(fd);
+    ::close(fd);
+    if (!made.ok()) return made;
+    return ring;
+  }
+  ~MirroredRing() {
+    if (base_ != nullptr) ::munmap(base_, 2 * kRingBytes);
+  }
+  MirroredRing(const MirroredRing&) = delete;
+  MirroredRing& operator=(const MirroredRing&) = delete;
+  // Where byte `offset` of the piece is (and the kRingBytes after it, contiguous).
+  char* at(uint64_t offset) const { return base_ + offset % kRingBytes; }
+
+ private:
+  MirroredRing() = default;
+  Status Map(int fd) {
+    if (::ftruncate(fd, kRingBytes) != 0) return ErrnoStatus("ftruncate", "a rebuild's ring");
+    void* base = ::mmap(nullptr, 2 * kRingBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return ErrnoStatus("mmap", "a rebuild's ring");
+    base_ = static_cast<char*>(base);
+    for (int copy = 0; copy < 2; ++copy) {
+      if (::mmap(base_ + copy * kRingBytes, kRingBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
+          MAP_FAILED) {
+        return ErrnoStatus("mmap", "a rebuild's ring");
+      }
+    }
+    return Status::OK();
+  }
+  char* base_ = nullptr;
+};
+
+// The fetches of one decode of a block, each into its ring: how far each has come, and how far the
+// decode has used their bytes (a fetch waits for room until the decode has used what it would
+// overwrite).
+class Fetches {
+ public:
+  Fetches(const std::vector<MirroredRing*>& rings, std::chrono::steady_clock::time_point until) : until_(until) {
+    for (size_t i = 0; i < rings.size(); ++i) sinks_.push_back(std::make_unique<Sink>(this, i, rings[i]));
+    got_.assign(rings.size(), 0);
+    ended_.assign(rings.size(), false);
+    stopped_them_.assign(rings.size(), false);
+  }
+  PartSink* sink(size_t i) { return sinks_[i].get(); }
+  void Ended(size_t i) {
+    MutexLock lock(&mu_);
+    ended_[i] = true;
+    cv_.NotifyAll();
+  }
+  // True once fetch i has `bytes` bytes in place; false when it ended short of them (its status
+  // says why) or the deadline passed.
+  bool WaitFor(size_t i, uint64_t bytes) {
+    MutexLock lock(&mu_);
+    while (got_[i] < bytes) {
+      if (ended_[i]) return false;
+      if (!cv_.WaitUntil(&lock, until_)) return got_[i] >= bytes;
+    }
+    return true;
+  }
+  // The decode has used every byte before `offset` of every piece.
+  void Used(uint64_t offset) {
+    MutexLock lock(&mu_);
+    used_ = offset;
+    cv_.NotifyAll();
+  }
+  // The decode needs nothing more: what still arrives is let through and not kept (`keep_going`),
+  // or every fetch is stopped at its next part.
+  void Done(bool keep_going) {
+    MutexLock lock(&mu_);
+    (keep_going ? drained_ : stopped_) = true;
+    cv_.NotifyAll();
+  }
+  // Whether fetch i ended because the decode stopped it (not a failure of its source).
+  bool StoppedByTheDecode(size_t i) {
+    MutexLock lock(&mu_);
+    return stopped_them_[i];
+  }
+
+ private:
+  class Sink final : public PartSink {
+   public:
+    Sink(Fetches* fetches, size_t i, MirroredRing* ring) : fetches_(fetches), i_(i), ring_(ring) {}
+    Result<char*> Place(uint64_t at, uint64_t n) override { return fetches_->Place(i_, ring_, at, n); }
+    void Arrived(uint64_t end) override { fetches_->Arrived(i_, end); }
+
+   private:
+    Fetches* fetches_;
+    size_t i_;
+    MirroredRing* ring_;
+  };
+
+  Result<char*> Place(size_t i, MirroredRing* ring, uint64_t at, uint64_t n) {
+    if (n > kMaxPartBytes) {
+      return Corruption("a part of " + std::to_string(n) + " bytes, more than a rebuild takes (" +
+                        std::to_string(kMaxPartBytes) + ")");
+    }
+    MutexLock lock(&mu_);
+    while (!drained_ && !stopped_ && at + n > used_ + kRingBytes) {
+      if (!cv_.WaitUntil(&lock, until_)) return DeadlineExceeded("the rebuild's decode did not keep up");
+    }
+    if (stopped_) {
+      stopped_them_[i] = true;
+      return Cancelled("the rebuild stopped using this piece");
+    }
+    return ring->at(at);
+  }
+  void Arrived(size_t i, uint64_t end) {
+    MutexLock lock(&mu_);
+    got_[i] = end;
+    cv_.NotifyAll();
+  }
+
+  const std::chrono::steady_clock::time_point until_;
+  std::vector<std::unique_ptr<Sink>> sinks_;
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<uint64_t> got_ GUARDED_BY(mu_);
+  std::vector<bool> ended_ GUARDED_BY(mu_);
+  std::vector<bool> stopped_them_ GUARDED_BY(mu_);
+  uint64_t used_ GUARDED_BY(mu_) = 0;
+  bool drained_ GUARDED_BY(mu_) = false;
+  bool stopped_ GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
 
 Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std::vector<ParityMember>& members,
                                             const std::string& job, uint32_t self, uint32_t rank,
@@ -101,16 +249,16 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
                          std::chrono::system_clock::time_point deadline) {
   ASSIGN_OR_RETURN(const ParityCode code, ParityCode::Make(group.data_blocks(), group.parity()));
   const ReplicaMeta& meta = candidate.meta;
+  const auto until = std::chrono::steady_clock::now() + (deadline - std::chrono::system_clock::now());
   auto member_channel = [&](uint32_t index) -> const ParityMember* {
     for (const ParityMember& m : members) {
       if (m.index == index) return &m;
     }
     return nullptr;
   };
-  // The fetched pieces' buffers, by place among a stripe's sources (at most one per member), reused
-  // from stripe to stripe: fresh memory for each would be faulted in and zeroed page by page again.
-  std::vector<std::unique_ptr<uint8_t[]>> buffers(group.members());
-  std::vector<uint64_t> capacity(group.members(), 0);
+  // One ring per piece being fetched (at most one per member), made when first needed and reused
+  // from stripe to stripe: the rebuild holds rings, not its pieces whole.
+  std::vector<std::unique_ptr<MirroredRing>> rings(group.members());
   for (uint32_t block = 0; block < group.data_blocks(); ++block) {
     const uint32_t stripe = group.StripeOfBlock(self, block);
     const std::vector<ParityCandidate::Held>& held = candidate.blocks[block];
@@ -118,19 +266,19 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     const uint64_t stripe_bytes = listing.bytes;
     const ParityGroup::Range mine = group.Block(meta.bytes, block);
     if (mine.bytes == 0) continue;
+    const uint32_t index = *group.DataIndexOf(stripe, self);  // the block's place among the stripe's pieces
 
     // The pieces, cheapest first: data members with no rank at the position (zeros), the other
-    // data members' own blocks, then the holders' shares. As many as the code still needs are
-    // fetched at once, each into its own buffer; a piece that fails makes way for the next ones.
-    std::vector<ParityCode::Piece> pieces(group.members());
-    uint32_t have = 0;
-    std::string failures;
+    // data members' own blocks, then the holders' shares.
     static const uint8_t kNothing = 0;
+    std::vector<uint32_t> zeros;
+    std::string failures;
     struct Source {
       uint32_t piece = 0;  // its index among the stripe's pieces
       uint64_t bytes = 0;
       std::string what;
-      std::function<Status(char*)> fetch;
+      std::function<Status(PartSink*)> fetch;
+      bool failed = false;
     };
     std::vector<Source> sources;
     for (uint32_t d = 0; d < group.data_blocks(); ++d) {
@@ -139,21 +287,16 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       auto c = std::find_if(listing.contributions.begin(), listing.contributions.end(),
                             [&](const auto& x) { return x.first == d; });
       if (c == listing.contributions.end()) {
-        if (have < group.data_blocks()) {
-          pieces[d] = {&kNothing, 0};
-          ++have;
-        }
+        if (zeros.size() < group.data_blocks()) zeros.push_back(d);
         continue;
       }
       const ParityMember* from = member_channel(member);
       if (from == nullptr) continue;
       const ParityShare::Contribution& theirs = c->second;
-      sources.push_back({d, theirs.block_bytes,
-                         "block of member " + std::to_string(member) + " (" + from->target + ")",
-                         [&meta, &theirs, from, stripe, deadline, bytes = theirs.block_bytes](char* to) {
+      sources.push_back({d, theirs.block_bytes, "block of member " + std::to_string(member) + " (" + from->target + ")",
+                         [&meta, &theirs, from, stripe, deadline, bytes = theirs.block_bytes](PartSink* sink) {
                            return FetchParityBlock(from->channel.get(), meta.job, theirs.meta.rank, meta.step, stripe,
-                                                   theirs.meta.run_id, theirs.meta.resumed_from, to, bytes,
-                                                   deadline);
+                                                   theirs.meta.run_id, theirs.meta.resumed_from, sink, bytes, deadline);
                          }});
     }
     for (const ParityCandidate::Held& h : held) {
@@ -163,52 +306,87 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
         failures += "; " + what + " is listed with another length than its stripe's";
         continue;
       }
-      sources.push_back({group.data_blocks() + h.share.row, h.share.bytes, what,
-                         [&meta, &h, stripe, deadline](char* to) {
-                           return FetchParityShare(h.holder->channel.get(), meta.job, h.share.position, stripe,
-                                                   meta.step, to, h.share.bytes, deadline);
-                         }});
+      sources.push_back(
+          {group.data_blocks() + h.share.row, h.share.bytes, what, [&meta, &h, stripe, deadline](PartSink* sink) {
+             return FetchParityShare(h.holder->channel.get(), meta.job, h.share.position, stripe, meta.step, sink,
+                                     h.share.bytes, deadline);
+           }});
     }
-    if (sources.size() > buffers.size()) {
+    if (sources.size() > rings.size()) {
       return Internal("stripe " + std::to_string(stripe) + " has more sources than the group has members");
     }
-    size_t next = 0;
-    while (have < group.data_blocks() && next < sources.size()) {
-      const size_t batch = std::min<size_t>(group.data_blocks() - have, sources.size() - next);
-      std::vector<Status> fetched(batch);
+
+    // As many pieces as the code needs are fetched at once, and the block is decoded behind them a
+    // window at a time as their parts arrive. A piece that fails makes way for the next source, and
+    // the block is decoded again from the start with it (the rings keep only what the decode has not
+    // used yet).
+    const size_t wanted = group.data_blocks() - std::min<size_t>(zeros.size(), group.data_blocks());
+    bool decoded = false;
+    while (!decoded) {
+      std::vector<size_t> chosen;  // indexes into `sources`
+      for (size_t i = 0; i < sources.size() && chosen.size() < wanted; ++i) {
+        if (!sources[i].failed) chosen.push_back(i);
+      }
+      if (chosen.size() < wanted) {
+        return FailedPrecondition("stripe " + std::to_string(stripe) + " of job '" + meta.job + "' step " +
+                                  std::to_string(meta.step) + " has " + std::to_string(zeros.size() + chosen.size()) +
+                                  " of the " + std::to_string(group.data_blocks()) + " pieces a rebuild needs" +
+                                  failures);
+      }
+      std::vector<MirroredRing*> chosen_rings;
+      for (size_t c = 0; c < chosen.size(); ++c) {
+        if (rings[c] == nullptr) {
+          ASSIGN_OR_RETURN(rings[c], MirroredRing::Make());
+        }
+        chosen_rings.push_back(rings[c].get());
+      }
+      Fetches fetches(chosen_rings, until);
+      std::vector<Status> fetched(chosen.size());
       std::vector<std::thread> fetchers;
-      for (size_t i = 0; i < batch; ++i) {
-        if (capacity[next + i] < std::max<uint64_t>(sources[next + i].bytes, 1)) {
-          capacity[next + i] = std::max<uint64_t>(sources[next + i].bytes, 1);
-          buffers[next + i].reset(new uint8_t[capacity[next + i]]);
-        }
-        auto run = [&, i] { fetched[i] = sources[next + i].fetch(reinterpret_cast<char*>(buffers[next + i].get())); };
-        if (i + 1 == batch) {
-          run();  // the last on this thread
-        } else {
-          fetchers.emplace_back(run);
-        }
+      for (size_t c = 0; c < chosen.size(); ++c) {
+        fetchers.emplace_back([&, c] {
+          fetched[c] = sources[chosen[c]].fetch(fetches.sink(c));
+          fetches.Ended(c);
+        });
       }
+      uint8_t* out = reinterpret_cast<uint8_t*>(into + mine.offset);
+      bool complete = true;
+      Status decode = Status::OK();
+      for (uint64_t at = 0; complete && at < mine.bytes; at += kDecodeWindow) {
+        const uint64_t end = std::min<uint64_t>(at + kDecodeWindow, mine.bytes);
+        for (size_t c = 0; complete && c < chosen.size(); ++c) {
+          complete = fetches.WaitFor(c, std::min(end, sources[chosen[c]].bytes));
+        }
+        if (!complete) break;
+        std::vector<ParityCode::Piece> window(group.members());
+        for (uint32_t d : zeros) window[d] = {&kNothing, 0};
+        for (size_t c = 0; c < chosen.size(); ++c) {
+          const uint64_t size = sources[chosen[c]].bytes;
+          const uint64_t n = size > at ? std::min(size - at, end - at) : 0;
+          window[sources[chosen[c]].piece] = {reinterpret_cast<const uint8_t*>(chosen_rings[c]->at(at)), n};
+        }
+        decode = code.Rebuild(window, end - at, {{index, out + at, end - at}});
+        complete = decode.ok();
+        fetches.Used(end);
+      }
+      fetches.Done(/*keep_going=*/complete);
       for (std::thread& t : fetchers) t.join();
-      for (size_t i = 0; i < batch; ++i) {
-        const Source& source = sources[next + i];
-        if (!fetched[i].ok()) {
-          failures += "; " + source.what + ": " + fetched[i].ToString();
-          continue;
-        }
-        pieces[source.piece] = {buffers[next + i].get(), source.bytes};
-        ++have;
+      RETURN_IF_ERROR(decode);
+      decoded = complete;
+      bool blamed = false;
+      for (size_t c = 0; c < chosen.size(); ++c) {
+        if (fetched[c].ok() || fetches.StoppedByTheDecode(c)) continue;
+        Source& source = sources[chosen[c]];
+        failures += "; " + source.what + ": " + fetched[c].ToString();
+        source.failed = true;
+        blamed = true;
+        decoded = false;
       }
-      next += batch;
+      if (!decoded && !blamed) {
+        return DeadlineExceeded("the rebuild of stripe " + std::to_string(stripe) + " of job '" + meta.job +
+                                "' did not finish by its deadline");
+      }
     }
-    if (have < group.data_blocks()) {
-      return FailedPrecondition("stripe " + std::to_string(stripe) + " of job '" + meta.job + "' step " +
-                                std::to_string(meta.step) + " has " + std::to_string(have) + " of the " +
-                                std::to_string(group.data_blocks()) + " pieces a rebuild needs" + failures);
-    }
-    RETURN_IF_ERROR(code.Rebuild(pieces, stripe_bytes,
-                                 {{*group.DataIndexOf(stripe, self), reinterpret_cast<uint8_t*>(into + mine.offset),
-                                   mine.bytes}}));
   }
   return Status::OK();
 }

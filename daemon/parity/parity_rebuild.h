@@ -1,8 +1,8 @@
 // The rebuild of a lost member's rank from its parity group (--ec-group): a replacement daemon at
 // the lost member's place in the group asks the other members which complete shares they hold of
 // stripes its rank's blocks went into (FindParityCandidate), then, stripe by stripe, fetches as many
-// pieces as the code needs (the other data members' own blocks and the holders' shares), and
-// decodes its block (RebuildFromParity). The result is only what the pieces make of it: the caller
+// pieces as the code needs (the other data members' own blocks and the holders' shares) at once,
+// and decodes its block behind the fetches as their parts arrive (RebuildFromParity). The result is only what the pieces make of it: the caller
 // checks every chunk against the checksums the rank's image came with (ReplicaMeta::layout) before
 // anything uses it.
 #pragma once

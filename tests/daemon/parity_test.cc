@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <chrono>
 #include <map>
@@ -26,6 +27,7 @@
 #include "common/format/checksum.h"
 #include "certificates.h"
 #include "testing.h"
+#include "replica.grpc.pb.h"
 
 // Binds the value of a Result or fails the test with its Status.
 #define ASSERT_OK_AND_ASSIGN(lhs, rexpr) ASSERT_OK_AND_ASSIGN_IMPL(FC_CONCAT(_fc_r_, __LINE__), lhs, rexpr)
@@ -632,6 +634,97 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
 }
 
 
+// A member whose Parity.FetchShare serves a share's first `good_bytes` bytes and then a part whose
+// checksum fails (its FetchBlock and List are not served: UNIMPLEMENTED).
+class ShareBreakingOff final : public v1::Parity::Service {
+ public:
+  ShareBreakingOff(const ParityStore* store, uint64_t good_bytes) : store_(store), good_bytes_(good_bytes) {}
+  grpc::Status FetchShare(grpc::ServerContext*, const v1::FetchShareRequest* request,
+                          grpc::ServerWriter<v1::ParityPart>* writer) override {
+    auto share = store_->Find(request->job(), request->position(), request->stripe(), request->step());
+    if (!share.ok()) return grpc::Status(grpc::StatusCode::NOT_FOUND, share.status().ToString());
+    const char* data = reinterpret_cast<const char*>((*share)->data());
+    constexpr uint64_t kPart = 1u << 20;
+    for (uint64_t at = 0; at < (*share)->bytes(); at += kPart) {
+      const uint64_t n = std::min(kPart, (*share)->bytes() - at);
+      const bool bad = at >= good_bytes_;
+      v1::ParityPart part;
+      part.set_data(data + at, n);
+      part.set_xxh3(Xxh3(data + at, n) + (bad ? 1 : 0));
+      if (!writer->Write(part)) break;
+      if (bad) {
+        broken_.fetch_add(1);
+        break;
+      }
+    }
+    return grpc::Status::OK;
+  }
+  uint64_t broken() const { return broken_.load(); }
+
+ private:
+  const ParityStore* store_;
+  uint64_t good_bytes_;
+  std::atomic<uint64_t> broken_{0};
+};
+
+// A rebuild decodes a block behind the fetches of its pieces, a window (4 MiB) at a time. Here a
+// holder's share breaks off after 5 MiB (a part that fails its checksum), once the first window
+// was decoded from it; the same member's own blocks cannot be fetched at all. The rebuild drops
+// what it decoded from that share, takes the stripe's other share (6 members, 2 parity) and
+// decodes the block again: member 0's 24 MB image comes back bit for bit.
+TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedByTheOtherAndTheBlockDecodedAgain) {
+  std::mt19937_64 rng(33);
+  const ParityGroup group = ParityGroup::Make(6, 2).value();
+  std::vector<std::unique_ptr<ServedMember>> members;
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    members.push_back(std::make_unique<ServedMember>(group, i));
+    ASSERT_OK(members.back()->Start());
+  }
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    std::vector<uint8_t> image = RandomBytes(rng, 24000000 + 4097 * i);
+    ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + i, 17, image.size());
+    meta.run_id = "run-a";
+    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+      const uint32_t stripe = group.StripeOfBlock(i, b);
+      const ParityGroup::Range range = group.Block(image.size(), b);
+      for (uint32_t r = 0; r < group.parity(); ++r) {
+        ASSERT_OK(PushParityBlock(members[group.Holder(stripe, r)]->channel.get(), {i, stripe, 0, 1, meta},
+                                  reinterpret_cast<const char*>(image.data() + range.offset), range.bytes, deadline));
+      }
+    }
+    members[i]->images[{"job", 10 + i, 17}] = std::move(image);
+  }
+  members[0]->server->Shutdown(std::chrono::system_clock::now());
+  std::vector<ParityMember> survivors;
+  for (uint32_t i = 1; i < group.members(); ++i) {
+    survivors.push_back({i, "member " + std::to_string(i), members[i]->channel});
+  }
+  ASSERT_OK_AND_ASSIGN(ParityCandidate candidate, FindParityCandidate(group, survivors, "job", 0, 10, deadline, {}));
+  ASSERT_EQ(candidate.blocks[0].size(), 2u);  // both shares of block 0's stripe are listed
+  // The holder listed first for block 0 is the one whose shares break off; its listing stays.
+  const uint32_t liar = candidate.blocks[0].front().holder->index;
+  ShareBreakingOff breaking(&members[liar]->parity, 5u << 20);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&breaking);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  for (ParityMember& m : survivors) {
+    if (m.index == liar) m.channel = ReplicaChannel({"127.0.0.1:" + std::to_string(port), "", "", "", ""}).value();
+  }
+
+  std::vector<char> out(candidate.meta.bytes, 0);
+  ASSERT_OK(RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline));
+  EXPECT_GE(breaking.broken(), 1u);  // the share did break off, after the first window
+  const std::vector<uint8_t>& want = members[0]->images[{"job", 10, 17}];
+  ASSERT_EQ(out.size(), want.size());
+  EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0) << "member 0 rebuilt wrong";
+  server->Shutdown(std::chrono::system_clock::now());
+  for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
+}
+
 // With TLS a peer's certificate says which member it is: member 1 pushes its own block to the
 // holder of stripe 0, but the block it pushes as member 2 is refused before a byte is kept, and so
 // is its listing of member 2's shares; member 2, whose certificate names its host by DNS, completes
@@ -798,7 +891,9 @@ TEST(ParityServiceTest, AStepOnlyOneHolderListsIsNotTakenWhenOthersAnswer) {
 
   members[0]->server->Shutdown(std::chrono::system_clock::now());
   std::vector<ParityMember> survivors;
-  for (uint32_t i = 1; i < group.members(); ++i) survivors.push_back({i, "member " + std::to_string(i), members[i]->channel});
+  for (uint32_t i = 1; i < group.members(); ++i) {
+    survivors.push_back({i, "member " + std::to_string(i), members[i]->channel});
+  }
   ASSERT_OK_AND_ASSIGN(ParityCandidate candidate,
                        FindParityCandidate(group, survivors, "job", 0, 10, deadline, {}));
   EXPECT_EQ(candidate.meta.step, 17);
