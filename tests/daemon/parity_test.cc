@@ -9,6 +9,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -570,6 +571,37 @@ struct ServedMember : bench::ParityMember {
   std::map<std::tuple<std::string, uint32_t, int64_t>, std::vector<uint8_t>> images;
 };
 
+// A member at each place of `group`, served on loopback.
+Result<std::vector<std::unique_ptr<ServedMember>>> ServeGroup(const ParityGroup& group) {
+  std::vector<std::unique_ptr<ServedMember>> members;
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    members.push_back(std::make_unique<ServedMember>(group, i));
+    RETURN_IF_ERROR(members.back()->Start());
+  }
+  return members;
+}
+
+// Pushes member `from`'s image of `step` (rank 10 + from, run "run-a") over gRPC to the holders of
+// the stripes its blocks go into: all of them, or only member `only_holder`.
+Status PushImage(const ParityGroup& group, const std::vector<std::unique_ptr<ServedMember>>& members, uint32_t from,
+                 int64_t step, const std::vector<uint8_t>& image, std::chrono::system_clock::time_point deadline,
+                 std::optional<uint32_t> only_holder = std::nullopt) {
+  ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + from, step, image.size());
+  meta.run_id = "run-a";
+  for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+    const uint32_t stripe = group.StripeOfBlock(from, b);
+    const ParityGroup::Range range = group.Block(image.size(), b);
+    for (uint32_t r = 0; r < group.parity(); ++r) {
+      const uint32_t holder = group.Holder(stripe, r);
+      if (only_holder && holder != *only_holder) continue;
+      RETURN_IF_ERROR(PushParityBlock(members[holder]->channel.get(), {from, stripe, 0, 1, meta},
+                                      reinterpret_cast<const char*>(image.data() + range.offset), range.bytes,
+                                      deadline));
+    }
+  }
+  return Status::OK();
+}
+
 // Every member pushes its rank's blocks to their holders over gRPC; any `parity` members are then
 // lost (their servers shut down), and each lost member's rank is found in the survivors' listings
 // and rebuilt bit for bit from the survivors' own blocks and shares; one member more than the code
@@ -580,25 +612,11 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
            {4, 1, {2}}, {6, 2, {1, 4}}, {4, 1, {0, 3}}}) {
     SCOPED_TRACE(std::to_string(g) + " members, " + std::to_string(m) + " parity");
     ParityGroup group = ParityGroup::Make(g, m).value();
-    std::vector<std::unique_ptr<ServedMember>> members;
-    for (uint32_t i = 0; i < g; ++i) {
-      members.push_back(std::make_unique<ServedMember>(group, i));
-      ASSERT_OK(members.back()->Start());
-    }
+    ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
     const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
     for (uint32_t i = 0; i < g; ++i) {
       std::vector<uint8_t> image = RandomBytes(rng, 1000000 + 4097 * i);
-      ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + i, 17, image.size());
-      meta.run_id = "run-a";
-      for (uint32_t b = 0; b < group.data_blocks(); ++b) {
-        uint32_t stripe = group.StripeOfBlock(i, b);
-        ParityGroup::Range range = group.Block(image.size(), b);
-        for (uint32_t r = 0; r < m; ++r) {
-          ASSERT_OK(PushParityBlock(members[group.Holder(stripe, r)]->channel.get(), {i, stripe, 0, 1, meta},
-                                    reinterpret_cast<const char*>(image.data() + range.offset), range.bytes,
-                                    deadline));
-        }
-      }
+      ASSERT_OK(PushImage(group, members, i, 17, image, deadline));
       members[i]->images[{"job", 10 + i, 17}] = std::move(image);
     }
     for (uint32_t i = 0; i < g; ++i) EXPECT_EQ(members[i]->service.blocks_received(), m * group.data_blocks());
@@ -675,24 +693,11 @@ class ShareBreakingOff final : public v1::Parity::Service {
 TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedByTheOtherAndTheBlockDecodedAgain) {
   std::mt19937_64 rng(33);
   const ParityGroup group = ParityGroup::Make(6, 2).value();
-  std::vector<std::unique_ptr<ServedMember>> members;
-  for (uint32_t i = 0; i < group.members(); ++i) {
-    members.push_back(std::make_unique<ServedMember>(group, i));
-    ASSERT_OK(members.back()->Start());
-  }
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
   for (uint32_t i = 0; i < group.members(); ++i) {
     std::vector<uint8_t> image = RandomBytes(rng, 24000000 + 4097 * i);
-    ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + i, 17, image.size());
-    meta.run_id = "run-a";
-    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
-      const uint32_t stripe = group.StripeOfBlock(i, b);
-      const ParityGroup::Range range = group.Block(image.size(), b);
-      for (uint32_t r = 0; r < group.parity(); ++r) {
-        ASSERT_OK(PushParityBlock(members[group.Holder(stripe, r)]->channel.get(), {i, stripe, 0, 1, meta},
-                                  reinterpret_cast<const char*>(image.data() + range.offset), range.bytes, deadline));
-      }
-    }
+    ASSERT_OK(PushImage(group, members, i, 17, image, deadline));
     members[i]->images[{"job", 10 + i, 17}] = std::move(image);
   }
   members[0]->server->Shutdown(std::chrono::system_clock::now());
@@ -857,36 +862,17 @@ TEST(ParityServiceTest, WithTlsAPeerPushesAndListsOnlyAsTheMemberItsCertificateN
 TEST(ParityServiceTest, AStepOnlyOneHolderListsIsNotTakenWhenOthersAnswer) {
   std::mt19937_64 rng(29);
   const ParityGroup group = ParityGroup::Make(4, 2).value();
-  std::vector<std::unique_ptr<ServedMember>> members;
-  for (uint32_t i = 0; i < group.members(); ++i) {
-    members.push_back(std::make_unique<ServedMember>(group, i));
-    ASSERT_OK(members.back()->Start());
-  }
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
-  auto push = [&](uint32_t from, uint32_t to_holder_only, int64_t step, const std::vector<uint8_t>& image) {
-    ReplicaMeta meta = ParityStoreGroup::Meta("job", 10 + from, step, image.size());
-    meta.run_id = "run-a";
-    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
-      const uint32_t stripe = group.StripeOfBlock(from, b);
-      const ParityGroup::Range range = group.Block(image.size(), b);
-      for (uint32_t r = 0; r < group.parity(); ++r) {
-        const uint32_t holder = group.Holder(stripe, r);
-        if (to_holder_only < group.members() && holder != to_holder_only) continue;
-        RETURN_IF_ERROR(PushParityBlock(members[holder]->channel.get(), {from, stripe, 0, 1, meta},
-                                        reinterpret_cast<const char*>(image.data() + range.offset), range.bytes,
-                                        deadline));
-      }
-    }
-    return Status::OK();
-  };
   for (uint32_t i = 0; i < group.members(); ++i) {
     std::vector<uint8_t> image = RandomBytes(rng, 200000);
-    ASSERT_OK(push(i, group.members(), 17, image));
+    ASSERT_OK(PushImage(group, members, i, 17, image, deadline));
     members[i]->images[{"job", 10 + i, 17}] = std::move(image);
   }
   ASSERT_TRUE(group.RowOf(group.StripeOfBlock(0, 0), 2) && group.RowOf(group.StripeOfBlock(0, 1), 2));
   for (uint32_t i = 0; i < group.members(); ++i) {
-    if (i != 2) ASSERT_OK(push(i, 2, 18, std::vector<uint8_t>(200000, 0x77)));  // member 2's own making
+    // Member 2's own making: step 18 of every other member, added into its own shares only.
+    if (i != 2) ASSERT_OK(PushImage(group, members, i, 18, std::vector<uint8_t>(200000, 0x77), deadline, 2));
   }
 
   members[0]->server->Shutdown(std::chrono::system_clock::now());
