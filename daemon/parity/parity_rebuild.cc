@@ -17,74 +17,69 @@
 namespace flashckpt {
 namespace {
 
-// A rebuild decodes a block behind the fetches of its pieces, a window of this many bytes at a time,
-// and each fetch runs at most a ring's length ahead of the decode.
-constexpr uint64_t kDecodeWindow = 4u << 20;
-constexpr uint64_t kRingBytes = 4 * kDecodeWindow;
-// The longest part a fetch takes: a part longer than the ring less the window being decoded could
-// never find room. Members send 1 MiB parts.
-constexpr uint64_t kMaxPartBytes = kRingBytes - kDecodeWindow;
-
-// The memory a piece passes through on its way from the fetch to the decode: kRingBytes of shared
-// memory mapped twice in a row, so that any kRingBytes or fewer from any offset are contiguous (a
-// part or a window never wraps). The same pages serve the whole rebuild: they are faulted in once.
+// The memory a piece passes through on its way from the fetch to the decode: `bytes` of shared
+// memory mapped twice in a row, so that any `bytes` or fewer from any offset are contiguous (a part
+// or a window never wraps). The same pages serve the whole rebuild: they are faulted in once.
 class MirroredRing {
  public:
-  static Result<std::unique_ptr<MirroredRing>> Make() {
+  static Result<std::unique_ptr<MirroredRing>> Make(uint64_t bytes) {
     const int fd = ::memfd_create("flashckpt-rebuild", MFD_CLOEXEC);
     if (fd < 0) return ErrnoStatus("memfd_create", "a rebuild's ring");
-    std::unique_ptr<MirroredRing> ring(new MirroredRing);
+    std::unique_ptr<MirroredRing> ring(new MirroredRing(bytes));
     Status made = ring->Map(fd);
     ::close(fd);
     if (!made.ok()) return made;
     return ring;
   }
   ~MirroredRing() {
-    if (base_ != nullptr) ::munmap(base_, 2 * kRingBytes);
+    if (base_ != nullptr) ::munmap(base_, 2 * bytes_);
   }
   MirroredRing(const MirroredRing&) = delete;
   MirroredRing& operator=(const MirroredRing&) = delete;
-  // Where byte `offset` of the piece is (and the kRingBytes after it, contiguous).
-  char* at(uint64_t offset) const { return base_ + offset % kRingBytes; }
+  // Where byte `offset` of the piece is (and the ring's length after it, contiguous).
+  char* at(uint64_t offset) const { return base_ + offset % bytes_; }
 
  private:
-  MirroredRing() = default;
+  explicit MirroredRing(uint64_t bytes) : bytes_(bytes) {}
   Status Map(int fd) {
-    if (::ftruncate(fd, kRingBytes) != 0) return ErrnoStatus("ftruncate", "a rebuild's ring");
-    void* base = ::mmap(nullptr, 2 * kRingBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) return ErrnoStatus("ftruncate", "a rebuild's ring");
+    void* base = ::mmap(nullptr, 2 * bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) return ErrnoStatus("mmap", "a rebuild's ring");
     base_ = static_cast<char*>(base);
-    for (int copy = 0; copy < 2; ++copy) {
-      if (::mmap(base_ + copy * kRingBytes, kRingBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
-          MAP_FAILED) {
+    for (uint64_t copy = 0; copy < 2; ++copy) {
+      if (::mmap(base_ + copy * bytes_, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
         return ErrnoStatus("mmap", "a rebuild's ring");
       }
     }
     return Status::OK();
   }
+  const uint64_t bytes_;
   char* base_ = nullptr;
 };
 
 // The fetches of one decode of a block, each into its ring: how far each has come, and how far the
 // decode has used their bytes (a fetch waits for room until the decode has used what it would
-// overwrite).
+// overwrite). Once the decode stops (done, or given up), each fetch ends at its next part, and is
+// not to blame for it.
 class Fetches {
  public:
-  Fetches(const std::vector<MirroredRing*>& rings, std::chrono::steady_clock::time_point until) : until_(until) {
+  Fetches(const std::vector<MirroredRing*>& rings, const RebuildStreaming& streaming,
+          std::chrono::steady_clock::time_point until)
+      : streaming_(streaming), until_(until) {
     for (size_t i = 0; i < rings.size(); ++i) sinks_.push_back(std::make_unique<Sink>(this, i, rings[i]));
     got_.assign(rings.size(), 0);
     ended_.assign(rings.size(), false);
     stopped_them_.assign(rings.size(), false);
   }
   PartSink* sink(size_t i) { return sinks_[i].get(); }
-  void Ended(size_t i) {
+  void Ended(size_t i) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     ended_[i] = true;
     cv_.NotifyAll();
   }
   // True once fetch i has `bytes` bytes in place; false when it ended short of them (its status
   // says why) or the deadline passed.
-  bool WaitFor(size_t i, uint64_t bytes) {
+  bool WaitFor(size_t i, uint64_t bytes) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     while (got_[i] < bytes) {
       if (ended_[i]) return false;
@@ -93,20 +88,20 @@ class Fetches {
     return true;
   }
   // The decode has used every byte before `offset` of every piece.
-  void Used(uint64_t offset) {
+  void Used(uint64_t offset) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     used_ = offset;
     cv_.NotifyAll();
   }
-  // The decode needs nothing more: what still arrives is let through and not kept (`keep_going`),
-  // or every fetch is stopped at its next part.
-  void Done(bool keep_going) {
+  // The decode needs nothing more of any piece.
+  void Stop() EXCLUDES(mu_) {
     MutexLock lock(&mu_);
-    (keep_going ? drained_ : stopped_) = true;
+    stopped_ = true;
     cv_.NotifyAll();
   }
-  // Whether fetch i ended because the decode stopped it (not a failure of its source).
-  bool StoppedByTheDecode(size_t i) {
+  // Whether fetch i ended because the decode stopped, or the deadline passed while it waited for
+  // the decode: no failure of its source.
+  bool EndedByTheDecode(size_t i) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     return stopped_them_[i];
   }
@@ -124,27 +119,31 @@ class Fetches {
     MirroredRing* ring_;
   };
 
-  Result<char*> Place(size_t i, MirroredRing* ring, uint64_t at, uint64_t n) {
-    if (n > kMaxPartBytes) {
-      return Corruption("a part of " + std::to_string(n) + " bytes, more than a rebuild takes (" +
-                        std::to_string(kMaxPartBytes) + ")");
+  Result<char*> Place(size_t i, MirroredRing* ring, uint64_t at, uint64_t n) EXCLUDES(mu_) {
+    // A part longer than the ring less the window being decoded could never find room.
+    const uint64_t longest = streaming_.ring_bytes - streaming_.window_bytes;
+    if (n > longest) {
+      return Corruption("a part of " + std::to_string(n) + " bytes, more than a rebuild takes at once (" +
+                        std::to_string(longest) + ")");
     }
     MutexLock lock(&mu_);
-    while (!drained_ && !stopped_ && at + n > used_ + kRingBytes) {
-      if (!cv_.WaitUntil(&lock, until_)) return DeadlineExceeded("the rebuild's decode did not keep up");
+    while (!stopped_ && at + n > used_ + streaming_.ring_bytes) {
+      if (!cv_.WaitUntil(&lock, until_)) break;
     }
-    if (stopped_) {
+    if (stopped_ || at + n > used_ + streaming_.ring_bytes) {
       stopped_them_[i] = true;
-      return Cancelled("the rebuild stopped using this piece");
+      return stopped_ ? Cancelled("the rebuild stopped using this piece")
+                      : DeadlineExceeded("the rebuild's decode did not reach this piece's bytes by the deadline");
     }
     return ring->at(at);
   }
-  void Arrived(size_t i, uint64_t end) {
+  void Arrived(size_t i, uint64_t end) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     got_[i] = end;
     cv_.NotifyAll();
   }
 
+  const RebuildStreaming streaming_;
   const std::chrono::steady_clock::time_point until_;
   std::vector<std::unique_ptr<Sink>> sinks_;
   Mutex mu_;
@@ -153,7 +152,6 @@ class Fetches {
   std::vector<bool> ended_ GUARDED_BY(mu_);
   std::vector<bool> stopped_them_ GUARDED_BY(mu_);
   uint64_t used_ GUARDED_BY(mu_) = 0;
-  bool drained_ GUARDED_BY(mu_) = false;
   bool stopped_ GUARDED_BY(mu_) = false;
 };
 
@@ -246,10 +244,18 @@ Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std:
 
 Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMember>& members,
                          const ParityCandidate& candidate, uint32_t self, char* into,
-                         std::chrono::system_clock::time_point deadline) {
+                         std::chrono::system_clock::time_point deadline, const RebuildStreaming& streaming) {
   ASSIGN_OR_RETURN(const ParityCode code, ParityCode::Make(group.data_blocks(), group.parity()));
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  if (streaming.window_bytes == 0 || streaming.ring_bytes <= streaming.window_bytes ||
+      streaming.ring_bytes % page != 0) {
+    return InvalidArgument("a rebuild's ring must be a whole number of pages, longer than its window");
+  }
   const ReplicaMeta& meta = candidate.meta;
-  const auto until = std::chrono::steady_clock::now() + (deadline - std::chrono::system_clock::now());
+  // The deadline on the steady clock (a year at most, so that the sum cannot overflow).
+  const auto until =
+      std::chrono::steady_clock::now() + std::min<std::chrono::system_clock::duration>(
+                                             deadline - std::chrono::system_clock::now(), std::chrono::hours(24 * 365));
   auto member_channel = [&](uint32_t index) -> const ParityMember* {
     for (const ParityMember& m : members) {
       if (m.index == index) return &m;
@@ -267,6 +273,9 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     const ParityGroup::Range mine = group.Block(meta.bytes, block);
     if (mine.bytes == 0) continue;
     const uint32_t index = *group.DataIndexOf(stripe, self);  // the block's place among the stripe's pieces
+    if (mine.bytes > stripe_bytes) {
+      return InvalidArgument("stripe " + std::to_string(stripe) + " is listed shorter than the block rebuilt into it");
+    }
 
     // The pieces, cheapest first: data members with no rank at the position (zeros), the other
     // data members' own blocks, then the holders' shares.
@@ -293,6 +302,10 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       const ParityMember* from = member_channel(member);
       if (from == nullptr) continue;
       const ParityShare::Contribution& theirs = c->second;
+      if (theirs.block_bytes > stripe_bytes) {
+        failures += "; the block of member " + std::to_string(member) + " is listed longer than its stripe";
+        continue;
+      }
       sources.push_back({d, theirs.block_bytes, "block of member " + std::to_string(member) + " (" + from->target + ")",
                          [&meta, &theirs, from, stripe, deadline, bytes = theirs.block_bytes](PartSink* sink) {
                            return FetchParityBlock(from->channel.get(), meta.job, theirs.meta.rank, meta.step, stripe,
@@ -317,12 +330,11 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     }
 
     // As many pieces as the code needs are fetched at once, and the block is decoded behind them a
-    // window at a time as their parts arrive. A piece that fails makes way for the next source, and
-    // the block is decoded again from the start with it (the rings keep only what the decode has not
-    // used yet).
+    // window at a time as their parts arrive; the fetches stop once it is. A piece that fails before
+    // makes way for the next source, and the block is fetched and decoded again from its start (the
+    // rings keep only what the decode has not used yet).
     const size_t wanted = group.data_blocks() - std::min<size_t>(zeros.size(), group.data_blocks());
-    bool decoded = false;
-    while (!decoded) {
+    while (true) {
       std::vector<size_t> chosen;  // indexes into `sources`
       for (size_t i = 0; i < sources.size() && chosen.size() < wanted; ++i) {
         if (!sources[i].failed) chosen.push_back(i);
@@ -336,11 +348,11 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       std::vector<MirroredRing*> chosen_rings;
       for (size_t c = 0; c < chosen.size(); ++c) {
         if (rings[c] == nullptr) {
-          ASSIGN_OR_RETURN(rings[c], MirroredRing::Make());
+          ASSIGN_OR_RETURN(rings[c], MirroredRing::Make(streaming.ring_bytes));
         }
         chosen_rings.push_back(rings[c].get());
       }
-      Fetches fetches(chosen_rings, until);
+      Fetches fetches(chosen_rings, streaming, until);
       std::vector<Status> fetched(chosen.size());
       std::vector<std::thread> fetchers;
       for (size_t c = 0; c < chosen.size(); ++c) {
@@ -352,8 +364,8 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       uint8_t* out = reinterpret_cast<uint8_t*>(into + mine.offset);
       bool complete = true;
       Status decode = Status::OK();
-      for (uint64_t at = 0; complete && at < mine.bytes; at += kDecodeWindow) {
-        const uint64_t end = std::min<uint64_t>(at + kDecodeWindow, mine.bytes);
+      for (uint64_t at = 0; complete && at < mine.bytes; at += streaming.window_bytes) {
+        const uint64_t end = std::min<uint64_t>(at + streaming.window_bytes, mine.bytes);
         for (size_t c = 0; complete && c < chosen.size(); ++c) {
           complete = fetches.WaitFor(c, std::min(end, sources[chosen[c]].bytes));
         }
@@ -369,22 +381,21 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
         complete = decode.ok();
         fetches.Used(end);
       }
-      fetches.Done(/*keep_going=*/complete);
+      // Decoded or given up: the pieces' bytes past the block (or past a failure) are not needed.
+      fetches.Stop();
       for (std::thread& t : fetchers) t.join();
       RETURN_IF_ERROR(decode);
-      decoded = complete;
+      if (complete) break;  // every byte used arrived and passed its checksum
       bool blamed = false;
       for (size_t c = 0; c < chosen.size(); ++c) {
-        if (fetched[c].ok() || fetches.StoppedByTheDecode(c)) continue;
+        if (fetched[c].ok() || fetches.EndedByTheDecode(c)) continue;
         Source& source = sources[chosen[c]];
         failures += "; " + source.what + ": " + fetched[c].ToString();
-        source.failed = true;
-        blamed = true;
-        decoded = false;
+        source.failed = blamed = true;
       }
-      if (!decoded && !blamed) {
-        return DeadlineExceeded("the rebuild of stripe " + std::to_string(stripe) + " of job '" + meta.job +
-                                "' did not finish by its deadline");
+      if (!blamed || std::chrono::steady_clock::now() >= until) {
+        return DeadlineExceeded("the rebuild of stripe " + std::to_string(stripe) + " of job '" + meta.job + "' step " +
+                                std::to_string(meta.step) + " did not finish by its deadline" + failures);
       }
     }
   }

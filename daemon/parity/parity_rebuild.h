@@ -1,10 +1,10 @@
 // The rebuild of a lost member's rank from its parity group (--ec-group): a replacement daemon at
 // the lost member's place in the group asks the other members which complete shares they hold of
-// stripes its rank's blocks went into (FindParityCandidate), then, stripe by stripe, fetches as many
-// pieces as the code needs (the other data members' own blocks and the holders' shares) at once,
-// and decodes its block behind the fetches as their parts arrive (RebuildFromParity). The result is only what the pieces make of it: the caller
-// checks every chunk against the checksums the rank's image came with (ReplicaMeta::layout) before
-// anything uses it.
+// stripes its rank's blocks went into (FindParityCandidate), then, stripe by stripe, fetches as
+// many pieces as the code needs (the other data members' own blocks and the holders' shares) at
+// once, and decodes its block behind the fetches as their parts arrive (RebuildFromParity). The result is only what the
+// pieces make of it: the caller checks every chunk against the checksums the rank's image came with
+// (ReplicaMeta::layout) before anything uses it.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -50,11 +50,20 @@ Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std:
                                             const std::function<void(const ParityMember&, const Status&)>& unreachable,
                                             std::vector<ParityCandidate>* all = nullptr);
 
+// How a rebuild streams a stripe's pieces: each fetch runs at most `ring_bytes` ahead of the decode,
+// which takes `window_bytes` at a time. The ring is a whole number of pages, and a part longer than
+// ring_bytes - window_bytes fails its piece (members send 1 MiB parts).
+struct RebuildStreaming {
+  uint64_t window_bytes = 4u << 20;
+  uint64_t ring_bytes = 16u << 20;
+};
+
 // Rebuilds the candidate's image (meta.bytes bytes) into `into`. FAILED_PRECONDITION when a stripe
-// has fewer pieces left than the code needs (too many members lost, or pieces that failed their
-// checksums), naming it.
+// has fewer pieces left than the code needs (too many members lost, or pieces whose fetch failed),
+// naming each failure; DEADLINE_EXCEEDED when `deadline` passed first; INVALID_ARGUMENT for listings
+// that do not fit the stripe; the error of the system call when a ring cannot be made.
 Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMember>& members,
                          const ParityCandidate& candidate, uint32_t self, char* into,
-                         std::chrono::system_clock::time_point deadline);
+                         std::chrono::system_clock::time_point deadline, const RebuildStreaming& streaming = {});
 
 }  // namespace flashckpt

@@ -653,23 +653,20 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
 
 
 // A member whose Parity.FetchShare serves a share's first `good_bytes` bytes and then a part whose
-// checksum fails (its FetchBlock and List are not served: UNIMPLEMENTED).
+// checksum fails; its Parity.FetchBlock serves its own blocks (from `real`'s images) whole.
 class ShareBreakingOff final : public v1::Parity::Service {
  public:
-  ShareBreakingOff(const ParityStore* store, uint64_t good_bytes) : store_(store), good_bytes_(good_bytes) {}
+  ShareBreakingOff(const ParityGroup& group, const ServedMember* real, uint32_t index, uint64_t good_bytes)
+      : group_(group), real_(real), index_(index), good_bytes_(good_bytes) {}
   grpc::Status FetchShare(grpc::ServerContext*, const v1::FetchShareRequest* request,
                           grpc::ServerWriter<v1::ParityPart>* writer) override {
-    auto share = store_->Find(request->job(), request->position(), request->stripe(), request->step());
+    auto share = real_->parity.Find(request->job(), request->position(), request->stripe(), request->step());
     if (!share.ok()) return grpc::Status(grpc::StatusCode::NOT_FOUND, share.status().ToString());
     const char* data = reinterpret_cast<const char*>((*share)->data());
-    constexpr uint64_t kPart = 1u << 20;
     for (uint64_t at = 0; at < (*share)->bytes(); at += kPart) {
       const uint64_t n = std::min(kPart, (*share)->bytes() - at);
       const bool bad = at >= good_bytes_;
-      v1::ParityPart part;
-      part.set_data(data + at, n);
-      part.set_xxh3(Xxh3(data + at, n) + (bad ? 1 : 0));
-      if (!writer->Write(part)) break;
+      if (!writer->Write(Part(data + at, n, bad))) break;
       if (bad) {
         broken_.fetch_add(1);
         break;
@@ -677,26 +674,51 @@ class ShareBreakingOff final : public v1::Parity::Service {
     }
     return grpc::Status::OK;
   }
+  grpc::Status FetchBlock(grpc::ServerContext*, const v1::FetchBlockRequest* request,
+                          grpc::ServerWriter<v1::ParityPart>* writer) override {
+    auto image = real_->images.find({request->job(), request->rank(), request->step()});
+    const std::optional<uint32_t> block = group_.BlockOfStripe(index_, request->stripe());
+    if (image == real_->images.end() || !block) return grpc::Status(grpc::StatusCode::NOT_FOUND, "not held");
+    const ParityGroup::Range range = group_.Block(image->second.size(), *block);
+    const char* data = reinterpret_cast<const char*>(image->second.data()) + range.offset;
+    for (uint64_t at = 0; at < range.bytes; at += kPart) {
+      if (!writer->Write(Part(data + at, std::min(kPart, range.bytes - at), false))) break;
+    }
+    return grpc::Status::OK;
+  }
   uint64_t broken() const { return broken_.load(); }
 
  private:
-  const ParityStore* store_;
+  static constexpr uint64_t kPart = 1u << 20;
+  static v1::ParityPart Part(const char* data, uint64_t n, bool bad) {
+    v1::ParityPart part;
+    part.set_data(data, n);
+    part.set_xxh3(Xxh3(data, n) + (bad ? 1 : 0));
+    return part;
+  }
+  const ParityGroup group_;
+  const ServedMember* real_;
+  uint32_t index_;
   uint64_t good_bytes_;
   std::atomic<uint64_t> broken_{0};
 };
 
-// A rebuild decodes a block behind the fetches of its pieces, a window (4 MiB) at a time. Here a
-// holder's share breaks off after 5 MiB (a part that fails its checksum), once the first window
-// was decoded from it; the same member's own blocks cannot be fetched at all. The rebuild drops
-// what it decoded from that share, takes the stripe's other share (6 members, 2 parity) and
-// decodes the block again: member 0's 24 MB image comes back bit for bit.
-TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedByTheOtherAndTheBlockDecodedAgain) {
+// A rebuild decodes a block behind the fetches of its pieces, a window at a time, through rings
+// (here 2 MiB rings and 256 KiB windows, so 6-8 MB pieces wrap their rings and wait for the decode).
+// 6 members, 2 parity; member 0 (24 MB image, 6 MB blocks; the others' 32 MB) is lost.
+// - A share that breaks off after 5 MiB (a part that fails its checksum), after the decode used
+//   its first windows: the other share of the stripe takes its place, and the block is fetched and
+//   decoded again.
+// - Both shares of a stripe break off at 7 MiB, past member 0's block: the block is decoded before
+//   that, and the failure of bytes it does not need neither fails the rebuild nor redoes it.
+// Each time member 0's image comes back bit for bit.
+TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastTheBlockIsNotBlamed) {
   std::mt19937_64 rng(33);
   const ParityGroup group = ParityGroup::Make(6, 2).value();
   ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(60);
   for (uint32_t i = 0; i < group.members(); ++i) {
-    std::vector<uint8_t> image = RandomBytes(rng, 24000000 + 4097 * i);
+    std::vector<uint8_t> image = RandomBytes(rng, i == 0 ? 24000000 : 32000000 + 4097 * i);
     ASSERT_OK(PushImage(group, members, i, 17, image, deadline));
     members[i]->images[{"job", 10 + i, 17}] = std::move(image);
   }
@@ -707,26 +729,40 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedByTheOtherAndTheBlock
   }
   ASSERT_OK_AND_ASSIGN(ParityCandidate candidate, FindParityCandidate(group, survivors, "job", 0, 10, deadline, {}));
   ASSERT_EQ(candidate.blocks[0].size(), 2u);  // both shares of block 0's stripe are listed
-  // The holder listed first for block 0 is the one whose shares break off; its listing stays.
-  const uint32_t liar = candidate.blocks[0].front().holder->index;
-  ShareBreakingOff breaking(&members[liar]->parity, 5u << 20);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&breaking);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  for (ParityMember& m : survivors) {
-    if (m.index == liar) m.channel = ReplicaChannel({"127.0.0.1:" + std::to_string(port), "", "", "", ""}).value();
-  }
-
-  std::vector<char> out(candidate.meta.bytes, 0);
-  ASSERT_OK(RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline));
-  EXPECT_GE(breaking.broken(), 1u);  // the share did break off, after the first window
   const std::vector<uint8_t>& want = members[0]->images[{"job", 10, 17}];
-  ASSERT_EQ(out.size(), want.size());
-  EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0) << "member 0 rebuilt wrong";
-  server->Shutdown(std::chrono::system_clock::now());
+  const RebuildStreaming small{256u << 10, 2u << 20};
+
+  struct Case {
+    std::string what;
+    std::vector<uint32_t> liars;  // the holders of block 0's stripe whose shares break off
+    uint64_t good_bytes;
+  };
+  const uint32_t first = candidate.blocks[0][0].holder->index, second = candidate.blocks[0][1].holder->index;
+  for (const Case& c : std::vector<Case>{{"midway", {first}, 5u << 20}, {"past the block", {first, second}, 7u << 20}}) {
+    SCOPED_TRACE(c.what);
+    std::vector<std::unique_ptr<ShareBreakingOff>> liars;
+    std::vector<std::unique_ptr<grpc::Server>> servers;
+    for (ParityMember& m : survivors) {
+      m.channel = members[m.index]->channel;
+      if (std::find(c.liars.begin(), c.liars.end(), m.index) == c.liars.end()) continue;
+      liars.push_back(std::make_unique<ShareBreakingOff>(group, members[m.index].get(), m.index, c.good_bytes));
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      builder.RegisterService(liars.back().get());
+      servers.push_back(builder.BuildAndStart());
+      ASSERT_NE(servers.back(), nullptr);
+      m.channel = ReplicaChannel({"127.0.0.1:" + std::to_string(port), "", "", "", ""}).value();
+    }
+    std::vector<char> out(candidate.meta.bytes, 0);
+    ASSERT_OK(RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline, small));
+    if (c.liars.size() == 1) {
+      EXPECT_GE(liars[0]->broken(), 1u);  // it did break off, within the block
+    }
+    ASSERT_EQ(out.size(), want.size());
+    EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0) << "member 0 rebuilt wrong";
+    for (auto& server : servers) server->Shutdown(std::chrono::system_clock::now());
+  }
   for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
 }
 
