@@ -126,7 +126,10 @@ Status Releaser::WriteMemoryBeforeRelease(const std::string& name, int64_t step,
 void Releaser::DropReleased(const std::string& name, std::vector<std::shared_ptr<RankSegment>> segments,
                           const ReleaseOutcome& outcome, const std::string& reason) {
   if (c_.sender_) c_.sender_->Forget(name);  // its queued replicas hold the segments too
-  if (c_.parity_) c_.parity_->Forget(name);
+  if (c_.parity_) {
+    c_.parity_->Forget(name);
+    c_.parity_->OfferReleased(name);  // the holders may drop its shares
+  }
   std::vector<std::weak_ptr<RankSegment>> going;
   for (std::shared_ptr<RankSegment>& segment : segments) {
     // The EMA segment outlives daemons by design (a restarted daemon adopts it); a released

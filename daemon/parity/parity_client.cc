@@ -90,6 +90,7 @@ Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const ch
   h->set_stripe(block.stripe);
   h->set_position(block.position);
   h->set_member_ranks(block.member_ranks);
+  h->set_released(block.released);
   bool open = writer->Write(MessageBuffer(header));
   for (uint64_t at = 0; open && at < block_bytes; at += block.meta.part_bytes) {
     const uint64_t n = std::min(block.meta.part_bytes, block_bytes - at);

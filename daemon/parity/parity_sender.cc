@@ -50,8 +50,17 @@ void ParitySender::OfferNoRanks(const std::string& job, int64_t step) {
   Offer({std::move(notice), 0, 0});
 }
 
+void ParitySender::OfferReleased(const std::string& job) {
+  auto notice = std::make_shared<OutgoingReplica>();
+  notice->meta.job = job;  // bytes 0: each block is empty
+  Offer({std::move(notice), 0, 0, true});
+}
+
 void ParitySender::Offer(Offered offered) {
-  const Key key{offered.replica->meta.job, offered.member_ranks == 0 ? kNoRanks : offered.replica->meta.rank};
+  const uint32_t what = offered.released            ? kReleased
+                        : offered.member_ranks == 0 ? kNoRanks
+                                                    : offered.replica->meta.rank;
+  const Key key{offered.replica->meta.job, what};
   MutexLock lock(&mu_);
   if (stopping_) return;
   for (auto& member : members_) {
@@ -119,7 +128,7 @@ Status ParitySender::PushBlocks(Member* member, const Offered& offered, uint64_t
   for (uint32_t b = 0; b < group.data_blocks(); ++b) {
     const uint32_t stripe = group.StripeOfBlock(options_.self, b);
     if (!group.RowOf(stripe, member->where.index)) continue;
-    ShareBlock block{options_.self, stripe, offered.position, offered.member_ranks, replica.meta};
+    ShareBlock block{options_.self, stripe, offered.position, offered.member_ranks, replica.meta, offered.released};
     block.meta.part_bytes = options_.part_bytes;
     const ParityGroup::Range range = group.Block(replica.meta.bytes, b);
     if (replica.still_held && !replica.still_held()) {
@@ -194,7 +203,9 @@ void ParitySender::Run(Member* member) {
       member->last_error_code = StatusCode::kOk;
       member->retry_wait = std::chrono::milliseconds(0);
       if (!replaced) member->queue.erase(it);
-      if (offered.member_ranks == 0) {  // a word of no ranks: not a checkpoint's blocks
+      if (offered.released) {  // a word that the job's memory was given back
+        Logger("parity")->debug("parity release sent job={} member={}", meta.job, member->where.target);
+      } else if (offered.member_ranks == 0) {  // a word of no ranks: not a checkpoint's blocks
         Logger("parity")->debug("parity count sent job={} step={} of_ranks=0 member={}", meta.job, meta.step,
                                 member->where.target);
       } else {

@@ -74,6 +74,7 @@ class ParitySender {
     std::shared_ptr<const OutgoingReplica> replica;
     uint32_t position = 0;
     uint32_t member_ranks = 0;
+    bool released = false;  // OfferReleased's word (member_ranks 0, no block)
   };
   // Queues it for every member that holds a share of one of its blocks. Never blocks. With
   // member_ranks 0 it is a word that this member has no ranks of the job (OfferNoRanks).
@@ -85,6 +86,10 @@ class ParitySender {
   void OfferNoRanks(const std::string& job, int64_t step) EXCLUDES(mu_);
   // Forgets a job's queued checkpoints (a released job).
   void Forget(const std::string& job) EXCLUDES(mu_);
+  // Tells the holders of this member's stripes that it gave `job`'s memory back, so that they drop
+  // the job's shares once every member whose block is in them has (ParityStore::Released). Never
+  // blocks; after Forget(job).
+  void OfferReleased(const std::string& job) EXCLUDES(mu_);
   // Cancels the pushes in flight, stops the threads, lets go of every queued checkpoint. Idempotent.
   void Stop() EXCLUDES(mu_);
 
@@ -96,8 +101,10 @@ class ParitySender {
   const std::vector<std::string>& hosts() const { return options_.hosts; }
 
  private:
-  using Key = std::pair<std::string, uint32_t>;  // (job, rank); (job, kNoRanks) for OfferNoRanks
+  // (job, rank); (job, kNoRanks) for OfferNoRanks, (job, kReleased) for OfferReleased.
+  using Key = std::pair<std::string, uint32_t>;
   static constexpr uint32_t kNoRanks = ~0u;
+  static constexpr uint32_t kReleased = ~0u - 1;
   static constexpr size_t kMaxJobsToldNoRanks = 4096;
   struct Member {
     ParityMember where;

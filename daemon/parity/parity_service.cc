@@ -130,6 +130,22 @@ grpc::Status ParityService::RawPush(grpc::ServerContext* ctx, grpc::ServerReader
   }
   ShareBlock block{h.member(), h.stripe(), h.position(), h.member_ranks(), ReplicaMetaOf(h.replica())};
   block.meta.from_peer = peer;
+  if (h.released()) {
+    // The member gave the job's memory back: the header alone.
+    if (reader->Read(&buffer)) {
+      refused_.fetch_add(1);
+      return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push of a release has no parts");
+    }
+    Result<size_t> dropped = store_->Released(block.meta.job, block.member);
+    if (!dropped.ok()) {
+      refused_.fetch_add(1);
+      Logger("parity")->warn("parity release from={} refused: {}", ctx->peer(), dropped.status().ToString());
+      return ToGrpc(dropped.status());
+    }
+    Logger("parity")->info("parity release job={} member={} shares_dropped={}", block.meta.job, block.member,
+                           *dropped);
+    return grpc::Status::OK;
+  }
   if (block.member_ranks == 0) {
     // No ranks of the job at the step: the header alone.
     if (reader->Read(&buffer)) {

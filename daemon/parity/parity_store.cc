@@ -118,6 +118,7 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
   std::shared_ptr<const ParityShare> late_of;
   {
     MutexLock lock(&mu_);
+    if (auto r = released_.find(m.job); r != released_.end()) r->second.erase(block.member);  // back again
     auto s = slots_.find({m.job, block.position, block.stripe});
     if (s != slots_.end() && s->second.complete && s->second.complete->step_ == m.step &&
         !s->second.complete->contributions_.count(index) && !s->second.building.count(m.step)) {
@@ -433,6 +434,7 @@ void ParityStore::Forget(const std::string& job) {
   std::vector<Slot> gone;                              // freed after the lock
   std::vector<std::unique_ptr<ReplicaMapping>> freed;  // as well
   MutexLock lock(&mu_);
+  released_.erase(job);
   for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job;) {
     for (auto& [step, share] : it->second.building) share->spoiled_ = true;
     gone.push_back(std::move(it->second));
@@ -442,6 +444,52 @@ void ParityStore::Forget(const std::string& job) {
     it = told_.erase(it);
   }
   PruneKeptLocked(&freed);
+}
+
+Result<size_t> ParityStore::Released(const std::string& job, uint32_t member) {
+  RETURN_IF_ERROR(ValidateJobName(job));
+  if (member >= group_.members()) {
+    return InvalidArgument("member " + std::to_string(member) + " of a group of " + group_.ToString());
+  }
+  std::vector<std::shared_ptr<ParityShare>> gone;      // freed after the lock
+  std::vector<std::unique_ptr<ReplicaMapping>> freed;  // as well
+  MutexLock lock(&mu_);
+  auto first = slots_.lower_bound({job, 0, 0});
+  if (first == slots_.end() || std::get<0>(first->first) != job) return size_t{0};  // none held here
+  std::set<uint32_t>& said = released_[job];
+  said.insert(member);
+  auto all_said = [&said](const ParityShare& share) {
+    for (const auto& [index, c] : share.contributions_) {
+      if (!said.count(c.member)) return false;
+    }
+    for (const auto& [index, from] : share.arriving_) {
+      if (!said.count(from)) return false;
+    }
+    return true;
+  };
+  for (auto it = first; it != slots_.end() && std::get<0>(it->first) == job;) {
+    Slot& slot = it->second;
+    if (slot.complete && all_said(*slot.complete)) gone.push_back(std::move(slot.complete));
+    for (auto b = slot.building.begin(); b != slot.building.end();) {
+      if (!all_said(*b->second)) {
+        ++b;
+        continue;
+      }
+      b->second->spoiled_ = true;
+      gone.push_back(std::move(b->second));
+      b = slot.building.erase(b);
+    }
+    it = slot.complete || !slot.building.empty() ? std::next(it) : slots_.erase(it);
+  }
+  first = slots_.lower_bound({job, 0, 0});
+  if (first == slots_.end() || std::get<0>(first->first) != job) {  // none left: nothing to keep of it
+    released_.erase(job);
+    for (auto it = told_.lower_bound({job, 0, 0}); it != told_.end() && std::get<0>(it->first) == job;) {
+      it = told_.erase(it);
+    }
+  }
+  PruneKeptLocked(&freed);
+  return gone.size();
 }
 
 uint64_t ParityStore::held_bytes() const {

@@ -44,6 +44,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -68,6 +69,7 @@ struct ShareBlock {
   uint32_t position = 0;      // the rank's place among the member's ranks of the job
   uint32_t member_ranks = 0;  // how many ranks of the job the member has at this step
   ReplicaMeta meta;           // the rank's image: job, rank, step, bytes, layout, ...; part_bytes of the block's parts
+  bool released = false;      // no block: the member's word that it gave meta.job's memory back
 };
 
 // A complete share and what it was coded from.
@@ -181,6 +183,12 @@ class ParityStore {
   std::vector<std::shared_ptr<const ParityShare>> SharesFor(const std::string& job, uint32_t member) const;
   // Forgets a job's shares.
   void Forget(const std::string& job);
+  // Member `member`'s word that it gave `job`'s memory back (flashckpt release, --idle-release). A
+  // share of the job goes once every member whose block is in it (or arriving) has said so: their
+  // blocks are then held nowhere, so the share could only rebuild memory they let go of. A block of
+  // the job from the member takes its word back. Returns how many shares went; INVALID_ARGUMENT for
+  // a job name or member that does not fit.
+  Result<size_t> Released(const std::string& job, uint32_t member);
 
   uint64_t held_bytes() const;  // of complete shares
   uint64_t kept_bytes() const;  // memory of replaced shares kept for the next share of their place
@@ -236,6 +244,8 @@ class ParityStore {
   // (job, step, stripe) -> member -> how many ranks of the job it said it has.
   std::map<std::tuple<std::string, int64_t, uint32_t>, std::map<uint32_t, uint32_t>> told_ GUARDED_BY(mu_);
   std::map<Key, std::unique_ptr<ReplicaMapping>> kept_ GUARDED_BY(mu_);  // released (ReplicaMapping::Release)
+  // job -> the members that said they gave its memory back (Released), for jobs with shares here.
+  std::map<std::string, std::set<uint32_t>> released_ GUARDED_BY(mu_);
 };
 
 }  // namespace flashckpt

@@ -766,6 +766,57 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastT
   for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
 }
 
+// Over gRPC, with each member's own ParitySender (as a daemon wires it to a job's release): once
+// every member has said that it gave the job's memory back, no holder holds a share of it.
+TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
+  std::mt19937_64 rng(43);
+  const ParityGroup group = ParityGroup::Make(4, 1).value();
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    ASSERT_OK(PushImage(group, members, i, 17, RandomBytes(rng, 300000 + 4097 * i), deadline));
+  }
+  std::vector<std::unique_ptr<ParitySender>> senders;
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    ParitySender::Options options{group, i, {}, 64 * 1024, {}, {}};
+    for (uint32_t j = 0; j < group.members(); ++j) {
+      if (j == i) continue;
+      options.members.emplace_back(
+          j, ReplicaPeer{"127.0.0.1:" + std::to_string(members[j]->server->port()), "", "", "", ""});
+    }
+    senders.push_back(std::make_unique<ParitySender>(std::move(options)));
+    ASSERT_OK(senders.back()->Start());
+  }
+  auto shares = [&] {
+    size_t n = 0;
+    for (auto& member : members) n += member->parity.share_count();
+    return n;
+  };
+  auto wait_for = [&](size_t want) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (shares() != want && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return shares();
+  };
+  ASSERT_EQ(shares(), 4u);
+  for (uint32_t i = 0; i < 3; ++i) senders[i]->OfferReleased("job");
+  EXPECT_EQ(wait_for(3), 3u);  // member 3's share, coded from members 0, 1 and 2 alone
+  EXPECT_EQ(members[3]->parity.share_count(), 0u);
+  senders[3]->OfferReleased("job");
+  EXPECT_EQ(wait_for(0), 0u);
+  for (auto& member : members) EXPECT_EQ(member->parity.held_bytes(), 0u);
+  for (auto& sender : senders) {
+    for (const ParityMemberStatus& status : sender->MemberStatus()) {
+      EXPECT_EQ(status.pushes_failed, 0u) << status.last_error;
+      EXPECT_EQ(status.blocks_sent, 0u) << "a release is not a checkpoint's blocks";
+    }
+    sender->Stop();
+  }
+  for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
+}
+
+
 // With TLS a peer's certificate says which member it is: member 1 pushes its own block to the
 // holder of stripe 0, but the block it pushes as member 2 is refused before a byte is kept, and so
 // is its listing of member 2's shares; member 2, whose certificate names its host by DNS, completes
@@ -1040,6 +1091,52 @@ TEST(ParityStoreTest, AReplacedSharesMemoryIsKeptForTheNextStepWhichCodesOverItE
   for (uint32_t i = 0; i < 4; ++i) {
     members.store(i).Forget("job");
     EXPECT_EQ(members.store(i).kept_bytes(), 0u);
+  }
+}
+
+// A member's word that it gave a job's memory back (Released) drops a holder's share of the job
+// once every member whose block is in it has said so, and the share's memory goes back to the
+// budget; a later block of the job from a member takes its word back. (4 members, 1 parity: the
+// share member h holds is coded from the blocks of the three others.)
+TEST(ParityStoreTest, AShareGoesOnceEveryMemberWhoseBlockIsInItReleasedTheJob) {
+  std::mt19937_64 rng(41);
+  ParityStoreGroup members(4, 1);
+  std::vector<std::vector<uint8_t>> images;
+  for (uint32_t i = 0; i < 4; ++i) {
+    images.push_back(RandomBytes(rng, 200000 + 1000 * i));
+    for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+      ASSERT_OK(members.Send("job", 17, i, 10 + i, 0, 1, images[i], b));
+    }
+  }
+  for (uint32_t h = 0; h < 4; ++h) ASSERT_EQ(members.store(h).complete_count(), 1u) << "member " << h;
+  EXPECT_EQ(members.store(0).Released("other", 1).value(), 0u);  // no share of it here
+  EXPECT_EQ(members.store(0).Released("job", 4).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(members.store(0).Released("../job", 1).status().code(), StatusCode::kInvalidArgument);
+
+  // Members 0, 1 and 2 give the job back: only member 3's share, coded from their blocks alone, goes.
+  for (uint32_t m : {0u, 1u, 2u}) {
+    for (uint32_t h = 0; h < 4; ++h) ASSERT_OK(members.store(h).Released("job", m).status());
+  }
+  for (uint32_t h = 0; h < 3; ++h) EXPECT_EQ(members.store(h).complete_count(), 1u) << "member " << h;
+  EXPECT_EQ(members.store(3).complete_count(), 0u);
+  EXPECT_EQ(members.store(3).held_bytes(), 0u);
+  EXPECT_EQ(members.used(3), 0u);
+
+  // Member 0 runs the job again (step 18): its blocks take its word back. Member 3's release then
+  // drops only member 0's own share (coded from 1, 2 and 3); the shares member 0's blocks are in stay.
+  for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
+    ASSERT_OK(members.Send("job", 18, 0, 10, 0, 1, images[0], b));
+  }
+  for (uint32_t h = 0; h < 4; ++h) ASSERT_OK(members.store(h).Released("job", 3).status());
+  EXPECT_EQ(members.store(0).complete_count(), 0u);
+  EXPECT_EQ(members.used(0), 0u);
+  for (uint32_t h = 1; h < 4; ++h) EXPECT_GT(members.store(h).share_count(), 0u) << "member " << h;
+
+  // Member 0 gives it back again: nothing of the job is held anywhere.
+  for (uint32_t h = 0; h < 4; ++h) ASSERT_OK(members.store(h).Released("job", 0).status());
+  for (uint32_t h = 0; h < 4; ++h) {
+    EXPECT_EQ(members.store(h).share_count(), 0u) << "member " << h;
+    EXPECT_EQ(members.used(h), 0u) << "member " << h;
   }
 }
 

@@ -186,6 +186,30 @@ def lose_and_rebuild(group, lost, late=()):
         "rebuilt from the others' blocks and parity" % (group.members, group.parity, lost, group.world))
 
 
+def release_everywhere(group):
+    """`flashckpt release` of the job on every member that runs ranks of it: each tells the holders of
+    its stripes, and once every member whose block is in a share has, no member holds any."""
+    for i in range(group.members):
+        if i in group.idle:
+            continue
+        p = subprocess.run([os.path.join(group.bin_dir, "flashckpt"), "release", "--job", group.job, "--force",
+                            "--socket", group.nodes[i].sock], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=120)
+        check(p.returncode == 0, "flashckpt release on node%d: %s" % (i, p.stdout.decode(errors="replace")))
+    deadline = time.monotonic() + 60
+    for i in range(group.members):
+        while True:
+            s = group.status(i)
+            if s["parity_shares_held"] == 0 and s["parity_held_bytes"] == 0:
+                break
+            if time.monotonic() >= deadline:
+                raise TestFailure("node%d still holds %d parity shares (%d bytes) of a job every member released\n%s" %
+                                  (i, s["parity_shares_held"], s["parity_held_bytes"], group.parity_report(17)))
+            time.sleep(0.1)
+    log("%d members: the job released on every member that ran it; no member holds a parity share of it" %
+        group.members)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin-dir", required=True)
@@ -215,6 +239,7 @@ def main():
             for i in range(members):
                 group.start_node(i)
             lose_and_rebuild(group, lost, late)
+            release_everywhere(group)
             group.close()
             group = None
     except (TestFailure, subprocess.TimeoutExpired) as e:
