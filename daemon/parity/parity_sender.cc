@@ -70,6 +70,15 @@ void ParitySender::Offer(Offered offered) {
       holds = options_.group.RowOf(options_.group.StripeOfBlock(options_.self, b), member->where.index).has_value();
     }
     if (!holds) continue;
+    if (!offered.released) {
+      // The job runs here again: a release word not sent yet would reach the holder after these
+      // blocks and count against them. (One sent already arrives first: one thread sends in order.)
+      auto word = member->queue.find({key.first, kReleased});
+      if (word != member->queue.end()) {
+        member->released.push_back(std::move(word->second.offered.replica));
+        member->queue.erase(word);
+      }
+    }
     Member::Queued& q = member->queue[key];
     if (q.offered.replica) member->released.push_back(std::move(q.offered.replica));  // the newest wins
     q = Member::Queued{offered, member->next_turn++, {}};
@@ -235,10 +244,15 @@ void ParitySender::Run(Member* member) {
       }
       if (pushed.code() != member->last_error_code && pushed.code() != StatusCode::kCancelled) {
         member->last_error_code = pushed.code();
-        event.kind = DaemonEvent::Kind::kParityFailed;
-        event.reason = pushed.ToString();
-        Logger("parity")->warn("parity blocks not sent job={} rank={} step={} member={}: {}", meta.job, meta.rank,
-                               meta.step, member->where.target, pushed.ToString());
+        if (offered.released) {
+          Logger("parity")->warn("parity release not sent job={} member={}: {}", meta.job, member->where.target,
+                                 pushed.ToString());
+        } else {
+          event.kind = DaemonEvent::Kind::kParityFailed;
+          event.reason = pushed.ToString();
+          Logger("parity")->warn("parity blocks not sent job={} rank={} step={} member={}: {}", meta.job, meta.rank,
+                                 meta.step, member->where.target, pushed.ToString());
+        }
       }
     }
     if (event.kind != DaemonEvent::Kind::kUnknown && options_.on_event) {

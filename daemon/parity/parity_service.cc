@@ -132,9 +132,9 @@ grpc::Status ParityService::RawPush(grpc::ServerContext* ctx, grpc::ServerReader
   block.meta.from_peer = peer;
   if (h.released()) {
     // The member gave the job's memory back: the header alone.
-    if (reader->Read(&buffer)) {
+    if (block.member_ranks != 0 || reader->Read(&buffer)) {
       refused_.fetch_add(1);
-      return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push of a release has no parts");
+      return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity push of a release has no ranks and no parts");
     }
     Result<size_t> dropped = store_->Released(block.meta.job, block.member);
     if (!dropped.ok()) {

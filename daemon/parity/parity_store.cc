@@ -400,7 +400,13 @@ void ParityStore::SpoilLocked(const std::shared_ptr<ParityShare>& share,
 
 void ParityStore::PruneLocked(const std::string& job, uint32_t position, uint32_t stripe) {
   auto it = slots_.find({job, position, stripe});
-  if (it != slots_.end() && !it->second.complete && it->second.building.empty()) slots_.erase(it);
+  if (it == slots_.end() || it->second.complete || !it->second.building.empty()) return;
+  it = slots_.erase(it);
+  // The members' release words are kept only for jobs with shares here.
+  if ((it == slots_.end() || std::get<0>(it->first) != job) &&
+      (it == slots_.begin() || std::get<0>(std::prev(it)->first) != job)) {
+    released_.erase(job);
+  }
 }
 
 size_t ParityStore::CountLocked() const {
@@ -482,12 +488,7 @@ Result<size_t> ParityStore::Released(const std::string& job, uint32_t member) {
     it = slot.complete || !slot.building.empty() ? std::next(it) : slots_.erase(it);
   }
   first = slots_.lower_bound({job, 0, 0});
-  if (first == slots_.end() || std::get<0>(first->first) != job) {  // none left: nothing to keep of it
-    released_.erase(job);
-    for (auto it = told_.lower_bound({job, 0, 0}); it != told_.end() && std::get<0>(it->first) == job;) {
-      it = told_.erase(it);
-    }
-  }
+  if (first == slots_.end() || std::get<0>(first->first) != job) released_.erase(job);  // none left
   PruneKeptLocked(&freed);
   return gone.size();
 }

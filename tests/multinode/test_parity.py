@@ -192,10 +192,17 @@ def release_everywhere(group):
     for i in range(group.members):
         if i in group.idle:
             continue
-        p = subprocess.run([os.path.join(group.bin_dir, "flashckpt"), "release", "--job", group.job, "--force",
-                            "--socket", group.nodes[i].sock], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           timeout=120)
-        check(p.returncode == 0, "flashckpt release on node%d: %s" % (i, p.stdout.decode(errors="replace")))
+        # The daemon sees a session end a moment after its trainer's exit.
+        deadline = time.monotonic() + 30
+        while True:
+            p = subprocess.run([os.path.join(group.bin_dir, "flashckpt"), "release", "--job", group.job, "--force",
+                                "--socket", group.nodes[i].sock], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=120)
+            out = p.stdout.decode(errors="replace")
+            if p.returncode == 0 or "is connected" not in out or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        check(p.returncode == 0, "flashckpt release on node%d: %s" % (i, out))
     deadline = time.monotonic() + 60
     for i in range(group.members):
         while True:
