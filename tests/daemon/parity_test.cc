@@ -731,6 +731,19 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastT
   ASSERT_EQ(candidate.blocks[0].size(), 2u);  // both shares of block 0's stripe are listed
   const std::vector<uint8_t>& want = members[0]->images[{"job", 10, 17}];
   const RebuildStreaming small{256u << 10, 2u << 20};
+  {
+    // Members send 1 MiB parts: a ring of 1 MiB with 256 KiB windows takes none, and says so; a ring
+    // that is not a whole number of pages is refused before anything is fetched.
+    std::vector<char> out(candidate.meta.bytes, 0);
+    const Status refused =
+        RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline, {256u << 10, 1u << 20});
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.ToString();
+    EXPECT_NE(refused.message().find("a part of 1048576 bytes, more than a rebuild takes at once (786432)"),
+              std::string::npos)
+        << refused.ToString();
+    EXPECT_EQ(RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline, {256u << 10, 1000000}).code(),
+              StatusCode::kInvalidArgument);
+  }
 
   struct Case {
     std::string what;
