@@ -296,7 +296,7 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       auto c = std::find_if(listing.contributions.begin(), listing.contributions.end(),
                             [&](const auto& x) { return x.first == d; });
       if (c == listing.contributions.end()) {
-        if (zeros.size() < group.data_blocks()) zeros.push_back(d);
+        zeros.push_back(d);  // at most K - 1: this member is a data member of the stripe too
         continue;
       }
       const ParityMember* from = member_channel(member);
@@ -333,7 +333,7 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     // window at a time as their parts arrive; the fetches stop once it is. A piece that fails before
     // makes way for the next source, and the block is fetched and decoded again from its start (the
     // rings keep only what the decode has not used yet).
-    const size_t wanted = group.data_blocks() - std::min<size_t>(zeros.size(), group.data_blocks());
+    const size_t wanted = group.data_blocks() - zeros.size();
     while (true) {
       std::vector<size_t> chosen;  // indexes into `sources`
       for (size_t i = 0; i < sources.size() && chosen.size() < wanted; ++i) {
