@@ -29,6 +29,12 @@ Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method
                  const std::string& what) {
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
+  // The sink may cancel the call until it is told that the call is over (before ctx goes).
+  sink->Calling(&ctx);
+  struct Unbind {
+    PartSink* sink;
+    ~Unbind() { sink->Calling(nullptr); }
+  } unbind{sink};
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
       grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel, method, &ctx, request));
   auto fail = [&](Status why) {

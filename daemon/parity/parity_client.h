@@ -46,12 +46,15 @@ Result<std::vector<ListedShare>> ListParityShares(grpc::Channel* channel, const 
 // Where a fetch puts the parts of a piece (a share or a block) as they arrive. Place returns where
 // the `n` bytes from offset `at` of the piece go (contiguous; it may wait for room), or an error that
 // ends the fetch; Arrived is told after each part how many bytes from the piece's start have arrived
-// and passed their checksums. Both are called on the fetching thread.
+// and passed their checksums. Both are called on the fetching thread. Calling is told of the fetch's
+// call when it starts and (nullptr) before it ends, so that a sink may cancel it from another thread
+// (`grpc::ClientContext::TryCancel`) while the fetch waits in gRPC for a part.
 class PartSink {
  public:
   virtual ~PartSink() = default;
   virtual Result<char*> Place(uint64_t at, uint64_t n) = 0;
   virtual void Arrived(uint64_t end) = 0;
+  virtual void Calling(grpc::ClientContext* /*call*/) {}
 };
 
 // Fetches a complete share (`bytes` long, as listed), each part where `sink` places it; CORRUPTION

@@ -59,17 +59,22 @@ class MirroredRing {
 
 // The fetches of one decode of a block, each into its ring: how far each has come, and how far the
 // decode has used their bytes (a fetch waits for room until the decode has used what it would
-// overwrite). Once the decode stops (done, or given up), each fetch ends at its next part, and is
-// not to blame for it.
+// overwrite). Once the decode stops (done, or given up), each fetch still running is cancelled (a
+// fetch waiting in gRPC for a part ends at once) and is not to blame for it. A fetch the decode
+// waits on that brings no part for `streaming.stall` is cancelled and is to blame: a member that
+// hangs costs the rebuild that long, not its deadline.
 class Fetches {
  public:
-  Fetches(const std::vector<MirroredRing*>& rings, const RebuildStreaming& streaming,
-          std::chrono::steady_clock::time_point until)
+  using Steady = std::chrono::steady_clock;
+  Fetches(const std::vector<MirroredRing*>& rings, const RebuildStreaming& streaming, Steady::time_point until)
       : streaming_(streaming), until_(until) {
     for (size_t i = 0; i < rings.size(); ++i) sinks_.push_back(std::make_unique<Sink>(this, i, rings[i]));
     got_.assign(rings.size(), 0);
+    progress_.assign(rings.size(), Steady::now());
+    calls_.assign(rings.size(), nullptr);
     ended_.assign(rings.size(), false);
     stopped_them_.assign(rings.size(), false);
+    stalled_.assign(rings.size(), false);
   }
   PartSink* sink(size_t i) { return sinks_[i].get(); }
   void Ended(size_t i) EXCLUDES(mu_) {
@@ -78,12 +83,22 @@ class Fetches {
     cv_.NotifyAll();
   }
   // True once fetch i has `bytes` bytes in place; false when it ended short of them (its status
-  // says why) or the deadline passed.
+  // says why), the deadline passed, or it brought no part for the stall time since this wait began
+  // or its last part, whichever is later (then it is cancelled, and Stalled).
   bool WaitFor(size_t i, uint64_t bytes) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
+    const Steady::time_point entered = Steady::now();
     while (got_[i] < bytes) {
       if (ended_[i]) return false;
-      if (!cv_.WaitUntil(&lock, until_)) return got_[i] >= bytes;
+      const Steady::time_point stall_at = std::max(entered, progress_[i]) + streaming_.stall;
+      if (cv_.WaitUntil(&lock, std::min(until_, stall_at))) continue;
+      if (got_[i] >= bytes) return true;
+      if (Steady::now() >= until_) return false;
+      if (Steady::now() >= std::max(entered, progress_[i]) + streaming_.stall) {
+        stalled_[i] = true;
+        if (calls_[i] != nullptr) calls_[i]->TryCancel();
+        return false;
+      }
     }
     return true;
   }
@@ -93,17 +108,27 @@ class Fetches {
     used_ = offset;
     cv_.NotifyAll();
   }
-  // The decode needs nothing more of any piece.
+  // The decode needs nothing more of any piece: the fetches still running are cancelled.
   void Stop() EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     stopped_ = true;
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      if (ended_[i]) continue;
+      if (!stalled_[i]) stopped_them_[i] = true;
+      if (calls_[i] != nullptr) calls_[i]->TryCancel();
+    }
     cv_.NotifyAll();
   }
   // Whether fetch i ended because the decode stopped, or the deadline passed while it waited for
   // the decode: no failure of its source.
   bool EndedByTheDecode(size_t i) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
-    return stopped_them_[i];
+    return stopped_them_[i] && !stalled_[i];
+  }
+  // Whether fetch i was cancelled for bringing no part for the stall time.
+  bool Stalled(size_t i) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    return stalled_[i];
   }
 
  private:
@@ -112,6 +137,7 @@ class Fetches {
     Sink(Fetches* fetches, size_t i, MirroredRing* ring) : fetches_(fetches), i_(i), ring_(ring) {}
     Result<char*> Place(uint64_t at, uint64_t n) override { return fetches_->Place(i_, ring_, at, n); }
     void Arrived(uint64_t end) override { fetches_->Arrived(i_, end); }
+    void Calling(grpc::ClientContext* call) override { fetches_->Calling(i_, call); }
 
    private:
     Fetches* fetches_;
@@ -140,17 +166,28 @@ class Fetches {
   void Arrived(size_t i, uint64_t end) EXCLUDES(mu_) {
     MutexLock lock(&mu_);
     got_[i] = end;
+    progress_[i] = Steady::now();
     cv_.NotifyAll();
+  }
+  // A call that starts after the decode stopped (or fetch i stalled) is cancelled as it starts.
+  void Calling(size_t i, grpc::ClientContext* call) EXCLUDES(mu_) {
+    MutexLock lock(&mu_);
+    calls_[i] = call;
+    if (call != nullptr && (stopped_ || stalled_[i])) call->TryCancel();
   }
 
   const RebuildStreaming streaming_;
-  const std::chrono::steady_clock::time_point until_;
+  const Steady::time_point until_;
   std::vector<std::unique_ptr<Sink>> sinks_;
   Mutex mu_;
   CondVar cv_;
   std::vector<uint64_t> got_ GUARDED_BY(mu_);
+  std::vector<Steady::time_point> progress_ GUARDED_BY(mu_);  // when fetch i's last part arrived
+  // Fetch i's call while it runs (cancelled from here: TryCancel may be called from any thread).
+  std::vector<grpc::ClientContext*> calls_ GUARDED_BY(mu_);
   std::vector<bool> ended_ GUARDED_BY(mu_);
   std::vector<bool> stopped_them_ GUARDED_BY(mu_);
+  std::vector<bool> stalled_ GUARDED_BY(mu_);
   uint64_t used_ GUARDED_BY(mu_) = 0;
   bool stopped_ GUARDED_BY(mu_) = false;
 };
@@ -251,6 +288,7 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       streaming.ring_bytes % page != 0) {
     return InvalidArgument("a rebuild's ring must be a whole number of pages, longer than its window");
   }
+  if (streaming.stall.count() <= 0) return InvalidArgument("a rebuild's stall time must be positive");
   const ReplicaMeta& meta = candidate.meta;
   // The deadline on the steady clock (a year at most, so that the sum cannot overflow).
   const auto until =
@@ -388,9 +426,14 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
       if (complete) break;  // every byte used arrived and passed its checksum
       bool blamed = false;
       for (size_t c = 0; c < chosen.size(); ++c) {
-        if (fetched[c].ok() || fetches.EndedByTheDecode(c)) continue;
         Source& source = sources[chosen[c]];
-        failures += "; " + source.what + ": " + fetched[c].ToString();
+        if (fetches.Stalled(c)) {
+          failures += "; " + source.what + ": no part arrived for " + std::to_string(streaming.stall.count()) + " ms";
+        } else if (fetched[c].ok() || fetches.EndedByTheDecode(c)) {
+          continue;
+        } else {
+          failures += "; " + source.what + ": " + fetched[c].ToString();
+        }
         source.failed = blamed = true;
       }
       if (!blamed || std::chrono::steady_clock::now() >= until) {

@@ -52,10 +52,13 @@ Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std:
 
 // How a rebuild streams a stripe's pieces: each fetch runs at most `ring_bytes` ahead of the decode,
 // which takes `window_bytes` at a time. The ring is a whole number of pages, and a part longer than
-// ring_bytes - window_bytes fails its piece (members send 1 MiB parts).
+// ring_bytes - window_bytes fails its piece (members send 1 MiB parts). A piece whose fetch brings
+// no part for `stall` while the decode waits on it (a member that hangs, or cannot be reached) is
+// cancelled and replaced by the next source.
 struct RebuildStreaming {
   uint64_t window_bytes = 4u << 20;
   uint64_t ring_bytes = 16u << 20;
+  std::chrono::milliseconds stall{10000};
 };
 
 // Rebuilds the candidate's image (meta.bytes bytes) into `into`. FAILED_PRECONDITION when a stripe

@@ -653,12 +653,14 @@ TEST(ParityServiceTest, LostMembersRanksAreRebuiltOverGrpcFromTheSurvivorsBlocks
 
 
 // A member whose Parity.FetchShare serves a share's first `good_bytes` bytes and then a part whose
-// checksum fails; its Parity.FetchBlock serves its own blocks (from `real`'s images) whole.
+// checksum fails, or (`stall`) then sends nothing more until the call is cancelled (a member that
+// hangs; 50 s at most); its Parity.FetchBlock serves its own blocks (from `real`'s images) whole.
 class ShareBreakingOff final : public v1::Parity::Service {
  public:
-  ShareBreakingOff(const ParityGroup& group, const ServedMember* real, uint32_t index, uint64_t good_bytes)
-      : group_(group), real_(real), index_(index), good_bytes_(good_bytes) {}
-  grpc::Status FetchShare(grpc::ServerContext*, const v1::FetchShareRequest* request,
+  ShareBreakingOff(const ParityGroup& group, const ServedMember* real, uint32_t index, uint64_t good_bytes,
+                   bool stall = false)
+      : group_(group), real_(real), index_(index), good_bytes_(good_bytes), stall_(stall) {}
+  grpc::Status FetchShare(grpc::ServerContext* ctx, const v1::FetchShareRequest* request,
                           grpc::ServerWriter<v1::ParityPart>* writer) override {
     auto share = real_->parity.Find(request->job(), request->position(), request->stripe(), request->step());
     if (!share.ok()) return grpc::Status(grpc::StatusCode::NOT_FOUND, share.status().ToString());
@@ -666,6 +668,14 @@ class ShareBreakingOff final : public v1::Parity::Service {
     for (uint64_t at = 0; at < (*share)->bytes(); at += kPart) {
       const uint64_t n = std::min(kPart, (*share)->bytes() - at);
       const bool bad = at >= good_bytes_;
+      if (bad && stall_) {
+        broken_.fetch_add(1);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(50);
+        while (!ctx->IsCancelled() && std::chrono::steady_clock::now() < until) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "stalled");
+      }
       if (!writer->Write(Part(data + at, n, bad))) break;
       if (bad) {
         broken_.fetch_add(1);
@@ -700,6 +710,7 @@ class ShareBreakingOff final : public v1::Parity::Service {
   const ServedMember* real_;
   uint32_t index_;
   uint64_t good_bytes_;
+  bool stall_;
   std::atomic<uint64_t> broken_{0};
 };
 
@@ -711,6 +722,10 @@ class ShareBreakingOff final : public v1::Parity::Service {
 //   decoded again.
 // - Both shares of a stripe break off at 7 MiB, past member 0's block: the block is decoded before
 //   that, and the failure of bytes it does not need neither fails the rebuild nor redoes it.
+// - The same two with shares that stop sending instead (a member that hangs; the rebuild's stall
+//   time is 300 ms): the hung share is cancelled and replaced, and the hung fetches past the block
+//   are cancelled once it is decoded; either way the rebuild ends in seconds, not at its deadline
+//   (40 s) or when the hung member gives up (50 s).
 // Each time member 0's image comes back bit for bit.
 TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastTheBlockIsNotBlamed) {
   std::mt19937_64 rng(33);
@@ -749,16 +764,21 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastT
     std::string what;
     std::vector<uint32_t> liars;  // the holders of block 0's stripe whose shares break off
     uint64_t good_bytes;
+    bool stall;  // they stop sending instead of sending a bad part
   };
   const uint32_t first = candidate.blocks[0][0].holder->index, second = candidate.blocks[0][1].holder->index;
-  for (const Case& c : std::vector<Case>{{"midway", {first}, 5u << 20}, {"past the block", {first, second}, 7u << 20}}) {
+  for (const Case& c : std::vector<Case>{{"midway", {first}, 5u << 20, false},
+                                         {"past the block", {first, second}, 7u << 20, false},
+                                         {"stalls midway", {first}, 5u << 20, true},
+                                         {"stalls past the block", {first, second}, 7u << 20, true}}) {
     SCOPED_TRACE(c.what);
     std::vector<std::unique_ptr<ShareBreakingOff>> liars;
     std::vector<std::unique_ptr<grpc::Server>> servers;
     for (ParityMember& m : survivors) {
       m.channel = members[m.index]->channel;
       if (std::find(c.liars.begin(), c.liars.end(), m.index) == c.liars.end()) continue;
-      liars.push_back(std::make_unique<ShareBreakingOff>(group, members[m.index].get(), m.index, c.good_bytes));
+      liars.push_back(
+          std::make_unique<ShareBreakingOff>(group, members[m.index].get(), m.index, c.good_bytes, c.stall));
       grpc::ServerBuilder builder;
       int port = 0;
       builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -768,9 +788,15 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastT
       m.channel = ReplicaChannel({"127.0.0.1:" + std::to_string(port), "", "", "", ""}).value();
     }
     std::vector<char> out(candidate.meta.bytes, 0);
-    ASSERT_OK(RebuildFromParity(group, survivors, candidate, 0, out.data(), deadline, small));
+    RebuildStreaming streaming = small;
+    streaming.stall = std::chrono::milliseconds(300);
+    const auto started = std::chrono::steady_clock::now();
+    ASSERT_OK(RebuildFromParity(group, survivors, candidate, 0, out.data(),
+                                std::chrono::system_clock::now() + std::chrono::seconds(40), streaming));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    EXPECT_LT(seconds, 20.0) << "the rebuild waited on a hung member";
     if (c.liars.size() == 1) {
-      EXPECT_GE(liars[0]->broken(), 1u);  // it did break off, within the block
+      EXPECT_GE(liars[0]->broken(), 1u);  // it did break off (or hang), within the block
     }
     ASSERT_EQ(out.size(), want.size());
     EXPECT_EQ(std::memcmp(out.data(), want.data(), want.size()), 0) << "member 0 rebuilt wrong";
