@@ -21,14 +21,17 @@ constexpr bool kSanitizerAllocator = false;
 constexpr bool kSanitizerAllocator = false;
 #endif
 
-// An operator's own setting of either threshold (glibc's environment variables or tunables) wins.
+// An operator's own setting of a threshold or of the arenas (glibc's environment variables or
+// tunables) wins.
 bool SetByOperator() {
-  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_ARENA_MAX") != nullptr) {
     return true;
   }
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   return tunables != nullptr &&
-         (std::strstr(tunables, "mmap_threshold") != nullptr || std::strstr(tunables, "trim_threshold") != nullptr);
+         (std::strstr(tunables, "mmap_threshold") != nullptr || std::strstr(tunables, "trim_threshold") != nullptr ||
+          std::strstr(tunables, "arena_max") != nullptr);
 }
 
 }  // namespace
@@ -40,7 +43,8 @@ AllocatorSetting KeepMessageBuffersInHeap() {
   // blocks are still mapped each time, or the heap is still trimmed after each).
   const bool heap = mallopt(M_MMAP_THRESHOLD, static_cast<int>(kHeapBlockBytes)) == 1;
   const bool kept = mallopt(M_TRIM_THRESHOLD, static_cast<int>(kKeptFreeBytes)) == 1;
-  return heap && kept ? AllocatorSetting::kSet : AllocatorSetting::kRefused;
+  const bool arenas = mallopt(M_ARENA_MAX, kArenas) == 1;
+  return heap && kept && arenas ? AllocatorSetting::kSet : AllocatorSetting::kRefused;
 }
 
 const char* AllocatorSettingName(AllocatorSetting s) {
