@@ -464,20 +464,24 @@ Result<size_t> ParityStore::Released(const std::string& job, uint32_t member) {
   if (first == slots_.end() || std::get<0>(first->first) != job) return size_t{0};  // none held here
   std::set<uint32_t>& said = released_[job];
   said.insert(member);
-  auto all_said = [&said](const ParityShare& share) {
-    for (const auto& [index, c] : share.contributions_) {
-      if (!said.count(c.member)) return false;
-    }
-    for (const auto& [index, from] : share.arriving_) {
-      if (!said.count(from)) return false;
-    }
-    return true;
+  // A rebuild of one of a stripe's blocks needs K of the stripe's other pieces: with M of the
+  // blocks in a share given back, fewer than K are held anywhere, so the share can rebuild nothing
+  // and goes (as it does once every member whose block is in it has said so: none is left to
+  // rebuild). A member that never says so, one that was lost, holds nothing up.
+  const size_t enough = group_.parity();
+  auto useless = [&said, enough](const ParityShare& share) {
+    std::set<uint32_t> in;  // the members whose blocks are in it, or arriving
+    for (const auto& [index, c] : share.contributions_) in.insert(c.member);
+    for (const auto& [index, from] : share.arriving_) in.insert(from);
+    size_t given_back = 0;
+    for (uint32_t m : in) given_back += said.count(m);
+    return given_back >= enough || given_back == in.size();
   };
   for (auto it = first; it != slots_.end() && std::get<0>(it->first) == job;) {
     Slot& slot = it->second;
-    if (slot.complete && all_said(*slot.complete)) gone.push_back(std::move(slot.complete));
+    if (slot.complete && useless(*slot.complete)) gone.push_back(std::move(slot.complete));
     for (auto b = slot.building.begin(); b != slot.building.end();) {
-      if (!all_said(*b->second)) {
+      if (!useless(*b->second)) {
         ++b;
         continue;
       }

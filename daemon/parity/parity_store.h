@@ -184,8 +184,9 @@ class ParityStore {
   // Forgets a job's shares.
   void Forget(const std::string& job);
   // Member `member`'s word that it gave `job`'s memory back (flashckpt release, --idle-release). A
-  // share of the job goes once every member whose block is in it (or arriving) has said so: their
-  // blocks are then held nowhere, so the share could only rebuild memory they let go of. A block of
+  // share of the job goes once M of the members whose blocks are in it (or arriving), or all of them,
+  // have said so: a rebuild of any other block of its stripe needs K pieces, and fewer are then held
+  // anywhere. A member that never says so (a lost one) does not keep the job's shares. A block of
   // the job from the member takes its word back. Returns how many shares went; INVALID_ARGUMENT for
   // a job name or member that does not fit.
   Result<size_t> Released(const std::string& job, uint32_t member);

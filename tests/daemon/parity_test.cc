@@ -805,8 +805,9 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastT
   for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
 }
 
-// Over gRPC, with each member's own ParitySender (as a daemon wires it to a job's release): once
-// every member has said that it gave the job's memory back, no holder holds a share of it.
+// Over gRPC, with each member's own ParitySender (as a daemon wires it to a job's release): once a
+// member has said that it gave the job's memory back, no holder holds a share its block is in (4
+// members, parity 1); once the others have too, none holds any.
 TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
   std::mt19937_64 rng(43);
   const ParityGroup group = ParityGroup::Make(4, 1).value();
@@ -839,9 +840,9 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
     return shares();
   };
   ASSERT_EQ(shares(), 4u);
-  for (uint32_t i = 0; i < 3; ++i) senders[i]->OfferReleased("job");
-  EXPECT_EQ(wait_for(3), 3u);  // member 3's share, coded from members 0, 1 and 2 alone
-  EXPECT_EQ(members[3]->parity.share_count(), 0u);
+  senders[0]->OfferReleased("job");
+  EXPECT_EQ(wait_for(1), 1u);  // member 0's own share, coded from members 1, 2 and 3 alone
+  EXPECT_EQ(members[0]->parity.share_count(), 1u);
   senders[3]->OfferReleased("job");
   EXPECT_EQ(wait_for(0), 0u);
   for (auto& member : members) EXPECT_EQ(member->parity.held_bytes(), 0u);
@@ -1134,48 +1135,68 @@ TEST(ParityStoreTest, AReplacedSharesMemoryIsKeptForTheNextStepWhichCodesOverItE
 }
 
 // A member's word that it gave a job's memory back (Released) drops a holder's share of the job
-// once every member whose block is in it has said so, and the share's memory goes back to the
-// budget; a later block of the job from a member takes its word back. (4 members, 1 parity: the
-// share member h holds is coded from the blocks of the three others.)
-TEST(ParityStoreTest, AShareGoesOnceEveryMemberWhoseBlockIsInItReleasedTheJob) {
+// once M of the members whose blocks are in it have said so (a rebuild of any other block of the
+// stripe needs K pieces, and fewer are then held anywhere), and the share's memory goes back to the
+// budget. The last member is lost and never says so: it holds nothing up. With 4 members and parity
+// 1, and 6 and parity 2, the members but the last say so one by one, and after each every holder
+// holds exactly the shares with fewer than M given-back blocks in them. Then (4 and 1) a later block
+// of the job from a member takes its word back.
+TEST(ParityStoreTest, AShareGoesOnceParityManyOfTheMembersWhoseBlocksAreInItReleasedTheJob) {
   std::mt19937_64 rng(41);
-  ParityStoreGroup members(4, 1);
-  std::vector<std::vector<uint8_t>> images;
-  for (uint32_t i = 0; i < 4; ++i) {
-    images.push_back(RandomBytes(rng, 200000 + 1000 * i));
-    for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
-      ASSERT_OK(members.Send("job", 17, i, 10 + i, 0, 1, images[i], b));
+  for (const auto& [g, m] : std::vector<std::pair<uint32_t, uint32_t>>{{4, 1}, {6, 2}}) {
+    SCOPED_TRACE(std::to_string(g) + " members, parity " + std::to_string(m));
+    ParityStoreGroup members(g, m);
+    const ParityGroup& group = members.group();
+    std::vector<std::vector<uint8_t>> images;
+    for (uint32_t i = 0; i < g; ++i) {
+      images.push_back(RandomBytes(rng, 200000 + 1000 * i));
+      for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+        ASSERT_OK(members.Send("job", 17, i, 10 + i, 0, 1, images[i], b));
+      }
     }
-  }
-  for (uint32_t h = 0; h < 4; ++h) ASSERT_EQ(members.store(h).complete_count(), 1u) << "member " << h;
-  EXPECT_EQ(members.store(0).Released("other", 1).value(), 0u);  // no share of it here
-  EXPECT_EQ(members.store(0).Released("job", 4).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(members.store(0).Released("../job", 1).status().code(), StatusCode::kInvalidArgument);
+    for (uint32_t h = 0; h < g; ++h) ASSERT_EQ(members.store(h).complete_count(), m) << "member " << h;
+    EXPECT_EQ(members.store(0).Released("other", 1).value(), 0u);  // no share of it here
+    EXPECT_EQ(members.store(0).Released("job", g).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(members.store(0).Released("../job", 1).status().code(), StatusCode::kInvalidArgument);
 
-  // Members 0, 1 and 2 give the job back: only member 3's share, coded from their blocks alone, goes.
-  for (uint32_t m : {0u, 1u, 2u}) {
-    for (uint32_t h = 0; h < 4; ++h) ASSERT_OK(members.store(h).Released("job", m).status());
-  }
-  for (uint32_t h = 0; h < 3; ++h) EXPECT_EQ(members.store(h).complete_count(), 1u) << "member " << h;
-  EXPECT_EQ(members.store(3).complete_count(), 0u);
-  EXPECT_EQ(members.store(3).held_bytes(), 0u);
-  EXPECT_EQ(members.used(3), 0u);
+    std::set<uint32_t> said;
+    for (uint32_t r = 0; r + 1 < g; ++r) {
+      for (uint32_t h = 0; h < g; ++h) ASSERT_OK(members.store(h).Released("job", r).status());
+      said.insert(r);
+      for (uint32_t stripe = 0; stripe < g; ++stripe) {
+        uint32_t given_back = 0;
+        for (uint32_t d = 0; d < group.data_blocks(); ++d) given_back += said.count(group.DataMember(stripe, d));
+        for (uint32_t row = 0; row < m; ++row) {
+          EXPECT_EQ(members.store(group.Holder(stripe, row)).Find("job", 0, stripe).ok(), given_back < m)
+              << "stripe " << stripe << " row " << row << " with " << given_back << " blocks given back, after member "
+              << r;
+        }
+      }
+    }
+    // Every member but the lost one said so: nothing of the job is held anywhere.
+    for (uint32_t h = 0; h < g; ++h) {
+      EXPECT_EQ(members.store(h).share_count(), 0u) << "member " << h;
+      EXPECT_EQ(members.store(h).held_bytes(), 0u) << "member " << h;
+      EXPECT_EQ(members.used(h), 0u) << "member " << h;
+    }
+    if (m != 1) continue;
 
-  // Member 0 runs the job again (step 18): its blocks take its word back. Member 3's release then
-  // drops only member 0's own share (coded from 1, 2 and 3); the shares member 0's blocks are in stay.
-  for (uint32_t b = 0; b < members.group().data_blocks(); ++b) {
-    ASSERT_OK(members.Send("job", 18, 0, 10, 0, 1, images[0], b));
-  }
-  for (uint32_t h = 0; h < 4; ++h) ASSERT_OK(members.store(h).Released("job", 3).status());
-  EXPECT_EQ(members.store(0).complete_count(), 0u);
-  EXPECT_EQ(members.used(0), 0u);
-  for (uint32_t h = 1; h < 4; ++h) EXPECT_GT(members.store(h).share_count(), 0u) << "member " << h;
-
-  // Member 0 gives it back again: nothing of the job is held anywhere.
-  for (uint32_t h = 0; h < 4; ++h) ASSERT_OK(members.store(h).Released("job", 0).status());
-  for (uint32_t h = 0; h < 4; ++h) {
-    EXPECT_EQ(members.store(h).share_count(), 0u) << "member " << h;
-    EXPECT_EQ(members.used(h), 0u) << "member " << h;
+    // Member 0 runs the job again (step 18): its blocks take its word back, and the shares they
+    // are in (building: no other member's block of step 18 came) outlive member 3's word.
+    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+      ASSERT_OK(members.Send("job", 18, 0, 10, 0, 1, images[0], b));
+    }
+    for (uint32_t h = 0; h < g; ++h) ASSERT_OK(members.store(h).Released("job", 3).status());
+    for (uint32_t b = 0; b < group.data_blocks(); ++b) {
+      const uint32_t holder = group.Holder(group.StripeOfBlock(0, b), 0);
+      EXPECT_GT(members.store(holder).share_count(), 0u) << "member " << holder;
+    }
+    // Member 0 gives it back again: nothing of the job is held anywhere.
+    for (uint32_t h = 0; h < g; ++h) ASSERT_OK(members.store(h).Released("job", 0).status());
+    for (uint32_t h = 0; h < g; ++h) {
+      EXPECT_EQ(members.store(h).share_count(), 0u) << "member " << h;
+      EXPECT_EQ(members.used(h), 0u) << "member " << h;
+    }
   }
 }
 
