@@ -805,6 +805,74 @@ TEST(ParityServiceTest, AShareThatBreaksOffMidwayIsReplacedAndOneThatBreaksPastT
   for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
 }
 
+// A holder that refuses release words while `refuse_words` is set (as a member that cannot be
+// reached for a moment) and takes blocks, read and dropped; it counts both.
+class WordCounter final : public v1::Parity::Service {
+ public:
+  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::ParityPart>* reader,
+                    v1::ParityPushResponse*) override {
+    v1::ParityPart part;
+    if (!reader->Read(&part) || !part.has_header()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "header");
+    const bool word = part.header().released();
+    while (reader->Read(&part)) {
+    }
+    if (!word) {
+      blocks.fetch_add(1);
+    } else if (refuse_words.load()) {
+      refused.fetch_add(1);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "not now");
+    } else {
+      words.fetch_add(1);
+    }
+    return grpc::Status::OK;
+  }
+  std::atomic<bool> refuse_words{true};
+  std::atomic<int> refused{0}, words{0}, blocks{0};
+};
+
+// A release word that could not be sent waits for its retry (1 s) in the member's queue; the job's
+// blocks offered meanwhile (it runs here again) drop it, so it never reaches a holder after them,
+// where it would count against them. 4 members, parity 1: member 0's blocks go to the three others.
+TEST(ParitySenderTest, AReleaseWordStillQueuedIsDroppedWhenTheJobsBlocksAreOfferedAgain) {
+  const ParityGroup group = ParityGroup::Make(4, 1).value();
+  WordCounter counter;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&counter);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ParitySender::Options options{group, 0, {}, 64 * 1024, {}, {}};
+  for (uint32_t j = 1; j < group.members(); ++j) {
+    options.members.emplace_back(j, ReplicaPeer{"127.0.0.1:" + std::to_string(port), "", "", "", ""});
+  }
+  ParitySender sender(std::move(options));
+  ASSERT_OK(sender.Start());
+  auto wait_until = [](const std::function<bool()>& done) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!done() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return done();
+  };
+  sender.OfferReleased("job");
+  ASSERT_TRUE(wait_until([&] { return counter.refused.load() >= 3; })) << counter.refused.load();
+  counter.refuse_words = false;  // the retry, a second from now, would be taken
+
+  auto image = std::make_shared<std::vector<char>>(300000, 7);
+  auto replica = std::make_shared<OutgoingReplica>();
+  replica->meta = ParityStoreGroup::Meta("job", 10, 18, image->size());
+  replica->data = image->data();
+  replica->keep = image;
+  sender.Offer({replica, 0, 1});
+  ASSERT_TRUE(wait_until([&] { return counter.blocks.load() >= 3; })) << counter.blocks.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // past the word's retry
+  EXPECT_EQ(counter.blocks.load(), 3);
+  EXPECT_EQ(counter.words.load(), 0) << "a release word reached a holder after the job's blocks";
+  sender.Stop();
+  server->Shutdown(std::chrono::system_clock::now());
+}
+
 // Over gRPC, with each member's own ParitySender (as a daemon wires it to a job's release): once a
 // member has said that it gave the job's memory back, no holder holds a share its block is in (4
 // members, parity 1); once the others have too, none holds any.
