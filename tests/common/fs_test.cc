@@ -346,32 +346,62 @@ TEST(RemoveStaleTemporaries, LeavesATemporaryOfAnotherPlaceAloneAndJudgesTheOlde
 
 // What each of two processes in new PID namespaces (both pid 1 there, as daemons in containers)
 // names its first temporary of one path, and its pid; empty when namespaces cannot be made here.
+// Both namespaces live until both names are read, as two daemons that could meet on one root do: a
+// namespace's identity (its inode number) may be given to a new one once it is gone.
 std::vector<std::pair<std::string, std::string>> TemporariesOfTwoPidOnes(const std::string& path) {
-  std::vector<std::pair<std::string, std::string>> out;
+  int release[2];  // closed by the parent once it has both names; the pid 1s wait for that
+  if (::pipe(release) != 0) return {};
+  std::vector<pid_t> children;
+  std::vector<int> reads;
   for (int i = 0; i < 2; ++i) {
     int fds[2];
-    if (::pipe(fds) != 0) return {};
+    if (::pipe(fds) != 0) break;
     const pid_t child = ::fork();
     if (child == 0) {
       ::close(fds[0]);
+      ::close(release[1]);
       if (::unshare(CLONE_NEWPID) != 0) ::_exit(77);
       const pid_t inner = ::fork();  // pid 1 of the new namespace
       if (inner == 0) {
         const std::string line = std::to_string(::getpid()) + " " + TemporaryPath(path);
-        ::_exit(::write(fds[1], line.data(), line.size()) == static_cast<ssize_t>(line.size()) ? 0 : 1);
+        const bool wrote = ::write(fds[1], line.data(), line.size()) == static_cast<ssize_t>(line.size());
+        ::close(fds[1]);
+        char c;
+        while (::read(release[0], &c, 1) > 0) {
+        }
+        ::_exit(wrote ? 0 : 1);
       }
+      ::close(fds[1]);
+      ::close(release[0]);
       int status = 0;
       ::_exit(inner > 0 && ::waitpid(inner, &status, 0) == inner && WIFEXITED(status) ? WEXITSTATUS(status) : 1);
     }
     ::close(fds[1]);
+    if (child < 0) {
+      ::close(fds[0]);
+      break;
+    }
+    children.push_back(child);
+    reads.push_back(fds[0]);
+  }
+  std::vector<std::string> lines;
+  for (int fd : reads) {
     std::string line;
     char buf[512];
-    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) line.append(buf, static_cast<size_t>(n));
-    ::close(fds[0]);
+    for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) line.append(buf, static_cast<size_t>(n));
+    ::close(fd);
+    lines.push_back(line);
+  }
+  ::close(release[1]);
+  ::close(release[0]);
+  bool ok = children.size() == 2;
+  for (pid_t child : children) {
     int status = 0;
-    if (child < 0 || ::waitpid(child, &status, 0) != child || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      return {};
-    }
+    ok = ::waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0 && ok;
+  }
+  if (!ok) return {};
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const std::string& line : lines) {
     const size_t space = line.find(' ');
     if (space == std::string::npos) return {};
     out.emplace_back(line.substr(0, space), line.substr(space + 1));
