@@ -303,6 +303,10 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
   // One ring per piece being fetched (at most one per member), made when first needed and reused
   // from stripe to stripe: the rebuild holds rings, not its pieces whole.
   std::vector<std::unique_ptr<MirroredRing>> rings(group.members());
+  // Members whose piece failed in a stripe (an error, a bad part, no part for the stall time): in
+  // the later stripes their pieces come after the others', so a member that hangs costs the rebuild
+  // its stall time once, not once per stripe.
+  std::set<uint32_t> failed_members;
   for (uint32_t block = 0; block < group.data_blocks(); ++block) {
     const uint32_t stripe = group.StripeOfBlock(self, block);
     const std::vector<ParityCandidate::Held>& held = candidate.blocks[block];
@@ -322,6 +326,7 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
     std::string failures;
     struct Source {
       uint32_t piece = 0;  // its index among the stripe's pieces
+      uint32_t member = 0;  // whose piece it is
       uint64_t bytes = 0;
       std::string what;
       std::function<Status(PartSink*)> fetch;
@@ -344,7 +349,8 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
         failures += "; the block of member " + std::to_string(member) + " is listed longer than its stripe";
         continue;
       }
-      sources.push_back({d, theirs.block_bytes, "block of member " + std::to_string(member) + " (" + from->target + ")",
+      sources.push_back({d, member, theirs.block_bytes,
+                         "block of member " + std::to_string(member) + " (" + from->target + ")",
                          [&meta, &theirs, from, stripe, deadline, bytes = theirs.block_bytes](PartSink* sink) {
                            return FetchParityBlock(from->channel.get(), meta.job, theirs.meta.rank, meta.step, stripe,
                                                    theirs.meta.run_id, theirs.meta.resumed_from, sink, bytes, deadline);
@@ -358,11 +364,14 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
         continue;
       }
       sources.push_back(
-          {group.data_blocks() + h.share.row, h.share.bytes, what, [&meta, &h, stripe, deadline](PartSink* sink) {
+          {group.data_blocks() + h.share.row, h.holder->index, h.share.bytes, what,
+           [&meta, &h, stripe, deadline](PartSink* sink) {
              return FetchParityShare(h.holder->channel.get(), meta.job, h.share.position, stripe, meta.step, sink,
                                      h.share.bytes, deadline);
            }});
     }
+    std::stable_partition(sources.begin(), sources.end(),
+                          [&](const Source& source) { return failed_members.count(source.member) == 0; });
     if (sources.size() > rings.size()) {
       return Internal("stripe " + std::to_string(stripe) + " has more sources than the group has members");
     }
@@ -435,6 +444,7 @@ Status RebuildFromParity(const ParityGroup& group, const std::vector<ParityMembe
           failures += "; " + source.what + ": " + fetched[c].ToString();
         }
         source.failed = blamed = true;
+        failed_members.insert(source.member);
       }
       if (!blamed || std::chrono::steady_clock::now() >= until) {
         return DeadlineExceeded("the rebuild of stripe " + std::to_string(stripe) + " of job '" + meta.job + "' step " +
