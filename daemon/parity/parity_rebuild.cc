@@ -114,7 +114,7 @@ class Fetches {
     stopped_ = true;
     for (size_t i = 0; i < calls_.size(); ++i) {
       if (ended_[i]) continue;
-      if (!stalled_[i]) stopped_them_[i] = true;
+      stopped_them_[i] = true;
       if (calls_[i] != nullptr) calls_[i]->TryCancel();
     }
     cv_.NotifyAll();

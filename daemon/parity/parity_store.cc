@@ -401,12 +401,13 @@ void ParityStore::SpoilLocked(const std::shared_ptr<ParityShare>& share,
 void ParityStore::PruneLocked(const std::string& job, uint32_t position, uint32_t stripe) {
   auto it = slots_.find({job, position, stripe});
   if (it == slots_.end() || it->second.complete || !it->second.building.empty()) return;
-  it = slots_.erase(it);
-  // The members' release words are kept only for jobs with shares here.
-  if ((it == slots_.end() || std::get<0>(it->first) != job) &&
-      (it == slots_.begin() || std::get<0>(std::prev(it)->first) != job)) {
-    released_.erase(job);
-  }
+  slots_.erase(it);
+  if (!HoldsJobLocked(job)) released_.erase(job);  // release words are kept only for jobs with shares here
+}
+
+bool ParityStore::HoldsJobLocked(const std::string& job) const {
+  auto it = slots_.lower_bound({job, 0, 0});
+  return it != slots_.end() && std::get<0>(it->first) == job;
 }
 
 size_t ParityStore::CountLocked() const {
@@ -460,8 +461,7 @@ Result<size_t> ParityStore::Released(const std::string& job, uint32_t member) {
   std::vector<std::shared_ptr<ParityShare>> gone;      // freed after the lock
   std::vector<std::unique_ptr<ReplicaMapping>> freed;  // as well
   MutexLock lock(&mu_);
-  auto first = slots_.lower_bound({job, 0, 0});
-  if (first == slots_.end() || std::get<0>(first->first) != job) return size_t{0};  // none held here
+  if (!HoldsJobLocked(job)) return size_t{0};  // none held here
   std::set<uint32_t>& said = released_[job];
   said.insert(member);
   // A rebuild of one of a stripe's blocks needs K of the stripe's other pieces: with M of the
@@ -477,7 +477,7 @@ Result<size_t> ParityStore::Released(const std::string& job, uint32_t member) {
     for (uint32_t m : in) given_back += said.count(m);
     return given_back >= enough || given_back == in.size();
   };
-  for (auto it = first; it != slots_.end() && std::get<0>(it->first) == job;) {
+  for (auto it = slots_.lower_bound({job, 0, 0}); it != slots_.end() && std::get<0>(it->first) == job;) {
     Slot& slot = it->second;
     if (slot.complete && useless(*slot.complete)) gone.push_back(std::move(slot.complete));
     for (auto b = slot.building.begin(); b != slot.building.end();) {
@@ -491,8 +491,7 @@ Result<size_t> ParityStore::Released(const std::string& job, uint32_t member) {
     }
     it = slot.complete || !slot.building.empty() ? std::next(it) : slots_.erase(it);
   }
-  first = slots_.lower_bound({job, 0, 0});
-  if (first == slots_.end() || std::get<0>(first->first) != job) released_.erase(job);  // none left
+  if (!HoldsJobLocked(job)) released_.erase(job);  // none left
   PruneKeptLocked(&freed);
   return gone.size();
 }

@@ -223,6 +223,8 @@ class ParityStore {
   void SpoilLocked(const std::shared_ptr<ParityShare>& share, std::vector<std::shared_ptr<ParityShare>>* dropped)
       REQUIRES(mu_);
   size_t CountLocked() const REQUIRES(mu_);
+  // Whether any share of `job` (complete or being built) is held here.
+  bool HoldsJobLocked(const std::string& job) const REQUIRES(mu_);
   // A share being built that starts as `held`, a complete share (its bytes, by then immutable, are
   // copied): for a block that comes after `held` was completed without it.
   Result<std::shared_ptr<ParityShare>> CopyOf(const ParityShare& held, const std::string& what);
