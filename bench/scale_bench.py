@@ -12,7 +12,7 @@ element by every rank. Printed per N:
 - commit latency: from the step's last signal to metadata.json and LATEST durable, as the completing
   daemon logs it (`complete ... commit_ms=`), median over the steps of both jobs;
 - file-system calls per checkpoint on the root (the daemons' flashckpt_root_io_calls_total, summed):
-  a job of 1 save and a job of 5 saves are run, and a quarter of their difference is one checkpoint's
+  a job of 1 save and a job of 11 saves are run, and a tenth of their difference is one checkpoint's
   share, registration and the ranks' final waits excluded; in total and per rank;
 - the daemons' memory per registered rank (RssAnon of the daemon processes before and after the
   first job's ranks registered; the ranks' shared memory is not in it);
@@ -48,7 +48,7 @@ COMPLETE = re.compile(r"\[catalog\] complete job=(\S+) step=(\d+) .*commit_ms=([
                       r"signals_ms=([\d.]+) headers_ms=([\d.]+) write_ms=([\d.]+)")
 CALL = re.compile(r'^flashckpt_root_io_calls_total\{call="(\w+)"\} (\S+)$', re.M)
 LAYERS, HIDDEN = 2, 64
-MANY_SAVES = 5  # the saves of the second job: with the first job's one, the commit latencies sampled
+MANY_SAVES = 11  # the saves of the second job: with the first job's one, the commit latencies sampled
 # LeakSanitizer cannot read /proc of a process in another PID namespace: in a sanitized build the
 # nodes' processes run without leak checks (address and undefined-behaviour checks stay on).
 NODE_ENV = dict(os.environ, ASAN_OPTIONS=":".join(o for o in (os.environ.get("ASAN_OPTIONS", ""), "detect_leaks=0") if o))
