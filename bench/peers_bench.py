@@ -33,6 +33,12 @@ Medians over --rounds rounds (at least 5 for figures to quote); one line per sys
                (flashckpt: a memory checkpoint, Checkpointer.resume(); dlrover: its agent's
                shared memory), else from the files (with the page cache as the save left it).
 
+After the resume the restarted process takes one AdamW step and then resumes the same way again,
+as a restart after a second crash would: INFO resumed_again_saved=K/N counts the rounds in which
+that second resume took the same step from the same tier (memory or the files; dlrover: memory when
+the tensors it returns lie in its shared memory) and gave the saved state back, i.e. the checkpoint
+resumed from was not changed by the training that followed it.
+
 flashckpt: the warm-up saves and the measured save go to disk, then a memory checkpoint of the next step
 (INFO: its blocking time), and the restarted process resumes the newest, from memory.
 DLRover's Flash Checkpoint runs as its documentation says for a restartable job: the trainer is
@@ -235,47 +241,64 @@ def train(args):
 def resume(args):
     """A restarted process of `args.peer`: a model and optimizer of other values, then the state of
     round args.round (its measured save, or flashckpt's newer memory checkpoint) back in them;
-    returns the time and the digest it has then."""
+    returns the time and the digest it has then. Then one training step and the same resume again:
+    its tier, step and digest say whether the checkpoint the system resumed from still holds the
+    saved state once the resumed process has trained on (a second crash would resume from it)."""
     import torch
     torch.set_num_threads(1)
     model, optimizer = build(args.layers, 7, args.device)  # other values, and AdamW state to load into
     step = 10 * (args.round + 1) + 2  # the measured save of train()
     where = os.path.join(args.work, args.peer)
     out = {}
+    ck = None
     if args.peer == "flashckpt":
         from flashckpt.torch import Checkpointer
         ck = Checkpointer(model, optimizer, socket=args.socket, job="peers-%d" % args.round, memory_checkpoints=True)
-        t0 = time.perf_counter()
-        got = ck.resume()
-        out["resume_ms"] = (time.perf_counter() - t0) * 1e3
-        out["tier"], out["step"] = ck.resumed_tier, got
-        ck.close()
+
+        def load():
+            got = ck.resume()
+            return ck.resumed_tier, got
     elif args.peer == "dcp":
         import torch.distributed.checkpoint as dcp
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        t0 = time.perf_counter()
-        dcp.load(state, checkpoint_id=os.path.join(where, "step-%d" % step))
-        optimizer.load_state_dict(state["optim"])
-        out["resume_ms"] = (time.perf_counter() - t0) * 1e3
-        out["tier"] = "disk"
+
+        def load():
+            state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+            dcp.load(state, checkpoint_id=os.path.join(where, "step-%d" % step))
+            optimizer.load_state_dict(state["optim"])
+            return "disk", step
     elif args.peer == "dlrover":
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
         ck = DdpCheckpointer(where)
-        t0 = time.perf_counter()
-        state = ck.load_checkpoint()  # the agent's memory, else the newest step its tracker names
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-        out["resume_ms"] = (time.perf_counter() - t0) * 1e3
-        # load() maps the shared memory only when it takes the state from there.
-        out["tier"] = "memory" if ck._engine._shm_handler.shared_memory is not None else "disk"
+
+        def load():
+            state = ck.load_checkpoint()  # the agent's memory, else the newest step its tracker names
+            # From memory, the tensors it returns are views of the agent's shared memory.
+            shm = ck._engine._shm_handler.shared_memory
+            first = next(iter(state["model"].values()))
+            in_shm = False
+            if shm is not None:
+                base = torch.frombuffer(shm.buf, dtype=torch.uint8).data_ptr()
+                in_shm = base <= first.data_ptr() < base + shm.size
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optim"])
+            return "memory" if in_shm else "disk", step
     else:
-        t0 = time.perf_counter()
-        state = torch.load(os.path.join(where, "step-%d.pt" % step), map_location=args.device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-        out["resume_ms"] = (time.perf_counter() - t0) * 1e3
-        out["tier"] = "disk"
+        def load():
+            state = torch.load(os.path.join(where, "step-%d.pt" % step), map_location=args.device)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optim"])
+            return "disk", step
+    t0 = time.perf_counter()
+    out["tier"], out["step"] = load()
+    out["resume_ms"] = (time.perf_counter() - t0) * 1e3
     out["digest"] = digest(model, optimizer)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()  # writes every parameter, both moments and the step counts
+    out["tier_again"], out["step_again"] = load()
+    out["digest_again"] = digest(model, optimizer)
+    if args.peer == "flashckpt":
+        ck.close()
     return out
 
 
@@ -431,13 +454,17 @@ def main():
                     got = run_role(args, "resume", peer, rnd, env)
                 if got["digest"] != saved["digest"]:
                     sys.exit("%s round %d: the resumed state differs from the saved one" % (peer, rnd))
-                saved.update(resume_ms=got["resume_ms"], tier=got.get("tier"))
+                # Kept: the second resume found the same checkpoint where the first did, with the saved state.
+                saved.update(resume_ms=got["resume_ms"], tier=got.get("tier"), tier_again=got["tier_again"],
+                             kept=(got["digest_again"] == saved["digest"] and got["tier_again"] == got["tier"]
+                                   and got["step_again"] == got["step"]))
                 results[peer].append(saved)
                 print("round %d %-10s first save %8.1f ms (durable %8.1f)  second %8.1f ms  blocking %8.1f ms"
-                      "  durable %8.1f ms  resume %8.1f ms from %s%s" % (
+                      "  durable %8.1f ms  resume %8.1f ms from %s, resumed again from %s: %s%s" % (
                           rnd, peer, saved["first_blocking_ms"], saved["first_durable_ms"],
                           saved["second_blocking_ms"], saved["blocking_ms"],
-                          saved["durable_ms"], saved["resume_ms"], saved["tier"],
+                          saved["durable_ms"], saved["resume_ms"], saved["tier"], saved["tier_again"],
+                          "the saved state" if saved["kept"] else "NOT the saved state",
                           "  (memory save %.1f ms)" % saved["memory_blocking_ms"] if peer == "flashckpt" else ""),
                       flush=True)
                 shutil.rmtree(os.path.join(args.work, peer), ignore_errors=True)  # the disk stays the same size
@@ -458,10 +485,11 @@ def main():
             print("RESULT peer=%s blocking_ms=%.1f durable_ms=%.1f resume_ms=%.1f"
                   % (peer, med(peer, "blocking_ms"), med(peer, "durable_ms"), med(peer, "resume_ms")), flush=True)
             info = ("first_save_blocking_ms=%.1f first_save_durable_ms=%.1f second_save_blocking_ms=%.1f "
-                    "second_save_durable_ms=%.1f resumed_from=%s") % (
+                    "second_save_durable_ms=%.1f resumed_from=%s resumed_again_saved=%d/%d") % (
                 med(peer, "first_blocking_ms"), med(peer, "first_durable_ms"), med(peer, "second_blocking_ms"),
                 med(peer, "second_durable_ms"),
-                ",".join(sorted({str(r["tier"]) for r in results[peer]})))
+                ",".join(sorted({str(r["tier"]) for r in results[peer]})),
+                sum(r["kept"] for r in results[peer]), len(results[peer]))
             if peer == "flashckpt":
                 info += " memory_blocking_ms=%.1f save_call_ms=%.1f" % (
                     med(peer, "memory_blocking_ms"), med(peer, "save_call_ms"))
