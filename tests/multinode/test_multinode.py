@@ -21,7 +21,7 @@ process of the node, and its /dev/shm goes with the last of them.
      bit-exact, and the next save deletes the step. A node killed in the middle of a restore leaves
      its lease: the step stays while the lease lives and is deleted once it has expired.
 
-Needs root (namespaces, mounts): otherwise it prints why and exits 0 (ctest: skipped, code 77).
+Needs root (namespaces, mounts): otherwise it prints why and exits 77 (ctest: skipped).
 
     test_multinode.py --bin-dir build/bin [--keep]
 """
@@ -139,11 +139,13 @@ class Node:
         return (["nsenter", "--target", str(self.pid1), "--mount"] + (["--pid"] if pid else []) +
                 (["--net"] if self.net else []) + ["--"])
 
-    def start_daemon(self, *extra):
+    def start_daemon(self, *extra, tuned=True):
+        """flashckptd with what makes it this node's (socket, root, node name), the tests' budget and
+        sweep interval unless tuned=False (a daemon's defaults), and `extra`."""
         self.starts += 1
+        tuning = ["--max-host-memory", "256MiB", "--sweep-interval", "1"] if tuned else []
         self.daemon = self.run([os.path.join(self.bin_dir, "flashckptd"), "--socket", self.sock, "--root", self.root,
-                                "--node-name", self.name, "--max-host-memory", "256MiB", "--sweep-interval", "1"] +
-                               list(extra), "flashckptd-%d.log" % self.starts)
+                                "--node-name", self.name] + tuning + list(extra), "flashckptd-%d.log" % self.starts)
         deadline = time.monotonic() + 30
         while not os.path.exists(self.sock):
             check(self.daemon.poll() is None, "flashckptd of %s exited:\n%s" % (self.name, tail(self.logs[-1])))
@@ -499,6 +501,13 @@ def main():
     ap.add_argument("--bin-dir", required=True)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
+    return run_on_nodes(lambda tmp: run(tmp, os.path.abspath(args.bin_dir)), "fcmultinode", args.keep)
+
+
+def run_on_nodes(body, prefix, keep):
+    """Runs body(tmp) of a test on simulated nodes, `tmp` a new folder under /tmp whose name starts
+    with `prefix` (removed at the end unless `keep`); returns the exit status: 0 passed, 1 failed
+    (the nodes' logs printed), SKIP where this machine cannot make the nodes (not root, no namespaces)."""
     if os.geteuid() != 0:
         print("SKIPPED: simulated nodes need root (mount and PID namespaces, a tmpfs per node)")
         return SKIP
@@ -507,14 +516,14 @@ def main():
     if probe.returncode != 0:
         print("SKIPPED: cannot create namespaces here: %s" % probe.stdout.decode().strip())
         return SKIP
-    tmp = tempfile.mkdtemp(prefix="fcmultinode", dir="/tmp")
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     try:
-        run(tmp, os.path.abspath(args.bin_dir))
+        body(tmp)
     except (TestFailure, flashckpt_reader.CheckpointError, subprocess.TimeoutExpired) as e:
         print_failure(e, tmp)
         return 1
     finally:
-        if not args.keep:
+        if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print("PASSED")
     return 0
