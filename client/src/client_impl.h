@@ -85,8 +85,8 @@ struct Client::Impl {
   bool broken = false;
 
   // Mapped lazily: a restarted trainer's restore touches the one slot it reads. Once a snapshot has
-  // filled a slot, `populator` maps the pages of all of them in the background, so no later
-  // snapshot into another slot takes page faults; Unmap() stops it first.
+  // filled a slot, or when Populate() asks, `populator` maps the pages of all of them in the
+  // background, so no later snapshot into another slot takes page faults; Unmap() stops it first.
   std::unique_ptr<SharedSegment> segment;
   std::thread populator;
   std::atomic<bool> stop_populating{false};

@@ -282,6 +282,13 @@ Status Client::Register(const Topology& topology, const std::vector<TensorSpec>&
   return Status::OK();
 }
 
+Status Client::Populate() {
+  RETURN_IF_ERROR(impl_->Usable());
+  if (!impl_->segment) return FailedPrecondition("Populate() before Register(): the rank has no slots yet");
+  impl_->PopulateInBackground();
+  return Status::OK();
+}
+
 const std::string& Client::RunId() const { return impl_->run_id; }
 
 }  // namespace flashckpt

@@ -10,8 +10,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 #include <thread>
 
 #include "common/base/log.h"
@@ -202,6 +205,56 @@ TEST_F(DaemonTest, LargeTensorsAreCopiedInChunksOnSeveralThreadsBitExact) {
   ASSERT_OK(r.status());
   EXPECT_EQ(std::memcmp(w.data(), w2.data(), n * 4), 0);
   EXPECT_EQ(std::memcmp(m.data(), m2.data(), n * 4), 0);
+}
+
+// The most bytes that one of this process's mappings of a file in /dev/shm whose name starts with
+// `prefix` has in its page tables (smaps' Rss), and that file's size. (The daemon in this process
+// maps the same segment, lazily too.)
+struct ShmResidency {
+  uint64_t resident = 0, file_bytes = 0;
+};
+ShmResidency MostResidentShm(const std::string& prefix) {
+  ShmResidency most;
+  std::ifstream smaps("/proc/self/smaps");
+  std::optional<ShmResidency> mapping;  // of the current mapping, when it is one of those files
+  for (std::string line; std::getline(smaps, line);) {
+    const bool first_line = std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' ');
+    if (first_line) {  // range, perms, offset, dev, inode, path
+      const size_t path = line.find(" /dev/shm/" + prefix);
+      mapping.reset();
+      if (path != std::string::npos) mapping = ShmResidency{0, std::filesystem::file_size(line.substr(path + 1))};
+    } else if (mapping && line.rfind("Rss:", 0) == 0) {
+      mapping->resident = std::stoull(line.substr(4)) * 1024;  // "Rss:    1234 kB"
+      if (mapping->resident >= most.resident) most = *mapping;
+    }
+  }
+  return most;
+}
+
+// Populate() maps every slot's pages on a client thread, so a first snapshot some steps after the
+// registration finds its slot faulted in. Registration alone maps lazily (the header page or so).
+TEST_F(DaemonTest, PopulateMapsTheSlotsPagesInTheBackgroundAfterALazyRegistration) {
+  auto c = Connect("populate", 0);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->Populate().code(), StatusCode::kFailedPrecondition);  // no slots before Register()
+  const uint64_t n = (4ull << 20) / 4;                                // two 4 MiB tensors a slot
+  ASSERT_OK(c->Register(Topology{}, Specs(n)));
+  const ShmResidency lazy = MostResidentShm("flashckpt.populate.0.");
+  ASSERT_GE(lazy.file_bytes, 2 * 2 * n * 4) << "two slots of two tensors expected";
+  EXPECT_LT(lazy.resident, lazy.file_bytes / 8) << "the registration mapped the segment's pages";
+  ASSERT_OK(c->Populate());
+  ShmResidency now = lazy;
+  for (auto until = std::chrono::steady_clock::now() + 20s;
+       now.resident < now.file_bytes * 9 / 10 && std::chrono::steady_clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+    now = MostResidentShm("flashckpt.populate.0.");
+  }
+  EXPECT_GE(now.resident, now.file_bytes * 9 / 10) << "of " << now.file_bytes << " bytes";
+  ASSERT_OK(c->Populate());  // again: it has run for this mapping
+  // The populated slots take a snapshot as fresh ones do.
+  std::vector<float> w(n, 1.f), m(n, -1.f);
+  ASSERT_OK(c->Snapshot(3, {{"w", w.data(), n * 4}, {"w.exp_avg", m.data(), n * 4}}, {}).status());
+  ASSERT_OK(c->WaitPersisted(3, 10s));
 }
 
 TEST_F(DaemonTest, RegistrationOverBudgetIsRefusedWithSizes) {

@@ -210,6 +210,14 @@ class FLASHCKPT_API Client {
   // with a different layout replaces the previous one.
   Status Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema = {});
 
+  // Maps the pages of every slot for writing on a client thread, the first slot first, and returns
+  // at once: the first-touch faults (the kernel zeroing fresh shared memory) that the first snapshot
+  // into each slot would otherwise take while the trainer waits. Call it after Register() when the
+  // first snapshot is some steps away. Snapshot() and Restore() may run while it works; it runs once
+  // per mapping (the first snapshot starts it when it has not run) and stops when the segment is
+  // unmapped. FailedPrecondition before Register().
+  Status Populate();
+
   // The run this client's session belongs to (ClientOptions::run_id, or the daemon's choice);
   // empty before Register().
   const std::string& RunId() const;
