@@ -440,6 +440,16 @@ class PyClient {
     return Take(std::move(json));
   }
 
+  void Populate() {
+    Status status;
+    Client* client = Live();  // raises, so it must run with the GIL held
+    {
+      py::gil_scoped_release release;  // it first waits for a device snapshot's commit thread
+      status = client->Populate();
+    }
+    Check(status);
+  }
+
   void Close() {
     if (!client_) return;
     py::gil_scoped_release release;
@@ -535,6 +545,7 @@ PYBIND11_MODULE(_flashckpt, m) {
       .def("disk_extra", &PyClient::DiskExtra, py::arg("step"), py::arg("timeout"))
       .def("ema_names", &PyClient::EmaNames)
       .def("ema", &PyClient::Ema, py::arg("buffers"), py::arg("timeout"))
+      .def("populate", &PyClient::Populate)
       .def("status_json", &PyClient::StatusJson)
       .def("close", &PyClient::Close);
 }

@@ -8,6 +8,10 @@
   checkpoint (the copy is done when save returns for CPU tensors);
 - the layout is re-registered when Adam's state appears, and resume() into a fresh optimizer
   restores everything;
+- with torch 2's optimizer step hooks, the optimizer's first step registers the layout with its
+  Adam state and the client maps the slots' pages on its thread (smaps' Rss of the segment), so the
+  first save registers nothing new; a daemon gone by then makes that step warn, not raise, and the
+  first save raises;
 - a state dict whose structure changed between save and resume is a StructureMismatchError naming
   the first differing key, and leaves the model untouched;
 - a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key;
@@ -59,6 +63,22 @@ def step_once(model, optimizer, g):
     loss.backward()
     optimizer.step()
     return loss.item()
+
+
+def most_resident_shm(prefix):
+    """(Rss, file bytes, path) of the mapping in this process of a /dev/shm file whose name starts with
+    `prefix` that has the most bytes in its page tables ((-1, 0, None) when there is none)."""
+    most, current = (-1, 0, None), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line: range ... path
+                path = fields[5] if len(fields) > 5 else ""
+                current = path if path.startswith("/dev/shm/" + prefix) else None
+            elif current and fields[0] == "Rss:":
+                found = (int(fields[1]) * 1024, os.path.getsize(current), current)
+                most = max(most, found, key=lambda m: m[0])
+    return most
 
 
 class CheckpointerTest(harness.DaemonTestCase):
@@ -212,6 +232,48 @@ class CheckpointerTest(harness.DaemonTestCase):
             ck2.save(3)                      # same layout as restored: no re-registration needed
         for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
             self.assertTrue(torch.equal(a, b), k)
+
+    def test_the_first_step_prepares_the_first_save(self):
+        if not hasattr(torch.optim.Optimizer, "register_step_post_hook"):
+            self.skipTest("this torch has no optimizer step hooks (torch 2 has them)")
+        job = self.daemon.job("prepared")
+        model = mlp(hidden=4096)  # 0.6 MiB of weights and moments a slot: many pages
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(5)
+        with self.checkpointer(model, optimizer, job) as ck:
+            self.assertEqual(ck.client.registered, {})  # nothing to register before Adam's state exists
+            step_once(model, optimizer, g)
+            registered = ck.client.registered
+            self.assertIn("optimizer.state.0.exp_avg", registered)
+            self.assertIsNone(ck.prepare_error)
+            self.assertIsNotNone(most_resident_shm("flashckpt.%s.0." % job)[2])  # mapped by the registration
+            harness.wait_for(lambda: most_resident_shm("flashckpt.%s.0." % job)[0] >=
+                             0.9 * most_resident_shm("flashckpt.%s.0." % job)[1], 20,
+                             "the client's thread mapping the slots' pages (Rss, file bytes): %s"
+                             % (most_resident_shm("flashckpt.%s.0." % job),))
+            segment = most_resident_shm("flashckpt.%s.0." % job)[2]
+            step_once(model, optimizer, g)
+            ck.save(2)
+            self.assertEqual(ck.client.registered, registered)
+            self.assertEqual(most_resident_shm("flashckpt.%s.0." % job)[2], segment)  # the same segment
+            ck.wait_persisted(2, timeout=30)
+        step_once(model, optimizer, g)  # close() took the hook off: nothing prepares on a closed client
+
+    def test_a_daemon_gone_before_the_first_step_warns_there_and_the_save_raises(self):
+        if not hasattr(torch.optim.Optimizer, "register_step_post_hook"):
+            self.skipTest("this torch has no optimizer step hooks (torch 2 has them)")
+        with harness.Daemon() as daemon:
+            model = mlp()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            ck = Checkpointer(model, optimizer, socket=daemon.socket, job=daemon.job("gone"), connect_timeout=0.5,
+                              rpc_timeout=2.0)
+            daemon.stop()
+            with self.assertWarnsRegex(RuntimeWarning, "preparing the first save"):
+                step_once(model, optimizer, torch.Generator().manual_seed(6))
+            self.assertIsInstance(ck.prepare_error, flashckpt.FlashckptError)
+            with self.assertRaises(flashckpt.FlashckptError):
+                ck.save(1)
+            ck.close()
 
     def test_a_corrupt_memory_checkpoint_is_found_by_the_restore_and_the_disk_used(self):
         job = self.daemon.job("memcorrupt")

@@ -273,6 +273,14 @@ class Client:
         self._live().register(self.topology, out, self._ema if with_ema else None)
         self._layout, self._replicas, self._ema_shapes = layout, replicas, ema_shapes
 
+    def populate(self) -> None:
+        """Maps the pages of every slot for writing on a client thread and returns at once, so the
+        first snapshot into each slot does not take the first-touch faults of fresh shared memory
+        (about as long as the copy itself). Call it after register() when the first snapshot is some
+        steps away; the first snapshot starts it when it has not run. Raises FailedPreconditionError
+        before register()."""
+        self._live().populate()
+
     @property
     def registered(self) -> Dict[str, Tuple[str, Shape]]:
         """name -> (dtype, shape) of the registered tensors (dtype as safetensors names it: F32, BF16, ...)."""

@@ -40,7 +40,11 @@ daemon keeps an fp32 EMA of the model's floating tensors (parameters and floatin
 ema_decay is set.
 
 The layout is registered with the daemon on the first save and again whenever the set, dtype or
-shape of the tensors changes (Adam's state appears only after its first step).
+shape of the tensors changes (Adam's state appears only after its first step). Where torch has
+optimizer step hooks (torch 2), the Checkpointer registers it right after each optimizer's first
+step and has the client map its slots' memory on a thread (prepare()), so that the first save,
+some steps later, costs what a later one does instead of waiting for the kernel to fault in fresh
+shared memory.
 
 Resume restores the latest complete checkpoint in place into the model's tensors; the optimizer
 gets its state through optimizer.load_state_dict() (its fresh state may be empty). A checkpoint
@@ -105,7 +109,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Union
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Set, Union
 
 import torch
 
@@ -156,7 +161,8 @@ class Checkpointer:
     among them, or None), extra (the `extra` of the resumed checkpoint), resumed_step, resumed_tier
     ("memory" or "disk": where resume() got it), saves,
     blocked_seconds (total time save() blocked the caller), last_snapshot, ema_step (step of the EMA
-    last read).
+    last read), prepare_error (what preparing the first save after an optimizer's first step raised,
+    or None; see prepare()).
     """
 
     def __init__(self, model: object, optimizer: Optional[object] = None, *, socket: Union[str, os.PathLike[str]],
@@ -198,6 +204,12 @@ class Checkpointer:
         self.saves = 0
         self.blocked_seconds = 0.0
         self.last_snapshot: Optional[Snapshot] = None
+        self.prepare_error: Optional[Exception] = None
+        self._resuming = False
+        self._prepared: Set[int] = set()  # id() of the optimizers whose first step prepared the first save
+        self._step_hooks: Dict[int, Any] = {
+            id(opt): opt.register_step_post_hook(self._after_first_step) for opt in self.states.values()
+            if _torch_state.is_optimizer(opt) and hasattr(opt, "register_step_post_hook")}
 
     @property
     def states(self) -> Dict[str, Any]:
@@ -229,6 +241,7 @@ class Checkpointer:
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
         started = time.perf_counter()
+        self._remove_step_hooks(prepared_only=True)
         tree, tensors = self._layout.flatten()
         tensors, specs = self._shares.split(tensors)
         self._layout.register(self.client, tensors, specs)
@@ -246,6 +259,37 @@ class Checkpointer:
         self.saves += 1
         self.blocked_seconds += snap.seconds
         return snap
+
+    def prepare(self) -> None:
+        """Registers the states' current layout with the daemon, unless it is registered already, and
+        has the client map the pages of the rank's slots for writing on a thread (Client.populate),
+        then returns: the first save afterwards finds its slot's memory faulted in. The Checkpointer
+        calls it after each optimizer's first step (torch 2); call it yourself when the state is
+        complete some steps before the first save and no optimizer step comes between (a model
+        without an optimizer). Raises what registration raises (save() would raise the same)."""
+        _, tensors = self._layout.flatten()
+        tensors, specs = self._shares.split(tensors)
+        self._layout.register(self.client, tensors, specs)
+        self.client.populate()
+
+    def _after_first_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Step hook: the optimizer's state now exists, so the layout a save registers is known; its
+        first step prepares the save, later ones return at once (torch iterates its hooks while this
+        runs, so the handle is removed by the next save or close()). A failure is warned about and
+        kept in prepare_error; the first save registers again and raises what it raises."""
+        if self._resuming or id(optimizer) in self._prepared:  # resume() steps a fresh DTensor optimizer once
+            return
+        self._prepared.add(id(optimizer))
+        try:
+            self.prepare()
+        except Exception as e:  # the first save registers again and raises it
+            self.prepare_error = e
+            warnings.warn("flashckpt: preparing the first save after the optimizer's first step failed (the "
+                          "first save registers again): %s: %s" % (type(e).__name__, e), RuntimeWarning)
+
+    def _remove_step_hooks(self, prepared_only: bool) -> None:
+        for key in [k for k in self._step_hooks if not prepared_only or k in self._prepared]:
+            self._step_hooks.pop(key).remove()
 
     def wait_copied(self) -> None:
         """Returns once the last snapshot has left the tensors (call it before optimizer.step(), and
@@ -291,8 +335,12 @@ class Checkpointer:
         # there is no checkpoint, so that a fresh start stays fresh.
         fresh = [obj for obj in self.states.values() if isinstance(obj, torch.optim.Optimizer)
                  and not obj.state and _torch_dtensor.has_dtensor_params(obj)]
-        for optimizer in fresh:
-            _torch_dtensor.init_optimizer_state(optimizer)
+        self._resuming = True  # that step is not the training's first: the step hook lets it be
+        try:
+            for optimizer in fresh:
+                _torch_dtensor.init_optimizer_state(optimizer)
+        finally:
+            self._resuming = False
         resume = _torch_resume.Resume(self.client, self._layout, self._shares, self._world_size, self.rng,
                                       self.extra, self.resumed_tier)
         try:
@@ -385,6 +433,7 @@ class Checkpointer:
         return self.client.status()
 
     def close(self) -> None:
+        self._remove_step_hooks(prepared_only=False)
         self.client.close()
 
     def __enter__(self) -> Checkpointer:
