@@ -2,19 +2,23 @@
 """One state, four checkpoint systems, one machine: flashckpt against torch.distributed.checkpoint's
 async_save, DLRover's Flash Checkpoint and torch.save + fsync.
 
-    bench/peers_bench.py --bin-dir DIR --python-dir DIR [--gib 1.1] [--rounds 5] [--dir DIR] [--device cuda]
+    bench/peers_bench.py --bin-dir DIR --python-dir DIR [--gib 1.1] [--rounds 5] [--steps 4] [--dir DIR]
+                         [--device cuda]
 
 Run it with the torch 2 environment's python (scripts/deps.sh: torch, dlrover). The state is an MLP
 of 4096 x 4096 fp32 layers with AdamW's two moments after one step (three times the parameter bytes,
 at least --gib GiB in all), in one process. Each round runs, for each system in turn (interleaved,
 so that the page cache and the other load on the machine fall on all of them alike), a fresh trainer
-process that builds the state and saves it twice, then a fresh process that builds a model and
-optimizer of other values and gets the state back; its bytes must equal the saved ones (a digest
-of every tensor), else the run fails. The first two saves of a trainer are a warm-up, as a training
-job saves many times: they pay what a system does once per process (flashckpt registers the state
-with the daemon, which creates its shared memory, and each of its two slots takes its first-touch
-page faults on the first save written into it; DLRover creates its shared memory; DCP sets up its
-stager and thread) and are reported apart, on an INFO line (first_save_*, second_save_*). The
+process that builds the state, makes its checkpointer, trains --steps AdamW steps (a job's first
+save comes some steps after its start) and saves three times, then a fresh process that builds a
+model and optimizer of other values and gets the state back; its bytes must equal the saved ones (a
+digest of every tensor), else the run fails. The first two saves of a trainer are a warm-up, as a
+training job saves many times: they pay what a system does once per process (flashckpt registers
+the state with the daemon, which creates its shared memory, after the optimizer's first step, and
+maps its slots' pages on a thread from then on, or else on the first save into each slot; DLRover
+creates its shared memory; DCP sets up its stager and thread) and are reported apart, on an INFO
+line (first_save_*, second_save_*, first_save_over_measured, and step_ms: the median time of each
+training step before the first save). The
 trainer waits until each warm-up save is durable, then takes the measured save of the same state,
 which shows the steady state of a job that saves every so often.
 Medians over --rounds rounds (at least 5 for figures to quote); one line per system:
@@ -99,6 +103,24 @@ def build(layers, seed, device="cpu"):
     return model, optimizer
 
 
+def train_steps(model, optimizer, steps, out):
+    """`steps` AdamW steps with fixed gradients, as the training between a trainer's start and its
+    first save; their times go to out["step_ms"] (flashckpt's first step registers the state and
+    starts mapping its slots, Checkpointer.prepare())."""
+    import torch
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        optimizer.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    for p in model.parameters():
+        p.grad = None
+    out["step_ms"] = times
+    out["digest"] = digest(model, optimizer)
+
+
 def digest(model, optimizer):
     h = hashlib.sha1()
     for p in model.parameters():
@@ -174,6 +196,7 @@ def train(args):
     if args.peer == "flashckpt":
         from flashckpt.torch import Checkpointer
         ck = Checkpointer(model, optimizer, socket=args.socket, job="peers-%d" % args.round, memory_checkpoints=True)
+        train_steps(model, optimizer, args.steps, out)
         calls = []
 
         def save(s):  # the loop may go on once the tensors have left (at once for CPU tensors)
@@ -195,6 +218,7 @@ def train(args):
         pinned = torch.cuda.is_available()
         stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
+        train_steps(model, optimizer, args.steps, out)
         # Plain dicts: torch 2.11's pinned-memory stager cannot copy an OrderedDict (KeyError: <class 'type'>).
         state = {"model": dict(model.state_dict()), "optim": optimizer.state_dict()}
         staging = "DefaultStager(pinned)" if pinned else "DefaultStager"
@@ -218,6 +242,7 @@ def train(args):
         from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
         ck = DdpCheckpointer(where)
+        train_steps(model, optimizer, args.steps, out)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
         for key, s in warm_up_and_measured(step):
             path = os.path.join(where, str(s), "rank_0.pt")  # DdpCheckpointer's own layout
@@ -230,6 +255,7 @@ def train(args):
             out[key + "durable_ms"] = (time.perf_counter() - t0) * 1e3
     else:
         os.makedirs(where, exist_ok=True)
+        train_steps(model, optimizer, args.steps, out)
         for key, s in warm_up_and_measured(step):
             path = os.path.join(where, "step-%d.pt" % s)
             out[key + "blocking_ms"] = out[key + "durable_ms"] = timed(
@@ -322,7 +348,8 @@ def free_port():
 
 
 def worker_args(args, peer, rnd):
-    return ["--peer", peer, "--round", str(rnd), "--layers", str(args.layers), "--work", args.work,
+    return ["--peer", peer, "--round", str(rnd), "--layers", str(args.layers), "--steps", str(args.steps),
+            "--work", args.work,
             "--socket", args.socket, "--bin-dir", args.bin_dir, "--python-dir", args.python_dir,
             "--device", args.device]
 
@@ -398,6 +425,8 @@ def main():
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir under /tmp)")
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the state lives")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="training steps (AdamW) between the trainer's start, its checkpointer made, and its first save")
     ap.add_argument("--role", choices=("main", "train", "resume", "dlrover-worker"), default="main",
                     help=argparse.SUPPRESS)
     ap.add_argument("--peer", help=argparse.SUPPRESS)
@@ -485,9 +514,12 @@ def main():
             print("RESULT peer=%s blocking_ms=%.1f durable_ms=%.1f resume_ms=%.1f"
                   % (peer, med(peer, "blocking_ms"), med(peer, "durable_ms"), med(peer, "resume_ms")), flush=True)
             info = ("first_save_blocking_ms=%.1f first_save_durable_ms=%.1f second_save_blocking_ms=%.1f "
-                    "second_save_durable_ms=%.1f resumed_from=%s resumed_again_saved=%d/%d") % (
+                    "second_save_durable_ms=%.1f first_save_over_measured=%.2f step_ms=%s "
+                    "resumed_from=%s resumed_again_saved=%d/%d") % (
                 med(peer, "first_blocking_ms"), med(peer, "first_durable_ms"), med(peer, "second_blocking_ms"),
-                med(peer, "second_durable_ms"),
+                med(peer, "second_durable_ms"), med(peer, "first_blocking_ms") / med(peer, "blocking_ms"),
+                ",".join("%.0f" % statistics.median(r["step_ms"][i] for r in results[peer])
+                         for i in range(args.steps)),
                 ",".join(sorted({str(r["tier"]) for r in results[peer]})),
                 sum(r["kept"] for r in results[peer]), len(results[peer]))
             if peer == "flashckpt":
