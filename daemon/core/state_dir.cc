@@ -23,6 +23,7 @@ constexpr char kMemoryInfix[] = ".mem";
 constexpr char kTempSuffix[] = ".tmp";
 constexpr char kLockName[] = "daemon.lock";
 constexpr char kKeptEmaSuffix[] = ".kept";
+constexpr char kParityReleaseSuffix[] = ".released";
 constexpr uint64_t kMaxSegmentRecordBytes = 1ull << 30;  // a million tensor specs fit
 constexpr uint64_t kMaxCommitRecordBytes = 8ull << 20;   // extra state is capped at 4 MiB
 // Extra state and 8 bytes per checksum chunk (4 MiB chunks by default: 2 KiB per GiB of slot).
@@ -170,6 +171,35 @@ std::vector<StateDir::KeptEma> StateDir::LoadKeptEmas() const {
   return out;
 }
 
+Status StateDir::SaveParityRelease(const std::string& job) const {
+  if (!enabled()) return Status::OK();
+  return Write(job + kParityReleaseSuffix, job);
+}
+
+void StateDir::RemoveParityRelease(const std::string& job) const {
+  if (!enabled()) return;
+  Remove(job + kParityReleaseSuffix);
+}
+
+std::vector<std::string> StateDir::LoadParityReleases() const {
+  std::vector<std::string> out;
+  if (!enabled()) return out;
+  auto names = ListDir(path_);
+  if (!names.ok()) return out;
+  std::sort(names->begin(), names->end());
+  for (const auto& n : *names) {
+    if (!EndsWith(n, kParityReleaseSuffix)) continue;
+    auto job = ReadSmallFile(path_ + "/" + n, 1024);
+    if (!job.ok() || !ValidateJobName(*job).ok() || *job + kParityReleaseSuffix != n) {
+      Logger("shm")->warn("dropping state record {}/{}: not a parity release record of its job", path_, n);
+      Remove(n);
+      continue;
+    }
+    out.push_back(std::move(job).value());
+  }
+  return out;
+}
+
 std::vector<StateDir::Adoptable> StateDir::Load() const {
   std::vector<Adoptable> out;
   if (!enabled()) return out;
@@ -204,7 +234,8 @@ std::vector<StateDir::Adoptable> StateDir::Load() const {
     segments.emplace(segment, std::move(a));
   }
   for (const auto& n : *names) {
-    if (EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix) || EndsWith(n, kKeptEmaSuffix) || n == kLockName) {
+    if (EndsWith(n, kTempSuffix) || EndsWith(n, kSegmentSuffix) || EndsWith(n, kKeptEmaSuffix) ||
+        EndsWith(n, kParityReleaseSuffix) || n == kLockName) {
       continue;
     }
     const std::string slot_of = RecordSegment(n, kSlotInfix);

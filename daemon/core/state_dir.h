@@ -12,6 +12,9 @@
 //   <EMA segment name>.kept   the job's name: a daemon stopped while the job had no rank connected
 //                             left this EMA segment in /dev/shm; the next daemon hands it to the
 //                             job if it comes back, else unlinks it after --idle-release
+//   <job>.released            the job's name: this daemon gave the job's memory back while a holder
+//                             of its parity shares had not heard so yet (ParitySender::Options::
+//                             keep_word); the next daemon tells the holders again
 //   daemon.lock               flock()ed by the daemon that owns the directory (StateDirLock); holds
 //                             its pid
 //
@@ -124,6 +127,13 @@ class StateDir {
   // Every readable record; one that is unreadable, or whose segment name is not its job's EMA
   // segment name, is logged and removed.
   std::vector<KeptEma> LoadKeptEmas() const;
+
+  // Release words for the parity group's holders not yet delivered to all of them (see above).
+  Status SaveParityRelease(const std::string& job) const;
+  void RemoveParityRelease(const std::string& job) const;
+  // The job of every readable record; one that is unreadable or does not name a valid job as its
+  // file name does is logged and removed.
+  std::vector<std::string> LoadParityReleases() const;
 
   struct Adoptable {
     SegmentRecord segment;

@@ -274,5 +274,29 @@ TEST(StateDirRecords, MemoryRecordsAreLoadedWithTheirSegmentAndRemovedWithIt) {
   EXPECT_TRUE(left->empty()) << left->front();
 }
 
+// Parity release records: one per job, loaded back by job; one whose content is not the job its name
+// gives, or not a valid job, is dropped; segment loading leaves them alone.
+TEST(StateDirRecords, ParityReleaseRecordsAreLoadedByJobAndBadOnesDropped) {
+  testing::TempDir tmp;
+  ASSERT_TRUE(tmp.ok());
+  auto dir = StateDir::Open(tmp.File("state"), &ProtoStateRecords());
+  ASSERT_OK(dir.status());
+  ASSERT_OK(dir->SaveParityRelease("job-b"));
+  ASSERT_OK(dir->SaveParityRelease("job.a"));
+  ASSERT_OK(dir->SaveParityRelease("job-b"));  // again: one record
+  std::ofstream(tmp.File("state/other.released")) << "job-b";  // names another job
+  std::ofstream(tmp.File("state/bad.released")) << "bad/name";
+  EXPECT_TRUE(dir->Load().empty());
+  EXPECT_EQ(dir->LoadParityReleases(), (std::vector<std::string>{"job-b", "job.a"}));  // by file name
+  EXPECT_FALSE(PathExists(tmp.File("state/other.released")));
+  EXPECT_FALSE(PathExists(tmp.File("state/bad.released")));
+  dir->RemoveParityRelease("job-b");
+  EXPECT_EQ(dir->LoadParityReleases(), (std::vector<std::string>{"job.a"}));
+  dir->RemoveParityRelease("job.a");
+  auto left = ListDir(tmp.File("state"));
+  ASSERT_OK(left.status());
+  EXPECT_TRUE(left->empty()) << left->front();
+}
+
 }  // namespace
 }  // namespace flashckpt
