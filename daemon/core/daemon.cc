@@ -174,14 +174,28 @@ Status Daemon::Start() {
     const uint32_t parity = c_.config_.ec_parity == 0 ? 1 : c_.config_.ec_parity;
     ASSIGN_OR_RETURN(ParityGroupConfig group,
                      ParseParityGroup(c_.config_.ec_group, parity, c_.config_.replica_listen, tls));
-    ParitySender::Options options{group.group, group.self, {}, 1u << 20, {}, group.hosts};
+    ParitySender::Options options{group.group, group.self, {}, 1u << 20, {}, group.hosts, {}};
     options.on_event = [this](DaemonEvent event) { c_.Emit(std::move(event)); };
+    // A release word some holder has not heard yet outlives this daemon: the next one says it again.
+    options.keep_word = [this](const std::string& job, bool pending) {
+      if (!pending) return c_.state_.RemoveParityRelease(job);
+      Status kept = c_.state_.SaveParityRelease(job);
+      if (!kept.ok()) {
+        Logger("parity")->warn("parity release of job={} not recorded (a daemon started after this one will not "
+                               "tell the holders that missed it): {}", job, kept.ToString());
+      }
+    };
     for (const auto& [index, target] : group.others) {
       options.members.emplace_back(
           index, ReplicaPeer{target, c_.config_.replica_tls_cert, c_.config_.replica_tls_key, c_.config_.replica_tls_ca, ""});
     }
     c_.parity_ = std::make_unique<ParitySender>(std::move(options));
     RETURN_IF_ERROR(c_.parity_->Start());
+    for (const std::string& job : c_.state_.LoadParityReleases()) {
+      Logger("parity")->info("parity release of job={} not heard by every holder before the last stop: telling them",
+                             job);
+      c_.parity_->OfferReleased(job);
+    }
     Logger("parity")->info("parity group member={} of {} parity={}: each member holds about {}/{} of its checkpoints' "
                            "bytes for the others",
                            group.self, group.group.members(), parity, parity, group.group.data_blocks());

@@ -56,34 +56,61 @@ void ParitySender::OfferReleased(const std::string& job) {
   Offer({std::move(notice), 0, 0, true});
 }
 
+bool ParitySender::WordQueuedLocked(const std::string& job) const {
+  for (const auto& member : members_) {
+    if (member->queue.count({job, kReleased}) > 0) return true;
+  }
+  return false;
+}
+
+void ParitySender::KeepWord(const std::string& job) {
+  if (!options_.keep_word) return;
+  MutexLock lock(&mu_);
+  for (;;) {
+    const uint64_t seen = word_changes_;
+    const bool pending = WordQueuedLocked(job);
+    lock.Unlock();
+    options_.keep_word(job, pending);  // file I/O in the daemon: off the lock
+    lock.Lock();
+    if (word_changes_ == seen) return;  // what it kept is still so
+  }
+}
+
 void ParitySender::Offer(Offered offered) {
   const uint32_t what = offered.released            ? kReleased
                         : offered.member_ranks == 0 ? kNoRanks
                                                     : offered.replica->meta.rank;
   const Key key{offered.replica->meta.job, what};
-  MutexLock lock(&mu_);
-  if (stopping_) return;
-  for (auto& member : members_) {
-    // Only members that hold a share of one of its blocks' stripes.
-    bool holds = false;
-    for (uint32_t b = 0; b < options_.group.data_blocks() && !holds; ++b) {
-      holds = options_.group.RowOf(options_.group.StripeOfBlock(options_.self, b), member->where.index).has_value();
-    }
-    if (!holds) continue;
-    if (!offered.released) {
-      // The job runs here again: a release word not sent yet would reach the holder after these
-      // blocks and count against them. (One sent already arrives first: one thread sends in order.)
-      auto word = member->queue.find({key.first, kReleased});
-      if (word != member->queue.end()) {
-        member->released.push_back(std::move(word->second.offered.replica));
-        member->queue.erase(word);
+  bool words_changed = false;
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return;
+    for (auto& member : members_) {
+      // Only members that hold a share of one of its blocks' stripes.
+      bool holds = false;
+      for (uint32_t b = 0; b < options_.group.data_blocks() && !holds; ++b) {
+        holds = options_.group.RowOf(options_.group.StripeOfBlock(options_.self, b), member->where.index).has_value();
       }
-    }
-    Member::Queued& q = member->queue[key];
-    if (q.offered.replica) member->released.push_back(std::move(q.offered.replica));  // the newest wins
-    q = Member::Queued{offered, member->next_turn++, {}};
+      if (!holds) continue;
+      if (!offered.released) {
+        // The job runs here again: a release word not sent yet would reach the holder after these
+        // blocks and count against them. (One sent already arrives first: one thread sends in order.)
+        auto word = member->queue.find({key.first, kReleased});
+        if (word != member->queue.end()) {
+          member->released.push_back(std::move(word->second.offered.replica));
+          member->queue.erase(word);
+          words_changed = true;
+        }
+      }
+      Member::Queued& q = member->queue[key];
+      if (q.offered.replica) member->released.push_back(std::move(q.offered.replica));  // the newest wins
+      q = Member::Queued{offered, member->next_turn++, {}};
+      words_changed = words_changed || offered.released;
   }
+  if (words_changed) word_changes_ += 1;
   cv_.NotifyAll();
+  }
+  if (words_changed) KeepWord(key.first);
 }
 
 void ParitySender::Forget(const std::string& job) {
@@ -255,6 +282,10 @@ void ParitySender::Run(Member* member) {
         }
       }
     }
+    // A word that left the queue (sent, or refused for good) may leave the job's record; one that a
+    // stop cancelled in flight was not delivered, and its record stays for the next daemon.
+    const bool word_left = offered.released && !replaced && !stopping_ && member->queue.count(key) == 0;
+    if (word_left) word_changes_ += 1;
     if (event.kind != DaemonEvent::Kind::kUnknown && options_.on_event) {
       event.job = meta.job;
       event.rank = meta.rank;
@@ -262,10 +293,12 @@ void ParitySender::Run(Member* member) {
       event.peer = member->where.target;
       lock.Unlock();
       options_.on_event(std::move(event));
+      if (word_left) KeepWord(key.first);
       offered = {};
       lock.Lock();
     } else {
       lock.Unlock();
+      if (word_left) KeepWord(key.first);
       offered = {};  // the last reference may unmap the segment: off the lock
       lock.Lock();
     }

@@ -61,6 +61,13 @@ class ParitySender {
     // Every member's host, by index (ParityGroupConfig::hosts): whom the holders' service lets push
     // and list as which member.
     std::vector<std::string> hosts;
+    // Keeps the release words (OfferReleased) across a stop: called with (job, true) while a word of
+    // the job waits for some member, and with (job, false) once none does (delivered to each, refused
+    // for good, or dropped by the job's next blocks); a Stop() leaves what was last kept. The
+    // daemon keeps a state record and offers the word again when it starts. Called without the
+    // sender's lock, perhaps from two threads at once for one job: the calls may come in any order,
+    // but the last one of a job gives its state as it is then. May be empty.
+    std::function<void(const std::string& job, bool pending)> keep_word;
   };
   explicit ParitySender(Options options);
   // Makes each member's channel and starts its thread.
@@ -126,12 +133,18 @@ class ParitySender {
   void Run(Member* member) EXCLUDES(mu_);
   // Pushes the blocks of `offered` whose stripes `member` holds a share of; OK when it holds them all.
   Status PushBlocks(Member* member, const Offered& offered, uint64_t* bytes) EXCLUDES(mu_);
+  // Whether a release word of `job` waits for some member.
+  bool WordQueuedLocked(const std::string& job) const REQUIRES(mu_);
+  // Tells options_.keep_word whether a word of `job` waits, after a word was queued or left a queue
+  // (word_changes_ counted up). Should another change come while it calls, it calls again.
+  void KeepWord(const std::string& job) EXCLUDES(mu_);
 
   const Options options_;
   mutable Mutex mu_;
   CondVar cv_;
   bool stopping_ GUARDED_BY(mu_) = false;
   std::map<std::string, int64_t> told_no_ranks_ GUARDED_BY(mu_);  // job -> the step last offered
+  uint64_t word_changes_ GUARDED_BY(mu_) = 0;  // release words queued or gone from a queue, any job
   std::vector<std::unique_ptr<Member>> members_;  // their queues and status guarded by mu_
   std::vector<ParityMember> channels_;            // set by Start
 };

@@ -1,6 +1,8 @@
 // The parity group's shape and its Reed-Solomon code (daemon/parity): every stripe is coded so
 // that any `parity` lost members are rebuilt bit for bit from the others, whatever the images' sizes.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <cstdint>
 #include <random>
@@ -849,7 +852,7 @@ TEST(ParitySenderTest, AReleaseWordStillQueuedIsDroppedWhenTheJobsBlocksAreOffer
   builder.RegisterService(&counter);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  ParitySender::Options options{group, 0, {}, 64 * 1024, {}, {}};
+  ParitySender::Options options{group, 0, {}, 64 * 1024, {}, {}, {}};
   for (uint32_t j = 1; j < group.members(); ++j) {
     options.members.emplace_back(j, ReplicaPeer{"127.0.0.1:" + std::to_string(port), "", "", "", ""});
   }
@@ -893,7 +896,7 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
   }
   std::vector<std::unique_ptr<ParitySender>> senders;
   for (uint32_t i = 0; i < group.members(); ++i) {
-    ParitySender::Options options{group, i, {}, 64 * 1024, {}, {}};
+    ParitySender::Options options{group, i, {}, 64 * 1024, {}, {}, {}};
     for (uint32_t j = 0; j < group.members(); ++j) {
       if (j == i) continue;
       options.members.emplace_back(
@@ -932,6 +935,87 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
 }
 
 
+// A release word that no holder heard before its sender stopped stays kept (Options::keep_word, which
+// the daemon turns into a state record): the holders' address takes connections and never answers,
+// so the stop cancels the words in flight. The next sender, offered it again as the daemon does at
+// start, gets it to the holders: they drop the shares as they would have the first time, and the
+// record goes once every holder has it.
+TEST(ParityServiceTest, AReleaseWordNoHolderHeardBeforeAStopIsKeptForTheNextSender) {
+  std::mt19937_64 rng(44);
+  const ParityGroup group = ParityGroup::Make(4, 1).value();
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    ASSERT_OK(PushImage(group, members, i, 17, RandomBytes(rng, 300000 + 4097 * i), deadline));
+  }
+  auto shares = [&] {
+    size_t n = 0;
+    for (auto& member : members) n += member->parity.share_count();
+    return n;
+  };
+  ASSERT_EQ(shares(), 4u);
+  // A port that listens and never accepts: connections complete in the kernel's backlog, and a
+  // push waits for an answer that never comes.
+  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::listen(silent, 16), 0);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const std::string unanswered = "127.0.0.1:" + std::to_string(ntohs(address.sin_port));
+
+  std::mutex mu;
+  std::map<std::string, int> kept;  // the record: job -> 1 while kept; its calls, counted
+  int calls = 0;
+  auto sender_of_member_0 = [&](bool reachable) {
+    ParitySender::Options options{group, 0, {}, 64 * 1024, {}, {}, {}};
+    for (uint32_t j = 1; j < group.members(); ++j) {
+      const std::string target = reachable ? "127.0.0.1:" + std::to_string(members[j]->server->port()) : unanswered;
+      options.members.emplace_back(j, ReplicaPeer{target, "", "", "", ""});
+    }
+    options.keep_word = [&](const std::string& job, bool pending) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++calls;
+      if (pending) kept[job] = 1;
+      else kept.erase(job);
+    };
+    return std::make_unique<ParitySender>(std::move(options));
+  };
+  auto kept_jobs = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return kept.size();
+  };
+
+  std::unique_ptr<ParitySender> first = sender_of_member_0(false);
+  ASSERT_OK(first->Start());
+  first->OfferReleased("job");
+  EXPECT_EQ(kept_jobs(), 1u);  // kept when queued
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // each member's thread is in its push
+  first->Stop();  // cancels the pushes in flight: nothing was delivered
+  EXPECT_EQ(kept_jobs(), 1u) << "the word a stop cancelled must stay kept";
+  EXPECT_EQ(shares(), 4u);
+
+  std::unique_ptr<ParitySender> next = sender_of_member_0(true);
+  ASSERT_OK(next->Start());
+  next->OfferReleased("job");  // what the daemon does with each record when it starts
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((shares() != 1 || kept_jobs() != 0) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(shares(), 1u);  // member 0's own share, coded from members 1, 2 and 3 alone
+  EXPECT_EQ(kept_jobs(), 0u) << "every holder heard it: the record goes";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_GE(calls, 3);
+  }
+  next->Stop();
+  ::close(silent);
+  for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
+}
+
 // With TLS a peer's certificate says which member it is: member 1 pushes its own block to the
 // holder of stripe 0, but the block it pushes as member 2 is refused before a byte is kept, and so
 // is its listing of member 2's shares; member 2, whose certificate names its host by DNS, completes
@@ -948,7 +1032,7 @@ TEST(ParityServiceTest, AMemberWithNoRanksOfTheJobTellsItsHoldersOverGrpc) {
     members.push_back(std::make_unique<ServedMember>(group, i));
     ASSERT_OK(members.back()->Start());
   }
-  ParitySender::Options options{group, idle, {}, 64 * 1024, {}, {}};
+  ParitySender::Options options{group, idle, {}, 64 * 1024, {}, {}, {}};
   for (uint32_t i = 0; i < idle; ++i) {
     options.members.emplace_back(i, ReplicaPeer{"127.0.0.1:" + std::to_string(members[i]->server->port()), "", "", "", ""});
   }

@@ -213,8 +213,18 @@ def release_everywhere(group):
                 raise TestFailure("node%d still holds %d parity shares (%d bytes) of a job every member released\n%s" %
                                   (i, s["parity_shares_held"], s["parity_held_bytes"], group.parity_report(17)))
             time.sleep(0.1)
-    log("%d members: the job released on every member that ran it; no member holds a parity share of it" %
-        group.members)
+    # Each member's record of its release word (<state dir>/<job>.released) goes once every holder has it.
+    for i in range(group.members):
+        if i in group.idle:
+            continue
+        record = "%s.state/%s.released" % (group.nodes[i].sock, group.job)
+        check(os.path.isdir(os.path.dirname(record)), "no state directory at %s" % os.path.dirname(record))
+        while os.path.exists(record):
+            if time.monotonic() >= deadline:
+                raise TestFailure("node%d still keeps %s: a holder has not heard its release word" % (i, record))
+            time.sleep(0.1)
+    log("%d members: the job released on every member that ran it; no member holds a parity share of it, and no "
+        "member keeps a release word for a holder" % group.members)
 
 
 def main():
