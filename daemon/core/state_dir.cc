@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <map>
@@ -71,8 +72,11 @@ Result<StateDir> StateDir::Open(const std::string& path, const StateRecordCodec*
 }
 
 Status StateDir::Write(const std::string& name, const std::string& bytes) const {
+  // A temporary name of its own per write: two threads may write one record at once (a parity
+  // release word's, ParitySender::KeepWord), and each rename must find its own file.
+  static std::atomic<uint64_t> writes{0};
   const std::string final_path = path_ + "/" + name;
-  const std::string tmp = final_path + kTempSuffix;
+  const std::string tmp = final_path + "." + std::to_string(writes.fetch_add(1)) + kTempSuffix;
   UniqueFd fd(io_->Open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   if (!fd.valid()) return ErrnoStatus("open", tmp);
   Status written = PwriteFull(fd.get(), bytes.data(), bytes.size(), 0, tmp, io_);

@@ -54,6 +54,7 @@ void ParitySender::OfferReleased(const std::string& job) {
   auto notice = std::make_shared<OutgoingReplica>();
   notice->meta.job = job;  // bytes 0: each block is empty
   Offer({std::move(notice), 0, 0, true});
+  KeepWord(job);  // on the caller's thread: it holds no lock of the daemon's
 }
 
 bool ParitySender::WordQueuedLocked(const std::string& job) const {
@@ -68,7 +69,9 @@ void ParitySender::KeepWord(const std::string& job) {
   MutexLock lock(&mu_);
   for (;;) {
     const uint64_t seen = word_changes_;
-    const bool pending = WordQueuedLocked(job);
+    // A stopping sender delivers nothing more and empties its queues: every word is kept then (Stop
+    // settles the jobs whose word their blocks dropped).
+    const bool pending = stopping_ || WordQueuedLocked(job);
     lock.Unlock();
     options_.keep_word(job, pending);  // file I/O in the daemon: off the lock
     lock.Lock();
@@ -81,36 +84,39 @@ void ParitySender::Offer(Offered offered) {
                         : offered.member_ranks == 0 ? kNoRanks
                                                     : offered.replica->meta.rank;
   const Key key{offered.replica->meta.job, what};
-  bool words_changed = false;
-  {
-    MutexLock lock(&mu_);
-    if (stopping_) return;
-    for (auto& member : members_) {
-      // Only members that hold a share of one of its blocks' stripes.
-      bool holds = false;
-      for (uint32_t b = 0; b < options_.group.data_blocks() && !holds; ++b) {
-        holds = options_.group.RowOf(options_.group.StripeOfBlock(options_.self, b), member->where.index).has_value();
-      }
-      if (!holds) continue;
-      if (!offered.released) {
-        // The job runs here again: a release word not sent yet would reach the holder after these
-        // blocks and count against them. (One sent already arrives first: one thread sends in order.)
-        auto word = member->queue.find({key.first, kReleased});
-        if (word != member->queue.end()) {
-          member->released.push_back(std::move(word->second.offered.replica));
-          member->queue.erase(word);
-          words_changed = true;
-        }
-      }
-      Member::Queued& q = member->queue[key];
-      if (q.offered.replica) member->released.push_back(std::move(q.offered.replica));  // the newest wins
-      q = Member::Queued{offered, member->next_turn++, {}};
-      words_changed = words_changed || offered.released;
+  MutexLock lock(&mu_);
+  if (stopping_) {
+    if (offered.released) released_while_stopping_.insert(key.first);  // kept by OfferReleased's KeepWord
+    return;
   }
-  if (words_changed) word_changes_ += 1;
+  bool words_changed = offered.released;
+  for (auto& member : members_) {
+    // Only members that hold a share of one of its blocks' stripes.
+    bool holds = false;
+    for (uint32_t b = 0; b < options_.group.data_blocks() && !holds; ++b) {
+      holds = options_.group.RowOf(options_.group.StripeOfBlock(options_.self, b), member->where.index).has_value();
+    }
+    if (!holds) continue;
+    if (!offered.released) {
+      // The job runs here again: a release word not sent yet would reach the holder after these
+      // blocks and count against them. (One sent already arrives first: one thread sends in order.)
+      auto word = member->queue.find({key.first, kReleased});
+      if (word != member->queue.end()) {
+        member->released.push_back(std::move(word->second.offered.replica));
+        member->queue.erase(word);
+        words_changed = true;
+      }
+    }
+    Member::Queued& q = member->queue[key];
+    if (q.offered.replica) member->released.push_back(std::move(q.offered.replica));  // the newest wins
+    q = Member::Queued{offered, member->next_turn++, {}};
+  }
+  if (words_changed) {
+    word_changes_ += 1;
+    // Blocks are offered under the daemon's lock: a member's thread updates the job's record.
+    if (!offered.released) words_dirty_.insert(key.first);
+  }
   cv_.NotifyAll();
-  }
-  if (words_changed) KeepWord(key.first);
 }
 
 void ParitySender::Forget(const std::string& job) {
@@ -142,12 +148,22 @@ void ParitySender::Stop() {
     if (member->thread.joinable()) member->thread.join();
   }
   std::vector<std::shared_ptr<const OutgoingReplica>> going;  // released here, after the lock
-  MutexLock lock(&mu_);
-  for (auto& member : members_) {
-    for (auto& [key, q] : member->queue) going.push_back(std::move(q.offered.replica));
-    member->queue.clear();
-    for (auto& r : member->released) going.push_back(std::move(r));
-    member->released.clear();
+  std::vector<std::pair<std::string, bool>> settle;  // the records of the jobs whose word their blocks dropped
+  {
+    MutexLock lock(&mu_);
+    for (const std::string& job : words_dirty_) {
+      settle.emplace_back(job, WordQueuedLocked(job) || released_while_stopping_.count(job) > 0);
+    }
+    words_dirty_.clear();
+    for (auto& member : members_) {
+      for (auto& [key, q] : member->queue) going.push_back(std::move(q.offered.replica));
+      member->queue.clear();
+      for (auto& r : member->released) going.push_back(std::move(r));
+      member->released.clear();
+    }
+  }
+  if (options_.keep_word) {
+    for (const auto& [job, pending] : settle) options_.keep_word(job, pending);
   }
 }
 
@@ -199,6 +215,14 @@ void ParitySender::Run(Member* member) {
       continue;
     }
     if (stopping_) return;
+    if (!words_dirty_.empty()) {  // a job's word that its blocks dropped: its record, off the lock
+      const std::string job = *words_dirty_.begin();
+      lock.Unlock();
+      KeepWord(job);
+      lock.Lock();
+      if (!stopping_) words_dirty_.erase(job);  // else Stop settles it
+      continue;
+    }
     const auto now = std::chrono::steady_clock::now();
     auto next = member->queue.end();
     auto first_due = std::chrono::steady_clock::time_point::max();
@@ -253,14 +277,16 @@ void ParitySender::Run(Member* member) {
         Logger("parity")->debug("parity blocks sent job={} rank={} step={} member={} bytes={} secs={:.3f}",
                                 meta.job, meta.rank, meta.step, member->where.target, FormatBytes(bytes), secs);
       }
-    } else if (pushed.code() == StatusCode::kCancelled) {
-      // A newer checkpoint of the rank took the slot (or the daemon stops): nothing failed.
+    } else if (pushed.code() == StatusCode::kCancelled && (!offered.released || stopping_)) {
+      // A newer checkpoint of the rank took the slot (or the daemon stops): nothing failed. (A word
+      // has no slot: cancelled by the holder, it is retried as a failure is.)
       if (!replaced) member->queue.erase(it);
     } else {
       member->status.pushes_failed += 1;
       member->status.last_error = pushed.ToString();
       const bool passing = pushed.code() != StatusCode::kFailedPrecondition &&
-                           pushed.code() != StatusCode::kInvalidArgument && pushed.code() != StatusCode::kCancelled;
+                           pushed.code() != StatusCode::kInvalidArgument &&
+                           (pushed.code() != StatusCode::kCancelled || offered.released);
       if (!replaced) {
         if (passing && held && !stopping_) {
           member->retry_wait = std::clamp(member->retry_wait * 2, kFirstRetry, kLongestRetry);

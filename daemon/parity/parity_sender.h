@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -63,10 +64,11 @@ class ParitySender {
     std::vector<std::string> hosts;
     // Keeps the release words (OfferReleased) across a stop: called with (job, true) while a word of
     // the job waits for some member, and with (job, false) once none does (delivered to each, refused
-    // for good, or dropped by the job's next blocks); a Stop() leaves what was last kept. The
-    // daemon keeps a state record and offers the word again when it starts. Called without the
-    // sender's lock, perhaps from two threads at once for one job: the calls may come in any order,
-    // but the last one of a job gives its state as it is then. May be empty.
+    // for good, or dropped by the job's next blocks); a word that a stop keeps from being delivered
+    // stays kept. The daemon keeps a state record and offers the word again when it starts. Called
+    // without the sender's lock, from OfferReleased's caller, a member's thread or Stop(), perhaps
+    // from two threads at once for one job: the calls may come in any order, but the last one of a
+    // job gives its state as it is then. May be empty.
     std::function<void(const std::string& job, bool pending)> keep_word;
   };
   explicit ParitySender(Options options);
@@ -94,8 +96,9 @@ class ParitySender {
   // Forgets a job's queued checkpoints (a released job).
   void Forget(const std::string& job) EXCLUDES(mu_);
   // Tells the holders of this member's stripes that it gave `job`'s memory back, so that they drop
-  // the job's shares once every member whose block is in them has (ParityStore::Released). Never
-  // blocks; after Forget(job).
+  // the job's shares once every member whose block is in them has (ParityStore::Released). After
+  // Forget(job). Calls Options::keep_word on the caller's thread (file I/O in the daemon): never
+  // under a lock that I/O must not be held under.
   void OfferReleased(const std::string& job) EXCLUDES(mu_);
   // Cancels the pushes in flight, stops the threads, lets go of every queued checkpoint. Idempotent.
   void Stop() EXCLUDES(mu_);
@@ -145,6 +148,8 @@ class ParitySender {
   bool stopping_ GUARDED_BY(mu_) = false;
   std::map<std::string, int64_t> told_no_ranks_ GUARDED_BY(mu_);  // job -> the step last offered
   uint64_t word_changes_ GUARDED_BY(mu_) = 0;  // release words queued or gone from a queue, any job
+  std::set<std::string> words_dirty_ GUARDED_BY(mu_);  // jobs whose queued word their blocks dropped
+  std::set<std::string> released_while_stopping_ GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Member>> members_;  // their queues and status guarded by mu_
   std::vector<ParityMember> channels_;            // set by Start
 };
