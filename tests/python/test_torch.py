@@ -10,8 +10,9 @@
   restores everything;
 - with torch 2's optimizer step hooks, the optimizer's first step registers the layout with its
   Adam state and the client maps the slots' pages on its thread (smaps' Rss of the segment), so the
-  first save registers nothing new; a daemon gone by then makes that step warn, not raise, and the
-  first save raises;
+  first save registers nothing new; with two optimizers, once both have stepped; the hooks go with
+  close() or with a Checkpointer dropped without it; a daemon gone by then makes that step warn, not
+  raise, and the first save raises;
 - a state dict whose structure changed between save and resume is a StructureMismatchError naming
   the first differing key, and leaves the model untouched;
 - a non-contiguous parameter and an unsupported dtype are refused naming the state-dict key;
@@ -29,6 +30,7 @@
   module's tensors in the model_state file and the others in the optimizer file.
 """
 
+import gc
 import glob
 import json
 
@@ -76,7 +78,7 @@ def most_resident_shm(prefix):
                 path = fields[5] if len(fields) > 5 else ""
                 current = path if path.startswith("/dev/shm/" + prefix) else None
             elif current and fields[0] == "Rss:":
-                found = (int(fields[1]) * 1024, os.path.getsize(current), current)
+                found = (int(fields[1]) * 1024, os.path.getsize(current) if os.path.exists(current) else 0, current)
                 most = max(most, found, key=lambda m: m[0])
     return most
 
@@ -257,7 +259,33 @@ class CheckpointerTest(harness.DaemonTestCase):
             self.assertEqual(ck.client.registered, registered)
             self.assertEqual(most_resident_shm("flashckpt.%s.0." % job)[2], segment)  # the same segment
             ck.wait_persisted(2, timeout=30)
-        step_once(model, optimizer, g)  # close() took the hook off: nothing prepares on a closed client
+        self.assertEqual(len(optimizer._optimizer_step_post_hooks), 0)  # close() took the hook off
+
+    def test_two_optimizers_prepare_once_both_stepped_and_the_hooks_hold_the_checkpointer_weakly(self):
+        if not hasattr(torch.optim.Optimizer, "register_step_post_hook"):
+            self.skipTest("this torch has no optimizer step hooks (torch 2 has them)")
+        model = mlp()
+        first = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+        second = torch.optim.AdamW(model[2].parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7)
+        with Checkpointer({"model": model, "first": first, "second": second}, socket=self.daemon.socket,
+                          job=self.daemon.job("two-optimizers")) as ck:
+            model(torch.randn(16, 8, generator=g)).pow(2).mean().backward()
+            first.step()
+            self.assertEqual(ck.client.registered, {})  # the second has no state yet: its layout would change
+            second.step()
+            self.assertIn("first.state.0.exp_avg", ck.client.registered)
+            self.assertIn("second.state.0.exp_avg", ck.client.registered)
+            self.assertIsNone(ck.prepare_error)
+        self.assertEqual(len(first._optimizer_step_post_hooks), 0)
+        # Dropped without close(): the optimizers do not keep it, and its hooks go with it.
+        dropped = Checkpointer({"model": model, "first": first, "second": second}, socket=self.daemon.socket,
+                               job=self.daemon.job("dropped"))
+        self.assertEqual(len(first._optimizer_step_post_hooks), 1)
+        del dropped
+        gc.collect()
+        self.assertEqual(len(first._optimizer_step_post_hooks), 0)
+        self.assertEqual(len(second._optimizer_step_post_hooks), 0)
 
     def test_a_daemon_gone_before_the_first_step_warns_there_and_the_save_raises(self):
         if not hasattr(torch.optim.Optimizer, "register_step_post_hook"):

@@ -41,10 +41,13 @@ ema_decay is set.
 
 The layout is registered with the daemon on the first save and again whenever the set, dtype or
 shape of the tensors changes (Adam's state appears only after its first step). Where torch has
-optimizer step hooks (torch 2), the Checkpointer registers it right after each optimizer's first
-step and has the client map its slots' memory on a thread (prepare()), so that the first save,
-some steps later, costs what a later one does instead of waiting for the kernel to fault in fresh
-shared memory.
+optimizer step hooks (torch 2), the Checkpointer registers it once every optimizer among the states
+has taken its first step, in that step's hook, and has the client map its slots' memory on a thread
+(prepare()), so that the first save, some steps later, costs what a later one does instead of
+waiting for the kernel to fault in fresh shared memory. That registration runs on the training
+thread: with the daemon away it waits up to connect_timeout there (then warns; the first save
+raises), and a save() on another thread must not run beside that step (a Client is used by one
+thread at a time).
 
 Resume restores the latest complete checkpoint in place into the model's tensors; the optimizer
 gets its state through optimizer.load_state_dict() (its fresh state may be empty). A checkpoint
@@ -110,7 +113,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Set, Union
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Set, Union
 
 import torch
 
@@ -129,6 +133,11 @@ if TYPE_CHECKING:
 # "degree"}, or None (whole); shard_specs maps a model state-dict key to one, or is a function.
 ShardSpec = _torch_state.ShardSpec
 ShardSpecs = _torch_state.ShardSpecs
+
+
+def _remove_hooks(handles: List[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class Checkpointer:
@@ -206,10 +215,24 @@ class Checkpointer:
         self.last_snapshot: Optional[Snapshot] = None
         self.prepare_error: Optional[Exception] = None
         self._resuming = False
-        self._prepared: Set[int] = set()  # id() of the optimizers whose first step prepared the first save
-        self._step_hooks: Dict[int, Any] = {
-            id(opt): opt.register_step_post_hook(self._after_first_step) for opt in self.states.values()
-            if _torch_state.is_optimizer(opt) and hasattr(opt, "register_step_post_hook")}
+        self._stepped: Set[int] = set()  # id() of the hooked optimizers that have taken a step
+        self._prepared = False
+        # The hooks hold the Checkpointer weakly (an optimizer outlives it); they go with close() or
+        # when the Checkpointer is collected.
+        self._step_hooks: Dict[int, Any] = {}
+        this = weakref.ref(self)
+
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            ck = this()
+            if ck is not None:
+                ck._after_step(optimizer)
+        for opt in self.states.values():
+            if _torch_state.is_optimizer(opt) and hasattr(opt, "register_step_post_hook"):
+                try:
+                    self._step_hooks[id(opt)] = opt.register_step_post_hook(after_step)
+                except (AttributeError, RuntimeError):  # a wrapper without Optimizer's hook tables
+                    pass
+        self._unhook = weakref.finalize(self, _remove_hooks, list(self._step_hooks.values()))
 
     @property
     def states(self) -> Dict[str, Any]:
@@ -241,7 +264,6 @@ class Checkpointer:
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
         started = time.perf_counter()
-        self._remove_step_hooks(prepared_only=True)
         tree, tensors = self._layout.flatten()
         tensors, specs = self._shares.split(tensors)
         self._layout.register(self.client, tensors, specs)
@@ -264,32 +286,35 @@ class Checkpointer:
         """Registers the states' current layout with the daemon, unless it is registered already, and
         has the client map the pages of the rank's slots for writing on a thread (Client.populate),
         then returns: the first save afterwards finds its slot's memory faulted in. The Checkpointer
-        calls it after each optimizer's first step (torch 2); call it yourself when the state is
-        complete some steps before the first save and no optimizer step comes between (a model
-        without an optimizer). Raises what registration raises (save() would raise the same)."""
+        calls it once every optimizer among its states has taken its first step (torch 2); call it
+        yourself when the state is complete some steps before the first save and no optimizer step
+        comes between (a model without an optimizer). Raises what registration raises (save() would
+        raise the same)."""
         _, tensors = self._layout.flatten()
         tensors, specs = self._shares.split(tensors)
         self._layout.register(self.client, tensors, specs)
         self.client.populate()
 
-    def _after_first_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Step hook: the optimizer's state now exists, so the layout a save registers is known; its
-        first step prepares the save, later ones return at once (torch iterates its hooks while this
-        runs, so the handle is removed by the next save or close()). A failure is warned about and
-        kept in prepare_error; the first save registers again and raises what it raises."""
-        if self._resuming or id(optimizer) in self._prepared:  # resume() steps a fresh DTensor optimizer once
+    def _after_step(self, optimizer: Any) -> None:
+        """Step hook: once every hooked optimizer has taken a step, their state exists and the layout
+        a save registers is known; that step prepares the first save, and later ones return at once
+        (torch iterates its hooks while this runs, so they are removed only by close()). A failure is
+        warned about and kept in prepare_error; the first save registers again and raises it."""
+        if self._prepared or self._resuming:  # resume() steps a fresh DTensor optimizer once
             return
-        self._prepared.add(id(optimizer))
+        self._stepped.add(id(optimizer))
+        if not self._stepped.issuperset(self._step_hooks):
+            return
+        self._prepared = True
         try:
             self.prepare()
         except Exception as e:  # the first save registers again and raises it
             self.prepare_error = e
-            warnings.warn("flashckpt: preparing the first save after the optimizer's first step failed (the "
-                          "first save registers again): %s: %s" % (type(e).__name__, e), RuntimeWarning)
-
-    def _remove_step_hooks(self, prepared_only: bool) -> None:
-        for key in [k for k in self._step_hooks if not prepared_only or k in self._prepared]:
-            self._step_hooks.pop(key).remove()
+            try:
+                warnings.warn("flashckpt: preparing the first save after the optimizer's first step failed (the "
+                              "first save registers again): %s: %s" % (type(e).__name__, e), RuntimeWarning)
+            except Exception:  # warnings turned into errors: prepare_error and the first save say it
+                pass
 
     def wait_copied(self) -> None:
         """Returns once the last snapshot has left the tensors (call it before optimizer.step(), and
@@ -433,7 +458,7 @@ class Checkpointer:
         return self.client.status()
 
     def close(self) -> None:
-        self._remove_step_hooks(prepared_only=False)
+        self._unhook()
         self.client.close()
 
     def __enter__(self) -> Checkpointer:
