@@ -111,9 +111,12 @@ def train_steps(model, optimizer, steps, out):
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     times = []
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
         optimizer.step()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     for p in model.parameters():
         p.grad = None

@@ -222,7 +222,9 @@ ShmResidency MostResidentShm(const std::string& prefix) {
     if (first_line) {  // range, perms, offset, dev, inode, path
       const size_t path = line.find(" /dev/shm/" + prefix);
       mapping.reset();
-      if (path != std::string::npos) mapping = ShmResidency{0, std::filesystem::file_size(line.substr(path + 1))};
+      std::error_code gone;  // a name unlinked since ("... (deleted)") has no size to read
+      const uint64_t size = path == std::string::npos ? 0 : std::filesystem::file_size(line.substr(path + 1), gone);
+      if (path != std::string::npos && !gone) mapping = ShmResidency{0, size};
     } else if (mapping && line.rfind("Rss:", 0) == 0) {
       mapping->resident = std::stoull(line.substr(4)) * 1024;  // "Rss:    1234 kB"
       if (mapping->resident >= most.resident) most = *mapping;
