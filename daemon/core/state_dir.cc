@@ -150,14 +150,21 @@ bool StateDir::HasKeptEma(const std::string& ema_segment) const {
   return enabled() && PathExists(path_ + "/" + ema_segment + kKeptEmaSuffix);
 }
 
-std::vector<StateDir::KeptEma> StateDir::LoadKeptEmas() const {
-  std::vector<KeptEma> out;
+std::vector<std::string> StateDir::NamesEndingIn(const char* suffix) const {
+  std::vector<std::string> out;
   if (!enabled()) return out;
   auto names = ListDir(path_);
   if (!names.ok()) return out;
-  std::sort(names->begin(), names->end());
-  for (const auto& n : *names) {
-    if (!EndsWith(n, kKeptEmaSuffix)) continue;
+  for (std::string& n : *names) {
+    if (EndsWith(n, suffix)) out.push_back(std::move(n));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<StateDir::KeptEma> StateDir::LoadKeptEmas() const {
+  std::vector<KeptEma> out;
+  for (const auto& n : NamesEndingIn(kKeptEmaSuffix)) {
     KeptEma kept;
     kept.segment = n.substr(0, n.size() - (sizeof kKeptEmaSuffix - 1));
     auto job = ReadSmallFile(path_ + "/" + n, 1024);
@@ -187,12 +194,7 @@ void StateDir::RemoveParityRelease(const std::string& job) const {
 
 std::vector<std::string> StateDir::LoadParityReleases() const {
   std::vector<std::string> out;
-  if (!enabled()) return out;
-  auto names = ListDir(path_);
-  if (!names.ok()) return out;
-  std::sort(names->begin(), names->end());
-  for (const auto& n : *names) {
-    if (!EndsWith(n, kParityReleaseSuffix)) continue;
+  for (const auto& n : NamesEndingIn(kParityReleaseSuffix)) {
     auto job = ReadSmallFile(path_ + "/" + n, 1024);
     if (!job.ok() || !ValidateJobName(*job).ok() || *job + kParityReleaseSuffix != n) {
       Logger("shm")->warn("dropping state record {}/{}: not a parity release record of its job", path_, n);

@@ -153,6 +153,8 @@ class StateDir {
       : path_(std::move(path)), codec_(codec), io_(io) {}
   Status Write(const std::string& name, const std::string& bytes) const;
   void Remove(const std::string& name) const;
+  // The names in the directory that end in `suffix`, sorted (none when it cannot be listed).
+  std::vector<std::string> NamesEndingIn(const char* suffix) const;
   std::string path_;
   const StateRecordCodec* codec_ = nullptr;
   IoEnv* io_ = IoEnv::Default();

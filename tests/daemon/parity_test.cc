@@ -883,6 +883,23 @@ TEST(ParitySenderTest, AReleaseWordStillQueuedIsDroppedWhenTheJobsBlocksAreOffer
   server->Shutdown(std::chrono::system_clock::now());
 }
 
+// Every member's image of step 17 (300000 + 4097 x member bytes of `rng`) pushed as blocks into
+// its stripes' shares over gRPC, as the members' senders would.
+Status PushEveryMembersImage(const ParityGroup& group, std::vector<std::unique_ptr<ServedMember>>& members,
+                             std::mt19937_64& rng) {
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    RETURN_IF_ERROR(PushImage(group, members, i, 17, RandomBytes(rng, 300000 + 4097 * i), deadline));
+  }
+  return Status::OK();
+}
+
+size_t SharesHeld(const std::vector<std::unique_ptr<ServedMember>>& members) {
+  size_t n = 0;
+  for (const auto& member : members) n += member->parity.share_count();
+  return n;
+}
+
 // Over gRPC, with each member's own ParitySender (as a daemon wires it to a job's release): once a
 // member has said that it gave the job's memory back, no holder holds a share its block is in (4
 // members, parity 1); once the others have too, none holds any.
@@ -890,10 +907,7 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
   std::mt19937_64 rng(43);
   const ParityGroup group = ParityGroup::Make(4, 1).value();
   ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
-  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
-  for (uint32_t i = 0; i < group.members(); ++i) {
-    ASSERT_OK(PushImage(group, members, i, 17, RandomBytes(rng, 300000 + 4097 * i), deadline));
-  }
+  ASSERT_OK(PushEveryMembersImage(group, members, rng));
   std::vector<std::unique_ptr<ParitySender>> senders;
   for (uint32_t i = 0; i < group.members(); ++i) {
     ParitySender::Options options{group, i, {}, 64 * 1024, {}, {}, {}};
@@ -905,11 +919,7 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
     senders.push_back(std::make_unique<ParitySender>(std::move(options)));
     ASSERT_OK(senders.back()->Start());
   }
-  auto shares = [&] {
-    size_t n = 0;
-    for (auto& member : members) n += member->parity.share_count();
-    return n;
-  };
+  auto shares = [&] { return SharesHeld(members); };
   auto wait_for = [&](size_t want) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (shares() != want && std::chrono::steady_clock::now() < until) {
@@ -944,15 +954,8 @@ TEST(ParityServiceTest, AReleaseWordNoHolderHeardBeforeAStopIsKeptForTheNextSend
   std::mt19937_64 rng(44);
   const ParityGroup group = ParityGroup::Make(4, 1).value();
   ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
-  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
-  for (uint32_t i = 0; i < group.members(); ++i) {
-    ASSERT_OK(PushImage(group, members, i, 17, RandomBytes(rng, 300000 + 4097 * i), deadline));
-  }
-  auto shares = [&] {
-    size_t n = 0;
-    for (auto& member : members) n += member->parity.share_count();
-    return n;
-  };
+  ASSERT_OK(PushEveryMembersImage(group, members, rng));
+  auto shares = [&] { return SharesHeld(members); };
   ASSERT_EQ(shares(), 4u);
   // A port that listens and never accepts: connections complete in the kernel's backlog, and a
   // push waits for an answer that never comes.
