@@ -211,8 +211,9 @@ class FLASHCKPT_API Client {
   Status Register(const Topology& topology, const std::vector<TensorSpec>& tensors, const EmaOptions& ema = {});
 
   // Maps the pages of every slot for writing on a client thread, the first slot first, and returns
-  // (at once, once a device snapshot's commit thread, if one runs, is done): the first-touch faults (the kernel zeroing fresh shared memory) that the first snapshot
-  // into each slot would otherwise take while the trainer waits. Call it after Register() when the
+  // (at once, once a device snapshot's commit thread, if one runs, is done): the first-touch faults
+  // (the kernel zeroing fresh shared memory) that the first snapshot into each slot would otherwise
+  // take while the trainer waits. Call it after Register() when the
   // first snapshot is some steps away. Snapshot() and Restore() may run while it works; it runs once
   // per mapping (the first snapshot starts it when it has not run) and stops when the segment is
   // unmapped. FailedPrecondition before Register().

@@ -114,7 +114,7 @@ import os
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Set, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Set, Tuple, Union
 
 import torch
 
@@ -264,9 +264,7 @@ class Checkpointer:
         if tier == "memory" and not persist:
             raise ValueError("tier='memory' keeps a full checkpoint; persist=False (an EMA update only) cannot be one")
         started = time.perf_counter()
-        tree, tensors = self._layout.flatten()
-        tensors, specs = self._shares.split(tensors)
-        self._layout.register(self.client, tensors, specs)
+        tree, tensors = self._register_current()
         payload: Optional[Dict[str, Any]] = None
         if persist:
             payload = {"format": _torch_state.FORMAT, "version": _torch_state.VERSION, "state": tree, "user": extra,
@@ -290,10 +288,16 @@ class Checkpointer:
         yourself when the state is complete some steps before the first save and no optimizer step
         comes between (a model without an optimizer). Raises what registration raises (save() would
         raise the same)."""
-        _, tensors = self._layout.flatten()
+        self._register_current()
+        self.client.populate()
+
+    def _register_current(self) -> Tuple[Any, Dict[str, Any]]:
+        """(tree, tensors) of the states as they are, this rank's share of them registered (again
+        only when the layout changed)."""
+        tree, tensors = self._layout.flatten()
         tensors, specs = self._shares.split(tensors)
         self._layout.register(self.client, tensors, specs)
-        self.client.populate()
+        return tree, tensors
 
     def _after_step(self, optimizer: Any) -> None:
         """Step hook: once every hooked optimizer has taken a step, their state exists and the layout
