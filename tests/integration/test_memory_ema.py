@@ -166,6 +166,8 @@ def run(h):
     procs = h.start_sims(h.job, "kill53", 100, resume=True, hold_after=53)
     h.check_all_resumed("kill53", procs, 50, "disk")
     h.hold_and_kill("kill53", procs, 53)
+    for rank in range(WORLD):  # kept (checksummed) before the stop, as in part 3
+        wait_for(lambda: holds(h.segment(rank), 53), TIMEOUT_S, "rank %d's memory checkpoint 53 to be kept" % rank)
     check(not os.path.exists(os.path.join(h.step_dir(53), "metadata.json")), "step 53 was written before the stop")
     rc = h.stop_daemon()
     check(rc == 0, "flashckptd exited with %s on SIGTERM" % rc)
