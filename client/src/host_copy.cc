@@ -9,46 +9,13 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
-
+#include "common/base/stream_copy.h"
 #include "common/format/checksum.h"
 #include "common/format/layout.h"
 #include "common/format/slot_checksums.h"
 
 namespace flashckpt {
 namespace {
-
-// memcpy with non-temporal stores (x86-64: SSE2, which every such CPU has): the destination is not
-// read back soon, and is not pulled into the cache only to be overwritten. Call StreamFence before
-// the bytes are handed on.
-void StreamCopy(char* dst, const char* src, size_t bytes) {
-#if defined(__x86_64__)
-  const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
-  std::memcpy(dst, src, head);
-  size_t at = head;
-  for (; at + 64 <= bytes; at += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 48), d);
-  }
-  std::memcpy(dst + at, src + at, bytes - at);
-#else
-  std::memcpy(dst, src, bytes);
-#endif
-}
-
-void StreamFence() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
-}
 
 void ParallelCopyWith(ParallelLoop* loop, const std::vector<CopyTask>& tasks, void (*copy)(char*, const char*, size_t)) {
   constexpr size_t kChunk = 16u << 20;

@@ -7,6 +7,7 @@
 
 #include "common/base/log.h"
 #include "common/base/names.h"
+#include "common/base/stream_copy.h"
 #include "common/format/checksum.h"
 
 namespace flashckpt {
@@ -222,6 +223,17 @@ uint64_t CopyHashed(const std::vector<ByteSpan>& spans, char* dest) {
   return sum.Digest();
 }
 
+uint64_t StreamHashed(const std::vector<ByteSpan>& spans, char* dest) {
+  Xxh3Stream sum;
+  for (const ByteSpan& s : spans) {
+    sum.Update(s.data, s.size);
+    StreamCopy(dest, s.data, s.size);
+    dest += s.size;
+  }
+  StreamFence();
+  return sum.Digest();
+}
+
 Status ReplicaStore::Incoming::Append(const std::vector<ByteSpan>& spans, uint64_t xxh3) {
   Replica& r = *replica_;
   uint64_t bytes = 0;
@@ -236,7 +248,7 @@ Status ReplicaStore::Incoming::Append(const std::vector<ByteSpan>& spans, uint64
   }
   // The bytes are the store's from here on: a part that fails its checksum fails the push, which
   // drops the whole replica.
-  const uint64_t got = CopyHashed(spans, r.data_ + r.received_);
+  const uint64_t got = StreamHashed(spans, r.data_ + r.received_);
   if (got != xxh3) {
     return Corruption(Who(r.meta_) + ": part " + std::to_string(r.sums_.size()) + " arrived with checksum " +
                       ChecksumHex(got) + ", the sender's is " + ChecksumHex(xxh3));

@@ -92,6 +92,38 @@ Status Put(ReplicaStore* store, const ReplicaMeta& meta, const std::vector<char>
   return store->Finish(std::move(incoming));
 }
 
+// A part lands with non-temporal stores in 64-byte steps from the first 16-byte-aligned byte of its
+// destination: every alignment and every length around those steps, split into received slices of
+// several sizes, must copy exactly its bytes (nothing before or after) and give the checksum of them.
+TEST(ReplicaStoreTest, StreamHashedCopiesEveryAlignmentAndLengthExactlyAndHashesIt) {
+  std::vector<char> source(4096 + 300);
+  for (size_t i = 0; i < source.size(); ++i) source[i] = static_cast<char>((i * 131 + 7) % 251);
+  std::vector<char> dest(source.size() + 64);
+  for (size_t length : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{63}, size_t{64}, size_t{65}, size_t{127},
+                        size_t{200}, size_t{4096}, size_t{4096 + 129}}) {
+    for (size_t dest_at = 0; dest_at < 32; ++dest_at) {
+      for (size_t slice : {size_t{1}, size_t{17}, size_t{64}, size_t{1000}, length == 0 ? size_t{1} : length}) {
+        const size_t source_at = (dest_at * 5) % 19;
+        std::vector<ByteSpan> spans;
+        for (size_t at = 0; at < length; at += slice) {
+          spans.push_back({source.data() + source_at + at, std::min(slice, length - at)});
+        }
+        std::fill(dest.begin(), dest.end(), '\x5a');
+        const uint64_t sum = StreamHashed(spans, dest.data() + dest_at);
+        SCOPED_TRACE("length " + std::to_string(length) + " at " + std::to_string(dest_at) + " slices of " +
+                     std::to_string(slice));
+        EXPECT_EQ(sum, Xxh3(source.data() + source_at, length));
+        ASSERT_EQ(std::memcmp(dest.data() + dest_at, source.data() + source_at, length), 0);
+        for (size_t i = 0; i < dest.size(); ++i) {
+          if (i < dest_at || i >= dest_at + length) {
+            ASSERT_EQ(dest[i], '\x5a') << "byte " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(ReplicaStoreTest, KeepsTheNewestCompleteReplicaPerRankAndGivesItsMemoryBack) {
   CountedMemory counted;
   {
