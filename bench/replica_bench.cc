@@ -15,7 +15,8 @@
 //                        part checked by the server before it is sent and by the fetcher as it is
 //                        copied in (a rank on a fresh node getting its replica back)
 //
-// Rows alternate (limit, push, limit, push ...) for --repeat rounds; medians and best are printed,
+// Rows alternate (limit, push, fetch, limit, push ...) for --repeat rounds; with --push-only a round is
+// the limit and the push (pushes follow each other, as a daemon's do step after step); medians and best are printed,
 // the ratios are of medians (`RESULT replica_push_ratio=R`: the push's rate over the stream's;
 // `RESULT replica_fetch_ratio=R`, the fetch's). GB/s is replica bytes over the seconds from the first byte sent to the
 // receiver holding the last. The allocator is set as flashckptd sets it (KeepMessageBuffersInHeap,
@@ -51,11 +52,14 @@ int Main(int argc, char** argv) {
   uint64_t part = 1u << 20;
   int repeat = 5;
   bool malloc_defaults = false;
+  bool push_only = false;
   app.add_option("--bytes", size_text, "replica size, e.g. 1GiB")->capture_default_str();
   app.add_option("--part", part, "bytes per part (64 KiB to 4 MiB)")->capture_default_str();
   app.add_option("--repeat", repeat, "rounds (limit then push, each round)")->check(CLI::Range(1, 100))->capture_default_str();
   app.add_flag("--malloc-defaults", malloc_defaults,
                "keep glibc's allocator defaults instead of flashckptd's KeepMessageBuffersInHeap");
+  app.add_flag("--push-only", push_only,
+               "rounds of limit and push without the fetch: pushes back to back, as a daemon pushes step after step");
   CLI11_PARSE(app, argc, argv);
   if (!malloc_defaults) {
     const AllocatorSetting a = KeepMessageBuffersInHeap();
@@ -130,6 +134,11 @@ int Main(int argc, char** argv) {
       return 1;
     }
     push.push_back(secs);
+    if (push_only) {
+      std::printf("round %d: tcp stream %.3f s (%.2f GB/s), replica push %.3f s (%.2f GB/s)\n", round + 1, tcp,
+                  *bytes / tcp / 1e9, secs, *bytes / secs / 1e9);
+      continue;
+    }
     const auto fetch_start = std::chrono::steady_clock::now();
     auto fetched = FetchReplica(
         channel->get(), "bench-node", "bench", 0, meta.step, *bytes,
@@ -156,17 +165,21 @@ int Main(int argc, char** argv) {
               *std::min_element(first.begin(), first.end()), *bytes / Median(first) / 1e9);
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica push", push_median, *std::min_element(push.begin(), push.end()),
               *bytes / push_median / 1e9);
-  const double fetch_median = Median(fetch);
-  std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica fetch", fetch_median,
-              *std::min_element(fetch.begin(), fetch.end()), *bytes / fetch_median / 1e9);
+  const double fetch_median = push_only ? 0 : Median(fetch);
+  if (!push_only) {
+    std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica fetch", fetch_median,
+                *std::min_element(fetch.begin(), fetch.end()), *bytes / fetch_median / 1e9);
+  }
   const double ratio = tcp_median / push_median;
-  const double fetch_ratio = tcp_median / fetch_median;
   std::printf("\nRESULT replica_push_gbps=%.3f\nRESULT replica_limit_gbps=%.3f\nRESULT replica_push_ratio=%.3f\n",
               *bytes / push_median / 1e9, *bytes / tcp_median / 1e9, ratio);
-  std::printf("RESULT replica_fetch_gbps=%.3f\nRESULT replica_fetch_ratio=%.3f\n", *bytes / fetch_median / 1e9,
-              fetch_ratio);
   bench::SummaryRow("replica push vs plain TCP stream (loopback)", ratio);
-  bench::SummaryRow("replica fetch vs plain TCP stream (loopback)", fetch_ratio);
+  if (!push_only) {
+    const double fetch_ratio = tcp_median / fetch_median;
+    std::printf("RESULT replica_fetch_gbps=%.3f\nRESULT replica_fetch_ratio=%.3f\n", *bytes / fetch_median / 1e9,
+                fetch_ratio);
+    bench::SummaryRow("replica fetch vs plain TCP stream (loopback)", fetch_ratio);
+  }
   server.Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return 0;
 }
