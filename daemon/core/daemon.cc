@@ -42,6 +42,7 @@ EmaStageOptions EmaStageOptionsOf(const DaemonConfig& config, const Clock& clock
   options.threads = config.ema_threads != 0 ? config.ema_threads : std::min(hw, 8u);
   options.copy_timeout = config.copy_timeout;
   options.clock = &clock;
+  options.keep_memory_on_stop = config.persist_on_stop;
   return options;
 }
 

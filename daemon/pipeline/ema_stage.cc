@@ -8,6 +8,7 @@ namespace flashckpt {
 EmaStage::EmaStage(EmaStageOptions options, Done done)
     : threads_(std::max(1u, options.threads)),
       copy_timeout_(options.copy_timeout),
+      keep_memory_on_stop_(options.keep_memory_on_stop),
       clock_(options.clock != nullptr ? *options.clock : Clock::Real()),
       writer_(options.writer),
       on_event_(std::move(options.on_event)),
@@ -94,10 +95,13 @@ bool EmaStage::Work(EmaJob& job) {
   // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
   // they fail, the update is skipped (and the writer fails the save for the same reason).
   // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
-  // while the daemon stops (it would not outlive the daemon).
+  // while the daemon stops, unless the stop writes memory checkpoints (keep_memory_on_stop): it
+  // would not outlive the daemon otherwise.
   // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
   // checksums.)
-  auto skip_sums = [&] { return job.resident && (job.resident->dropped.load() || Stopping()); };
+  auto skip_sums = [&] {
+    return job.resident && (job.resident->dropped.load() || (!keep_memory_on_stop_ && Stopping()));
+  };
   auto skip_memory = [&] { return job.resident && !job.persist && job.ema == nullptr && skip_sums(); };
   auto& header = *reinterpret_cast<SlotHeader*>(job.slot);
   // A disk snapshot whose checksums are no longer wanted (its trainer died mid-copy, or the daemon

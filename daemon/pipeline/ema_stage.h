@@ -55,7 +55,8 @@ struct EmaJob {
   bool replay = false;  // adopted after a restart: the EMA may already have seen the step
   // A memory checkpoint (or, with persist, a disk snapshot to keep as one once written): the stage
   // fills in its checksums over the trainer's finished copies, or, when it cannot (the copies
-  // failed, it was dropped, the daemon stops), marks it dropped: not to be kept.
+  // failed, it was dropped, the daemon stops without keep_memory_on_stop), marks it dropped: not to
+  // be kept.
   std::shared_ptr<ResidentCheckpoint> resident;
 };
 
@@ -68,6 +69,11 @@ struct EmaStageOptions {
   const Clock* clock = &Clock::Real();  // the stop's deadline is of this clock
   // Where persisted snapshots go next (not owned; outlives the stage, which stops first).
   Writer* writer = nullptr;
+  // The daemon writes its newest memory checkpoints at the stop (--persist-on-stop): a memory
+  // checkpoint reached while it stops is still checksummed (its copies waited for until the stop's
+  // deadline) and kept, so that the stop writes it rather than the one before. Without it such a
+  // checkpoint would not outlive the daemon, and is dropped at once.
+  bool keep_memory_on_stop = false;
   // Each EMA update applied (kEmaUpdated, with how long the job took); may be empty.
   std::function<void(DaemonEvent)> on_event;
 };
@@ -111,6 +117,7 @@ class EmaStage {
 
   const unsigned threads_;
   const std::chrono::milliseconds copy_timeout_;
+  const bool keep_memory_on_stop_;
   const Clock& clock_;
   Writer* const writer_;
   const std::function<void(DaemonEvent)> on_event_;

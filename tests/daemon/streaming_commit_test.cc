@@ -288,6 +288,29 @@ TEST_F(StreamingCommitTest, AMemoryCheckpointOfATimelineLeftWhileQueuedIsNotKept
   EXPECT_EQ(again.tier(), v1::TIER_DISK);
 }
 
+// --persist-on-stop (the default): a memory checkpoint whose copies are still coming when the stop
+// begins is waited for (until the stop's deadline), checksummed and kept, and the stop writes it,
+// not the step before it, which the trainer has moved past.
+TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesFinishDuringTheStopIsWrittenByTheStop) {
+  Start(60s);
+  auto disk = Begin(1);
+  Fill(disk.slot(), 'd');
+  ASSERT_TRUE(Commit(disk, 1).ok());
+  ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+  auto memory = Begin(2, v1::TIER_MEMORY);
+  Fill(memory.slot(), 'm');
+  Header(memory.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(memory, 2, /*persist=*/false).ok());
+  std::this_thread::sleep_for(200ms);  // the EMA stage waits for the copies, to checksum them
+  std::thread stop([&] { d_.daemon()->Stop(std::chrono::steady_clock::now() + 20s); });
+  std::this_thread::sleep_for(300ms);  // the stop has begun
+  Header(memory.slot())->copied_until.store(0);  // the copies finish
+  stop.join();
+  const auto& w = Placement("w");
+  ASSERT_TRUE(PathExists(CheckpointFile(2, "model_state"))) << "the stop did not write memory step 2";
+  EXPECT_EQ(Tail(CheckpointFile(2, "model_state"), w.bytes()), std::string(w.bytes(), 'm'));
+}
+
 // A stop whose deadline passes while a trainer's copies stall (the trainer died mid-copy) does not
 // wait out the copy timeout: the writer (and, with EMA, the EMA stage, which reads the whole slot
 // first) give up at the deadline and leave the snapshot, record and segment, to the next daemon.
