@@ -43,7 +43,11 @@ bool EmaStage::WaitDrained(const RankSegment* segment, std::chrono::steady_clock
 std::vector<EmaJob> EmaStage::Stop(std::chrono::steady_clock::time_point deadline) {
   {
     MutexLock lock(&mu_);
-    if (!stopping_) deadline_ = deadline;
+    if (!stopping_) {
+      deadline_ = deadline;
+      const auto now = clock_.Now();
+      if (deadline != std::chrono::steady_clock::time_point::max()) memory_cutoff_ = now + (deadline - now) / 2;
+    }
     stopping_ = true;
     cv_.NotifyAll();
   }
@@ -64,6 +68,11 @@ bool EmaStage::Stopping() {
 bool EmaStage::PastDeadline() {
   MutexLock lock(&mu_);
   return stopping_ && clock_.Now() >= deadline_;
+}
+
+bool EmaStage::PastMemoryCutoff() {
+  MutexLock lock(&mu_);
+  return stopping_ && clock_.Now() >= memory_cutoff_;
 }
 
 void EmaStage::Run() {
@@ -95,12 +104,16 @@ bool EmaStage::Work(EmaJob& job) {
   // A streaming commit: the EMA reads the whole slot, so it waits for the trainer's copies. If
   // they fail, the update is skipped (and the writer fails the save for the same reason).
   // A memory checkpoint dropped while queued is not waited for nor checksummed; nor is one reached
-  // while the daemon stops, unless the stop writes memory checkpoints (keep_memory_on_stop): it
-  // would not outlive the daemon otherwise.
+  // while the daemon stops, unless the stop writes memory checkpoints (keep_memory_on_stop), and
+  // then only until the first half of the stop's time has passed: it would not outlive the daemon
+  // otherwise, and a stalled trainer must not take the time the stop's writes need.
   // (A disk snapshot that is also to stay in memory, job.persist, is written whatever happens to its
   // checksums.)
   auto skip_sums = [&] {
-    return job.resident && (job.resident->dropped.load() || (!keep_memory_on_stop_ && Stopping()));
+    if (!job.resident) return false;
+    if (job.resident->dropped.load()) return true;
+    if (!Stopping()) return false;
+    return job.persist || !keep_memory_on_stop_ || PastMemoryCutoff();
   };
   auto skip_memory = [&] { return job.resident && !job.persist && job.ema == nullptr && skip_sums(); };
   auto& header = *reinterpret_cast<SlotHeader*>(job.slot);

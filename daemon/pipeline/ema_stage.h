@@ -70,9 +70,11 @@ struct EmaStageOptions {
   // Where persisted snapshots go next (not owned; outlives the stage, which stops first).
   Writer* writer = nullptr;
   // The daemon writes its newest memory checkpoints at the stop (--persist-on-stop): a memory
-  // checkpoint reached while it stops is still checksummed (its copies waited for until the stop's
-  // deadline) and kept, so that the stop writes it rather than the one before. Without it such a
-  // checkpoint would not outlive the daemon, and is dropped at once.
+  // checkpoint reached while it stops is still checksummed and kept, so that the stop writes it
+  // rather than the one before, if its copies come within the first half of the stop's time (the
+  // rest is the writes'); past that it is dropped, and the stop writes the step before. Without
+  // this option such a checkpoint would not outlive the daemon, and is dropped at once, as a disk
+  // snapshot's checksums for staying in memory are at any stop.
   bool keep_memory_on_stop = false;
   // Each EMA update applied (kEmaUpdated, with how long the job took); may be empty.
   std::function<void(DaemonEvent)> on_event;
@@ -113,6 +115,9 @@ class EmaStage {
   // Hands a job the stage is done with to the writer or to `done_`.
   void HandOn(EmaJob job);
   bool PastDeadline() EXCLUDES(mu_);
+  // Stopping, and past the first half of the stop's time: a memory checkpoint's copies are no
+  // longer waited for (keep_memory_on_stop).
+  bool PastMemoryCutoff() EXCLUDES(mu_);
   bool Stopping() EXCLUDES(mu_);
 
   const unsigned threads_;
@@ -132,6 +137,7 @@ class EmaStage {
   std::map<const RankSegment*, uint32_t> queued_ GUARDED_BY(mu_);  // jobs submitted, not yet done with
   bool stopping_ GUARDED_BY(mu_) = false;
   std::chrono::steady_clock::time_point deadline_ GUARDED_BY(mu_) = std::chrono::steady_clock::time_point::max();
+  std::chrono::steady_clock::time_point memory_cutoff_ GUARDED_BY(mu_) = std::chrono::steady_clock::time_point::max();
 };
 
 }  // namespace flashckpt

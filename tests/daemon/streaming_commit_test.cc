@@ -152,6 +152,16 @@ class StreamingCommitTest : public ::testing::Test {
     ASSERT_TRUE(s.ok()) << s.error_message();
     ASSERT_EQ(again.segment_name(), reg_.segment_name()) << "the same layout keeps its segment";
   }
+  // Returns once the daemon, stopping on another thread, has begun to (it refuses deletions then),
+  // and a moment more for the stop to reach the EMA stage.
+  void StopBegun() {
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (d_.daemon()->DeleteCheckpoints("stream", 0, 1, /*force=*/false, /*dry_run=*/true).ok()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the daemon did not begin to stop";
+      std::this_thread::sleep_for(10ms);
+    }
+    std::this_thread::sleep_for(200ms);
+  }
   // The last `bytes` bytes of a file: the data of its one tensor.
   std::string Tail(const std::string& path, uint64_t bytes) const {
     std::ifstream in(path, std::ios::binary);
@@ -289,8 +299,8 @@ TEST_F(StreamingCommitTest, AMemoryCheckpointOfATimelineLeftWhileQueuedIsNotKept
 }
 
 // --persist-on-stop (the default): a memory checkpoint whose copies are still coming when the stop
-// begins is waited for (until the stop's deadline), checksummed and kept, and the stop writes it,
-// not the step before it, which the trainer has moved past.
+// begins is waited for (within the first half of the stop's time), checksummed and kept, and the
+// stop writes it, not the step before it, which the trainer has moved past.
 TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesFinishDuringTheStopIsWrittenByTheStop) {
   Start(60s);
   auto disk = Begin(1);
@@ -302,13 +312,42 @@ TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesFinishDuringTheStopIsWri
   Header(memory.slot())->copied_until.store(FirstTensorByte() + 4096);
   ASSERT_TRUE(Commit(memory, 2, /*persist=*/false).ok());
   std::this_thread::sleep_for(200ms);  // the EMA stage waits for the copies, to checksum them
+  auto before = d_.daemon()->DeleteCheckpoints("stream", 0, 1, /*force=*/false, /*dry_run=*/true);
+  ASSERT_TRUE(before.ok()) << "StopBegun would not see the stop begin: " << before.status().ToString();
   std::thread stop([&] { d_.daemon()->Stop(std::chrono::steady_clock::now() + 20s); });
-  std::this_thread::sleep_for(300ms);  // the stop has begun
+  StopBegun();
   Header(memory.slot())->copied_until.store(0);  // the copies finish
   stop.join();
   const auto& w = Placement("w");
   ASSERT_TRUE(PathExists(CheckpointFile(2, "model_state"))) << "the stop did not write memory step 2";
   EXPECT_EQ(Tail(CheckpointFile(2, "model_state"), w.bytes()), std::string(w.bytes(), 'm'));
+}
+
+// ... but a trainer whose copies stall does not take the stop's time: past the first half of it the
+// stalled checkpoint is dropped, and the stop writes the memory step before it.
+TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesStallAtTheStopLeavesTheStepBeforeToBeWritten) {
+  Start(60s);
+  auto disk = Begin(1);
+  Fill(disk.slot(), 'd');
+  ASSERT_TRUE(Commit(disk, 1).ok());
+  ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+  auto kept = Begin(2, v1::TIER_MEMORY);
+  Fill(kept.slot(), 'k');
+  ASSERT_TRUE(Commit(kept, 2, /*persist=*/false).ok());
+  auto stalled = Begin(3, v1::TIER_MEMORY);
+  ASSERT_NE(stalled.slot(), kept.slot());
+  Fill(stalled.slot(), 's');
+  Header(stalled.slot())->copied_until.store(FirstTensorByte() + 4096);
+  ASSERT_TRUE(Commit(stalled, 3, /*persist=*/false).ok());
+  std::this_thread::sleep_for(200ms);  // step 2 kept; the EMA stage waits for step 3's copies
+  const auto start = std::chrono::steady_clock::now();
+  d_.daemon()->Stop(start + 4s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 4s) << "the stop waited for the stalled copies until its deadline";
+  EXPECT_FALSE(PathExists(CheckpointFile(3, "model_state")));
+  const auto& w = Placement("w");
+  ASSERT_TRUE(PathExists(CheckpointFile(2, "model_state"))) << "the stop did not write memory step 2";
+  EXPECT_EQ(Tail(CheckpointFile(2, "model_state"), w.bytes()), std::string(w.bytes(), 'k'));
 }
 
 // A stop whose deadline passes while a trainer's copies stall (the trainer died mid-copy) does not
