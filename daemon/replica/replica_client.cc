@@ -238,14 +238,15 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
   auto dest = into(meta);
   if (!dest.ok()) return fail(dest.status());
   uint64_t at = 0;
-  // Each part is hashed in the received slices and copied once from them to `dest` (StreamHashed).
+  // Each part is copied once, from the received slices to `dest`, and hashed there (the fetcher
+  // verifies the whole slot next, while what it can of it is still in the cache).
   for (uint64_t i = 0; reader->Read(&buffer); ++i) {
     const uint64_t want = std::min(meta.part_bytes, meta.bytes - at);
     if (!part.Read(&buffer).ok() || part.has_header() || at >= meta.bytes || part.data_bytes() != want) {
       return fail(Corruption("replica Fetch: part " + std::to_string(i) + " does not fit the header's " +
                              std::to_string(meta.bytes) + " bytes in parts of " + std::to_string(meta.part_bytes)));
     }
-    const uint64_t got = StreamHashed(part.data(), *dest + at);
+    const uint64_t got = CopyHashed(part.data(), *dest + at);
     if (got != part.xxh3()) {
       return fail(Corruption("replica Fetch: part " + std::to_string(i) + " of job '" + job + "' rank " +
                              std::to_string(rank) + " step " + std::to_string(meta.step) + " has checksum " +

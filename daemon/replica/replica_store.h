@@ -60,12 +60,12 @@ struct ByteSpan {
 };
 // Copies `spans` in order to `dest` and returns the XXH3-64 of the bytes copied, each span hashed
 // where it landed while it is still in the cache: for a destination that is read again soon (a
-// rebuild's rings).
+// fetched slot, verified whole at once; a rebuild's rings).
 uint64_t CopyHashed(const std::vector<ByteSpan>& spans, char* dest);
-// The same for a destination that is not read again soon (a replica held, a fetched slot): each span
-// is hashed where it arrived (the received slice, still in the cache) and written with non-temporal
-// stores (StreamCopy), so the destination's lines are not read in only to be overwritten. What the
-// destination holds is checked again whenever it is read out (Replica::VerifiedPart, a restore).
+// The same for a destination that is not read again soon (a replica held for a peer): each span is
+// hashed where it arrived (the received slice, still in the cache) and written with non-temporal
+// stores (StreamCopy), so the destination's lines are not read in only to be overwritten. What a
+// held replica holds is checked again whenever it is read out (Replica::VerifiedPart).
 uint64_t StreamHashed(const std::vector<ByteSpan>& spans, char* dest);
 
 // Where the store's bytes come from: Reserve(bytes, what) fails (RESOURCE_EXHAUSTED, saying `what`
