@@ -157,6 +157,17 @@ int Main(int argc, char** argv) {
     std::printf("round %d: tcp stream %.3f s (%.2f GB/s), replica push %.3f s (%.2f GB/s), fetch %.3f s (%.2f GB/s)\n",
                 round + 1, tcp, *bytes / tcp / 1e9, secs, *bytes / secs / 1e9, fetch_secs, *bytes / fetch_secs / 1e9);
   }
+  if (push_only) {
+    // What the pushes left is checked once, off the clock: the last replica fetched back.
+    auto fetched = FetchReplica(
+        channel->get(), "bench-node", "bench", 0, 0, *bytes, [&](const ReplicaMeta&) -> Result<char*> { return dst.data(); },
+        std::chrono::system_clock::now() + std::chrono::minutes(10));
+    if (!fetched.ok() || std::memcmp(dst.data(), src.data(), src.size()) != 0) {
+      std::fprintf(stderr, "replica fetch after the pushes: %s\n",
+                   fetched.ok() ? "the bytes fetched are not the bytes pushed" : fetched.status().ToString().c_str());
+      return 1;
+    }
+  }
   const double tcp_median = Median(limit), push_median = Median(push);
   std::printf("\n%-28s %10s %10s %12s\n", "row", "median s", "best s", "median GB/s");
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "tcp stream (limit)", tcp_median,
