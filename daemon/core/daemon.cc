@@ -179,7 +179,12 @@ Status Daemon::Start() {
     options.on_event = [this](DaemonEvent event) { c_.Emit(std::move(event)); };
     // A release word some holder has not heard yet outlives this daemon: the next one says it again.
     options.keep_word = [this](const std::string& job, bool pending) {
-      if (!pending) return c_.state_.RemoveParityRelease(job);
+      if (!pending) {
+        if (c_.state_.RemoveParityRelease(job)) {
+          Logger("parity")->info("parity release word job={} no holder waits for any more: its record is removed", job);
+        }
+        return;
+      }
       Status kept = c_.state_.SaveParityRelease(job);
       if (!kept.ok()) {
         Logger("parity")->warn("parity release of job={} not recorded (a daemon started after this one will not "

@@ -187,9 +187,9 @@ Status StateDir::SaveParityRelease(const std::string& job) const {
   return Write(job + kParityReleaseSuffix, job);
 }
 
-void StateDir::RemoveParityRelease(const std::string& job) const {
-  if (!enabled()) return;
-  Remove(job + kParityReleaseSuffix);
+bool StateDir::RemoveParityRelease(const std::string& job) const {
+  if (!enabled()) return false;
+  return io_->Unlink(path_ + "/" + job + kParityReleaseSuffix) == 0;
 }
 
 std::vector<std::string> StateDir::LoadParityReleases() const {

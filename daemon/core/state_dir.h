@@ -130,7 +130,8 @@ class StateDir {
 
   // Release words for the parity group's holders not yet delivered to all of them (see above).
   Status SaveParityRelease(const std::string& job) const;
-  void RemoveParityRelease(const std::string& job) const;
+  // True when a record was there and is gone.
+  bool RemoveParityRelease(const std::string& job) const;
   // The job of every readable record; one that is unreadable or does not name a valid job as its
   // file name does is logged and removed.
   std::vector<std::string> LoadParityReleases() const;

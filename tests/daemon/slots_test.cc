@@ -290,9 +290,10 @@ TEST(StateDirRecords, ParityReleaseRecordsAreLoadedByJobAndBadOnesDropped) {
   EXPECT_EQ(dir->LoadParityReleases(), (std::vector<std::string>{"job-b", "job.a"}));  // by file name
   EXPECT_FALSE(PathExists(tmp.File("state/other.released")));
   EXPECT_FALSE(PathExists(tmp.File("state/bad.released")));
-  dir->RemoveParityRelease("job-b");
+  EXPECT_TRUE(dir->RemoveParityRelease("job-b"));
+  EXPECT_FALSE(dir->RemoveParityRelease("job-b"));  // none left: the daemon says nothing was heard
   EXPECT_EQ(dir->LoadParityReleases(), (std::vector<std::string>{"job.a"}));
-  dir->RemoveParityRelease("job.a");
+  EXPECT_TRUE(dir->RemoveParityRelease("job.a"));
   auto left = ListDir(tmp.File("state"));
   ASSERT_OK(left.status());
   EXPECT_TRUE(left->empty()) << left->front();

@@ -223,6 +223,11 @@ def release_everywhere(group):
             if time.monotonic() >= deadline:
                 raise TestFailure("node%d still keeps %s: a holder has not heard its release word" % (i, record))
             time.sleep(0.1)
+        # And it was there: the daemon says so when it removes it.
+        said = "parity release word job=%s no holder waits for any more" % group.job
+        with open(group.daemon_logs[i], errors="replace") as f:
+            check(any(said in line for line in f), "node%d never kept a record of its release word (no \"%s\" in its "
+                  "log)\n%s" % (i, said, tail(group.daemon_logs[i])))
     log("%d members: the job released on every member that ran it; no member holds a parity share of it, and no "
         "member keeps a release word for a holder" % group.members)
 
