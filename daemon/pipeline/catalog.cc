@@ -81,6 +81,13 @@ Result<bool> Catalog::IsComplete(const std::string& job, int64_t step) const {
   return Exists(CheckpointDir(job, step) + "/metadata.json", io_);
 }
 
+Result<bool> Catalog::IsCommitted(const std::string& job, int64_t step) const {
+  ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));
+  if (!complete) return false;
+  ASSIGN_OR_RETURN(std::optional<int64_t> named, LatestNamed(job));
+  return named && *named >= step;
+}
+
 Result<bool> Catalog::IsCompleteShared(const std::string& job, int64_t step, std::chrono::milliseconds max_age) const {
   const auto now = std::chrono::steady_clock::now();
   const std::pair<std::string, int64_t> key{job, step};
@@ -89,7 +96,7 @@ Result<bool> Catalog::IsCompleteShared(const std::string& job, int64_t step, std
     auto it = looked_.find(key);
     if (it != looked_.end() && now - it->second.at < max_age) return it->second.complete;
   }
-  ASSIGN_OR_RETURN(bool complete, IsComplete(job, step));  // no lock held across the stat
+  ASSIGN_OR_RETURN(bool complete, IsCommitted(job, step));  // no lock held across the look
   NoteLook(job, step, now, complete);
   return complete;
 }

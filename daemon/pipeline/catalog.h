@@ -156,6 +156,10 @@ class Catalog {
   //
   // Whether checkpoint `step` of `job` is complete (its metadata.json exists).
   Result<bool> IsComplete(const std::string& job, int64_t step) const;
+  // Whether its commit is over: complete, and LATEST names it or a newer step. The committing daemon
+  // writes LATEST right after metadata.json, so a daemon sharing the root may see the one before the
+  // other: what WaitComplete waits for, so that a rank told "complete" finds LATEST moved.
+  Result<bool> IsCommitted(const std::string& job, int64_t step) const;
   // The head of metadata.json of checkpoint `step` of `job` (no pieces), read once for every caller
   // while the file stays the same (MetadataCache: the ranks of a job that register share it).
   // kNotFound when the checkpoint is not complete.
@@ -170,8 +174,8 @@ class Catalog {
                                                                 const std::vector<std::string>& names) const {
     return metadata_.GetFor(CheckpointDir(job, step), names);
   }
-  // IsComplete, looked up in the root at most once per `max_age` for each job and step, whoever
-  // asks: the ranks of a daemon that wait for one step (WaitComplete) share one stat per period
+  // IsCommitted, looked up in the root at most once per `max_age` for each job and step, whoever
+  // asks: the ranks of a daemon that wait for one step (WaitComplete) share one look per period
   // instead of one each. The answer may be up to `max_age` old.
   Result<bool> IsCompleteShared(const std::string& job, int64_t step, std::chrono::milliseconds max_age) const
       EXCLUDES(looked_mu_);

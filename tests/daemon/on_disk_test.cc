@@ -128,6 +128,33 @@ TEST_F(OnDiskTest, KeepDeletesAllButTheNewestCompleteCheckpoints) {
   EXPECT_EQ(t.w[0], 5.f);
 }
 
+// WaitComplete returns once the step's commit is over, LATEST moved as well as metadata.json
+// written: a daemon sharing the root sees the one a moment before the other, and a rank told
+// "complete" must find LATEST naming the step. Shown here with LATEST set back by hand between
+// the two; at its deadline WaitComplete takes metadata.json alone.
+TEST_F(OnDiskTest, WaitCompleteWaitsUntilLatestNamesTheStep) {
+  StartDaemon(/*keep=*/0);
+  Trainer t = StartTrainer("committed", 1000);
+  ASSERT_TRUE(t.client);
+  ASSERT_OK(t.Save(1));
+  ASSERT_OK(t.Save(2));
+  ASSERT_OK(t.client->WaitComplete(2, 10s));
+  ASSERT_OK(WriteFileDurably(JobDir("committed"), "LATEST", "1\n"));  // as before the commit's end
+  const auto start = std::chrono::steady_clock::now();
+  std::thread latest([&] {
+    std::this_thread::sleep_for(700ms);
+    EXPECT_OK(WriteFileDurably(JobDir("committed"), "LATEST", "2\n"));
+  });
+  Status waited = t.client->WaitComplete(2, 10s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  latest.join();
+  ASSERT_OK(waited);
+  EXPECT_GE(took, 600ms) << "WaitComplete returned while LATEST still named step 1";
+  // LATEST never moved (its committer could not write it): the deadline's look takes the metadata.
+  ASSERT_OK(WriteFileDurably(JobDir("committed"), "LATEST", "1\n"));
+  EXPECT_OK(t.client->WaitComplete(2, 1s));
+}
+
 TEST_F(OnDiskTest, RetentionSparesStepsInUseAndNewerIncompleteDirectories) {
   StartDaemon(/*keep=*/0);  // keep everything: retention is driven by hand below
   Trainer t = StartTrainer("spare", 100);
