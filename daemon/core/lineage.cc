@@ -295,8 +295,9 @@ void Lineage::NoteSplitLocked(Core& c_, const std::string& name, uint32_t rank, 
 
 Status Lineage::WaitComplete(const std::string& session_id, int64_t step, std::chrono::milliseconds timeout) {
   const auto deadline = c_.clock_.Now() + timeout;
-  ASSIGN_OR_RETURN(WaitResult own, c_.save->WaitPersisted(session_id, step, timeout));
-  (void)own;  // complete or not, the commit is over only once LATEST has moved (IsCommitted below)
+  // The rank's own part first; complete or not, the commit is over only once LATEST has moved too
+  // (IsCommitted below).
+  RETURN_IF_ERROR(c_.save->WaitPersisted(session_id, step, timeout).status());
   std::string job;
   uint32_t rank_id = 0, world_size = 0;
   Attempt attempt;

@@ -152,6 +152,13 @@ class StreamingCommitTest : public ::testing::Test {
     ASSERT_TRUE(s.ok()) << s.error_message();
     ASSERT_EQ(again.segment_name(), reg_.segment_name()) << "the same layout keeps its segment";
   }
+  // A disk snapshot of `step`, every tensor byte `byte`, committed and persisted.
+  void SaveToDisk(int64_t step, char byte) {
+    auto slot = Begin(step);
+    Fill(slot.slot(), byte);
+    ASSERT_TRUE(Commit(slot, step).ok());
+    ASSERT_TRUE(WaitPersisted(step, 10s).ok());
+  }
   // Returns once the daemon, stopping on another thread, has begun to (it refuses deletions then),
   // and a moment more for the stop to reach the EMA stage.
   void StopBegun() {
@@ -275,10 +282,7 @@ TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesNeverFinishGoesWithItsTr
 // checksums: it is not kept when its copies finish later, and the next restore takes step 1.
 TEST_F(StreamingCommitTest, AMemoryCheckpointOfATimelineLeftWhileQueuedIsNotKept) {
   Start(60s);
-  auto disk = Begin(1);
-  Fill(disk.slot(), 'd');
-  ASSERT_TRUE(Commit(disk, 1).ok());
-  ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+  ASSERT_NO_FATAL_FAILURE(SaveToDisk(1, 'd'));
   auto memory = Begin(5, v1::TIER_MEMORY);
   Header(memory.slot())->copied_until.store(FirstTensorByte() + 4096);
   ASSERT_TRUE(Commit(memory, 5, /*persist=*/false).ok());
@@ -303,10 +307,7 @@ TEST_F(StreamingCommitTest, AMemoryCheckpointOfATimelineLeftWhileQueuedIsNotKept
 // stop writes it, not the step before it, which the trainer has moved past.
 TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesFinishDuringTheStopIsWrittenByTheStop) {
   Start(60s);
-  auto disk = Begin(1);
-  Fill(disk.slot(), 'd');
-  ASSERT_TRUE(Commit(disk, 1).ok());
-  ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+  ASSERT_NO_FATAL_FAILURE(SaveToDisk(1, 'd'));
   auto memory = Begin(2, v1::TIER_MEMORY);
   Fill(memory.slot(), 'm');
   Header(memory.slot())->copied_until.store(FirstTensorByte() + 4096);
@@ -327,10 +328,7 @@ TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesFinishDuringTheStopIsWri
 // stalled checkpoint is dropped, and the stop writes the memory step before it.
 TEST_F(StreamingCommitTest, AMemoryCheckpointWhoseCopiesStallAtTheStopLeavesTheStepBeforeToBeWritten) {
   Start(60s);
-  auto disk = Begin(1);
-  Fill(disk.slot(), 'd');
-  ASSERT_TRUE(Commit(disk, 1).ok());
-  ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+  ASSERT_NO_FATAL_FAILURE(SaveToDisk(1, 'd'));
   auto kept = Begin(2, v1::TIER_MEMORY);
   Fill(kept.slot(), 'k');
   ASSERT_TRUE(Commit(kept, 2, /*persist=*/false).ok());
@@ -418,10 +416,7 @@ class ClientVerificationTest : public StreamingCommitTest {
   // Disk step 1 ('d' bytes) and memory step 2 ('m' bytes, checksummed), then a new trainer process.
   void SetUpSteps() {
     Start(60s);
-    auto disk = Begin(1);
-    Fill(disk.slot(), 'd');
-    ASSERT_TRUE(Commit(disk, 1).ok());
-    ASSERT_TRUE(WaitPersisted(1, 10s).ok());
+    ASSERT_NO_FATAL_FAILURE(SaveToDisk(1, 'd'));
     auto memory = Begin(2, v1::TIER_MEMORY);
     memory_slot_ = memory.slot();
     Fill(memory_slot_, 'm');
