@@ -15,6 +15,13 @@
 //                        part checked by the server before it is sent and by the fetcher as it is
 //                        copied in (a rank on a fresh node getting its replica back)
 //
+//   tls stream (--tls)   with --tls the listener and the channel use mutual TLS (certificates made
+//                        by openssl in a temporary directory), and each round also times one TLS
+//                        stream of the same bytes with OpenSSL on the socket (bench/tls_stream.h):
+//                        what a TLS channel could reach on this machine. `replica_push_ratio` stays
+//                        the push over the plain stream; `RESULT replica_tls_stream_ratio=R` is the
+//                        push over the TLS stream
+//
 // Rows alternate (limit, push, fetch, limit, push ...) for --repeat rounds; with --push-only a round is
 // the limit and the push (pushes follow each other, as a daemon's do step after step); medians and best are printed,
 // the ratios are of medians (`RESULT replica_push_ratio=R`: the push's rate over the stream's;
@@ -33,15 +40,18 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "bench/loopback.h"
 #include "bench/summary.h"
+#include "bench/tls_stream.h"
 #include "common/base/allocator.h"
 #include "common/base/names.h"
 #include "daemon/replica/replica_client.h"
 #include "daemon/replica/replica_server.h"
+#include "tests/daemon/certificates.h"  // header only: openssl in a temporary directory
 
 namespace flashckpt {
 namespace {
@@ -53,6 +63,7 @@ int Main(int argc, char** argv) {
   int repeat = 5;
   bool malloc_defaults = false;
   bool push_only = false;
+  bool tls = false;
   app.add_option("--bytes", size_text, "replica size, e.g. 1GiB")->capture_default_str();
   app.add_option("--part", part, "bytes per part (64 KiB to 4 MiB)")->capture_default_str();
   app.add_option("--repeat", repeat, "rounds (limit then push, each round)")->check(CLI::Range(1, 100))->capture_default_str();
@@ -60,6 +71,9 @@ int Main(int argc, char** argv) {
                "keep glibc's allocator defaults instead of flashckptd's KeepMessageBuffersInHeap");
   app.add_flag("--push-only", push_only,
                "rounds of limit and push without the fetch: pushes back to back, as a daemon pushes step after step");
+  app.add_flag("--tls", tls,
+               "mutual TLS between the pusher and the listener, and a TLS stream (OpenSSL on the socket) timed "
+               "beside the plain one");
   CLI11_PARSE(app, argc, argv);
   if (!malloc_defaults) {
     const AllocatorSetting a = KeepMessageBuffersInHeap();
@@ -82,19 +96,37 @@ int Main(int argc, char** argv) {
   std::vector<char> dst(*bytes, 1);
 
   ReplicaStore store(HostMemory{[](uint64_t, const std::string&) { return Status::OK(); }, [](uint64_t) {}}, 0);
+  std::optional<Certificates> certs;
   ReplicaListenConfig config;
+  ReplicaPeer peer;
+  TlsFiles server_files, client_files;
+  if (tls) {
+    certs.emplace();
+    if (!certs->ok()) {
+      std::fprintf(stderr, "--tls: openssl could not make the certificates\n");
+      return 1;
+    }
+    config = certs->Listener("node-a");
+    peer = {"", certs->cert("node-b"), certs->key("node-b"), certs->cert("ca"), ""};
+    server_files = {certs->cert("node-a"), certs->key("node-a"), certs->cert("ca")};
+    client_files = {peer.tls_cert, peer.tls_key, peer.tls_ca};
+  }
   config.listen = "127.0.0.1:0";
   ReplicaServer server(&store, config);
   if (Status started = server.Start(); !started.ok()) {
     std::fprintf(stderr, "replica listener: %s\n", started.ToString().c_str());
     return 1;
   }
-  auto channel = ReplicaChannel({"127.0.0.1:" + std::to_string(server.port()), "", "", "", ""});
-  if (!channel.ok()) return 1;
+  peer.target = "127.0.0.1:" + std::to_string(server.port());
+  auto channel = ReplicaChannel(peer);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "replica channel: %s\n", channel.status().ToString().c_str());
+    return 1;
+  }
 
-  std::printf("replica_bench: %s in parts of %s, loopback, %d rounds\n", FormatBytes(*bytes).c_str(),
-              FormatBytes(part).c_str(), repeat);
-  std::vector<double> limit, push, fetch, first;
+  std::printf("replica_bench: %s in parts of %s, loopback%s, %d rounds\n", FormatBytes(*bytes).c_str(),
+              FormatBytes(part).c_str(), tls ? ", mutual TLS" : "", repeat);
+  std::vector<double> limit, tls_limit, push, fetch, first;
   const auto meta_of = [&](int64_t step) {
     ReplicaMeta meta;
     meta.job = "bench";
@@ -125,6 +157,15 @@ int Main(int argc, char** argv) {
       return 1;
     }
     limit.push_back(tcp);
+    if (tls) {
+      const double stream = TlsStream(src.data(), *bytes, part, dst.data(), server_files, client_files);
+      if (stream <= 0) {
+        std::fprintf(stderr, "the TLS stream failed\n");
+        return 1;
+      }
+      tls_limit.push_back(stream);
+      std::printf("round %d: tls stream %.3f s (%.2f GB/s)\n", round + 1, stream, *bytes / stream / 1e9);
+    }
     const ReplicaMeta meta = meta_of(round + 3);
     const auto start = std::chrono::steady_clock::now();
     Status pushed = PushReplica(channel->get(), meta, src.data(), std::chrono::system_clock::now() + std::chrono::minutes(10));
@@ -172,6 +213,10 @@ int Main(int argc, char** argv) {
   std::printf("\n%-28s %10s %10s %12s\n", "row", "median s", "best s", "median GB/s");
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "tcp stream (limit)", tcp_median,
               *std::min_element(limit.begin(), limit.end()), *bytes / tcp_median / 1e9);
+  if (tls) {
+    std::printf("%-28s %10.3f %10.3f %12.2f\n", "tls stream (OpenSSL)", Median(tls_limit),
+                *std::min_element(tls_limit.begin(), tls_limit.end()), *bytes / Median(tls_limit) / 1e9);
+  }
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "first pushes (fresh memory)", Median(first),
               *std::min_element(first.begin(), first.end()), *bytes / Median(first) / 1e9);
   std::printf("%-28s %10.3f %10.3f %12.2f\n", "replica push", push_median, *std::min_element(push.begin(), push.end()),
@@ -184,7 +229,15 @@ int Main(int argc, char** argv) {
   const double ratio = tcp_median / push_median;
   std::printf("\nRESULT replica_push_gbps=%.3f\nRESULT replica_limit_gbps=%.3f\nRESULT replica_push_ratio=%.3f\n",
               *bytes / push_median / 1e9, *bytes / tcp_median / 1e9, ratio);
-  bench::SummaryRow("replica push vs plain TCP stream (loopback)", ratio);
+  bench::SummaryRow(tls ? "replica push (mutual TLS) vs plain TCP stream (loopback)"
+                        : "replica push vs plain TCP stream (loopback)",
+                    ratio);
+  if (tls) {
+    const double tls_ratio = Median(tls_limit) / push_median;
+    std::printf("RESULT replica_tls_limit_gbps=%.3f\nRESULT replica_tls_stream_ratio=%.3f\n",
+                *bytes / Median(tls_limit) / 1e9, tls_ratio);
+    bench::SummaryRow("replica push (mutual TLS) vs a TLS stream (loopback)", tls_ratio);
+  }
   if (!push_only) {
     const double fetch_ratio = tcp_median / fetch_median;
     std::printf("RESULT replica_fetch_gbps=%.3f\nRESULT replica_fetch_ratio=%.3f\n", *bytes / fetch_median / 1e9,
