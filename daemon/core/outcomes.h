@@ -31,6 +31,9 @@ struct ReleaseOutcome {
 
 // How the ranks of a job resume (Restorer::ResumePlanFor).
 struct ResumePlan {
+  // Made for the job's ranks (here, or agreed with the other daemons). false: no plan was needed,
+  // and each rank reads the latest complete checkpoint.
+  bool decided = false;
   bool found = false;  // false: the job has no checkpoint to restore
   int64_t step = 0;
   SlotTier tier = SlotTier::kDisk;
@@ -56,6 +59,9 @@ struct RestoreCandidates {
 struct RestoreOutcome {
   bool found = false;
   int64_t step = 0;
+  // With found false: the job's ranks decided that none of them restores anything, and the caller
+  // does not look for a checkpoint again (one completed since would be taken by some ranks only).
+  bool none_decided = false;
   SlotTicket ticket;
   std::string extra;
   uint64_t bytes_read = 0;

@@ -275,7 +275,7 @@ Result<RestoreOutcome> Restorer::Restore(const std::string& session_id, int64_t 
   const std::string source = own ? job : want.source_job;
   if (own && want.kinds.empty() && !want.convert_dtype) {
     ASSIGN_OR_RETURN(RestoreOutcome memory, RestoreFromMemory(session_id, step, want.verify_in_client, deadline, timeout));
-    if (memory.found) return memory;
+    if (memory.found || memory.none_decided) return memory;
     if (step == 0 && memory.step > 0) step = memory.step;  // the job's plan: this step from disk
   }
   RestoreOutcome out;
@@ -362,7 +362,8 @@ Result<RestoreOutcome> Restorer::RestoreFromMemory(const std::string& session_id
     }
     ASSIGN_OR_RETURN(ResumePlan plan, std::move(planned_step));
     if (!plan.found || plan.tier == SlotTier::kDisk) {
-      out.step = plan.step;  // 0 (none): the caller finds that there is none
+      out.step = plan.step;
+      out.none_decided = plan.decided && !plan.found;  // none: not looked for again, by any rank
       return out;
     }
     step = plan.step;

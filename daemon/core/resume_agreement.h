@@ -40,7 +40,8 @@ namespace flashckpt {
 // One rank of a job as one daemon sees it.
 struct RankView {
   uint32_t rank = 0;
-  std::string token;           // its trainer process: unique across daemons and their restarts
+  std::string token;           // its trainer process (unique across daemons and their restarts) and
+                               // how far it saved: a process that saved since asks anew
   std::vector<int64_t> steps;  // memory checkpoints the daemon holds of it, newest first
 };
 

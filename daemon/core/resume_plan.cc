@@ -10,6 +10,20 @@
 #include "daemon/core/resume_agreement.h"
 
 namespace flashckpt {
+namespace {
+
+// What a rank is published as in the job's agreement: its trainer process and the newest step that
+// process began to save. A retry (nothing saved since) meets the decision made for it again; the
+// same process asking after it trained on and saved (a rollback) is a new resume, which the daemons
+// decide anew, as PlanStaleLocked judges the plan kept here. (A plan file names the tokens of the
+// ranks it was made for, and stays in the root for minutes.)
+// Empty (not publishable) for a rank whose process has no token.
+std::string AgreementToken(const RankState& rank) {
+  if (rank.process_token.empty()) return "";
+  return rank.process_token + ":" + std::to_string(std::max<int64_t>(rank.last_begun, 0));
+}
+
+}  // namespace
 
 Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::chrono::steady_clock::time_point deadline,
                                          std::chrono::milliseconds timeout) {
@@ -46,7 +60,7 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
         if (AllRanksHereLocked(c_, state, world_size) || rank->process_token.empty()) return ResumePlan{};
         // Ranks elsewhere may hold memory checkpoints and wait for every rank's view: this one's
         // holds none, so they decide on the disk, which is what this rank reads.
-        alone = RankView{rank_id, rank->process_token, {}};
+        alone = RankView{rank_id, AgreementToken(*rank), {}};
         break;
       }
       if (!state.planning) {
@@ -90,6 +104,7 @@ Result<ResumePlan> Restorer::MakeResumePlan(const std::string& job, uint32_t wor
                                           std::chrono::steady_clock::time_point deadline,
                                           std::chrono::milliseconds timeout) {
   ResumePlan plan;
+  plan.decided = true;
   plan.made = c_.clock_.Now();
   // The newest complete checkpoint on disk (read without the lock): the plan when memory has nothing
   // newer that every rank holds.
@@ -178,12 +193,17 @@ Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint3
     // memory checkpoints held of it here once their checksums are computed.
     std::vector<RankView> mine;
     const auto round_began = c_.clock_.Now();
+    bool stopping = false;
     {
       MutexLock lock(&c_.mu_);
-      if (c_.stopping_) {
-        agreement.Withdraw();
-        return Unavailable("the daemon is stopping");
-      }
+      stopping = c_.stopping_;
+    }
+    if (stopping) {
+      agreement.Withdraw();  // reads and removes files in the root: not under mu_
+      return Unavailable("the daemon is stopping");
+    }
+    {
+      MutexLock lock(&c_.mu_);
       auto it = c_.jobs_.find(job);
       if (it == c_.jobs_.end()) return NotFound("job '" + job + "' was released while its ranks chose a step");
       for (const auto& [r, process] : it->second.plan_asks) {
@@ -195,7 +215,7 @@ Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint3
         bool pending = false;
         for (const auto& p : c_.MemoryPending(*rank->second.segment)) pending = pending || !p.resident->dropped.load();
         if (pending) continue;  // published once its last memory checkpoints are checksummed
-        mine.push_back(RankView{r, rank->second.process_token, c_.Slots(*rank->second.segment).ResidentSteps()});
+        mine.push_back(RankView{r, AgreementToken(rank->second), c_.Slots(*rank->second.segment).ResidentSteps()});
       }
     }
     Result<std::optional<AgreedPlan>> round = agreement.Round(world_size, mine, latest.value_or(0));
@@ -204,6 +224,7 @@ Result<ResumePlan> Restorer::AgreeWithOtherDaemons(const std::string& job, uint3
     if (*round) {
       const AgreedPlan& agreed = **round;
       ResumePlan plan;
+      plan.decided = true;
       plan.made = c_.clock_.Now();
       plan.found = agreed.found;
       plan.step = agreed.step;

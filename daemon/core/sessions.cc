@@ -46,12 +46,16 @@ Result<std::string> Registrar::OpenSession(const std::string& job, uint32_t rank
   state.split_error = Status::OK();
   state.reattached = reattach;
   if (!reattach || state.attempt_began_ms == 0) state.attempt_began_ms = c_.clock_.WallMs();
+  // A process that re-attaches keeps its token, unless this daemon has none for it (it re-attached
+  // after a restart): it needs one to take part in the job's agreement with other daemons.
+  if (!reattach || state.process_token.empty()) {
+    state.process_token = c_.instance_ + "-" + std::to_string(++c_.processes_seen_);
+  }
   if (!reattach) {
     // A new process: the steps its predecessor committed and persisted are not its own, and a
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by
     // another process, is still found through its signal on disk).
     state.process += 1;
-    state.process_token = c_.instance_ + "-" + std::to_string(++c_.processes_seen_);
     state.lineage_checked = false;
     state.last_committed = -1;
     state.last_persisted = -1;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <set>
 #include <string>
 #include <thread>
@@ -74,9 +75,10 @@ void FlipTensorByte(const std::string& path, uint64_t slot) {
 }
 
 // Rank `rank` of a job of two tensor-parallel ranks, each holding half of w and of its moment.
-TestTrainer StartRank(const InProcessDaemon& d, const std::string& job, uint32_t rank) {
+TestTrainer StartRank(const InProcessDaemon& d, const std::string& job, uint32_t rank,
+                      const std::function<void(ClientOptions&)>& tweak = {}) {
   TestTrainer t;
-  t.client = d.Connect(job, rank);
+  t.client = d.Connect(job, rank, tweak);
   if (!t.client) return t;
   std::vector<TensorSpec> specs = ModelAndMomentSpecs(kFloats);
   for (TensorSpec& spec : specs) {
@@ -462,6 +464,101 @@ TEST_F(MemoryTierTest, TheRanksOfAJobRestoreOneStepAndARetryGetsItAgain) {
   ASSERT_TRUE(n0.client && n1.client);
   ExpectLatest(n1, 8, Tier::kMemory);
   ExpectLatest(n0, 8, Tier::kMemory);
+}
+
+// Restores the latest into both ranks at once (each daemon waits for the other's rank) and expects
+// `step` from `tier` on both.
+void ExpectLatestTogether(TestTrainer& a, TestTrainer& b, int64_t step, Tier tier = Tier::kMemory) {
+  Result<RestoreResult> by_b = Unavailable("not restored");
+  std::thread other([&] { by_b = b.client->Restore(std::nullopt, b.bufs, std::chrono::seconds(10)); });
+  auto by_a = a.client->Restore(std::nullopt, a.bufs, std::chrono::seconds(10));
+  other.join();
+  ASSERT_OK(by_a.status());
+  ASSERT_OK(by_b.status());
+  EXPECT_EQ(by_a->step, step);
+  EXPECT_EQ(by_b->step, step);
+  EXPECT_EQ(by_a->tier, tier);
+  EXPECT_EQ(by_b->tier, tier);
+  EXPECT_TRUE(a.All(static_cast<float>(step)));
+  EXPECT_TRUE(b.All(static_cast<float>(step)));
+}
+
+// Two daemons on one root, a rank of the job on each: they agree on the step through the root. The
+// same processes asking for the latest again after training on (a rollback) agree anew, on the
+// newer step: the decision of their first resume, still in the root, is not taken again.
+TEST(MemoryTierAgreement, ARollbackOnTwoDaemonsTakesTheStepTheRanksHoldNow) {
+  const std::string job = "memtier-rollback";
+  InProcessDaemon d1("flashckpt-memory-test"), d2("flashckpt-memory-test");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  {
+    TestTrainer r0 = StartRank(d1, job, 0), r1 = StartRank(d2, job, 1);
+    ASSERT_TRUE(r0.client && r1.client);
+    for (int64_t step : {5, 6}) {
+      ASSERT_OK(r0.Memory(step));
+      ASSERT_OK(r1.Memory(step));
+    }
+  }  // both trainers die
+  TestTrainer r0 = StartRank(d1, job, 0), r1 = StartRank(d2, job, 1);
+  ASSERT_TRUE(r0.client && r1.client);
+  ExpectLatestTogether(r0, r1, 6);
+  for (int64_t step : {7, 8}) {  // the slots now hold 7 and 8, no longer 6
+    ASSERT_OK(r0.Memory(step));
+    ASSERT_OK(r1.Memory(step));
+  }
+  ExpectLatestTogether(r0, r1, 8);
+}
+
+// A trainer whose daemon restarted carries on: its client re-attaches to the new daemon, and its
+// next restore still takes part in the job's agreement with the other daemon's rank.
+TEST(MemoryTierAgreement, ARankReattachedAfterItsDaemonRestartedAgreesWithTheOtherDaemons) {
+  const std::string job = "memtier-reattach";
+  InProcessDaemon d1("flashckpt-memory-test"), d2("flashckpt-memory-test");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  const auto memory = [](ClientOptions& o) { o.memory_checkpoints = true; };
+  TestTrainer r0 = StartRank(d1, job, 0, memory), r1 = StartRank(d2, job, 1, memory);
+  ASSERT_TRUE(r0.client && r1.client);
+  ASSERT_OK(r0.Snapshot(4).status());
+  ASSERT_OK(r1.Snapshot(4).status());
+  ASSERT_OK(r0.client->WaitComplete(4, std::chrono::seconds(10)));
+  ASSERT_OK(r1.client->WaitComplete(4, std::chrono::seconds(10)));
+  ASSERT_OK(r0.Memory(5));
+  ASSERT_OK(r1.Memory(5));
+  d1.Stop();  // rank 0's memory checkpoint goes with its daemon; rank 1 still holds 5
+  ASSERT_OK(d1.Start());
+  ExpectLatestTogether(r0, r1, 4, Tier::kDisk);  // the newest step both can restore
+}
+
+// The ranks' plan found nothing to restore: every rank of it gets nothing, also one that asks after
+// a checkpoint of the job became complete (an earlier attempt's last write, say). Before, each rank
+// looked for the latest complete checkpoint again: rank 0 started afresh and rank 1 restored it.
+TEST_F(MemoryTierTest, NothingToRestoreIsTheAnswerForEveryRankOfThePlan) {
+  const std::string job = "memtier-none";
+  const auto memory = [](ClientOptions& o) { o.memory_checkpoints = true; };
+  TestTrainer r0 = StartRank(d_, job, 0, memory), r1 = StartRank(d_, job, 1, memory);
+  ASSERT_TRUE(r0.client && r1.client);
+  auto first = r0.client->Restore(std::nullopt, r0.bufs, std::chrono::seconds(10));
+  ASSERT_OK(first.status());
+  EXPECT_FALSE(first->found);
+  {
+    // Step 7 of the job, complete, appears in the root: made by a daemon of its own, then copied in.
+    InProcessDaemon other("flashckpt-memory-test");
+    ASSERT_OK(other.Start());
+    TestTrainer o0 = StartRank(other, job, 0), o1 = StartRank(other, job, 1);
+    ASSERT_TRUE(o0.client && o1.client);
+    ASSERT_OK(o0.Snapshot(7).status());
+    ASSERT_OK(o1.Snapshot(7).status());
+    ASSERT_OK(o0.client->WaitComplete(7, std::chrono::seconds(10)));
+    std::filesystem::copy(other.JobDir(job), d_.JobDir(job),
+                          std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  }
+  ASSERT_TRUE(std::filesystem::exists(d_.StepDir(job, 7) + "/metadata.json"));
+  std::fill(r1.w.begin(), r1.w.end(), 0.0f);
+  auto second = r1.client->Restore(std::nullopt, r1.bufs, std::chrono::seconds(10));
+  ASSERT_OK(second.status());
+  EXPECT_FALSE(second->found) << "rank 1 restored step " << second->step << " where rank 0 found nothing";
+  EXPECT_TRUE(std::all_of(r1.w.begin(), r1.w.end(), [](float x) { return x == 0.0f; }));
 }
 
 TEST_F(MemoryTierTest, APlanThatALateRankCannotKeepFailsLoudlyUntilTheJobRestarts) {
