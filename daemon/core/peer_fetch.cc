@@ -73,6 +73,12 @@ Status CheckReplicaEma(const ReplicaMeta& meta, const ReplicaLayout& where, cons
 Result<ReplicaChecks> ReplicaSums(const ReplicaMeta& meta, const RankSegment& segment) {
   const RankLayout& layout = segment.layout;
   ASSIGN_OR_RETURN(const ReplicaLayout where, DecodeReplicaLayout(meta.layout));
+  // The lineage was checked on the header; the memory checkpoint is kept as the layout's attempt.
+  if (where.run_id != meta.run_id || where.resumed_from != meta.resumed_from) {
+    return Corruption("its header names run '" + meta.run_id + "' resumed from step " +
+                      std::to_string(meta.resumed_from) + ", its layout run '" + where.run_id + "' resumed from step " +
+                      std::to_string(where.resumed_from));
+  }
   if (where.layout_fingerprint != segment.layout_fingerprint) {
     return FailedPrecondition("it was taken in another layout (its tensors, their shapes or places, or the "
                               "parallel layout differ from this rank's)");

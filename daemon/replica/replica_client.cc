@@ -217,7 +217,11 @@ Result<ReplicaMeta> FetchReplica(grpc::Channel* channel, const std::string& node
     return why;
   };
   grpc::ByteBuffer buffer;
-  if (!reader->Read(&buffer)) return PeerStatus(reader->Finish(), "replica Fetch");
+  if (!reader->Read(&buffer)) {
+    Status ended = PeerStatus(reader->Finish(), "replica Fetch");
+    if (ended.ok()) return Corruption("replica Fetch: the peer ended the call without sending the replica's header");
+    return ended;
+  }
   ReceivedPart part;
   if (Status read = part.Read(&buffer); !read.ok()) return fail(Corruption("replica Fetch: " + read.message()));
   if (!part.has_header()) return fail(Corruption("replica Fetch: the peer sent data before the header"));

@@ -282,8 +282,9 @@ Status ReplicaStore::Finish(std::unique_ptr<Incoming> incoming) {
     // Only the origin's own copy is compared with (and replaced): another origin's is kept apart.
     auto it = held_.find(KeyOf(m));
     if (it == held_.end()) {
-      // Pushes that began together may have passed Begin's bound together: it is kept here.
-      if (Status room = MakeRoomLocked(OriginOf(m), KeyOf(m), 0, &evicted); !room.ok()) {
+      // Pushes that began together may have passed Begin's bounds together: they are kept here,
+      // this replica's own bytes counted.
+      if (Status room = MakeRoomLocked(OriginOf(m), KeyOf(m), replica->accounted(), &evicted); !room.ok()) {
         return Status(room.code(), Who(m) + ": " + room.message());
       }
       it = held_.emplace(KeyOf(m), nullptr).first;

@@ -28,6 +28,7 @@
 #include "daemon/edge/grpc_log.h"
 #include "daemon/edge/tcp_listener.h"
 #include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_layout.h"
 #include "daemon/replica/replica_server.h"
 #include "daemon/replica/replica_store.h"
 #include "daemon/replica/replica_wire.h"
@@ -423,6 +424,28 @@ TEST(ReplicaStoreTest, APeerOverItsBytesLosesItsOldestReplica) {
   EXPECT_EQ(counted.used.load(), 4 * each);
 }
 
+// Pushes that begin together each fit the origin's bytes when they begin; each one that finishes
+// makes room for itself, so the origin never holds more than its share.
+TEST(ReplicaStoreTest, PushesThatBeganTogetherKeepTheOriginWithinItsBytes) {
+  CountedMemory counted;
+  const uint64_t each = Accounted(Meta("a0", 0, 1, kPart));
+  ReplicaStore store(counted.memory(), 0, ReplicaLimits{kMaxReplicasPerOrigin, 2 * each});
+  const auto data = Bytes(kPart, 4);
+  std::vector<std::unique_ptr<ReplicaStore::Incoming>> incoming;
+  for (int i = 0; i < 3; ++i) {
+    auto in = store.Begin(Meta("a" + std::to_string(i), 0, 1, kPart));
+    ASSERT_OK(in.status());
+    ASSERT_OK((*in)->Append(data.data(), kPart, Xxh3(data.data(), kPart)));
+    incoming.push_back(std::move(*in));
+  }
+  for (auto& in : incoming) ASSERT_OK(store.Finish(std::move(in)));
+  EXPECT_EQ(store.count(), 2u);
+  EXPECT_FALSE(store.Find("a0", 0, 0).ok());
+  EXPECT_TRUE(store.Find("a2", 0, 0).ok());
+  EXPECT_EQ(store.evicted(), 1u);
+  EXPECT_EQ(counted.used.load(), 2 * each);
+}
+
 // A replica server over a store on a loopback port; TLS when `tls` is given.
 struct ServedStore {
   CountedMemory counted;
@@ -550,6 +573,39 @@ TEST(ReplicaWireTest, ADataPartIsReadInPlaceAndEveryOtherEncodingThroughProtobuf
 // The wire is protobuf's: a sender that pushes ReplicaPart messages through the generated stub (a
 // flashckptd before the parts were sent in place) is held as well. (Protobuf writes a data part's
 // fields as DataPartBuffer does, so its parts are read in place too.)
+// A peer that ends a Fetch with OK but sends nothing (not a flashckptd, or a broken one).
+class SilentFetch final : public v1::Replica::Service {
+ public:
+  grpc::Status Fetch(grpc::ServerContext*, const v1::FetchReplicaRequest*,
+                     grpc::ServerWriter<v1::ReplicaPart>*) override {
+    return grpc::Status::OK;
+  }
+};
+
+TEST(ReplicaServiceTest, AFetchThatEndsWithoutAHeaderIsAnError) {
+  SilentFetch silent;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&silent);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto channel = ReplicaChannel({"127.0.0.1:" + std::to_string(port), "", "", "", ""});
+  ASSERT_OK(channel.status());
+  bool asked_for_memory = false;
+  auto fetched = FetchReplica(
+      channel->get(), "node-b", "job", 0, 0, 1u << 20,
+      [&](const ReplicaMeta&) -> Result<char*> {
+        asked_for_memory = true;
+        return Internal("no memory was to be asked for");
+      },
+      std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ASSERT_FALSE(fetched.ok());
+  EXPECT_EQ(fetched.status().code(), StatusCode::kCorruption) << fetched.status().ToString();
+  EXPECT_FALSE(asked_for_memory);
+  server->Shutdown();
+}
+
 TEST(ReplicaServiceTest, APushOfProtobufMessagesIsHeld) {
   ServedStore served;
   ASSERT_TRUE(served.Start({}).ok());
@@ -1623,6 +1679,59 @@ TEST(ReplicaSenderTest, AReplicaOfARelaunchThatResumedFromMemoryContinuesTheLine
   EXPECT_EQ(r->step, 20) << "the relaunch's replica was not taken for the job's lineage";
   EXPECT_EQ(r->tier, Tier::kPeer);
   EXPECT_TRUE(t.All(20));
+}
+
+// A replica whose header names a run of the job's lineage but whose layout (what the rank's memory
+// checkpoint is kept as) names another run does not hold together: it is refused, and the disk's
+// step is restored. Before, it was restored and kept as the layout's run, which then counted as the
+// lineage's for later replicas.
+TEST(ReplicaSenderTest, AReplicaWhoseHeaderAndLayoutNameOtherRunsIsRefused) {
+  constexpr uint64_t kFloats = 4096;
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  InProcessDaemon holder("flashckpt-replica-peer");
+  ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  const std::string root = holder.dir() + "/shared-root";
+  {
+    InProcessDaemon a("flashckpt-replica-a");
+    ASSERT_OK(StartReplicatingNode(a, "node-a", peer, root));
+    TestTrainer t = a.StartTrainer("mixed", kFloats, InRun("run-a"));
+    ASSERT_NE(t.client, nullptr);
+    ASSERT_OK(t.Save(10));
+    ASSERT_OK(t.Memory(17));
+    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "mixed", 17); })) << PeerOf(a).last_error;
+  }
+  // Step 18 of a later attempt in node-a's name (without TLS a peer names itself): step 17's bytes
+  // and checksums, the header's run run-a, its layout's run-x. It replaces node-a's 17.
+  auto channel = ReplicaChannel({peer, "", "", "", ""});
+  ASSERT_OK(channel.status());
+  std::vector<char> image;
+  auto fetched = FetchReplica(
+      channel->get(), "node-f", "mixed", 0, 17, 64u << 20,
+      [&](const ReplicaMeta& m) -> Result<char*> {
+        image.resize(m.bytes);
+        return image.data();
+      },
+      Deadline());
+  ASSERT_OK(fetched.status());
+  ReplicaMeta forged = *fetched;
+  auto layout = DecodeReplicaLayout(forged.layout);
+  ASSERT_OK(layout.status());
+  ASSERT_EQ(layout->run_id, "run-a");
+  layout->run_id = "run-x";
+  forged.layout = EncodeReplicaLayout(*layout);
+  forged.step = 18;
+  forged.attempt += 1000;
+  ASSERT_OK(PushReplica(channel->get(), forged, image.data(), Deadline()));
+
+  InProcessDaemon a2("flashckpt-replica-a2");
+  ASSERT_OK(StartReplicatingNode(a2, "node-a2", peer, root));
+  TestTrainer t = a2.StartTrainer("mixed", kFloats, InRun("run-s"));
+  ASSERT_NE(t.client, nullptr);
+  auto r = t.client->Restore(std::nullopt, t.bufs, 10s);
+  ASSERT_OK(r.status());
+  EXPECT_EQ(r->step, 10) << "the replica whose layout names another run was restored";
+  EXPECT_EQ(r->tier, Tier::kDisk);
+  EXPECT_TRUE(t.All(10));
 }
 
 // A rollback reaches the peers: a rank that restores an older step here has the peer drop its
