@@ -5,6 +5,7 @@
 
 #include "common/format/checksum.h"
 #include "daemon/replica/replica_client.h"
+#include "daemon/replica/replica_server.h"
 #include "daemon/replica/replica_wire.h"
 #include "replica.grpc.pb.h"
 
@@ -28,7 +29,8 @@ Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method
                  PartSink* sink, uint64_t bytes, std::chrono::system_clock::time_point deadline,
                  const std::string& what) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(deadline);
+  // Within the bound a member's service puts on a fetch (kMaxReplicaCall), whatever the caller's.
+  ctx.set_deadline(std::min(deadline, std::chrono::system_clock::now() + kMaxReplicaCall - std::chrono::seconds(10)));
   // The sink may cancel the call until it is told that the call is over (before ctx goes).
   sink->Calling(&ctx);
   struct Unbind {

@@ -208,8 +208,20 @@ Result<ParityCandidate> FindParityCandidate(const ParityGroup& group, const std:
   };
   std::map<Version, Found> found;
   std::set<uint32_t> holders;  // the members that answered and hold shares of the rank's stripes
-  for (const ParityMember& member : members) {
-    auto listed = ListParityShares(member.channel.get(), group, job, self, deadline);
+  // Every member is asked at once, each until the deadline: one that hangs (a lost node whose
+  // address still takes packets) costs the others none of their time.
+  std::vector<Result<std::vector<ListedShare>>> listings(members.size(), Unavailable("not asked"));
+  {
+    std::vector<std::thread> askers;
+    askers.reserve(members.size());
+    for (size_t i = 0; i < members.size(); ++i) {
+      askers.emplace_back([&, i] { listings[i] = ListParityShares(members[i].channel.get(), group, job, self, deadline); });
+    }
+    for (std::thread& t : askers) t.join();
+  }
+  for (size_t i = 0; i < members.size(); ++i) {
+    const ParityMember& member = members[i];
+    auto& listed = listings[i];
     if (!listed.ok()) {
       if (unreachable) unreachable(member, listed.status());
       continue;

@@ -131,6 +131,10 @@ void ParitySender::Forget(const std::string& job) {
       member->released.push_back(std::move(it->second.offered.replica));
       it = member->queue.erase(it);
     }
+    if (member->in_flight_job == job) {
+      member->in_flight_forgotten = true;  // the next block's call, too, is cancelled as it starts
+      if (member->in_flight != nullptr) member->in_flight->TryCancel();
+    }
   }
   cv_.NotifyAll();
 }
@@ -192,7 +196,7 @@ Status ParitySender::PushBlocks(Member* member, const Offered& offered, uint64_t
         [this, member](grpc::ClientContext* ctx) {
           MutexLock lock(&mu_);
           member->in_flight = ctx;
-          if (ctx && stopping_) ctx->TryCancel();
+          if (ctx && (stopping_ || member->in_flight_forgotten)) ctx->TryCancel();
         },
         replica.still_held);
     if (pushed.code() == StatusCode::kAlreadyExists) continue;  // held from an earlier try
@@ -245,6 +249,8 @@ void ParitySender::Run(Member* member) {
     const Key key = next->first;
     Offered offered = next->second.offered;
     const uint64_t turn = next->second.turn;
+    member->in_flight_job = key.first;
+    member->in_flight_forgotten = false;
     lock.Unlock();
 
     const auto started = std::chrono::steady_clock::now();
@@ -254,6 +260,7 @@ void ParitySender::Run(Member* member) {
     const bool held = !offered.replica->still_held || offered.replica->still_held();
 
     lock.Lock();
+    member->in_flight_job.clear();
     DaemonEvent event;
     auto it = member->queue.find(key);
     const bool replaced = it == member->queue.end() || it->second.turn != turn;

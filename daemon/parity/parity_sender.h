@@ -93,7 +93,8 @@ class ParitySender {
   // member's block). Once per step as long as the job's blocks come step by step (a job rolled back
   // to an earlier step is told again). Never blocks.
   void OfferNoRanks(const std::string& job, int64_t step) EXCLUDES(mu_);
-  // Forgets a job's queued checkpoints (a released job).
+  // Forgets a job's queued checkpoints (a released job), and cancels a push of its blocks under way
+  // (it holds the rank's segment until it ends).
   void Forget(const std::string& job) EXCLUDES(mu_);
   // Tells the holders of this member's stripes that it gave `job`'s memory back, so that they drop
   // the job's shares once every member whose block is in them has (ParityStore::Released). After
@@ -130,6 +131,8 @@ class ParitySender {
     StatusCode last_error_code = StatusCode::kOk;
     ParityMemberStatus status;
     grpc::ClientContext* in_flight = nullptr;
+    std::string in_flight_job;  // the job whose blocks are being pushed ("": none)
+    bool in_flight_forgotten = false;  // that job was forgotten meanwhile: its calls are cancelled
     std::vector<std::shared_ptr<const OutgoingReplica>> released;
     std::thread thread;
   };

@@ -37,6 +37,12 @@ grpc::internal::MethodHandler* FetchHandler(ParityService* service,
                                                                                  const ParityService::PartWriter&)) {
   return new grpc::internal::SplitServerStreamingHandler<Request, grpc::ByteBuffer>(
       [service, fetch](grpc::ServerContext* ctx, grpc::ServerSplitStreamer<Request, grpc::ByteBuffer>* stream) {
+        // A fetch keeps a share, or the rank's segment, and their memory for as long as it runs.
+        if (ctx->deadline() > std::chrono::system_clock::now() + kMaxReplicaCall) {
+          return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a parity fetch must carry a deadline, at most " +
+                                                                 std::to_string(kMaxReplicaCall.count()) +
+                                                                 " minutes away");
+        }
         Request request;
         if (!stream->Read(&request)) {
           return Refused(grpc::StatusCode::INVALID_ARGUMENT, "a fetch begins with its request");

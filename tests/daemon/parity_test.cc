@@ -945,6 +945,44 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
 }
 
 
+// A released job's blocks being pushed (to members that take connections and never answer) are
+// cancelled by Forget: the push lets go of the rank's memory at once, not at its 5-minute deadline.
+TEST(ParitySenderTest, ForgettingAJobCancelsThePushOfItsBlocksUnderWay) {
+  const ParityGroup group = ParityGroup::Make(4, 1).value();
+  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::listen(silent, 16), 0);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  ParitySender::Options options{group, 0, {}, 64 * 1024, {}, {}, {}};
+  for (uint32_t j = 1; j < group.members(); ++j) {
+    options.members.emplace_back(j, ReplicaPeer{"127.0.0.1:" + std::to_string(ntohs(address.sin_port)), "", "", "", ""});
+  }
+  ParitySender sender(std::move(options));
+  ASSERT_OK(sender.Start());
+  auto image = std::make_shared<std::vector<char>>(300000, 7);
+  std::weak_ptr<std::vector<char>> held = image;
+  auto replica = std::make_shared<OutgoingReplica>();
+  replica->meta = ParityStoreGroup::Meta("job", 10, 18, image->size());
+  replica->data = image->data();
+  replica->keep = std::move(image);
+  sender.Offer({std::move(replica), 0, 1});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the pushes wait for an answer
+  ASSERT_FALSE(held.expired());
+  sender.Forget("job");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!held.expired() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(held.expired()) << "the forgotten job's blocks were still being pushed 10 s later";
+  sender.Stop();
+  ::close(silent);
+}
+
 // A release word that no holder heard before its sender stopped stays kept (Options::keep_word, which
 // the daemon turns into a state record): the holders' address takes connections and never answers,
 // so the stop cancels the words in flight. The next sender, offered it again as the daemon does at
@@ -1184,6 +1222,87 @@ TEST(ParityServiceTest, AStepOnlyOneHolderListsIsNotTakenWhenOthersAnswer) {
   for (uint32_t i = 1; i < group.members(); ++i) members[i]->server->Shutdown(std::chrono::system_clock::now());
 }
 
+
+// A member whose List never answers (a lost node whose address still takes packets): it holds the
+// call until the caller's deadline.
+class HangingList final : public v1::Parity::Service {
+ public:
+  grpc::Status List(grpc::ServerContext* ctx, const v1::ListSharesRequest*, v1::ListSharesResponse*) override {
+    while (!ctx->IsCancelled() && std::chrono::system_clock::now() < ctx->deadline()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "hung");
+  }
+};
+
+// The members are asked at once: one that hangs until the deadline keeps none of the others from
+// answering (before, they were asked one after the other within one deadline, and every member
+// after the hanging one failed at once: no candidate, though the group could rebuild).
+TEST(ParityServiceTest, AMemberThatHangsDoesNotKeepTheOthersFromBeingListed) {
+  std::mt19937_64 rng(31);
+  const ParityGroup group = ParityGroup::Make(4, 2).value();
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
+  const auto far = std::chrono::system_clock::now() + std::chrono::seconds(30);
+  for (uint32_t i = 0; i < group.members(); ++i) {
+    std::vector<uint8_t> image = RandomBytes(rng, 200000);
+    ASSERT_OK(PushImage(group, members, i, 17, image, far));
+    members[i]->images[{"job", 10 + i, 17}] = std::move(image);
+  }
+  HangingList hanging;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&hanging);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto hung = ReplicaChannel({"127.0.0.1:" + std::to_string(port), "", "", "", ""});
+  ASSERT_OK(hung.status());
+  // Member 0 is lost; member 1 hangs, listed first.
+  std::vector<ParityMember> survivors = {{1, "member 1 (hangs)", *hung}};
+  for (uint32_t i = 2; i < group.members(); ++i) {
+    survivors.push_back({i, "member " + std::to_string(i), members[i]->channel});
+  }
+  std::vector<uint32_t> unreachable;
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  auto candidate = FindParityCandidate(group, survivors, "job", 0, 10, deadline,
+                                       [&](const ParityMember& m, const Status&) { unreachable.push_back(m.index); });
+  ASSERT_OK(candidate.status());
+  EXPECT_EQ(candidate->meta.step, 17);
+  EXPECT_EQ(unreachable, std::vector<uint32_t>{1});
+  server->Shutdown(std::chrono::system_clock::now());
+  for (const auto& m : members) m->server->Shutdown(std::chrono::system_clock::now());
+}
+
+// A fetch holds a share or a rank's memory for as long as it runs: one with no deadline (or one
+// further than the bound) is refused before anything is sent, as a replica fetch is.
+TEST(ParityServiceTest, AFetchWithoutADeadlineIsRefused) {
+  const ParityGroup group = ParityGroup::Make(4, 1).value();
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ServedMember>> members, ServeGroup(group));
+  v1::Parity::Stub stub(members[1]->channel);
+  v1::ParityPart part;
+  {
+    grpc::ClientContext ctx;  // no deadline
+    v1::FetchShareRequest request;
+    request.set_job("job");
+    request.set_step(17);
+    auto reader = stub.FetchShare(&ctx, request);
+    EXPECT_FALSE(reader->Read(&part));
+    grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kMaxReplicaCall + std::chrono::minutes(5));
+    v1::FetchBlockRequest request;
+    request.set_job("job");
+    request.set_step(17);
+    auto reader = stub.FetchBlock(&ctx, request);
+    EXPECT_FALSE(reader->Read(&part));
+    grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  }
+  for (const auto& m : members) m->server->Shutdown(std::chrono::system_clock::now());
+}
 
 // A rollback that saves a step again (a later attempt) codes it afresh, and the later attempt's share
 // replaces the earlier one even at a lower step; a straggler of an older step never replaces a newer one.
