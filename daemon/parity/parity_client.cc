@@ -74,10 +74,10 @@ Status ReadParts(grpc::Channel* channel, const grpc::internal::RpcMethod& method
 Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const char* data, uint64_t block_bytes,
                        std::chrono::system_clock::time_point deadline,
                        const std::function<void(grpc::ClientContext*)>& context,
-                       const std::function<bool()>& still_held) {
+                       const std::function<bool()>& still_held, std::shared_ptr<const void> owner) {
   // The parts are lent to gRPC, not copied: as PushReplica, this returns only once gRPC has let go
   // of every one (declared before the call, the wait comes after the call is released).
-  auto loans = SliceLoans::Make();
+  auto loans = SliceLoans::Make(std::move(owner));
   LoansReturned returned(*loans, "parity", "parity push");
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);

@@ -21,11 +21,12 @@ namespace flashckpt {
 // after the header, in parts of block.meta.part_bytes. `context`, when set, is called with the
 // call's context as it starts and with nullptr when it ends (TryCancel in between cancels it).
 // `still_held`, when set, is asked once every part is sent: false cancels the push before the holder
-// counts the block (CANCELLED), so bytes that changed under it never complete a share.
+// counts the block (CANCELLED), so bytes that changed under it never complete a share. `owner` keeps
+// `data` mapped while gRPC holds a part of it, should that outlast the call (SliceLoans).
 Status PushParityBlock(grpc::Channel* channel, const ShareBlock& block, const char* data, uint64_t block_bytes,
                        std::chrono::system_clock::time_point deadline,
                        const std::function<void(grpc::ClientContext*)>& context = {},
-                       const std::function<bool()>& still_held = {});
+                       const std::function<bool()>& still_held = {}, std::shared_ptr<const void> owner = nullptr);
 
 // A complete share as its holder lists it.
 struct ListedShare {

@@ -198,7 +198,7 @@ Status ParitySender::PushBlocks(Member* member, const Offered& offered, uint64_t
           member->in_flight = ctx;
           if (ctx && (stopping_ || member->in_flight_forgotten)) ctx->TryCancel();
         },
-        replica.still_held);
+        replica.still_held, replica.keep);
     if (pushed.code() == StatusCode::kAlreadyExists) continue;  // held from an earlier try
     if (!pushed.ok()) return pushed;
     *bytes += range.bytes;

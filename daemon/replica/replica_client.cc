@@ -103,7 +103,7 @@ Status PushReplica(grpc::Channel* channel, const ReplicaMeta& meta, const char* 
   // the caller may reuse `data` after it. Declared before the call's context, the wait comes after
   // the call is released (a failed call's unsent parts go with it); a dead call no longer reads
   // them, so the wait is bounded, and a slice given back later finds `loans` alive.
-  auto loans = SliceLoans::Make();
+  auto loans = SliceLoans::Make(hooks.owner);
   LoansReturned returned(*loans, "replica", "replica push");
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);

@@ -52,6 +52,8 @@ struct PushHooks {
   std::function<Status(uint64_t sent)> after_part;
   std::function<Status()> before_done;
   std::function<void(grpc::ClientContext*)> context;
+  // Keeps `data` mapped while gRPC holds a part of it, should that outlast the call (SliceLoans).
+  std::shared_ptr<const void> owner;
 };
 
 // Streams `data` (meta.bytes of it) to the peer in parts of meta.part_bytes, each hashed in place

@@ -61,10 +61,14 @@ class ReceivedPart {
 
 // Counts the data slices gRPC still holds of a sender's memory, so that the sender returns only
 // once none is left (the memory may be reused or unmapped after that). Shared: each slice lent
-// keeps it alive, so a slice gRPC gives back after the sender stopped waiting finds it.
+// keeps it alive, so a slice gRPC gives back after the sender stopped waiting finds it, and with it
+// `owner`, what keeps the memory mapped (a slot's segment): memory gRPC still holds when the sender
+// gives up waiting is not unmapped under it.
 class SliceLoans : public std::enable_shared_from_this<SliceLoans> {
  public:
-  static std::shared_ptr<SliceLoans> Make() { return std::shared_ptr<SliceLoans>(new SliceLoans()); }
+  static std::shared_ptr<SliceLoans> Make(std::shared_ptr<const void> owner = nullptr) {
+    return std::shared_ptr<SliceLoans>(new SliceLoans(std::move(owner)));
+  }
   SliceLoans(const SliceLoans&) = delete;
   SliceLoans& operator=(const SliceLoans&) = delete;
   // Waits until every slice is given back, or `deadline`; false on the deadline.
@@ -74,8 +78,9 @@ class SliceLoans : public std::enable_shared_from_this<SliceLoans> {
   uint64_t outstanding() const EXCLUDES(mu_);
 
  private:
-  SliceLoans() = default;
+  explicit SliceLoans(std::shared_ptr<const void> owner) : owner_(std::move(owner)) {}
   void Returned() EXCLUDES(mu_);
+  const std::shared_ptr<const void> owner_;
   mutable Mutex mu_;
   CondVar cv_;
   uint64_t outstanding_ GUARDED_BY(mu_) = 0;

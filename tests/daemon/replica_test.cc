@@ -512,6 +512,22 @@ grpc::ByteBuffer BufferOf(const std::string& text) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
+// The memory behind a lent slice stays mapped while gRPC holds the slice, also once the sender has
+// stopped waiting for it and let go of everything else (its loans, its own reference to the owner).
+TEST(ReplicaWireTest, ALentSliceKeepsItsOwnerAliveUntilGrpcLetsGo) {
+  auto memory = std::make_shared<std::vector<char>>(Bytes(4096, 3));
+  std::weak_ptr<std::vector<char>> mapped = memory;
+  auto loans = SliceLoans::Make(memory);
+  grpc::Slice lent = loans->Lend(memory->data(), memory->size());
+  EXPECT_FALSE(loans->WaitReturned(std::chrono::steady_clock::now() + std::chrono::milliseconds(10)));
+  loans.reset();
+  memory.reset();
+  ASSERT_FALSE(mapped.expired()) << "the owner went while gRPC held a slice of its memory";
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(lent.begin()), 16), std::string(Bytes(4096, 3).data(), 16));
+  lent = grpc::Slice();  // gRPC lets go
+  EXPECT_TRUE(mapped.expired());
+}
+
 // A data part goes out as slices of the sender's memory, lent until gRPC lets go of them, and comes
 // in as spans of the received slices; every other encoding of a ReplicaPart is protobuf's to read.
 TEST(ReplicaWireTest, ADataPartIsReadInPlaceAndEveryOtherEncodingThroughProtobuf) {
