@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/base/log.h"
+#include "common/base/names.h"
 #include "common/format/checksum.h"
 #include "daemon/replica/replica_server.h"
 
@@ -419,6 +420,18 @@ void ReplicaSender::DropQueueLocked(Peer* peer, std::vector<std::shared_ptr<cons
 Status ReplicaSender::Push(Peer* peer, const OutgoingReplica& replica) {
   ReplicaMeta meta = replica.meta;
   meta.part_bytes = options_.part_bytes;
+  if (options_.max_rate > 0) {
+    // At the cap the push must end within the longest call a peer accepts (PushDeadline's bound,
+    // less its minute for the rest): one that cannot is refused here, not tried again forever.
+    const double seconds = static_cast<double>(meta.bytes) / static_cast<double>(options_.max_rate);
+    const auto most = std::chrono::duration_cast<std::chrono::seconds>(kMaxReplicaCall) - std::chrono::seconds(120);
+    if (seconds > static_cast<double>(most.count())) {
+      return FailedPrecondition(Describe(meta) + " (" + FormatBytes(meta.bytes) + ") would take " +
+                                std::to_string(static_cast<int64_t>(seconds)) + " s at --replicate-max-rate " +
+                                FormatBytes(options_.max_rate) + "/s, longer than a replica call may last (" +
+                                std::to_string(most.count()) + " s): raise the rate");
+    }
+  }
   const auto started = clock_.Now();
   auto held = [&]() -> Status {
     if (replica.still_held()) return Status::OK();

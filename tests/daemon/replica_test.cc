@@ -1340,6 +1340,31 @@ TEST(ReplicaSenderTest, TheRateCapHoldsEachPush) {
   ExpectReplicaOf(peer, "capped", 1, kFloats);
 }
 
+// A push that the rate cap would stretch past the longest call a peer accepts can never finish: it
+// is refused once, saying why, and not tried again (before: it ran until its deadline, failed and
+// was tried again, forever).
+TEST(ReplicaSenderTest, APushTheRateCapCannotFinishInTimeIsRefusedNotRetried) {
+  constexpr uint64_t kFloats = 4096;  // 32 KiB of tensors: over half an hour at 16 bytes a second
+  InProcessDaemon receiver("flashckpt-replica-peer");
+  const std::string peer = "127.0.0.1:" + std::to_string(FreePort());
+  ASSERT_OK(receiver.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
+  InProcessDaemon origin("flashckpt-replica-origin");
+  ASSERT_OK(origin.Start([&](DaemonConfig& c) {
+    c.node_name = "node-a";
+    c.replicate_to = {peer};
+    c.replicate_max_rate = 16;
+  }));
+  TestTrainer t = origin.StartTrainer("too-slow", kFloats);
+  ASSERT_NE(t.client, nullptr);
+  ASSERT_OK(t.Memory(1));
+  ASSERT_TRUE(Eventually([&] { return PeerOf(origin).failed == 1; })) << PeerOf(origin).last_error;
+  EXPECT_TRUE(Contains(PeerOf(origin).last_error, "raise the rate")) << PeerOf(origin).last_error;
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // past the first retry's 1 s
+  EXPECT_EQ(PeerOf(origin).failed, 1u);
+  EXPECT_EQ(PeerOf(origin).pushed, 0u);
+  EXPECT_FALSE(PeerHolds(peer, "too-slow", 1));
+}
+
 // A rank whose node is lost resumes on a fresh node from the peer's replica (tier peer), bit for bit;
 // a replica whose bytes no longer match its chunk checksums is refused there and the next option,
 // the disk checkpoint on the shared root, is used.
