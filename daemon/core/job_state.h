@@ -156,6 +156,11 @@ struct JobState {
   // The ranks that asked for the latest, with their process then: those a plan made with the job's
   // other daemons is published for (AgreeWithOtherDaemons).
   std::map<uint32_t, uint64_t> plan_asks;
+  // The ranks here that asked for the latest holding no memory checkpoints (while other daemons
+  // serve ranks of the job), with their process then and their agreement token: the daemon's one
+  // view of the job lists them all, not only the last to ask.
+  std::map<uint32_t, std::pair<uint64_t, std::string>> alone_asks;
+  uint64_t alone_changes = 0;  // counts changes of alone_asks: a view written from an older list is written again
 };
 struct SessionInfo {
   std::string job;

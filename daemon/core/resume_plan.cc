@@ -29,7 +29,7 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
                                          std::chrono::milliseconds timeout) {
   std::string job;
   uint32_t rank_id = 0, world_size = 1;
-  std::optional<RankView> alone;  // set: no plan here, but the job's other daemons hear of this rank
+  bool alone_asked = false;  // no plan here, but the job's other daemons hear of this rank
   {
     MutexLock lock(&c_.mu_);
     for (;;) {
@@ -59,8 +59,11 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
       if (!memory && !state.planning) {
         if (AllRanksHereLocked(c_, state, world_size) || rank->process_token.empty()) return ResumePlan{};
         // Ranks elsewhere may hold memory checkpoints and wait for every rank's view: this one's
-        // holds none, so they decide on the disk, which is what this rank reads.
-        alone = RankView{rank_id, AgreementToken(*rank), {}};
+        // holds none, so they decide on the disk, which is what this rank reads. The daemon's view
+        // lists every rank here that asked so, whose process is still the one that asked.
+        state.alone_asks[rank_id] = {rank->process, AgreementToken(*rank)};
+        state.alone_changes += 1;
+        alone_asked = true;
         break;
       }
       if (!state.planning) {
@@ -73,14 +76,40 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
       }
     }
   }
-  if (alone) {
+  if (alone_asked) {
     ResumeAgreement agreement(c_.catalog_.JobDir(job) + "/.resume", c_.instance_, c_.RootIo(), c_.clock_);
     ASSIGN_OR_RETURN(std::optional<int64_t> latest, c_.catalog_.LatestComplete(job));
-    Result<std::optional<AgreedPlan>> round = agreement.Round(world_size, {*alone}, latest.value_or(0));
-    if (!round.ok()) {
-      Logger("restore")->warn("resume view job={} rank={} not published: {}", job, rank_id, round.status().ToString());
+    for (;;) {
+      // The view lists every rank here that asked so and still runs the process that asked. Ranks
+      // asking at once each write it: one whose list was overtaken meanwhile writes it again.
+      std::vector<RankView> alone;
+      uint64_t seen = 0;
+      {
+        MutexLock lock(&c_.mu_);
+        auto it = c_.jobs_.find(job);
+        if (it == c_.jobs_.end()) return ResumePlan{};
+        JobState& state = it->second;
+        for (auto a = state.alone_asks.begin(); a != state.alone_asks.end();) {
+          auto other = state.ranks.find(a->first);
+          if (other == state.ranks.end() || other->second.process != a->second.first || a->first >= world_size) {
+            a = state.alone_asks.erase(a);
+            continue;
+          }
+          alone.push_back(RankView{a->first, a->second.second, {}});
+          ++a;
+        }
+        seen = state.alone_changes;
+      }
+      Result<std::optional<AgreedPlan>> round = agreement.Round(world_size, alone, latest.value_or(0));
+      if (!round.ok()) {
+        Logger("restore")->warn("resume view job={} rank={} not published: {}", job, rank_id,
+                                round.status().ToString());
+        return ResumePlan{};
+      }
+      MutexLock lock(&c_.mu_);
+      auto it = c_.jobs_.find(job);
+      if (it == c_.jobs_.end() || it->second.alone_changes == seen) return ResumePlan{};
     }
-    return ResumePlan{};
   }
   Result<ResumePlan> made = MakeResumePlan(job, world_size, deadline, timeout);
   MutexLock lock(&c_.mu_);

@@ -74,21 +74,21 @@ void FlipTensorByte(const std::string& path, uint64_t slot) {
   ASSERT_EQ(::pwrite(fd.get(), &c, 1, byte), 1);
 }
 
-// Rank `rank` of a job of two tensor-parallel ranks, each holding half of w and of its moment.
+// Rank `rank` of a job of `world` tensor-parallel ranks, each holding its part of w and of its moment.
 TestTrainer StartRank(const InProcessDaemon& d, const std::string& job, uint32_t rank,
-                      const std::function<void(ClientOptions&)>& tweak = {}) {
+                      const std::function<void(ClientOptions&)>& tweak = {}, uint32_t world = 2) {
   TestTrainer t;
   t.client = d.Connect(job, rank, tweak);
   if (!t.client) return t;
   std::vector<TensorSpec> specs = ModelAndMomentSpecs(kFloats);
   for (TensorSpec& spec : specs) {
-    spec.global_shape = {2 * kFloats};
+    spec.global_shape = {world * kFloats};
     spec.box_offset = {rank * kFloats};
     spec.box_shape = {kFloats};
   }
   Topology topology;
-  topology.world_size = 2;
-  topology.tp_degree = 2;
+  topology.world_size = world;
+  topology.tp_degree = world;
   topology.tp_rank = rank;
   EXPECT_OK(t.client->Register(topology, specs));
   t.w.resize(kFloats);
@@ -559,6 +559,38 @@ TEST_F(MemoryTierTest, NothingToRestoreIsTheAnswerForEveryRankOfThePlan) {
   ASSERT_OK(second.status());
   EXPECT_FALSE(second->found) << "rank 1 restored step " << second->step << " where rank 0 found nothing";
   EXPECT_TRUE(std::all_of(r1.w.begin(), r1.w.end(), [](float x) { return x == 0.0f; }));
+}
+
+// A daemon whose ranks of the job hold no memory checkpoints (and do not take them) answers them
+// at once from the disk, and publishes one view of them all for the daemons that agree: a daemon
+// whose rank takes memory checkpoints decides on the disk with it. Before, each rank's view
+// replaced the last one's, the other daemon never saw both ranks and failed at its deadline.
+TEST(MemoryTierAgreement, RanksHoldingNoMemoryOnADaemonAreAllSeenByTheDaemonsThatAgree) {
+  const std::string job = "memtier-alone";
+  InProcessDaemon d1("flashckpt-memory-test"), d2("flashckpt-memory-test");
+  ASSERT_OK(d1.Start());
+  ASSERT_OK(d2.Start([&](DaemonConfig& c) { c.root = d1.root(); }));
+  const auto memory = [](ClientOptions& o) { o.memory_checkpoints = true; };
+  {
+    TestTrainer r0 = StartRank(d1, job, 0, memory, 3), r1 = StartRank(d2, job, 1, {}, 3),
+                r2 = StartRank(d2, job, 2, {}, 3);
+    ASSERT_TRUE(r0.client && r1.client && r2.client);
+    for (TestTrainer* r : {&r0, &r1, &r2}) ASSERT_OK(r->Snapshot(4).status());
+    ASSERT_OK(r0.client->WaitComplete(4, std::chrono::seconds(10)));
+  }
+  TestTrainer r0 = StartRank(d1, job, 0, memory, 3), r1 = StartRank(d2, job, 1, {}, 3),
+              r2 = StartRank(d2, job, 2, {}, 3);
+  ASSERT_TRUE(r0.client && r1.client && r2.client);
+  for (TestTrainer* r : {&r1, &r2}) {
+    auto got = r->client->Restore(std::nullopt, r->bufs, std::chrono::seconds(10));
+    ASSERT_OK(got.status());
+    EXPECT_EQ(got->step, 4);
+  }
+  auto got = r0.client->Restore(std::nullopt, r0.bufs, std::chrono::seconds(4));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(got->step, 4);
+  EXPECT_EQ(got->tier, Tier::kDisk);
+  EXPECT_TRUE(r0.All(4));
 }
 
 TEST_F(MemoryTierTest, APlanThatALateRankCannotKeepFailsLoudlyUntilTheJobRestarts) {
