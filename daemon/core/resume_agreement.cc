@@ -282,10 +282,19 @@ void ResumeAgreement::Withdraw(std::chrono::milliseconds keep) {
   if (!names.ok() || !*names) return;
   const int64_t now_ms = clock_.WallMs();
   for (const std::string& name : **names) {
+    const std::string path = dir_ + "/" + name;
+    if (name.find(".tmp.") != std::string::npos) {
+      // A temporary of a plan or view whose writer died before it renamed or linked it.
+      struct stat st {};
+      if (io_->Stat(path, &st) == 0 && S_ISREG(st.st_mode) &&
+          now_ms - static_cast<int64_t>(st.st_mtime) * 1000 > keep.count()) {
+        (void)io_->Unlink(path);
+      }
+      continue;
+    }
     // Plans, and views their daemons left behind (they died waiting), after `keep`.
     const bool plan = HasForm(name, kPlanPrefix);
     if (!plan && !HasForm(name, kViewPrefix)) continue;
-    const std::string path = dir_ + "/" + name;
     auto text = ReadSmallFile(path, kMaxFileBytes, io_);
     if (!text.ok()) continue;
     json j = json::parse(*text, nullptr, false);

@@ -118,12 +118,19 @@ TEST_F(ResumeAgreementTest, AViewNotRewrittenForLongBelongsToAResumeThatIsOver) 
   auto made = b.Round(2, {{1, "b-1", {}}}, 10);
   ASSERT_TRUE(made.ok() && made->has_value());
   EXPECT_EQ(std::make_tuple((*made)->memory, (*made)->step), std::make_tuple(false, 10));
-  // Ten minutes on, whoever withdraws next removes the dead daemon's view and the old plan too.
-  EXPECT_EQ(Files("view-").size(), 3u);  // old's, a's and b's (neither has withdrawn yet)
+  // Temporaries of daemons that died writing a plan or a view.
+  std::ofstream(dir_ / ".tmp.old.00000000deadbeef") << "{";
+  std::ofstream(dir_ / "view-old.json.tmp.123.node.0") << "{";
+  a.Withdraw();  // they are recent: kept (their writers may be writing them now)
+  EXPECT_EQ(Files(".tmp.").size(), 1u);
+  EXPECT_EQ(Files("view-").size(), 3u);  // old's, b's, and old's temporary (a's is withdrawn)
+  // Ten minutes on, whoever withdraws next removes the dead daemon's view, its temporaries and the
+  // old plan too.
   clock_.Advance(std::chrono::minutes(11));
   b.Withdraw();
   EXPECT_TRUE(Files("view-").empty());
   EXPECT_TRUE(Files("plan-").empty());
+  EXPECT_TRUE(Files(".tmp.").empty());
 }
 
 TEST_F(ResumeAgreementTest, APlanOfEarlierProcessesIsNotTaken) {
