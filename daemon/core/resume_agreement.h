@@ -69,8 +69,8 @@ class ResumeAgreement {
   // Returns it, or nullopt while some rank of the world has no fresh view yet.
   Result<std::optional<AgreedPlan>> Round(uint32_t world, const std::vector<RankView>& mine, int64_t disk);
 
-  // Removes this daemon's view (done with it), and plan files and other daemons' views older than
-  // `keep`.
+  // Removes this daemon's view (done with it), and plan files, other daemons' views and temporaries
+  // a writer left (it died writing) older than `keep`.
   void Withdraw(std::chrono::milliseconds keep = std::chrono::minutes(10));
 
   // The ranks (of 0..world-1) that have no fresh view in the last round: for an error message.
