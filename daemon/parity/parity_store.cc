@@ -175,8 +175,13 @@ Result<std::unique_ptr<ParityStore::Incoming>> ParityStore::Begin(ShareBlock blo
       }
     }
     share = it->second;
-    if (share->contributions_.count(index) || share->arriving_.count(index)) {
+    if (share->contributions_.count(index)) {
       return AlreadyExists(Who(block) + ": the share has that member's block already");
+    }
+    if (share->arriving_.count(index)) {
+      // An earlier try's push still runs, and may yet fail: not counted as held (the sender tries
+      // again, and then finds the block in, or the share spoiled and begun again).
+      return Unavailable(Who(block) + ": that member's block is still arriving from an earlier push; try again");
     }
     if (Status told = TellLocked(m.job, m.step, block.stripe, block.member, block.member_ranks); !told.ok()) {
       if (share->contributions_.empty() && share->arriving_.empty()) {

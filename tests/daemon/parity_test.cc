@@ -535,6 +535,14 @@ TEST(ParityStoreTest, ABlockThatDoesNotArriveWholeSpoilsOnlyItsStepsShare) {
   auto still = members.store(0).Find("job", 0, 0);
   ASSERT_OK(still.status());
   EXPECT_EQ((*still)->step(), 17) << "the complete share must stay while the next one fails";
+  {
+    // A second push of a block still arriving (the sender's retry while the first push's handler
+    // runs) is not told that the block is held: the first may yet fail, as it does here.
+    auto first = members.store(0).Begin({1, 0, 0, 1, ParityStoreGroup::Meta("job", 1, 19, images[1].size())});
+    ASSERT_OK(first.status());
+    auto again = members.store(0).Begin({1, 0, 0, 1, ParityStoreGroup::Meta("job", 1, 19, images[1].size())});
+    EXPECT_EQ(again.status().code(), StatusCode::kUnavailable) << again.status().ToString();
+  }
   EXPECT_EQ(members.store(0).building_bytes(), 0u) << "the spoiled share must be dropped";
 
   // A block for a stripe the member holds nothing of, or from a member that holds its parity, is refused.
