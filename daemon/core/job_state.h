@@ -25,6 +25,7 @@ struct RankState {
   Topology topology;
   Backpressure policy = Backpressure::kWait;
   int64_t last_begun = -1;   // per session: steps must increase
+  int64_t process_last_begun = -1;  // the same for the process, kept when it re-attaches (a resume plan's staleness)
   int64_t resumed_from = 0;  // per session: the step it restored, 0 if none (the attempt)
   // Per session: the memory checkpoint last handed over for the client to verify as it copies
   // (RestoreWant::verify_in_client), until ReleaseSlot gives its slot back: resumed_from becomes
@@ -159,7 +160,12 @@ struct JobState {
   // The ranks here that asked for the latest holding no memory checkpoints (while other daemons
   // serve ranks of the job), with their process then and their agreement token: the daemon's one
   // view of the job lists them all, not only the last to ask.
-  std::map<uint32_t, std::pair<uint64_t, std::string>> alone_asks;
+  struct AloneAsk {
+    uint64_t process = 0;
+    std::string token;
+    std::chrono::steady_clock::time_point at{};  // an ask older than a view stays fresh is over
+  };
+  std::map<uint32_t, AloneAsk> alone_asks;
   uint64_t alone_changes = 0;  // counts changes of alone_asks: a view written from an older list is written again
 };
 struct SessionInfo {

@@ -105,6 +105,7 @@ void MemoryTier::OfferReplicaLocked(Core& c_, const std::shared_ptr<RankSegment>
   out->meta.run_id = resident->attempt.run_id;
   out->meta.resumed_from = resident->attempt.resumed_from;
   out->keep = segment;
+  out->mapping = segment->shm;
   out->data = segment->Slot(slot) + kSlotImageOffset;
   // The push streams the slot while the rank goes on: the checkpoint is still the one sent as long
   // as the slot holds it (a slot is reused only after it lets go of its memory checkpoint).

@@ -20,7 +20,7 @@ namespace {
 // Empty (not publishable) for a rank whose process has no token.
 std::string AgreementToken(const RankState& rank) {
   if (rank.process_token.empty()) return "";
-  return rank.process_token + ":" + std::to_string(std::max<int64_t>(rank.last_begun, 0));
+  return rank.process_token + ":" + std::to_string(std::max<int64_t>(rank.process_last_begun, 0));
 }
 
 }  // namespace
@@ -61,7 +61,7 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
         // Ranks elsewhere may hold memory checkpoints and wait for every rank's view: this one's
         // holds none, so they decide on the disk, which is what this rank reads. The daemon's view
         // lists every rank here that asked so, whose process is still the one that asked.
-        state.alone_asks[rank_id] = {rank->process, AgreementToken(*rank)};
+        state.alone_asks[rank_id] = {rank->process, AgreementToken(*rank), c_.clock_.Now()};
         state.alone_changes += 1;
         alone_asked = true;
         break;
@@ -89,13 +89,15 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
         auto it = c_.jobs_.find(job);
         if (it == c_.jobs_.end()) return ResumePlan{};
         JobState& state = it->second;
+        const auto now = c_.clock_.Now();
         for (auto a = state.alone_asks.begin(); a != state.alone_asks.end();) {
           auto other = state.ranks.find(a->first);
-          if (other == state.ranks.end() || other->second.process != a->second.first || a->first >= world_size) {
+          if (other == state.ranks.end() || other->second.process != a->second.process || a->first >= world_size ||
+              now - a->second.at > ResumeAgreement::kViewFresh) {
             a = state.alone_asks.erase(a);
             continue;
           }
-          alone.push_back(RankView{a->first, a->second.second, {}});
+          alone.push_back(RankView{a->first, a->second.token, {}});
           ++a;
         }
         seen = state.alone_changes;
@@ -106,9 +108,19 @@ Result<ResumePlan> Restorer::ResumePlanFor(const std::string& session_id, std::c
                                 round.status().ToString());
         return ResumePlan{};
       }
+      // Every rank's view was fresh, and the daemons' decision is there (the disk's step, or none,
+      // since these ranks hold no memory checkpoint): this rank takes it as the others do.
+      ResumePlan decided;
+      if (round->has_value() && !(*round)->memory) {
+        decided.decided = true;
+        decided.made = c_.clock_.Now();
+        decided.found = (*round)->found;
+        decided.step = (*round)->step;
+        decided.tier = SlotTier::kDisk;
+      }
       MutexLock lock(&c_.mu_);
       auto it = c_.jobs_.find(job);
-      if (it == c_.jobs_.end() || it->second.alone_changes == seen) return ResumePlan{};
+      if (it == c_.jobs_.end() || it->second.alone_changes == seen) return decided;
     }
   }
   Result<ResumePlan> made = MakeResumePlan(job, world_size, deadline, timeout);
@@ -307,7 +319,7 @@ bool Restorer::PlanStaleLocked(const Core& c_, const JobState& job, const Resume
   if (plan.world_size != rank.topology.world_size || plan.run_id != rank.run_id) return true;
   // The asking rank has saved since: it trained on from the plan's step, so this is a new resume
   // (a rollback, say), not a retry.
-  if (rank.last_begun > plan.step) return true;
+  if (rank.process_last_begun > plan.step) return true;
   for (const auto& [r, process] : plan.taken) {
     // A rank that took it runs another process now: the job failed and restarts again. (Its own
     // process may be asking again: a retry, which gets the same plan.)

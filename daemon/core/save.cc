@@ -194,6 +194,7 @@ void SavePath::HandOut(Core& c_, RankState* rank, const SlotTicket& ticket, int6
   c_.Slots(*rank->segment).SetHandedOut(ticket.slot, c_.clock_.Now());
   c_.Mirror(*rank->segment, ticket.slot);
   rank->last_begun = step;
+  rank->process_last_begun = std::max(rank->process_last_begun, step);
 }
 
 Result<SlotTicket> SavePath::BeginSnapshot(const std::string& session_id, int64_t step,

@@ -38,7 +38,7 @@ class RankSegment {
   const RankLayout layout;
   // ReplicaLayoutFingerprint(layout): what the rank's replicas carry, and what a fetched one must match.
   const uint64_t layout_fingerprint;
-  const std::unique_ptr<SharedSegment> shm;
+  const std::shared_ptr<SharedSegment> shm;  // shared: a part lent to gRPC keeps the mapping (SliceLoans)
   const std::unique_ptr<RankEma> ema;  // null when the job has no EMA (or this rank no EMA tensors)
   uint64_t tensor_bytes = 0;           // the rank's tensors in one slot (replicas included)
   const uint64_t slot_stride;          // bytes per slot

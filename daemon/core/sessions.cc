@@ -56,6 +56,7 @@ Result<std::string> Registrar::OpenSession(const std::string& job, uint32_t rank
     // WaitPersisted of the new one must not be answered by them (a step persisted before, by
     // another process, is still found through its signal on disk).
     state.process += 1;
+    state.process_last_begun = -1;
     state.lineage_checked = false;
     state.last_committed = -1;
     state.last_persisted = -1;

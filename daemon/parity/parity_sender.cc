@@ -198,7 +198,7 @@ Status ParitySender::PushBlocks(Member* member, const Offered& offered, uint64_t
           member->in_flight = ctx;
           if (ctx && (stopping_ || member->in_flight_forgotten)) ctx->TryCancel();
         },
-        replica.still_held, replica.keep);
+        replica.still_held, replica.mapping);
     if (pushed.code() == StatusCode::kAlreadyExists) continue;  // held from an earlier try
     if (!pushed.ok()) return pushed;
     *bytes += range.bytes;
@@ -249,7 +249,7 @@ void ParitySender::Run(Member* member) {
     const Key key = next->first;
     Offered offered = next->second.offered;
     const uint64_t turn = next->second.turn;
-    member->in_flight_job = key.first;
+    member->in_flight_job = offered.released ? std::string() : key.first;  // Forget cancels blocks, not a word
     member->in_flight_forgotten = false;
     lock.Unlock();
 

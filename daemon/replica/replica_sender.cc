@@ -457,7 +457,7 @@ Status ReplicaSender::Push(Peer* peer, const OutgoingReplica& replica) {
     peer->in_flight_job = ctx != nullptr ? meta.job : std::string();
     if (ctx != nullptr && stopping_) ctx->TryCancel();
   };
-  hooks.owner = replica.keep;
+  hooks.owner = replica.mapping;
   return PushReplica(peer->channel.get(), meta, replica.data, PushDeadline(meta.bytes, options_.max_rate), hooks);
 }
 

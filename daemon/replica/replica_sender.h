@@ -52,6 +52,9 @@ uint64_t ReplicaLayoutFingerprint(const RankLayout& layout);
 struct OutgoingReplica {
   ReplicaMeta meta;                  // its header: meta.bytes bytes at `data`
   std::shared_ptr<const void> keep;  // keeps `data` mapped while this is queued or sent
+  // The mapping `data` lies in, alone: held by the parts lent to gRPC until it lets go of them, which
+  // may be after the push (SliceLoans); not the slot's segment, whose end is the daemon's to run.
+  std::shared_ptr<const void> mapping;
   const char* data = nullptr;
   // Whether the slot still holds this checkpoint. Called by the peers' threads without the
   // sender's lock; false cancels the push.

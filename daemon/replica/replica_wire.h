@@ -62,8 +62,9 @@ class ReceivedPart {
 // Counts the data slices gRPC still holds of a sender's memory, so that the sender returns only
 // once none is left (the memory may be reused or unmapped after that). Shared: each slice lent
 // keeps it alive, so a slice gRPC gives back after the sender stopped waiting finds it, and with it
-// `owner`, what keeps the memory mapped (a slot's segment): memory gRPC still holds when the sender
-// gives up waiting is not unmapped under it.
+// `owner`, what keeps the memory mapped (a slot segment's mapping, not the segment: its end runs on
+// whichever thread lets go last): memory gRPC still holds when the sender gives up waiting is not
+// unmapped under it.
 class SliceLoans : public std::enable_shared_from_this<SliceLoans> {
  public:
   static std::shared_ptr<SliceLoans> Make(std::shared_ptr<const void> owner = nullptr) {

@@ -2,6 +2,7 @@
 // that any `parity` lost members are rebuilt bit for bit from the others, whatever the images' sizes.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -979,7 +980,18 @@ TEST(ParitySenderTest, ForgettingAJobCancelsThePushOfItsBlocksUnderWay) {
   replica->data = image->data();
   replica->keep = std::move(image);
   sender.Offer({std::move(replica), 0, 1});
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the pushes wait for an answer
+  // The pushes are under way once their connections wait in the port's accept queue (a listening
+  // socket's TCP_INFO counts them in tcpi_unacked).
+  const auto queued = [&] {
+    tcp_info info{};
+    socklen_t n = sizeof info;
+    return ::getsockopt(silent, IPPROTO_TCP, TCP_INFO, &info, &n) == 0 ? info.tcpi_unacked : 0u;
+  };
+  const auto until_queued = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (queued() == 0 && std::chrono::steady_clock::now() < until_queued) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GT(queued(), 0u) << "no push reached the member";
   ASSERT_FALSE(held.expired());
   sender.Forget("job");
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
