@@ -50,37 +50,18 @@ inline double TlsStream(const char* src, uint64_t bytes, uint64_t part, char* ds
   using namespace tls_stream_detail;
   Ctx server_ctx = Context(server, true), client_ctx = Context(client, false);
   if (!server_ctx || !client_ctx) return -1;
-  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::listen(listener, 1) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (listener >= 0) ::close(listener);
-    return -1;
-  }
+  const int listener = LoopbackListener(&addr);
+  if (listener < 0) return -1;
   bool received = false;
   std::thread receiver([&] {
     int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) return;
     Ssl ssl(SSL_new(server_ctx.get()));
     if (ssl && SSL_set_fd(ssl.get(), fd) == 1 && SSL_accept(ssl.get()) == 1) {
-      std::vector<char> piece(part);
-      uint64_t at = 0;
-      while (at < bytes) {
-        const uint64_t want = std::min(part, bytes - at);
-        uint64_t got = 0;
-        while (got < want) {
-          const int n = SSL_read(ssl.get(), piece.data() + got, static_cast<int>(want - got));
-          if (n <= 0) break;
-          got += static_cast<uint64_t>(n);
-        }
-        if (got < want) break;
-        std::memcpy(dst + at, piece.data(), want);
-        at += want;
-      }
-      received = at == bytes;
+      received = ReceivePieces(
+          [&](char* to, uint64_t n) { return static_cast<int64_t>(SSL_read(ssl.get(), to, static_cast<int>(n))); },
+          bytes, part, dst);
       SSL_shutdown(ssl.get());
     }
     ::close(fd);

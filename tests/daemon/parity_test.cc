@@ -849,6 +849,40 @@ class WordCounter final : public v1::Parity::Service {
   std::atomic<int> refused{0}, words{0}, blocks{0};
 };
 
+// A loopback port that listens and never accepts: connections complete in the kernel's accept
+// queue, and a call waits for an answer that never comes.
+class SilentPort {
+ public:
+  SilentPort() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof address;
+    ok_ = fd_ >= 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+          ::listen(fd_, 16) == 0 && ::getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+    port_ = ntohs(address.sin_port);
+  }
+  ~SilentPort() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  SilentPort(const SilentPort&) = delete;
+  SilentPort& operator=(const SilentPort&) = delete;
+  bool ok() const { return ok_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  // Connections waiting in the accept queue (a listening socket's TCP_INFO counts them in tcpi_unacked).
+  uint32_t queued() const {
+    tcp_info info{};
+    socklen_t n = sizeof info;
+    return ::getsockopt(fd_, IPPROTO_TCP, TCP_INFO, &info, &n) == 0 ? info.tcpi_unacked : 0u;
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+  uint16_t port_ = 0;
+};
+
 // A release word that could not be sent waits for its retry (1 s) in the member's queue; the job's
 // blocks offered meanwhile (it runs here again) drop it, so it never reaches a holder after them,
 // where it would count against them. 4 members, parity 1: member 0's blocks go to the three others.
@@ -958,18 +992,11 @@ TEST(ParityServiceTest, ReleasedJobsSharesAreDroppedByTheirHoldersOverGrpc) {
 // cancelled by Forget: the push lets go of the rank's memory at once, not at its 5-minute deadline.
 TEST(ParitySenderTest, ForgettingAJobCancelsThePushOfItsBlocksUnderWay) {
   const ParityGroup group = ParityGroup::Make(4, 1).value();
-  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(silent, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-  ASSERT_EQ(::listen(silent, 16), 0);
-  socklen_t length = sizeof address;
-  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  SilentPort silent;
+  ASSERT_TRUE(silent.ok());
   ParitySender::Options options{group, 0, {}, 64 * 1024, {}, {}, {}};
   for (uint32_t j = 1; j < group.members(); ++j) {
-    options.members.emplace_back(j, ReplicaPeer{"127.0.0.1:" + std::to_string(ntohs(address.sin_port)), "", "", "", ""});
+    options.members.emplace_back(j, ReplicaPeer{silent.target(), "", "", "", ""});
   }
   ParitySender sender(std::move(options));
   ASSERT_OK(sender.Start());
@@ -982,16 +1009,11 @@ TEST(ParitySenderTest, ForgettingAJobCancelsThePushOfItsBlocksUnderWay) {
   sender.Offer({std::move(replica), 0, 1});
   // The pushes are under way once their connections wait in the port's accept queue (a listening
   // socket's TCP_INFO counts them in tcpi_unacked).
-  const auto queued = [&] {
-    tcp_info info{};
-    socklen_t n = sizeof info;
-    return ::getsockopt(silent, IPPROTO_TCP, TCP_INFO, &info, &n) == 0 ? info.tcpi_unacked : 0u;
-  };
   const auto until_queued = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (queued() == 0 && std::chrono::steady_clock::now() < until_queued) {
+  while (silent.queued() == 0 && std::chrono::steady_clock::now() < until_queued) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ASSERT_GT(queued(), 0u) << "no push reached the member";
+  ASSERT_GT(silent.queued(), 0u) << "no push reached the member";
   ASSERT_FALSE(held.expired());
   sender.Forget("job");
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -1000,7 +1022,6 @@ TEST(ParitySenderTest, ForgettingAJobCancelsThePushOfItsBlocksUnderWay) {
   }
   EXPECT_TRUE(held.expired()) << "the forgotten job's blocks were still being pushed 10 s later";
   sender.Stop();
-  ::close(silent);
 }
 
 // A release word that no holder heard before its sender stopped stays kept (Options::keep_word, which
@@ -1015,18 +1036,9 @@ TEST(ParityServiceTest, AReleaseWordNoHolderHeardBeforeAStopIsKeptForTheNextSend
   ASSERT_OK(PushEveryMembersImage(group, members, rng));
   auto shares = [&] { return SharesHeld(members); };
   ASSERT_EQ(shares(), 4u);
-  // A port that listens and never accepts: connections complete in the kernel's backlog, and a
-  // push waits for an answer that never comes.
-  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(silent, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
-  ASSERT_EQ(::listen(silent, 16), 0);
-  socklen_t length = sizeof address;
-  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  const std::string unanswered = "127.0.0.1:" + std::to_string(ntohs(address.sin_port));
+  SilentPort silent;
+  ASSERT_TRUE(silent.ok());
+  const std::string unanswered = silent.target();
 
   std::mutex mu;
   std::map<std::string, int> kept;  // the record: job -> 1 while kept; its calls, counted
@@ -1073,7 +1085,6 @@ TEST(ParityServiceTest, AReleaseWordNoHolderHeardBeforeAStopIsKeptForTheNextSend
     EXPECT_GE(calls, 3);
   }
   next->Stop();
-  ::close(silent);
   for (auto& member : members) member->server->Shutdown(std::chrono::system_clock::now());
 }
 

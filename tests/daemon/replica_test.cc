@@ -464,6 +464,18 @@ struct ServedStore {
 
 std::chrono::system_clock::time_point Deadline() { return std::chrono::system_clock::now() + 20s; }
 
+// Fetches (job, rank 0) at `step` (0: the newest) from the peer as `node`, into `into`, sized to it.
+Result<ReplicaMeta> FetchInto(grpc::Channel* channel, const std::string& node, const std::string& job, int64_t step,
+                              std::vector<char>* into) {
+  return FetchReplica(
+      channel, node, job, 0, step, 1u << 30,
+      [into](const ReplicaMeta& m) -> Result<char*> {
+        into->resize(m.bytes);
+        return into->data();
+      },
+      Deadline());
+}
+
 TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   ServedStore served;
   ASSERT_TRUE(served.Start({}).ok());
@@ -929,13 +941,7 @@ TEST(ReplicaTlsTest, AnAllowedPeerCannotForgeAnotherNodesReplica) {
   ASSERT_EQ(served.store.List("job").size(), 1u);
 
   std::vector<char> copy;
-  auto fetched = FetchReplica(
-      intruder->get(), "intruder", "job", 0, 0, 1u << 30,
-      [&](const ReplicaMeta& m) -> Result<char*> {
-        copy.resize(m.bytes);
-        return copy.data();
-      },
-      Deadline());
+  auto fetched = FetchInto(intruder->get(), "intruder", "job", 0, &copy);
   ASSERT_OK(fetched.status());
   const float forged_value = 777.0f;
   for (size_t i = 0; i < copy.size() / sizeof(float); ++i) {
@@ -1680,6 +1686,19 @@ TEST(ReplicaSenderTest, AnotherJobOfTheSameNameIsNeverRestoredFromAPeer) {
   EXPECT_TRUE(said) << "no event said why the peer's replica was not used";
 }
 
+// Node A (a node of its own, run-a) saves step 10 to `root` and takes memory step 17 of `job`,
+// which reaches `peer`; then node A is lost.
+void NodeAReplicatesStep17(const std::string& peer, const std::string& root, const std::string& job) {
+  constexpr uint64_t kFloats = 4096;
+  InProcessDaemon a("flashckpt-replica-a");
+  ASSERT_OK(StartReplicatingNode(a, "node-a", peer, root));
+  TestTrainer t = a.StartTrainer(job, kFloats, InRun("run-a"));
+  ASSERT_NE(t.client, nullptr);
+  ASSERT_OK(t.Save(10));
+  ASSERT_OK(t.Memory(17));
+  ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, job, 17); })) << PeerOf(a).last_error;
+}
+
 // The flash path across two lost nodes: node A (run-a: disk step 10, memory step 17) is lost; its
 // replacement resumes step 17 from the peer under a new run id (run-s) and takes memory step 20, and
 // is lost too. The next replacement (disk: run-a's step 10) takes step 20: its attempt restored a
@@ -1690,15 +1709,7 @@ TEST(ReplicaSenderTest, AReplicaOfARelaunchThatResumedFromMemoryContinuesTheLine
   InProcessDaemon holder("flashckpt-replica-peer");
   ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
   const std::string root = holder.dir() + "/shared-root";
-  {
-    InProcessDaemon a("flashckpt-replica-a");
-    ASSERT_OK(StartReplicatingNode(a, "node-a", peer, root));
-    TestTrainer t = a.StartTrainer("relaunched", kFloats, InRun("run-a"));
-    ASSERT_NE(t.client, nullptr);
-    ASSERT_OK(t.Save(10));
-    ASSERT_OK(t.Memory(17));
-    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "relaunched", 17); })) << PeerOf(a).last_error;
-  }
+  ASSERT_NO_FATAL_FAILURE(NodeAReplicatesStep17(peer, root, "relaunched"));
   {
     InProcessDaemon a2("flashckpt-replica-a2");
     ASSERT_OK(StartReplicatingNode(a2, "node-a2", peer, root));
@@ -1732,27 +1743,13 @@ TEST(ReplicaSenderTest, AReplicaWhoseHeaderAndLayoutNameOtherRunsIsRefused) {
   InProcessDaemon holder("flashckpt-replica-peer");
   ASSERT_OK(holder.Start([&](DaemonConfig& c) { c.replica_listen = peer; }));
   const std::string root = holder.dir() + "/shared-root";
-  {
-    InProcessDaemon a("flashckpt-replica-a");
-    ASSERT_OK(StartReplicatingNode(a, "node-a", peer, root));
-    TestTrainer t = a.StartTrainer("mixed", kFloats, InRun("run-a"));
-    ASSERT_NE(t.client, nullptr);
-    ASSERT_OK(t.Save(10));
-    ASSERT_OK(t.Memory(17));
-    ASSERT_TRUE(Eventually([&] { return PeerHolds(peer, "mixed", 17); })) << PeerOf(a).last_error;
-  }
+  ASSERT_NO_FATAL_FAILURE(NodeAReplicatesStep17(peer, root, "mixed"));
   // Step 18 of a later attempt in node-a's name (without TLS a peer names itself): step 17's bytes
   // and checksums, the header's run run-a, its layout's run-x. It replaces node-a's 17.
   auto channel = ReplicaChannel({peer, "", "", "", ""});
   ASSERT_OK(channel.status());
   std::vector<char> image;
-  auto fetched = FetchReplica(
-      channel->get(), "node-f", "mixed", 0, 17, 64u << 20,
-      [&](const ReplicaMeta& m) -> Result<char*> {
-        image.resize(m.bytes);
-        return image.data();
-      },
-      Deadline());
+  auto fetched = FetchInto(channel->get(), "node-f", "mixed", 17, &image);
   ASSERT_OK(fetched.status());
   ReplicaMeta forged = *fetched;
   auto layout = DecodeReplicaLayout(forged.layout);
