@@ -70,7 +70,10 @@ Status CheckReplicaConfig(const ReplicaListenConfig& c) {
 
 ReplicaService::ReplicaService(ReplicaStore* store, std::vector<std::string> allow_names,
                                std::chrono::milliseconds stall_timeout)
-    : store_(store), allow_names_(std::move(allow_names)), watchdog_("replica", "replica push", stall_timeout) {
+    : store_(store),
+      allow_names_(std::move(allow_names)),
+      watchdog_("replica", "replica push", stall_timeout),
+      fetch_watchdog_("replica", "replica fetch", stall_timeout) {
   // Push is method 0 of flashckpt.v1.Replica (the order of replica.proto). Marked "streamed", a
   // method takes the handler given here; the server treats it as bidirectional, which to a
   // client-streaming handler only means no request is read before it runs.
@@ -261,6 +264,8 @@ grpc::Status ReplicaService::RawFetch(grpc::ServerContext* ctx,
   auto found = store_->Find(request.job(), request.rank(), request.step(), request.origin());
   if (!found.ok()) return ToGrpc(found.status());
   const Replica& replica = **found;
+  // Watched from here to the return: a fetch whose reader stops taking parts is cancelled.
+  StallWatchdog::Watched watched(&fetch_watchdog_, ctx);
   v1::ReplicaPart header;
   ReplicaHeaderOf(replica.meta(), header.mutable_header());
   if (!stream->Write(MessageBuffer(header))) {
@@ -277,8 +282,12 @@ grpc::Status ReplicaService::RawFetch(grpc::ServerContext* ctx,
     }
     // Sent from the replica's memory; each part keeps the replica alive until gRPC lets go of it.
     if (!stream->Write(DataPartBuffer(SliceOwnedBy(bytes->first, bytes->second, *found), replica.part_sum(i)))) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "the fetching peer went away");
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          watched.Stalled() ? "the fetching peer took no part for " +
+                                                  std::to_string(fetch_watchdog_.timeout().count()) + " ms"
+                                            : std::string("the fetching peer went away"));
     }
+    watched.Progress();
   }
   store_->NoteFetched(replica.meta().job, replica.meta().rank, actor, OriginOf(replica.meta()));
   return grpc::Status::OK;

@@ -109,6 +109,9 @@ class ReplicaService final : public v1::Replica::Service {
   std::atomic<uint64_t> received_{0};
   std::atomic<uint64_t> refused_pushes_{0};
   StallWatchdog watchdog_;  // the pushes under way
+  // The fetches under way: one whose reader takes nothing for the stall timeout is cancelled, and
+  // lets go of its replica (which may have been replaced and still hold its memory).
+  StallWatchdog fetch_watchdog_;
 };
 
 // The replica listener's metrics, in the text exposition format, for the daemon's /metrics:

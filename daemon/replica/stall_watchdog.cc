@@ -35,7 +35,7 @@ void StallWatchdog::Run() {
       if (last == kStalled || now - last < stall_timeout_) continue;
       last = kStalled;  // once per call
       stalled_.fetch_add(1);
-      Logger(logger_)->warn("{} from={} cancelled: nothing arrived for {} ms; its memory is given back", what_,
+      Logger(logger_)->warn("{} from={} cancelled: no progress for {} ms; its memory is given back", what_,
                             ctx->peer(), stall_timeout_.count());
       ctx->TryCancel();
     }

@@ -1,6 +1,7 @@
 // Cancels server calls that stop making progress: a peer that opens a stream and then sends nothing
-// holds no slot, and no memory, for longer than the stall timeout. Used by the replica and parity
-// listeners for their pushes.
+// (or, for a fetch, takes nothing) holds no slot, and no memory, for longer than the stall timeout.
+// Used by the replica and parity listeners for their pushes, and by the replica listener for its
+// fetches.
 #pragma once
 
 #include <grpcpp/grpcpp.h>

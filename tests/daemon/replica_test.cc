@@ -476,6 +476,35 @@ Result<ReplicaMeta> FetchInto(grpc::Channel* channel, const std::string& node, c
       Deadline());
 }
 
+// A fetch whose reader stops taking parts is cancelled after the stall timeout, as a push that
+// stops sending is: it no longer holds its replica (and the memory of one replaced meanwhile) until
+// its deadline.
+TEST(ReplicaServiceTest, AFetchWhoseReaderStopsIsCancelled) {
+  ServedStore served;
+  served.stall_timeout = 300ms;
+  ASSERT_OK(served.Start({}));
+  auto channel = ReplicaChannel({served.target(), "", "", "", ""});
+  ASSERT_OK(channel.status());
+  const auto data = Bytes(32 << 20, 4);  // 512 parts of 64 KiB: more than the streams' windows
+  ASSERT_OK(PushReplica(channel->get(), Meta("job", 0, 5, data.size()), data.data(), Deadline()));
+  v1::Replica::Stub stub(*channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  v1::FetchReplicaRequest request;
+  request.set_job("job");
+  request.set_node("node-c");
+  auto reader = stub.Fetch(&ctx, request);
+  v1::ReplicaPart part;
+  ASSERT_TRUE(reader->Read(&part));
+  ASSERT_TRUE(part.has_header());
+  std::this_thread::sleep_for(1500ms);  // takes nothing: the server's writes wait
+  uint64_t parts = 0;
+  while (reader->Read(&part)) ++parts;
+  grpc::Status ended = reader->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::CANCELLED) << ended.error_message();
+  EXPECT_LT(parts, data.size() / kPart) << "every part arrived: the stalled fetch was not cancelled";
+}
+
 TEST(ReplicaServiceTest, PushListAndFetchBitExactOverLoopback) {
   ServedStore served;
   ASSERT_TRUE(served.Start({}).ok());
